@@ -1,0 +1,19 @@
+"""Errors a user can cause. The CLI prints each as one line and exits non-zero."""
+
+from __future__ import annotations
+
+
+class SdbenchError(Exception):
+    """A known failure with a one-line message meant for the user."""
+
+    exit_code = 2
+
+
+class MissingPackageError(SdbenchError):
+    """An optional package is needed; the message carries the exact install command."""
+
+    def __init__(self, package: str, purpose: str, install: str | None = None):
+        install = install or f"pip install {package}"
+        super().__init__(f"{purpose} needs the package '{package}', which is not installed: run `{install}`")
+        self.package = package
+        self.install = install
