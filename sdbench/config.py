@@ -1,0 +1,48 @@
+"""Frozen configuration objects: the one home of defaults."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+DEFAULT_TARGET = "smollm2-135m"
+DEFAULT_DATASET = "mt-bench"
+DEFAULT_STRATEGY = "draft"
+DEFAULT_GAMMA = 4
+DEFAULT_LIMIT = 4
+DEFAULT_MAX_NEW_TOKENS = 64
+DEFAULT_OUT = "results"
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    """How tokens are chosen from logits; applied identically to draft and target."""
+
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0
+    seed: int = 0
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0.0
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    target: str = DEFAULT_TARGET
+    drafts: tuple[str, ...] = ()
+    strategy: str = DEFAULT_STRATEGY
+    dataset: str = DEFAULT_DATASET
+    limit: int = DEFAULT_LIMIT
+    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
+    batch_size: int = 1
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    gamma: int = DEFAULT_GAMMA
+    prompt_len: int | None = None
+    device: str = "auto"
+    dtype: str = "float32"
+    repeats: int = 1
+    options: dict = field(default_factory=dict)  # --set key=value, strategy-specific
+    out: str = DEFAULT_OUT
+    baseline: bool = True
+    resume: str | None = None
+    warmup_tokens: int = 8

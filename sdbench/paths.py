@@ -1,0 +1,28 @@
+"""Where sdbench keeps things: the repository's data folders and the user's cache."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def repo_root() -> Path:
+    """The folder holding tasks/ and strategies/ (the checkout, for an editable install)."""
+    env = os.environ.get("SDBENCH_HOME")
+    return Path(env) if env else Path(__file__).resolve().parent.parent
+
+
+def tasks_dir() -> Path:
+    return repo_root() / "tasks"
+
+
+def presets_dir() -> Path:
+    return repo_root() / "strategies"
+
+
+def cache_dir(*parts: str) -> Path:
+    """~/.cache/sdbench (or $SDBENCH_CACHE), created on demand."""
+    base = Path(os.environ.get("SDBENCH_CACHE", Path.home() / ".cache" / "sdbench"))
+    path = base.joinpath(*parts)
+    path.mkdir(parents=True, exist_ok=True)
+    return path
