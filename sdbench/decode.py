@@ -1,0 +1,115 @@
+"""The one decode loop: propose -> verify -> commit -> rewind -> observe -> record.
+
+Every strategy runs through `generate`; plain decoding is the proposer that proposes nothing.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from sdbench.config import SamplingConfig
+from sdbench.errors import SdbenchError
+from sdbench.metrics import BatchResult, RowStats, now
+from sdbench.sampling import choose, verify
+from sdbench.strategies.base import Proposer
+
+
+class DecodeState:
+    """The committed sequences of a batch. tokens [B, capacity] on the host; row b is tokens[b, :lengths[b]]."""
+
+    def __init__(self, prompts: list[list[int]], max_new_tokens: int, capacity: int, eos_ids,
+                 sampling: SamplingConfig, generator: torch.Generator | None):
+        self.batch = len(prompts)
+        self.capacity = capacity
+        self.tokens = torch.zeros(self.batch, capacity, dtype=torch.long)
+        for b, p in enumerate(prompts):
+            self.tokens[b, : len(p)] = torch.tensor(p, dtype=torch.long)
+        self.prompt_lengths = [len(p) for p in prompts]
+        self.lengths = list(self.prompt_lengths)
+        self.done = [False] * self.batch
+        self.max_new_tokens = max_new_tokens
+        self.eos = frozenset(eos_ids)
+        self.sampling = sampling
+        self.generator = generator
+
+    def row(self, b: int) -> torch.Tensor:
+        return self.tokens[b, : self.lengths[b]]
+
+    def last_tokens(self) -> torch.Tensor:  # [B]
+        return self.tokens[torch.arange(self.batch), torch.tensor(self.lengths) - 1]
+
+    def generated(self, b: int) -> list[int]:
+        return self.tokens[b, self.prompt_lengths[b] : self.lengths[b]].tolist()
+
+    def commit(self, b: int, new: list[int]) -> int:
+        """Append tokens to row b, stopping at EOS or the token budget; returns how many were kept."""
+        room = self.max_new_tokens - (self.lengths[b] - self.prompt_lengths[b])
+        new = new[:room]
+        for i, t in enumerate(new):
+            if t in self.eos:
+                new = new[: i + 1]
+                self.done[b] = True
+                break
+        n0 = self.lengths[b]
+        self.tokens[b, n0 : n0 + len(new)] = torch.tensor(new, dtype=torch.long)
+        self.lengths[b] = n0 + len(new)
+        if self.lengths[b] - self.prompt_lengths[b] >= self.max_new_tokens:
+            self.done[b] = True
+        return len(new)
+
+
+def generate(target, proposer: Proposer, prompts: list[list[int]], *, max_new_tokens: int,
+             sampling: SamplingConfig, eos_ids=(), generator: torch.Generator | None = None) -> BatchResult:
+    """Decode a batch of prompts with the target, drafting through `proposer`."""
+    if max_new_tokens < 1:
+        raise SdbenchError(f"--max-new-tokens must be at least 1 (got {max_new_tokens})")
+    dev = target.device
+    capacity = max(len(p) for p in prompts) + max_new_tokens + proposer.max_lookahead + 2
+    state = DecodeState(prompts, max_new_tokens, capacity, eos_ids, sampling, generator)
+    rows = [RowStats() for _ in prompts]
+
+    t_start = now(dev)
+    cache = target.new_cache(state.batch, capacity)
+    first, _ = choose(target.prefill(cache, prompts), sampling, generator)
+    for b, t in enumerate(first.tolist()):
+        state.commit(b, [t])
+    ttft = now(dev) - t_start
+    proposer.begin(state)
+
+    while not all(state.done):
+        t0 = now(dev)
+        proposal = proposer.propose(state)
+        t1 = now(dev)
+        verdict, n_draft = _verify(target, cache, state, proposal)
+        t2 = now(dev)
+        accepted, nxt = verdict.accepted.tolist(), verdict.next_token.tolist()
+        drafts = proposal.tokens.tolist() if proposal is not None else [[]] * state.batch
+        for b in range(state.batch):
+            if state.done[b]:
+                continue
+            rows[b].add_step(n_draft[b], accepted[b], t1 - t0, t2 - t1)
+            state.commit(b, drafts[b][: accepted[b]] + [nxt[b]])
+        proposer.observe(state, verdict.accepted, proposal)
+
+    wall = now(dev) - t_start
+    return BatchResult([state.generated(b) for b in range(state.batch)], state.prompt_lengths, rows, wall, ttft)
+
+
+def _verify(target, cache, state: DecodeState, proposal):
+    """One target forward over [last committed token, drafts...] per row, then the acceptance rule.
+
+    The target cache holds every committed token but the last; writing from there overwrites whatever a
+    rejected draft left behind, which is the whole of rewinding.
+    """
+    last = state.last_tokens()[:, None]
+    if proposal is None:
+        draft = torch.zeros(state.batch, 0, dtype=torch.long)
+        n_draft = torch.zeros(state.batch, dtype=torch.long)
+        probs = None
+    else:
+        draft, n_draft, probs = proposal.tokens.cpu(), proposal.lengths.cpu(), proposal.probs
+    start = [n - 1 for n in state.lengths]
+    logits = target.forward(cache, torch.cat([last, draft], 1), start)  # [B, G+1, V]
+    dev = logits.device
+    verdict = verify(draft.to(dev), n_draft.to(dev), probs, logits, state.sampling, state.generator)
+    return verdict, n_draft.tolist()

@@ -1,0 +1,80 @@
+"""Position-indexed KV cache.
+
+A row's key/value for the token at sequence position ``p`` lives at slot ``p``. Nothing records how many
+slots are valid: every forward says where its tokens start (``start[b]``), writes there, and attends to
+slots ``<= p`` for a query at position ``p``. Rewinding after a rejected draft is therefore free: the
+caller simply starts the next forward at the shorter length, and the stale slots beyond it are either
+overwritten or masked out. Storage is allocated once for the whole generation.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+
+class KVCache(Protocol):
+    capacity: int
+
+    def update(
+        self, layer: int, k: torch.Tensor, v: torch.Tensor, step: "StepIndex"
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Store the new keys/values and return (keys, values, mask) to attend over."""
+
+
+class StepIndex:
+    """Positions of the tokens of one forward, shared by all layers.
+
+    start: host list of each row's first position; T: tokens per row in this forward.
+    """
+
+    def __init__(self, start: list[int], T: int, device: torch.device):
+        self.start = start
+        self.T = T
+        self.uniform = all(s == start[0] for s in start)
+        self.kv_len = max(start) + T  # slots any query of this forward can see
+        offs = torch.arange(T, device=device)
+        self.positions = torch.tensor(start, device=device)[:, None] + offs  # [B, T]
+        self._mask: torch.Tensor | None = None
+        self._mask_built = False
+
+    def causal_mask(self) -> torch.Tensor | None:
+        """[B, 1, T, kv_len] bool, True = may attend; None when every query sees every slot."""
+        if not self._mask_built:
+            self._mask_built = True
+            if not (self.uniform and self.T == 1):
+                keys = torch.arange(self.kv_len, device=self.positions.device)
+                self._mask = (keys[None, None, :] <= self.positions[:, :, None])[:, None]
+        return self._mask
+
+
+class DenseKVCache:
+    """Pre-allocated [L] x [B, H_kv, capacity, D] keys and values."""
+
+    def __init__(self, n_layers: int, batch: int, n_kv_heads: int, head_dim: int, capacity: int,
+                 dtype: torch.dtype, device: torch.device):
+        shape = (batch, n_kv_heads, capacity, head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
+        self.capacity = capacity
+        self.batch = batch
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor, step: StepIndex):
+        # k, v: [B, H_kv, T, D]
+        kc, vc = self.k[layer], self.v[layer]
+        if step.kv_len > self.capacity:
+            raise RuntimeError(f"KV cache overflow: need {step.kv_len} slots, have {self.capacity}")
+        if step.uniform:
+            s = step.start[0]
+            kc[:, :, s : s + step.T] = k
+            vc[:, :, s : s + step.T] = v
+        else:
+            rows = torch.arange(k.shape[0], device=k.device)[:, None]  # [B, 1]
+            # advanced indices on dims 0 and 2 put (B, T) first: [B, T, H_kv, D]
+            kc[rows, :, step.positions] = k.transpose(1, 2)
+            vc[rows, :, step.positions] = v.transpose(1, 2)
+        return kc[:, :, : step.kv_len], vc[:, :, : step.kv_len], step.causal_mask()

@@ -1,0 +1,99 @@
+"""Every metric formula, defined once.
+
+Tokens are counted from token ids: a row's new tokens are the ids it committed after its prompt, for the
+baseline and for every strategy alike. A step is one target verification; the mean accepted length counts
+the token the target adds itself (correction or bonus), so plain decoding scores exactly 1.0.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+
+def now(device: torch.device | str | None = None) -> float:
+    """perf_counter after the device has finished its queued work."""
+    if device is not None and torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
+def mean_accepted_length(accepted: int, steps: int) -> float:
+    return (accepted + steps) / steps if steps else math.nan
+
+
+def acceptance_rate(accepted: int, drafted: int) -> float:
+    return accepted / drafted if drafted else math.nan
+
+
+def rate(tokens: float, seconds: float) -> float:
+    return tokens / seconds if seconds > 0 else math.nan
+
+
+@dataclass
+class RowStats:
+    """One prompt's counters over a generation."""
+
+    steps: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)  # [j]: steps whose draft j was accepted
+    drafted_per_position: list[int] = field(default_factory=list)  # [j]: steps that drafted a token at j
+    draft_s: float = 0.0  # the batch's drafting time over the steps this row was active
+    verify_s: float = 0.0
+
+    def add_step(self, drafted: int, accepted: int, draft_s: float, verify_s: float) -> None:
+        self.steps += 1
+        self.drafted += drafted
+        self.accepted += accepted
+        self.draft_s += draft_s
+        self.verify_s += verify_s
+        for counts, n in ((self.drafted_per_position, drafted), (self.accepted_per_position, accepted)):
+            counts.extend([0] * (n - len(counts)))
+            for j in range(n):
+                counts[j] += 1
+
+
+@dataclass
+class BatchResult:
+    """The outcome of decoding one batch of prompts."""
+
+    output_ids: list[list[int]]  # new tokens per row (prompt excluded)
+    prompt_tokens: list[int]
+    rows: list[RowStats]
+    wall_s: float  # prefill to last token, the whole batch
+    ttft_s: float  # prefill to first token
+
+    @property
+    def new_tokens(self) -> int:
+        return sum(len(o) for o in self.output_ids)
+
+
+def row_metrics(result: BatchResult, b: int) -> dict:
+    """The per-prompt metric columns of a result row."""
+    stats, n = result.rows[b], len(result.output_ids[b])
+    return {
+        "prompt_tokens": result.prompt_tokens[b],
+        "new_tokens": n,
+        "wall_s": result.wall_s,
+        "tokens_per_s": rate(n, result.wall_s),
+        "batch_tokens_per_s": rate(result.new_tokens, result.wall_s),
+        "steps": stats.steps,
+        "drafted": stats.drafted,
+        "accepted": stats.accepted,
+        "mean_accepted_len": mean_accepted_length(stats.accepted, stats.steps),
+        "acceptance_rate": acceptance_rate(stats.accepted, stats.drafted),
+        "accepted_per_position": list(stats.accepted_per_position),
+        "drafted_per_position": list(stats.drafted_per_position),
+        "ttft_s": result.ttft_s,
+        "tpot_s": (result.wall_s - result.ttft_s) / (n - 1) if n > 1 else math.nan,
+        "draft_s": stats.draft_s,
+        "verify_s": stats.verify_s,
+    }
+
+
+def speedup(tokens_per_s: float, baseline_tokens_per_s: float) -> float:
+    return tokens_per_s / baseline_tokens_per_s if baseline_tokens_per_s > 0 else math.nan

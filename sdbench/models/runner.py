@@ -1,0 +1,135 @@
+"""ModelRunner: sdbench's own forward pass over a Hugging Face decoder's weights.
+
+The runner borrows the loaded model's modules (embeddings, projections, MLPs, norms, rotary tables) and owns
+only attention and the KV cache, so that every strategy sees the same position-indexed cache: several new
+tokens per row, each row at its own position, rewind by starting the next forward earlier. Logits match the
+library's own forward (tests check this on random tiny models).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from sdbench.errors import SdbenchError
+from sdbench.kv.cache import DenseKVCache, KVCache, StepIndex
+
+SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class ModelRunner:
+    """Forward over new tokens at given positions, for a Llama-family decoder."""
+
+    def __init__(self, model, name: str = ""):
+        cfg = model.config
+        if cfg.model_type not in SUPPORTED:
+            raise SdbenchError(
+                f"model '{name or cfg.model_type}' has architecture '{cfg.model_type}', which sdbench's runner "
+                f"does not support yet (supported: {', '.join(SUPPORTED)})"
+            )
+        if getattr(cfg, "sliding_window", None) and getattr(cfg, "use_sliding_window", False):
+            raise SdbenchError(f"model '{name}' uses sliding-window attention, which the runner does not support")
+        model.requires_grad_(False)
+        self.model = model
+        self.name = name
+        self.config = cfg
+        self.decoder = model.model
+        self.layers = list(self.decoder.layers)
+        self.lm_head = model.lm_head
+        self.vocab_size = self.lm_head.weight.shape[0]
+        self.n_heads = cfg.num_attention_heads
+        self.n_kv_heads = getattr(cfg, "num_key_value_heads", None) or self.n_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.n_heads
+        self.hidden_size = cfg.hidden_size
+        p = self.lm_head.weight
+        self.device, self.dtype = p.device, p.dtype
+        self._cos = self._sin = None
+
+    # ---- rotary tables -------------------------------------------------------------------------------
+    def _rope_tables(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin for positions [0, n) from the model's own rotary module (all rope types it knows)."""
+        if self._cos is None or self._cos.shape[0] < n:
+            size = max(n, 2 * (0 if self._cos is None else self._cos.shape[0]), 256)
+            pos = torch.arange(size, device=self.device)[None]
+            probe = torch.empty(1, dtype=self.dtype, device=self.device)
+            cos, sin = self.decoder.rotary_emb(probe, pos)
+            self._cos, self._sin = cos[0], sin[0]  # [S, D]
+        return self._cos, self._sin
+
+    # ---- cache ------------------------------------------------------------------------------------------
+    def new_cache(self, batch: int, capacity: int) -> DenseKVCache:
+        self._rope_tables(capacity)
+        return DenseKVCache(len(self.layers), batch, self.n_kv_heads, self.head_dim, capacity,
+                            self.dtype, self.device)
+
+    # ---- forward ----------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def hidden(self, cache: KVCache, tokens: torch.Tensor, start: list[int]) -> torch.Tensor:
+        """Final-norm hidden states [B, T, H] for tokens [B, T] placed at positions start[b] + t."""
+        B, T = tokens.shape
+        step = StepIndex(start, T, self.device)
+        cos_t, sin_t = self._rope_tables(step.kv_len)
+        cos = cos_t[step.positions][:, None]  # [B, 1, T, D]
+        sin = sin_t[step.positions][:, None]
+        h = self.decoder.embed_tokens(tokens.to(self.device))
+        for i, layer in enumerate(self.layers):
+            h = h + self._attention(layer.self_attn, layer.input_layernorm(h), cache, i, step, cos, sin)
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        return self.decoder.norm(h)
+
+    def _attention(self, attn, x, cache, i, step, cos, sin) -> torch.Tensor:
+        B, T, _ = x.shape
+        q = attn.q_proj(x).view(B, T, self.n_heads, self.head_dim)
+        k = attn.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim)
+        v = attn.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        if hasattr(attn, "q_norm"):  # qwen3 normalises q/k per head before rotary
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)  # [B, H, T, D]
+        q = q * cos + _rotate_half(q) * sin
+        k = k * cos + _rotate_half(k) * sin
+        keys, values, mask = cache.update(i, k, v, step)
+        o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask,
+                                           enable_gqa=self.n_heads != self.n_kv_heads)
+        return attn.o_proj(o.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
+
+    @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+    @torch.inference_mode()
+    def forward(self, cache: KVCache, tokens: torch.Tensor, start: list[int],
+                at: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [B, T, V] (float32), or [B, V] at in-chunk index at[b] when `at` is given."""
+        h = self.hidden(cache, tokens, start)
+        if at is not None:
+            h = h[torch.arange(h.shape[0], device=h.device), at.to(h.device)]
+        return self.logits(h)
+
+    @torch.inference_mode()
+    def prefill(self, cache: KVCache, prompts: list[list[int]], chunk: int = 1024) -> torch.Tensor:
+        """Write every prompt into the cache from position 0; logits [B, V] after each prompt's last token.
+
+        Prompts of different lengths are right-padded; a padded slot lies beyond its row's length, so it is
+        overwritten before any query of that row can see it.
+        """
+        lengths = [len(p) for p in prompts]
+        if min(lengths) < 1:
+            raise SdbenchError("empty prompt: a prompt needs at least one token")
+        width = max(lengths)
+        tokens = torch.zeros(len(prompts), width, dtype=torch.long)
+        for b, p in enumerate(prompts):
+            tokens[b, : len(p)] = torch.tensor(p, dtype=torch.long)
+        last = torch.tensor(lengths) - 1
+        final = torch.empty(len(prompts), self.hidden_size, dtype=self.dtype, device=self.device)
+        for c0 in range(0, width, chunk):
+            c1 = min(c0 + chunk, width)
+            h = self.hidden(cache, tokens[:, c0:c1], [c0] * len(prompts))
+            rows = ((last >= c0) & (last < c1)).nonzero().flatten()
+            if len(rows):
+                final[rows.to(self.device)] = h[rows.to(self.device), (last[rows] - c0).to(self.device)]
+        return self.logits(final)

@@ -1,0 +1,78 @@
+"""The strategy registry: each strategy is a proposer module with a `build(BuildContext)` factory.
+
+Named presets (strategies/*.yaml at the repository root) are strategies with saved settings.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import yaml
+
+from sdbench.errors import SdbenchError
+from sdbench.paths import presets_dir
+from sdbench.registry import Registry
+from sdbench.strategies.base import BuildContext, Proposal, Proposer
+
+strategy_registry: Registry = Registry("strategy")
+strategy_registry.add(
+    "autoregressive", "sdbench.strategies.autoregressive:build",
+    "plain decoding, one target forward per token (the baseline)", aliases=("ar", "baseline"), needs_draft=False,
+)
+strategy_registry.add(
+    "draft", "sdbench.strategies.draft:build",
+    "draft-model speculative decoding, fixed gamma (any same-tokenizer draft, the target itself included)",
+    aliases=("sd", "speculative"), needs_draft=True,
+)
+strategy_registry.add(
+    "ngram", "sdbench.strategies.ngram:build",
+    "prompt lookup: draft from the latest earlier match of the context's suffix (no model)",
+    aliases=("prompt-lookup", "pld"), needs_draft=False,
+)
+
+
+@dataclass(frozen=True)
+class StrategyChoice:
+    """A strategy name resolved through presets: the base strategy plus preset settings."""
+
+    name: str  # what the user asked for (strategy or preset name)
+    base: str  # registered strategy
+    gamma: int | None = None
+    options: dict = field(default_factory=dict)
+    drafts: tuple[str, ...] = ()
+
+
+def _presets() -> dict[str, dict]:
+    found = {}
+    folder = presets_dir()
+    for path in sorted(folder.glob("*.yaml")) if folder.is_dir() else []:
+        spec = yaml.safe_load(path.read_text()) or {}
+        found[str(spec.get("name", path.stem)).lower()] = spec
+    return found
+
+
+def resolve_strategy(name: str) -> StrategyChoice:
+    if name in strategy_registry:
+        return StrategyChoice(name, strategy_registry.entry(name).name)
+    preset = _presets().get(name.lower())
+    if preset is None:
+        strategy_registry.entry(name)  # raises the one-line unknown-strategy error
+    base = strategy_registry.entry(str(preset.get("strategy", ""))).name
+    return StrategyChoice(name, base, preset.get("gamma"), dict(preset.get("options") or {}),
+                          tuple(preset.get("drafts") or ()))
+
+
+def build_proposer(base: str, ctx: BuildContext) -> Proposer:
+    return strategy_registry.get(base)(ctx)
+
+
+def needs_draft(base: str) -> bool:
+    return bool(strategy_registry.entry(base).meta.get("needs_draft"))
+
+
+def presets() -> dict[str, dict]:
+    return _presets()
+
+
+__all__ = ["BuildContext", "Proposal", "Proposer", "StrategyChoice", "build_proposer", "needs_draft",
+           "presets", "resolve_strategy", "strategy_registry", "SdbenchError"]

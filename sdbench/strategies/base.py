@@ -1,0 +1,89 @@
+"""What a strategy is: a proposer. The decode loop asks it for draft tokens and tells it what was accepted."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from sdbench.errors import SdbenchError
+
+
+@dataclass
+class Proposal:
+    tokens: torch.Tensor  # [B, G] long: drafted tokens (entries past lengths[b] are padding)
+    lengths: torch.Tensor  # [B] long: real drafted tokens per row, 0..G
+    probs: torch.Tensor | None = None  # [B, G, V] draft distribution p; None = deterministic (one-hot) draft
+
+
+@dataclass(frozen=True)
+class Option:
+    """A strategy setting that `--set key=value` may change."""
+
+    name: str
+    default: Any
+    help: str
+    kind: type = int
+
+    def parse(self, raw: Any) -> Any:
+        if isinstance(raw, self.kind):
+            return raw
+        try:
+            if self.kind is bool:
+                if str(raw).lower() in ("1", "true", "yes", "on"):
+                    return True
+                if str(raw).lower() in ("0", "false", "no", "off"):
+                    return False
+                raise ValueError(raw)
+            return self.kind(raw)
+        except (TypeError, ValueError):
+            raise SdbenchError(f"--set {self.name}={raw}: expected {self.kind.__name__}") from None
+
+
+class Proposer:
+    """Base proposer: proposes nothing, so the loop decodes one target token per step."""
+
+    name = "autoregressive"
+    options: tuple[Option, ...] = ()
+
+    def __init__(self, gamma: int = 0):
+        self.gamma = gamma
+
+    @property
+    def max_lookahead(self) -> int:
+        """Most tokens ever proposed in one step (sizes the KV caches)."""
+        return self.gamma
+
+    def begin(self, state) -> None:
+        """Called once after the target's prefill and first token."""
+
+    def propose(self, state) -> Proposal | None:
+        return None
+
+    def observe(self, state, accepted: torch.Tensor, proposal: Proposal | None) -> None:
+        """Called after each verification with accepted [B] drafted tokens per row."""
+
+    def params(self) -> dict:
+        """The settings recorded with every result row."""
+        return {"gamma": self.gamma}
+
+
+@dataclass
+class BuildContext:
+    """What a strategy factory gets: loaded runners and the user's settings."""
+
+    target: Any  # ModelRunner
+    drafts: list = field(default_factory=list)  # [ModelRunner]
+    gamma: int = 4
+    options: dict = field(default_factory=dict)
+
+
+def take_options(declared: tuple[Option, ...], given: dict, strategy: str) -> dict:
+    """Declared defaults overridden by --set values; unknown keys are an error."""
+    known = {o.name: o for o in declared}
+    unknown = sorted(set(given) - set(known))
+    if unknown:
+        names = ", ".join(sorted(known)) or "none"
+        raise SdbenchError(f"strategy '{strategy}' has no setting '{unknown[0]}' (settings: {names})")
+    return {k: (o.parse(given[k]) if k in given else o.default) for k, o in known.items()}

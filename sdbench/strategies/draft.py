@@ -1,0 +1,63 @@
+"""Draft-model speculative decoding: a smaller model (or the target itself) drafts gamma tokens per step."""
+
+from __future__ import annotations
+
+import torch
+
+from sdbench.errors import SdbenchError
+from sdbench.sampling import choose
+from sdbench.strategies.base import BuildContext, Proposal, Proposer, take_options
+
+
+class DraftModel(Proposer):
+    """Drafts autoregressively with its own KV cache, kept in step with the committed sequence.
+
+    The draft cache holds keys for the first `fed[b]` tokens of row b. After a verification only the
+    accepted prefix stays valid, so `observe` shortens `fed`; the next proposal first feeds the committed
+    tokens the draft has not seen (one, or two when every draft was accepted).
+    """
+
+    name = "draft"
+    def __init__(self, runner, gamma: int):
+        if gamma < 1:
+            raise SdbenchError(f"--gamma must be at least 1 for strategy '{self.name}' (got {gamma})")
+        super().__init__(gamma)
+        self.runner = runner
+
+    def begin(self, state) -> None:
+        self.cache = self.runner.new_cache(state.batch, state.capacity)
+        self.fed = [n - 1 for n in state.lengths]
+        self.runner.prefill(self.cache, [state.row(b)[: self.fed[b]].tolist() for b in range(state.batch)])
+
+    def _catch_up(self, state) -> torch.Tensor:
+        """Feed each row's unseen committed tokens; logits [B, V] after its last committed token."""
+        todo = [n - f for n, f in zip(state.lengths, self.fed)]
+        tokens = torch.zeros(state.batch, max(todo), dtype=torch.long)
+        for b, (f, n) in enumerate(zip(self.fed, state.lengths)):
+            tokens[b, : n - f] = state.tokens[b, f:n]
+        return self.runner.forward(self.cache, tokens, self.fed, at=torch.tensor(todo) - 1)
+
+    def propose(self, state) -> Proposal:
+        logits = self._catch_up(state)
+        drafted, probs = [], []
+        for i in range(self.gamma):
+            x, p = choose(logits, state.sampling, state.generator)
+            drafted.append(x)
+            probs.append(p)
+            if i + 1 < self.gamma:
+                logits = self.runner.forward(self.cache, x[:, None], [n + i for n in state.lengths])[:, 0]
+        self.fed = [n + self.gamma - 1 for n in state.lengths]
+        tokens = torch.stack(drafted, 1).cpu()
+        lengths = torch.full((state.batch,), self.gamma, dtype=torch.long)
+        return Proposal(tokens, lengths, None if state.sampling.greedy else torch.stack(probs, 1))
+
+    def observe(self, state, accepted, proposal) -> None:
+        # the sequence now agrees with what the draft saw up to the last accepted token
+        self.fed = [min(f, n - 1) for f, n in zip(self.fed, state.lengths)]
+
+
+def build(ctx: BuildContext) -> Proposer:
+    if not ctx.drafts:
+        raise SdbenchError("strategy 'draft' needs a draft model: pass --draft MODEL (the target itself works)")
+    take_options((), ctx.options, DraftModel.name)
+    return DraftModel(ctx.drafts[0], ctx.gamma)

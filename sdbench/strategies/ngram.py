@@ -1,0 +1,56 @@
+"""Prompt lookup: draft the tokens that followed the latest earlier occurrence of the context's suffix."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from sdbench.errors import SdbenchError
+from sdbench.strategies.base import BuildContext, Option, Proposal, Proposer, take_options
+
+
+def lookup(seq: np.ndarray, k: int, max_n: int, min_n: int = 1) -> np.ndarray:
+    """Up to k tokens following the most recent earlier match of the longest suffix of seq (n-gram
+    length from max_n down to min_n). seq: [L] int. Empty when nothing matches."""
+    L = len(seq)
+    for n in range(min(max_n, L - 1), min_n - 1, -1):
+        windows = np.lib.stride_tricks.sliding_window_view(seq[: L - 1], n)  # starts 0..L-1-n
+        hits = np.flatnonzero((windows == seq[L - n :]).all(axis=1))
+        if len(hits):
+            start = hits[-1] + n
+            return seq[start : start + k]
+    return seq[:0]
+
+
+class NGram(Proposer):
+    name = "ngram"
+    options = (
+        Option("max_ngram", 3, "longest suffix (tokens) to match"),
+        Option("min_ngram", 1, "shortest suffix (tokens) to match"),
+    )
+
+    def __init__(self, gamma: int, max_ngram: int = 3, min_ngram: int = 1):
+        if gamma < 1:
+            raise SdbenchError(f"--gamma must be at least 1 for strategy 'ngram' (got {gamma})")
+        if not 1 <= min_ngram <= max_ngram:
+            raise SdbenchError(f"ngram needs 1 <= min_ngram <= max_ngram (got {min_ngram}, {max_ngram})")
+        super().__init__(gamma)
+        self.max_ngram, self.min_ngram = max_ngram, min_ngram
+
+    def propose(self, state) -> Proposal:
+        tokens = torch.zeros(state.batch, self.gamma, dtype=torch.long)
+        lengths = torch.zeros(state.batch, dtype=torch.long)
+        for b in range(state.batch):
+            if state.done[b]:
+                continue
+            found = lookup(state.row(b).numpy(), self.gamma, self.max_ngram, self.min_ngram)
+            tokens[b, : len(found)] = torch.from_numpy(found)
+            lengths[b] = len(found)
+        return Proposal(tokens, lengths)
+
+    def params(self) -> dict:
+        return {"gamma": self.gamma, "max_ngram": self.max_ngram, "min_ngram": self.min_ngram}
+
+
+def build(ctx: BuildContext) -> Proposer:
+    return NGram(ctx.gamma, **take_options(NGram.options, ctx.options, NGram.name))
