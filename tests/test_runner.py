@@ -1,0 +1,47 @@
+import pytest
+import torch
+
+from sdbench.errors import SdbenchError
+from sdbench.models.runner import ModelRunner
+from tests.conftest import VOCAB, tiny_model
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_forward_matches_library_logits(arch):
+    model = tiny_model(3, arch=arch)
+    runner = ModelRunner(model)
+    ids = torch.randint(0, VOCAB, (2, 20), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ref = model(ids).logits
+    cache = runner.new_cache(2, 40)
+    first = runner.prefill(cache, [ids[0, :15].tolist(), ids[1, :12].tolist()], chunk=4)
+    torch.testing.assert_close(first[0], ref[0, 14], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(first[1], ref[1, 12 - 1], atol=1e-4, rtol=1e-4)
+    # rows continue from different positions in one forward
+    more = runner.forward(cache, torch.stack([ids[0, 15:20], ids[1, 12:17]]), [15, 12])
+    torch.testing.assert_close(more[0], ref[0, 15:20], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(more[1], ref[1, 12:17], atol=1e-4, rtol=1e-4)
+
+
+def test_rewind_is_restarting_earlier():
+    runner = ModelRunner(tiny_model(4))
+    ids = torch.randint(0, VOCAB, (1, 12), generator=torch.Generator().manual_seed(1))
+    cache = runner.new_cache(1, 32)
+    runner.prefill(cache, [ids[0, :6].tolist()])
+    wrong = torch.randint(0, VOCAB, (1, 4), generator=torch.Generator().manual_seed(2))
+    runner.forward(cache, wrong, [6])  # a rejected draft leaves stale slots 6..9
+    again = runner.forward(cache, ids[:, 6:12], [6])
+    fresh = runner.new_cache(1, 32)
+    runner.prefill(fresh, [ids[0, :6].tolist()])
+    torch.testing.assert_close(again, runner.forward(fresh, ids[:, 6:12], [6]))
+
+
+def test_overflow_and_unsupported():
+    runner = ModelRunner(tiny_model(5))
+    cache = runner.new_cache(1, 4)
+    with pytest.raises(RuntimeError, match="overflow"):
+        runner.prefill(cache, [[1, 2, 3, 4, 5]])
+    model = tiny_model(5)
+    model.config.model_type = "gpt2"
+    with pytest.raises(SdbenchError, match="does not support"):
+        ModelRunner(model, "m")

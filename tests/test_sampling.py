@@ -1,0 +1,87 @@
+import math
+
+import pytest
+import torch
+
+from sdbench.config import SamplingConfig
+from sdbench.sampling import probs_from_logits, verify_greedy, verify_sampling
+
+
+def test_greedy_accepts_matching_prefix():
+    V = 5
+    best = torch.tensor([[1, 2, 3, 4]])  # target argmax at positions 0..3
+    logits = torch.nn.functional.one_hot(best, V).float()
+    v = verify_greedy(torch.tensor([[1, 2, 0]]), torch.tensor([3]), logits)
+    assert v.accepted.tolist() == [2] and v.next_token.tolist() == [3]
+    v = verify_greedy(torch.tensor([[1, 2, 3]]), torch.tensor([3]), logits)
+    assert v.accepted.tolist() == [3] and v.next_token.tolist() == [4]  # bonus token
+    v = verify_greedy(torch.tensor([[1, 2, 3]]), torch.tensor([1]), logits)  # only one real draft
+    assert v.accepted.tolist() == [1] and v.next_token.tolist() == [2]
+
+
+def test_handcrafted_sampling_cases():
+    q = torch.tensor([[[0.0, 1.0, 0.0], [0.0, 0.0, 1.0]]])
+    p_same = q[:, :1].clone()
+    v = verify_sampling(torch.tensor([[1]]), torch.tensor([1]), p_same, q, torch.Generator().manual_seed(0))
+    assert v.accepted.tolist() == [1] and v.next_token.tolist() == [2]
+    p_wrong = torch.tensor([[[1.0, 0.0, 0.0]]])  # draft puts all mass where the target has none
+    v = verify_sampling(torch.tensor([[0]]), torch.tensor([1]), p_wrong, q, torch.Generator().manual_seed(0))
+    assert v.accepted.tolist() == [0] and v.next_token.tolist() == [1]
+
+
+def test_top_p_keeps_nucleus():
+    probs = probs_from_logits(torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]])), SamplingConfig(1.0, 0.7))
+    assert torch.allclose(probs, torch.tensor([[0.625, 0.375, 0.0, 0.0]]))
+    probs = probs_from_logits(torch.log(torch.tensor([[0.9, 0.1]])), SamplingConfig(1.0, 0.5))
+    assert probs.tolist() == [[1.0, 0.0]]
+
+
+def _chi_square(counts: torch.Tensor, expected_p: torch.Tensor) -> float:
+    expected = expected_p * counts.sum()
+    keep = expected > 0
+    assert counts[~keep].sum() == 0, "sampled a token the target gives zero probability"
+    return float(((counts[keep] - expected[keep]) ** 2 / expected[keep]).sum()), int(keep.sum()) - 1
+
+
+@pytest.mark.parametrize("deterministic_draft", [False, True])
+def test_committed_tokens_follow_target_distribution(deterministic_draft):
+    """Each committed token (first position: accepted draft or replacement) is distributed as q."""
+    g = torch.Generator().manual_seed(123)
+    V, N = 6, 40000
+    q0 = torch.tensor([0.30, 0.05, 0.25, 0.0, 0.15, 0.25])
+    p0 = torch.tensor([0.05, 0.40, 0.10, 0.20, 0.05, 0.20])
+    q = torch.stack([q0, torch.full((V,), 1 / V)])[None].expand(N, 2, V)
+    if deterministic_draft:
+        draft = torch.full((N, 1), 1)
+        p = None
+    else:
+        p = p0[None, None].expand(N, 1, V)
+        draft = torch.multinomial(p0, N, replacement=True, generator=g)[:, None]
+    v = verify_sampling(draft, torch.ones(N, dtype=torch.long), p, q, g)
+    first = torch.where(v.accepted > 0, draft[:, 0], v.next_token)
+    stat, dof = _chi_square(torch.bincount(first, minlength=V).float(), q0)
+    assert stat < 25.0, f"chi-square {stat:.1f} with {dof} dof"  # p < 0.001 critical value for 4-5 dof is ~18-20.5
+    # acceptance rate is sum min(p, q) for a sampled draft, q(x) for a fixed one
+    expect = torch.minimum(p0, q0).sum() if not deterministic_draft else q0[1]
+    assert math.isclose(v.accepted.float().mean().item(), expect.item(), abs_tol=0.01)
+
+
+def test_chi_square_detects_a_wrong_sampler():
+    """The statistical check above can fail: sampling from p instead of the residual is caught."""
+    g = torch.Generator().manual_seed(5)
+    q0 = torch.tensor([0.30, 0.05, 0.25, 0.0, 0.15, 0.25])
+    wrong = torch.multinomial(torch.tensor([0.05, 0.40, 0.10, 0.20, 0.05, 0.20]), 40000, True, generator=g)
+    stat, _ = _chi_square(torch.bincount(wrong, minlength=6).float(), q0 + 1e-9)
+    assert stat > 1000
+
+
+def test_bonus_and_second_position_distribution():
+    """With an always-accepted draft, the bonus token follows q at the next position."""
+    g = torch.Generator().manual_seed(9)
+    N, V = 30000, 4
+    q1 = torch.tensor([0.1, 0.2, 0.3, 0.4])
+    q = torch.stack([torch.tensor([0.0, 1.0, 0.0, 0.0]), q1])[None].expand(N, 2, V)
+    v = verify_sampling(torch.ones(N, 1, dtype=torch.long), torch.ones(N, dtype=torch.long), None, q, g)
+    assert v.accepted.eq(1).all()
+    stat, _ = _chi_square(torch.bincount(v.next_token, minlength=V).float(), q1)
+    assert stat < 20.0
