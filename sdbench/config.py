@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 DEFAULT_TARGET = "smollm2-135m"
 DEFAULT_DATASET = "mt-bench"
-DEFAULT_STRATEGY = "draft"
+DEFAULT_STRATEGY = "ngram"
 DEFAULT_GAMMA = 4
 DEFAULT_LIMIT = 4
 DEFAULT_MAX_NEW_TOKENS = 64
@@ -36,7 +36,7 @@ class RunConfig:
     max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
     batch_size: int = 1
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
-    gamma: int = DEFAULT_GAMMA
+    gamma: int | None = None  # None: the preset's, else DEFAULT_GAMMA
     prompt_len: int | None = None
     device: str = "auto"
     dtype: str = "float32"

@@ -1,31 +1,30 @@
-"""The strategy registry: each strategy is a proposer module with a `build(BuildContext)` factory.
+"""The strategy registry: each strategy is a Proposer class with declared `options` and `build(ctx)`.
 
 Named presets (strategies/*.yaml at the repository root) are strategies with saved settings.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import yaml
 
-from sdbench.errors import SdbenchError
 from sdbench.paths import presets_dir
 from sdbench.registry import Registry
-from sdbench.strategies.base import BuildContext, Proposal, Proposer
+from sdbench.strategies.base import BuildContext, Proposal, Proposer, take_options
 
 strategy_registry: Registry = Registry("strategy")
 strategy_registry.add(
-    "autoregressive", "sdbench.strategies.autoregressive:build",
+    "autoregressive", "sdbench.strategies.autoregressive:Autoregressive",
     "plain decoding, one target forward per token (the baseline)", aliases=("ar", "baseline"), needs_draft=False,
 )
 strategy_registry.add(
-    "draft", "sdbench.strategies.draft:build",
+    "draft", "sdbench.strategies.draft:DraftModel",
     "draft-model speculative decoding, fixed gamma (any same-tokenizer draft, the target itself included)",
     aliases=("sd", "speculative"), needs_draft=True,
 )
 strategy_registry.add(
-    "ngram", "sdbench.strategies.ngram:build",
+    "ngram", "sdbench.strategies.ngram:NGram",
     "prompt lookup: draft from the latest earlier match of the context's suffix (no model)",
     aliases=("prompt-lookup", "pld"), needs_draft=False,
 )
@@ -62,8 +61,14 @@ def resolve_strategy(name: str) -> StrategyChoice:
                           tuple(preset.get("drafts") or ()))
 
 
+def check_options(base: str, given: dict) -> dict:
+    """The strategy's settings with --set values applied; unknown keys or bad values raise."""
+    return take_options(strategy_registry.get(base).options, given, strategy_registry.entry(base).name)
+
+
 def build_proposer(base: str, ctx: BuildContext) -> Proposer:
-    return strategy_registry.get(base)(ctx)
+    cls = strategy_registry.get(base)
+    return cls.build(replace(ctx, options=check_options(base, ctx.options)))
 
 
 def needs_draft(base: str) -> bool:
@@ -75,4 +80,4 @@ def presets() -> dict[str, dict]:
 
 
 __all__ = ["BuildContext", "Proposal", "Proposer", "StrategyChoice", "build_proposer", "needs_draft",
-           "presets", "resolve_strategy", "strategy_registry", "SdbenchError"]
+           "check_options", "presets", "resolve_strategy", "strategy_registry"]

@@ -1,15 +1,13 @@
 """Plain decoding: the proposer that proposes nothing."""
 
-from sdbench.strategies.base import BuildContext, Proposer, take_options
+from sdbench.strategies.base import Proposer
 
 
 class Autoregressive(Proposer):
     name = "autoregressive"
 
+    def __init__(self, gamma: int = 0):
+        super().__init__(0)
+
     def params(self) -> dict:
         return {}
-
-
-def build(ctx: BuildContext) -> Proposer:
-    take_options((), ctx.options, Autoregressive.name)
-    return Autoregressive()

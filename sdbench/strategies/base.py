@@ -68,6 +68,11 @@ class Proposer:
         """The settings recorded with every result row."""
         return {"gamma": self.gamma}
 
+    @classmethod
+    def build(cls, ctx: "BuildContext") -> "Proposer":
+        """Make the proposer from loaded models and settings (ctx.options already validated)."""
+        return cls(ctx.gamma, **ctx.options)
+
 
 @dataclass
 class BuildContext:

@@ -6,7 +6,7 @@ import torch
 
 from sdbench.errors import SdbenchError
 from sdbench.sampling import choose
-from sdbench.strategies.base import BuildContext, Proposal, Proposer, take_options
+from sdbench.strategies.base import BuildContext, Proposal, Proposer
 
 
 class DraftModel(Proposer):
@@ -55,9 +55,8 @@ class DraftModel(Proposer):
         # the sequence now agrees with what the draft saw up to the last accepted token
         self.fed = [min(f, n - 1) for f, n in zip(self.fed, state.lengths)]
 
-
-def build(ctx: BuildContext) -> Proposer:
-    if not ctx.drafts:
-        raise SdbenchError("strategy 'draft' needs a draft model: pass --draft MODEL (the target itself works)")
-    take_options((), ctx.options, DraftModel.name)
-    return DraftModel(ctx.drafts[0], ctx.gamma)
+    @classmethod
+    def build(cls, ctx: BuildContext) -> Proposer:
+        if not ctx.drafts:
+            raise SdbenchError("strategy 'draft' needs a draft model: pass --draft MODEL (the target itself works)")
+        return cls(ctx.drafts[0], ctx.gamma)

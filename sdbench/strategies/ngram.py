@@ -6,7 +6,7 @@ import numpy as np
 import torch
 
 from sdbench.errors import SdbenchError
-from sdbench.strategies.base import BuildContext, Option, Proposal, Proposer, take_options
+from sdbench.strategies.base import Option, Proposal, Proposer
 
 
 def lookup(seq: np.ndarray, k: int, max_n: int, min_n: int = 1) -> np.ndarray:
@@ -50,7 +50,3 @@ class NGram(Proposer):
 
     def params(self) -> dict:
         return {"gamma": self.gamma, "max_ngram": self.max_ngram, "min_ngram": self.min_ngram}
-
-
-def build(ctx: BuildContext) -> Proposer:
-    return NGram(ctx.gamma, **take_options(NGram.options, ctx.options, NGram.name))

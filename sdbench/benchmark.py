@@ -1,0 +1,240 @@
+"""`sdbench run`: load the pair, pick the prompts, warm up, then baseline and strategy batch by batch.
+
+Baseline and strategy decode the same batches through the same loop (the baseline is the proposer that
+proposes nothing), so tokens and time are counted identically on both sides. Rows are written as each
+batch finishes.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from contextlib import nullcontext
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from sdbench.config import DEFAULT_GAMMA, RunConfig, SamplingConfig
+from sdbench.decode import generate
+from sdbench.env import environment, peak_memory, reset_peak_memory
+from sdbench.errors import SdbenchError
+from sdbench.metrics import BatchResult, row_metrics, speedup
+from sdbench.strategies import BuildContext, build_proposer, check_options, needs_draft, resolve_strategy
+from sdbench.strategies.autoregressive import Autoregressive
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(name)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise SdbenchError("--device cuda was asked for, but torch sees no CUDA device on this machine")
+    if dev.type not in ("cpu", "cuda"):
+        raise SdbenchError(f"--device {name}: use cpu, cuda or auto")
+    return dev
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name not in DTYPES:
+        raise SdbenchError(f"--dtype {name}: use one of {', '.join(DTYPES)}")
+    if name == "float16" and device.type == "cpu":
+        raise SdbenchError("--dtype float16 is not supported on CPU; use float32 or bfloat16")
+    return DTYPES[name]
+
+
+@dataclass
+class Pair:
+    """The loaded target and drafts, ready to decode."""
+
+    target: object  # ModelRunner
+    tokenizer: object
+    drafts: list  # [ModelRunner]
+    eos: list[int]
+    max_positions: int
+
+
+def load_pair(cfg: RunConfig, device: torch.device, dtype: torch.dtype, console: Console) -> Pair:
+    from sdbench.models.loader import check_same_tokenizer, eos_token_ids, load_model
+    from sdbench.models.runner import ModelRunner
+
+    with console.status(f"loading target {cfg.target}"):
+        target = load_model(cfg.target, device, dtype)
+        runner = ModelRunner(target.model, cfg.target)
+    drafts = []
+    for name in cfg.drafts:
+        if name == cfg.target:
+            drafts.append(runner)  # drafting with the target itself: same weights, its own cache
+            continue
+        with console.status(f"loading draft {name}"):
+            draft = load_model(name, device, dtype)
+        check_same_tokenizer(target.tokenizer, draft.tokenizer, cfg.target, name)
+        drafts.append(ModelRunner(draft.model, name))
+    limit = getattr(target.model.config, "max_position_embeddings", None) or 1 << 30
+    return Pair(runner, target.tokenizer, drafts, eos_token_ids(target), limit)
+
+
+def plan(cfg: RunConfig) -> tuple[RunConfig, object]:
+    """Settle the strategy (presets included) and check the settings before anything heavy loads."""
+    choice = resolve_strategy(cfg.strategy)
+    gamma = cfg.gamma if cfg.gamma is not None else (choice.gamma or DEFAULT_GAMMA)
+    drafts = cfg.drafts or choice.drafts
+    cfg = replace(cfg, gamma=gamma, drafts=tuple(drafts), options={**choice.options, **cfg.options})
+    if needs_draft(choice.base) and not cfg.drafts:
+        raise SdbenchError(f"strategy '{choice.base}' needs --draft MODEL (e.g. --draft {cfg.target} to let "
+                           "the target draft for itself)")
+    for name, value, low in (("--limit", cfg.limit, 1), ("--max-new-tokens", cfg.max_new_tokens, 1),
+                             ("--batch-size", cfg.batch_size, 1), ("--repeats", cfg.repeats, 1),
+                             ("--gamma", cfg.gamma, 0)):
+        if value is not None and value < low:
+            raise SdbenchError(f"{name} must be at least {low} (got {value})")
+    if cfg.sampling.temperature < 0 or not 0 < cfg.sampling.top_p <= 1:
+        raise SdbenchError("--temperature must be >= 0 and --top-p in (0, 1]")
+    if cfg.prompt_len is not None and cfg.prompt_len < 1:
+        raise SdbenchError(f"--prompt-len must be at least 1 (got {cfg.prompt_len})")
+    check_options(choice.base, cfg.options)
+    return cfg, choice
+
+
+def encode_prompts(cfg: RunConfig, pair: Pair):
+    from sdbench.tasks import encode_prompt, load_prompts
+
+    prompts = load_prompts(cfg.dataset, limit=cfg.limit, seed=cfg.sampling.seed, prompt_len=cfg.prompt_len,
+                           tokenizer=pair.tokenizer)
+    encoded = [encode_prompt(p, pair.tokenizer) for p in prompts]
+    longest = max(len(e) for e in encoded) + cfg.max_new_tokens + cfg.gamma + 2
+    if longest > pair.max_positions:
+        raise SdbenchError(f"prompt plus --max-new-tokens needs {longest} positions, but {cfg.target} supports "
+                           f"{pair.max_positions}: lower --prompt-len or --max-new-tokens")
+    return prompts, encoded
+
+
+class Bench:
+    """Runs one configured benchmark; `run` returns the path of the Parquet file it wrote."""
+
+    def __init__(self, cfg: RunConfig, console: Console | None = None):
+        self.console = console or Console()
+        self.cfg, self.choice = plan(cfg)
+        self.device = resolve_device(self.cfg.device)
+        self.dtype = resolve_dtype(self.cfg.dtype, self.device)
+
+    def _proposer(self, pair: Pair):
+        ctx = BuildContext(pair.target, pair.drafts, self.cfg.gamma, dict(self.cfg.options))
+        return build_proposer(self.choice.base, ctx)
+
+    def _generate(self, pair: Pair, proposer, batch: list[list[int]], max_new: int, seed: int) -> BatchResult:
+        gen = torch.Generator(self.device).manual_seed(seed)
+        return generate(pair.target, proposer, batch, max_new_tokens=max_new, sampling=self.cfg.sampling,
+                        eos_ids=pair.eos, generator=gen)
+
+    def run(self) -> Path:
+        from sdbench.results import RunWriter, new_run_id
+
+        cfg = self.cfg
+        pair = load_pair(cfg, self.device, self.dtype, self.console)
+        proposer = self._proposer(pair)
+        prompts, encoded = encode_prompts(cfg, pair)
+        batches = [list(range(i, min(i + cfg.batch_size, len(prompts)))) for i in range(0, len(prompts),
+                                                                                      cfg.batch_size)]
+        run_id = cfg.resume or new_run_id(self.choice.name)
+        env = environment(str(self.device), cfg.dtype)
+        writer = RunWriter(cfg.out, run_id, env)
+        done = writer.done_keys() if cfg.resume else set()
+        if cfg.resume and not writer.exists():
+            raise SdbenchError(f"--resume {run_id}: no such run under {cfg.out}")
+        self._save_config(run_id)
+        with self.console.status("warming up"):
+            warm = [encoded[i] for i in batches[0]]
+            for prop in ((Autoregressive(), proposer) if cfg.baseline else (proposer,)):
+                self._generate(pair, prop, warm, min(cfg.warmup_tokens, cfg.max_new_tokens), cfg.sampling.seed)
+        roles = (("baseline", Autoregressive()),) * cfg.baseline + (("strategy", proposer),)
+        common = self._common(proposer, env)
+        try:
+            with writer, self._progress() as progress:
+                task = progress.add_task(self.choice.name, total=cfg.repeats * len(batches) * len(roles))
+                for repeat in range(cfg.repeats):
+                    for batch_id, idx in enumerate(batches):
+                        if all((r, prompts[i].id, repeat) in done for r, _ in roles for i in idx):
+                            progress.advance(task, len(roles))
+                            continue
+                        seed = cfg.sampling.seed * 1_000_003 + repeat * 10_007 + batch_id
+                        results = {}
+                        for role, prop in roles:
+                            progress.update(task, description=f"{role}: batch {batch_id + 1}/{len(batches)}")
+                            reset_peak_memory(str(self.device))
+                            res = self._generate(pair, prop, [encoded[i] for i in idx], cfg.max_new_tokens, seed)
+                            results[role] = (res, peak_memory(str(self.device)))
+                            progress.advance(task)
+                        writer.append(self._rows(common, prompts, idx, results, repeat, batch_id))
+        except KeyboardInterrupt:
+            raise SdbenchError(f"interrupted: finished prompts are saved in {writer.final_path}; continue with "
+                               f"`sdbench run --resume {run_id} --out {cfg.out}`") from None
+        return writer.final_path
+
+    def _progress(self) -> Progress:
+        return Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                        TimeElapsedColumn(), console=self.console, transient=False)
+
+    def _save_config(self, run_id: str) -> None:
+        path = Path(self.cfg.out) / f"{run_id}.config.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(asdict(self.cfg), indent=2, default=str))
+
+    def _common(self, proposer, env: dict) -> dict:
+        cfg = self.cfg
+        return {
+            "target": cfg.target, "dataset": _label(cfg), "batch_size": cfg.batch_size,
+            "temperature": cfg.sampling.temperature, "top_p": cfg.sampling.top_p, "seed": cfg.sampling.seed,
+            "_strategy": (self.choice.name, json.dumps(proposer.params(), sort_keys=True),
+                          ",".join(cfg.drafts)),
+        }
+
+    def _rows(self, common, prompts, idx, results, repeat, batch_id) -> list[dict]:
+        rows = []
+        base = results.get("baseline", (None,))[0]
+        for role, (res, (mem, mem_kind)) in results.items():
+            name, params, drafts = ("autoregressive", "{}", "") if role == "baseline" else common["_strategy"]
+            for b, i in enumerate(idx):
+                row = {k: v for k, v in common.items() if not k.startswith("_")}
+                row.update(row_metrics(res, b))
+                row.update(role=role, strategy=name, params=params, draft=drafts, category=prompts[i].category,
+                           prompt_id=prompts[i].id, repeat=repeat, batch_id=batch_id, peak_mem_bytes=mem,
+                           mem_kind=mem_kind, output_ids=res.output_ids[b], gamma=_gamma(params),
+                           predicted_speedup=math.nan, timestamp=_now())
+                if base is not None:
+                    row["speedup"] = speedup(row["tokens_per_s"], row_metrics(base, b)["tokens_per_s"])
+                    if self.cfg.sampling.greedy:
+                        row["lossless"] = res.output_ids[b] == base.output_ids[b]
+                rows.append(row)
+        return rows
+
+
+def _gamma(params: str) -> int | None:
+    return json.loads(params).get("gamma")
+
+
+def _label(cfg: RunConfig) -> str:
+    from sdbench.tasks import dataset_label
+
+    return dataset_label(cfg.dataset, cfg.prompt_len)
+
+
+def _now() -> str:
+    from datetime import datetime
+
+    return datetime.now().astimezone().isoformat(timespec="seconds")
+
+
+def load_config(out: str, run_id: str) -> RunConfig:
+    """The configuration an interrupted run was started with (saved beside its results)."""
+    path = Path(out) / f"{run_id}.config.json"
+    if not path.exists():
+        raise SdbenchError(f"--resume {run_id}: no saved configuration at {path}")
+    raw = json.loads(path.read_text())
+    raw["sampling"] = SamplingConfig(**raw["sampling"])
+    raw["drafts"] = tuple(raw["drafts"])
+    return replace(RunConfig(**raw), resume=run_id, out=out)

@@ -1,0 +1,120 @@
+"""The command line: thin commands over the engine. Known errors print one line and exit non-zero."""
+
+from __future__ import annotations
+
+import sys
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+
+from sdbench import config as C
+from sdbench.errors import SdbenchError
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                  help="Benchmark and tune speculative decoding of language models.")
+console = Console()
+
+Target = Annotated[str, typer.Option("--target", "-t", help="target model: alias, Hugging Face id, folder or .gguf")]
+Draft = Annotated[Optional[list[str]], typer.Option("--draft", "-d", help="draft model (repeatable)")]
+Strategy = Annotated[str, typer.Option("--strategy", "-s", help="strategy or preset name (see `sdbench list strategies`)")]
+Dataset = Annotated[str, typer.Option("--dataset", help="task name (see `sdbench list datasets`)")]
+Limit = Annotated[int, typer.Option(help="number of prompts")]
+MaxNew = Annotated[int, typer.Option("--max-new-tokens", help="tokens to generate per prompt")]
+Batch = Annotated[int, typer.Option("--batch-size", "-b", help="prompts decoded together")]
+Temperature = Annotated[float, typer.Option(help="0 = greedy; otherwise lossless speculative sampling")]
+TopP = Annotated[float, typer.Option("--top-p", help="nucleus sampling mass")]
+Seed = Annotated[int, typer.Option(help="seed for prompt selection and sampling")]
+Gamma = Annotated[Optional[int], typer.Option("--gamma", "-g", help=f"draft tokens per step [default: preset or {C.DEFAULT_GAMMA}]")]
+PromptLen = Annotated[Optional[int], typer.Option("--prompt-len", help="long-context prompts of exactly this many tokens (book datasets)")]
+Device = Annotated[str, typer.Option(help="cpu, cuda, cuda:N or auto")]
+Dtype = Annotated[str, typer.Option(help="float32, bfloat16 or float16")]
+Repeats = Annotated[int, typer.Option(help="times to run every batch")]
+Sets = Annotated[Optional[list[str]], typer.Option("--set", help="strategy setting key=value (repeatable)")]
+Out = Annotated[str, typer.Option(help="folder for the Parquet results")]
+Baseline = Annotated[bool, typer.Option("--baseline/--no-baseline", help="also run plain decoding on the same prompts")]
+Resume = Annotated[Optional[str], typer.Option(help="continue an interrupted run: its RUN_ID")]
+
+
+def parse_sets(items: list[str] | None) -> dict:
+    options = {}
+    for item in items or ():
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise SdbenchError(f"--set {item}: expected key=value")
+        options[key.strip()] = value.strip()
+    return options
+
+
+@app.command()
+def run(
+    target: Target = C.DEFAULT_TARGET, draft: Draft = None, strategy: Strategy = C.DEFAULT_STRATEGY,
+    dataset: Dataset = C.DEFAULT_DATASET, limit: Limit = C.DEFAULT_LIMIT, max_new_tokens: MaxNew = C.DEFAULT_MAX_NEW_TOKENS,
+    batch_size: Batch = 1, temperature: Temperature = 0.0, top_p: TopP = 1.0, seed: Seed = 0, gamma: Gamma = None,
+    prompt_len: PromptLen = None, device: Device = "auto", dtype: Dtype = "float32", repeats: Repeats = 1,
+    set_: Sets = None, out: Out = C.DEFAULT_OUT, baseline: Baseline = True, resume: Resume = None,
+):
+    """Run a strategy and the plain-decoding baseline on the same prompts; print tables, write Parquet."""
+    from sdbench.benchmark import Bench, load_config
+    from sdbench.report import print_report
+    from sdbench.results import read_results
+
+    cfg = C.RunConfig(
+        target=target, drafts=tuple(draft or ()), strategy=strategy, dataset=dataset, limit=limit,
+        max_new_tokens=max_new_tokens, batch_size=batch_size, sampling=C.SamplingConfig(temperature, top_p, seed),
+        gamma=gamma, prompt_len=prompt_len, device=device, dtype=dtype, repeats=repeats, options=parse_sets(set_),
+        out=out, baseline=baseline, resume=resume,
+    )
+    if resume:
+        cfg = load_config(out, resume)
+    path = Bench(cfg, console).run()
+    print_report(read_results([path]), console)
+    console.print(f"results: {path}")
+
+
+@app.command("list")
+def list_(what: Annotated[str, typer.Argument(help="strategies, datasets or models")]):
+    """What is registered, and whether each model/dataset is available offline right now."""
+    from sdbench.listing import show
+
+    show(what, console)
+
+
+@app.command()
+def report(paths: Annotated[list[str], typer.Argument(help="Parquet files, .parts folders or result folders")]):
+    """Print the tables of earlier runs."""
+    from sdbench.report import print_report
+    from sdbench.results import read_results
+
+    print_report(read_results(paths), console)
+
+
+@app.command()
+def bench(
+    target: Target = C.DEFAULT_TARGET, draft: Draft = None, dataset: Dataset = C.DEFAULT_DATASET,
+    limit: Limit = C.DEFAULT_LIMIT, max_new_tokens: MaxNew = 96, gamma: Annotated[int, typer.Option("--gamma", "-g")] = 4,
+    device: Device = "auto", dtype: Dtype = "float32", seed: Seed = 0,
+):
+    """Speed against peers in one process: transformers generate and assisted generation vs sdbench."""
+    from sdbench.peers import run_peers
+
+    run_peers(target, (draft or [target])[0], dataset, limit, max_new_tokens, gamma, device, dtype, seed, console)
+
+
+def main(argv: list[str] | None = None) -> None:
+    err = Console(stderr=True)
+    try:
+        typer.main.get_command(app).main(args=argv, prog_name="sdbench", standalone_mode=False)
+    except SdbenchError as e:
+        err.print(f"[red]error:[/red] {e}", highlight=False, soft_wrap=True)
+        sys.exit(e.exit_code)
+    except (typer.Abort, KeyboardInterrupt):
+        err.print("[red]error:[/red] interrupted", highlight=False)
+        sys.exit(130)
+    except typer.Exit as e:
+        sys.exit(e.exit_code)
+    except typer.TyperException as e:  # usage errors: unknown option, bad value, missing argument
+        message = e.format_message() if hasattr(e, "format_message") else str(e)
+        if message:  # empty when help was shown for a bare command
+            err.print(f"[red]error:[/red] {message}", highlight=False, soft_wrap=True)
+        sys.exit(getattr(e, "exit_code", 2) or 2)

@@ -1,0 +1,64 @@
+"""`sdbench list`: what is registered, with availability where it depends on this machine."""
+
+from __future__ import annotations
+
+from rich.console import Console
+from rich.table import Table
+
+from sdbench.errors import SdbenchError
+
+KINDS = ("strategies", "datasets", "models")
+
+
+def _mark(ok: bool) -> str:
+    return "[green]yes[/green]" if ok else "[yellow]no[/yellow]"
+
+
+def show(what: str, console: Console) -> None:
+    kind = what.lower().rstrip("s")
+    if kind == "strategie":
+        console.print(_strategies())
+    elif kind == "dataset":
+        console.print(_available("datasets", *_datasets()))
+    elif kind == "model":
+        console.print(_available("models", *_models()))
+    else:
+        raise SdbenchError(f"cannot list '{what}': choose one of {', '.join(KINDS)}")
+
+
+def _strategies() -> Table:
+    from sdbench.strategies import presets, strategy_registry
+
+    table = Table(title="strategies")
+    for col in ("name", "aliases", "needs draft", "settings (--set)", "description"):
+        table.add_column(col)
+    for e in strategy_registry:
+        cls = e.load()
+        settings = ", ".join(f"{o.name}={o.default}" for o in cls.options) or "-"
+        table.add_row(e.name, ", ".join(e.aliases), "yes" if e.meta.get("needs_draft") else "no", settings,
+                      e.description)
+    for name, spec in presets().items():
+        table.add_row(name, "", "", f"preset of {spec.get('strategy')}", str(spec.get("description", "")))
+    return table
+
+
+def _datasets():
+    from sdbench.tasks import dataset_available, task_registry
+
+    return task_registry, dataset_available
+
+
+def _models():
+    from sdbench.models.loader import model_available, model_registry
+
+    return model_registry, model_available
+
+
+def _available(title: str, registry, check) -> Table:
+    table = Table(title=title)
+    for col in ("name", "aliases", "offline now", "how / why", "description"):
+        table.add_column(col, overflow="fold")
+    for e in registry:
+        ok, how = check(e.name)
+        table.add_row(e.name, ", ".join(e.aliases), _mark(ok), how, e.description)
+    return table
