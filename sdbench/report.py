@@ -1,0 +1,284 @@
+"""Aggregates over result rows and the rich tables that show them, each defined once.
+
+The aggregates are the project's contract:
+  tokens_per_s       sum(new_tokens) / sum(wall_s over unique (run_id, role, batch_id, repeat)):
+                     rows of one batch share its wall time, which must be counted once
+  speedup            strategy tokens_per_s / baseline tokens_per_s of the same run and group
+  mean_accepted_len  (sum(accepted) + sum(steps)) / sum(steps): the bonus token included, 1.0 = plain decoding
+  acceptance_rate    sum(accepted) / sum(drafted)
+  lossless           all of the known values; null when none is known
+  predicted_speedup  mean of the computed values
+  draft_share        draft_s / (draft_s + verify_s), each summed over unique batches of the batch's value
+                     (the max over its rows: a row records the batch's time while the row was active)
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pandas as pd
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+ALL = "ALL"
+_BATCH = ["run_id", "role", "batch_id", "repeat"]
+_OPTIONAL = {"draft": "", "params": "", "category": "", "lossless": None, "predicted_speedup": np.nan,
+             "draft_s": np.nan, "verify_s": np.nan, "peak_mem_bytes": np.nan, "drafted": 0, "accepted": 0}
+MAX_POSITIONS = 16
+
+
+def summarize(df: pd.DataFrame, by: tuple[str, ...] | list[str] = ("category",)) -> pd.DataFrame:
+    """One row per (run, role/strategy, group), plus one per (run, role/strategy) with every `by` = "ALL"."""
+    by = list(by)
+    data = _prepare(df, by)
+    keys = ["run_id", "role", "strategy"]
+    records = []
+    for key, group in data.groupby(keys + by, sort=False, dropna=False):
+        records.append({**dict(zip(keys + by, key)), **_aggregate(group)})
+    for key, group in data.groupby(keys, sort=False, dropna=False):
+        records.append({**dict(zip(keys, key)), **{b: ALL for b in by}, **_aggregate(group)})
+    summary = pd.DataFrame(records, columns=keys + by + list(_aggregate(data.iloc[:0])))
+    summary["speedup"] = _speedups(summary, by)
+    summary.attrs["by"] = tuple(by)
+    return summary
+
+
+def _prepare(df: pd.DataFrame, by: list[str]) -> pd.DataFrame:
+    """Adds missing optional columns and gives each strategy configuration of a run its own label."""
+    data = df.copy()
+    for column, default in _OPTIONAL.items():
+        if column not in data:
+            data[column] = default
+    for column in by:
+        if data[column].dtype == object:
+            data[column] = data[column].fillna("–")
+    baseline = data["role"] == "baseline"
+    ident = data[["strategy", "draft", "params"]].fillna("").astype(str)
+    label = ident["strategy"].where(~baseline, "baseline")
+    # Several configurations under one strategy name in a run must not be pooled into one row.
+    config = ident["draft"] + "\x1f" + ident["params"]
+    shared = ~baseline & config.groupby([data["run_id"], label], dropna=False).transform("nunique").gt(1)
+    detail = ident["strategy"] + " [" + ident["draft"] + "] " + ident["params"]
+    label = label.where(~shared, detail)
+    data["strategy"] = label
+    return data
+
+
+def _num(series: pd.Series) -> np.ndarray:
+    return pd.to_numeric(series, errors="coerce").astype("float64").to_numpy()
+
+
+def _ratio(num: float, den: float) -> float:
+    return num / den if den and not math.isnan(den) and not math.isnan(num) else math.nan
+
+
+def _per_batch(group: pd.DataFrame, column: str) -> float:
+    """Sum over unique batches of a batch-level time (its max over the batch's rows).
+
+    A row without batch_id is its own batch, so missing ids can never hide wall time.
+    """
+    keys = group[_BATCH].astype(object)
+    loose = keys["batch_id"].isna()
+    keys.loc[loose, "batch_id"] = [f"row-{i}" for i in range(int(loose.sum()))]
+    values = pd.Series(_num(group[column]), index=group.index)
+    per_batch = values.groupby([keys[k] for k in _BATCH], dropna=False).max()
+    return float(per_batch.sum(min_count=1)) if len(per_batch) else math.nan
+
+
+def _aggregate(group: pd.DataFrame) -> dict:
+    new_tokens = np.nansum(_num(group["new_tokens"]))
+    steps, accepted = np.nansum(_num(group["steps"])), np.nansum(_num(group["accepted"]))
+    wall = _per_batch(group, "wall_s")
+    draft_s, verify_s = _per_batch(group, "draft_s"), _per_batch(group, "verify_s")
+    predicted = _num(group["predicted_speedup"])
+    peak = _num(group["peak_mem_bytes"])
+    return {
+        "n_prompts": int(group["prompt_id"].nunique()),
+        "n_rows": len(group),
+        "new_tokens": int(new_tokens),
+        "wall_s": wall,
+        "tokens_per_s": _ratio(new_tokens, wall),
+        "speedup": math.nan,
+        "mean_accepted_len": _ratio(accepted + steps, steps),
+        "acceptance_rate": _ratio(accepted, np.nansum(_num(group["drafted"]))),
+        "draft_s": draft_s,
+        "verify_s": verify_s,
+        "draft_share": _ratio(draft_s, np.nansum([draft_s, verify_s])),
+        "lossless": _all_known(group["lossless"]),
+        "predicted_speedup": float(np.nanmean(predicted)) if np.isfinite(predicted).any() else math.nan,
+        "peak_mem_bytes": float(np.nanmax(peak)) if np.isfinite(peak).any() else math.nan,
+    }
+
+
+def _all_known(values: pd.Series) -> bool | None:
+    known = [bool(v) for v in values if not pd.isna(v)]
+    return all(known) if known else None
+
+
+def _speedups(summary: pd.DataFrame, by: list[str]) -> pd.Series:
+    keys = ["run_id"] + by
+    base = summary.loc[summary["role"] == "baseline"].groupby(keys, dropna=False)["tokens_per_s"].first()
+    joined = summary.join(base.rename("_base"), on=keys)
+    ratio = joined["tokens_per_s"] / joined["_base"].where(joined["_base"] > 0)
+    return ratio.astype("float64")
+
+
+def summary_table(summary: pd.DataFrame, title: str | None = None) -> Table:
+    """The summary as a table; per-group rows first, the overall rows last and bold."""
+    by = list(summary.attrs.get("by", ("category",)))
+    many_runs = summary["run_id"].nunique() > 1
+    table = Table(title=title)
+    if many_runs:
+        table.add_column("run")
+    table.add_column("strategy")
+    table.add_column(" / ".join(by) if by != ["category"] else "category")
+    for name in ("prompts", "tokens/s", "speedup", "predicted", "mean acc. len", "acceptance", "draft share"):
+        table.add_column(name, justify="right")
+    table.add_column("lossless", justify="center")
+    started_overall = False
+    for row in _ordered(summary, by):
+        overall = all(row[b] == ALL for b in by)
+        if overall and not started_overall:
+            table.add_section()
+            started_overall = True
+        cells = [row["strategy"], " / ".join(str(row[b]) for b in by), str(row["n_prompts"]),
+                 _fmt(row["tokens_per_s"], "{:.1f}"), _fmt(row["speedup"], "{:.2f}x"),
+                 _fmt(row["predicted_speedup"], "{:.2f}x"), _fmt(row["mean_accepted_len"], "{:.2f}"),
+                 _fmt(row["acceptance_rate"], "{:.1%}"), _fmt(row["draft_share"], "{:.1%}"),
+                 _mark(row["lossless"])]
+        cells = ([row["run_id"]] if many_runs else []) + cells
+        table.add_row(*(Text(str(c)) for c in cells), style="bold" if overall else None)
+    return table
+
+
+def _ordered(summary: pd.DataFrame, by: list[str]) -> list[dict]:
+    """Groups in order of appearance, the overall group last; within a group, runs, then baseline first."""
+    rows = summary.to_dict("records")
+    groups = list(dict.fromkeys(tuple(r[b] for b in by) for r in rows))
+    runs = list(dict.fromkeys(r["run_id"] for r in rows))
+
+    def key(r: dict) -> tuple:
+        group = tuple(r[b] for b in by)
+        return (all(g == ALL for g in group), groups.index(group), runs.index(r["run_id"]),
+                r["role"] != "baseline", r["strategy"])
+
+    return sorted(rows, key=key)
+
+
+def _fmt(value, pattern: str) -> str:
+    try:
+        return "–" if value is None or pd.isna(value) else pattern.format(value)
+    except (TypeError, ValueError):
+        return "–"
+
+
+def _mark(value) -> str:
+    if value is None or pd.isna(value):
+        return "–"
+    return "✓" if value else "✗"
+
+
+def per_position_rates(df: pd.DataFrame) -> list[tuple[str, str, list[float]]]:
+    """(run_id, strategy, acceptance rate per draft position) from element-wise sums; NaN = never drafted."""
+    if "accepted_per_position" not in df or "drafted_per_position" not in df:
+        return []
+    data = _prepare(df, [])
+    out = []
+    for (run_id, strategy), group in data[data["role"] != "baseline"].groupby(["run_id", "strategy"], sort=False):
+        accepted = _padded_sum(group["accepted_per_position"])
+        drafted = _padded_sum(group["drafted_per_position"])
+        width = max(len(accepted), len(drafted))
+        if width == 0:
+            continue
+        accepted, drafted = np.pad(accepted, (0, width - len(accepted))), np.pad(drafted, (0, width - len(drafted)))
+        rates = [a / d if d else math.nan for a, d in zip(accepted, drafted)]
+        out.append((run_id, strategy, rates))
+    return out
+
+
+def _padded_sum(lists: pd.Series) -> np.ndarray:
+    total = np.zeros(0, dtype=np.int64)
+    for value in lists:
+        if value is None or (not hasattr(value, "__len__") and pd.isna(value)):
+            continue
+        array = np.asarray(value, dtype=np.int64)
+        if len(array) > len(total):
+            total = np.pad(total, (0, len(array) - len(total)))
+        total[: len(array)] += array
+    return total
+
+
+def per_position_table(df: pd.DataFrame) -> Table | None:
+    """Acceptance rate at each draft position, per strategy; None when no row recorded positions."""
+    rates = per_position_rates(df)
+    if not rates:
+        return None
+    many_runs = len({run for run, _, _ in rates}) > 1
+    width = min(MAX_POSITIONS, max(len(r) for _, _, r in rates))
+    caption = f"positions beyond {MAX_POSITIONS} not shown" if any(len(r) > width for _, _, r in rates) else None
+    title = "Acceptance rate by draft position"
+    table = Table(title=title, caption=caption, min_width=len(title) + 4)
+    if many_runs:
+        table.add_column("run")
+    table.add_column("strategy")
+    for position in range(1, width + 1):
+        table.add_column(str(position), justify="right")
+    for run_id, strategy, row in rates:
+        cells = [_fmt(row[i] if i < len(row) else None, "{:.1%}") for i in range(width)]
+        table.add_row(*(Text(c) for c in ([run_id] if many_runs else []) + [strategy] + cells))
+    return table
+
+
+def environment_lines(df: pd.DataFrame) -> list[str]:
+    """One line per distinct environment among the rows, naming its runs when there are several."""
+    columns = ["device", "dtype", "torch_version", "transformers_version", "sdbench_version", "git_commit",
+               "hardware"]
+    data = df.reindex(columns=["run_id"] + columns).astype(object).where(lambda d: d.notna(), "?")
+    envs = data.groupby(columns, sort=False)["run_id"].unique()
+    lines = []
+    for values, runs in envs.items():
+        env = dict(zip(columns, values))
+        line = (f"{env['device']} · {env['dtype']} · torch {env['torch_version']} · "
+                f"transformers {env['transformers_version']} · sdbench {env['sdbench_version']} "
+                f"@ {env['git_commit']} · {env['hardware']}")
+        lines.append(f"{', '.join(map(str, runs))}: {line}" if len(envs) > 1 else line)
+    return lines
+
+
+def _title(df: pd.DataFrame) -> str:
+    parts = []
+    for column in ("target", "dataset", "run_id"):
+        if column in df:
+            values = [str(v) for v in dict.fromkeys(df[column].dropna())]
+            parts.append(", ".join(values))
+    return " · ".join(p for p in parts if p)
+
+
+def _notes(df: pd.DataFrame) -> list[str]:
+    notes = []
+    if {"category", *_BATCH} <= set(df.columns):
+        mixed = df.groupby(_BATCH, dropna=True)["category"].nunique()
+        if (mixed > 1).any():
+            notes.append(f"{int((mixed > 1).sum())} batch(es) mix categories: each category's tokens/s "
+                         "counts those batches' whole wall time")
+    if "mem_kind" in df and df["mem_kind"].astype(str).str.startswith("process_peak_rss").any():
+        notes.append("CPU peak memory is the whole process's peak RSS, model weights included")
+    return notes
+
+
+def print_report(df: pd.DataFrame, console: Console | None = None) -> None:
+    """Environment, summary and per-position tables: what `sdbench report` and the end of `sdbench run` show."""
+    console = console or Console()
+    if df.empty:
+        console.print("no result rows")
+        return
+    for line in environment_lines(df):
+        console.print(Text(line, style="dim"))
+    console.print(summary_table(summarize(df), title=_title(df)))
+    positions = per_position_table(df)
+    if positions is not None:
+        console.print(positions)
+    for note in _notes(df):
+        console.print(Text(f"note: {note}", style="dim"))

@@ -1,0 +1,300 @@
+"""Result rows on disk: one explicit Parquet schema, written part by part so an interrupt loses nothing finished.
+
+A run ``R`` lives in ``<out>/R.parquet`` (merged) plus ``<out>/R.parts/part-NNNNN.parquet`` (not yet merged).
+Every part is written to a temporary name, fsync'd and renamed, so a part on disk is always whole.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import os
+import re
+import secrets
+import shutil
+from datetime import datetime
+from pathlib import Path
+from typing import Iterable
+
+import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from sdbench.errors import SdbenchError
+
+_F, _I, _S = pa.float64(), pa.int64(), pa.string()
+
+# Columns are only ever appended: older files are read with the missing ones as null.
+SCHEMA = pa.schema([
+    ("run_id", _S),
+    ("timestamp", _S),  # ISO 8601 with offset
+    ("role", _S),  # "baseline" | "strategy"
+    ("strategy", _S),
+    ("params", _S),  # JSON of the strategy's parameters
+    ("target", _S),
+    ("draft", _S),  # "" when the strategy has no draft model
+    ("dataset", _S),
+    ("category", _S),
+    ("prompt_id", _S),
+    ("repeat", _I),
+    ("batch_id", _I),  # rows decoded in one batch share it
+    ("batch_size", _I),
+    ("prompt_tokens", _I),
+    ("new_tokens", _I),
+    ("wall_s", _F),  # the batch's decode wall time, repeated on each of its rows
+    ("tokens_per_s", _F),
+    ("batch_tokens_per_s", _F),
+    ("speedup", _F),  # vs the baseline row of the same prompt & repeat; 1.0 for baseline; NaN without one
+    ("steps", _I),
+    ("drafted", _I),
+    ("accepted", _I),
+    ("mean_accepted_len", _F),  # bonus token included: 1.0 = plain decoding
+    ("acceptance_rate", _F),
+    ("accepted_per_position", pa.list_(_I)),
+    ("drafted_per_position", pa.list_(_I)),
+    ("ttft_s", _F),
+    ("tpot_s", _F),
+    ("draft_s", _F),  # the batch's proposing time over the steps this row was active; max over rows = batch's
+    ("verify_s", _F),  # the same for target verification
+    ("peak_mem_bytes", _I),
+    ("mem_kind", _S),  # see sdbench.env.peak_memory
+    ("lossless", pa.bool_()),  # output ids == baseline's under greedy; null when sampling or no baseline
+    ("temperature", _F),
+    ("top_p", _F),
+    ("seed", _I),
+    ("gamma", _I),
+    ("predicted_speedup", _F),
+    ("device", _S),
+    ("dtype", _S),
+    ("torch_version", _S),
+    ("transformers_version", _S),
+    ("sdbench_version", _S),
+    ("git_commit", _S),
+    ("hardware", _S),
+    ("cpu", _S),
+    ("gpu", _S),
+    ("output_ids", pa.list_(pa.int32())),
+])
+COLUMNS: tuple[str, ...] = tuple(SCHEMA.names)
+ENV_COLUMNS = ("device", "dtype", "torch_version", "transformers_version", "sdbench_version",
+               "git_commit", "hardware", "cpu", "gpu")
+KEY = ("role", "prompt_id", "repeat")
+_MERGED = b"sdbench.merged_parts"
+_PART = re.compile(r"^part-(\d+)\.parquet$")
+# Nullable pandas dtypes keep ints ints (and lossless a true three-valued bool) when values are missing.
+_PANDAS_TYPES = {_I: pd.Int64Dtype(), pa.int32(): pd.Int32Dtype(), pa.bool_(): pd.BooleanDtype()}
+
+
+def new_run_id(strategy: str, now: datetime | None = None) -> str:
+    """e.g. 20261122-153012-draft-ab12: sortable by time, readable, unique enough per output folder."""
+    stamp = (now or datetime.now()).strftime("%Y%m%d-%H%M%S")
+    slug = re.sub(r"[^a-z0-9]+", "-", strategy.lower()).strip("-") or "run"
+    return f"{stamp}-{slug}-{secrets.token_hex(2)}"
+
+
+def env_fields(env: dict) -> dict:
+    """The part of sdbench.env.environment() that is stored on every row."""
+    return {k: env[k] for k in ENV_COLUMNS if k in env}
+
+
+def rows_to_table(rows: list[dict]) -> pa.Table:
+    """Rows as a table of exactly SCHEMA. Missing keys become null; unknown keys are a bug."""
+    unknown = sorted({k for row in rows for k in row} - set(COLUMNS))
+    if unknown:
+        hints = {k: difflib.get_close_matches(k, COLUMNS, n=1) for k in unknown}
+        said = ", ".join(f"{k!r}" + (f" (did you mean {h[0]!r}?)" if h else "") for k, h in hints.items())
+        raise ValueError(f"unknown result column(s): {said}")
+    arrays = []
+    for field in SCHEMA:
+        try:
+            arrays.append(pa.array([row.get(field.name) for row in rows], type=field.type))
+        except (pa.ArrowException, OverflowError, TypeError) as e:
+            raise ValueError(f"result column {field.name!r} wants {field.type}: {e}") from e
+    return pa.Table.from_arrays(arrays, schema=SCHEMA)
+
+
+class RunWriter:
+    """Appends result rows durably, one part file per call; finalize() merges them into <run_id>.parquet.
+
+    As a context manager it finalizes on normal exit and on Ctrl-C (then re-raises). On any other error
+    the parts stay where they are: they are already durable, readable, and picked up by --resume.
+    """
+
+    def __init__(self, out_dir: str | Path, run_id: str, env: dict | None = None):
+        self.out_dir = Path(out_dir)
+        self.run_id = run_id
+        self.final_path = self.out_dir / f"{run_id}.parquet"
+        self.parts_dir = self.out_dir / f"{run_id}.parts"
+        self._defaults = {"run_id": run_id, **env_fields(env or {})}
+        self._last_part: int | None = None
+
+    def __enter__(self) -> RunWriter:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        if exc_type is None or issubclass(exc_type, KeyboardInterrupt):
+            self.finalize()
+        return False
+
+    def exists(self) -> bool:
+        return self.final_path.exists() or self.parts_dir.exists()
+
+    def append(self, rows: list[dict]) -> Path | None:
+        """Write rows now, as one part. run_id, timestamp and env columns are filled where missing."""
+        if not rows:
+            return None
+        stamp = datetime.now().astimezone().isoformat(timespec="seconds")
+        table = rows_to_table([{**self._defaults, "timestamp": stamp, **row} for row in rows])
+        if not self.parts_dir.exists():
+            self.parts_dir.mkdir(parents=True)
+            _fsync_dir(self.out_dir)
+        self._last_part = self._next_part_number()
+        path = self.parts_dir / f"part-{self._last_part:05d}.parquet"
+        _write_atomic(table, path)
+        return path
+
+    def _next_part_number(self) -> int:
+        if self._last_part is not None:
+            return self._last_part + 1
+        # Numbers are never reused within a run, so a merged part name can't shadow a new one.
+        used = _merged_parts(self.final_path) | {p.name for p in _part_files(self.parts_dir)}
+        return 1 + max((int(_PART.match(name).group(1)) for name in used if _PART.match(name)), default=0)
+
+    def done_keys(self) -> set[tuple[str, str, int]]:
+        """(role, prompt_id, repeat) already recorded, in the merged file or in parts."""
+        keys = set()
+        for path in run_sources(self.final_path, self.parts_dir):
+            table = _read_table(path, columns=list(KEY))
+            keys.update(zip(*(table.column(c).to_pylist() for c in KEY)))
+        return keys
+
+    def finalize(self) -> Path | None:
+        """Merge pending parts (and the existing final file) into <run_id>.parquet; None if no rows ever."""
+        pending = _pending_parts(self.final_path, self.parts_dir)
+        if pending:
+            sources = ([self.final_path] if self.final_path.exists() else []) + pending
+            table = pa.concat_tables([conform(_read_table(p)) for p in sources], promote_options="default")
+            merged = _merged_parts(self.final_path) | {p.name for p in pending}
+            # Recording merged part names makes a crash between rename and cleanup harmless.
+            _write_atomic(table, self.final_path, {_MERGED: json.dumps(sorted(merged)).encode()})
+        if self.parts_dir.exists():
+            shutil.rmtree(self.parts_dir, ignore_errors=True)
+        return self.final_path if self.final_path.exists() else None
+
+
+def run_sources(final_path: Path, parts_dir: Path) -> list[Path]:
+    """The files holding one run's rows: the merged file plus parts not merged into it yet."""
+    head = [final_path] if final_path.is_file() else []
+    return head + _pending_parts(final_path, parts_dir)
+
+
+def _part_files(parts_dir: Path) -> list[Path]:
+    if not parts_dir.is_dir():
+        return []
+    parts = [p for p in parts_dir.iterdir() if _PART.match(p.name) and p.is_file()]
+    return sorted(parts, key=lambda p: int(_PART.match(p.name).group(1)))
+
+
+def _pending_parts(final_path: Path, parts_dir: Path) -> list[Path]:
+    merged = _merged_parts(final_path)
+    return [p for p in _part_files(parts_dir) if p.name not in merged]
+
+
+def _merged_parts(final_path: Path) -> set[str]:
+    if not final_path.is_file():
+        return set()
+    try:
+        meta = pq.read_schema(final_path).metadata or {}
+    except (pa.ArrowException, OSError) as e:
+        raise SdbenchError(f"cannot read results file {final_path}: {_first_line(e)}") from e
+    return set(json.loads(meta[_MERGED])) if _MERGED in meta else set()
+
+
+def _write_atomic(table: pa.Table, path: Path, metadata: dict | None = None) -> None:
+    if metadata:
+        table = table.replace_schema_metadata({**(table.schema.metadata or {}), **metadata})
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "wb") as f:
+        pq.write_table(table, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def _fsync_dir(path: Path) -> None:
+    """Make a rename durable; not every platform can open a directory, and that is fine."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _read_table(path: Path, columns: list[str] | None = None) -> pa.Table:
+    try:
+        return pq.ParquetFile(path).read(columns=columns)
+    except (pa.ArrowException, OSError, KeyError) as e:
+        raise SdbenchError(f"cannot read results file {path}: {_first_line(e)}") from e
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
+
+
+def conform(table: pa.Table) -> pa.Table:
+    """SCHEMA's columns in order (missing ones null), then any newer columns this version doesn't know."""
+    arrays = []
+    for field in SCHEMA:
+        if field.name not in table.column_names:
+            arrays.append(pa.nulls(table.num_rows, field.type))
+            continue
+        column = table.column(field.name)
+        try:
+            arrays.append(column if column.type == field.type else column.cast(field.type))
+        except pa.ArrowException as e:
+            raise SdbenchError(f"results column {field.name!r} has type {column.type}, "
+                               f"expected {field.type}: {_first_line(e)}") from e
+    extras = [name for name in table.column_names if name not in COLUMNS]
+    return pa.Table.from_arrays(arrays + [table.column(n) for n in extras], names=list(COLUMNS) + extras)
+
+
+def read_results(paths: Iterable[str | Path] | str | Path) -> pd.DataFrame:
+    """All rows from .parquet files, .parts folders and folders of runs, as one DataFrame."""
+    paths = [paths] if isinstance(paths, (str, Path)) else list(paths)
+    if not paths:
+        raise SdbenchError("no results paths given")
+    sources: dict[Path, None] = {}  # ordered set: a file named twice is read once
+    for raw in paths:
+        sources.update(dict.fromkeys(p.resolve() for p in _expand(Path(raw))))
+    tables = [t for t in (conform(_read_table(p)) for p in sources) if t.num_rows]
+    if not tables:
+        raise SdbenchError(f"no result rows in {', '.join(str(p) for p in paths)}")
+    table = pa.concat_tables(tables, promote_options="default")
+    return table.to_pandas(types_mapper=_PANDAS_TYPES.get)
+
+
+def _expand(path: Path) -> list[Path]:
+    if not path.exists():
+        raise SdbenchError(f"results path not found: {path}")
+    if path.is_dir() and path.name.endswith(".parts"):
+        return _pending_parts(path.with_name(path.name[: -len(".parts")] + ".parquet"), path)
+    if path.is_dir():
+        found = []
+        for final in sorted(p for p in path.glob("*.parquet") if p.is_file()):
+            found += run_sources(final, final.with_suffix(".parts"))
+        for parts in sorted(p for p in path.glob("*.parts") if p.is_dir()):
+            if not parts.with_suffix(".parquet").is_file():
+                found += _part_files(parts)
+        if not found:
+            raise SdbenchError(f"no .parquet results in folder {path}")
+        return found
+    if path.suffix != ".parquet":
+        raise SdbenchError(f"not a results file (.parquet) or folder: {path}")
+    return [path]

