@@ -97,6 +97,9 @@ def plan(cfg: RunConfig) -> tuple[RunConfig, object]:
     if cfg.prompt_len is not None and cfg.prompt_len < 1:
         raise SdbenchError(f"--prompt-len must be at least 1 (got {cfg.prompt_len})")
     check_options(choice.base, cfg.options)
+    from sdbench.tasks import task_registry
+
+    task_registry.entry(cfg.dataset)  # an unknown data set fails before any model loads
     return cfg, choice
 
 

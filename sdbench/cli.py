@@ -13,7 +13,8 @@ from sdbench.errors import SdbenchError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Benchmark and tune speculative decoding of language models.")
-console = Console()
+# piped output (CI logs, files) gets room for the full tables instead of rich's 80-column default
+console = Console() if sys.stdout.isatty() else Console(width=160)
 
 Target = Annotated[str, typer.Option("--target", "-t", help="target model: alias, Hugging Face id, folder or .gguf")]
 Draft = Annotated[Optional[list[str]], typer.Option("--draft", "-d", help="draft model (repeatable)")]

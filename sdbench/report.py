@@ -131,12 +131,13 @@ def summary_table(summary: pd.DataFrame, title: str | None = None) -> Table:
     many_runs = summary["run_id"].nunique() > 1
     table = Table(title=title)
     if many_runs:
-        table.add_column("run")
-    table.add_column("strategy")
-    table.add_column(" / ".join(by) if by != ["category"] else "category")
-    for name in ("prompts", "tokens/s", "speedup", "predicted", "mean acc. len", "acceptance", "draft share"):
-        table.add_column(name, justify="right")
-    table.add_column("lossless", justify="center")
+        table.add_column("run", no_wrap=True)
+    table.add_column("strategy", no_wrap=True)
+    table.add_column(" / ".join(by) if by != ["category"] else "category", no_wrap=True)
+    # short headers keep the table readable in an 80-column terminal
+    for name in ("n", "tok/s", "speedup", "pred.", "acc.len", "accept", "draft%"):
+        table.add_column(name, justify="right", no_wrap=True)
+    table.add_column("lossless", justify="center", no_wrap=True)
     started_overall = False
     for row in _ordered(summary, by):
         overall = all(row[b] == ALL for b in by)

@@ -192,7 +192,10 @@ def _auto_tokenizer(ref: str, **kwargs) -> "PreTrainedTokenizerBase":
 
 def _auto_model(ref: str, dtype: torch.dtype, **kwargs) -> "PreTrainedModel":
     from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
 
+    # sdbench shows its own status while loading; the library's per-tensor bars would interleave with it
+    hf_logging.disable_progress_bar()
     return AutoModelForCausalLM.from_pretrained(ref, dtype=dtype, **kwargs)
 
 

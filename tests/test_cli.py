@@ -1,0 +1,140 @@
+"""The command line: bad input gets one line and a non-zero exit; runs end to end on the embedded SmolLM2."""
+
+from __future__ import annotations
+
+import pytest
+
+from sdbench import benchmark
+from sdbench.cli import main
+from sdbench.results import read_results
+
+SMALL = ["--limit", "2", "--max-new-tokens", "12"]
+
+
+def run_cli(capsys, *argv) -> tuple[int, str, str]:
+    try:
+        main(list(argv))
+        code = 0
+    except SystemExit as e:
+        code = e.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def one_line_error(code: int, err: str) -> str:
+    assert code != 0
+    lines = [line for line in err.strip().splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error:"), err
+    assert "Traceback" not in err
+    return lines[0]
+
+
+@pytest.mark.parametrize("argv, expect", [
+    (["run", "--strategy", "nope"], "unknown strategy 'nope'"),
+    (["run", "--dataset", "nope"], "unknown task 'nope'"),
+    (["run", "--strategy", "draft"], "needs --draft"),
+    (["run", "--set", "colour=blue"], "has no setting 'colour'"),
+    (["run", "--set", "max_ngram=many"], "expected int"),
+    (["run", "--set", "oops"], "expected key=value"),
+    (["run", "--limit", "0"], "--limit must be at least 1"),
+    (["run", "--top-p", "0"], "--top-p"),
+    (["run", "--dtype", "float64"], "--dtype float64"),
+    (["run", "--device", "cuda:7"] if not __import__("torch").cuda.is_available() else ["run", "--device", "tpu"],
+     "--device"),
+    (["run", "--bogus"], "No such option"),
+    (["run", "--resume", "no-such-run"], "no-such-run"),
+    (["list", "things"], "cannot list 'things'"),
+    (["report", "/nonexistent/results.parquet"], "/nonexistent"),
+])
+def test_bad_input_is_one_line(capsys, tmp_path, argv, expect):
+    code, _, err = run_cli(capsys, *argv, *(["--out", str(tmp_path)] if argv[0] == "run" else []))
+    assert expect in one_line_error(code, err)
+
+
+def test_unknown_model_is_one_line(capsys, monkeypatch, tmp_path):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    code, _, err = run_cli(capsys, "run", "--target", "no-org/no-such-model", "--out", str(tmp_path))
+    assert "no-org/no-such-model" in one_line_error(code, err)
+
+
+def test_run_passes_settings_to_the_engine(capsys, monkeypatch):
+    seen = {}
+
+    class FakeBench:
+        def __init__(self, cfg, console):
+            seen["cfg"] = cfg
+
+        def run(self):
+            raise SystemExit(0)
+
+    monkeypatch.setattr(benchmark, "Bench", FakeBench)
+    run_cli(capsys, "run", "--target", "m", "--draft", "d1", "--draft", "d2", "--strategy", "ngram", "--gamma", "3",
+            "--set", "max_ngram=2", "--temperature", "0.5", "--top-p", "0.9", "--seed", "4", "--batch-size", "2",
+            "--prompt-len", "100", "--dataset", "kjv", "--no-baseline", "--repeats", "3", "--dtype", "bfloat16")
+    cfg = seen["cfg"]
+    assert (cfg.target, cfg.drafts, cfg.strategy, cfg.gamma) == ("m", ("d1", "d2"), "ngram", 3)
+    assert cfg.options == {"max_ngram": "2"}
+    assert (cfg.sampling.temperature, cfg.sampling.top_p, cfg.sampling.seed) == (0.5, 0.9, 4)
+    assert (cfg.batch_size, cfg.prompt_len, cfg.dataset, cfg.baseline, cfg.repeats, cfg.dtype) == (
+        2, 100, "kjv", False, 3, "bfloat16")
+
+
+def test_list_commands(capsys):
+    for what, expect in (("strategies", "ngram"), ("datasets", "mt-bench"), ("models", "smollm2-135m")):
+        code, out, _ = run_cli(capsys, "list", what)
+        assert code == 0 and expect in out
+
+
+@pytest.mark.slow
+def test_run_end_to_end_self_draft(capsys, tmp_path):
+    code, out, err = run_cli(capsys, "run", "--strategy", "draft", "--draft", "smollm2-135m", "--gamma", "3",
+                             *SMALL, "--out", str(tmp_path))
+    assert code == 0, err
+    df = read_results([tmp_path])
+    assert len(df) == 4 and set(df["role"]) == {"baseline", "strategy"}
+    assert df["lossless"].dropna().all() and df["lossless"].notna().sum() == 4
+    strat = df[df["role"] == "strategy"]
+    # the target drafting for itself is always right
+    assert (strat["accepted"] == strat["drafted"]).all() and (strat["mean_accepted_len"] > 3.0).all()
+    base = df[df["role"] == "baseline"].set_index("prompt_id")
+    for _, row in strat.iterrows():
+        assert list(row["output_ids"]) == list(base.loc[row["prompt_id"], "output_ids"])
+        assert row["new_tokens"] == len(row["output_ids"])
+    assert df["dataset"].iloc[0] == "mt-bench" and df["device"].iloc[0] == "cpu"
+    assert "ALL" in out and "lossless" in out
+    code, out, _ = run_cli(capsys, "report", str(tmp_path))
+    assert code == 0 and "draft" in out
+
+
+@pytest.mark.slow
+def test_run_batched_ngram_and_long_context(capsys, tmp_path):
+    code, _, err = run_cli(capsys, "run", "--strategy", "ngram", "--batch-size", "2", "--dataset", "pg19",
+                           "--prompt-len", "200", *SMALL, "--out", str(tmp_path))
+    assert code == 0, err
+    df = read_results([tmp_path])
+    assert (df["prompt_tokens"] == 200).all() and (df["batch_size"] == 2).all()
+    assert df["batch_id"].nunique() == 1 and df["lossless"].all()
+    assert df["dataset"].iloc[0] == "kjv-bible (PG-19 stand-in)"
+
+
+@pytest.mark.slow
+def test_interrupted_run_keeps_finished_batches_and_resumes(capsys, tmp_path, monkeypatch):
+    calls = {"n": 0}
+    real = benchmark.generate
+
+    def flaky(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 5:  # warm-up (2 calls) and the first batch (2) finish; the second batch is cut
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(benchmark, "generate", flaky)
+    code, _, err = run_cli(capsys, "run", *SMALL, "--out", str(tmp_path))
+    line = one_line_error(code, err)
+    assert "interrupted" in line and "--resume" in line
+    run_id = line.split("--resume ")[1].split()[0]
+    assert len(read_results([tmp_path])) == 2  # baseline and strategy rows of the finished batch
+    code, _, err = run_cli(capsys, "run", "--resume", run_id, "--out", str(tmp_path))
+    assert code == 0, err
+    df = read_results([tmp_path])
+    assert len(df) == 4 and df["prompt_id"].nunique() == 2 and (df["run_id"] == run_id).all()
