@@ -21,7 +21,7 @@ from sdbench.config import DEFAULT_GAMMA, RunConfig, SamplingConfig
 from sdbench.decode import generate
 from sdbench.env import environment, peak_memory, reset_peak_memory
 from sdbench.errors import SdbenchError
-from sdbench.metrics import BatchResult, row_metrics, speedup
+from sdbench.metrics import BatchResult, predicted_speedup, row_metrics, speedup
 from sdbench.strategies import BuildContext, build_proposer, check_options, needs_draft, resolve_strategy
 from sdbench.strategies.autoregressive import Autoregressive
 
@@ -210,6 +210,7 @@ class Bench:
                            predicted_speedup=math.nan, timestamp=_now())
                 if base is not None:
                     row["speedup"] = speedup(row["tokens_per_s"], row_metrics(base, b)["tokens_per_s"])
+                    row["predicted_speedup"] = predicted_speedup(res.rows[b], base.rows[b])
                     if self.cfg.sampling.greedy:
                         row["lossless"] = res.output_ids[b] == base.output_ids[b]
                 rows.append(row)

@@ -40,6 +40,7 @@ class RowStats:
     steps: int = 0
     drafted: int = 0
     accepted: int = 0
+    rejections: int = 0  # steps that rejected one of their drafted tokens
     accepted_per_position: list[int] = field(default_factory=list)  # [j]: steps whose draft j was accepted
     drafted_per_position: list[int] = field(default_factory=list)  # [j]: steps that drafted a token at j
     draft_s: float = 0.0  # the batch's drafting time over the steps this row was active
@@ -49,6 +50,7 @@ class RowStats:
         self.steps += 1
         self.drafted += drafted
         self.accepted += accepted
+        self.rejections += accepted < drafted
         self.draft_s += draft_s
         self.verify_s += verify_s
         for counts, n in ((self.drafted_per_position, drafted), (self.accepted_per_position, accepted)):
@@ -97,3 +99,22 @@ def row_metrics(result: BatchResult, b: int) -> dict:
 
 def speedup(tokens_per_s: float, baseline_tokens_per_s: float) -> float:
     return tokens_per_s / baseline_tokens_per_s if baseline_tokens_per_s > 0 else math.nan
+
+
+def predicted_speedup(stats: RowStats, baseline: RowStats) -> float:
+    """The cost model's speedup from this run's own measurements.
+
+    alpha: fitted to the row's accepted lengths; gamma: mean drafted tokens per step; draft cost c: drafting
+    time per drafted token over the baseline's time per target forward; verify cost v: time per
+    verification over the same. Whatever the model leaves out (bookkeeping, non-geometric acceptance, the
+    budget cutting the last step short) shows as the gap to the measured speedup.
+    """
+    from sdbench.theory import fit_alpha, predicted_speedup as formula
+
+    if not (stats.steps and baseline.steps and baseline.verify_s > 0):
+        return math.nan
+    target_forward = baseline.verify_s / baseline.steps
+    gamma = stats.drafted / stats.steps
+    c = stats.draft_s / stats.drafted / target_forward if stats.drafted else 0.0
+    v = stats.verify_s / stats.steps / target_forward
+    return formula(fit_alpha(stats.accepted, stats.rejections), gamma, c, v)
