@@ -94,12 +94,13 @@ def report(paths: Annotated[list[str], typer.Argument(help="Parquet files, .part
 def bench(
     target: Target = C.DEFAULT_TARGET, draft: Draft = None, dataset: Dataset = C.DEFAULT_DATASET,
     limit: Limit = C.DEFAULT_LIMIT, max_new_tokens: MaxNew = 96, gamma: Annotated[int, typer.Option("--gamma", "-g")] = 4,
-    device: Device = "auto", dtype: Dtype = "float32", seed: Seed = 0,
+    device: Device = "auto", dtype: Dtype = "float32", seed: Seed = 0, repeats: Repeats = 2,
 ):
     """Speed against peers in one process: transformers generate and assisted generation vs sdbench."""
     from sdbench.peers import run_peers
 
-    run_peers(target, (draft or [target])[0], dataset, limit, max_new_tokens, gamma, device, dtype, seed, console)
+    run_peers(target, (draft or [target])[0], dataset, limit, max_new_tokens, gamma, device, dtype, seed, console,
+              repeats)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -6,7 +6,6 @@ are counted from the ids it returns, and outputs are compared token for token.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 import torch
@@ -33,15 +32,23 @@ class Measured:
         return rate(self.tokens, self.seconds)
 
 
-def _time(system: str, fn, prompts, device) -> Measured:
-    fn(prompts[0], 4)  # warm-up, not counted
-    outputs, seconds = [], 0.0
-    for p in prompts:
-        t0 = now(device)
-        out = fn(p, None)
-        seconds += now(device) - t0
-        outputs.append(out)
-    return Measured(system, sum(len(o) for o in outputs), seconds, outputs)
+def _measure(systems: list, prompts: list[list[int]], repeats: int, device, status) -> list[Measured]:
+    """Each prompt through every system in turn, `repeats` times: drift in the machine's speed then falls
+    on all systems alike instead of on whichever ran last."""
+    results = [Measured(name, 0, 0.0, []) for name, _ in systems]
+    for name, fn in systems:
+        fn(prompts[0], 4)  # warm-up, not counted
+    for r in range(repeats):
+        for i, p in enumerate(prompts):
+            status.update(f"measuring: repeat {r + 1}/{repeats}, prompt {i + 1}/{len(prompts)}")
+            for m, (_, fn) in zip(results, systems):
+                t0 = now(device)
+                out = fn(p, None)
+                m.seconds += now(device) - t0
+                m.tokens += len(out)
+                if r == 0:
+                    m.outputs.append(out)
+    return results
 
 
 def _hf(model, max_new: int, eos: list[int], **kwargs):
@@ -84,7 +91,7 @@ def weight_bytes(model) -> int:
 
 
 def run_peers(target: str, draft: str, dataset: str, limit: int, max_new: int, gamma: int, device: str,
-              dtype: str, seed: int, console: Console) -> list[Measured]:
+              dtype: str, seed: int, console: Console, repeats: int = 2) -> list[Measured]:
     from sdbench.benchmark import resolve_device, resolve_dtype
     from sdbench.models.loader import check_same_tokenizer, eos_token_ids, load_model
     from sdbench.models.runner import ModelRunner
@@ -111,14 +118,12 @@ def run_peers(target: str, draft: str, dataset: str, limit: int, max_new: int, g
         (f"transformers prompt lookup (γ={gamma})", _hf(tgt.model, max_new, eos, prompt_lookup_num_tokens=gamma)),
         (f"sdbench ngram (γ={gamma})", _ours(runner, lambda: NGram(gamma), max_new, eos)),
     ]
-    results = []
     with console.status("measuring") as status:
-        for name, fn in systems:
-            status.update(f"measuring {name}")
-            results.append(_time(name, fn, prompts, dev))
+        results = _measure(systems, prompts, repeats, dev, status)
     roofline = memory_bandwidth(dev) / weight_bytes(tgt.model)
-    console.print(_table(results, roofline, f"{target} / draft {draft}, {dataset} x{limit}, {max_new} new tokens, "
-                                            f"greedy, {dev} {dtype}, {torch.get_num_threads()} threads"))
+    console.print(_table(results, roofline, f"{target} / draft {draft}, {dataset} x{limit} x{repeats} repeats, "
+                                            f"{max_new} new tokens, greedy, {dev} {dtype}, "
+                                            f"{torch.get_num_threads()} threads"))
     return results
 
 
