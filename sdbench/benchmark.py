@@ -81,15 +81,15 @@ def load_pair(cfg: RunConfig, device: torch.device, dtype: torch.dtype, console:
 def plan(cfg: RunConfig) -> tuple[RunConfig, object]:
     """Settle the strategy (presets included) and check the settings before anything heavy loads."""
     choice = resolve_strategy(cfg.strategy)
-    gamma = cfg.gamma if cfg.gamma is not None else (choice.gamma or DEFAULT_GAMMA)
+    gammas = cfg.gammas or (choice.gamma or DEFAULT_GAMMA,)
     drafts = cfg.drafts or choice.drafts
-    cfg = replace(cfg, gamma=gamma, drafts=tuple(drafts), options={**choice.options, **cfg.options})
+    cfg = replace(cfg, gammas=tuple(gammas), drafts=tuple(drafts), options={**choice.options, **cfg.options})
     if needs_draft(choice.base) and not cfg.drafts:
         raise SdbenchError(f"strategy '{choice.base}' needs --draft MODEL (e.g. --draft {cfg.target} to let "
                            "the target draft for itself)")
     for name, value, low in (("--limit", cfg.limit, 1), ("--max-new-tokens", cfg.max_new_tokens, 1),
                              ("--batch-size", cfg.batch_size, 1), ("--repeats", cfg.repeats, 1),
-                             ("--gamma", cfg.gamma, 0)):
+                             ("--gamma", min(cfg.gammas), 0)):
         if value is not None and value < low:
             raise SdbenchError(f"{name} must be at least {low} (got {value})")
     if cfg.sampling.temperature < 0 or not 0 < cfg.sampling.top_p <= 1:
@@ -125,9 +125,13 @@ class Bench:
         self.device = resolve_device(self.cfg.device)
         self.dtype = resolve_dtype(self.cfg.dtype, self.device)
 
-    def _proposer(self, pair: Pair):
-        ctx = BuildContext(pair.target, pair.drafts, self.cfg.gamma, dict(self.cfg.options))
-        return build_proposer(self.choice.base, ctx)
+    def _variants(self, pair: Pair) -> list[tuple[str, object]]:
+        """(role, proposer) for each strategy configuration to run: one per --gamma value."""
+        made = [build_proposer(self.choice.base, BuildContext(pair.target, pair.drafts, g, dict(self.cfg.options)))
+                for g in self.cfg.gammas]
+        if len(made) == 1:
+            return [("strategy", made[0])]
+        return [(f"strategy-{i + 1}", p) for i, p in enumerate(made)]
 
     def _generate(self, pair: Pair, proposer, batch: list[list[int]], max_new: int, seed: int) -> BatchResult:
         gen = torch.Generator(self.device).manual_seed(seed)
@@ -139,7 +143,7 @@ class Bench:
 
         cfg = self.cfg
         pair = load_pair(cfg, self.device, self.dtype, self.console)
-        proposer = self._proposer(pair)
+        variants = self._variants(pair)
         prompts, encoded = encode_prompts(cfg, pair)
         batches = [list(range(i, min(i + cfg.batch_size, len(prompts)))) for i in range(0, len(prompts),
                                                                                       cfg.batch_size)]
@@ -152,10 +156,10 @@ class Bench:
         self._save_config(run_id)
         with self.console.status("warming up"):
             warm = [encoded[i] for i in batches[0]]
-            for prop in ((Autoregressive(), proposer) if cfg.baseline else (proposer,)):
+            for _, prop in (("baseline", Autoregressive()),) * cfg.baseline + tuple(variants):
                 self._generate(pair, prop, warm, min(cfg.warmup_tokens, cfg.max_new_tokens), cfg.sampling.seed)
-        roles = (("baseline", Autoregressive()),) * cfg.baseline + (("strategy", proposer),)
-        common = self._common(proposer, env)
+        roles = (("baseline", Autoregressive()),) * cfg.baseline + tuple(variants)
+        common = self._common()
         try:
             with writer, self._progress() as progress:
                 task = progress.add_task(self.choice.name, total=cfg.repeats * len(batches) * len(roles))
@@ -172,7 +176,7 @@ class Bench:
                             res = self._generate(pair, prop, [encoded[i] for i in idx], cfg.max_new_tokens, seed)
                             results[role] = (res, peak_memory(str(self.device)))
                             progress.advance(task)
-                        writer.append(self._rows(common, prompts, idx, results, repeat, batch_id))
+                        writer.append(self._rows(common, dict(roles), prompts, idx, results, repeat, batch_id))
         except KeyboardInterrupt:
             raise SdbenchError(f"interrupted: finished prompts are saved in {writer.final_path}; continue with "
                                f"`sdbench run --resume {run_id} --out {cfg.out}`") from None
@@ -187,22 +191,26 @@ class Bench:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(asdict(self.cfg), indent=2, default=str))
 
-    def _common(self, proposer, env: dict) -> dict:
+    def _common(self) -> dict:
         cfg = self.cfg
         return {
             "target": cfg.target, "dataset": _label(cfg), "batch_size": cfg.batch_size,
             "temperature": cfg.sampling.temperature, "top_p": cfg.sampling.top_p, "seed": cfg.sampling.seed,
-            "_strategy": (self.choice.name, json.dumps(proposer.params(), sort_keys=True),
-                          ",".join(cfg.drafts)),
         }
 
-    def _rows(self, common, prompts, idx, results, repeat, batch_id) -> list[dict]:
+    def _describe(self, role: str, proposer) -> tuple[str, str, str]:
+        """(strategy, params JSON, drafts) as recorded on a row."""
+        if role == "baseline":
+            return "autoregressive", "{}", ""
+        return self.choice.name, json.dumps(proposer.params(), sort_keys=True), ",".join(self.cfg.drafts)
+
+    def _rows(self, common, proposers, prompts, idx, results, repeat, batch_id) -> list[dict]:
         rows = []
         base = results.get("baseline", (None,))[0]
         for role, (res, (mem, mem_kind)) in results.items():
-            name, params, drafts = ("autoregressive", "{}", "") if role == "baseline" else common["_strategy"]
+            name, params, drafts = self._describe(role, proposers[role])
             for b, i in enumerate(idx):
-                row = {k: v for k, v in common.items() if not k.startswith("_")}
+                row = dict(common)
                 row.update(row_metrics(res, b))
                 row.update(role=role, strategy=name, params=params, draft=drafts, category=prompts[i].category,
                            prompt_id=prompts[i].id, repeat=repeat, batch_id=batch_id, peak_mem_bytes=mem,

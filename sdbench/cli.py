@@ -26,7 +26,7 @@ Batch = Annotated[int, typer.Option("--batch-size", "-b", help="prompts decoded 
 Temperature = Annotated[float, typer.Option(help="0 = greedy; otherwise lossless speculative sampling")]
 TopP = Annotated[float, typer.Option("--top-p", help="nucleus sampling mass")]
 Seed = Annotated[int, typer.Option(help="seed for prompt selection and sampling")]
-Gamma = Annotated[Optional[int], typer.Option("--gamma", "-g", help=f"draft tokens per step [default: preset or {C.DEFAULT_GAMMA}]")]
+Gamma = Annotated[Optional[str], typer.Option("--gamma", "-g", help=f"draft tokens per step, or a sweep like 1,2,4,8 [default: preset or {C.DEFAULT_GAMMA}]")]
 PromptLen = Annotated[Optional[int], typer.Option("--prompt-len", help="long-context prompts of exactly this many tokens (book datasets)")]
 Device = Annotated[str, typer.Option(help="cpu, cuda, cuda:N or auto")]
 Dtype = Annotated[str, typer.Option(help="float32, bfloat16 or float16")]
@@ -35,6 +35,18 @@ Sets = Annotated[Optional[list[str]], typer.Option("--set", help="strategy setti
 Out = Annotated[str, typer.Option(help="folder for the Parquet results")]
 Baseline = Annotated[bool, typer.Option("--baseline/--no-baseline", help="also run plain decoding on the same prompts")]
 Resume = Annotated[Optional[str], typer.Option(help="continue an interrupted run: its RUN_ID")]
+
+
+def parse_gammas(text: str | None) -> tuple[int, ...]:
+    if text is None:
+        return ()
+    try:
+        values = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise SdbenchError(f"--gamma {text}: expected a whole number or a comma-separated list") from None
+    if not values or len(set(values)) != len(values):
+        raise SdbenchError(f"--gamma {text}: expected distinct whole numbers")
+    return values
 
 
 def parse_sets(items: list[str] | None) -> dict:
@@ -63,7 +75,7 @@ def run(
     cfg = C.RunConfig(
         target=target, drafts=tuple(draft or ()), strategy=strategy, dataset=dataset, limit=limit,
         max_new_tokens=max_new_tokens, batch_size=batch_size, sampling=C.SamplingConfig(temperature, top_p, seed),
-        gamma=gamma, prompt_len=prompt_len, device=device, dtype=dtype, repeats=repeats, options=parse_sets(set_),
+        gammas=parse_gammas(gamma), prompt_len=prompt_len, device=device, dtype=dtype, repeats=repeats, options=parse_sets(set_),
         out=out, baseline=baseline, resume=resume,
     )
     if resume:

@@ -36,7 +36,7 @@ class RunConfig:
     max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
     batch_size: int = 1
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
-    gamma: int | None = None  # None: the preset's, else DEFAULT_GAMMA
+    gammas: tuple[int, ...] = ()  # one run per value (a sweep); empty: the preset's, else DEFAULT_GAMMA
     prompt_len: int | None = None
     device: str = "auto"
     dtype: str = "float32"
@@ -46,3 +46,8 @@ class RunConfig:
     baseline: bool = True
     resume: str | None = None
     warmup_tokens: int = 8
+
+    @property
+    def gamma(self) -> int | None:
+        """The largest lookahead asked for (sizes caches and position checks)."""
+        return max(self.gammas) if self.gammas else None

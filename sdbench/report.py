@@ -14,6 +14,8 @@ The aggregates are the project's contract:
 
 from __future__ import annotations
 
+import json
+
 import math
 
 import numpy as np
@@ -60,10 +62,19 @@ def _prepare(df: pd.DataFrame, by: list[str]) -> pd.DataFrame:
     # Several configurations under one strategy name in a run must not be pooled into one row.
     config = ident["draft"] + "\x1f" + ident["params"]
     shared = ~baseline & config.groupby([data["run_id"], label], dropna=False).transform("nunique").gt(1)
-    detail = ident["strategy"] + " [" + ident["draft"] + "] " + ident["params"]
-    label = label.where(~shared, detail)
+    label = label.astype(object)
+    if shared.any():
+        label.loc[shared] = [f"{n} {d}" for n, d in zip(ident.loc[shared, "strategy"], _differing(ident.loc[shared]))]
     data["strategy"] = label
     return data
+
+
+def _differing(ident: pd.DataFrame) -> pd.Series:
+    """Per row, only the settings that differ between the configurations: 'gamma=2', 'draft=x gamma=4'."""
+    settings = [{"draft": d, **json.loads(p or "{}")} for d, p in zip(ident["draft"], ident["params"])]
+    varying = {k for k in {k for s in settings for k in s} if len({json.dumps(s.get(k)) for s in settings}) > 1}
+    text = [" ".join(f"{k}={s[k]}" for k in sorted(varying) if k in s) for s in settings]
+    return pd.Series(text, index=ident.index, dtype=object)
 
 
 def _num(series: pd.Series) -> np.ndarray:

@@ -37,6 +37,8 @@ def one_line_error(code: int, err: str) -> str:
     (["run", "--set", "max_ngram=many"], "expected int"),
     (["run", "--set", "oops"], "expected key=value"),
     (["run", "--limit", "0"], "--limit must be at least 1"),
+    (["run", "--gamma", "2,x"], "--gamma 2,x"),
+    (["run", "--gamma", "-1"], "--gamma must be at least 0"),
     (["run", "--top-p", "0"], "--top-p"),
     (["run", "--dtype", "float64"], "--dtype float64"),
     (["run", "--device", "cuda:7"] if not __import__("torch").cuda.is_available() else ["run", "--device", "tpu"],
@@ -72,7 +74,7 @@ def test_run_passes_settings_to_the_engine(capsys, monkeypatch):
             "--set", "max_ngram=2", "--temperature", "0.5", "--top-p", "0.9", "--seed", "4", "--batch-size", "2",
             "--prompt-len", "100", "--dataset", "kjv", "--no-baseline", "--repeats", "3", "--dtype", "bfloat16")
     cfg = seen["cfg"]
-    assert (cfg.target, cfg.drafts, cfg.strategy, cfg.gamma) == ("m", ("d1", "d2"), "ngram", 3)
+    assert (cfg.target, cfg.drafts, cfg.strategy, cfg.gammas) == ("m", ("d1", "d2"), "ngram", (3,))
     assert cfg.options == {"max_ngram": "2"}
     assert (cfg.sampling.temperature, cfg.sampling.top_p, cfg.sampling.seed) == (0.5, 0.9, 4)
     assert (cfg.batch_size, cfg.prompt_len, cfg.dataset, cfg.baseline, cfg.repeats, cfg.dtype) == (

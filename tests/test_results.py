@@ -242,7 +242,7 @@ def test_configurations_sharing_a_name_are_not_pooled():
     df.loc[df["prompt_id"].isin(["p3", "p4"]) & (df["role"] == "strategy"), "params"] = '{"gamma": 8}'
     df["params"] = df["params"].fillna('{"gamma": 4}')
     labels = set(summarize(df)["strategy"])
-    assert labels == {"baseline", 'draft [] {"gamma": 4}', 'draft [] {"gamma": 8}'}
+    assert labels == {"baseline", "draft gamma=4", "draft gamma=8"}
 
 
 def test_per_position_rates_pad_lists():
