@@ -119,8 +119,12 @@ def encode_prompts(cfg: RunConfig, pair: Pair):
 class Bench:
     """Runs one configured benchmark; `run` returns the path of the Parquet file it wrote."""
 
-    def __init__(self, cfg: RunConfig, console: Console | None = None):
+    def __init__(self, cfg: RunConfig, console: Console | None = None, pair: Pair | None = None,
+                 on_batch=None):
+        """pair: already-loaded models to reuse (tuning runs many configurations on one pair);
+        on_batch(rows): called with each batch's rows once they are written (e.g. to prune a trial)."""
         self.console = console or Console()
+        self.pair, self.on_batch = pair, on_batch
         self.cfg, self.choice = plan(cfg)
         self.device = resolve_device(self.cfg.device)
         self.dtype = resolve_dtype(self.cfg.dtype, self.device)
@@ -135,14 +139,16 @@ class Bench:
 
     def _generate(self, pair: Pair, proposer, batch: list[list[int]], max_new: int, seed: int) -> BatchResult:
         gen = torch.Generator(self.device).manual_seed(seed)
-        return generate(pair.target, proposer, batch, max_new_tokens=max_new, sampling=self.cfg.sampling,
-                        eos_ids=pair.eos, generator=gen)
+        # a strategy that changes control flow itself (speculation parallelism) brings its own loop
+        loop = getattr(proposer, "generate", None) or generate
+        return loop(pair.target, proposer, batch, max_new_tokens=max_new, sampling=self.cfg.sampling,
+                    eos_ids=pair.eos, generator=gen)
 
     def run(self) -> Path:
         from sdbench.results import RunWriter, new_run_id
 
         cfg = self.cfg
-        pair = load_pair(cfg, self.device, self.dtype, self.console)
+        pair = self.pair or load_pair(cfg, self.device, self.dtype, self.console)
         variants = self._variants(pair)
         prompts, encoded = encode_prompts(cfg, pair)
         batches = [list(range(i, min(i + cfg.batch_size, len(prompts)))) for i in range(0, len(prompts),
@@ -176,7 +182,10 @@ class Bench:
                             res = self._generate(pair, prop, [encoded[i] for i in idx], cfg.max_new_tokens, seed)
                             results[role] = (res, peak_memory(str(self.device)))
                             progress.advance(task)
-                        writer.append(self._rows(common, dict(roles), prompts, idx, results, repeat, batch_id))
+                        rows = self._rows(common, dict(roles), prompts, idx, results, repeat, batch_id)
+                        writer.append(rows)
+                        if self.on_batch is not None:
+                            self.on_batch(rows)
         except KeyboardInterrupt:
             raise SdbenchError(f"interrupted: finished prompts are saved in {writer.final_path}; continue with "
                                f"`sdbench run --resume {run_id} --out {cfg.out}`") from None

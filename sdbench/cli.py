@@ -115,6 +115,23 @@ def bench(
               repeats)
 
 
+predict_app = typer.Typer(no_args_is_help=True, help="What the cost models predict, from given or profiled costs.")
+app.add_typer(predict_app, name="predict")
+
+
+@predict_app.command("speedup")
+def predict_speedup(
+    alpha: Annotated[float, typer.Option(help="per-token acceptance rate, 0..1")],
+    gamma: Annotated[str, typer.Option("--gamma", "-g", help="lookahead, or a list like 1,2,4,8")] = "1,2,3,4,6,8",
+    draft_cost: Annotated[float, typer.Option(help="one draft forward / one target forward")] = 0.1,
+    verify_cost: Annotated[float, typer.Option(help="one verification of gamma+1 tokens / one target forward")] = 1.0,
+):
+    """Expected tokens per step and speedup of draft-model SD under the i.i.d. acceptance model."""
+    from sdbench.theory import speedup_table
+
+    console.print(speedup_table(alpha, parse_gammas(gamma), draft_cost, verify_cost))
+
+
 def main(argv: list[str] | None = None) -> None:
     err = Console(stderr=True)
     try:

@@ -92,7 +92,8 @@ def generate(target, proposer: Proposer, prompts: list[list[int]], *, max_new_to
         proposer.observe(state, verdict.accepted, proposal)
 
     wall = now(dev) - t_start
-    return BatchResult([state.generated(b) for b in range(state.batch)], state.prompt_lengths, rows, wall, ttft)
+    return BatchResult([state.generated(b) for b in range(state.batch)], state.prompt_lengths, rows, wall, ttft,
+                       [proposer.row_stats(b) for b in range(state.batch)])
 
 
 def _verify(target, cache, state: DecodeState, proposal):

@@ -7,6 +7,7 @@ the token the target adds itself (correction or bonus), so plain decoding scores
 
 from __future__ import annotations
 
+import json
 import math
 import time
 from dataclasses import dataclass, field
@@ -68,6 +69,7 @@ class BatchResult:
     rows: list[RowStats]
     wall_s: float  # prefill to last token, the whole batch
     ttft_s: float  # prefill to first token
+    extras: list[dict] = field(default_factory=list)  # per row: the proposer's row_stats()
 
     @property
     def new_tokens(self) -> int:
@@ -94,6 +96,7 @@ def row_metrics(result: BatchResult, b: int) -> dict:
         "tpot_s": (result.wall_s - result.ttft_s) / (n - 1) if n > 1 else math.nan,
         "draft_s": stats.draft_s,
         "verify_s": stats.verify_s,
+        "strategy_stats": json.dumps(result.extras[b] if b < len(result.extras) else {}, sort_keys=True),
     }
 
 

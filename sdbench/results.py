@@ -74,6 +74,7 @@ SCHEMA = pa.schema([
     ("cpu", _S),
     ("gpu", _S),
     ("output_ids", pa.list_(pa.int32())),
+    ("strategy_stats", _S),  # JSON: the proposer's own per-row figures (Proposer.row_stats)
 ])
 COLUMNS: tuple[str, ...] = tuple(SCHEMA.names)
 ENV_COLUMNS = ("device", "dtype", "torch_version", "transformers_version", "sdbench_version",

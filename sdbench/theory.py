@@ -41,3 +41,22 @@ def predicted_speedup(alpha: float, gamma: float, draft_cost: float, verify_cost
     if not denominator > 0 or math.isnan(alpha):
         return math.nan
     return expected_tokens_per_step(alpha, gamma) / denominator
+
+
+def speedup_table(alpha: float, gammas: tuple[int, ...], draft_cost: float, verify_cost: float):
+    """A rich table of Omega and the predicted speedup for each gamma; the best gamma marked."""
+    from rich.table import Table
+
+    from sdbench.errors import SdbenchError
+
+    if not 0.0 <= alpha <= 1.0 or draft_cost < 0 or verify_cost <= 0:
+        raise SdbenchError("need 0 <= --alpha <= 1, --draft-cost >= 0 and --verify-cost > 0")
+    rows = [(g, expected_tokens_per_step(alpha, g), predicted_speedup(alpha, g, draft_cost, verify_cost))
+            for g in gammas]
+    best = max(rows, key=lambda r: r[2])[0]
+    table = Table(title=f"alpha={alpha}, draft cost={draft_cost}, verify cost={verify_cost}")
+    for col in ("gamma", "tokens/step", "speedup"):
+        table.add_column(col, justify="right")
+    for g, omega, s in rows:
+        table.add_row(f"{g}{' *' if g == best else ''}", f"{omega:.2f}", f"{s:.2f}x")
+    return table

@@ -40,3 +40,11 @@ def test_predicted_speedup_formula_and_from_measurements():
         strat.add_step(3, 3, 0.006, 0.015)
     assert predicted_speedup(strat, base) == pytest.approx(4 / (3 * 0.2 + 1.5))
     assert math.isnan(predicted_speedup(strat, RowStats()))
+
+
+def test_predict_speedup_command(capsys):
+    from sdbench.cli import main
+
+    main(["predict", "speedup", "--alpha", "0.8", "--gamma", "2,4", "--draft-cost", "0.0", "--verify-cost", "1.0"])
+    out = capsys.readouterr().out
+    assert "2.44" in out and "3.36x *" in out  # Omega(2, .8) = 2.44; Omega(4, .8) = 3.36 is the best

@@ -68,6 +68,11 @@ class Proposer:
         """The settings recorded with every result row."""
         return {"gamma": self.gamma}
 
+    def row_stats(self, b: int) -> dict:
+        """Strategy-specific figures for row b of the generation that just ended (JSON-able), recorded in
+        the `strategy_stats` column: e.g. a gamma trajectory, per-level counts, worker busy fractions."""
+        return {}
+
     @classmethod
     def build(cls, ctx: "BuildContext") -> "Proposer":
         """Make the proposer from loaded models and settings (ctx.options already validated)."""
