@@ -74,6 +74,7 @@ def generate(target, proposer: Proposer, prompts: list[list[int]], *, max_new_to
     for b, t in enumerate(first.tolist()):
         state.commit(b, [t])
     ttft = now(dev) - t_start
+    state.target_cache = cache  # self-speculation builds its sparse draft cache from the target's prefill
     proposer.begin(state)
 
     while not all(state.done):

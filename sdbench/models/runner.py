@@ -93,6 +93,8 @@ class ModelRunner:
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
         keys, values, mask = cache.update(i, k, v, step)
+        if getattr(cache, "wants_queries", False):  # a scoring view (SnapKV) looks at the queries too
+            cache.queries(i, q, keys, mask)
         o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask,
                                            enable_gqa=self.n_heads != self.n_kv_heads)
         return attn.o_proj(o.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))

@@ -24,6 +24,11 @@ strategy_registry.add(
     aliases=("sd", "speculative"), needs_draft=True,
 )
 strategy_registry.add(
+    "magicdec", "sdbench.strategies.magicdec:MagicDec",
+    "self-speculation: the target drafts through a fixed-budget sparse KV cache (StreamingLLM or SnapKV)",
+    aliases=("self-spec", "sparse-kv"), needs_draft=False,
+)
+strategy_registry.add(
     "ngram", "sdbench.strategies.ngram:NGram",
     "prompt lookup: draft from the latest earlier match of the context's suffix (no model)",
     aliases=("prompt-lookup", "pld"), needs_draft=False,

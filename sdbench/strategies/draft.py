@@ -6,7 +6,8 @@ import torch
 
 from sdbench.errors import SdbenchError
 from sdbench.sampling import choose
-from sdbench.strategies.base import BuildContext, Proposal, Proposer
+from sdbench.kv.sparse import SparseSpec, compress
+from sdbench.strategies.base import BuildContext, Option, Proposal, Proposer
 
 
 class DraftModel(Proposer):
@@ -18,16 +19,43 @@ class DraftModel(Proposer):
     """
 
     name = "draft"
-    def __init__(self, runner, gamma: int):
+    options = (
+        Option("draft_kv", "dense", "draft KV cache: dense, or a fixed-size sparse view: streamingllm, snapkv", str),
+        Option("budget", 256, "sparse draft cache: tokens attended"),
+        Option("sink", 16, "streamingllm: attention-sink tokens kept"),
+        Option("window", 32, "snapkv: recent (observation) window"),
+    )
+
+    def __init__(self, runner, gamma: int, draft_kv: str = "dense", budget: int = 256, sink: int = 16,
+                 window: int = 32):
         if gamma < 1:
             raise SdbenchError(f"--gamma must be at least 1 for strategy '{self.name}' (got {gamma})")
         super().__init__(gamma)
         self.runner = runner
+        self.sparse = None if draft_kv == "dense" else SparseSpec(draft_kv, budget, sink, window)
 
     def begin(self, state) -> None:
-        self.cache = self.runner.new_cache(state.batch, state.capacity)
         self.fed = [n - 1 for n in state.lengths]
-        self.runner.prefill(self.cache, [state.row(b)[: self.fed[b]].tolist() for b in range(state.batch)])
+        prompts = [state.row(b)[: self.fed[b]].tolist() for b in range(state.batch)]
+        if self.sparse is None:
+            self.cache = self.runner.new_cache(state.batch, state.capacity)
+            self.runner.prefill(self.cache, prompts)
+        else:
+            full = self._prompt_cache(state, prompts)
+            self.cache = compress(self.runner, full, self.fed, state.tokens, self.sparse, self.gamma)
+
+    def _prompt_cache(self, state, prompts):
+        """A dense cache holding the prompts, to be compressed into the sparse draft cache."""
+        cache = self.runner.new_cache(state.batch, max(self.fed) + 1)
+        self.runner.prefill(cache, prompts)
+        return cache
+
+    def params(self) -> dict:
+        if self.sparse is None:
+            return {"gamma": self.gamma}
+        sp = self.sparse
+        return {"gamma": self.gamma, "draft_kv": sp.selector, "budget": sp.budget,
+                **({"sink": sp.sink} if sp.selector == "streamingllm" else {"window": sp.window})}
 
     def _catch_up(self, state) -> torch.Tensor:
         """Feed each row's unseen committed tokens; logits [B, V] after its last committed token."""
@@ -59,4 +87,4 @@ class DraftModel(Proposer):
     def build(cls, ctx: BuildContext) -> Proposer:
         if not ctx.drafts:
             raise SdbenchError("strategy 'draft' needs a draft model: pass --draft MODEL (the target itself works)")
-        return cls(ctx.drafts[0], ctx.gamma)
+        return cls(ctx.drafts[0], ctx.gamma, **ctx.options)

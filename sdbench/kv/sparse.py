@@ -1,0 +1,199 @@
+"""Fixed-size draft caches for self-speculation (MagicDec): a sparse view of a full cache.
+
+Layout per layer: [B, H_kv, n_static + ring, D].
+  static slots  - kept for the whole generation: the first `sink` positions (StreamingLLM attention sinks)
+                  or, per KV head, the prefix positions the last prompt tokens attend to most (SnapKV);
+  ring slots    - the most recent positions; position p lives in slot n_static + p % ring, so new tokens
+                  overwrite the oldest ones and a rewind needs nothing (as in the dense cache, the next
+                  forward simply writes from the earlier position again).
+A query at position q attends to the static slots and to ring slots holding positions in
+(q - window, q] at or above the row's `floor` (the first position the window may hold), so it sees exactly
+budget keys once the context is long enough: the draft's cost stays flat as context grows. A row whose
+prompt leaves static slots unused gives them to its window, so a budget at least as long as the context
+attends to everything, exactly like the full cache.
+Keys are stored already rotated at their true positions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from sdbench.errors import SdbenchError
+from sdbench.kv.cache import DenseKVCache, StepIndex
+
+SELECTORS = ("streamingllm", "snapkv")
+
+
+@dataclass(frozen=True)
+class SparseSpec:
+    """How to compress: selector, total budget (tokens attended), sink count, window size."""
+
+    selector: str = "streamingllm"
+    budget: int = 256
+    sink: int = 16
+    window: int = 32  # SnapKV: recent window = observation window; StreamingLLM: budget - sink
+
+    def __post_init__(self):
+        if self.selector not in SELECTORS:
+            raise SdbenchError(f"unknown KV selector '{self.selector}'; choose one of {', '.join(SELECTORS)}")
+        if self.budget < 2:
+            raise SdbenchError(f"--set budget={self.budget}: a sparse KV budget needs at least 2 tokens")
+        if self.selector == "streamingllm" and not 0 <= self.sink < self.budget:
+            raise SdbenchError(f"--set sink={self.sink}: need 0 <= sink < budget ({self.budget})")
+        if self.selector == "snapkv" and not 1 <= self.window <= self.budget:
+            raise SdbenchError(f"--set window={self.window}: need 1 <= window <= budget ({self.budget})")
+
+    @property
+    def n_static(self) -> int:
+        return self.sink if self.selector == "streamingllm" else self.budget - self.window
+
+    @property
+    def recent(self) -> int:
+        return self.budget - self.n_static
+
+
+class SparseKVCache:
+    """Static slots plus a position-indexed ring; see the module docstring."""
+
+    def __init__(self, n_layers: int, batch: int, n_kv_heads: int, head_dim: int, n_static: int,
+                 window: torch.Tensor, lookahead: int, dtype: torch.dtype, device: torch.device):
+        self.n_static = n_static
+        self.window = window.to(device)  # [B] recent positions each row attends to
+        self.ring = int(window.max()) + lookahead + 2  # the window plus one step's speculative tokens
+        size = n_static + self.ring
+        shape = (batch, n_kv_heads, size, head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
+        self.slot_pos = torch.full((batch, size), -1, dtype=torch.long, device=device)  # position per slot
+        self.floor = torch.zeros(batch, dtype=torch.long, device=device)
+        self.capacity = 1 << 62  # positions are unbounded: the ring wraps
+        self._rows = torch.arange(batch, device=device)[:, None]
+        self._mask_step: StepIndex | None = None
+        self._mask: torch.Tensor | None = None
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+
+    def ring_slots(self, positions: torch.Tensor) -> torch.Tensor:
+        return self.n_static + positions % self.ring
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor, step: StepIndex):
+        # k, v: [B, H_kv, T, D] at positions step.positions [B, T]
+        slots = self.ring_slots(step.positions)
+        self.k[layer][self._rows, :, slots] = k.transpose(1, 2)
+        self.v[layer][self._rows, :, slots] = v.transpose(1, 2)
+        if self._mask_step is not step:  # once per forward, after the first layer's write
+            self.slot_pos[self._rows, slots] = step.positions
+            self._mask, self._mask_step = self._attend_mask(step.positions), step
+        return self.k[layer], self.v[layer], self._mask
+
+    def _attend_mask(self, q: torch.Tensor) -> torch.Tensor:
+        """[B, 1, T, slots] bool for queries at positions q [B, T]."""
+        pos = self.slot_pos[:, None, :]  # [B, 1, S]
+        is_static = torch.arange(pos.shape[-1], device=pos.device) < self.n_static
+        static = is_static & (pos >= 0)
+        recent = (~is_static) & (pos >= self.floor[:, None, None]) & (pos <= q[..., None]) & (
+            pos > q[..., None] - self.window[:, None, None])
+        return (static | recent)[:, None]
+
+
+class ScoringView:
+    """Read-only view of a dense cache that records SnapKV scores while the last prompt tokens are re-run.
+
+    The keys of the re-run positions are already in the dense cache, so nothing is written (rewriting them
+    could change the target's cache in the last bits and with it the greedy reference)."""
+
+    wants_queries = True
+
+    def __init__(self, dense: DenseKVCache, pool: int = 7):
+        self.dense = dense
+        self.capacity = dense.capacity
+        self.pool = pool
+        self.scores: dict[int, torch.Tensor] = {}  # layer -> [B, H_kv, kv_len]
+
+    def update(self, layer: int, k, v, step: StepIndex):
+        return (self.dense.k[layer][:, :, : step.kv_len], self.dense.v[layer][:, :, : step.kv_len],
+                step.causal_mask())
+
+    def queries(self, layer: int, q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor | None) -> None:
+        # q [B, Hq, T, D]; keys [B, H_kv, S, D]
+        B, Hq, T, D = q.shape
+        H = keys.shape[1]
+        logits = torch.einsum("bhgtd,bhsd->bhgts", q.view(B, H, Hq // H, T, D).float(), keys.float()) * D**-0.5
+        if mask is not None:
+            logits = logits.masked_fill(~mask[:, :, None], float("-inf"))
+        weight = logits.softmax(-1).sum(dim=(2, 3))  # [B, H_kv, S]
+        self.scores[layer] = F.max_pool1d(weight, self.pool, stride=1, padding=self.pool // 2)
+
+
+def compress(runner, dense: DenseKVCache, lengths: list[int], tokens: torch.Tensor, spec: SparseSpec,
+             lookahead: int) -> SparseKVCache:
+    """A sparse cache holding, per row b, a budgeted view of positions [0, lengths[b]) of `dense`.
+
+    tokens [B, >= max(lengths)]: the rows' tokens (SnapKV re-runs the last `window` of them to score)."""
+    B = len(lengths)
+    P = torch.tensor(lengths, device=runner.device)
+    n = spec.n_static
+    floor = P.clamp(max=n) if spec.selector == "streamingllm" else (P - spec.recent).clamp(min=0)
+    used_static = floor.clamp(max=n)
+    cache = SparseKVCache(len(runner.layers), B, runner.n_kv_heads, runner.head_dim, n, spec.budget - used_static,
+                          lookahead, runner.dtype, runner.device)
+    cache.floor[:] = floor
+    if spec.selector == "streamingllm":
+        first = torch.arange(n, device=runner.device)
+        static = first.clamp(max=dense.capacity - 1).expand(B, runner.n_kv_heads, n)  # [B, H, n]
+        valid = first[None] < P[:, None]  # [B, n]
+        scores = None
+    else:
+        scores = _snapkv_scores(runner, dense, lengths, tokens, spec.recent)
+    for layer in range(len(runner.layers)):
+        if scores is not None:
+            static, valid = _select(scores[layer], cache.floor, n)
+        _fill(cache, dense, layer, static, valid, P)
+    return cache
+
+
+def _snapkv_scores(runner, dense, lengths, tokens, window) -> dict[int, torch.Tensor]:
+    obs = min(window, min(lengths))
+    start = [n - obs for n in lengths]
+    chunk = torch.stack([tokens[b, s : s + obs] for b, s in enumerate(start)])
+    view = ScoringView(dense)
+    runner.hidden(view, chunk, start)
+    return view.scores
+
+
+def _select(scores: torch.Tensor, floor: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per KV head, the n best-scored positions below each row's floor: indices [B, H, n] (valid ones first,
+    in position order) and which slots are valid [B, n] (all, unless the row has fewer than n positions)."""
+    B, H, S = scores.shape
+    below = torch.arange(S, device=scores.device)[None, None] < floor[:, None, None]
+    k = min(n, S)
+    picked = scores.masked_fill(~below, float("-inf")).topk(k, dim=-1).indices  # [B, H, k]
+    invalid = picked >= floor[:, None, None]
+    order = (picked + invalid * S).sort(dim=-1).indices
+    idx = picked.gather(-1, order)
+    valid = torch.arange(k, device=scores.device)[None] < floor[:, None]  # [B, k]
+    return F.pad(idx, (0, n - k)), F.pad(valid, (0, n - k))
+
+
+def _fill(cache: SparseKVCache, dense: DenseKVCache, layer: int, static: torch.Tensor, valid: torch.Tensor,
+          P: torch.Tensor) -> None:
+    B, H, _, D = dense.k[layer].shape
+    n = cache.n_static
+    if n:
+        gather = static[..., None].expand(B, H, n, D)
+        cache.k[layer][:, :, :n] = dense.k[layer].gather(2, gather)
+        cache.v[layer][:, :, :n] = dense.v[layer].gather(2, gather)
+        if layer == 0:  # static slots only need validity: they always lie below the window
+            cache.slot_pos[:, :n] = torch.where(valid, 0, -1)
+    for b in range(B):  # the most recent positions into the ring
+        lo = max(int(cache.floor[b]), int(P[b]) - int(cache.window[b]))
+        positions = torch.arange(lo, int(P[b]), device=P.device)
+        slots = cache.ring_slots(positions)
+        cache.k[layer][b, :, slots] = dense.k[layer][b, :, positions]
+        cache.v[layer][b, :, slots] = dense.v[layer][b, :, positions]
+        if layer == 0:
+            cache.slot_pos[b, slots] = positions

@@ -1,0 +1,39 @@
+"""MagicDec: self-speculation through a sparse KV cache.
+
+The target drafts for itself while attending to a fixed budget of keys (StreamingLLM sinks + recent
+window, or SnapKV's selected prefix + window), then verifies with its full cache. At long context and
+large batch, decoding is bound by reading the KV cache, so a draft whose cache stays small keeps its cost
+flat as the context grows, while its acceptance stays high because it is the target itself.
+"""
+
+from __future__ import annotations
+
+from sdbench.strategies.base import BuildContext, Option, Proposer
+from sdbench.strategies.draft import DraftModel
+
+
+class MagicDec(DraftModel):
+    name = "magicdec"
+    options = (
+        Option("kv", "streamingllm", "draft cache selector: streamingllm or snapkv", str),
+        Option("budget", 256, "draft KV budget: keys each draft query attends to"),
+        Option("sink", 16, "streamingllm: attention-sink tokens kept"),
+        Option("window", 32, "snapkv: recent (observation) window"),
+    )
+
+    def __init__(self, runner, gamma: int, kv: str = "streamingllm", budget: int = 256, sink: int = 16,
+                 window: int = 32):
+        super().__init__(runner, gamma, kv, budget, sink, window)
+
+    def _prompt_cache(self, state, prompts):
+        # the target's own prefill already holds the prompt: compress it instead of prefilling again
+        return state.target_cache
+
+    def params(self) -> dict:
+        sp = self.sparse
+        return {"gamma": self.gamma, "kv": sp.selector, "budget": sp.budget,
+                **({"sink": sp.sink} if sp.selector == "streamingllm" else {"window": sp.window})}
+
+    @classmethod
+    def build(cls, ctx: BuildContext) -> Proposer:
+        return cls(ctx.target, ctx.gamma, **ctx.options)

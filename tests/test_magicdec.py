@@ -1,0 +1,112 @@
+"""MagicDec: the sparse draft cache attends to exactly its budget, and self-speculation stays lossless."""
+
+import pytest
+import torch
+
+from sdbench.config import SamplingConfig
+from sdbench.decode import generate
+from sdbench.errors import SdbenchError
+from sdbench.kv.cache import DenseKVCache
+from sdbench.kv.sparse import SparseSpec, _select, compress
+from sdbench.strategies.autoregressive import Autoregressive
+from sdbench.strategies.draft import DraftModel
+from sdbench.strategies.magicdec import MagicDec
+from tests.conftest import VOCAB
+
+GREEDY = SamplingConfig()
+NEW = 20
+
+
+@pytest.fixture(scope="module")
+def long_prompts():
+    g = torch.Generator().manual_seed(11)
+    return [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (40, 23, 57)]
+
+
+def reference(target, prompts):
+    return generate(target, Autoregressive(), prompts, max_new_tokens=NEW, sampling=GREEDY).output_ids
+
+
+@pytest.mark.parametrize("kv", ["streamingllm", "snapkv"])
+@pytest.mark.parametrize("budget", [6, 24, 80])  # smaller than, near, and larger than prompt + output
+@pytest.mark.parametrize("batch", [1, 3])
+def test_self_speculation_is_lossless(target, long_prompts, kv, budget, batch):
+    ps = long_prompts[:batch]
+    ref = reference(target, ps)
+    for gamma in (1, 4):
+        out = generate(target, MagicDec(target, gamma, kv, budget, sink=4, window=5), ps, max_new_tokens=NEW,
+                       sampling=GREEDY)
+        assert out.output_ids == ref
+        if budget >= max(len(p) for p in ps) + NEW:  # the whole context fits: the draft is the target
+            assert all(r.accepted == r.drafted for r in out.rows)
+
+
+def test_small_budget_drafts_worse_than_large(target, long_prompts):
+    rates = []
+    for budget in (6, 80):
+        out = generate(target, MagicDec(target, 3, "streamingllm", budget, sink=2), long_prompts,
+                       max_new_tokens=NEW, sampling=GREEDY)
+        rates.append(sum(r.accepted for r in out.rows) / sum(r.drafted for r in out.rows))
+    assert rates[0] < rates[1] == 1.0
+
+
+@pytest.mark.parametrize("kv", ["streamingllm", "snapkv"])
+def test_small_draft_model_with_sparse_cache_is_lossless(target, small_draft, long_prompts, kv):
+    out = generate(target, DraftModel(small_draft, 3, kv, 12, 3, 4), long_prompts, max_new_tokens=NEW,
+                   sampling=GREEDY)
+    assert out.output_ids == reference(target, long_prompts)
+
+
+class WindowedDense(DenseKVCache):
+    """Reference: a dense cache whose mask, once `windowed` is set, allows only sinks and the last `window`
+    positions (the prompt itself is prefilled with full attention, as the target does)."""
+
+    def __init__(self, *args, sink, window, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.sink, self.window, self.windowed = sink, window, False
+
+    def update(self, layer, k, v, step):
+        keys, values, mask = super().update(layer, k, v, step)
+        if not self.windowed:
+            return keys, values, mask
+        pos = torch.arange(step.kv_len)[None, None, :]
+        q = step.positions[:, :, None]
+        allowed = (pos <= q) & ((pos < self.sink) | (pos > q - self.window))
+        return keys, values, allowed[:, None]
+
+
+def test_streamingllm_attention_equals_sink_plus_window(target):
+    """The sparse cache computes exactly attention over sinks + the most recent window."""
+    sink, budget, gamma = 3, 10, 2
+    prompt = torch.randint(0, VOCAB, (30,), generator=torch.Generator().manual_seed(2)).tolist()
+    dense = target.new_cache(1, 64)
+    target.prefill(dense, [prompt])
+    sparse = compress(target, dense, [30], torch.tensor([prompt]), SparseSpec("streamingllm", budget, sink),
+                      gamma)
+    ref = WindowedDense(len(target.layers), 1, target.n_kv_heads, target.head_dim, 64, target.dtype,
+                        target.device, sink=sink, window=budget - sink)
+    target.prefill(ref, [prompt])
+    ref.windowed = True
+    nxt = torch.randint(0, VOCAB, (1, 5), generator=torch.Generator().manual_seed(3))
+    # two tokens at once, then one, then a rewind to an earlier position: both caches agree throughout
+    for tokens, start in ((nxt[:, :2], 30), (nxt[:, 2:3], 32), (nxt[:, 3:5], 31)):
+        torch.testing.assert_close(target.forward(sparse, tokens, [start]), target.forward(ref, tokens, [start]),
+                                   atol=1e-4, rtol=1e-4)
+
+
+def test_snapkv_selection_keeps_top_positions_below_floor():
+    scores = torch.tensor([[[0.1, 0.9, 0.3, 0.8, 0.7, 5.0]]]).repeat(2, 1, 1)  # [B=2, H=1, S=6]
+    idx, valid = _select(scores, torch.tensor([5, 2]), 3)  # row 0: positions 0..4 eligible; row 1: 0..1
+    assert idx[0, 0].tolist() == [1, 3, 4] and valid[0].tolist() == [True, True, True]
+    assert idx[1, 0, :2].tolist() == [0, 1] and valid[1].tolist() == [True, True, False]
+
+
+@pytest.mark.parametrize("args, message", [
+    (("h2o", 64), "unknown KV selector"),
+    (("streamingllm", 1), "at least 2"),
+    (("streamingllm", 8, 8), "sink"),
+    (("snapkv", 8, 4, 9), "window"),
+])
+def test_bad_sparse_settings(args, message):
+    with pytest.raises(SdbenchError, match=message):
+        SparseSpec(*args)
