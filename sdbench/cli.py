@@ -132,6 +132,28 @@ def predict_speedup(
     console.print(speedup_table(alpha, parse_gammas(gamma), draft_cost, verify_cost))
 
 
+@predict_app.command("magicdec")
+def predict_magicdec(
+    target: Target = C.DEFAULT_TARGET,
+    batch: Annotated[str, typer.Option(help="batch sizes to profile")] = "1,4,8",
+    context: Annotated[str, typer.Option(help="context lengths (tokens) to profile")] = "256,1024,4096",
+    gamma: Annotated[str, typer.Option("--gamma", "-g", help="lookaheads to consider")] = "1,2,3,4,6",
+    budget: Annotated[str, typer.Option(help="draft KV budgets to consider")] = "64,256,512",
+    alpha: Annotated[float, typer.Option(help="acceptance rate to assume where no run measured it")] = 0.8,
+    from_results: Annotated[Optional[list[str]], typer.Option("--from", help="magicdec results: fit alpha per budget")] = None,
+    device: Device = "auto", dtype: Dtype = "float32",
+    out: Annotated[Optional[str], typer.Option(help="folder for the profile as Parquet")] = None,
+):
+    """Profile target, sparse-draft and verify step times; predict the best gamma and budget per batch and
+    context, and the critical sequence length above which self-speculation beats plain decoding."""
+    from sdbench.costmodel import run_predict
+
+    if not 0.0 <= alpha <= 1.0:
+        raise SdbenchError(f"--alpha {alpha}: expected a rate between 0 and 1")
+    run_predict(target, parse_gammas(batch), parse_gammas(context), parse_gammas(gamma), parse_gammas(budget),
+                alpha, from_results, device, dtype, out, console)
+
+
 def main(argv: list[str] | None = None) -> None:
     err = Console(stderr=True)
     try:

@@ -110,3 +110,29 @@ def test_snapkv_selection_keeps_top_positions_below_floor():
 def test_bad_sparse_settings(args, message):
     with pytest.raises(SdbenchError, match=message):
         SparseSpec(*args)
+
+
+def test_cost_model_profile_and_critical_length(target):
+    from sdbench.costmodel import critical_lengths, predictions, profile
+    from sdbench.theory import alpha_from_tokens_per_step, expected_tokens_per_step
+
+    p = profile(target, 2, 48, gammas=(1, 3), budgets=(8, 64))
+    assert p.target_s > 0 and set(p.verify_s) == {1, 3} and set(p.draft_s) == {8}  # 64 >= context: skipped
+    rows = predictions(p, 0.8)
+    assert {(r["gamma"], r["budget"]) for r in rows} == {(1, 8), (3, 8)}
+    assert critical_lengths([
+        {"batch": 1, "context": 256, "predicted_speedup": 0.9}, {"batch": 1, "context": 1024, "predicted_speedup": 1.2},
+        {"batch": 1, "context": 4096, "predicted_speedup": 1.5}, {"batch": 8, "context": 256, "predicted_speedup": 0.7},
+    ]) == {1: 1024, 8: None}
+    for alpha in (0.0, 0.35, 0.9):
+        assert alpha_from_tokens_per_step(expected_tokens_per_step(alpha, 4), 4) == pytest.approx(alpha, abs=1e-6)
+
+
+@pytest.mark.slow
+def test_predict_magicdec_command(capsys):
+    from sdbench.cli import main
+
+    main(["predict", "magicdec", "--batch", "1", "--context", "64", "--budget", "16", "--gamma", "2",
+          "--device", "cpu"])
+    out = capsys.readouterr().out
+    assert "critical" in out and "predicted" in out and " 16 " in out
