@@ -20,11 +20,13 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from sdbench.config import DEFAULT_GAMMA, RunConfig, SamplingConfig
 from sdbench.decode import generate
 from sdbench.env import environment, peak_memory, reset_peak_memory
-from sdbench.errors import SdbenchError
+from sdbench.errors import Interrupted, SdbenchError
 from sdbench.metrics import BatchResult, predicted_speedup, row_metrics, speedup
-from sdbench.strategies import BuildContext, build_proposer, check_options, needs_draft, resolve_strategy
+from sdbench.strategies import BuildContext, build_variants, check_options, needs_draft, resolve_strategy
 from sdbench.strategies.autoregressive import Autoregressive
+from sdbench.strategies.ngram import DRAFT_NAME as NGRAM_DRAFT
 
+WARMUP_PROMPT_TOKENS = 256
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -61,14 +63,22 @@ class Pair:
 def load_pair(cfg: RunConfig, device: torch.device, dtype: torch.dtype, console: Console) -> Pair:
     from sdbench.models.loader import check_same_tokenizer, eos_token_ids, load_model
     from sdbench.models.runner import ModelRunner
+    from sdbench.models.variants import split_variant, variant_runner
 
     with console.status(f"loading target {cfg.target}"):
         target = load_model(cfg.target, device, dtype)
         runner = ModelRunner(target.model, cfg.target)
     drafts = []
     for name in cfg.drafts:
+        if name == NGRAM_DRAFT:  # prompt lookup as a draft candidate: no model, no tokenizer to check
+            drafts.append(name)
+            continue
         if name == cfg.target:
             drafts.append(runner)  # drafting with the target itself: same weights, its own cache
+            continue
+        if split_variant(name)[1]:  # MODEL@int8: a quantised copy made now (of the target's weights if MODEL is it)
+            with console.status(f"making draft {name}"):
+                drafts.append(variant_runner(name, cfg.target, target, device, dtype))
             continue
         with console.status(f"loading draft {name}"):
             draft = load_model(name, device, dtype)
@@ -128,14 +138,20 @@ class Bench:
         self.cfg, self.choice = plan(cfg)
         self.device = resolve_device(self.cfg.device)
         self.dtype = resolve_dtype(self.cfg.dtype, self.device)
+        self._extra: dict = {}  # role -> Variant: configurations a strategy runs beside itself for comparison
 
     def _variants(self, pair: Pair) -> list[tuple[str, object]]:
-        """(role, proposer) for each strategy configuration to run: one per --gamma value."""
-        made = [build_proposer(self.choice.base, BuildContext(pair.target, pair.drafts, g, dict(self.cfg.options)))
-                for g in self.cfg.gammas]
-        if len(made) == 1:
-            return [("strategy", made[0])]
-        return [(f"strategy-{i + 1}", p) for i, p in enumerate(made)]
+        """(role, proposer) for each strategy configuration to run: one per --gamma value, then the extra
+        configurations the strategy brings for comparison (once each, however many --gamma values ask)."""
+        made = [v for g in self.cfg.gammas for v in build_variants(
+            self.choice.base, BuildContext(pair.target, pair.drafts, g, dict(self.cfg.options)))]
+        own = [v.proposer for v in made if not v.label]
+        self._extra = {}
+        for v in made:
+            if v.label:
+                self._extra.setdefault(f"compare-{v.label}", v)
+        roles = [("strategy", own[0])] if len(own) == 1 else [(f"strategy-{i + 1}", p) for i, p in enumerate(own)]
+        return roles + [(role, v.proposer) for role, v in self._extra.items()]
 
     def _generate(self, pair: Pair, proposer, batch: list[list[int]], max_new: int, seed: int) -> BatchResult:
         gen = torch.Generator(self.device).manual_seed(seed)
@@ -161,7 +177,8 @@ class Bench:
             raise SdbenchError(f"--resume {run_id}: no such run under {cfg.out}")
         self._save_config(run_id)
         with self.console.status("warming up"):
-            warm = [encoded[i] for i in batches[0]]
+            # kernels warm up on short inputs as well; a long-context prefill would only cost time here
+            warm = [encoded[i][:WARMUP_PROMPT_TOKENS] for i in batches[0]]
             for _, prop in (("baseline", Autoregressive()),) * cfg.baseline + tuple(variants):
                 self._generate(pair, prop, warm, min(cfg.warmup_tokens, cfg.max_new_tokens), cfg.sampling.seed)
         roles = (("baseline", Autoregressive()),) * cfg.baseline + tuple(variants)
@@ -187,7 +204,7 @@ class Bench:
                         if self.on_batch is not None:
                             self.on_batch(rows)
         except KeyboardInterrupt:
-            raise SdbenchError(f"interrupted: finished prompts are saved in {writer.final_path}; continue with "
+            raise Interrupted(f"interrupted: finished prompts are saved in {writer.final_path}; continue with "
                                f"`sdbench run --resume {run_id} --out {cfg.out}`") from None
         return writer.final_path
 
@@ -211,6 +228,9 @@ class Bench:
         """(strategy, params JSON, drafts) as recorded on a row."""
         if role == "baseline":
             return "autoregressive", "{}", ""
+        if role in self._extra:
+            extra = self._extra[role]
+            return extra.strategy, json.dumps(proposer.params(), sort_keys=True), extra.drafts
         return self.choice.name, json.dumps(proposer.params(), sort_keys=True), ",".join(self.cfg.drafts)
 
     def _rows(self, common, proposers, prompts, idx, results, repeat, batch_id) -> list[dict]:
@@ -227,7 +247,8 @@ class Bench:
                            predicted_speedup=math.nan, timestamp=_now())
                 if base is not None:
                     row["speedup"] = speedup(row["tokens_per_s"], row_metrics(base, b)["tokens_per_s"])
-                    row["predicted_speedup"] = predicted_speedup(res.rows[b], base.rows[b])
+                    if not hasattr(proposers[role], "generate"):  # the sequential-SD model says nothing of DSI
+                        row["predicted_speedup"] = predicted_speedup(res.rows[b], base.rows[b])
                     if self.cfg.sampling.greedy:
                         row["lossless"] = res.output_ids[b] == base.output_ids[b]
                 rows.append(row)

@@ -94,12 +94,59 @@ def list_(what: Annotated[str, typer.Argument(help="strategies, datasets or mode
 
 
 @app.command()
-def report(paths: Annotated[list[str], typer.Argument(help="Parquet files, .parts folders or result folders")]):
-    """Print the tables of earlier runs."""
+def report(
+    paths: Annotated[list[str], typer.Argument(help="Parquet files, .parts folders or result folders")],
+    plots: Annotated[Optional[str], typer.Option(help="also write PNG plots into this folder")] = None,
+    html: Annotated[Optional[str], typer.Option(help="also write one self-contained HTML page: tables and plots")] = None,
+):
+    """Print the tables of earlier runs; optionally PNG plots and an HTML page."""
     from sdbench.report import print_report
     from sdbench.results import read_results
 
-    print_report(read_results(paths), console)
+    df = read_results(paths)
+    print_report(df, console)
+    if plots or html:
+        from sdbench.plots import export
+
+        for path in export(df, plots, html):
+            console.print(f"wrote {path}", highlight=False)
+
+
+@app.command()
+def tune(
+    target: Target = C.DEFAULT_TARGET,
+    draft: Annotated[Optional[list[str]], typer.Option("--draft", "-d", help="draft candidate (repeatable; the tuner picks one per trial)")] = None,
+    strategy: Strategy = C.DEFAULT_STRATEGY, dataset: Dataset = C.DEFAULT_DATASET, limit: Limit = C.DEFAULT_LIMIT,
+    max_new_tokens: MaxNew = C.DEFAULT_MAX_NEW_TOKENS, batch_size: Batch = 1, seed: Seed = 0, prompt_len: PromptLen = None,
+    device: Device = "auto", dtype: Dtype = "float32", repeats: Repeats = 1, out: Out = C.DEFAULT_OUT,
+    trials: Annotated[int, typer.Option(help="finished trials the study should reach (a re-run resumes toward it)")] = C.DEFAULT_TRIALS,
+    timeout: Annotated[Optional[float], typer.Option(help="seconds; no new trial starts after this")] = None,
+    objective: Annotated[str, typer.Option(help="speedup (vs plain decoding beside each trial) or tokens (strategy tokens/s)")] = "speedup",
+    storage: Annotated[Optional[str], typer.Option(help="Optuna storage URL, e.g. postgresql://... [default: sqlite:///OUT/tune.db]")] = None,
+    study: Annotated[Optional[str], typer.Option(help="study name [default: sdbench-TARGET-STRATEGY-DATASET-HARDWARE]")] = None,
+    preset: Annotated[Optional[str], typer.Option(help="preset for the best settings [default: tuned-STRATEGY-TARGET]")] = None,
+):
+    """Search a strategy's settings with Optuna on a fixed prompt subset; write the best as a preset."""
+    from sdbench.tune import tune as run_tune
+
+    run_cfg = C.RunConfig(
+        target=target, drafts=tuple(draft or ()), strategy=strategy, dataset=dataset, limit=limit,
+        max_new_tokens=max_new_tokens, batch_size=batch_size, sampling=C.SamplingConfig(0.0, 1.0, seed),
+        prompt_len=prompt_len, device=device, dtype=dtype, repeats=repeats, out=out,
+    )
+    run_tune(C.TuneConfig(run_cfg, trials, timeout, objective, storage, study, preset), console)
+
+
+@app.command()
+def compare(
+    baseline: Annotated[str, typer.Argument(help="baseline results: Parquet file or folder")],
+    current: Annotated[str, typer.Argument(help="current results: Parquet file or folder")],
+    max_regression: Annotated[float, typer.Option(help="percent drop of a median that fails the gate")] = 5.0,
+):
+    """Regression gate: tokens/s and speedup deltas per matched prompt; exit 1 on a regression or lossy output."""
+    from sdbench.compare import run_compare
+
+    run_compare([baseline], [current], max_regression, console)
 
 
 @app.command()
@@ -154,10 +201,59 @@ def predict_magicdec(
                 alpha, from_results, device, dtype, out, console)
 
 
+@predict_app.command("chain")
+def predict_chain(
+    candidate: Annotated[str, typer.Option(help="model to insert into the chain, e.g. smollm2-135m@int8")],
+    target: Target = C.DEFAULT_TARGET,
+    draft: Annotated[Optional[list[str]], typer.Option("--draft", "-d", help="the chain as it is: one level per --draft, top down (ngram allowed last)")] = None,
+    at: Annotated[int, typer.Option(help="insert under the target (0) or under the N-th --draft")] = 0,
+    gamma: Annotated[int, typer.Option("--gamma", "-g", help="the bottom drafter's tokens per block")] = C.DEFAULT_GAMMA,
+    mu: Annotated[str, typer.Option(help="tokens each middle level gathers before handing up (one value; default 2*gamma, doubling upwards)")] = "",
+    dataset: Dataset = C.DEFAULT_DATASET, limit: Limit = C.DEFAULT_LIMIT, max_new_tokens: MaxNew = 48,
+    profile_prompts: Annotated[int, typer.Option(help="prompts in the profiling pass")] = 2,
+    profile_tokens: Annotated[int, typer.Option(help="tokens per prompt in the profiling pass")] = 16,
+    device: Device = "cpu", dtype: Dtype = "float32", seed: Seed = 0,
+):
+    """Polybasic insertion test: predict from a short profiling pass whether inserting --candidate into the
+    chain lowers the time per token, then measure both chains (and plain decoding) on the same prompts."""
+    from sdbench.chain_predict import run_chain_prediction
+
+    run_chain_prediction(target, list(draft or ()), candidate, at, gamma, mu, dataset, limit, max_new_tokens,
+                         profile_prompts, profile_tokens, device, dtype, seed, console)
+
+
+simulate_app = typer.Typer(no_args_is_help=True, help="Simulated latency of decoding algorithms (no models run).")
+app.add_typer(simulate_app, name="simulate")
+
+
+@simulate_app.command("dsi")
+def simulate_dsi(
+    target_latency: Annotated[float, typer.Option(help="one target forward (seconds; 1 = count forwards)")] = 1.0,
+    c: Annotated[float, typer.Option("--c", help="drafter latency: one draft forward / one target forward")] = 0.1,
+    a: Annotated[float, typer.Option("--a", help="per-token acceptance rate, 0..1")] = 0.8,
+    k: Annotated[int, typer.Option("--k", help="lookahead: drafted tokens per verification")] = 4,
+    workers: Annotated[int, typer.Option(help="DSI target workers")] = 7,
+    tokens: Annotated[int, typer.Option(help="tokens to generate")] = 1000,
+    repeats: Annotated[int, typer.Option(help="simulated generations averaged online")] = 20,
+    grid: Annotated[int, typer.Option(help="heat-map resolution: grid+1 values of c and of a")] = 20,
+    kmax: Annotated[int, typer.Option(help="largest lookahead the heat-map tries")] = 20,
+    seed: Seed = 0,
+    from_results: Annotated[Optional[list[str]], typer.Option("--from", help="an sdbench run: take target latency, c, a, k and workers from it")] = None,
+    out: Annotated[str, typer.Option(help="folder for dsi-heatmap.parquet and dsi-heatmap.png")] = C.DEFAULT_OUT,
+):
+    """Expected latency of plain decoding, SI and DSI (offline by counting, online by a timed simulation),
+    and the heat-map of DSI's speedup over SI and over plain decoding across drafter latency and acceptance."""
+    from sdbench.dsi.simulate import Setting, run_simulation
+
+    setting = Setting(target_latency, c, a, k, workers, tokens)
+    run_simulation(setting, repeats=repeats, seed=seed, grid=grid, kmax=kmax, out=out, source=from_results,
+                   console=console)
+
+
 def main(argv: list[str] | None = None) -> None:
     err = Console(stderr=True)
     try:
-        typer.main.get_command(app).main(args=argv, prog_name="sdbench", standalone_mode=False)
+        code = typer.main.get_command(app).main(args=argv, prog_name="sdbench", standalone_mode=False)
     except SdbenchError as e:
         err.print(f"[red]error:[/red] {e}", highlight=False, soft_wrap=True)
         sys.exit(e.exit_code)
@@ -171,3 +267,5 @@ def main(argv: list[str] | None = None) -> None:
         if message:  # empty when help was shown for a bare command
             err.print(f"[red]error:[/red] {message}", highlight=False, soft_wrap=True)
         sys.exit(getattr(e, "exit_code", 2) or 2)
+    if isinstance(code, int) and code:  # a command's typer.Exit(code) comes back as the return value here
+        sys.exit(code)

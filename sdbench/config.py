@@ -51,3 +51,20 @@ class RunConfig:
     def gamma(self) -> int | None:
         """The largest lookahead asked for (sizes caches and position checks)."""
         return max(self.gammas) if self.gammas else None
+
+
+DEFAULT_TRIALS = 20
+OBJECTIVES = ("speedup", "tokens")
+
+
+@dataclass(frozen=True)
+class TuneConfig:
+    """`sdbench tune`: search a strategy's settings on a fixed, seeded prompt subset."""
+
+    run: RunConfig  # target, --draft candidates, strategy, data set and subset, device; gammas/options unused
+    trials: int = DEFAULT_TRIALS  # the study's total of finished trials to reach (a re-run resumes toward it)
+    timeout: float | None = None  # seconds for this session: no trial starts after it
+    objective: str = "speedup"  # "speedup" vs the baseline on the same prompts, or strategy "tokens"/s
+    storage: str | None = None  # any Optuna storage URL; None: sqlite:///<out>/tune.db
+    study: str | None = None  # study name; None: sdbench-<target>-<strategy>-<dataset>-<hardware>
+    preset: str | None = None  # preset written with the best settings; None: tuned-<strategy>-<target>

@@ -110,6 +110,10 @@ def _verify(target, cache, state: DecodeState, proposal):
         probs = None
     else:
         draft, n_draft, probs = proposal.tokens.cpu(), proposal.lengths.cpu(), proposal.probs
+        width = int(n_draft.max()) if len(n_draft) else 0
+        if width < draft.shape[1]:  # never verify padding: rows drafted at most `width` real tokens
+            draft = draft[:, :width]
+            probs = probs[:, :width] if probs is not None else None
     start = [n - 1 for n in state.lengths]
     logits = target.forward(cache, torch.cat([last, draft], 1), start)  # [B, G+1, V]
     dev = logits.device

@@ -17,3 +17,9 @@ class MissingPackageError(SdbenchError):
         super().__init__(f"{purpose} needs the package '{package}', which is not installed: run `{install}`")
         self.package = package
         self.install = install
+
+
+class Interrupted(SdbenchError):
+    """The user stopped a long run (Ctrl-C); what finished is saved and the message says how to go on."""
+
+    exit_code = 130

@@ -69,6 +69,11 @@ def _prepare(df: pd.DataFrame, by: list[str]) -> pd.DataFrame:
     return data
 
 
+def labelled(df: pd.DataFrame) -> pd.DataFrame:
+    """The rows with `strategy` relabelled as the tables show it ('baseline', 'draft gamma=2', ...)."""
+    return _prepare(df, [])
+
+
 def _differing(ident: pd.DataFrame) -> pd.Series:
     """Per row, only the settings that differ between the configurations: 'gamma=2', 'draft=x gamma=4'."""
     settings = [{"draft": d, **json.loads(p or "{}")} for d, p in zip(ident["draft"], ident["params"])]
@@ -243,6 +248,56 @@ def per_position_table(df: pd.DataFrame) -> Table | None:
     return table
 
 
+def adaptive_table(df: pd.DataFrame) -> Table | None:
+    """For strategies that record a gamma trajectory (`gamma_hist` in strategy_stats): mean gamma, its
+    histogram, rounds drafted per candidate, and tokens/s relative to the fixed-gamma configurations run
+    beside them (roles compare-*): the best of those, and the one at the strategy's starting --gamma."""
+    if "strategy_stats" not in df:
+        return None
+    data = _prepare(df, [])
+    stats = data["strategy_stats"].map(lambda s: json.loads(s) if isinstance(s, str) and s else {})
+    mask = stats.map(lambda s: bool(s.get("gamma_hist")))
+    if not mask.any():
+        return None
+    overall = summarize(df)
+    overall = overall[overall["category"] == ALL].set_index(["run_id", "role"])
+    gammas = data.groupby(["run_id", "role"], sort=False)["gamma"].first()
+    table = Table(title="Adaptive lookahead (gamma: rounds at each value; drafts: rounds per candidate)")
+    for column in ("strategy", "mean γ", "γ histogram", "drafts", "vs best fixed", "vs --gamma"):
+        table.add_column(column, justify="right" if column.startswith(("mean", "vs")) else "left")
+    for (run_id, role), group in data[mask].groupby(["run_id", "role"], sort=False):
+        hist, drafts = {}, {}
+        for s in stats[group.index]:
+            for g, n in s.get("gamma_hist", {}).items():
+                hist[int(g)] = hist.get(int(g), 0) + n
+            for name, n in s.get("drafts", {}).items():
+                drafts[name] = drafts.get(name, 0) + n
+        rounds = sum(hist.values())
+        mean = sum(g * n for g, n in hist.items()) / rounds if rounds else math.nan
+        best, guessed = _versus_fixed(overall, gammas, run_id, role)
+        table.add_row(*(Text(c) for c in (
+            group["strategy"].iloc[0], _fmt(mean, "{:.2f}"), " ".join(f"{g}:{n}" for g, n in sorted(hist.items())),
+            " ".join(f"{k}:{n}" for k, n in drafts.items()) or "–", best, guessed)))
+    return table
+
+
+def _versus_fixed(overall: pd.DataFrame, gammas: pd.Series, run_id: str, role: str) -> tuple[str, str]:
+    """'1.07x (draft gamma=4)' against the fastest compare-* configuration of the run, and against the first
+    one at the strategy's own --gamma; '–' when the run has none."""
+    tps = overall["tokens_per_s"]
+    fixed = [r for r in overall.loc[run_id].index if str(r).startswith("compare-")] if run_id in overall.index else []
+    if not fixed:
+        return "–", "–"
+
+    def versus(other: str) -> str:
+        ratio = _ratio(tps[(run_id, role)], tps[(run_id, other)])
+        return f"{_fmt(ratio, '{:.2f}x')} ({overall.loc[(run_id, other), 'strategy']})"
+
+    best = max(fixed, key=lambda r: tps[(run_id, r)])
+    same = [r for r in fixed if gammas.get((run_id, r)) == gammas.get((run_id, role))]
+    return versus(best), versus(same[0]) if same else "–"
+
+
 def environment_lines(df: pd.DataFrame) -> list[str]:
     """One line per distinct environment among the rows, naming its runs when there are several."""
     columns = ["device", "dtype", "torch_version", "transformers_version", "sdbench_version", "git_commit",
@@ -292,5 +347,8 @@ def print_report(df: pd.DataFrame, console: Console | None = None) -> None:
     positions = per_position_table(df)
     if positions is not None:
         console.print(positions)
+    adaptive = adaptive_table(df)
+    if adaptive is not None:
+        console.print(adaptive)
     for note in _notes(df):
         console.print(Text(f"note: {note}", style="dim"))

@@ -122,14 +122,15 @@ def speedup_table(alpha: float, gammas: tuple[int, ...], draft_cost: float, veri
 # Inserting a model c between levels j and j+1. Because each verification is lossless, level j's blocks
 # follow level j's own distribution whatever is below it, so the acceptance above j does not change: only
 # the cost of a level-j token does. Old: a level-j round costs T_j + C_{j+1} and commits L_j tokens. New: the
-# round costs T_j + C_c with C_c = (N_c / L_c)(T_c + C_{j+1}) (c's rounds over the old lower chain's blocks,
-# whose cost per block is unchanged) and commits L'_j tokens. The insertion pays iff
+# round costs T'_j + C_c with C_c = (N_c / L_c)(T_c + C_{j+1}) (c's rounds over the old lower chain's blocks,
+# whose cost per block is unchanged) and commits L'_j tokens. T'_j is level j's forward over c's blocks: on
+# a CPU a forward's time grows with the tokens it verifies, so it is not T_j. The insertion pays iff
 #
-#     (T_j + (N_c / L_c)(T_c + C_{j+1})) / L'_j  <  (T_j + C_{j+1}) / L_j,
+#     (T'_j + (N_c / L_c)(T_c + C_{j+1})) / L'_j  <  (T_j + C_{j+1}) / L_j,
 #
 # i.e. iff level j's gain in accepted length L'_j / L_j exceeds the growth of its round's cost. For j = 0
-# both sides are the chain's time per token; for j >= 1 this holds as long as level j's block size N_j stays
-# the same (its overshoot past mu_j can change a little).
+# both sides are the two chains' times per token; for j >= 1 this holds as long as level j's block size N_j
+# stays the same (its overshoot past mu_j can change a little).
 
 
 @dataclass(frozen=True)
@@ -171,70 +172,52 @@ class ChainCosts:
         return upper + self.bottom_forwards * self.costs[k] / self.accepted[k - 1]
 
 
-def insertion_times(level_cost: float, below_cost: float, accepted: float, cand_cost: float,
-                    cand_accepted: float, cand_block: float, accepted_new: float) -> tuple[float, float]:
+def insertion_times(level_cost: float, below_cost: float, accepted: float, level_cost_new: float,
+                    cand_cost: float, cand_accepted: float, cand_block: float,
+                    accepted_new: float) -> tuple[float, float]:
     """(old, new) seconds per token of level j when model c is inserted just below it; it pays iff new < old.
 
-    level_cost T_j; below_cost C_{j+1} (the old lower chain's block); accepted L_j (old); cand_cost T_c;
-    cand_accepted L_c (c's rounds over the old lower chain's blocks); cand_block N_c; accepted_new L'_j.
+    Old chain: level_cost T_j, below_cost C_{j+1} (one block of the lower chain), accepted L_j. New chain:
+    level_cost_new T'_j (level j's forward over c's blocks), cand_cost T_c, cand_accepted L_c (c's rounds over
+    the lower chain's blocks), cand_block N_c, accepted_new L'_j.
     """
     old = (level_cost + below_cost) / accepted
-    new = (level_cost + cand_block / cand_accepted * (cand_cost + below_cost)) / accepted_new
+    new = (level_cost_new + cand_block / cand_accepted * (cand_cost + below_cost)) / accepted_new
     return old, new
 
 
-def alpha_from_tokens_per_step(tokens_per_step: float, gamma: float) -> float:
-    """The acceptance rate alpha whose Omega(gamma, alpha) equals a measured mean tokens per step (bisection;
-    Omega grows with alpha). NaN when the figures allow no alpha (gamma <= 0, or outside [1, gamma + 1])."""
-    if not gamma > 0 or not 1.0 <= tokens_per_step <= gamma + 1.0:
-        return math.nan
-    low, high = 0.0, 1.0
-    for _ in range(60):
-        mid = (low + high) / 2
-        low, high = (mid, high) if expected_tokens_per_step(mid, gamma) < tokens_per_step else (low, mid)
-    return (low + high) / 2
+# ---- SI and DSI: expected latency per token (the DSI simulator checks the event simulation against these) ----
 
 
-# ---- distributed speculative inference (DSI) -----------------------------------------------------------
-# Latencies below are in units of one target forward; c is one draft forward in the same unit and k the
-# lookahead (drafted tokens per verification). Plain decoding costs 1 per token.
-
-
-def si_latency_per_token(alpha: float, c: float, k: int) -> float:
-    """Sequential speculative inference: each iteration drafts k tokens (k·c) then verifies (1), and commits
-    Omega(k, alpha) tokens on average."""
-    return (k * c + 1.0) / expected_tokens_per_step(alpha, k)
+def si_latency_per_token(a: float, c: float, k: int) -> float:
+    """Speculative inference, in target forwards per token: k drafts (c each) and one verification per
+    iteration, which commits Omega(k, a) tokens."""
+    return (k * c + 1.0) / expected_tokens_per_step(a, k)
 
 
 def dsi_workers_needed(c: float, k: int) -> int:
-    """Target workers DSI needs so that no verification waits for one: a verification of k drafts starts every
-    k·c and lasts 1, so ceil(1 / (k·c)) run at once (the DSI paper's bound)."""
-    if not c > 0 or k < 1:
-        raise ValueError("need c > 0 and k >= 1")
+    """Target workers DSI needs so that drafting never waits: a verification (1) must finish before the
+    drafter has filled that many more chunks of k drafts (k * c each): ceil(1 / (k c))."""
     return max(1, math.ceil(1.0 / (k * c) - 1e-9))
 
 
-def dsi_latency_per_token(alpha: float, c: float, k: int, *, bonus: bool = True, tol: float = 1e-12) -> float:
-    """Expected DSI latency per token with enough target workers (renewal argument over rejections).
+def dsi_latency_per_token(a: float, c: float, k: int, bonus: bool = True) -> float:
+    """Distributed speculative inference with enough workers, in target forwards per token (renewal form).
 
-    A segment runs from one rejection to the next. With J drafts accepted before the rejected one
-    (P(J = j) = alpha^j (1 - alpha)) it commits J + 1 tokens. Verifications of each window of k drafts run
-    concurrently while drafting goes on, so the segment ends when the window that decides position J returns:
-    after w·k·c of drafting plus one target forward. A verification of the bare committed prefix, always
-    running beside the drafts, bounds the segment by plain decoding, J + 1 forwards. Hence
-        cost(J) = min(w(J)·k·c + 1, J + 1),   latency per token = E[cost(J)] / E[J + 1].
-    w(J) = ceil(J / k) when a fully accepted window's bonus token already decides the next window's first
-    draft (`bonus`, as sdbench's orchestrator does); ceil((J + 1) / k) counts as the DSI paper's simulator.
+    A cycle ends at the first rejected draft: J drafts are accepted with probability (1 - a) a^J and the
+    cycle commits J + 1 tokens. The target's token after them comes from the verification of the chunk of k
+    drafts holding draft J (its bonus position; with bonus=False, as in the DSI paper, from the chunk holding
+    draft J + 1), sent once the chunk is drafted: ceil(J / k) k c + 1. A verification of the bare committed
+    prefix always runs beside, so a cycle never costs more than plain decoding's J + 1.
     """
-    if not 0.0 <= alpha <= 1.0 or c < 0 or k < 1:
-        raise ValueError("need 0 <= alpha <= 1, c >= 0 and k >= 1")
-    if alpha >= 1.0:
-        return min(c, 1.0)  # nothing is ever rejected: the drafter or the plain chain sets the pace
-    import numpy as np
-
-    n = 1 if alpha == 0.0 else min(int(math.log(tol) / math.log(alpha)) + 2, 10_000_000)
-    j = np.arange(n, dtype=np.float64)
-    p = (1.0 - alpha) * np.power(alpha, j)
-    windows = np.ceil(j / k) if bonus else np.ceil((j + 1) / k)
-    cost = np.minimum(windows * k * c + 1.0, j + 1.0)
-    return float((p * cost).sum() / p.sum() * (1.0 - alpha))
+    if a >= 1.0:
+        return min(c, 1.0)
+    cost, j = 0.0, 0
+    while True:
+        weight = (1.0 - a) * a**j
+        chunks = math.ceil((j if bonus else j + 1) / k)
+        cost += weight * min(chunks * k * c + 1.0, j + 1.0)
+        if a**j < 1e-16:
+            break
+        j += 1
+    return cost * (1.0 - a)  # over E[J + 1] = 1 / (1 - a) tokens per cycle

@@ -11,9 +11,19 @@ import yaml
 
 from sdbench.paths import presets_dir
 from sdbench.registry import Registry
-from sdbench.strategies.base import BuildContext, Proposal, Proposer, take_options
+from sdbench.strategies.base import BuildContext, Proposal, Proposer, Variant, take_options
 
 strategy_registry: Registry = Registry("strategy")
+strategy_registry.add(
+    "adaptive", "sdbench.strategies.adaptive:Adaptive",
+    "gamma (0 = plain) and draft chosen each round for the most predicted tokens/s; n-gram draft without --draft",
+    aliases=("adaptive-gamma",), needs_draft=False,
+)
+strategy_registry.add(
+    "adaptive-fsm", "sdbench.strategies.adaptive:AdaptiveFSM",
+    "state-machine gamma: grow after a fully accepted round, shrink after a rejection (schedule=step|heuristic)",
+    aliases=("fsm",), needs_draft=False,
+)
 strategy_registry.add(
     "autoregressive", "sdbench.strategies.autoregressive:Autoregressive",
     "plain decoding, one target forward per token (the baseline)", aliases=("ar", "baseline"), needs_draft=False,
@@ -24,6 +34,12 @@ strategy_registry.add(
     aliases=("sd", "speculative"), needs_draft=True,
 )
 strategy_registry.add(
+    "dsi", "sdbench.strategies.dsi:DSI",
+    "distributed speculative inference: drafting never waits, windows verified on a pool of target workers "
+    "(--set workers=N backend=process|ray), greedy only",
+    aliases=("distributed",), needs_draft=True,
+)
+strategy_registry.add(
     "magicdec", "sdbench.strategies.magicdec:MagicDec",
     "self-speculation: the target drafts through a fixed-budget sparse KV cache (StreamingLLM or SnapKV)",
     aliases=("self-spec", "sparse-kv"), needs_draft=False,
@@ -32,6 +48,11 @@ strategy_registry.add(
     "ngram", "sdbench.strategies.ngram:NGram",
     "prompt lookup: draft from the latest earlier match of the context's suffix (no model)",
     aliases=("prompt-lookup", "pld"), needs_draft=False,
+)
+strategy_registry.add(
+    "polybasic", "sdbench.strategies.polybasic:Polybasic",
+    "a chain of drafters (--draft from the top down, ngram allowed at the bottom), each verifying the one below",
+    aliases=("chain",), needs_draft=True,
 )
 
 
@@ -76,6 +97,12 @@ def build_proposer(base: str, ctx: BuildContext) -> Proposer:
     return cls.build(replace(ctx, options=check_options(base, ctx.options)))
 
 
+def build_variants(base: str, ctx: BuildContext) -> list[Variant]:
+    """The proposer for one setting plus any configurations the strategy runs beside it for comparison."""
+    cls = strategy_registry.get(base)
+    return cls.variants(replace(ctx, options=check_options(base, ctx.options)))
+
+
 def needs_draft(base: str) -> bool:
     return bool(strategy_registry.entry(base).meta.get("needs_draft"))
 
@@ -84,5 +111,5 @@ def presets() -> dict[str, dict]:
     return _presets()
 
 
-__all__ = ["BuildContext", "Proposal", "Proposer", "StrategyChoice", "build_proposer", "needs_draft",
-           "check_options", "presets", "resolve_strategy", "strategy_registry"]
+__all__ = ["BuildContext", "Proposal", "Proposer", "StrategyChoice", "Variant", "build_proposer", "build_variants",
+           "needs_draft", "check_options", "presets", "resolve_strategy", "strategy_registry"]

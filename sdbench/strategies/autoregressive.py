@@ -1,5 +1,6 @@
 """Plain decoding: the proposer that proposes nothing."""
 
+from sdbench.errors import SdbenchError
 from sdbench.strategies.base import Proposer
 
 
@@ -11,3 +12,7 @@ class Autoregressive(Proposer):
 
     def params(self) -> dict:
         return {}
+
+    @classmethod
+    def search_space(cls, trial, space):
+        raise SdbenchError("strategy 'autoregressive' has nothing to tune (no lookahead, no settings)")

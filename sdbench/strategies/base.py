@@ -78,15 +78,65 @@ class Proposer:
         """Make the proposer from loaded models and settings (ctx.options already validated)."""
         return cls(ctx.gamma, **ctx.options)
 
+    @classmethod
+    def variants(cls, ctx: "BuildContext") -> list["Variant"]:
+        """The configurations one setting of this strategy runs: itself, plus any it brings along to be
+        compared with in the same run (adaptive strategies add fixed-gamma ones)."""
+        return [Variant(cls.build(ctx))]
+
+    @classmethod
+    def search_space(cls, trial, space: "SearchContext") -> tuple:
+        """What `sdbench tune` may try: draw settings from an Optuna `trial` and return (gamma, options) or
+        (gamma, options, drafts).
+
+        Use trial.suggest_int / suggest_categorical / suggest_float with parameter names that stay the same
+        across trials; options must be declared `options` (checked like --set values), and those left out
+        keep their defaults. Return drafts only to pick or order the --draft candidates yourself
+        (space.drafts); with two elements the tuner picks one candidate per trial (parameter "draft") when
+        there are several. Raise SdbenchError when there is nothing to tune. The default tunes gamma alone.
+        """
+        return trial.suggest_int("gamma", 1, 8), {}
+
+    @classmethod
+    def tune_seeds(cls, space: "SearchContext") -> list[dict]:
+        """Optuna parameters (as search_space names them) for `sdbench tune` to try first in a new study,
+        e.g. a cost model's predicted optimum. Default: none."""
+        return []
+
+
+@dataclass(frozen=True)
+class SearchContext:
+    """What a search space may depend on when tuning."""
+
+    drafts: tuple[str, ...] = ()  # the --draft candidates
+    prompt_tokens: int = 0  # longest prompt of the tuning subset
+    max_new_tokens: int = 0
+
+    @property
+    def context_tokens(self) -> int:
+        """Longest context a generation reaches (e.g. the ceiling for a KV budget)."""
+        return self.prompt_tokens + self.max_new_tokens
+
 
 @dataclass
 class BuildContext:
     """What a strategy factory gets: loaded runners and the user's settings."""
 
     target: Any  # ModelRunner
-    drafts: list = field(default_factory=list)  # [ModelRunner]
+    drafts: list = field(default_factory=list)  # [ModelRunner, or a model-free draft name such as "ngram"]
     gamma: int = 4
     options: dict = field(default_factory=dict)
+
+
+@dataclass
+class Variant:
+    """One configuration to run. label '' is the strategy as asked for; an extra configuration has a label
+    naming it (unique within the run) and the strategy name and draft column its rows record."""
+
+    proposer: Proposer
+    label: str = ""
+    strategy: str = ""
+    drafts: str = ""
 
 
 def take_options(declared: tuple[Option, ...], given: dict, strategy: str) -> dict:

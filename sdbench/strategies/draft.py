@@ -65,18 +65,20 @@ class DraftModel(Proposer):
             tokens[b, : n - f] = state.tokens[b, f:n]
         return self.runner.forward(self.cache, tokens, self.fed, at=torch.tensor(todo) - 1)
 
-    def propose(self, state) -> Proposal:
+    def propose(self, state, gamma: int | None = None) -> Proposal:
+        """gamma: tokens to draft this step; None = the configured lookahead (adaptive callers vary it)."""
+        gamma = self.gamma if gamma is None else gamma
         logits = self._catch_up(state)
         drafted, probs = [], []
-        for i in range(self.gamma):
+        for i in range(gamma):
             x, p = choose(logits, state.sampling, state.generator)
             drafted.append(x)
             probs.append(p)
-            if i + 1 < self.gamma:
+            if i + 1 < gamma:
                 logits = self.runner.forward(self.cache, x[:, None], [n + i for n in state.lengths])[:, 0]
-        self.fed = [n + self.gamma - 1 for n in state.lengths]
+        self.fed = [n + gamma - 1 for n in state.lengths]
         tokens = torch.stack(drafted, 1).cpu()
-        lengths = torch.full((state.batch,), self.gamma, dtype=torch.long)
+        lengths = torch.full((state.batch,), gamma, dtype=torch.long)
         return Proposal(tokens, lengths, None if state.sampling.greedy else torch.stack(probs, 1))
 
     def observe(self, state, accepted, proposal) -> None:
@@ -87,4 +89,7 @@ class DraftModel(Proposer):
     def build(cls, ctx: BuildContext) -> Proposer:
         if not ctx.drafts:
             raise SdbenchError("strategy 'draft' needs a draft model: pass --draft MODEL (the target itself works)")
+        if isinstance(ctx.drafts[0], str):  # a model-free draft name such as 'ngram'
+            raise SdbenchError(f"strategy 'draft' needs a draft model, and --draft {ctx.drafts[0]} is not one: "
+                               f"use --strategy {ctx.drafts[0]}, or adaptive to mix it with a model")
         return cls(ctx.drafts[0], ctx.gamma, **ctx.options)

@@ -8,6 +8,8 @@ import torch
 from sdbench.errors import SdbenchError
 from sdbench.strategies.base import Option, Proposal, Proposer
 
+DRAFT_NAME = "ngram"  # `--draft ngram`: prompt lookup as a draft candidate, no model to load
+
 
 def lookup(seq: np.ndarray, k: int, max_n: int, min_n: int = 1) -> np.ndarray:
     """Up to k tokens following the most recent earlier match of the longest suffix of seq (n-gram
@@ -50,3 +52,9 @@ class NGram(Proposer):
 
     def params(self) -> dict:
         return {"gamma": self.gamma, "max_ngram": self.max_ngram, "min_ngram": self.min_ngram}
+
+    @classmethod
+    def search_space(cls, trial, space) -> tuple[int, dict]:
+        gamma = trial.suggest_int("gamma", 1, 8)
+        max_ngram = trial.suggest_int("max_ngram", 1, 5)
+        return gamma, {"max_ngram": max_ngram, "min_ngram": trial.suggest_int("min_ngram", 1, max_ngram)}

@@ -1,0 +1,158 @@
+"""`sdbench compare BASELINE CURRENT`: a regression gate over two sets of result rows.
+
+Rows are matched on KEY. Per matched key and metric, each side's repeats give a median m and a median absolute
+deviation (MAD). The change is m_current / m_baseline - 1, and its noise is (MAD_baseline + MAD_current) /
+m_baseline: how far the repeats of the two sides spread. A key regresses on a metric when its drop exceeds
+both --max-regression and the noise, so a drop no larger than the runs' own jitter never fails the gate. Any
+current row whose output differed from plain decoding (lossless false) fails the gate too.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+import pandas as pd
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+from sdbench.errors import SdbenchError
+from sdbench.results import read_results
+
+KEY = ("strategy", "params", "target", "draft", "dataset", "prompt_id", "batch_size")
+METRICS = ("tokens_per_s", "speedup")
+
+
+class RegressionFound(SdbenchError):
+    """The gate failed: exit code 1 (bad input stays 2)."""
+
+    exit_code = 1
+
+
+@dataclass
+class Comparison:
+    deltas: pd.DataFrame  # one row per matched key and metric
+    lossy: pd.DataFrame  # current rows that broke losslessness
+    only_baseline: int = 0  # keys without a partner
+    only_current: int = 0
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def regressions(self) -> pd.DataFrame:
+        return self.deltas[self.deltas["regressed"]]
+
+    @property
+    def failed(self) -> bool:
+        return bool(len(self.regressions) or len(self.lossy))
+
+
+def _keyed(df: pd.DataFrame) -> pd.DataFrame:
+    data = df.copy()
+    for column in KEY:
+        if column not in data:
+            data[column] = None
+        data[column] = data[column].astype(object).where(data[column].notna(), "")
+    return data
+
+
+def _spread(values: np.ndarray) -> tuple[float, float, int]:
+    values = values[np.isfinite(values)]
+    if not len(values):
+        return math.nan, math.nan, 0
+    median = float(np.median(values))
+    return median, float(np.median(np.abs(values - median))), len(values)
+
+
+def compare_frames(baseline: pd.DataFrame, current: pd.DataFrame, max_regression: float = 0.05) -> Comparison:
+    """Medians, MADs and relative changes per matched key; max_regression is a fraction (0.05 = 5 %)."""
+    base, cur = _keyed(baseline), _keyed(current)
+    base_groups = dict(list(base.groupby(list(KEY), sort=False)))
+    cur_groups = dict(list(cur.groupby(list(KEY), sort=False)))
+    matched = [k for k in cur_groups if k in base_groups]
+    records = []
+    for key in matched:
+        for metric in METRICS:
+            if metric not in base or metric not in cur or (metric == "speedup" and key[0] == "autoregressive"):
+                continue  # plain decoding's speedup over itself is 1 by definition
+            b_med, b_mad, b_n = _spread(pd.to_numeric(base_groups[key][metric], errors="coerce").to_numpy(float))
+            c_med, c_mad, c_n = _spread(pd.to_numeric(cur_groups[key][metric], errors="coerce").to_numpy(float))
+            if not (b_n and c_n and b_med > 0):
+                continue
+            change = c_med / b_med - 1.0
+            noise = (b_mad + c_mad) / b_med
+            records.append({**dict(zip(KEY, key)), "metric": metric, "baseline": b_med, "current": c_med,
+                            "change": change, "noise": noise, "n_baseline": b_n, "n_current": c_n,
+                            "regressed": -change > max_regression and -change > noise})
+    columns = list(KEY) + ["metric", "baseline", "current", "change", "noise", "n_baseline", "n_current", "regressed"]
+    deltas = pd.DataFrame(records, columns=columns)
+    lossless = cur["lossless"] if "lossless" in cur else pd.Series(dtype="boolean")
+    lossy = cur[lossless.astype("boolean").fillna(True).eq(False)] if len(lossless) else cur.iloc[:0]
+    notes = []
+    for column in ("hardware", "device", "dtype"):
+        if column in base and column in cur:
+            old, new = set(base[column].dropna()), set(cur[column].dropna())
+            if old and new and old != new:
+                notes.append(f"{column} differs: baseline {', '.join(map(str, old))} vs current "
+                             f"{', '.join(map(str, new))}")
+    return Comparison(deltas, lossy, len(set(base_groups) - set(matched)), len(set(cur_groups) - set(matched)),
+                      notes)
+
+
+def _label(row) -> str:
+    """The configuration a delta belongs to, short: 'draft gamma=4 · smollm2-135m'."""
+    params = str(row["params"]).strip("{}").replace('"', "").replace(": ", "=")
+    name = f"{row['strategy']} {params}".strip()
+    return name + (f" · {row['draft']}" if row["draft"] else "")
+
+
+def comparison_table(result: Comparison, max_regression: float) -> Table:
+    """Per configuration and metric: median change over prompts, the worst prompt, regressions flagged."""
+    table = Table(title=f"compare · regression gate {max_regression:.0%} (and beyond the repeats' noise)")
+    for name, justify in (("configuration", "left"), ("dataset", "left"), ("metric", "left"), ("prompts", "right"),
+                          ("baseline", "right"), ("current", "right"), ("median Δ", "right"),
+                          ("worst Δ", "right"), ("noise", "right"), ("regressed", "right")):
+        table.add_column(name, justify=justify)
+    deltas = result.deltas
+    if deltas.empty:
+        return table
+    group_by = ["strategy", "params", "target", "draft", "dataset", "batch_size", "metric"]
+    for _, group in deltas.groupby(group_by, sort=False):
+        first = group.iloc[0]
+        worst = group.loc[group["change"].idxmin()]
+        bad = int(group["regressed"].sum())
+        style = "red" if bad else None
+        table.add_row(
+            Text(_label(first)), Text(str(first["dataset"])), first["metric"], str(len(group)),
+            f"{group['baseline'].median():.4g}", f"{group['current'].median():.4g}",
+            f"{group['change'].median():+.1%}", Text(f"{worst['change']:+.1%} {worst['prompt_id']}"),
+            f"{group['noise'].median():.1%}", Text(str(bad), style=style),
+        )
+    return table
+
+
+def run_compare(baseline_paths, current_paths, max_regression_pct: float, console: Console) -> Comparison:
+    """Read both sides, print the table, raise RegressionFound when the gate fails."""
+    if not 0 <= max_regression_pct < 100:
+        raise SdbenchError(f"--max-regression {max_regression_pct}: a percentage in [0, 100)")
+    limit = max_regression_pct / 100.0
+    result = compare_frames(read_results(baseline_paths), read_results(current_paths), limit)
+    if result.deltas.empty:
+        raise SdbenchError(f"nothing to compare: no rows match on {', '.join(KEY)}")
+    console.print(comparison_table(result, limit))
+    unmatched = [f"{n} only in the {side}" for n, side in ((result.only_baseline, "baseline"),
+                                                           (result.only_current, "current run")) if n]
+    for line in result.notes + ([f"unmatched keys: {', '.join(unmatched)}"] if unmatched else []):
+        console.print(Text(f"note: {line}", style="dim"))
+    problems = []
+    if len(result.lossy):
+        first = result.lossy.iloc[0]
+        problems.append(f"lossless broke on {len(result.lossy)} row(s), e.g. {first['prompt_id']} ({_label(first)})")
+    for _, row in result.regressions.iterrows():
+        problems.append(f"{row['metric']} {row['change']:+.1%} on {row['prompt_id']} ({_label(row)}), beyond "
+                        f"-{max_regression_pct:g}% and the noise {row['noise']:.1%}")
+    if problems:
+        raise RegressionFound(problems[0] + (f"; and {len(problems) - 1} more" if len(problems) > 1 else ""))
+    console.print(f"no regression beyond {max_regression_pct:g}% on {len(result.deltas)} matched comparisons")
+    return result

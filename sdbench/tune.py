@@ -1,0 +1,426 @@
+"""`sdbench tune`: an Optuna study over a strategy's own search space, measured by real runs.
+
+Each trial is one `Bench` run over the same seeded prompt subset, with the settings the strategy's
+`search_space` draws; the model pair is loaded once and shared by every trial. The objective is the speedup
+over plain decoding measured beside the trial on the same prompts, or the strategy's tokens/s. Losslessness
+is a constraint, not a score: a trial whose output differs from plain greedy decoding fails, so it can never
+be best. The running objective after each batch feeds a pruner that stops trials starting clearly worse
+than the finished ones.
+
+Studies live in Optuna storage (SQLite under the output folder by default, any Optuna URL otherwise), named
+after target, strategy, data set and hardware fingerprint: an interrupted tune resumes, several machines
+can work on one study, and an H100's numbers never mix with a laptop's.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import optuna
+import pandas as pd
+import yaml
+from optuna.trial import TrialState
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+from sdbench.benchmark import Bench, encode_prompts, load_pair, plan, resolve_device, resolve_dtype
+from sdbench.config import OBJECTIVES, TuneConfig
+from sdbench.env import environment
+from sdbench.errors import Interrupted, SdbenchError
+from sdbench.paths import presets_dir
+from sdbench.report import ALL, summarize
+from sdbench.results import RunWriter
+from sdbench.strategies import check_options, needs_draft, strategy_registry
+from sdbench.strategies.base import SearchContext
+
+INTERRUPTED = "interrupted"
+# what must not change between sessions of one study, or its trials would not be comparable
+STUDY_SETTINGS = ("objective", "limit", "max_new_tokens", "batch_size", "seed", "prompt_len", "dtype", "repeats",
+                  "drafts")
+
+
+class Lossy(Exception):
+    """A trial's output differed from plain greedy decoding."""
+
+
+class ClearlyWorse(optuna.pruners.BasePruner):
+    """Prunes a trial whose running objective after a number of batches is below (1 - margin) times the
+    median of the finished trials after as many batches. Every trial sees the same prompts in the same
+    order, so the comparison is fair; the margin keeps per-prompt timing noise from pruning good trials."""
+
+    def __init__(self, margin: float = 0.1, min_trials: int = 2):
+        self.margin, self.min_trials = margin, min_trials
+
+    def prune(self, study: optuna.Study, trial: optuna.trial.FrozenTrial) -> bool:
+        step = trial.last_step
+        if step is None:
+            return False
+        done = [t.intermediate_values[step] for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+                if step in t.intermediate_values]
+        if len(done) < self.min_trials:
+            return False
+        return trial.intermediate_values[step] < (1.0 - self.margin) * float(np.median(done))
+
+
+def slug(text: str) -> str:
+    return re.sub(r"[^a-z0-9.]+", "-", text.lower()).strip("-")
+
+
+def overall(rows: pd.DataFrame) -> pd.Series | None:
+    """The tuned configuration's summary over all rows, aggregated as `sdbench report` does; not the
+    baseline, nor configurations a strategy runs beside itself for comparison (roles compare-*)."""
+    data = rows if "run_id" in rows else rows.assign(run_id="trial")
+    summary = summarize(data, by=("dataset",))
+    summary = summary[summary["dataset"] == ALL]
+    mine = summary[~summary["role"].astype(str).str.startswith(("baseline", "compare"))]
+    return None if mine.empty else mine.iloc[0]
+
+
+def objective_value(rows: pd.DataFrame, objective: str) -> float:
+    row = overall(rows)
+    return math.nan if row is None else float(row["speedup" if objective == "speedup" else "tokens_per_s"])
+
+
+def draw(strategy: str, trial, space: SearchContext) -> dict:
+    """One trial's settings from the strategy's search space: gamma, checked options, drafts."""
+    drawn = strategy_registry.get(strategy).search_space(trial, space)
+    if not isinstance(drawn, tuple) or len(drawn) not in (2, 3):
+        raise SdbenchError(f"strategy '{strategy}': search_space must return (gamma, options[, drafts])")
+    gamma, options, drafts = (*drawn, None)[:3]
+    if drafts is None:  # one candidate per trial for a draft-model strategy; none for the others
+        drafts = space.drafts if needs_draft(strategy) else ()
+        if len(drafts) > 1:
+            drafts = (trial.suggest_categorical("draft", list(drafts)),)
+    unknown = sorted(set(drafts) - set(space.drafts))
+    if unknown:
+        raise SdbenchError(f"strategy '{strategy}' chose draft '{unknown[0]}', which is not a --draft candidate")
+    check_options(strategy, dict(options))
+    return {"gamma": int(gamma), "options": dict(options), "drafts": list(drafts)}
+
+
+def describe(settings: dict) -> str:
+    """e.g. 'gamma=4 max_ngram=3 draft=smollm2-135m'."""
+    parts = [f"gamma={settings['gamma']}", *(f"{k}={v}" for k, v in settings["options"].items())]
+    if settings.get("drafts"):
+        parts.append(f"draft={','.join(settings['drafts'])}")
+    return " ".join(parts)
+
+
+class _Feed:
+    """Bench's on_batch callback: checks losslessness, reports the running objective, prunes."""
+
+    def __init__(self, trial, objective: str, reference: dict | None):
+        self.trial, self.objective, self.reference = trial, objective, reference
+        self.rows: list[dict] = []
+        self.batches = 0
+
+    def __call__(self, rows: list[dict]) -> None:
+        self.rows.extend(rows)
+        self.batches += 1
+        for row in rows:
+            if row["role"] == "baseline":
+                continue
+            same = row.get("lossless")
+            if self.reference is not None and same is None:
+                same = list(row["output_ids"]) == self.reference.get(row["prompt_id"])
+            if same is False:
+                raise Lossy(f"lossless broke: output differs from plain decoding on {row['prompt_id']}")
+        value = objective_value(self.frame(), self.objective)
+        if math.isfinite(value):
+            self.trial.report(value, self.batches)
+            if self.trial.should_prune():
+                raise optuna.TrialPruned(f"pruned after {self.batches} batch(es) at {value:.3g}")
+
+    def frame(self) -> pd.DataFrame:
+        return pd.DataFrame(self.rows)
+
+
+class Tuner:
+    """One tuning session over one study."""
+
+    def __init__(self, cfg: TuneConfig, console: Console | None = None, pair=None, pruner=None,
+                 presets: Path | None = None):
+        if cfg.objective not in OBJECTIVES:
+            raise SdbenchError(f"--objective {cfg.objective}: use one of {', '.join(OBJECTIVES)}")
+        if cfg.trials < 1:
+            raise SdbenchError(f"--trials must be at least 1 (got {cfg.trials})")
+        self.cfg, self.console, self.pair, self.pruner = cfg, console or Console(), pair, pruner
+        run, choice = plan(replace(cfg.run, gammas=(1,), options={}))
+        if not run.sampling.greedy:
+            raise SdbenchError("sdbench tune decodes greedily: losslessness is checked token for token")
+        self.run, self.strategy = run, choice.base
+        self.device = resolve_device(run.device)
+        self.dtype = resolve_dtype(run.dtype, self.device)
+        self.hardware = environment(str(self.device), run.dtype)["hardware"]
+        self.study_name = cfg.study or "-".join(("sdbench", slug(run.target), self.strategy, slug(run.dataset),
+                                                 slug(self.hardware)))
+        self.folder = Path(run.out) / "tune" / slug(self.study_name)
+        self.preset_name = cfg.preset or slug(f"tuned-{self.strategy}-{run.target}")
+        self.preset_path = (presets or presets_dir()) / f"{self.preset_name}.yaml"
+        self._check_preset()
+
+    def _check_preset(self) -> None:
+        if self.preset_name in strategy_registry:
+            raise SdbenchError(f"--preset {self.preset_name}: that is a strategy's name; choose another")
+        if self.preset_path.exists():
+            spec = yaml.safe_load(self.preset_path.read_text()) or {}
+            if "tuned" not in spec:
+                raise SdbenchError(f"--preset {self.preset_name}: {self.preset_path} is a hand-written preset; "
+                                   "choose another name")
+
+    def storage(self) -> str:
+        if self.cfg.storage:
+            return self.cfg.storage
+        Path(self.run.out).mkdir(parents=True, exist_ok=True)
+        return f"sqlite:///{(Path(self.run.out) / 'tune.db').resolve()}"
+
+    def open_study(self) -> optuna.Study:
+        url = self.storage()
+        try:
+            study = optuna.create_study(study_name=self.study_name, storage=url, direction="maximize",
+                                        pruner=self.pruner or ClearlyWorse(), load_if_exists=True)
+        except ImportError as e:
+            raise SdbenchError(f"--storage {url}: a database driver is missing ({e}); install it with pip") from e
+        except Exception as e:  # any storage URL problem: bad scheme, unreachable server, wrong password
+            raise SdbenchError(f"--storage {url}: {str(e).strip().splitlines()[0]}") from e
+        # a resumed session must not replay the first session's random start
+        study.sampler = optuna.samplers.TPESampler(seed=self.run.sampling.seed + len(study.trials))
+        self._check_settings(study)
+        return study
+
+    def _check_settings(self, study: optuna.Study) -> None:
+        run = self.run
+        mine = {"objective": self.cfg.objective, "limit": run.limit, "max_new_tokens": run.max_new_tokens,
+                "batch_size": run.batch_size, "seed": run.sampling.seed, "prompt_len": run.prompt_len,
+                "dtype": run.dtype, "repeats": run.repeats, "drafts": list(run.drafts)}
+        saved = study.user_attrs.get("settings")
+        if saved is None:
+            study.set_user_attr("settings", mine)
+            study.set_user_attr("hardware", self.hardware)
+            return
+        for key in STUDY_SETTINGS:
+            if saved.get(key) != mine[key]:
+                raise SdbenchError(f"study {self.study_name} was tuned with {key}={saved.get(key)}, not "
+                                   f"{mine[key]}: resume it with the same settings, or name a new one with --study")
+
+    def tune(self) -> optuna.Study:
+        optuna.logging.set_verbosity(optuna.logging.WARNING)
+        pair = self.pair or load_pair(self.run, self.device, self.dtype, self.console)
+        self.runners = dict(zip(self.run.drafts, pair.drafts))
+        _, encoded = encode_prompts(self.run, pair)
+        space = SearchContext(tuple(self.run.drafts), max(len(e) for e in encoded), self.run.max_new_tokens)
+        draw(self.strategy, optuna.create_study().ask(), space)  # nothing to tune fails before the study exists
+        study = self.open_study()
+        for params in strategy_registry.get(self.strategy).tune_seeds(space):
+            study.enqueue_trial(params, skip_if_exists=True)
+        self.console.print(f"study {self.study_name} in {_safe_url(self.storage())}", highlight=False)
+        reference = self._reference(pair) if self.cfg.objective == "tokens" else None
+        started = time.monotonic()
+        while _counted(study) < self.cfg.trials:
+            if self.cfg.timeout is not None and time.monotonic() - started > self.cfg.timeout:
+                self.console.print(f"--timeout {self.cfg.timeout:g}s reached")
+                break
+            self._trial(study, pair, space, reference)
+        write_trials(study, self.folder / "trials" / "trials.parquet")
+        self.console.print(best_table(study, self.cfg.objective))
+        self._write_preset(study)
+        return study
+
+    def _reference(self, pair) -> dict:
+        """Plain greedy outputs of the subset, for trials run without a baseline beside them."""
+        cfg = replace(self.run, strategy="autoregressive", gammas=(0,), drafts=(), baseline=False,
+                      out=str(self.folder / "reference"))
+        with self.console.status("plain decoding for the lossless check"):
+            feed = _Feed(_NoPrune(), "tokens", None)
+            Bench(cfg, Console(quiet=True), pair=replace(pair, drafts=[]), on_batch=feed).run()
+        return {r["prompt_id"]: list(r["output_ids"]) for r in feed.rows if r["repeat"] == 0}
+
+    def _trial(self, study: optuna.Study, pair, space: SearchContext, reference: dict | None) -> None:
+        trial = study.ask()
+        try:
+            settings = draw(self.strategy, trial, space)
+        except SdbenchError as e:
+            return self._finish(study, trial, TrialState.FAIL, reason=str(e))
+        trial.set_user_attr("settings", settings)
+        trial.set_user_attr("hardware", self.hardware)
+        cfg = replace(self.run, strategy=self.strategy, drafts=tuple(settings["drafts"]), gammas=(settings["gamma"],),
+                      options=settings["options"], out=str(self.folder), baseline=self.cfg.objective == "speedup")
+        feed = _Feed(trial, self.cfg.objective, reference)
+        before = set(self.folder.glob("*.parts"))
+        quiet = Console(quiet=True)
+        label = f"trial {trial.number}: {describe(settings)}"
+        try:
+            with self.console.status(label):
+                path = Bench(cfg, quiet, pair=replace(pair, drafts=[self.runners[d] for d in settings["drafts"]]),
+                             on_batch=feed).run()
+        except optuna.TrialPruned as e:
+            return self._finish(study, trial, TrialState.PRUNED, feed, reason=str(e), label=label, before=before)
+        except Lossy as e:
+            return self._finish(study, trial, TrialState.FAIL, feed, reason=str(e), label=label, before=before)
+        except (KeyboardInterrupt, Interrupted):
+            self._interrupted(study, trial, feed, before)
+        except SdbenchError as e:
+            return self._finish(study, trial, TrialState.FAIL, feed, reason=str(e), label=label, before=before)
+        except Exception as e:  # a bug: record the trial as failed rather than running forever, then stop
+            self._finish(study, trial, TrialState.FAIL, feed, reason=f"crashed: {type(e).__name__}: {e}",
+                         label=label, before=before)
+            raise
+        trial.set_user_attr("results", str(path))
+        value = objective_value(feed.frame(), self.cfg.objective)
+        if not math.isfinite(value):
+            return self._finish(study, trial, TrialState.FAIL, feed, reason="no measurable objective", label=label)
+        self._finish(study, trial, TrialState.COMPLETE, feed, value=value, label=label)
+
+    def _interrupted(self, study, trial, feed, before) -> None:
+        self._finish(study, trial, TrialState.FAIL, feed, reason=INTERRUPTED, before=before)
+        raise Interrupted(f"interrupted: the study keeps its finished trials; run the same command again to "
+                           f"resume it ({_counted(study)}/{self.cfg.trials} done)")
+
+    def _finish(self, study, trial, state, feed: _Feed | None = None, value: float | None = None, reason: str = "",
+                label: str = "", before: set | None = None) -> None:
+        if before is not None:  # an aborted run leaves unmerged parts: merge them so its rows read as one file
+            for parts in set(self.folder.glob("*.parts")) - before:
+                path = RunWriter(self.folder, parts.name[: -len(".parts")]).finalize()
+                trial.set_user_attr("results", str(path))
+        if feed is not None and feed.rows:
+            _record(trial, feed)
+        if reason:
+            trial.set_user_attr("reason", reason)
+        study.tell(trial, value if state == TrialState.COMPLETE else None, state=state)
+        unit = "x" if self.cfg.objective == "speedup" else " tok/s"
+        outcome = (f"{value:.3g}{unit}", "green") if state == TrialState.COMPLETE else (reason, "yellow")
+        self.console.print(Text.assemble(f"{label or f'trial {trial.number}'} → ", outcome))
+
+    def _write_preset(self, study: optuna.Study) -> None:
+        best = best_trials(study)[:1]
+        if not best:
+            self.console.print("no trial completed losslessly: no preset written")
+            return
+        write_preset(self.preset_path, self.preset_name, self.strategy, best[0], study, self.cfg, self.run)
+        self.console.print(f"best settings → {self.preset_path} (run them with `sdbench run --strategy "
+                           f"{self.preset_name}`)", highlight=False)
+
+
+class _NoPrune:
+    """Stands in for a trial where nothing is being tuned."""
+
+    def report(self, value, step) -> None:
+        pass
+
+    def should_prune(self) -> bool:
+        return False
+
+
+def _safe_url(url: str) -> str:
+    """The storage URL without its password, fit for logs."""
+    return re.sub(r"//([^:/@]+):[^@]*@", r"//\1:***@", url)
+
+
+def _record(trial, feed: _Feed) -> None:
+    """The trial's measured figures, for the tables and the trials Parquet."""
+    row = overall(feed.frame())
+    if row is None:
+        return
+    for key in ("tokens_per_s", "speedup", "mean_accepted_len"):
+        value = float(row[key])
+        trial.set_user_attr(key, value if math.isfinite(value) else None)
+    lossless = row["lossless"]
+    trial.set_user_attr("lossless", None if lossless is None or pd.isna(lossless) else bool(lossless))
+    trial.set_user_attr("batches", feed.batches)
+
+
+def _counted(study: optuna.Study) -> int:
+    """Finished trials toward --trials; an interrupted one is tried again."""
+    finished = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL))
+    return sum(t.user_attrs.get("reason") != INTERRUPTED for t in finished)
+
+
+def best_trials(study: optuna.Study) -> list:
+    done = [t for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)) if t.value is not None]
+    return sorted(done, key=lambda t: -t.value)
+
+
+def best_table(study: optuna.Study, objective: str, top: int = 5) -> Table:
+    trials = study.get_trials(deepcopy=False)
+    states = {s: sum(t.state == s for t in trials) for s in (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)}
+    caption = (f"{len(trials)} trials: {states[TrialState.COMPLETE]} complete, {states[TrialState.PRUNED]} pruned, "
+               f"{states[TrialState.FAIL]} failed")
+    table = Table(title=f"best trials by {objective}", caption=caption)
+    for name in ("trial", "tok/s", "speedup", "acc.len", "settings"):
+        table.add_column(name, justify="left" if name == "settings" else "right")
+    for t in best_trials(study)[:top]:
+        attrs = t.user_attrs
+        table.add_row(str(t.number), _fmt(attrs.get("tokens_per_s"), "{:.1f}"),
+                      _fmt(attrs.get("speedup"), "{:.2f}x"), _fmt(attrs.get("mean_accepted_len"), "{:.2f}"),
+                      describe(attrs["settings"]))
+    return table
+
+
+def _fmt(value, pattern: str) -> str:
+    return "–" if value is None else pattern.format(value)
+
+
+def trial_records(study: optuna.Study) -> pd.DataFrame:
+    """One row per trial of the study (every machine's), settings as JSON."""
+    hardware = study.user_attrs.get("hardware")
+    records = []
+    for t in study.get_trials(deepcopy=False):
+        attrs = t.user_attrs
+        settings = attrs.get("settings") or {}
+        records.append({
+            "study": study.study_name, "trial": t.number, "state": t.state.name, "value": t.value,
+            "gamma": settings.get("gamma"), "options": json.dumps(settings.get("options", {}), sort_keys=True),
+            "drafts": ",".join(settings.get("drafts", [])), "params": json.dumps(t.params, sort_keys=True, default=str),
+            "tokens_per_s": attrs.get("tokens_per_s"), "speedup": attrs.get("speedup"),
+            "mean_accepted_len": attrs.get("mean_accepted_len"), "lossless": attrs.get("lossless"),
+            "batches": attrs.get("batches"), "reason": attrs.get("reason", ""),
+            "hardware": attrs.get("hardware", hardware), "results": attrs.get("results"),
+            "started": t.datetime_start.isoformat() if t.datetime_start else None,
+            "duration_s": t.duration.total_seconds() if t.duration else None,
+        })
+    frame = pd.DataFrame(records)
+    for column in ("value", "tokens_per_s", "speedup", "mean_accepted_len", "duration_s"):
+        if column in frame:
+            frame[column] = pd.to_numeric(frame[column], errors="coerce").astype("float64")
+    return frame
+
+
+def write_trials(study: optuna.Study, path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    trial_records(study).to_parquet(tmp, index=False)
+    os.replace(tmp, path)
+    return path
+
+
+def write_preset(path: Path, name: str, strategy: str, trial, study: optuna.Study, cfg: TuneConfig, run) -> Path:
+    """The best settings as a named preset that `sdbench run --strategy NAME` accepts."""
+    settings = trial.user_attrs["settings"]
+    unit = "x speedup" if cfg.objective == "speedup" else " tokens/s"
+    spec = {
+        "name": name,
+        "strategy": strategy,
+        "description": (f"tuned on {run.target} · {run.dataset} ({run.limit} prompts, {run.max_new_tokens} new tokens): "
+                        f"{trial.value:.3g}{unit} on {study.user_attrs.get('hardware')}"),
+        "gamma": settings["gamma"],
+        "options": settings["options"],
+        **({"drafts": settings["drafts"]} if settings["drafts"] else {}),
+        "tuned": {"study": study.study_name, "trial": trial.number, "objective": cfg.objective,
+                  "value": float(trial.value), "target": run.target, "dataset": run.dataset},
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    header = "# Written by `sdbench tune`; tuning the same study again rewrites it.\n"
+    path.write_text(header + yaml.safe_dump(spec, sort_keys=False, allow_unicode=True))
+    return path
+
+
+def tune(cfg: TuneConfig, console: Console | None = None, **kwargs) -> optuna.Study:
+    return Tuner(cfg, console, **kwargs).tune()

@@ -1,0 +1,111 @@
+"""sdbench compare: exit 0 on equal results, 1 on a planted regression or lossy output, 2 on bad input."""
+
+from __future__ import annotations
+
+import pytest
+
+from sdbench.cli import main
+from sdbench.compare import compare_frames
+from sdbench.results import RunWriter, read_results
+
+PROMPTS = ("mt-bench/81", "mt-bench/82", "mt-bench/83")
+
+
+def rows(base_tps=(100.0, 100.0, 100.0), strat_tps=(150.0, 150.0, 150.0), lossless=True, prompts=PROMPTS):
+    """Baseline and draft rows for each prompt; one repeat per value given."""
+    out = []
+    for p in prompts:
+        for repeat, (b, s) in enumerate(zip(base_tps, strat_tps)):
+            common = {"target": "smollm2-135m", "dataset": "mt-bench", "prompt_id": p, "batch_size": 1,
+                      "repeat": repeat, "new_tokens": 32, "hardware": "cuda:H100"}
+            out.append({**common, "role": "baseline", "strategy": "autoregressive", "params": "{}", "draft": "",
+                        "tokens_per_s": b, "speedup": 1.0, "lossless": True})
+            out.append({**common, "role": "strategy", "strategy": "draft", "params": '{"gamma": 4}',
+                        "draft": "smollm2-135m", "tokens_per_s": s, "speedup": s / b, "lossless": lossless})
+    return out
+
+
+def write(folder, run_id, data) -> str:
+    writer = RunWriter(folder, run_id)
+    writer.append(data)
+    return str(writer.finalize())
+
+
+def run_cli(capsys, *argv) -> tuple[int, str, str]:
+    try:
+        main(list(argv))
+        code = 0
+    except SystemExit as e:
+        code = e.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_equal_results_pass(tmp_path, capsys):
+    base = write(tmp_path, "base", rows())
+    code, out, err = run_cli(capsys, "compare", base, base)
+    assert code == 0, err
+    assert "no regression beyond 5% on 9 matched comparisons" in out
+
+
+def test_planted_regression_fails(tmp_path, capsys):
+    base = write(tmp_path, "base", rows())
+    slow = write(tmp_path / "cur", "cur", rows(strat_tps=(120.0, 120.0, 120.0)))  # -20 % tokens/s
+    code, out, err = run_cli(capsys, "compare", base, slow)
+    assert code == 1
+    assert err.startswith("error: tokens_per_s -20.0% on mt-bench/81 (draft gamma=4 · smollm2-135m)")
+    assert "and 5 more" in err  # tokens/s and speedup, three prompts each
+    # a generous gate lets the same drop through
+    code, _, _ = run_cli(capsys, "compare", base, slow, "--max-regression", "25")
+    assert code == 0
+
+
+def test_planted_lossless_failure_fails(tmp_path, capsys):
+    base = write(tmp_path, "base", rows())
+    lossy = write(tmp_path / "cur", "cur", rows(lossless=False))
+    code, _, err = run_cli(capsys, "compare", base, lossy)
+    assert code == 1 and err.startswith("error: lossless broke on 9 row(s), e.g. mt-bench/81")
+
+
+def test_a_drop_within_the_repeats_noise_passes():
+    baseline = read_like(rows(strat_tps=(100.0, 110.0, 90.0)))  # median 100, MAD 10
+    current = read_like(rows(strat_tps=(92.0, 102.0, 82.0)))  # median 92: -8 %, but noise 20 %
+    result = compare_frames(baseline, current, 0.05)
+    tps = result.deltas[(result.deltas["metric"] == "tokens_per_s") & (result.deltas["strategy"] == "draft")]
+    assert list(tps["change"].round(6)) == [-0.08] * 3 and list(tps["noise"].round(6)) == [0.2] * 3
+    assert not result.failed
+    # the same drop with tight repeats is a regression
+    tight = compare_frames(read_like(rows()), read_like(rows(strat_tps=(138.0,) * 3)), 0.05)
+    assert tight.failed and set(tight.regressions["prompt_id"]) == set(PROMPTS)
+
+
+def read_like(data):
+    import pandas as pd
+
+    return pd.DataFrame(data)
+
+
+def test_unmatched_and_bad_input(tmp_path, capsys):
+    base = write(tmp_path, "base", rows())
+    other = write(tmp_path / "cur", "cur", rows(prompts=("gsm8k/1",)))
+    code, _, err = run_cli(capsys, "compare", base, other)
+    assert code == 2 and "nothing to compare: no rows match" in err
+    code, _, err = run_cli(capsys, "compare", base, str(tmp_path / "missing.parquet"))
+    assert code == 2 and "results path not found" in err
+    code, _, err = run_cli(capsys, "compare", base, base, "--max-regression", "-1")
+    assert code == 2 and "--max-regression -1" in err
+
+
+def test_partial_overlap_is_noted(tmp_path, capsys):
+    base = write(tmp_path, "base", rows())
+    fewer = write(tmp_path / "cur", "cur", rows(prompts=PROMPTS[:2]))
+    code, out, _ = run_cli(capsys, "compare", base, fewer)
+    assert code == 0 and "unmatched keys: 2 only in the baseline" in out
+
+
+@pytest.mark.parametrize("column, value", [("hardware", "cpu:laptop")])
+def test_different_hardware_is_noted(tmp_path, capsys, column, value):
+    base = write(tmp_path, "base", rows())
+    moved = write(tmp_path / "cur", "cur", [{**r, column: value} for r in rows()])
+    code, out, _ = run_cli(capsys, "compare", base, moved)
+    assert code == 0 and "hardware differs: baseline cuda:H100 vs current cpu:laptop" in out

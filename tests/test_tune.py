@@ -1,0 +1,224 @@
+"""sdbench tune on tiny random models: trials run, resume, prune, fail on lossy output, write a preset."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import optuna
+import pandas as pd
+import pytest
+import yaml
+from optuna.trial import FixedTrial, TrialState
+
+from sdbench import decode, tasks
+from sdbench.benchmark import Pair
+from sdbench.config import RunConfig, TuneConfig
+from sdbench.data import Prompt
+from sdbench.errors import SdbenchError
+from sdbench.registry import Entry
+from sdbench.results import read_results
+from sdbench.strategies import resolve_strategy, strategy_registry
+from sdbench.strategies.base import Proposer, SearchContext
+from sdbench.tune import ClearlyWorse, Tuner, draw, objective_value
+
+PROMPTS = [[5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6], [10, 11, 12, 10, 11, 12, 10, 11], [1, 2, 3, 4, 1, 2, 3]]
+
+
+@pytest.fixture
+def pair(target, small_draft):
+    return Pair(target, None, [small_draft], eos=[], max_positions=1024)
+
+
+@pytest.fixture(autouse=True)
+def fixed_prompts(monkeypatch):
+    def load(task, *, limit=None, seed=0, prompt_len=None, tokenizer=None):
+        return [Prompt(f"p{i}", "c", ("",), tuple(ids)) for i, ids in enumerate(PROMPTS[:limit])]
+
+    monkeypatch.setattr(tasks, "load_prompts", load)
+
+
+def tuner(tmp_path, pair, strategy="ngram", trials=3, **kwargs) -> Tuner:
+    run_keys = {"limit": 2, "max_new_tokens": 8, "drafts": ("tiny-draft",)}
+    run_keys.update({k: kwargs.pop(k) for k in list(kwargs) if k in RunConfig.__dataclass_fields__})
+    run = RunConfig(target="tiny", strategy=strategy, device="cpu", out=str(tmp_path / "results"), **run_keys)
+    pruner = kwargs.pop("pruner", None)
+    return Tuner(TuneConfig(run, trials=trials, **kwargs), pair=pair, pruner=pruner, presets=tmp_path / "strategies")
+
+
+def test_tune_writes_a_preset_and_resumes_the_study(tmp_path, pair, monkeypatch):
+    first = tuner(tmp_path, pair, trials=2)
+    study = first.tune()
+    assert first.study_name.startswith("sdbench-tiny-ngram-mt-bench-cpu")
+    assert len(study.trials) == 2 and (tmp_path / "results" / "tune.db").exists()
+    completed = [t for t in study.trials if t.state == TrialState.COMPLETE]
+    assert completed and all(t.user_attrs["lossless"] is True for t in completed)
+    best = max(completed, key=lambda t: t.value)
+
+    spec = yaml.safe_load(first.preset_path.read_text())
+    assert first.preset_path.name == "tuned-ngram-tiny.yaml"
+    assert spec["gamma"] == best.params["gamma"] and spec["tuned"]["trial"] == best.number
+    assert spec["options"] == {"max_ngram": best.params["max_ngram"], "min_ngram": best.params["min_ngram"]}
+    monkeypatch.setenv("SDBENCH_HOME", str(tmp_path))
+    choice = resolve_strategy("tuned-ngram-tiny")
+    assert (choice.base, choice.gamma, choice.options) == ("ngram", spec["gamma"], spec["options"])
+
+    study = tuner(tmp_path, pair, trials=3).tune()  # a second session continues the same study
+    assert [t.number for t in study.trials] == [0, 1, 2]
+    trials = pd.read_parquet(first.folder / "trials" / "trials.parquet")
+    assert list(trials["trial"]) == [0, 1, 2] and set(trials["study"]) == {first.study_name}
+    assert all(Path(p).parent == first.folder and Path(p).exists() for p in trials["results"])
+    # every trial's rows are a results file beside the others, readable by `sdbench report`
+    rows = read_results([first.folder])
+    assert rows["run_id"].nunique() == 3 and set(rows["role"]) == {"baseline", "strategy"}
+
+
+def test_changed_settings_do_not_mix_into_a_study(tmp_path, pair, monkeypatch):
+    from sdbench.strategies.ngram import NGram
+
+    seed = {"gamma": 7, "max_ngram": 2, "min_ngram": 1}  # what a cost model would predict
+    monkeypatch.setattr(NGram, "tune_seeds", classmethod(lambda cls, space: [seed]))
+    assert tuner(tmp_path, pair, trials=1).tune().trials[0].params == seed
+    with pytest.raises(SdbenchError, match="was tuned with limit=2, not 3"):
+        tuner(tmp_path, pair, trials=2, limit=3).tune()
+
+
+def test_pruned_trials_stop_after_their_first_batch(tmp_path, pair):
+    t = tuner(tmp_path, pair, trials=2, pruner=optuna.pruners.ThresholdPruner(lower=1e9))
+    study = t.tune()
+    assert [s.state for s in study.trials] == [TrialState.PRUNED] * 2
+    assert all(s.user_attrs["batches"] == 1 and "pruned after 1 batch" in s.user_attrs["reason"]
+               for s in study.trials)
+    assert not t.preset_path.exists()
+    rows = read_results([study.trials[0].user_attrs["results"]])  # the aborted run's parts, merged
+    assert sorted(rows["role"]) == ["baseline", "strategy"] and set(rows["prompt_id"]) == {"p0"}
+
+
+class Lossy(Proposer):
+    """Plain decoding through its own loop, with one token changed: what a broken strategy would do."""
+
+    name = "lossy"
+
+    def generate(self, target, proposer, prompts, **kwargs):
+        result = decode.generate(target, proposer, prompts, **kwargs)
+        result.output_ids[0][-1] += 1
+        return result
+
+
+@pytest.mark.parametrize("objective", ["speedup", "tokens"])
+def test_lossy_trials_fail_and_are_never_best(tmp_path, pair, monkeypatch, objective):
+    monkeypatch.setitem(strategy_registry._entries, "lossy", Entry("lossy", Lossy, meta={"needs_draft": False}))
+    monkeypatch.setitem(strategy_registry._alias, "lossy", "lossy")
+    t = tuner(tmp_path, pair, strategy="lossy", trials=2, objective=objective)
+    study = t.tune()
+    assert [s.state for s in study.trials] == [TrialState.FAIL] * 2
+    assert all(s.user_attrs["reason"] == "lossless broke: output differs from plain decoding on p0"
+               for s in study.trials)
+    assert not t.preset_path.exists()
+
+
+def test_nothing_to_tune_and_bad_objective(tmp_path, pair):
+    with pytest.raises(SdbenchError, match="'autoregressive' has nothing to tune"):
+        tuner(tmp_path, pair, strategy="autoregressive").tune()
+    assert not (tmp_path / "results" / "tune.db").exists()
+    with pytest.raises(SdbenchError, match="--objective fast"):
+        tuner(tmp_path, pair, objective="fast")
+
+
+def test_hand_written_presets_are_not_overwritten(tmp_path, pair):
+    (tmp_path / "strategies").mkdir()
+    (tmp_path / "strategies" / "mine.yaml").write_text("name: mine\nstrategy: ngram\n")
+    with pytest.raises(SdbenchError, match="hand-written preset"):
+        tuner(tmp_path, pair, preset="mine")
+    with pytest.raises(SdbenchError, match="that is a strategy's name"):
+        tuner(tmp_path, pair, preset="draft")
+
+
+def test_search_spaces_draw_checked_settings():
+    space = SearchContext(("a", "b"), prompt_tokens=20, max_new_tokens=8)
+    assert space.context_tokens == 28
+    assert draw("draft", FixedTrial({"gamma": 3, "draft": "b"}), space) == {"gamma": 3, "options": {},
+                                                                            "drafts": ["b"]}
+    got = draw("ngram", FixedTrial({"gamma": 2, "max_ngram": 4, "min_ngram": 2}), SearchContext())
+    assert got == {"gamma": 2, "options": {"max_ngram": 4, "min_ngram": 2}, "drafts": []}
+
+
+def test_clearly_worse_prunes_only_well_below_the_median():
+    study = optuna.create_study(direction="maximize", pruner=ClearlyWorse(margin=0.1, min_trials=2))
+    for value in (1.0, 1.2, 1.4):
+        trial = study.ask()
+        trial.report(value, 1)
+        study.tell(trial, value)
+    close, far = study.ask(), study.ask()
+    close.report(1.09, 1)  # median 1.2: within 10 %
+    far.report(1.07, 1)
+    assert (close.should_prune(), far.should_prune()) == (False, True)
+
+
+def test_objective_aggregates_like_the_report():
+    rows = pd.DataFrame([
+        {"role": r, "strategy": s, "prompt_id": p, "batch_id": b, "repeat": 0, "new_tokens": 10, "wall_s": w,
+         "steps": 10, "dataset": "d"}
+        for r, s, w in (("baseline", "autoregressive", 1.0), ("strategy", "ngram", 0.5)) for b, p in enumerate("xy")
+    ])
+    assert objective_value(rows, "tokens") == 20.0 and objective_value(rows, "speedup") == 2.0
+
+
+def test_cli_passes_settings_to_the_tuner(monkeypatch):
+    import sdbench.tune
+    from sdbench.cli import main
+
+    seen = {}
+    monkeypatch.setattr(sdbench.tune, "tune", lambda cfg, console: seen.setdefault("cfg", cfg))
+    main(["tune", "--target", "m", "--draft", "a", "--draft", "b", "--strategy", "draft", "--limit", "3",
+          "--trials", "7", "--timeout", "60", "--objective", "tokens", "--storage", "sqlite:///x.db",
+          "--study", "s", "--preset", "p", "--seed", "5", "--max-new-tokens", "9"])
+    cfg = seen["cfg"]
+    assert (cfg.trials, cfg.timeout, cfg.objective, cfg.storage, cfg.study, cfg.preset) == (
+        7, 60.0, "tokens", "sqlite:///x.db", "s", "p")
+    run = cfg.run
+    assert (run.target, run.drafts, run.strategy, run.limit, run.max_new_tokens, run.sampling.seed) == (
+        "m", ("a", "b"), "draft", 3, 9, 5)
+    assert run.sampling.greedy
+
+
+@pytest.mark.slow
+def test_cli_tunes_smollm2_end_to_end(tmp_path, monkeypatch, capsys):
+    from sdbench.cli import main
+
+    monkeypatch.undo()  # real prompts
+    presets = tmp_path / "home" / "strategies"
+    monkeypatch.setattr("sdbench.tune.presets_dir", lambda: presets)
+    main(["tune", "--strategy", "ngram", "--limit", "1", "--max-new-tokens", "6", "--trials", "2",
+          "--objective", "tokens", "--out", str(tmp_path), "--device", "cpu"])
+    out = capsys.readouterr().out
+    assert "trial 0: gamma=" in out and "trial 1: gamma=" in out and "best trials by tokens" in out
+    assert yaml.safe_load((presets / "tuned-ngram-smollm2-135m.yaml").read_text())["strategy"] == "ngram"
+
+
+def test_an_interrupted_tune_resumes(tmp_path, pair, monkeypatch):
+    from sdbench import tune as tune_module
+
+    real = tune_module._Feed.__call__
+
+    def interrupt(self, rows):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(tune_module._Feed, "__call__", interrupt)
+    with pytest.raises(SdbenchError, match="interrupted: .* run the same command again to resume it \\(0/2 done\\)"):
+        tuner(tmp_path, pair, trials=2).tune()
+    monkeypatch.setattr(tune_module._Feed, "__call__", real)
+    study = tuner(tmp_path, pair, trials=2).tune()
+    states = [(t.state, t.user_attrs.get("reason")) for t in study.trials]
+    assert states[0] == (TrialState.FAIL, "interrupted") and len(states) == 3
+    assert all(s != TrialState.FAIL for s, _ in states[1:])
+
+
+def test_a_search_space_with_undeclared_settings_is_refused(monkeypatch):
+    from sdbench.strategies.ngram import NGram
+
+    monkeypatch.setattr(NGram, "search_space", classmethod(lambda cls, trial, space: (2, {"colour": 1})))
+    with pytest.raises(SdbenchError, match="has no setting 'colour'"):
+        draw("ngram", FixedTrial({}), SearchContext())
+    monkeypatch.setattr(NGram, "search_space", classmethod(lambda cls, trial, space: 2))
+    with pytest.raises(SdbenchError, match="search_space must return"):
+        draw("ngram", FixedTrial({}), SearchContext())
