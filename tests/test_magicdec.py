@@ -136,3 +136,16 @@ def test_predict_magicdec_command(capsys):
           "--device", "cpu"])
     out = capsys.readouterr().out
     assert "critical" in out and "predicted" in out and " 16 " in out
+
+
+def test_magicdec_search_space_keeps_budgets_below_the_context():
+    import optuna
+
+    from sdbench.strategies.base import SearchContext
+
+    study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0))
+    space = SearchContext(prompt_tokens=150, max_new_tokens=50)
+    for _ in range(20):
+        gamma, options = MagicDec.search_space(study.ask(), space)
+        assert 1 <= gamma <= 6 and options["kv"] in ("streamingllm", "snapkv")
+        assert options["budget"] in (32, 64, 128) and options["window"] <= options["budget"]

@@ -35,5 +35,15 @@ class MagicDec(DraftModel):
                 **({"sink": sp.sink} if sp.selector == "streamingllm" else {"window": sp.window})}
 
     @classmethod
+    def search_space(cls, trial, space) -> tuple:
+        """gamma, the selector, and a budget from a grid of powers of two that never exceeds the context
+        (a budget as long as the context is the full cache: nothing left to save)."""
+        grid = [b for b in (32, 64, 128, 256, 512, 1024, 2048) if b < max(space.context_tokens, 33)] or [32]
+        options = {"kv": trial.suggest_categorical("kv", ["streamingllm", "snapkv"]),
+                   "budget": trial.suggest_categorical("budget", grid)}
+        options["window"] = min(32, options["budget"])
+        return trial.suggest_int("gamma", 1, 6), options
+
+    @classmethod
     def build(cls, ctx: BuildContext) -> Proposer:
         return cls(ctx.target, ctx.gamma, **ctx.options)
