@@ -1,0 +1,244 @@
+"""On-the-fly adaptive speculative decoding: the lookahead gamma, and the draft, chosen while decoding.
+
+No training and no offline tuning: both strategies only propose (the decode loop verifies, as for every
+strategy) and learn from what each round cost and how much of it was accepted.
+
+- `adaptive` picks, every round, the draft candidate and gamma (0 = a plain step) with the most predicted
+  tokens per second: acceptance alpha by maximum likelihood over the last `history` rounds, shrunk toward a
+  per-prompt prior that an online ridge regression predicts from prompt features; draft and verification
+  times measured online (`adaptive_online.GammaPolicy`).
+- `adaptive-fsm` is the state machine: gamma grows after a fully accepted round and shrinks after a
+  rejection (`schedule=step`: +1/-1; `schedule=heuristic`: +2/-1, transformers' schedule).
+
+Timing: draft seconds are measured around the drafter's call inside `propose`; verification seconds are
+the time from `propose` returning to `observe` being called, i.e. the target forward plus the loop's
+acceptance and commit bookkeeping (which a plain step pays too, so the comparison stays fair).
+
+`--set compare=1,2,4` also runs fixed-gamma speculative decoding with every draft candidate (strategy
+`draft` for a model, `ngram` for prompt lookup) at those gammas and at --gamma, in the same run on the
+same prompts, so the table shows the adaptive strategy beside the best fixed gamma and the one the user
+would have guessed.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+
+from sdbench.errors import SdbenchError
+from sdbench.strategies.adaptive_online import AlphaPrior, GammaPolicy, StepSchedule, prompt_features
+from sdbench.strategies.base import BuildContext, Option, Proposer, Variant
+from sdbench.strategies.draft import DraftModel
+from sdbench.strategies.drafters import make_drafters
+from sdbench.strategies.ngram import DRAFT_NAME, NGram
+from sdbench.theory import fit_alpha
+
+COMMON = (
+    Option("gamma_max", 8, "largest lookahead the adaptation may choose"),
+    Option("compare", "", "also run fixed-gamma SD at these gammas (and --gamma), e.g. 1,2,4,6,8", str),
+    Option("max_ngram", 3, "n-gram draft: longest suffix (tokens) to match"),
+    Option("min_ngram", 1, "n-gram draft: shortest suffix (tokens) to match"),
+)
+
+
+def parse_compare(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(sorted({int(x) for x in str(text).split(",") if x.strip()}))
+    except ValueError:
+        raise SdbenchError(f"--set compare={text}: expected gammas like 1,2,4,6,8") from None
+    if any(v < 1 for v in values):
+        raise SdbenchError(f"--set compare={text}: every gamma must be at least 1")
+    return values
+
+
+class RowTrace:
+    """One row's rounds: gamma asked for, the drafter used, and that drafter's acceptance counts."""
+
+    def __init__(self):
+        self.gammas: Counter = Counter()
+        self.drafts: Counter = Counter()
+        self.counts: dict[int, list[int]] = {}  # drafter index -> [accepted, rejections]
+        self.switches = 0
+        self.last: int | None = None
+
+    def add(self, d: int | None, gamma: int, drafted: int, accepted: int) -> None:
+        self.gammas[gamma] += 1
+        if d is None or gamma == 0:
+            return
+        self.drafts[d] += 1
+        self.switches += self.last is not None and d != self.last
+        self.last = d
+        if drafted:
+            counts = self.counts.setdefault(d, [0, 0])
+            counts[0] += accepted
+            counts[1] += accepted < drafted
+
+
+class _Adaptive(Proposer):
+    """What both adaptive strategies share: draft candidates, timing, per-row traces, comparisons."""
+
+    def __init__(self, drafters: list, gamma: int, gamma_max: int = 8, compare: str = "", max_ngram: int = 3,
+                 min_ngram: int = 1):
+        if gamma_max < 1 or not 0 <= gamma <= gamma_max:
+            raise SdbenchError(f"strategy '{self.name}' needs 0 <= --gamma <= gamma_max and gamma_max >= 1 "
+                               f"(got --gamma {gamma}, gamma_max {gamma_max}; raise it with --set gamma_max=N)")
+        super().__init__(gamma)
+        self.drafters, self.gamma_max = drafters, gamma_max
+        self.compare = parse_compare(compare)
+        self.max_ngram, self.min_ngram = max_ngram, min_ngram
+        self._rows: list[RowTrace] = []
+
+    @property
+    def max_lookahead(self) -> int:
+        return self.gamma_max
+
+    def begin(self, state) -> None:
+        for drafter in self.drafters:
+            drafter.begin(state)
+        self._start(state)
+        self._rows = [RowTrace() for _ in range(state.batch)]
+
+    def propose(self, state):
+        d, gamma = self._choose()
+        self._round, self._draft_s, proposal = (d, gamma), None, None
+        self._active = [b for b in range(state.batch) if not state.done[b]]
+        if gamma:
+            t0 = time.perf_counter()
+            proposal, steady = self.drafters[d].propose(state, gamma)
+            self._draft_s = time.perf_counter() - t0 if steady else None
+        self._proposed_at = time.perf_counter()
+        return proposal
+
+    def observe(self, state, accepted, proposal) -> None:
+        verify_s = time.perf_counter() - self._proposed_at
+        d, gamma = self._round
+        drafted = [0] * state.batch if proposal is None else proposal.lengths.tolist()
+        width = 0 if proposal is None else proposal.tokens.shape[1]
+        acc = accepted.tolist()
+        for b in self._active:
+            self._rows[b].add(d, gamma, drafted[b], acc[b])
+        self._learn(d, gamma, width, [drafted[b] for b in self._active], [acc[b] for b in self._active],
+                    verify_s)
+        if proposal is not None:
+            self.drafters[d].observe(state, accepted, proposal)
+
+    def row_stats(self, b: int) -> dict:
+        """gamma_mean and gamma_hist over the row's rounds (gamma asked of the drafter, 0 = plain step),
+        rounds drafted per candidate, switches between candidates, and each candidate's fitted alpha."""
+        row = self._rows[b]
+        rounds = sum(row.gammas.values())
+        names = [d.name for d in self.drafters]
+        return {
+            "gamma_mean": round(sum(g * n for g, n in row.gammas.items()) / rounds, 4) if rounds else None,
+            "gamma_hist": {str(g): n for g, n in sorted(row.gammas.items())},
+            "drafts": {names[d]: n for d, n in sorted(row.drafts.items())},
+            "switches": row.switches,
+            "alpha": {names[d]: round(fit_alpha(a, r), 4) for d, (a, r) in sorted(row.counts.items()) if a + r},
+        }
+
+    def params(self) -> dict:
+        return {"gamma": self.gamma, "gamma_max": self.gamma_max,
+                **({"max_ngram": self.max_ngram, "min_ngram": self.min_ngram}
+                   if any(d.name == DRAFT_NAME for d in self.drafters) else {})}
+
+    # what each strategy decides
+    def _start(self, state) -> None:
+        raise NotImplementedError
+
+    def _choose(self) -> tuple[int | None, int]:
+        raise NotImplementedError
+
+    def _learn(self, d, gamma, width, drafted, accepted, verify_s) -> None:
+        raise NotImplementedError
+
+    @classmethod
+    def build(cls, ctx: BuildContext) -> Proposer:
+        drafters = make_drafters(ctx.drafts, ctx.options["max_ngram"], ctx.options["min_ngram"])
+        return cls(drafters, ctx.gamma, **ctx.options)
+
+    @classmethod
+    def variants(cls, ctx: BuildContext) -> list[Variant]:
+        """Itself, then with `compare` set: fixed-gamma SD per draft candidate at those gammas and --gamma."""
+        me = cls.build(ctx)
+        made = [Variant(me)]
+        gammas = sorted(set(me.compare) | ({ctx.gamma} if ctx.gamma else set())) if me.compare else []
+        for spec in ctx.drafts or [DRAFT_NAME]:
+            for g in gammas:
+                if isinstance(spec, str):
+                    made.append(Variant(NGram(g, me.max_ngram, me.min_ngram), f"ngram-g{g}", "ngram", DRAFT_NAME))
+                else:
+                    made.append(Variant(DraftModel(spec, g), f"draft-{spec.name}-g{g}", "draft", spec.name))
+        return made
+
+
+class Adaptive(_Adaptive):
+    """Online window-size optimisation with draft choice; see `adaptive_online.GammaPolicy`."""
+
+    name = "adaptive"
+    options = (
+        Option("history", 16, "verification rounds the acceptance estimate looks back on"),
+        Option("probe", 8, "after this many plain rounds, draft one token to re-check acceptance"),
+        *COMMON,
+    )
+
+    def __init__(self, drafters: list, gamma: int, history: int = 16, probe: int = 8, **common):
+        if history < 1 or probe < 1:
+            raise SdbenchError(f"strategy 'adaptive' needs history >= 1 and probe >= 1 (got {history}, {probe})")
+        super().__init__(drafters, gamma, **common)
+        self.history, self.probe = history, probe
+        self.policy = GammaPolicy(len(drafters), gamma, self.gamma_max, history, probe)
+        self.priors = [AlphaPrior() for _ in drafters]
+        self._features: list = []
+
+    def _start(self, state) -> None:
+        # the generation that just ended teaches the per-prompt prior before this one is predicted
+        for x, row in zip(self._features, self._rows):
+            for d, (a, r) in row.counts.items():
+                self.priors[d].add(x, fit_alpha(a, r), a + r)
+        self._features = [prompt_features(state.tokens[b, : state.prompt_lengths[b]].numpy())
+                          for b in range(state.batch)]
+        self.policy.start([sum(p.predict(x) for x in self._features) / len(self._features) for p in self.priors])
+
+    def _choose(self) -> tuple[int | None, int]:
+        return self.policy.choose()
+
+    def _learn(self, d, gamma, width, drafted, accepted, verify_s) -> None:
+        self.policy.record(d, gamma, width, drafted, accepted, verify_s, self._draft_s)
+
+    def params(self) -> dict:
+        return {**super().params(), "history": self.history, "probe": self.probe}
+
+
+class AdaptiveFSM(_Adaptive):
+    """The state-machine lookahead; see `adaptive_online.StepSchedule`. One draft candidate."""
+
+    name = "adaptive-fsm"
+    options = (
+        Option("schedule", "step", "step: +1 after a fully accepted round, -1 after a rejection; "
+               "heuristic: +2 / -1 (transformers' schedule)", str),
+        *COMMON,
+    )
+
+    def __init__(self, drafters: list, gamma: int, schedule: str = "step", **common):
+        if schedule not in StepSchedule.UPS:
+            raise SdbenchError(f"--set schedule={schedule}: use one of {', '.join(StepSchedule.UPS)}")
+        if len(drafters) != 1:
+            raise SdbenchError("strategy 'adaptive-fsm' drafts with one --draft; use 'adaptive' to choose "
+                               "among several")
+        if gamma < 1:
+            raise SdbenchError(f"--gamma must be at least 1 for strategy 'adaptive-fsm' (got {gamma})")
+        super().__init__(drafters, gamma, **common)
+        self.schedule = schedule
+        self.fsm = StepSchedule(gamma, self.gamma_max, StepSchedule.UPS[schedule])
+
+    def _start(self, state) -> None:
+        self.fsm.start()
+
+    def _choose(self) -> tuple[int | None, int]:
+        return 0, self.fsm.gamma
+
+    def _learn(self, d, gamma, width, drafted, accepted, verify_s) -> None:
+        self.fsm.update(drafted, accepted)
+
+    def params(self) -> dict:
+        return {**super().params(), "schedule": self.schedule}
