@@ -1,0 +1,182 @@
+"""`sdbench predict chain`: the insertion test for a polybasic chain, then the measured answer.
+
+A short profiling pass decodes a few prompts for a few tokens with the chain as it is and with the candidate
+inserted, and reads from each level's records its time per forward T_i, its mean accepted length L_i, the
+block sizes N_i and the bottom's forwards per block. `sdbench.theory.ChainCosts` turns these into the
+predicted time per token of each chain, and `insertion_times` into the verdict: does the candidate pay? Then
+the measured pass decodes the full prompts with plain decoding and both chains, interleaved prompt by prompt
+so that drift on a shared machine falls on all three alike, and prints the measured time per token next to
+the prediction. Time per token is decode time after the first token over the tokens after the first; the
+measured figure also pays each level's prefill and the loop's bookkeeping, which the formula leaves out.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from sdbench.config import RunConfig, SamplingConfig
+from sdbench.decode import generate
+from sdbench.errors import SdbenchError
+from sdbench.metrics import BatchResult
+from sdbench.strategies.autoregressive import Autoregressive
+from sdbench.strategies.polybasic import Polybasic, check_chain
+from sdbench.theory import ChainCosts, insertion_times
+
+GREEDY = SamplingConfig()
+
+
+@dataclass
+class ChainRun:
+    """One system's figures: the profile it was predicted from, and what the measured pass saw."""
+
+    label: str
+    chain: list[str]  # the drafts, top down (empty: plain decoding)
+    costs: ChainCosts | None = None
+    profile_forward_s: float = 0.0  # plain decoding only: one target forward in the profiling pass
+    seconds: float = 0.0  # measured decode time after each first token, summed over prompts
+    tokens: int = 0  # measured tokens after each first token
+    prefill_s: float = 0.0  # of `seconds`: the lower levels' own prefills, which the formula leaves out
+    outputs: list[list[int]] = field(default_factory=list)
+
+    @property
+    def predicted(self) -> float:
+        return self.costs.time_per_token() if self.costs else self.profile_forward_s
+
+    @property
+    def measured(self) -> float:
+        return self.seconds / self.tokens if self.tokens else float("nan")
+
+
+def costs_from_records(records: list[dict]) -> ChainCosts:
+    """ChainCosts from Polybasic.row_stats()["levels"] of several generations (batch 1 each)."""
+    k = len(records[0]) - 1
+
+    def total(i: int, key: str) -> float:
+        return sum(r[i][key] for r in records)
+
+    def ratio(i: int, num: str, den: str) -> float:
+        d = total(i, den)
+        if not d:
+            raise SdbenchError(f"the profiling pass saw no {den} at level {i}: raise --profile-tokens")
+        return total(i, num) / d
+
+    costs = tuple(ratio(i, "forward_s", "forwards") for i in range(k + 1))
+    accepted = tuple(ratio(i, "committed", "rounds") for i in range(k))
+    blocks = tuple(ratio(i, "proposed", "proposals") for i in range(1, k))
+    return ChainCosts(costs, accepted, blocks, ratio(k, "forwards", "blocks"))
+
+
+def _decode(pair, proposer, prompt: list[int], max_new: int) -> BatchResult:
+    return generate(pair.target, proposer, [prompt], max_new_tokens=max_new, sampling=GREEDY, eos_ids=pair.eos)
+
+
+def _build(pair, names: list[str], runners: dict, gamma: int, mu: str):
+    if not names:
+        return Autoregressive()
+    return Polybasic([runners[n] for n in names], gamma, _mu(names, mu), target_name=pair.target.name)
+
+
+def _mu(chain: list[str], mu: str) -> str:
+    """--mu is for the middle levels; a chain of one draft has none."""
+    return mu if len(chain) > 1 else ""
+
+
+def profile(pair, runs: list[ChainRun], runners, prompts, tokens: int, gamma: int, mu: str) -> None:
+    """Fill each run's costs from a short pass (after one unrecorded warm-up generation each)."""
+    for run in runs:
+        proposer = _build(pair, run.chain, runners, gamma, mu)
+        _decode(pair, proposer, prompts[0], 4)
+        results = [_decode(pair, proposer, p, tokens) for p in prompts]
+        if run.chain:
+            run.costs = costs_from_records([res.extras[0]["levels"] for res in results])
+        else:
+            rows = [res.rows[0] for res in results]
+            run.profile_forward_s = sum(r.verify_s for r in rows) / max(sum(r.steps for r in rows), 1)
+
+
+def measure(pair, runs: list[ChainRun], runners, prompts, max_new: int, gamma: int, mu: str) -> None:
+    proposers = [_build(pair, run.chain, runners, gamma, mu) for run in runs]
+    for prompt in prompts:
+        for run, proposer in zip(runs, proposers):
+            res = _decode(pair, proposer, prompt, max_new)
+            run.seconds += res.wall_s - res.ttft_s
+            run.tokens += max(len(res.output_ids[0]) - 1, 0)
+            run.outputs.append(res.output_ids[0])
+            run.prefill_s += sum(level.get("prefill_s", 0.0) for level in (res.extras[0].get("levels") or []))
+
+
+def insertion_verdict(old: ChainCosts, new: ChainCosts, at: int) -> tuple[float, float]:
+    """(old, new) seconds per token of the level the candidate goes under (level `at`), from the insertion
+    condition: that level's round in the old chain against its round in the new one."""
+    c = at + 1  # the candidate's level in the new chain; never the bottom
+    return insertion_times(old.costs[at], old.block_cost(at + 1), old.accepted[at], new.costs[at], new.costs[c],
+                           new.accepted[c], new.blocks[c - 1], new.accepted[at])
+
+
+def run_chain_prediction(target: str, drafts: list[str], candidate: str, at: int, gamma: int, mu: str,
+                         dataset: str, limit: int, max_new_tokens: int, profile_prompts: int, profile_tokens: int,
+                         device: str, dtype: str, seed: int, console: Console) -> list[ChainRun]:
+    from sdbench.benchmark import encode_prompts, load_pair, resolve_device, resolve_dtype
+
+    if not drafts:
+        raise SdbenchError("predict chain needs the chain as it is: --draft once per level, from the top down")
+    if not 0 <= at < len(drafts):
+        raise SdbenchError(f"--at {at}: insert under the target (0) or under one of the first "
+                           f"{len(drafts) - 1} --draft levels (the bottom drafter verifies nothing)")
+    for name, value in (("--gamma", gamma), ("--limit", limit), ("--max-new-tokens", max_new_tokens),
+                        ("--profile-prompts", profile_prompts), ("--profile-tokens", profile_tokens)):
+        if value < 1:
+            raise SdbenchError(f"{name} must be at least 1 (got {value})")
+    new_chain = drafts[:at] + [candidate] + drafts[at:]
+    # every chain is checked before anything loads
+    for chain in (drafts, new_chain):
+        check_chain([d if d == "ngram" else None for d in chain], gamma, _mu(chain, mu))
+    cfg = RunConfig(target=target, drafts=tuple(dict.fromkeys(new_chain)), dataset=dataset, limit=limit,
+                    max_new_tokens=max_new_tokens, gammas=(gamma,), sampling=SamplingConfig(seed=seed),
+                    device=device, dtype=dtype)
+    dev = resolve_device(device)
+    pair = load_pair(cfg, dev, resolve_dtype(dtype, dev), console)
+    runners = dict(zip(cfg.drafts, pair.drafts))
+    _, encoded = encode_prompts(cfg, pair)
+    runs = [ChainRun("plain", []), ChainRun("chain", list(drafts)), ChainRun("with candidate", new_chain)]
+    with torch.inference_mode(), console.status("profiling"):
+        profile(pair, runs, runners, encoded[:profile_prompts], profile_tokens, gamma, mu)
+    with torch.inference_mode(), console.status("measuring"):
+        measure(pair, runs, runners, encoded, max_new_tokens, gamma, mu)
+    print_chain_report(runs, target, candidate, at, console)
+    return runs
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1000:.1f}"
+
+
+def print_chain_report(runs: list[ChainRun], target: str, candidate: str, at: int, console: Console) -> None:
+    plain, old, new = runs
+    table = Table(title=f"polybasic chains on {target}, ms per token: predicted from the profiling pass, measured; "
+                        "per level (top down) ms per forward T and accepted length L")
+    for col in ("system", "levels", "T ms", "L", "predicted", "simple form", "measured", "draft prefill",
+                "speedup", "same tokens"):
+        table.add_column(col, justify="left" if col in ("system", "levels") else "right", overflow="fold")
+    for run in runs:
+        costs = run.costs
+        forwards = " / ".join(_ms(t) for t in costs.costs) if costs else _ms(run.profile_forward_s)
+        lengths = " / ".join(f"{a:.2f}" for a in costs.accepted) if costs else "1.00"
+        simple = costs.seed_time_per_token() if costs else run.profile_forward_s
+        prefill = run.prefill_s / max(run.tokens, 1)
+        table.add_row(run.label, " <- ".join([target] + run.chain), forwards, lengths, _ms(run.predicted),
+                      _ms(simple), _ms(run.measured), _ms(prefill), f"{plain.measured / run.measured:.2f}x",
+                      "yes" if run.outputs == plain.outputs else "NO")
+    console.print(table)
+    upper = target if at == 0 else old.chain[at - 1]
+    t_old, t_new = insertion_verdict(old.costs, new.costs, at)
+    predicted, measured = t_new < t_old, new.measured < old.measured
+    console.print(f"insertion test, {candidate} under {upper}: a token of {upper} costs {_ms(t_old)} ms now, "
+                  f"{_ms(t_new)} ms with it -> predicted to {'help' if predicted else 'hurt'}")
+    verdict = "called it right" if predicted == measured else "got it wrong"
+    console.print(f"measured: {_ms(old.measured)} -> {_ms(new.measured)} ms/token, it "
+                  f"{'helped' if measured else 'hurt'}: the test {verdict}")

@@ -1,0 +1,250 @@
+"""The levels of a polybasic chain below the target: a bottom drafter and the verifying levels above it.
+
+Every level answers `produce(ctx, lens, active, sampling, generator) -> Block`: a block of tokens continuing
+each row's context ctx[b, :lens[b]], distributed as that level's own model would sample them (for the bottom
+drafter by construction; for a verifying level because its speculative rounds are lossless). Rows with
+active[b] False may get anything; their tokens are never used.
+
+ctx is a scratch buffer [B, W] shared down the chain: a verifying level writes the tokens it has accepted so
+far at ctx[b, lens[b]:] before asking the level below for more, so each level sees the context as it stands at
+its own height. Whatever lies beyond a level's lens is scratch for it.
+
+A model level's KV cache is position-indexed, like the target's. Rather than reason about which tokens
+survived the verifications above, each level remembers which token it wrote at each position (`seen`), and
+before each forward keeps only the longest prefix on which `seen` agrees with the context it is asked about:
+every key/value it keeps was computed from exactly those tokens. Rewinding is again just starting the next
+forward earlier.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from sdbench.metrics import now
+from sdbench.sampling import choose, probs_from_logits, verify
+from sdbench.strategies.ngram import lookup
+
+
+@dataclass
+class Block:
+    tokens: torch.Tensor  # [B, G] long on the host (entries past lengths[b] are padding)
+    lengths: torch.Tensor  # [B] long: real tokens per row
+    probs: torch.Tensor | None = None  # [B, G, V] the producing level's distribution at each token; None = one-hot
+
+
+@dataclass
+class LevelStats:
+    """One generation's counters for a level. Forwards and their time are the batch's; the rest are per row.
+
+    rounds/committed: this level's own verifications (a verifying level only) and the tokens they committed,
+    accepted drafts plus the correction or bonus token. proposals/proposed/accepted: the blocks this level
+    handed up, their tokens, and how many of those the level above accepted.
+    """
+
+    batch: int
+    forwards: int = 0
+    forward_s: float = 0.0
+    calls: int = 0  # blocks produced for the whole batch
+    prefill_s: float = 0.0  # the level's own prefill of the prompts (not a forward of the chain's rounds)
+    rounds: list[int] = field(default_factory=list)
+    committed: list[int] = field(default_factory=list)
+    proposals: list[int] = field(default_factory=list)
+    proposed: list[int] = field(default_factory=list)
+    accepted: list[int] = field(default_factory=list)
+
+    def __post_init__(self):
+        for name in ("rounds", "committed", "proposals", "proposed", "accepted"):
+            setattr(self, name, [0] * self.batch)
+
+    def handed_up(self, b: int, proposed: int, accepted: int) -> None:
+        self.proposals[b] += 1
+        self.proposed[b] += proposed
+        self.accepted[b] += accepted
+
+    def verified(self, b: int, accepted: int) -> None:
+        self.rounds[b] += 1
+        self.committed[b] += accepted + 1
+
+    def record(self, b: int, level: int, model: str) -> dict:
+        """Row b's figures (JSON-able); mean_accepted_len is None for a level that verifies nothing."""
+        rounds, proposals = self.rounds[b], self.proposals[b]
+        return {
+            "level": level, "model": model, "forwards": self.forwards, "forward_s": self.forward_s,
+            "prefill_s": self.prefill_s,
+            "blocks": self.calls, "rounds": rounds, "committed": self.committed[b],
+            "mean_accepted_len": self.committed[b] / rounds if rounds else None,
+            "proposals": proposals, "proposed": self.proposed[b], "accepted": self.accepted[b],
+            "acceptance_rate": self.accepted[b] / self.proposed[b] if self.proposed[b] else None,
+        }
+
+
+class NGramLevel:
+    """Prompt lookup as the bottom of a chain: up to gamma tokens per block, one-hot (deterministic)."""
+
+    def __init__(self, gamma: int, max_ngram: int, min_ngram: int):
+        self.label = "ngram"
+        self.gamma, self.max_ngram, self.min_ngram = gamma, max_ngram, min_ngram
+
+    def begin(self, batch: int, capacity: int, prompts: list[list[int]]) -> None:
+        self.stats = LevelStats(batch)
+
+    def produce(self, ctx, lens, active, sampling, generator) -> Block:
+        t0 = now()
+        tokens = torch.zeros(len(lens), self.gamma, dtype=torch.long)
+        lengths = torch.zeros(len(lens), dtype=torch.long)
+        for b, n in enumerate(lens):
+            if active[b]:
+                found = lookup(ctx[b, :n].numpy(), self.gamma, self.max_ngram, self.min_ngram)
+                tokens[b, : len(found)] = torch.from_numpy(found)
+                lengths[b] = len(found)
+        # the level above verifies no padding when nothing longer was found
+        block = Block(tokens[:, : int(lengths.max()) if len(lengths) else 0], lengths)
+        self.stats.forwards += 1
+        self.stats.forward_s += now() - t0
+        self.stats.calls += 1
+        return block
+
+
+class ModelLevel:
+    """A model in the chain. With no level below it drafts gamma tokens autoregressively; with one, it runs
+    speculative rounds over the blocks from below until each active row has accumulated at least mu tokens."""
+
+    def __init__(self, runner, below=None, gamma: int = 0, mu: int = 0):
+        self.runner, self.below, self.gamma, self.mu = runner, below, gamma, mu
+        self.label = runner.name or "model"
+
+    def begin(self, batch: int, capacity: int, prompts: list[list[int]]) -> None:
+        """Prefill every prompt but its last token (the next forward feeds it, as in the loop)."""
+        self.stats = LevelStats(batch)
+        self.cache = self.runner.new_cache(batch, capacity)
+        self.seen = torch.zeros(batch, capacity, dtype=torch.long)
+        self.fed = [len(p) - 1 for p in prompts]
+        if min(self.fed) > 0:
+            t0 = now(self.runner.device)
+            self.runner.prefill(self.cache, [p[:-1] for p in prompts])
+            self.stats.prefill_s = now(self.runner.device) - t0
+            for b, p in enumerate(prompts):
+                self.seen[b, : len(p) - 1] = torch.tensor(p[:-1], dtype=torch.long)
+        else:
+            self.fed = [0] * batch
+        if self.below is not None:
+            self.below.begin(batch, capacity, prompts)
+
+    def produce(self, ctx, lens, active, sampling, generator) -> Block:
+        self.stats.calls += 1
+        if self.below is None:
+            return self._draft(ctx, lens, sampling, generator)
+        return self._refine(ctx, lens, active, sampling, generator)
+
+    # ---- the cache ------------------------------------------------------------------------------------
+    def _sync(self, ctx: torch.Tensor, lens: list[int]) -> None:
+        """Keep the cached prefix that agrees with the context, and never the context's last token (the next
+        forward must feed it to get logits after it)."""
+        for b, n in enumerate(lens):
+            keep = min(self.fed[b], n - 1)
+            differ = (self.seen[b, :keep] != ctx[b, :keep]).nonzero()
+            self.fed[b] = int(differ[0]) if len(differ) else keep
+
+    def _run(self, tokens: torch.Tensor, start: list[int]) -> torch.Tensor:
+        """Forward tokens [B, T] at positions start[b]..; the hidden states [B, T, H]. The cache now holds
+        exactly these tokens from start[b] on (padding included: it is what was written)."""
+        hidden = self.runner.hidden(self.cache, tokens, start)
+        T = tokens.shape[1]
+        for b, s in enumerate(start):
+            self.seen[b, s : s + T] = tokens[b]
+            self.fed[b] = s + T
+        return hidden
+
+    def _feed(self, ctx, lens, block: torch.Tensor | None = None) -> torch.Tensor:
+        """One forward over each row's unseen context and then block [B, G]; logits [B, G+1, V] at the
+        context's last token and at each block token."""
+        t0 = now(self.runner.device)
+        self._sync(ctx, lens)
+        G = 0 if block is None else block.shape[1]
+        todo = [n - f for n, f in zip(lens, self.fed)]
+        tokens = torch.zeros(len(lens), max(todo) + G, dtype=torch.long)
+        for b, (f, n) in enumerate(zip(self.fed, lens)):
+            tokens[b, : n - f] = ctx[b, f:n]
+            if G:
+                tokens[b, n - f : n - f + G] = block[b]
+        hidden = self._run(tokens, list(self.fed))
+        at = (torch.tensor(todo) - 1)[:, None] + torch.arange(G + 1)  # [B, G+1]
+        rows = torch.arange(len(lens))[:, None]
+        # the vocabulary projection only where logits are needed: it costs as much as a few layers
+        logits = self.runner.logits(hidden[rows.to(hidden.device), at.to(hidden.device)])
+        self._count(t0)
+        return logits
+
+    def _count(self, t0: float) -> None:
+        """One forward of this level, from t0 to now: the projection to logits included."""
+        self.stats.forward_s += now(self.runner.device) - t0
+        self.stats.forwards += 1
+
+    # ---- the bottom: autoregressive drafting ------------------------------------------------------------
+    def _draft(self, ctx, lens, sampling, generator) -> Block:
+        logits = self._feed(ctx, lens)[:, 0]  # [B, V]
+        drafted, probs = [], []
+        for i in range(self.gamma):
+            x, p = choose(logits, sampling, generator)
+            drafted.append(x)
+            probs.append(p)
+            if i + 1 < self.gamma:
+                t0 = now(self.runner.device)
+                hidden = self._run(x.cpu()[:, None], [n + i for n in lens])
+                logits = self.runner.logits(hidden[:, 0])
+                self._count(t0)
+        tokens = torch.stack(drafted, 1).cpu()
+        lengths = torch.full((len(lens),), self.gamma, dtype=torch.long)
+        return Block(tokens, lengths, None if sampling.greedy else torch.stack(probs, 1))
+
+    # ---- a verifying level --------------------------------------------------------------------------------
+    def _refine(self, ctx, lens, active, sampling, generator) -> Block:
+        """Speculative rounds over blocks from below until every active row holds at least mu tokens.
+
+        Each round commits, per row, the accepted prefix of the block plus this level's correction or bonus
+        token, exactly as the target's loop does; under sampling the tokens then follow this level's model
+        distribution, and the block handed up carries that distribution (this level's q at each token).
+        """
+        base, lens = list(lens), list(lens)
+        kept: list[list[torch.Tensor]] = [[] for _ in lens]  # per row: [a+1, V] distributions per round
+        while True:
+            hungry = [active[b] and lens[b] - base[b] < self.mu for b in range(len(lens))]
+            if not any(hungry):
+                break
+            block = self.below.produce(ctx, lens, hungry, sampling, generator)
+            logits = self._feed(ctx, lens, block.tokens)  # [B, G+1, V]
+            dev = logits.device
+            n_draft = block.lengths * torch.tensor(hungry, dtype=torch.long)
+            verdict = verify(block.tokens.to(dev), n_draft.to(dev), block.probs, logits, sampling, generator)
+            q = None if sampling.greedy else probs_from_logits(logits, sampling)
+            accepted, nxt = verdict.accepted.tolist(), verdict.next_token.tolist()
+            for b in range(len(lens)):
+                if not hungry[b]:
+                    continue
+                a = accepted[b]
+                new = block.tokens[b, :a].tolist() + [nxt[b]]
+                ctx[b, lens[b] : lens[b] + a + 1] = torch.tensor(new, dtype=torch.long)
+                lens[b] += a + 1
+                if q is not None:
+                    kept[b].append(q[b, : a + 1])
+                self.stats.verified(b, a)
+                self.below.stats.handed_up(b, int(n_draft[b]), a)
+        return _block_from(ctx, base, lens, kept)
+
+
+def _block_from(ctx, base: list[int], lens: list[int], kept) -> Block:
+    sizes = [n - s for s, n in zip(base, lens)]
+    width = max(sizes)
+    tokens = torch.zeros(len(sizes), width, dtype=torch.long)
+    for b, (s, k) in enumerate(zip(base, sizes)):
+        tokens[b, :k] = ctx[b, s : s + k]
+    probs = None
+    parts = [torch.cat(k) for k in kept if k]
+    if parts:
+        probs = parts[0].new_zeros(len(sizes), width, parts[0].shape[-1])
+        for b, k in enumerate(kept):
+            if k:
+                probs[b, : sizes[b]] = torch.cat(k)
+    return Block(tokens, torch.tensor(sizes, dtype=torch.long), probs)

@@ -1,0 +1,310 @@
+"""Polybasic chains: lossless for 2, 3 and 4 levels, middle levels hand up their own distribution, per-level
+records add up, the chain formulas on hand-computed values, the int8 copy, and the insertion test command."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from sdbench.config import SamplingConfig
+from sdbench.decode import generate
+from sdbench.errors import SdbenchError
+from sdbench.models.runner import ModelRunner
+from sdbench.models.variants import quantise_int8, split_variant
+from sdbench.sampling import probs_from_logits
+from sdbench.strategies import BuildContext, build_proposer
+from sdbench.strategies.autoregressive import Autoregressive
+from sdbench.strategies.chain_levels import ModelLevel
+from sdbench.strategies.polybasic import Polybasic, parse_mu
+from sdbench.theory import ChainCosts, insertion_times
+from tests.conftest import VOCAB, tiny_model
+
+GREEDY = SamplingConfig()
+NEW = 24
+
+
+@pytest.fixture(scope="module")
+def other_draft():
+    return ModelRunner(tiny_model(2, layers=1, hidden=32, heads=2, kv=1), "tiny-draft-2")
+
+
+def reference(target, prompts, eos=()):
+    return generate(target, Autoregressive(), prompts, max_new_tokens=NEW, sampling=GREEDY, eos_ids=eos).output_ids
+
+
+CHAINS = {  # name: (levels under the target, top down, (gamma, mu) settings to try)
+    "2: small": (["small"], [(1, ""), (4, "")]),
+    "2: ngram": (["ngram"], [(3, "")]),
+    "3: target, small": (["target", "small"], [(1, ""), (3, "2"), (2, "5")]),
+    "3: small, other": (["small", "other"], [(2, "2"), (4, "1")]),
+    "3: small, ngram": (["small", "ngram"], [(3, ""), (1, "4")]),
+    "4: target, small, ngram": (["target", "small", "ngram"], [(2, "5,2"), (3, "2")]),
+    "4: other, small, ngram": (["other", "small", "ngram"], [(1, "3,2"), (2, "1")]),
+    "4: target, other, small": (["target", "other", "small"], [(2, "4,2")]),
+}
+
+
+@pytest.mark.parametrize("batch", [1, 4])
+@pytest.mark.parametrize("name", list(CHAINS))
+def test_chains_match_greedy(target, small_draft, other_draft, prompts, batch, name):
+    ps = [(p * 3)[:20] for p in prompts[:batch]]  # repetitive prompts give an ngram bottom something to find
+    ref = reference(target, ps)
+    models = {"target": target, "small": small_draft, "other": other_draft, "ngram": "ngram"}
+    levels, settings = CHAINS[name]
+    for gamma, mu in settings:
+        out = generate(target, Polybasic([models[m] for m in levels], gamma, mu), ps, max_new_tokens=NEW,
+                       sampling=GREEDY)
+        assert out.output_ids == ref, (gamma, mu)
+
+
+def test_the_target_as_every_level_accepts_everything(target, prompts):
+    proposer = Polybasic([target, target, target], 2, "6,3")
+    out = generate(target, proposer, prompts, max_new_tokens=NEW, sampling=GREEDY)
+    assert out.output_ids == reference(target, prompts)
+    for b in range(len(prompts)):
+        levels = proposer.row_stats(b)["levels"]
+        for level in levels[1:]:
+            assert level["accepted"] == level["proposed"] > 0
+        # level 2 commits the bottom's 2 tokens plus a bonus per round, so one round reaches mu=3; level 1
+        # commits those 3 plus a bonus per round and needs two rounds for mu=6: blocks of 8, the target 9
+        assert levels[2]["mean_accepted_len"] == 3.0 and levels[1]["mean_accepted_len"] == 4.0
+        assert levels[0]["mean_accepted_len"] == 9.0 and levels[1]["proposed"] == 8 * levels[1]["proposals"]
+
+
+def test_eos_inside_a_draft(target, small_draft, other_draft, prompts):
+    ref = reference(target, prompts)
+    eos = ref[0][9]
+    stopped = reference(target, prompts, eos=(eos,))
+    assert stopped[0] == ref[0][: ref[0].index(eos) + 1]
+    for chain in ([target, small_draft], [target, small_draft, "ngram"], [small_draft, other_draft, target]):
+        out = generate(target, Polybasic(chain, 3, "2"), prompts, max_new_tokens=NEW, sampling=GREEDY,
+                       eos_ids=(eos,))
+        assert out.output_ids == stopped
+
+
+def test_level_records_add_up(target, small_draft, prompts):
+    ps = [(prompts[1] * 3)[:20]]
+    proposer = Polybasic([target, small_draft, "ngram"], 2, "5,3", target_name=target.name)
+    out = generate(target, proposer, ps, max_new_tokens=NEW, sampling=GREEDY)
+    row = out.rows[0]
+    top, first, second, bottom = proposer.row_stats(0)["levels"]
+    assert [lv["model"] for lv in (top, first, second, bottom)] == ["tiny-target", "tiny-target", "tiny-draft", "ngram"]
+    assert top["rounds"] == top["forwards"] == first["proposals"] == row.steps
+    assert first["proposed"] == row.drafted and first["accepted"] == row.accepted
+    assert first["accepted"] == first["proposed"]  # the target agrees with itself
+    assert top["mean_accepted_len"] == (row.accepted + row.steps) / row.steps
+    for upper, lower in ((first, second), (second, bottom)):
+        assert upper["rounds"] == upper["forwards"] == lower["proposals"]  # one forward per round, batch 1
+        assert upper["committed"] == lower["accepted"] + upper["rounds"]
+        assert upper["committed"] == upper["proposed"]  # every token a middle level commits is handed up
+        assert upper["proposed"] >= {1: 5, 2: 3}[upper["level"]] * upper["proposals"]
+    assert bottom["forwards"] == bottom["blocks"] == second["rounds"]
+    json.dumps(proposer.row_stats(0))
+
+
+def test_middle_level_hands_up_its_own_distribution(target, small_draft, prompts):
+    """Under sampling, each handed-up token carries the middle model's q given the tokens before it, also
+    after the context changed under the level's cache (the prefix check must drop what no longer holds)."""
+    cfg = SamplingConfig(temperature=1.0)
+    g = torch.Generator().manual_seed(3)
+    middle = ModelLevel(small_draft, below=ModelLevel(target, gamma=2), mu=4)
+    rows = [p + [1] for p in prompts[:3]]
+    cap = 128
+    middle.begin(len(rows), cap, rows)
+    ctx = torch.zeros(len(rows), cap, dtype=torch.long)
+    for b, r in enumerate(rows):
+        ctx[b, : len(r)] = torch.tensor(r)
+    lens = [len(r) for r in rows]
+    for attempt in range(3):
+        block = middle.produce(ctx, lens, [True] * len(rows), cfg, g)
+        assert block.probs is not None and (block.lengths >= 4).all()
+        for b, n in enumerate(lens):
+            seq = ctx[b, :n].tolist() + block.tokens[b, : block.lengths[b]].tolist()
+            with torch.no_grad():
+                q = probs_from_logits(small_draft.model(torch.tensor([seq])).logits[0], cfg)  # [S, V]
+            k = int(block.lengths[b])
+            assert torch.allclose(block.probs[b, :k], q[n - 1 : n - 1 + k], atol=1e-5)
+        # commit part of the block and a token of our own, as a target round would
+        for b in range(len(rows)):
+            keep = attempt + 1
+            new = block.tokens[b, :keep].tolist() + [(block.tokens[b, keep].item() + 1) % VOCAB]
+            ctx[b, lens[b] : lens[b] + len(new)] = torch.tensor(new)
+            lens[b] += len(new)
+
+
+def test_sampling_follows_target_distribution(target, small_draft, other_draft):
+    """A 3-level chain under sampling: the token decided by the first verification is distributed as the
+    target's (as tests/test_decode.py checks for one draft)."""
+    cfg = SamplingConfig(temperature=1.0, top_p=0.95)
+    prompt = [5, 17, 42, 8]
+    N = 3000
+    with torch.no_grad():
+        q1 = probs_from_logits(target.model(torch.tensor([prompt])).logits[0, -1], cfg)  # [V]
+        ctx = torch.tensor([prompt + [t] for t in range(VOCAB)])
+        q2 = probs_from_logits(target.model(ctx).logits[:, -1], cfg)  # [V, V]
+    exact = q1 @ q2
+    g = torch.Generator().manual_seed(0)
+    proposer = Polybasic([small_draft, other_draft], 2, "3")
+    out = generate(target, proposer, [prompt] * N, max_new_tokens=2, sampling=cfg, generator=g)
+    counts = torch.bincount(torch.tensor([o[1] for o in out.output_ids]), minlength=VOCAB).double()
+    expected = exact.double() * N
+    big = expected >= 5
+    stat = ((counts[big] - expected[big]) ** 2 / expected[big]).sum() + (
+        (counts[~big].sum() - expected[~big].sum()) ** 2 / max(expected[~big].sum(), 1e-9))
+    dof = int(big.sum())
+    assert stat < dof + 5 * (2 * dof) ** 0.5, f"chi-square {stat:.1f} with {dof} dof"
+    middle = [proposer.row_stats(b)["levels"][1] for b in range(N)]
+    accepted, proposed = sum(m["accepted"] for m in middle), sum(m["proposed"] for m in middle)
+    assert 0 < accepted < proposed
+
+
+def test_settings_and_bad_chains(target, small_draft):
+    assert parse_mu("", 2, 3) == [12, 6] and parse_mu("", 1, 4) == [8] and parse_mu("", 0, 4) == []
+    assert parse_mu("5", 2, 3) == [5, 5] and parse_mu("9,4", 2, 3) == [9, 4]
+    for chain, gamma, mu, expect in (
+        ([small_draft], 4, "3", "chain of one draft has none"),
+        ([small_draft, target], 4, "1,2", "expected one value >= 1, or 1"),
+        ([small_draft, target], 4, "x", "expected whole numbers"),
+        ([small_draft, target], 4, "0", "expected one value >= 1"),
+        (["ngram", small_draft], 4, "", "only be the last"),
+        ([], 4, "", "needs --draft"),
+        ([small_draft], 0, "", "--gamma must be at least 1"),
+    ):
+        with pytest.raises(SdbenchError, match=expect):
+            Polybasic(chain, gamma, mu)
+    proposer = build_proposer("polybasic", BuildContext(target, [target, small_draft, "ngram"], 3, {"mu": "10"}))
+    assert proposer.params() == {"gamma": 3, "mu": [10, 10], "chain": ["tiny-target", "tiny-draft", "ngram"],
+                                 "max_ngram": 3, "min_ngram": 1}
+    assert proposer.max_lookahead == 3 + 10 + 10
+
+
+def test_chain_formula_by_hand():
+    # target 10 ms, middle 4 ms, bottom model 1 ms x gamma 3 forwards per block
+    costs = ChainCosts((0.010, 0.004, 0.001), (5.0, 2.0), (8.0,), 3.0)
+    # C_2 = 3 * 1 = 3 ms; C_1 = 8 / 2 * (4 + 3) = 28 ms; tau = (10 + 28) / 5 = 7.6 ms
+    assert costs.block_cost(2) == pytest.approx(0.003) and costs.block_cost(1) == pytest.approx(0.028)
+    assert costs.time_per_token() == pytest.approx(0.0076)
+    f = costs.forwards_per_token()
+    assert f == pytest.approx([0.2, 0.8, 2.4])  # 1/5; 1/5 * 8/2; then 3 bottom forwards per middle round
+    assert sum(fi * t for fi, t in zip(f, costs.costs)) == pytest.approx(costs.time_per_token())
+    # the simple form: 10/5 + 4/2 + 3 * 1/2 = 5.5 ms
+    assert costs.seed_time_per_token() == pytest.approx(0.0055)
+    two = ChainCosts((0.010, 0.001), (3.0,), (), 4.0)  # draft-model SD: (T + gamma * T_d) / L
+    assert two.time_per_token() == pytest.approx(0.014 / 3) == pytest.approx(two.seed_time_per_token())
+    with pytest.raises(ValueError):
+        ChainCosts((0.01, 0.001), (3.0, 2.0), (), 4.0)
+
+
+def test_insertion_condition_by_hand():
+    # target 10 ms; the old chain below it costs 2 ms per block and gets L = 2. With the candidate the target
+    # verifies longer blocks (12 ms); the candidate costs 3 ms per forward, commits 1.5 tokens per round over
+    # the old blocks, hands up 6 tokens, and the target then accepts L' = 5.
+    # old = (10 + 2) / 2 = 6 ms; new = (12 + 6 / 1.5 * (3 + 2)) / 5 = 6.4 ms: it does not pay
+    old, new = insertion_times(0.010, 0.002, 2.0, 0.012, 0.003, 1.5, 6.0, 5.0)
+    assert old == pytest.approx(0.006) and new == pytest.approx(0.0064)
+    assert insertion_times(0.010, 0.002, 2.0, 0.012, 0.003, 1.5, 6.0, 5.5)[1] < old  # with L' = 5.5 it pays
+    # for an insertion under the target, the condition is the comparison of the two chains' formulas
+    before = ChainCosts((0.010, 0.001), (2.0,), (), 2.0)
+    after = ChainCosts((0.012, 0.003, 0.001), (5.0, 1.5), (6.0,), 2.0)
+    assert (old, new) == pytest.approx((before.time_per_token(), after.time_per_token()))
+    from sdbench.chain_predict import insertion_verdict
+
+    assert insertion_verdict(before, after, 0) == pytest.approx((old, new))
+
+
+def test_int8_copy_is_a_lossless_middle_level(target, prompts):
+    quantised = ModelRunner(quantise_int8(target.model), "tiny-target@int8")
+    layer = quantised.layers[0].self_attn.q_proj
+    assert "quantized" in type(layer).__module__ and target.layers[0].self_attn.q_proj is not layer
+    with torch.no_grad():
+        x = torch.tensor([prompts[1]])
+        a, b = target.model(x).logits, quantised.model(x).logits
+    assert not torch.equal(a, b)  # a different model, but a close one
+    assert (a.argmax(-1) == b.argmax(-1)).float().mean() >= 0.5
+    ref = reference(target, prompts)
+    proposer = Polybasic([quantised, "ngram"], 3, "4")
+    out = generate(target, proposer, prompts, max_new_tokens=NEW, sampling=GREEDY)
+    assert out.output_ids == ref
+    assert sum(proposer.row_stats(b)["levels"][1]["accepted"] for b in range(len(prompts))) > 0
+
+
+def test_variant_names():
+    assert split_variant("smollm2-135m@int8") == ("smollm2-135m", "int8")
+    assert split_variant("smollm2-135m") == ("smollm2-135m", None)
+    assert split_variant("./models/x@y.z") == ("./models/x@y.z", None)
+    with pytest.raises(SdbenchError, match="unknown variant '@int3'"):
+        split_variant("smollm2-135m@int3")
+    with pytest.raises(SdbenchError, match="--dtype float32"):
+        quantise_int8(tiny_model(0).to(torch.bfloat16))
+
+
+def test_predict_chain_passes_settings(capsys, monkeypatch):
+    import sdbench.chain_predict as cp
+    from sdbench.cli import main
+
+    seen = {}
+    monkeypatch.setattr(cp, "run_chain_prediction", lambda *args: seen.setdefault("args", args))
+    main(["predict", "chain", "--target", "m", "--draft", "a", "--draft", "ngram", "--candidate", "c@int8", "--at",
+          "1", "--gamma", "3", "--mu", "6", "--limit", "2", "--max-new-tokens", "20", "--profile-prompts", "1",
+          "--profile-tokens", "5", "--dataset", "gsm8k", "--seed", "4"])
+    assert seen["args"][:14] == ("m", ["a", "ngram"], "c@int8", 1, 3, "6", "gsm8k", 2, 20, 1, 5, "cpu", "float32", 4)
+
+
+@pytest.mark.parametrize("argv, expect", [
+    ([], "needs the chain as it is"),
+    (["--draft", "ngram", "--at", "1"], "--at 1"),
+    (["--draft", "ngram", "--draft", "x"], "only be the last"),
+    (["--draft", "x", "--mu", "0"], "mu=0: expected one value >= 1"),
+    (["--draft", "ngram", "--profile-tokens", "0"], "--profile-tokens must be at least 1"),
+])
+def test_predict_chain_bad_input_is_one_line(capsys, argv, expect):
+    from sdbench.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["predict", "chain", "--candidate", "smollm2-135m@int8", *argv])
+    assert e.value.code != 0
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error:") and expect in err and len(err.splitlines()) == 1
+
+
+@pytest.mark.slow
+def test_predict_chain_command_on_smollm2(capsys):
+    from sdbench.cli import main
+
+    main(["predict", "chain", "--target", "smollm2-135m", "--draft", "ngram", "--candidate", "smollm2-135m@int8",
+          "--limit", "1", "--max-new-tokens", "8", "--profile-prompts", "1", "--profile-tokens", "6", "--gamma", "2"])
+    out = capsys.readouterr().out
+    assert "with candidate" in out and "smollm2-135m@int8" in out
+    assert "insertion test, smollm2-135m@int8 under smollm2-135m: a token of smollm2-135m costs" in out
+    assert "NO" not in out  # every system produced plain decoding's tokens
+    assert ("called it right" in out) != ("got it wrong" in out)
+
+
+@pytest.mark.slow
+def test_run_records_levels_on_smollm2(capsys, tmp_path):
+    from sdbench.cli import main
+    from sdbench.results import read_results
+
+    main(["run", "--strategy", "polybasic", "--draft", "smollm2-135m@int8", "--draft", "ngram", "--gamma", "2",
+          "--set", "mu=3", "--limit", "1", "--max-new-tokens", "8", "--out", str(tmp_path)])
+    rows = read_results([str(tmp_path)])
+    strategy = rows[rows["role"] == "strategy"].iloc[0]
+    assert bool(strategy["lossless"]) and strategy["draft"] == "smollm2-135m@int8,ngram"
+    assert json.loads(strategy["params"]) == {"gamma": 2, "mu": [3], "chain": ["smollm2-135m@int8", "ngram"],
+                                              "max_ngram": 3, "min_ngram": 1}
+    levels = json.loads(strategy["strategy_stats"])["levels"]
+    assert [lv["model"] for lv in levels] == ["smollm2-135m", "smollm2-135m@int8", "ngram"]
+    assert levels[1]["proposals"] == strategy["steps"] and levels[1]["accepted"] == strategy["accepted"]
+
+
+def test_search_space_keeps_the_chain_whole():
+    from sdbench.strategies.base import SearchContext
+
+    class Trial:
+        def suggest_int(self, name, low, high):
+            return {"gamma": 3, "mu": 7}[name]
+
+    assert Polybasic.search_space(Trial(), SearchContext(("a", "ngram"))) == (3, {"mu": "7"}, ("a", "ngram"))
+    assert Polybasic.search_space(Trial(), SearchContext(("a",))) == (3, {}, ("a",))
