@@ -1,0 +1,203 @@
+"""DSI on real models: a drafter thread and a result loop around one Ledger, over a pool of target workers.
+
+Two threads share the ledger under one lock:
+- the drafter thread drafts one token at a time (the draft model lives in this process, with its own KV
+  cache) whenever the ledger wants one, and sends every completed window to an idle worker. It never waits
+  for a verification, only for a free worker when a full window is already waiting (pool saturated).
+- the calling thread waits for answers, judges them through sdbench.sampling (greedy verification), commits,
+  cancels what a rejection invalidated, and sends the next jobs.
+Neither forward can be interrupted: a draft begun on a prefix that a rejection discards is dropped when it
+completes, and a worker finishes a cancelled verification before it takes the next one (the simulator's
+default, non-preemptive mode models exactly this).
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+
+from sdbench.config import SamplingConfig
+from sdbench.dsi.ledger import Job, Ledger
+from sdbench.dsi.pools import WorkerFailed
+from sdbench.dsi.worker import Task
+from sdbench.metrics import RowStats, now
+from sdbench.sampling import choose, verify
+
+_seq_ids = itertools.count()
+POLL_S = 0.5  # how often the waiting thread checks the drafter and the workers' health
+STALL_S = 600.0  # no answer for this long while jobs are out: give up
+
+
+@contextmanager
+def torch_threads(n: int):
+    """Temporarily run this process's torch ops on n threads (the drafter shares the cores with the workers)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(max(1, n))
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+class Drafter:
+    """Greedy drafting after a token list, with a KV cache kept in step by `fed` (tokens whose keys it holds)."""
+
+    def __init__(self, runner, capacity: int, sampling: SamplingConfig):
+        self.runner, self.sampling = runner, sampling
+        self.cache = runner.new_cache(1, capacity)
+        self.fed = 0
+
+    def rewind(self, position: int) -> None:
+        self.fed = min(self.fed, position)
+
+    def next_token(self, tokens: list[int]) -> int:
+        feed = torch.tensor([tokens[self.fed :]], dtype=torch.long)
+        logits = self.runner.forward(self.cache, feed, [self.fed], at=torch.tensor([feed.shape[1] - 1]))
+        self.fed = len(tokens)
+        return int(choose(logits, self.sampling, None)[0][0])
+
+
+@dataclass
+class RowOutcome:
+    tokens: list[int]  # generated (prompt excluded)
+    stats: RowStats
+    extras: dict
+    wall_s: float
+    ttft_s: float
+
+
+@dataclass
+class _Shared:
+    """What the two threads share besides the ledger (guarded by the same lock)."""
+
+    stop: bool = False
+    drafting: bool = False
+    error: BaseException | None = None
+    draft_s: float = 0.0
+    unassigned_draft_s: float = 0.0  # drafting time not yet attributed to a committing step
+    drafts_made: int = 0
+    answers: int = 0
+    busy: list = field(default_factory=list)
+
+
+def decode_one(pool, draft_runner, prompt: list[int], *, lookahead: int, workers: int, max_new_tokens: int,
+               eos, sampling: SamplingConfig, generator, device) -> RowOutcome:
+    seq = next(_seq_ids)
+    capacity = len(prompt) + max_new_tokens + lookahead + 2
+    ledger = Ledger(prompt, lookahead=lookahead, max_new_tokens=max_new_tokens, workers=workers, eos=eos)
+    drafter = Drafter(draft_runner, capacity, sampling)
+    cond = threading.Condition()
+    shared = _Shared(busy=[0.0] * workers)
+    stats = RowStats()
+
+    def send(jobs: list[Job]) -> None:
+        for job in jobs:
+            pool.submit(job.worker, Task(seq, job.id, capacity, ledger.inputs(job), job.start))
+
+    def judge(job: Job, frontier: int, drafts: list[int]):
+        logits = job.result.logits[frontier - job.start :]  # [n + 1, V]: predictions at frontier..end
+        n = torch.tensor([len(drafts)])
+        verdict = verify(torch.tensor([drafts], dtype=torch.long), n, None, logits[None], sampling, generator)
+        return int(verdict.accepted[0]), int(verdict.next_token[0])
+
+    t0 = now(device)
+    with cond:
+        send(ledger.warm())
+    drafting = threading.Thread(target=_draft_loop, args=(ledger, drafter, cond, shared, send),
+                                name="sdbench-dsi-drafter", daemon=True)
+    drafting.start()
+    ttft = None
+    try:
+        waited = 0.0
+        while True:
+            with cond:
+                if ledger.done:
+                    break
+                _check(ledger, shared, waited)
+            answers = [a for a in pool.poll(POLL_S) if a.seq == seq]
+            waited = 0.0 if answers else waited + POLL_S
+            with cond:
+                for answer in answers:
+                    shared.busy[answer.worker] += answer.busy_s
+                    shared.answers += 1
+                    for step in ledger.finish(answer.job, answer.worker, answer, judge):
+                        stats.add_step(step.drafted, step.accepted, shared.unassigned_draft_s,
+                                       step.job.result.busy_s)
+                        shared.unassigned_draft_s = 0.0
+                        ttft = now(device) - t0 if ttft is None else ttft
+                send(ledger.dispatch())
+                cond.notify_all()
+        wall = now(device) - t0
+    finally:
+        with cond:
+            shared.stop = True
+            cond.notify_all()
+        drafting.join()
+    _drain(pool, ledger, seq)  # after a failure the caller discards the pool instead
+    return RowOutcome(ledger.generated(), stats, _extras(ledger, shared, stats, wall, ttft), wall, ttft)
+
+
+def _extras(ledger: Ledger, shared: _Shared, stats: RowStats, wall: float, ttft: float) -> dict:
+    """The row's strategy_stats: what the pool did, and the latencies `sdbench simulate dsi --from` reads."""
+    return {
+        "workers": ledger.workers, "lookahead": ledger.k, "wall_s": wall, "ttft_s": ttft,
+        "busy": [round(b / wall, 4) for b in shared.busy],
+        "cancelled": ledger.cancelled, "redundant": ledger.redundant, "verifications": ledger.dispatched,
+        "drafted_total": shared.drafts_made, "rejections": stats.rejections,
+        "draft_s_per_token": shared.draft_s / shared.drafts_made if shared.drafts_made else None,
+        "verify_s_per_job": sum(shared.busy) / shared.answers if shared.answers else None,
+    }
+
+
+def _draft_loop(ledger: Ledger, drafter: Drafter, cond: threading.Condition, shared: _Shared, send) -> None:
+    try:
+        while True:
+            with cond:
+                while not shared.stop and not ledger.want_draft():
+                    cond.wait()
+                if shared.stop:
+                    return
+                rewind = ledger.take_rewind()
+                if rewind is not None:
+                    drafter.rewind(rewind)
+                tokens, ticket = list(ledger.tokens), ledger.ticket()
+                shared.drafting = True
+            t0 = now(drafter.runner.device)
+            token = drafter.next_token(tokens)
+            spent = now(drafter.runner.device) - t0
+            with cond:
+                shared.drafting = False
+                shared.draft_s += spent
+                shared.unassigned_draft_s += spent
+                shared.drafts_made += 1
+                if ledger.add_draft(token, ticket):  # dropped when a commit moved its position meanwhile
+                    send(ledger.dispatch())
+    except BaseException as e:  # surfaced by the waiting thread
+        with cond:
+            shared.error, shared.drafting = e, False
+
+
+def _check(ledger: Ledger, shared: _Shared, waited: float) -> None:
+    """Called under the lock: raise what the drafter hit, or a stall that would otherwise hang the run."""
+    if shared.error is not None:
+        raise shared.error
+    if not ledger.running and not shared.drafting and not ledger.want_draft():
+        raise RuntimeError("DSI stalled: no verification running and nothing to draft")
+    if waited > STALL_S:
+        raise WorkerFailed(f"DSI workers gave no answer for {STALL_S:.0f} s")
+
+
+def _drain(pool, ledger: Ledger, seq: int) -> None:
+    """Wait for the verifications still running (cancelled or redundant) so every worker is idle for the next
+    generation; not counted in its time."""
+    waited = 0.0
+    while ledger.running and waited < STALL_S:
+        answers = pool.poll(POLL_S)
+        waited = 0.0 if answers else waited + POLL_S
+        for answer in answers:
+            if answer.seq == seq and ledger.running.get(answer.worker) == answer.job:
+                del ledger.running[answer.worker]

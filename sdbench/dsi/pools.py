@@ -1,0 +1,245 @@
+"""Where DSI's target workers run: processes on this machine, or Ray actors (a Ray cluster, or Ray's local one).
+
+Both run the same `TargetWorker`. A pool offers `ensure(n)` (start workers up to n), `submit(worker, task)`,
+`poll(timeout) -> [Answer]` and `close()`. Starting workers is slow (each imports torch and transformers and
+receives the target's weights), so pools are kept per (backend, target model, threads) for the life of the
+process and shared by every DSI configuration that asks for at most as many workers; `shutdown_pools` (also
+run at exit) stops them.
+
+Process workers receive the target model itself through torch.multiprocessing: CPU tensors travel as shared
+memory, so on the CPU the replicas share one copy of the weights (each has its own KV cache); on CUDA worker
+i moves its replica to GPU i. Workers start from a fork server that has already imported torch and
+transformers (a fresh process per worker costs seconds of imports each; on a small machine that is most of
+a short benchmark); where there is no fork server (Windows), they are spawned.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import queue
+import threading
+import time
+import traceback
+
+from sdbench.dsi.worker import Answer, Task, TargetWorker, worker_device
+from sdbench.errors import MissingPackageError, SdbenchError
+
+START_TIMEOUT_S = 600.0
+
+
+def cpu_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def default_threads(workers: int) -> int:
+    """Torch threads per process when the user set none: the cores shared by the workers and the drafter."""
+    return max(1, cpu_cores() // (workers + 1))
+
+
+class WorkerFailed(RuntimeError):
+    pass
+
+
+def _serve(device: str, threads: int, index: int, name: str, tasks, results) -> None:
+    """A worker process: receive the model, build the replica, then answer tasks until told to stop (None)."""
+    try:
+        model = tasks.get()
+        worker = TargetWorker(model, device, threads, index, name)
+    except Exception:
+        results.put(("error", index, traceback.format_exc()))
+        return
+    del model
+    results.put(("ready", index))
+    while True:
+        task = tasks.get()
+        if task is None:
+            return
+        try:
+            results.put(worker.run(task))
+        except Exception:
+            results.put(("error", index, traceback.format_exc()))
+
+
+class ProcessPool:
+    def __init__(self, model, name: str, device_kind: str, threads: int):
+        import torch.multiprocessing as mp
+
+        self.model, self.name, self.kind, self.threads = model, name, device_kind, threads
+        if "forkserver" in mp.get_all_start_methods():
+            # takes effect when the server starts (the first pool); the model's own module comes along
+            mp.set_forkserver_preload(["sdbench.dsi.worker", "sdbench.models.runner", "transformers.modeling_utils",
+                                       type(model).__module__])
+            self.ctx = mp.get_context("forkserver")
+        else:
+            self.ctx = mp.get_context("spawn")
+        self.results = self.ctx.Queue()
+        self.tasks, self.procs = [], []
+
+    @property
+    def size(self) -> int:
+        return len(self.procs)
+
+    def ensure(self, n: int) -> None:
+        starting = set()
+        while len(self.procs) < n:
+            i = len(self.procs)
+            tasks = self.ctx.Queue()
+            proc = self.ctx.Process(target=_serve, name=f"sdbench-dsi-worker-{i}", daemon=True,
+                                    args=(worker_device(self.kind, i), self.threads, i, self.name, tasks,
+                                          self.results))
+            proc.start()
+            # through the queue, not as a start argument: a fork server passes at most 256 file descriptors
+            # per start, and every shared tensor of the model takes one
+            tasks.put(self.model)
+            self.tasks.append(tasks)
+            self.procs.append(proc)
+            starting.add(i)
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while starting:
+            try:
+                msg = self.results.get(timeout=1.0)
+            except queue.Empty:
+                self._check_alive()
+                if time.monotonic() > deadline:
+                    raise WorkerFailed(f"DSI workers {sorted(starting)} did not start in {START_TIMEOUT_S:.0f} s")
+                continue
+            self._raise_if_error(msg)
+            if isinstance(msg, tuple) and msg[0] == "ready":
+                starting.discard(msg[1])
+
+    def submit(self, worker: int, task: Task) -> None:
+        self.tasks[worker].put(task)
+
+    def poll(self, timeout: float) -> list[Answer]:
+        try:
+            msgs = [self.results.get(timeout=timeout)]
+        except queue.Empty:
+            self._check_alive()
+            return []
+        while True:
+            try:
+                msgs.append(self.results.get_nowait())
+            except queue.Empty:
+                break
+        for msg in msgs:
+            self._raise_if_error(msg)
+        return msgs
+
+    @staticmethod
+    def _raise_if_error(msg) -> None:
+        if isinstance(msg, tuple) and msg[0] == "error":
+            raise WorkerFailed(f"DSI worker {msg[1]} failed:\n{msg[2]}")
+
+    def _check_alive(self) -> None:
+        for i, proc in enumerate(self.procs):
+            if not proc.is_alive():
+                raise WorkerFailed(f"DSI worker process {i} exited (code {proc.exitcode})")
+
+    def close(self) -> None:
+        for tasks, proc in zip(self.tasks, self.procs):
+            if proc.is_alive():
+                tasks.put(None)
+        for proc in self.procs:
+            proc.join(timeout=5)
+            if proc.is_alive():
+                proc.terminate()
+        self.tasks, self.procs = [], []
+
+
+class RayPool:
+    """Workers as Ray actors. Ray connects to the cluster RAY_ADDRESS names, or starts a local one."""
+
+    def __init__(self, model, name: str, device_kind: str, threads: int):
+        try:
+            import ray
+        except ImportError:
+            raise MissingPackageError("ray", "the DSI Ray backend", "pip install ray") from None
+        if not ray.is_initialized():
+            ray.init(include_dashboard=False, log_to_driver=False, ignore_reinit_error=True)
+        self.ray, self.model, self.name, self.kind, self.threads = ray, model, name, device_kind, threads
+        self.model_ref = ray.put(model)
+        self.actor = ray.remote(TargetWorker)
+        self.actors = []
+        self.results: queue.Queue = queue.Queue()  # futures of finished tasks, in finishing order
+
+    @property
+    def size(self) -> int:
+        return len(self.actors)
+
+    def ensure(self, n: int) -> None:
+        gpus = self.ray.cluster_resources().get("GPU", 0) if self.kind == "cuda" else 0
+        while len(self.actors) < n:
+            # an actor given a GPU sees only that one (Ray sets CUDA_VISIBLE_DEVICES); num_cpus=0 lets more
+            # actors than cores share a small machine
+            options = {"num_cpus": 0, "num_gpus": min(1.0, gpus / n)} if gpus else {"num_cpus": 0}
+            device = "cuda" if gpus else "cpu"
+            self.actors.append(self.actor.options(**options).remote(self.model_ref, device, self.threads,
+                                                                    len(self.actors), self.name))
+        self.ray.get([a.ready.remote() for a in self.actors], timeout=START_TIMEOUT_S)
+
+    def submit(self, worker: int, task: Task) -> None:
+        self.actors[worker].run.remote(task).future().add_done_callback(self.results.put)
+
+    def poll(self, timeout: float) -> list[Answer]:
+        try:
+            futures = [self.results.get(timeout=timeout)]
+        except queue.Empty:
+            return []
+        while True:
+            try:
+                futures.append(self.results.get_nowait())
+            except queue.Empty:
+                break
+        try:
+            return [f.result() for f in futures]
+        except Exception as e:  # a RayTaskError carries the worker's traceback
+            raise WorkerFailed(f"DSI Ray worker failed: {e}") from None
+
+    def close(self) -> None:
+        for actor in self.actors:
+            self.ray.kill(actor)
+        self.actors = []
+
+
+BACKENDS = {"process": ProcessPool, "ray": RayPool}
+_pools: dict[tuple, object] = {}
+_lock = threading.Lock()
+
+
+def get_pool(backend: str, runner, workers: int, threads: int):
+    """A pool of at least `workers` replicas of runner's model (started on first use, then kept)."""
+    if backend not in BACKENDS:
+        raise SdbenchError(f"--set backend={backend}: use one of {', '.join(BACKENDS)}")
+    key = (backend, id(runner.model), runner.device.type, threads)
+    with _lock:
+        pool = _pools.get(key)
+        if pool is None:
+            pool = _pools[key] = BACKENDS[backend](runner.model, runner.name, runner.device.type, threads)
+        try:
+            pool.ensure(workers)
+        except BaseException:
+            _pools.pop(key).close()
+            raise
+    return pool
+
+
+def discard_pool(pool) -> None:
+    """Stop a pool that failed or was interrupted mid-generation, so the next use starts afresh."""
+    with _lock:
+        for key in [k for k, p in _pools.items() if p is pool]:
+            del _pools[key]
+    pool.close()
+
+
+def shutdown_pools() -> None:
+    with _lock:
+        for pool in _pools.values():
+            pool.close()
+        _pools.clear()
+
+
+atexit.register(shutdown_pools)

@@ -1,0 +1,345 @@
+"""Expected end-to-end latency of plain decoding, SI and DSI, offline and online.
+
+Model (the DSI paper's): one target forward costs `target_s` whatever it verifies, one draft forward costs
+c·target_s, and each drafted token is right with probability a, independently (given a right prefix).
+
+- offline: counting forwards. Closed forms in sdbench.theory (plain: 1 per token; SI: (k·c + 1) / Omega;
+  DSI: the renewal formula `dsi_latency_per_token`, which assumes enough workers). Fast enough for a
+  heat-map over (c, a).
+- online: a timed event simulation (simulated clock, nothing sleeps) of SI and of DSI as sdbench runs it:
+  the same Ledger as the real orchestrator, N workers, a drafter that is never interrupted mid-forward and
+  workers that finish a cancelled verification before taking the next one (as real ones do). With
+  `preemptive=True` the drafter restarts at once and cancelled verifications free their worker at once:
+  the idealisation the offline formula makes.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import random
+from dataclasses import dataclass
+
+from sdbench.dsi.ledger import Ledger
+from sdbench.errors import SdbenchError
+from sdbench.theory import dsi_latency_per_token, dsi_workers_needed, si_latency_per_token
+
+
+@dataclass(frozen=True)
+class Setting:
+    target_s: float = 1.0  # one target forward (seconds, or 1.0 to count forwards)
+    c: float = 0.1  # one draft forward / one target forward
+    a: float = 0.8  # per-token acceptance rate
+    k: int = 4  # lookahead: drafts per verification
+    workers: int = 7  # DSI target workers
+    tokens: int = 1000  # tokens to generate
+
+    def check(self) -> "Setting":
+        if not (self.target_s > 0 and self.c > 0 and 0 <= self.a <= 1 and self.k >= 1 and self.workers >= 1
+                and self.tokens >= 1):
+            raise SdbenchError("need --target-latency > 0, --c > 0, 0 <= --a <= 1, --k >= 1, --workers >= 1 "
+                               "and --tokens >= 1")
+        return self
+
+
+def offline(s: Setting) -> dict[str, float]:
+    """Expected latency (same unit as target_s) of generating s.tokens tokens, by counting forwards."""
+    scale = s.tokens * s.target_s
+    return {
+        "plain": scale,
+        "si": scale * si_latency_per_token(s.a, s.c, s.k),
+        "dsi": scale * dsi_latency_per_token(s.a, s.c, s.k),
+        "dsi_paper": scale * dsi_latency_per_token(s.a, s.c, s.k, bonus=False),
+    }
+
+
+@dataclass
+class DSIRun:
+    latency: float
+    busy: list[float]  # per worker: fraction of the run it spent verifying
+    cancelled: int
+    redundant: int
+    verifications: int
+
+
+def simulate_si(s: Setting, rng: random.Random) -> float:
+    """One sequential SI generation: draft k (k·c), verify (1), commit the accepted drafts plus one token."""
+    left, clock = s.tokens, 0.0
+    while left > 0:
+        k = min(s.k, left - 1)
+        clock += (k * s.c + 1.0) * s.target_s
+        accepted = 0
+        while accepted < k and rng.random() < s.a:
+            accepted += 1
+        left -= accepted + 1
+    return clock
+
+
+def _right_until_wrong(job, frontier, drafts) -> tuple[int, int]:
+    """The simulator's target: given a right prefix the right token is 0; a draft is 1 when it is wrong."""
+    accepted = next((i for i, x in enumerate(drafts) if x != 0), len(drafts))
+    return accepted, 0
+
+
+def simulate_dsi(s: Setting, rng: random.Random, preemptive: bool = False) -> DSIRun:
+    """One DSI generation on a simulated clock, driving the same Ledger as the real orchestrator."""
+    led = Ledger([0], lookahead=s.k, max_new_tokens=s.tokens, workers=s.workers)
+    t, d = s.target_s, s.c * s.target_s
+    clock, events, ends, stopped = 0.0, [], {}, set()
+    busy = [0.0] * s.workers
+    draft_end = ticket = None
+
+    def launch():
+        for job in led.dispatch():
+            heapq.heappush(events, (clock + t, job.id, job.worker))
+            ends[job.id] = clock + t
+            busy[job.worker] += t
+
+    launch()
+    while not led.done:
+        if draft_end is None and led.want_draft():
+            draft_end, ticket = clock + d, led.ticket()
+        if draft_end is None and not events:
+            raise RuntimeError("DSI simulation stalled: nothing to draft and nothing running")
+        if draft_end is not None and (not events or draft_end <= events[0][0]):
+            clock, draft_end = draft_end, None
+            led.add_draft(0 if rng.random() < s.a else 1, ticket)  # dropped if its position moved meanwhile
+        else:
+            clock, job_id, worker = heapq.heappop(events)
+            if job_id in stopped:
+                continue
+            version = led.version
+            led.finish(job_id, worker, None, _right_until_wrong)
+            if preemptive:
+                if led.version != version:
+                    draft_end = None
+                for w in led.orphans():
+                    jid = led.running.pop(w)
+                    busy[w] -= ends[jid] - clock
+                    stopped.add(jid)
+        launch()
+    for w, jid in led.running.items():  # still verifying when the last token came: not part of this run
+        busy[w] -= max(0.0, ends[jid] - clock)
+    return DSIRun(clock, [b / clock for b in busy], led.cancelled, led.redundant, led.dispatched)
+
+
+def online(s: Setting, repeats: int = 20, seed: int = 0, preemptive: bool = False) -> dict:
+    """Mean latencies over `repeats` simulated generations, plus DSI's worker figures."""
+    rng = random.Random(seed)
+    si = [simulate_si(s, rng) for _ in range(repeats)]
+    runs = [simulate_dsi(s, rng, preemptive) for _ in range(repeats)]
+    lat = [r.latency for r in runs]
+    mean = sum(lat) / repeats
+    return {
+        "plain": s.tokens * s.target_s,
+        "si": sum(si) / repeats,
+        "dsi": mean,
+        "dsi_sem": (sum((x - mean) ** 2 for x in lat) / max(repeats - 1, 1) / repeats) ** 0.5,
+        "busy": [sum(r.busy[w] for r in runs) / repeats for w in range(s.workers)],
+        "cancelled": sum(r.cancelled for r in runs) / repeats,
+        "redundant": sum(r.redundant for r in runs) / repeats,
+        "verifications": sum(r.verifications for r in runs) / repeats,
+    }
+
+
+# ---- heat-map over (c, a) ------------------------------------------------------------------------------
+
+
+def heatmap(workers: int, grid: int = 20, kmax: int = 20, c_min: float = 0.01, a_range=(0.01, 0.99)):
+    """Offline expected latency per token over a (c, a) grid, each algorithm at its best lookahead.
+
+    As in the paper, only lookaheads the workers can sustain (ceil(1 / (k·c)) <= workers) are tried, for DSI
+    and SI alike; `si_any_k` is SI at its best over every k <= kmax. Returns a DataFrame: c, a, best k of each,
+    latencies per token (1.0 = plain decoding) and the speedups.
+    """
+    import numpy as np
+    import pandas as pd
+
+    if grid < 1 or kmax < 1 or workers < 1:
+        raise SdbenchError("need --grid >= 1, --kmax >= 1 and --workers >= 1")
+    rows = []
+    for c in np.maximum(np.linspace(0.0, 1.0, grid + 1), c_min):
+        valid = [k for k in range(1, kmax + 1) if dsi_workers_needed(c, k) <= workers]
+        for a in np.clip(np.linspace(0.0, 1.0, grid + 1), *a_range):
+            rows.append(_cell(float(c), float(a), workers, kmax, valid))
+    frame = pd.DataFrame(rows)
+    frame["k_dsi"] = frame["k_dsi"].astype("Int64")
+    return frame
+
+
+def _cell(c: float, a: float, workers: int, kmax: int, valid: list[int]) -> dict:
+    si = {k: si_latency_per_token(a, c, k) for k in range(1, kmax + 1)}
+    dsi = {k: dsi_latency_per_token(a, c, k) for k in valid}
+    k_any = min(si, key=si.get)
+    row = {"c": c, "a": a, "workers": workers, "k_si": None, "k_dsi": None, "plain": 1.0, "si": math.nan,
+           "dsi": math.nan, "dsi_paper": math.nan, "si_any_k": si[k_any], "k_si_any": k_any}
+    if valid:
+        k_si, k_dsi = min(valid, key=si.get), min(dsi, key=dsi.get)
+        row.update(k_si=k_si, k_dsi=k_dsi, si=si[k_si], dsi=dsi[k_dsi],
+                   dsi_paper=min(dsi_latency_per_token(a, c, k, bonus=False) for k in valid))
+    row.update(speedup_si_vs_plain=1.0 / row["si"], speedup_dsi_vs_si=row["si"] / row["dsi"],
+               speedup_dsi_vs_plain=1.0 / row["dsi"], speedup_dsi_vs_si_any_k=row["si_any_k"] / row["dsi"],
+               speedup_dsi_vs_best=min(row["si"], 1.0) / row["dsi"])
+    return row
+
+
+def plot_heatmap(frame, path) -> None:
+    """Two panels over (drafter latency c, acceptance rate a): DSI's speedup over SI and over plain decoding.
+    Where DSI would be slower (< 1) the cell is pink, as in the paper's figure."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    cs, as_ = np.sort(frame["c"].unique()), np.sort(frame["a"].unique())
+    fig, axes = plt.subplots(1, 2, figsize=(12, 5), constrained_layout=True)
+    panels = ((axes[0], "speedup_dsi_vs_si", "DSI speedup over SI", 3.0, (1.1, 1.25, 1.5, 2.0)),
+              (axes[1], "speedup_dsi_vs_plain", "DSI speedup over plain decoding", 10.0, (1.5, 2, 3, 5)))
+    for ax, column, title, cap, lines in panels:
+        grid = frame.pivot(index="a", columns="c", values=column).reindex(index=as_, columns=cs).to_numpy()
+        top = min(cap, float(np.nanmax(grid)))
+        filled = ax.contourf(cs, as_, grid, levels=np.linspace(1.0, max(top, 1.01), 15), cmap="viridis",
+                             extend="max")
+        if np.nanmin(grid) < 1.0:
+            ax.contourf(cs, as_, grid, levels=[0.0, 1.0], colors=["#f81894"])
+        contours = ax.contour(cs, as_, grid, levels=list(lines), colors="white", linewidths=0.7)
+        ax.clabel(contours, fmt="%gx", fontsize=8)
+        fig.colorbar(filled, ax=ax, format="%.2gx")
+        ax.set_xlabel("drafter latency c (draft forward / target forward)")
+        ax.set_ylabel("acceptance rate a")
+        ax.set_title(f"{title} (min {np.nanmin(grid):.2f}x, max {np.nanmax(grid):.1f}x)")
+    workers = int(frame["workers"].iloc[0])
+    fig.suptitle(f"DSI with {workers} target workers, offline; each algorithm at its best lookahead k among those "
+                 f"the workers sustain (ceil(1/(k·c)) <= {workers})")
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+# ---- measured settings -----------------------------------------------------------------------------------
+
+
+def profile_from_results(paths) -> tuple[Setting, dict]:
+    """Target latency, c, a, k and workers measured by an sdbench run, and the measured latency of each side.
+
+    The target forward is the one DSI's workers measured when the run recorded it (what DSI actually got:
+    on a small machine the workers share the cores with each other and the drafter), else the baseline's;
+    c is drafting time per drafted token (discarded drafts included) over it; a comes from the recorded
+    rejections, else from inverting Omega on the mean accepted length. `measured` has the latency of the
+    mean generation for the baseline ("plain") and the strategy (by name), and both forward latencies.
+    """
+    import json
+
+    from sdbench.results import read_results
+    from sdbench.theory import alpha_from_tokens_per_step, fit_alpha
+
+    df = read_results(paths)
+    base, strat = df[df["role"] == "baseline"], df[df["role"].astype(str).str.startswith("strategy")]
+    if base.empty or strat.empty or not base["steps"].sum() or not strat["drafted"].sum():
+        raise SdbenchError("--from needs a run with baseline rows and a drafting strategy (e.g. dsi or draft)")
+    stats = [json.loads(x) if isinstance(x, str) and x else {} for x in strat["strategy_stats"]]
+    params = json.loads(strat["params"].iloc[0] or "{}")
+    baseline_forward = base["verify_s"].sum() / base["steps"].sum()
+    per_job = [st["verify_s_per_job"] for st in stats if st.get("verify_s_per_job")]
+    target_s = sum(per_job) / len(per_job) if len(per_job) == len(stats) else baseline_forward
+    drafted = sum(st.get("drafted_total", 0) for st in stats) or strat["drafted"].sum()
+    k = int(params.get("gamma") or round(strat["drafted"].sum() / strat["steps"].sum()))
+    if all("rejections" in st for st in stats):
+        a = fit_alpha(int(strat["accepted"].sum()), sum(st["rejections"] for st in stats))
+    else:
+        a = alpha_from_tokens_per_step(1 + strat["accepted"].sum() / strat["steps"].sum(),
+                                       strat["drafted"].sum() / strat["steps"].sum())
+    tokens = max(int(round(strat["new_tokens"].mean())), 1)
+    setting = Setting(float(target_s), float(strat["draft_s"].sum() / drafted / target_s), float(a), k,
+                      int(params.get("workers", 1)), tokens)
+    measured = {"plain": float((base["wall_s"] / base["new_tokens"]).mean() * tokens),
+                str(strat["strategy"].iloc[0]): float((strat["wall_s"] / strat["new_tokens"]).mean() * tokens),
+                "forward_baseline": float(baseline_forward), "forward_workers": float(target_s)}
+    return setting.check(), measured
+
+
+# ---- the `sdbench simulate dsi` command ------------------------------------------------------------------
+
+
+def run_simulation(s: Setting, *, repeats: int, seed: int, grid: int, kmax: int, out: str, source=None,
+                   console=None) -> tuple:
+    """Table for one setting (offline and online; measured too when `source` names an sdbench run), then the
+    heat-map grid as Parquet and PNG under `out`. Returns (parquet path, png path)."""
+    from pathlib import Path
+
+    from rich.console import Console
+
+    console = console or Console()
+    measured = {}
+    if source:
+        s, measured = profile_from_results(source)
+    s.check()
+    if repeats < 1:
+        raise SdbenchError("--repeats must be at least 1")
+    with console.status("simulating"):
+        off, on = offline(s), online(s, repeats, seed)
+        ideal = online(s, repeats, seed, preemptive=True)
+    console.print(_setting_table(s, off, on, ideal, measured))
+    if "forward_baseline" in measured:
+        console.print(f"measured target forward: {measured['forward_baseline']:.4g} s in the baseline, "
+                      f"{measured['forward_workers']:.4g} s per verification inside the strategy's workers "
+                      "(the simulation uses the latter)")
+    console.print(_notes(s, on))
+    with console.status("heat-map"):
+        frame = heatmap(s.workers, grid, kmax)
+    folder = Path(out)
+    folder.mkdir(parents=True, exist_ok=True)
+    parquet, png = folder / "dsi-heatmap.parquet", folder / "dsi-heatmap.png"
+    frame.to_parquet(parquet, index=False)
+    plot_heatmap(frame, png)
+    console.print(_heatmap_summary(frame, kmax))
+    console.print(f"wrote {parquet} and {png}")
+    return parquet, png
+
+
+def _setting_table(s: Setting, off: dict, on: dict, ideal: dict, measured: dict):
+    from rich.table import Table
+
+    table = Table(title=f"latency of {s.tokens} tokens, in the unit of the target forward = {s.target_s:.4g}; "
+                        f"c={s.c:.3g}, a={s.a:.3g}, k={s.k}, {_workers(s.workers)}")
+    columns = ["algorithm", "offline", "online", "online (preemptive)", "speedup vs plain (online)"]
+    if measured:
+        columns.append("measured")
+    for col in columns:
+        table.add_column(col, justify="right" if col != "algorithm" else "left")
+    for name, label in (("plain", "plain decoding"), ("si", f"SI (k={s.k})"), ("dsi", f"DSI (k={s.k})")):
+        row = [label, _fmt_s(off[name]), _fmt_s(on[name]), _fmt_s(ideal[name]), f"{on['plain'] / on[name]:.2f}x"]
+        if measured:
+            key = {"plain": "plain", "si": "draft", "dsi": "dsi"}[name]
+            row.append(_fmt_s(measured[key]) if key in measured else "")
+        table.add_row(*row)
+    table.add_row("DSI, paper's count", _fmt_s(off["dsi_paper"]), "", "", "")
+    return table
+
+
+def _notes(s: Setting, on: dict) -> str:
+    best = min(on["si"], on["plain"])
+    busy = ", ".join(f"{b:.0%}" for b in on["busy"])
+    return (f"workers the paper asks for: ceil(1/(k·c)) = {dsi_workers_needed(s.c, s.k)}; online DSI: busy {busy}; "
+            f"{on['cancelled']:.1f} cancelled verifications per run of {on['verifications']:.1f}; "
+            f"DSI {'<=' if on['dsi'] <= best * 1.0001 else '>'} min(SI, plain) online")
+
+
+def _heatmap_summary(frame, kmax: int) -> str:
+    def span(column):
+        return f"{frame[column].min():.2f}x..{frame[column].max():.1f}x"
+
+    worst = min(frame["speedup_dsi_vs_si"].min(), frame["speedup_dsi_vs_plain"].min())
+    verdict = "holds" if worst >= 1 - 1e-9 else "FAILS"
+    return (f"heat-map ({len(frame)} settings of c and a, {_workers(int(frame['workers'].iloc[0]))}, k <= {kmax}): "
+            f"DSI vs SI {span('speedup_dsi_vs_si')}, vs plain {span('speedup_dsi_vs_plain')}; 'never slower than "
+            f"SI or plain decoding' {verdict}. Against SI free to pick a lookahead the workers cannot sustain for "
+            f"DSI: {span('speedup_dsi_vs_si_any_k')}")
+
+
+def _workers(n: int) -> str:
+    return f"{n} worker" + ("s" if n != 1 else "")
+
+
+def _fmt_s(x: float) -> str:
+    return f"{x:.4g}" if math.isfinite(x) else "-"

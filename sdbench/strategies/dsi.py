@@ -1,0 +1,87 @@
+"""Distributed speculative inference (DSI): speculation parallelism over a pool of target workers.
+
+The drafter never waits for a verification: every `gamma` drafted tokens go to an idle target worker while
+drafting goes on, a verification of the bare committed prefix always runs beside them, and a rejection
+cancels every verification built on the rejected draft and restarts drafting from the target's token.
+With about 1/(gamma·c) workers (c = draft forward / target forward) it is never slower than plain decoding
+and faster than sequential SD in expectation (`sdbench simulate dsi` shows where). The output is the
+target's: verification is sdbench.sampling's greedy rule.
+
+This strategy owns its loop (speculation parallelism changes control flow) and records the same RowStats:
+a step is a verification that committed tokens, `drafted`/`accepted` count the drafts it judged, draft_s is
+all drafting time (discarded drafts included) and verify_s the committing verifications' time. Per row it
+records the workers, each one's busy fraction, cancelled and redundant verifications and the wall time.
+
+Greedy decoding only: results arrive out of order, and a seed-reproducible lossless sampler across them is
+not implemented, so temperature > 0 is refused. A batch is decoded one prompt after another.
+"""
+
+from __future__ import annotations
+
+from sdbench.errors import SdbenchError
+from sdbench.metrics import BatchResult
+from sdbench.strategies.base import BuildContext, Option, Proposer
+
+
+class DSI(Proposer):
+    name = "dsi"
+    options = (
+        Option("workers", 2, "target workers: processes on the CPU, one GPU each on CUDA"),
+        Option("backend", "process", "where workers run: process (this machine) or ray (a Ray cluster, or "
+                                     "Ray's local one)", str),
+        Option("threads", 0, "torch threads per worker and for the drafter; 0 = cores / (workers + 1)"),
+    )
+
+    def __init__(self, draft, gamma: int, workers: int = 2, backend: str = "process", threads: int = 0):
+        if gamma < 1:
+            raise SdbenchError(f"--gamma must be at least 1 for strategy 'dsi' (got {gamma})")
+        if workers < 1:
+            raise SdbenchError(f"--set workers={workers}: need at least 1")
+        if threads < 0:
+            raise SdbenchError(f"--set threads={threads}: need 0 (automatic) or more")
+        from sdbench.dsi.pools import BACKENDS
+
+        if backend not in BACKENDS:
+            raise SdbenchError(f"--set backend={backend}: use one of {', '.join(BACKENDS)}")
+        super().__init__(gamma)
+        self.draft, self.workers, self.backend, self.threads = draft, workers, backend, threads
+        self._rows: list[dict] = []
+
+    def params(self) -> dict:
+        return {"gamma": self.gamma, "workers": self.workers, "backend": self.backend}
+
+    def row_stats(self, b: int) -> dict:
+        return self._rows[b] if b < len(self._rows) else {}
+
+    def generate(self, target, proposer, prompts, *, max_new_tokens, sampling, eos_ids=(), generator=None):
+        """Decode each prompt with DSI (one after another); `proposer` is this object (the loop's signature)."""
+        from sdbench.dsi.orchestrator import decode_one, torch_threads
+        from sdbench.dsi.pools import default_threads, discard_pool, get_pool
+
+        if not sampling.greedy:
+            raise SdbenchError("strategy 'dsi' decodes greedily only: use --temperature 0")
+        if max_new_tokens < 1:
+            raise SdbenchError(f"--max-new-tokens must be at least 1 (got {max_new_tokens})")
+        threads = self.threads or default_threads(self.workers)
+        pool = get_pool(self.backend, target, self.workers, threads)
+        outcomes = []
+        try:
+            with torch_threads(threads):
+                for prompt in prompts:
+                    outcomes.append(decode_one(pool, self.draft, list(prompt), lookahead=self.gamma,
+                                               workers=self.workers, max_new_tokens=max_new_tokens, eos=eos_ids,
+                                               sampling=sampling, generator=generator, device=target.device))
+        except BaseException:  # workers may still be busy with this generation, or broken
+            discard_pool(pool)
+            raise
+        for o in outcomes:
+            o.extras["backend"] = self.backend
+        self._rows = [o.extras for o in outcomes]
+        return BatchResult([o.tokens for o in outcomes], [len(p) for p in prompts], [o.stats for o in outcomes],
+                           sum(o.wall_s for o in outcomes), outcomes[0].ttft_s, list(self._rows))
+
+    @classmethod
+    def build(cls, ctx: BuildContext) -> Proposer:
+        if not ctx.drafts or isinstance(ctx.drafts[0], str):
+            raise SdbenchError("strategy 'dsi' needs a draft model: pass --draft MODEL (the target itself works)")
+        return cls(ctx.drafts[0], ctx.gamma, **ctx.options)

@@ -1,0 +1,223 @@
+"""DSI: the ledger's bookkeeping on scripted answers, and real worker processes reproducing greedy decoding."""
+
+import time
+
+import pytest
+
+from sdbench.config import SamplingConfig
+from sdbench.decode import generate
+from sdbench.dsi.ledger import Ledger
+from sdbench.dsi.orchestrator import decode_one
+from sdbench.dsi.pools import get_pool, shutdown_pools
+from sdbench.errors import SdbenchError
+from sdbench.strategies import BuildContext, build_proposer
+from sdbench.strategies.autoregressive import Autoregressive
+from sdbench.strategies.dsi import DSI
+
+GREEDY = SamplingConfig()
+NEW = 16
+
+
+def right_until_wrong(job, frontier, drafts):
+    """The scripted target: the right token is always 0, a draft of 1 is wrong."""
+    accepted = next((i for i, x in enumerate(drafts) if x != 0), len(drafts))
+    return accepted, 0
+
+
+# ---- the ledger, no models ---------------------------------------------------------------------------------
+
+
+def test_rejection_cancels_the_speculation_built_on_it():
+    led = Ledger([0], lookahead=2, max_new_tokens=10, workers=3)
+    warm = led.warm()
+    assert [(j.worker, j.start, j.end) for j in warm] == [(0, 1, 1), (1, 1, 1), (2, 1, 1)]
+    led.add_draft(0), led.add_draft(0)
+    assert not led.want_draft() and led.dispatch() == []  # a full window waits: every worker is busy
+    steps = led.finish(warm[0].id, 0, None, right_until_wrong)
+    assert [(s.drafted, s.accepted, s.committed, s.rejected) for s in steps] == [(0, 0, 1, False)]
+    assert led.committed == 2 and led.redundant == 2  # the other warm-ups predicted position 1 too
+    (a,) = led.dispatch()  # nothing predicts position 2: verify the prefix now, with the one draft there is
+    assert (a.worker, a.start, a.end) == (0, 2, 3)
+    led.add_draft(1), led.add_draft(0)  # position 3 drafted wrong
+    assert led.finish(warm[1].id, 1, None, right_until_wrong) == []  # redundant answers are ignored
+    (b,) = led.dispatch()
+    assert (b.worker, b.start, b.end) == (1, 3, 5)  # speculation on the unverified draft at 2
+    led.finish(warm[2].id, 2, None, right_until_wrong)
+    led.add_draft(0), led.add_draft(0)
+    (c,) = led.dispatch()
+    assert (c.worker, c.start, c.end) == (2, 5, 7)
+    (step,) = led.finish(a.id, 0, None, right_until_wrong)
+    # draft 2 accepted; the bonus token at 3 is the target's 0, not the drafted 1: b and c read that draft
+    assert (step.drafted, step.accepted, step.committed, step.rejected) == (1, 1, 2, True)
+    assert led.tokens == [0, 0, 0, 0] and led.committed == 4
+    assert led.cancelled == 2 and led.live == {} and sorted(led.orphans()) == [1, 2]
+    assert led.take_rewind() == 3 and led.take_rewind() is None
+    (d,) = led.dispatch()
+    assert (d.worker, d.start, d.end) == (0, 4, 4)
+    assert led.dispatched == led.redundant + led.cancelled + 2 + len(led.live)
+
+
+def test_answers_out_of_order_wait_for_the_frontier():
+    led = Ledger([0], lookahead=2, max_new_tokens=8, workers=3)
+    (first,) = led.dispatch()  # no warm-up here: one frontier job, the rest idle
+    for _ in range(4):
+        led.add_draft(0)
+    w1, w2 = led.dispatch()
+    assert [(j.start, j.end) for j in (first, w1, w2)] == [(1, 1), (1, 3), (3, 5)]
+    assert led.finish(w2.id, 2, None, right_until_wrong) == []  # its prefix is not committed yet
+    assert led.committed == 1
+    steps = led.finish(w1.id, 1, None, right_until_wrong)  # now both commit, in order
+    assert [(s.job.id, s.drafted, s.accepted, s.committed) for s in steps] == [(w1.id, 2, 2, 3), (w2.id, 1, 1, 2)]
+    assert led.committed == 6 and led.redundant == 1  # the frontier job was overtaken
+    assert led.finish(first.id, 0, None, right_until_wrong) == []
+
+
+def ticketed(led, token):
+    ticket = led.ticket()
+    return led.add_draft(token, ticket)
+
+
+def test_eos_budget_and_stale_drafts():
+    led = Ledger([5], lookahead=3, max_new_tokens=5, workers=2, eos=(9,))
+    (job,) = led.dispatch()
+    ticket = led.ticket()
+    led.finish(job.id, 0, None, lambda j, f, d: (0, 7))  # commits 7 while a draft for position 1 was under way
+    assert not led.add_draft(4, ticket) and led.tokens == [5, 7]  # that draft's position is taken: dropped
+    assert ticketed(led, 9) and not led.want_draft()  # a drafted EOS ends drafting
+    (job,) = led.dispatch()  # the lone draft goes out without waiting for a full window
+    assert (job.start, job.end) == (2, 3)
+    steps = led.finish(job.id, 0, None, lambda j, f, d: (1, 3))
+    assert led.done and led.generated() == [7, 9] and steps[0].committed == 1  # stops at EOS
+    assert not led.want_draft() and led.dispatch() == []
+
+    led = Ledger([5], lookahead=4, max_new_tokens=2, workers=1)
+    (job,) = led.dispatch()
+    led.finish(job.id, 0, None, lambda j, f, d: (0, 1))
+    assert ticketed(led, 2) and not led.want_draft()  # the budget allows one more position only
+    (job,) = led.dispatch()
+    led.finish(job.id, 0, None, lambda j, f, d: (1, 3))
+    assert led.done and led.generated() == [1, 2]
+
+
+# ---- real workers --------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def pools(target):
+    get_pool("process", target, 4, 1)  # start all four at once; N = 1 and 2 use the first ones
+    yield
+    shutdown_pools()
+
+
+def reference(target, prompts, eos=()):
+    return generate(target, Autoregressive(), prompts, max_new_tokens=NEW, sampling=GREEDY, eos_ids=eos).output_ids
+
+
+def run_dsi(target, draft, prompts, workers, gamma=3, eos=()):
+    proposer = DSI(draft, gamma, workers=workers, threads=1)
+    return proposer, proposer.generate(target, proposer, prompts, max_new_tokens=NEW, sampling=GREEDY,
+                                       eos_ids=eos)
+
+
+@pytest.mark.parametrize("workers", [1, 2, 4])
+def test_dsi_matches_greedy(pools, target, small_draft, prompts, workers):
+    ref = reference(target, prompts)
+    for draft in (target, small_draft):  # the target itself always agrees; the small random one rarely does
+        proposer, out = run_dsi(target, draft, prompts, workers)
+        assert out.output_ids == ref
+        for row, ids, extra in zip(out.rows, out.output_ids, out.extras):
+            assert len(ids) <= row.accepted + row.steps <= len(ids) + 3  # each step commits accepted + 1
+            assert extra["verifications"] == row.steps + extra["cancelled"] + extra["redundant"]
+            assert extra["workers"] == workers and len(extra["busy"]) == workers
+            assert all(0.0 <= b <= 1.0 for b in extra["busy"])
+            if draft is target:
+                assert row.accepted == row.drafted and row.rejections == 0
+        assert out.wall_s > 0 and proposer.row_stats(0) == out.extras[0]
+
+
+def test_dsi_stops_at_eos(pools, target, small_draft, prompts):
+    ref = reference(target, prompts)
+    eos = ref[0][9]
+    stopped = reference(target, prompts, eos=(eos,))
+    for draft in (target, small_draft):
+        assert run_dsi(target, draft, prompts, 2, gamma=4, eos=(eos,))[1].output_ids == stopped
+
+
+class Sluggish:
+    """A pool whose answers take 20 ms longer to arrive: drafting (about a millisecond a token here) always
+    has windows out when a rejection comes back."""
+
+    def __init__(self, pool):
+        self.pool = pool
+
+    def submit(self, worker, task):
+        self.pool.submit(worker, task)
+
+    def poll(self, timeout):
+        time.sleep(0.02)
+        return self.pool.poll(timeout)
+
+
+def test_rejections_cancel_running_verifications(pools, target, small_draft, prompts):
+    pool = Sluggish(get_pool("process", target, 2, 1))
+    ref = reference(target, prompts[:1])[0]
+    row = decode_one(pool, small_draft, prompts[0], lookahead=2, workers=2, max_new_tokens=NEW, eos=(),
+                     sampling=GREEDY, generator=None, device=target.device)
+    assert row.tokens == ref
+    assert row.stats.rejections > 0 and row.extras["cancelled"] > 0
+    assert row.extras["verifications"] == row.stats.steps + row.extras["cancelled"] + row.extras["redundant"]
+
+
+def test_ray_backend_matches_greedy(target, small_draft, prompts):
+    pytest.importorskip("ray")
+    try:
+        proposer = DSI(small_draft, 3, workers=2, backend="ray", threads=1)
+        out = proposer.generate(target, proposer, prompts[:2], max_new_tokens=NEW, sampling=GREEDY)
+        assert out.output_ids == reference(target, prompts[:2])
+    finally:
+        shutdown_pools()
+
+
+def test_bad_settings_are_one_line_errors(target, small_draft, prompts):
+    with pytest.raises(SdbenchError, match="greedily only"):
+        run = DSI(small_draft, 3, workers=1)
+        run.generate(target, run, prompts, max_new_tokens=4, sampling=SamplingConfig(temperature=0.7))
+    with pytest.raises(SdbenchError, match="backend=spark"):
+        build_proposer("dsi", BuildContext(target, [small_draft], 3, {"backend": "spark"}))
+    with pytest.raises(SdbenchError, match="needs a draft model"):
+        build_proposer("dsi", BuildContext(target, ["ngram"], 3, {}))
+    with pytest.raises(SdbenchError, match="workers=0"):
+        build_proposer("dsi", BuildContext(target, [small_draft], 3, {"workers": "0"}))
+    with pytest.raises(SdbenchError, match="--gamma"):
+        build_proposer("dsi", BuildContext(target, [small_draft], 0, {}))
+
+
+def test_ray_missing_is_a_clear_error(monkeypatch, target):
+    import builtins
+
+    real_import = builtins.__import__
+
+    def no_ray(name, *args, **kwargs):
+        if name == "ray":
+            raise ImportError("no ray")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_ray)
+    from sdbench.dsi.pools import RayPool
+    from sdbench.errors import MissingPackageError
+
+    with pytest.raises(MissingPackageError, match="pip install ray"):
+        RayPool(target.model, "t", "cpu", 1)
+
+
+def test_a_failure_is_raised_and_the_pool_replaced(pools, target, small_draft, prompts):
+    from sdbench.dsi import pools as pool_module
+
+    broken = prompts[0] + [10_000]  # outside the tiny vocabulary: the forwards fail
+    proposer = DSI(small_draft, 3, workers=2, threads=1)
+    with pytest.raises(Exception) as failure:
+        proposer.generate(target, proposer, [broken], max_new_tokens=4, sampling=GREEDY)
+    assert "index" in str(failure.value).lower()
+    assert pool_module._pools == {}  # discarded: the next generation starts fresh workers
+    _, out = run_dsi(target, small_draft, prompts[:1], 2)
+    assert out.output_ids == reference(target, prompts[:1])

@@ -1,0 +1,136 @@
+"""The DSI simulator: closed forms, the paper's claims on a grid, online against offline, the command's files."""
+
+import json
+import math
+import random
+
+import pandas as pd
+import pytest
+
+from sdbench.cli import main
+from sdbench.dsi.simulate import Setting, heatmap, offline, online, profile_from_results, simulate_dsi, simulate_si
+from sdbench.results import rows_to_table
+from sdbench.theory import (alpha_from_tokens_per_step, dsi_latency_per_token, dsi_workers_needed,
+                            expected_tokens_per_step, si_latency_per_token)
+
+GRID = [(c, a) for c in (0.01, 0.05, 0.1, 0.2, 0.35, 0.5, 0.75, 1.0) for a in (0.0, 0.1, 0.3, 0.5, 0.7, 0.9, 0.99, 1.0)]
+
+
+def test_closed_forms_at_the_extremes():
+    for c, k in ((0.1, 4), (0.5, 1), (1.0, 3)):
+        # every draft rejected: SI pays for its drafts, DSI falls back to plain decoding
+        assert si_latency_per_token(0.0, c, k) == pytest.approx(k * c + 1)
+        assert dsi_latency_per_token(0.0, c, k) == 1.0
+        # every draft accepted: SI commits k + 1 per iteration, DSI runs at the drafter's pace
+        assert si_latency_per_token(1.0, c, k) == pytest.approx((k * c + 1) / (k + 1))
+        assert dsi_latency_per_token(1.0, c, k) == pytest.approx(c)
+    # in between: the renewal sum written out, J accepted drafts costing min(ceil(J/k)·k·c + 1, J + 1)
+    a, c, k = 0.5, 0.2, 1
+    cost = sum((1 - a) * a**j * min(math.ceil(j / k) * k * c + 1, j + 1) for j in range(200))
+    assert dsi_latency_per_token(a, c, k) == pytest.approx(cost * (1 - a))
+    assert dsi_latency_per_token(a, c, k) == pytest.approx(0.6)
+
+
+def test_workers_needed_is_the_papers_bound():
+    assert dsi_workers_needed(0.1, 4) == 3
+    assert dsi_workers_needed(0.01, 15) == 7
+    assert dsi_workers_needed(0.01, 14) == 8
+    assert dsi_workers_needed(1.0, 1) == 1
+    assert dsi_workers_needed(0.25, 4) == 1
+
+
+def test_alpha_from_tokens_per_step_inverts_omega():
+    for a in (0.0, 0.3, 0.8, 0.99):
+        assert alpha_from_tokens_per_step(expected_tokens_per_step(a, 4), 4) == pytest.approx(a, abs=1e-9)
+
+
+@pytest.mark.parametrize("c, a", GRID)
+def test_dsi_never_slower_than_si_or_plain(c, a):
+    for k in (1, 2, 4, 8, 16):
+        dsi = dsi_latency_per_token(a, c, k)
+        assert dsi <= min(si_latency_per_token(a, c, k), 1.0) + 1e-12
+        assert dsi <= dsi_latency_per_token(a, c, k, bonus=False) + 1e-12  # the bonus token only helps
+
+
+def test_heatmap_claims_and_shape():
+    frame = heatmap(workers=7, grid=10, kmax=20)
+    assert len(frame) == 11 * 11
+    assert (frame["speedup_dsi_vs_si"] >= 1 - 1e-9).all()
+    assert (frame["speedup_dsi_vs_plain"] >= 1 - 1e-9).all()
+    ok = frame.apply(lambda r: dsi_workers_needed(r["c"], int(r["k_dsi"])) <= 7, axis=1)
+    assert ok.all()
+    # the paper's picture: over plain decoding DSI gains most with a fast, accurate drafter; nothing with a = 0.01
+    best = frame.loc[frame["speedup_dsi_vs_plain"].idxmax()]
+    assert (best["c"], best["a"]) == (0.01, 0.99)
+    assert frame[frame["a"] == 0.01]["speedup_dsi_vs_plain"].max() < 1.02
+    # over SI the gain is largest where SI loses most: slow and inaccurate drafters
+    slow_bad = frame[(frame["c"] == 1.0) & (frame["a"] == 0.01)]["speedup_dsi_vs_si"].iloc[0]
+    assert slow_bad > 1.9
+
+
+def test_online_extremes_are_exact():
+    rng = random.Random(0)
+    never = Setting(target_s=1.0, c=0.1, a=0.0, k=4, workers=5, tokens=200)
+    assert simulate_dsi(never, rng).latency == pytest.approx(200.0)  # one target forward per token
+    always = Setting(target_s=1.0, c=0.1, a=1.0, k=4, workers=5, tokens=200)
+    assert simulate_dsi(always, rng).latency == pytest.approx(200 * 0.1 + 1.0)  # drafting, then one verification
+    assert simulate_dsi(always, rng).cancelled == 0
+    assert simulate_si(always, rng) == pytest.approx(40 * (4 * 0.1 + 1.0))  # 40 iterations of 5 tokens
+
+
+@pytest.mark.parametrize("c, a, k", [(0.1, 0.8, 4), (0.2, 0.5, 2), (0.3, 0.7, 3), (0.5, 0.9, 1), (0.05, 0.6, 8)])
+def test_online_matches_offline_with_enough_workers(c, a, k):
+    s = Setting(target_s=0.02, c=c, a=a, k=k, workers=dsi_workers_needed(c, k) + 2, tokens=400)
+    off = offline(s)
+    ideal = online(s, repeats=12, seed=1, preemptive=True)
+    assert ideal["si"] == pytest.approx(off["si"], rel=0.06)
+    # preemptive: the offline formula's idealisation; finite-length and sampling noise only
+    assert abs(ideal["dsi"] - off["dsi"]) <= 4 * ideal["dsi_sem"] + 0.03 * off["dsi"]
+    real = online(s, repeats=12, seed=1)
+    assert real["dsi"] < min(real["si"], real["plain"])
+    assert real["cancelled"] > 0 and len(real["busy"]) == s.workers
+    assert all(0.0 <= b <= 1.0 for b in real["busy"])
+
+
+def test_simulate_command_writes_parquet_and_png(tmp_path, capsys):
+    main(["simulate", "dsi", "--c", "0.1", "--a", "0.8", "--k", "4", "--workers", "4", "--tokens", "200",
+          "--repeats", "3", "--grid", "4", "--kmax", "8", "--out", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert "DSI (k=4)" in out and "holds" in out
+    frame = pd.read_parquet(tmp_path / "dsi-heatmap.parquet")
+    assert len(frame) == 25 and {"c", "a", "k_dsi", "speedup_dsi_vs_si", "speedup_dsi_vs_plain"} <= set(frame)
+    png = (tmp_path / "dsi-heatmap.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+
+
+def test_simulate_command_bad_input_is_one_line(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["simulate", "dsi", "--a", "1.5"])
+    assert e.value.code != 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error:") and "--a" in err[0]
+
+
+def test_profile_from_a_run(tmp_path):
+    stats = json.dumps({"rejections": 10, "drafted_total": 60})
+    rows = [{"role": "baseline", "strategy": "autoregressive", "steps": 32, "verify_s": 0.64, "wall_s": 0.7,
+             "new_tokens": 32, "drafted": 0, "accepted": 0, "draft_s": 0.0, "params": "{}"},
+            {"role": "strategy", "strategy": "dsi", "steps": 12, "verify_s": 0.3, "wall_s": 0.5, "new_tokens": 32,
+             "drafted": 40, "accepted": 20, "draft_s": 0.12, "strategy_stats": stats,
+             "params": json.dumps({"gamma": 4, "workers": 2, "backend": "process"})}]
+    path = tmp_path / "run.parquet"
+    import pyarrow.parquet as pq
+
+    pq.write_table(rows_to_table(rows), path)
+    s, measured = profile_from_results([str(path)])
+    assert s.target_s == pytest.approx(0.02)
+    assert s.c == pytest.approx(0.12 / 60 / 0.02)
+    assert s.a == pytest.approx(20 / 30)
+    assert (s.k, s.workers, s.tokens) == (4, 2, 32)
+    assert measured == pytest.approx({"plain": 0.7, "dsi": 0.5, "forward_baseline": 0.02, "forward_workers": 0.02})
+    # with the workers' own verification latency recorded, that is the target forward DSI got
+    rows[1]["strategy_stats"] = json.dumps({"rejections": 10, "drafted_total": 60, "verify_s_per_job": 0.05})
+    pq.write_table(rows_to_table(rows), path)
+    s, measured = profile_from_results([str(path)])
+    assert s.target_s == pytest.approx(0.05) and s.c == pytest.approx(0.12 / 60 / 0.05)
+    assert measured["forward_baseline"] == pytest.approx(0.02)
