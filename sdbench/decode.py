@@ -75,7 +75,11 @@ def generate(target, proposer: Proposer, prompts: list[list[int]], *, max_new_to
         state.commit(b, [t])
     ttft = now(dev) - t_start
     state.target_cache = cache  # self-speculation builds its sparse draft cache from the target's prefill
+    t0 = now(dev)
     proposer.begin(state)
+    setup = now(dev) - t0
+    for r in rows:  # the draft's own prefill (or cache compression) is drafting cost too
+        r.draft_s += setup
 
     while not all(state.done):
         t0 = now(dev)
