@@ -8,11 +8,9 @@ not it was chosen.
 
 from __future__ import annotations
 
-import torch
-
 from sdbench.strategies.base import Proposal
 from sdbench.strategies.draft import DraftModel
-from sdbench.strategies.ngram import DRAFT_NAME, lookup
+from sdbench.strategies.ngram import DRAFT_NAME, NGram
 
 STEADY_CATCH_UP = 2  # a round feeding more unseen tokens than this is not a typical drafting cost
 
@@ -47,22 +45,15 @@ class NGramDrafter:
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
         self.name = DRAFT_NAME
-        self.max_ngram, self.min_ngram = max_ngram, min_ngram
+        self.lookup = NGram(1, max_ngram, min_ngram)
 
     def begin(self, state) -> None:
         pass
 
     def propose(self, state, gamma: int) -> tuple[Proposal | None, bool]:
-        tokens = torch.zeros(state.batch, gamma, dtype=torch.long)
-        lengths = torch.zeros(state.batch, dtype=torch.long)
-        for b in range(state.batch):
-            if state.done[b]:
-                continue
-            found = lookup(state.row(b).numpy(), gamma, self.max_ngram, self.min_ngram)
-            tokens[b, : len(found)] = torch.from_numpy(found)
-            lengths[b] = len(found)
-        width = int(lengths.max())
-        return (Proposal(tokens[:, :width], lengths) if width else None), True
+        proposal = self.lookup.propose(state, gamma)
+        width = int(proposal.lengths.max())
+        return (Proposal(proposal.tokens[:, :width], proposal.lengths) if width else None), True
 
     def observe(self, state, accepted, proposal) -> None:
         pass

@@ -39,13 +39,15 @@ class NGram(Proposer):
         super().__init__(gamma)
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
 
-    def propose(self, state) -> Proposal:
-        tokens = torch.zeros(state.batch, self.gamma, dtype=torch.long)
+    def propose(self, state, gamma: int | None = None) -> Proposal:
+        """Up to gamma (default: self.gamma) tokens per row; lengths[b] says how many were found."""
+        gamma = self.gamma if gamma is None else gamma
+        tokens = torch.zeros(state.batch, gamma, dtype=torch.long)
         lengths = torch.zeros(state.batch, dtype=torch.long)
         for b in range(state.batch):
             if state.done[b]:
                 continue
-            found = lookup(state.row(b).numpy(), self.gamma, self.max_ngram, self.min_ngram)
+            found = lookup(state.row(b).numpy(), gamma, self.max_ngram, self.min_ngram)
             tokens[b, : len(found)] = torch.from_numpy(found)
             lengths[b] = len(found)
         return Proposal(tokens, lengths)
