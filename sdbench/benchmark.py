@@ -113,13 +113,15 @@ def plan(cfg: RunConfig) -> tuple[RunConfig, object]:
     return cfg, choice
 
 
-def encode_prompts(cfg: RunConfig, pair: Pair):
+def encode_prompts(cfg: RunConfig, pair: Pair, lookahead: int | None = None):
+    """The prompts as token ids; refuses any that, with the budget and the deepest lookahead, would run past
+    the target's positions."""
     from sdbench.tasks import encode_prompt, load_prompts
 
     prompts = load_prompts(cfg.dataset, limit=cfg.limit, seed=cfg.sampling.seed, prompt_len=cfg.prompt_len,
                            tokenizer=pair.tokenizer)
     encoded = [encode_prompt(p, pair.tokenizer) for p in prompts]
-    longest = max(len(e) for e in encoded) + cfg.max_new_tokens + cfg.gamma + 2
+    longest = max(len(e) for e in encoded) + cfg.max_new_tokens + (lookahead or cfg.gamma) + 2
     if longest > pair.max_positions:
         raise SdbenchError(f"prompt plus --max-new-tokens needs {longest} positions, but {cfg.target} supports "
                            f"{pair.max_positions}: lower --prompt-len or --max-new-tokens")
@@ -166,7 +168,7 @@ class Bench:
         cfg = self.cfg
         pair = self.pair or load_pair(cfg, self.device, self.dtype, self.console)
         variants = self._variants(pair)
-        prompts, encoded = encode_prompts(cfg, pair)
+        prompts, encoded = encode_prompts(cfg, pair, max(p.max_lookahead for _, p in variants))
         batches = [list(range(i, min(i + cfg.batch_size, len(prompts)))) for i in range(0, len(prompts),
                                                                                       cfg.batch_size)]
         run_id = cfg.resume or new_run_id(self.choice.name)
