@@ -35,3 +35,40 @@ def small_draft():
 def prompts():
     g = torch.Generator().manual_seed(7)
     return [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (6, 11, 3, 8)]
+
+
+def second_token_chi_square(target, proposer, cfg, prompt=(5, 17, 42, 8), n: int = 3000, seed: int = 0):
+    """Decode `n` copies of a prompt for two tokens through `proposer` under sampling `cfg`, and compare the
+    second token (decided by the first verification) with its exact marginal under the target.
+
+    Returns (chi-square statistic, degrees of freedom, the BatchResult); bins expected below 5 are pooled."""
+    from sdbench.decode import generate
+    from sdbench.sampling import probs_from_logits
+
+    prompt = list(prompt)
+    with torch.no_grad():
+        q1 = probs_from_logits(target.model(torch.tensor([prompt])).logits[0, -1], cfg)  # [V]
+        ctx = torch.tensor([prompt + [t] for t in range(VOCAB)])
+        q2 = probs_from_logits(target.model(ctx).logits[:, -1], cfg)  # [V, V]
+    exact = q1 @ q2  # the second token's marginal: a sum over the first
+    g = torch.Generator().manual_seed(seed)
+    out = generate(target, proposer, [prompt] * n, max_new_tokens=2, sampling=cfg, generator=g)
+    counts = torch.bincount(torch.tensor([o[1] for o in out.output_ids]), minlength=VOCAB).double()
+    expected = exact.double() * n
+    big = expected >= 5
+    stat = ((counts[big] - expected[big]) ** 2 / expected[big]).sum() + (
+        (counts[~big].sum() - expected[~big].sum()) ** 2 / max(expected[~big].sum(), 1e-9))
+    return float(stat), int(big.sum()), out
+
+
+def run_cli(capsys, *argv) -> tuple[int, str, str]:
+    """Run the CLI in-process: (exit code, stdout, stderr)."""
+    from sdbench.cli import main
+
+    try:
+        main(list(argv))
+        code = 0
+    except SystemExit as e:
+        code = e.code
+    out, err = capsys.readouterr()
+    return code, out, err

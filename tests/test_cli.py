@@ -7,18 +7,9 @@ import pytest
 from sdbench import benchmark
 from sdbench.cli import main
 from sdbench.results import read_results
+from tests.conftest import run_cli
 
 SMALL = ["--limit", "2", "--max-new-tokens", "12"]
-
-
-def run_cli(capsys, *argv) -> tuple[int, str, str]:
-    try:
-        main(list(argv))
-        code = 0
-    except SystemExit as e:
-        code = e.code
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 def one_line_error(code: int, err: str) -> str:

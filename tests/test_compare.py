@@ -7,6 +7,7 @@ import pytest
 from sdbench.cli import main
 from sdbench.compare import compare_frames
 from sdbench.results import RunWriter, read_results
+from tests.conftest import run_cli
 
 PROMPTS = ("mt-bench/81", "mt-bench/82", "mt-bench/83")
 
@@ -29,16 +30,6 @@ def write(folder, run_id, data) -> str:
     writer = RunWriter(folder, run_id)
     writer.append(data)
     return str(writer.finalize())
-
-
-def run_cli(capsys, *argv) -> tuple[int, str, str]:
-    try:
-        main(list(argv))
-        code = 0
-    except SystemExit as e:
-        code = e.code
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 def test_equal_results_pass(tmp_path, capsys):

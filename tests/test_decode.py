@@ -5,12 +5,11 @@ import torch
 
 from sdbench.config import SamplingConfig
 from sdbench.decode import generate
-from sdbench.sampling import probs_from_logits
 from sdbench.strategies.autoregressive import Autoregressive
 from sdbench.strategies.base import Proposal, Proposer
 from sdbench.strategies.draft import DraftModel
 from sdbench.strategies.ngram import NGram
-from tests.conftest import VOCAB
+from tests.conftest import VOCAB, second_token_chi_square
 
 GREEDY = SamplingConfig()
 NEW = 24
@@ -100,22 +99,6 @@ def test_counts_are_consistent(target, prompts):
 
 def test_sampling_loop_follows_target_distribution(target, small_draft):
     """End to end: the token decided by the first verification is distributed as the target's."""
-    cfg = SamplingConfig(temperature=1.0, top_p=0.95)
-    prompt = [5, 17, 42, 8]
-    N = 3000
-    # exact marginal of the second generated token: sum over the first
-    with torch.no_grad():
-        q1 = probs_from_logits(target.model(torch.tensor([prompt])).logits[0, -1], cfg)  # [V]
-        ctx = torch.tensor([prompt + [t] for t in range(VOCAB)])
-        q2 = probs_from_logits(target.model(ctx).logits[:, -1], cfg)  # [V, V]
-    exact = q1 @ q2
-    g = torch.Generator().manual_seed(0)
-    out = generate(target, DraftModel(small_draft, 3), [prompt] * N, max_new_tokens=2, sampling=cfg, generator=g)
-    counts = torch.bincount(torch.tensor([o[1] for o in out.output_ids]), minlength=VOCAB).double()
-    expected = exact.double() * N
-    big = expected >= 5
-    stat = ((counts[big] - expected[big]) ** 2 / expected[big]).sum() + (
-        (counts[~big].sum() - expected[~big].sum()) ** 2 / max(expected[~big].sum(), 1e-9))
-    dof = int(big.sum())
+    stat, dof, out = second_token_chi_square(target, DraftModel(small_draft, 3), SamplingConfig(1.0, 0.95))
     assert stat < dof + 5 * (2 * dof) ** 0.5, f"chi-square {stat:.1f} with {dof} dof"
     assert sum(r.accepted for r in out.rows) > 0 and sum(r.accepted for r in out.rows) < sum(r.drafted for r in out.rows)

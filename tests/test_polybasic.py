@@ -19,7 +19,7 @@ from sdbench.strategies.autoregressive import Autoregressive
 from sdbench.strategies.chain_levels import ModelLevel
 from sdbench.strategies.polybasic import Polybasic, parse_mu
 from sdbench.theory import ChainCosts, insertion_times
-from tests.conftest import VOCAB, tiny_model
+from tests.conftest import VOCAB, second_token_chi_square, tiny_model
 
 GREEDY = SamplingConfig()
 NEW = 24
@@ -137,25 +137,10 @@ def test_middle_level_hands_up_its_own_distribution(target, small_draft, prompts
 def test_sampling_follows_target_distribution(target, small_draft, other_draft):
     """A 3-level chain under sampling: the token decided by the first verification is distributed as the
     target's (as tests/test_decode.py checks for one draft)."""
-    cfg = SamplingConfig(temperature=1.0, top_p=0.95)
-    prompt = [5, 17, 42, 8]
-    N = 3000
-    with torch.no_grad():
-        q1 = probs_from_logits(target.model(torch.tensor([prompt])).logits[0, -1], cfg)  # [V]
-        ctx = torch.tensor([prompt + [t] for t in range(VOCAB)])
-        q2 = probs_from_logits(target.model(ctx).logits[:, -1], cfg)  # [V, V]
-    exact = q1 @ q2
-    g = torch.Generator().manual_seed(0)
     proposer = Polybasic([small_draft, other_draft], 2, "3")
-    out = generate(target, proposer, [prompt] * N, max_new_tokens=2, sampling=cfg, generator=g)
-    counts = torch.bincount(torch.tensor([o[1] for o in out.output_ids]), minlength=VOCAB).double()
-    expected = exact.double() * N
-    big = expected >= 5
-    stat = ((counts[big] - expected[big]) ** 2 / expected[big]).sum() + (
-        (counts[~big].sum() - expected[~big].sum()) ** 2 / max(expected[~big].sum(), 1e-9))
-    dof = int(big.sum())
+    stat, dof, out = second_token_chi_square(target, proposer, SamplingConfig(1.0, 0.95))
     assert stat < dof + 5 * (2 * dof) ** 0.5, f"chi-square {stat:.1f} with {dof} dof"
-    middle = [proposer.row_stats(b)["levels"][1] for b in range(N)]
+    middle = [proposer.row_stats(b)["levels"][1] for b in range(len(out.output_ids))]
     accepted, proposed = sum(m["accepted"] for m in middle), sum(m["proposed"] for m in middle)
     assert 0 < accepted < proposed
 
