@@ -14,12 +14,9 @@ from sdbench.strategies.draft import DraftModel
 
 class MagicDec(DraftModel):
     name = "magicdec"
-    options = (
-        Option("kv", "streamingllm", "draft cache selector: streamingllm or snapkv", str),
-        Option("budget", 256, "draft KV budget: keys each draft query attends to"),
-        Option("sink", 16, "streamingllm: attention-sink tokens kept"),
-        Option("window", 32, "snapkv: recent (observation) window"),
-    )
+    # the draft strategy's sparse-cache settings, with the selector named `kv` and never dense
+    options = (Option("kv", "streamingllm", "draft cache selector: streamingllm or snapkv", str),
+               *(o for o in DraftModel.options if o.name != "draft_kv"))
 
     def __init__(self, runner, gamma: int, kv: str = "streamingllm", budget: int = 256, sink: int = 16,
                  window: int = 32):
@@ -30,9 +27,9 @@ class MagicDec(DraftModel):
         return state.target_cache
 
     def params(self) -> dict:
-        sp = self.sparse
-        return {"gamma": self.gamma, "kv": sp.selector, "budget": sp.budget,
-                **({"sink": sp.sink} if sp.selector == "streamingllm" else {"window": sp.window})}
+        params = super().params()
+        params["kv"] = params.pop("draft_kv")
+        return params
 
     @classmethod
     def search_space(cls, trial, space) -> tuple:
