@@ -67,7 +67,7 @@ def load_pair(cfg: RunConfig, device: torch.device, dtype: torch.dtype, console:
 
     with console.status(f"loading target {cfg.target}"):
         target = load_model(cfg.target, device, dtype)
-        runner = ModelRunner(target.model, cfg.target)
+        runner = ModelRunner(target.model, cfg.target, fast=cfg.fast)
     drafts = []
     for name in cfg.drafts:
         if name == NGRAM_DRAFT:  # prompt lookup as a draft candidate: no model, no tokenizer to check
@@ -83,7 +83,7 @@ def load_pair(cfg: RunConfig, device: torch.device, dtype: torch.dtype, console:
         with console.status(f"loading draft {name}"):
             draft = load_model(name, device, dtype)
         check_same_tokenizer(target.tokenizer, draft.tokenizer, cfg.target, name)
-        drafts.append(ModelRunner(draft.model, name))
+        drafts.append(ModelRunner(draft.model, name, fast=cfg.fast))
     limit = getattr(target.model.config, "max_position_embeddings", None) or 1 << 30
     return Pair(runner, target.tokenizer, drafts, eos_token_ids(target), limit)
 
@@ -184,7 +184,7 @@ class Bench:
             for _, prop in (("baseline", Autoregressive()),) * cfg.baseline + tuple(variants):
                 self._generate(pair, prop, warm, min(cfg.warmup_tokens, cfg.max_new_tokens), cfg.sampling.seed)
         roles = (("baseline", Autoregressive()),) * cfg.baseline + tuple(variants)
-        common = self._common()
+        common = self._common(pair)
         try:
             with writer, self._progress() as progress:
                 task = progress.add_task(self.choice.name, total=cfg.repeats * len(batches) * len(roles))
@@ -219,11 +219,12 @@ class Bench:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(asdict(self.cfg), indent=2, default=str))
 
-    def _common(self) -> dict:
+    def _common(self, pair: Pair) -> dict:
         cfg = self.cfg
         return {
             "target": cfg.target, "dataset": _label(cfg), "batch_size": cfg.batch_size,
             "temperature": cfg.sampling.temperature, "top_p": cfg.sampling.top_p, "seed": cfg.sampling.seed,
+            "fast": bool(getattr(pair.target, "fast", False)),
         }
 
     def _describe(self, role: str, proposer) -> tuple[str, str, str]:

@@ -34,6 +34,7 @@ Repeats = Annotated[int, typer.Option(help="times to run every batch")]
 Sets = Annotated[Optional[list[str]], typer.Option("--set", help="strategy setting key=value (repeatable)")]
 Out = Annotated[str, typer.Option(help="folder for the Parquet results")]
 Baseline = Annotated[bool, typer.Option("--baseline/--no-baseline", help="also run plain decoding on the same prompts")]
+Fast = Annotated[bool, typer.Option("--fast/--no-fast", help="the runner's fast path (CPU: oneDNN-packed projections)")]
 Resume = Annotated[Optional[str], typer.Option(help="continue an interrupted run: its RUN_ID")]
 
 
@@ -65,7 +66,7 @@ def run(
     dataset: Dataset = C.DEFAULT_DATASET, limit: Limit = C.DEFAULT_LIMIT, max_new_tokens: MaxNew = C.DEFAULT_MAX_NEW_TOKENS,
     batch_size: Batch = 1, temperature: Temperature = 0.0, top_p: TopP = 1.0, seed: Seed = 0, gamma: Gamma = None,
     prompt_len: PromptLen = None, device: Device = "auto", dtype: Dtype = "float32", repeats: Repeats = 1,
-    set_: Sets = None, out: Out = C.DEFAULT_OUT, baseline: Baseline = True, resume: Resume = None,
+    set_: Sets = None, out: Out = C.DEFAULT_OUT, baseline: Baseline = True, resume: Resume = None, fast: Fast = True,
 ):
     """Run a strategy and the plain-decoding baseline on the same prompts; print tables, write Parquet."""
     from sdbench.benchmark import Bench, load_config
@@ -76,7 +77,7 @@ def run(
         target=target, drafts=tuple(draft or ()), strategy=strategy, dataset=dataset, limit=limit,
         max_new_tokens=max_new_tokens, batch_size=batch_size, sampling=C.SamplingConfig(temperature, top_p, seed),
         gammas=parse_gammas(gamma), prompt_len=prompt_len, device=device, dtype=dtype, repeats=repeats, options=parse_sets(set_),
-        out=out, baseline=baseline, resume=resume,
+        out=out, baseline=baseline, resume=resume, fast=fast,
     )
     if resume:
         cfg = load_config(out, resume)

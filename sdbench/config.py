@@ -46,6 +46,7 @@ class RunConfig:
     baseline: bool = True
     resume: str | None = None
     warmup_tokens: int = 8
+    fast: bool = True  # the runner's fast path where one is measured to help (CPU: oneDNN-packed projections)
 
     @property
     def gamma(self) -> int | None:

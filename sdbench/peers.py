@@ -106,17 +106,20 @@ def run_peers(target: str, draft: str, dataset: str, limit: int, max_new: int, g
         check_same_tokenizer(tgt.tokenizer, drf.tokenizer, target, draft)
     eos = eos_token_ids(tgt)
     prompts = [encode_prompt(p, tgt.tokenizer) for p in load_prompts(dataset, limit=limit, seed=seed)]
-    runner = ModelRunner(tgt.model, target)
-    d_runner = runner if drf is tgt else ModelRunner(drf.model, draft)
+    plain = ModelRunner(tgt.model, target)
+    runner = ModelRunner(tgt.model, target, fast=True)
+    d_runner = runner if drf is tgt else ModelRunner(drf.model, draft, fast=True)
+    fast = " (fast)" if runner.fast else ""
     systems = [
         ("transformers generate", _hf(tgt.model, max_new, eos)),
-        ("sdbench autoregressive", _ours(runner, Autoregressive, max_new, eos)),
+        ("sdbench autoregressive (no fast path)", _ours(plain, Autoregressive, max_new, eos)),
+        (f"sdbench autoregressive{fast}", _ours(runner, Autoregressive, max_new, eos)),
         (f"transformers assisted (γ={gamma})",
          _hf(tgt.model, max_new, eos, assistant_model=drf.model, num_assistant_tokens=gamma,
              num_assistant_tokens_schedule="constant")),
-        (f"sdbench draft (γ={gamma})", _ours(runner, lambda: DraftModel(d_runner, gamma), max_new, eos)),
+        (f"sdbench draft (γ={gamma}){fast}", _ours(runner, lambda: DraftModel(d_runner, gamma), max_new, eos)),
         (f"transformers prompt lookup (γ={gamma})", _hf(tgt.model, max_new, eos, prompt_lookup_num_tokens=gamma)),
-        (f"sdbench ngram (γ={gamma})", _ours(runner, lambda: NGram(gamma), max_new, eos)),
+        (f"sdbench ngram (γ={gamma}){fast}", _ours(runner, lambda: NGram(gamma), max_new, eos)),
     ]
     with console.status("measuring") as status:
         results = _measure(systems, prompts, repeats, dev, status)
@@ -132,9 +135,11 @@ def _table(results: list[Measured], roofline: float, title: str) -> Table:
     for col in ("system", "tokens", "tokens/s", "vs peer", "same output as generate", "of roofline"):
         table.add_column(col, justify="right" if col != "system" else "left")
     ref = results[0].outputs
-    for i, m in enumerate(results):
-        peer = results[i - 1] if i % 2 else None
-        ratio = f"{m.tokens_per_s / peer.tokens_per_s:.2f}x" if peer else ""
+    peer = None
+    for m in results:
+        if m.system.startswith("transformers"):
+            peer = m  # each sdbench row is compared with the transformers row above it
+        ratio = "" if m is peer else f"{m.tokens_per_s / peer.tokens_per_s:.2f}x"
         table.add_row(m.system, str(m.tokens), f"{m.tokens_per_s:.1f}", ratio,
                       "yes" if m.outputs == ref else "no", f"{m.tokens_per_s / roofline:.0%}")
     table.caption = f"roofline (weights read once per token at measured bandwidth): {roofline:.1f} tokens/s"

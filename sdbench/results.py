@@ -75,6 +75,7 @@ SCHEMA = pa.schema([
     ("gpu", _S),
     ("output_ids", pa.list_(pa.int32())),
     ("strategy_stats", _S),  # JSON: the proposer's own per-row figures (Proposer.row_stats)
+    ("fast", pa.bool_()),  # the runner's fast path was on (CPU: oneDNN-packed projections)
 ])
 COLUMNS: tuple[str, ...] = tuple(SCHEMA.names)
 ENV_COLUMNS = ("device", "dtype", "torch_version", "transformers_version", "sdbench_version",

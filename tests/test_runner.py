@@ -45,3 +45,31 @@ def test_overflow_and_unsupported():
     model.config.model_type = "gpt2"
     with pytest.raises(SdbenchError, match="does not support"):
         ModelRunner(model, "m")
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_fast_path_matches_stock_forward(arch):
+    model = tiny_model(6, arch=arch)
+    stock, fast = ModelRunner(model), ModelRunner(model, fast=True)
+    if not fast.fast:
+        pytest.skip("oneDNN is not available in this torch build")
+    assert len(fast._packed) == 1 + 7 * len(fast.layers)  # lm_head + q, k, v, o, gate, up, down per layer
+    ids = torch.randint(0, VOCAB, (2, 14), generator=torch.Generator().manual_seed(4))
+    a, b = stock.new_cache(2, 32), fast.new_cache(2, 32)
+    torch.testing.assert_close(fast.prefill(b, ids[:, :9].tolist()), stock.prefill(a, ids[:, :9].tolist()),
+                               atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(fast.forward(b, ids[:, 9:], [9, 9]), stock.forward(a, ids[:, 9:], [9, 9]),
+                               atol=1e-4, rtol=1e-4)
+
+
+def test_fast_path_is_lossless_and_only_for_cpu_float32(prompts):
+    from sdbench.config import SamplingConfig
+    from sdbench.decode import generate
+    from sdbench.strategies.autoregressive import Autoregressive
+    from sdbench.strategies.draft import DraftModel
+
+    fast = ModelRunner(tiny_model(0), fast=True)
+    ref = generate(fast, Autoregressive(), prompts, max_new_tokens=16, sampling=SamplingConfig()).output_ids
+    out = generate(fast, DraftModel(fast, 4), prompts, max_new_tokens=16, sampling=SamplingConfig()).output_ids
+    assert out == ref
+    assert not ModelRunner(tiny_model(0).to(torch.bfloat16), fast=True).fast

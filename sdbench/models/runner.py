@@ -15,6 +15,11 @@ from sdbench.errors import SdbenchError
 from sdbench.kv.cache import DenseKVCache, KVCache, StepIndex
 
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
+PACK_ROWS = 5  # oneDNN packing hint: a verification of gamma = 4; measured no slower at 1 row and faster at 2-9
+
+
+def _onednn_available() -> bool:
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -23,9 +28,14 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class ModelRunner:
-    """Forward over new tokens at given positions, for a Llama-family decoder."""
+    """Forward over new tokens at given positions, for a Llama-family decoder.
 
-    def __init__(self, model, name: str = ""):
+    fast: on CPU in float32, run every projection through oneDNN with weights re-packed once for small row
+    counts. A verification feeds gamma + 1 rows, where the stock path costs ~2x one row (measured here:
+    576->49152 at 5 rows 9.4 ms stock, 4.7 ms packed; equal at 1 row); the packed copy doubles weight memory.
+    """
+
+    def __init__(self, model, name: str = "", fast: bool = False):
         cfg = model.config
         if cfg.model_type not in SUPPORTED:
             raise SdbenchError(
@@ -49,6 +59,28 @@ class ModelRunner:
         p = self.lm_head.weight
         self.device, self.dtype = p.device, p.dtype
         self._cos = self._sin = None
+        self.fast = fast and self.device.type == "cpu" and self.dtype == torch.float32 and _onednn_available()
+        self._packed = self._pack() if self.fast else {}
+
+    def _pack(self) -> dict:
+        """id(nn.Linear) -> (oneDNN-packed weight, bias) for every plain float linear the forward calls."""
+        packed = {}
+        for module in [self.lm_head, *(m for layer in self.layers for m in layer.modules())]:
+            if type(module) is torch.nn.Linear and module.weight.dtype == torch.float32:
+                weight = torch.ops.mkldnn._reorder_linear_weight(module.weight.detach(), PACK_ROWS)
+                packed[id(module)] = (weight, module.bias)
+        return packed
+
+    def _linear(self, module, x: torch.Tensor) -> torch.Tensor:
+        found = self._packed.get(id(module))
+        if found is None:
+            return module(x)
+        return torch.ops.mkldnn._linear_pointwise(x, found[0], found[1], "none", [], "")
+
+    def _mlp(self, mlp, x: torch.Tensor) -> torch.Tensor:
+        if not self.fast or not hasattr(mlp, "gate_proj"):
+            return mlp(x)
+        return self._linear(mlp.down_proj, mlp.act_fn(self._linear(mlp.gate_proj, x)) * self._linear(mlp.up_proj, x))
 
     # ---- rotary tables -------------------------------------------------------------------------------
     def _rope_tables(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -79,14 +111,14 @@ class ModelRunner:
         h = self.decoder.embed_tokens(tokens.to(self.device))
         for i, layer in enumerate(self.layers):
             h = h + self._attention(layer.self_attn, layer.input_layernorm(h), cache, i, step, cos, sin)
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
+            h = h + self._mlp(layer.mlp, layer.post_attention_layernorm(h))
         return self.decoder.norm(h)
 
     def _attention(self, attn, x, cache, i, step, cos, sin) -> torch.Tensor:
         B, T, _ = x.shape
-        q = attn.q_proj(x).view(B, T, self.n_heads, self.head_dim)
-        k = attn.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim)
-        v = attn.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        q = self._linear(attn.q_proj, x).view(B, T, self.n_heads, self.head_dim)
+        k = self._linear(attn.k_proj, x).view(B, T, self.n_kv_heads, self.head_dim)
+        v = self._linear(attn.v_proj, x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
         if hasattr(attn, "q_norm"):  # qwen3 normalises q/k per head before rotary
             q, k = attn.q_norm(q), attn.k_norm(k)
         q, k = q.transpose(1, 2), k.transpose(1, 2)  # [B, H, T, D]
@@ -97,11 +129,11 @@ class ModelRunner:
             cache.queries(i, q, keys, mask)
         o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask,
                                            enable_gqa=self.n_heads != self.n_kv_heads)
-        return attn.o_proj(o.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
+        return self._linear(attn.o_proj, o.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        return self._linear(self.lm_head, hidden).float()
 
     @torch.inference_mode()
     def forward(self, cache: KVCache, tokens: torch.Tensor, start: list[int],
