@@ -251,6 +251,16 @@ def test_per_position_rates_pad_lists():
     assert rates == [(3 + 3) / 16, (2 + 0) / 16, 0 / 12]
 
 
+def test_decode_speedup_leaves_the_shared_prefill_out():
+    df = frame().assign(ttft_s=0.5)  # every batch spends 0.5 s on prefill and the first token
+    overall = summarize(df)
+    base, strat = pick(overall, "baseline", "ALL"), pick(overall, "strategy", "ALL")
+    # 70 tokens, 4 of them first tokens; decode time: baseline (2 - .5) + (4 - .5) = 5 s, strategy 2 * .5 = 1 s
+    assert base["decode_tokens_per_s"] == pytest.approx(66 / 5.0)
+    assert strat["decode_tokens_per_s"] == pytest.approx(66 / 1.0)
+    assert strat["decode_speedup"] == pytest.approx(5.0) and strat["speedup"] == pytest.approx(3.0)
+
+
 def test_summary_table_renders():
     summary = summarize(frame())
     table = summary_table(summary, title="demo")
@@ -261,9 +271,9 @@ def test_summary_table_renders():
     assert [line.split("│")[2].strip() for line in lines] == ["qa", "qa", "code", "code", "ALL", "ALL"]
     assert lines[-1].split("│")[1].strip() == "draft"
     cells = [c.strip() for c in lines[-1].split("│")[1:-1]]
-    assert cells == ["draft", "ALL", "4", "35.0", "3.00x", "3.17x", "2.80", "45.0%", "33.3%", "✗"]
+    assert cells == ["draft", "ALL", "4", "35.0", "3.00x", "–", "3.17x", "2.80", "45.0%", "33.3%", "✗"]
     qa_base = [c.strip() for c in lines[0].split("│")[1:-1]]
-    assert qa_base == ["baseline", "qa", "2", "15.0", "1.00x", "–", "1.00", "–", "–", "–"]
+    assert qa_base == ["baseline", "qa", "2", "15.0", "1.00x", "–", "–", "1.00", "–", "–", "–"]
     assert table.rows[-1].style == "bold" and table.rows[-2].style == "bold" and table.rows[0].style is None
 
 
