@@ -40,6 +40,20 @@ def default_threads(workers: int) -> int:
     return max(1, cpu_cores() // (workers + 1))
 
 
+
+def _drain(results, timeout: float) -> list:
+    """Everything waiting on a results queue, after waiting up to `timeout` for the first item; [] if none."""
+    try:
+        items = [results.get(timeout=timeout)]
+    except queue.Empty:
+        return []
+    while True:
+        try:
+            items.append(results.get_nowait())
+        except queue.Empty:
+            return items
+
+
 class WorkerFailed(RuntimeError):
     pass
 
@@ -115,16 +129,10 @@ class ProcessPool:
         self.tasks[worker].put(task)
 
     def poll(self, timeout: float) -> list[Answer]:
-        try:
-            msgs = [self.results.get(timeout=timeout)]
-        except queue.Empty:
+        msgs = _drain(self.results, timeout)
+        if not msgs:
             self._check_alive()
             return []
-        while True:
-            try:
-                msgs.append(self.results.get_nowait())
-            except queue.Empty:
-                break
         for msg in msgs:
             self._raise_if_error(msg)
         return msgs
@@ -185,15 +193,7 @@ class RayPool:
         self.actors[worker].run.remote(task).future().add_done_callback(self.results.put)
 
     def poll(self, timeout: float) -> list[Answer]:
-        try:
-            futures = [self.results.get(timeout=timeout)]
-        except queue.Empty:
-            return []
-        while True:
-            try:
-                futures.append(self.results.get_nowait())
-            except queue.Empty:
-                break
+        futures = _drain(self.results, timeout)
         try:
             return [f.result() for f in futures]
         except Exception as e:  # a RayTaskError carries the worker's traceback
