@@ -18,7 +18,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from sdbench.config import DEFAULT_GAMMA, RunConfig, SamplingConfig
-from sdbench.decode import generate
+from sdbench.decode import generate, needed_capacity
 from sdbench.env import environment, peak_memory, reset_peak_memory
 from sdbench.errors import Interrupted, SdbenchError
 from sdbench.metrics import BatchResult, predicted_speedup, row_metrics, speedup
@@ -155,12 +155,13 @@ class Bench:
         roles = [("strategy", own[0])] if len(own) == 1 else [(f"strategy-{i + 1}", p) for i, p in enumerate(own)]
         return roles + [(role, v.proposer) for role, v in self._extra.items()]
 
-    def _generate(self, pair: Pair, proposer, batch: list[list[int]], max_new: int, seed: int) -> BatchResult:
+    def _generate(self, pair: Pair, proposer, batch: list[list[int]], max_new: int, seed: int,
+                  capacity: int = 0) -> BatchResult:
         gen = torch.Generator(self.device).manual_seed(seed)
         # a strategy that changes control flow itself (speculation parallelism) brings its own loop
         loop = getattr(proposer, "generate", None) or generate
         return loop(pair.target, proposer, batch, max_new_tokens=max_new, sampling=self.cfg.sampling,
-                    eos_ids=pair.eos, generator=gen)
+                    eos_ids=pair.eos, generator=gen, capacity=capacity)
 
     def run(self) -> Path:
         from sdbench.results import RunWriter, new_run_id
@@ -180,9 +181,13 @@ class Bench:
         self._save_config(run_id)
         with self.console.status("warming up"):
             # kernels warm up on short inputs as well; a long-context prefill would only cost time here
+            # caches as long as the longest batch needs: static-shape caches and their CUDA graphs are then
+            # made here and reused by the measured batches
             warm = [encoded[i][:WARMUP_PROMPT_TOKENS] for i in batches[0]]
             for _, prop in (("baseline", Autoregressive()),) * cfg.baseline + tuple(variants):
-                self._generate(pair, prop, warm, min(cfg.warmup_tokens, cfg.max_new_tokens), cfg.sampling.seed)
+                longest = max(needed_capacity([encoded[i] for i in idx], cfg.max_new_tokens, prop) for idx in batches)
+                self._generate(pair, prop, warm, min(cfg.warmup_tokens, cfg.max_new_tokens), cfg.sampling.seed,
+                               capacity=longest)
         roles = (("baseline", Autoregressive()),) * cfg.baseline + tuple(variants)
         common = self._common(pair)
         try:

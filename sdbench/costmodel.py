@@ -44,8 +44,7 @@ def _median_time(fn, device, reps: int = 5, warmup: int = 2) -> float:
 def _random_sparse(runner, batch: int, context: int, budget: int, gamma: int) -> SparseKVCache:
     sink = min(16, budget // 2)
     window = torch.full((batch,), budget - sink)
-    cache = SparseKVCache(len(runner.layers), batch, runner.n_kv_heads, runner.head_dim, sink, window, gamma,
-                          runner.dtype, runner.device)
+    cache = runner.new_sparse_cache(batch, sink, window, gamma)
     for t in cache.k + cache.v:
         t.normal_(0, 0.1)
     cache.slot_pos[:, :sink] = 0

@@ -58,18 +58,34 @@ class DecodeState:
         return len(new)
 
 
+def needed_capacity(prompts: list[list[int]], max_new_tokens: int, proposer: Proposer) -> int:
+    """KV slots a generation may write: the longest prompt, the new tokens, one step's drafts, and slack."""
+    return max(len(p) for p in prompts) + max_new_tokens + proposer.max_lookahead + 2
+
+
 def generate(target, proposer: Proposer, prompts: list[list[int]], *, max_new_tokens: int,
-             sampling: SamplingConfig, eos_ids=(), generator: torch.Generator | None = None) -> BatchResult:
-    """Decode a batch of prompts with the target, drafting through `proposer`."""
+             sampling: SamplingConfig, eos_ids=(), generator: torch.Generator | None = None,
+             capacity: int = 0) -> BatchResult:
+    """Decode a batch of prompts with the target, drafting through `proposer`.
+
+    capacity: the least KV length to allocate (a warm-up passes the longest batch's, so that static-shape
+    caches and their CUDA graphs are made during the warm-up and reused by the measured batches)."""
     if max_new_tokens < 1:
         raise SdbenchError(f"--max-new-tokens must be at least 1 (got {max_new_tokens})")
-    dev = target.device
-    capacity = max(len(p) for p in prompts) + max_new_tokens + proposer.max_lookahead + 2
+    capacity = max(capacity, needed_capacity(prompts, max_new_tokens, proposer))
     state = DecodeState(prompts, max_new_tokens, capacity, eos_ids, sampling, generator)
     rows = [RowStats() for _ in prompts]
 
-    t_start = now(dev)
+    t_start = now(target.device)
     cache = target.new_cache(state.batch, capacity)
+    try:
+        return _run(target, proposer, state, prompts, cache, rows, t_start)
+    finally:
+        target.release(cache)  # reused by the next generation when shapes are static (CUDA graphs)
+
+
+def _run(target, proposer, state: DecodeState, prompts, cache, rows: list[RowStats], t_start: float) -> BatchResult:
+    dev, sampling, generator = target.device, state.sampling, state.generator
     first, _ = choose(target.prefill(cache, prompts), sampling, generator)
     for b, t in enumerate(first.tolist()):
         state.commit(b, [t])

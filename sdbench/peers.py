@@ -62,10 +62,12 @@ def _hf(model, max_new: int, eos: list[int], **kwargs):
     return fn
 
 
-def _ours(runner, proposer_factory, max_new: int, eos: list[int]):
+def _ours(runner, proposer_factory, max_new: int, eos: list[int], capacity: int):
+    """capacity: one KV length for every prompt, so that a static-shape (CUDA-graph) runner captures its
+    graphs during the warm-up and replays them for every measured prompt."""
     def fn(prompt: list[int], budget: int | None) -> list[int]:
         res = generate(runner, proposer_factory(), [prompt], max_new_tokens=budget or max_new,
-                       sampling=SamplingConfig(), eos_ids=eos)
+                       sampling=SamplingConfig(), eos_ids=eos, capacity=capacity)
         return res.output_ids[0]
     return fn
 
@@ -109,17 +111,19 @@ def run_peers(target: str, draft: str, dataset: str, limit: int, max_new: int, g
     plain = ModelRunner(tgt.model, target)
     runner = ModelRunner(tgt.model, target, fast=True)
     d_runner = runner if drf is tgt else ModelRunner(drf.model, draft, fast=True)
-    fast = " (fast)" if runner.fast else ""
+    fast = (" (CUDA graphs)" if runner.graphs else " (fast)") if runner.fast else ""
+    room = max(len(p) for p in prompts) + max_new + gamma + 2
     systems = [
         ("transformers generate", _hf(tgt.model, max_new, eos)),
-        ("sdbench autoregressive (no fast path)", _ours(plain, Autoregressive, max_new, eos)),
-        (f"sdbench autoregressive{fast}", _ours(runner, Autoregressive, max_new, eos)),
+        ("sdbench autoregressive (no fast path)", _ours(plain, Autoregressive, max_new, eos, room)),
+        (f"sdbench autoregressive{fast}", _ours(runner, Autoregressive, max_new, eos, room)),
         (f"transformers assisted (γ={gamma})",
          _hf(tgt.model, max_new, eos, assistant_model=drf.model, num_assistant_tokens=gamma,
              num_assistant_tokens_schedule="constant")),
-        (f"sdbench draft (γ={gamma}){fast}", _ours(runner, lambda: DraftModel(d_runner, gamma), max_new, eos)),
+        (f"sdbench draft (γ={gamma}){fast}",
+         _ours(runner, lambda: DraftModel(d_runner, gamma), max_new, eos, room)),
         (f"transformers prompt lookup (γ={gamma})", _hf(tgt.model, max_new, eos, prompt_lookup_num_tokens=gamma)),
-        (f"sdbench ngram (γ={gamma}){fast}", _ours(runner, lambda: NGram(gamma), max_new, eos)),
+        (f"sdbench ngram (γ={gamma}){fast}", _ours(runner, lambda: NGram(gamma), max_new, eos, room)),
     ]
     with console.status("measuring") as status:
         results = _measure(systems, prompts, repeats, dev, status)
@@ -142,5 +146,9 @@ def _table(results: list[Measured], roofline: float, title: str) -> Table:
         ratio = "" if m is peer else f"{m.tokens_per_s / peer.tokens_per_s:.2f}x"
         table.add_row(m.system, str(m.tokens), f"{m.tokens_per_s:.1f}", ratio,
                       "yes" if m.outputs == ref else "no", f"{m.tokens_per_s / roofline:.0%}")
+    plain = next((m for m in results if "no fast path" in m.system), None)
+    fast = next((m for m in results if m is not plain and m.system.startswith("sdbench autoregressive")), None)
     table.caption = f"roofline (weights read once per token at measured bandwidth): {roofline:.1f} tokens/s"
+    if plain and fast and plain.tokens_per_s:
+        table.caption += f"; fast path / no fast path (autoregressive): {fast.tokens_per_s / plain.tokens_per_s:.2f}x"
     return table

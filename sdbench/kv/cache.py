@@ -39,6 +39,15 @@ class StepIndex:
         self._mask: torch.Tensor | None = None
         self._mask_built = False
 
+    @classmethod
+    def fixed(cls, positions: torch.Tensor, kv_len: int) -> "StepIndex":
+        """A step with no host-side positions (a static-shape forward): queries at positions [B, T] (a device
+        buffer) attend over the first kv_len slots under a mask computed on the device."""
+        step = cls.__new__(cls)
+        step.start, step.T, step.uniform, step.kv_len = None, positions.shape[1], False, kv_len
+        step.positions, step._mask, step._mask_built = positions, None, False
+        return step
+
     def causal_mask(self) -> torch.Tensor | None:
         """[B, 1, T, kv_len] bool, True = may attend; None when every query sees every slot."""
         if not self._mask_built:
@@ -59,6 +68,9 @@ class DenseKVCache:
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
         self.capacity = capacity
         self.batch = batch
+        self.static_kv_len = capacity  # a static-shape forward attends over the whole cache
+        self.graphs: dict = {}  # (B, T) -> StaticForward captured over this cache's storage
+        self.pool_key = None
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.k + self.v)

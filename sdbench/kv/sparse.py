@@ -58,12 +58,13 @@ class SparseSpec:
 class SparseKVCache:
     """Static slots plus a position-indexed ring; see the module docstring."""
 
-    def __init__(self, n_layers: int, batch: int, n_kv_heads: int, head_dim: int, n_static: int,
-                 window: torch.Tensor, lookahead: int, dtype: torch.dtype, device: torch.device):
+    def __init__(self, n_layers: int, batch: int, n_kv_heads: int, head_dim: int, n_static: int, ring: int,
+                 dtype: torch.dtype, device: torch.device):
+        """ring: slots for the largest window plus one step's speculative tokens (and two spare)."""
         self.n_static = n_static
-        self.window = window.to(device)  # [B] recent positions each row attends to
-        self.ring = int(window.max()) + lookahead + 2  # the window plus one step's speculative tokens
+        self.ring = ring
         size = n_static + self.ring
+        self.window = torch.zeros(batch, dtype=torch.long, device=device)  # [B] recent positions attended
         shape = (batch, n_kv_heads, size, head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
@@ -73,6 +74,16 @@ class SparseKVCache:
         self._rows = torch.arange(batch, device=device)[:, None]
         self._mask_step: StepIndex | None = None
         self._mask: torch.Tensor | None = None
+        self.static_kv_len = size  # a static-shape forward attends over every slot (masked), as always
+        self.graphs: dict = {}  # (B, T) -> StaticForward captured over this cache's storage
+        self.pool_key = None
+
+    def reset(self, window: torch.Tensor) -> None:
+        """Empty the cache (in place: captured graphs keep reading the same tensors) for a new generation."""
+        self.window.copy_(window)
+        self.slot_pos.fill_(-1)
+        self.floor.zero_()
+        self._mask_step = self._mask = None
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.k + self.v)
@@ -139,8 +150,7 @@ def compress(runner, dense: DenseKVCache, lengths: list[int], tokens: torch.Tens
     n = spec.n_static
     floor = P.clamp(max=n) if spec.selector == "streamingllm" else (P - spec.recent).clamp(min=0)
     used_static = floor.clamp(max=n)
-    cache = SparseKVCache(len(runner.layers), B, runner.n_kv_heads, runner.head_dim, n, spec.budget - used_static,
-                          lookahead, runner.dtype, runner.device)
+    cache = runner.new_sparse_cache(B, n, spec.budget - used_static, lookahead)
     cache.floor[:] = floor
     if spec.selector == "streamingllm":
         first = torch.arange(n, device=runner.device)

@@ -8,11 +8,15 @@ library's own forward (tests check this on random tiny models).
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.nn.functional as F
 
 from sdbench.errors import SdbenchError
 from sdbench.kv.cache import DenseKVCache, KVCache, StepIndex
+from sdbench.kv.sparse import SparseKVCache
+from sdbench.models.graphs import CAPACITY_STEP, CachePool, StaticForward
 
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
 PACK_ROWS = 5  # oneDNN packing hint: a verification of gamma = 4; measured no slower at 1 row and faster at 2-9
@@ -36,9 +40,12 @@ class ModelRunner:
     fast: on CPU in float32, run the large projections through oneDNN with weights re-packed once for small
     row counts. A verification feeds gamma + 1 rows, where the stock path costs ~2x one row (measured here:
     576->49152 at 5 rows 9.4 ms stock, 4.7 ms packed; equal at 1 row); packed copies add their weight memory.
+    On CUDA, run decode and verification steps as CUDA graphs over static shapes (`models/graphs.py`).
+    static: use the static-shape forward (pooled caches, attention over the full cache) without capturing
+    graphs; defaults to on exactly when graphs are. Tests turn it on to check the graph path's maths on CPU.
     """
 
-    def __init__(self, model, name: str = "", fast: bool = False):
+    def __init__(self, model, name: str = "", fast: bool = False, static: bool | None = None):
         cfg = model.config
         if cfg.model_type not in SUPPORTED:
             raise SdbenchError(
@@ -62,8 +69,13 @@ class ModelRunner:
         p = self.lm_head.weight
         self.device, self.dtype = p.device, p.dtype
         self._cos = self._sin = None
-        self.fast = fast and self.device.type == "cpu" and self.dtype == torch.float32 and _onednn_available()
-        self._packed = self._pack() if self.fast else {}
+        self.rope_version = 0  # bumped when the rotary tables are re-allocated: captured graphs read them
+        self.graphs = bool(fast) and self.device.type == "cuda"
+        self.static = self.graphs if static is None else static
+        self.pool = CachePool()
+        cpu_fast = fast and self.device.type == "cpu" and self.dtype == torch.float32 and _onednn_available()
+        self.fast = bool(cpu_fast or self.graphs)
+        self._packed = self._pack() if cpu_fast else {}
 
     def _pack(self) -> dict:
         """id(nn.Linear) -> (oneDNN-packed weight, bias) for every plain float linear the forward calls."""
@@ -82,7 +94,7 @@ class ModelRunner:
         return torch.ops.mkldnn._linear_pointwise(x, found[0], found[1], "none", [], "")
 
     def _mlp(self, mlp, x: torch.Tensor) -> torch.Tensor:
-        if not self.fast or not hasattr(mlp, "gate_proj"):
+        if not self._packed or not hasattr(mlp, "gate_proj"):
             return mlp(x)
         return self._linear(mlp.down_proj, mlp.act_fn(self._linear(mlp.gate_proj, x)) * self._linear(mlp.up_proj, x))
 
@@ -95,21 +107,56 @@ class ModelRunner:
             probe = torch.empty(1, dtype=self.dtype, device=self.device)
             cos, sin = self.decoder.rotary_emb(probe, pos)
             self._cos, self._sin = cos[0], sin[0]  # [S, D]
+            self.rope_version += 1
         return self._cos, self._sin
 
-    # ---- cache ------------------------------------------------------------------------------------------
+    # ---- caches -----------------------------------------------------------------------------------------
     def new_cache(self, batch: int, capacity: int) -> DenseKVCache:
+        """A dense cache; with static shapes, a pooled one (length rounded up) whose graphs are kept."""
+        if self.static:
+            capacity = -(-capacity // CAPACITY_STEP) * CAPACITY_STEP
         self._rope_tables(capacity)
-        return DenseKVCache(len(self.layers), batch, self.n_kv_heads, self.head_dim, capacity,
-                            self.dtype, self.device)
+        key = ("dense", batch)
+        cache = self.pool.take(key, capacity) if self.static else None
+        if cache is None:
+            cache = DenseKVCache(len(self.layers), batch, self.n_kv_heads, self.head_dim, capacity,
+                                 self.dtype, self.device)
+            cache.pool_key = key if self.static else None
+        return cache
+
+    def new_sparse_cache(self, batch: int, n_static: int, window: torch.Tensor, lookahead: int) -> SparseKVCache:
+        """A sparse draft cache (see kv/sparse.py), emptied; pooled like dense caches."""
+        ring = int(window.max()) + lookahead + 2
+        key = ("sparse", batch, n_static, ring)
+        cache = self.pool.take(key) if self.static else None
+        if cache is None:
+            cache = SparseKVCache(len(self.layers), batch, self.n_kv_heads, self.head_dim, n_static, ring,
+                                  self.dtype, self.device)
+            cache.pool_key = key if self.static else None
+        cache.reset(window)
+        return cache
+
+    def release(self, cache) -> None:
+        """Give a cache back for reuse by a later generation (static shapes only; otherwise a no-op)."""
+        if self.static:
+            self.pool.give(cache)
+
+    def disable_graphs(self, reason: str) -> None:
+        self.graphs = False
+        warnings.warn(f"{self.name or 'model'}: {reason}; using the eager forward", RuntimeWarning, stacklevel=2)
 
     # ---- forward ----------------------------------------------------------------------------------------
     @torch.inference_mode()
-    def hidden(self, cache: KVCache, tokens: torch.Tensor, start: list[int]) -> torch.Tensor:
-        """Final-norm hidden states [B, T, H] for tokens [B, T] placed at positions start[b] + t."""
-        B, T = tokens.shape
-        step = StepIndex(start, T, self.device)
-        cos_t, sin_t = self._rope_tables(step.kv_len)
+    def hidden(self, cache: KVCache, tokens: torch.Tensor, start: list[int] | None,
+               step: StepIndex | None = None) -> torch.Tensor:
+        """Final-norm hidden states [B, T, H] for tokens [B, T] placed at positions start[b] + t.
+
+        step: a prepared (static) StepIndex instead of `start`; the rotary tables must already cover it."""
+        if step is None:
+            step = StepIndex(start, tokens.shape[1], self.device)
+            cos_t, sin_t = self._rope_tables(step.kv_len)
+        else:
+            cos_t, sin_t = self._cos, self._sin
         cos = cos_t[step.positions][:, None]  # [B, 1, T, D]
         sin = sin_t[step.positions][:, None]
         h = self.decoder.embed_tokens(tokens.to(self.device))
@@ -143,10 +190,26 @@ class ModelRunner:
     def forward(self, cache: KVCache, tokens: torch.Tensor, start: list[int],
                 at: torch.Tensor | None = None) -> torch.Tensor:
         """Logits [B, T, V] (float32), or [B, V] at in-chunk index at[b] when `at` is given."""
+        if self.static and hasattr(cache, "static_kv_len"):
+            logits = self._static_forward(cache, tokens, start)
+            if at is not None:
+                logits = logits[torch.arange(logits.shape[0], device=logits.device), at.to(logits.device)]
+            return logits
         h = self.hidden(cache, tokens, start)
         if at is not None:
             h = h[torch.arange(h.shape[0], device=h.device), at.to(h.device)]
         return self.logits(h)
+
+    def _static_forward(self, cache, tokens: torch.Tensor, start: list[int]) -> torch.Tensor:
+        B, T = tokens.shape
+        need = max(start) + T
+        if need > cache.capacity:
+            raise RuntimeError(f"KV cache overflow: need {need} slots, have {cache.capacity}")
+        self._rope_tables(need)
+        forward = cache.graphs.get((B, T))
+        if forward is None:
+            forward = cache.graphs[(B, T)] = StaticForward(self, cache, B, T)
+        return forward(tokens, start)
 
     @torch.inference_mode()
     def prefill(self, cache: KVCache, prompts: list[list[int]], chunk: int = 1024) -> torch.Tensor:

@@ -118,6 +118,8 @@ class ModelLevel:
     def begin(self, batch: int, capacity: int, prompts: list[list[int]]) -> None:
         """Prefill every prompt but its last token (the next forward feeds it, as in the loop)."""
         self.stats = LevelStats(batch)
+        if getattr(self, "cache", None) is not None:  # the previous generation's cache, for reuse
+            self.runner.release(self.cache)
         self.cache = self.runner.new_cache(batch, capacity)
         self.seen = torch.zeros(batch, capacity, dtype=torch.long)
         self.fed = [len(p) - 1 for p in prompts]

@@ -37,12 +37,16 @@ class DraftModel(Proposer):
     def begin(self, state) -> None:
         self.fed = [n - 1 for n in state.lengths]
         prompts = [state.row(b)[: self.fed[b]].tolist() for b in range(state.batch)]
+        if getattr(self, "cache", None) is not None:  # the previous generation's cache, for reuse
+            self.runner.release(self.cache)
         if self.sparse is None:
             self.cache = self.runner.new_cache(state.batch, state.capacity)
             self.runner.prefill(self.cache, prompts)
         else:
             full = self._prompt_cache(state, prompts)
             self.cache = compress(self.runner, full, self.fed, state.tokens, self.sparse, self.gamma)
+            if full is not state.target_cache:
+                self.runner.release(full)
 
     def _prompt_cache(self, state, prompts):
         """A dense cache holding the prompts, to be compressed into the sparse draft cache."""

@@ -53,8 +53,10 @@ class DSI(Proposer):
     def row_stats(self, b: int) -> dict:
         return self._rows[b] if b < len(self._rows) else {}
 
-    def generate(self, target, proposer, prompts, *, max_new_tokens, sampling, eos_ids=(), generator=None):
-        """Decode each prompt with DSI (one after another); `proposer` is this object (the loop's signature)."""
+    def generate(self, target, proposer, prompts, *, max_new_tokens, sampling, eos_ids=(), generator=None,
+                 capacity: int = 0):
+        """Decode each prompt with DSI (one after another); `proposer` is this object (the loop's signature;
+        `capacity` is sized per prompt here)."""
         from sdbench.dsi.orchestrator import decode_one, torch_threads
         from sdbench.dsi.pools import default_threads, discard_pool, get_pool
 

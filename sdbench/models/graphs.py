@@ -1,0 +1,114 @@
+"""Static-shape forwards and CUDA graphs.
+
+A decode step or a verification is a few hundred small kernels; on a GPU, launching them one by one costs
+more than running them at batch 1. The fix (as in gpt-fast and vLLM) is to give every forward fixed shapes
+and addresses and replay it as a CUDA graph:
+
+- the inputs (tokens [B, T] and their positions) are copied into buffers owned by the graph;
+- attention always runs over the cache's full, pre-allocated length, with a mask built on the device from
+  the positions (a dense cache: slot <= position; a sparse cache: its own static + ring mask), and the new
+  keys/values are scattered to their positions, so no shape depends on how long the sequence is;
+- one graph per (cache, T): decode (T = 1), catch-up (T = 2) and each verification width (T = gamma + 1).
+
+Caches come from a per-runner pool (see `CachePool`) so that the next batch reuses both the storage and the
+graphs captured over it. A captured graph is checked once against the eager forward of the same inputs; a
+capture that fails or disagrees turns graphs off for that runner with a warning (the eager static path is
+still exact). On CPU the same static forward runs eagerly (`ModelRunner(static=True)`), which is how the
+tests check everything but the capture itself.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from sdbench.kv.cache import StepIndex
+
+CAPACITY_STEP = 256  # pooled dense caches round their length up to a multiple of this
+POOL_MAX = 8  # caches a runner keeps for reuse
+REUSE_SPAN = 4  # a pooled dense cache serves requests down to a quarter of its length
+CHECK_ATOL = 2e-2  # capture self-check: logits of a replay vs the eager forward (bf16-safe)
+
+
+class StaticForward:
+    """Logits [B, T, V] for one cache and one (B, T), with fixed input buffers; replayed as a CUDA graph
+    while the runner's `graphs` is on."""
+
+    def __init__(self, runner, cache, batch: int, width: int):
+        dev = runner.device
+        self.runner, self.cache = runner, cache
+        self.tokens = torch.zeros(batch, width, dtype=torch.long, device=dev)
+        self.positions = torch.zeros(batch, width, dtype=torch.long, device=dev)
+        self.offsets = torch.arange(width, dtype=torch.long)
+        self.graph = None
+        self.out = None
+        self.rope_version = -1
+
+    def _step(self) -> StepIndex:
+        return StepIndex.fixed(self.positions, self.cache.static_kv_len)
+
+    def _eager(self) -> torch.Tensor:
+        return self.runner.logits(self.runner.hidden(self.cache, self.tokens, None, step=self._step()))
+
+    def __call__(self, tokens: torch.Tensor, start: list[int]) -> torch.Tensor:
+        self.tokens.copy_(tokens, non_blocking=True)
+        self.positions.copy_(torch.tensor(start, dtype=torch.long)[:, None] + self.offsets, non_blocking=True)
+        if not self.runner.graphs:
+            return self._eager()
+        if self.graph is not None and self.rope_version == self.runner.rope_version:
+            self.graph.replay()
+            return self.out.clone()  # the next replay overwrites out
+        return self._record()
+
+    def _record(self) -> torch.Tensor:
+        """Capture over the current inputs (writing the cache is idempotent: the same keys at the same
+        slots), replay, and check the replay against the eager result."""
+        runner = self.runner
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up on a side stream, as capture requires
+            eager = self._eager()
+        torch.cuda.current_stream().wait_stream(side)
+        try:
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                out = self._eager()
+            graph.replay()
+            ok = torch.allclose(out, eager, atol=CHECK_ATOL, rtol=CHECK_ATOL)
+        except RuntimeError as exc:  # an op that cannot be captured
+            runner.disable_graphs(f"CUDA graph capture failed ({str(exc).splitlines()[0]})")
+            return eager
+        if not ok:
+            err = float((out - eager).abs().max())
+            runner.disable_graphs(f"a CUDA graph replay differed from the eager forward by {err:.3g}")
+            return eager
+        self.graph, self.out, self.rope_version = graph, out, runner.rope_version
+        return out.clone()
+
+
+class CachePool:
+    """Caches handed out by `take` and given back by `give`; a given-back cache keeps its captured graphs.
+
+    A cache that is never given back is simply not reused (a new one is allocated), so forgetting to give
+    one back costs memory and a capture, never correctness. A dense cache serves any request of the same
+    batch up to REUSE_SPAN times shorter than it (the extra slots are masked: a little more attention work
+    instead of a new capture)."""
+
+    def __init__(self):
+        self.free: list = []
+
+    def take(self, key: tuple, length: int | None = None):
+        """A free cache with this key (and room for `length` positions: the shortest that fits), or None."""
+        fits = [c for c in self.free if c.pool_key == key
+                and (length is None or length <= c.capacity <= REUSE_SPAN * length)]
+        if not fits:
+            return None
+        best = min(fits, key=lambda c: c.capacity)
+        self.free = [c for c in self.free if c is not best]
+        return best
+
+    def give(self, cache) -> None:
+        if getattr(cache, "pool_key", None) is not None and all(c is not cache for c in self.free):
+            self.free.append(cache)
+            del self.free[:-POOL_MAX]

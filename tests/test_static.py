@@ -1,0 +1,171 @@
+"""The static-shape forward behind CUDA graphs: the same logits and tokens as the eager forward.
+
+On CPU the static path runs without capture (`ModelRunner(static=True)`), which checks everything the graphs
+replay: fixed buffers, attention over the whole cache under a device-side mask, scattered cache writes,
+pooled caches reused across generations. Capture itself is checked by the CUDA tests at the bottom.
+"""
+
+import pytest
+import torch
+
+from sdbench.config import SamplingConfig
+from sdbench.decode import generate
+from sdbench.kv.sparse import SparseSpec, compress
+from sdbench.models.graphs import CAPACITY_STEP
+from sdbench.models.runner import ModelRunner
+from sdbench.strategies.autoregressive import Autoregressive
+from sdbench.strategies.draft import DraftModel
+from sdbench.strategies.magicdec import MagicDec
+from sdbench.strategies.polybasic import Polybasic
+from tests.conftest import VOCAB, tiny_model
+
+GREEDY = SamplingConfig()
+
+
+@pytest.fixture(scope="module")
+def static_target():
+    return ModelRunner(tiny_model(0), "tiny-target", static=True)
+
+
+@pytest.fixture(scope="module")
+def static_draft():
+    return ModelRunner(tiny_model(1, layers=1, hidden=32, heads=2, kv=1), "tiny-draft", static=True)
+
+
+def _prefilled(runner, prompts, capacity=64):
+    cache = runner.new_cache(len(prompts), capacity)
+    runner.prefill(cache, prompts)
+    return cache
+
+
+@pytest.mark.parametrize("width", [1, 2, 5])
+def test_static_forward_equals_eager(target, static_target, prompts, width):
+    g = torch.Generator().manual_seed(width)
+    tokens = torch.randint(0, VOCAB, (len(prompts), width), generator=g)
+    start = [len(p) for p in prompts]  # rows at different positions
+    eager = target.forward(_prefilled(target, prompts), tokens, start)
+    cache = _prefilled(static_target, prompts)
+    assert cache.capacity % CAPACITY_STEP == 0 and cache.capacity >= 64
+    static = static_target.forward(cache, tokens, start)
+    torch.testing.assert_close(static, eager, atol=1e-4, rtol=1e-4)
+    # the same buffers again, at other positions (a rewind): the mask and scatter follow the new inputs
+    eager2 = target.forward(_prefilled(target, prompts), tokens.flip(1), [s - 1 for s in start])
+    static2 = static_target.forward(cache, tokens.flip(1), [s - 1 for s in start])
+    torch.testing.assert_close(static2, eager2, atol=1e-4, rtol=1e-4)
+    assert set(cache.graphs) == {(len(prompts), width)}
+
+
+def test_static_forward_on_a_sparse_cache_equals_eager(target, static_target):
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (40, 33)]
+    spec, lens = SparseSpec("streamingllm", 12, sink=3), [len(p) for p in prompts]
+    tokens = torch.zeros(2, 48, dtype=torch.long)
+    for b, p in enumerate(prompts):
+        tokens[b, : len(p)] = torch.tensor(p)
+    out = []
+    for runner in (target, static_target):
+        sparse = compress(runner, _prefilled(runner, prompts), lens, tokens, spec, lookahead=4)
+        step = torch.randint(0, VOCAB, (2, 3), generator=torch.Generator().manual_seed(1))
+        out.append(runner.forward(sparse, step, lens))
+    torch.testing.assert_close(out[1], out[0], atol=1e-4, rtol=1e-4)
+
+
+def test_overflow_is_an_error_not_an_out_of_bounds_write(static_target):
+    cache = static_target.new_cache(1, 10)
+    with pytest.raises(RuntimeError, match="overflow"):
+        static_target.forward(cache, torch.zeros(1, 3, dtype=torch.long), [cache.capacity - 2])
+
+
+def _ids(runner, proposer, prompts, new=24):
+    return generate(runner, proposer, prompts, max_new_tokens=new, sampling=GREEDY).output_ids
+
+
+def test_static_decoding_is_token_identical(target, small_draft, static_target, static_draft, prompts):
+    reference = _ids(target, Autoregressive(), prompts)
+    assert _ids(static_target, Autoregressive(), prompts) == reference
+    assert _ids(static_target, DraftModel(static_draft, 3), prompts) == reference
+    assert _ids(static_target, DraftModel(static_target, 4), prompts) == reference
+    assert _ids(static_target, Polybasic([static_target, static_draft, "ngram"], 3, "4"), prompts) == reference
+
+
+def test_magicdec_static_is_token_identical(target, static_target):
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (50, 37)]
+    reference = _ids(target, Autoregressive(), prompts)
+    for kv in ("streamingllm", "snapkv"):
+        assert _ids(static_target, MagicDec(static_target, 3, kv, 16, sink=4, window=6), prompts) == reference
+
+
+def test_pooled_caches_are_reused_and_never_shared(static_target, static_draft, prompts):
+    runner = ModelRunner(tiny_model(0), "pool", static=True)
+    proposer = DraftModel(runner, 2)  # the target drafting for itself: two caches of one runner at once
+    first = _ids(runner, proposer, prompts)
+    pooled = {id(c) for c in runner.pool.free}
+    draft_cache = proposer.cache
+    assert len(pooled) == 1 and id(draft_cache) not in pooled  # the target's went back; the draft's is held
+    second = _ids(runner, proposer, prompts)
+    assert second == first
+    assert proposer.cache is not runner.pool.free[0]
+    assert {id(c) for c in runner.pool.free} | {id(proposer.cache)} == pooled | {id(draft_cache)}
+    # a different prompt mix still matches plain decoding after reuse (stale slots are masked by position)
+    shorter = [p[:3] for p in prompts]
+    assert _ids(runner, proposer, shorter) == _ids(static_target, Autoregressive(), shorter)
+
+
+def test_rotary_tables_growing_invalidates_nothing_silently(static_target):
+    runner = ModelRunner(tiny_model(0), "rope", static=True)
+    version = runner.rope_version
+    runner.new_cache(1, 2000)  # larger than any table so far
+    assert runner.rope_version > version
+
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@pytest.mark.cuda
+@cuda
+def test_cuda_graphs_match_eager_and_are_replayed(prompts):
+    model = tiny_model(0).to("cuda")
+    eager = ModelRunner(model, "eager", fast=False)
+    graphed = ModelRunner(model, "graphed", fast=True)
+    assert graphed.graphs and graphed.static and not eager.static
+    reference = _ids(eager, Autoregressive(), prompts)
+    assert _ids(graphed, Autoregressive(), prompts) == reference
+    assert _ids(graphed, DraftModel(graphed, 3), prompts) == reference
+    assert graphed.graphs, "a capture failed or disagreed with the eager forward"
+    cache = graphed.pool.free[0]
+    assert any(f.graph is not None for f in cache.graphs.values())
+    assert _ids(graphed, Autoregressive(), prompts) == reference  # replayed from the pooled cache
+
+
+@pytest.mark.cuda
+@cuda
+def test_cuda_graphs_for_the_sparse_draft_view():
+    model = tiny_model(0).to("cuda")
+    eager, graphed = ModelRunner(model, "eager"), ModelRunner(model, "graphed", fast=True)
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (50, 37)]
+    reference = _ids(eager, Autoregressive(), prompts)
+    assert _ids(graphed, MagicDec(graphed, 3, "streamingllm", 16, sink=4), prompts) == reference
+    assert graphed.graphs
+
+
+def test_pool_hands_out_the_shortest_cache_that_fits():
+    runner = ModelRunner(tiny_model(0), "span", static=True)
+    small, large = runner.new_cache(2, 100), runner.new_cache(2, 1100)
+    assert (small.capacity, large.capacity) == (256, 1280)
+    runner.release(large)
+    runner.release(small)
+    runner.release(small)  # twice: still pooled once
+    assert len(runner.pool.free) == 2
+    assert runner.new_cache(2, 200) is small
+    assert runner.new_cache(2, 300) is large  # longer, within the reuse span
+    assert runner.new_cache(1, 10) not in (small, large)  # another batch size never matches
+    runner.release(large)
+    assert runner.new_cache(2, 100) is not large  # 1280 slots for 256 (100 rounded up): beyond the span
+
+
+def test_eager_runner_does_not_pool(target):
+    cache = target.new_cache(1, 100)
+    target.release(cache)
+    assert cache.capacity == 100 and not target.pool.free
