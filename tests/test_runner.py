@@ -47,23 +47,26 @@ def test_overflow_and_unsupported():
         ModelRunner(model, "m")
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_fast_path_matches_stock_forward(arch, monkeypatch):
-    from sdbench.models import runner as runner_module
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: biased q/k/v, fused with their biases
+def test_fast_path_matches_stock_forward(arch):
+    from sdbench.models.cpufast import PACK_MIN_ROWS
 
     model = tiny_model(6, arch=arch)
     stock = ModelRunner(model)
-    monkeypatch.setattr(runner_module, "PACK_MIN_WEIGHTS", 0)  # tiny weights: pack every projection, check all
     fast = ModelRunner(model, fast=True)
     if not fast.fast:
-        pytest.skip("oneDNN is not available in this torch build")
-    assert len(fast._packed) == 1 + 7 * len(fast.layers)  # lm_head + q, k, v, o, gate, up, down per layer
+        pytest.skip("neither MKL nor oneDNN is available in this torch build")
+    layer, fused = model.model.layers[0], fast._fast_layers[0]
+    # the separate weights became views of the fused ones: no copy, and the stock forward reads the same
+    assert layer.self_attn.k_proj.weight.data_ptr() == fused.qkv.weight[layer.self_attn.q_proj.weight.shape[0]:].data_ptr()
+    assert ModelRunner(model, fast=True)._fast_layers[0] is fused  # made once per model
     ids = torch.randint(0, VOCAB, (2, 14), generator=torch.Generator().manual_seed(4))
     a, b = stock.new_cache(2, 32), fast.new_cache(2, 32)
     torch.testing.assert_close(fast.prefill(b, ids[:, :9].tolist()), stock.prefill(a, ids[:, :9].tolist()),
                                atol=1e-4, rtol=1e-4)
-    torch.testing.assert_close(fast.forward(b, ids[:, 9:], [9, 9]), stock.forward(a, ids[:, 9:], [9, 9]),
-                               atol=1e-4, rtol=1e-4)
+    for width in (1, PACK_MIN_ROWS // 2, 5):  # 2, 4 and 10 rows: stock and packed products
+        torch.testing.assert_close(fast.forward(b, ids[:, 9 : 9 + width], [9, 9]),
+                                   stock.forward(a, ids[:, 9 : 9 + width], [9, 9]), atol=1e-4, rtol=1e-4)
 
 
 def test_fast_path_is_lossless_and_only_for_cpu_float32(prompts):

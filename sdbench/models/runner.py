@@ -16,19 +16,10 @@ import torch.nn.functional as F
 from sdbench.errors import SdbenchError
 from sdbench.kv.cache import DenseKVCache, KVCache, StepIndex
 from sdbench.kv.sparse import SparseKVCache
+from sdbench.models import cpufast
 from sdbench.models.graphs import CAPACITY_STEP, CachePool, StaticForward
 
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
-PACK_ROWS = 5  # oneDNN packing hint: a verification of gamma = 4; measured no slower at 1 row and faster at 2-9
-# Only large projections gain: on SmolLM2 packing all 211 linears made a 1-token step 24 % slower (per-call
-# overhead) while packing just the 28M-weight lm_head kept it equal and cut a 5-token verify by 13 %.
-PACK_MIN_WEIGHTS = 4_000_000
-
-
-def _onednn_available() -> bool:
-    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-
-
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
@@ -37,10 +28,9 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 class ModelRunner:
     """Forward over new tokens at given positions, for a Llama-family decoder.
 
-    fast: on CPU in float32, run the large projections through oneDNN with weights re-packed once for small
-    row counts. A verification feeds gamma + 1 rows, where the stock path costs ~2x one row (measured here:
-    576->49152 at 5 rows 9.4 ms stock, 4.7 ms packed; equal at 1 row); packed copies add their weight memory.
-    On CUDA, run decode and verification steps as CUDA graphs over static shapes (`models/graphs.py`).
+    fast: on CPU in float32, fused projections, packed GEMMs for verification widths and one-op norms
+    (`models/cpufast.py`); on CUDA, decode and verification steps replayed as CUDA graphs over static
+    shapes (`models/graphs.py`).
     static: use the static-shape forward (pooled caches, attention over the full cache) without capturing
     graphs; defaults to on exactly when graphs are. Tests turn it on to check the graph path's maths on CPU.
     """
@@ -73,30 +63,16 @@ class ModelRunner:
         self.graphs = bool(fast) and self.device.type == "cuda"
         self.static = self.graphs if static is None else static
         self.pool = CachePool()
-        cpu_fast = fast and self.device.type == "cpu" and self.dtype == torch.float32 and _onednn_available()
-        self.fast = bool(cpu_fast or self.graphs)
-        self._packed = self._pack() if cpu_fast else {}
+        self.cpu_fast = bool(fast) and self.device.type == "cpu" and self.dtype == torch.float32 and \
+            cpufast.available()
+        self.fast = self.cpu_fast or self.graphs
+        self._fast_layers = [cpufast.fast_layer(layer) for layer in self.layers] if self.cpu_fast else None
+        self._head = cpufast.fast_head(self.lm_head) if self.cpu_fast else self.lm_head
 
-    def _pack(self) -> dict:
-        """id(nn.Linear) -> (oneDNN-packed weight, bias) for every plain float linear the forward calls."""
-        packed = {}
-        for module in [self.lm_head, *(m for layer in self.layers for m in layer.modules())]:
-            if (type(module) is torch.nn.Linear and module.weight.dtype == torch.float32
-                    and module.weight.numel() >= PACK_MIN_WEIGHTS):
-                weight = torch.ops.mkldnn._reorder_linear_weight(module.weight.detach(), PACK_ROWS)
-                packed[id(module)] = (weight, module.bias)
-        return packed
-
-    def _linear(self, module, x: torch.Tensor) -> torch.Tensor:
-        found = self._packed.get(id(module))
-        if found is None:
-            return module(x)
-        return torch.ops.mkldnn._linear_pointwise(x, found[0], found[1], "none", [], "")
-
-    def _mlp(self, mlp, x: torch.Tensor) -> torch.Tensor:
-        if not self._packed or not hasattr(mlp, "gate_proj"):
-            return mlp(x)
-        return self._linear(mlp.down_proj, mlp.act_fn(self._linear(mlp.gate_proj, x)) * self._linear(mlp.up_proj, x))
+    def _norm(self, module, x: torch.Tensor) -> torch.Tensor:
+        if self.cpu_fast and hasattr(module, "variance_epsilon"):
+            return cpufast.rms_norm(module, x)
+        return module(x)
 
     # ---- rotary tables -------------------------------------------------------------------------------
     def _rope_tables(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -161,17 +137,25 @@ class ModelRunner:
         sin = sin_t[step.positions][:, None]
         h = self.decoder.embed_tokens(tokens.to(self.device))
         for i, layer in enumerate(self.layers):
-            h = h + self._attention(layer.self_attn, layer.input_layernorm(h), cache, i, step, cos, sin)
-            h = h + self._mlp(layer.mlp, layer.post_attention_layernorm(h))
-        return self.decoder.norm(h)
+            fast = self._fast_layers[i] if self._fast_layers else None
+            x = self._norm(layer.input_layernorm, h)
+            h = h + self._attention(layer.self_attn, fast, x, cache, i, step, cos, sin)
+            x = self._norm(layer.post_attention_layernorm, h)
+            h = h + (fast.mlp(layer.mlp, x) if fast else layer.mlp(x))
+        return self._norm(self.decoder.norm, h)
 
-    def _attention(self, attn, x, cache, i, step, cos, sin) -> torch.Tensor:
+    def _attention(self, attn, fast, x, cache, i, step, cos, sin) -> torch.Tensor:
         B, T, _ = x.shape
-        q = self._linear(attn.q_proj, x).view(B, T, self.n_heads, self.head_dim)
-        k = self._linear(attn.k_proj, x).view(B, T, self.n_kv_heads, self.head_dim)
-        v = self._linear(attn.v_proj, x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        nq, nk = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+        if fast:
+            q, k, v = fast.qkv(x).split([nq, nk, nk], dim=-1)
+        else:
+            q, k, v = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
+        q = q.view(B, T, self.n_heads, self.head_dim)
+        k = k.view(B, T, self.n_kv_heads, self.head_dim)
+        v = v.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
         if hasattr(attn, "q_norm"):  # qwen3 normalises q/k per head before rotary
-            q, k = attn.q_norm(q), attn.k_norm(k)
+            q, k = self._norm(attn.q_norm, q), self._norm(attn.k_norm, k)
         q, k = q.transpose(1, 2), k.transpose(1, 2)  # [B, H, T, D]
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
@@ -180,11 +164,12 @@ class ModelRunner:
             cache.queries(i, q, keys, mask)
         o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask,
                                            enable_gqa=self.n_heads != self.n_kv_heads)
-        return self._linear(attn.o_proj, o.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
+        o = o.transpose(1, 2).reshape(B, T, nq)
+        return fast.o(o) if fast else attn.o_proj(o)
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self._linear(self.lm_head, hidden).float()
+        return self._head(hidden).float()
 
     @torch.inference_mode()
     def forward(self, cache: KVCache, tokens: torch.Tensor, start: list[int],
