@@ -72,8 +72,12 @@ class StaticForward:
         torch.cuda.current_stream().wait_stream(side)
         try:
             graph = torch.cuda.CUDAGraph()
+            # one memory pool per model, as vLLM does across its graphs: graphs replay one at a time and
+            # every output is cloned on return, so one graph's scratch may reuse another's
+            if runner.graph_pool is None:
+                runner.graph_pool = torch.cuda.graph_pool_handle()
             # thread_local: a drafter thread (DSI) may use CUDA while this thread captures
-            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+            with torch.cuda.graph(graph, pool=runner.graph_pool, capture_error_mode="thread_local"):
                 out = self._eager()
             graph.replay()
             ok = torch.allclose(out, eager, atol=CHECK_ATOL, rtol=CHECK_ATOL)

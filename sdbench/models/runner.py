@@ -63,6 +63,7 @@ class ModelRunner:
         self.graphs = bool(fast) and self.device.type == "cuda"
         self.static = self.graphs if static is None else static
         self.pool = CachePool()
+        self.graph_pool = None  # CUDA graphs' shared memory pool, made at the first capture
         self.cpu_fast = bool(fast) and self.device.type == "cpu" and self.dtype == torch.float32 and \
             cpufast.available()
         self.fast = self.cpu_fast or self.graphs
