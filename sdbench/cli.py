@@ -158,7 +158,11 @@ def bench(
 ):
     """Speed against peers in one process: transformers generate and assisted generation vs sdbench."""
     from sdbench.peers import run_peers
+    from sdbench.strategies.ngram import DRAFT_NAME
 
+    if draft and draft[0] == DRAFT_NAME:
+        raise SdbenchError(f"bench --draft takes a draft model; prompt lookup ({DRAFT_NAME}) is always measured "
+                           "against transformers' prompt_lookup_num_tokens")
     run_peers(target, (draft or [target])[0], dataset, limit, max_new_tokens, gamma, device, dtype, seed, console,
               repeats)
 

@@ -91,6 +91,7 @@ def _run(target, proposer, state: DecodeState, prompts, cache, rows: list[RowSta
         state.commit(b, [t])
     ttft = now(dev) - t_start
     state.target_cache = cache  # self-speculation builds its sparse draft cache from the target's prefill
+    state.device = dev  # proposers that time their own phases synchronise on it (metrics.now)
     t0 = now(dev)
     proposer.begin(state)
     setup = now(dev) - t0

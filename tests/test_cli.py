@@ -38,6 +38,7 @@ def one_line_error(code: int, err: str) -> str:
     (["run", "--resume", "no-such-run"], "no-such-run"),
     (["list", "things"], "cannot list 'things'"),
     (["report", "/nonexistent/results.parquet"], "/nonexistent"),
+    (["bench", "--draft", "ngram"], "bench --draft takes a draft model"),
 ])
 def test_bad_input_is_one_line(capsys, tmp_path, argv, expect):
     code, _, err = run_cli(capsys, *argv, *(["--out", str(tmp_path)] if argv[0] == "run" else []))

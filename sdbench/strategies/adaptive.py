@@ -22,10 +22,10 @@ would have guessed.
 
 from __future__ import annotations
 
-import time
 from collections import Counter
 
 from sdbench.errors import SdbenchError
+from sdbench.metrics import now
 from sdbench.strategies.adaptive_online import AlphaPrior, GammaPolicy, StepSchedule, prompt_features
 from sdbench.strategies.base import BuildContext, Option, Proposer, Variant
 from sdbench.strategies.draft import DraftModel
@@ -103,14 +103,14 @@ class _Adaptive(Proposer):
         self._round, self._draft_s, proposal = (d, gamma), None, None
         self._active = [b for b in range(state.batch) if not state.done[b]]
         if gamma:
-            t0 = time.perf_counter()
+            t0 = now(state.device)
             proposal, steady = self.drafters[d].propose(state, gamma)
-            self._draft_s = time.perf_counter() - t0 if steady else None
-        self._proposed_at = time.perf_counter()
+            self._draft_s = now(state.device) - t0 if steady else None
+        self._proposed_at = now(state.device)
         return proposal
 
     def observe(self, state, accepted, proposal) -> None:
-        verify_s = time.perf_counter() - self._proposed_at
+        verify_s = now(state.device) - self._proposed_at
         d, gamma = self._round
         drafted = [0] * state.batch if proposal is None else proposal.lengths.tolist()
         width = 0 if proposal is None else proposal.tokens.shape[1]
