@@ -80,8 +80,10 @@ def generate(target, proposer: Proposer, prompts: list[list[int]], *, max_new_to
     cache = target.new_cache(state.batch, capacity)
     try:
         return _run(target, proposer, state, prompts, cache, rows, t_start)
-    finally:
-        target.release(cache)  # reused by the next generation when shapes are static (CUDA graphs)
+    finally:  # caches go back for reuse by the next generation when shapes are static (CUDA graphs),
+        # in the order they were taken, so that each is taken again for the same role with its graphs
+        target.release(cache)
+        proposer.end()
 
 
 def _run(target, proposer, state: DecodeState, prompts, cache, rows: list[RowStats], t_start: float) -> BatchResult:

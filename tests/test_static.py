@@ -96,20 +96,23 @@ def test_magicdec_static_is_token_identical(target, static_target):
         assert _ids(static_target, MagicDec(static_target, 3, kv, 16, sink=4, window=6), prompts) == reference
 
 
-def test_pooled_caches_are_reused_and_never_shared(static_target, static_draft, prompts):
+def test_pooled_caches_are_reused_and_never_shared(static_target, prompts):
     runner = ModelRunner(tiny_model(0), "pool", static=True)
-    proposer = DraftModel(runner, 2)  # the target drafting for itself: two caches of one runner at once
-    first = _ids(runner, proposer, prompts)
-    pooled = {id(c) for c in runner.pool.free}
-    draft_cache = proposer.cache
-    assert len(pooled) == 1 and id(draft_cache) not in pooled  # the target's went back; the draft's is held
-    second = _ids(runner, proposer, prompts)
-    assert second == first
-    assert proposer.cache is not runner.pool.free[0]
-    assert {id(c) for c in runner.pool.free} | {id(proposer.cache)} == pooled | {id(draft_cache)}
+    seen = []
+
+    class Watched(DraftModel):  # the target drafting for itself: two caches of one runner at once
+        def begin(self, state):
+            super().begin(state)
+            assert self.cache is not state.target_cache
+            seen.append({id(state.target_cache), id(self.cache)})
+
+    first = _ids(runner, Watched(runner, 2), prompts)
+    assert len(runner.pool.free) == 2  # both given back when the generation ended
+    assert _ids(runner, Watched(runner, 2), prompts) == first  # a new proposer, the same two caches
+    assert seen[0] == seen[1] and len(runner.pool.free) == 2
     # a different prompt mix still matches plain decoding after reuse (stale slots are masked by position)
     shorter = [p[:3] for p in prompts]
-    assert _ids(runner, proposer, shorter) == _ids(static_target, Autoregressive(), shorter)
+    assert _ids(runner, Watched(runner, 2), shorter) == _ids(static_target, Autoregressive(), shorter)
 
 
 def test_rotary_tables_growing_invalidates_nothing_silently(static_target):
@@ -117,6 +120,86 @@ def test_rotary_tables_growing_invalidates_nothing_silently(static_target):
     version = runner.rope_version
     runner.new_cache(1, 2000)  # larger than any table so far
     assert runner.rope_version > version
+
+
+class _ReplayedGraph:
+    """A CPU stand-in for a CUDA graph: replay re-runs the captured function into the captured output
+    (what a real replay does to the graph's fixed buffers)."""
+
+    def __init__(self, fn, out, log):
+        self.fn, self.out, self.log = fn, out, log
+
+    def replay(self):
+        self.log.append("replay")
+        self.out.copy_(self.fn())
+
+
+@pytest.fixture()
+def fake_graphs(monkeypatch):
+    """Graph mode on CPU: capture and replay stand-ins, so the recording logic runs without a GPU."""
+    from sdbench.models import graphs
+
+    log = []
+
+    def capture(fn, runner):
+        log.append("capture")
+        out = fn()
+        return _ReplayedGraph(fn, out, log), out
+
+    monkeypatch.setattr(graphs, "warm_up", lambda fn: fn())
+    monkeypatch.setattr(graphs, "capture", capture)
+    runner = ModelRunner(tiny_model(0), "graphed", static=True)
+    runner.graphs = True
+    return runner, log
+
+
+def test_graph_mode_captures_once_per_width_and_replays(target, prompts, fake_graphs):
+    runner, log = fake_graphs
+    reference = _ids(target, Autoregressive(), prompts)
+    assert _ids(runner, Autoregressive(), prompts) == reference
+    assert _ids(runner, DraftModel(runner, 3), prompts) == reference
+    captures = log.count("capture")
+    assert captures >= 2 and log.count("replay") > 3 * captures
+    assert _ids(runner, DraftModel(runner, 3), prompts) == reference  # pooled caches: nothing new to capture
+    assert log.count("capture") == captures and runner.graphs
+
+
+def test_rotary_growth_recaptures(prompts, fake_graphs):
+    runner, log = fake_graphs
+    cache = runner.new_cache(1, 40)
+    runner.prefill(cache, [prompts[0]])
+    x = torch.zeros(1, 1, dtype=torch.long)
+    first = runner.forward(cache, x, [len(prompts[0])])
+    runner.forward(cache, x, [len(prompts[0])])
+    assert log.count("capture") == 1
+    runner._rope_tables(5000)  # re-allocated: the graph would read freed tables
+    torch.testing.assert_close(runner.forward(cache, x, [len(prompts[0])]), first)
+    assert log.count("capture") == 2
+
+
+def test_failed_or_wrong_capture_falls_back_to_eager(target, prompts, fake_graphs, monkeypatch):
+    from sdbench.models import graphs
+
+    runner, _ = fake_graphs
+    reference = _ids(target, Autoregressive(), prompts)
+
+    def broken(fn, runner):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(graphs, "capture", broken)
+    with pytest.warns(RuntimeWarning, match="capture failed"):
+        assert _ids(runner, Autoregressive(), prompts) == reference
+    assert not runner.graphs
+
+    def wrong(fn, runner):  # a replay that does not reproduce the captured forward
+        out = fn()
+        return _ReplayedGraph(lambda: fn() + 1, out, []), out
+
+    runner.graphs = True
+    monkeypatch.setattr(graphs, "capture", wrong)
+    with pytest.warns(RuntimeWarning, match="differed from the eager forward"):
+        assert _ids(runner, DraftModel(runner, 2), prompts) == reference
+    assert not runner.graphs
 
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

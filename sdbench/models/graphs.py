@@ -65,20 +65,9 @@ class StaticForward:
         """Capture over the current inputs (writing the cache is idempotent: the same keys at the same
         slots), replay, and check the replay against the eager result."""
         runner = self.runner
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # warm-up on a side stream, as capture requires
-            eager = self._eager()
-        torch.cuda.current_stream().wait_stream(side)
+        eager = warm_up(self._eager)
         try:
-            graph = torch.cuda.CUDAGraph()
-            # one memory pool per model, as vLLM does across its graphs: graphs replay one at a time and
-            # every output is cloned on return, so one graph's scratch may reuse another's
-            if runner.graph_pool is None:
-                runner.graph_pool = torch.cuda.graph_pool_handle()
-            # thread_local: a drafter thread (DSI) may use CUDA while this thread captures
-            with torch.cuda.graph(graph, pool=runner.graph_pool, capture_error_mode="thread_local"):
-                out = self._eager()
+            graph, out = capture(self._eager, runner)
             graph.replay()
             ok = torch.allclose(out, eager, atol=CHECK_ATOL, rtol=CHECK_ATOL)
         except Exception as exc:  # noqa: BLE001 - an op that cannot be captured, whatever torch raises
@@ -90,6 +79,29 @@ class StaticForward:
             return eager
         self.graph, self.out, self.rope_version = graph, out, runner.rope_version
         return out.clone()
+
+
+def warm_up(fn):
+    """Run fn once on a side stream, as capture requires (lazy initialisations happen outside the graph)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        result = fn()
+    torch.cuda.current_stream().wait_stream(side)
+    return result
+
+
+def capture(fn, runner):
+    """(graph, output) for fn captured as a CUDA graph."""
+    # one memory pool per model, as vLLM does across its graphs: graphs replay one at a time and every
+    # output is cloned on return, so one graph's scratch may reuse another's
+    if runner.graph_pool is None:
+        runner.graph_pool = torch.cuda.graph_pool_handle()
+    graph = torch.cuda.CUDAGraph()
+    # thread_local: a drafter thread (DSI) may use CUDA while this thread captures
+    with torch.cuda.graph(graph, pool=runner.graph_pool, capture_error_mode="thread_local"):
+        out = fn()
+    return graph, out
 
 
 class CachePool:

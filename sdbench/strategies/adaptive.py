@@ -122,6 +122,10 @@ class _Adaptive(Proposer):
         if proposal is not None:
             self.drafters[d].observe(state, accepted, proposal)
 
+    def end(self) -> None:
+        for drafter in self.drafters:
+            drafter.end()
+
     def row_stats(self, b: int) -> dict:
         """gamma_mean and gamma_hist over the row's rounds (gamma asked of the drafter, 0 = plain step),
         rounds drafted per candidate, switches between candidates, and each candidate's fitted alpha."""

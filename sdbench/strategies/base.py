@@ -64,6 +64,9 @@ class Proposer:
     def observe(self, state, accepted: torch.Tensor, proposal: Proposal | None) -> None:
         """Called after each verification with accepted [B] drafted tokens per row."""
 
+    def end(self) -> None:
+        """Called once the generation is over (also after an error): give back caches for reuse."""
+
     def params(self) -> dict:
         """The settings recorded with every result row."""
         return {"gamma": self.gamma}

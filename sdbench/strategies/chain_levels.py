@@ -90,6 +90,9 @@ class NGramLevel:
     def begin(self, batch: int, capacity: int, prompts: list[list[int]]) -> None:
         self.stats = LevelStats(batch)
 
+    def end(self) -> None:
+        pass
+
     def produce(self, ctx, lens, active, sampling, generator) -> Block:
         t0 = now()
         tokens = torch.zeros(len(lens), self.gamma, dtype=torch.long)
@@ -118,8 +121,6 @@ class ModelLevel:
     def begin(self, batch: int, capacity: int, prompts: list[list[int]]) -> None:
         """Prefill every prompt but its last token (the next forward feeds it, as in the loop)."""
         self.stats = LevelStats(batch)
-        if getattr(self, "cache", None) is not None:  # the previous generation's cache, for reuse
-            self.runner.release(self.cache)
         self.cache = self.runner.new_cache(batch, capacity)
         self.seen = torch.zeros(batch, capacity, dtype=torch.long)
         self.fed = [len(p) - 1 for p in prompts]
@@ -133,6 +134,11 @@ class ModelLevel:
             self.fed = [0] * batch
         if self.below is not None:
             self.below.begin(batch, capacity, prompts)
+
+    def end(self) -> None:
+        if getattr(self, "cache", None) is not None:
+            self.runner.release(self.cache)
+            self.cache = None
 
     def produce(self, ctx, lens, active, sampling, generator) -> Block:
         self.stats.calls += 1

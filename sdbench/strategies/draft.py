@@ -37,8 +37,6 @@ class DraftModel(Proposer):
     def begin(self, state) -> None:
         self.fed = [n - 1 for n in state.lengths]
         prompts = [state.row(b)[: self.fed[b]].tolist() for b in range(state.batch)]
-        if getattr(self, "cache", None) is not None:  # the previous generation's cache, for reuse
-            self.runner.release(self.cache)
         if self.sparse is None:
             self.cache = self.runner.new_cache(state.batch, state.capacity)
             self.runner.prefill(self.cache, prompts)
@@ -88,6 +86,11 @@ class DraftModel(Proposer):
     def observe(self, state, accepted, proposal) -> None:
         # the sequence now agrees with what the draft saw up to the last accepted token
         self.fed = [min(f, n - 1) for f, n in zip(self.fed, state.lengths)]
+
+    def end(self) -> None:
+        if getattr(self, "cache", None) is not None:
+            self.runner.release(self.cache)
+            self.cache = None
 
     @classmethod
     def build(cls, ctx: BuildContext) -> Proposer:

@@ -39,6 +39,9 @@ class ModelDrafter:
     def observe(self, state, accepted, proposal) -> None:
         self.model.observe(state, accepted, proposal)
 
+    def end(self) -> None:
+        self.model.end()
+
 
 class NGramDrafter:
     """Prompt lookup; the proposal is trimmed to the longest match so that the target verifies no padding."""
@@ -56,6 +59,9 @@ class NGramDrafter:
         return (Proposal(proposal.tokens[:, :width], proposal.lengths) if width else None), True
 
     def observe(self, state, accepted, proposal) -> None:
+        pass
+
+    def end(self) -> None:
         pass
 
 

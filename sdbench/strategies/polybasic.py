@@ -130,6 +130,10 @@ class Polybasic(Proposer):
                 self.target.verified(b, a)
                 self.top.stats.handed_up(b, int(proposal.lengths[b]), a)
 
+    def end(self) -> None:
+        for level in self.levels:
+            level.end()
+
     def params(self) -> dict:
         chain = [level.label for level in self.levels]
         out = {"gamma": self.gamma, "mu": self.mus, "chain": chain}
