@@ -57,6 +57,9 @@ class OracleDrafter:
     def observe(self, state, accepted, proposal):
         pass
 
+    def end(self):
+        pass
+
 
 class Scripted(Adaptive):
     """Adaptive with a fixed script of (drafter, gamma): switches, idle drafters, plain rounds and every
