@@ -51,7 +51,6 @@ def test_rejection_cancels_the_speculation_built_on_it():
     assert (step.drafted, step.accepted, step.committed, step.rejected) == (1, 1, 2, True)
     assert led.tokens == [0, 0, 0, 0] and led.committed == 4
     assert led.cancelled == 2 and led.live == {} and sorted(led.orphans()) == [1, 2]
-    assert led.take_rewind() == 3 and led.take_rewind() is None
     (d,) = led.dispatch()
     assert (d.worker, d.start, d.end) == (0, 4, 4)
     assert led.dispatched == led.redundant + led.cancelled + 2 + len(led.live)

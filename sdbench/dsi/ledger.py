@@ -73,7 +73,6 @@ class Ledger:
         self.version = 0  # bumped whenever drafts are discarded
         self.done = False
         self.drafted = self.dispatched = self.cancelled = self.redundant = 0
-        self._rewind: int | None = None
         self._ids = itertools.count()
 
     # ---- drafting ------------------------------------------------------------------------------------------
@@ -98,12 +97,6 @@ class Ledger:
         self.tokens.append(int(token))
         self.drafted += 1
         return True
-
-    def take_rewind(self) -> int | None:
-        """The lowest position whose token was discarded since the last call (the drafter's cache is stale
-        from there), or None."""
-        r, self._rewind = self._rewind, None
-        return r
 
     # ---- dispatch ------------------------------------------------------------------------------------------
     def idle(self) -> list[int]:
@@ -195,7 +188,6 @@ class Ledger:
         del self.tokens[p:]
         self.sent = min(self.sent, p)
         self.version += 1
-        self._rewind = p if self._rewind is None else min(self._rewind, p)
         for job in [j for j in self.live.values() if j.end > p]:
             del self.live[job.id]
             self.cancelled += 1

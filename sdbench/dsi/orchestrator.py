@@ -25,7 +25,9 @@ from sdbench.dsi.ledger import Job, Ledger
 from sdbench.dsi.pools import WorkerFailed
 from sdbench.dsi.worker import Task
 from sdbench.metrics import RowStats, now
-from sdbench.sampling import choose, verify
+from sdbench.kv.prefix import CachedPrefix
+from sdbench.sampling import verify
+from sdbench.strategies.draft import draft_tokens
 
 _seq_ids = itertools.count()
 POLL_S = 0.5  # how often the waiting thread checks the drafter and the workers' health
@@ -44,21 +46,18 @@ def torch_threads(n: int):
 
 
 class Drafter:
-    """Greedy drafting after a token list, with a KV cache kept in step by `fed` (tokens whose keys it holds)."""
+    """Greedy drafting of one token after a token list, through the drafting loop every model draft uses; its
+    cache follows the list, rewinds included (kv/prefix.py)."""
 
     def __init__(self, runner, capacity: int, sampling: SamplingConfig):
         self.runner, self.sampling = runner, sampling
         self.cache = runner.new_cache(1, capacity)
-        self.fed = 0
-
-    def rewind(self, position: int) -> None:
-        self.fed = min(self.fed, position)
+        self.prefix = CachedPrefix(1, capacity)
 
     def next_token(self, tokens: list[int]) -> int:
-        feed = torch.tensor([tokens[self.fed :]], dtype=torch.long)
-        logits = self.runner.forward(self.cache, feed, [self.fed], at=torch.tensor([feed.shape[1] - 1]))
-        self.fed = len(tokens)
-        return int(choose(logits, self.sampling, None)[0][0])
+        ctx = torch.tensor([tokens], dtype=torch.long)
+        drafted, _ = draft_tokens(self.runner, self.cache, self.prefix, ctx, [len(tokens)], 1, self.sampling, None)
+        return int(drafted[0, 0])
 
 
 @dataclass
@@ -161,9 +160,6 @@ def _draft_loop(ledger: Ledger, drafter: Drafter, cond: threading.Condition, sha
                     cond.wait()
                 if shared.stop:
                     return
-                rewind = ledger.take_rewind()
-                if rewind is not None:
-                    drafter.rewind(rewind)
                 tokens, ticket = list(ledger.tokens), ledger.ticket()
                 shared.drafting = True
             t0 = now(drafter.runner.device)

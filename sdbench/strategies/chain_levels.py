@@ -9,11 +9,9 @@ ctx is a scratch buffer [B, W] shared down the chain: a verifying level writes t
 far at ctx[b, lens[b]:] before asking the level below for more, so each level sees the context as it stands at
 its own height. Whatever lies beyond a level's lens is scratch for it.
 
-A model level's KV cache is position-indexed, like the target's. Rather than reason about which tokens
-survived the verifications above, each level remembers which token it wrote at each position (`seen`), and
-before each forward keeps only the longest prefix on which `seen` agrees with the context it is asked about:
-every key/value it keeps was computed from exactly those tokens. Rewinding is again just starting the next
-forward earlier.
+A model level's KV cache is position-indexed, like the target's, and kept in step with the context it is
+asked about by a `CachedPrefix` (kv/prefix.py), as every drafting model's is: whatever the levels above
+accepted or corrected, it keeps the keys of the longest prefix it wrote that agrees with that context.
 """
 
 from __future__ import annotations
@@ -22,8 +20,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from sdbench.kv.prefix import CachedPrefix
 from sdbench.metrics import now
-from sdbench.sampling import choose, probs_from_logits, verify
+from sdbench.sampling import probs_from_logits, verify
+from sdbench.strategies.draft import draft_tokens
 from sdbench.strategies.ngram import lookup
 
 
@@ -122,16 +122,15 @@ class ModelLevel:
         """Prefill every prompt but its last token (the next forward feeds it, as in the loop)."""
         self.stats = LevelStats(batch)
         self.cache = self.runner.new_cache(batch, capacity)
-        self.seen = torch.zeros(batch, capacity, dtype=torch.long)
-        self.fed = [len(p) - 1 for p in prompts]
-        if min(self.fed) > 0:
+        self.prefix = CachedPrefix(batch, capacity)
+        if min(len(p) for p in prompts) > 1:
             t0 = now(self.runner.device)
             self.runner.prefill(self.cache, [p[:-1] for p in prompts])
             self.stats.prefill_s = now(self.runner.device) - t0
+            ctx = torch.zeros(batch, max(len(p) for p in prompts), dtype=torch.long)
             for b, p in enumerate(prompts):
-                self.seen[b, : len(p) - 1] = torch.tensor(p[:-1], dtype=torch.long)
-        else:
-            self.fed = [0] * batch
+                ctx[b, : len(p)] = torch.tensor(p, dtype=torch.long)
+            self.prefix.holds(ctx, [len(p) - 1 for p in prompts])
         if self.below is not None:
             self.below.begin(batch, capacity, prompts)
 
@@ -146,66 +145,34 @@ class ModelLevel:
             return self._draft(ctx, lens, sampling, generator)
         return self._refine(ctx, lens, active, sampling, generator)
 
-    # ---- the cache ------------------------------------------------------------------------------------
-    def _sync(self, ctx: torch.Tensor, lens: list[int]) -> None:
-        """Keep the cached prefix that agrees with the context, and never the context's last token (the next
-        forward must feed it to get logits after it)."""
-        for b, n in enumerate(lens):
-            keep = min(self.fed[b], n - 1)
-            differ = (self.seen[b, :keep] != ctx[b, :keep]).nonzero()
-            self.fed[b] = int(differ[0]) if len(differ) else keep
-
-    def _run(self, tokens: torch.Tensor, start: list[int]) -> torch.Tensor:
-        """Forward tokens [B, T] at positions start[b]..; the hidden states [B, T, H]. The cache now holds
-        exactly these tokens from start[b] on (padding included: it is what was written)."""
-        hidden = self.runner.hidden(self.cache, tokens, start)
-        T = tokens.shape[1]
-        for b, s in enumerate(start):
-            self.seen[b, s : s + T] = tokens[b]
-            self.fed[b] = s + T
-        return hidden
-
-    def _feed(self, ctx, lens, block: torch.Tensor | None = None) -> torch.Tensor:
+    # ---- forwards -----------------------------------------------------------------------------------------
+    def _feed(self, ctx, lens, block: torch.Tensor) -> torch.Tensor:
         """One forward over each row's unseen context and then block [B, G]; logits [B, G+1, V] at the
         context's last token and at each block token."""
         t0 = now(self.runner.device)
-        self._sync(ctx, lens)
-        G = 0 if block is None else block.shape[1]
-        todo = [n - f for n, f in zip(lens, self.fed)]
-        tokens = torch.zeros(len(lens), max(todo) + G, dtype=torch.long)
-        for b, (f, n) in enumerate(zip(self.fed, lens)):
-            tokens[b, : n - f] = ctx[b, f:n]
-            if G:
-                tokens[b, n - f : n - f + G] = block[b]
-        hidden = self._run(tokens, list(self.fed))
-        at = (torch.tensor(todo) - 1)[:, None] + torch.arange(G + 1)  # [B, G+1]
+        self.prefix.agree(ctx, lens)
+        tokens, start, todo = self.prefix.unseen(ctx, lens, block)
+        hidden = self.runner.hidden(self.cache, tokens, start)
+        self.prefix.wrote(tokens, start)
+        at = (torch.tensor(todo) - 1)[:, None] + torch.arange(block.shape[1] + 1)  # [B, G+1]
         rows = torch.arange(len(lens))[:, None]
         # the vocabulary projection only where logits are needed: it costs as much as a few layers
         logits = self.runner.logits(hidden[rows.to(hidden.device), at.to(hidden.device)])
         self._count(t0)
         return logits
 
-    def _count(self, t0: float) -> None:
-        """One forward of this level, from t0 to now: the projection to logits included."""
+    def _count(self, t0: float, forwards: int = 1) -> None:
+        """Forwards of this level from t0 to now: the projection to logits included."""
         self.stats.forward_s += now(self.runner.device) - t0
-        self.stats.forwards += 1
+        self.stats.forwards += forwards
 
     # ---- the bottom: autoregressive drafting ------------------------------------------------------------
     def _draft(self, ctx, lens, sampling, generator) -> Block:
-        logits = self._feed(ctx, lens)[:, 0]  # [B, V]
-        drafted, probs = [], []
-        for i in range(self.gamma):
-            x, p = choose(logits, sampling, generator)
-            drafted.append(x)
-            probs.append(p)
-            if i + 1 < self.gamma:
-                t0 = now(self.runner.device)
-                hidden = self._run(x.cpu()[:, None], [n + i for n in lens])
-                logits = self.runner.logits(hidden[:, 0])
-                self._count(t0)
-        tokens = torch.stack(drafted, 1).cpu()
-        lengths = torch.full((len(lens),), self.gamma, dtype=torch.long)
-        return Block(tokens, lengths, None if sampling.greedy else torch.stack(probs, 1))
+        t0 = now(self.runner.device)
+        tokens, probs = draft_tokens(self.runner, self.cache, self.prefix, ctx, lens, self.gamma, sampling,
+                                     generator)
+        self._count(t0, self.gamma)  # one forward per drafted token (the first one also catches up)
+        return Block(tokens, torch.full((len(lens),), self.gamma, dtype=torch.long), probs)
 
     # ---- a verifying level --------------------------------------------------------------------------------
     def _refine(self, ctx, lens, active, sampling, generator) -> Block:

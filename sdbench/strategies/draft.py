@@ -5,18 +5,40 @@ from __future__ import annotations
 import torch
 
 from sdbench.errors import SdbenchError
-from sdbench.sampling import choose
+from sdbench.kv.prefix import CachedPrefix
 from sdbench.kv.sparse import SparseSpec, compress
+from sdbench.sampling import choose
 from sdbench.strategies.base import BuildContext, Option, Proposal, Proposer
 
 
-class DraftModel(Proposer):
-    """Drafts autoregressively with its own KV cache, kept in step with the committed sequence.
+def draft_tokens(runner, cache, prefix: CachedPrefix, ctx: torch.Tensor, lens: list[int], gamma: int, sampling,
+                 generator) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """gamma tokens per row continuing ctx[b, :lens[b]], drawn from the model one at a time (the drafting loop
+    of every model draft: draft models, MagicDec, the bottom of a polybasic chain).
 
-    The draft cache holds keys for the first `fed[b]` tokens of row b. After a verification only the
-    accepted prefix stays valid, so `observe` shortens `fed`; the next proposal first feeds the committed
-    tokens the draft has not seen (one, or two when every draft was accepted).
-    """
+    One forward feeds each row's context the cache has not seen (one token, or two after a fully accepted
+    step, or more after an idle spell) and gives the first draft; then one forward per further draft.
+    Returns tokens [B, gamma] on the host and, under sampling, the draft distributions [B, gamma, V]."""
+    prefix.agree(ctx, lens)
+    feed, start, todo = prefix.unseen(ctx, lens)
+    logits = runner.forward(cache, feed, start, at=torch.tensor(todo) - 1)
+    prefix.wrote(feed, start)
+    drafted, probs = [], []
+    for i in range(gamma):
+        x, p = choose(logits, sampling, generator)
+        drafted.append(x)
+        probs.append(p)
+        if i + 1 < gamma:
+            logits = runner.forward(cache, x[:, None], [n + i for n in lens])[:, 0]
+    tokens = torch.stack(drafted, 1).cpu()  # the one wait for the device while drafting
+    prefix.wrote(tokens[:, : gamma - 1], list(lens))  # the last draft is not fed: it has no successor yet
+    return tokens, None if sampling.greedy else torch.stack(probs, 1)
+
+
+class DraftModel(Proposer):
+    """Drafts autoregressively with its own KV cache, kept in step with the committed sequence by a
+    `CachedPrefix`: each proposal first feeds the committed tokens the draft has not seen (one, or two when
+    every draft was accepted), then drafts."""
 
     name = "draft"
     options = (
@@ -35,20 +57,27 @@ class DraftModel(Proposer):
         self.sparse = None if draft_kv == "dense" else SparseSpec(draft_kv, budget, sink, window)
 
     def begin(self, state) -> None:
-        self.fed = [n - 1 for n in state.lengths]
-        prompts = [state.row(b)[: self.fed[b]].tolist() for b in range(state.batch)]
+        fed = [n - 1 for n in state.lengths]  # the prompts: the first generated token is fed by the first step
+        prompts = [state.row(b)[: fed[b]].tolist() for b in range(state.batch)]
+        self.prefix = CachedPrefix(state.batch, state.capacity)
+        self.prefix.holds(state.tokens, fed)
         if self.sparse is None:
             self.cache = self.runner.new_cache(state.batch, state.capacity)
             self.runner.prefill(self.cache, prompts)
         else:
             full = self._prompt_cache(state, prompts)
-            self.cache = compress(self.runner, full, self.fed, state.tokens, self.sparse, self.gamma)
+            self.cache = compress(self.runner, full, fed, state.tokens, self.sparse, self.gamma)
             if full is not state.target_cache:
                 self.runner.release(full)
 
+    def unseen(self, state) -> int:
+        """The most committed tokens a row's next proposal must feed before drafting."""
+        self.prefix.agree(state.tokens, state.lengths)
+        return max(n - f for n, f in zip(state.lengths, self.prefix.fed))
+
     def _prompt_cache(self, state, prompts):
         """A dense cache holding the prompts, to be compressed into the sparse draft cache."""
-        cache = self.runner.new_cache(state.batch, max(self.fed) + 1)
+        cache = self.runner.new_cache(state.batch, max(len(p) for p in prompts) + 1)
         self.runner.prefill(cache, prompts)
         return cache
 
@@ -59,33 +88,12 @@ class DraftModel(Proposer):
         return {"gamma": self.gamma, "draft_kv": sp.selector, "budget": sp.budget,
                 **({"sink": sp.sink} if sp.selector == "streamingllm" else {"window": sp.window})}
 
-    def _catch_up(self, state) -> torch.Tensor:
-        """Feed each row's unseen committed tokens; logits [B, V] after its last committed token."""
-        todo = [n - f for n, f in zip(state.lengths, self.fed)]
-        tokens = torch.zeros(state.batch, max(todo), dtype=torch.long)
-        for b, (f, n) in enumerate(zip(self.fed, state.lengths)):
-            tokens[b, : n - f] = state.tokens[b, f:n]
-        return self.runner.forward(self.cache, tokens, self.fed, at=torch.tensor(todo) - 1)
-
     def propose(self, state, gamma: int | None = None) -> Proposal:
         """gamma: tokens to draft this step; None = the configured lookahead (adaptive callers vary it)."""
         gamma = self.gamma if gamma is None else gamma
-        logits = self._catch_up(state)
-        drafted, probs = [], []
-        for i in range(gamma):
-            x, p = choose(logits, state.sampling, state.generator)
-            drafted.append(x)
-            probs.append(p)
-            if i + 1 < gamma:
-                logits = self.runner.forward(self.cache, x[:, None], [n + i for n in state.lengths])[:, 0]
-        self.fed = [n + gamma - 1 for n in state.lengths]
-        tokens = torch.stack(drafted, 1).cpu()
-        lengths = torch.full((state.batch,), gamma, dtype=torch.long)
-        return Proposal(tokens, lengths, None if state.sampling.greedy else torch.stack(probs, 1))
-
-    def observe(self, state, accepted, proposal) -> None:
-        # the sequence now agrees with what the draft saw up to the last accepted token
-        self.fed = [min(f, n - 1) for f, n in zip(self.fed, state.lengths)]
+        tokens, probs = draft_tokens(self.runner, self.cache, self.prefix, state.tokens, state.lengths, gamma,
+                                     state.sampling, state.generator)
+        return Proposal(tokens, torch.full((state.batch,), gamma, dtype=torch.long), probs)
 
     def end(self) -> None:
         if getattr(self, "cache", None) is not None:

@@ -33,7 +33,7 @@ class ModelDrafter:
             self.started = True
             steady = False
         else:
-            steady = max(n - f for n, f in zip(state.lengths, self.model.fed)) <= STEADY_CATCH_UP
+            steady = self.model.unseen(state) <= STEADY_CATCH_UP
         return self.model.propose(state, gamma), steady
 
     def observe(self, state, accepted, proposal) -> None:

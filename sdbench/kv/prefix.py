@@ -1,0 +1,55 @@
+"""Which tokens a draft's KV cache holds keys for: the one bookkeeping every drafting model uses.
+
+A position-indexed cache keeps whatever was last written at each slot. A drafting model (a draft model, a
+level of a polybasic chain, the DSI drafter) therefore remembers, per row, the token it wrote at each
+position (`seen`) and how far its keys reach (`fed`). Before drafting after a context, it keeps only the
+longest prefix on which `seen` agrees with that context: every key kept was computed from exactly those
+tokens, whatever the levels above accepted, corrected or rewound in between. Rewinding is then, as for the
+target, just starting the next forward earlier.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class CachedPrefix:
+    """seen [B, capacity] on the host and fed[b]: keys for seen[b, :fed[b]] are in the cache."""
+
+    def __init__(self, batch: int, capacity: int):
+        self.seen = torch.zeros(batch, capacity, dtype=torch.long)
+        self.fed = [0] * batch
+
+    def holds(self, ctx: torch.Tensor, lens: list[int]) -> None:
+        """The cache now holds keys for ctx[b, :lens[b]] (after a prefill)."""
+        for b, n in enumerate(lens):
+            self.seen[b, :n] = ctx[b, :n]
+        self.fed = list(lens)
+
+    def wrote(self, tokens: torch.Tensor, start: list[int]) -> None:
+        """A forward wrote tokens [B, T] (host) from positions start[b] on; padding included, since it is
+        what the cache now holds there."""
+        T = tokens.shape[1]
+        for b, s in enumerate(start):
+            self.seen[b, s : s + T] = tokens[b]
+            self.fed[b] = s + T
+
+    def agree(self, ctx: torch.Tensor, lens: list[int]) -> None:
+        """Keep the cached prefix that agrees with each row's context ctx[b, :lens[b]], and never the context's
+        last token (the next forward must feed it to get the logits after it)."""
+        for b, n in enumerate(lens):
+            keep = min(self.fed[b], n - 1)
+            differ = (self.seen[b, :keep] != ctx[b, :keep]).nonzero()
+            self.fed[b] = int(differ[0]) if len(differ) else keep
+
+    def unseen(self, ctx: torch.Tensor, lens: list[int], block: torch.Tensor | None = None):
+        """What the next forward feeds after `agree`: per row the context from fed[b] on, then block [B, G]
+        when given. Returns (tokens [B, W], start positions, todo[b] = context tokens fed for row b)."""
+        G = 0 if block is None else block.shape[1]
+        todo = [n - f for n, f in zip(lens, self.fed)]
+        tokens = torch.zeros(len(lens), max(todo) + G, dtype=torch.long)
+        for b, (f, n) in enumerate(zip(self.fed, lens)):
+            tokens[b, : n - f] = ctx[b, f:n]
+            if G:
+                tokens[b, n - f : n - f + G] = block[b]
+        return tokens, list(self.fed), todo
