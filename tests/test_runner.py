@@ -80,3 +80,25 @@ def test_fast_path_is_lossless_and_only_for_cpu_float32(prompts):
     out = generate(fast, DraftModel(fast, 4), prompts, max_new_tokens=16, sampling=SamplingConfig()).output_ids
     assert out == ref
     assert not ModelRunner(tiny_model(0).to(torch.bfloat16), fast=True).fast
+
+
+def test_fast_path_on_copies_and_quantised_models():
+    import copy
+
+    from sdbench.models.variants import quantise_int8
+
+    model = tiny_model(7)
+    fast = ModelRunner(model, fast=True)
+    if not fast.fast:
+        pytest.skip("neither MKL nor oneDNN is available in this torch build")
+    twin = copy.deepcopy(model)  # the copy does not carry the original's packed weights along
+    assert "_sdbench_fast" not in twin.model.layers[0].__dict__ or twin.model.layers[0]._sdbench_fast is None
+    with torch.no_grad():
+        for p in twin.parameters():
+            p.mul_(1.5)  # a different model: its fast path must use its own weights
+    ids = torch.randint(0, VOCAB, (1, 6), generator=torch.Generator().manual_seed(2))
+    stock_twin, fast_twin = ModelRunner(twin), ModelRunner(twin, fast=True)
+    a, b = stock_twin.new_cache(1, 16), fast_twin.new_cache(1, 16)
+    torch.testing.assert_close(fast_twin.prefill(b, ids.tolist()), stock_twin.prefill(a, ids.tolist()),
+                               atol=1e-4, rtol=1e-4)
+    assert not ModelRunner(quantise_int8(model), fast=True).fast  # int8 projections: no fp32 fast path

@@ -36,18 +36,22 @@ class Projection:
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
         self.weight, self.bias = weight, bias
-        if _mkl():
-            packed = torch.ops.mkl._mkl_reorder_linear_weight(weight, PACK_HINT)
-            self._packed = lambda x, rows: torch.ops.mkl._mkl_linear(x, packed, weight, bias, rows)
+        self.mkl = _mkl()
+        if self.mkl:
+            self.packed = torch.ops.mkl._mkl_reorder_linear_weight(weight, PACK_HINT)
         else:
-            packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_HINT)
-            self._packed = lambda x, rows: torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_HINT)
+
+    def __deepcopy__(self, memo):  # a copied model (e.g. an int8 variant) does not carry the fast path along
+        return None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]
-        if rows >= PACK_MIN_ROWS:
-            return self._packed(x, rows)
-        return F.linear(x, self.weight, self.bias)
+        if rows < PACK_MIN_ROWS:
+            return F.linear(x, self.weight, self.bias)
+        if self.mkl:
+            return torch.ops.mkl._mkl_linear(x, self.packed, self.weight, self.bias, rows)
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
 
 def _fuse(modules: list[torch.nn.Linear]) -> Projection:
@@ -79,6 +83,9 @@ class FastLayer:
         self.act = mlp.act_fn if self.gated else None
         self.intermediate = mlp.gate_proj.weight.shape[0] if self.gated else 0
 
+    def __deepcopy__(self, memo):
+        return None
+
     def mlp(self, mlp, x: torch.Tensor) -> torch.Tensor:
         if not self.gated:
             return mlp(x)
@@ -86,17 +93,30 @@ class FastLayer:
         return self.down(self.act(gate) * up)
 
 
+def _projections(layer) -> list:
+    attn, mlp = layer.self_attn, layer.mlp
+    return [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj,
+            *(getattr(mlp, name) for name in ("gate_proj", "up_proj", "down_proj") if hasattr(mlp, name))]
+
+
+def supports(model) -> bool:
+    """Float32 plain linear projections everywhere (not, say, an int8-quantised copy)."""
+    mods = [model.lm_head, *(m for layer in model.model.layers for m in _projections(layer))]
+    return all(type(m) is torch.nn.Linear and m.weight.dtype == torch.float32 for m in mods)
+
+
 def fast_layer(layer) -> FastLayer:
-    """The layer's fused projections, made once per layer (runners sharing a model share them)."""
+    """The layer's fused projections, made once per layer (runners sharing a model share them); rebuilt if
+    the layer's weights are no longer the views into them (the weights were replaced)."""
     found = layer.__dict__.get("_sdbench_fast")
-    if found is None:
+    if found is None or layer.self_attn.q_proj.weight.data_ptr() != found.qkv.weight.data_ptr():
         found = layer.__dict__["_sdbench_fast"] = FastLayer(layer)
     return found
 
 
 def fast_head(lm_head) -> Projection:
     found = lm_head.__dict__.get("_sdbench_fast")
-    if found is None:
+    if found is None or found.weight.data_ptr() != lm_head.weight.data_ptr():
         found = lm_head.__dict__["_sdbench_fast"] = Projection(lm_head.weight.detach(), lm_head.bias)
     return found
 

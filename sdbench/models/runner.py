@@ -64,8 +64,7 @@ class ModelRunner:
         self.static = self.graphs if static is None else static
         self.pool = CachePool()
         self.graph_pool = None  # CUDA graphs' shared memory pool, made at the first capture
-        self.cpu_fast = bool(fast) and self.device.type == "cpu" and self.dtype == torch.float32 and \
-            cpufast.available()
+        self.cpu_fast = bool(fast) and self.device.type == "cpu" and cpufast.available() and cpufast.supports(model)
         self.fast = self.cpu_fast or self.graphs
         self._fast_layers = [cpufast.fast_layer(layer) for layer in self.layers] if self.cpu_fast else None
         self._head = cpufast.fast_head(self.lm_head) if self.cpu_fast else self.lm_head
