@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config,
+                          Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 
 from sdbench.models.runner import ModelRunner
 
@@ -13,7 +14,8 @@ VOCAB = 96
 
 def tiny_model(seed: int = 0, arch: str = "llama", layers: int = 2, hidden: int = 64, heads: int = 4, kv: int = 2):
     torch.manual_seed(seed)
-    cls_cfg, cls_model = (LlamaConfig, LlamaForCausalLM) if arch == "llama" else (Qwen2Config, Qwen2ForCausalLM)
+    cls_cfg, cls_model = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+                          "qwen3": (Qwen3Config, Qwen3ForCausalLM), "mistral": (MistralConfig, MistralForCausalLM)}[arch]
     # a wide init makes logits peaked, so greedy choices are far from ties and robust to summation order
     cfg = cls_cfg(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
                   num_attention_heads=heads, num_key_value_heads=kv, initializer_range=0.3,

@@ -6,7 +6,7 @@ from sdbench.models.runner import ModelRunner
 from tests.conftest import VOCAB, tiny_model
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral"])
 def test_forward_matches_library_logits(arch):
     model = tiny_model(3, arch=arch)
     runner = ModelRunner(model)
@@ -47,7 +47,8 @@ def test_overflow_and_unsupported():
         ModelRunner(model, "m")
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: biased q/k/v, fused with their biases
+# qwen2: biased q/k/v, fused with their biases; qwen3: per-head q/k norms after the fused product
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral"])
 def test_fast_path_matches_stock_forward(arch):
     from sdbench.models.cpufast import PACK_MIN_ROWS
 
