@@ -1,9 +1,9 @@
 """Draft candidates for the adaptive strategies: a draft model or prompt lookup, asked for any gamma per round.
 
-A model drafter wraps `DraftModel` (its cache and `CachedPrefix` bookkeeping). It starts lazily, on the first round
-it is chosen, and a drafter left idle for some rounds simply feeds the committed tokens it has not seen
-on its next use (DraftModel's catch-up handles any number of them), so its cache stays in step whether or
-not it was chosen.
+A model drafter wraps `DraftModel` (its cache and `CachedPrefix` bookkeeping). It starts lazily, on the
+first round it is chosen, and a drafter left idle for some rounds simply feeds the committed tokens it has
+not seen on its next use (the drafting loop's catch-up handles any number of them), so its cache stays in
+step whether or not it was chosen.
 """
 
 from __future__ import annotations
