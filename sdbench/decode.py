@@ -9,7 +9,7 @@ import torch
 
 from sdbench.config import SamplingConfig
 from sdbench.errors import SdbenchError
-from sdbench.metrics import BatchResult, RowStats, now
+from sdbench.metrics import BatchResult, Marks, RowStats, now
 from sdbench.sampling import choose, verify
 from sdbench.strategies.base import Proposer
 
@@ -100,18 +100,21 @@ def _run(target, proposer, state: DecodeState, prompts, cache, rows: list[RowSta
     for r in rows:  # the draft's own prefill (or cache compression) is drafting cost too
         r.draft_s += setup
 
+    marks = Marks(dev)
     while not all(state.done):
-        t0 = now(dev)
+        t0 = marks.mark()
         proposal = proposer.propose(state)
-        t1 = now(dev)
+        t1 = marks.mark()
         verdict, n_draft = _verify(target, cache, state, proposal)
-        t2 = now(dev)
+        t2 = marks.mark()
+        # the round's one wait for the device: the verdict (and the drafts) to the host
         accepted, nxt = verdict.accepted.tolist(), verdict.next_token.tolist()
         drafts = proposal.tokens.tolist() if proposal is not None else [[]] * state.batch
+        draft_s, verify_s = marks.seconds(t0, t1), marks.seconds(t1, t2)
         for b in range(state.batch):
             if state.done[b]:
                 continue
-            rows[b].add_step(n_draft[b], accepted[b], t1 - t0, t2 - t1)
+            rows[b].add_step(n_draft[b], accepted[b], draft_s, verify_s)
             state.commit(b, drafts[b][: accepted[b]] + [nxt[b]])
         proposer.observe(state, verdict.accepted, proposal)
 
@@ -132,13 +135,14 @@ def _verify(target, cache, state: DecodeState, proposal):
         n_draft = torch.zeros(state.batch, dtype=torch.long)
         probs = None
     else:
-        draft, n_draft, probs = proposal.tokens.cpu(), proposal.lengths.cpu(), proposal.probs
+        # drafts stay where the proposer made them (a model's on its device: no wait here); lengths are on the host
+        draft, n_draft, probs = proposal.tokens, proposal.lengths.cpu(), proposal.probs
         width = int(n_draft.max()) if len(n_draft) else 0
         if width < draft.shape[1]:  # never verify padding: rows drafted at most `width` real tokens
             draft = draft[:, :width]
             probs = probs[:, :width] if probs is not None else None
     start = [n - 1 for n in state.lengths]
-    logits = target.forward(cache, torch.cat([last, draft], 1), start)  # [B, G+1, V]
+    logits = target.forward(cache, torch.cat([last.to(draft.device), draft], 1), start)  # [B, G+1, V]
     dev = logits.device
     verdict = verify(draft.to(dev), n_draft.to(dev), probs, logits, state.sampling, state.generator)
     return verdict, n_draft.tolist()

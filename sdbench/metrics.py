@@ -22,6 +22,26 @@ def now(device: torch.device | str | None = None) -> float:
     return time.perf_counter()
 
 
+class Marks:
+    """Phase timestamps that need no wait of their own: CUDA events on a GPU, read once the round's results
+    have reached the host anyway (the one wait per round), perf_counter elsewhere. The time between two
+    marks is then the device's time from one to the other, as a synchronised clock would measure it."""
+
+    def __init__(self, device: torch.device | str | None = None):
+        self.cuda = device is not None and torch.device(device).type == "cuda"
+
+    def mark(self):
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def seconds(self, a, b) -> float:
+        """Time from mark a to mark b; on a GPU, only after the work before b has finished."""
+        return a.elapsed_time(b) / 1e3 if self.cuda else b - a
+
+
 def mean_accepted_length(accepted: int, steps: int) -> float:
     return (accepted + steps) / steps if steps else math.nan
 

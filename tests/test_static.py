@@ -252,3 +252,19 @@ def test_eager_runner_does_not_pool(target):
     cache = target.new_cache(1, 100)
     target.release(cache)
     assert cache.capacity == 100 and not target.pool.free
+
+
+def test_cached_prefix_reads_drafted_tokens_back_lazily():
+    from sdbench.kv.prefix import CachedPrefix
+
+    prefix = CachedPrefix(2, 16)
+    ctx = torch.tensor([[1, 2, 3, 4, 5, 6, 0, 0], [1, 2, 3, 9, 9, 9, 9, 0]])
+    prefix.holds(ctx, [3, 3])
+    prefix.wrote(torch.tensor([[4, 7], [9, 9]]), [3, 3])  # drafts, not yet read back
+    assert prefix.fed == [5, 5] and int(prefix.seen[0, 3]) == 0
+    prefix.wrote(torch.tensor([[5], [8]]), [4, 4])  # a later write over position 4 wins
+    prefix.agree(ctx, [6, 7])
+    # row 0 agrees up to position 4 (5 == 5), row 1 disagrees at 4 (8 vs 9)
+    assert prefix.fed == [5, 4]
+    tokens, start, todo = prefix.unseen(ctx, [6, 7])
+    assert start == [5, 4] and todo == [1, 3] and tokens.tolist() == [[6, 0, 0], [9, 9, 9]]

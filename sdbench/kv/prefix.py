@@ -19,24 +19,35 @@ class CachedPrefix:
     def __init__(self, batch: int, capacity: int):
         self.seen = torch.zeros(batch, capacity, dtype=torch.long)
         self.fed = [0] * batch
+        self._pending: list[tuple[torch.Tensor, list[int]]] = []  # writes whose tokens are not read back yet
 
     def holds(self, ctx: torch.Tensor, lens: list[int]) -> None:
         """The cache now holds keys for ctx[b, :lens[b]] (after a prefill)."""
+        self._pending.clear()
         for b, n in enumerate(lens):
             self.seen[b, :n] = ctx[b, :n]
         self.fed = list(lens)
 
     def wrote(self, tokens: torch.Tensor, start: list[int]) -> None:
-        """A forward wrote tokens [B, T] (host) from positions start[b] on; padding included, since it is
-        what the cache now holds there."""
+        """A forward wrote tokens [B, T] from positions start[b] on; padding included, since it is what the
+        cache now holds there. Tokens on a device are read back only when `agree` needs them (by then the
+        decode loop has waited for the device anyway), so drafting never waits for its own tokens."""
         T = tokens.shape[1]
+        self._pending.append((tokens, list(start)))
         for b, s in enumerate(start):
-            self.seen[b, s : s + T] = tokens[b]
             self.fed[b] = s + T
+
+    def _read_back(self) -> None:
+        for tokens, start in self._pending:
+            tokens = tokens.cpu()
+            for b, s in enumerate(start):
+                self.seen[b, s : s + tokens.shape[1]] = tokens[b]
+        self._pending.clear()
 
     def agree(self, ctx: torch.Tensor, lens: list[int]) -> None:
         """Keep the cached prefix that agrees with each row's context ctx[b, :lens[b]], and never the context's
         last token (the next forward must feed it to get the logits after it)."""
+        self._read_back()
         for b, n in enumerate(lens):
             keep = min(self.fed[b], n - 1)
             differ = (self.seen[b, :keep] != ctx[b, :keep]).nonzero()
@@ -48,6 +59,7 @@ class CachedPrefix:
         G = 0 if block is None else block.shape[1]
         todo = [n - f for n, f in zip(lens, self.fed)]
         tokens = torch.zeros(len(lens), max(todo) + G, dtype=torch.long)
+        block = block.cpu() if G else block
         for b, (f, n) in enumerate(zip(self.fed, lens)):
             tokens[b, : n - f] = ctx[b, f:n]
             if G:

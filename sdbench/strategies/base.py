@@ -12,8 +12,8 @@ from sdbench.errors import SdbenchError
 
 @dataclass
 class Proposal:
-    tokens: torch.Tensor  # [B, G] long: drafted tokens (entries past lengths[b] are padding)
-    lengths: torch.Tensor  # [B] long: real drafted tokens per row, 0..G
+    tokens: torch.Tensor  # [B, G] long: drafted tokens, host or device (entries past lengths[b] are padding)
+    lengths: torch.Tensor  # [B] long on the host: real drafted tokens per row, 0..G
     probs: torch.Tensor | None = None  # [B, G, V] draft distribution p; None = deterministic (one-hot) draft
 
 

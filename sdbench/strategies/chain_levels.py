@@ -29,7 +29,7 @@ from sdbench.strategies.ngram import lookup
 
 @dataclass
 class Block:
-    tokens: torch.Tensor  # [B, G] long on the host (entries past lengths[b] are padding)
+    tokens: torch.Tensor  # [B, G] long, on the producing model's device (entries past lengths[b] are padding)
     lengths: torch.Tensor  # [B] long: real tokens per row
     probs: torch.Tensor | None = None  # [B, G, V] the producing level's distribution at each token; None = one-hot
 

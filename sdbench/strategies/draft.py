@@ -18,7 +18,8 @@ def draft_tokens(runner, cache, prefix: CachedPrefix, ctx: torch.Tensor, lens: l
 
     One forward feeds each row's context the cache has not seen (one token, or two after a fully accepted
     step, or more after an idle spell) and gives the first draft; then one forward per further draft.
-    Returns tokens [B, gamma] on the host and, under sampling, the draft distributions [B, gamma, V]."""
+    Returns tokens [B, gamma] on the model's device and, under sampling, the draft distributions [B, gamma, V].
+    Nothing here waits for the device: the tokens the cache was fed are read back lazily (CachedPrefix)."""
     prefix.agree(ctx, lens)
     feed, start, todo = prefix.unseen(ctx, lens)
     logits = runner.forward(cache, feed, start, at=torch.tensor(todo) - 1)
@@ -30,7 +31,7 @@ def draft_tokens(runner, cache, prefix: CachedPrefix, ctx: torch.Tensor, lens: l
         probs.append(p)
         if i + 1 < gamma:
             logits = runner.forward(cache, x[:, None], [n + i for n in lens])[:, 0]
-    tokens = torch.stack(drafted, 1).cpu()  # the one wait for the device while drafting
+    tokens = torch.stack(drafted, 1)  # left on the device: drafting never waits for it
     prefix.wrote(tokens[:, : gamma - 1], list(lens))  # the last draft is not fed: it has no successor yet
     return tokens, None if sampling.greedy else torch.stack(probs, 1)
 
