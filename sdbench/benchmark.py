@@ -185,7 +185,8 @@ class Bench:
             # made here and reused by the measured batches
             warm = [encoded[i][:WARMUP_PROMPT_TOKENS] for i in batches[0]]
             for _, prop in (("baseline", Autoregressive()),) * cfg.baseline + tuple(variants):
-                longest = max(needed_capacity([encoded[i] for i in idx], cfg.max_new_tokens, prop) for idx in batches)
+                longest = max(needed_capacity([encoded[i] for i in idx], cfg.max_new_tokens, prop.max_lookahead)
+                              for idx in batches)
                 self._generate(pair, prop, warm, min(cfg.warmup_tokens, cfg.max_new_tokens), cfg.sampling.seed,
                                capacity=longest)
         roles = (("baseline", Autoregressive()),) * cfg.baseline + tuple(variants)

@@ -58,9 +58,9 @@ class DecodeState:
         return len(new)
 
 
-def needed_capacity(prompts: list[list[int]], max_new_tokens: int, proposer: Proposer) -> int:
+def needed_capacity(prompts: list[list[int]], max_new_tokens: int, lookahead: int) -> int:
     """KV slots a generation may write: the longest prompt, the new tokens, one step's drafts, and slack."""
-    return max(len(p) for p in prompts) + max_new_tokens + proposer.max_lookahead + 2
+    return max(len(p) for p in prompts) + max_new_tokens + lookahead + 2
 
 
 def generate(target, proposer: Proposer, prompts: list[list[int]], *, max_new_tokens: int,
@@ -72,7 +72,7 @@ def generate(target, proposer: Proposer, prompts: list[list[int]], *, max_new_to
     caches and their CUDA graphs are made during the warm-up and reused by the measured batches)."""
     if max_new_tokens < 1:
         raise SdbenchError(f"--max-new-tokens must be at least 1 (got {max_new_tokens})")
-    capacity = max(capacity, needed_capacity(prompts, max_new_tokens, proposer))
+    capacity = max(capacity, needed_capacity(prompts, max_new_tokens, proposer.max_lookahead))
     state = DecodeState(prompts, max_new_tokens, capacity, eos_ids, sampling, generator)
     rows = [RowStats() for _ in prompts]
 

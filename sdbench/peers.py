@@ -13,7 +13,7 @@ from rich.console import Console
 from rich.table import Table
 
 from sdbench.config import SamplingConfig
-from sdbench.decode import generate
+from sdbench.decode import generate, needed_capacity
 from sdbench.metrics import now, rate
 from sdbench.strategies.autoregressive import Autoregressive
 from sdbench.strategies.draft import DraftModel
@@ -112,7 +112,7 @@ def run_peers(target: str, draft: str, dataset: str, limit: int, max_new: int, g
     runner = ModelRunner(tgt.model, target, fast=True)
     d_runner = runner if drf is tgt else ModelRunner(drf.model, draft, fast=True)
     fast = (" (CUDA graphs)" if runner.graphs else " (fast)") if runner.fast else ""
-    room = max(len(p) for p in prompts) + max_new + gamma + 2
+    room = needed_capacity(prompts, max_new, gamma)  # the most any system here looks ahead is gamma
     systems = [
         ("transformers generate", _hf(tgt.model, max_new, eos)),
         ("sdbench autoregressive (no fast path)", _ours(plain, Autoregressive, max_new, eos, room)),
