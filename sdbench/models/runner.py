@@ -20,6 +20,12 @@ from sdbench.models import cpufast
 from sdbench.models.graphs import CAPACITY_STEP, CachePool, StaticForward
 
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
+def _pick(x: torch.Tensor, at: torch.Tensor) -> torch.Tensor:
+    """x[b, at[b]] for at [B], or x[b, at[b, k]] for at [B, K]."""
+    rows = torch.arange(x.shape[0], device=x.device)
+    return x[rows if at.dim() == 1 else rows[:, None], at.to(x.device)]
+
+
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
@@ -174,16 +180,13 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, cache: KVCache, tokens: torch.Tensor, start: list[int],
                 at: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits [B, T, V] (float32), or [B, V] at in-chunk index at[b] when `at` is given."""
+        """Logits [B, T, V] (float32), or only at in-chunk indices `at`: [B] -> [B, V], [B, K] -> [B, K, V]
+        (eagerly, the vocabulary projection then runs only there: it costs as much as a few layers)."""
         if self.static and hasattr(cache, "static_kv_len"):
             logits = self._static_forward(cache, tokens, start)
-            if at is not None:
-                logits = logits[torch.arange(logits.shape[0], device=logits.device), at.to(logits.device)]
-            return logits
+            return logits if at is None else _pick(logits, at)
         h = self.hidden(cache, tokens, start)
-        if at is not None:
-            h = h[torch.arange(h.shape[0], device=h.device), at.to(h.device)]
-        return self.logits(h)
+        return self.logits(h if at is None else _pick(h, at))
 
     def _static_forward(self, cache, tokens: torch.Tensor, start: list[int]) -> torch.Tensor:
         B, T = tokens.shape

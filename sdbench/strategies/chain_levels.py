@@ -152,12 +152,9 @@ class ModelLevel:
         t0 = now(self.runner.device)
         self.prefix.agree(ctx, lens)
         tokens, start, todo = self.prefix.unseen(ctx, lens, block)
-        hidden = self.runner.hidden(self.cache, tokens, start)
-        self.prefix.wrote(tokens, start)
         at = (torch.tensor(todo) - 1)[:, None] + torch.arange(block.shape[1] + 1)  # [B, G+1]
-        rows = torch.arange(len(lens))[:, None]
-        # the vocabulary projection only where logits are needed: it costs as much as a few layers
-        logits = self.runner.logits(hidden[rows.to(hidden.device), at.to(hidden.device)])
+        logits = self.runner.forward(self.cache, tokens, start, at=at)
+        self.prefix.wrote(tokens, start)
         self._count(t0)
         return logits
 
