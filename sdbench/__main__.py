@@ -1,3 +1,6 @@
+"""`python -m sdbench` runs the command line, as the `sdbench` script does."""
+
 from sdbench.cli import main
 
-main()
+if __name__ == "__main__":
+    main()

@@ -195,6 +195,7 @@ def predict_magicdec(
     from_results: Annotated[Optional[list[str]], typer.Option("--from", help="magicdec results: fit alpha per budget")] = None,
     device: Device = "auto", dtype: Dtype = "float32",
     out: Annotated[Optional[str], typer.Option(help="folder for the profile as Parquet")] = None,
+    fast: Fast = True,
 ):
     """Profile target, sparse-draft and verify step times; predict the best gamma and budget per batch and
     context, and the critical sequence length above which self-speculation beats plain decoding."""
@@ -203,7 +204,7 @@ def predict_magicdec(
     if not 0.0 <= alpha <= 1.0:
         raise SdbenchError(f"--alpha {alpha}: expected a rate between 0 and 1")
     run_predict(target, parse_gammas(batch), parse_gammas(context), parse_gammas(gamma), parse_gammas(budget),
-                alpha, from_results, device, dtype, out, console)
+                alpha, from_results, device, dtype, out, console, fast=fast)
 
 
 @predict_app.command("chain")

@@ -121,8 +121,11 @@ def alphas_from_results(paths: list[str]) -> dict[int, float]:
 
 
 def run_predict(target: str, batches, contexts, gammas, budgets, alpha: float, from_results, device: str,
-                dtype: str, out: str | None, console) -> list[dict]:
-    """`sdbench predict magicdec`: profile, then print the best settings and critical lengths."""
+                dtype: str, out: str | None, console, fast: bool = True) -> list[dict]:
+    """`sdbench predict magicdec`: profile, then print the best settings and critical lengths.
+
+    The steps are timed through the runner decoding would use (`fast`: CUDA graphs on a GPU), since on a GPU
+    an eager step of a small model is launch-bound and would hide what the cache sizes cost."""
     import pandas as pd
     from rich.progress import Progress
     from rich.table import Table
@@ -134,7 +137,7 @@ def run_predict(target: str, batches, contexts, gammas, budgets, alpha: float, f
     dev = resolve_device(device)
     measured = alphas_from_results(from_results) if from_results else {}
     with console.status(f"loading {target}"):
-        runner = ModelRunner(load_model(target, dev, resolve_dtype(dtype, dev)).model, target)
+        runner = ModelRunner(load_model(target, dev, resolve_dtype(dtype, dev)).model, target, fast=fast)
     rows = []
     with Progress(console=console, transient=True) as progress:
         task = progress.add_task("profiling", total=len(batches) * len(contexts))

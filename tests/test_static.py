@@ -268,3 +268,26 @@ def test_cached_prefix_reads_drafted_tokens_back_lazily():
     assert prefix.fed == [5, 4]
     tokens, start, todo = prefix.unseen(ctx, [6, 7])
     assert start == [5, 4] and todo == [1, 3] and tokens.tolist() == [[6, 0, 0], [9, 9, 9]]
+
+
+
+def test_cost_model_times_through_the_graphs(fake_graphs):
+    """`predict magicdec` times the forwards decoding would run: one capture per (cache, width), then replays."""
+    from sdbench.costmodel import profile
+
+    runner, log = fake_graphs
+    p = profile(runner, 2, 48, gammas=(1, 3), budgets=(8,))
+    assert p.target_s > 0 and set(p.verify_s) == {1, 3} and set(p.draft_s) == {8}
+    # dense cache: widths 1, 2 and 4; sparse cache: width 1; every later call of the same width is a replay
+    assert log.count("capture") == 4 and log.count("replay") > 4
+
+
+@pytest.mark.cuda
+@cuda
+def test_cost_model_profiles_with_real_cuda_graphs():
+    from sdbench.costmodel import profile
+
+    runner = ModelRunner(tiny_model(0).to("cuda"), "graphed", fast=True)
+    p = profile(runner, 2, 300, gammas=(1, 3), budgets=(64,))
+    assert runner.graphs, "a capture failed or disagreed with the eager forward"
+    assert p.target_s > 0 and set(p.draft_s) == {64}
