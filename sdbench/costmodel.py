@@ -30,7 +30,7 @@ class Profile:
     draft_s: dict  # budget -> T_D: one decode step through a sparse cache of that budget
 
 
-def _median_time(fn, device, reps: int = 5, warmup: int = 2) -> float:
+def median_time(fn, device, reps: int = 5, warmup: int = 2) -> float:
     for _ in range(warmup):
         fn()
     times = []
@@ -63,15 +63,15 @@ def profile(runner, batch: int, context: int, gammas, budgets) -> Profile:
         t.normal_(0, 0.1)
     start = [context] * batch
     one = torch.zeros(batch, 1, dtype=torch.long)
-    target_s = _median_time(lambda: runner.forward(dense, one, start), dev)
-    verify_s = {g: _median_time(lambda g=g: runner.forward(dense, torch.zeros(batch, g + 1, dtype=torch.long),
+    target_s = median_time(lambda: runner.forward(dense, one, start), dev)
+    verify_s = {g: median_time(lambda g=g: runner.forward(dense, torch.zeros(batch, g + 1, dtype=torch.long),
                                                            start), dev) for g in gammas}
     draft_s = {}
     for budget in budgets:
         if budget >= context:
             continue  # a budget at least the context is the full cache: no saving to model
         sparse = _random_sparse(runner, batch, context, budget, max(gammas))
-        draft_s[budget] = _median_time(lambda s=sparse: runner.forward(s, one, start), dev)
+        draft_s[budget] = median_time(lambda s=sparse: runner.forward(s, one, start), dev)
     return Profile(batch, context, target_s, verify_s, draft_s)
 
 

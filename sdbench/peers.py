@@ -6,7 +6,8 @@ are counted from the ids it returns, and outputs are compared token for token.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import statistics
+from dataclasses import dataclass, field
 
 import torch
 from rich.console import Console
@@ -23,29 +24,41 @@ from sdbench.strategies.ngram import NGram
 @dataclass
 class Measured:
     system: str
-    tokens: int
-    seconds: float
-    outputs: list[list[int]]
+    fast: bool  # runs on the packed (fast-path) weights; the others on plain ones
+    tokens: list[int] = field(default_factory=list)  # per repeat, over all prompts
+    seconds: list[float] = field(default_factory=list)
+    outputs: list[list[int]] = field(default_factory=list)  # the first repeat's, per prompt
+
+    def rates(self) -> list[float]:
+        return [rate(t, s) for t, s in zip(self.tokens, self.seconds)]
 
     @property
     def tokens_per_s(self) -> float:
-        return rate(self.tokens, self.seconds)
+        return statistics.median(self.rates())
 
 
-def _measure(systems: list, prompts: list[list[int]], repeats: int, device, status) -> list[Measured]:
+def _measure(systems: list, prompts: list[list[int]], repeats: int, device, status, weights) -> list[Measured]:
     """Each prompt through every system in turn, `repeats` times: drift in the machine's speed then falls
-    on all systems alike instead of on whichever ran last."""
-    results = [Measured(name, 0, 0.0, []) for name, _ in systems]
-    for name, fn in systems:
+    on all systems alike instead of on whichever ran last. weights(fast) readies the models' weights before
+    a system's clock starts (the fast path's packed ones or plain ones); the systems on plain weights run
+    first for each prompt, so the weights change twice a prompt."""
+    results = [Measured(name, fast) for name, _, fast in systems]
+    order = sorted(zip(results, systems), key=lambda pair: pair[0].fast)
+    for m, (_, fn, _) in order:
+        weights(m.fast)
         fn(prompts[0], 4)  # warm-up, not counted
     for r in range(repeats):
+        for m in results:
+            m.tokens.append(0)
+            m.seconds.append(0.0)
         for i, p in enumerate(prompts):
             status.update(f"measuring: repeat {r + 1}/{repeats}, prompt {i + 1}/{len(prompts)}")
-            for m, (_, fn) in zip(results, systems):
+            for m, (_, fn, _) in order:
+                weights(m.fast)
                 t0 = now(device)
                 out = fn(p, None)
-                m.seconds += now(device) - t0
-                m.tokens += len(out)
+                m.seconds[-1] += now(device) - t0
+                m.tokens[-1] += len(out)
                 if r == 0:
                     m.outputs.append(out)
     return results
@@ -92,9 +105,49 @@ def weight_bytes(model) -> int:
     return total
 
 
+def cost_ratios(runner, draft, prompts: list[list[int]], gamma: int) -> tuple[float, float]:
+    """(T(gamma + 1 tokens) / T(1 token) of the target, one draft forward / one target forward), each the
+    median over the prompts of forwards at the prompt's end, as a verification and a decode step see them."""
+    from sdbench.costmodel import median_time
+
+    verify, c = [], []
+    for p in prompts:
+        times = []
+        for r in (runner, draft):
+            cache = r.new_cache(1, len(p) + gamma + 2)
+            r.prefill(cache, [p])
+            one = median_time(lambda: r.forward(cache, torch.tensor([p[-1:]]), [len(p)]), r.device)
+            times.append(one)
+            if r is runner:
+                wide = torch.tensor([(p * (gamma + 1))[: gamma + 1]])
+                verify.append(median_time(lambda: r.forward(cache, wide, [len(p)]), r.device) / one)
+        c.append(times[1] / times[0])
+    return statistics.median(verify), statistics.median(c)
+
+
+def _systems(tgt, drf, runner, plain, d_runner, max_new: int, eos: list[int], room: int, gamma: int) -> list:
+    """(name, fn, on the fast path's weights) for every system, each transformers one before its sdbench peer."""
+    fast = (" (CUDA graphs)" if runner.graphs else " (fast)") if runner.fast else ""
+    on = runner.cpu_fast
+    return [
+        ("transformers generate", _hf(tgt.model, max_new, eos), False),
+        ("sdbench autoregressive (no fast path)", _ours(plain, Autoregressive, max_new, eos, room), False),
+        (f"sdbench autoregressive{fast}", _ours(runner, Autoregressive, max_new, eos, room), on),
+        (f"transformers assisted (γ={gamma})",
+         _hf(tgt.model, max_new, eos, assistant_model=drf.model, num_assistant_tokens=gamma,
+             num_assistant_tokens_schedule="constant"), False),
+        (f"sdbench draft (γ={gamma}){fast}",
+         _ours(runner, lambda: DraftModel(d_runner, gamma), max_new, eos, room), on),
+        (f"transformers prompt lookup (γ={gamma})", _hf(tgt.model, max_new, eos, prompt_lookup_num_tokens=gamma),
+         False),
+        (f"sdbench ngram (γ={gamma}){fast}", _ours(runner, lambda: NGram(gamma), max_new, eos, room), on),
+    ]
+
+
 def run_peers(target: str, draft: str, dataset: str, limit: int, max_new: int, gamma: int, device: str,
-              dtype: str, seed: int, console: Console, repeats: int = 2) -> list[Measured]:
+              dtype: str, seed: int, console: Console, repeats: int = 2, out: str | None = None) -> list[Measured]:
     from sdbench.benchmark import resolve_device, resolve_dtype
+    from sdbench.models import cpufast
     from sdbench.models.loader import check_same_tokenizer, eos_token_ids, load_model
     from sdbench.models.runner import ModelRunner
     from sdbench.tasks import encode_prompt, load_prompts
@@ -108,35 +161,65 @@ def run_peers(target: str, draft: str, dataset: str, limit: int, max_new: int, g
         check_same_tokenizer(tgt.tokenizer, drf.tokenizer, target, draft)
     eos = eos_token_ids(tgt)
     prompts = [encode_prompt(p, tgt.tokenizer) for p in load_prompts(dataset, limit=limit, seed=seed)]
-    plain = ModelRunner(tgt.model, target)
+    models = {id(m): m for m in (tgt.model, drf.model)}.values()
+    plain_bytes = weight_bytes(tgt.model)  # before packing: a packed model's own weights are empty
     runner = ModelRunner(tgt.model, target, fast=True)
     d_runner = runner if drf is tgt else ModelRunner(drf.model, draft, fast=True)
-    fast = (" (CUDA graphs)" if runner.graphs else " (fast)") if runner.fast else ""
-    room = needed_capacity(prompts, max_new, gamma)  # the most any system here looks ahead is gamma
-    systems = [
-        ("transformers generate", _hf(tgt.model, max_new, eos)),
-        ("sdbench autoregressive (no fast path)", _ours(plain, Autoregressive, max_new, eos, room)),
-        (f"sdbench autoregressive{fast}", _ours(runner, Autoregressive, max_new, eos, room)),
-        (f"transformers assisted (γ={gamma})",
-         _hf(tgt.model, max_new, eos, assistant_model=drf.model, num_assistant_tokens=gamma,
-             num_assistant_tokens_schedule="constant")),
-        (f"sdbench draft (γ={gamma}){fast}",
-         _ours(runner, lambda: DraftModel(d_runner, gamma), max_new, eos, room)),
-        (f"transformers prompt lookup (γ={gamma})", _hf(tgt.model, max_new, eos, prompt_lookup_num_tokens=gamma)),
-        (f"sdbench ngram (γ={gamma}){fast}", _ours(runner, lambda: NGram(gamma), max_new, eos, room)),
-    ]
+
+    def weights(fast: bool) -> None:
+        for m in models:
+            if fast:
+                cpufast.enable(m)
+            else:
+                cpufast.disable(m)
+
+    systems = _systems(tgt, drf, runner, ModelRunner(tgt.model, target), d_runner, max_new, eos,
+                       needed_capacity(prompts, max_new, gamma), gamma)
     with console.status("measuring") as status:
-        results = _measure(systems, prompts, repeats, dev, status)
-    roofline = memory_bandwidth(dev) / weight_bytes(tgt.model)
-    console.print(_table(results, roofline, f"{target} / draft {draft}, {dataset} x{limit} x{repeats} repeats, "
-                                            f"{max_new} new tokens, greedy, {dev} {dtype}, "
+        results = _measure(systems, prompts, repeats, dev, status, weights)
+        status.update("measuring the verification and draft cost ratios")
+        weights(True)
+        ratios = cost_ratios(runner, d_runner, prompts, gamma)
+    weights(False)
+    roofline = memory_bandwidth(dev) / plain_bytes
+    console.print(_table(results, roofline, f"{target} / draft {draft}, {dataset} x{len(prompts)} x{repeats} "
+                                            f"repeats, {max_new} new tokens, greedy, {dev} {dtype}, "
                                             f"{torch.get_num_threads()} threads"))
+    console.print(f"verification cost T({gamma + 1} tokens) / T(1 token), {target}: {ratios[0]:.2f}; draft cost "
+                  f"c = T_draft / T_target ({draft}): {ratios[1]:.2f} (fast path, medians over the prompts)",
+                  highlight=False)
+    if out:
+        path = write_bench(results, out, dict(model=target, draft=draft, dataset=dataset, device=str(dev),
+                                              dtype=dtype, verify_cost=ratios[0], draft_cost=ratios[1]))
+        console.print(f"results: {path}", highlight=False)
     return results
+
+
+def write_bench(results: list[Measured], out: str, common: dict):
+    """<out>/bench.parquet: one row per system and repeat, with the environment columns `run` records."""
+    from pathlib import Path
+
+    import pandas as pd
+
+    from sdbench.env import environment
+    from sdbench.results import env_fields
+
+    env = env_fields(environment(common["device"], common["dtype"]))
+    ref = results[0].outputs
+    rows = [{"system": m.system, **common, "repeat": r, "tokens": m.tokens[r], "seconds": m.seconds[r],
+             "tokens_per_s": m.rates()[r], "same_output": m.outputs == ref, "threads": torch.get_num_threads(),
+             **env}
+            for m in results for r in range(len(m.tokens))]
+    path = Path(out)
+    path.mkdir(parents=True, exist_ok=True)
+    pd.DataFrame(rows).to_parquet(path / "bench.parquet", index=False)
+    return path / "bench.parquet"
 
 
 def _table(results: list[Measured], roofline: float, title: str) -> Table:
     table = Table(title=title)
-    for col in ("system", "tokens", "tokens/s", "vs peer", "same output as generate", "of roofline"):
+    for col in ("system", "tokens", "tokens/s (median)", "spread (min-max)", "vs peer", "same output as generate",
+                "of roofline"):
         table.add_column(col, justify="right" if col != "system" else "left")
     ref = results[0].outputs
     peer = None
@@ -144,8 +227,9 @@ def _table(results: list[Measured], roofline: float, title: str) -> Table:
         if m.system.startswith("transformers"):
             peer = m  # each sdbench row is compared with the transformers row above it
         ratio = "" if m is peer else f"{m.tokens_per_s / peer.tokens_per_s:.2f}x"
-        table.add_row(m.system, str(m.tokens), f"{m.tokens_per_s:.1f}", ratio,
-                      "yes" if m.outputs == ref else "no", f"{m.tokens_per_s / roofline:.0%}")
+        rates = m.rates()
+        table.add_row(m.system, str(sum(m.tokens)), f"{m.tokens_per_s:.2f}", f"{min(rates):.2f}-{max(rates):.2f}",
+                      ratio, "yes" if m.outputs == ref else "no", f"{m.tokens_per_s / roofline:.0%}")
     plain = next((m for m in results if "no fast path" in m.system), None)
     fast = next((m for m in results if m is not plain and m.system.startswith("sdbench autoregressive")), None)
     table.caption = f"roofline (weights read once per token at measured bandwidth): {roofline:.1f} tokens/s"

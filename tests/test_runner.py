@@ -47,27 +47,103 @@ def test_overflow_and_unsupported():
         ModelRunner(model, "m")
 
 
-# qwen2: biased q/k/v, fused with their biases; qwen3: per-head q/k norms after the fused product
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral"])
-def test_fast_path_matches_stock_forward(arch):
-    from sdbench.models.cpufast import PACK_MIN_ROWS
+def _tied(model):
+    model.lm_head.weight = model.model.get_input_embeddings().weight
+    return model
+
+
+def _resident() -> int:
+    """Resident bytes of this process, after handing freed heap memory back to the system."""
+    import ctypes
+    import gc
+    import os
+
+    gc.collect()
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _snapshot(model) -> dict:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+# qwen2: biased q/k/v, fused with their biases; qwen3: per-head q/k norms after the fused product;
+# tied: the head reads the embedding table in place (one row through oneDNN, more through W @ x^T)
+@pytest.mark.parametrize("arch,tied", [("llama", False), ("llama", True), ("qwen2", True), ("qwen3", False),
+                                       ("mistral", False)])
+def test_fast_path_matches_stock_forward_at_every_width(arch, tied):
+    from sdbench.models import cpufast
 
     model = tiny_model(6, arch=arch)
+    model = _tied(model) if tied else model
+    before = _snapshot(model)
     stock = ModelRunner(model)
     fast = ModelRunner(model, fast=True)
     if not fast.fast:
-        pytest.skip("neither MKL nor oneDNN is available in this torch build")
-    layer, fused = model.model.layers[0], fast._fast_layers[0]
-    # the separate weights became views of the fused ones: no copy, and the stock forward reads the same
-    assert layer.self_attn.k_proj.weight.data_ptr() == fused.qkv.weight[layer.self_attn.q_proj.weight.shape[0]:].data_ptr()
-    assert ModelRunner(model, fast=True)._fast_layers[0] is fused  # made once per model
-    ids = torch.randint(0, VOCAB, (2, 14), generator=torch.Generator().manual_seed(4))
-    a, b = stock.new_cache(2, 32), fast.new_cache(2, 32)
-    torch.testing.assert_close(fast.prefill(b, ids[:, :9].tolist()), stock.prefill(a, ids[:, :9].tolist()),
-                               atol=1e-4, rtol=1e-4)
-    for width in (1, PACK_MIN_ROWS // 2, 5):  # 2, 4 and 10 rows: stock and packed products
-        torch.testing.assert_close(fast.forward(b, ids[:, 9 : 9 + width], [9, 9]),
-                                   stock.forward(a, ids[:, 9 : 9 + width], [9, 9]), atol=1e-4, rtol=1e-4)
+        pytest.skip("oneDNN is not available in this torch build")
+    assert ModelRunner(model, fast=True)._fast is fast._fast  # made once per model
+    ids = torch.randint(0, VOCAB, (3, 60), generator=torch.Generator().manual_seed(4))
+    for rows in (1, 3):  # rows x width products: 1..27 rows
+        a, b = stock.new_cache(rows, 64), fast.new_cache(rows, 64)
+        prompts = [ids[r, : 9 - 4 * (r % 2)].tolist() for r in range(rows)]  # different lengths, chunked
+        torch.testing.assert_close(fast.prefill(b, prompts, chunk=4), stock.prefill(a, prompts, chunk=4),
+                                   atol=1e-4, rtol=1e-4)
+        pos = 9
+        for width in range(1, 10):  # decode, a draft's catch-up, verifications up to gamma = 8
+            chunk = ids[:rows, pos : pos + width]
+            want = stock.forward(a, chunk, [pos] * rows)
+            assert not fast._fast.packed  # the stock forward runs on plain weights
+            got = fast.forward(b, chunk, [pos] * rows)
+            assert fast._fast.packed
+            torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+            assert torch.equal(got.argmax(-1), want.argmax(-1))
+            pos += width
+    cpufast.disable(model)
+    for name, value in model.state_dict().items():  # unpacking gives the weights back exactly
+        assert torch.equal(value, before[name]), name
+
+
+def test_fast_path_keeps_one_copy_of_the_weights():
+    """Packed, the modules' own weights are empty and the process holds no more than 1.1x the plain weights."""
+    import os
+
+    from sdbench.models import cpufast
+
+    if not os.path.exists("/proc/self/statm"):
+        pytest.skip("reads the resident size from /proc (Linux, glibc)")
+
+    model = tiny_model(8, hidden=512, layers=4)  # ~80 MB of weights: above allocator noise
+    plain = sum(p.numel() * p.element_size() for p in model.parameters())
+    if cpufast.enable(tiny_model(0)) is None:  # oneDNN's one-time set-up is not the model's memory
+        pytest.skip("oneDNN is not available in this torch build")
+    rss = _resident()
+    cpufast.enable(model)
+    grown = _resident() - rss
+    assert model.model.layers[0].mlp.down_proj.weight.numel() == 0
+    assert model.lm_head.weight.numel() == 0  # untied: packed too
+    assert grown <= 0.1 * plain, f"packing added {grown / plain:.0%} of the weights' {plain} bytes"
+    with cpufast.plain(model):  # plain inside (a library forward, a copy), packed again after
+        assert model.model.layers[0].mlp.down_proj.weight.numel() > 0
+    assert cpufast.fast_model(model).packed
+
+
+def test_fast_path_model_pickles_with_plain_weights():
+    """What a DSI worker receives: plain weights, no opaque tensors; the worker packs its own."""
+    import pickle
+
+    from sdbench.models import cpufast
+
+    model = tiny_model(9)
+    if cpufast.enable(model) is None:
+        pytest.skip("oneDNN is not available in this torch build")
+    with cpufast.plain(model):
+        twin = pickle.loads(pickle.dumps(model))
+    ids = torch.randint(0, VOCAB, (1, 7), generator=torch.Generator().manual_seed(3))
+    assert cpufast.enable(twin) is not None
+    a, b = ModelRunner(model).new_cache(1, 16), ModelRunner(twin, fast=True).new_cache(1, 16)
+    torch.testing.assert_close(ModelRunner(twin, fast=True).prefill(b, ids.tolist()),
+                               ModelRunner(model).prefill(a, ids.tolist()), atol=1e-4, rtol=1e-4)
 
 
 def test_fast_path_is_lossless_and_only_for_cpu_float32(prompts):
@@ -78,8 +154,11 @@ def test_fast_path_is_lossless_and_only_for_cpu_float32(prompts):
 
     fast = ModelRunner(tiny_model(0), fast=True)
     ref = generate(fast, Autoregressive(), prompts, max_new_tokens=16, sampling=SamplingConfig()).output_ids
-    out = generate(fast, DraftModel(fast, 4), prompts, max_new_tokens=16, sampling=SamplingConfig()).output_ids
-    assert out == ref
+    assert ref == generate(ModelRunner(tiny_model(0)), Autoregressive(), prompts, max_new_tokens=16,
+                           sampling=SamplingConfig()).output_ids
+    for gamma in range(1, 9):  # every verification width, the draft's catch-up included
+        out = generate(fast, DraftModel(fast, gamma), prompts, max_new_tokens=16, sampling=SamplingConfig())
+        assert out.output_ids == ref
     assert not ModelRunner(tiny_model(0).to(torch.bfloat16), fast=True).fast
 
 

@@ -1,90 +1,120 @@
-"""The CPU fast path (float32): fewer, larger matrix products, and packed GEMMs for verification widths.
+"""The CPU fast path (float32): fused projections packed for oneDNN, one copy of the weights.
 
-Measured on the 2-core AVX2 machine this project runs on (SmolLM2-135M, one forward at context 100):
-- q/k/v fused into one product and gate/up into another: 7 products per layer become 4 (the separate
-  weights become views of the fused ones, so no memory is added);
-- `F.rms_norm` instead of the module's five-op norm;
-- stock GEMM is near memory speed for 1-3 rows but jumps at 4-5 rows (a 5-row forward cost ~1.6x a 1-row
-  one); MKL's packed GEMM (weights re-laid once for the kernel) keeps 5 rows close to 1 row. Packing is used
-  only from PACK_MIN_ROWS rows, where it wins; below, the stock product is as fast and packed is slower.
-  Packed copies double the weights' memory.
+On this project's machines (2-core AMD EPYC, AVX2; torch 2.13 with MKL 2024.2 and oneDNN 3.12) the stock
+product (MKL) is near memory speed for one row but 2-4x slower for 2-9 rows, the widths a draft's catch-up
+and a verification use. Measured on 2026-11-22, one 1536 -> 17920 product (Qwen2.5-Coder-1.5B's fused
+gate/up), median of 7, rows 1 / 2 / 5 / 8: stock 4.9 / 11.0 / 17.7 / 16.5 ms; `W @ x^T` 5.0 / 5.1 / 6.9 /
+9.2; oneDNN on the plain weight 3.8 / 6.2 / 7.1 / 8.2; oneDNN on its packed layout (packed for 5 rows) 3.8 /
+4.0 / 5.1 / 5.9, with prefill-sized chunks (64 rows) no slower than the others. So:
+
+- q/k/v are fused into one product and gate/up into another (7 products per layer become 4);
+- every fused projection is packed once into oneDNN's layout, which then is the only copy: the modules'
+  own weights are emptied while packed, and `unpack` gives them back exactly (a reorder moves values, it
+  does not round them). A model is packed by the first fast forward and unpacked by the first plain one
+  (the stock runner, or `plain(model)` around a library call), so both can share one model;
+- a vocabulary head tied to the embedding table stays plain, since the lookup needs that table: oneDNN
+  reads it as it is for one row (about memory speed, 2x the stock product) and `W @ x^T` is faster for more;
+  an untied head is packed like the rest;
+- RMSNorm runs as one op (`F.rms_norm`) instead of the module's five.
+
+Packed tensors are opaque (they cannot be pickled or shared between processes): a process that receives a
+model's plain weights builds its own fast path with `enable(model)`.
 """
 
 from __future__ import annotations
 
+import weakref
+from contextlib import contextmanager
+
 import torch
 import torch.nn.functional as F
 
-PACK_MIN_ROWS = 4  # rows (batch x tokens) from which a packed product beats the stock one
-PACK_HINT = 5  # row count the packed layout is tuned for: a verification of gamma = 4
-
-
-def _mkl() -> bool:
-    return torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear")
-
-
-def _onednn() -> bool:
-    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+PACK_HINT = 5  # rows the packed layout is tuned for: a verification of gamma = 4 (also best at 1-9 rows)
+_EMPTY = torch.empty(0)  # what a packed module's own weight holds
+_state: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> FastModel; not pickled with it
 
 
 def available() -> bool:
-    return _mkl() or _onednn()
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
 
 
-class Projection:
-    """y = x W^T + b with the stock product for few rows and a packed one from PACK_MIN_ROWS rows."""
-
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
-        self.weight, self.bias = weight, bias
-        self.mkl = _mkl()
-        if self.mkl:
-            self.packed = torch.ops.mkl._mkl_reorder_linear_weight(weight, PACK_HINT)
-        else:
-            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_HINT)
-
-    def __deepcopy__(self, memo):  # a copied model (e.g. an int8 variant) does not carry the fast path along
-        return None
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.numel() // x.shape[-1]
-        if rows < PACK_MIN_ROWS:
-            return F.linear(x, self.weight, self.bias)
-        if self.mkl:
-            return torch.ops.mkl._mkl_linear(x, self.packed, self.weight, self.bias, rows)
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """oneDNN's product; weight: packed, or a plain [out, in] tensor."""
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
 
-def _fuse(modules: list[torch.nn.Linear]) -> Projection:
-    """One projection over the concatenated weights; the modules' own weights become views into it."""
-    weight = torch.cat([m.weight.detach() for m in modules]).contiguous()
-    bias = None
-    if modules[0].bias is not None:
-        bias = torch.cat([m.bias.detach() for m in modules]).contiguous()
+def _share_rows(modules: list, attr: str, fused: torch.Tensor) -> None:
+    """Each module's `attr` becomes its rows of `fused` (a view: no copy)."""
     row = 0
     for m in modules:
-        n = m.weight.shape[0]
-        m.weight.data = weight[row : row + n]
-        if bias is not None:
-            m.bias.data = bias[row : row + n]
+        n = m.out_features
+        getattr(m, attr).data = fused[row : row + n]
         row += n
-    return Projection(weight, bias)
+
+
+class Packed:
+    """y = x W^T + b, W the modules' weights stacked by rows; while packed, the only copy of them."""
+
+    def __init__(self, modules: list[torch.nn.Linear]):
+        self.modules = modules
+        self.packed = None  # opaque oneDNN tensor, or None while the modules hold plain weights
+        self.bias = None
+        if modules[0].bias is not None:
+            self.bias = torch.cat([m.bias.detach() for m in modules]).contiguous()
+            _share_rows(modules, "bias", self.bias)
+
+    def pack(self) -> None:
+        weights = [m.weight.detach() for m in self.modules]
+        plain = weights[0] if len(weights) == 1 else torch.cat(weights)
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(plain.contiguous(), PACK_HINT)
+        for m in self.modules:
+            m.weight.data = _EMPTY
+
+    def unpack(self) -> None:
+        _share_rows(self.modules, "weight", self.packed.to_dense())
+        self.packed = None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return _linear(x, self.packed, self.bias)
+
+
+class TiedHead:
+    """The vocabulary head over the embedding table, read in place (never packed)."""
+
+    def __init__(self, lm_head: torch.nn.Linear):
+        self.lm_head = lm_head
+
+    def pack(self) -> None:
+        pass
+
+    unpack = pack
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # x [..., H] -> [..., V]
+        weight, bias = self.lm_head.weight, self.lm_head.bias
+        rows = x.reshape(-1, x.shape[-1])
+        if rows.shape[0] == 1:
+            return _linear(x, weight, bias)
+        y = (weight @ rows.T).T.contiguous()
+        if bias is not None:
+            y += bias
+        return y.view(*x.shape[:-1], weight.shape[0])
 
 
 class FastLayer:
-    """A decoder layer's projections, fused: qkv, o, gate_up (None for a non-gated MLP), down."""
+    """A decoder layer's projections: qkv, o, gate_up (None for a non-gated MLP), down."""
 
     def __init__(self, layer):
         attn, mlp = layer.self_attn, layer.mlp
-        self.qkv = _fuse([attn.q_proj, attn.k_proj, attn.v_proj])
-        self.o = Projection(attn.o_proj.weight.detach(), attn.o_proj.bias)
+        self.qkv = Packed([attn.q_proj, attn.k_proj, attn.v_proj])
+        self.o = Packed([attn.o_proj])
         self.gated = hasattr(mlp, "gate_proj")
-        self.gate_up = _fuse([mlp.gate_proj, mlp.up_proj]) if self.gated else None
-        self.down = Projection(mlp.down_proj.weight.detach(), mlp.down_proj.bias) if self.gated else None
+        self.gate_up = Packed([mlp.gate_proj, mlp.up_proj]) if self.gated else None
+        self.down = Packed([mlp.down_proj]) if self.gated else None
         self.act = mlp.act_fn if self.gated else None
-        self.intermediate = mlp.gate_proj.weight.shape[0] if self.gated else 0
+        self.intermediate = mlp.gate_proj.out_features if self.gated else 0
 
-    def __deepcopy__(self, memo):
-        return None
+    def projections(self) -> list:
+        return [p for p in (self.qkv, self.o, self.gate_up, self.down) if p is not None]
 
     def mlp(self, mlp, x: torch.Tensor) -> torch.Tensor:
         if not self.gated:
@@ -93,32 +123,81 @@ class FastLayer:
         return self.down(self.act(gate) * up)
 
 
-def _projections(layer) -> list:
+class FastModel:
+    """A model's fast path: its layers' projections and its head, packed or not as a whole."""
+
+    def __init__(self, model):
+        self.layers = [FastLayer(layer) for layer in model.model.layers]
+        head, embed = model.lm_head, model.model.get_input_embeddings()
+        self.head = TiedHead(head) if head.weight is embed.weight else Packed([head])
+        self.packed = False
+
+    def _projections(self) -> list:
+        return [p for layer in self.layers for p in layer.projections()] + [self.head]
+
+    def pack(self) -> None:
+        if not self.packed:
+            for p in self._projections():
+                p.pack()
+            self.packed = True
+
+    def unpack(self) -> None:
+        if self.packed:
+            for p in self._projections():
+                p.unpack()
+            self.packed = False
+
+
+def _projection_modules(layer) -> list:
     attn, mlp = layer.self_attn, layer.mlp
     return [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj,
             *(getattr(mlp, name) for name in ("gate_proj", "up_proj", "down_proj") if hasattr(mlp, name))]
 
 
 def supports(model) -> bool:
-    """Float32 plain linear projections everywhere (not, say, an int8-quantised copy)."""
-    mods = [model.lm_head, *(m for layer in model.model.layers for m in _projections(layer))]
-    return all(type(m) is torch.nn.Linear and m.weight.dtype == torch.float32 for m in mods)
+    """Float32 plain linear projections everywhere (not, say, an int8-quantised copy), on the CPU."""
+    mods = [model.lm_head, *(m for layer in model.model.layers for m in _projection_modules(layer))]
+    return all(type(m) is torch.nn.Linear and m.weight.dtype == torch.float32 and m.weight.device.type == "cpu"
+               for m in mods)
 
 
-def fast_layer(layer) -> FastLayer:
-    """The layer's fused projections, made once per layer (runners sharing a model share them); rebuilt if
-    the layer's weights are no longer the views into them (the weights were replaced)."""
-    found = layer.__dict__.get("_sdbench_fast")
-    if found is None or layer.self_attn.q_proj.weight.data_ptr() != found.qkv.weight.data_ptr():
-        found = layer.__dict__["_sdbench_fast"] = FastLayer(layer)
+def fast_model(model) -> FastModel:
+    """The model's fast path, made once per model (runners sharing a model share it), not yet packed."""
+    found = _state.get(model)
+    if found is None:
+        found = _state[model] = FastModel(model)
     return found
 
 
-def fast_head(lm_head) -> Projection:
-    found = lm_head.__dict__.get("_sdbench_fast")
-    if found is None or found.weight.data_ptr() != lm_head.weight.data_ptr():
-        found = lm_head.__dict__["_sdbench_fast"] = Projection(lm_head.weight.detach(), lm_head.bias)
+def enable(model) -> FastModel | None:
+    """Pack the model for the fast path now (None where it does not apply). A process that received the
+    plain weights (a DSI worker) calls this to build its own."""
+    if not (available() and supports(model)):
+        return None
+    found = fast_model(model)
+    found.pack()
     return found
+
+
+def disable(model) -> None:
+    """Give the model its plain weights back (exactly), e.g. to share or copy them."""
+    found = _state.get(model)
+    if found is not None:
+        found.unpack()
+
+
+@contextmanager
+def plain(model):
+    """The model with plain weights inside the block (a library's own forward, a copy, a pickle), packed
+    again after it if it was packed before."""
+    found = _state.get(model)
+    was = found is not None and found.packed
+    disable(model)
+    try:
+        yield model
+    finally:
+        if was:
+            found.pack()
 
 
 def rms_norm(module, x: torch.Tensor) -> torch.Tensor:

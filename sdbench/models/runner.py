@@ -34,8 +34,9 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 class ModelRunner:
     """Forward over new tokens at given positions, for a Llama-family decoder.
 
-    fast: on CPU in float32, fused projections, packed GEMMs for verification widths and one-op norms
-    (`models/cpufast.py`); on CUDA, decode and verification steps replayed as CUDA graphs over static
+    fast: on CPU in float32, fused projections packed for oneDNN (one copy of the weights) and one-op norms
+    (`models/cpufast.py`): the model is packed by this runner's first forward and unpacked by the first
+    forward of a plain runner on the same model; on CUDA, decode and verification steps replayed as CUDA graphs over static
     shapes (`models/graphs.py`).
     static: use the static-shape forward (pooled caches, attention over the full cache) without capturing
     graphs; defaults to on exactly when graphs are. Tests turn it on to check the graph path's maths on CPU.
@@ -72,8 +73,9 @@ class ModelRunner:
         self.graph_pool = None  # CUDA graphs' shared memory pool, made at the first capture
         self.cpu_fast = bool(fast) and self.device.type == "cpu" and cpufast.available() and cpufast.supports(model)
         self.fast = self.cpu_fast or self.graphs
-        self._fast_layers = [cpufast.fast_layer(layer) for layer in self.layers] if self.cpu_fast else None
-        self._head = cpufast.fast_head(self.lm_head) if self.cpu_fast else self.lm_head
+        self._fast = cpufast.fast_model(model) if self.cpu_fast else None
+        self._fast_layers = self._fast.layers if self.cpu_fast else None
+        self._head = self._fast.head if self.cpu_fast else self.lm_head
 
     def _norm(self, module, x: torch.Tensor) -> torch.Tensor:
         if self.cpu_fast and hasattr(module, "variance_epsilon"):
@@ -139,6 +141,10 @@ class ModelRunner:
             cos_t, sin_t = self._rope_tables(step.kv_len)
         else:
             cos_t, sin_t = self._cos, self._sin
+        if self._fast is not None:
+            self._fast.pack()
+        else:
+            cpufast.disable(self.model)
         cos = cos_t[step.positions][:, None]  # [B, 1, T, D]
         sin = sin_t[step.positions][:, None]
         h = self.decoder.embed_tokens(tokens.to(self.device))

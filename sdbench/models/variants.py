@@ -46,7 +46,10 @@ def quantise_int8(model) -> object:
     if quantize_dynamic is None or qconfig is None:
         raise SdbenchError(f"@int8 needs torch.ao.quantization.quantize_dynamic, which torch {torch.__version__} "
                            "no longer has")
-    copied = copy.deepcopy(model)
+    from sdbench.models import cpufast
+
+    with cpufast.plain(model):  # a packed model's own weights are empty
+        copied = copy.deepcopy(model)
     with warnings.catch_warnings():  # torch announces the API's move to torchao on every call
         warnings.simplefilter("ignore")
         for layer in copied.model.layers:

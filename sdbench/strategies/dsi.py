@@ -64,7 +64,10 @@ class DSI(Proposer):
             raise SdbenchError("strategy 'dsi' decodes greedily only: use --temperature 0")
         if max_new_tokens < 1:
             raise SdbenchError(f"--max-new-tokens must be at least 1 (got {max_new_tokens})")
+        from sdbench.models import cpufast
+
         threads = self.threads or default_threads(self.workers)
+        cpufast.disable(target.model)  # workers receive the plain weights (packed ones cannot be shared)
         pool = get_pool(self.backend, target, self.workers, threads)
         outcomes = []
         try:
