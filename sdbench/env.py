@@ -116,9 +116,9 @@ def _gpu(device: str) -> tuple[str | None, int | None]:
     try:
         import torch
 
-        if not torch.cuda.is_available():
-            return None, None
-        index = torch.device(device).index if device.startswith("cuda") else None
+        if not device.startswith("cuda") or not torch.cuda.is_available():
+            return None, None  # the GPU a run used: none for a CPU run, even on a machine that has one
+        index = torch.device(device).index
         props = torch.cuda.get_device_properties(index or 0)
         return props.name, int(props.total_memory)
     except Exception:  # a broken driver must not stop a CPU run from being recorded

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from sdbench import benchmark
 from sdbench.cli import main
@@ -94,7 +95,7 @@ def test_run_end_to_end_self_draft(capsys, tmp_path):
     for _, row in strat.iterrows():
         assert list(row["output_ids"]) == list(base.loc[row["prompt_id"], "output_ids"])
         assert row["new_tokens"] == len(row["output_ids"])
-    assert df["dataset"].iloc[0] == "mt-bench" and df["device"].iloc[0] == "cpu"
+    assert df["dataset"].iloc[0] == "mt-bench" and df["device"].iloc[0] == ("cuda" if torch.cuda.is_available() else "cpu")  # --device auto
     assert "ALL" in out and "lossless" in out
     code, out, _ = run_cli(capsys, "report", str(tmp_path))
     assert code == 0 and "draft" in out
