@@ -125,8 +125,10 @@ def test_dsi_matches_greedy(pools, target, small_draft, prompts, workers):
         proposer, out = run_dsi(target, draft, prompts, workers)
         assert out.output_ids == ref
         for row, ids, extra in zip(out.rows, out.output_ids, out.extras):
-            assert len(ids) <= row.accepted + row.steps <= len(ids) + 3  # each step commits accepted + 1
-            assert extra["verifications"] == row.steps + extra["cancelled"] + extra["redundant"]
+            # the prompt's verification gives the first token (not a step); each step commits its accepted
+            # drafts plus the target's token, which only the budget or an EOS at the end can cut
+            assert len(ids) - 1 <= row.accepted + row.steps <= len(ids)
+            assert extra["verifications"] == 1 + row.steps + extra["cancelled"] + extra["redundant"]
             assert extra["workers"] == workers and len(extra["busy"]) == workers
             assert all(0.0 <= b <= 1.0 for b in extra["busy"])
             if draft is target:
@@ -164,7 +166,7 @@ def test_rejections_cancel_running_verifications(pools, target, small_draft, pro
                      sampling=GREEDY, generator=None, device=target.device)
     assert row.tokens == ref
     assert row.stats.rejections > 0 and row.extras["cancelled"] > 0
-    assert row.extras["verifications"] == row.stats.steps + row.extras["cancelled"] + row.extras["redundant"]
+    assert row.extras["verifications"] == 1 + row.stats.steps + row.extras["cancelled"] + row.extras["redundant"]
 
 
 def test_ray_backend_matches_greedy(target, small_draft, prompts):
