@@ -134,6 +134,9 @@ def test_dsi_matches_greedy(pools, target, small_draft, prompts, workers):
             if draft is target:
                 assert row.accepted == row.drafted and row.rejections == 0
         assert out.wall_s > 0 and proposer.row_stats(0) == out.extras[0]
+        # prompts decode one after another: the batch's wall time and TTFT both sum theirs
+        assert out.wall_s == pytest.approx(sum(e["wall_s"] for e in out.extras))
+        assert out.ttft_s == pytest.approx(sum(e["ttft_s"] for e in out.extras))
 
 
 def test_dsi_stops_at_eos(pools, target, small_draft, prompts):
