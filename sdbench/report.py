@@ -32,8 +32,9 @@ from rich.text import Text
 
 ALL = "ALL"
 _BATCH = ["run_id", "role", "batch_id", "repeat"]
-_OPTIONAL = {"draft": "", "params": "", "category": "", "lossless": None, "divergence": None, "predicted_speedup": np.nan, "ttft_s": np.nan,
-             "draft_s": np.nan, "verify_s": np.nan, "peak_mem_bytes": np.nan, "drafted": 0, "accepted": 0}
+_OPTIONAL = {"draft": "", "params": "", "category": "", "lossless": None, "predicted_speedup": np.nan, "ttft_s": np.nan,
+             "draft_s": np.nan, "verify_s": np.nan, "peak_mem_bytes": np.nan, "drafted": 0, "accepted": 0,
+             "divergence": None}
 MAX_POSITIONS = 16
 
 

@@ -1,9 +1,10 @@
 """The levels of a polybasic chain below the target: a bottom drafter and the verifying levels above it.
 
 Every level answers `produce(ctx, lens, active, sampling, generator, room) -> Block`: a block of at most
-room[b] tokens (what row b can still commit; None: no limit) continuing each row's context ctx[b, :lens[b]], distributed as that level's own model would sample them (for the bottom
-drafter by construction; for a verifying level because its speculative rounds are lossless). Rows with
-active[b] False may get anything; their tokens are never used.
+room[b] tokens (what row b can still commit; None: no limit) continuing each row's context ctx[b, :lens[b]],
+distributed as that level's own model would sample them (for the bottom drafter by construction; for a
+verifying level because its speculative rounds are lossless). Rows with active[b] False may get anything;
+their tokens are never used.
 
 ctx is a scratch buffer [B, W] shared down the chain: a verifying level writes the tokens it has accepted so
 far at ctx[b, lens[b]:] before asking the level below for more, so each level sees the context as it stands at
