@@ -38,15 +38,16 @@ Fast = Annotated[bool, typer.Option("--fast/--no-fast", help="the runner's fast 
 Resume = Annotated[Optional[str], typer.Option(help="continue an interrupted run: its RUN_ID")]
 
 
-def parse_gammas(text: str | None) -> tuple[int, ...]:
+def parse_gammas(text: str | None, option: str = "--gamma") -> tuple[int, ...]:
+    """Whole numbers from '4' or '1,2,4'; errors name `option`, the option the user typed."""
     if text is None:
         return ()
     try:
         values = tuple(int(x) for x in text.split(",") if x.strip())
     except ValueError:
-        raise SdbenchError(f"--gamma {text}: expected a whole number or a comma-separated list") from None
+        raise SdbenchError(f"{option} {text}: expected a whole number or a comma-separated list") from None
     if not values or len(set(values)) != len(values):
-        raise SdbenchError(f"--gamma {text}: expected distinct whole numbers")
+        raise SdbenchError(f"{option} {text}: expected distinct whole numbers")
     return values
 
 
@@ -143,11 +144,14 @@ def compare(
     baseline: Annotated[str, typer.Argument(help="baseline results: Parquet file or folder")],
     current: Annotated[str, typer.Argument(help="current results: Parquet file or folder")],
     max_regression: Annotated[float, typer.Option(help="percent drop of a median that fails the gate")] = 5.0,
+    across: Annotated[str, typer.Option(help="settings the two sides may differ in, e.g. max-new-tokens,dtype "
+                                             "(max-new-tokens, temperature, top-p, seed, dtype, fast)")] = "",
 ):
-    """Regression gate: tokens/s and speedup deltas per matched prompt; exit 1 on a regression or lossy output."""
+    """Regression gate: tokens/s and speedup deltas per matched prompt; exit 1 on a regression or lossy output,
+    2 on bad input or on results run with different settings (unless --across names them)."""
     from sdbench.compare import run_compare
 
-    run_compare([baseline], [current], max_regression, console)
+    run_compare([baseline], [current], max_regression, console, across)
 
 
 @app.command()
@@ -206,8 +210,8 @@ def predict_magicdec(
 
     if not 0.0 <= alpha <= 1.0:
         raise SdbenchError(f"--alpha {alpha}: expected a rate between 0 and 1")
-    run_predict(target, parse_gammas(batch), parse_gammas(context), parse_gammas(gamma), parse_gammas(budget),
-                alpha, from_results, device, dtype, out, console, fast=fast)
+    run_predict(target, parse_gammas(batch, "--batch"), parse_gammas(context, "--context"), parse_gammas(gamma),
+                parse_gammas(budget, "--budget"), alpha, from_results, device, dtype, out, console, fast=fast)
 
 
 @predict_app.command("chain")

@@ -76,6 +76,10 @@ SCHEMA = pa.schema([
     ("output_ids", pa.list_(pa.int32())),
     ("strategy_stats", _S),  # JSON: the proposer's own per-row figures (Proposer.row_stats)
     ("fast", pa.bool_()),  # the runner's fast path was on (CPU: oneDNN-packed projections)
+    ("max_new_tokens", _I),  # the token budget per prompt (--max-new-tokens)
+    ("divergence", _S),  # lossless false: "tie" (the target's top logits within rounding where the outputs
+    # first differ) or "real"; null otherwise (see sdbench.divergence)
+    ("divergence_gap", _F),  # the target's logit gap there: top logit minus the lower of the two chosen tokens'
 ])
 COLUMNS: tuple[str, ...] = tuple(SCHEMA.names)
 ENV_COLUMNS = ("device", "dtype", "torch_version", "transformers_version", "sdbench_version",

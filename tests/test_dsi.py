@@ -125,13 +125,18 @@ def test_dsi_matches_greedy(pools, target, small_draft, prompts, workers):
         proposer, out = run_dsi(target, draft, prompts, workers)
         assert out.output_ids == ref
         for row, ids, extra in zip(out.rows, out.output_ids, out.extras):
-            assert len(ids) <= row.accepted + row.steps <= len(ids) + 3  # each step commits accepted + 1
-            assert extra["verifications"] == row.steps + extra["cancelled"] + extra["redundant"]
+            # the prompt's verification gives the first token (not a step); each step commits its accepted
+            # drafts plus the target's token, which only the budget or an EOS at the end can cut
+            assert len(ids) - 1 <= row.accepted + row.steps <= len(ids)
+            assert extra["verifications"] == 1 + row.steps + extra["cancelled"] + extra["redundant"]
             assert extra["workers"] == workers and len(extra["busy"]) == workers
             assert all(0.0 <= b <= 1.0 for b in extra["busy"])
             if draft is target:
                 assert row.accepted == row.drafted and row.rejections == 0
         assert out.wall_s > 0 and proposer.row_stats(0) == out.extras[0]
+        # prompts decode one after another: the batch's wall time and TTFT both sum theirs
+        assert out.wall_s == pytest.approx(sum(e["wall_s"] for e in out.extras))
+        assert out.ttft_s == pytest.approx(sum(e["ttft_s"] for e in out.extras))
 
 
 def test_dsi_stops_at_eos(pools, target, small_draft, prompts):
@@ -164,7 +169,7 @@ def test_rejections_cancel_running_verifications(pools, target, small_draft, pro
                      sampling=GREEDY, generator=None, device=target.device)
     assert row.tokens == ref
     assert row.stats.rejections > 0 and row.extras["cancelled"] > 0
-    assert row.extras["verifications"] == row.stats.steps + row.extras["cancelled"] + row.extras["redundant"]
+    assert row.extras["verifications"] == 1 + row.stats.steps + row.extras["cancelled"] + row.extras["redundant"]
 
 
 def test_ray_backend_matches_greedy(target, small_draft, prompts):

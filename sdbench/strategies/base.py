@@ -77,6 +77,13 @@ class Proposer:
         return {}
 
     @classmethod
+    def check(cls, gamma: int, options: dict, drafts: tuple[str, ...], sampling) -> None:
+        """Raise on settings this strategy refuses, before any model loads: options as validated by
+        take_options (defaults filled), drafts the --draft names, sampling the SamplingConfig. `build` (with
+        the models) refuses the same; a strategy whose constructor checks its settings and touches no model
+        builds itself with placeholders here."""
+
+    @classmethod
     def build(cls, ctx: "BuildContext") -> "Proposer":
         """Make the proposer from loaded models and settings (ctx.options already validated)."""
         return cls(ctx.gamma, **ctx.options)
@@ -140,6 +147,12 @@ class Variant:
     label: str = ""
     strategy: str = ""
     drafts: str = ""
+
+
+def need_gamma(strategy: str, gamma: int) -> None:
+    """A strategy that always drafts needs a lookahead of at least one token."""
+    if gamma < 1:
+        raise SdbenchError(f"--gamma must be at least 1 for strategy '{strategy}' (got {gamma})")
 
 
 def take_options(declared: tuple[Option, ...], given: dict, strategy: str) -> dict:
