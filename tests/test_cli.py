@@ -132,3 +132,26 @@ def test_interrupted_run_keeps_finished_batches_and_resumes(capsys, tmp_path, mo
     assert code == 0, err
     df = read_results([tmp_path])
     assert len(df) == 4 and df["prompt_id"].nunique() == 2 and (df["run_id"] == run_id).all()
+
+
+@pytest.mark.slow
+def test_dsi_with_the_fast_path_end_to_end(capsys, tmp_path):
+    """DSI with the defaults (fast path on): the workers build their own fast path from the shared weights."""
+    import json
+    import time
+
+    from sdbench.dsi.pools import shutdown_pools
+
+    t0 = time.monotonic()
+    try:
+        code, _, err = run_cli(capsys, "run", "--target", "smollm2-135m", "--draft", "smollm2-135m", "--strategy",
+                               "dsi", "--set", "workers=2", "--limit", "1", "--max-new-tokens", "16",
+                               "--out", str(tmp_path))
+    finally:
+        shutdown_pools()
+    assert code == 0, err
+    assert time.monotonic() - t0 < 120
+    df = read_results([tmp_path])
+    assert df["fast"].all() and df["lossless"].notna().all() and df["lossless"].all() and len(df) == 2
+    stats = json.loads(df[df["role"] == "strategy"]["strategy_stats"].iloc[0])
+    assert stats["workers"] == 2 and len(stats["busy"]) == 2

@@ -48,13 +48,15 @@ def common_prefix(a: list[int], b: list[int], limit: int) -> int:
 
 
 class TargetWorker:
-    def __init__(self, model, device: str, threads: int, index: int = 0, name: str = "target"):
+    def __init__(self, model, device: str, threads: int, index: int = 0, name: str = "target", fast: bool = False):
+        """fast: build the runner's CPU fast path here, from the received plain weights (packed weights are
+        private to a process and never travel)."""
         from sdbench.models.runner import ModelRunner
 
         if threads > 0:
             torch.set_num_threads(threads)
         self.index = index
-        self.runner = ModelRunner(model.to(device), name)
+        self.runner = ModelRunner(model.to(device), name, fast=fast and device == "cpu")
         self.seq: int | None = None
         self.cache = None
         self.cached: list[int] = []

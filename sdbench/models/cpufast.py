@@ -31,6 +31,10 @@ def available() -> bool:
     return _mkl() or _onednn()
 
 
+def _absent() -> None:
+    return None
+
+
 class Projection:
     """y = x W^T + b with the stock product for few rows and a packed one from PACK_MIN_ROWS rows."""
 
@@ -45,6 +49,9 @@ class Projection:
     def __deepcopy__(self, memo):  # a copied model (e.g. an int8 variant) does not carry the fast path along
         return None
 
+    def __reduce__(self):  # nor does a model sent to another process (packed weights cannot be shared):
+        return _absent, ()  # it arrives without, and a runner there builds its own (DSI workers)
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]
         if rows < PACK_MIN_ROWS:
@@ -54,12 +61,27 @@ class Projection:
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
 
+def _join(parts: list[torch.Tensor]) -> torch.Tensor:
+    """The parts concatenated along dim 0; without a copy when they already lie back to back in one storage
+    (weights fused in another process and shared with this one: DSI workers keep sharing them)."""
+    first = parts[0]
+    offset, adjacent = first.storage_offset(), True
+    for p in parts:
+        adjacent &= (p.is_contiguous() and p.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
+                     and p.storage_offset() == offset)
+        offset += p.numel()
+    if not adjacent:
+        return torch.cat(parts).contiguous()
+    rows = sum(p.shape[0] for p in parts)
+    return first.as_strided((rows, *first.shape[1:]), first.stride(), first.storage_offset())
+
+
 def _fuse(modules: list[torch.nn.Linear]) -> Projection:
     """One projection over the concatenated weights; the modules' own weights become views into it."""
-    weight = torch.cat([m.weight.detach() for m in modules]).contiguous()
+    weight = _join([m.weight.detach() for m in modules])
     bias = None
     if modules[0].bias is not None:
-        bias = torch.cat([m.bias.detach() for m in modules]).contiguous()
+        bias = _join([m.bias.detach() for m in modules])
     row = 0
     for m in modules:
         n = m.weight.shape[0]
@@ -85,6 +107,9 @@ class FastLayer:
 
     def __deepcopy__(self, memo):
         return None
+
+    def __reduce__(self):
+        return _absent, ()
 
     def mlp(self, mlp, x: torch.Tensor) -> torch.Tensor:
         if not self.gated:
