@@ -35,7 +35,7 @@ from sdbench.benchmark import Bench, encode_prompts, load_pair, plan, resolve_de
 from sdbench.config import OBJECTIVES, TuneConfig
 from sdbench.env import environment
 from sdbench.errors import Interrupted, SdbenchError
-from sdbench.paths import presets_dir
+from sdbench.paths import output_dir, presets_dir
 from sdbench.report import ALL, summarize
 from sdbench.results import RunWriter
 from sdbench.strategies import check_options, needs_draft, strategy_registry
@@ -179,8 +179,7 @@ class Tuner:
     def storage(self) -> str:
         if self.cfg.storage:
             return self.cfg.storage
-        Path(self.run.out).mkdir(parents=True, exist_ok=True)
-        return f"sqlite:///{(Path(self.run.out) / 'tune.db').resolve()}"
+        return f"sqlite:///{(output_dir(self.run.out) / 'tune.db').resolve()}"
 
     def open_study(self) -> optuna.Study:
         url = self.storage()

@@ -34,15 +34,44 @@ def one_line_error(code: int, err: str) -> str:
     (["run", "--dtype", "float64"], "--dtype float64"),
     (["run", "--device", "cuda:7"] if not __import__("torch").cuda.is_available() else ["run", "--device", "tpu"],
      "--device"),
+    (["run", "--device", "tpu"], "--device tpu: use cpu, cuda, cuda:N or auto"),
     (["run", "--bogus"], "No such option"),
     (["run", "--resume", "no-such-run"], "no-such-run"),
     (["list", "things"], "cannot list 'things'"),
     (["report", "/nonexistent/results.parquet"], "/nonexistent"),
     (["bench", "--draft", "ngram"], "bench --draft takes a draft model"),
+    (["predict", "magicdec", "--batch", "0"], "--batch 0: every value must be at least 1"),
+    (["predict", "magicdec", "--context", "x"], "--context x: expected a whole number"),
+    (["predict", "speedup", "--alpha", "0.5", "--gamma", "0"], "--gamma 0: every value must be at least 1"),
 ])
 def test_bad_input_is_one_line(capsys, tmp_path, argv, expect):
     code, _, err = run_cli(capsys, *argv, *(["--out", str(tmp_path)] if argv[0] == "run" else []))
     assert expect in one_line_error(code, err)
+
+
+def test_unusable_out_folder_is_one_line(capsys, tmp_path):
+    a_file = tmp_path / "results"
+    a_file.write_text("")
+    for out, expect in ((a_file, "a file of that name exists"), ("/proc/sdbench/results", "cannot create the folder")):
+        code, _, err = run_cli(capsys, "run", "--out", str(out))
+        assert f"--out {out}: {expect}" in one_line_error(code, err)
+        code, _, err = run_cli(capsys, "simulate", "dsi", "--grid", "2", "--repeats", "1", "--out", str(out))
+        assert expect in one_line_error(code, err)
+
+
+def test_report_refuses_a_foreign_parquet(capsys, tmp_path):
+    import pandas as pd
+
+    foreign = tmp_path / "other.parquet"
+    pd.DataFrame({"city": ["Oslo"], "population": [709_000]}).to_parquet(foreign)
+    code, _, err = run_cli(capsys, "report", str(foreign))
+    assert "is not an sdbench results file" in one_line_error(code, err)
+
+
+def test_predict_speedup_at_full_acceptance(capsys):
+    code, out, _ = run_cli(capsys, "predict", "speedup", "--alpha", "1", "--gamma", "4", "--draft-cost", "0")
+    assert code == 0
+    assert "5.00" in out and "5.00x" in out  # every draft accepted: Omega = gamma + 1, at no drafting cost
 
 
 def test_unknown_model_is_one_line(capsys, monkeypatch, tmp_path):
@@ -155,3 +184,12 @@ def test_dsi_with_the_fast_path_end_to_end(capsys, tmp_path):
     assert df["fast"].all() and df["lossless"].notna().all() and df["lossless"].all() and len(df) == 2
     stats = json.loads(df[df["role"] == "strategy"]["strategy_stats"].iloc[0])
     assert stats["workers"] == 2 and len(stats["busy"]) == 2
+
+
+@pytest.mark.slow
+def test_magicdec_budget_over_the_context_is_told(capsys, tmp_path):
+    code, out, err = run_cli(capsys, "run", "--strategy", "magicdec", "--set", "budget=4096", "--limit", "1",
+                             "--max-new-tokens", "4", "--no-baseline", "--out", str(tmp_path))
+    assert code == 0, err
+    assert "note: magicdec: --set budget=4096 is at least the longest context" in out
+    assert "plain self-speculation with a full cache" in out
