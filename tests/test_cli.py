@@ -164,18 +164,22 @@ def test_interrupted_run_keeps_finished_batches_and_resumes(capsys, tmp_path, mo
 
 
 @pytest.mark.slow
-def test_dsi_with_the_fast_path_end_to_end(capsys, tmp_path):
-    """DSI with the defaults (fast path on): the workers build their own fast path from the shared weights."""
+@pytest.mark.parametrize("backend", ["process", "ray"])
+def test_dsi_with_the_fast_path_end_to_end(capsys, tmp_path, request, backend):
+    """DSI with the defaults (fast path on), in worker processes and on Ray's local cluster: the workers build
+    their own fast path from the plain weights they receive."""
     import json
     import time
 
     from sdbench.dsi.pools import shutdown_pools
 
+    if backend == "ray":
+        request.getfixturevalue("ray_cluster")
     t0 = time.monotonic()
     try:
         code, _, err = run_cli(capsys, "run", "--target", "smollm2-135m", "--draft", "smollm2-135m", "--strategy",
-                               "dsi", "--set", "workers=2", "--limit", "1", "--max-new-tokens", "16",
-                               "--out", str(tmp_path))
+                               "dsi", "--set", "workers=2", "--set", f"backend={backend}", "--limit", "1",
+                               "--max-new-tokens", "16", "--out", str(tmp_path))
     finally:
         shutdown_pools()
     assert code == 0, err
@@ -183,7 +187,8 @@ def test_dsi_with_the_fast_path_end_to_end(capsys, tmp_path):
     df = read_results([tmp_path])
     assert df["fast"].all() and df["lossless"].notna().all() and df["lossless"].all() and len(df) == 2
     stats = json.loads(df[df["role"] == "strategy"]["strategy_stats"].iloc[0])
-    assert stats["workers"] == 2 and len(stats["busy"]) == 2
+    assert stats["workers"] == 2 and stats["backend"] == backend
+    assert len(stats["busy"]) == 2 and all(0.0 <= b <= 1.0 for b in stats["busy"]) and sum(stats["busy"]) > 0
 
 
 @pytest.mark.slow

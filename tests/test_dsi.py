@@ -206,8 +206,7 @@ def test_a_worker_that_cannot_start_is_named_at_once(target):
     assert time.monotonic() - t0 < 60
 
 
-def test_ray_backend_matches_greedy(target, small_draft, prompts):
-    pytest.importorskip("ray")
+def test_ray_backend_matches_greedy(ray_cluster, target, small_draft, prompts):
     try:
         proposer = DSI(small_draft, 3, workers=2, backend="ray", threads=1)
         out = proposer.generate(target, proposer, prompts[:2], max_new_tokens=NEW, sampling=GREEDY)
@@ -244,8 +243,9 @@ def test_ray_missing_is_a_clear_error(monkeypatch, target):
     from sdbench.dsi.pools import RayPool
     from sdbench.errors import MissingPackageError
 
-    with pytest.raises(MissingPackageError, match="pip install ray"):
+    with pytest.raises(MissingPackageError, match="pip install ray") as missing:
         RayPool(target.model, "t", "cpu", 1)
+    assert "pip install 'sdbench[ray]'" in str(missing.value)
 
 
 def test_a_failure_is_raised_and_the_pool_replaced(pools, target, small_draft, prompts):

@@ -197,7 +197,8 @@ class RayPool:
         try:
             import ray
         except ImportError:
-            raise MissingPackageError("ray", "the DSI Ray backend", "pip install ray") from None
+            raise MissingPackageError("ray", "the DSI Ray backend",
+                                      "pip install 'sdbench[ray]'` or `pip install ray==2.60.0") from None
         if not ray.is_initialized():
             ray.init(include_dashboard=False, log_to_driver=False, ignore_reinit_error=True)
         self.ray, self.model, self.name, self.kind, self.threads = ray, model, name, device_kind, threads
@@ -242,8 +243,11 @@ class RayPool:
             raise WorkerFailed(f"DSI Ray worker failed: {_why(cause)}", str(e)) from None
 
     def close(self) -> None:
-        for actor in self.actors:
-            self.ray.kill(actor)
+        # at exit Ray may already be shut down (its own exit hook runs first): the actors went with it, and
+        # ray.kill would start a fresh local cluster only to fail
+        if self.ray.is_initialized():
+            for actor in self.actors:
+                self.ray.kill(actor)
         self.actors = []
 
 
