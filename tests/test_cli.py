@@ -198,3 +198,40 @@ def test_magicdec_budget_over_the_context_is_told(capsys, tmp_path):
     assert code == 0, err
     assert "note: magicdec: --set budget=4096 is at least the longest context" in out
     assert "plain self-speculation with a full cache" in out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGKILL"])
+def test_a_run_stopped_by_a_signal_resumes_to_every_prompt_once(tmp_path, sig):
+    """A real signal after the first batch is written: SIGINT finalizes what finished, SIGKILL gets no chance
+    to clean up; either way --resume completes the run with every prompt exactly once per role and repeat."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "PYTHONPATH": str(repo)}
+    argv = [sys.executable, "-m", "sdbench", "run", "--limit", "3", "--max-new-tokens", "16", "--repeats", "2",
+            "--out", str(tmp_path)]
+    proc = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 240
+    while not list(tmp_path.glob("*.parts/part-*.parquet")) and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    proc.send_signal(getattr(signal, sig))
+    err = proc.communicate(timeout=120)[1]
+    assert proc.returncode != 0
+    if sig == "SIGINT":
+        assert "interrupted" in err and "--resume" in err
+    run_id = next(tmp_path.glob("*.config.json")).name[: -len(".config.json")]
+    done = read_results([tmp_path])
+    assert 0 < len(done) < 12
+    code = subprocess.run([*argv[:3], "run", "--resume", run_id, "--out", str(tmp_path)], env=env,
+                          capture_output=True, text=True)
+    assert code.returncode == 0, code.stderr
+    df = read_results([tmp_path / f"{run_id}.parquet"])
+    assert len(df) == 12 and not df.duplicated(["role", "prompt_id", "repeat"]).any()
+    assert set(df["role"]) == {"baseline", "strategy"} and df["prompt_id"].nunique() == 3
+    assert df["lossless"].all() and not (tmp_path / f"{run_id}.parts").exists()
