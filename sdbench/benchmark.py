@@ -22,8 +22,9 @@ from sdbench.decode import generate, needed_capacity
 from sdbench.env import environment, peak_memory, reset_peak_memory
 from sdbench.errors import Interrupted, SdbenchError
 from sdbench.metrics import BatchResult, predicted_speedup, row_metrics, speedup
+from sdbench.paths import output_dir
 from sdbench.strategies import (BuildContext, build_variants, check_options, needs_draft, resolve_strategy,
-                                 strategy_registry)
+                                strategy_registry)
 from sdbench.strategies.autoregressive import Autoregressive
 from sdbench.strategies.ngram import DRAFT_NAME as NGRAM_DRAFT
 
@@ -34,7 +35,10 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dev = torch.device(name)
+    try:
+        dev = torch.device(name)
+    except RuntimeError:
+        raise SdbenchError(f"--device {name}: use cpu, cuda, cuda:N or auto") from None
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise SdbenchError("--device cuda was asked for, but torch sees no CUDA device on this machine")
     if dev.type not in ("cpu", "cuda"):
@@ -176,6 +180,7 @@ class Bench:
             self.console.print(note, style="yellow", highlight=False)
         self.device = resolve_device(self.cfg.device)
         self.dtype = resolve_dtype(self.cfg.dtype, self.device)
+        output_dir(self.cfg.out)  # a bad --out fails now, not after the models have loaded
         self._extra: dict = {}  # role -> Variant: configurations a strategy runs beside itself for comparison
 
     def _variants(self, pair: Pair) -> list[tuple[str, object]]:
@@ -206,6 +211,9 @@ class Bench:
         pair = self.pair or load_pair(cfg, self.device, self.dtype, self.console)
         variants = self._variants(pair)
         prompts, encoded = encode_prompts(cfg, pair, max(p.max_lookahead for _, p in variants))
+        context = max(len(e) for e in encoded) + cfg.max_new_tokens
+        for note in dict.fromkeys(n for _, p in variants for n in p.notes(context)):
+            self.console.print(f"note: {note}", highlight=False, soft_wrap=True)
         batches = [list(range(i, min(i + cfg.batch_size, len(prompts)))) for i in range(0, len(prompts),
                                                                                       cfg.batch_size)]
         run_id = cfg.resume or new_run_id(self.choice.name)
@@ -271,8 +279,8 @@ class Bench:
         return Path(self.cfg.out) / f"{run_id}.config.json"
 
     def _save_config(self, run_id: str) -> None:
+        output_dir(self.cfg.out)  # a file or an uncreatable folder is one line, not a traceback
         path = self._config_path(run_id)
-        path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(asdict(self.cfg), indent=2, default=str))
 
     def _common(self, pair: Pair) -> dict:

@@ -38,8 +38,9 @@ Fast = Annotated[bool, typer.Option("--fast/--no-fast", help="the runner's fast 
 Resume = Annotated[Optional[str], typer.Option(help="continue an interrupted run: its RUN_ID")]
 
 
-def parse_gammas(text: str | None, option: str = "--gamma") -> tuple[int, ...]:
-    """Whole numbers from '4' or '1,2,4'; errors name `option`, the option the user typed."""
+def parse_gammas(text: str | None, option: str = "--gamma", low: int | None = None) -> tuple[int, ...]:
+    """Whole numbers from '4' or '1,2,4', distinct, each at least `low` when given; errors name `option`, the
+    option the user typed."""
     if text is None:
         return ()
     try:
@@ -48,6 +49,8 @@ def parse_gammas(text: str | None, option: str = "--gamma") -> tuple[int, ...]:
         raise SdbenchError(f"{option} {text}: expected a whole number or a comma-separated list") from None
     if not values or len(set(values)) != len(values):
         raise SdbenchError(f"{option} {text}: expected distinct whole numbers")
+    if low is not None and min(values) < low:
+        raise SdbenchError(f"{option} {text}: every value must be at least {low}")
     return values
 
 
@@ -188,7 +191,7 @@ def predict_speedup(
     """Expected tokens per step and speedup of draft-model SD under the i.i.d. acceptance model."""
     from sdbench.theory import speedup_table
 
-    console.print(speedup_table(alpha, parse_gammas(gamma), draft_cost, verify_cost))
+    console.print(speedup_table(alpha, parse_gammas(gamma, low=1), draft_cost, verify_cost))
 
 
 @predict_app.command("magicdec")
@@ -210,8 +213,9 @@ def predict_magicdec(
 
     if not 0.0 <= alpha <= 1.0:
         raise SdbenchError(f"--alpha {alpha}: expected a rate between 0 and 1")
-    run_predict(target, parse_gammas(batch, "--batch"), parse_gammas(context, "--context"), parse_gammas(gamma),
-                parse_gammas(budget, "--budget"), alpha, from_results, device, dtype, out, console, fast=fast)
+    run_predict(target, parse_gammas(batch, "--batch", 1), parse_gammas(context, "--context", 1),
+                parse_gammas(gamma, low=1), parse_gammas(budget, "--budget", 1), alpha, from_results, device, dtype,
+                out, console, fast=fast)
 
 
 @predict_app.command("chain")

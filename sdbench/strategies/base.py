@@ -71,6 +71,11 @@ class Proposer:
         """The settings recorded with every result row."""
         return {"gamma": self.gamma}
 
+    def notes(self, context_tokens: int) -> list[str]:
+        """What the user should be told before a run whose contexts reach `context_tokens` (prompt plus new
+        tokens): settings that are accepted but do something other than their name suggests."""
+        return []
+
     def row_stats(self, b: int) -> dict:
         """Strategy-specific figures for row b of the generation that just ended (JSON-able), recorded in
         the `strategy_stats` column: e.g. a gamma trajectory, per-level counts, worker busy fractions."""

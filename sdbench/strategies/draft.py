@@ -43,6 +43,7 @@ class DraftModel(Proposer):
     every draft was accepted), then drafts."""
 
     name = "draft"
+    full_budget = "the draft runs as with a dense cache"  # what a budget covering the whole context amounts to
     options = (
         Option("draft_kv", "dense", "draft KV cache: dense, or a fixed-size sparse view: streamingllm, snapkv", str),
         Option("budget", 256, "sparse draft cache: tokens attended"),
@@ -88,6 +89,13 @@ class DraftModel(Proposer):
         sp = self.sparse
         return {"gamma": self.gamma, "draft_kv": sp.selector, "budget": sp.budget,
                 **({"sink": sp.sink} if sp.selector == "streamingllm" else {"window": sp.window})}
+
+    def notes(self, context_tokens: int) -> list[str]:
+        sp = self.sparse
+        if sp is None or sp.budget < context_tokens:
+            return []
+        return [f"{self.name}: --set budget={sp.budget} is at least the longest context ({context_tokens} tokens), so "
+                f"the sparse draft cache keeps every token: {self.full_budget}"]
 
     def propose(self, state, gamma: int | None = None) -> Proposal:
         """gamma: tokens to draft this step; None = the configured lookahead (adaptive callers vary it); never
