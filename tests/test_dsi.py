@@ -193,7 +193,7 @@ def test_dsi_matches_greedy_with_the_cpu_fast_path(pools, target, small_draft, p
     finally:
         for pool in fast_pools:
             discard_pool(pool)
-    assert cpufast.fast_layer(fast_target.layers[0]) is fast_target._fast_layers[0]  # ours untouched
+    assert cpufast.fast_model(fast_target.model) is fast_target._fast  # ours untouched
 
 
 def test_a_worker_that_cannot_start_is_named_at_once(target):
