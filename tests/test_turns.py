@@ -8,51 +8,42 @@ from rich.console import Console
 
 from sdbench import tasks
 from sdbench.data import Prompt
-from sdbench.data.passkey import answer_found, passkey_prompts, spread_depths
+from sdbench.data.passkey import INTRO, NEEDLE, QUESTION, answer_found, passkey_prompts, spread_depths
 from sdbench.errors import SdbenchError
 from sdbench.report import print_report, summarize
 from sdbench.results import COLUMNS, RunWriter, read_results
 from sdbench.tasks import dataset_available, dataset_label, encode_prompt, load_prompts
 from sdbench.turns import Conversations
-from tests.test_tasks import CHAT_TEMPLATE, _train_tokenizer
+from tests.test_tasks import bos_tokenizer, offline  # noqa: F401 (fixtures)
 
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return _train_tokenizer(bos=True)
-
-
-@pytest.fixture(autouse=True)
-def offline(monkeypatch, tmp_path_factory):
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setenv("SDBENCH_CACHE", str(tmp_path_factory.getbasetemp() / "cache"))
-    monkeypatch.delenv("SDBENCH_PG19_PATH", raising=False)
+CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|assistant|>{% endif %}")
 
 
 TWO = Prompt(id="t/1", category="writing", turns=("Write of Noah.", "Now shorter."))
 ONE = Prompt(id="t/2", category="qa", turns=("Who was Moses?",))
 
 
-def test_a_later_turn_holds_the_earlier_turn_and_its_answer(tokenizer):
-    tokenizer.chat_template = CHAT_TEMPLATE
+def test_a_later_turn_holds_the_earlier_turn_and_its_answer(bos_tokenizer):
+    bos_tokenizer.chat_template = CHAT_TEMPLATE
     try:
-        talk = Conversations([TWO, ONE], tokenizer)
+        talk = Conversations([TWO, ONE], bos_tokenizer)
         assert talk.count == [2, 1] and talk.most == 2 and talk.members([0, 1], 1) == [0]
         first = talk.encode(0, 0)
-        assert first == encode_prompt(TWO, tokenizer)
-        answer = tokenizer("And God spake unto Noah", add_special_tokens=False)["input_ids"] + [1]  # + EOS
+        assert first == encode_prompt(TWO, bos_tokenizer)
+        answer = bos_tokenizer("And God spake unto Noah", add_special_tokens=False)["input_ids"] + [1]  # + EOS
         talk.record([0, 1], 0, [answer, [5]])
-        text = tokenizer.decode(talk.encode(0, 1))
+        text = bos_tokenizer.decode(talk.encode(0, 1))
         assert text.index("Write of Noah.") < text.index("And God spake unto Noah") < text.index("Now shorter.")
         assert text.count("<|user|>") == 2 and text.count("<|assistant|>") == 2 and "</s>" not in text
         assert len(talk.encode(0, 1)) <= talk.longest(max_new_tokens=len(answer))
     finally:
-        tokenizer.chat_template = None
+        bos_tokenizer.chat_template = None
 
 
-def test_turns_without_a_chat_template_are_paragraphs(tokenizer):
-    ids = encode_prompt(TWO, tokenizer, ["He built an ark."])
-    assert tokenizer.decode(ids, skip_special_tokens=True) == "Write of Noah.\n\nHe built an ark.\n\nNow shorter."
+def test_turns_without_a_chat_template_are_paragraphs(bos_tokenizer):
+    ids = encode_prompt(TWO, bos_tokenizer, ["He built an ark."])
+    assert bos_tokenizer.decode(ids, skip_special_tokens=True) == "Write of Noah.\n\nHe built an ark.\n\nNow shorter."
 
 
 def test_turns_option_caps_the_conversation():
@@ -69,41 +60,42 @@ def test_mt_bench_prompts_carry_both_turns():
 
 
 @pytest.mark.parametrize("prompt_len", [300, 1000])
-def test_passkey_prompts_are_exact_with_the_key_at_its_depth(tokenizer, prompt_len):
-    prompts = load_prompts("passkey", limit=3, seed=2, prompt_len=prompt_len, tokenizer=tokenizer)
+def test_passkey_prompts_are_exact_with_the_key_at_its_depth(bos_tokenizer, prompt_len):
+    prompts = load_prompts("passkey", limit=3, seed=2, prompt_len=prompt_len, tokenizer=bos_tokenizer)
     assert [p.depth for p in prompts] == [0.0, 0.5, 1.0]
     assert [p.category for p in prompts] == ["depth 0%", "depth 50%", "depth 100%"]
     for p in prompts:
-        assert len(p.input_ids) == prompt_len and p.input_ids[0] == tokenizer.bos_token_id and not p.chat
-        text = tokenizer.decode(p.input_ids, skip_special_tokens=True)
+        assert len(p.input_ids) == prompt_len and p.input_ids[0] == bos_tokenizer.bos_token_id and not p.chat
+        text = bos_tokenizer.decode(p.input_ids, skip_special_tokens=True)
         assert text.endswith("What is the pass key? The pass key is") and text.count(p.answer) == 2
-        where = text.index(f"The pass key is {p.answer}") / len(text)
-        assert abs(where - p.depth) < 0.15
+        start, end = len(INTRO), len(text) - len(QUESTION) - len(NEEDLE.format(key=p.answer))  # book text
+        where = (text.index(f"The pass key is {p.answer}") - start) / (end - start)
+        assert abs(where - p.depth) < 0.08
     assert len({p.answer for p in prompts}) == 3 and len({p.id for p in prompts}) == 3
-    assert prompts == load_prompts("passkey", limit=3, seed=2, prompt_len=prompt_len, tokenizer=tokenizer)
+    assert prompts == load_prompts("passkey", limit=3, seed=2, prompt_len=prompt_len, tokenizer=bos_tokenizer)
 
 
-def test_passkey_depths_given_and_checked(tokenizer):
-    prompts = load_prompts("passkey", limit=3, prompt_len=400, tokenizer=tokenizer, depths=(0.25,))
+def test_passkey_depths_given_and_checked(bos_tokenizer):
+    prompts = load_prompts("passkey", limit=3, prompt_len=400, tokenizer=bos_tokenizer, depths=(0.25,))
     assert {p.depth for p in prompts} == {0.25}
     assert spread_depths(1) == [0.5] and spread_depths(3, (0.0, 1.0)) == [0.0, 1.0, 0.0]
     with pytest.raises(SdbenchError, match="--depth 1.5"):
         spread_depths(2, (1.5,))
 
 
-def test_passkey_needs_a_prompt_len_that_fits(tokenizer):
+def test_passkey_needs_a_prompt_len_that_fits(bos_tokenizer):
     with pytest.raises(SdbenchError, match="needs --prompt-len"):
-        load_prompts("passkey", limit=1, tokenizer=tokenizer)
+        load_prompts("passkey", limit=1, tokenizer=bos_tokenizer)
     with pytest.raises(SdbenchError, match="too short for a passkey prompt"):
-        load_prompts("passkey", limit=1, prompt_len=40, tokenizer=tokenizer)
+        load_prompts("passkey", limit=1, prompt_len=40, tokenizer=bos_tokenizer)
 
 
-def test_passkey_answer_is_checked(tokenizer):
-    prompt = passkey_prompts(list(tasks._books(tasks._resolve("kjv"), None)), "kjv", 1, 0, 300, tokenizer)[0]
-    right = tokenizer(f" {prompt.answer}.", add_special_tokens=False)["input_ids"]
-    wrong = tokenizer(" 12.", add_special_tokens=False)["input_ids"]
-    assert answer_found(prompt, right, tokenizer) is True and answer_found(prompt, wrong, tokenizer) is False
-    assert answer_found(ONE, right, tokenizer) is None
+def test_passkey_answer_is_checked(bos_tokenizer):
+    prompt = passkey_prompts(list(tasks._books(tasks._resolve("kjv"), None)), "kjv", 1, 0, 300, bos_tokenizer)[0]
+    right = bos_tokenizer(f" {prompt.answer}.", add_special_tokens=False)["input_ids"]
+    wrong = bos_tokenizer(" 12.", add_special_tokens=False)["input_ids"]
+    assert answer_found(prompt, right, bos_tokenizer) is True and answer_found(prompt, wrong, bos_tokenizer) is False
+    assert answer_found(ONE, right, bos_tokenizer) is None
 
 
 def test_passkey_is_listed_and_labelled_with_its_haystack():

@@ -78,6 +78,7 @@ def _json(path: Path, text: str) -> Iterator[Record]:
 def _csv(path: Path, text: str) -> Iterator[Record]:
     reader = csv.DictReader(io.StringIO(text, newline=""))
     try:
+        reader.fieldnames  # reads the header row
         start = reader.line_num + 1
         for row in reader:
             if None in row:
@@ -99,7 +100,7 @@ def _pick(fields: dict, first: dict, key: str, guesses: tuple[str, ...]) -> str 
 
 
 def _turns(path: Path, line: int, value, name: str) -> tuple[str, ...]:
-    turns = (value,) if isinstance(value, str) else value
+    turns = [value] if isinstance(value, str) else value
     if not isinstance(turns, list) or not all(isinstance(t, str) for t in turns):
         raise SdbenchError(f"{path}:{line}: field '{name}' must be a string or a list of strings")
     if not turns or not turns[0].strip():

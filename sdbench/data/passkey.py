@@ -16,7 +16,7 @@ INTRO = ("There is an important piece of information hidden inside a lot of irre
          "memorize it. I will quiz you about the important information there.\n\n")
 NEEDLE = " The pass key is {key}. Remember it. {key} is the pass key. "
 QUESTION = "\n\nWhat is the pass key? The pass key is"
-SENTENCE_SEARCH = 64  # tokens either side of the depth where the needle may move to follow a full stop
+SENTENCE_SEARCH = 64  # tokens either side of the depth where the needle may move to follow a full stop (at most 5 %)
 
 
 def spread_depths(count: int, depths: tuple[float, ...] = ()) -> list[float]:
@@ -33,7 +33,7 @@ def _sentence_end(hay: list[int], at: int, tokenizer) -> int:
     """The split point nearest `at` that follows a full stop, so the needle reads as a sentence of its own."""
     if at <= 0 or at >= len(hay):
         return at
-    for step in range(SENTENCE_SEARCH):
+    for step in range(min(SENTENCE_SEARCH, len(hay) // 20)):
         for k in (at - step, at + step):
             if 0 < k < len(hay) and tokenizer.decode([hay[k - 1]]).rstrip().endswith("."):
                 return k
