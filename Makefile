@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml requirements-embedded.txt
 	# pinned: on the project's CPU machines this exact version is a local CPU build (any other spec pulls
 	# gigabytes of CUDA wheels); on a GPU runner PyPI's default build of the same version brings CUDA
 	$(BIN)/pip install --quiet torch==2.13.0
-	$(BIN)/pip install --quiet -e ".[dev,plots]"
+	$(BIN)/pip install --quiet -e ".[dev,plots,ray]"
 	$(BIN)/pip install --quiet --no-deps -r requirements-embedded.txt
 	touch $(STAMP)
 

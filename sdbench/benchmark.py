@@ -23,7 +23,9 @@ from sdbench.decode import generate, needed_capacity
 from sdbench.env import environment, peak_memory, reset_peak_memory
 from sdbench.errors import Interrupted, SdbenchError
 from sdbench.metrics import BatchResult, predicted_speedup, row_metrics, speedup
-from sdbench.strategies import BuildContext, build_variants, check_options, needs_draft, resolve_strategy
+from sdbench.paths import output_dir
+from sdbench.strategies import (BuildContext, build_variants, check_options, needs_draft, resolve_strategy,
+                                strategy_registry)
 from sdbench.strategies.autoregressive import Autoregressive
 from sdbench.strategies.ngram import DRAFT_NAME as NGRAM_DRAFT
 
@@ -34,7 +36,10 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dev = torch.device(name)
+    try:
+        dev = torch.device(name)
+    except RuntimeError:
+        raise SdbenchError(f"--device {name}: use cpu, cuda, cuda:N or auto") from None
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise SdbenchError("--device cuda was asked for, but torch sees no CUDA device on this machine")
     if dev.type not in ("cpu", "cuda"):
@@ -62,10 +67,11 @@ class Pair:
 
 
 def load_pair(cfg: RunConfig, device: torch.device, dtype: torch.dtype, console: Console) -> Pair:
-    from sdbench.models.loader import check_same_tokenizer, eos_token_ids, load_model
+    from sdbench.models.loader import eos_token_ids, load_model
     from sdbench.models.runner import ModelRunner
     from sdbench.models.variants import split_variant, variant_runner
 
+    check_tokenizers(cfg)
     with console.status(f"loading target {cfg.target}"):
         target = load_model(cfg.target, device, dtype)
         runner = ModelRunner(target.model, cfg.target, fast=cfg.fast)
@@ -83,10 +89,22 @@ def load_pair(cfg: RunConfig, device: torch.device, dtype: torch.dtype, console:
             continue
         with console.status(f"loading draft {name}"):
             draft = load_model(name, device, dtype)
-        check_same_tokenizer(target.tokenizer, draft.tokenizer, cfg.target, name)
         drafts.append(ModelRunner(draft.model, name, fast=cfg.fast))
     limit = getattr(target.model.config, "max_position_embeddings", None) or 1 << 30
     return Pair(runner, target.tokenizer, drafts, eos_token_ids(target), limit)
+
+
+def check_tokenizers(cfg: RunConfig) -> None:
+    """Refuse a draft model whose tokenizer differs from the target's, loading tokenizers only (no weights)."""
+    from sdbench.models.loader import check_same_tokenizer, load_tokenizer
+    from sdbench.models.variants import split_variant
+
+    bases = {split_variant(name)[0] for name in cfg.drafts if name != NGRAM_DRAFT} - {cfg.target}
+    if not bases:
+        return
+    target = load_tokenizer(cfg.target)
+    for name in sorted(bases):
+        check_same_tokenizer(target, load_tokenizer(name), cfg.target, name)
 
 
 def plan(cfg: RunConfig) -> tuple[RunConfig, object]:
@@ -107,11 +125,29 @@ def plan(cfg: RunConfig) -> tuple[RunConfig, object]:
         raise SdbenchError("--temperature must be >= 0 and --top-p in (0, 1]")
     if cfg.prompt_len is not None and cfg.prompt_len < 1:
         raise SdbenchError(f"--prompt-len must be at least 1 (got {cfg.prompt_len})")
-    check_options(choice.base, cfg.options)
+    options = check_options(choice.base, cfg.options)
+    cfg = replace(cfg, gammas=capped_gammas(cfg.gammas, cfg.max_new_tokens))
+    for gamma in cfg.gammas:
+        strategy_registry.get(choice.base).check(gamma, options, cfg.drafts, cfg.sampling)
     from sdbench.tasks import check_dataset
 
     check_dataset(cfg.dataset, cfg.fields, cfg.depths, cfg.prompt_len)  # an unknown data set or a bad file fails before models load
     return cfg, choice
+
+
+def capped_gammas(gammas: tuple[int, ...], max_new_tokens: int) -> tuple[int, ...]:
+    """Each lookahead capped to the most tokens a step can still commit (every token after the prefill's first),
+    so that what a row records is the lookahead actually used; duplicates the cap makes are dropped."""
+    cap = max(1, max_new_tokens - 1)
+    return tuple(dict.fromkeys(min(g, cap) for g in gammas))
+
+
+def gamma_note(asked: tuple[int, ...], used: tuple[int, ...], max_new_tokens: int) -> str | None:
+    """The one line that says the lookahead was capped, or None when it was not."""
+    if tuple(asked) == tuple(used):
+        return None
+    return (f"note: --gamma {','.join(map(str, asked))} capped to {','.join(map(str, used))}: a step can commit "
+            f"at most {max(1, max_new_tokens - 1)} token(s) with --max-new-tokens {max_new_tokens}")
 
 
 def encode_prompts(cfg: RunConfig, pair: Pair, lookahead: int | None = None):
@@ -141,8 +177,13 @@ class Bench:
         self.console = console or Console()
         self.pair, self.on_batch = pair, on_batch
         self.cfg, self.choice = plan(cfg)
+        asked = cfg.gammas or (self.choice.gamma or DEFAULT_GAMMA,)
+        note = gamma_note(asked, self.cfg.gammas, self.cfg.max_new_tokens)
+        if note:
+            self.console.print(note, style="yellow", highlight=False)
         self.device = resolve_device(self.cfg.device)
         self.dtype = resolve_dtype(self.cfg.dtype, self.device)
+        output_dir(self.cfg.out)  # a bad --out fails now, not after the models have loaded
         self._extra: dict = {}  # role -> Variant: configurations a strategy runs beside itself for comparison
 
     def _variants(self, pair: Pair) -> list[tuple[str, object]]:
@@ -174,6 +215,9 @@ class Bench:
         pair = self.pair or load_pair(cfg, self.device, self.dtype, self.console)
         variants = self._variants(pair)
         prompts, encoded = encode_prompts(cfg, pair, max(p.max_lookahead for _, p in variants))
+        context = max(len(e) for e in encoded) + cfg.max_new_tokens
+        for note in dict.fromkeys(n for _, p in variants for n in p.notes(context)):
+            self.console.print(f"note: {note}", highlight=False, soft_wrap=True)
         batches = [list(range(i, min(i + cfg.batch_size, len(prompts)))) for i in range(0, len(prompts),
                                                                                       cfg.batch_size)]
         run_id = cfg.resume or new_run_id(self.choice.name)
@@ -182,17 +226,11 @@ class Bench:
         done = writer.done_keys() if cfg.resume else set()
         if cfg.resume and not writer.exists():
             raise SdbenchError(f"--resume {run_id}: no such run under {cfg.out}")
-        self._save_config(run_id)
-        with self.console.status("warming up"):
-            # kernels warm up on short inputs as well; a long-context prefill would only cost time here
-            # caches as long as the longest batch needs: static-shape caches and their CUDA graphs are then
-            # made here and reused by the measured batches
-            warm = [encoded[i][:WARMUP_PROMPT_TOKENS] for i in batches[0]]
-            for _, prop in (("baseline", Autoregressive()),) * cfg.baseline + tuple(variants):
-                longest = max(needed_capacity([encoded[i] for i in idx], cfg.max_new_tokens, prop.max_lookahead)
-                              for idx in batches)
-                self._generate(pair, prop, warm, min(cfg.warmup_tokens, cfg.max_new_tokens), cfg.sampling.seed,
-                               capacity=longest)
+        try:
+            self._warm_up(pair, variants, encoded, batches)
+        except KeyboardInterrupt:  # nothing is on disk yet: no run to resume
+            raise Interrupted("interrupted during warm-up: nothing was saved") from None
+        self._save_config(run_id)  # only now: a run that never measured leaves nothing behind
         roles = (("baseline", Autoregressive()),) * cfg.baseline + tuple(variants)
         common = self._common(pair)
         talk = Conversations(prompts, pair.tokenizer, cfg.turns)
@@ -215,9 +253,25 @@ class Bench:
                         if self.on_batch is not None:
                             self.on_batch(rows)
         except KeyboardInterrupt:
+            if not writer.exists():  # no batch finished: forget the run instead of pointing at it
+                self._config_path(run_id).unlink(missing_ok=True)
+                raise Interrupted("interrupted before any batch finished: nothing was saved") from None
             raise Interrupted(f"interrupted: finished prompts are saved in {writer.final_path}; continue with "
                                f"`sdbench run --resume {run_id} --out {cfg.out}`") from None
         return writer.final_path
+
+    def _warm_up(self, pair: Pair, variants, encoded, batches) -> None:
+        """Every configuration once, unmeasured. Kernels warm up on short inputs as well (a long-context prefill
+        would only cost time here), with caches as long as the longest batch needs: static-shape caches and
+        their CUDA graphs are then made here and reused by the measured batches."""
+        cfg = self.cfg
+        with self.console.status("warming up"):
+            warm = [encoded[i][:WARMUP_PROMPT_TOKENS] for i in batches[0]]
+            for _, prop in (("baseline", Autoregressive()),) * cfg.baseline + tuple(variants):
+                longest = max(needed_capacity([encoded[i] for i in idx], cfg.max_new_tokens, prop.max_lookahead)
+                              for idx in batches)
+                self._generate(pair, prop, warm, min(cfg.warmup_tokens, cfg.max_new_tokens), cfg.sampling.seed,
+                               capacity=longest)
 
     def _turn(self, pair: Pair, roles, talk, idx: list[int], turn: int, repeat: int, batch_id: int, common,
               advance) -> list[dict]:
@@ -238,15 +292,19 @@ class Bench:
         for row, i in zip(rows, members * len(roles)):
             row.update(turn=turn + 1, depth=talk.prompts[i].depth,
                        found=answer_found(talk.prompts[i], row["output_ids"], pair.tokenizer))
+        _judge_divergences(pair.target, rows, {talk.prompts[i].id: ids for i, ids in zip(members, batch)})
         return rows
 
     def _progress(self) -> Progress:
         return Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
                         TimeElapsedColumn(), console=self.console, transient=False)
 
+    def _config_path(self, run_id: str) -> Path:
+        return Path(self.cfg.out) / f"{run_id}.config.json"
+
     def _save_config(self, run_id: str) -> None:
-        path = Path(self.cfg.out) / f"{run_id}.config.json"
-        path.parent.mkdir(parents=True, exist_ok=True)
+        output_dir(self.cfg.out)  # a file or an uncreatable folder is one line, not a traceback
+        path = self._config_path(run_id)
         path.write_text(json.dumps(asdict(self.cfg), indent=2, default=str))
 
     def _common(self, pair: Pair) -> dict:
@@ -254,7 +312,7 @@ class Bench:
         return {
             "target": cfg.target, "dataset": _label(cfg), "batch_size": cfg.batch_size,
             "temperature": cfg.sampling.temperature, "top_p": cfg.sampling.top_p, "seed": cfg.sampling.seed,
-            "fast": bool(getattr(pair.target, "fast", False)),
+            "fast": bool(getattr(pair.target, "fast", False)), "max_new_tokens": cfg.max_new_tokens,
         }
 
     def _describe(self, role: str, proposer) -> tuple[str, str, str]:
@@ -286,6 +344,18 @@ class Bench:
                         row["lossless"] = res.output_ids[b] == base.output_ids[b]
                 rows.append(row)
         return rows
+
+
+def _judge_divergences(target, rows: list[dict], prompts: dict) -> None:
+    """Tell a tie from a real divergence on every row whose greedy output differs from the baseline's.
+    prompts: prompt id -> its token ids."""
+    from sdbench.divergence import judge
+
+    base = {r["prompt_id"]: r["output_ids"] for r in rows if r["role"] == "baseline"}
+    for row in rows:
+        if row.get("lossless") is False:
+            pid = row["prompt_id"]
+            row["divergence"], row["divergence_gap"] = judge(target, prompts[pid], base[pid], row["output_ids"])
 
 
 def _gamma(params: str) -> int | None:

@@ -43,15 +43,19 @@ IdField = Annotated[Optional[str], typer.Option("--id-field", help="--dataset FI
 Depth = Annotated[Optional[str], typer.Option("--depth", help="retrieval tasks: where the answer hides, 0 (start) to 1 (end), or a list like 0,0.5,1 [default: spread]")]
 
 
-def parse_gammas(text: str | None) -> tuple[int, ...]:
+def parse_gammas(text: str | None, option: str = "--gamma", low: int | None = None) -> tuple[int, ...]:
+    """Whole numbers from '4' or '1,2,4', distinct, each at least `low` when given; errors name `option`, the
+    option the user typed."""
     if text is None:
         return ()
     try:
         values = tuple(int(x) for x in text.split(",") if x.strip())
     except ValueError:
-        raise SdbenchError(f"--gamma {text}: expected a whole number or a comma-separated list") from None
+        raise SdbenchError(f"{option} {text}: expected a whole number or a comma-separated list") from None
     if not values or len(set(values)) != len(values):
-        raise SdbenchError(f"--gamma {text}: expected distinct whole numbers")
+        raise SdbenchError(f"{option} {text}: expected distinct whole numbers")
+    if low is not None and min(values) < low:
+        raise SdbenchError(f"{option} {text}: every value must be at least {low}")
     return values
 
 
@@ -159,11 +163,14 @@ def compare(
     baseline: Annotated[str, typer.Argument(help="baseline results: Parquet file or folder")],
     current: Annotated[str, typer.Argument(help="current results: Parquet file or folder")],
     max_regression: Annotated[float, typer.Option(help="percent drop of a median that fails the gate")] = 5.0,
+    across: Annotated[str, typer.Option(help="settings the two sides may differ in, e.g. max-new-tokens,dtype "
+                                             "(max-new-tokens, temperature, top-p, seed, dtype, fast)")] = "",
 ):
-    """Regression gate: tokens/s and speedup deltas per matched prompt; exit 1 on a regression or lossy output."""
+    """Regression gate: tokens/s and speedup deltas per matched prompt; exit 1 on a regression or lossy output,
+    2 on bad input or on results run with different settings (unless --across names them)."""
     from sdbench.compare import run_compare
 
-    run_compare([baseline], [current], max_regression, console)
+    run_compare([baseline], [current], max_regression, console, across)
 
 
 @app.command()
@@ -200,7 +207,7 @@ def predict_speedup(
     """Expected tokens per step and speedup of draft-model SD under the i.i.d. acceptance model."""
     from sdbench.theory import speedup_table
 
-    console.print(speedup_table(alpha, parse_gammas(gamma), draft_cost, verify_cost))
+    console.print(speedup_table(alpha, parse_gammas(gamma, low=1), draft_cost, verify_cost))
 
 
 @predict_app.command("magicdec")
@@ -222,8 +229,9 @@ def predict_magicdec(
 
     if not 0.0 <= alpha <= 1.0:
         raise SdbenchError(f"--alpha {alpha}: expected a rate between 0 and 1")
-    run_predict(target, parse_gammas(batch), parse_gammas(context), parse_gammas(gamma), parse_gammas(budget),
-                alpha, from_results, device, dtype, out, console, fast=fast)
+    run_predict(target, parse_gammas(batch, "--batch", 1), parse_gammas(context, "--context", 1),
+                parse_gammas(gamma, low=1), parse_gammas(budget, "--budget", 1), alpha, from_results, device, dtype,
+                out, console, fast=fast)
 
 
 @predict_app.command("chain")

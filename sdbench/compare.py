@@ -1,10 +1,13 @@
 """`sdbench compare BASELINE CURRENT`: a regression gate over two sets of result rows.
 
+Both sides must have been run with the same SETTINGS (token budget, sampling, dtype, fast path): results made
+with different ones are refused (exit 2, one line naming each difference) unless --across names those settings.
 Rows are matched on KEY. Per matched key and metric, each side's repeats give a median m and a median absolute
 deviation (MAD). The change is m_current / m_baseline - 1, and its noise is (MAD_baseline + MAD_current) /
 m_baseline: how far the repeats of the two sides spread. A key regresses on a metric when its drop exceeds
 both --max-regression and the noise, so a drop no larger than the runs' own jitter never fails the gate. Any
-current row whose output differed from plain decoding (lossless false) fails the gate too.
+current row whose output differed from plain decoding (lossless false) fails the gate too, unless it differed
+only from a low-precision tie (divergence "tie", see sdbench.divergence).
 """
 
 from __future__ import annotations
@@ -23,6 +26,9 @@ from sdbench.results import read_results
 
 KEY = ("strategy", "params", "target", "draft", "dataset", "prompt_id", "turn", "batch_size")
 METRICS = ("tokens_per_s", "speedup")
+# column -> the option that sets it, as typed on the command line (and as --across takes it)
+SETTINGS = {"max_new_tokens": "max-new-tokens", "temperature": "temperature", "top_p": "top-p", "seed": "seed",
+            "dtype": "dtype", "fast": "fast"}
 
 
 class RegressionFound(SdbenchError):
@@ -90,9 +96,12 @@ def compare_frames(baseline: pd.DataFrame, current: pd.DataFrame, max_regression
     columns = list(KEY) + ["metric", "baseline", "current", "change", "noise", "n_baseline", "n_current", "regressed"]
     deltas = pd.DataFrame(records, columns=columns)
     lossless = cur["lossless"] if "lossless" in cur else pd.Series(dtype="boolean")
-    lossy = cur[lossless.astype("boolean").fillna(True).eq(False)] if len(lossless) else cur.iloc[:0]
+    broke = lossless.astype("boolean").fillna(True).eq(False).astype(bool)
+    if "divergence" in cur and len(broke):
+        broke &= ~cur["divergence"].eq("tie").fillna(False).astype(bool)
+    lossy = cur[broke] if len(lossless) else cur.iloc[:0]
     notes = []
-    for column in ("hardware", "device", "dtype"):
+    for column in ("hardware", "device"):
         if column in base and column in cur:
             old, new = set(base[column].dropna()), set(cur[column].dropna())
             if old and new and old != new:
@@ -100,6 +109,36 @@ def compare_frames(baseline: pd.DataFrame, current: pd.DataFrame, max_regression
                              f"{', '.join(map(str, new))}")
     return Comparison(deltas, lossy, len(set(base_groups) - set(matched)), len(set(cur_groups) - set(matched)),
                       notes)
+
+
+def different_settings(baseline: pd.DataFrame, current: pd.DataFrame) -> dict[str, tuple[set, set]]:
+    """Option name -> (baseline values, current values) for each SETTINGS column the two sides disagree on
+    (a column either side lacks, as in files older than it, is not compared)."""
+    found = {}
+    for column, option in SETTINGS.items():
+        if column in baseline and column in current:
+            old, new = set(baseline[column].dropna()), set(current[column].dropna())
+            if old and new and old != new:
+                found[option] = (old, new)
+    return found
+
+
+def check_settings(baseline: pd.DataFrame, current: pd.DataFrame, across: str = "") -> None:
+    """Raise (exit 2) when the sides were run with different settings not named in `across`."""
+    allowed = {s.strip().lstrip("-") for s in across.split(",") if s.strip()}
+    unknown = sorted(allowed - set(SETTINGS.values()))
+    if unknown:
+        raise SdbenchError(f"--across {across}: unknown setting '{unknown[0]}' (settings: "
+                           f"{', '.join(SETTINGS.values())})")
+    differ = {k: v for k, v in different_settings(baseline, current).items() if k not in allowed}
+    if differ:
+        said = "; ".join(f"--{k} {_values(old)} vs {_values(new)}" for k, (old, new) in differ.items())
+        raise SdbenchError(f"baseline and current were run with different settings ({said}): pass --across "
+                           f"{','.join(differ)} to compare them anyway")
+
+
+def _values(values: set) -> str:
+    return ",".join(sorted(str(v) for v in values))
 
 
 def _label(row) -> str:
@@ -134,12 +173,19 @@ def comparison_table(result: Comparison, max_regression: float) -> Table:
     return table
 
 
-def run_compare(baseline_paths, current_paths, max_regression_pct: float, console: Console) -> Comparison:
-    """Read both sides, print the table, raise RegressionFound when the gate fails."""
+def run_compare(baseline_paths, current_paths, max_regression_pct: float, console: Console,
+                across: str = "") -> Comparison:
+    """Read both sides, print the table, raise RegressionFound when the gate fails. across: settings (as
+    SETTINGS names them) the two sides may differ in."""
     if not 0 <= max_regression_pct < 100:
         raise SdbenchError(f"--max-regression {max_regression_pct}: a percentage in [0, 100)")
     limit = max_regression_pct / 100.0
-    result = compare_frames(read_results(baseline_paths), read_results(current_paths), limit)
+    baseline, current = read_results(baseline_paths), read_results(current_paths)
+    check_settings(baseline, current, across)
+    for option, (old, new) in different_settings(baseline, current).items():
+        console.print(Text(f"note: compared across --{option}: baseline {_values(old)} vs current {_values(new)}",
+                           style="dim"))
+    result = compare_frames(baseline, current, limit)
     if result.deltas.empty:
         raise SdbenchError(f"nothing to compare: no rows match on {', '.join(KEY)}")
     console.print(comparison_table(result, limit))

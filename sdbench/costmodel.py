@@ -168,10 +168,9 @@ def run_predict(target: str, batches, contexts, gammas, budgets, alpha: float, f
         crit.add_row(str(b), str(s) if s is not None else f"> {max(contexts)}")
     console.print(crit)
     if out:
-        from pathlib import Path
+        from sdbench.paths import output_dir
 
-        path = Path(out) / f"predict-magicdec-{target.replace('/', '_')}.parquet"
-        path.parent.mkdir(parents=True, exist_ok=True)
+        path = output_dir(out) / f"predict-magicdec-{target.replace('/', '_')}.parquet"
         df.to_parquet(path)
         console.print(f"profile: {path}")
     return rows

@@ -38,6 +38,16 @@ class DecodeState:
     def last_tokens(self) -> torch.Tensor:  # [B]
         return self.tokens[torch.arange(self.batch), torch.tensor(self.lengths) - 1]
 
+    def room(self, b: int) -> int:
+        """Tokens row b can still commit: what is left of its budget (which its caches always hold); 0 once done."""
+        if self.done[b]:
+            return 0
+        return min(self.max_new_tokens - (self.lengths[b] - self.prompt_lengths[b]), self.capacity - self.lengths[b])
+
+    def lookahead(self, gamma: int) -> int:
+        """gamma capped to the most drafts any active row can still commit: no round drafts past the budget."""
+        return min(gamma, max((self.room(b) for b in range(self.batch)), default=0))
+
     def generated(self, b: int) -> list[int]:
         return self.tokens[b, self.prompt_lengths[b] : self.lengths[b]].tolist()
 
@@ -111,12 +121,14 @@ def _run(target, proposer, state: DecodeState, prompts, cache, rows: list[RowSta
         accepted, nxt = verdict.accepted.tolist(), verdict.next_token.tolist()
         drafts = proposal.tokens.tolist() if proposal is not None else [[]] * state.batch
         draft_s, verify_s = marks.seconds(t0, t1), marks.seconds(t1, t2)
+        committed = [0] * state.batch  # per row: drafts committed (an EOS or the budget may cut accepted ones)
         for b in range(state.batch):
             if state.done[b]:
                 continue
-            rows[b].add_step(n_draft[b], accepted[b], draft_s, verify_s)
-            state.commit(b, drafts[b][: accepted[b]] + [nxt[b]])
-        proposer.observe(state, verdict.accepted, proposal)
+            kept = state.commit(b, drafts[b][: accepted[b]] + [nxt[b]])
+            committed[b] = min(accepted[b], kept)
+            rows[b].add_step(n_draft[b], committed[b], draft_s, verify_s, rejected=accepted[b] < n_draft[b])
+        proposer.observe(state, torch.tensor(committed), proposal)
 
     wall = now(dev) - t_start
     return BatchResult([state.generated(b) for b in range(state.batch)], state.prompt_lengths, rows, wall, ttft,
@@ -135,8 +147,11 @@ def _verify(target, cache, state: DecodeState, proposal):
         n_draft = torch.zeros(state.batch, dtype=torch.long)
         probs = None
     else:
-        # drafts stay where the proposer made them (a model's on its device: no wait here); lengths are on the host
-        draft, n_draft, probs = proposal.tokens, proposal.lengths.cpu(), proposal.probs
+        # drafts stay where the proposer made them (a model's on its device: no wait here); lengths are on the host,
+        # cut to what each row can still commit (recorded so: the proposer observes the cut lengths too)
+        room = torch.tensor([state.room(b) for b in range(state.batch)])
+        proposal.lengths = torch.minimum(proposal.lengths.cpu(), room)
+        draft, n_draft, probs = proposal.tokens, proposal.lengths, proposal.probs
         width = int(n_draft.max()) if len(n_draft) else 0
         if width < draft.shape[1]:  # never verify padding: rows drafted at most `width` real tokens
             draft = draft[:, :width]

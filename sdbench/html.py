@@ -10,6 +10,7 @@ from pathlib import Path
 import pandas as pd
 from rich.console import Console
 
+from sdbench.paths import output_dir
 from sdbench.report import print_report, summarize, summary_table
 
 STYLE = """
@@ -45,6 +46,6 @@ def write_html(df: pd.DataFrame, path: str | Path, plots: list | None = None) ->
     from sdbench.plots import render
 
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    output_dir(path.parent, "--html")
     path.write_text(page(df, render(df) if plots is None else plots), encoding="utf-8")
     return path

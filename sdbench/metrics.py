@@ -1,8 +1,33 @@
-"""Every metric formula, defined once.
+"""Every metric formula, defined once; every strategy (DSI included) counts by these definitions.
 
-Tokens are counted from token ids: a row's new tokens are the ids it committed after its prompt, for the
-baseline and for every strategy alike. A step is one target verification; the mean accepted length counts
-the token the target adds itself (correction or bonus), so plain decoding scores exactly 1.0.
+Counted per prompt (row), from token ids, for the baseline and every strategy alike:
+  committed        the tokens a row committed after its prompt (the `new_tokens` column): the first comes
+                   from the prefill, every later one from a step; never more than --max-new-tokens, and
+                   nothing after an EOS
+  steps            target verifications that committed tokens after the first token (plain decoding: one
+                   per token after the first, so steps = new_tokens - 1)
+  drafted          drafted tokens the target verified in those steps (a round's lookahead is capped to what
+                   the row can still commit, so no step verifies a draft beyond the token budget)
+  accepted         drafted tokens that were committed: accepted by the verifier and not cut by an EOS
+                   before them or by the budget (a draft the verifier accepted but that was thrown away is
+                   not accepted)
+  mean accepted length   (new_tokens - 1) / steps: tokens committed per step, the target's own correction
+                   or bonus token included (1.0 = plain decoding); it never exceeds what was committed,
+                   and equals (accepted + steps) / steps unless an EOS or the budget cut a step's own token
+  acceptance rate  accepted / drafted
+  per-position rates     accepted_per_position[j] / drafted_per_position[j]: of the steps that drafted a
+                   token at position j (0-based), the share whose draft j was committed
+  rejections       steps whose verifier rejected one of their drafts (the alpha fit's failures; a step cut
+                   by EOS or the budget is censored, not rejected)
+Timed per batch (every row of a batch carries its batch's values):
+  wall_s           from the start of the first prefill to the last committed token
+  ttft_s           the time to first tokens: from the start of a prefill to that pass's first committed
+                   token, summed over the passes (one pass for a batch decoded together; one per prompt for
+                   a strategy that decodes a batch one prompt after another, such as DSI)
+  decode time      wall_s - ttft_s: the time spent committing every token after each row's first; the
+                   decode-phase rate is (new_tokens - 1 per row) / decode time
+  tpot_s           decode time / (new_tokens - 1)
+  draft_s, verify_s      the batch's proposing and verifying time over the steps the row was active
 """
 
 from __future__ import annotations
@@ -42,8 +67,9 @@ class Marks:
         return a.elapsed_time(b) / 1e3 if self.cuda else b - a
 
 
-def mean_accepted_length(accepted: int, steps: int) -> float:
-    return (accepted + steps) / steps if steps else math.nan
+def mean_accepted_length(new_tokens: int, steps: int) -> float:
+    """Tokens committed per step: every token but the first (the prefill's) comes from a step."""
+    return (new_tokens - 1) / steps if steps else math.nan
 
 
 def acceptance_rate(accepted: int, drafted: int) -> float:
@@ -61,17 +87,20 @@ class RowStats:
     steps: int = 0
     drafted: int = 0
     accepted: int = 0
-    rejections: int = 0  # steps that rejected one of their drafted tokens
-    accepted_per_position: list[int] = field(default_factory=list)  # [j]: steps whose draft j was accepted
+    rejections: int = 0  # steps whose verifier rejected one of their drafted tokens
+    accepted_per_position: list[int] = field(default_factory=list)  # [j]: steps whose draft j was committed
     drafted_per_position: list[int] = field(default_factory=list)  # [j]: steps that drafted a token at j
     draft_s: float = 0.0  # the batch's drafting time over the steps this row was active
     verify_s: float = 0.0
 
-    def add_step(self, drafted: int, accepted: int, draft_s: float, verify_s: float) -> None:
+    def add_step(self, drafted: int, accepted: int, draft_s: float, verify_s: float,
+                 rejected: bool | None = None) -> None:
+        """accepted: drafts committed (see the module docstring); rejected: the verifier rejected a draft
+        (default: fewer accepted than drafted, right whenever nothing was cut)."""
         self.steps += 1
         self.drafted += drafted
         self.accepted += accepted
-        self.rejections += accepted < drafted
+        self.rejections += (accepted < drafted) if rejected is None else bool(rejected)
         self.draft_s += draft_s
         self.verify_s += verify_s
         for counts, n in ((self.drafted_per_position, drafted), (self.accepted_per_position, accepted)):
@@ -88,7 +117,7 @@ class BatchResult:
     prompt_tokens: list[int]
     rows: list[RowStats]
     wall_s: float  # prefill to last token, the whole batch
-    ttft_s: float  # prefill to first token
+    ttft_s: float  # prefill to first token, summed over the passes (see the module docstring)
     extras: list[dict] = field(default_factory=list)  # per row: the proposer's row_stats()
 
     @property
@@ -108,7 +137,7 @@ def row_metrics(result: BatchResult, b: int) -> dict:
         "steps": stats.steps,
         "drafted": stats.drafted,
         "accepted": stats.accepted,
-        "mean_accepted_len": mean_accepted_length(stats.accepted, stats.steps),
+        "mean_accepted_len": mean_accepted_length(n, stats.steps),
         "acceptance_rate": acceptance_rate(stats.accepted, stats.drafted),
         "accepted_per_position": list(stats.accepted_per_position),
         "drafted_per_position": list(stats.drafted_per_position),

@@ -26,3 +26,19 @@ def cache_dir(*parts: str) -> Path:
     path = base.joinpath(*parts)
     path.mkdir(parents=True, exist_ok=True)
     return path
+
+
+def output_dir(path: str | Path, option: str = "--out") -> Path:
+    """A folder to write into, created on demand; a path that cannot be one is a one-line error."""
+    from sdbench.errors import SdbenchError
+
+    folder = Path(path)
+    if folder.exists() and not folder.is_dir():
+        raise SdbenchError(f"{option} {path}: a file of that name exists; give a folder")
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise SdbenchError(f"{option} {path}: cannot create the folder ({e.strerror or e})") from None
+    if not os.access(folder, os.W_OK):
+        raise SdbenchError(f"{option} {path}: the folder is not writable")
+    return folder

@@ -16,6 +16,7 @@ import numpy as np
 import pandas as pd
 
 from sdbench.errors import MissingPackageError, SdbenchError
+from sdbench.paths import output_dir
 from sdbench.report import ALL, labelled, per_position_rates, summarize
 
 # settings a sweep may vary, and where each is found: a result column or a key of the params JSON
@@ -194,8 +195,7 @@ def render(df: pd.DataFrame) -> list[Plot]:
 
 
 def write_plots(df: pd.DataFrame, folder: str | Path, plots: list[Plot] | None = None) -> list[Path]:
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
+    folder = output_dir(folder, "--plots")
     paths = []
     for plot in render(df) if plots is None else plots:
         path = folder / f"{plot.name}.png"

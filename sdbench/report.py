@@ -7,9 +7,12 @@ The aggregates are the project's contract:
   decode_speedup     the same ratio for the decode phase alone: (new_tokens - one first token per row) /
                      sum(wall_s - ttft_s over unique batches); at long context the shared prefill no longer
                      dilutes what the strategy does
-  mean_accepted_len  (sum(accepted) + sum(steps)) / sum(steps): the bonus token included, 1.0 = plain decoding
+  mean_accepted_len  (sum(new_tokens) - one first token per row) / sum(steps): tokens committed per step, the
+                     target's own token included, 1.0 = plain decoding (sdbench.metrics defines each count)
   acceptance_rate    sum(accepted) / sum(drafted)
-  lossless           all of the known values; null when none is known
+  lossless           all of the known values, a row whose output differs only from a tie on (divergence
+                     "tie", see sdbench.divergence) counting as lossless; null when none is known
+  ties               rows whose output differs from the baseline's only from such a tie
   predicted_speedup  mean of the computed values
   draft_share        draft_s / (draft_s + verify_s), each summed over unique batches of the batch's value
                      (the max over its rows: a row records the batch's time while the row was active)
@@ -33,7 +36,7 @@ ALL = "ALL"
 _BATCH = ["run_id", "role", "batch_id", "repeat"]
 _OPTIONAL = {"draft": "", "params": "", "category": "", "lossless": None, "predicted_speedup": np.nan, "ttft_s": np.nan,
              "draft_s": np.nan, "verify_s": np.nan, "peak_mem_bytes": np.nan, "drafted": 0, "accepted": 0,
-             "turn": 1}
+             "divergence": None, "turn": 1}
 MAX_POSITIONS = 16
 
 
@@ -121,6 +124,7 @@ def _aggregate(group: pd.DataFrame) -> dict:
     draft_s, verify_s = _per_batch(group, "draft_s"), _per_batch(group, "verify_s")
     predicted = _num(group["predicted_speedup"])
     peak = _num(group["peak_mem_bytes"])
+    ties = group["divergence"].eq("tie").fillna(False).astype(bool)
     return {
         "n_prompts": int(group["prompt_id"].nunique()),
         "n_rows": len(group),
@@ -130,12 +134,13 @@ def _aggregate(group: pd.DataFrame) -> dict:
         "speedup": math.nan,
         "decode_tokens_per_s": _ratio(new_tokens - len(group), decode),
         "decode_speedup": math.nan,
-        "mean_accepted_len": _ratio(accepted + steps, steps),
+        "mean_accepted_len": _ratio(new_tokens - len(group), steps),
         "acceptance_rate": _ratio(accepted, np.nansum(_num(group["drafted"]))),
         "draft_s": draft_s,
         "verify_s": verify_s,
         "draft_share": _ratio(draft_s, np.nansum([draft_s, verify_s])),
-        "lossless": _all_known(group["lossless"]),
+        "lossless": _all_known(group["lossless"].astype(object).where(~ties, True)),
+        "ties": int(ties.sum()),
         "predicted_speedup": float(np.nanmean(predicted)) if np.isfinite(predicted).any() else math.nan,
         "peak_mem_bytes": float(np.nanmax(peak)) if np.isfinite(peak).any() else math.nan,
     }
@@ -177,7 +182,7 @@ def summary_table(summary: pd.DataFrame, title: str | None = None) -> Table:
                  _fmt(row["tokens_per_s"], "{:.1f}"), _fmt(row["speedup"], "{:.2f}x"),
                  _fmt(row["decode_speedup"], "{:.2f}x"), _fmt(row["predicted_speedup"], "{:.2f}x"), _fmt(row["mean_accepted_len"], "{:.2f}"),
                  _fmt(row["acceptance_rate"], "{:.1%}"), _fmt(row["draft_share"], "{:.1%}"),
-                 _mark(row["lossless"])]
+                 _mark(row["lossless"]) + (f" ({row['ties']} tie)" if row.get("ties") else "")]
         cells = ([row["run_id"]] if many_runs else []) + cells
         table.add_row(*(Text(str(c)) for c in cells), style="bold" if overall else None)
     return table

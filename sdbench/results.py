@@ -76,6 +76,10 @@ SCHEMA = pa.schema([
     ("output_ids", pa.list_(pa.int32())),
     ("strategy_stats", _S),  # JSON: the proposer's own per-row figures (Proposer.row_stats)
     ("fast", pa.bool_()),  # the runner's fast path was on (CPU: oneDNN-packed projections)
+    ("max_new_tokens", _I),  # the token budget per prompt (--max-new-tokens)
+    ("divergence", _S),  # lossless false: "tie" (the target's top logits within rounding where the outputs
+    # first differ) or "real"; null otherwise (see sdbench.divergence)
+    ("divergence_gap", _F),  # the target's logit gap there: top logit minus the lower of the two chosen tokens'
     ("turn", _I),  # 1-based turn of a multi-turn conversation; null in files from before turns (read as 1)
     ("depth", _F),  # retrieval tasks: where the answer was hidden, 0 = start of the text, 1 = end
     ("found", pa.bool_()),  # retrieval tasks: the output holds the answer; null for other tasks
@@ -249,6 +253,15 @@ def _read_table(path: Path, columns: list[str] | None = None) -> pa.Table:
         raise SdbenchError(f"cannot read results file {path}: {_first_line(e)}") from e
 
 
+def _sdbench_table(path: Path) -> pa.Table:
+    """A results file's rows; rows without sdbench's key columns are refused, not read as empty ones."""
+    table = _read_table(path)
+    missing = [c for c in ("run_id", *KEY) if c not in table.column_names and c != "turn"]  # turn: newer
+    if missing and table.num_rows:
+        raise SdbenchError(f"{path} is not an sdbench results file (no column {', '.join(missing)})")
+    return table
+
+
 def _first_line(error: BaseException) -> str:
     text = str(error).strip()
     return text.splitlines()[0] if text else type(error).__name__
@@ -279,7 +292,7 @@ def read_results(paths: Iterable[str | Path] | str | Path) -> pd.DataFrame:
     sources: dict[Path, None] = {}  # ordered set: a file named twice is read once
     for raw in paths:
         sources.update(dict.fromkeys(p.resolve() for p in _expand(Path(raw))))
-    tables = [t for t in (conform(_read_table(p)) for p in sources) if t.num_rows]
+    tables = [t for t in (conform(_sdbench_table(p)) for p in sources) if t.num_rows]
     if not tables:
         raise SdbenchError(f"no result rows in {', '.join(str(p) for p in paths)}")
     table = pa.concat_tables(tables, promote_options="default")

@@ -35,13 +35,14 @@ from sdbench.benchmark import Bench, encode_prompts, load_pair, plan, resolve_de
 from sdbench.config import OBJECTIVES, TuneConfig
 from sdbench.env import environment
 from sdbench.errors import Interrupted, SdbenchError
-from sdbench.paths import presets_dir
+from sdbench.paths import output_dir, presets_dir
 from sdbench.report import ALL, summarize
 from sdbench.results import RunWriter
 from sdbench.strategies import check_options, needs_draft, strategy_registry
 from sdbench.strategies.base import SearchContext
+from sdbench.studies import INTERRUPTED, NOT_NEEDED, counted, heartbeat, next_trial, reason as trial_reason
+from sdbench.studies import storage as study_storage
 
-INTERRUPTED = "interrupted"
 # what must not change between sessions of one study, or its trials would not be comparable
 STUDY_SETTINGS = ("objective", "limit", "max_new_tokens", "batch_size", "seed", "prompt_len", "dtype", "repeats",
                   "drafts")
@@ -131,7 +132,7 @@ class _Feed:
             same = row.get("lossless")
             if self.reference is not None and same is None:
                 same = list(row["output_ids"]) == self.reference.get((row["prompt_id"], row.get("turn", 1)))
-            if same is False:
+            if same is False and row.get("divergence") != "tie":  # a low-precision tie is not a loss
                 raise Lossy(f"lossless broke: output differs from plain decoding on {row['prompt_id']}")
         value = objective_value(self.frame(), self.objective)
         if math.isfinite(value):
@@ -179,13 +180,12 @@ class Tuner:
     def storage(self) -> str:
         if self.cfg.storage:
             return self.cfg.storage
-        Path(self.run.out).mkdir(parents=True, exist_ok=True)
-        return f"sqlite:///{(Path(self.run.out) / 'tune.db').resolve()}"
+        return f"sqlite:///{(output_dir(self.run.out) / 'tune.db').resolve()}"
 
     def open_study(self) -> optuna.Study:
         url = self.storage()
         try:
-            study = optuna.create_study(study_name=self.study_name, storage=url, direction="maximize",
+            study = optuna.create_study(study_name=self.study_name, storage=study_storage(url), direction="maximize",
                                         pruner=self.pruner or ClearlyWorse(), load_if_exists=True)
         except ImportError as e:
             raise SdbenchError(f"--storage {url}: a database driver is missing ({e}); install it with pip") from e
@@ -224,11 +224,14 @@ class Tuner:
         self.console.print(f"study {self.study_name} in {_safe_url(self.storage())}", highlight=False)
         reference = self._reference(pair) if self.cfg.objective == "tokens" else None
         started = time.monotonic()
-        while _counted(study) < self.cfg.trials:
-            if self.cfg.timeout is not None and time.monotonic() - started > self.cfg.timeout:
-                self.console.print(f"--timeout {self.cfg.timeout:g}s reached")
-                break
-            self._trial(study, pair, space, reference)
+
+        def out_of_time() -> bool:
+            return self.cfg.timeout is not None and time.monotonic() - started > self.cfg.timeout
+
+        while (trial := next_trial(study, self.cfg.trials, out_of_time)) is not None:
+            self._trial(study, trial, pair, space, reference)
+        if out_of_time():
+            self.console.print(f"--timeout {self.cfg.timeout:g}s reached")
         write_trials(study, self.folder / "trials" / "trials.parquet")
         self.console.print(best_table(study, self.cfg.objective))
         self._write_preset(study)
@@ -243,8 +246,7 @@ class Tuner:
             Bench(cfg, Console(quiet=True), pair=replace(pair, drafts=[]), on_batch=feed).run()
         return {(r["prompt_id"], r["turn"]): list(r["output_ids"]) for r in feed.rows if r["repeat"] == 0}
 
-    def _trial(self, study: optuna.Study, pair, space: SearchContext, reference: dict | None) -> None:
-        trial = study.ask()
+    def _trial(self, study: optuna.Study, trial, pair, space: SearchContext, reference: dict | None) -> None:
         try:
             settings = draw(self.strategy, trial, space)
         except SdbenchError as e:
@@ -258,7 +260,7 @@ class Tuner:
         quiet = Console(quiet=True)
         label = f"trial {trial.number}: {describe(settings)}"
         try:
-            with self.console.status(label):
+            with self.console.status(label), heartbeat(study, trial):
                 path = Bench(cfg, quiet, pair=replace(pair, drafts=[self.runners[d] for d in settings["drafts"]]),
                              on_batch=feed).run()
         except optuna.TrialPruned as e:
@@ -282,7 +284,7 @@ class Tuner:
     def _interrupted(self, study, trial, feed, before) -> None:
         self._finish(study, trial, TrialState.FAIL, feed, reason=INTERRUPTED, before=before)
         raise Interrupted(f"interrupted: the study keeps its finished trials; run the same command again to "
-                           f"resume it ({_counted(study)}/{self.cfg.trials} done)")
+                           f"resume it ({counted(study)}/{self.cfg.trials} done)")
 
     def _finish(self, study, trial, state, feed: _Feed | None = None, value: float | None = None, reason: str = "",
                 label: str = "", before: set | None = None) -> None:
@@ -337,19 +339,13 @@ def _record(trial, feed: _Feed) -> None:
     trial.set_user_attr("batches", feed.batches)
 
 
-def _counted(study: optuna.Study) -> int:
-    """Finished trials toward --trials; an interrupted one is tried again."""
-    finished = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL))
-    return sum(t.user_attrs.get("reason") != INTERRUPTED for t in finished)
-
-
 def best_trials(study: optuna.Study) -> list:
     done = [t for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)) if t.value is not None]
     return sorted(done, key=lambda t: -t.value)
 
 
 def best_table(study: optuna.Study, objective: str, top: int = 5) -> Table:
-    trials = study.get_trials(deepcopy=False)
+    trials = [t for t in study.get_trials(deepcopy=False) if t.user_attrs.get("reason") != NOT_NEEDED]
     states = {s: sum(t.state == s for t in trials) for s in (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)}
     caption = (f"{len(trials)} trials: {states[TrialState.COMPLETE]} complete, {states[TrialState.PRUNED]} pruned, "
                f"{states[TrialState.FAIL]} failed")
@@ -381,7 +377,7 @@ def trial_records(study: optuna.Study) -> pd.DataFrame:
             "drafts": ",".join(settings.get("drafts", [])), "params": json.dumps(t.params, sort_keys=True, default=str),
             "tokens_per_s": attrs.get("tokens_per_s"), "speedup": attrs.get("speedup"),
             "mean_accepted_len": attrs.get("mean_accepted_len"), "lossless": attrs.get("lossless"),
-            "batches": attrs.get("batches"), "reason": attrs.get("reason", ""),
+            "batches": attrs.get("batches"), "reason": trial_reason(t),
             "hardware": attrs.get("hardware", hardware), "results": attrs.get("results"),
             "started": t.datetime_start.isoformat() if t.datetime_start else None,
             "duration_s": t.duration.total_seconds() if t.duration else None,
@@ -393,12 +389,18 @@ def trial_records(study: optuna.Study) -> pd.DataFrame:
     return frame
 
 
-def write_trials(study: optuna.Study, path: Path) -> Path:
+def _write_whole(path: Path, write) -> Path:
+    """write(tmp) then rename over path: readers, and other processes of a shared study writing the same
+    file, only ever see a whole one."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    trial_records(study).to_parquet(tmp, index=False)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    write(tmp)
     os.replace(tmp, path)
     return path
+
+
+def write_trials(study: optuna.Study, path: Path) -> Path:
+    return _write_whole(path, lambda tmp: trial_records(study).to_parquet(tmp, index=False))
 
 
 def write_preset(path: Path, name: str, strategy: str, trial, study: optuna.Study, cfg: TuneConfig, run) -> Path:
@@ -416,10 +418,9 @@ def write_preset(path: Path, name: str, strategy: str, trial, study: optuna.Stud
         "tuned": {"study": study.study_name, "trial": trial.number, "objective": cfg.objective,
                   "value": float(trial.value), "target": run.target, "dataset": run.dataset},
     }
-    path.parent.mkdir(parents=True, exist_ok=True)
     header = "# Written by `sdbench tune`; tuning the same study again rewrites it.\n"
-    path.write_text(header + yaml.safe_dump(spec, sort_keys=False, allow_unicode=True))
-    return path
+    text = header + yaml.safe_dump(spec, sort_keys=False, allow_unicode=True)
+    return _write_whole(path, lambda tmp: tmp.write_text(text))
 
 
 def tune(cfg: TuneConfig, console: Console | None = None, **kwargs) -> optuna.Study:

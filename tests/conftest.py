@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config,
@@ -31,6 +33,23 @@ def target():
 @pytest.fixture(scope="session")
 def small_draft():
     return ModelRunner(tiny_model(1, layers=1, hidden=32, heads=2, kv=1), "tiny-draft")
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """Ray's local cluster, started once for the whole test session (starting one takes seconds). CI installs
+    the `ray` extra, so there a missing Ray fails instead of skipping."""
+    if os.environ.get("CI"):
+        import ray
+    else:
+        ray = pytest.importorskip("ray")
+    from sdbench.dsi.pools import shutdown_pools
+
+    if not ray.is_initialized():
+        ray.init(include_dashboard=False, log_to_driver=False)
+    yield ray
+    shutdown_pools()
+    ray.shutdown()
 
 
 @pytest.fixture(scope="session")

@@ -35,6 +35,7 @@ def one_line_error(code: int, err: str) -> str:
     (["run", "--dtype", "float64"], "--dtype float64"),
     (["run", "--device", "cuda:7"] if not __import__("torch").cuda.is_available() else ["run", "--device", "tpu"],
      "--device"),
+    (["run", "--device", "tpu"], "--device tpu: use cpu, cuda, cuda:N or auto"),
     (["run", "--bogus"], "No such option"),
     (["run", "--resume", "no-such-run"], "no-such-run"),
     (["list", "things"], "cannot list 'things'"),
@@ -47,6 +48,9 @@ def one_line_error(code: int, err: str) -> str:
     (["run", "--dataset", "passkey"], "needs --prompt-len"),
     (["run", "--dataset", "/nonexistent/prompts.jsonl"], "/nonexistent/prompts.jsonl: no such prompt file"),
     (["report", "--by", "colour", "/nonexistent/results.parquet"], "/nonexistent"),
+    (["predict", "magicdec", "--batch", "0"], "--batch 0: every value must be at least 1"),
+    (["predict", "magicdec", "--context", "x"], "--context x: expected a whole number"),
+    (["predict", "speedup", "--alpha", "0.5", "--gamma", "0"], "--gamma 0: every value must be at least 1"),
 ])
 def test_bad_input_is_one_line(capsys, tmp_path, argv, expect):
     code, _, err = run_cli(capsys, *argv, *(["--out", str(tmp_path)] if argv[0] == "run" else []))
@@ -59,6 +63,31 @@ def test_a_malformed_prompt_file_is_one_line_before_any_model_loads(capsys, tmp_
     path.write_text("prompt,category\nhello,chat\nbye,chat,extra\n")
     code, _, err = run_cli(capsys, "run", "--dataset", str(path), "--out", str(tmp_path))
     assert f"{path}:3: 1 more value(s)" in one_line_error(code, err)
+
+
+def test_unusable_out_folder_is_one_line(capsys, tmp_path):
+    a_file = tmp_path / "results"
+    a_file.write_text("")
+    for out, expect in ((a_file, "a file of that name exists"), ("/proc/sdbench/results", "cannot create the folder")):
+        code, _, err = run_cli(capsys, "run", "--out", str(out))
+        assert f"--out {out}: {expect}" in one_line_error(code, err)
+        code, _, err = run_cli(capsys, "simulate", "dsi", "--grid", "2", "--repeats", "1", "--out", str(out))
+        assert expect in one_line_error(code, err)
+
+
+def test_report_refuses_a_foreign_parquet(capsys, tmp_path):
+    import pandas as pd
+
+    foreign = tmp_path / "other.parquet"
+    pd.DataFrame({"city": ["Oslo"], "population": [709_000]}).to_parquet(foreign)
+    code, _, err = run_cli(capsys, "report", str(foreign))
+    assert "is not an sdbench results file" in one_line_error(code, err)
+
+
+def test_predict_speedup_at_full_acceptance(capsys):
+    code, out, _ = run_cli(capsys, "predict", "speedup", "--alpha", "1", "--gamma", "4", "--draft-cost", "0")
+    assert code == 0
+    assert "5.00" in out and "5.00x" in out  # every draft accepted: Omega = gamma + 1, at no drafting cost
 
 
 def test_unknown_model_is_one_line(capsys, monkeypatch, tmp_path):
@@ -184,3 +213,77 @@ def test_run_passkey_with_magicdec(capsys, tmp_path):
     assert (df["prompt_tokens"] == 512).all() and (df["depth"] == 0.5).all() and df["lossless"].all()
     assert df["found"].notna().all() and df["found"].nunique() == 1  # the same output on both sides
     assert df["dataset"].iloc[0] == "passkey in kjv-bible (PG-19 stand-in)" and "Answer found" in out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["process", "ray"])
+def test_dsi_with_the_fast_path_end_to_end(capsys, tmp_path, request, backend):
+    """DSI with the defaults (fast path on), in worker processes and on Ray's local cluster: the workers build
+    their own fast path from the plain weights they receive."""
+    import json
+    import time
+
+    from sdbench.dsi.pools import shutdown_pools
+
+    if backend == "ray":
+        request.getfixturevalue("ray_cluster")
+    t0 = time.monotonic()
+    try:
+        code, _, err = run_cli(capsys, "run", "--target", "smollm2-135m", "--draft", "smollm2-135m", "--strategy",
+                               "dsi", "--set", "workers=2", "--set", f"backend={backend}", "--limit", "1",
+                               "--max-new-tokens", "16", "--turns", "1", "--out", str(tmp_path))
+    finally:
+        shutdown_pools()
+    assert code == 0, err
+    assert time.monotonic() - t0 < 120
+    df = read_results([tmp_path])
+    assert df["fast"].all() and df["lossless"].notna().all() and df["lossless"].all() and len(df) == 2
+    stats = json.loads(df[df["role"] == "strategy"]["strategy_stats"].iloc[0])
+    assert stats["workers"] == 2 and stats["backend"] == backend
+    assert len(stats["busy"]) == 2 and all(0.0 <= b <= 1.0 for b in stats["busy"]) and sum(stats["busy"]) > 0
+
+
+@pytest.mark.slow
+def test_magicdec_budget_over_the_context_is_told(capsys, tmp_path):
+    code, out, err = run_cli(capsys, "run", "--strategy", "magicdec", "--set", "budget=4096", "--limit", "1",
+                             "--max-new-tokens", "4", "--no-baseline", "--turns", "1", "--out", str(tmp_path))
+    assert code == 0, err
+    assert "note: magicdec: --set budget=4096 is at least the longest context" in out
+    assert "plain self-speculation with a full cache" in out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGKILL"])
+def test_a_run_stopped_by_a_signal_resumes_to_every_prompt_once(tmp_path, sig):
+    """A real signal after the first batch is written: SIGINT finalizes what finished, SIGKILL gets no chance
+    to clean up; either way --resume completes the run with every prompt exactly once per role and repeat."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "PYTHONPATH": str(repo)}
+    argv = [sys.executable, "-m", "sdbench", "run", "--limit", "3", "--max-new-tokens", "16", "--repeats", "2",
+            "--turns", "1", "--out", str(tmp_path)]
+    proc = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 240
+    while not list(tmp_path.glob("*.parts/part-*.parquet")) and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    proc.send_signal(getattr(signal, sig))
+    err = proc.communicate(timeout=120)[1]
+    assert proc.returncode != 0
+    if sig == "SIGINT":
+        assert "interrupted" in err and "--resume" in err
+    run_id = next(tmp_path.glob("*.config.json")).name[: -len(".config.json")]
+    done = read_results([tmp_path])
+    assert 0 < len(done) < 12
+    code = subprocess.run([*argv[:3], "run", "--resume", run_id, "--out", str(tmp_path)], env=env,
+                          capture_output=True, text=True)
+    assert code.returncode == 0, code.stderr
+    df = read_results([tmp_path / f"{run_id}.parquet"])
+    assert len(df) == 12 and not df.duplicated(["role", "prompt_id", "repeat"]).any()
+    assert set(df["role"]) == {"baseline", "strategy"} and df["prompt_id"].nunique() == 3
+    assert df["lossless"].all() and not (tmp_path / f"{run_id}.parts").exists()

@@ -100,3 +100,36 @@ def test_different_hardware_is_noted(tmp_path, capsys, column, value):
     moved = write(tmp_path / "cur", "cur", [{**r, column: value} for r in rows()])
     code, out, _ = run_cli(capsys, "compare", base, moved)
     assert code == 0 and "hardware differs: baseline cuda:H100 vs current cpu:laptop" in out
+
+
+def test_different_settings_are_refused_unless_asked(tmp_path, capsys):
+    same = {"max_new_tokens": 48, "dtype": "float32", "temperature": 0.0, "top_p": 1.0, "seed": 0, "fast": True}
+    base = write(tmp_path, "base", [{**r, **same} for r in rows()])
+    short = write(tmp_path / "cur", "cur", [{**r, **same, "max_new_tokens": 8, "dtype": "bfloat16"} for r in rows()])
+    for a, b in ((base, short), (short, base)):  # refused both ways round, before any table
+        code, out, err = run_cli(capsys, "compare", a, b)
+        assert code == 2 and out == "" and len(err.strip().splitlines()) == 1
+        assert "--max-new-tokens" in err and "--dtype" in err and "--across max-new-tokens,dtype" in err
+    code, _, err = run_cli(capsys, "compare", base, short, "--across", "max-new-tokens")
+    assert code == 2 and "--dtype float32 vs bfloat16" in err and "--max-new-tokens" not in err
+    code, out, err = run_cli(capsys, "compare", base, short, "--across", "max-new-tokens,dtype")
+    assert code == 0, err
+    assert "compared across --max-new-tokens: baseline 48 vs current 8" in out
+    code, _, err = run_cli(capsys, "compare", base, short, "--across", "colour")
+    assert code == 2 and "unknown setting 'colour'" in err
+    for column, value in (("temperature", 0.5), ("top_p", 0.9), ("seed", 3), ("fast", False)):
+        moved = write(tmp_path / column, "cur", [{**r, **same, column: value} for r in rows()])
+        code, _, err = run_cli(capsys, "compare", base, moved)
+        assert code == 2 and f"--{column.replace('_', '-')}" in err
+
+
+def test_a_low_precision_tie_passes_the_lossless_gate(tmp_path, capsys):
+    base = write(tmp_path, "base", rows())
+    tied = write(tmp_path / "tie", "cur", [{**r, "divergence": "tie", "divergence_gap": 0.125} if
+                                           r["role"] == "strategy" else r for r in rows(lossless=False)])
+    code, _, err = run_cli(capsys, "compare", base, tied)
+    assert code == 0, err
+    real = write(tmp_path / "real", "cur", [{**r, "divergence": "real", "divergence_gap": 4.0} if
+                                            r["role"] == "strategy" else r for r in rows(lossless=False)])
+    code, _, err = run_cli(capsys, "compare", base, real)
+    assert code == 1 and "lossless broke on 9 row(s)" in err

@@ -3,16 +3,19 @@
 import time
 
 import pytest
+import torch
 
 from sdbench.config import SamplingConfig
 from sdbench.decode import generate
 from sdbench.dsi.ledger import Ledger
 from sdbench.dsi.orchestrator import decode_one
-from sdbench.dsi.pools import get_pool, shutdown_pools
+from sdbench.dsi import pools as pool_module
+from sdbench.dsi.pools import WorkerFailed, discard_pool, get_pool, shutdown_pools
 from sdbench.errors import SdbenchError
 from sdbench.strategies import BuildContext, build_proposer
 from sdbench.strategies.autoregressive import Autoregressive
 from sdbench.strategies.dsi import DSI
+from tests.conftest import tiny_model
 
 GREEDY = SamplingConfig()
 NEW = 16
@@ -125,13 +128,18 @@ def test_dsi_matches_greedy(pools, target, small_draft, prompts, workers):
         proposer, out = run_dsi(target, draft, prompts, workers)
         assert out.output_ids == ref
         for row, ids, extra in zip(out.rows, out.output_ids, out.extras):
-            assert len(ids) <= row.accepted + row.steps <= len(ids) + 3  # each step commits accepted + 1
-            assert extra["verifications"] == row.steps + extra["cancelled"] + extra["redundant"]
+            # the prompt's verification gives the first token (not a step); each step commits its accepted
+            # drafts plus the target's token, which only the budget or an EOS at the end can cut
+            assert len(ids) - 1 <= row.accepted + row.steps <= len(ids)
+            assert extra["verifications"] == 1 + row.steps + extra["cancelled"] + extra["redundant"]
             assert extra["workers"] == workers and len(extra["busy"]) == workers
             assert all(0.0 <= b <= 1.0 for b in extra["busy"])
             if draft is target:
                 assert row.accepted == row.drafted and row.rejections == 0
         assert out.wall_s > 0 and proposer.row_stats(0) == out.extras[0]
+        # prompts decode one after another: the batch's wall time and TTFT both sum theirs
+        assert out.wall_s == pytest.approx(sum(e["wall_s"] for e in out.extras))
+        assert out.ttft_s == pytest.approx(sum(e["ttft_s"] for e in out.extras))
 
 
 def test_dsi_stops_at_eos(pools, target, small_draft, prompts):
@@ -164,11 +172,46 @@ def test_rejections_cancel_running_verifications(pools, target, small_draft, pro
                      sampling=GREEDY, generator=None, device=target.device)
     assert row.tokens == ref
     assert row.stats.rejections > 0 and row.extras["cancelled"] > 0
-    assert row.extras["verifications"] == row.stats.steps + row.extras["cancelled"] + row.extras["redundant"]
+    assert row.extras["verifications"] == 1 + row.stats.steps + row.extras["cancelled"] + row.extras["redundant"]
 
 
-def test_ray_backend_matches_greedy(target, small_draft, prompts):
-    pytest.importorskip("ray")
+def test_dsi_matches_greedy_with_the_cpu_fast_path(pools, target, small_draft, prompts):
+    """Workers of a fast-path target receive its plain weights and build the fast path themselves."""
+    from sdbench.models import cpufast
+    from sdbench.models.runner import ModelRunner
+
+    fast_target = ModelRunner(tiny_model(0), "tiny-fast", fast=True)
+    if not fast_target.cpu_fast:
+        pytest.skip("no packed GEMM on this CPU build")
+    fast_pools = []
+    try:
+        for draft in (fast_target, small_draft):
+            out = run_dsi(fast_target, draft, prompts, 2)[1]
+            assert out.output_ids == reference(target, prompts)
+        fast_pools = [pool for key, pool in pool_module._pools.items() if key[-1]]
+        assert len(fast_pools) == 1  # workers for a fast-path target are their own pool
+    finally:
+        for pool in fast_pools:
+            discard_pool(pool)
+    assert cpufast.fast_model(fast_target.model) is fast_target._fast  # ours untouched
+
+
+def test_a_worker_that_cannot_start_is_named_at_once(target):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    unsupported = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=32, n_positions=32))
+    t0 = time.monotonic()
+    with pytest.raises(WorkerFailed, match=r"^DSI worker 0 failed to start: SdbenchError: .*gpt2") as failure:
+        pool_module.ProcessPool(unsupported, "tiny-gpt2", "cpu", 1).ensure(1)
+    assert "\n" not in str(failure.value) and "Traceback" in failure.value.details
+    unsendable = tiny_model(0)
+    unsendable.packed = torch.randn(4, 4).to_mkldnn()  # an opaque tensor: no storage to share
+    with pytest.raises(WorkerFailed, match=r"^DSI worker 0 could not be sent the target model: "):
+        pool_module.ProcessPool(unsendable, "tiny", "cpu", 1).ensure(1)
+    assert time.monotonic() - t0 < 60
+
+
+def test_ray_backend_matches_greedy(ray_cluster, target, small_draft, prompts):
     try:
         proposer = DSI(small_draft, 3, workers=2, backend="ray", threads=1)
         out = proposer.generate(target, proposer, prompts[:2], max_new_tokens=NEW, sampling=GREEDY)
@@ -205,13 +248,12 @@ def test_ray_missing_is_a_clear_error(monkeypatch, target):
     from sdbench.dsi.pools import RayPool
     from sdbench.errors import MissingPackageError
 
-    with pytest.raises(MissingPackageError, match="pip install ray"):
+    with pytest.raises(MissingPackageError, match="pip install ray") as missing:
         RayPool(target.model, "t", "cpu", 1)
+    assert "pip install 'sdbench[ray]'" in str(missing.value)
 
 
 def test_a_failure_is_raised_and_the_pool_replaced(pools, target, small_draft, prompts):
-    from sdbench.dsi import pools as pool_module
-
     broken = prompts[0] + [10_000]  # outside the tiny vocabulary: the forwards fail
     proposer = DSI(small_draft, 3, workers=2, threads=1)
     with pytest.raises(Exception) as failure:

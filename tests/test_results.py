@@ -156,14 +156,15 @@ def test_read_errors_are_one_line(tmp_path):
 
 
 def frame() -> pd.DataFrame:
-    """One run: 2 batches of 2 prompts per role; rows of a batch share wall_s, draft_s and verify_s."""
+    """One run: 2 batches of 2 prompts per role; rows of a batch share wall_s, draft_s and verify_s. Counts as
+    sdbench.metrics defines them: the prefill gives each row's first token, steps commit the rest."""
     rows = []
     tokens = {"p1": 10, "p2": 20, "p3": 30, "p4": 10}
     category = {"p1": "qa", "p2": "qa", "p3": "code", "p4": "code"}
     batch = {"p1": 0, "p2": 0, "p3": 1, "p4": 1}
     for p, n in tokens.items():
         rows.append(dict(run_id="r", role="baseline", strategy="draft", prompt_id=p, repeat=0,
-                         category=category[p], batch_id=batch[p], new_tokens=n, steps=n, accepted=0,
+                         category=category[p], batch_id=batch[p], new_tokens=n, steps=n - 1, accepted=0,
                          drafted=0, wall_s=2.0 if batch[p] == 0 else 4.0, lossless=None,
                          predicted_speedup=math.nan))
     steps = {"p1": 4, "p2": 6, "p3": 10, "p4": 5}
@@ -172,7 +173,7 @@ def frame() -> pd.DataFrame:
     for p, n in tokens.items():
         rows.append(dict(run_id="r", role="strategy", strategy="draft", prompt_id=p, repeat=0,
                          category=category[p], batch_id=batch[p], new_tokens=n, steps=steps[p],
-                         accepted=n - steps[p], drafted=4 * steps[p], wall_s=1.0, draft_s=0.25, verify_s=0.5,
+                         accepted=n - 1 - steps[p], drafted=4 * steps[p], wall_s=1.0, draft_s=0.25, verify_s=0.5,
                          lossless=lossless[p], predicted_speedup=predicted[p],
                          accepted_per_position=[3, 2] if p == "p1" else [1, 0, 0],
                          drafted_per_position=[4, 4] if p == "p1" else [4, 4, 4]))
@@ -207,11 +208,11 @@ def test_summarize_speedup_acceptance_and_split():
     for category in ("qa", "code", "ALL"):
         base = pick(summary, "baseline", category)
         assert base["mean_accepted_len"] == 1.0 and math.isnan(base["acceptance_rate"])
-    assert pick(summary, "strategy", "qa")["mean_accepted_len"] == 3.0  # (20 + 10) / 10
-    assert pick(summary, "strategy", "code")["mean_accepted_len"] == 40 / 15
-    assert pick(summary, "strategy", "ALL")["mean_accepted_len"] == 70 / 25
-    assert pick(summary, "strategy", "qa")["acceptance_rate"] == 0.5  # 20 / 40
-    assert pick(summary, "strategy", "ALL")["acceptance_rate"] == 0.45  # 45 / 100
+    assert pick(summary, "strategy", "qa")["mean_accepted_len"] == 2.8  # (30 - 2 first tokens) / 10 steps
+    assert pick(summary, "strategy", "code")["mean_accepted_len"] == 38 / 15
+    assert pick(summary, "strategy", "ALL")["mean_accepted_len"] == 66 / 25
+    assert pick(summary, "strategy", "qa")["acceptance_rate"] == 0.45  # 18 / 40
+    assert pick(summary, "strategy", "ALL")["acceptance_rate"] == 0.41  # 41 / 100
     overall = pick(summary, "strategy", "ALL")
     assert (overall["draft_s"], overall["verify_s"]) == (0.5, 1.0)
     assert overall["draft_share"] == 0.5 / 1.5
@@ -271,7 +272,7 @@ def test_summary_table_renders():
     assert [line.split("│")[2].strip() for line in lines] == ["qa", "qa", "code", "code", "ALL", "ALL"]
     assert lines[-1].split("│")[1].strip() == "draft"
     cells = [c.strip() for c in lines[-1].split("│")[1:-1]]
-    assert cells == ["draft", "ALL", "4", "35.0", "3.00x", "–", "3.17x", "2.80", "45.0%", "33.3%", "✗"]
+    assert cells == ["draft", "ALL", "4", "35.0", "3.00x", "–", "3.17x", "2.64", "41.0%", "33.3%", "✗"]
     qa_base = [c.strip() for c in lines[0].split("│")[1:-1]]
     assert qa_base == ["baseline", "qa", "2", "15.0", "1.00x", "–", "–", "1.00", "–", "–", "–"]
     assert table.rows[-1].style == "bold" and table.rows[-2].style == "bold" and table.rows[0].style is None
@@ -360,7 +361,7 @@ def test_summary_is_the_same_after_a_parquet_round_trip(tmp_path):
     assert str(df["lossless"].dtype) == "boolean" and str(df["new_tokens"].dtype) == "Int64"
     summary = summarize(df)
     assert pick(summary, "strategy", "ALL")["tokens_per_s"] == 35.0
-    assert pick(summary, "strategy", "ALL")["mean_accepted_len"] == 70 / 25
+    assert pick(summary, "strategy", "ALL")["mean_accepted_len"] == 66 / 25
     assert pick(summary, "strategy", "code")["lossless"] is False
     assert pick(summary, "baseline", "ALL")["lossless"] is None
     assert per_position_rates(df)[0][2] == [6 / 16, 2 / 16, 0 / 12]

@@ -1,3 +1,6 @@
+import os
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -126,6 +129,30 @@ def test_fast_path_keeps_one_copy_of_the_weights():
     with cpufast.plain(model):  # plain inside (a library forward, a copy), packed again after
         assert model.model.layers[0].mlp.down_proj.weight.numel() > 0
     assert cpufast.fast_model(model).packed
+
+
+def test_fast_path_lets_go_of_memory_mapped_weights(tmp_path):
+    """Loaded from safetensors (memory-mapped), a packed model holds no reference into the file: the
+    mapping goes, so its pages do not stay resident beside the packed copy."""
+    import gc
+
+    from transformers import AutoModelForCausalLM
+
+    from sdbench.models import cpufast
+
+    if not os.path.exists("/proc/self/maps"):
+        pytest.skip("reads the process's mappings from /proc (Linux)")
+    model = _tied(tiny_model(10))  # tied: the embedding table stays plain and also serves as the head
+    model.config.tie_word_embeddings = True
+    model.save_pretrained(tmp_path)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path)
+    mapped = lambda: str(tmp_path) in Path("/proc/self/maps").read_text()  # noqa: E731
+    assert mapped()
+    if cpufast.enable(model) is None:
+        pytest.skip("oneDNN is not available in this torch build")
+    gc.collect()
+    assert not mapped()
+    assert model.lm_head.weight is model.model.get_input_embeddings().weight  # still tied
 
 
 def test_fast_path_model_pickles_with_plain_weights():

@@ -222,3 +222,79 @@ def test_a_search_space_with_undeclared_settings_is_refused(monkeypatch):
     monkeypatch.setattr(NGram, "search_space", classmethod(lambda cls, trial, space: 2))
     with pytest.raises(SdbenchError, match="search_space must return"):
         draw("ngram", FixedTrial({}), SearchContext())
+
+
+# ---- several processes on one study (through the CLI, on the embedded SmolLM2) ------------------------------
+
+
+def tune_process(home, out, trials: int, max_new: int = 4):
+    """`sdbench tune` in its own process, on one named study under `out` (SQLite); presets go to `home`."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parent.parent
+    if not (home / "tasks").exists():
+        (home / "strategies").mkdir(parents=True)
+        (home / "tasks").symlink_to(repo / "tasks")
+    env = {**os.environ, "SDBENCH_HOME": str(home), "PYTHONPATH": str(repo)}
+    argv = [sys.executable, "-m", "sdbench", "tune", "--strategy", "ngram", "--limit", "1", "--max-new-tokens",
+            str(max_new), "--trials", str(trials), "--study", "shared", "--device", "cpu", "--out", str(out)]
+    return subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def stored_trials(out):
+    import optuna
+
+    return optuna.load_study(study_name="shared", storage=f"sqlite:///{out / 'tune.db'}").get_trials()
+
+
+@pytest.mark.slow
+def test_two_processes_share_one_study(tmp_path):
+    from sdbench.studies import NOT_NEEDED, UNCOUNTED
+
+    procs = [tune_process(tmp_path / "home", tmp_path / "out", trials=5) for _ in range(2)]
+    logs = [p.communicate(timeout=300)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], "\n".join(log[-2000:] for log in logs)
+    trials = stored_trials(tmp_path / "out")
+    counted = [t for t in trials if t.user_attrs.get("reason") not in UNCOUNTED]
+    assert len(counted) == 5 and all(t.state.is_finished() for t in trials)
+    assert all(t.user_attrs.get("reason") == NOT_NEEDED for t in trials if t not in counted)
+    assert all("trial" in log for log in logs)  # both processes ran trials
+
+
+@pytest.mark.slow
+def test_a_killed_tune_resumes_with_the_killed_trial_failed(tmp_path):
+    import signal
+    import time
+
+    from optuna.trial import TrialState
+
+    from sdbench.studies import STOPPED, reason
+
+    out = tmp_path / "out"
+    proc = tune_process(tmp_path / "home", out, trials=3, max_new=48)
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and proc.poll() is None:  # kill it in the middle of its second trial
+        if (out / "tune.db").exists() and any(t.number == 1 and t.state == TrialState.RUNNING
+                                              for t in _trials_or_none(out)):
+            break
+        time.sleep(0.2)
+    time.sleep(1.0)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert [t.state for t in stored_trials(out)][:2] == [TrialState.COMPLETE, TrialState.RUNNING]
+    rerun = tune_process(tmp_path / "home", out, trials=3, max_new=48)
+    log = rerun.communicate(timeout=300)[0]
+    assert rerun.returncode == 0, log
+    trials = stored_trials(out)
+    assert (trials[1].state, reason(trials[1])) == (TrialState.FAIL, STOPPED)
+    assert [t.state for t in trials if t.number != 1] == [TrialState.COMPLETE] * 3
+
+
+def _trials_or_none(out):
+    try:
+        return stored_trials(out)
+    except Exception:  # the study is not created yet
+        return []

@@ -124,10 +124,13 @@ def decode_one(pool, draft_runner, prompt: list[int], *, lookahead: int, workers
                     shared.busy[answer.worker] += answer.busy_s
                     shared.answers += 1
                     for step in ledger.finish(answer.job, answer.worker, answer, judge):
-                        stats.add_step(step.drafted, step.accepted, shared.unassigned_draft_s,
-                                       step.job.result.busy_s)
+                        if ttft is None:  # the prompt's verification gives the first token, as a prefill does:
+                            ttft = now(device) - t0  # not a step (metrics.py); its drafting time goes on
+                            continue
+                        # accepted = drafts committed (an EOS may cut accepted ones), as the decode loop counts
+                        stats.add_step(step.drafted, min(step.accepted, step.committed), shared.unassigned_draft_s,
+                                       step.job.result.busy_s, rejected=step.accepted < step.drafted)
                         shared.unassigned_draft_s = 0.0
-                        ttft = now(device) - t0 if ttft is None else ttft
                 send(ledger.dispatch())
                 cond.notify_all()
         wall = now(device) - t0

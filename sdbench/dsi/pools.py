@@ -8,7 +8,10 @@ run at exit) stops them.
 
 Process workers receive the target model itself through torch.multiprocessing: CPU tensors travel as shared
 memory, so on the CPU the replicas share one copy of the weights (each has its own KV cache); on CUDA worker
-i moves its replica to GPU i. Workers start from a fork server that has already imported torch and
+i moves its replica to GPU i. The runner's fast path does not travel with the model (packed weights and CUDA
+graphs are private to a process): a worker whose target runs it builds its own, from the shared plain weights.
+The model is serialised in the calling thread, so a model that cannot be sent fails at once; a worker that
+cannot build its replica, or dies, is reported as soon as its message (or its exit) arrives. Workers start from a fork server that has already imported torch and
 transformers (a fresh process per worker costs seconds of imports each; on a small machine that is most of
 a short benchmark); where there is no fork server (Windows), they are spawned.
 """
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import pickle
 import queue
 import threading
 import time
@@ -54,17 +58,33 @@ def _drain(results, timeout: float) -> list:
             return items
 
 
-class WorkerFailed(RuntimeError):
-    pass
+class WorkerFailed(SdbenchError):
+    """A worker could not start or failed a task: one line naming the worker and why (`details` holds the
+    worker's traceback, where there is one)."""
+
+    def __init__(self, message: str, details: str = ""):
+        super().__init__(message)
+        self.details = details
 
 
-def _serve(device: str, threads: int, index: int, name: str, tasks, results) -> None:
+def _why(error: BaseException) -> str:
+    """An exception as one line: its type and the first line of its message."""
+    first = (str(error).strip().splitlines() or [""])[0]
+    return f"{type(error).__name__}: {first}" if first else type(error).__name__
+
+
+def _error(index: int, stage: str, error: BaseException) -> tuple:
+    """What a worker sends back on failure: ("error", index, one line, full traceback)."""
+    return "error", index, f"DSI worker {index} {stage}: {_why(error)}", traceback.format_exc()
+
+
+def _serve(device: str, threads: int, index: int, name: str, fast: bool, tasks, results) -> None:
     """A worker process: receive the model, build the replica, then answer tasks until told to stop (None)."""
     try:
-        model = tasks.get()
-        worker = TargetWorker(model, device, threads, index, name)
-    except Exception:
-        results.put(("error", index, traceback.format_exc()))
+        model = pickle.loads(tasks.get())
+        worker = TargetWorker(model, device, threads, index, name, fast)
+    except Exception as e:
+        results.put(_error(index, "failed to start", e))
         return
     del model
     results.put(("ready", index))
@@ -74,15 +94,15 @@ def _serve(device: str, threads: int, index: int, name: str, tasks, results) -> 
             return
         try:
             results.put(worker.run(task))
-        except Exception:
-            results.put(("error", index, traceback.format_exc()))
+        except Exception as e:
+            results.put(_error(index, "failed", e))
 
 
 class ProcessPool:
-    def __init__(self, model, name: str, device_kind: str, threads: int):
+    def __init__(self, model, name: str, device_kind: str, threads: int, fast: bool = False):
         import torch.multiprocessing as mp
 
-        self.model, self.name, self.kind, self.threads = model, name, device_kind, threads
+        self.model, self.name, self.kind, self.threads, self.fast = model, name, device_kind, threads, fast
         if "forkserver" in mp.get_all_start_methods():
             # takes effect when the server starts (the first pool); the model's own module comes along
             mp.set_forkserver_preload(["sdbench.dsi.worker", "sdbench.models.runner", "transformers.modeling_utils",
@@ -101,14 +121,15 @@ class ProcessPool:
         starting = set()
         while len(self.procs) < n:
             i = len(self.procs)
+            payload = self._payload(i)
             tasks = self.ctx.Queue()
             proc = self.ctx.Process(target=_serve, name=f"sdbench-dsi-worker-{i}", daemon=True,
-                                    args=(worker_device(self.kind, i), self.threads, i, self.name, tasks,
-                                          self.results))
+                                    args=(worker_device(self.kind, i), self.threads, i, self.name, self.fast,
+                                          tasks, self.results))
             proc.start()
             # through the queue, not as a start argument: a fork server passes at most 256 file descriptors
             # per start, and every shared tensor of the model takes one
-            tasks.put(self.model)
+            tasks.put(payload)
             self.tasks.append(tasks)
             self.procs.append(proc)
             starting.add(i)
@@ -125,6 +146,17 @@ class ProcessPool:
             if isinstance(msg, tuple) and msg[0] == "ready":
                 starting.discard(msg[1])
 
+    def _payload(self, index: int) -> bytes:
+        """The model serialised for worker `index` (shared tensors travel as file descriptors, each usable
+        once: one payload per worker). Done here rather than in the queue's feeder thread, whose errors
+        would only be printed, leaving the worker waiting."""
+        from multiprocessing.reduction import ForkingPickler
+
+        try:
+            return bytes(ForkingPickler.dumps(self.model))
+        except Exception as e:
+            raise WorkerFailed(f"DSI worker {index} could not be sent the target model: {_why(e)}") from None
+
     def submit(self, worker: int, task: Task) -> None:
         self.tasks[worker].put(task)
 
@@ -140,12 +172,12 @@ class ProcessPool:
     @staticmethod
     def _raise_if_error(msg) -> None:
         if isinstance(msg, tuple) and msg[0] == "error":
-            raise WorkerFailed(f"DSI worker {msg[1]} failed:\n{msg[2]}")
+            raise WorkerFailed(msg[2], msg[3])
 
     def _check_alive(self) -> None:
         for i, proc in enumerate(self.procs):
             if not proc.is_alive():
-                raise WorkerFailed(f"DSI worker process {i} exited (code {proc.exitcode})")
+                raise WorkerFailed(f"DSI worker {i} exited unexpectedly (exit code {proc.exitcode})")
 
     def close(self) -> None:
         for tasks, proc in zip(self.tasks, self.procs):
@@ -161,15 +193,20 @@ class ProcessPool:
 class RayPool:
     """Workers as Ray actors. Ray connects to the cluster RAY_ADDRESS names, or starts a local one."""
 
-    def __init__(self, model, name: str, device_kind: str, threads: int):
+    def __init__(self, model, name: str, device_kind: str, threads: int, fast: bool = False):
         try:
             import ray
         except ImportError:
-            raise MissingPackageError("ray", "the DSI Ray backend", "pip install ray") from None
+            raise MissingPackageError("ray", "the DSI Ray backend",
+                                      "pip install 'sdbench[ray]'` or `pip install ray==2.60.0") from None
         if not ray.is_initialized():
             ray.init(include_dashboard=False, log_to_driver=False, ignore_reinit_error=True)
         self.ray, self.model, self.name, self.kind, self.threads = ray, model, name, device_kind, threads
-        self.model_ref = ray.put(model)
+        self.fast = fast
+        try:
+            self.model_ref = ray.put(model)
+        except Exception as e:
+            raise WorkerFailed(f"DSI Ray workers could not be sent the target model: {_why(e)}") from None
         self.actor = ray.remote(TargetWorker)
         self.actors = []
         self.results: queue.Queue = queue.Queue()  # futures of finished tasks, in finishing order
@@ -186,8 +223,13 @@ class RayPool:
             options = {"num_cpus": 0, "num_gpus": min(1.0, gpus / n)} if gpus else {"num_cpus": 0}
             device = "cuda" if gpus else "cpu"
             self.actors.append(self.actor.options(**options).remote(self.model_ref, device, self.threads,
-                                                                    len(self.actors), self.name))
-        self.ray.get([a.ready.remote() for a in self.actors], timeout=START_TIMEOUT_S)
+                                                                    len(self.actors), self.name, self.fast))
+        for i, actor in enumerate(self.actors):  # they start side by side: wait for each in turn
+            try:
+                self.ray.get(actor.ready.remote(), timeout=START_TIMEOUT_S)
+            except Exception as e:
+                cause = getattr(e, "cause", None) or e  # a RayTaskError wraps the worker's own exception
+                raise WorkerFailed(f"DSI Ray worker {i} failed to start: {_why(cause)}", str(e)) from None
 
     def submit(self, worker: int, task: Task) -> None:
         self.actors[worker].run.remote(task).future().add_done_callback(self.results.put)
@@ -197,11 +239,15 @@ class RayPool:
         try:
             return [f.result() for f in futures]
         except Exception as e:  # a RayTaskError carries the worker's traceback
-            raise WorkerFailed(f"DSI Ray worker failed: {e}") from None
+            cause = getattr(e, "cause", None) or e
+            raise WorkerFailed(f"DSI Ray worker failed: {_why(cause)}", str(e)) from None
 
     def close(self) -> None:
-        for actor in self.actors:
-            self.ray.kill(actor)
+        # at exit Ray may already be shut down (its own exit hook runs first): the actors went with it, and
+        # ray.kill would start a fresh local cluster only to fail
+        if self.ray.is_initialized():
+            for actor in self.actors:
+                self.ray.kill(actor)
         self.actors = []
 
 
@@ -214,11 +260,12 @@ def get_pool(backend: str, runner, workers: int, threads: int):
     """A pool of at least `workers` replicas of runner's model (started on first use, then kept)."""
     if backend not in BACKENDS:
         raise SdbenchError(f"--set backend={backend}: use one of {', '.join(BACKENDS)}")
-    key = (backend, id(runner.model), runner.device.type, threads)
+    fast = runner.fast  # workers build the same fast path the target runs (CPU packing, or CUDA graphs)
+    key = (backend, id(runner.model), runner.device.type, threads, fast)
     with _lock:
         pool = _pools.get(key)
         if pool is None:
-            pool = _pools[key] = BACKENDS[backend](runner.model, runner.name, runner.device.type, threads)
+            pool = _pools[key] = BACKENDS[backend](runner.model, runner.name, runner.device.type, threads, fast)
         try:
             pool.ensure(workers)
         except BaseException:

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 from sdbench.dsi.ledger import Ledger
 from sdbench.errors import SdbenchError
+from sdbench.paths import output_dir
 from sdbench.theory import dsi_latency_per_token, dsi_workers_needed, si_latency_per_token
 
 
@@ -265,8 +266,6 @@ def run_simulation(s: Setting, *, repeats: int, seed: int, grid: int, kmax: int,
                    console=None) -> tuple:
     """Table for one setting (offline and online; measured too when `source` names an sdbench run), then the
     heat-map grid as Parquet and PNG under `out`. Returns (parquet path, png path)."""
-    from pathlib import Path
-
     from rich.console import Console
 
     console = console or Console()
@@ -287,8 +286,7 @@ def run_simulation(s: Setting, *, repeats: int, seed: int, grid: int, kmax: int,
     console.print(_notes(s, on))
     with console.status("heat-map"):
         frame = heatmap(s.workers, grid, kmax)
-    folder = Path(out)
-    folder.mkdir(parents=True, exist_ok=True)
+    folder = output_dir(out)
     parquet, png = folder / "dsi-heatmap.parquet", folder / "dsi-heatmap.png"
     frame.to_parquet(parquet, index=False)
     plot_heatmap(frame, png)

@@ -48,13 +48,15 @@ def common_prefix(a: list[int], b: list[int], limit: int) -> int:
 
 
 class TargetWorker:
-    def __init__(self, model, device: str, threads: int, index: int = 0, name: str = "target"):
+    def __init__(self, model, device: str, threads: int, index: int = 0, name: str = "target", fast: bool = False):
+        """fast: the runner's fast path, built here: on the CPU from the received plain weights (packed weights
+        are private to a process and never travel), on a GPU as this process's own CUDA graphs."""
         from sdbench.models.runner import ModelRunner
 
         if threads > 0:
             torch.set_num_threads(threads)
         self.index = index
-        self.runner = ModelRunner(model.to(device), name)
+        self.runner = ModelRunner(model.to(device), name, fast=fast)
         self.seq: int | None = None
         self.cache = None
         self.cached: list[int] = []

@@ -15,7 +15,11 @@ gate/up), median of 7, rows 1 / 2 / 5 / 8: stock 4.9 / 11.0 / 17.7 / 16.5 ms; `W
 - a vocabulary head tied to the embedding table stays plain, since the lookup needs that table: oneDNN
   reads it as it is for one row (about memory speed, 2x the stock product) and `W @ x^T` is faster for more;
   an untied head is packed like the rest;
-- RMSNorm runs as one op (`F.rms_norm`) instead of the module's five.
+- RMSNorm runs as one op (`F.rms_norm`) instead of the module's five;
+- the first packing also copies the weights it does not pack (embeddings, norms) into the process's own
+  memory: a model loaded from memory-mapped safetensors then holds no reference into the file, the mapping
+  goes, and the process's resident size is the packed weights alone (without this, the embedding alone kept
+  the whole file mapped and its pages resident beside the packed copy: 2x the weights in RSS).
 
 Packed tensors are opaque (they cannot be pickled or shared between processes): a process that receives a
 model's plain weights builds its own fast path with `enable(model)`.
@@ -131,6 +135,10 @@ class FastModel:
         head, embed = model.lm_head, model.model.get_input_embeddings()
         self.head = TiedHead(head) if head.weight is embed.weight else Packed([head])
         self.packed = False
+        packed = {id(m) for p in self._projections() if isinstance(p, Packed) for m in p.modules}
+        rest = {id(p): p for m in model.modules() if id(m) not in packed for p in m.parameters(recurse=False)}
+        self.rest = list(rest.values())  # a tied table once
+        self.owned = False  # the rest copied out of a memory-mapped file (done once, at the first packing)
 
     def _projections(self) -> list:
         return [p for layer in self.layers for p in layer.projections()] + [self.head]
@@ -140,6 +148,10 @@ class FastModel:
             for p in self._projections():
                 p.pack()
             self.packed = True
+        if not self.owned:
+            for p in self.rest:  # [V, H] embeddings, [H] norms: a small share of the weights
+                p.data = p.data.clone()
+            self.owned = True
 
     def unpack(self) -> None:
         if self.packed:

@@ -27,10 +27,10 @@ from collections import Counter
 from sdbench.errors import SdbenchError
 from sdbench.metrics import now
 from sdbench.strategies.adaptive_online import AlphaPrior, GammaPolicy, StepSchedule, prompt_features
-from sdbench.strategies.base import BuildContext, Option, Proposer, Variant
+from sdbench.strategies.base import BuildContext, Option, Proposer, Variant, need_gamma
 from sdbench.strategies.draft import DraftModel
 from sdbench.strategies.drafters import make_drafters
-from sdbench.strategies.ngram import DRAFT_NAME, NGram
+from sdbench.strategies.ngram import DRAFT_NAME, NGram, check_ngram
 from sdbench.theory import fit_alpha
 
 COMMON = (
@@ -82,6 +82,7 @@ class _Adaptive(Proposer):
         if gamma_max < 1 or not 0 <= gamma <= gamma_max:
             raise SdbenchError(f"strategy '{self.name}' needs 0 <= --gamma <= gamma_max and gamma_max >= 1 "
                                f"(got --gamma {gamma}, gamma_max {gamma_max}; raise it with --set gamma_max=N)")
+        check_ngram(self.name, max_ngram, min_ngram)
         super().__init__(gamma)
         self.drafters, self.gamma_max = drafters, gamma_max
         self.compare = parse_compare(compare)
@@ -100,6 +101,7 @@ class _Adaptive(Proposer):
 
     def propose(self, state):
         d, gamma = self._choose()
+        gamma = state.lookahead(gamma)  # the lookahead used (and recorded): never past what a row can commit
         self._round, self._draft_s, proposal = (d, gamma), None, None
         self._active = [b for b in range(state.batch) if not state.done[b]]
         if gamma:
@@ -154,6 +156,10 @@ class _Adaptive(Proposer):
 
     def _learn(self, d, gamma, width, drafted, accepted, verify_s) -> None:
         raise NotImplementedError
+
+    @classmethod
+    def check(cls, gamma: int, options: dict, drafts: tuple[str, ...], sampling) -> None:
+        cls([None] * max(1, len(drafts)), gamma, **options)  # one placeholder per draft candidate
 
     @classmethod
     def build(cls, ctx: BuildContext) -> Proposer:
@@ -229,8 +235,7 @@ class AdaptiveFSM(_Adaptive):
         if len(drafters) != 1:
             raise SdbenchError("strategy 'adaptive-fsm' drafts with one --draft; use 'adaptive' to choose "
                                "among several")
-        if gamma < 1:
-            raise SdbenchError(f"--gamma must be at least 1 for strategy 'adaptive-fsm' (got {gamma})")
+        need_gamma(self.name, gamma)
         super().__init__(drafters, gamma, **common)
         self.schedule = schedule
         self.fsm = StepSchedule(gamma, self.gamma_max, StepSchedule.UPS[schedule])

@@ -71,10 +71,22 @@ class Proposer:
         """The settings recorded with every result row."""
         return {"gamma": self.gamma}
 
+    def notes(self, context_tokens: int) -> list[str]:
+        """What the user should be told before a run whose contexts reach `context_tokens` (prompt plus new
+        tokens): settings that are accepted but do something other than their name suggests."""
+        return []
+
     def row_stats(self, b: int) -> dict:
         """Strategy-specific figures for row b of the generation that just ended (JSON-able), recorded in
         the `strategy_stats` column: e.g. a gamma trajectory, per-level counts, worker busy fractions."""
         return {}
+
+    @classmethod
+    def check(cls, gamma: int, options: dict, drafts: tuple[str, ...], sampling) -> None:
+        """Raise on settings this strategy refuses, before any model loads: options as validated by
+        take_options (defaults filled), drafts the --draft names, sampling the SamplingConfig. `build` (with
+        the models) refuses the same; a strategy whose constructor checks its settings and touches no model
+        builds itself with placeholders here."""
 
     @classmethod
     def build(cls, ctx: "BuildContext") -> "Proposer":
@@ -140,6 +152,12 @@ class Variant:
     label: str = ""
     strategy: str = ""
     drafts: str = ""
+
+
+def need_gamma(strategy: str, gamma: int) -> None:
+    """A strategy that always drafts needs a lookahead of at least one token."""
+    if gamma < 1:
+        raise SdbenchError(f"--gamma must be at least 1 for strategy '{strategy}' (got {gamma})")
 
 
 def take_options(declared: tuple[Option, ...], given: dict, strategy: str) -> dict:

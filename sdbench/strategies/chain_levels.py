@@ -1,9 +1,10 @@
 """The levels of a polybasic chain below the target: a bottom drafter and the verifying levels above it.
 
-Every level answers `produce(ctx, lens, active, sampling, generator) -> Block`: a block of tokens continuing
-each row's context ctx[b, :lens[b]], distributed as that level's own model would sample them (for the bottom
-drafter by construction; for a verifying level because its speculative rounds are lossless). Rows with
-active[b] False may get anything; their tokens are never used.
+Every level answers `produce(ctx, lens, active, sampling, generator, room) -> Block`: a block of at most
+room[b] tokens (what row b can still commit; None: no limit) continuing each row's context ctx[b, :lens[b]],
+distributed as that level's own model would sample them (for the bottom drafter by construction; for a
+verifying level because its speculative rounds are lossless). Rows with active[b] False may get anything;
+their tokens are never used.
 
 ctx is a scratch buffer [B, W] shared down the chain: a verifying level writes the tokens it has accepted so
 far at ctx[b, lens[b]:] before asking the level below for more, so each level sees the context as it stands at
@@ -93,13 +94,14 @@ class NGramLevel:
     def end(self) -> None:
         pass
 
-    def produce(self, ctx, lens, active, sampling, generator) -> Block:
+    def produce(self, ctx, lens, active, sampling, generator, room=None) -> Block:
+        room = _unbounded(lens) if room is None else room
         t0 = now()
         tokens = torch.zeros(len(lens), self.gamma, dtype=torch.long)
         lengths = torch.zeros(len(lens), dtype=torch.long)
         for b, n in enumerate(lens):
             if active[b]:
-                found = lookup(ctx[b, :n].numpy(), self.gamma, self.max_ngram, self.min_ngram)
+                found = lookup(ctx[b, :n].numpy(), min(self.gamma, room[b]), self.max_ngram, self.min_ngram)
                 tokens[b, : len(found)] = torch.from_numpy(found)
                 lengths[b] = len(found)
         # the level above verifies no padding when nothing longer was found
@@ -139,11 +141,12 @@ class ModelLevel:
             self.runner.release(self.cache)
             self.cache = None
 
-    def produce(self, ctx, lens, active, sampling, generator) -> Block:
+    def produce(self, ctx, lens, active, sampling, generator, room=None) -> Block:
+        room = _unbounded(lens) if room is None else room
         self.stats.calls += 1
         if self.below is None:
-            return self._draft(ctx, lens, sampling, generator)
-        return self._refine(ctx, lens, active, sampling, generator)
+            return self._draft(ctx, lens, active, sampling, generator, room)
+        return self._refine(ctx, lens, active, sampling, generator, room)
 
     # ---- forwards -----------------------------------------------------------------------------------------
     def _feed(self, ctx, lens, block: torch.Tensor) -> torch.Tensor:
@@ -164,28 +167,34 @@ class ModelLevel:
         self.stats.forwards += forwards
 
     # ---- the bottom: autoregressive drafting ------------------------------------------------------------
-    def _draft(self, ctx, lens, sampling, generator) -> Block:
+    def _draft(self, ctx, lens, active, sampling, generator, room) -> Block:
+        gamma = min(self.gamma, max((r for r, a in zip(room, active) if a), default=0))  # never past the room
+        if gamma == 0:  # no row has room for a draft: the level above adds its own token alone
+            return Block(torch.zeros(len(lens), 0, dtype=torch.long), torch.zeros(len(lens), dtype=torch.long))
         t0 = now(self.runner.device)
-        tokens, probs = draft_tokens(self.runner, self.cache, self.prefix, ctx, lens, self.gamma, sampling,
-                                     generator)
-        self._count(t0, self.gamma)  # one forward per drafted token (the first one also catches up)
-        return Block(tokens, torch.full((len(lens),), self.gamma, dtype=torch.long), probs)
+        tokens, probs = draft_tokens(self.runner, self.cache, self.prefix, ctx, lens, gamma, sampling, generator)
+        self._count(t0, gamma)  # one forward per drafted token (the first one also catches up)
+        return Block(tokens, torch.tensor([min(gamma, r) for r in room], dtype=torch.long), probs)
 
     # ---- a verifying level --------------------------------------------------------------------------------
-    def _refine(self, ctx, lens, active, sampling, generator) -> Block:
-        """Speculative rounds over blocks from below until every active row holds at least mu tokens.
+    def _refine(self, ctx, lens, active, sampling, generator, room) -> Block:
+        """Speculative rounds over blocks from below until every active row holds at least mu tokens, or its
+        whole room: the level below drafts at most what leaves room for this level's own token, so no block
+        handed up ever exceeds the room.
 
         Each round commits, per row, the accepted prefix of the block plus this level's correction or bonus
         token, exactly as the target's loop does; under sampling the tokens then follow this level's model
         distribution, and the block handed up carries that distribution (this level's q at each token).
         """
         base, lens = list(lens), list(lens)
+        goal = [min(self.mu, r) for r in room]
         kept: list[list[torch.Tensor]] = [[] for _ in lens]  # per row: [a+1, V] distributions per round
         while True:
-            hungry = [active[b] and lens[b] - base[b] < self.mu for b in range(len(lens))]
+            hungry = [active[b] and lens[b] - base[b] < goal[b] for b in range(len(lens))]
             if not any(hungry):
                 break
-            block = self.below.produce(ctx, lens, hungry, sampling, generator)
+            left = [r - (n - s) - 1 for r, n, s in zip(room, lens, base)]  # this round's own token needs one
+            block = self.below.produce(ctx, lens, hungry, sampling, generator, left)
             logits = self._feed(ctx, lens, block.tokens)  # [B, G+1, V]
             dev = logits.device
             n_draft = block.lengths * torch.tensor(hungry, dtype=torch.long)
@@ -204,6 +213,11 @@ class ModelLevel:
                 self.stats.verified(b, a)
                 self.below.stats.handed_up(b, int(n_draft[b]), a)
         return _block_from(ctx, base, lens, kept)
+
+
+def _unbounded(lens: list[int]) -> list[int]:
+    """No room limit (a level used on its own, outside the decode loop)."""
+    return [1 << 30] * len(lens)
 
 
 def _block_from(ctx, base: list[int], lens: list[int], kept) -> Block:

@@ -8,7 +8,8 @@ from sdbench.errors import SdbenchError
 from sdbench.kv.prefix import CachedPrefix
 from sdbench.kv.sparse import SparseSpec, compress
 from sdbench.sampling import choose
-from sdbench.strategies.base import BuildContext, Option, Proposal, Proposer
+from sdbench.strategies.ngram import DRAFT_NAME
+from sdbench.strategies.base import BuildContext, Option, Proposal, Proposer, need_gamma
 
 
 def draft_tokens(runner, cache, prefix: CachedPrefix, ctx: torch.Tensor, lens: list[int], gamma: int, sampling,
@@ -42,6 +43,7 @@ class DraftModel(Proposer):
     every draft was accepted), then drafts."""
 
     name = "draft"
+    full_budget = "the draft runs as with a dense cache"  # what a budget covering the whole context amounts to
     options = (
         Option("draft_kv", "dense", "draft KV cache: dense, or a fixed-size sparse view: streamingllm, snapkv", str),
         Option("budget", 256, "sparse draft cache: tokens attended"),
@@ -51,8 +53,7 @@ class DraftModel(Proposer):
 
     def __init__(self, runner, gamma: int, draft_kv: str = "dense", budget: int = 256, sink: int = 16,
                  window: int = 32):
-        if gamma < 1:
-            raise SdbenchError(f"--gamma must be at least 1 for strategy '{self.name}' (got {gamma})")
+        need_gamma(self.name, gamma)
         super().__init__(gamma)
         self.runner = runner
         self.sparse = None if draft_kv == "dense" else SparseSpec(draft_kv, budget, sink, window)
@@ -89,9 +90,17 @@ class DraftModel(Proposer):
         return {"gamma": self.gamma, "draft_kv": sp.selector, "budget": sp.budget,
                 **({"sink": sp.sink} if sp.selector == "streamingllm" else {"window": sp.window})}
 
+    def notes(self, context_tokens: int) -> list[str]:
+        sp = self.sparse
+        if sp is None or sp.budget < context_tokens:
+            return []
+        return [f"{self.name}: --set budget={sp.budget} is at least the longest context ({context_tokens} tokens), so "
+                f"the sparse draft cache keeps every token: {self.full_budget}"]
+
     def propose(self, state, gamma: int | None = None) -> Proposal:
-        """gamma: tokens to draft this step; None = the configured lookahead (adaptive callers vary it)."""
-        gamma = self.gamma if gamma is None else gamma
+        """gamma: tokens to draft this step; None = the configured lookahead (adaptive callers vary it); never
+        more than a row can still commit."""
+        gamma = state.lookahead(self.gamma if gamma is None else gamma)
         tokens, probs = draft_tokens(self.runner, self.cache, self.prefix, state.tokens, state.lengths, gamma,
                                      state.sampling, state.generator)
         return Proposal(tokens, torch.full((state.batch,), gamma, dtype=torch.long), probs)
@@ -102,10 +111,21 @@ class DraftModel(Proposer):
             self.cache = None
 
     @classmethod
+    def check(cls, gamma: int, options: dict, drafts: tuple[str, ...], sampling) -> None:
+        if cls.name == "draft" and drafts:
+            _model_draft(drafts[0] if drafts[0] == DRAFT_NAME else None)
+        cls(None, gamma, **options)  # the constructor checks every setting and touches no model
+
+    @classmethod
     def build(cls, ctx: BuildContext) -> Proposer:
         if not ctx.drafts:
             raise SdbenchError("strategy 'draft' needs a draft model: pass --draft MODEL (the target itself works)")
-        if isinstance(ctx.drafts[0], str):  # a model-free draft name such as 'ngram'
-            raise SdbenchError(f"strategy 'draft' needs a draft model, and --draft {ctx.drafts[0]} is not one: "
-                               f"use --strategy {ctx.drafts[0]}, or adaptive to mix it with a model")
+        _model_draft(ctx.drafts[0] if isinstance(ctx.drafts[0], str) else None)
         return cls(ctx.drafts[0], ctx.gamma, **ctx.options)
+
+
+def _model_draft(model_free: str | None) -> None:
+    """Refuse a model-free draft name (such as 'ngram') where strategy 'draft' needs a model."""
+    if model_free is not None:
+        raise SdbenchError(f"strategy 'draft' needs a draft model, and --draft {model_free} is not one: "
+                           f"use --strategy {model_free}, or adaptive to mix it with a model")

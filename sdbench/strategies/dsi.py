@@ -7,9 +7,12 @@ With about 1/(gamma·c) workers (c = draft forward / target forward) it is never
 and faster than sequential SD in expectation (`sdbench simulate dsi` shows where). The output is the
 target's: verification is sdbench.sampling's greedy rule.
 
-This strategy owns its loop (speculation parallelism changes control flow) and records the same RowStats:
-a step is a verification that committed tokens, `drafted`/`accepted` count the drafts it judged, draft_s is
-all drafting time (discarded drafts included) and verify_s the committing verifications' time. Per row it
+This strategy owns its loop (speculation parallelism changes control flow) and counts by sdbench.metrics'
+definitions: the verification of the bare prompt gives the first token (the time to it is the TTFT, as a
+prefill's), a step is each later verification that committed tokens, `drafted` counts the drafts it judged
+and `accepted` those of them it committed, draft_s is all drafting time (discarded drafts included) and
+verify_s the committing verifications' time. The batch's wall time and TTFT are both sums over its prompts
+(decoded one after another), so wall - TTFT is the decode phase of every prompt, as for every strategy. Per row it
 records the workers, each one's busy fraction, cancelled and redundant verifications and the wall time.
 
 Greedy decoding only: results arrive out of order, and a seed-reproducible lossless sampler across them is
@@ -20,7 +23,7 @@ from __future__ import annotations
 
 from sdbench.errors import SdbenchError
 from sdbench.metrics import BatchResult
-from sdbench.strategies.base import BuildContext, Option, Proposer
+from sdbench.strategies.base import BuildContext, Option, Proposer, need_gamma
 
 
 class DSI(Proposer):
@@ -33,8 +36,7 @@ class DSI(Proposer):
     )
 
     def __init__(self, draft, gamma: int, workers: int = 2, backend: str = "process", threads: int = 0):
-        if gamma < 1:
-            raise SdbenchError(f"--gamma must be at least 1 for strategy 'dsi' (got {gamma})")
+        need_gamma(self.name, gamma)
         if workers < 1:
             raise SdbenchError(f"--set workers={workers}: need at least 1")
         if threads < 0:
@@ -60,8 +62,7 @@ class DSI(Proposer):
         from sdbench.dsi.orchestrator import decode_one, torch_threads
         from sdbench.dsi.pools import default_threads, discard_pool, get_pool
 
-        if not sampling.greedy:
-            raise SdbenchError("strategy 'dsi' decodes greedily only: use --temperature 0")
+        _greedy_only(sampling)
         if max_new_tokens < 1:
             raise SdbenchError(f"--max-new-tokens must be at least 1 (got {max_new_tokens})")
         from sdbench.models import cpufast
@@ -83,10 +84,20 @@ class DSI(Proposer):
             o.extras["backend"] = self.backend
         self._rows = [o.extras for o in outcomes]
         return BatchResult([o.tokens for o in outcomes], [len(p) for p in prompts], [o.stats for o in outcomes],
-                           sum(o.wall_s for o in outcomes), outcomes[0].ttft_s, list(self._rows))
+                           sum(o.wall_s for o in outcomes), sum(o.ttft_s for o in outcomes), list(self._rows))
+
+    @classmethod
+    def check(cls, gamma: int, options: dict, drafts: tuple[str, ...], sampling) -> None:
+        _greedy_only(sampling)
+        cls(None, gamma, **options)  # the constructor checks every setting and touches no model
 
     @classmethod
     def build(cls, ctx: BuildContext) -> Proposer:
         if not ctx.drafts or isinstance(ctx.drafts[0], str):
             raise SdbenchError("strategy 'dsi' needs a draft model: pass --draft MODEL (the target itself works)")
         return cls(ctx.drafts[0], ctx.gamma, **ctx.options)
+
+
+def _greedy_only(sampling) -> None:
+    if not sampling.greedy:
+        raise SdbenchError("strategy 'dsi' decodes greedily only: use --temperature 0")

@@ -14,6 +14,7 @@ from sdbench.strategies.draft import DraftModel
 
 class MagicDec(DraftModel):
     name = "magicdec"
+    full_budget = "this runs as plain self-speculation with a full cache"
     # the draft strategy's sparse-cache settings, with the selector named `kv` and never dense
     options = (Option("kv", "streamingllm", "draft cache selector: streamingllm or snapkv", str),
                *(o for o in DraftModel.options if o.name != "draft_kv"))

@@ -6,7 +6,7 @@ import numpy as np
 import torch
 
 from sdbench.errors import SdbenchError
-from sdbench.strategies.base import Option, Proposal, Proposer
+from sdbench.strategies.base import Option, Proposal, Proposer, need_gamma
 
 DRAFT_NAME = "ngram"  # `--draft ngram`: prompt lookup as a draft candidate, no model to load
 
@@ -24,6 +24,12 @@ def lookup(seq: np.ndarray, k: int, max_n: int, min_n: int = 1) -> np.ndarray:
     return seq[:0]
 
 
+def check_ngram(strategy: str, max_ngram: int, min_ngram: int) -> None:
+    if not 1 <= min_ngram <= max_ngram:
+        raise SdbenchError(f"{strategy} needs 1 <= min_ngram <= max_ngram (got --set min_ngram={min_ngram}, "
+                           f"max_ngram={max_ngram})")
+
+
 class NGram(Proposer):
     name = "ngram"
     options = (
@@ -32,28 +38,31 @@ class NGram(Proposer):
     )
 
     def __init__(self, gamma: int, max_ngram: int = 3, min_ngram: int = 1):
-        if gamma < 1:
-            raise SdbenchError(f"--gamma must be at least 1 for strategy 'ngram' (got {gamma})")
-        if not 1 <= min_ngram <= max_ngram:
-            raise SdbenchError(f"ngram needs 1 <= min_ngram <= max_ngram (got {min_ngram}, {max_ngram})")
+        need_gamma(self.name, gamma)
+        check_ngram(self.name, max_ngram, min_ngram)
         super().__init__(gamma)
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
 
     def propose(self, state, gamma: int | None = None) -> Proposal:
-        """Up to gamma (default: self.gamma) tokens per row; lengths[b] says how many were found."""
-        gamma = self.gamma if gamma is None else gamma
+        """Up to gamma (default: self.gamma) tokens per row, never more than a row can still commit;
+        lengths[b] says how many were found."""
+        gamma = state.lookahead(self.gamma if gamma is None else gamma)
         tokens = torch.zeros(state.batch, gamma, dtype=torch.long)
         lengths = torch.zeros(state.batch, dtype=torch.long)
         for b in range(state.batch):
             if state.done[b]:
                 continue
-            found = lookup(state.row(b).numpy(), gamma, self.max_ngram, self.min_ngram)
+            found = lookup(state.row(b).numpy(), min(gamma, state.room(b)), self.max_ngram, self.min_ngram)
             tokens[b, : len(found)] = torch.from_numpy(found)
             lengths[b] = len(found)
         return Proposal(tokens, lengths)
 
     def params(self) -> dict:
         return {"gamma": self.gamma, "max_ngram": self.max_ngram, "min_ngram": self.min_ngram}
+
+    @classmethod
+    def check(cls, gamma: int, options: dict, drafts: tuple[str, ...], sampling) -> None:
+        cls(gamma, **options)
 
     @classmethod
     def search_space(cls, trial, space) -> tuple[int, dict]:

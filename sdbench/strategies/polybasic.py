@@ -30,8 +30,9 @@ import torch
 
 from sdbench.errors import SdbenchError
 from sdbench.metrics import now
-from sdbench.strategies.base import BuildContext, Option, Proposal, Proposer
+from sdbench.strategies.base import BuildContext, Option, Proposal, Proposer, need_gamma
 from sdbench.strategies.chain_levels import LevelStats, ModelLevel, NGramLevel
+from sdbench.strategies.ngram import check_ngram
 
 NGRAM = "ngram"
 
@@ -60,16 +61,14 @@ def parse_mu(text: str, levels: int, gamma: int) -> list[int]:
 def check_chain(drafts: list, gamma: int, mu: str = "", max_ngram: int = 3, min_ngram: int = 1) -> list[int]:
     """Raise on an impossible chain (drafts: top down, 'ngram' or anything else for a model); mu per middle
     level, top down."""
-    if gamma < 1:
-        raise SdbenchError(f"--gamma must be at least 1 for strategy 'polybasic' (got {gamma})")
+    need_gamma("polybasic", gamma)
     if not drafts:
         raise SdbenchError("strategy 'polybasic' needs --draft, once per level from the top down "
                            "(e.g. --draft MIDDLE --draft ngram)")
     if any(isinstance(d, str) for d in drafts[:-1]):
         raise SdbenchError("--draft ngram can only be the last (bottom) level of a polybasic chain: prompt "
                            "lookup drafts but cannot verify")
-    if not 1 <= min_ngram <= max_ngram:
-        raise SdbenchError(f"polybasic needs 1 <= min_ngram <= max_ngram (got {min_ngram}, {max_ngram})")
+    check_ngram("polybasic", max_ngram, min_ngram)
     return parse_mu(mu, len(drafts) - 1, gamma)
 
 
@@ -116,7 +115,8 @@ class Polybasic(Proposer):
     def propose(self, state) -> Proposal:
         self.active = [not d for d in state.done]
         self.ctx[:, : state.capacity] = state.tokens
-        block = self.top.produce(self.ctx, list(state.lengths), self.active, state.sampling, state.generator)
+        room = [state.room(b) for b in range(state.batch)]  # no level drafts past what a row can still commit
+        block = self.top.produce(self.ctx, list(state.lengths), self.active, state.sampling, state.generator, room)
         self.proposed_at = now(self.device)
         return Proposal(block.tokens, block.lengths, block.probs)
 
@@ -154,6 +154,10 @@ class Polybasic(Proposer):
         gamma = trial.suggest_int("gamma", 1, 8)
         options = {"mu": str(trial.suggest_int("mu", 1, 16))} if len(space.drafts) > 1 else {}
         return gamma, options, tuple(space.drafts)
+
+    @classmethod
+    def check(cls, gamma: int, options: dict, drafts: tuple[str, ...], sampling) -> None:
+        check_chain([d if d == NGRAM else None for d in drafts], gamma, **options)  # None: a model level
 
     @classmethod
     def build(cls, ctx: BuildContext) -> Proposer:

@@ -1,0 +1,242 @@
+"""Counting that cannot mislead: what the metrics module defines is what every strategy records."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from sdbench import benchmark
+from sdbench.config import SamplingConfig
+from sdbench.decode import generate
+from sdbench.divergence import first_difference, judge, tie_tolerance
+from sdbench.metrics import RowStats, row_metrics
+from sdbench.results import read_results
+from sdbench.strategies.adaptive import AdaptiveFSM
+from sdbench.strategies.autoregressive import Autoregressive
+from sdbench.strategies.draft import DraftModel
+from sdbench.strategies.drafters import make_drafters
+from sdbench.strategies.ngram import NGram
+from sdbench.strategies.polybasic import Polybasic
+from tests.conftest import run_cli
+
+GREEDY = SamplingConfig()
+
+
+def reference(target, prompts, new, eos=()):
+    return generate(target, Autoregressive(), prompts, max_new_tokens=new, sampling=GREEDY, eos_ids=eos).output_ids
+
+
+def assert_counts_true(out, max_new):
+    """The definitions of sdbench.metrics, row by row."""
+    for b, (row, ids) in enumerate(zip(out.rows, out.output_ids)):
+        m = row_metrics(out, b)
+        assert m["mean_accepted_len"] * row.steps == pytest.approx(len(ids) - 1)  # never more than committed
+        assert len(ids) - 1 <= row.accepted + row.steps <= len(ids)  # only a step's own token may be cut
+        assert row.accepted <= row.drafted and len(row.drafted_per_position) <= max_new - 1  # no step past it
+        assert sum(row.accepted_per_position) == row.accepted
+        assert sum(row.drafted_per_position) == row.drafted
+
+
+@pytest.mark.parametrize("make", [
+    lambda t: DraftModel(t, 8), lambda t: NGram(8), lambda t: Polybasic([t, t], 3, "8"),
+    lambda t: AdaptiveFSM(make_drafters([t], 3, 1), 6),
+])
+def test_the_budget_cuts_no_accepted_draft(target, prompts, make):
+    """At gamma 8 and 12 new tokens the target drafting for itself commits 9 then 2: the old loop drafted 8
+    in the second round and counted all 8 accepted (mean accepted length 9.0 for 11 tokens in 2 steps)."""
+    ps = [(p * 3)[:20] for p in prompts]  # repetitive, so that the n-gram lookup drafts too
+    proposer = make(target)
+    out = generate(target, proposer, ps, max_new_tokens=12, sampling=GREEDY)
+    assert out.output_ids == reference(target, ps, 12)
+    assert_counts_true(out, 12)
+    if not isinstance(proposer, NGram):  # the target drafting for itself: every draft committed, none past
+        assert all(row.drafted == row.accepted <= len(ids) - 1 for row, ids in zip(out.rows, out.output_ids))
+
+
+def test_a_huge_lookahead_drafts_no_more_than_the_budget(target, prompts):
+    out = generate(target, DraftModel(target, 1000), prompts[:1], max_new_tokens=8, sampling=GREEDY)
+    row = out.rows[0]
+    assert out.output_ids == reference(target, prompts[:1], 8)
+    assert row.steps == 1 and row.drafted == 7 == row.accepted and row.drafted_per_position == [1] * 7
+    assert row_metrics(out, 0)["mean_accepted_len"] == 7.0  # 7 tokens committed in one step, not 1001
+
+
+def test_drafts_after_an_eos_are_not_accepted(target, small_draft, prompts):
+    ref = reference(target, prompts, 24)
+    eos = ref[0][5]
+    for proposer in (DraftModel(target, 8), DraftModel(small_draft, 4)):
+        out = generate(target, proposer, prompts, max_new_tokens=24, sampling=GREEDY, eos_ids=(eos,))
+        assert out.output_ids == reference(target, prompts, 24, eos=(eos,))
+        assert_counts_true(out, 24)
+    self_draft = generate(target, DraftModel(target, 8), prompts[:1], max_new_tokens=24, sampling=GREEDY,
+                          eos_ids=(eos,))
+    row = self_draft.rows[0]  # one step: drafts 1..5 committed, the EOS the last of them; 3 more thrown away
+    assert (row.steps, row.drafted, row.accepted, row.rejections) == (1, 8, 5, 0)
+
+
+def test_a_cut_step_is_censored_not_rejected():
+    row = RowStats()
+    row.add_step(4, 2, 0.0, 0.0, rejected=False)  # accepted 4, an EOS after the second
+    row.add_step(4, 2, 0.0, 0.0)  # a rejection at the third
+    assert (row.accepted, row.rejections, row.accepted_per_position) == (4, 1, [2, 2])
+
+
+# ---- DSI: a batch's TTFT and decode time ------------------------------------------------------------------
+
+def test_dsi_batch_times_sum_over_its_prompts(monkeypatch, target):
+    """DSI decodes a batch one prompt after another: its wall time and its TTFT both sum the prompts', so
+    wall - TTFT (the decode phase) means for it what it means for the batched loop."""
+    from sdbench.dsi import orchestrator, pools
+    from sdbench.dsi.orchestrator import RowOutcome
+    from sdbench.strategies.dsi import DSI
+
+    def one(pool, draft, prompt, **kw):
+        stats = RowStats()
+        for _ in range(4):
+            stats.add_step(2, 2, 0.0, 0.0)
+        return RowOutcome([1] * 13, stats, {}, wall_s=1.0, ttft_s=0.4)
+
+    monkeypatch.setattr(orchestrator, "decode_one", one)
+    monkeypatch.setattr(pools, "get_pool", lambda *a, **k: None)
+    dsi = DSI(target, 2, workers=1, threads=1)
+    results = {n: dsi.generate(target, dsi, [[1, 2]] * n, max_new_tokens=13, sampling=GREEDY) for n in (1, 3)}
+    assert (results[3].wall_s, results[3].ttft_s) == pytest.approx((3.0, 1.2))
+    decode_rate = {n: (r.new_tokens - n) / (r.wall_s - r.ttft_s) for n, r in results.items()}
+    assert decode_rate[3] == pytest.approx(decode_rate[1])  # the old TTFT (the first prompt's) gave 36/2.6
+    assert row_metrics(results[3], 1)["mean_accepted_len"] == 3.0
+
+
+# ---- ties in low precision ---------------------------------------------------------------------------------
+
+class FixedLogits:
+    """A stand-in target whose forward gives the same logits whatever the context."""
+
+    def __init__(self, logits, dtype):
+        self.logits, self.dtype = torch.tensor([logits], dtype=dtype), dtype
+
+    def new_cache(self, batch, capacity):
+        return None
+
+    def release(self, cache):
+        pass
+
+    def prefill(self, cache, prompts):
+        return self.logits.float()
+
+
+def test_a_tie_is_told_from_a_real_divergence():
+    assert first_difference([1, 2, 3], [1, 2, 3]) is None and first_difference([1, 2, 3], [1, 5, 3]) == 1
+    bf16 = FixedLogits([20.0, 19.875, 3.0], torch.bfloat16)  # one unit in the last place apart at 20
+    assert judge(bf16, [9], [7, 0, 4], [7, 1, 4]) == ("tie", 0.125)
+    assert judge(bf16, [9], [7, 0], [7, 2]) == ("real", 17.0)
+    fp32 = FixedLogits([20.0, 19.875, 3.0], torch.float32)  # the same gap is no rounding in float32
+    assert judge(fp32, [9], [7, 0], [7, 1]) == ("real", 0.125)
+    assert judge(fp32, [9], [7, 0], [7, 0]) is None
+    kind, gap = judge(fp32, [9], [7, 0], [7])  # stopped early: no choice between two tokens
+    assert kind == "real" and math.isnan(gap)
+    assert tie_tolerance(20.0, torch.bfloat16) > 0.125 > tie_tolerance(20.0, torch.float32)
+
+
+# ---- before anything loads ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("argv, expect", [
+    (["--strategy", "ngram", "--gamma", "0"], "--gamma must be at least 1 for strategy 'ngram'"),
+    (["--strategy", "ngram", "--set", "min_ngram=3", "--set", "max_ngram=2"], "min_ngram=3"),
+    (["--strategy", "magicdec", "--set", "budget=0"], "--set budget=0"),
+    (["--strategy", "dsi", "--draft", "smollm2-135m", "--set", "workers=0"], "--set workers=0"),
+    (["--strategy", "dsi", "--draft", "smollm2-135m", "--temperature", "0.8"], "decodes greedily only"),
+    (["--strategy", "draft", "--draft", "ngram"], "--draft ngram is not one"),
+    (["--strategy", "adaptive-fsm", "--draft", "ngram", "--draft", "smollm2-135m"], "drafts with one --draft"),
+    (["--strategy", "polybasic", "--draft", "ngram", "--draft", "smollm2-135m"], "can only be the last"),
+])
+def test_settings_are_checked_before_any_model_loads(capsys, monkeypatch, tmp_path, argv, expect):
+    from sdbench.models import loader
+
+    def no_loading(*a, **k):
+        raise AssertionError("a model or tokenizer was loaded before the settings were checked")
+
+    monkeypatch.setattr(loader, "load_model", no_loading)
+    monkeypatch.setattr(loader, "load_tokenizer", no_loading)
+    code, _, err = run_cli(capsys, "run", *argv, "--out", str(tmp_path))
+    assert code == 2 and expect in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+    assert not list(tmp_path.iterdir())  # nothing left behind
+
+
+def test_tokenizers_are_compared_before_any_weights_load(capsys, monkeypatch, tmp_path):
+    from sdbench.models import loader
+
+    class Tok:
+        eos_token_id = bos_token_id = 0
+
+        def __init__(self, vocab):
+            self.vocab = vocab
+
+        def get_vocab(self):
+            return self.vocab
+
+    monkeypatch.setattr(loader, "load_tokenizer", lambda name: Tok({"a": 0, "b": 1} if name == "t" else {"a": 0}))
+    monkeypatch.setattr(loader, "load_model", lambda *a, **k: pytest.fail("weights loaded first"))
+    code, _, err = run_cli(capsys, "run", "--target", "t", "--strategy", "draft", "--draft", "d", "--out",
+                           str(tmp_path))
+    assert code == 2 and "'t' and 'd' do not share a tokenizer" in err
+
+
+def test_predict_names_the_option_typed(capsys):
+    code, _, err = run_cli(capsys, "predict", "magicdec", "--context", "abc")
+    assert code == 2 and "--context abc" in err and "--gamma" not in err
+
+
+# ---- through the CLI on the embedded model -----------------------------------------------------------------
+
+@pytest.mark.slow
+def test_a_huge_gamma_is_capped_to_the_budget(capsys, tmp_path):
+    code, out, err = run_cli(capsys, "run", "--strategy", "draft", "--draft", "smollm2-135m", "--gamma", "1000",
+                             "--limit", "1", "--max-new-tokens", "8", "--out", str(tmp_path))
+    assert code == 0, err
+    assert "note: --gamma 1000 capped to 7" in out
+    df = read_results([tmp_path])
+    strat = df[df["role"] == "strategy"].iloc[0]
+    assert json.loads(strat["params"])["gamma"] == 7 and strat["gamma"] == 7
+    assert strat["drafted"] <= 7 and strat["accepted"] <= strat["drafted"]
+    assert strat["mean_accepted_len"] * strat["steps"] <= strat["new_tokens"] - 1 + 1e-9
+    assert (df["max_new_tokens"] == 8).all() and strat["lossless"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cut_at, said", [(1, "during warm-up: nothing was saved"),
+                                          (3, "before any batch finished: nothing was saved")])
+def test_ctrl_c_before_anything_finished_leaves_nothing(capsys, tmp_path, monkeypatch, cut_at, said):
+    calls = {"n": 0}
+    real = benchmark.generate
+
+    def interrupted(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == cut_at:  # warm-up: calls 1 and 2 (baseline, strategy); the first batch: 3 and 4
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(benchmark, "generate", interrupted)
+    code, _, err = run_cli(capsys, "run", "--limit", "1", "--max-new-tokens", "4", "--out", str(tmp_path))
+    assert code == 130 and said in err and "--resume" not in err
+    assert not list(tmp_path.iterdir())  # no RUN.config.json, no parts
+
+
+@pytest.mark.slow
+def test_a_bfloat16_tie_is_recorded_and_passes_the_gate(capsys, tmp_path):
+    """In bfloat16 the target drafting for itself can differ from plain decoding where its two best logits
+    round to the same value (on the project's CPU, mt-bench/157 of these 6 prompts at its 19th token, gap 0):
+    recorded as a tie, it passes compare's lossless gate; a real divergence never may."""
+    code, out, err = run_cli(capsys, "run", "--strategy", "draft", "--draft", "smollm2-135m", "--dtype", "bfloat16",
+                             "--limit", "6", "--max-new-tokens", "24", "--out", str(tmp_path))
+    assert code == 0, err
+    strat = read_results([tmp_path]).query("role == 'strategy'")
+    same = strat["lossless"].astype(bool)
+    differing = strat[~same]
+    assert (differing["divergence"] == "tie").all() and strat.loc[same, "divergence"].isna().all()
+    if len(differing):
+        assert "tie)" in out
+    code, _, err = run_cli(capsys, "compare", str(tmp_path), str(tmp_path))
+    assert code == 0, err
