@@ -18,6 +18,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from sdbench.config import DEFAULT_GAMMA, RunConfig, SamplingConfig
+from sdbench.data.passkey import answer_found
 from sdbench.decode import generate, needed_capacity
 from sdbench.env import environment, peak_memory, reset_peak_memory
 from sdbench.errors import Interrupted, SdbenchError
@@ -116,7 +117,7 @@ def plan(cfg: RunConfig) -> tuple[RunConfig, object]:
         raise SdbenchError(f"strategy '{choice.base}' needs --draft MODEL (e.g. --draft {cfg.target} to let "
                            "the target draft for itself)")
     for name, value, low in (("--limit", cfg.limit, 1), ("--max-new-tokens", cfg.max_new_tokens, 1),
-                             ("--batch-size", cfg.batch_size, 1), ("--repeats", cfg.repeats, 1),
+                             ("--batch-size", cfg.batch_size, 1), ("--repeats", cfg.repeats, 1), ("--turns", cfg.turns, 1),
                              ("--gamma", min(cfg.gammas), 0)):
         if value is not None and value < low:
             raise SdbenchError(f"{name} must be at least {low} (got {value})")
@@ -128,9 +129,9 @@ def plan(cfg: RunConfig) -> tuple[RunConfig, object]:
     cfg = replace(cfg, gammas=capped_gammas(cfg.gammas, cfg.max_new_tokens))
     for gamma in cfg.gammas:
         strategy_registry.get(choice.base).check(gamma, options, cfg.drafts, cfg.sampling)
-    from sdbench.tasks import task_registry
+    from sdbench.tasks import check_dataset
 
-    task_registry.entry(cfg.dataset)  # an unknown data set fails before any model loads
+    check_dataset(cfg.dataset, cfg.fields, cfg.depths, cfg.prompt_len)  # an unknown data set or a bad file fails before models load
     return cfg, choice
 
 
@@ -153,11 +154,13 @@ def encode_prompts(cfg: RunConfig, pair: Pair, lookahead: int | None = None):
     """The prompts as token ids; refuses any that, with the budget and the deepest lookahead, would run past
     the target's positions."""
     from sdbench.tasks import encode_prompt, load_prompts
+    from sdbench.turns import Conversations
 
     prompts = load_prompts(cfg.dataset, limit=cfg.limit, seed=cfg.sampling.seed, prompt_len=cfg.prompt_len,
-                           tokenizer=pair.tokenizer)
+                           tokenizer=pair.tokenizer, fields=cfg.fields, depths=cfg.depths)
     encoded = [encode_prompt(p, pair.tokenizer) for p in prompts]
-    longest = max(len(e) for e in encoded) + cfg.max_new_tokens + (lookahead or cfg.gamma) + 2
+    context = Conversations(prompts, pair.tokenizer, cfg.turns).longest(cfg.max_new_tokens)
+    longest = context + cfg.max_new_tokens + (lookahead or cfg.gamma) + 2
     if longest > pair.max_positions:
         raise SdbenchError(f"prompt plus --max-new-tokens needs {longest} positions, but {cfg.target} supports "
                            f"{pair.max_positions}: lower --prompt-len or --max-new-tokens")
@@ -206,6 +209,7 @@ class Bench:
 
     def run(self) -> Path:
         from sdbench.results import RunWriter, new_run_id
+        from sdbench.turns import Conversations
 
         cfg = self.cfg
         pair = self.pair or load_pair(cfg, self.device, self.dtype, self.console)
@@ -229,24 +233,22 @@ class Bench:
         self._save_config(run_id)  # only now: a run that never measured leaves nothing behind
         roles = (("baseline", Autoregressive()),) * cfg.baseline + tuple(variants)
         common = self._common(pair)
+        talk = Conversations(prompts, pair.tokenizer, cfg.turns)
         try:
             with writer, self._progress() as progress:
-                task = progress.add_task(self.choice.name, total=cfg.repeats * len(batches) * len(roles))
+                total = cfg.repeats * sum(talk.turns_of(idx) for idx in batches) * len(roles)
+                task = progress.add_task(self.choice.name, total=total)
                 for repeat in range(cfg.repeats):
                     for batch_id, idx in enumerate(batches):
-                        if all((r, prompts[i].id, repeat) in done for r, _ in roles for i in idx):
-                            progress.advance(task, len(roles))
+                        if all((r, prompts[i].id, repeat, t + 1) in done for r, _ in roles for i in idx
+                               for t in range(talk.count[i])):
+                            progress.advance(task, len(roles) * talk.turns_of(idx))
                             continue
-                        seed = cfg.sampling.seed * 1_000_003 + repeat * 10_007 + batch_id
-                        results = {}
-                        for role, prop in roles:
-                            progress.update(task, description=f"{role}: batch {batch_id + 1}/{len(batches)}")
-                            reset_peak_memory(str(self.device))
-                            res = self._generate(pair, prop, [encoded[i] for i in idx], cfg.max_new_tokens, seed)
-                            results[role] = (res, peak_memory(str(self.device)))
-                            progress.advance(task)
-                        rows = self._rows(common, dict(roles), prompts, idx, results, repeat, batch_id)
-                        _judge_divergences(pair.target, rows, {prompts[i].id: encoded[i] for i in idx})
+                        rows = []  # every turn of a batch goes into one part: a resumed run redoes whole batches
+                        for turn in range(talk.turns_of(idx)):
+                            rows += self._turn(pair, roles, talk, idx, turn, repeat, batch_id, common,
+                                               lambda role: progress.update(task, advance=1, description=(
+                                                   f"{role}: batch {batch_id + 1}/{len(batches)}")))
                         writer.append(rows)
                         if self.on_batch is not None:
                             self.on_batch(rows)
@@ -278,6 +280,28 @@ class Bench:
                               for idx in batches)
                 self._generate(pair, prop, warm, min(cfg.warmup_tokens, cfg.max_new_tokens), cfg.sampling.seed,
                                capacity=longest)
+
+    def _turn(self, pair: Pair, roles, talk, idx: list[int], turn: int, repeat: int, batch_id: int, common,
+              advance) -> list[dict]:
+        """Decode one turn of a batch with every role; the answer carried into the next turn is the first
+        role's (the baseline's, when it runs). A turn past the first is its own batch (batch_id)."""
+        members = talk.members(idx, turn)
+        batch_id = batch_id * talk.most + turn
+        seed = self.cfg.sampling.seed * 1_000_003 + repeat * 10_007 + batch_id
+        batch = [talk.encode(i, turn) for i in members]
+        results = {}
+        for role, prop in roles:
+            reset_peak_memory(str(self.device))
+            res = self._generate(pair, prop, batch, self.cfg.max_new_tokens, seed)
+            results[role] = (res, peak_memory(str(self.device)))
+            advance(role)
+        talk.record(members, turn, results[roles[0][0]][0].output_ids)
+        rows = self._rows(common, dict(roles), talk.prompts, members, results, repeat, batch_id)
+        for row, i in zip(rows, members * len(roles)):
+            row.update(turn=turn + 1, depth=talk.prompts[i].depth,
+                       found=answer_found(talk.prompts[i], row["output_ids"], pair.tokenizer))
+        _judge_divergences(pair.target, rows, {talk.prompts[i].id: ids for i, ids in zip(members, batch)})
+        return rows
 
     def _progress(self) -> Progress:
         return Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
@@ -366,4 +390,6 @@ def load_config(out: str, run_id: str) -> RunConfig:
     raw = json.loads(path.read_text())
     raw["sampling"] = SamplingConfig(**raw["sampling"])
     raw["drafts"] = tuple(raw["drafts"])
+    raw["depths"] = tuple(raw.get("depths", ()))
+    raw.setdefault("turns", 1)  # saved before runs had turns: first turns only
     return replace(RunConfig(**raw), resume=run_id, out=out)

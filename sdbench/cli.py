@@ -19,7 +19,7 @@ console = Console() if sys.stdout.isatty() else Console(width=160)
 Target = Annotated[str, typer.Option("--target", "-t", help="target model: alias, Hugging Face id, folder or .gguf")]
 Draft = Annotated[Optional[list[str]], typer.Option("--draft", "-d", help="draft model (repeatable)")]
 Strategy = Annotated[str, typer.Option("--strategy", "-s", help="strategy or preset name (see `sdbench list strategies`)")]
-Dataset = Annotated[str, typer.Option("--dataset", help="task name (see `sdbench list datasets`)")]
+Dataset = Annotated[str, typer.Option("--dataset", help="task name (see `sdbench list datasets`) or a .jsonl, .json or .csv file of prompts")]
 Limit = Annotated[int, typer.Option(help="number of prompts")]
 MaxNew = Annotated[int, typer.Option("--max-new-tokens", help="tokens to generate per prompt")]
 Batch = Annotated[int, typer.Option("--batch-size", "-b", help="prompts decoded together")]
@@ -36,6 +36,11 @@ Out = Annotated[str, typer.Option(help="folder for the Parquet results")]
 Baseline = Annotated[bool, typer.Option("--baseline/--no-baseline", help="also run plain decoding on the same prompts")]
 Fast = Annotated[bool, typer.Option("--fast/--no-fast", help="the runner's fast path (CPU: oneDNN-packed projections)")]
 Resume = Annotated[Optional[str], typer.Option(help="continue an interrupted run: its RUN_ID")]
+Turns = Annotated[Optional[int], typer.Option(help="turns of each multi-turn question to decode [default: all; MT-Bench: 2]")]
+PromptField = Annotated[Optional[str], typer.Option("--prompt-field", help="--dataset FILE: the field holding the prompt (a string or a list of turns)")]
+CategoryField = Annotated[Optional[str], typer.Option("--category-field", help="--dataset FILE: the field holding the category")]
+IdField = Annotated[Optional[str], typer.Option("--id-field", help="--dataset FILE: the field holding the prompt's id")]
+Depth = Annotated[Optional[str], typer.Option("--depth", help="retrieval tasks: where the answer hides, 0 (start) to 1 (end), or a list like 0,0.5,1 [default: spread]")]
 
 
 def parse_gammas(text: str | None, option: str = "--gamma", low: int | None = None) -> tuple[int, ...]:
@@ -52,6 +57,13 @@ def parse_gammas(text: str | None, option: str = "--gamma", low: int | None = No
     if low is not None and min(values) < low:
         raise SdbenchError(f"{option} {text}: every value must be at least {low}")
     return values
+
+
+def parse_depths(text: str | None) -> tuple[float, ...]:
+    try:
+        return tuple(float(x) for x in (text or "").split(",") if x.strip())
+    except ValueError:
+        raise SdbenchError(f"--depth {text}: expected a number from 0 to 1, or a comma-separated list") from None
 
 
 def parse_sets(items: list[str] | None) -> dict:
@@ -71,6 +83,8 @@ def run(
     batch_size: Batch = 1, temperature: Temperature = 0.0, top_p: TopP = 1.0, seed: Seed = 0, gamma: Gamma = None,
     prompt_len: PromptLen = None, device: Device = "auto", dtype: Dtype = "float32", repeats: Repeats = 1,
     set_: Sets = None, out: Out = C.DEFAULT_OUT, baseline: Baseline = True, resume: Resume = None, fast: Fast = True,
+    turns: Turns = None, prompt_field: PromptField = None, category_field: CategoryField = None, id_field: IdField = None,
+    depth: Depth = None,
 ):
     """Run a strategy and the plain-decoding baseline on the same prompts; print tables, write Parquet."""
     from sdbench.benchmark import Bench, load_config
@@ -81,7 +95,8 @@ def run(
         target=target, drafts=tuple(draft or ()), strategy=strategy, dataset=dataset, limit=limit,
         max_new_tokens=max_new_tokens, batch_size=batch_size, sampling=C.SamplingConfig(temperature, top_p, seed),
         gammas=parse_gammas(gamma), prompt_len=prompt_len, device=device, dtype=dtype, repeats=repeats, options=parse_sets(set_),
-        out=out, baseline=baseline, resume=resume, fast=fast,
+        out=out, baseline=baseline, resume=resume, fast=fast, turns=turns, depths=parse_depths(depth),
+        fields={k: v for k, v in (("prompt", prompt_field), ("category", category_field), ("id", id_field)) if v},
     )
     if resume:
         cfg = load_config(out, resume)
@@ -103,13 +118,14 @@ def report(
     paths: Annotated[list[str], typer.Argument(help="Parquet files, .parts folders or result folders")],
     plots: Annotated[Optional[str], typer.Option(help="also write PNG plots into this folder")] = None,
     html: Annotated[Optional[str], typer.Option(help="also write one self-contained HTML page: tables and plots")] = None,
+    by: Annotated[Optional[list[str]], typer.Option("--by", help="split the summary by these columns (repeatable), e.g. --by turn [default: category]")] = None,
 ):
     """Print the tables of earlier runs; optionally PNG plots and an HTML page."""
     from sdbench.report import print_report
     from sdbench.results import read_results
 
     df = read_results(paths)
-    print_report(df, console)
+    print_report(df, console, by=tuple(by or ()))
     if plots or html:
         from sdbench.plots import export
 

@@ -24,7 +24,7 @@ from rich.text import Text
 from sdbench.errors import SdbenchError
 from sdbench.results import read_results
 
-KEY = ("strategy", "params", "target", "draft", "dataset", "prompt_id", "batch_size")
+KEY = ("strategy", "params", "target", "draft", "dataset", "prompt_id", "turn", "batch_size")
 METRICS = ("tokens_per_s", "speedup")
 # column -> the option that sets it, as typed on the command line (and as --across takes it)
 SETTINGS = {"max_new_tokens": "max-new-tokens", "temperature": "temperature", "top_p": "top-p", "seed": "seed",
@@ -59,6 +59,8 @@ def _keyed(df: pd.DataFrame) -> pd.DataFrame:
     for column in KEY:
         if column not in data:
             data[column] = None
+        if column == "turn":  # files from before turns hold first turns only
+            data[column] = data[column].fillna(1).astype("int64")
         data[column] = data[column].astype(object).where(data[column].notna(), "")
     return data
 

@@ -19,7 +19,7 @@ def show(what: str, console: Console) -> None:
     if kind == "strategie":
         console.print(_strategies())
     elif kind == "dataset":
-        console.print(_available("datasets", *_datasets()))
+        console.print(_file_formats(_available("datasets", *_datasets())))
     elif kind == "model":
         console.print(_available("models", *_models()))
     else:
@@ -46,6 +46,16 @@ def _datasets():
     from sdbench.tasks import dataset_available, task_registry
 
     return task_registry, dataset_available
+
+
+def _file_formats(table: Table) -> Table:
+    """Prompt files a user can pass as --dataset PATH, one row per format."""
+    from sdbench.data.files import FORMATS
+
+    table.add_section()
+    for name, what in FORMATS:
+        table.add_row(name, "", _mark(True), "--dataset PATH (--prompt-field / --category-field / --id-field)", what)
+    return table
 
 
 def _models():

@@ -30,11 +30,13 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from sdbench.errors import SdbenchError
+
 ALL = "ALL"
 _BATCH = ["run_id", "role", "batch_id", "repeat"]
 _OPTIONAL = {"draft": "", "params": "", "category": "", "lossless": None, "predicted_speedup": np.nan, "ttft_s": np.nan,
              "draft_s": np.nan, "verify_s": np.nan, "peak_mem_bytes": np.nan, "drafted": 0, "accepted": 0,
-             "divergence": None}
+             "divergence": None, "turn": 1}
 MAX_POSITIONS = 16
 
 
@@ -61,7 +63,10 @@ def _prepare(df: pd.DataFrame, by: list[str]) -> pd.DataFrame:
     for column, default in _OPTIONAL.items():
         if column not in data:
             data[column] = default
+    data["turn"] = data["turn"].fillna(1)  # files from before turns hold first turns only
     for column in by:
+        if column not in data:
+            raise SdbenchError(f"--by {column}: no such results column (e.g. category, turn, depth, gamma, dataset)")
         if data[column].dtype == object:
             data[column] = data[column].fillna("–")
     baseline = data["role"] == "baseline"
@@ -348,15 +353,36 @@ def _notes(df: pd.DataFrame) -> list[str]:
     return notes
 
 
-def print_report(df: pd.DataFrame, console: Console | None = None) -> None:
-    """Environment, summary and per-position tables: what `sdbench report` and the end of `sdbench run` show."""
+def retrieval_table(df: pd.DataFrame) -> Table | None:
+    """Retrieval tasks: the share of outputs holding the answer, per strategy and depth; None without any."""
+    if "found" not in df or not df["found"].notna().any():
+        return None
+    data = _prepare(df[df["found"].notna()], [])
+    table = Table(title="Answer found (retrieval)")
+    for column in ("strategy", "depth", "found", "prompt tokens"):
+        table.add_column(column, justify="left" if column == "strategy" else "right")
+    for (strategy, depth), group in data.groupby(["strategy", "depth"], sort=False, dropna=False):
+        found = group["found"].astype(bool)
+        table.add_row(*(Text(str(c)) for c in (strategy, _fmt(depth, "{:.0%}"), f"{int(found.sum())}/{len(found)}",
+                                                 _fmt(group["prompt_tokens"].median(), "{:.0f}"))))
+    return table
+
+
+def print_report(df: pd.DataFrame, console: Console | None = None, by: tuple[str, ...] = ()) -> None:
+    """Environment, summary and per-position tables: what `sdbench report` and the end of `sdbench run` show.
+    by: the summary's grouping (category when empty, and then one table per turn too when rows have several)."""
     console = console or Console()
     if df.empty:
         console.print("no result rows")
         return
     for line in environment_lines(df):
         console.print(Text(line, style="dim"))
-    console.print(summary_table(summarize(df), title=_title(df)))
+    console.print(summary_table(summarize(df, by or ("category",)), title=_title(df)))
+    if not by and "turn" in df and df["turn"].fillna(1).nunique() > 1:
+        console.print(summary_table(summarize(df, ("turn",)), title="by turn"))
+    found = retrieval_table(df)
+    if found is not None:
+        console.print(found)
     positions = per_position_table(df)
     if positions is not None:
         console.print(positions)

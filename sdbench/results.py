@@ -80,11 +80,14 @@ SCHEMA = pa.schema([
     ("divergence", _S),  # lossless false: "tie" (the target's top logits within rounding where the outputs
     # first differ) or "real"; null otherwise (see sdbench.divergence)
     ("divergence_gap", _F),  # the target's logit gap there: top logit minus the lower of the two chosen tokens'
+    ("turn", _I),  # 1-based turn of a multi-turn conversation; null in files from before turns (read as 1)
+    ("depth", _F),  # retrieval tasks: where the answer was hidden, 0 = start of the text, 1 = end
+    ("found", pa.bool_()),  # retrieval tasks: the output holds the answer; null for other tasks
 ])
 COLUMNS: tuple[str, ...] = tuple(SCHEMA.names)
 ENV_COLUMNS = ("device", "dtype", "torch_version", "transformers_version", "sdbench_version",
                "git_commit", "hardware", "cpu", "gpu")
-KEY = ("role", "prompt_id", "repeat")
+KEY = ("role", "prompt_id", "repeat", "turn")
 _MERGED = b"sdbench.merged_parts"
 _PART = re.compile(r"^part-(\d+)\.parquet$")
 # Nullable pandas dtypes keep ints ints (and lossless a true three-valued bool) when values are missing.
@@ -166,12 +169,13 @@ class RunWriter:
         used = _merged_parts(self.final_path) | {p.name for p in _part_files(self.parts_dir)}
         return 1 + max((int(_PART.match(name).group(1)) for name in used if _PART.match(name)), default=0)
 
-    def done_keys(self) -> set[tuple[str, str, int]]:
-        """(role, prompt_id, repeat) already recorded, in the merged file or in parts."""
+    def done_keys(self) -> set[tuple[str, str, int, int]]:
+        """(role, prompt_id, repeat, turn) already recorded, in the merged file or in parts."""
         keys = set()
         for path in run_sources(self.final_path, self.parts_dir):
-            table = _read_table(path, columns=list(KEY))
-            keys.update(zip(*(table.column(c).to_pylist() for c in KEY)))
+            table = conform(_read_table(path))
+            role, prompt, repeat, turn = (table.column(c).to_pylist() for c in KEY)
+            keys.update(zip(role, prompt, repeat, (1 if t is None else t for t in turn)))
         return keys
 
     def finalize(self) -> Path | None:
@@ -252,7 +256,7 @@ def _read_table(path: Path, columns: list[str] | None = None) -> pa.Table:
 def _sdbench_table(path: Path) -> pa.Table:
     """A results file's rows; rows without sdbench's key columns are refused, not read as empty ones."""
     table = _read_table(path)
-    missing = [c for c in ("run_id", *KEY) if c not in table.column_names]
+    missing = [c for c in ("run_id", *KEY) if c not in table.column_names and c != "turn"]  # turn: newer
     if missing and table.num_rows:
         raise SdbenchError(f"{path} is not an sdbench results file (no column {', '.join(missing)})")
     return table

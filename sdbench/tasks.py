@@ -26,6 +26,7 @@ import yaml
 from sdbench.config import DEFAULT_LIMIT
 from sdbench.data import Prompt
 from sdbench.data.books import Book, as_id_list, assemble_books, excerpt_prompts, long_context_prompts, plain_ids
+from sdbench.data.files import is_prompt_file, load_prompt_file
 from sdbench.data.readers import hub_usable, read_file, read_hub, read_local_dataset
 from sdbench.errors import MissingPackageError, SdbenchError
 from sdbench.paths import cache_dir, tasks_dir
@@ -36,7 +37,7 @@ __all__ = ["Prompt", "TaskSpec", "dataset_available", "dataset_label", "encode_p
 
 log = logging.getLogger(__name__)
 
-KINDS = ("prompts", "book")
+KINDS = ("prompts", "book", "retrieval")
 SUBSET_CACHE_VERSION = 1  # bump when the cached subset's layout or selection rule changes
 
 
@@ -62,7 +63,7 @@ class Source:
 class TaskSpec:
     name: str
     description: str
-    kind: str  # "prompts": a set of user requests; "book": long running text
+    kind: str  # "prompts": a set of user requests; "book": long running text; "retrieval": built from a book
     sources: tuple[Source, ...]
     fields: dict  # record field per prompt field (id, category, turns | text | conversation, ...)
     aliases: tuple[str, ...] = ()
@@ -77,6 +78,8 @@ class TaskSpec:
     strip: str | None = None  # book text: regex of markup to remove
     fallback: str | None = None  # task to use when no source is available
     fallback_label: str = ""
+    haystack: str | None = None  # retrieval tasks: the book task whose text hides the answer
+    missing: str = ""  # one line on how to get the data when no source is available
 
     @classmethod
     def from_yaml(cls, path: Path) -> "TaskSpec":
@@ -99,8 +102,8 @@ class TaskSpec:
         spec = cls(sources=sources, **raw)
         if spec.kind not in KINDS:
             raise SdbenchError(f"{path}: kind must be one of {', '.join(KINDS)}, not '{spec.kind}'")
-        if not spec.sources and not spec.fallback:
-            raise SdbenchError(f"{path}: no sources and no fallback")
+        if not spec.sources and not spec.fallback and not spec.haystack:
+            raise SdbenchError(f"{path}: no sources, no fallback and no haystack")
         return spec
 
     @property
@@ -211,6 +214,10 @@ def _locate(src: Source) -> tuple[str | None, str, str]:
 
 def _resolve(name: str) -> Resolved:
     spec = task_registry.get(name)
+    if spec.haystack:  # built here from a book task's text: the data set is as available as the book
+        res = _resolve(spec.haystack)
+        label = f"{spec.record_label} in {res.label}"
+        return dataclasses.replace(res, label=label, how=f"built locally from {res.how}", stand_in=False)
     problems = []
     for index, src in enumerate(spec.sources):
         location, how, why = _locate(src)
@@ -227,7 +234,7 @@ def _resolve(name: str) -> Resolved:
     package = next((s for s in spec.sources if s.kind == "package"), None)
     if package is not None:
         raise MissingPackageError(package.ref, f"task '{spec.name}'", package.install)
-    raise SdbenchError(f"task '{spec.name}': no source available offline (set a local path or reach the hub)")
+    raise SdbenchError(f"task '{spec.name}': {spec.missing or 'no source available offline (set a local path or reach the hub)'}")
 
 
 @functools.lru_cache(maxsize=None)
@@ -375,7 +382,7 @@ def _check_args(spec: TaskSpec, limit: int | None, prompt_len: int | None, token
         raise SdbenchError(f"--limit must be at least 1, got {limit}")
     if prompt_len is None:
         return
-    if spec.kind != "book":
+    if spec.kind == "prompts":
         books = ", ".join(e.name for e in task_registry if e.meta.get("kind") == "book")
         raise SdbenchError(f"--prompt-len needs a book dataset ({books}); '{spec.name}' is a set of prompts")
     if prompt_len < 1:
@@ -402,37 +409,70 @@ def _load(spec: TaskSpec) -> tuple[Resolved, Sequence[Prompt] | Sequence[Book]]:
     return res, data
 
 
+def check_dataset(name: str, fields: dict | None = None, depths: tuple[float, ...] = (),
+                  prompt_len: int | None = None) -> None:
+    """Fails (one line) on a data set that cannot be used as asked: an unknown task, a bad prompt file, prompt
+    file fields given for a task, depths given for a task without them. Cheap: a run calls it before loading
+    models."""
+    retrieval = ", ".join(e.name for e in task_registry if e.meta.get("kind") == "retrieval")
+    if name not in task_registry and is_prompt_file(name):
+        if depths:
+            raise SdbenchError(f"--depth applies to retrieval tasks ({retrieval}), not to a prompt file")
+        load_prompt_file(name, fields)
+        return
+    spec = task_registry.get(name)
+    if any((fields or {}).values()):
+        raise SdbenchError("--prompt-field, --category-field and --id-field apply to --dataset FILE only")
+    if depths and spec.kind != "retrieval":
+        raise SdbenchError(f"--depth applies to retrieval tasks ({retrieval}), not '{name}'")
+    if prompt_len is None and spec.kind == "retrieval":
+        raise SdbenchError(f"task '{spec.name}' needs --prompt-len: the length of each prompt in tokens")
+
+
 def load_prompts(task: str, *, limit: int | None = None, seed: int = 0, prompt_len: int | None = None,
-                 tokenizer=None) -> list[Prompt]:
-    """The prompts of a task: all of them in dataset order (limit None), or `limit` picked by `seed`.
+                 tokenizer=None, fields: dict | None = None, depths: tuple[float, ...] = ()) -> list[Prompt]:
+    """The prompts of a task or a prompt file: all of them in dataset order (limit None), or `limit` picked by
+    `seed`.
 
     Book tasks give `limit` passages (DEFAULT_LIMIT when None): plain-text excerpts, or with prompt_len
-    token-exact prompts of exactly prompt_len tokens (input_ids set, chat off)."""
+    token-exact prompts of exactly prompt_len tokens (input_ids set, chat off); retrieval tasks give such
+    prompts with an answer hidden at `depths` (spread evenly when empty)."""
+    check_dataset(task, fields, depths, prompt_len)
+    if task not in task_registry:
+        if prompt_len is not None:
+            raise SdbenchError("--prompt-len needs a book dataset; a prompt file is a set of prompts")
+        return _select(load_prompt_file(task, fields), limit, seed)
     spec = task_registry.get(task)
     _check_args(spec, limit, prompt_len, tokenizer)
-    res, data = _load(spec)
-    if spec.kind != "book":
+    res, data = _load(task_registry.get(spec.haystack) if spec.haystack else spec)
+    if spec.kind == "prompts":
         return _select(data, limit, seed)
     books = list(data)
     if not books:
         raise SdbenchError(f"task '{spec.name}': {res.location} holds no book text")
     count = DEFAULT_LIMIT if limit is None else limit
+    if spec.kind == "retrieval":
+        from sdbench.data.passkey import passkey_prompts
+
+        return passkey_prompts(books, res.spec.name, count, seed, prompt_len, tokenizer, depths)
     if prompt_len is None:
         return excerpt_prompts(books, res.spec.name, count, seed, spec.excerpt_chars)
     return long_context_prompts(books, res.spec.name, count, seed, prompt_len, tokenizer)
 
 
-def encode_prompt(prompt: Prompt, tokenizer) -> list[int]:
-    """Token ids to feed the model: the prompt's own ids when token-exact; else the first turn through the
-    chat template (with the generation prompt) when the prompt is chat and the tokenizer has one; else the
-    plain encoding, special tokens (BOS) included as the tokenizer adds them."""
+def encode_prompt(prompt: Prompt, tokenizer, answers: Sequence[str] = ()) -> list[int]:
+    """Token ids to feed the model for the prompt's turn len(answers) + 1, `answers` being the replies to the
+    turns before it: the prompt's own ids when token-exact; else the conversation so far through the chat
+    template (with the generation prompt) when the prompt is chat and the tokenizer has one; else the plain
+    encoding of the turns and answers one paragraph each, special tokens (BOS) included as the tokenizer
+    adds them."""
     if prompt.input_ids is not None:
         return list(prompt.input_ids)
-    text = prompt.turns[0]
+    said = [x for turn, answer in zip(prompt.turns, answers) for x in (turn, answer)] + [prompt.turns[len(answers)]]
     if prompt.chat and getattr(tokenizer, "chat_template", None):
-        messages = [{"role": "user", "content": text}]
+        messages = [{"role": ("user", "assistant")[k % 2], "content": text} for k, text in enumerate(said)]
         return as_id_list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True))
-    return plain_ids(tokenizer, text, special=True)
+    return plain_ids(tokenizer, "\n\n".join(said), special=True)
 
 
 def dataset_available(task: str) -> tuple[bool, str]:
@@ -453,6 +493,8 @@ def dataset_available(task: str) -> tuple[bool, str]:
 def dataset_label(task: str, prompt_len: int | None = None) -> str:
     """The honest name of the data actually used, e.g. "pg19" or "kjv-bible (PG-19 stand-in)". prompt_len is
     accepted so callers can pass a run's settings as they are; the label depends only on the source."""
+    if task not in task_registry and is_prompt_file(task):
+        return Path(task).name
     spec = task_registry.get(task)
     try:
         return _resolve(spec.name).label

@@ -131,7 +131,7 @@ class _Feed:
                 continue
             same = row.get("lossless")
             if self.reference is not None and same is None:
-                same = list(row["output_ids"]) == self.reference.get(row["prompt_id"])
+                same = list(row["output_ids"]) == self.reference.get((row["prompt_id"], row.get("turn", 1)))
             if same is False and row.get("divergence") != "tie":  # a low-precision tie is not a loss
                 raise Lossy(f"lossless broke: output differs from plain decoding on {row['prompt_id']}")
         value = objective_value(self.frame(), self.objective)
@@ -244,7 +244,7 @@ class Tuner:
         with self.console.status("plain decoding for the lossless check"):
             feed = _Feed(_NoPrune(), "tokens", None)
             Bench(cfg, Console(quiet=True), pair=replace(pair, drafts=[]), on_batch=feed).run()
-        return {r["prompt_id"]: list(r["output_ids"]) for r in feed.rows if r["repeat"] == 0}
+        return {(r["prompt_id"], r["turn"]): list(r["output_ids"]) for r in feed.rows if r["repeat"] == 0}
 
     def _trial(self, study: optuna.Study, trial, pair, space: SearchContext, reference: dict | None) -> None:
         try:

@@ -41,6 +41,13 @@ def one_line_error(code: int, err: str) -> str:
     (["list", "things"], "cannot list 'things'"),
     (["report", "/nonexistent/results.parquet"], "/nonexistent"),
     (["bench", "--draft", "ngram"], "bench --draft takes a draft model"),
+    (["run", "--turns", "0"], "--turns must be at least 1"),
+    (["run", "--prompt-field", "q"], "apply to --dataset FILE only"),
+    (["run", "--depth", "half"], "--depth half"),
+    (["run", "--depth", "0.5"], "--depth applies to retrieval tasks"),
+    (["run", "--dataset", "passkey"], "needs --prompt-len"),
+    (["run", "--dataset", "/nonexistent/prompts.jsonl"], "/nonexistent/prompts.jsonl: no such prompt file"),
+    (["report", "--by", "colour", "/nonexistent/results.parquet"], "/nonexistent"),
     (["predict", "magicdec", "--batch", "0"], "--batch 0: every value must be at least 1"),
     (["predict", "magicdec", "--context", "x"], "--context x: expected a whole number"),
     (["predict", "speedup", "--alpha", "0.5", "--gamma", "0"], "--gamma 0: every value must be at least 1"),
@@ -48,6 +55,14 @@ def one_line_error(code: int, err: str) -> str:
 def test_bad_input_is_one_line(capsys, tmp_path, argv, expect):
     code, _, err = run_cli(capsys, *argv, *(["--out", str(tmp_path)] if argv[0] == "run" else []))
     assert expect in one_line_error(code, err)
+
+
+def test_a_malformed_prompt_file_is_one_line_before_any_model_loads(capsys, tmp_path, monkeypatch):
+    monkeypatch.setattr(benchmark, "load_pair", lambda *a: pytest.fail("loaded models for a bad file"))
+    path = tmp_path / "mine.csv"
+    path.write_text("prompt,category\nhello,chat\nbye,chat,extra\n")
+    code, _, err = run_cli(capsys, "run", "--dataset", str(path), "--out", str(tmp_path))
+    assert f"{path}:3: 1 more value(s)" in one_line_error(code, err)
 
 
 def test_unusable_out_folder_is_one_line(capsys, tmp_path):
@@ -94,13 +109,15 @@ def test_run_passes_settings_to_the_engine(capsys, monkeypatch):
     monkeypatch.setattr(benchmark, "Bench", FakeBench)
     run_cli(capsys, "run", "--target", "m", "--draft", "d1", "--draft", "d2", "--strategy", "ngram", "--gamma", "3",
             "--set", "max_ngram=2", "--temperature", "0.5", "--top-p", "0.9", "--seed", "4", "--batch-size", "2",
-            "--prompt-len", "100", "--dataset", "kjv", "--no-baseline", "--repeats", "3", "--dtype", "bfloat16")
+            "--prompt-len", "100", "--dataset", "kjv", "--no-baseline", "--repeats", "3", "--dtype", "bfloat16",
+            "--turns", "1", "--prompt-field", "ask", "--id-field", "key", "--depth", "0,0.5")
     cfg = seen["cfg"]
     assert (cfg.target, cfg.drafts, cfg.strategy, cfg.gammas) == ("m", ("d1", "d2"), "ngram", (3,))
     assert cfg.options == {"max_ngram": "2"}
     assert (cfg.sampling.temperature, cfg.sampling.top_p, cfg.sampling.seed) == (0.5, 0.9, 4)
     assert (cfg.batch_size, cfg.prompt_len, cfg.dataset, cfg.baseline, cfg.repeats, cfg.dtype) == (
         2, 100, "kjv", False, 3, "bfloat16")
+    assert (cfg.turns, cfg.fields, cfg.depths) == (1, {"prompt": "ask", "id": "key"}, (0.0, 0.5))
 
 
 def test_list_commands(capsys):
@@ -110,20 +127,25 @@ def test_list_commands(capsys):
 
 
 @pytest.mark.slow
-def test_run_end_to_end_self_draft(capsys, tmp_path):
+def test_run_end_to_end_self_draft_both_turns(capsys, tmp_path):
     code, out, err = run_cli(capsys, "run", "--strategy", "draft", "--draft", "smollm2-135m", "--gamma", "3",
                              *SMALL, "--out", str(tmp_path))
     assert code == 0, err
     df = read_results([tmp_path])
-    assert len(df) == 4 and set(df["role"]) == {"baseline", "strategy"}
-    assert df["lossless"].dropna().all() and df["lossless"].notna().sum() == 4
+    assert len(df) == 8 and set(df["role"]) == {"baseline", "strategy"} and sorted(set(df["turn"])) == [1, 2]
+    assert df["lossless"].dropna().all() and df["lossless"].notna().sum() == 8
     strat = df[df["role"] == "strategy"]
     # the target drafting for itself is always right
     assert (strat["accepted"] == strat["drafted"]).all() and (strat["mean_accepted_len"] > 3.0).all()
-    base = df[df["role"] == "baseline"].set_index("prompt_id")
+    base = df[df["role"] == "baseline"].set_index(["prompt_id", "turn"])
     for _, row in strat.iterrows():
-        assert list(row["output_ids"]) == list(base.loc[row["prompt_id"], "output_ids"])
+        assert list(row["output_ids"]) == list(base.loc[(row["prompt_id"], row["turn"]), "output_ids"])
         assert row["new_tokens"] == len(row["output_ids"])
+        assert row["prompt_tokens"] == base.loc[(row["prompt_id"], row["turn"]), "prompt_tokens"]
+    # the second turn's prompt holds the first turn and its answer
+    first, second = (base.xs(t, level="turn")["prompt_tokens"] for t in (1, 2))
+    assert (second > first + 12).all() and df.groupby(["turn", "role"])["batch_id"].nunique().eq(2).all()
+    assert "by turn" in out
     assert df["dataset"].iloc[0] == "mt-bench" and df["device"].iloc[0] == ("cuda" if torch.cuda.is_available() else "cpu")  # --device auto
     assert "ALL" in out and "lossless" in out
     code, out, _ = run_cli(capsys, "report", str(tmp_path))
@@ -153,7 +175,7 @@ def test_interrupted_run_keeps_finished_batches_and_resumes(capsys, tmp_path, mo
         return real(*args, **kwargs)
 
     monkeypatch.setattr(benchmark, "generate", flaky)
-    code, _, err = run_cli(capsys, "run", *SMALL, "--out", str(tmp_path))
+    code, _, err = run_cli(capsys, "run", *SMALL, "--turns", "1", "--out", str(tmp_path))
     line = one_line_error(code, err)
     assert "interrupted" in line and "--resume" in line
     run_id = line.split("--resume ")[1].split()[0]
@@ -162,6 +184,35 @@ def test_interrupted_run_keeps_finished_batches_and_resumes(capsys, tmp_path, mo
     assert code == 0, err
     df = read_results([tmp_path])
     assert len(df) == 4 and df["prompt_id"].nunique() == 2 and (df["run_id"] == run_id).all()
+
+
+@pytest.mark.slow
+def test_run_a_spec_bench_format_file_batched_both_turns(capsys, tmp_path):
+    import json
+
+    records = [{"question_id": 1, "category": "writing", "turns": ["Write one line about rain.", "Now about snow."]},
+               {"question_id": 2, "category": "translation", "turns": ["Translate 'good morning' into French."]},
+               {"question_id": 3, "category": "qa", "turns": ["What is the capital of Italy?"]}]
+    path = tmp_path / "question.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    code, out, err = run_cli(capsys, "run", "--dataset", str(path), "--strategy", "ngram", "--limit", "3",
+                             "--batch-size", "2", "--max-new-tokens", "8", "--out", str(tmp_path / "out"))
+    assert code == 0, err
+    df = read_results([tmp_path / "out"])
+    assert set(df["category"]) == {"writing", "translation", "qa"} and set(df["dataset"]) == {"question.jsonl"}
+    assert sorted(df.loc[df["turn"] == 2, "prompt_id"].unique()) == ["question/1"] and df["lossless"].all()
+    assert "by turn" in out and "translation" in out
+
+
+@pytest.mark.slow
+def test_run_passkey_with_magicdec(capsys, tmp_path):
+    code, out, err = run_cli(capsys, "run", "--dataset", "passkey", "--prompt-len", "512", "--strategy", "magicdec",
+                             "--set", "budget=128", "--limit", "1", "--max-new-tokens", "8", "--out", str(tmp_path))
+    assert code == 0, err
+    df = read_results([tmp_path])
+    assert (df["prompt_tokens"] == 512).all() and (df["depth"] == 0.5).all() and df["lossless"].all()
+    assert df["found"].notna().all() and df["found"].nunique() == 1  # the same output on both sides
+    assert df["dataset"].iloc[0] == "passkey in kjv-bible (PG-19 stand-in)" and "Answer found" in out
 
 
 @pytest.mark.slow
@@ -180,7 +231,7 @@ def test_dsi_with_the_fast_path_end_to_end(capsys, tmp_path, request, backend):
     try:
         code, _, err = run_cli(capsys, "run", "--target", "smollm2-135m", "--draft", "smollm2-135m", "--strategy",
                                "dsi", "--set", "workers=2", "--set", f"backend={backend}", "--limit", "1",
-                               "--max-new-tokens", "16", "--out", str(tmp_path))
+                               "--max-new-tokens", "16", "--turns", "1", "--out", str(tmp_path))
     finally:
         shutdown_pools()
     assert code == 0, err
@@ -195,7 +246,7 @@ def test_dsi_with_the_fast_path_end_to_end(capsys, tmp_path, request, backend):
 @pytest.mark.slow
 def test_magicdec_budget_over_the_context_is_told(capsys, tmp_path):
     code, out, err = run_cli(capsys, "run", "--strategy", "magicdec", "--set", "budget=4096", "--limit", "1",
-                             "--max-new-tokens", "4", "--no-baseline", "--out", str(tmp_path))
+                             "--max-new-tokens", "4", "--no-baseline", "--turns", "1", "--out", str(tmp_path))
     assert code == 0, err
     assert "note: magicdec: --set budget=4096 is at least the longest context" in out
     assert "plain self-speculation with a full cache" in out
@@ -216,7 +267,7 @@ def test_a_run_stopped_by_a_signal_resumes_to_every_prompt_once(tmp_path, sig):
     repo = Path(__file__).resolve().parent.parent
     env = {**os.environ, "PYTHONPATH": str(repo)}
     argv = [sys.executable, "-m", "sdbench", "run", "--limit", "3", "--max-new-tokens", "16", "--repeats", "2",
-            "--out", str(tmp_path)]
+            "--turns", "1", "--out", str(tmp_path)]
     proc = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 240
     while not list(tmp_path.glob("*.parts/part-*.parquet")) and proc.poll() is None and time.monotonic() < deadline:

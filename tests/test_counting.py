@@ -230,7 +230,7 @@ def test_a_bfloat16_tie_is_recorded_and_passes_the_gate(capsys, tmp_path):
     round to the same value (on the project's CPU, mt-bench/157 of these 6 prompts at its 19th token, gap 0):
     recorded as a tie, it passes compare's lossless gate; a real divergence never may."""
     code, out, err = run_cli(capsys, "run", "--strategy", "draft", "--draft", "smollm2-135m", "--dtype", "bfloat16",
-                             "--limit", "6", "--max-new-tokens", "24", "--out", str(tmp_path))
+                             "--limit", "6", "--max-new-tokens", "24", "--turns", "1", "--out", str(tmp_path))
     assert code == 0, err
     strat = read_results([tmp_path]).query("role == 'strategy'")
     same = strat["lossless"].astype(bool)

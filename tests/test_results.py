@@ -78,7 +78,7 @@ def test_other_errors_leave_durable_parts_for_resume(tmp_path):
             writer.append([row("p1")])
             raise RuntimeError("strategy bug")
     assert not (tmp_path / "r3.parquet").exists()
-    assert RunWriter(tmp_path, "r3").done_keys() == {("strategy", "p1", 0)}
+    assert RunWriter(tmp_path, "r3").done_keys() == {("strategy", "p1", 0, 1)}
 
 
 def test_resume_sees_final_file_and_parts(tmp_path):
@@ -86,10 +86,10 @@ def test_resume_sees_final_file_and_parts(tmp_path):
         writer.append([row("p1", role="baseline"), row("p1")])
     resumed = RunWriter(tmp_path, "r4")
     assert resumed.exists()
-    assert resumed.done_keys() == {("baseline", "p1", 0), ("strategy", "p1", 0)}
+    assert resumed.done_keys() == {("baseline", "p1", 0, 1), ("strategy", "p1", 0, 1)}
     part = resumed.append([row("p2", repeat=1)])
     assert part.name == "part-00002.parquet"  # never reuses a name already merged
-    assert resumed.done_keys() == {("baseline", "p1", 0), ("strategy", "p1", 0), ("strategy", "p2", 1)}
+    assert resumed.done_keys() == {("baseline", "p1", 0, 1), ("strategy", "p1", 0, 1), ("strategy", "p2", 1, 1)}
     resumed.finalize()
     assert list(read_results([tmp_path])["prompt_id"]) == ["p1", "p1", "p2"]
     assert RunWriter(tmp_path, "fresh").done_keys() == set()
@@ -104,7 +104,7 @@ def test_crash_between_merge_and_cleanup_does_not_duplicate(tmp_path):
     writer.finalize()
     shutil.copytree(kept, writer.parts_dir)  # as if the process died before removing the parts
     assert len(read_results([tmp_path])) == 2
-    assert RunWriter(tmp_path, "r5").done_keys() == {("strategy", "p1", 0), ("strategy", "p2", 0)}
+    assert RunWriter(tmp_path, "r5").done_keys() == {("strategy", "p1", 0, 1), ("strategy", "p2", 0, 1)}
     RunWriter(tmp_path, "r5").finalize()
     assert list(read_results([tmp_path / "r5.parquet"])["prompt_id"]) == ["p1", "p2"]
 

@@ -76,8 +76,10 @@ def _one_line_error(exc_info) -> str:
 
 
 def test_registry_names_aliases_and_descriptions():
-    assert task_registry.names() == ["gsm8k", "humaneval", "kjv", "mt-bench", "pg19", "sharegpt"]
-    aliases = [("mtbench", "mt-bench"), ("human-eval", "humaneval"), ("books", "kjv"), ("MT-Bench", "mt-bench")]
+    assert task_registry.names() == ["gsm8k", "humaneval", "kjv", "mt-bench", "passkey", "pg19", "sharegpt",
+                                     "spec-bench"]
+    aliases = [("mtbench", "mt-bench"), ("human-eval", "humaneval"), ("books", "kjv"), ("MT-Bench", "mt-bench"),
+               ("specbench", "spec-bench"), ("needle", "passkey")]
     for alias, name in aliases:
         assert task_registry.entry(alias).name == name
     assert all(entry.description for entry in task_registry)

@@ -31,7 +31,7 @@ def pair(target, small_draft):
 
 @pytest.fixture(autouse=True)
 def fixed_prompts(monkeypatch):
-    def load(task, *, limit=None, seed=0, prompt_len=None, tokenizer=None):
+    def load(task, *, limit=None, seed=0, prompt_len=None, tokenizer=None, **_):
         return [Prompt(f"p{i}", "c", ("",), tuple(ids)) for i, ids in enumerate(PROMPTS[:limit])]
 
     monkeypatch.setattr(tasks, "load_prompts", load)
