@@ -169,10 +169,32 @@ def test_rejections_cancel_running_verifications(pools, target, small_draft, pro
     pool = Sluggish(get_pool("process", target, 2, 1))
     ref = reference(target, prompts[:1])[0]
     row = decode_one(pool, small_draft, prompts[0], lookahead=2, workers=2, max_new_tokens=NEW, eos=(),
-                     sampling=GREEDY, generator=None, device=target.device)
+                     sampling=GREEDY, generator=None)
     assert row.tokens == ref
     assert row.stats.rejections > 0 and row.extras["cancelled"] > 0
     assert row.extras["verifications"] == 1 + row.stats.steps + row.extras["cancelled"] + row.extras["redundant"]
+
+
+def test_only_the_drafter_thread_waits_for_the_device(pools, target, small_draft, prompts, monkeypatch):
+    """On a GPU the drafter thread captures CUDA graphs: a device synchronisation in another thread of the
+    process during a capture breaks it, so the calling thread times itself without waiting for the device."""
+    import threading
+
+    from sdbench.dsi import orchestrator
+
+    waits, real = [], orchestrator.now
+
+    def now(device=None):
+        if device is not None:
+            waits.append(threading.current_thread().name)
+        return real(device)
+
+    monkeypatch.setattr(orchestrator, "now", now)
+    pool = get_pool("process", target, 2, 1)
+    row = decode_one(pool, small_draft, prompts[0], lookahead=2, workers=2, max_new_tokens=NEW, eos=(),
+                     sampling=GREEDY, generator=None)
+    assert row.tokens == reference(target, prompts[:1])[0]
+    assert waits and set(waits) == {"sdbench-dsi-drafter"}
 
 
 def test_dsi_matches_greedy_with_the_cpu_fast_path(pools, target, small_draft, prompts):

@@ -84,7 +84,7 @@ class _Shared:
 
 
 def decode_one(pool, draft_runner, prompt: list[int], *, lookahead: int, workers: int, max_new_tokens: int,
-               eos, sampling: SamplingConfig, generator, device) -> RowOutcome:
+               eos, sampling: SamplingConfig, generator) -> RowOutcome:
     seq = next(_seq_ids)
     capacity = len(prompt) + max_new_tokens + lookahead + 2
     ledger = Ledger(prompt, lookahead=lookahead, max_new_tokens=max_new_tokens, workers=workers, eos=eos)
@@ -103,7 +103,9 @@ def decode_one(pool, draft_runner, prompt: list[int], *, lookahead: int, workers
         verdict = verify(torch.tensor([drafts], dtype=torch.long), n, None, logits[None], sampling, generator)
         return int(verdict.accepted[0]), int(verdict.next_token[0])
 
-    t0 = now(device)
+    # this thread never waits for the device: it does no GPU work of its own (the workers are other processes),
+    # and a synchronisation here while the drafter thread captures a CUDA graph would break the capture
+    t0 = now()
     with cond:
         send(ledger.warm())
     drafting = threading.Thread(target=_draft_loop, args=(ledger, drafter, cond, shared, send),
@@ -125,7 +127,7 @@ def decode_one(pool, draft_runner, prompt: list[int], *, lookahead: int, workers
                     shared.answers += 1
                     for step in ledger.finish(answer.job, answer.worker, answer, judge):
                         if ttft is None:  # the prompt's verification gives the first token, as a prefill does:
-                            ttft = now(device) - t0  # not a step (metrics.py); its drafting time goes on
+                            ttft = now() - t0  # not a step (metrics.py); its drafting time goes on
                             continue
                         # accepted = drafts committed (an EOS may cut accepted ones), as the decode loop counts
                         stats.add_step(step.drafted, min(step.accepted, step.committed), shared.unassigned_draft_s,
@@ -133,7 +135,7 @@ def decode_one(pool, draft_runner, prompt: list[int], *, lookahead: int, workers
                         shared.unassigned_draft_s = 0.0
                 send(ledger.dispatch())
                 cond.notify_all()
-        wall = now(device) - t0
+        wall = now() - t0
     finally:
         with cond:
             shared.stop = True

@@ -76,7 +76,7 @@ class DSI(Proposer):
                 for prompt in prompts:
                     outcomes.append(decode_one(pool, self.draft, list(prompt), lookahead=self.gamma,
                                                workers=self.workers, max_new_tokens=max_new_tokens, eos=eos_ids,
-                                               sampling=sampling, generator=generator, device=target.device))
+                                               sampling=sampling, generator=generator))
         except BaseException:  # workers may still be busy with this generation, or broken
             discard_pool(pool)
             raise
