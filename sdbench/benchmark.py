@@ -176,6 +176,7 @@ class Bench:
         on_batch(rows): called with each batch's rows once they are written (e.g. to prune a trial)."""
         self.console = console or Console()
         self.pair, self.on_batch = pair, on_batch
+        self.run_id: str | None = None  # set when run() starts: the results it writes are RUN_ID.*
         self.cfg, self.choice = plan(cfg)
         asked = cfg.gammas or (self.choice.gamma or DEFAULT_GAMMA,)
         note = gamma_note(asked, self.cfg.gammas, self.cfg.max_new_tokens)
@@ -220,7 +221,7 @@ class Bench:
             self.console.print(f"note: {note}", highlight=False, soft_wrap=True)
         batches = [list(range(i, min(i + cfg.batch_size, len(prompts)))) for i in range(0, len(prompts),
                                                                                       cfg.batch_size)]
-        run_id = cfg.resume or new_run_id(self.choice.name)
+        run_id = self.run_id = cfg.resume or new_run_id(self.choice.name)
         env = environment(str(self.device), cfg.dtype)
         writer = RunWriter(cfg.out, run_id, env)
         done = writer.done_keys() if cfg.resume else set()

@@ -256,24 +256,25 @@ class Tuner:
         cfg = replace(self.run, strategy=self.strategy, drafts=tuple(settings["drafts"]), gammas=(settings["gamma"],),
                       options=settings["options"], out=str(self.folder), baseline=self.cfg.objective == "speedup")
         feed = _Feed(trial, self.cfg.objective, reference)
-        before = set(self.folder.glob("*.parts"))
         quiet = Console(quiet=True)
         label = f"trial {trial.number}: {describe(settings)}"
+        bench = None
         try:
+            bench = Bench(cfg, quiet, pair=replace(pair, drafts=[self.runners[d] for d in settings["drafts"]]),
+                          on_batch=feed)
             with self.console.status(label), heartbeat(study, trial):
-                path = Bench(cfg, quiet, pair=replace(pair, drafts=[self.runners[d] for d in settings["drafts"]]),
-                             on_batch=feed).run()
+                path = bench.run()
         except optuna.TrialPruned as e:
-            return self._finish(study, trial, TrialState.PRUNED, feed, reason=str(e), label=label, before=before)
+            return self._finish(study, trial, TrialState.PRUNED, feed, reason=str(e), label=label, aborted=bench)
         except Lossy as e:
-            return self._finish(study, trial, TrialState.FAIL, feed, reason=str(e), label=label, before=before)
+            return self._finish(study, trial, TrialState.FAIL, feed, reason=str(e), label=label, aborted=bench)
         except (KeyboardInterrupt, Interrupted):
-            self._interrupted(study, trial, feed, before)
+            self._interrupted(study, trial, feed, bench)
         except SdbenchError as e:
-            return self._finish(study, trial, TrialState.FAIL, feed, reason=str(e), label=label, before=before)
+            return self._finish(study, trial, TrialState.FAIL, feed, reason=str(e), label=label, aborted=bench)
         except Exception as e:  # a bug: record the trial as failed rather than running forever, then stop
             self._finish(study, trial, TrialState.FAIL, feed, reason=f"crashed: {type(e).__name__}: {e}",
-                         label=label, before=before)
+                         label=label, aborted=bench)
             raise
         trial.set_user_attr("results", str(path))
         value = objective_value(feed.frame(), self.cfg.objective)
@@ -281,17 +282,18 @@ class Tuner:
             return self._finish(study, trial, TrialState.FAIL, feed, reason="no measurable objective", label=label)
         self._finish(study, trial, TrialState.COMPLETE, feed, value=value, label=label)
 
-    def _interrupted(self, study, trial, feed, before) -> None:
-        self._finish(study, trial, TrialState.FAIL, feed, reason=INTERRUPTED, before=before)
+    def _interrupted(self, study, trial, feed, aborted) -> None:
+        self._finish(study, trial, TrialState.FAIL, feed, reason=INTERRUPTED, aborted=aborted)
         raise Interrupted(f"interrupted: the study keeps its finished trials; run the same command again to "
                            f"resume it ({counted(study)}/{self.cfg.trials} done)")
 
     def _finish(self, study, trial, state, feed: _Feed | None = None, value: float | None = None, reason: str = "",
-                label: str = "", before: set | None = None) -> None:
-        if before is not None:  # an aborted run leaves unmerged parts: merge them so its rows read as one file
-            for parts in set(self.folder.glob("*.parts")) - before:
-                path = RunWriter(self.folder, parts.name[: -len(".parts")]).finalize()
-                trial.set_user_attr("results", str(path))
+                label: str = "", aborted: Bench | None = None) -> None:
+        # an aborted run leaves unmerged parts: merge its own (not any other: a process sharing the study may be
+        # writing its trial beside it) so its rows read as one file
+        if aborted is not None and aborted.run_id is not None and (self.folder / f"{aborted.run_id}.parts").is_dir():
+            path = RunWriter(self.folder, aborted.run_id).finalize()
+            trial.set_user_attr("results", str(path))
         if feed is not None and feed.rows:
             _record(trial, feed)
         if reason:
