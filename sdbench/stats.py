@@ -53,21 +53,28 @@ def _ratio(sums: np.ndarray) -> np.ndarray:
         return (sums[..., 0] / sums[..., 1]) / (sums[..., 2] / sums[..., 3])
 
 
-def bootstrap_ratio(cells: np.ndarray, draws: int = DRAWS, seed: int = SEED, level: float = LEVEL) -> Interval:
+def bootstrap_ratio(cells: np.ndarray, paired_repeats: bool = True, draws: int = DRAWS, seed: int = SEED,
+                    level: float = LEVEL) -> Interval:
     """cells: [C, R, 4] per cluster and repeat, (tokens, seconds) of the measured side then of the reference
-    side; a missing repeat is NaN in all four. The interval of the ratio of rates (see the module docstring)."""
+    side; a missing repeat is NaN. The interval of the ratio of rates (see the module docstring). paired_repeats
+    False: the two sides' repeats are drawn independently (repeats of separate runs, as `compare` has)."""
     cells = np.asarray(cells, dtype="float64")
     value = float(_ratio(np.nansum(cells, axis=(0, 1))))
     clusters, repeats = cells.shape[:2]
     if clusters * repeats < 2 or not math.isfinite(value):
         return Interval(value)
     rng = np.random.default_rng(seed)
-    picked_clusters = rng.integers(0, clusters, size=(draws, clusters))
-    picked_repeats = rng.integers(0, repeats, size=(draws, clusters, repeats))
+    picked_clusters = rng.integers(0, clusters, size=(draws, clusters))[:, :, None]
+    measured_repeats = rng.integers(0, repeats, size=(draws, clusters, repeats))
+    reference_repeats = measured_repeats if paired_repeats else rng.integers(0, repeats, size=measured_repeats.shape)
     chunk = max(1, _CELL_BUDGET // (clusters * repeats * 4))
-    ratios = np.concatenate([
-        _ratio(np.nansum(cells[picked_clusters[i:i + chunk, :, None], picked_repeats[i:i + chunk]], axis=(1, 2)))
-        for i in range(0, draws, chunk)])
+    ratios = []
+    for i in range(0, draws, chunk):
+        at = slice(i, i + chunk)
+        measured = np.nansum(cells[picked_clusters[at], measured_repeats[at], :2], axis=(1, 2))
+        reference = np.nansum(cells[picked_clusters[at], reference_repeats[at], 2:], axis=(1, 2))
+        ratios.append(_ratio(np.concatenate([measured, reference], axis=-1)))
+    ratios = np.concatenate(ratios)
     tail = (1 - level) / 2 * 100
     low, high = np.nanpercentile(ratios, [tail, 100 - tail]) if np.isfinite(ratios).any() else (math.nan,) * 2
     return Interval(value, float(low), float(high))
