@@ -157,3 +157,18 @@ def describe(interval: Interval, unit: str = "x", digits: int = 2) -> str:
         return "–"
     text = f"{interval.value:.{digits}f}{unit}"
     return f"{text} ±{interval.half_width:.{digits}f}" if interval.known else text
+
+
+def doubt(interval: Interval, than: float, prompts: int, what: str) -> str | None:
+    """None when the interval's half-width is below the claimed difference |value - than|; otherwise why the
+    claim ('what') cannot be made, with an estimate of the prompts that would settle it."""
+    difference = abs(interval.value - than)
+    if interval.known and interval.half_width < difference:
+        return None
+    if not interval.known:
+        return f"{what}: no interval (one prompt, one repeat): run more prompts or --repeats"
+    needed = prompts_needed(prompts, interval.half_width, difference)
+    more = f"about {needed} prompts would settle it (estimate: n·(width/difference)²)" if needed else \
+        "no prompt count would settle a zero difference"
+    return (f"{what}: the 95 % interval (±{interval.half_width:.3g}) is wider than the difference "
+            f"{difference:.3g} over {prompts} prompt(s); {more}")
