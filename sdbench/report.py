@@ -162,6 +162,8 @@ def _aggregate(group: pd.DataFrame) -> dict:
         "decode_speedup": math.nan,
         "mean_accepted_len": _ratio(new_tokens - len(group), steps),
         "acceptance_rate": _ratio(accepted, np.nansum(_num(group["drafted"]))),
+        "steps": float(steps),
+        "decode_s": decode,
         "draft_s": draft_s,
         "verify_s": verify_s,
         "draft_share": _ratio(draft_s, np.nansum([draft_s, verify_s])),
