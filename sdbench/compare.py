@@ -223,9 +223,8 @@ def comparison_table(result: Comparison, max_regression: float) -> Table:
             Text(_label(first)), Text(str(first["dataset"])), first["metric"], str(len(group)),
             f"{group['baseline'].median():.4g}", f"{group['current'].median():.4g}",
             f"{group['change'].median():+.1%}", Text(f"{worst['change']:+.1%} {worst['prompt_id']}"),
-            f"{group['noise'].median():.1%}", _interval_text(config), Text(config.get("verdict", "–"),
-                                                                             style=_VERDICT_STYLE.get(config.get("verdict"))),
-            Text(str(bad), style=style),
+            f"{group['noise'].median():.1%}", _interval_text(config),
+            Text(config.get("verdict", "–"), style=_VERDICT_STYLE.get(config.get("verdict"))), Text(str(bad), style=style),
         )
     return table
 
