@@ -119,6 +119,7 @@ def report(
     plots: Annotated[Optional[str], typer.Option(help="also write PNG plots into this folder")] = None,
     html: Annotated[Optional[str], typer.Option(help="also write one self-contained HTML page: tables and plots")] = None,
     by: Annotated[Optional[list[str]], typer.Option("--by", help="split the summary by these columns (repeatable), e.g. --by turn [default: category]")] = None,
+    explain: Annotated[bool, typer.Option("--explain", help="also break each speedup into the factors that multiply to it, and show other tools' definitions")] = False,
 ):
     """Print the tables of earlier runs; optionally PNG plots and an HTML page."""
     from sdbench.report import print_report
@@ -126,6 +127,10 @@ def report(
 
     df = read_results(paths)
     print_report(df, console, by=tuple(by or ()))
+    if explain:
+        from sdbench.explain import print_explain
+
+        print_explain(df, console)
     if plots or html:
         from sdbench.plots import export
 

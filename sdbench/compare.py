@@ -5,14 +5,18 @@ with different ones are refused (exit 2, one line naming each difference) unless
 Rows are matched on KEY. Per matched key and metric, each side's repeats give a median m and a median absolute
 deviation (MAD). The change is m_current / m_baseline - 1, and its noise is (MAD_baseline + MAD_current) /
 m_baseline: how far the repeats of the two sides spread. A key regresses on a metric when its drop exceeds
-both --max-regression and the noise, so a drop no larger than the runs' own jitter never fails the gate. Any
+both --max-regression and the noise, so a drop no larger than the runs' own jitter never fails the gate.
+
+Per configuration and metric, the change of the mean over the matched prompts (current mean / baseline mean
+- 1) also gets a 95 % bootstrap interval over prompts, repeats resampled within each prompt (sdbench.stats).
+The interval tells noise (it contains 0) from a regression (it lies wholly below -max_regression): a
+configuration whose interval says regression fails the gate even where no single prompt's repeats did. Any
 current row whose output differed from plain decoding (lossless false) fails the gate too, unless it differed
 only from a low-precision tie (divergence "tie", see sdbench.divergence).
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -23,8 +27,10 @@ from rich.text import Text
 
 from sdbench.errors import SdbenchError
 from sdbench.results import read_results
+from sdbench.stats import Interval, bootstrap_ratio, spread
 
 KEY = ("strategy", "params", "target", "draft", "dataset", "prompt_id", "turn", "batch_size")
+CONFIG = tuple(k for k in KEY if k != "prompt_id")  # one configuration: its keys over every prompt
 METRICS = ("tokens_per_s", "speedup")
 # column -> the option that sets it, as typed on the command line (and as --across takes it)
 SETTINGS = {"max_new_tokens": "max-new-tokens", "temperature": "temperature", "top_p": "top-p", "seed": "seed",
@@ -44,14 +50,26 @@ class Comparison:
     only_baseline: int = 0  # keys without a partner
     only_current: int = 0
     notes: list[str] = field(default_factory=list)
+    configurations: pd.DataFrame | None = None  # per configuration and metric: the change's interval, verdict
 
     @property
     def regressions(self) -> pd.DataFrame:
         return self.deltas[self.deltas["regressed"]]
 
     @property
+    def interval_regressions(self) -> pd.DataFrame:
+        """Configurations whose interval lies below the gate although no single prompt regressed."""
+        configs = self.configurations
+        if configs is None or configs.empty:
+            return pd.DataFrame(columns=list(CONFIG) + ["metric"])
+        flagged = set(map(tuple, self.regressions[list(CONFIG) + ["metric"]].astype(str).to_numpy()))
+        keys = configs[list(CONFIG) + ["metric"]].astype(str).to_numpy()
+        return configs[configs["verdict"].eq("regression").to_numpy() & np.array([tuple(k) not in flagged
+                                                                                 for k in keys], dtype=bool)]
+
+    @property
     def failed(self) -> bool:
-        return bool(len(self.regressions) or len(self.lossy))
+        return bool(len(self.regressions) or len(self.lossy) or len(self.interval_regressions))
 
 
 def _keyed(df: pd.DataFrame) -> pd.DataFrame:
@@ -65,14 +83,6 @@ def _keyed(df: pd.DataFrame) -> pd.DataFrame:
     return data
 
 
-def _spread(values: np.ndarray) -> tuple[float, float, int]:
-    values = values[np.isfinite(values)]
-    if not len(values):
-        return math.nan, math.nan, 0
-    median = float(np.median(values))
-    return median, float(np.median(np.abs(values - median))), len(values)
-
-
 def compare_frames(baseline: pd.DataFrame, current: pd.DataFrame, max_regression: float = 0.05) -> Comparison:
     """Medians, MADs and relative changes per matched key; max_regression is a fraction (0.05 = 5 %)."""
     base, cur = _keyed(baseline), _keyed(current)
@@ -84,8 +94,8 @@ def compare_frames(baseline: pd.DataFrame, current: pd.DataFrame, max_regression
         for metric in METRICS:
             if metric not in base or metric not in cur or (metric == "speedup" and key[0] == "autoregressive"):
                 continue  # plain decoding's speedup over itself is 1 by definition
-            b_med, b_mad, b_n = _spread(pd.to_numeric(base_groups[key][metric], errors="coerce").to_numpy(float))
-            c_med, c_mad, c_n = _spread(pd.to_numeric(cur_groups[key][metric], errors="coerce").to_numpy(float))
+            b_med, b_mad, b_n = spread(pd.to_numeric(base_groups[key][metric], errors="coerce").to_numpy(float))
+            c_med, c_mad, c_n = spread(pd.to_numeric(cur_groups[key][metric], errors="coerce").to_numpy(float))
             if not (b_n and c_n and b_med > 0):
                 continue
             change = c_med / b_med - 1.0
@@ -107,8 +117,50 @@ def compare_frames(baseline: pd.DataFrame, current: pd.DataFrame, max_regression
             if old and new and old != new:
                 notes.append(f"{column} differs: baseline {', '.join(map(str, old))} vs current "
                              f"{', '.join(map(str, new))}")
+    configs = configuration_intervals(base_groups, cur_groups, matched, deltas, max_regression)
     return Comparison(deltas, lossy, len(set(base_groups) - set(matched)), len(set(cur_groups) - set(matched)),
-                      notes)
+                      notes, configs)
+
+
+def configuration_intervals(base_groups: dict, cur_groups: dict, matched: list, deltas: pd.DataFrame,
+                            max_regression: float) -> pd.DataFrame:
+    """Per configuration and metric compared per prompt: the change of the mean over its prompts, its 95 %
+    bootstrap interval (prompts resampled, repeats within them) and the verdict it gives."""
+    records = []
+    for key in deltas.groupby(list(CONFIG) + ["metric"], sort=False).groups:
+        config, metric = key[:-1], key[-1]
+        keys = [k for k in matched if tuple(k[i] for i, c in enumerate(KEY) if c != "prompt_id") == config]
+        sides = [[pd.to_numeric(g[k][metric], errors="coerce").to_numpy(float) for g in (cur_groups, base_groups)]
+                 for k in keys]
+        change = bootstrap_ratio(_value_cells(sides), paired_repeats=False).shifted(-1.0)
+        records.append({**dict(zip(CONFIG, config)), "metric": metric, "prompts": len(keys), "change": change.value,
+                        "low": change.low, "high": change.high, "verdict": verdict(change, max_regression)})
+    return pd.DataFrame(records, columns=list(CONFIG) + ["metric", "prompts", "change", "low", "high", "verdict"])
+
+
+def _value_cells(sides: list[list[np.ndarray]]) -> np.ndarray:
+    """[prompts, repeats, 4]: (current value, 1, baseline value, 1) per prompt and repeat, NaN past a side's
+    repeats, so the ratio of sums is current mean / baseline mean."""
+    repeats = max(len(v) for pair in sides for v in pair)
+    cells = np.full((len(sides), repeats, 4), np.nan)
+    for i, (current, baseline) in enumerate(sides):
+        for j, values in enumerate((current, baseline)):
+            values = values[np.isfinite(values)]
+            cells[i, : len(values), 2 * j] = values
+            cells[i, : len(values), 2 * j + 1] = 1.0
+    return cells
+
+
+def verdict(change: Interval, max_regression: float) -> str:
+    """What a change's interval says: regression (wholly below -max_regression), noise (it contains 0),
+    faster, or a drop within the gate; '–' without an interval."""
+    if not change.known:
+        return "–"
+    if change.high < -max_regression:
+        return "regression"
+    if change.contains(0.0):
+        return "noise"
+    return "faster" if change.low > 0 else "drop within gate"
 
 
 def different_settings(baseline: pd.DataFrame, current: pd.DataFrame) -> dict[str, tuple[set, set]]:
@@ -153,14 +205,19 @@ def comparison_table(result: Comparison, max_regression: float) -> Table:
     table = Table(title=f"compare · regression gate {max_regression:.0%} (and beyond the repeats' noise)")
     for name, justify in (("configuration", "left"), ("dataset", "left"), ("metric", "left"), ("prompts", "right"),
                           ("baseline", "right"), ("current", "right"), ("median Δ", "right"),
-                          ("worst Δ", "right"), ("noise", "right"), ("regressed", "right")):
-        table.add_column(name, justify=justify)
+                          ("worst Δ", "right"), ("noise", "right"), ("mean Δ, 95 % interval", "right"),
+                          ("verdict", "left"), ("regressed", "right")):
+        table.add_column(name, justify=justify, no_wrap=name.startswith("mean"))
     deltas = result.deltas
     if deltas.empty:
         return table
-    group_by = ["strategy", "params", "target", "draft", "dataset", "batch_size", "metric"]
-    for _, group in deltas.groupby(group_by, sort=False):
+    group_by = list(CONFIG) + ["metric"]
+    configs = result.configurations
+    intervals = {} if configs is None else {tuple(map(str, k)): row for k, row in
+                                           zip(configs[group_by].to_numpy(), configs.to_dict("records"))}
+    for key, group in deltas.groupby(group_by, sort=False):
         first = group.iloc[0]
+        config = intervals.get(tuple(map(str, key)), {})
         worst = group.loc[group["change"].idxmin()]
         bad = int(group["regressed"].sum())
         style = "red" if bad else None
@@ -168,9 +225,21 @@ def comparison_table(result: Comparison, max_regression: float) -> Table:
             Text(_label(first)), Text(str(first["dataset"])), first["metric"], str(len(group)),
             f"{group['baseline'].median():.4g}", f"{group['current'].median():.4g}",
             f"{group['change'].median():+.1%}", Text(f"{worst['change']:+.1%} {worst['prompt_id']}"),
-            f"{group['noise'].median():.1%}", Text(str(bad), style=style),
+            f"{group['noise'].median():.1%}", _interval_text(config),
+            Text(config.get("verdict", "–"), style=_VERDICT_STYLE.get(config.get("verdict"))), Text(str(bad), style=style),
         )
     return table
+
+
+_VERDICT_STYLE = {"regression": "red", "faster": "green"}
+
+
+def _interval_text(config: dict) -> str:
+    """'-20.0% [-22.1%, -18.0%]'; the change alone when there is no interval."""
+    if not config or not np.isfinite(config["change"]):
+        return "–"
+    bounds = f" [{config['low']:+.1%}, {config['high']:+.1%}]" if np.isfinite(config["low"]) else ""
+    return f"{config['change']:+.1%}{bounds}"
 
 
 def run_compare(baseline_paths, current_paths, max_regression_pct: float, console: Console,
@@ -200,6 +269,9 @@ def run_compare(baseline_paths, current_paths, max_regression_pct: float, consol
     for _, row in result.regressions.iterrows():
         problems.append(f"{row['metric']} {row['change']:+.1%} on {row['prompt_id']} ({_label(row)}), beyond "
                         f"-{max_regression_pct:g}% and the noise {row['noise']:.1%}")
+    for _, row in result.interval_regressions.iterrows():
+        problems.append(f"{row['metric']} {row['change']:+.1%} over {row['prompts']} prompts ({_label(row)}): its "
+                        f"95 % interval [{row['low']:+.1%}, {row['high']:+.1%}] lies below -{max_regression_pct:g}%")
     if problems:
         raise RegressionFound(problems[0] + (f"; and {len(problems) - 1} more" if len(problems) > 1 else ""))
     console.print(f"no regression beyond {max_regression_pct:g}% on {len(result.deltas)} matched comparisons")

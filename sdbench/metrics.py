@@ -76,6 +76,27 @@ def acceptance_rate(accepted: int, drafted: int) -> float:
     return accepted / drafted if drafted else math.nan
 
 
+def specbench_mean_accepted_tokens(accepted: float, steps: float) -> float:
+    """Spec-Bench's "#Mean accepted tokens" (evaluation/speed.py): the mean over every step of all prompts of
+    the step's accepted drafts + 1. From sdbench's counts: (accepted + steps) / steps. It equals sdbench's
+    mean accepted length unless an EOS or the budget cut a step; Spec-Bench also counts a step's accepted
+    drafts past the cut, which sdbench does not record, so on such runs Spec-Bench itself would print a little
+    more."""
+    return (accepted + steps) / steps if steps else math.nan
+
+
+def vllm_mean_acceptance_length(accepted: float, drafts: float) -> float:
+    """vLLM's "Mean acceptance length" (v1 spec-decode metrics): 1 + accepted / num_drafts, where num_drafts
+    counts only the steps that proposed at least one token (drafted_per_position[0] here). A step with no
+    draft (a prompt-lookup miss) is left out, where sdbench's mean accepted length counts it as 1 token."""
+    return 1.0 + accepted / drafts if drafts else math.nan
+
+
+def vllm_draft_acceptance_rate(accepted: float, drafted: float) -> float:
+    """vLLM's "Draft acceptance rate": accepted / drafted tokens, the same ratio as sdbench's acceptance rate."""
+    return acceptance_rate(accepted, drafted)
+
+
 def rate(tokens: float, seconds: float) -> float:
     return tokens / seconds if seconds > 0 else math.nan
 

@@ -184,13 +184,40 @@ def predicted_vs_measured(plt, df: pd.DataFrame) -> Plot | None:
     return Plot("predicted_vs_measured", "Predicted vs measured speedup", _png(plt, fig))
 
 
+def speedup_waterfalls(plt, df: pd.DataFrame) -> list[Plot]:
+    """Per configuration, the explain factors as a waterfall on a log scale: from 1.0, each factor moves the
+    running product up (green) or down (red), ending at the measured speedup."""
+    from sdbench.explain import FACTORS, breakdown
+
+    plots = []
+    for i, row in enumerate(breakdown(df).to_dict("records")):
+        values = [row[f] for f in FACTORS]
+        if not all(math.isfinite(v) and v > 0 for v in values):
+            continue
+        running = np.cumprod([1.0, *values])
+        fig, ax = plt.subplots(figsize=(6.5, 4))
+        for j, (low, high) in enumerate(zip(running[:-1], running[1:])):
+            ax.bar(j, high - low, bottom=low, color="tab:green" if high >= low else "tab:red")
+            ax.text(j, max(low, high), f"×{values[j]:.3f}", ha="center", va="bottom", fontsize="small")
+        ax.bar(len(values), running[-1], color="tab:blue")
+        ax.text(len(values), running[-1], f"{row['speedup']:.3f}x", ha="center", va="bottom", fontsize="small")
+        ax.axhline(1.0, color="black", linewidth=0.8, linestyle="--")
+        ax.set_yscale("log")
+        ax.set_xticks(range(len(values) + 1), [*FACTORS, "measured"])
+        ax.set_ylabel("speedup (running product)")
+        title = f"Where the speedup goes: {row['strategy']}"
+        ax.set_title(title)
+        plots.append(Plot(f"speedup_waterfall_{i}", f"{title} ({row['run_id']})", _png(plt, fig)))
+    return plots
+
+
 def render(df: pd.DataFrame) -> list[Plot]:
     """Every plot the rows have data for, in report order."""
     if df.empty:
         raise SdbenchError("no result rows to plot")
     plt = _pyplot()
     plots = [speedup_by_strategy(plt, df), acceptance_histogram(plt, df), per_position(plt, df),
-             *speedup_sweeps(plt, df), predicted_vs_measured(plt, df)]
+             *speedup_sweeps(plt, df), predicted_vs_measured(plt, df), *speedup_waterfalls(plt, df)]
     return [p for p in plots if p is not None]
 
 

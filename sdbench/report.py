@@ -13,6 +13,8 @@ The aggregates are the project's contract:
   lossless           all of the known values, a row whose output differs only from a tie on (divergence
                      "tie", see sdbench.divergence) counting as lossless; null when none is known
   ties               rows whose output differs from the baseline's only from such a tie
+  speedup_low/high   the 95 % bootstrap interval of speedup (and decode_speedup_low/high of decode_speedup),
+                     paired with the baseline of the same batch and repeat (sdbench.stats)
   predicted_speedup  mean of the computed values
   draft_share        draft_s / (draft_s + verify_s), each summed over unique batches of the batch's value
                      (the max over its rows: a row records the batch's time while the row was active)
@@ -31,6 +33,7 @@ from rich.table import Table
 from rich.text import Text
 
 from sdbench.errors import SdbenchError
+from sdbench.stats import Interval, describe, repeat_spread, speedup_interval
 
 ALL = "ALL"
 _BATCH = ["run_id", "role", "batch_id", "repeat"]
@@ -53,8 +56,35 @@ def summarize(df: pd.DataFrame, by: tuple[str, ...] | list[str] = ("category",))
     summary = pd.DataFrame(records, columns=keys + by + list(_aggregate(data.iloc[:0])))
     summary["speedup"] = _speedups(summary, by, "tokens_per_s")
     summary["decode_speedup"] = _speedups(summary, by, "decode_tokens_per_s")
+    summary = summary.join(_intervals(data, summary, by))
     summary.attrs["by"] = tuple(by)
     return summary
+
+
+def _intervals(data: pd.DataFrame, summary: pd.DataFrame, by: list[str]) -> pd.DataFrame:
+    """Per summary row, the bootstrap interval of its speedup and decode speedup over the baseline rows of the
+    same run and group; NaN for the baseline itself and where nothing can be resampled."""
+    columns = ["speedup_low", "speedup_high", "decode_speedup_low", "decode_speedup_high"]
+    out = pd.DataFrame(np.nan, index=summary.index, columns=columns)
+    for i, row in summary.iterrows():
+        if row["role"] == "baseline" or not np.isfinite(row["speedup"]):
+            continue
+        mask = data["run_id"].eq(row["run_id"])
+        for b in by:
+            if row[b] != ALL:
+                mask &= data[b].eq(row[b])
+        mine = data[mask & data["role"].eq(row["role"]) & data["strategy"].eq(row["strategy"])]
+        base = data[mask & data["role"].eq("baseline")]
+        for prefix, decode in (("speedup", False), ("decode_speedup", True)):
+            interval = speedup_interval(mine, base, decode)
+            out.loc[i, [f"{prefix}_low", f"{prefix}_high"]] = [interval.low, interval.high]
+    return out
+
+
+def speedup_of(row, prefix: str = "speedup") -> Interval:
+    """A summary row's speedup (or decode_speedup) with its interval."""
+    return Interval(float(row[prefix]), float(row.get(f"{prefix}_low", np.nan)),
+                    float(row.get(f"{prefix}_high", np.nan)))
 
 
 def _prepare(df: pd.DataFrame, by: list[str]) -> pd.DataFrame:
@@ -136,6 +166,8 @@ def _aggregate(group: pd.DataFrame) -> dict:
         "decode_speedup": math.nan,
         "mean_accepted_len": _ratio(new_tokens - len(group), steps),
         "acceptance_rate": _ratio(accepted, np.nansum(_num(group["drafted"]))),
+        "steps": float(steps),
+        "decode_s": decode,
         "draft_s": draft_s,
         "verify_s": verify_s,
         "draft_share": _ratio(draft_s, np.nansum([draft_s, verify_s])),
@@ -163,7 +195,7 @@ def summary_table(summary: pd.DataFrame, title: str | None = None) -> Table:
     """The summary as a table; per-group rows first, the overall rows last and bold."""
     by = list(summary.attrs.get("by", ("category",)))
     many_runs = summary["run_id"].nunique() > 1
-    table = Table(title=title)
+    table = Table(title=title, caption=INTERVAL_CAPTION)
     if many_runs:
         table.add_column("run", no_wrap=True)
     table.add_column("strategy", no_wrap=True)
@@ -179,13 +211,23 @@ def summary_table(summary: pd.DataFrame, title: str | None = None) -> Table:
             table.add_section()
             started_overall = True
         cells = [row["strategy"], " / ".join(str(row[b]) for b in by), str(row["n_prompts"]),
-                 _fmt(row["tokens_per_s"], "{:.1f}"), _fmt(row["speedup"], "{:.2f}x"),
-                 _fmt(row["decode_speedup"], "{:.2f}x"), _fmt(row["predicted_speedup"], "{:.2f}x"), _fmt(row["mean_accepted_len"], "{:.2f}"),
+                 _fmt(row["tokens_per_s"], "{:.1f}"), speedup_cell(row), speedup_cell(row, "decode_speedup"),
+                 _fmt(row["predicted_speedup"], "{:.2f}x"), _fmt(row["mean_accepted_len"], "{:.2f}"),
                  _fmt(row["acceptance_rate"], "{:.1%}"), _fmt(row["draft_share"], "{:.1%}"),
                  _mark(row["lossless"]) + (f" ({row['ties']} tie)" if row.get("ties") else "")]
         cells = ([row["run_id"]] if many_runs else []) + cells
         table.add_row(*(Text(str(c)) for c in cells), style="bold" if overall else None)
     return table
+
+
+INTERVAL_CAPTION = ("speedup ±: half the width of its 95 % bootstrap interval over prompts and repeats; "
+                    "* the interval contains 1.0")
+
+
+def speedup_cell(row, prefix: str = "speedup") -> str:
+    """'1.12x ±0.04', with '*' when the interval contains 1.0 (no speedup or slowdown shown beyond noise)."""
+    interval = speedup_of(row, prefix)
+    return describe(interval) + ("*" if interval.contains(1.0) else "")
 
 
 def _ordered(summary: pd.DataFrame, by: list[str]) -> list[dict]:
@@ -316,6 +358,21 @@ def _versus_fixed(overall: pd.DataFrame, gammas: pd.Series, run_id: str, role: s
     return versus(best), versus(same[0]) if same else "–"
 
 
+def repeat_table(df: pd.DataFrame) -> Table | None:
+    """Per configuration, the repeat-to-repeat spread of tokens/s (MAD / median over repeats, each repeat's
+    tokens/s aggregated over its batches); None when no configuration ran more than once."""
+    if "repeat" not in df or pd.to_numeric(df["repeat"], errors="coerce").nunique() < 2:
+        return None
+    data = _prepare(df, [])
+    table = Table(title="Repeatability (tokens/s from repeat to repeat)")
+    for name in ("run", "strategy", "repeats", "spread (MAD/median)"):
+        table.add_column(name, justify="right" if name in ("repeats", "spread (MAD/median)") else "left")
+    for (run_id, strategy), group in data.groupby(["run_id", "strategy"], sort=False):
+        value, n = repeat_spread(group)
+        table.add_row(Text(str(run_id)), Text(str(strategy)), str(n), _fmt(value, "{:.1%}"))
+    return table
+
+
 def environment_lines(df: pd.DataFrame) -> list[str]:
     """One line per distinct environment among the rows, naming its runs when there are several."""
     columns = ["device", "dtype", "torch_version", "transformers_version", "sdbench_version", "git_commit",
@@ -386,8 +443,8 @@ def print_report(df: pd.DataFrame, console: Console | None = None, by: tuple[str
     positions = per_position_table(df)
     if positions is not None:
         console.print(positions)
-    adaptive = adaptive_table(df)
-    if adaptive is not None:
-        console.print(adaptive)
+    for extra in (adaptive_table(df), repeat_table(df)):
+        if extra is not None:
+            console.print(extra)
     for note in _notes(df):
         console.print(Text(f"note: {note}", style="dim"))

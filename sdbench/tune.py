@@ -36,8 +36,9 @@ from sdbench.config import OBJECTIVES, TuneConfig
 from sdbench.env import environment
 from sdbench.errors import Interrupted, SdbenchError
 from sdbench.paths import output_dir, presets_dir
-from sdbench.report import ALL, summarize
+from sdbench.report import ALL, labelled, speedup_of, summarize
 from sdbench.results import RunWriter
+from sdbench.stats import Interval, describe as describe_interval, doubt, speedup_interval
 from sdbench.strategies import check_options, needs_draft, strategy_registry
 from sdbench.strategies.base import SearchContext
 from sdbench.studies import INTERRUPTED, NOT_NEEDED, counted, heartbeat, next_trial, reason as trial_reason
@@ -88,6 +89,35 @@ def overall(rows: pd.DataFrame) -> pd.Series | None:
 def objective_value(rows: pd.DataFrame, objective: str) -> float:
     row = overall(rows)
     return math.nan if row is None else float(row["speedup" if objective == "speedup" else "tokens_per_s"])
+
+
+def objective_interval(rows: pd.DataFrame, objective: str) -> Interval:
+    """The 95 % bootstrap interval of the objective: the report's speedup interval, or that of tokens/s."""
+    row = overall(rows)
+    if row is None:
+        return Interval(math.nan)
+    if objective == "speedup":
+        return speedup_of(row)
+    mine = labelled(rows if "run_id" in rows else rows.assign(run_id="trial"))
+    return speedup_interval(mine[mine["role"] == row["role"]], None)
+
+
+def doubts(study: optuna.Study, objective: str) -> list[str]:
+    """Why the best trial cannot be called best (its interval is wider than its lead over the runner-up) or
+    claimed as a speedup (wider than its distance from 1.0); empty when both claims stand."""
+    ranked = best_trials(study)
+    if not ranked:
+        return []
+    best, attrs = ranked[0], ranked[0].user_attrs
+    interval = Interval(best.value, *(attrs.get("interval") or (math.nan, math.nan)))
+    prompts = attrs.get("prompts") or 0
+    found = []
+    if len(ranked) > 1:
+        found.append(doubt(interval, ranked[1].value, prompts, f"trial {best.number} is not shown better than "
+                                                                 f"trial {ranked[1].number}"))
+    if objective == "speedup":
+        found.append(doubt(interval, 1.0, prompts, f"trial {best.number} shows no speedup beyond noise"))
+    return [d for d in found if d]
 
 
 def draw(strategy: str, trial, space: SearchContext) -> dict:
@@ -308,8 +338,10 @@ class Tuner:
         if not best:
             self.console.print("no trial completed losslessly: no preset written")
             return
-        write_preset(self.preset_path, self.preset_name, self.strategy, best[0], study, self.cfg, self.run)
-        self.console.print(f"best settings → {self.preset_path} (run them with `sdbench run --strategy "
+        found = doubts(study, self.cfg.objective)
+        write_preset(self.preset_path, self.preset_name, self.strategy, best[0], study, self.cfg, self.run, found)
+        said = "best settings" if not found else f"trial {best[0].number}'s settings (no claim: see above)"
+        self.console.print(f"{said} → {self.preset_path} (run them with `sdbench run --strategy "
                            f"{self.preset_name}`)", highlight=False)
 
 
@@ -336,6 +368,9 @@ def _record(trial, feed: _Feed) -> None:
     for key in ("tokens_per_s", "speedup", "mean_accepted_len"):
         value = float(row[key])
         trial.set_user_attr(key, value if math.isfinite(value) else None)
+    interval = objective_interval(feed.frame(), feed.objective)
+    trial.set_user_attr("interval", [interval.low, interval.high] if interval.known else None)
+    trial.set_user_attr("prompts", int(row["n_prompts"]))
     lossless = row["lossless"]
     trial.set_user_attr("lossless", None if lossless is None or pd.isna(lossless) else bool(lossless))
     trial.set_user_attr("batches", feed.batches)
@@ -351,14 +386,18 @@ def best_table(study: optuna.Study, objective: str, top: int = 5) -> Table:
     states = {s: sum(t.state == s for t in trials) for s in (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)}
     caption = (f"{len(trials)} trials: {states[TrialState.COMPLETE]} complete, {states[TrialState.PRUNED]} pruned, "
                f"{states[TrialState.FAIL]} failed")
-    table = Table(title=f"best trials by {objective}", caption=caption)
+    caption = "\n".join([caption, *doubts(study, objective)])
+    table = Table(title=f"best trials by {objective} (± half the 95 % interval)", caption=caption)
     for name in ("trial", "tok/s", "speedup", "acc.len", "settings"):
         table.add_column(name, justify="left" if name == "settings" else "right")
     for t in best_trials(study)[:top]:
         attrs = t.user_attrs
-        table.add_row(str(t.number), _fmt(attrs.get("tokens_per_s"), "{:.1f}"),
-                      _fmt(attrs.get("speedup"), "{:.2f}x"), _fmt(attrs.get("mean_accepted_len"), "{:.2f}"),
-                      describe(attrs["settings"]))
+        bounds = attrs.get("interval") or (math.nan, math.nan)
+        shown = {objective: describe_interval(Interval(t.value, *bounds), "" if objective == "tokens" else "x",
+                                              1 if objective == "tokens" else 2)}
+        table.add_row(str(t.number), shown.get("tokens", _fmt(attrs.get("tokens_per_s"), "{:.1f}")),
+                      shown.get("speedup", _fmt(attrs.get("speedup"), "{:.2f}x")),
+                      _fmt(attrs.get("mean_accepted_len"), "{:.2f}"), describe(attrs["settings"]))
     return table
 
 
@@ -405,20 +444,27 @@ def write_trials(study: optuna.Study, path: Path) -> Path:
     return _write_whole(path, lambda tmp: trial_records(study).to_parquet(tmp, index=False))
 
 
-def write_preset(path: Path, name: str, strategy: str, trial, study: optuna.Study, cfg: TuneConfig, run) -> Path:
-    """The best settings as a named preset that `sdbench run --strategy NAME` accepts."""
+def write_preset(path: Path, name: str, strategy: str, trial, study: optuna.Study, cfg: TuneConfig, run,
+                 found: list[str] = ()) -> Path:
+    """The best settings as a named preset that `sdbench run --strategy NAME` accepts. found: doubts() about
+    the trial; with any, the description claims no speedup and no best, only what was measured."""
     settings = trial.user_attrs["settings"]
     unit = "x speedup" if cfg.objective == "speedup" else " tokens/s"
+    bounds = trial.user_attrs.get("interval") or (math.nan, math.nan)
+    measured = describe_interval(Interval(trial.value, *bounds), "x" if cfg.objective == "speedup" else "", 2)
+    claim = (f"{trial.value:.3g}{unit} (95 % interval {measured})" if not found else
+             f"measured {measured}{'' if cfg.objective == 'speedup' else ' tokens/s'}, not a claim: {found[0]}")
     spec = {
         "name": name,
         "strategy": strategy,
         "description": (f"tuned on {run.target} · {run.dataset} ({run.limit} prompts, {run.max_new_tokens} new tokens): "
-                        f"{trial.value:.3g}{unit} on {study.user_attrs.get('hardware')}"),
+                        f"{claim} on {study.user_attrs.get('hardware')}"),
         "gamma": settings["gamma"],
         "options": settings["options"],
         **({"drafts": settings["drafts"]} if settings["drafts"] else {}),
         "tuned": {"study": study.study_name, "trial": trial.number, "objective": cfg.objective,
-                  "value": float(trial.value), "target": run.target, "dataset": run.dataset},
+                  "value": float(trial.value), "interval": [float(b) for b in bounds], "claimed": not found,
+                  "target": run.target, "dataset": run.dataset},
     }
     header = "# Written by `sdbench tune`; tuning the same study again rewrites it.\n"
     text = header + yaml.safe_dump(spec, sort_keys=False, allow_unicode=True)

@@ -133,3 +133,30 @@ def test_a_low_precision_tie_passes_the_lossless_gate(tmp_path, capsys):
                                             r["role"] == "strategy" else r for r in rows(lossless=False)])
     code, _, err = run_cli(capsys, "compare", base, real)
     assert code == 1 and "lossless broke on 9 row(s)" in err
+
+
+def test_intervals_tell_noise_from_a_regression_across_prompts():
+    import numpy as np
+
+    prompts = tuple(f"mt-bench/{i}" for i in range(12))
+    level = np.linspace(100.0, 200.0, len(prompts))
+    noisy = [(0.75 * v, v, 1.25 * v) for v in level]  # each prompt's repeats spread ±25 %
+    base = read_like([r for p, v in zip(prompts, noisy) for r in rows(strat_tps=v, prompts=(p,))])
+    slower = read_like([r for p, v in zip(prompts, noisy) for r in rows(strat_tps=tuple(0.85 * x for x in v),
+                                                                        prompts=(p,))])
+    result = compare_frames(base, slower, 0.05)
+    assert result.regressions.empty  # no prompt's drop beats its repeats' noise ...
+    configs = result.configurations[result.configurations["strategy"] == "draft"].set_index("metric")
+    assert configs.loc["tokens_per_s", "verdict"] == "regression"  # ... but 12 prompts all 15 % slower do
+    assert configs.loc["tokens_per_s", "high"] < -0.05 and result.failed
+    same = compare_frames(base, base, 0.05)
+    assert not same.failed and set(same.configurations["verdict"]) == {"noise"}
+
+
+def test_a_regression_found_by_the_interval_fails_the_cli(tmp_path, capsys):
+    prompts = tuple(f"mt-bench/{i}" for i in range(8))
+    base = write(tmp_path, "base", rows(strat_tps=(120.0, 150.0, 180.0), prompts=prompts))
+    cur = write(tmp_path / "cur", "cur", rows(strat_tps=(102.0, 127.5, 153.0), prompts=prompts))  # -15 % each
+    code, out, err = run_cli(capsys, "compare", base, cur)
+    assert code == 1 and "95 % interval" in err and "lies below -5%" in err
+    assert "regression" in out

@@ -224,6 +224,46 @@ def test_a_search_space_with_undeclared_settings_is_refused(monkeypatch):
         draw("ngram", FixedTrial({}), SearchContext())
 
 
+def _study(*trials) -> optuna.Study:
+    """A finished study from (value, interval, prompts) per trial."""
+    study = optuna.create_study(direction="maximize")
+    for i, (value, interval, prompts) in enumerate(trials):
+        study.add_trial(optuna.trial.create_trial(
+            value=value, params={}, distributions={},
+            user_attrs={"settings": {"gamma": i + 1, "options": {}, "drafts": []}, "interval": interval,
+                        "prompts": prompts, "speedup": value, "tokens_per_s": 10.0 * value}))
+    return study
+
+
+def test_a_best_inside_the_noise_is_not_claimed(tmp_path):
+    from sdbench.tune import best_table, doubts, write_preset
+
+    tied = _study((1.15, [1.02, 1.28], 1), (1.10, [1.0, 1.2], 1))
+    found = doubts(tied, "speedup")
+    assert len(found) == 1 and "not shown better than trial 1" in found[0]
+    assert "about 7 prompts" in found[0]  # 1 * (0.13 / 0.05)^2 = 6.8, an estimate
+    noise = doubts(_study((1.02, [0.97, 1.07], 4)), "speedup")
+    assert noise and "no speedup beyond noise" in noise[0] and "about 25 prompts" in noise[0]
+    assert doubts(_study((1.4, [1.3, 1.5], 8), (1.1, [1.0, 1.2], 8)), "speedup") == []
+    assert "no interval" in doubts(_study((1.3, None, 1)), "speedup")[0]
+
+    run = RunConfig(target="tiny", limit=4)
+    cfg = TuneConfig(run)
+    path = write_preset(tmp_path / "p.yaml", "p", "draft", tied.best_trial, tied, cfg, run, found)
+    spec = yaml.safe_load(path.read_text())
+    assert spec["tuned"]["claimed"] is False and "not a claim" in spec["description"]
+    assert "1.15x ±0.13" in spec["description"] and "x speedup" not in spec["description"]
+    sure = _study((1.4, [1.3, 1.5], 8))
+    spec = yaml.safe_load(write_preset(tmp_path / "q.yaml", "q", "draft", sure.best_trial, sure, cfg, run).read_text())
+    assert spec["tuned"]["claimed"] is True and "1.4x speedup (95 % interval 1.40x ±0.10)" in spec["description"]
+    from rich.console import Console
+
+    console = Console(record=True, width=200)
+    console.print(best_table(tied, "speedup"))
+    text = console.export_text()
+    assert "1.15x ±0.13" in text and "not shown better" in text
+
+
 # ---- several processes on one study (through the CLI, on the embedded SmolLM2) ------------------------------
 
 

@@ -1,0 +1,70 @@
+"""report --explain: the factors multiply to the measured speedup, on synthetic rows and on a real run."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from sdbench.explain import FACTORS, breakdown, definitions
+from sdbench.metrics import specbench_mean_accepted_tokens, vllm_mean_acceptance_length
+
+
+def synthetic() -> pd.DataFrame:
+    """Two prompts, one per batch; the strategy spends time outside drafting and verifying, as does the baseline."""
+    rows = []
+    for p, (n, base_wall, strat_wall) in enumerate(((33, 3.3, 1.9), (17, 1.8, 1.2))):
+        common = dict(run_id="r", prompt_id=f"p{p}", batch_id=p, repeat=0, category="c", new_tokens=n, ttft_s=0.2)
+        rows.append(dict(common, role="baseline", strategy="autoregressive", steps=n - 1, accepted=0, drafted=0,
+                         wall_s=base_wall, verify_s=0.09 * (n - 1), draft_s=0.0, drafted_per_position=[]))
+        steps = (n - 1) // 2
+        rows.append(dict(common, role="strategy", strategy="draft", steps=steps, accepted=n - 1 - steps,
+                         drafted=3 * steps, wall_s=strat_wall, verify_s=0.1 * steps, draft_s=0.04 * steps,
+                         drafted_per_position=[steps - 1, steps - 1, steps - 1]))
+    return pd.DataFrame(rows)
+
+
+def test_factors_multiply_exactly_to_the_measured_speedup():
+    [row] = breakdown(synthetic()).to_dict("records")
+    assert row["product"] == pytest.approx(row["speedup"], rel=1e-12)
+    assert row["ideal"] == pytest.approx(2.0)  # 48 tokens after the first in 24 steps
+    assert row["verify_cost"] == pytest.approx(0.1 / 0.09) and row["draft"] == pytest.approx(0.1 / 0.14)
+    assert 0 < row["overhead"] < 2 and 0 < row["prefill"] <= 1.05
+    assert all(math.isfinite(row[f]) for f in FACTORS)
+
+
+def test_other_tools_definitions_on_the_same_rows():
+    [row] = definitions(synthetic()).to_dict("records")
+    assert row["sdbench_mean_accepted_len"] == pytest.approx(2.0)
+    assert row["specbench_mean_accepted_tokens"] == pytest.approx((24 + 24) / 24)
+    # vLLM leaves the two steps that proposed nothing out of num_drafts
+    assert row["vllm_mean_acceptance_length"] == pytest.approx(1 + 24 / 22)
+    assert row["vllm_draft_acceptance_rate"] == pytest.approx(24 / 72)
+    assert specbench_mean_accepted_tokens(3, 0) != specbench_mean_accepted_tokens(3, 0)  # NaN without steps
+    assert vllm_mean_acceptance_length(5, 5) == 2.0
+
+
+def test_explain_reproduces_a_real_run_on_the_embedded_model(tmp_path, capsys):
+    from tests.conftest import run_cli
+
+    code, out, err = run_cli(capsys, "run", "--target", "smollm2-135m", "--strategy", "ngram", "--limit", "2",
+                             "--max-new-tokens", "16", "--device", "cpu", "--out", str(tmp_path))
+    assert code == 0, err
+    code, out, err = run_cli(capsys, "report", str(tmp_path), "--explain")
+    assert code == 0, err
+    assert "Where the speedup goes" in out and "Spec-Bench" in out, out[-3000:]
+    from sdbench.results import read_results
+
+    [row] = breakdown(read_results([str(tmp_path)])).to_dict("records")
+    assert np.isfinite([row[f] for f in FACTORS]).all()
+    assert row["product"] == pytest.approx(row["speedup"], rel=1e-9)
+
+
+def test_report_plots_a_waterfall_per_configuration(tmp_path):
+    from sdbench.plots import write_plots
+
+    paths = write_plots(synthetic().assign(target="t", dataset="d", params="{}", draft=""), tmp_path)
+    waterfalls = [p for p in paths if p.name.startswith("speedup_waterfall")]
+    assert len(waterfalls) == 1 and waterfalls[0].read_bytes().startswith(b"\x89PNG")
