@@ -106,6 +106,7 @@ def alphas_from_results(paths: list[str]) -> dict[int, float]:
     import json
 
     from sdbench.results import read_results
+    from sdbench.metrics import mean_accepted_length
     from sdbench.theory import alpha_from_tokens_per_step
 
     df = read_results(paths)
@@ -115,7 +116,7 @@ def alphas_from_results(paths: list[str]) -> dict[int, float]:
         p = json.loads(params)
         steps = group["steps"].sum()
         if steps and p.get("gamma"):
-            mean_len = (group["accepted"].sum() + steps) / steps
+            mean_len = mean_accepted_length(group["new_tokens"].sum(), steps, len(group))
             found[int(p["budget"])] = alpha_from_tokens_per_step(float(mean_len), int(p["gamma"]))
     return found
 

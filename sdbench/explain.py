@@ -28,8 +28,8 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from sdbench.metrics import (acceptance_rate, specbench_mean_accepted_tokens, vllm_draft_acceptance_rate,
-                             vllm_mean_acceptance_length)
+from sdbench.metrics import (acceptance_rate, mean_accepted_length, specbench_mean_accepted_tokens,
+                             vllm_draft_acceptance_rate, vllm_mean_acceptance_length)
 from sdbench.report import ALL, _padded_sum, labelled, summarize
 
 FACTORS = ("ideal", "verification", "draft", "overhead", "prefill")
@@ -83,7 +83,7 @@ def definitions(df: pd.DataFrame) -> pd.DataFrame:
         drafts = float(first[0]) if len(first) else math.nan
         records.append({
             "run_id": run_id, "strategy": strategy,
-            "sdbench_mean_accepted_len": _div(num["new_tokens"] - len(group), num["steps"]),
+            "sdbench_mean_accepted_len": mean_accepted_length(num["new_tokens"], num["steps"], len(group)),
             "sdbench_acceptance_rate": acceptance_rate(num["accepted"], num["drafted"]),
             "specbench_mean_accepted_tokens": specbench_mean_accepted_tokens(num["accepted"], num["steps"]),
             "vllm_mean_acceptance_length": vllm_mean_acceptance_length(num["accepted"], drafts),

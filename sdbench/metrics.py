@@ -67,9 +67,10 @@ class Marks:
         return a.elapsed_time(b) / 1e3 if self.cuda else b - a
 
 
-def mean_accepted_length(new_tokens: int, steps: int) -> float:
-    """Tokens committed per step: every token but the first (the prefill's) comes from a step."""
-    return (new_tokens - 1) / steps if steps else math.nan
+def mean_accepted_length(new_tokens: float, steps: float, rows: int = 1) -> float:
+    """Tokens committed per step: every token but each row's first (the prefill's) comes from a step. Over
+    several rows, their new tokens and steps summed."""
+    return (new_tokens - rows) / steps if steps else math.nan
 
 
 def acceptance_rate(accepted: int, drafted: int) -> float:

@@ -33,6 +33,7 @@ from rich.table import Table
 from rich.text import Text
 
 from sdbench.errors import SdbenchError
+from sdbench.metrics import mean_accepted_length
 from sdbench.stats import Interval, describe, repeat_spread, speedup_interval
 
 ALL = "ALL"
@@ -164,7 +165,7 @@ def _aggregate(group: pd.DataFrame) -> dict:
         "speedup": math.nan,
         "decode_tokens_per_s": _ratio(new_tokens - len(group), decode),
         "decode_speedup": math.nan,
-        "mean_accepted_len": _ratio(new_tokens - len(group), steps),
+        "mean_accepted_len": mean_accepted_length(new_tokens, steps, len(group)),
         "acceptance_rate": _ratio(accepted, np.nansum(_num(group["drafted"]))),
         "steps": float(steps),
         "decode_s": decode,
