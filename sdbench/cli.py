@@ -87,9 +87,9 @@ def run(
     depth: Depth = None,
 ):
     """Run a strategy and the plain-decoding baseline on the same prompts; print tables, write Parquet."""
-    from sdbench.benchmark import Bench, load_config
-    from sdbench.report import print_report
-    from sdbench.results import read_results
+    from sdbench.commands.run import Bench, load_config
+    from sdbench.reporting.report import print_report
+    from sdbench.reporting.results import read_results
 
     cfg = C.RunConfig(
         target=target, drafts=tuple(draft or ()), strategy=strategy, dataset=dataset, limit=limit,
@@ -108,7 +108,7 @@ def run(
 @app.command("list")
 def list_(what: Annotated[str, typer.Argument(help="strategies, datasets or models")]):
     """What is registered, and whether each model/dataset is available offline right now."""
-    from sdbench.listing import show
+    from sdbench.commands.listing import show
 
     show(what, console)
 
@@ -122,17 +122,17 @@ def report(
     explain: Annotated[bool, typer.Option("--explain", help="also break each speedup into the factors that multiply to it, and show other tools' definitions")] = False,
 ):
     """Print the tables of earlier runs; optionally PNG plots and an HTML page."""
-    from sdbench.report import print_report
-    from sdbench.results import read_results
+    from sdbench.reporting.report import print_report
+    from sdbench.reporting.results import read_results
 
     df = read_results(paths)
     print_report(df, console, by=tuple(by or ()))
     if explain:
-        from sdbench.explain import print_explain
+        from sdbench.reporting.explain import print_explain
 
         print_explain(df, console)
     if plots or html:
-        from sdbench.plots import export
+        from sdbench.reporting.plots import export
 
         for path in export(df, plots, html):
             console.print(f"wrote {path}", highlight=False)
@@ -153,7 +153,7 @@ def tune(
     preset: Annotated[Optional[str], typer.Option(help="preset for the best settings [default: tuned-STRATEGY-TARGET]")] = None,
 ):
     """Search a strategy's settings with Optuna on a fixed prompt subset; write the best as a preset."""
-    from sdbench.tune import tune as run_tune
+    from sdbench.commands.tune import tune as run_tune
 
     run_cfg = C.RunConfig(
         target=target, drafts=tuple(draft or ()), strategy=strategy, dataset=dataset, limit=limit,
@@ -173,7 +173,7 @@ def compare(
 ):
     """Regression gate: tokens/s and speedup deltas per matched prompt; exit 1 on a regression or lossy output,
     2 on bad input or on results run with different settings (unless --across names them)."""
-    from sdbench.compare import run_compare
+    from sdbench.reporting.compare import run_compare
 
     run_compare([baseline], [current], max_regression, console, across)
 
@@ -186,8 +186,8 @@ def bench(
     out: Annotated[Optional[str], typer.Option(help="also write DIR/bench.parquet: one row per system and repeat")] = None,
 ):
     """Speed against peers in one process: transformers generate and assisted generation vs sdbench."""
-    from sdbench.peers import run_peers
-    from sdbench.strategies.ngram import DRAFT_NAME
+    from sdbench.commands.bench import run_peers
+    from sdbench.drafting.ngram import DRAFT_NAME
 
     if draft and draft[0] == DRAFT_NAME:
         raise SdbenchError(f"bench --draft takes a draft model; prompt lookup ({DRAFT_NAME}) is always measured "
@@ -230,7 +230,7 @@ def predict_magicdec(
 ):
     """Profile target, sparse-draft and verify step times; predict the best gamma and budget per batch and
     context, and the critical sequence length above which self-speculation beats plain decoding."""
-    from sdbench.costmodel import run_predict
+    from sdbench.commands.predict import run_predict
 
     if not 0.0 <= alpha <= 1.0:
         raise SdbenchError(f"--alpha {alpha}: expected a rate between 0 and 1")
@@ -254,7 +254,7 @@ def predict_chain(
 ):
     """Polybasic insertion test: predict from a short profiling pass whether inserting --candidate into the
     chain lowers the time per token, then measure both chains (and plain decoding) on the same prompts."""
-    from sdbench.chain_predict import run_chain_prediction
+    from sdbench.commands.predict_chain import run_chain_prediction
 
     run_chain_prediction(target, list(draft or ()), candidate, at, gamma, mu, dataset, limit, max_new_tokens,
                          profile_prompts, profile_tokens, device, dtype, seed, console)
@@ -281,7 +281,7 @@ def simulate_dsi(
 ):
     """Expected latency of plain decoding, SI and DSI (offline by counting, online by a timed simulation),
     and the heat-map of DSI's speedup over SI and over plain decoding across drafter latency and acceptance."""
-    from sdbench.dsi.simulate import Setting, run_simulation
+    from sdbench.commands.simulate import Setting, run_simulation
 
     setting = Setting(target_latency, c, a, k, workers, tokens)
     run_simulation(setting, repeats=repeats, seed=seed, grid=grid, kmax=kmax, out=out, source=from_results,

@@ -63,8 +63,8 @@ def second_token_chi_square(target, proposer, cfg, prompt=(5, 17, 42, 8), n: int
     second token (decided by the first verification) with its exact marginal under the target.
 
     Returns (chi-square statistic, degrees of freedom, the BatchResult); bins expected below 5 are pooled."""
-    from sdbench.decode import generate
-    from sdbench.sampling import probs_from_logits
+    from sdbench.engine.loop import generate
+    from sdbench.engine.sampling import probs_from_logits
 
     prompt = list(prompt)
     with torch.no_grad():

@@ -10,18 +10,18 @@ import numpy as np
 import pytest
 import torch
 
-from sdbench.benchmark import Bench
+from sdbench.commands.run import Bench
 from sdbench.config import RunConfig, SamplingConfig
-from sdbench.decode import generate
+from sdbench.engine.loop import generate
 from sdbench.errors import SdbenchError
-from sdbench.results import read_results
+from sdbench.reporting.results import read_results
 from sdbench.strategies import BuildContext, build_variants
 from sdbench.strategies.adaptive import Adaptive, AdaptiveFSM, parse_compare
 from sdbench.strategies.adaptive_online import (AlphaPrior, GammaPolicy, LinearCost, StepSchedule, Window,
                                                 prompt_features)
 from sdbench.strategies.autoregressive import Autoregressive
-from sdbench.strategies.base import Proposal
-from sdbench.strategies.drafters import make_drafters
+from sdbench.engine.state import Proposal
+from sdbench.strategies.adaptive import make_drafters
 from sdbench.theory import shrunk_alpha, tokens_per_second
 from tests.conftest import VOCAB
 
@@ -44,18 +44,19 @@ class OracleDrafter:
         self.reference, self.offset, self.name = reference, offset, name
 
     def begin(self, state):
-        pass
+        self.prompt_lengths = list(state.prompt_lengths)
 
-    def propose(self, state, gamma):
-        tokens = torch.zeros(state.batch, gamma, dtype=torch.long)
-        for b in range(state.batch):
-            done = state.lengths[b] - state.prompt_lengths[b]
+    def catch_up(self, ctx, lengths):
+        return 0
+
+    def draft(self, ctx, lengths, limits):
+        gamma = max(limits)
+        tokens = torch.zeros(len(lengths), gamma, dtype=torch.long)
+        for b, n in enumerate(lengths):
+            done = n - self.prompt_lengths[b]
             ref = self.reference[b][done: done + gamma]
             tokens[b] = (torch.tensor(ref + [0] * (gamma - len(ref))) + self.offset) % VOCAB
-        return Proposal(tokens, torch.full((state.batch,), gamma)), True
-
-    def observe(self, state, accepted, proposal):
-        pass
+        return Proposal(tokens, torch.tensor(limits))
 
     def end(self):
         pass
@@ -321,7 +322,7 @@ def test_adaptive_row_stats_add_up(target, small_draft, prompts):
 
 @pytest.mark.slow
 def test_cli_adaptive_with_ngram_draft_and_comparison(tmp_path):
-    from sdbench.report import adaptive_table
+    from sdbench.reporting.report import adaptive_table
 
     cfg = RunConfig(drafts=("ngram",), strategy="adaptive", dataset="humaneval", limit=1, max_new_tokens=12,
                     options={"compare": "2"}, out=str(tmp_path))

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sdbench import benchmark
+from sdbench.commands import run as benchmark
 from sdbench.cli import main
-from sdbench.results import read_results
+from sdbench.reporting.results import read_results
 from tests.conftest import run_cli
 
 SMALL = ["--limit", "2", "--max-new-tokens", "12"]

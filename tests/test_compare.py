@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from sdbench.cli import main
-from sdbench.compare import compare_frames
-from sdbench.results import RunWriter, read_results
+from sdbench.reporting.compare import compare_frames
+from sdbench.reporting.results import RunWriter, read_results
 from tests.conftest import run_cli
 
 PROMPTS = ("mt-bench/81", "mt-bench/82", "mt-bench/83")

@@ -8,16 +8,16 @@ import math
 import pytest
 import torch
 
-from sdbench import benchmark
+from sdbench.commands import run as benchmark
 from sdbench.config import SamplingConfig
-from sdbench.decode import generate
-from sdbench.divergence import first_difference, judge, tie_tolerance
-from sdbench.metrics import RowStats, row_metrics
-from sdbench.results import read_results
+from sdbench.engine.loop import generate
+from sdbench.commands.divergence import first_difference, judge, tie_tolerance
+from sdbench.engine.metrics import RowStats, row_metrics
+from sdbench.reporting.results import read_results
 from sdbench.strategies.adaptive import AdaptiveFSM
 from sdbench.strategies.autoregressive import Autoregressive
 from sdbench.strategies.draft import DraftModel
-from sdbench.strategies.drafters import make_drafters
+from sdbench.strategies.adaptive import make_drafters
 from sdbench.strategies.ngram import NGram
 from sdbench.strategies.polybasic import Polybasic
 from tests.conftest import run_cli
@@ -30,7 +30,7 @@ def reference(target, prompts, new, eos=()):
 
 
 def assert_counts_true(out, max_new):
-    """The definitions of sdbench.metrics, row by row."""
+    """The definitions of sdbench.engine.metrics, row by row."""
     for b, (row, ids) in enumerate(zip(out.rows, out.output_ids)):
         m = row_metrics(out, b)
         assert m["mean_accepted_len"] * row.steps == pytest.approx(len(ids) - 1)  # never more than committed
@@ -102,7 +102,7 @@ def test_dsi_batch_times_sum_over_its_prompts(monkeypatch, target):
     monkeypatch.setattr(orchestrator, "decode_one", one)
     monkeypatch.setattr(pools, "get_pool", lambda *a, **k: None)
     dsi = DSI(target, 2, workers=1, threads=1)
-    results = {n: dsi.generate(target, dsi, [[1, 2]] * n, max_new_tokens=13, sampling=GREEDY) for n in (1, 3)}
+    results = {n: generate(target, dsi, [[1, 2]] * n, max_new_tokens=13, sampling=GREEDY) for n in (1, 3)}
     assert (results[3].wall_s, results[3].ttft_s) == pytest.approx((3.0, 1.2))
     decode_rate = {n: (r.new_tokens - n) / (r.wall_s - r.ttft_s) for n, r in results.items()}
     assert decode_rate[3] == pytest.approx(decode_rate[1])  # the old TTFT (the first prompt's) gave 36/2.6

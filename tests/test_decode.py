@@ -4,9 +4,10 @@ import pytest
 import torch
 
 from sdbench.config import SamplingConfig
-from sdbench.decode import generate
+from sdbench.engine.loop import generate
 from sdbench.strategies.autoregressive import Autoregressive
-from sdbench.strategies.base import Proposal, Proposer
+from sdbench.engine.state import Proposal
+from sdbench.strategies.base import Proposer
 from sdbench.strategies.draft import DraftModel
 from sdbench.strategies.ngram import NGram
 from tests.conftest import VOCAB, second_token_chi_square

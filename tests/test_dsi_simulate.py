@@ -8,8 +8,8 @@ import pandas as pd
 import pytest
 
 from sdbench.cli import main
-from sdbench.dsi.simulate import Setting, heatmap, offline, online, profile_from_results, simulate_dsi, simulate_si
-from sdbench.results import rows_to_table
+from sdbench.commands.simulate import Setting, heatmap, offline, online, profile_from_results, simulate_dsi, simulate_si
+from sdbench.reporting.results import rows_to_table
 from sdbench.theory import (alpha_from_tokens_per_step, dsi_latency_per_token, dsi_workers_needed,
                             expected_tokens_per_step, si_latency_per_token)
 

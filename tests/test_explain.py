@@ -8,8 +8,8 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from sdbench.explain import FACTORS, breakdown, definitions
-from sdbench.metrics import specbench_mean_accepted_tokens, vllm_mean_acceptance_length
+from sdbench.reporting.explain import FACTORS, breakdown, definitions
+from sdbench.engine.metrics import specbench_mean_accepted_tokens, vllm_mean_acceptance_length
 
 
 def synthetic() -> pd.DataFrame:
@@ -55,7 +55,7 @@ def test_explain_reproduces_a_real_run_on_the_embedded_model(tmp_path, capsys):
     code, out, err = run_cli(capsys, "report", str(tmp_path), "--explain")
     assert code == 0, err
     assert "Where the speedup goes" in out and "Spec-Bench" in out, out[-3000:]
-    from sdbench.results import read_results
+    from sdbench.reporting.results import read_results
 
     [row] = breakdown(read_results([str(tmp_path)])).to_dict("records")
     assert np.isfinite([row[f] for f in FACTORS]).all()
@@ -63,7 +63,7 @@ def test_explain_reproduces_a_real_run_on_the_embedded_model(tmp_path, capsys):
 
 
 def test_report_plots_a_waterfall_per_configuration(tmp_path):
-    from sdbench.plots import write_plots
+    from sdbench.reporting.plots import write_plots
 
     paths = write_plots(synthetic().assign(target="t", dataset="d", params="{}", draft=""), tmp_path)
     waterfalls = [p for p in paths if p.name.startswith("speedup_waterfall")]

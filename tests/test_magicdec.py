@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from sdbench.config import SamplingConfig
-from sdbench.decode import generate
+from sdbench.engine.loop import generate
 from sdbench.errors import SdbenchError
 from sdbench.kv.cache import DenseKVCache
 from sdbench.kv.sparse import SparseSpec, _select, compress
@@ -113,7 +113,7 @@ def test_bad_sparse_settings(args, message):
 
 
 def test_cost_model_profile_and_critical_length(target):
-    from sdbench.costmodel import critical_lengths, predictions, profile
+    from sdbench.commands.predict import critical_lengths, predictions, profile
     from sdbench.theory import alpha_from_tokens_per_step, expected_tokens_per_step
 
     p = profile(target, 2, 48, gammas=(1, 3), budgets=(8, 64))

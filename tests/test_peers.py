@@ -4,7 +4,7 @@ import pandas as pd
 import pytest
 
 from sdbench.models.runner import ModelRunner
-from sdbench.peers import Measured, _measure, _table, cost_ratios, write_bench
+from sdbench.commands.bench import Measured, _measure, _table, cost_ratios, write_bench
 from tests.conftest import run_cli, tiny_model
 
 

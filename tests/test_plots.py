@@ -9,7 +9,7 @@ import pytest
 
 from sdbench.cli import main
 from sdbench.errors import MissingPackageError
-from sdbench.results import RunWriter
+from sdbench.reporting.results import RunWriter
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -59,7 +59,7 @@ def test_report_writes_valid_pngs_and_a_self_contained_page(tmp_path, results, c
 
 
 def test_only_plots_with_data_are_drawn():
-    from sdbench.plots import render
+    from sdbench.reporting.plots import render
 
     baseline_only = pd.DataFrame([r for r in sweep_rows() if r["role"] == "baseline"]).assign(run_id="r")
     assert render(baseline_only) == []
@@ -76,8 +76,8 @@ def test_missing_matplotlib_is_one_line(monkeypatch, results):
         return real_import(name, *args, **kwargs)
 
     monkeypatch.setattr(builtins, "__import__", no_matplotlib)
-    from sdbench.plots import render
-    from sdbench.results import read_results
+    from sdbench.reporting.plots import render
+    from sdbench.reporting.results import read_results
 
     with pytest.raises(MissingPackageError, match="pip install matplotlib"):
         render(read_results([results]))

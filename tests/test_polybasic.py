@@ -9,13 +9,14 @@ import pytest
 import torch
 
 from sdbench.config import SamplingConfig
-from sdbench.decode import generate
+from sdbench.engine.loop import generate
 from sdbench.errors import SdbenchError
 from sdbench.models.runner import ModelRunner
 from sdbench.models.variants import quantise_int8, split_variant
-from sdbench.sampling import probs_from_logits
+from sdbench.engine.sampling import probs_from_logits
 from sdbench.strategies import BuildContext, build_proposer
 from sdbench.strategies.autoregressive import Autoregressive
+from sdbench.engine.state import DecodeState
 from sdbench.strategies.chain_levels import ModelLevel
 from sdbench.strategies.polybasic import Polybasic, parse_mu
 from sdbench.theory import ChainCosts, insertion_times
@@ -113,13 +114,12 @@ def test_middle_level_hands_up_its_own_distribution(target, small_draft, prompts
     middle = ModelLevel(small_draft, below=ModelLevel(target, gamma=2), mu=4)
     rows = [p + [1] for p in prompts[:3]]
     cap = 128
-    middle.begin(len(rows), cap, rows)
-    ctx = torch.zeros(len(rows), cap, dtype=torch.long)
-    for b, r in enumerate(rows):
-        ctx[b, : len(r)] = torch.tensor(r)
+    state = DecodeState.for_prompts(rows, cap, cap, sampling=cfg, generator=g)
+    middle.begin(state)
+    ctx = state.tokens
     lens = [len(r) for r in rows]
     for attempt in range(3):
-        block = middle.produce(ctx, lens, [True] * len(rows), cfg, g)
+        block = middle.produce(ctx, lens, [True] * len(rows), [1 << 30] * len(rows))
         assert block.probs is not None and (block.lengths >= 4).all()
         for b, n in enumerate(lens):
             seq = ctx[b, :n].tolist() + block.tokens[b, : block.lengths[b]].tolist()
@@ -195,7 +195,7 @@ def test_insertion_condition_by_hand():
     before = ChainCosts((0.010, 0.001), (2.0,), (), 2.0)
     after = ChainCosts((0.012, 0.003, 0.001), (5.0, 1.5), (6.0,), 2.0)
     assert (old, new) == pytest.approx((before.time_per_token(), after.time_per_token()))
-    from sdbench.chain_predict import insertion_verdict
+    from sdbench.commands.predict_chain import insertion_verdict
 
     assert insertion_verdict(before, after, 0) == pytest.approx((old, new))
 
@@ -227,7 +227,7 @@ def test_variant_names():
 
 
 def test_predict_chain_passes_settings(capsys, monkeypatch):
-    import sdbench.chain_predict as cp
+    import sdbench.commands.predict_chain as cp
     from sdbench.cli import main
 
     seen = {}
@@ -271,7 +271,7 @@ def test_predict_chain_command_on_smollm2(capsys):
 @pytest.mark.slow
 def test_run_records_levels_on_smollm2(capsys, tmp_path):
     from sdbench.cli import main
-    from sdbench.results import read_results
+    from sdbench.reporting.results import read_results
 
     main(["run", "--strategy", "polybasic", "--draft", "smollm2-135m@int8", "--draft", "ngram", "--gamma", "2",
           "--set", "mu=3", "--limit", "1", "--max-new-tokens", "8", "--out", str(tmp_path)])

@@ -8,7 +8,7 @@ import pytest
 
 from sdbench.data.files import load_prompt_file
 from sdbench.errors import SdbenchError
-from sdbench.tasks import check_dataset, dataset_label, load_prompts
+from sdbench.data.tasks import check_dataset, dataset_label, load_prompts
 
 SPEC_BENCH = [
     {"question_id": 81, "category": "writing", "turns": ["Write a poem.", "Now make it rhyme."]},

@@ -17,8 +17,8 @@ from rich.console import Console
 
 from sdbench import env as envmod
 from sdbench.errors import SdbenchError
-from sdbench.report import per_position_rates, print_report, summarize, summary_table
-from sdbench.results import COLUMNS, RunWriter, new_run_id, read_results
+from sdbench.reporting.report import per_position_rates, print_report, summarize, summary_table
+from sdbench.reporting.results import COLUMNS, RunWriter, new_run_id, read_results
 
 
 def row(prompt_id: str, repeat: int = 0, role: str = "strategy", **extra) -> dict:
@@ -157,7 +157,7 @@ def test_read_errors_are_one_line(tmp_path):
 
 def frame() -> pd.DataFrame:
     """One run: 2 batches of 2 prompts per role; rows of a batch share wall_s, draft_s and verify_s. Counts as
-    sdbench.metrics defines them: the prefill gives each row's first token, steps commit the rest."""
+    sdbench.engine.metrics defines them: the prefill gives each row's first token, steps commit the rest."""
     rows = []
     tokens = {"p1": 10, "p2": 20, "p3": 30, "p4": 10}
     category = {"p1": "qa", "p2": "qa", "p3": "code", "p4": "code"}

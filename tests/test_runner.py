@@ -175,7 +175,7 @@ def test_fast_path_model_pickles_with_plain_weights():
 
 def test_fast_path_is_lossless_and_only_for_cpu_float32(prompts):
     from sdbench.config import SamplingConfig
-    from sdbench.decode import generate
+    from sdbench.engine.loop import generate
     from sdbench.strategies.autoregressive import Autoregressive
     from sdbench.strategies.draft import DraftModel
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from sdbench.config import SamplingConfig
-from sdbench.sampling import probs_from_logits, verify_greedy, verify_sampling
+from sdbench.engine.sampling import probs_from_logits, verify_greedy, verify_sampling
 
 
 def test_greedy_accepts_matching_prefix():

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from sdbench.config import SamplingConfig
-from sdbench.decode import generate
+from sdbench.engine.loop import generate
 from sdbench.kv.sparse import SparseSpec, compress
 from sdbench.models.graphs import CAPACITY_STEP
 from sdbench.models.runner import ModelRunner
@@ -103,8 +103,8 @@ def test_pooled_caches_are_reused_and_never_shared(static_target, prompts):
     class Watched(DraftModel):  # the target drafting for itself: two caches of one runner at once
         def begin(self, state):
             super().begin(state)
-            assert self.cache is not state.target_cache
-            seen.append({id(state.target_cache), id(self.cache)})
+            assert self.drafter.cache is not state.target_cache
+            seen.append({id(state.target_cache), id(self.drafter.cache)})
 
     first = _ids(runner, Watched(runner, 2), prompts)
     assert len(runner.pool.free) == 2  # both given back when the generation ended
@@ -255,7 +255,7 @@ def test_eager_runner_does_not_pool(target):
 
 
 def test_cached_prefix_reads_drafted_tokens_back_lazily():
-    from sdbench.kv.prefix import CachedPrefix
+    from sdbench.drafting.prefix import CachedPrefix
 
     prefix = CachedPrefix(2, 16)
     ctx = torch.tensor([[1, 2, 3, 4, 5, 6, 0, 0], [1, 2, 3, 9, 9, 9, 9, 0]])
@@ -273,7 +273,7 @@ def test_cached_prefix_reads_drafted_tokens_back_lazily():
 
 def test_cost_model_times_through_the_graphs(fake_graphs):
     """`predict magicdec` times the forwards decoding would run: one capture per (cache, width), then replays."""
-    from sdbench.costmodel import profile
+    from sdbench.commands.predict import profile
 
     runner, log = fake_graphs
     p = profile(runner, 2, 48, gammas=(1, 3), budgets=(8,))
@@ -285,7 +285,7 @@ def test_cost_model_times_through_the_graphs(fake_graphs):
 @pytest.mark.cuda
 @cuda
 def test_cost_model_profiles_with_real_cuda_graphs():
-    from sdbench.costmodel import profile
+    from sdbench.commands.predict import profile
 
     runner = ModelRunner(tiny_model(0).to("cuda"), "graphed", fast=True)
     p = profile(runner, 2, 300, gammas=(1, 3), budgets=(64,))

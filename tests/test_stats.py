@@ -9,8 +9,8 @@ import pandas as pd
 import pytest
 from rich.console import Console
 
-from sdbench.report import summarize, summary_table
-from sdbench.stats import Interval, bootstrap_ratio, describe, prompts_needed, repeat_spread, speedup_interval
+from sdbench.reporting.report import summarize, summary_table
+from sdbench.reporting.stats import Interval, bootstrap_ratio, describe, prompts_needed, repeat_spread, speedup_interval
 
 
 def rows(base_rates, strat_rates, repeats=1, tokens=32) -> pd.DataFrame:
@@ -89,7 +89,7 @@ def test_prompts_needed_and_describe():
 
 
 def test_report_shows_the_repeat_spread_only_with_repeats():
-    from sdbench.report import print_report
+    from sdbench.reporting.report import print_report
 
     console = Console(record=True, width=160)
     print_report(rows([10.0, 10.0], [[9.0, 10.0, 12.0], [9.0, 10.0, 12.0]], repeats=3), console)

@@ -11,11 +11,11 @@ from collections import Counter
 
 import pytest
 
-from sdbench import tasks
+from sdbench.data import tasks
 from sdbench.data import readers
 from sdbench.data.books import as_id_list
 from sdbench.errors import MissingPackageError, SdbenchError
-from sdbench.tasks import Prompt, dataset_available, dataset_label, encode_prompt, load_prompts, task_registry
+from sdbench.data.tasks import Prompt, dataset_available, dataset_label, encode_prompt, load_prompts, task_registry
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|user|>{{ m['content'] }}\n{% endfor %}"
@@ -303,7 +303,7 @@ def test_pg19_falls_back_to_the_labelled_kjv_stand_in(tokenizer, caplog):
     assert dataset_label("pg19") == dataset_label("pg19", prompt_len=256) == "kjv-bible (PG-19 stand-in)"
     available, how = dataset_available("pg19")
     assert not available and "SDBENCH_PG19_PATH" in how and "kjv-bible (PG-19 stand-in)" in how
-    with caplog.at_level(logging.WARNING, logger="sdbench.tasks"):
+    with caplog.at_level(logging.WARNING, logger="sdbench.data.tasks"):
         prompts = load_prompts("pg19", limit=2, prompt_len=256, tokenizer=tokenizer)
         load_prompts("pg19", limit=2)
     warnings = [r for r in caplog.records if "stand-in" in r.getMessage()]

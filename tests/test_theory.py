@@ -3,7 +3,7 @@ import random
 
 import pytest
 
-from sdbench.metrics import RowStats, predicted_speedup
+from sdbench.engine.metrics import RowStats, predicted_speedup
 from sdbench.theory import expected_tokens_per_step, fit_alpha, predicted_speedup as formula
 
 

@@ -10,16 +10,17 @@ import pytest
 import yaml
 from optuna.trial import FixedTrial, TrialState
 
-from sdbench import decode, tasks
-from sdbench.benchmark import Pair
+from sdbench.engine import loop
+from sdbench.data import tasks
+from sdbench.models.pair import Pair
 from sdbench.config import RunConfig, TuneConfig
 from sdbench.data import Prompt
 from sdbench.errors import SdbenchError
 from sdbench.registry import Entry
-from sdbench.results import read_results
+from sdbench.reporting.results import read_results
 from sdbench.strategies import resolve_strategy, strategy_registry
 from sdbench.strategies.base import Proposer, SearchContext
-from sdbench.tune import ClearlyWorse, Tuner, draw, objective_value
+from sdbench.commands.tune import ClearlyWorse, Tuner, draw, objective_value
 
 PROMPTS = [[5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6], [10, 11, 12, 10, 11, 12, 10, 11], [1, 2, 3, 4, 1, 2, 3]]
 
@@ -73,11 +74,7 @@ def test_tune_writes_a_preset_and_resumes_the_study(tmp_path, pair, monkeypatch)
 
 
 def test_changed_settings_do_not_mix_into_a_study(tmp_path, pair, monkeypatch):
-    from sdbench.strategies.ngram import NGram
-
-    seed = {"gamma": 7, "max_ngram": 2, "min_ngram": 1}  # what a cost model would predict
-    monkeypatch.setattr(NGram, "tune_seeds", classmethod(lambda cls, space: [seed]))
-    assert tuner(tmp_path, pair, trials=1).tune().trials[0].params == seed
+    assert len(tuner(tmp_path, pair, trials=1).tune().trials) == 1
     with pytest.raises(SdbenchError, match="was tuned with limit=2, not 3"):
         tuner(tmp_path, pair, trials=2, limit=3).tune()
 
@@ -98,8 +95,10 @@ class Lossy(Proposer):
 
     name = "lossy"
 
-    def generate(self, target, proposer, prompts, **kwargs):
-        result = decode.generate(target, proposer, prompts, **kwargs)
+    owns_loop = True
+
+    def generate(self, target, prompts, **kwargs):
+        result = loop.generate(target, Proposer(), prompts, **kwargs)
         result.output_ids[0][-1] += 1
         return result
 
@@ -164,11 +163,11 @@ def test_objective_aggregates_like_the_report():
 
 
 def test_cli_passes_settings_to_the_tuner(monkeypatch):
-    import sdbench.tune
+    import sdbench.commands.tune
     from sdbench.cli import main
 
     seen = {}
-    monkeypatch.setattr(sdbench.tune, "tune", lambda cfg, console: seen.setdefault("cfg", cfg))
+    monkeypatch.setattr(sdbench.commands.tune, "tune", lambda cfg, console: seen.setdefault("cfg", cfg))
     main(["tune", "--target", "m", "--draft", "a", "--draft", "b", "--strategy", "draft", "--limit", "3",
           "--trials", "7", "--timeout", "60", "--objective", "tokens", "--storage", "sqlite:///x.db",
           "--study", "s", "--preset", "p", "--seed", "5", "--max-new-tokens", "9"])
@@ -187,7 +186,7 @@ def test_cli_tunes_smollm2_end_to_end(tmp_path, monkeypatch, capsys):
 
     monkeypatch.undo()  # real prompts
     presets = tmp_path / "home" / "strategies"
-    monkeypatch.setattr("sdbench.tune.presets_dir", lambda: presets)
+    monkeypatch.setattr("sdbench.commands.tune.presets_dir", lambda: presets)
     main(["tune", "--strategy", "ngram", "--limit", "1", "--max-new-tokens", "6", "--trials", "2",
           "--objective", "tokens", "--out", str(tmp_path), "--device", "cpu"])
     out = capsys.readouterr().out
@@ -196,7 +195,7 @@ def test_cli_tunes_smollm2_end_to_end(tmp_path, monkeypatch, capsys):
 
 
 def test_an_interrupted_tune_resumes(tmp_path, pair, monkeypatch):
-    from sdbench import tune as tune_module
+    from sdbench.commands import tune as tune_module
 
     real = tune_module._Feed.__call__
 
@@ -236,7 +235,7 @@ def _study(*trials) -> optuna.Study:
 
 
 def test_a_best_inside_the_noise_is_not_claimed(tmp_path):
-    from sdbench.tune import best_table, doubts, write_preset
+    from sdbench.commands.tune import best_table, doubts, write_preset
 
     tied = _study((1.15, [1.02, 1.28], 1), (1.10, [1.0, 1.2], 1))
     found = doubts(tied, "speedup")
@@ -292,7 +291,7 @@ def stored_trials(out):
 
 @pytest.mark.slow
 def test_two_processes_share_one_study(tmp_path):
-    from sdbench.studies import NOT_NEEDED, UNCOUNTED
+    from sdbench.commands.studies import NOT_NEEDED, UNCOUNTED
 
     procs = [tune_process(tmp_path / "home", tmp_path / "out", trials=5) for _ in range(2)]
     logs = [p.communicate(timeout=300)[0] for p in procs]
@@ -311,7 +310,7 @@ def test_a_killed_tune_resumes_with_the_killed_trial_failed(tmp_path):
 
     from optuna.trial import TrialState
 
-    from sdbench.studies import STOPPED, reason
+    from sdbench.commands.studies import STOPPED, reason
 
     out = tmp_path / "out"
     proc = tune_process(tmp_path / "home", out, trials=3, max_new=48)

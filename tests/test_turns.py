@@ -6,14 +6,14 @@ import pandas as pd
 import pytest
 from rich.console import Console
 
-from sdbench import tasks
+from sdbench.data import tasks
 from sdbench.data import Prompt
 from sdbench.data.passkey import INTRO, NEEDLE, QUESTION, answer_found, passkey_prompts, spread_depths
 from sdbench.errors import SdbenchError
-from sdbench.report import print_report, summarize
-from sdbench.results import COLUMNS, RunWriter, read_results
-from sdbench.tasks import dataset_available, dataset_label, encode_prompt, load_prompts
-from sdbench.turns import Conversations
+from sdbench.reporting.report import print_report, summarize
+from sdbench.reporting.results import COLUMNS, RunWriter, read_results
+from sdbench.data.tasks import dataset_available, dataset_label, encode_prompt, load_prompts
+from sdbench.data.turns import Conversations
 from tests.test_tasks import bos_tokenizer, offline  # noqa: F401 (fixtures)
 
 CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"

@@ -6,7 +6,7 @@ import pytest
 import torch
 from rich.console import Console
 
-from sdbench.benchmark import WARMUP_PROMPT_TOKENS, Bench
+from sdbench.commands.run import WARMUP_PROMPT_TOKENS, Bench
 from sdbench.config import RunConfig
 from sdbench.strategies.autoregressive import Autoregressive
 

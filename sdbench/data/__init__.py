@@ -1,6 +1,6 @@
-"""Data plumbing behind sdbench.tasks: one reader per file format, book text and long-context prompts.
+"""Data plumbing behind sdbench.data.tasks: one reader per file format, book text and long-context prompts.
 
-The public interface is sdbench.tasks; Prompt lives here so that both layers can build prompts.
+The public interface is sdbench.data.tasks; Prompt lives here so that both layers can build prompts.
 """
 
 from __future__ import annotations

@@ -1,14 +1,14 @@
 """The bookkeeping of one DSI generation: committed tokens, speculative drafts and verification jobs.
 
 Pure Python, no models: the real orchestrator (sdbench.dsi.orchestrator) and the timed simulator
-(sdbench.dsi.simulate) drive the same Ledger, so the simulator predicts the algorithm that actually runs.
+(sdbench.commands.simulate) drive the same Ledger, so the simulator predicts the algorithm that actually runs.
 
 `tokens` holds the committed sequence (prompt included) followed by the drafts beyond it. A verification job
 covers positions start..end (end = start + width): its inputs are tokens[:end] as they were when it was
 sent, i.e. the committed prefix plus drafts, and it returns the target's prediction for each of those
 positions (the token at p given tokens[:p]). A prediction is usable once every input before it is
 committed. Jobs return in any order; whichever finished job reaches the committed frontier is judged
-(greedy verification in sdbench.sampling), and its accepted drafts plus the target's own token are
+(greedy verification in sdbench.engine.sampling), and its accepted drafts plus the target's own token are
 committed. When that token differs from the draft at its position, the drafts from there on are discarded
 and every job whose inputs contained the rejected draft is cancelled; drafting restarts from the correction.
 
@@ -27,6 +27,9 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 from typing import Any, Callable
+
+from sdbench.engine.state import admit
+from sdbench.engine.step import commit_round
 
 
 @dataclass
@@ -162,26 +165,23 @@ class Ledger:
         accepted, token = judge(job, frontier, drafts)
         del self.live[job.id]
         version = self.version
-        kept = self._commit(drafts[:accepted] + [int(token)])
+        rnd = commit_round(self, [drafts], [len(drafts)], [int(accepted)], [int(token)], [True])
         self._prune()
-        return Step(job, len(drafts), int(accepted), kept, self.version != version)
+        return Step(job, len(drafts), int(accepted), rnd.kept[0], self.version != version)
 
-    def _commit(self, new: list[int]) -> int:
-        kept = 0
+    def commit(self, b: int, new: list[int]) -> int:
+        """The one row's commit (engine/step.Rows): tokens by the commit rule (`admit`), each replacing the
+        draft at its position when they differ (which discards the drafts after it)."""
+        new, finished = admit(new, self.cap - self.committed, self.eos)
         for tok in new:
             p = self.committed
-            if p >= self.cap:
-                break
             if p < len(self.tokens) and self.tokens[p] != tok:
                 self._discard_from(p)
             if p == len(self.tokens):
                 self.tokens.append(tok)
             self.committed += 1
-            kept += 1
-            if tok in self.eos or self.committed >= self.cap:
-                self.done = True
-                break
-        return kept
+        self.done = self.done or finished
+        return len(new)
 
     def _discard_from(self, p: int) -> None:
         """Drop the drafts from position p and cancel the jobs that read one of them."""

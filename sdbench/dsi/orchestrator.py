@@ -4,7 +4,7 @@ Two threads share the ledger under one lock:
 - the drafter thread drafts one token at a time (the draft model lives in this process, with its own KV
   cache) whenever the ledger wants one, and sends every completed window to an idle worker. It never waits
   for a verification, only for a free worker when a full window is already waiting (pool saturated).
-- the calling thread waits for answers, judges them through sdbench.sampling (greedy verification), commits,
+- the calling thread waits for answers, judges them through sdbench.engine.sampling (greedy verification), commits,
   cancels what a rejection invalidated, and sends the next jobs.
 Neither forward can be interrupted: a draft begun on a prefix that a rejection discards is dropped when it
 completes, and a worker finishes a cancelled verification before it takes the next one (the simulator's
@@ -24,10 +24,10 @@ from sdbench.config import SamplingConfig
 from sdbench.dsi.ledger import Job, Ledger
 from sdbench.dsi.pools import WorkerFailed
 from sdbench.dsi.worker import Task
-from sdbench.metrics import RowStats, now
-from sdbench.kv.prefix import CachedPrefix
-from sdbench.sampling import verify
-from sdbench.strategies.draft import draft_tokens
+from sdbench.drafting.model import ModelDrafter
+from sdbench.engine.metrics import RowStats, now
+from sdbench.engine.state import DecodeState, Proposal, needed_capacity
+from sdbench.engine.step import accept
 
 _seq_ids = itertools.count()
 POLL_S = 0.5  # how often the waiting thread checks the drafter and the workers' health
@@ -46,18 +46,26 @@ def torch_threads(n: int):
 
 
 class Drafter:
-    """Greedy drafting of one token after a token list, through the drafting loop every model draft uses; its
-    cache follows the list, rewinds included (kv/prefix.py)."""
+    """One token at a time after a token list, through the one model drafter (batch of one); its cache follows
+    the list, rewinds included (drafting/prefix.py). It prefills the prompt on its first draft, in the drafter
+    thread, so that the prefill counts as drafting time."""
 
-    def __init__(self, runner, capacity: int, sampling: SamplingConfig):
-        self.runner, self.sampling = runner, sampling
-        self.cache = runner.new_cache(1, capacity)
-        self.prefix = CachedPrefix(1, capacity)
+    def __init__(self, runner, prompt: list[int], capacity: int, sampling: SamplingConfig):
+        self.runner = runner
+        self.state = DecodeState.for_prompts([prompt], 0, capacity, sampling=sampling, device=runner.device)
+        self.model = ModelDrafter(runner)
+        self.started = False
 
     def next_token(self, tokens: list[int]) -> int:
+        """The draft after `tokens`, on the host (reading it back is the drafter's wait for its device)."""
+        if not self.started:
+            self.model.begin(self.state)
+            self.started = True
         ctx = torch.tensor([tokens], dtype=torch.long)
-        drafted, _ = draft_tokens(self.runner, self.cache, self.prefix, ctx, [len(tokens)], 1, self.sampling, None)
-        return int(drafted[0, 0])
+        return int(self.model.draft(ctx, [len(tokens)], [1]).tokens[0, 0])
+
+    def end(self) -> None:
+        self.model.end()
 
 
 @dataclass
@@ -86,9 +94,9 @@ class _Shared:
 def decode_one(pool, draft_runner, prompt: list[int], *, lookahead: int, workers: int, max_new_tokens: int,
                eos, sampling: SamplingConfig, generator) -> RowOutcome:
     seq = next(_seq_ids)
-    capacity = len(prompt) + max_new_tokens + lookahead + 2
+    capacity = needed_capacity(len(prompt), max_new_tokens, lookahead)
     ledger = Ledger(prompt, lookahead=lookahead, max_new_tokens=max_new_tokens, workers=workers, eos=eos)
-    drafter = Drafter(draft_runner, capacity, sampling)
+    drafter = Drafter(draft_runner, prompt, capacity, sampling)
     cond = threading.Condition()
     shared = _Shared(busy=[0.0] * workers)
     stats = RowStats()
@@ -99,9 +107,9 @@ def decode_one(pool, draft_runner, prompt: list[int], *, lookahead: int, workers
 
     def judge(job: Job, frontier: int, drafts: list[int]):
         logits = job.result.logits[frontier - job.start :]  # [n + 1, V]: predictions at frontier..end
-        n = torch.tensor([len(drafts)])
-        verdict = verify(torch.tensor([drafts], dtype=torch.long), n, None, logits[None], sampling, generator)
-        return int(verdict.accepted[0]), int(verdict.next_token[0])
+        proposal = Proposal(torch.tensor([drafts], dtype=torch.long), torch.tensor([len(drafts)]))
+        accepted, nxt = accept(proposal, logits[None], sampling, generator)
+        return accepted[0], nxt[0]
 
     # this thread never waits for the device: it does no GPU work of its own (the workers are other processes),
     # and a synchronisation here while the drafter thread captures a CUDA graph would break the capture
@@ -141,6 +149,7 @@ def decode_one(pool, draft_runner, prompt: list[int], *, lookahead: int, workers
             shared.stop = True
             cond.notify_all()
         drafting.join()
+        drafter.end()
     _drain(pool, ledger, seq)  # after a failure the caller discards the pool instead
     return RowOutcome(ledger.generated(), stats, _extras(ledger, shared, stats, wall, ttft), wall, ttft)
 
@@ -167,9 +176,9 @@ def _draft_loop(ledger: Ledger, drafter: Drafter, cond: threading.Condition, sha
                     return
                 tokens, ticket = list(ledger.tokens), ledger.ticket()
                 shared.drafting = True
-            t0 = now(drafter.runner.device)
+            t0 = now()  # no device wait of its own: next_token reads its token back
             token = drafter.next_token(tokens)
-            spent = now(drafter.runner.device) - t0
+            spent = now() - t0
             with cond:
                 shared.drafting = False
                 shared.draft_s += spent

@@ -17,6 +17,7 @@ from sdbench.errors import SdbenchError
 from sdbench.kv.cache import DenseKVCache, KVCache, StepIndex
 from sdbench.kv.sparse import SparseKVCache
 from sdbench.models import cpufast
+from sdbench.engine.state import needed_capacity
 from sdbench.models.graphs import CAPACITY_STEP, CachePool, StaticForward
 
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
@@ -110,7 +111,7 @@ class ModelRunner:
 
     def new_sparse_cache(self, batch: int, n_static: int, window: torch.Tensor, lookahead: int) -> SparseKVCache:
         """A sparse draft cache (see kv/sparse.py), emptied; pooled like dense caches."""
-        ring = int(window.max()) + lookahead + 2
+        ring = needed_capacity(int(window.max()), 0, lookahead)  # the widest window and one step's drafts
         key = ("sparse", batch, n_static, ring)
         cache = self.pool.take(key) if self.static else None
         if cache is None:

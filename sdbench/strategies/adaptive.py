@@ -10,9 +10,9 @@ strategy) and learn from what each round cost and how much of it was accepted.
 - `adaptive-fsm` is the state machine: gamma grows after a fully accepted round and shrinks after a
   rejection (`schedule=step`: +1/-1; `schedule=heuristic`: +2/-1, transformers' schedule).
 
-Timing: draft seconds are measured around the drafter's call inside `propose`; verification seconds are
-the time from `propose` returning to `observe` being called, i.e. the target forward plus the loop's
-acceptance and commit bookkeeping (which a plain step pays too, so the comparison stays fair).
+Timing: both strategies learn from the draft and verification seconds the decode loop measured for each
+round (no strategy times itself); a round whose drafting also paid for a drafter's prefill or a long
+catch-up (more than STEADY_CATCH_UP unseen tokens) does not teach the draft-cost model.
 
 `--set compare=1,2,4` also runs fixed-gamma speculative decoding with every draft candidate (strategy
 `draft` for a model, `ngram` for prompt lookup) at those gammas and at --gamma, in the same run on the
@@ -24,13 +24,15 @@ from __future__ import annotations
 
 from collections import Counter
 
+from sdbench.drafting.model import ModelDrafter
+from sdbench.drafting.ngram import DRAFT_NAME, NGramDrafter, check_ngram
+from sdbench.engine.state import DecodeState, Proposal
+from sdbench.engine.step import Round
 from sdbench.errors import SdbenchError
-from sdbench.metrics import now
 from sdbench.strategies.adaptive_online import AlphaPrior, GammaPolicy, StepSchedule, prompt_features
 from sdbench.strategies.base import BuildContext, Option, Proposer, Variant, need_gamma
 from sdbench.strategies.draft import DraftModel
-from sdbench.strategies.drafters import make_drafters
-from sdbench.strategies.ngram import DRAFT_NAME, NGram, check_ngram
+from sdbench.strategies.ngram import NGram
 from sdbench.theory import fit_alpha
 
 COMMON = (
@@ -39,6 +41,15 @@ COMMON = (
     Option("max_ngram", 3, "n-gram draft: longest suffix (tokens) to match"),
     Option("min_ngram", 1, "n-gram draft: shortest suffix (tokens) to match"),
 )
+
+
+STEADY_CATCH_UP = 2  # a round feeding more unseen tokens than this is not a typical drafting cost
+
+
+def make_drafters(drafts: list, max_ngram: int, min_ngram: int) -> list:
+    """One drafter per --draft entry (a runner, or the name 'ngram'); prompt lookup when there are none."""
+    return [NGramDrafter(max_ngram, min_ngram) if isinstance(d, str) else ModelDrafter(d)
+            for d in drafts or [DRAFT_NAME]]
 
 
 def parse_compare(text: str) -> tuple[int, ...]:
@@ -88,45 +99,49 @@ class _Adaptive(Proposer):
         self.compare = parse_compare(compare)
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
         self._rows: list[RowTrace] = []
+        self._started: list[bool] = []
 
     @property
     def max_lookahead(self) -> int:
         return self.gamma_max
 
-    def begin(self, state) -> None:
-        for drafter in self.drafters:
-            drafter.begin(state)
+    def begin(self, state: DecodeState) -> None:
+        # a drafter starts (prefills) on the first round it is chosen: a candidate never chosen costs nothing;
+        # one left idle for some rounds feeds the committed tokens it has not seen on its next use
+        self._started = [False] * len(self.drafters)
         self._start(state)
         self._rows = [RowTrace() for _ in range(state.batch)]
 
-    def propose(self, state):
+    def propose(self, state: DecodeState) -> Proposal | None:
         d, gamma = self._choose()
-        gamma = state.lookahead(gamma)  # the lookahead used (and recorded): never past what a row can commit
-        self._round, self._draft_s, proposal = (d, gamma), None, None
-        self._active = [b for b in range(state.batch) if not state.done[b]]
-        if gamma:
-            t0 = now(state.device)
-            proposal, steady = self.drafters[d].propose(state, gamma)
-            self._draft_s = now(state.device) - t0 if steady else None
-        self._proposed_at = now(state.device)
-        return proposal
+        limits = state.lookahead(gamma)
+        gamma = max(limits, default=0)  # the lookahead used (and recorded): never past what a row can commit
+        self._round, self._steady = (d, gamma), True
+        if not gamma:
+            return None
+        drafter = self.drafters[d]
+        if not self._started[d]:
+            drafter.begin(state)
+            self._started[d], self._steady = True, False
+        else:
+            self._steady = drafter.catch_up(state.tokens, state.lengths) <= STEADY_CATCH_UP
+        proposal = drafter.draft(state.tokens, state.lengths, limits)
+        return proposal if proposal.tokens.shape[1] else None  # a lookup that found nothing: a plain step
 
-    def observe(self, state, accepted, proposal) -> None:
-        verify_s = now(state.device) - self._proposed_at
+    def observe(self, state: DecodeState, proposal: Proposal | None, rnd: Round) -> None:
         d, gamma = self._round
-        drafted = [0] * state.batch if proposal is None else proposal.lengths.tolist()
         width = 0 if proposal is None else proposal.tokens.shape[1]
-        acc = accepted.tolist()
-        for b in self._active:
-            self._rows[b].add(d, gamma, drafted[b], acc[b])
-        self._learn(d, gamma, width, [drafted[b] for b in self._active], [acc[b] for b in self._active],
-                    verify_s)
-        if proposal is not None:
-            self.drafters[d].observe(state, accepted, proposal)
+        active = [b for b in range(state.batch) if rnd.active[b]]
+        for b in active:
+            self._rows[b].add(d, gamma, rnd.drafted[b], rnd.committed[b])
+        draft_s = rnd.draft_s if gamma and self._steady else None  # a lookup that missed still cost its time
+        self._learn(d, gamma, width, [rnd.drafted[b] for b in active], [rnd.committed[b] for b in active],
+                    rnd.verify_s, draft_s)
 
     def end(self) -> None:
-        for drafter in self.drafters:
-            drafter.end()
+        for drafter, started in zip(self.drafters, self._started):
+            if started:
+                drafter.end()
 
     def row_stats(self, b: int) -> dict:
         """gamma_mean and gamma_hist over the row's rounds (gamma asked of the drafter, 0 = plain step),
@@ -154,7 +169,7 @@ class _Adaptive(Proposer):
     def _choose(self) -> tuple[int | None, int]:
         raise NotImplementedError
 
-    def _learn(self, d, gamma, width, drafted, accepted, verify_s) -> None:
+    def _learn(self, d, gamma, width, drafted, accepted, verify_s, draft_s) -> None:
         raise NotImplementedError
 
     @classmethod
@@ -212,8 +227,8 @@ class Adaptive(_Adaptive):
     def _choose(self) -> tuple[int | None, int]:
         return self.policy.choose()
 
-    def _learn(self, d, gamma, width, drafted, accepted, verify_s) -> None:
-        self.policy.record(d, gamma, width, drafted, accepted, verify_s, self._draft_s)
+    def _learn(self, d, gamma, width, drafted, accepted, verify_s, draft_s) -> None:
+        self.policy.record(d, gamma, width, drafted, accepted, verify_s, draft_s)
 
     def params(self) -> dict:
         return {**super().params(), "history": self.history, "probe": self.probe}
@@ -246,7 +261,7 @@ class AdaptiveFSM(_Adaptive):
     def _choose(self) -> tuple[int | None, int]:
         return 0, self.fsm.gamma
 
-    def _learn(self, d, gamma, width, drafted, accepted, verify_s) -> None:
+    def _learn(self, d, gamma, width, drafted, accepted, verify_s, draft_s) -> None:
         self.fsm.update(drafted, accepted)
 
     def params(self) -> dict:

@@ -1,20 +1,18 @@
-"""What a strategy is: a proposer. The decode loop asks it for draft tokens and tells it what was accepted."""
+"""What a strategy is: a proposer. The decode loop asks it for draft tokens and tells it what was committed.
+
+A class here does three jobs, grouped below: running (begin / propose / observe / end, called by the one loop),
+reporting (params, notes, row_stats: what results record) and construction (options, check, build, variants,
+search_space: what the CLI and the tuner ask before and while making one).
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
+from sdbench.engine.state import DecodeState, Proposal
+from sdbench.engine.step import Round
 from sdbench.errors import SdbenchError
-
-
-@dataclass
-class Proposal:
-    tokens: torch.Tensor  # [B, G] long: drafted tokens, host or device (entries past lengths[b] are padding)
-    lengths: torch.Tensor  # [B] long on the host: real drafted tokens per row, 0..G
-    probs: torch.Tensor | None = None  # [B, G, V] draft distribution p; None = deterministic (one-hot) draft
 
 
 @dataclass(frozen=True)
@@ -46,27 +44,38 @@ class Proposer:
 
     name = "autoregressive"
     options: tuple[Option, ...] = ()
+    owns_loop = False  # True: the strategy changes control flow itself (see `generate`)
 
     def __init__(self, gamma: int = 0):
         self.gamma = gamma
 
+    # ---- running -------------------------------------------------------------------------------------------
     @property
     def max_lookahead(self) -> int:
         """Most tokens ever proposed in one step (sizes the KV caches)."""
         return self.gamma
 
-    def begin(self, state) -> None:
+    def begin(self, state: DecodeState) -> None:
         """Called once after the target's prefill and first token."""
 
-    def propose(self, state) -> Proposal | None:
+    def propose(self, state: DecodeState) -> Proposal | None:
         return None
 
-    def observe(self, state, accepted: torch.Tensor, proposal: Proposal | None) -> None:
-        """Called after each verification with accepted [B] drafted tokens per row."""
+    def observe(self, state: DecodeState, proposal: Proposal | None, rnd: Round) -> None:
+        """Called after each verification: the proposal as verified (cut to what each row could commit) and
+        the round: per row drafted, accepted and committed drafts, and the round's measured draft and verify
+        seconds."""
 
     def end(self) -> None:
         """Called once the generation is over (also after an error): give back caches for reuse."""
 
+    def generate(self, target, prompts: list[list[int]], *, max_new_tokens: int, sampling, eos_ids=(),
+                 generator=None):
+        """Only for a strategy with `owns_loop`: decode the prompts itself and return a BatchResult counted
+        by engine/metrics.py's definitions."""
+        raise NotImplementedError
+
+    # ---- reporting -----------------------------------------------------------------------------------------
     def params(self) -> dict:
         """The settings recorded with every result row."""
         return {"gamma": self.gamma}
@@ -81,6 +90,7 @@ class Proposer:
         the `strategy_stats` column: e.g. a gamma trajectory, per-level counts, worker busy fractions."""
         return {}
 
+    # ---- construction --------------------------------------------------------------------------------------
     @classmethod
     def check(cls, gamma: int, options: dict, drafts: tuple[str, ...], sampling) -> None:
         """Raise on settings this strategy refuses, before any model loads: options as validated by
@@ -111,12 +121,6 @@ class Proposer:
         there are several. Raise SdbenchError when there is nothing to tune. The default tunes gamma alone.
         """
         return trial.suggest_int("gamma", 1, 8), {}
-
-    @classmethod
-    def tune_seeds(cls, space: "SearchContext") -> list[dict]:
-        """Optuna parameters (as search_space names them) for `sdbench tune` to try first in a new study,
-        e.g. a cost model's predicted optimum. Default: none."""
-        return []
 
 
 @dataclass(frozen=True)
@@ -168,3 +172,22 @@ def take_options(declared: tuple[Option, ...], given: dict, strategy: str) -> di
         names = ", ".join(sorted(known)) or "none"
         raise SdbenchError(f"strategy '{strategy}' has no setting '{unknown[0]}' (settings: {names})")
     return {k: (o.parse(given[k]) if k in given else o.default) for k, o in known.items()}
+
+
+class FixedLookahead(Proposer):
+    """A fixed-k use of one drafter: every round asks it for `gamma` tokens per row (never more than a row can
+    still commit). Draft-model SD, prompt lookup and MagicDec are this with their own drafter."""
+
+    def __init__(self, drafter, gamma: int):
+        need_gamma(self.name, gamma)
+        super().__init__(gamma)
+        self.drafter = drafter
+
+    def begin(self, state: DecodeState) -> None:
+        self.drafter.begin(state)
+
+    def propose(self, state: DecodeState) -> Proposal:
+        return self.drafter.draft(state.tokens, state.lengths, state.lookahead(self.gamma))
+
+    def end(self) -> None:
+        self.drafter.end()

@@ -5,9 +5,9 @@ drafting goes on, a verification of the bare committed prefix always runs beside
 cancels every verification built on the rejected draft and restarts drafting from the target's token.
 With about 1/(gamma·c) workers (c = draft forward / target forward) it is never slower than plain decoding
 and faster than sequential SD in expectation (`sdbench simulate dsi` shows where). The output is the
-target's: verification is sdbench.sampling's greedy rule.
+target's: verification is sdbench.engine.sampling's greedy rule.
 
-This strategy owns its loop (speculation parallelism changes control flow) and counts by sdbench.metrics'
+This strategy owns its loop (speculation parallelism changes control flow) and counts by sdbench.engine.metrics'
 definitions: the verification of the bare prompt gives the first token (the time to it is the TTFT, as a
 prefill's), a step is each later verification that committed tokens, `drafted` counts the drafts it judged
 and `accepted` those of them it committed, draft_s is all drafting time (discarded drafts included) and
@@ -22,12 +22,13 @@ not implemented, so temperature > 0 is refused. A batch is decoded one prompt af
 from __future__ import annotations
 
 from sdbench.errors import SdbenchError
-from sdbench.metrics import BatchResult
+from sdbench.engine.metrics import BatchResult
 from sdbench.strategies.base import BuildContext, Option, Proposer, need_gamma
 
 
 class DSI(Proposer):
     name = "dsi"
+    owns_loop = True
     options = (
         Option("workers", 2, "target workers: processes on the CPU, one GPU each on CUDA"),
         Option("backend", "process", "where workers run: process (this machine) or ray (a Ray cluster, or "
@@ -55,16 +56,12 @@ class DSI(Proposer):
     def row_stats(self, b: int) -> dict:
         return self._rows[b] if b < len(self._rows) else {}
 
-    def generate(self, target, proposer, prompts, *, max_new_tokens, sampling, eos_ids=(), generator=None,
-                 capacity: int = 0):
-        """Decode each prompt with DSI (one after another); `proposer` is this object (the loop's signature;
-        `capacity` is sized per prompt here)."""
+    def generate(self, target, prompts, *, max_new_tokens, sampling, eos_ids=(), generator=None):
+        """Decode each prompt with DSI, one after another."""
         from sdbench.dsi.orchestrator import decode_one, torch_threads
         from sdbench.dsi.pools import default_threads, discard_pool, get_pool
 
         _greedy_only(sampling)
-        if max_new_tokens < 1:
-            raise SdbenchError(f"--max-new-tokens must be at least 1 (got {max_new_tokens})")
         from sdbench.models import cpufast
 
         threads = self.threads or default_threads(self.workers)

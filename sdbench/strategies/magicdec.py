@@ -15,6 +15,7 @@ from sdbench.strategies.draft import DraftModel
 class MagicDec(DraftModel):
     name = "magicdec"
     full_budget = "this runs as plain self-speculation with a full cache"
+    self_speculation = True  # the target's own prefill already holds the prompt: compress it, no second prefill
     # the draft strategy's sparse-cache settings, with the selector named `kv` and never dense
     options = (Option("kv", "streamingllm", "draft cache selector: streamingllm or snapkv", str),
                *(o for o in DraftModel.options if o.name != "draft_kv"))
@@ -22,10 +23,6 @@ class MagicDec(DraftModel):
     def __init__(self, runner, gamma: int, kv: str = "streamingllm", budget: int = 256, sink: int = 16,
                  window: int = 32):
         super().__init__(runner, gamma, kv, budget, sink, window)
-
-    def _prompt_cache(self, state, prompts):
-        # the target's own prefill already holds the prompt: compress it instead of prefilling again
-        return state.target_cache
 
     def params(self) -> dict:
         params = super().params()

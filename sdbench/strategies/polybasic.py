@@ -3,7 +3,7 @@
 `--draft` is given from the top down: `--target T --draft A --draft B --draft ngram` is the chain
 T <- A <- B <- ngram. The bottom (a model, or prompt lookup) drafts `--gamma` tokens per block. Every level
 in between runs speculative rounds over the blocks from below, with the same lossless acceptance rule as the
-target (`sdbench.sampling.verify`), until it has accumulated at least mu tokens, and hands them all up as one
+target (`sdbench.engine.sampling.verify`), until it has accumulated at least mu tokens, and hands them all up as one
 block. The target verifies the block of the level directly below it in the one decode loop; this proposer
 only runs the chain beneath.
 
@@ -28,11 +28,12 @@ from __future__ import annotations
 
 import torch
 
+from sdbench.engine.state import DecodeState, Proposal
+from sdbench.engine.step import Round
 from sdbench.errors import SdbenchError
-from sdbench.metrics import now
-from sdbench.strategies.base import BuildContext, Option, Proposal, Proposer, need_gamma
+from sdbench.strategies.base import BuildContext, Option, Proposer, need_gamma
 from sdbench.strategies.chain_levels import LevelStats, ModelLevel, NGramLevel
-from sdbench.strategies.ngram import check_ngram
+from sdbench.drafting.ngram import check_ngram
 
 NGRAM = "ngram"
 
@@ -98,37 +99,35 @@ class Polybasic(Proposer):
         self.levels.reverse()
         self.top, self.reach = self.levels[0], reach
         self.target_name = target_name
-        self.device = next((d.device for d in drafts if not isinstance(d, str)), None)  # timing syncs here
 
     @property
     def max_lookahead(self) -> int:
         return self.reach
 
-    def begin(self, state) -> None:
+    def begin(self, state: DecodeState) -> None:
         # the chain's own caches get room for the scratch tokens each level writes past the committed ones
         capacity = state.capacity + 4 * self.reach + 8
         self.ctx = torch.zeros(state.batch, capacity, dtype=torch.long)
-        self.top.begin(state.batch, capacity, [state.row(b).tolist() for b in range(state.batch)])
+        self.ctx[:, : state.capacity] = state.tokens
+        self.top.begin(DecodeState(self.ctx, state.lengths, state.limits, sampling=state.sampling,
+                                   generator=state.generator, device=state.device))
         self.target = LevelStats(state.batch)
-        self.active = [False] * state.batch
 
-    def propose(self, state) -> Proposal:
-        self.active = [not d for d in state.done]
+    def propose(self, state: DecodeState) -> Proposal:
         self.ctx[:, : state.capacity] = state.tokens
         room = [state.room(b) for b in range(state.batch)]  # no level drafts past what a row can still commit
-        block = self.top.produce(self.ctx, list(state.lengths), self.active, state.sampling, state.generator, room)
-        self.proposed_at = now(self.device)
-        return Proposal(block.tokens, block.lengths, block.probs)
+        return self.top.produce(self.ctx, list(state.lengths), [not d for d in state.done], room)
 
-    def observe(self, state, accepted, proposal) -> None:
-        # the target's time per verification, as this proposer sees it (verify and commit between the calls)
-        self.target.forward_s += now(self.device) - self.proposed_at
+    def observe(self, state: DecodeState, proposal: Proposal | None, rnd: Round) -> None:
+        self.target.forward_s += rnd.verify_s  # the target's verification, as the loop timed it
         self.target.forwards += 1
         self.target.calls += 1
-        for b, a in enumerate(accepted.tolist()):
-            if self.active[b]:
-                self.target.verified(b, a)
-                self.top.stats.handed_up(b, int(proposal.lengths[b]), a)
+        for b in range(state.batch):
+            if rnd.active[b]:
+                self.target.verified(b, rnd.committed[b])
+                self.top.stats.handed_up(b, rnd.drafted[b], rnd.committed[b])
+        for level in self.levels:
+            level.settle()
 
     def end(self) -> None:
         for level in self.levels:
@@ -144,6 +143,8 @@ class Polybasic(Proposer):
     def row_stats(self, b: int) -> dict:
         """Per level, top (the target, level 0) down: forwards and their time (the batch's), this row's
         verification rounds and mean accepted length (bonus included), and its blocks handed up."""
+        for level in self.levels:  # a generation whose first token was its last had no round to settle them
+            level.settle()
         levels = [self.target.record(b, 0, self.target_name)]
         levels += [level.stats.record(b, i + 1, level.label) for i, level in enumerate(self.levels)]
         return {"levels": levels}

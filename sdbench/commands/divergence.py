@@ -16,6 +16,8 @@ import math
 
 import torch
 
+from sdbench.engine.state import needed_capacity
+
 TIE_ULPS = 4  # rounding a forward of another shape can move a logit by in the model's dtype
 
 
@@ -42,7 +44,7 @@ def judge(target, prompt: list[int], expected: list[int], got: list[int]) -> tup
     if i >= min(len(expected), len(got)):  # one stopped early: not a choice between two tokens
         return "real", math.nan
     context = list(prompt) + list(expected[:i])
-    cache = target.new_cache(1, len(context) + 2)
+    cache = target.new_cache(1, needed_capacity(len(context), 0, 0))
     try:
         logits = target.prefill(cache, [context])[0].float()  # [V]
     finally:

@@ -8,13 +8,13 @@ The aggregates are the project's contract:
                      sum(wall_s - ttft_s over unique batches); at long context the shared prefill no longer
                      dilutes what the strategy does
   mean_accepted_len  (sum(new_tokens) - one first token per row) / sum(steps): tokens committed per step, the
-                     target's own token included, 1.0 = plain decoding (sdbench.metrics defines each count)
+                     target's own token included, 1.0 = plain decoding (sdbench.engine.metrics defines each count)
   acceptance_rate    sum(accepted) / sum(drafted)
   lossless           all of the known values, a row whose output differs only from a tie on (divergence
-                     "tie", see sdbench.divergence) counting as lossless; null when none is known
+                     "tie", see sdbench.commands.divergence) counting as lossless; null when none is known
   ties               rows whose output differs from the baseline's only from such a tie
   speedup_low/high   the 95 % bootstrap interval of speedup (and decode_speedup_low/high of decode_speedup),
-                     paired with the baseline of the same batch and repeat (sdbench.stats)
+                     paired with the baseline of the same batch and repeat (sdbench.reporting.stats)
   predicted_speedup  mean of the computed values
   draft_share        draft_s / (draft_s + verify_s), each summed over unique batches of the batch's value
                      (the max over its rows: a row records the batch's time while the row was active)
@@ -33,8 +33,8 @@ from rich.table import Table
 from rich.text import Text
 
 from sdbench.errors import SdbenchError
-from sdbench.metrics import mean_accepted_length
-from sdbench.stats import Interval, describe, repeat_spread, speedup_interval
+from sdbench.engine.metrics import mean_accepted_length
+from sdbench.reporting.stats import Interval, describe, repeat_spread, speedup_interval
 
 ALL = "ALL"
 _BATCH = ["run_id", "role", "batch_id", "repeat"]

@@ -17,7 +17,7 @@ import pandas as pd
 
 from sdbench.errors import MissingPackageError, SdbenchError
 from sdbench.paths import output_dir
-from sdbench.report import ALL, labelled, per_position_rates, summarize
+from sdbench.reporting.report import ALL, labelled, per_position_rates, summarize
 
 # settings a sweep may vary, and where each is found: a result column or a key of the params JSON
 SWEEPS = (("gamma", "γ (draft tokens per step)"), ("budget", "draft KV budget (tokens)"),
@@ -187,7 +187,7 @@ def predicted_vs_measured(plt, df: pd.DataFrame) -> Plot | None:
 def speedup_waterfalls(plt, df: pd.DataFrame) -> list[Plot]:
     """Per configuration, the explain factors as a waterfall on a log scale: from 1.0, each factor moves the
     running product up (green) or down (red), ending at the measured speedup."""
-    from sdbench.explain import FACTORS, breakdown
+    from sdbench.reporting.explain import FACTORS, breakdown
 
     plots = []
     for i, row in enumerate(breakdown(df).to_dict("records")):
@@ -236,7 +236,7 @@ def export(df: pd.DataFrame, plots_dir: str | None, html_file: str | None) -> li
     plots = render(df)
     written = write_plots(df, plots_dir, plots) if plots_dir else []
     if html_file:
-        from sdbench.html import write_html
+        from sdbench.reporting.html import write_html
 
         written.append(write_html(df, html_file, plots))
     return written

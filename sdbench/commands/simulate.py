@@ -231,7 +231,7 @@ def profile_from_results(paths) -> tuple[Setting, dict]:
     """
     import json
 
-    from sdbench.results import read_results
+    from sdbench.reporting.results import read_results
     from sdbench.theory import alpha_from_tokens_per_step, fit_alpha
 
     df = read_results(paths)

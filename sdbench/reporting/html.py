@@ -11,7 +11,7 @@ import pandas as pd
 from rich.console import Console
 
 from sdbench.paths import output_dir
-from sdbench.report import print_report, summarize, summary_table
+from sdbench.reporting.report import print_report, summarize, summary_table
 
 STYLE = """
 body { font-family: system-ui, sans-serif; margin: 2rem auto; max-width: 1200px; color: #222; }
@@ -43,7 +43,7 @@ def page(df: pd.DataFrame, plots: list, title: str = "sdbench report") -> str:
 
 
 def write_html(df: pd.DataFrame, path: str | Path, plots: list | None = None) -> Path:
-    from sdbench.plots import render
+    from sdbench.reporting.plots import render
 
     path = Path(path)
     output_dir(path.parent, "--html")

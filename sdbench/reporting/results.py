@@ -78,7 +78,7 @@ SCHEMA = pa.schema([
     ("fast", pa.bool_()),  # the runner's fast path was on (CPU: oneDNN-packed projections)
     ("max_new_tokens", _I),  # the token budget per prompt (--max-new-tokens)
     ("divergence", _S),  # lossless false: "tie" (the target's top logits within rounding where the outputs
-    # first differ) or "real"; null otherwise (see sdbench.divergence)
+    # first differ) or "real"; null otherwise (see sdbench.commands.divergence)
     ("divergence_gap", _F),  # the target's logit gap there: top logit minus the lower of the two chosen tokens'
     ("turn", _I),  # 1-based turn of a multi-turn conversation; null in files from before turns (read as 1)
     ("depth", _F),  # retrieval tasks: where the answer was hidden, 0 = start of the text, 1 = end

@@ -43,7 +43,7 @@ def _strategies() -> Table:
 
 
 def _datasets():
-    from sdbench.tasks import dataset_available, task_registry
+    from sdbench.data.tasks import dataset_available, task_registry
 
     return task_registry, dataset_available
 

@@ -67,6 +67,27 @@ class Marks:
         return a.elapsed_time(b) / 1e3 if self.cuda else b - a
 
 
+class Spans:
+    """A sum of durations taken without waiting for the device: each span is a pair of `Marks`, read only when
+    `settle` is called after the work has reached the host anyway (the decode loop's one wait per round)."""
+
+    def __init__(self, device: torch.device | str | None = None):
+        self.marks = Marks(device)
+        self.pending: list = []
+
+    def start(self):
+        return self.marks.mark()
+
+    def stop(self, start) -> None:
+        self.pending.append((start, self.marks.mark()))
+
+    def settle(self) -> float:
+        """Seconds of the spans stopped since the last settle."""
+        seconds = sum(self.marks.seconds(a, b) for a, b in self.pending)
+        self.pending.clear()
+        return seconds
+
+
 def mean_accepted_length(new_tokens: float, steps: float, rows: int = 1) -> float:
     """Tokens committed per step: every token but each row's first (the prefill's) comes from a step. Over
     several rows, their new tokens and steps summed."""

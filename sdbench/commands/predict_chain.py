@@ -19,9 +19,9 @@ from rich.console import Console
 from rich.table import Table
 
 from sdbench.config import RunConfig, SamplingConfig
-from sdbench.decode import generate
+from sdbench.engine.loop import generate
 from sdbench.errors import SdbenchError
-from sdbench.metrics import BatchResult
+from sdbench.engine.metrics import BatchResult
 from sdbench.strategies.autoregressive import Autoregressive
 from sdbench.strategies.polybasic import Polybasic, check_chain
 from sdbench.theory import ChainCosts, insertion_times
@@ -120,7 +120,8 @@ def insertion_verdict(old: ChainCosts, new: ChainCosts, at: int) -> tuple[float,
 def run_chain_prediction(target: str, drafts: list[str], candidate: str, at: int, gamma: int, mu: str,
                          dataset: str, limit: int, max_new_tokens: int, profile_prompts: int, profile_tokens: int,
                          device: str, dtype: str, seed: int, console: Console) -> list[ChainRun]:
-    from sdbench.benchmark import encode_prompts, load_pair, resolve_device, resolve_dtype
+    from sdbench.data.prompts import encode_prompts
+    from sdbench.models.pair import load_pair, resolve_device, resolve_dtype
 
     if not drafts:
         raise SdbenchError("predict chain needs the chain as it is: --draft once per level, from the top down")

@@ -14,8 +14,9 @@ from rich.console import Console
 from rich.table import Table
 
 from sdbench.config import SamplingConfig
-from sdbench.decode import generate, needed_capacity
-from sdbench.metrics import now, rate
+from sdbench.engine.loop import generate
+from sdbench.engine.state import needed_capacity
+from sdbench.engine.metrics import now, rate
 from sdbench.strategies.autoregressive import Autoregressive
 from sdbench.strategies.draft import DraftModel
 from sdbench.strategies.ngram import NGram
@@ -108,13 +109,13 @@ def weight_bytes(model) -> int:
 def cost_ratios(runner, draft, prompts: list[list[int]], gamma: int) -> tuple[float, float]:
     """(T(gamma + 1 tokens) / T(1 token) of the target, one draft forward / one target forward), each the
     median over the prompts of forwards at the prompt's end, as a verification and a decode step see them."""
-    from sdbench.costmodel import median_time
+    from sdbench.commands.predict import median_time
 
     verify, c = [], []
     for p in prompts:
         times = []
         for r in (runner, draft):
-            cache = r.new_cache(1, len(p) + gamma + 2)
+            cache = r.new_cache(1, needed_capacity(len(p), 0, gamma))
             r.prefill(cache, [p])
             one = median_time(lambda: r.forward(cache, torch.tensor([p[-1:]]), [len(p)]), r.device)
             times.append(one)
@@ -146,11 +147,11 @@ def _systems(tgt, drf, runner, plain, d_runner, max_new: int, eos: list[int], ro
 
 def run_peers(target: str, draft: str, dataset: str, limit: int, max_new: int, gamma: int, device: str,
               dtype: str, seed: int, console: Console, repeats: int = 2, out: str | None = None) -> list[Measured]:
-    from sdbench.benchmark import resolve_device, resolve_dtype
+    from sdbench.models.pair import resolve_device, resolve_dtype
     from sdbench.models import cpufast
     from sdbench.models.loader import check_same_tokenizer, eos_token_ids, load_model
     from sdbench.models.runner import ModelRunner
-    from sdbench.tasks import encode_prompt, load_prompts
+    from sdbench.data.tasks import encode_prompt, load_prompts
 
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
@@ -174,7 +175,7 @@ def run_peers(target: str, draft: str, dataset: str, limit: int, max_new: int, g
                 cpufast.disable(m)
 
     systems = _systems(tgt, drf, runner, ModelRunner(tgt.model, target), d_runner, max_new, eos,
-                       needed_capacity(prompts, max_new, gamma), gamma)
+                       needed_capacity(max(len(p) for p in prompts), max_new, gamma), gamma)
     with console.status("measuring") as status:
         results = _measure(systems, prompts, repeats, dev, status, weights)
         status.update("measuring the verification and draft cost ratios")
@@ -202,7 +203,7 @@ def write_bench(results: list[Measured], out: str, common: dict):
     import pandas as pd
 
     from sdbench.env import environment
-    from sdbench.results import env_fields
+    from sdbench.reporting.results import env_fields
 
     env = env_fields(environment(common["device"], common["dtype"]))
     ref = results[0].outputs

@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import json
 import math
-from contextlib import nullcontext
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
@@ -19,92 +18,19 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from sdbench.config import DEFAULT_GAMMA, RunConfig, SamplingConfig
 from sdbench.data.passkey import answer_found
-from sdbench.decode import generate, needed_capacity
+from sdbench.data.prompts import encode_prompts
+from sdbench.engine.loop import generate
+from sdbench.engine.state import needed_capacity
 from sdbench.env import environment, peak_memory, reset_peak_memory
 from sdbench.errors import Interrupted, SdbenchError
-from sdbench.metrics import BatchResult, predicted_speedup, row_metrics, speedup
+from sdbench.engine.metrics import BatchResult, predicted_speedup, row_metrics, speedup
+from sdbench.models.pair import Pair, load_pair, resolve_device, resolve_dtype
 from sdbench.paths import output_dir
 from sdbench.strategies import (BuildContext, build_variants, check_options, needs_draft, resolve_strategy,
                                 strategy_registry)
 from sdbench.strategies.autoregressive import Autoregressive
-from sdbench.strategies.ngram import DRAFT_NAME as NGRAM_DRAFT
 
 WARMUP_PROMPT_TOKENS = 256
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        dev = torch.device(name)
-    except RuntimeError:
-        raise SdbenchError(f"--device {name}: use cpu, cuda, cuda:N or auto") from None
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise SdbenchError("--device cuda was asked for, but torch sees no CUDA device on this machine")
-    if dev.type not in ("cpu", "cuda"):
-        raise SdbenchError(f"--device {name}: use cpu, cuda or auto")
-    return dev
-
-
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name not in DTYPES:
-        raise SdbenchError(f"--dtype {name}: use one of {', '.join(DTYPES)}")
-    if name == "float16" and device.type == "cpu":
-        raise SdbenchError("--dtype float16 is not supported on CPU; use float32 or bfloat16")
-    return DTYPES[name]
-
-
-@dataclass
-class Pair:
-    """The loaded target and drafts, ready to decode."""
-
-    target: object  # ModelRunner
-    tokenizer: object
-    drafts: list  # [ModelRunner]
-    eos: list[int]
-    max_positions: int
-
-
-def load_pair(cfg: RunConfig, device: torch.device, dtype: torch.dtype, console: Console) -> Pair:
-    from sdbench.models.loader import eos_token_ids, load_model
-    from sdbench.models.runner import ModelRunner
-    from sdbench.models.variants import split_variant, variant_runner
-
-    check_tokenizers(cfg)
-    with console.status(f"loading target {cfg.target}"):
-        target = load_model(cfg.target, device, dtype)
-        runner = ModelRunner(target.model, cfg.target, fast=cfg.fast)
-    drafts = []
-    for name in cfg.drafts:
-        if name == NGRAM_DRAFT:  # prompt lookup as a draft candidate: no model, no tokenizer to check
-            drafts.append(name)
-            continue
-        if name == cfg.target:
-            drafts.append(runner)  # drafting with the target itself: same weights, its own cache
-            continue
-        if split_variant(name)[1]:  # MODEL@int8: a quantised copy made now (of the target's weights if MODEL is it)
-            with console.status(f"making draft {name}"):
-                drafts.append(variant_runner(name, cfg.target, target, device, dtype))
-            continue
-        with console.status(f"loading draft {name}"):
-            draft = load_model(name, device, dtype)
-        drafts.append(ModelRunner(draft.model, name, fast=cfg.fast))
-    limit = getattr(target.model.config, "max_position_embeddings", None) or 1 << 30
-    return Pair(runner, target.tokenizer, drafts, eos_token_ids(target), limit)
-
-
-def check_tokenizers(cfg: RunConfig) -> None:
-    """Refuse a draft model whose tokenizer differs from the target's, loading tokenizers only (no weights)."""
-    from sdbench.models.loader import check_same_tokenizer, load_tokenizer
-    from sdbench.models.variants import split_variant
-
-    bases = {split_variant(name)[0] for name in cfg.drafts if name != NGRAM_DRAFT} - {cfg.target}
-    if not bases:
-        return
-    target = load_tokenizer(cfg.target)
-    for name in sorted(bases):
-        check_same_tokenizer(target, load_tokenizer(name), cfg.target, name)
 
 
 def plan(cfg: RunConfig) -> tuple[RunConfig, object]:
@@ -129,7 +55,7 @@ def plan(cfg: RunConfig) -> tuple[RunConfig, object]:
     cfg = replace(cfg, gammas=capped_gammas(cfg.gammas, cfg.max_new_tokens))
     for gamma in cfg.gammas:
         strategy_registry.get(choice.base).check(gamma, options, cfg.drafts, cfg.sampling)
-    from sdbench.tasks import check_dataset
+    from sdbench.data.tasks import check_dataset
 
     check_dataset(cfg.dataset, cfg.fields, cfg.depths, cfg.prompt_len)  # an unknown data set or a bad file fails before models load
     return cfg, choice
@@ -148,23 +74,6 @@ def gamma_note(asked: tuple[int, ...], used: tuple[int, ...], max_new_tokens: in
         return None
     return (f"note: --gamma {','.join(map(str, asked))} capped to {','.join(map(str, used))}: a step can commit "
             f"at most {max(1, max_new_tokens - 1)} token(s) with --max-new-tokens {max_new_tokens}")
-
-
-def encode_prompts(cfg: RunConfig, pair: Pair, lookahead: int | None = None):
-    """The prompts as token ids; refuses any that, with the budget and the deepest lookahead, would run past
-    the target's positions."""
-    from sdbench.tasks import encode_prompt, load_prompts
-    from sdbench.turns import Conversations
-
-    prompts = load_prompts(cfg.dataset, limit=cfg.limit, seed=cfg.sampling.seed, prompt_len=cfg.prompt_len,
-                           tokenizer=pair.tokenizer, fields=cfg.fields, depths=cfg.depths)
-    encoded = [encode_prompt(p, pair.tokenizer) for p in prompts]
-    context = Conversations(prompts, pair.tokenizer, cfg.turns).longest(cfg.max_new_tokens)
-    longest = context + cfg.max_new_tokens + (lookahead or cfg.gamma) + 2
-    if longest > pair.max_positions:
-        raise SdbenchError(f"prompt plus --max-new-tokens needs {longest} positions, but {cfg.target} supports "
-                           f"{pair.max_positions}: lower --prompt-len or --max-new-tokens")
-    return prompts, encoded
 
 
 class Bench:
@@ -203,14 +112,12 @@ class Bench:
     def _generate(self, pair: Pair, proposer, batch: list[list[int]], max_new: int, seed: int,
                   capacity: int = 0) -> BatchResult:
         gen = torch.Generator(self.device).manual_seed(seed)
-        # a strategy that changes control flow itself (speculation parallelism) brings its own loop
-        loop = getattr(proposer, "generate", None) or generate
-        return loop(pair.target, proposer, batch, max_new_tokens=max_new, sampling=self.cfg.sampling,
+        return generate(pair.target, proposer, batch, max_new_tokens=max_new, sampling=self.cfg.sampling,
                     eos_ids=pair.eos, generator=gen, capacity=capacity)
 
     def run(self) -> Path:
-        from sdbench.results import RunWriter, new_run_id
-        from sdbench.turns import Conversations
+        from sdbench.reporting.results import RunWriter, new_run_id
+        from sdbench.data.turns import Conversations
 
         cfg = self.cfg
         pair = self.pair or load_pair(cfg, self.device, self.dtype, self.console)
@@ -277,7 +184,7 @@ class Bench:
             else:
                 warm = [encoded[i][:WARMUP_PROMPT_TOKENS] for i in batches[0]]
             for _, prop in (("baseline", Autoregressive()),) * cfg.baseline + tuple(variants):
-                longest = max(needed_capacity([encoded[i] for i in idx], cfg.max_new_tokens, prop.max_lookahead)
+                longest = max(needed_capacity(max(len(encoded[i]) for i in idx), cfg.max_new_tokens, prop.max_lookahead)
                               for idx in batches)
                 self._generate(pair, prop, warm, min(cfg.warmup_tokens, cfg.max_new_tokens), cfg.sampling.seed,
                                capacity=longest)
@@ -347,7 +254,7 @@ class Bench:
                            predicted_speedup=math.nan, timestamp=_now())
                 if base is not None:
                     row["speedup"] = speedup(row["tokens_per_s"], row_metrics(base, b)["tokens_per_s"])
-                    if not hasattr(proposers[role], "generate"):  # the sequential-SD model says nothing of DSI
+                    if not proposers[role].owns_loop:  # the sequential-SD model says nothing of DSI
                         row["predicted_speedup"] = predicted_speedup(res.rows[b], base.rows[b])
                     if self.cfg.sampling.greedy:
                         row["lossless"] = res.output_ids[b] == base.output_ids[b]
@@ -358,7 +265,7 @@ class Bench:
 def _judge_divergences(target, rows: list[dict], prompts: dict) -> None:
     """Tell a tie from a real divergence on every row whose greedy output differs from the baseline's.
     prompts: prompt id -> its token ids."""
-    from sdbench.divergence import judge
+    from sdbench.commands.divergence import judge
 
     base = {r["prompt_id"]: r["output_ids"] for r in rows if r["role"] == "baseline"}
     for row in rows:
@@ -372,7 +279,7 @@ def _gamma(params: str) -> int | None:
 
 
 def _label(cfg: RunConfig) -> str:
-    from sdbench.tasks import dataset_label
+    from sdbench.data.tasks import dataset_label
 
     return dataset_label(cfg.dataset, cfg.prompt_len)
 

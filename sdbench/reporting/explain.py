@@ -28,9 +28,9 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from sdbench.metrics import (acceptance_rate, mean_accepted_length, specbench_mean_accepted_tokens,
+from sdbench.engine.metrics import (acceptance_rate, mean_accepted_length, specbench_mean_accepted_tokens,
                              vllm_draft_acceptance_rate, vllm_mean_acceptance_length)
-from sdbench.report import ALL, _padded_sum, labelled, summarize
+from sdbench.reporting.report import ALL, _padded_sum, labelled, summarize
 
 FACTORS = ("ideal", "verification", "draft", "overhead", "prefill")
 
@@ -112,7 +112,7 @@ def breakdown_table(parts: pd.DataFrame) -> Table:
 
 
 def definitions_table(defs: pd.DataFrame) -> Table:
-    table = Table(title="The same run by other tools' definitions (sdbench.metrics)")
+    table = Table(title="The same run by other tools' definitions (sdbench.engine.metrics)")
     columns = (("run", "run_id", "{}"), ("strategy", "strategy", "{}"),
                ("sdbench acc.len", "sdbench_mean_accepted_len", "{:.3f}"),
                ("sdbench accept", "sdbench_acceptance_rate", "{:.1%}"),

@@ -17,7 +17,8 @@ from dataclasses import dataclass
 import torch
 
 from sdbench.kv.sparse import SparseKVCache
-from sdbench.metrics import now
+from sdbench.engine.metrics import now
+from sdbench.engine.state import needed_capacity
 from sdbench.theory import predicted_speedup
 
 
@@ -57,7 +58,7 @@ def _random_sparse(runner, batch: int, context: int, budget: int, gamma: int) ->
 def profile(runner, batch: int, context: int, gammas, budgets) -> Profile:
     """Time the three kinds of step at one (batch, context)."""
     dev = runner.device
-    capacity = context + max(gammas) + 2
+    capacity = needed_capacity(context, 0, max(gammas))
     dense = runner.new_cache(batch, capacity)
     for t in dense.k + dense.v:
         t.normal_(0, 0.1)
@@ -105,8 +106,8 @@ def alphas_from_results(paths: list[str]) -> dict[int, float]:
     """Acceptance rate per draft budget, fitted (Omega inverted) to earlier magicdec runs' accepted lengths."""
     import json
 
-    from sdbench.results import read_results
-    from sdbench.metrics import mean_accepted_length
+    from sdbench.reporting.results import read_results
+    from sdbench.engine.metrics import mean_accepted_length
     from sdbench.theory import alpha_from_tokens_per_step
 
     df = read_results(paths)
@@ -131,7 +132,7 @@ def run_predict(target: str, batches, contexts, gammas, budgets, alpha: float, f
     from rich.progress import Progress
     from rich.table import Table
 
-    from sdbench.benchmark import resolve_device, resolve_dtype
+    from sdbench.models.pair import resolve_device, resolve_dtype
     from sdbench.models.loader import load_model
     from sdbench.models.runner import ModelRunner
 

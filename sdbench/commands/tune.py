@@ -31,18 +31,20 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from sdbench.benchmark import Bench, encode_prompts, load_pair, plan, resolve_device, resolve_dtype
+from sdbench.commands.run import Bench, plan
+from sdbench.data.prompts import encode_prompts
+from sdbench.models.pair import load_pair, resolve_device, resolve_dtype
 from sdbench.config import OBJECTIVES, TuneConfig
 from sdbench.env import environment
 from sdbench.errors import Interrupted, SdbenchError
 from sdbench.paths import output_dir, presets_dir
-from sdbench.report import ALL, labelled, speedup_of, summarize
-from sdbench.results import RunWriter
-from sdbench.stats import Interval, describe as describe_interval, doubt, speedup_interval
+from sdbench.reporting.report import ALL, labelled, speedup_of, summarize
+from sdbench.reporting.results import RunWriter
+from sdbench.reporting.stats import Interval, describe as describe_interval, doubt, speedup_interval
 from sdbench.strategies import check_options, needs_draft, strategy_registry
 from sdbench.strategies.base import SearchContext
-from sdbench.studies import INTERRUPTED, NOT_NEEDED, counted, heartbeat, next_trial, reason as trial_reason
-from sdbench.studies import storage as study_storage
+from sdbench.commands.studies import INTERRUPTED, NOT_NEEDED, counted, heartbeat, next_trial, reason as trial_reason
+from sdbench.commands.studies import storage as study_storage
 
 # what must not change between sessions of one study, or its trials would not be comparable
 STUDY_SETTINGS = ("objective", "limit", "max_new_tokens", "batch_size", "seed", "prompt_len", "dtype", "repeats",
@@ -249,8 +251,6 @@ class Tuner:
         space = SearchContext(tuple(self.run.drafts), max(len(e) for e in encoded), self.run.max_new_tokens)
         draw(self.strategy, optuna.create_study().ask(), space)  # nothing to tune fails before the study exists
         study = self.open_study()
-        for params in strategy_registry.get(self.strategy).tune_seeds(space):
-            study.enqueue_trial(params, skip_if_exists=True)
         self.console.print(f"study {self.study_name} in {_safe_url(self.storage())}", highlight=False)
         reference = self._reference(pair) if self.cfg.objective == "tokens" else None
         started = time.monotonic()

@@ -8,11 +8,11 @@ m_baseline: how far the repeats of the two sides spread. A key regresses on a me
 both --max-regression and the noise, so a drop no larger than the runs' own jitter never fails the gate.
 
 Per configuration and metric, the change of the mean over the matched prompts (current mean / baseline mean
-- 1) also gets a 95 % bootstrap interval over prompts, repeats resampled within each prompt (sdbench.stats).
+- 1) also gets a 95 % bootstrap interval over prompts, repeats resampled within each prompt (sdbench.reporting.stats).
 The interval tells noise (it contains 0) from a regression (it lies wholly below -max_regression): a
 configuration whose interval says regression fails the gate even where no single prompt's repeats did. Any
 current row whose output differed from plain decoding (lossless false) fails the gate too, unless it differed
-only from a low-precision tie (divergence "tie", see sdbench.divergence).
+only from a low-precision tie (divergence "tie", see sdbench.commands.divergence).
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ from rich.table import Table
 from rich.text import Text
 
 from sdbench.errors import SdbenchError
-from sdbench.results import read_results
-from sdbench.stats import Interval, bootstrap_ratio, spread
+from sdbench.reporting.results import read_results
+from sdbench.reporting.stats import Interval, bootstrap_ratio, spread
 
 KEY = ("strategy", "params", "target", "draft", "dataset", "prompt_id", "turn", "batch_size")
 CONFIG = tuple(k for k in KEY if k != "prompt_id")  # one configuration: its keys over every prompt

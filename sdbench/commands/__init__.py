@@ -1,0 +1,1 @@
+"""The work behind each CLI command: run, tune, bench, predict, simulate, list."""

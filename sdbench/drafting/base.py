@@ -1,0 +1,34 @@
+"""The one drafting protocol. A drafter proposes tokens continuing each row of a context; it never verifies.
+
+Implemented once for a model (dense or sparse KV cache: drafting/model.py) and once for prompt lookup
+(drafting/ngram.py). Fixed-lookahead strategies (draft, ngram, magicdec) call one drafter every round, the
+adaptive strategies choose among several, the bottom of a polybasic chain is one, and DSI's drafter thread
+drafts through one.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from sdbench.engine.state import DecodeState, Proposal
+
+
+class Drafter(Protocol):
+    name: str  # as results name it: the model's name, or "ngram"
+
+    def begin(self, state: DecodeState) -> None:
+        """A new generation: state holds the prompts and each row's first token (a model prefills here)."""
+
+    def catch_up(self, ctx: torch.Tensor, lengths: list[int]) -> int:
+        """The most context tokens of a row the next `draft` must feed before drafting (0 for a lookup)."""
+
+    def draft(self, ctx: torch.Tensor, lengths: list[int], limits: list[int]) -> Proposal:
+        """Up to limits[b] tokens continuing ctx[b, :lengths[b]] per row (0: the row takes no part).
+
+        ctx [B, W] long on the host. Returns a Proposal with lengths[b] <= limits[b]; its tokens may stay on
+        the drafter's device (nothing here waits for it)."""
+
+    def end(self) -> None:
+        """The generation is over (also after an error): give back caches for reuse."""

@@ -1,0 +1,92 @@
+"""The one decode loop: propose -> verify -> commit -> observe -> record.
+
+Every strategy runs through `generate`; plain decoding is the proposer that proposes nothing. A strategy that
+changes the control flow itself (speculation parallelism) declares `owns_loop` and brings its own loop, which
+still commits through the same step (engine/step.py) and counts by the same definitions (engine/metrics.py).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from sdbench.config import SamplingConfig
+from sdbench.engine.metrics import BatchResult, Marks, RowStats, now
+from sdbench.engine.sampling import choose
+from sdbench.engine.state import DecodeState, Proposal, needed_capacity
+from sdbench.engine.step import Round, verify_and_commit
+from sdbench.errors import SdbenchError
+
+
+def generate(target, proposer, prompts: list[list[int]], *, max_new_tokens: int, sampling: SamplingConfig,
+           eos_ids=(), generator: torch.Generator | None = None, capacity: int = 0) -> BatchResult:
+    """Decode a batch of prompts with the target, drafting through `proposer` (its own loop if it owns one).
+
+    capacity: the least KV length to allocate (a warm-up passes the longest batch's, so that static-shape
+    caches and their CUDA graphs are made during the warm-up and reused by the measured batches)."""
+    if max_new_tokens < 1:
+        raise SdbenchError(f"--max-new-tokens must be at least 1 (got {max_new_tokens})")
+    if proposer.owns_loop:
+        return proposer.generate(target, prompts, max_new_tokens=max_new_tokens, sampling=sampling,
+                                 eos_ids=eos_ids, generator=generator)
+    capacity = max(capacity, needed_capacity(max(len(p) for p in prompts), max_new_tokens, proposer.max_lookahead))
+    rows = [RowStats() for _ in prompts]
+    t_start = now(target.device)
+    cache = target.new_cache(len(prompts), capacity)
+    state = DecodeState.for_prompts(prompts, max_new_tokens, capacity, eos_ids=eos_ids, sampling=sampling,
+                                    generator=generator, device=target.device, target_cache=cache)
+    try:
+        return _run(target, proposer, state, prompts, rows, t_start)
+    finally:  # caches go back for reuse by the next generation when shapes are static (CUDA graphs),
+        # in the order they were taken, so that each is taken again for the same role with its graphs
+        target.release(cache)
+        proposer.end()
+
+
+def _run(target, proposer, state: DecodeState, prompts, rows: list[RowStats], t_start: float) -> BatchResult:
+    dev = state.device
+    first, _ = choose(target.prefill(state.target_cache, prompts), state.sampling, state.generator)
+    for b, t in enumerate(first.tolist()):
+        state.commit(b, [t])
+    ttft = now(dev) - t_start
+    t0 = now(dev)
+    proposer.begin(state)
+    setup = now(dev) - t0
+    for r in rows:  # the draft's own prefill (or cache compression) is drafting cost too
+        r.draft_s += setup
+
+    marks = Marks(dev)
+    while not all(state.done):
+        t0 = marks.mark()
+        proposal = proposer.propose(state)
+        t1 = marks.mark()
+        if proposal is not None:  # cut to what each row can still commit (the proposer observes the cut)
+            proposal = proposal.fit(state.lookahead(proposal.tokens.shape[1]))
+        rnd = _verify(target, state, proposal or Proposal.empty(state.batch), marks)
+        # the verdict has reached the host (the round's one wait), so every mark of the round can be read
+        rnd.draft_s, rnd.verify_s = marks.seconds(t0, t1), marks.seconds(t1, rnd.marks["verified"])
+        for b in range(state.batch):
+            if rnd.active[b]:
+                rows[b].add_step(rnd.drafted[b], rnd.committed[b], rnd.draft_s, rnd.verify_s,
+                                 rejected=rnd.rejected(b))
+        proposer.observe(state, proposal, rnd)
+
+    wall = now(dev) - t_start
+    return BatchResult([state.generated(b) for b in range(state.batch)], state.prompt_lengths, rows, wall, ttft,
+                       [proposer.row_stats(b) for b in range(state.batch)])
+
+
+def _verify(target, state: DecodeState, proposal: Proposal, marks: Marks) -> Round:
+    """One target forward over [last committed token, drafts...] per row, then the verify-and-commit step.
+
+    The target cache holds every committed token but the last; writing from there overwrites whatever a
+    rejected draft left behind, which is the whole of rewinding.
+    """
+    last = state.last_tokens()[:, None]
+    start = [n - 1 for n in state.lengths]
+    logits = target.forward(state.target_cache, torch.cat([last.to(proposal.tokens.device), proposal.tokens], 1),
+                            start)  # [B, G+1, V]
+    verified = {}
+    rnd = verify_and_commit(state, proposal, logits, state.sampling, state.generator,
+                            queued=lambda: verified.update(verified=marks.mark()))
+    rnd.marks = verified
+    return rnd
