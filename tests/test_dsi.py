@@ -283,3 +283,14 @@ def test_a_failure_is_raised_and_the_pool_replaced(pools, target, small_draft, p
     assert pool_module._pools == {}  # discarded: the next generation starts fresh workers
     _, out = run_dsi(target, small_draft, prompts[:1], 2)
     assert out.output_ids == reference(target, prompts[:1])
+
+
+def test_the_drafter_drafts_after_a_one_token_prompt(small_draft):
+    """Nothing to prefill before the first draft: it feeds the whole (one-token) prompt itself."""
+    from sdbench.dsi.orchestrator import Drafter
+
+    drafter = Drafter(small_draft, [5], 16, GREEDY)
+    with torch.no_grad():
+        want = small_draft.model(torch.tensor([[5]])).logits[0, -1].argmax()
+    assert drafter.next_token([5]) == int(want)
+    drafter.end()

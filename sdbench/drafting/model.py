@@ -55,11 +55,13 @@ class ModelDrafter:
         prompts = [state.row(b)[: fed[b]].tolist() for b in range(state.batch)]
         self.sampling, self.generator = state.sampling, state.generator
         self.prefix = CachedPrefix(state.batch, state.capacity)
-        self.prefix.holds(state.tokens, fed)
         if self.sparse is None:
             self.cache = self.runner.new_cache(state.batch, state.capacity)
-            self.runner.prefill(self.cache, prompts)
+            if min(fed) > 0:  # else nothing to prefill for some row: the first draft feeds every row's context
+                self.runner.prefill(self.cache, prompts)
+                self.prefix.holds(state.tokens, fed)
             return
+        self.prefix.holds(state.tokens, fed)
         if self.self_speculation:
             full = state.target_cache
         else:

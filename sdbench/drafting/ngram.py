@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from sdbench.engine.state import Proposal
+from sdbench.engine.state import DecodeState, Proposal
 from sdbench.errors import SdbenchError
 
 DRAFT_NAME = "ngram"  # `--draft ngram`: prompt lookup as a draft candidate, no model to load
@@ -39,13 +39,13 @@ class NGramDrafter:
         self.name = DRAFT_NAME
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
 
-    def begin(self, state) -> None:
+    def begin(self, state: DecodeState) -> None:
         pass
 
-    def catch_up(self, ctx, lengths) -> int:
+    def catch_up(self, ctx: torch.Tensor, lengths: list[int]) -> int:
         return 0
 
-    def draft(self, ctx, lengths: list[int], limits: list[int]) -> Proposal:
+    def draft(self, ctx: torch.Tensor, lengths: list[int], limits: list[int]) -> Proposal:
         tokens = torch.zeros(len(lengths), max(limits, default=0), dtype=torch.long)
         found_lengths = torch.zeros(len(lengths), dtype=torch.long)
         for b, (n, k) in enumerate(zip(lengths, limits)):

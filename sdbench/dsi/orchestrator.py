@@ -135,7 +135,7 @@ def decode_one(pool, draft_runner, prompt: list[int], *, lookahead: int, workers
                     shared.answers += 1
                     for step in ledger.finish(answer.job, answer.worker, answer, judge):
                         if ttft is None:  # the prompt's verification gives the first token, as a prefill does:
-                            ttft = now() - t0  # not a step (metrics.py); its drafting time goes on
+                            ttft = now() - t0  # not a step (engine/metrics.py); its drafting time goes on
                             continue
                         # accepted = drafts committed (an EOS may cut accepted ones), as the decode loop counts
                         stats.add_step(step.drafted, min(step.accepted, step.committed), shared.unassigned_draft_s,

@@ -163,7 +163,7 @@ class _Adaptive(Proposer):
                    if any(d.name == DRAFT_NAME for d in self.drafters) else {})}
 
     # what each strategy decides
-    def _start(self, state) -> None:
+    def _start(self, state: DecodeState) -> None:
         raise NotImplementedError
 
     def _choose(self) -> tuple[int | None, int]:
@@ -215,7 +215,7 @@ class Adaptive(_Adaptive):
         self.priors = [AlphaPrior() for _ in drafters]
         self._features: list = []
 
-    def _start(self, state) -> None:
+    def _start(self, state: DecodeState) -> None:
         # the generation that just ended teaches the per-prompt prior before this one is predicted
         for x, row in zip(self._features, self._rows):
             for d, (a, r) in row.counts.items():
@@ -255,7 +255,7 @@ class AdaptiveFSM(_Adaptive):
         self.schedule = schedule
         self.fsm = StepSchedule(gamma, self.gamma_max, StepSchedule.UPS[schedule])
 
-    def _start(self, state) -> None:
+    def _start(self, state: DecodeState) -> None:
         self.fsm.start()
 
     def _choose(self) -> tuple[int | None, int]:

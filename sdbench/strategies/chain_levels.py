@@ -100,7 +100,7 @@ class NGramLevel:
     def settle(self) -> None:
         self.stats.forward_s += self.spans.settle()
 
-    def produce(self, ctx, lens, active, room) -> Proposal:
+    def produce(self, ctx: torch.Tensor, lens: list[int], active: list[bool], room: list[int]) -> Proposal:
         t0 = self.spans.start()
         limits = [min(self.gamma, r) if a else 0 for a, r in zip(active, room)]
         block = self.drafter.draft(ctx, lens, limits)  # trimmed: the level above verifies no padding
@@ -138,14 +138,14 @@ class ModelLevel:
         self.stats.prefill_s += self.prefill.settle()
         self.stats.forward_s += self.spans.settle()
 
-    def produce(self, ctx, lens, active, room) -> Proposal:
+    def produce(self, ctx: torch.Tensor, lens: list[int], active: list[bool], room: list[int]) -> Proposal:
         self.stats.calls += 1
         if self.below is None:
             return self._draft(ctx, lens, active, room)
         return self._refine(ctx, lens, active, room)
 
     # ---- the bottom: autoregressive drafting ------------------------------------------------------------
-    def _draft(self, ctx, lens, active, room) -> Proposal:
+    def _draft(self, ctx: torch.Tensor, lens: list[int], active: list[bool], room: list[int]) -> Proposal:
         limits = [min(self.gamma, r) if a else 0 for a, r in zip(active, room)]  # never past the room
         t0 = self.spans.start()
         block = self.drafter.draft(ctx, lens, limits)  # nothing when no row has room: the level above adds its own
@@ -154,7 +154,7 @@ class ModelLevel:
         return block
 
     # ---- a verifying level --------------------------------------------------------------------------------
-    def _refine(self, ctx, lens, active, room) -> Proposal:
+    def _refine(self, ctx: torch.Tensor, lens: list[int], active: list[bool], room: list[int]) -> Proposal:
         """Speculative rounds over blocks from below until every active row holds at least mu tokens, or its
         whole room: the level below drafts at most what leaves room for this level's own token, so no block
         handed up ever exceeds the room.
