@@ -132,7 +132,7 @@ def report(
 
         print_explain(df, console)
     if plots or html:
-        from sdbench.reporting.plots import export
+        from sdbench.reporting.html import export
 
         for path in export(df, plots, html):
             console.print(f"wrote {path}", highlight=False)

@@ -229,14 +229,3 @@ def write_plots(df: pd.DataFrame, folder: str | Path, plots: list[Plot] | None =
         path.write_bytes(plot.png)
         paths.append(path)
     return paths
-
-
-def export(df: pd.DataFrame, plots_dir: str | None, html_file: str | None) -> list[Path]:
-    """What `sdbench report --plots/--html` writes; the plots are drawn once for both."""
-    plots = render(df)
-    written = write_plots(df, plots_dir, plots) if plots_dir else []
-    if html_file:
-        from sdbench.reporting.html import write_html
-
-        written.append(write_html(df, html_file, plots))
-    return written
