@@ -39,6 +39,7 @@ from sdbench.env import environment
 from sdbench.errors import Interrupted, SdbenchError
 from sdbench.paths import output_dir
 from sdbench.presets import shipped_dir, user_dir
+from sdbench.reporting.cells import fmt
 from sdbench.reporting.report import ALL, labelled, speedup_of, summarize
 from sdbench.reporting.results import RunWriter
 from sdbench.reporting.stats import Interval, describe as describe_interval, doubt, speedup_interval
@@ -394,14 +395,10 @@ def best_table(study: optuna.Study, objective: str, top: int = 5) -> Table:
         bounds = attrs.get("interval") or (math.nan, math.nan)
         shown = {objective: describe_interval(Interval(t.value, *bounds), "" if objective == "tokens" else "x",
                                               1 if objective == "tokens" else 2)}
-        table.add_row(str(t.number), shown.get("tokens", _fmt(attrs.get("tokens_per_s"), "{:.1f}")),
-                      shown.get("speedup", _fmt(attrs.get("speedup"), "{:.2f}x")),
-                      _fmt(attrs.get("mean_accepted_len"), "{:.2f}"), describe(attrs["settings"]))
+        table.add_row(str(t.number), shown.get("tokens", fmt(attrs.get("tokens_per_s"), "{:.1f}")),
+                      shown.get("speedup", fmt(attrs.get("speedup"), "{:.2f}x")),
+                      fmt(attrs.get("mean_accepted_len"), "{:.2f}"), describe(attrs["settings"]))
     return table
-
-
-def _fmt(value, pattern: str) -> str:
-    return "–" if value is None else pattern.format(value)
 
 
 def trial_records(study: optuna.Study) -> pd.DataFrame:
