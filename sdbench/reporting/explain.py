@@ -30,7 +30,7 @@ from rich.text import Text
 
 from sdbench.engine.metrics import (acceptance_rate, mean_accepted_length, specbench_mean_accepted_tokens,
                              vllm_draft_acceptance_rate, vllm_mean_acceptance_length)
-from sdbench.reporting.cells import fmt
+from sdbench.reporting.cells import fmt, numeric
 from sdbench.reporting.report import ALL, _padded_sum, labelled, summarize
 
 FACTORS = ("ideal", "verification", "draft", "overhead", "prefill")
@@ -78,8 +78,7 @@ def definitions(df: pd.DataFrame) -> pd.DataFrame:
     data = labelled(df)
     records = []
     for (run_id, strategy), group in data[data["role"] != "baseline"].groupby(["run_id", "strategy"], sort=False):
-        num = {c: float(pd.to_numeric(group[c], errors="coerce").sum()) for c in ("new_tokens", "steps", "accepted",
-                                                                                    "drafted")}
+        num = {c: float(np.nansum(numeric(group[c]))) for c in ("new_tokens", "steps", "accepted", "drafted")}
         first = _padded_sum(group["drafted_per_position"]) if "drafted_per_position" in group else np.zeros(0)
         drafts = float(first[0]) if len(first) else math.nan
         records.append({

@@ -1,6 +1,7 @@
 """Aggregates over result rows and the rich tables that show them, each defined once.
 
-The aggregates are the project's contract:
+The aggregates are the project's contract (tokens/s, speedups, mean accepted length and acceptance rate
+are sdbench.engine.metrics functions of the sums):
   tokens_per_s       sum(new_tokens) / sum(wall_s over unique (run_id, role, batch_id, repeat)):
                      rows of one batch share its wall time, which must be counted once
   speedup            strategy tokens_per_s / baseline tokens_per_s of the same run and group
@@ -33,7 +34,7 @@ from rich.table import Table
 from rich.text import Text
 
 from sdbench.errors import SdbenchError
-from sdbench.engine.metrics import mean_accepted_length
+from sdbench.engine.metrics import acceptance_rate, mean_accepted_length, rate, speedup
 from sdbench.reporting.cells import fmt, numeric
 from sdbench.reporting.stats import Interval, describe, repeat_spread, speedup_interval
 
@@ -158,12 +159,12 @@ def _aggregate(group: pd.DataFrame) -> dict:
         "n_rows": len(group),
         "new_tokens": int(new_tokens),
         "wall_s": wall,
-        "tokens_per_s": _ratio(new_tokens, wall),
+        "tokens_per_s": rate(new_tokens, wall),
         "speedup": math.nan,
-        "decode_tokens_per_s": _ratio(new_tokens - len(group), decode),
+        "decode_tokens_per_s": rate(new_tokens - len(group), decode),
         "decode_speedup": math.nan,
         "mean_accepted_len": mean_accepted_length(new_tokens, steps, len(group)),
-        "acceptance_rate": _ratio(accepted, np.nansum(numeric(group["drafted"]))),
+        "acceptance_rate": acceptance_rate(accepted, np.nansum(numeric(group["drafted"]))),
         "steps": float(steps),
         "decode_s": decode,
         "draft_s": draft_s,
@@ -181,12 +182,12 @@ def _all_known(values: pd.Series) -> bool | None:
     return all(known) if known else None
 
 
-def _speedups(summary: pd.DataFrame, by: list[str], rate: str) -> pd.Series:
+def _speedups(summary: pd.DataFrame, by: list[str], column: str) -> pd.Series:
     keys = ["run_id"] + by
-    base = summary.loc[summary["role"] == "baseline"].groupby(keys, dropna=False)[rate].first()
+    base = summary.loc[summary["role"] == "baseline"].groupby(keys, dropna=False)[column].first()
     joined = summary.join(base.rename("_base"), on=keys)
-    ratio = joined[rate] / joined["_base"].where(joined["_base"] > 0)
-    return ratio.astype("float64")
+    return pd.Series([speedup(a, b) for a, b in zip(joined[column], joined["_base"])], index=joined.index,
+                     dtype="float64")
 
 
 def summary_table(summary: pd.DataFrame, title: str | None = None) -> Table:
@@ -261,7 +262,7 @@ def per_position_rates(df: pd.DataFrame) -> list[tuple[str, str, list[float]]]:
         if width == 0:
             continue
         accepted, drafted = np.pad(accepted, (0, width - len(accepted))), np.pad(drafted, (0, width - len(drafted)))
-        rates = [a / d if d else math.nan for a, d in zip(accepted, drafted)]
+        rates = [acceptance_rate(a, d) for a, d in zip(accepted, drafted)]
         out.append((run_id, strategy, rates))
     return out
 
@@ -341,7 +342,7 @@ def _versus_fixed(overall: pd.DataFrame, gammas: pd.Series, run_id: str, role: s
         return "–", "–"
 
     def versus(other: str) -> str:
-        ratio = _ratio(tps[(run_id, role)], tps[(run_id, other)])
+        ratio = speedup(tps[(run_id, role)], tps[(run_id, other)])
         return f"{fmt(ratio, '{:.2f}x')} ({overall.loc[(run_id, other), 'strategy']})"
 
     best = max(fixed, key=lambda r: tps[(run_id, r)])
