@@ -72,9 +72,6 @@ class DenseKVCache:
         self.graphs: dict = {}  # (B, T) -> StaticForward captured over this cache's storage
         self.pool_key = None
 
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.k + self.v)
-
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor, step: StepIndex):
         # k, v: [B, H_kv, T, D]
         kc, vc = self.k[layer], self.v[layer]

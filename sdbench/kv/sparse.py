@@ -85,9 +85,6 @@ class SparseKVCache:
         self.floor.zero_()
         self._mask_step = self._mask = None
 
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.k + self.v)
-
     def ring_slots(self, positions: torch.Tensor) -> torch.Tensor:
         return self.n_static + positions % self.ring
 

@@ -97,9 +97,5 @@ def needs_draft(base: str) -> bool:
     return bool(strategy_registry.entry(base).meta.get("needs_draft"))
 
 
-def presets() -> dict[str, dict]:
-    return read_presets()
-
-
 __all__ = ["BuildContext", "Proposal", "Proposer", "StrategyChoice", "Variant", "build_proposer", "build_variants",
-           "needs_draft", "check_options", "presets", "resolve_strategy", "strategy_registry"]
+           "needs_draft", "check_options", "resolve_strategy", "strategy_registry"]
