@@ -173,7 +173,7 @@ class ModelRunner:
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
         keys, values, mask = cache.update(i, k, v, step)
-        if getattr(cache, "wants_queries", False):  # a scoring view (SnapKV) looks at the queries too
+        if cache.wants_queries:  # a scoring view (SnapKV) looks at the queries too
             cache.queries(i, q, keys, mask)
         o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask,
                                            enable_gqa=self.n_heads != self.n_kv_heads)
@@ -189,7 +189,7 @@ class ModelRunner:
                 at: torch.Tensor | None = None) -> torch.Tensor:
         """Logits [B, T, V] (float32), or only at in-chunk indices `at`: [B] -> [B, V], [B, K] -> [B, K, V]
         (eagerly, the vocabulary projection then runs only there: it costs as much as a few layers)."""
-        if self.static and hasattr(cache, "static_kv_len"):
+        if self.static and cache.static_kv_len is not None:
             logits = self._static_forward(cache, tokens, start)
             return logits if at is None else _pick(logits, at)
         h = self.hidden(cache, tokens, start)
