@@ -225,3 +225,11 @@ def test_every_cache_sets_every_member_of_the_cache_protocol():
             assert hasattr(cache, member), f"{type(cache).__name__} lacks {member}"
     assert dense.pool_key == ("dense", 1) and ScoringView(dense).static_kv_len is None
     assert (dense.wants_queries, sparse.wants_queries, ScoringView(dense).wants_queries) == (False, False, True)
+
+
+def test_right_pad_lays_rows_out_from_column_zero():
+    from sdbench.padding import right_pad
+
+    assert right_pad([[1, 2], [3]]).tolist() == [[1, 2], [3, 0]]
+    assert right_pad([torch.tensor([4, 5])], 4).tolist() == [[4, 5, 0, 0]]
+    assert right_pad([]).shape == (0, 0) and right_pad([[7]]).dtype == torch.long

@@ -19,8 +19,11 @@ from sdbench.kv.sparse import SparseKVCache
 from sdbench.models import cpufast
 from sdbench.engine.state import needed_capacity
 from sdbench.models.graphs import CAPACITY_STEP, CachePool, StaticForward
+from sdbench.padding import right_pad
 
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
+
+
 def _pick(x: torch.Tensor, at: torch.Tensor) -> torch.Tensor:
     """x[b, at[b]] for at [B], or x[b, at[b, k]] for at [B, K]."""
     rows = torch.arange(x.shape[0], device=x.device)
@@ -216,10 +219,8 @@ class ModelRunner:
         lengths = [len(p) for p in prompts]
         if min(lengths) < 1:
             raise SdbenchError("empty prompt: a prompt needs at least one token")
-        width = max(lengths)
-        tokens = torch.zeros(len(prompts), width, dtype=torch.long)
-        for b, p in enumerate(prompts):
-            tokens[b, : len(p)] = torch.tensor(p, dtype=torch.long)
+        tokens = right_pad(prompts)
+        width = tokens.shape[1]
         last = torch.tensor(lengths) - 1
         final = torch.empty(len(prompts), self.hidden_size, dtype=self.dtype, device=self.device)
         for c0 in range(0, width, chunk):
