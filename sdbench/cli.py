@@ -132,7 +132,7 @@ def report(
 
         print_explain(df, console)
     if plots or html:
-        from sdbench.reporting.plots import export
+        from sdbench.reporting.html import export
 
         for path in export(df, plots, html):
             console.print(f"wrote {path}", highlight=False)
@@ -192,8 +192,11 @@ def bench(
     if draft and draft[0] == DRAFT_NAME:
         raise SdbenchError(f"bench --draft takes a draft model; prompt lookup ({DRAFT_NAME}) is always measured "
                            "against transformers' prompt_lookup_num_tokens")
-    if repeats < 1 or limit < 1 or max_new_tokens < 1 or gamma < 1:
-        raise SdbenchError("bench: --repeats, --limit, --max-new-tokens and --gamma must be at least 1")
+    from sdbench.strategies.base import need_gamma
+
+    if repeats < 1 or limit < 1 or max_new_tokens < 1:
+        raise SdbenchError("bench: --repeats, --limit and --max-new-tokens must be at least 1")
+    need_gamma("draft", gamma, "bench --gamma")
     run_peers(target, (draft or [target])[0], dataset, limit, max_new_tokens, gamma, device, dtype, seed, console,
               repeats, out)
 

@@ -1,4 +1,4 @@
-"""Where sdbench keeps things: the repository's data folders and the user's cache."""
+"""Where sdbench keeps things: the repository's data folders, the user's configuration and cache."""
 
 from __future__ import annotations
 
@@ -16,8 +16,14 @@ def tasks_dir() -> Path:
     return repo_root() / "tasks"
 
 
-def presets_dir() -> Path:
-    return repo_root() / "strategies"
+def config_dir(*parts: str) -> Path:
+    """The user's own files: $SDBENCH_CONFIG, else $XDG_CONFIG_HOME/sdbench, else ~/.config/sdbench. Not created
+    here: only a command that writes there creates it."""
+    env = os.environ.get("SDBENCH_CONFIG")
+    if env:
+        return Path(env).joinpath(*parts)
+    xdg = os.environ.get("XDG_CONFIG_HOME")
+    return (Path(xdg) if xdg else Path.home() / ".config").joinpath("sdbench", *parts)
 
 
 def cache_dir(*parts: str) -> Path:

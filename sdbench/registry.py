@@ -5,7 +5,7 @@ from __future__ import annotations
 import difflib
 import importlib
 from dataclasses import dataclass, field
-from typing import Any, Callable, Generic, Iterator, TypeVar
+from typing import Any, Generic, Iterator, TypeVar
 
 from sdbench.errors import SdbenchError
 
@@ -46,13 +46,6 @@ class Registry(Generic[T]):
                 raise ValueError(f"{self.kind} alias '{a}' registered twice")
             self._alias[a] = key
         return entry
-
-    def register(self, name: str, description: str = "", aliases: tuple[str, ...] = (), **meta) -> Callable[[T], T]:
-        def deco(obj: T) -> T:
-            self.add(name, obj, description, aliases, **meta)
-            return obj
-
-        return deco
 
     def __contains__(self, name: str) -> bool:
         return name.lower() in self._alias

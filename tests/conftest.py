@@ -25,6 +25,16 @@ def tiny_model(seed: int = 0, arch: str = "llama", layers: int = 2, hidden: int 
     return cls_model(cfg).eval()
 
 
+@pytest.fixture(scope="session", autouse=True)
+def user_config(tmp_path_factory):
+    """No test reads or writes the real ~/.config/sdbench: the user's folder is a fresh one for the session (a
+    test that writes presets points SDBENCH_CONFIG at its own tmp_path)."""
+    with pytest.MonkeyPatch.context() as mp:
+        folder = tmp_path_factory.mktemp("config")
+        mp.setenv("SDBENCH_CONFIG", str(folder))
+        yield folder
+
+
 @pytest.fixture(scope="session")
 def target():
     return ModelRunner(tiny_model(0), "tiny-target")

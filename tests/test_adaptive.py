@@ -289,6 +289,8 @@ def test_settings_are_checked(small_draft):
         AdaptiveFSM(make_drafters([small_draft, "ngram"], 3, 1), 4)
     with pytest.raises(SdbenchError, match="compare=2,x"):
         parse_compare("2,x")
+    with pytest.raises(SdbenchError, match="compare=0,2: every gamma must be at least 1"):
+        parse_compare("0,2")
     assert parse_compare("4, 1,2,4") == (1, 2, 4) and parse_compare("") == ()
     with pytest.raises(SdbenchError, match="--draft ngram is not one"):
         build_variants("draft", BuildContext(None, ["ngram"], 4, {}))

@@ -56,7 +56,7 @@ def test_cost_ratios_on_a_tiny_pair():
     assert verify > 0 and c > 0
 
 
-@pytest.mark.parametrize("args", [["--repeats", "0"], ["--limit", "0"]])
+@pytest.mark.parametrize("args", [["--repeats", "0"], ["--limit", "0"], ["--gamma", "0"]])
 def test_bench_rejects_impossible_settings(capsys, args):
     code, _, err = run_cli(capsys, "bench", *args)
     assert code != 0 and "at least 1" in err and "Traceback" not in err

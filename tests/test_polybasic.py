@@ -244,6 +244,7 @@ def test_predict_chain_passes_settings(capsys, monkeypatch):
     (["--draft", "ngram", "--draft", "x"], "only be the last"),
     (["--draft", "x", "--mu", "0"], "mu=0: expected one value >= 1"),
     (["--draft", "ngram", "--profile-tokens", "0"], "--profile-tokens must be at least 1"),
+    (["--draft", "ngram", "--gamma", "0"], "--gamma must be at least 1"),
 ])
 def test_predict_chain_bad_input_is_one_line(capsys, argv, expect):
     from sdbench.cli import main

@@ -366,3 +366,12 @@ def test_summary_is_the_same_after_a_parquet_round_trip(tmp_path):
     assert pick(summary, "strategy", "code")["lossless"] is False
     assert pick(summary, "baseline", "ALL")["lossless"] is None
     assert per_position_rates(df)[0][2] == [6 / 16, 2 / 16, 0 / 12]
+
+
+def test_a_cell_with_no_number_to_show_is_a_dash():
+    from sdbench.reporting.cells import fmt, numeric
+
+    missing = (None, math.nan, math.inf, pd.NA, "n/a")
+    assert [fmt(v, "{:.2f}") for v in missing] == ["–"] * len(missing)
+    assert (fmt(1.234, "{:.2f}x"), fmt(np.int64(3), "{:.0f}"), fmt(0.5, "{:.1%}")) == ("1.23x", "3", "50.0%")
+    assert np.isnan(numeric(pd.Series(["1.5", None, "x"]))[1:]).all() and numeric(pd.Series(["1.5"]))[0] == 1.5

@@ -209,3 +209,27 @@ def test_fast_path_on_copies_and_quantised_models():
     torch.testing.assert_close(fast_twin.prefill(b, ids.tolist()), stock_twin.prefill(a, ids.tolist()),
                                atol=1e-4, rtol=1e-4)
     assert not ModelRunner(quantise_int8(model), fast=True).fast  # int8 projections: no fp32 fast path
+
+
+def test_every_cache_sets_every_member_of_the_cache_protocol():
+    """The runner reads the protocol's members directly (no hasattr): each cache kind must set them all."""
+    from sdbench.kv.cache import KVCache
+    from sdbench.kv.sparse import ScoringView
+
+    runner = ModelRunner(tiny_model(0), static=True)
+    dense = runner.new_cache(1, 16)
+    sparse = runner.new_sparse_cache(1, 2, torch.tensor([4]), 2)
+    for cache in (dense, sparse, ScoringView(dense)):
+        assert KVCache in type(cache).__mro__
+        for member in (*KVCache.__annotations__, "update", "queries"):
+            assert hasattr(cache, member), f"{type(cache).__name__} lacks {member}"
+    assert dense.pool_key == ("dense", 1) and ScoringView(dense).static_kv_len is None
+    assert (dense.wants_queries, sparse.wants_queries, ScoringView(dense).wants_queries) == (False, False, True)
+
+
+def test_right_pad_lays_rows_out_from_column_zero():
+    from sdbench.padding import right_pad
+
+    assert right_pad([[1, 2], [3]]).tolist() == [[1, 2], [3, 0]]
+    assert right_pad([torch.tensor([4, 5])], 4).tolist() == [[4, 5, 0, 0]]
+    assert right_pad([]).shape == (0, 0) and right_pad([[7]]).dtype == torch.long

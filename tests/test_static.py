@@ -13,6 +13,7 @@ from sdbench.engine.loop import generate
 from sdbench.kv.sparse import SparseSpec, compress
 from sdbench.models.graphs import CAPACITY_STEP
 from sdbench.models.runner import ModelRunner
+from sdbench.padding import right_pad
 from sdbench.strategies.autoregressive import Autoregressive
 from sdbench.strategies.draft import DraftModel
 from sdbench.strategies.magicdec import MagicDec
@@ -59,9 +60,7 @@ def test_static_forward_on_a_sparse_cache_equals_eager(target, static_target):
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (40, 33)]
     spec, lens = SparseSpec("streamingllm", 12, sink=3), [len(p) for p in prompts]
-    tokens = torch.zeros(2, 48, dtype=torch.long)
-    for b, p in enumerate(prompts):
-        tokens[b, : len(p)] = torch.tensor(p)
+    tokens = right_pad(prompts, 48)
     out = []
     for runner in (target, static_target):
         sparse = compress(runner, _prefilled(runner, prompts), lens, tokens, spec, lookahead=4)

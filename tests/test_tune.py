@@ -31,6 +31,13 @@ def pair(target, small_draft):
 
 
 @pytest.fixture(autouse=True)
+def user_presets(tmp_path, monkeypatch):
+    """The user's folder, where tune writes presets: tmp_path/strategies."""
+    monkeypatch.setenv("SDBENCH_CONFIG", str(tmp_path))
+    return tmp_path / "strategies"
+
+
+@pytest.fixture(autouse=True)
 def fixed_prompts(monkeypatch):
     def load(task, *, limit=None, seed=0, prompt_len=None, tokenizer=None, **_):
         return [Prompt(f"p{i}", "c", ("",), tuple(ids)) for i, ids in enumerate(PROMPTS[:limit])]
@@ -43,10 +50,10 @@ def tuner(tmp_path, pair, strategy="ngram", trials=3, **kwargs) -> Tuner:
     run_keys.update({k: kwargs.pop(k) for k in list(kwargs) if k in RunConfig.__dataclass_fields__})
     run = RunConfig(target="tiny", strategy=strategy, device="cpu", out=str(tmp_path / "results"), **run_keys)
     pruner = kwargs.pop("pruner", None)
-    return Tuner(TuneConfig(run, trials=trials, **kwargs), pair=pair, pruner=pruner, presets=tmp_path / "strategies")
+    return Tuner(TuneConfig(run, trials=trials, **kwargs), pair=pair, pruner=pruner)
 
 
-def test_tune_writes_a_preset_and_resumes_the_study(tmp_path, pair, monkeypatch):
+def test_tune_writes_a_preset_and_resumes_the_study(tmp_path, pair, user_presets, capsys):
     first = tuner(tmp_path, pair, trials=2)
     study = first.tune()
     assert first.study_name.startswith("sdbench-tiny-ngram-mt-bench-cpu")
@@ -56,11 +63,11 @@ def test_tune_writes_a_preset_and_resumes_the_study(tmp_path, pair, monkeypatch)
     best = max(completed, key=lambda t: t.value)
 
     spec = yaml.safe_load(first.preset_path.read_text())
-    assert first.preset_path.name == "tuned-ngram-tiny.yaml"
+    assert first.preset_path == user_presets / "tuned-ngram-tiny.yaml"  # the user's folder, never the shipped one
+    assert str(first.preset_path) in capsys.readouterr().out.replace("\n", "")  # and it says where
     assert spec["gamma"] == best.params["gamma"] and spec["tuned"]["trial"] == best.number
     assert spec["options"] == {"max_ngram": best.params["max_ngram"], "min_ngram": best.params["min_ngram"]}
-    monkeypatch.setenv("SDBENCH_HOME", str(tmp_path))
-    choice = resolve_strategy("tuned-ngram-tiny")
+    choice = resolve_strategy("tuned-ngram-tiny")  # what `run --strategy` reads
     assert (choice.base, choice.gamma, choice.options) == ("ngram", spec["gamma"], spec["options"])
 
     study = tuner(tmp_path, pair, trials=3).tune()  # a second session continues the same study
@@ -185,8 +192,8 @@ def test_cli_tunes_smollm2_end_to_end(tmp_path, monkeypatch, capsys):
     from sdbench.cli import main
 
     monkeypatch.undo()  # real prompts
+    monkeypatch.setenv("SDBENCH_CONFIG", str(tmp_path / "home"))
     presets = tmp_path / "home" / "strategies"
-    monkeypatch.setattr("sdbench.commands.tune.presets_dir", lambda: presets)
     main(["tune", "--strategy", "ngram", "--limit", "1", "--max-new-tokens", "6", "--trials", "2",
           "--objective", "tokens", "--out", str(tmp_path), "--device", "cpu"])
     out = capsys.readouterr().out
@@ -267,17 +274,15 @@ def test_a_best_inside_the_noise_is_not_claimed(tmp_path):
 
 
 def tune_process(home, out, trials: int, max_new: int = 4):
-    """`sdbench tune` in its own process, on one named study under `out` (SQLite); presets go to `home`."""
+    """`sdbench tune` in its own process, on one named study under `out` (SQLite); presets go to
+    `home`/strategies."""
     import os
     import subprocess
     import sys
     from pathlib import Path
 
     repo = Path(__file__).resolve().parent.parent
-    if not (home / "tasks").exists():
-        (home / "strategies").mkdir(parents=True)
-        (home / "tasks").symlink_to(repo / "tasks")
-    env = {**os.environ, "SDBENCH_HOME": str(home), "PYTHONPATH": str(repo)}
+    env = {**os.environ, "SDBENCH_CONFIG": str(home), "PYTHONPATH": str(repo)}
     argv = [sys.executable, "-m", "sdbench", "tune", "--strategy", "ngram", "--limit", "1", "--max-new-tokens",
             str(max_new), "--trials", str(trials), "--study", "shared", "--device", "cpu", "--out", str(out)]
     return subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

@@ -27,7 +27,8 @@ def show(what: str, console: Console) -> None:
 
 
 def _strategies() -> Table:
-    from sdbench.strategies import presets, strategy_registry
+    from sdbench.presets import read_presets
+    from sdbench.strategies import strategy_registry
 
     table = Table(title="strategies")
     for col in ("name", "aliases", "needs draft", "settings (--set)", "description"):
@@ -37,7 +38,7 @@ def _strategies() -> Table:
         settings = ", ".join(f"{o.name}={o.default}" for o in cls.options) or "-"
         table.add_row(e.name, ", ".join(e.aliases), "yes" if e.meta.get("needs_draft") else "no", settings,
                       e.description)
-    for name, spec in presets().items():
+    for name, spec in read_presets().items():
         table.add_row(name, "", "", f"preset of {spec.get('strategy')}", str(spec.get("description", "")))
     return table
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from sdbench.kv.sparse import SparseKVCache
+from sdbench.kv.sparse import filled_for_profile
 from sdbench.engine.metrics import now
 from sdbench.engine.state import needed_capacity
 from sdbench.theory import predicted_speedup
@@ -42,19 +42,6 @@ def median_time(fn, device, reps: int = 5, warmup: int = 2) -> float:
     return statistics.median(times)
 
 
-def _random_sparse(runner, batch: int, context: int, budget: int, gamma: int) -> SparseKVCache:
-    sink = min(16, budget // 2)
-    window = torch.full((batch,), budget - sink)
-    cache = runner.new_sparse_cache(batch, sink, window, gamma)
-    for t in cache.k + cache.v:
-        t.normal_(0, 0.1)
-    cache.slot_pos[:, :sink] = 0
-    recent = torch.arange(context - (budget - sink), context, device=runner.device)
-    cache.slot_pos[:, cache.ring_slots(recent)] = recent
-    cache.floor[:] = sink
-    return cache
-
-
 def profile(runner, batch: int, context: int, gammas, budgets) -> Profile:
     """Time the three kinds of step at one (batch, context)."""
     dev = runner.device
@@ -71,7 +58,8 @@ def profile(runner, batch: int, context: int, gammas, budgets) -> Profile:
     for budget in budgets:
         if budget >= context:
             continue  # a budget at least the context is the full cache: no saving to model
-        sparse = _random_sparse(runner, batch, context, budget, max(gammas))
+        sink = min(16, budget // 2)
+        sparse = filled_for_profile(runner, batch, context, sink, budget - sink, max(gammas))
         draft_s[budget] = median_time(lambda s=sparse: runner.forward(s, one, start), dev)
     return Profile(batch, context, target_s, verify_s, draft_s)
 

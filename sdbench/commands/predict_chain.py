@@ -128,7 +128,7 @@ def run_chain_prediction(target: str, drafts: list[str], candidate: str, at: int
     if not 0 <= at < len(drafts):
         raise SdbenchError(f"--at {at}: insert under the target (0) or under one of the first "
                            f"{len(drafts) - 1} --draft levels (the bottom drafter verifies nothing)")
-    for name, value in (("--gamma", gamma), ("--limit", limit), ("--max-new-tokens", max_new_tokens),
+    for name, value in (("--limit", limit), ("--max-new-tokens", max_new_tokens),  # --gamma: check_chain
                         ("--profile-prompts", profile_prompts), ("--profile-tokens", profile_tokens)):
         if value < 1:
             raise SdbenchError(f"{name} must be at least 1 (got {value})")

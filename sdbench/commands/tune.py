@@ -37,7 +37,9 @@ from sdbench.models.pair import load_pair, resolve_device, resolve_dtype
 from sdbench.config import OBJECTIVES, TuneConfig
 from sdbench.env import environment
 from sdbench.errors import Interrupted, SdbenchError
-from sdbench.paths import output_dir, presets_dir
+from sdbench.paths import output_dir
+from sdbench.presets import shipped_dir, user_dir
+from sdbench.reporting.cells import fmt
 from sdbench.reporting.report import ALL, labelled, speedup_of, summarize
 from sdbench.reporting.results import RunWriter
 from sdbench.reporting.stats import Interval, describe as describe_interval, doubt, speedup_interval
@@ -179,8 +181,7 @@ class _Feed:
 class Tuner:
     """One tuning session over one study."""
 
-    def __init__(self, cfg: TuneConfig, console: Console | None = None, pair=None, pruner=None,
-                 presets: Path | None = None):
+    def __init__(self, cfg: TuneConfig, console: Console | None = None, pair=None, pruner=None):
         if cfg.objective not in OBJECTIVES:
             raise SdbenchError(f"--objective {cfg.objective}: use one of {', '.join(OBJECTIVES)}")
         if cfg.trials < 1:
@@ -197,16 +198,15 @@ class Tuner:
                                                  slug(self.hardware)))
         self.folder = Path(run.out) / "tune" / slug(self.study_name)
         self.preset_name = cfg.preset or slug(f"tuned-{self.strategy}-{run.target}")
-        self.preset_path = (presets or presets_dir()) / f"{self.preset_name}.yaml"
+        self.preset_path = user_dir() / f"{self.preset_name}.yaml"  # never the shipped folder
         self._check_preset()
 
     def _check_preset(self) -> None:
         if self.preset_name in strategy_registry:
             raise SdbenchError(f"--preset {self.preset_name}: that is a strategy's name; choose another")
-        if self.preset_path.exists():
-            spec = yaml.safe_load(self.preset_path.read_text()) or {}
-            if "tuned" not in spec:
-                raise SdbenchError(f"--preset {self.preset_name}: {self.preset_path} is a hand-written preset; "
+        for path in (self.preset_path, shipped_dir() / self.preset_path.name):  # nor hide a shipped one
+            if path.exists() and "tuned" not in (yaml.safe_load(path.read_text()) or {}):
+                raise SdbenchError(f"--preset {self.preset_name}: {path} is a hand-written preset; "
                                    "choose another name")
 
     def storage(self) -> str:
@@ -395,14 +395,10 @@ def best_table(study: optuna.Study, objective: str, top: int = 5) -> Table:
         bounds = attrs.get("interval") or (math.nan, math.nan)
         shown = {objective: describe_interval(Interval(t.value, *bounds), "" if objective == "tokens" else "x",
                                               1 if objective == "tokens" else 2)}
-        table.add_row(str(t.number), shown.get("tokens", _fmt(attrs.get("tokens_per_s"), "{:.1f}")),
-                      shown.get("speedup", _fmt(attrs.get("speedup"), "{:.2f}x")),
-                      _fmt(attrs.get("mean_accepted_len"), "{:.2f}"), describe(attrs["settings"]))
+        table.add_row(str(t.number), shown.get("tokens", fmt(attrs.get("tokens_per_s"), "{:.1f}")),
+                      shown.get("speedup", fmt(attrs.get("speedup"), "{:.2f}x")),
+                      fmt(attrs.get("mean_accepted_len"), "{:.2f}"), describe(attrs["settings"]))
     return table
-
-
-def _fmt(value, pattern: str) -> str:
-    return "–" if value is None else pattern.format(value)
 
 
 def trial_records(study: optuna.Study) -> pd.DataFrame:

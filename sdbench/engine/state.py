@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from sdbench.config import SamplingConfig
+from sdbench.padding import right_pad
 
 CAPACITY_SLACK = 2  # KV slots beyond one step's drafts: the bonus position and one spare
 
@@ -84,11 +85,8 @@ class DecodeState:
     @classmethod
     def for_prompts(cls, prompts: list[list[int]], max_new_tokens: int, capacity: int, **kw) -> "DecodeState":
         """Prompts to decode with a budget of max_new_tokens each, in a buffer of `capacity` positions."""
-        tokens = torch.zeros(len(prompts), capacity, dtype=torch.long)
-        for b, p in enumerate(prompts):
-            tokens[b, : len(p)] = torch.tensor(p, dtype=torch.long)
         lengths = [len(p) for p in prompts]
-        return cls(tokens, lengths, [n + max_new_tokens for n in lengths], **kw)
+        return cls(right_pad(prompts, capacity), lengths, [n + max_new_tokens for n in lengths], **kw)
 
     def row(self, b: int) -> torch.Tensor:
         return self.tokens[b, : self.lengths[b]]

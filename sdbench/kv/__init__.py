@@ -1,5 +1,1 @@
-"""KV caches: a dense position-indexed cache, and (later) sparse views over it."""
-
-from sdbench.kv.cache import DenseKVCache, KVCache
-
-__all__ = ["DenseKVCache", "KVCache"]
+"""KV caches: the position-indexed dense cache (cache.py) and fixed-budget sparse views over it (sparse.py)."""

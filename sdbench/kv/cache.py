@@ -15,12 +15,23 @@ import torch
 
 
 class KVCache(Protocol):
-    capacity: int
+    """Everything a ModelRunner uses of a cache. The caches (dense, sparse, the SnapKV scoring view) subclass it
+    and set every attribute; `queries` does nothing unless a cache wants the queries."""
+
+    capacity: int  # a forward may write positions below it
+    static_kv_len: int | None  # slots a static-shape forward attends over (every slot, masked); None: eager only
+    wants_queries: bool  # True: after `update`, each layer's queries go to `queries` (SnapKV scoring)
+    graphs: dict  # (B, T) -> StaticForward captured over this cache's storage
+    pool_key: tuple | None  # the runner's pool key (static shapes); None: never pooled
 
     def update(
         self, layer: int, k: torch.Tensor, v: torch.Tensor, step: "StepIndex"
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """Store the new keys/values and return (keys, values, mask) to attend over."""
+        ...
+
+    def queries(self, layer: int, q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor | None) -> None:
+        """The layer's queries [B, Hq, T, D] against the keys [B, H_kv, S, D] it attends to (when wants_queries)."""
 
 
 class StepIndex:
@@ -58,8 +69,10 @@ class StepIndex:
         return self._mask
 
 
-class DenseKVCache:
+class DenseKVCache(KVCache):
     """Pre-allocated [L] x [B, H_kv, capacity, D] keys and values."""
+
+    wants_queries = False
 
     def __init__(self, n_layers: int, batch: int, n_kv_heads: int, head_dim: int, capacity: int,
                  dtype: torch.dtype, device: torch.device):
@@ -71,9 +84,6 @@ class DenseKVCache:
         self.static_kv_len = capacity  # a static-shape forward attends over the whole cache
         self.graphs: dict = {}  # (B, T) -> StaticForward captured over this cache's storage
         self.pool_key = None
-
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.k + self.v)
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor, step: StepIndex):
         # k, v: [B, H_kv, T, D]

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from sdbench.errors import SdbenchError
-from sdbench.kv.cache import DenseKVCache, StepIndex
+from sdbench.kv.cache import DenseKVCache, KVCache, StepIndex
 
 SELECTORS = ("streamingllm", "snapkv")
 
@@ -55,8 +55,10 @@ class SparseSpec:
         return self.budget - self.n_static
 
 
-class SparseKVCache:
+class SparseKVCache(KVCache):
     """Static slots plus a position-indexed ring; see the module docstring."""
+
+    wants_queries = False
 
     def __init__(self, n_layers: int, batch: int, n_kv_heads: int, head_dim: int, n_static: int, ring: int,
                  dtype: torch.dtype, device: torch.device):
@@ -85,9 +87,6 @@ class SparseKVCache:
         self.floor.zero_()
         self._mask_step = self._mask = None
 
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.k + self.v)
-
     def ring_slots(self, positions: torch.Tensor) -> torch.Tensor:
         return self.n_static + positions % self.ring
 
@@ -111,17 +110,21 @@ class SparseKVCache:
         return (static | recent)[:, None]
 
 
-class ScoringView:
+class ScoringView(KVCache):
     """Read-only view of a dense cache that records SnapKV scores while the last prompt tokens are re-run.
 
     The keys of the re-run positions are already in the dense cache, so nothing is written (rewriting them
-    could change the target's cache in the last bits and with it the greedy reference)."""
+    could change the target's cache in the last bits and with it the greedy reference). Only the eager
+    forward runs over it: it is used once per prompt, never pooled or captured."""
 
     wants_queries = True
+    static_kv_len = None
+    pool_key = None
 
     def __init__(self, dense: DenseKVCache, pool: int = 7):
         self.dense = dense
         self.capacity = dense.capacity
+        self.graphs: dict = {}
         self.pool = pool
         self.scores: dict[int, torch.Tensor] = {}  # layer -> [B, H_kv, kv_len]
 
@@ -163,6 +166,20 @@ def compress(runner, dense: DenseKVCache, lengths: list[int], tokens: torch.Tens
         if scores is not None:
             static, valid = _select(scores[layer], cache.floor, n)
         _fill(cache, dense, layer, static, valid, P)
+    return cache
+
+
+def filled_for_profile(runner, batch: int, context: int, sink: int, window: int, lookahead: int) -> SparseKVCache:
+    """A sparse cache laid out as after a `context`-token prompt (the first `sink` positions static, the last
+    `window` in the ring) with random keys and values instead of a prefill: a forward over it costs what a
+    draft step at that context costs, which is all `predict magicdec` times."""
+    cache = runner.new_sparse_cache(batch, sink, torch.full((batch,), window), lookahead)
+    for t in cache.k + cache.v:
+        t.normal_(0, 0.1)
+    cache.slot_pos[:, :sink] = 0
+    recent = torch.arange(context - window, context, device=cache.slot_pos.device)
+    cache.slot_pos[:, cache.ring_slots(recent)] = recent
+    cache.floor[:] = sink
     return cache
 
 

@@ -19,8 +19,6 @@ tests check everything but the capture itself.
 
 from __future__ import annotations
 
-import warnings
-
 import torch
 
 from sdbench.kv.cache import StepIndex
@@ -126,6 +124,6 @@ class CachePool:
         return best
 
     def give(self, cache) -> None:
-        if getattr(cache, "pool_key", None) is not None and all(c is not cache for c in self.free):
+        if cache.pool_key is not None and all(c is not cache for c in self.free):
             self.free.append(cache)
             del self.free[:-POOL_MAX]

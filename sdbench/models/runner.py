@@ -19,8 +19,11 @@ from sdbench.kv.sparse import SparseKVCache
 from sdbench.models import cpufast
 from sdbench.engine.state import needed_capacity
 from sdbench.models.graphs import CAPACITY_STEP, CachePool, StaticForward
+from sdbench.padding import right_pad
 
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
+
+
 def _pick(x: torch.Tensor, at: torch.Tensor) -> torch.Tensor:
     """x[b, at[b]] for at [B], or x[b, at[b, k]] for at [B, K]."""
     rows = torch.arange(x.shape[0], device=x.device)
@@ -173,7 +176,7 @@ class ModelRunner:
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
         keys, values, mask = cache.update(i, k, v, step)
-        if getattr(cache, "wants_queries", False):  # a scoring view (SnapKV) looks at the queries too
+        if cache.wants_queries:  # a scoring view (SnapKV) looks at the queries too
             cache.queries(i, q, keys, mask)
         o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask,
                                            enable_gqa=self.n_heads != self.n_kv_heads)
@@ -189,7 +192,7 @@ class ModelRunner:
                 at: torch.Tensor | None = None) -> torch.Tensor:
         """Logits [B, T, V] (float32), or only at in-chunk indices `at`: [B] -> [B, V], [B, K] -> [B, K, V]
         (eagerly, the vocabulary projection then runs only there: it costs as much as a few layers)."""
-        if self.static and hasattr(cache, "static_kv_len"):
+        if self.static and cache.static_kv_len is not None:
             logits = self._static_forward(cache, tokens, start)
             return logits if at is None else _pick(logits, at)
         h = self.hidden(cache, tokens, start)
@@ -216,10 +219,8 @@ class ModelRunner:
         lengths = [len(p) for p in prompts]
         if min(lengths) < 1:
             raise SdbenchError("empty prompt: a prompt needs at least one token")
-        width = max(lengths)
-        tokens = torch.zeros(len(prompts), width, dtype=torch.long)
-        for b, p in enumerate(prompts):
-            tokens[b, : len(p)] = torch.tensor(p, dtype=torch.long)
+        tokens = right_pad(prompts)
+        width = tokens.shape[1]
         last = torch.tensor(lengths) - 1
         final = torch.empty(len(prompts), self.hidden_size, dtype=self.dtype, device=self.device)
         for c0 in range(0, width, chunk):

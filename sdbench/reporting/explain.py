@@ -30,6 +30,7 @@ from rich.text import Text
 
 from sdbench.engine.metrics import (acceptance_rate, mean_accepted_length, specbench_mean_accepted_tokens,
                              vllm_draft_acceptance_rate, vllm_mean_acceptance_length)
+from sdbench.reporting.cells import fmt, numeric
 from sdbench.reporting.report import ALL, _padded_sum, labelled, summarize
 
 FACTORS = ("ideal", "verification", "draft", "overhead", "prefill")
@@ -77,8 +78,7 @@ def definitions(df: pd.DataFrame) -> pd.DataFrame:
     data = labelled(df)
     records = []
     for (run_id, strategy), group in data[data["role"] != "baseline"].groupby(["run_id", "strategy"], sort=False):
-        num = {c: float(pd.to_numeric(group[c], errors="coerce").sum()) for c in ("new_tokens", "steps", "accepted",
-                                                                                    "drafted")}
+        num = {c: float(np.nansum(numeric(group[c]))) for c in ("new_tokens", "steps", "accepted", "drafted")}
         first = _padded_sum(group["drafted_per_position"]) if "drafted_per_position" in group else np.zeros(0)
         drafts = float(first[0]) if len(first) else math.nan
         records.append({
@@ -92,10 +92,6 @@ def definitions(df: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(records)
 
 
-def _fmt(value: float, pattern: str) -> str:
-    return pattern.format(value) if value is not None and math.isfinite(value) else "–"
-
-
 def breakdown_table(parts: pd.DataFrame) -> Table:
     table = Table(title="Where the speedup goes (factors multiply to the measured speedup)",
                   caption="verification: 1/v, v = one verification over a plain 1-token step (shown in brackets); "
@@ -103,10 +99,10 @@ def breakdown_table(parts: pd.DataFrame) -> Table:
     for name in ("run", "strategy", "measured", *FACTORS, "product", "predicted"):
         table.add_column(name, justify="left" if name in ("run", "strategy") else "right", no_wrap=True)
     for row in parts.to_dict("records"):
-        cells = [row["run_id"], row["strategy"], _fmt(row["speedup"], "{:.3f}x")]
-        cells += [_fmt(row[f], "{:.3f}") + (f" (v={row['verify_cost']:.2f})" if f == "verification"
+        cells = [row["run_id"], row["strategy"], fmt(row["speedup"], "{:.3f}x")]
+        cells += [fmt(row[f], "{:.3f}") + (f" (v={row['verify_cost']:.2f})" if f == "verification"
                                            and math.isfinite(row["verify_cost"]) else "") for f in FACTORS]
-        cells += [_fmt(row["product"], "{:.3f}x"), _fmt(row["predicted"], "{:.2f}x")]
+        cells += [fmt(row["product"], "{:.3f}x"), fmt(row["predicted"], "{:.2f}x")]
         table.add_row(*(Text(str(c)) for c in cells))
     return table
 
@@ -122,7 +118,7 @@ def definitions_table(defs: pd.DataFrame) -> Table:
     for name, _, _ in columns:
         table.add_column(name, justify="left" if name in ("run", "strategy") else "right")
     for row in defs.to_dict("records"):
-        table.add_row(*(Text(p.format(row[k]) if isinstance(row[k], str) else _fmt(row[k], p))
+        table.add_row(*(Text(p.format(row[k]) if isinstance(row[k], str) else fmt(row[k], p))
                         for _, k, p in columns))
     return table
 

@@ -1,4 +1,5 @@
-"""`sdbench report --html FILE`: one self-contained page, the report's tables plus its plots inlined as base64."""
+"""`sdbench report --html FILE`: one self-contained page, the report's tables plus its plots inlined as base64;
+and `export`, what `--plots DIR` and `--html FILE` write together."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import pandas as pd
 from rich.console import Console
 
 from sdbench.paths import output_dir
+from sdbench.reporting.plots import render, write_plots
 from sdbench.reporting.report import print_report, summarize, summary_table
 
 STYLE = """
@@ -43,9 +45,16 @@ def page(df: pd.DataFrame, plots: list, title: str = "sdbench report") -> str:
 
 
 def write_html(df: pd.DataFrame, path: str | Path, plots: list | None = None) -> Path:
-    from sdbench.reporting.plots import render
-
     path = Path(path)
     output_dir(path.parent, "--html")
     path.write_text(page(df, render(df) if plots is None else plots), encoding="utf-8")
     return path
+
+
+def export(df: pd.DataFrame, plots_dir: str | None, html_file: str | None) -> list[Path]:
+    """What `sdbench report --plots/--html` writes; the plots are drawn once for both."""
+    plots = render(df)
+    written = write_plots(df, plots_dir, plots) if plots_dir else []
+    if html_file:
+        written.append(write_html(df, html_file, plots))
+    return written

@@ -17,6 +17,7 @@ import pandas as pd
 
 from sdbench.errors import MissingPackageError, SdbenchError
 from sdbench.paths import output_dir
+from sdbench.reporting.cells import numeric
 from sdbench.reporting.report import ALL, labelled, per_position_rates, summarize
 
 # settings a sweep may vary, and where each is found: a result column or a key of the params JSON
@@ -51,10 +52,6 @@ def _png(plt, fig) -> bytes:
     return buffer.getvalue()
 
 
-def _num(series: pd.Series) -> np.ndarray:
-    return pd.to_numeric(series, errors="coerce").astype("float64").to_numpy()
-
-
 def _strategies(df: pd.DataFrame) -> pd.DataFrame:
     """Strategy rows (no baseline), labelled; the run id prefixed when labels repeat across runs."""
     data = labelled(df)
@@ -67,7 +64,7 @@ def _strategies(df: pd.DataFrame) -> pd.DataFrame:
 def speedup_by_strategy(plt, df: pd.DataFrame) -> Plot | None:
     summary = summarize(df, by=("dataset",))
     overall = summary[(summary["role"] != "baseline") & (summary["dataset"] != ALL)]
-    overall = overall[np.isfinite(_num(overall["speedup"]))]
+    overall = overall[np.isfinite(numeric(overall["speedup"]))]
     if overall.empty:
         return None
     many_runs = overall.groupby("strategy")["run_id"].nunique().gt(1).any()
@@ -75,7 +72,7 @@ def speedup_by_strategy(plt, df: pd.DataFrame) -> Plot | None:
     labels = [" · ".join(x for x in ((r if many_runs else ""), s, (d if many_sets else "")) if x)
               for r, s, d in zip(overall["run_id"], overall["strategy"], overall["dataset"])]
     fig, ax = plt.subplots(figsize=(max(5.0, 0.9 * len(labels) + 2), 4))
-    values = _num(overall["speedup"])
+    values = numeric(overall["speedup"])
     ax.bar(range(len(values)), values, color=["tab:green" if v >= 1 else "tab:red" for v in values])
     ax.axhline(1.0, color="black", linewidth=0.8, linestyle="--")
     tilt = len(labels) > 3
@@ -87,14 +84,14 @@ def speedup_by_strategy(plt, df: pd.DataFrame) -> Plot | None:
 
 def acceptance_histogram(plt, df: pd.DataFrame) -> Plot | None:
     data = _strategies(df)
-    data = data[np.isfinite(_num(data["mean_accepted_len"]))] if "mean_accepted_len" in data else data.iloc[:0]
+    data = data[np.isfinite(numeric(data["mean_accepted_len"]))] if "mean_accepted_len" in data else data.iloc[:0]
     if data.empty:
         return None
     fig, ax = plt.subplots(figsize=(7, 4))
-    values = _num(data["mean_accepted_len"])
+    values = numeric(data["mean_accepted_len"])
     bins = np.linspace(1.0, max(2.0, float(values.max())), 21)
     for name, group in data.groupby("strategy", sort=False):
-        ax.hist(_num(group["mean_accepted_len"]), bins=bins, alpha=0.55, label=str(name))
+        ax.hist(numeric(group["mean_accepted_len"]), bins=bins, alpha=0.55, label=str(name))
     ax.set_xlabel("mean accepted length per prompt (bonus token included)")
     ax.set_ylabel("prompts")
     ax.legend(fontsize="small")
@@ -121,7 +118,7 @@ def per_position(plt, df: pd.DataFrame) -> Plot | None:
 
 def _setting(data: pd.DataFrame, name: str) -> np.ndarray:
     if name in data and name != "budget":
-        return _num(data[name])
+        return numeric(data[name])
     return np.array([_param(p, name) for p in data["params"]], dtype="float64")
 
 
@@ -136,7 +133,7 @@ def _param(params, name: str) -> float:
 def speedup_sweeps(plt, df: pd.DataFrame) -> list[Plot]:
     """Speedup against each setting that takes several values among a strategy's rows."""
     data = df[df["role"] != "baseline"]
-    data = data[np.isfinite(_num(data["speedup"]))] if "speedup" in data else data.iloc[:0]
+    data = data[np.isfinite(numeric(data["speedup"]))] if "speedup" in data else data.iloc[:0]
     plots = []
     for name, axis in SWEEPS:
         x = _setting(data, name) if len(data) else np.array([])
@@ -146,7 +143,7 @@ def speedup_sweeps(plt, df: pd.DataFrame) -> list[Plot]:
         fig, ax = plt.subplots(figsize=(7, 4))
         for strategy in varying:
             keep = (data["strategy"] == strategy).to_numpy() & np.isfinite(x)
-            xs, ys = x[keep], _num(data["speedup"])[keep]
+            xs, ys = x[keep], numeric(data["speedup"])[keep]
             points = ax.scatter(xs, ys, alpha=0.35, s=14)
             levels = np.unique(xs)
             ax.plot(levels, [np.median(ys[xs == v]) for v in levels], marker="o", color=points.get_facecolor()[0],
@@ -167,7 +164,7 @@ def predicted_vs_measured(plt, df: pd.DataFrame) -> Plot | None:
     if "predicted_speedup" not in df or "speedup" not in df:
         return None
     data = _strategies(df)
-    pred, meas = _num(data["predicted_speedup"]), _num(data["speedup"])
+    pred, meas = numeric(data["predicted_speedup"]), numeric(data["speedup"])
     keep = np.isfinite(pred) & np.isfinite(meas)
     if not keep.any():
         return None
@@ -229,14 +226,3 @@ def write_plots(df: pd.DataFrame, folder: str | Path, plots: list[Plot] | None =
         path.write_bytes(plot.png)
         paths.append(path)
     return paths
-
-
-def export(df: pd.DataFrame, plots_dir: str | None, html_file: str | None) -> list[Path]:
-    """What `sdbench report --plots/--html` writes; the plots are drawn once for both."""
-    plots = render(df)
-    written = write_plots(df, plots_dir, plots) if plots_dir else []
-    if html_file:
-        from sdbench.reporting.html import write_html
-
-        written.append(write_html(df, html_file, plots))
-    return written

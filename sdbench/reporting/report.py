@@ -1,6 +1,7 @@
 """Aggregates over result rows and the rich tables that show them, each defined once.
 
-The aggregates are the project's contract:
+The aggregates are the project's contract (tokens/s, speedups, mean accepted length and acceptance rate
+are sdbench.engine.metrics functions of the sums):
   tokens_per_s       sum(new_tokens) / sum(wall_s over unique (run_id, role, batch_id, repeat)):
                      rows of one batch share its wall time, which must be counted once
   speedup            strategy tokens_per_s / baseline tokens_per_s of the same run and group
@@ -33,7 +34,8 @@ from rich.table import Table
 from rich.text import Text
 
 from sdbench.errors import SdbenchError
-from sdbench.engine.metrics import mean_accepted_length
+from sdbench.engine.metrics import acceptance_rate, mean_accepted_length, rate, speedup
+from sdbench.reporting.cells import fmt, numeric
 from sdbench.reporting.stats import Interval, describe, repeat_spread, speedup_interval
 
 ALL = "ALL"
@@ -126,10 +128,6 @@ def _differing(ident: pd.DataFrame) -> pd.Series:
     return pd.Series(text, index=ident.index, dtype=object)
 
 
-def _num(series: pd.Series) -> np.ndarray:
-    return pd.to_numeric(series, errors="coerce").astype("float64").to_numpy()
-
-
 def _ratio(num: float, den: float) -> float:
     return num / den if den and not math.isnan(den) and not math.isnan(num) else math.nan
 
@@ -142,31 +140,31 @@ def _per_batch(group: pd.DataFrame, column: str) -> float:
     keys = group[_BATCH].astype(object)
     loose = keys["batch_id"].isna()
     keys.loc[loose, "batch_id"] = [f"row-{i}" for i in range(int(loose.sum()))]
-    values = pd.Series(_num(group[column]), index=group.index)
+    values = pd.Series(numeric(group[column]), index=group.index)
     per_batch = values.groupby([keys[k] for k in _BATCH], dropna=False).max()
     return float(per_batch.sum(min_count=1)) if len(per_batch) else math.nan
 
 
 def _aggregate(group: pd.DataFrame) -> dict:
-    new_tokens = np.nansum(_num(group["new_tokens"]))
-    steps, accepted = np.nansum(_num(group["steps"])), np.nansum(_num(group["accepted"]))
+    new_tokens = np.nansum(numeric(group["new_tokens"]))
+    steps, accepted = np.nansum(numeric(group["steps"])), np.nansum(numeric(group["accepted"]))
     wall = _per_batch(group, "wall_s")
-    decode = _per_batch(group.assign(decode_s=_num(group["wall_s"]) - _num(group["ttft_s"])), "decode_s")
+    decode = _per_batch(group.assign(decode_s=numeric(group["wall_s"]) - numeric(group["ttft_s"])), "decode_s")
     draft_s, verify_s = _per_batch(group, "draft_s"), _per_batch(group, "verify_s")
-    predicted = _num(group["predicted_speedup"])
-    peak = _num(group["peak_mem_bytes"])
+    predicted = numeric(group["predicted_speedup"])
+    peak = numeric(group["peak_mem_bytes"])
     ties = group["divergence"].eq("tie").fillna(False).astype(bool)
     return {
         "n_prompts": int(group["prompt_id"].nunique()),
         "n_rows": len(group),
         "new_tokens": int(new_tokens),
         "wall_s": wall,
-        "tokens_per_s": _ratio(new_tokens, wall),
+        "tokens_per_s": rate(new_tokens, wall),
         "speedup": math.nan,
-        "decode_tokens_per_s": _ratio(new_tokens - len(group), decode),
+        "decode_tokens_per_s": rate(new_tokens - len(group), decode),
         "decode_speedup": math.nan,
         "mean_accepted_len": mean_accepted_length(new_tokens, steps, len(group)),
-        "acceptance_rate": _ratio(accepted, np.nansum(_num(group["drafted"]))),
+        "acceptance_rate": acceptance_rate(accepted, np.nansum(numeric(group["drafted"]))),
         "steps": float(steps),
         "decode_s": decode,
         "draft_s": draft_s,
@@ -184,12 +182,12 @@ def _all_known(values: pd.Series) -> bool | None:
     return all(known) if known else None
 
 
-def _speedups(summary: pd.DataFrame, by: list[str], rate: str) -> pd.Series:
+def _speedups(summary: pd.DataFrame, by: list[str], column: str) -> pd.Series:
     keys = ["run_id"] + by
-    base = summary.loc[summary["role"] == "baseline"].groupby(keys, dropna=False)[rate].first()
+    base = summary.loc[summary["role"] == "baseline"].groupby(keys, dropna=False)[column].first()
     joined = summary.join(base.rename("_base"), on=keys)
-    ratio = joined[rate] / joined["_base"].where(joined["_base"] > 0)
-    return ratio.astype("float64")
+    return pd.Series([speedup(a, b) for a, b in zip(joined[column], joined["_base"])], index=joined.index,
+                     dtype="float64")
 
 
 def summary_table(summary: pd.DataFrame, title: str | None = None) -> Table:
@@ -212,9 +210,9 @@ def summary_table(summary: pd.DataFrame, title: str | None = None) -> Table:
             table.add_section()
             started_overall = True
         cells = [row["strategy"], " / ".join(str(row[b]) for b in by), str(row["n_prompts"]),
-                 _fmt(row["tokens_per_s"], "{:.1f}"), speedup_cell(row), speedup_cell(row, "decode_speedup"),
-                 _fmt(row["predicted_speedup"], "{:.2f}x"), _fmt(row["mean_accepted_len"], "{:.2f}"),
-                 _fmt(row["acceptance_rate"], "{:.1%}"), _fmt(row["draft_share"], "{:.1%}"),
+                 fmt(row["tokens_per_s"], "{:.1f}"), speedup_cell(row), speedup_cell(row, "decode_speedup"),
+                 fmt(row["predicted_speedup"], "{:.2f}x"), fmt(row["mean_accepted_len"], "{:.2f}"),
+                 fmt(row["acceptance_rate"], "{:.1%}"), fmt(row["draft_share"], "{:.1%}"),
                  _mark(row["lossless"]) + (f" ({row['ties']} tie)" if row.get("ties") else "")]
         cells = ([row["run_id"]] if many_runs else []) + cells
         table.add_row(*(Text(str(c)) for c in cells), style="bold" if overall else None)
@@ -245,13 +243,6 @@ def _ordered(summary: pd.DataFrame, by: list[str]) -> list[dict]:
     return sorted(rows, key=key)
 
 
-def _fmt(value, pattern: str) -> str:
-    try:
-        return "–" if value is None or pd.isna(value) else pattern.format(value)
-    except (TypeError, ValueError):
-        return "–"
-
-
 def _mark(value) -> str:
     if value is None or pd.isna(value):
         return "–"
@@ -271,7 +262,7 @@ def per_position_rates(df: pd.DataFrame) -> list[tuple[str, str, list[float]]]:
         if width == 0:
             continue
         accepted, drafted = np.pad(accepted, (0, width - len(accepted))), np.pad(drafted, (0, width - len(drafted)))
-        rates = [a / d if d else math.nan for a, d in zip(accepted, drafted)]
+        rates = [acceptance_rate(a, d) for a, d in zip(accepted, drafted)]
         out.append((run_id, strategy, rates))
     return out
 
@@ -304,7 +295,7 @@ def per_position_table(df: pd.DataFrame) -> Table | None:
     for position in range(1, width + 1):
         table.add_column(str(position), justify="right")
     for run_id, strategy, row in rates:
-        cells = [_fmt(row[i] if i < len(row) else None, "{:.1%}") for i in range(width)]
+        cells = [fmt(row[i] if i < len(row) else None, "{:.1%}") for i in range(width)]
         table.add_row(*(Text(c) for c in ([run_id] if many_runs else []) + [strategy] + cells))
     return table
 
@@ -337,7 +328,7 @@ def adaptive_table(df: pd.DataFrame) -> Table | None:
         mean = sum(g * n for g, n in hist.items()) / rounds if rounds else math.nan
         best, guessed = _versus_fixed(overall, gammas, run_id, role)
         table.add_row(*(Text(c) for c in (
-            group["strategy"].iloc[0], _fmt(mean, "{:.2f}"), " ".join(f"{g}:{n}" for g, n in sorted(hist.items())),
+            group["strategy"].iloc[0], fmt(mean, "{:.2f}"), " ".join(f"{g}:{n}" for g, n in sorted(hist.items())),
             " ".join(f"{k}:{n}" for k, n in drafts.items()) or "–", best, guessed)))
     return table
 
@@ -351,8 +342,8 @@ def _versus_fixed(overall: pd.DataFrame, gammas: pd.Series, run_id: str, role: s
         return "–", "–"
 
     def versus(other: str) -> str:
-        ratio = _ratio(tps[(run_id, role)], tps[(run_id, other)])
-        return f"{_fmt(ratio, '{:.2f}x')} ({overall.loc[(run_id, other), 'strategy']})"
+        ratio = speedup(tps[(run_id, role)], tps[(run_id, other)])
+        return f"{fmt(ratio, '{:.2f}x')} ({overall.loc[(run_id, other), 'strategy']})"
 
     best = max(fixed, key=lambda r: tps[(run_id, r)])
     same = [r for r in fixed if gammas.get((run_id, r)) == gammas.get((run_id, role))]
@@ -370,7 +361,7 @@ def repeat_table(df: pd.DataFrame) -> Table | None:
         table.add_column(name, justify="right" if name in ("repeats", "spread (MAD/median)") else "left")
     for (run_id, strategy), group in data.groupby(["run_id", "strategy"], sort=False):
         value, n = repeat_spread(group)
-        table.add_row(Text(str(run_id)), Text(str(strategy)), str(n), _fmt(value, "{:.1%}"))
+        table.add_row(Text(str(run_id)), Text(str(strategy)), str(n), fmt(value, "{:.1%}"))
     return table
 
 
@@ -421,8 +412,8 @@ def retrieval_table(df: pd.DataFrame) -> Table | None:
         table.add_column(column, justify="left" if column == "strategy" else "right")
     for (strategy, depth), group in data.groupby(["strategy", "depth"], sort=False, dropna=False):
         found = group["found"].astype(bool)
-        table.add_row(*(Text(str(c)) for c in (strategy, _fmt(depth, "{:.0%}"), f"{int(found.sum())}/{len(found)}",
-                                                 _fmt(group["prompt_tokens"].median(), "{:.0f}"))))
+        table.add_row(*(Text(str(c)) for c in (strategy, fmt(depth, "{:.0%}"), f"{int(found.sum())}/{len(found)}",
+                                                 fmt(group["prompt_tokens"].median(), "{:.0f}"))))
     return table
 
 

@@ -1,15 +1,14 @@
 """The strategy registry: each strategy is a Proposer class with declared `options` and `build(ctx)`.
 
-Named presets (strategies/*.yaml at the repository root) are strategies with saved settings.
+Named presets (`sdbench.presets`: the shipped strategies/*.yaml and the user's own) are strategies with saved
+settings.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-import yaml
-
-from sdbench.paths import presets_dir
+from sdbench.presets import read_presets
 from sdbench.registry import Registry
 from sdbench.strategies.base import BuildContext, Proposal, Proposer, Variant, take_options
 
@@ -67,19 +66,10 @@ class StrategyChoice:
     drafts: tuple[str, ...] = ()
 
 
-def _presets() -> dict[str, dict]:
-    found = {}
-    folder = presets_dir()
-    for path in sorted(folder.glob("*.yaml")) if folder.is_dir() else []:
-        spec = yaml.safe_load(path.read_text()) or {}
-        found[str(spec.get("name", path.stem)).lower()] = spec
-    return found
-
-
 def resolve_strategy(name: str) -> StrategyChoice:
     if name in strategy_registry:
         return StrategyChoice(name, strategy_registry.entry(name).name)
-    preset = _presets().get(name.lower())
+    preset = read_presets().get(name.lower())
     if preset is None:
         strategy_registry.entry(name)  # raises the one-line unknown-strategy error
     base = strategy_registry.entry(str(preset.get("strategy", ""))).name
@@ -107,9 +97,5 @@ def needs_draft(base: str) -> bool:
     return bool(strategy_registry.entry(base).meta.get("needs_draft"))
 
 
-def presets() -> dict[str, dict]:
-    return _presets()
-
-
 __all__ = ["BuildContext", "Proposal", "Proposer", "StrategyChoice", "Variant", "build_proposer", "build_variants",
-           "needs_draft", "check_options", "presets", "resolve_strategy", "strategy_registry"]
+           "needs_draft", "check_options", "resolve_strategy", "strategy_registry"]

@@ -52,13 +52,13 @@ def make_drafters(drafts: list, max_ngram: int, min_ngram: int) -> list:
             for d in drafts or [DRAFT_NAME]]
 
 
-def parse_compare(text: str) -> tuple[int, ...]:
+def parse_compare(text: str, strategy: str = "adaptive") -> tuple[int, ...]:
     try:
         values = tuple(sorted({int(x) for x in str(text).split(",") if x.strip()}))
     except ValueError:
         raise SdbenchError(f"--set compare={text}: expected gammas like 1,2,4,6,8") from None
-    if any(v < 1 for v in values):
-        raise SdbenchError(f"--set compare={text}: every gamma must be at least 1")
+    for v in values:
+        need_gamma(strategy, v, f"--set compare={text}: every gamma")
     return values
 
 
@@ -96,7 +96,7 @@ class _Adaptive(Proposer):
         check_ngram(self.name, max_ngram, min_ngram)
         super().__init__(gamma)
         self.drafters, self.gamma_max = drafters, gamma_max
-        self.compare = parse_compare(compare)
+        self.compare = parse_compare(compare, self.name)
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
         self._rows: list[RowTrace] = []
         self._started: list[bool] = []

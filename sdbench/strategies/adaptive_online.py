@@ -160,16 +160,10 @@ class GammaPolicy:
         self.windows = [Window(self.history) for _ in priors]
         self.plain_run = 0
 
-    def rate(self, d: int, gamma: int) -> float:
-        window = self.windows[d]
-        hit = window.hit_rate()
-        return tokens_per_second(window.alpha(self.priors[d]), gamma, self.draft[d](gamma),
-                                 self.verify(hit * gamma), hit)
-
     def best(self) -> tuple[float, int, int]:
         """(rate, drafter, gamma) of the best drafting choice; ties go to the smaller gamma."""
         top = (-math.inf, 0, 1)
-        va, vb = self.verify.coefficients()  # what rate() computes, with each fit solved once per round
+        va, vb = self.verify.coefficients()  # each fit solved once per round, not once per choice
         for d, (window, draft) in enumerate(zip(self.windows, self.draft)):
             alpha, hit = window.alpha(self.priors[d]), window.hit_rate()
             da, db = draft.coefficients()

@@ -158,10 +158,11 @@ class Variant:
     drafts: str = ""
 
 
-def need_gamma(strategy: str, gamma: int) -> None:
-    """A strategy that always drafts needs a lookahead of at least one token."""
+def need_gamma(strategy: str, gamma: int, option: str = "--gamma") -> None:
+    """A strategy that always drafts needs a lookahead of at least one token: the one check of that rule.
+    option: how the user gave the value, for the error."""
     if gamma < 1:
-        raise SdbenchError(f"--gamma must be at least 1 for strategy '{strategy}' (got {gamma})")
+        raise SdbenchError(f"{option} must be at least 1 for strategy '{strategy}' (got {gamma})")
 
 
 def take_options(declared: tuple[Option, ...], given: dict, strategy: str) -> dict:

@@ -1,0 +1,22 @@
+"""The two helpers every table and plot shares: a number as a table cell, a column as floats."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pandas as pd
+
+
+def fmt(value, pattern: str) -> str:
+    """`pattern.format(value)`, or "–" where there is no number to show (None, NaN, ±inf, not a number)."""
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        return "–"
+    return pattern.format(number) if math.isfinite(number) else "–"
+
+
+def numeric(series: pd.Series) -> np.ndarray:
+    """A column as float64, anything unparseable as NaN."""
+    return pd.to_numeric(series, errors="coerce").astype("float64").to_numpy()
