@@ -303,9 +303,11 @@ class Adaptive(_Adaptive):
                 self.priors[d].add(x, fit_alpha(a, r), a + r)
         self._features = [prompt_features(state.tokens[b, : state.prompt_lengths[b]].numpy())
                           for b in range(state.batch)]
-        self.policy.start([sum(p.predict(x) for x in self._features) / len(self._features) for p in self.priors])
-        if self.select == "prompt":
+        rows = [list(range(state.batch))] * len(self.drafters)
+        if self.select == "prompt":  # each drafter's window starts from the prior of the prompts it drafts for
             self._chosen = select_drafters(self.policy, self.priors, self._features)
+            rows = [[b for b, c in enumerate(self._chosen) if c == d] or rows[d] for d in range(len(self.drafters))]
+        self.policy.start([sum(p.predict(self._features[b]) for b in r) / len(r) for p, r in zip(self.priors, rows)])
 
     def _groups(self, state: DecodeState) -> list[tuple[int | None, int, set[int]]]:
         if self.select == "round":
