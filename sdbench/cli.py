@@ -254,13 +254,15 @@ def predict_chain(
     profile_prompts: Annotated[int, typer.Option(help="prompts in the profiling pass")] = 2,
     profile_tokens: Annotated[int, typer.Option(help="tokens per prompt in the profiling pass")] = 16,
     device: Device = "cpu", dtype: Dtype = "float32", seed: Seed = 0,
+    temperature: Annotated[float, typer.Option(help="the profiling pass again under sampling at this temperature, "
+                                                    "for the accepted-length variance per level (0: greedy only)")] = 1.0,
 ):
     """Polybasic insertion test: predict from a short profiling pass whether inserting --candidate into the
     chain lowers the time per token, then measure both chains (and plain decoding) on the same prompts."""
     from sdbench.commands.predict_chain import run_chain_prediction
 
     run_chain_prediction(target, list(draft or ()), candidate, at, gamma, mu, dataset, limit, max_new_tokens,
-                         profile_prompts, profile_tokens, device, dtype, seed, console)
+                         profile_prompts, profile_tokens, device, dtype, seed, console, temperature)
 
 
 simulate_app = typer.Typer(no_args_is_help=True, help="Simulated latency of decoding algorithms (no models run).")

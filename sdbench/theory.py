@@ -186,6 +186,38 @@ def insertion_times(level_cost: float, below_cost: float, accepted: float, level
     return old, new
 
 
+def paper_insertion_times(level_cost: float, accepted: float, accepted_new: float, cand_cost: float,
+                          cand_accepted: float, bottom_cost: float | None = None) -> tuple[float, float]:
+    """(old, new) of the polybasic paper's insertion condition (its Theorem 3.2): inserting model c just below
+    level j pays iff new < old.
+
+    It compares the terms of the paper's time per token, sum_{i<k} T_i / L_i + b_k T_k / L_{k-1}, that the
+    insertion changes: level j's T_j / L_j becomes T_j / L'_j + T_c / L_c, and when c lands directly above the
+    bottom drafter the bottom's term b_k T_k (bottom_cost) moves from level j's accepted length to c's:
+
+        T_j / L'_j + T_c / L_c (+ b_k T_k / L_c)  <  T_j / L_j (+ b_k T_k / L_j).
+
+    A model's forward time is its own constant there (T_j on both sides), and each level's tokens are taken as
+    committed once by the level above (no N_i / L_i rounds per block), which is where `insertion_times` is
+    more exact.
+    """
+    bottom = bottom_cost or 0.0
+    old = (level_cost + bottom) / accepted
+    new = level_cost / accepted_new + (cand_cost + bottom) / cand_accepted
+    return old, new
+
+
+def accepted_length_variance(alpha: float, gamma: int) -> float:
+    """Variance of the tokens one verification commits (bonus included) when each of gamma drafts is accepted
+    independently with probability alpha: L = 1 + min(J, gamma) with P(J >= j) = alpha^j. The reference for a
+    measured variance: above it, acceptances come in runs (the text has easy and hard stretches)."""
+    if gamma <= 0 or math.isnan(alpha):
+        return 0.0 if gamma <= 0 else math.nan
+    probs = [(1.0 - alpha) * alpha**j for j in range(gamma)] + [alpha**gamma]  # P(min(J, gamma) = j)
+    mean = sum(p * (j + 1) for j, p in enumerate(probs))
+    return max(sum(p * (j + 1) ** 2 for j, p in enumerate(probs)) - mean * mean, 0.0)
+
+
 # ---- SI and DSI: expected latency per token (the DSI simulator checks the event simulation against these) ----
 
 

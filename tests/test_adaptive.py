@@ -344,3 +344,101 @@ def test_cli_draft_strategy_refuses_ngram(capsys, tmp_path):
     code, _, err = run_cli(capsys, "run", "--strategy", "draft", "--draft", "ngram", "--limit", "1",
                            "--out", str(tmp_path))
     assert "--draft ngram is not one" in one_line_error(code, err)
+
+
+# --- the prior's weight and the per-prompt draft selection --------------------------------------------------
+
+def test_prior_trials_zero_is_the_plain_maximum_likelihood_alpha():
+    plain = GammaPolicy(1, gamma0=2, gamma_max=4, history=8, probe=4, prior_trials=0.0)
+    shrunk = GammaPolicy(1, gamma0=2, gamma_max=4, history=8, probe=4)
+    for policy in (plain, shrunk):
+        policy.start([0.5])
+        assert policy.windows[0].alpha(0.5, policy.prior_trials) == 0.5  # nothing seen: the prior either way
+        policy.record(0, 4, 4, [4, 4], [4, 1], 0.01, 0.004)  # 5 accepted, 1 rejection
+    assert plain.windows[0].alpha(0.5, plain.prior_trials) == pytest.approx(5 / 6)
+    assert shrunk.windows[0].alpha(0.5, shrunk.prior_trials) == pytest.approx((5 + 2) / (6 + 4))
+    # the rate the policy ranks gammas by uses that alpha
+    rate, d, g = plain.best()
+    hit = plain.windows[0].hit_rate()
+    assert rate == pytest.approx(tokens_per_second(5 / 6, g, plain.draft[0](g), plain.verify(hit * g), hit))
+
+
+def test_prompt_selection_settings_are_checked(small_draft):
+    from sdbench.strategies import check_options
+
+    for options, message in (({"prior_trials": -1.0}, "prior_trials=-1.0"), ({"prior_trials": math.inf}, "inf"),
+                             ({"select": "token"}, "select=token")):
+        with pytest.raises(SdbenchError, match=message):
+            Adaptive(make_drafters([small_draft], 3, 1), 3, **options)
+    with pytest.raises(SdbenchError, match="prior_trials=lots: expected float"):
+        check_options("adaptive", {"prior_trials": "lots"})
+    assert check_options("adaptive", {"prior_trials": "0", "select": "prompt"})["prior_trials"] == 0.0
+    made = Adaptive(make_drafters([small_draft], 3, 1), 3, prior_trials=0.0, select="prompt")
+    assert made.params()["prior_trials"] == 0.0 and made.params()["select"] == "prompt"
+    assert "select" not in Adaptive(make_drafters([small_draft], 3, 1), 3).params()
+
+
+def test_merge_proposals_keeps_each_row_from_its_drafter():
+    from sdbench.strategies.adaptive import merge_proposals
+
+    model = Proposal(torch.tensor([[1, 2, 3], [9, 9, 9], [4, 5, 6]]), torch.tensor([3, 0, 2]),
+                     torch.full((3, 3, VOCAB), 1.0 / VOCAB))
+    lookup = Proposal(torch.tensor([[0, 0], [7, 8], [0, 0]]), torch.tensor([0, 2, 0]))
+    merged = merge_proposals([model, lookup])
+    assert merged.tokens.tolist() == [[1, 2, 3], [7, 8, 0], [4, 5, 6]]
+    assert merged.lengths.tolist() == [3, 2, 2]
+    assert torch.equal(merged.probs[0], model.probs[0]) and torch.equal(merged.probs[2], model.probs[2])
+    assert merged.probs[1, 0, 7] == 1.0 and merged.probs[1, 1, 8] == 1.0 and merged.probs[1, :2].sum() == 2.0
+    assert merge_proposals([Proposal(lookup.tokens, lookup.lengths), Proposal(lookup.tokens, torch.tensor(
+        [1, 0, 0]))]).probs is None  # deterministic drafts only: still no distributions
+
+
+def test_select_drafters_tries_each_candidate_then_follows_the_prompt_model():
+    from sdbench.strategies.adaptive_online import select_drafters
+
+    policy = GammaPolicy(2, gamma0=2, gamma_max=4, history=8, probe=4)
+    priors = [AlphaPrior(), AlphaPrior()]
+    loop, noise = np.array([5, 6, 7, 8] * 30), np.random.default_rng(0).integers(0, 50_000, size=120)
+    xs = [prompt_features(loop), prompt_features(noise)]
+    assert select_drafters(policy, priors, xs + xs) == [0, 1, 0, 1]  # no costs measured yet: spread
+    for d in (0, 1):  # equal costs, so the predicted alpha alone decides
+        policy.record(d, 2, 2, [2], [1], 0.010, 0.002)
+    for _ in range(5):  # drafter 0 does well on repetitive prompts only, drafter 1 on the others
+        priors[0].add(xs[0], 0.9, 200)
+        priors[0].add(xs[1], 0.1, 200)
+        priors[1].add(xs[0], 0.3, 200)
+        priors[1].add(xs[1], 0.6, 200)
+    assert select_drafters(policy, priors, xs) == [0, 1]
+    policy.draft[0].add(2, 1.0)  # drafter 0 turns very slow: it no longer pays even where it agrees
+    assert select_drafters(policy, priors, xs) == [1, 1]
+
+
+@pytest.mark.parametrize("batch", [1, 4])
+@pytest.mark.parametrize("drafts", ["model+ngram", "model+self"])
+def test_prompt_selection_matches_greedy(target, small_draft, prompts, batch, drafts):
+    ps = repetitive(prompts, batch)
+    ref = reference(target, ps)
+    candidates = {"model+ngram": [small_draft, "ngram"], "model+self": [small_draft, target]}[drafts]
+    proposer = Adaptive(make_drafters(candidates, 3, 1), 3, probe=2, select="prompt")
+    names = [d.name for d in proposer.drafters]
+    used = set()
+    for _ in range(3):  # later generations select from what the earlier ones taught
+        out = generate(target, proposer, ps, max_new_tokens=NEW, sampling=GREEDY)
+        assert out.output_ids == ref
+        for stats in out.extras:
+            assert stats["selected"] in names and stats["switches"] == 0
+            assert set(stats["drafts"]) <= {stats["selected"]}  # a prompt drafts with its drafter only
+            used.add(stats["selected"])
+    assert used == set(names)  # every candidate was tried
+
+
+def test_prompt_selection_with_mixed_rows_follows_target_distribution(target, small_draft):
+    """Rows drafted by a model (with distributions) and by prompt lookup (one-hot) verified in one round."""
+    from tests.conftest import second_token_chi_square
+
+    proposer = Adaptive(make_drafters([small_draft, "ngram"], 3, 1), 3, select="prompt")
+    stat, dof, out = second_token_chi_square(target, proposer, SamplingConfig(1.0, 0.95), prompt=(5, 17, 42, 5, 17))
+    assert {s["selected"] for s in out.extras} == {"tiny-draft", "ngram"}
+    assert stat < dof + 5 * (2 * dof) ** 0.5, f"chi-square {stat:.1f} with {dof} dof"
+    lookup_rows = [r for r, s in zip(out.rows, out.extras) if s["selected"] == "ngram"]
+    assert sum(r.drafted for r in lookup_rows) > 0  # the lookup did draft in those rows

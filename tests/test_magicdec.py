@@ -128,6 +128,60 @@ def test_cost_model_profile_and_critical_length(target):
         assert alpha_from_tokens_per_step(expected_tokens_per_step(alpha, 4), 4) == pytest.approx(alpha, abs=1e-6)
 
 
+def test_critical_length_is_interpolated_per_batch():
+    from sdbench.commands.predict import crossing_lengths
+
+    points = [(1, 256, 0.9), (1, 1024, 1.2), (1, 4096, 1.5), (1, 1024, 0.5), (8, 256, 0.7), (8, 512, 0.9),
+              (4, 256, 1.1), (4, 512, 0.9)]
+    rows = [{"batch": b, "context": s, "predicted_speedup": v} for b, s, v in points]
+    found = crossing_lengths(rows)
+    # 0.9 at 256 and 1.2 at 1024 (the better setting there): a third of the way in log context, 256 * 4^(1/3)
+    assert found[1][0] == "at" and found[1][1] == pytest.approx(256 * 4 ** (1 / 3))
+    assert found[8] == ("above", 512) and found[4] == ("below", 256)
+
+
+def fake_results(runs):
+    """A results table of magicdec runs: (run_id, selector, budget, gamma, prompt_tokens, [(new_tokens, steps)])."""
+    import json
+
+    import pandas as pd
+
+    rows = [{"role": "baseline", "strategy": "autoregressive", "run_id": "r0", "params": "{}", "prompt_tokens": 100,
+             "new_tokens": 10, "steps": 9}]
+    for run_id, kv, budget, gamma, length, gens in runs:
+        params = json.dumps({"gamma": gamma, "kv": kv, "budget": budget})
+        rows += [{"role": "strategy", "strategy": "magicdec", "run_id": run_id, "params": params,
+                  "prompt_tokens": length, "new_tokens": n, "steps": k} for n, k in gens]
+    return pd.DataFrame(rows)
+
+
+def test_alpha_is_fitted_per_selector_budget_and_prompt_length(monkeypatch):
+    import sdbench.reporting.results as results
+    from sdbench.commands.predict import alpha_for, alphas_from_results, with_alphas
+    from sdbench.theory import alpha_from_tokens_per_step
+
+    # mean accepted length (new - 1) / steps: 3.0 for StreamingLLM, 1.5 for SnapKV, both at budget 64
+    table = fake_results([("a", "streamingllm", 64, 4, 512, [(31, 10)]), ("b", "snapkv", 64, 4, 512, [(16, 10)]),
+                          ("c", "snapkv", 64, 4, 2048, [(21, 10), (21, 10)]), ("d", "snapkv", 128, 2, 512, [(21, 10)])])
+    monkeypatch.setattr(results, "read_results", lambda paths: table)
+    measured = alphas_from_results(["x"])
+    assert set(measured) == {("streamingllm", 64, 512), ("snapkv", 64, 512), ("snapkv", 64, 2048), ("snapkv", 128, 512)}
+    assert measured[("streamingllm", 64, 512)] == pytest.approx(alpha_from_tokens_per_step(3.0, 4))
+    assert measured[("snapkv", 64, 512)] == pytest.approx(alpha_from_tokens_per_step(1.5, 4))
+    assert measured[("snapkv", 64, 2048)] == pytest.approx(alpha_from_tokens_per_step(2.0, 4))
+    # the nearest measured prompt length, in ratio
+    assert alpha_for(measured, "snapkv", 64, 1800) == measured[("snapkv", 64, 2048)]
+    assert alpha_for(measured, "snapkv", 64, 600) == measured[("snapkv", 64, 512)]
+    assert alpha_for(measured, "streamingllm", 128, 512) is None
+    row = {"batch": 1, "context": 512, "gamma": 4, "budget": 64, "target_ms": 10.0, "draft_ms": 2.0, "verify_ms": 12.0}
+    made = with_alphas([row], measured, 0.6)
+    assert [(r["selector"], r["alpha"]) for r in made] == [("snapkv", measured[("snapkv", 64, 512)]),
+                                                           ("streamingllm", measured[("streamingllm", 64, 512)])]
+    assert made[1]["predicted_speedup"] > made[0]["predicted_speedup"]  # the selector that agrees more wins
+    lone = with_alphas([{**row, "budget": 32}], measured, 0.6)  # a budget no run measured: the given alpha
+    assert [(r["selector"], r["alpha"]) for r in lone] == [("-", 0.6)]
+
+
 @pytest.mark.slow
 def test_predict_magicdec_command(capsys):
     from sdbench.cli import main

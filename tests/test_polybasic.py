@@ -200,6 +200,60 @@ def test_insertion_condition_by_hand():
     assert insertion_verdict(before, after, 0) == pytest.approx((old, new))
 
 
+def test_paper_insertion_condition_by_hand():
+    from sdbench.commands.predict_chain import paper_verdict
+    from sdbench.theory import paper_insertion_times
+
+    # under the target, above an n-gram bottom (1 lookup of 0.1 ms per block): T_j = 10 ms, L_j = 2;
+    # the candidate: T_c = 3 ms, L_c = 1.5, and the target then accepts L'_j = 5
+    # old = (10 + 0.1) / 2 = 5.05 ms; new = 10 / 5 + (3 + 0.1) / 1.5 = 4.0667 ms
+    old, new = paper_insertion_times(0.010, 2.0, 5.0, 0.003, 1.5, bottom_cost=0.0001)
+    assert old == pytest.approx(0.00505) and new == pytest.approx(0.002 + 0.0031 / 1.5)
+    # with T'_j = T_j the paper's condition is the comparison of the two chains' simple forms, whether the
+    # candidate lands above the bottom (terms with b_k T_k) or higher up (where the bottom's term cancels)
+    before = ChainCosts((0.010, 0.0001), (2.0,), (), 1.0)
+    after = ChainCosts((0.010, 0.003, 0.0001), (5.0, 1.5), (6.0,), 1.0)
+    assert paper_verdict(before, after, 0) == pytest.approx((before.seed_time_per_token(),
+                                                             after.seed_time_per_token()))
+    deep = ChainCosts((0.010, 0.004, 0.001), (4.0, 2.0), (6.0,), 3.0)
+    deeper = ChainCosts((0.010, 0.003, 0.004, 0.001), (4.0, 3.0, 2.0), (9.0, 6.0), 3.0)  # c under level 0
+    p_old, p_new = paper_verdict(deep, deeper, 0)
+    assert p_new - p_old == pytest.approx(deeper.seed_time_per_token() - deep.seed_time_per_token())
+    assert (p_old, p_new) == pytest.approx((0.010 / 4.0, 0.010 / 4.0 + 0.003 / 3.0))
+
+
+def test_accepted_length_variance_by_hand():
+    from sdbench.strategies.chain_levels import length_variance
+    from sdbench.theory import accepted_length_variance
+
+    assert accepted_length_variance(0.5, 1) == pytest.approx(0.25)  # 1 or 2 tokens, evenly
+    # gamma 2, alpha 0.5: 1, 2, 3 tokens with 1/2, 1/4, 1/4: mean 1.75, E[L^2] = 0.5 + 1 + 2.25
+    assert accepted_length_variance(0.5, 2) == pytest.approx(3.75 - 1.75 ** 2)
+    assert accepted_length_variance(0.0, 4) == 0.0 == accepted_length_variance(1.0, 4)
+    assert length_variance(1 + 3 + 3 + 1, 1 + 9 + 9 + 1, 4) == pytest.approx(1.0)
+    assert length_variance(0, 0, 0) != length_variance(0, 0, 0)  # NaN without a round
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, SamplingConfig(1.0)])
+def test_level_records_carry_the_accepted_length_variance(target, small_draft, other_draft, prompts, sampling):
+    from sdbench.commands.predict_chain import spread_from_records
+
+    proposer = Polybasic([small_draft, other_draft], 2, "3", target_name=target.name)
+    out = generate(target, proposer, prompts[:2], max_new_tokens=NEW, sampling=sampling,
+                   generator=torch.Generator().manual_seed(0))
+    records = [stats["levels"] for stats in out.extras]
+    for levels in records:
+        for lv in levels[:-1]:  # every verifying level: E[L^2] - E[L]^2 from its own sums
+            n, total, sq = lv["rounds"], lv["committed"], lv["committed_sq"]
+            assert n > 0 and sq >= total and lv["accepted_len_var"] == pytest.approx(sq / n - (total / n) ** 2)
+        assert levels[-1]["accepted_len_var"] is None  # the bottom verifies nothing
+    spread = spread_from_records(records)
+    assert [s.model for s in spread] == [target.name, "tiny-draft"]
+    top = spread[0]
+    assert top.rounds == sum(r.steps for r in out.rows) and top.var >= 0 and top.iid_var >= 0
+    json.dumps(out.extras)
+
+
 def test_int8_copy_is_a_lossless_middle_level(target, prompts):
     quantised = ModelRunner(quantise_int8(target.model), "tiny-target@int8")
     layer = quantised.layers[0].self_attn.q_proj
@@ -234,8 +288,9 @@ def test_predict_chain_passes_settings(capsys, monkeypatch):
     monkeypatch.setattr(cp, "run_chain_prediction", lambda *args: seen.setdefault("args", args))
     main(["predict", "chain", "--target", "m", "--draft", "a", "--draft", "ngram", "--candidate", "c@int8", "--at",
           "1", "--gamma", "3", "--mu", "6", "--limit", "2", "--max-new-tokens", "20", "--profile-prompts", "1",
-          "--profile-tokens", "5", "--dataset", "gsm8k", "--seed", "4"])
+          "--profile-tokens", "5", "--dataset", "gsm8k", "--seed", "4", "--temperature", "0.5"])
     assert seen["args"][:14] == ("m", ["a", "ngram"], "c@int8", 1, 3, "6", "gsm8k", 2, 20, 1, 5, "cpu", "float32", 4)
+    assert seen["args"][15] == 0.5
 
 
 @pytest.mark.parametrize("argv, expect", [
@@ -245,6 +300,7 @@ def test_predict_chain_passes_settings(capsys, monkeypatch):
     (["--draft", "x", "--mu", "0"], "mu=0: expected one value >= 1"),
     (["--draft", "ngram", "--profile-tokens", "0"], "--profile-tokens must be at least 1"),
     (["--draft", "ngram", "--gamma", "0"], "--gamma must be at least 1"),
+    (["--draft", "ngram", "--temperature", "-1"], "--temperature -1.0: expected 0"),
 ])
 def test_predict_chain_bad_input_is_one_line(capsys, argv, expect):
     from sdbench.cli import main
@@ -266,7 +322,12 @@ def test_predict_chain_command_on_smollm2(capsys):
     assert "with candidate" in out and "smollm2-135m@int8" in out
     assert "insertion test, smollm2-135m@int8 under smollm2-135m: a token of smollm2-135m costs" in out
     assert "NO" not in out  # every system produced plain decoding's tokens
-    assert ("called it right" in out) != ("got it wrong" in out)
+    sdbench_line = next(line for line in out.splitlines() if line.startswith("measured:"))
+    assert ("called it right" in sdbench_line) != ("got it wrong" in sdbench_line)
+    paper_line = next(line for line in out.splitlines() if line.startswith("the paper's Theorem 3.2"))
+    assert "T_j / L'_j + T_c / L_c + b_k T_k / L_c < T_j / L_j + b_k T_k / L_j" in paper_line
+    assert ("called it right" in paper_line) != ("got it wrong" in paper_line)
+    assert "greedy var" in out and "sampling var" in out
 
 
 @pytest.mark.slow

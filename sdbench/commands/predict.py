@@ -5,12 +5,16 @@ one draft step through a sparse cache T_D(B, S, budget) and one verification of 
 T_V(B, S, gamma). The caches are filled with random values: the time of a forward does not depend on
 them, and no prefill of S tokens is needed. The predicted speedup is
     Omega(gamma, alpha) / (gamma * T_D / T_T + T_V / T_T)
-and the critical sequence length for a batch size is the shortest profiled S at which the best
-(gamma, budget) is predicted to beat plain decoding.
+and the critical sequence length for a batch size is where the best (gamma, budget) is predicted to start
+beating plain decoding: the shortest profiled S that wins, and the length where the predicted speedup crosses
+1, interpolated in log S between the grid points around it. With --from, alpha is fitted per (KV selector,
+budget, prompt length) to earlier magicdec runs, and each prediction takes the alpha of its selector and
+budget at the measured prompt length nearest its context.
 """
 
 from __future__ import annotations
 
+import math
 import statistics
 from dataclasses import dataclass
 
@@ -90,8 +94,10 @@ def critical_lengths(rows: list[dict]) -> dict[int, int | None]:
     return found
 
 
-def alphas_from_results(paths: list[str]) -> dict[int, float]:
-    """Acceptance rate per draft budget, fitted (Omega inverted) to earlier magicdec runs' accepted lengths."""
+def alphas_from_results(paths: list[str]) -> dict[tuple[str, int, int], float]:
+    """Acceptance rate per (selector, budget, prompt length), fitted (Omega inverted) to earlier magicdec runs'
+    accepted lengths. A run's prompt length is the mean prompt of its rows (one --prompt-len gives one);
+    runs at the same selector, budget and length are pooled, gammas included."""
     import json
 
     from sdbench.reporting.results import read_results
@@ -100,14 +106,99 @@ def alphas_from_results(paths: list[str]) -> dict[int, float]:
 
     df = read_results(paths)
     rows = df[(df["role"] != "baseline") & (df["strategy"] == "magicdec")]
-    found: dict[int, float] = {}
-    for params, group in rows.groupby("params"):
+    pooled: dict[tuple[str, int, int], list[float]] = {}
+    for (_, params), group in rows.groupby(["run_id", "params"]):
         p = json.loads(params)
         steps = group["steps"].sum()
-        if steps and p.get("gamma"):
-            mean_len = mean_accepted_length(group["new_tokens"].sum(), steps, len(group))
-            found[int(p["budget"])] = alpha_from_tokens_per_step(float(mean_len), int(p["gamma"]))
+        if not steps or not p.get("gamma"):
+            continue
+        mean_len = mean_accepted_length(group["new_tokens"].sum(), steps, len(group))
+        key = (str(p.get("kv", p.get("draft_kv", "streamingllm"))), int(p["budget"]),
+               int(round(group["prompt_tokens"].mean())))
+        # weight each run by its steps: the pooled alpha is the one its rounds support
+        a = alpha_from_tokens_per_step(float(mean_len), int(p["gamma"]))
+        acc = pooled.setdefault(key, [0.0, 0.0])
+        acc[0] += a * steps
+        acc[1] += steps
+    return {k: total / steps for k, (total, steps) in pooled.items()}
+
+
+def alpha_for(measured: dict[tuple[str, int, int], float], selector: str, budget: int, context: int) -> float | None:
+    """The measured alpha for a selector and budget at the prompt length nearest to `context` (in ratio);
+    None when that selector was not measured at that budget."""
+    lengths = [n for (s, b, n) in measured if s == selector and b == budget]
+    if not lengths:
+        return None
+    nearest = min(lengths, key=lambda n: abs(math.log(max(n, 1) / max(context, 1))))
+    return measured[(selector, budget, nearest)]
+
+
+def with_alphas(rows: list[dict], measured: dict[tuple[str, int, int], float], alpha: float) -> list[dict]:
+    """Each predicted row once per selector measured at its budget (the draft step costs the same for both
+    selectors; only the acceptance differs), its alpha from `alpha_for`; a budget no run measured keeps the
+    given alpha, with selector '-'."""
+    selectors = sorted({s for s, _, _ in measured})
+    out = []
+    for r in rows:
+        found = [(s, alpha_for(measured, s, r["budget"], r["context"])) for s in selectors]
+        for selector, a in [(s, a) for s, a in found if a is not None] or [("-", alpha)]:
+            out.append({**r, "selector": selector, "alpha": a,
+                        "predicted_speedup": predicted_speedup(a, r["gamma"], r["draft_ms"] / r["target_ms"],
+                                                               r["verify_ms"] / r["target_ms"])})
+    return out
+
+
+def crossing_lengths(rows: list[dict]) -> dict[int, tuple[str, float | None]]:
+    """Per batch size, where the best predicted speedup crosses 1 over the profiled contexts, interpolated
+    linearly in log context between the two grid points around the first crossing. Returns (kind, length):
+    ("at", S) for a crossing, ("below", S0) when the shortest context already wins, ("above", Smax) when none
+    does."""
+    best: dict[int, dict[int, float]] = {}
+    for r in rows:
+        per = best.setdefault(r["batch"], {})
+        per[r["context"]] = max(per.get(r["context"], 0.0), r["predicted_speedup"])
+    found = {}
+    for batch, per in sorted(best.items()):
+        points = sorted(per.items())
+        if points[0][1] > 1.0:
+            found[batch] = ("below", points[0][0])
+            continue
+        found[batch] = ("above", points[-1][0])
+        for (s0, v0), (s1, v1) in zip(points, points[1:]):
+            if v0 <= 1.0 < v1:
+                t = (1.0 - v0) / (v1 - v0)
+                found[batch] = ("at", math.exp(math.log(s0) + t * (math.log(s1) - math.log(s0))))
+                break
     return found
+
+
+def _crossing_text(kind: str, length: float) -> str:
+    return {"at": f"{length:.0f}", "below": f"<= {length:.0f}", "above": f"> {length:.0f}"}[kind]
+
+
+def print_alphas(measured: dict[tuple[str, int, int], float], console) -> None:
+    from rich.table import Table
+
+    table = Table(title="alpha fitted to the --from runs, per selector, budget and prompt length")
+    for col in ("selector", "budget", "prompt tokens", "alpha"):
+        table.add_column(col, justify="right")
+    for (selector, budget, length), a in sorted(measured.items()):
+        table.add_row(selector, str(budget), str(length), f"{a:.3f}")
+    console.print(table)
+
+
+def print_critical(rows: list[dict], contexts, console) -> None:
+    """Per batch size: the first profiled context that wins, and the interpolated crossing."""
+    from rich.table import Table
+
+    crit = Table(title="critical sequence length: where self-speculation's best predicted speedup crosses 1")
+    for col in ("batch", "first winning grid point", "interpolated"):
+        crit.add_column(col, justify="right")
+    first = critical_lengths(rows)
+    for b, (kind, length) in crossing_lengths(rows).items():
+        crit.add_row(str(b), str(first[b]) if first[b] is not None else f"> {max(contexts)}",
+                     _crossing_text(kind, length))
+    console.print(crit)
 
 
 def run_predict(target: str, batches, contexts, gammas, budgets, alpha: float, from_results, device: str,
@@ -134,29 +225,22 @@ def run_predict(target: str, batches, contexts, gammas, budgets, alpha: float, f
         for b in batches:
             for s in contexts:
                 p = profile(runner, b, s, gammas, budgets)
-                for r in predictions(p, alpha):
-                    a = measured.get(r["budget"], alpha)
-                    r["alpha"] = a
-                    r["predicted_speedup"] = predicted_speedup(a, r["gamma"], r["draft_ms"] / r["target_ms"],
-                                                               r["verify_ms"] / r["target_ms"])
-                    rows.append(r)
+                rows += with_alphas(predictions(p, alpha), measured, alpha)
                 progress.advance(task)
     df = pd.DataFrame(rows)
     best = df.loc[df.groupby(["batch", "context"])["predicted_speedup"].idxmax()] if len(df) else df
-    table = Table(title=f"{target} on {dev}: best predicted (gamma, budget) per batch and context")
-    for col in ("batch", "context", "T_T ms", "T_D ms", "T_V ms", "gamma", "budget", "alpha", "predicted"):
+    if measured:
+        print_alphas(measured, console)
+    table = Table(title=f"{target} on {dev}: best predicted (gamma, budget, selector) per batch and context")
+    for col in ("batch", "context", "T_T ms", "T_D ms", "T_V ms", "gamma", "budget", "selector", "alpha",
+                "predicted"):
         table.add_column(col, justify="right")
     for r in best.to_dict("records"):
         table.add_row(str(r["batch"]), str(r["context"]), f"{r['target_ms']:.1f}", f"{r['draft_ms']:.1f}",
-                      f"{r['verify_ms']:.1f}", str(r["gamma"]), str(r["budget"]), f"{r['alpha']:.2f}",
+                      f"{r['verify_ms']:.1f}", str(r["gamma"]), str(r["budget"]), r["selector"], f"{r['alpha']:.2f}",
                       f"{r['predicted_speedup']:.2f}x")
     console.print(table)
-    crit = Table(title="critical sequence length: shortest profiled context where self-speculation is predicted to win")
-    crit.add_column("batch", justify="right")
-    crit.add_column("critical context", justify="right")
-    for b, s in critical_lengths(rows).items():
-        crit.add_row(str(b), str(s) if s is not None else f"> {max(contexts)}")
-    console.print(crit)
+    print_critical(rows, contexts, console)
     if out:
         from sdbench.paths import output_dir
 

@@ -8,6 +8,12 @@ the measured pass decodes the full prompts with plain decoding and both chains, 
 so that drift on a shared machine falls on all three alike, and prints the measured time per token next to
 the prediction. Time per token is decode time after the first token over the tokens after the first; the
 measured figure also pays each level's prefill and the loop's bookkeeping, which the formula leaves out.
+
+Beside sdbench's test, the paper's own insertion inequality (its Theorem 3.2, `theory.paper_insertion_times`)
+is printed from the same profile, with the measured verdict for both. The profiling pass of each chain is run
+once more under sampling (--temperature), and a table gives, per verifying level, the mean and variance of the
+tokens a round commits under greedy decoding and under sampling (the paper's Theorem 3.3 is about that
+variance), beside the variance independent acceptances at the same mean would give.
 """
 
 from __future__ import annotations
@@ -24,7 +30,9 @@ from sdbench.errors import SdbenchError
 from sdbench.engine.metrics import BatchResult
 from sdbench.strategies.autoregressive import Autoregressive
 from sdbench.strategies.polybasic import Polybasic, check_chain
-from sdbench.theory import ChainCosts, insertion_times
+from sdbench.strategies.chain_levels import length_variance
+from sdbench.theory import (ChainCosts, accepted_length_variance, alpha_from_tokens_per_step, insertion_times,
+                            paper_insertion_times)
 
 GREEDY = SamplingConfig()
 
@@ -41,6 +49,7 @@ class ChainRun:
     tokens: int = 0  # measured tokens after each first token
     prefill_s: float = 0.0  # of `seconds`: the lower levels' own prefills, which the formula leaves out
     outputs: list[list[int]] = field(default_factory=list)
+    spread: dict = field(default_factory=dict)  # "greedy" / "sampling" -> per verifying level, LevelSpread
 
     @property
     def predicted(self) -> float:
@@ -70,8 +79,36 @@ def costs_from_records(records: list[dict]) -> ChainCosts:
     return ChainCosts(costs, accepted, blocks, ratio(k, "forwards", "blocks"))
 
 
-def _decode(pair, proposer, prompt: list[int], max_new: int) -> BatchResult:
-    return generate(pair.target, proposer, [prompt], max_new_tokens=max_new, sampling=GREEDY, eos_ids=pair.eos)
+@dataclass(frozen=True)
+class LevelSpread:
+    """One verifying level's accepted length over the rounds of a pass: mean, variance, and the variance of
+    independent acceptances at that mean over blocks of the mean size (`theory.accepted_length_variance`)."""
+
+    model: str
+    rounds: int
+    mean: float
+    var: float
+    iid_var: float
+
+
+def spread_from_records(records: list[dict]) -> list[LevelSpread]:
+    """Per verifying level (top down), from Polybasic.row_stats()["levels"] of several generations."""
+    out = []
+    for i in range(len(records[0]) - 1):  # the bottom verifies nothing
+        rounds = sum(r[i]["rounds"] for r in records)
+        total, total_sq = sum(r[i]["committed"] for r in records), sum(r[i]["committed_sq"] for r in records)
+        blocks = sum(r[i + 1]["proposals"] for r in records)
+        mean = total / rounds if rounds else float("nan")
+        block = max(1, round(sum(r[i + 1]["proposed"] for r in records) / blocks)) if blocks else 1
+        iid = accepted_length_variance(alpha_from_tokens_per_step(mean, block), block)
+        out.append(LevelSpread(records[0][i]["model"], rounds, mean, length_variance(total, total_sq, rounds), iid))
+    return out
+
+
+def _decode(pair, proposer, prompt: list[int], max_new: int, sampling: SamplingConfig = GREEDY,
+            generator=None) -> BatchResult:
+    return generate(pair.target, proposer, [prompt], max_new_tokens=max_new, sampling=sampling, eos_ids=pair.eos,
+                    generator=generator)
 
 
 def _build(pair, names: list[str], runners: dict, gamma: int, mu: str):
@@ -85,14 +122,22 @@ def _mu(chain: list[str], mu: str) -> str:
     return mu if len(chain) > 1 else ""
 
 
-def profile(pair, runs: list[ChainRun], runners, prompts, tokens: int, gamma: int, mu: str) -> None:
-    """Fill each run's costs from a short pass (after one unrecorded warm-up generation each)."""
+def profile(pair, runs: list[ChainRun], runners, prompts, tokens: int, gamma: int, mu: str,
+            sampling: SamplingConfig | None = None) -> None:
+    """Fill each run's costs from a short pass (after one unrecorded warm-up generation each); with
+    `sampling`, each chain's pass once more under it, for the spread of the accepted lengths."""
     for run in runs:
         proposer = _build(pair, run.chain, runners, gamma, mu)
         _decode(pair, proposer, prompts[0], 4)
         results = [_decode(pair, proposer, p, tokens) for p in prompts]
         if run.chain:
-            run.costs = costs_from_records([res.extras[0]["levels"] for res in results])
+            records = [res.extras[0]["levels"] for res in results]
+            run.costs = costs_from_records(records)
+            run.spread["greedy"] = spread_from_records(records)
+            if sampling is not None:
+                g = torch.Generator().manual_seed(sampling.seed)
+                records = [_decode(pair, proposer, p, tokens, sampling, g).extras[0]["levels"] for p in prompts]
+                run.spread["sampling"] = spread_from_records(records)
         else:
             rows = [res.rows[0] for res in results]
             run.profile_forward_s = sum(r.verify_s for r in rows) / max(sum(r.steps for r in rows), 1)
@@ -117,9 +162,18 @@ def insertion_verdict(old: ChainCosts, new: ChainCosts, at: int) -> tuple[float,
                            new.accepted[c], new.blocks[c - 1], new.accepted[at])
 
 
+def paper_verdict(old: ChainCosts, new: ChainCosts, at: int) -> tuple[float, float]:
+    """(old, new) of the paper's Theorem 3.2 for the candidate under level `at`, from the same profiles."""
+    c, k = at + 1, len(old.costs) - 1
+    bottom = old.bottom_forwards * old.costs[k] if at == k - 1 else None  # the candidate lands above the bottom
+    return paper_insertion_times(old.costs[at], old.accepted[at], new.accepted[at], new.costs[c], new.accepted[c],
+                                 bottom)
+
+
 def run_chain_prediction(target: str, drafts: list[str], candidate: str, at: int, gamma: int, mu: str,
                          dataset: str, limit: int, max_new_tokens: int, profile_prompts: int, profile_tokens: int,
-                         device: str, dtype: str, seed: int, console: Console) -> list[ChainRun]:
+                         device: str, dtype: str, seed: int, console: Console,
+                         temperature: float = 1.0) -> list[ChainRun]:
     from sdbench.data.prompts import encode_prompts
     from sdbench.models.pair import load_pair, resolve_device, resolve_dtype
 
@@ -132,6 +186,8 @@ def run_chain_prediction(target: str, drafts: list[str], candidate: str, at: int
                         ("--profile-prompts", profile_prompts), ("--profile-tokens", profile_tokens)):
         if value < 1:
             raise SdbenchError(f"{name} must be at least 1 (got {value})")
+    if not temperature >= 0:
+        raise SdbenchError(f"--temperature {temperature}: expected 0 (no sampling pass) or more")
     new_chain = drafts[:at] + [candidate] + drafts[at:]
     # every chain is checked before anything loads
     for chain in (drafts, new_chain):
@@ -145,10 +201,12 @@ def run_chain_prediction(target: str, drafts: list[str], candidate: str, at: int
     _, encoded = encode_prompts(cfg, pair)
     runs = [ChainRun("plain", []), ChainRun("chain", list(drafts)), ChainRun("with candidate", new_chain)]
     with torch.inference_mode(), console.status("profiling"):
-        profile(pair, runs, runners, encoded[:profile_prompts], profile_tokens, gamma, mu)
+        sampling = SamplingConfig(temperature, seed=seed) if temperature > 0 else None
+        profile(pair, runs, runners, encoded[:profile_prompts], profile_tokens, gamma, mu, sampling)
     with torch.inference_mode(), console.status("measuring"):
         measure(pair, runs, runners, encoded, max_new_tokens, gamma, mu)
     print_chain_report(runs, target, candidate, at, console)
+    print_spread(runs, console)
     return runs
 
 
@@ -181,3 +239,31 @@ def print_chain_report(runs: list[ChainRun], target: str, candidate: str, at: in
     verdict = "called it right" if predicted == measured else "got it wrong"
     console.print(f"measured: {_ms(old.measured)} -> {_ms(new.measured)} ms/token, it "
                   f"{'helped' if measured else 'hurt'}: the test {verdict}")
+    p_old, p_new = paper_verdict(old.costs, new.costs, at)
+    paper = p_new < p_old
+    bottom = " + b_k T_k / L_c" if at == len(old.costs.costs) - 2 else ""
+    console.print(f"the paper's Theorem 3.2, T_j / L'_j + T_c / L_c{bottom} < T_j / L_j{bottom.replace('_c', '_j')}: "
+                  f"{_ms(p_new)} vs {_ms(p_old)} ms -> predicted to {'help' if paper else 'hurt'}: it "
+                  f"{'called it right' if paper == measured else 'got it wrong'}"
+                  f"{'' if paper == predicted else ' (sdbench test and paper disagree)'}")
+
+
+def print_spread(runs: list[ChainRun], console: Console) -> None:
+    """Accepted length per verifying level under greedy decoding and sampling (profiling passes)."""
+    modes = [m for m in ("greedy", "sampling") if any(m in run.spread for run in runs)]
+    table = Table(title="tokens committed per verification round, per verifying level (profiling pass): mean, "
+                        "variance, and the variance of independent acceptances at that mean")
+    table.add_column("system")
+    table.add_column("level", justify="left")
+    for mode in modes:
+        for col in ("rounds", "mean", "var", "iid var"):
+            table.add_column(f"{mode} {col}", justify="right")
+    for run in runs:
+        for i, level in enumerate(run.spread.get("greedy", [])):
+            cells = []
+            for mode in modes:
+                s = run.spread[mode][i] if mode in run.spread else None
+                cells += ([str(s.rounds), f"{s.mean:.2f}", f"{s.var:.2f}", f"{s.iid_var:.2f}"] if s
+                          else ["-"] * 4)
+            table.add_row(run.label, f"{i} {level.model}", *cells)
+    console.print(table)

@@ -3,16 +3,31 @@
 No training and no offline tuning: both strategies only propose (the decode loop verifies, as for every
 strategy) and learn from what each round cost and how much of it was accepted.
 
-- `adaptive` picks, every round, the draft candidate and gamma (0 = a plain step) with the most predicted
-  tokens per second: acceptance alpha by maximum likelihood over the last `history` rounds, shrunk toward a
-  per-prompt prior that an online ridge regression predicts from prompt features; draft and verification
-  times measured online (`adaptive_online.GammaPolicy`).
+- `adaptive` picks the draft candidate and gamma (0 = a plain step) with the most predicted tokens per
+  second: acceptance alpha by maximum likelihood over the last `history` rounds, shrunk toward a per-prompt
+  prior worth `prior_trials` drafted tokens (`--set prior_trials=0`: the plain maximum-likelihood alpha of the
+  on-the-fly adaptation paper); draft and verification times measured online (`adaptive_online.GammaPolicy`).
+  Which candidate drafts is decided by `select`:
+    round (default) - every round, for the whole batch, by the tokens-per-second objective above;
+    prompt - the paper's draft selection: once per prompt, before its first round, and then fixed for that
+      prompt (rows of one batch may use different drafters; each round asks every drafter in use for its
+      rows, and the drafts are verified together). The model: for each candidate d, the acceptance it will
+      reach on the prompt is predicted by an online ridge regression (`AlphaPrior`, refit after every batch
+      from the alpha each candidate reached on the run's earlier prompts) over four prompt features: a bias,
+      repetition (share of the prompt's token bigrams seen earlier in it), compressibility (zlib ratio of the
+      token ids: a perplexity-like signal, the bits per token a simple compressor needs, taking the place of
+      a language model's perplexity without a forward pass) and log length. Each candidate's predicted alpha
+      goes through the same cost model as the per-round choice (its best gamma, its measured draft cost and
+      hit rate, the measured verification cost) and the prompt takes the candidate with the most predicted
+      tokens per second. A candidate whose cost the run has not measured yet is tried first (spread over
+      the rows of a batch). Gamma stays per round (window-size optimisation for the prompt's drafter).
 - `adaptive-fsm` is the state machine: gamma grows after a fully accepted round and shrinks after a
   rejection (`schedule=step`: +1/-1; `schedule=heuristic`: +2/-1, transformers' schedule).
 
 Timing: both strategies learn from the draft and verification seconds the decode loop measured for each
-round (no strategy times itself); a round whose drafting also paid for a drafter's prefill or a long
-catch-up (more than STEADY_CATCH_UP unseen tokens) does not teach the draft-cost model.
+round; a round whose drafting also paid for a drafter's prefill or a long catch-up (more than STEADY_CATCH_UP
+unseen tokens) does not teach the draft-cost model. When several drafters drafted in one round (select=prompt),
+each one's share is its own call's span (taken without waiting for the device, read after the round).
 
 `--set compare=1,2,4` also runs fixed-gamma speculative decoding with every draft candidate (strategy
 `draft` for a model, `ngram` for prompt lookup) at those gammas and at --gamma, in the same run on the
@@ -22,14 +37,20 @@ would have guessed.
 
 from __future__ import annotations
 
+import math
 from collections import Counter
+
+import torch
+import torch.nn.functional as F
 
 from sdbench.drafting.model import ModelDrafter
 from sdbench.drafting.ngram import DRAFT_NAME, NGramDrafter, check_ngram
+from sdbench.engine.metrics import Spans
 from sdbench.engine.state import DecodeState, Proposal
 from sdbench.engine.step import Round
 from sdbench.errors import SdbenchError
-from sdbench.strategies.adaptive_online import AlphaPrior, GammaPolicy, StepSchedule, prompt_features
+from sdbench.strategies.adaptive_online import (PRIOR_TRIALS, AlphaPrior, GammaPolicy, StepSchedule,
+                                                prompt_features, select_drafters)
 from sdbench.strategies.base import BuildContext, Option, Proposer, Variant, need_gamma
 from sdbench.strategies.draft import DraftModel
 from sdbench.strategies.ngram import NGram
@@ -60,6 +81,28 @@ def parse_compare(text: str, strategy: str = "adaptive") -> tuple[int, ...]:
     for v in values:
         need_gamma(strategy, v, f"--set compare={text}: every gamma")
     return values
+
+
+def merge_proposals(parts: list[Proposal]) -> Proposal:
+    """One proposal from several drafters' proposals over disjoint rows (a row has drafts in one part at
+    most). Under sampling a deterministic part's rows get the one-hot draft distribution, which is what the
+    acceptance rule assumes for a proposal without probs, so each row is verified as its own drafter's."""
+    width = max(p.tokens.shape[1] for p in parts)
+    lengths = sum(p.lengths.cpu() for p in parts)
+    with_probs = [p.probs for p in parts if p.probs is not None]
+    device = with_probs[0].device if with_probs else parts[0].tokens.device
+    batch = len(lengths)
+    tokens = torch.zeros(batch, width, dtype=torch.long, device=device)
+    probs = with_probs[0].new_zeros(batch, width, with_probs[0].shape[-1]) if with_probs else None
+    for p in parts:
+        rows = torch.nonzero(p.lengths.cpu() > 0).flatten().to(device)
+        g = p.tokens.shape[1]
+        part = p.tokens.to(device)[rows]
+        tokens[rows, :g] = part
+        if probs is not None:
+            probs[rows, :g] = (p.probs.to(device)[rows] if p.probs is not None
+                               else F.one_hot(part, probs.shape[-1]).to(probs.dtype))
+    return Proposal(tokens, lengths, probs)
 
 
 class RowTrace:
@@ -111,32 +154,52 @@ class _Adaptive(Proposer):
         self._started = [False] * len(self.drafters)
         self._start(state)
         self._rows = [RowTrace() for _ in range(state.batch)]
+        self._spans = [Spans(state.device) for _ in self.drafters]
+        self._steady = [False] * len(self.drafters)
 
     def propose(self, state: DecodeState) -> Proposal | None:
-        d, gamma = self._choose()
-        limits = state.lookahead(gamma)
-        gamma = max(limits, default=0)  # the lookahead used (and recorded): never past what a row can commit
-        self._round, self._steady = (d, gamma), True
-        if not gamma:
-            return None
+        self._round, parts = [], []
+        for d, gamma, rows in self._groups(state):
+            limits = [n if b in rows else 0 for b, n in enumerate(state.lookahead(gamma))]
+            gamma = max(limits, default=0)  # the lookahead used (and recorded): never past what a row can commit
+            self._round.append((d, gamma, rows))
+            if gamma:
+                parts.append(self._draft(d, state, limits))
+        proposals = [p for p in parts if p.tokens.shape[1]]  # a lookup that found nothing: a plain step
+        if len(proposals) <= 1:
+            return proposals[0] if proposals else None
+        return merge_proposals(proposals)
+
+    def _draft(self, d: int, state: DecodeState, limits: list[int]) -> Proposal:
         drafter = self.drafters[d]
         if not self._started[d]:
             drafter.begin(state)
-            self._started[d], self._steady = True, False
+            self._started[d], steady = True, False
         else:
-            self._steady = drafter.catch_up(state.tokens, state.lengths) <= STEADY_CATCH_UP
+            steady = drafter.catch_up(state.tokens, state.lengths) <= STEADY_CATCH_UP
+        t0 = self._spans[d].start()
         proposal = drafter.draft(state.tokens, state.lengths, limits)
-        return proposal if proposal.tokens.shape[1] else None  # a lookup that found nothing: a plain step
+        self._spans[d].stop(t0)
+        self._steady[d] = steady
+        return proposal
 
     def observe(self, state: DecodeState, proposal: Proposal | None, rnd: Round) -> None:
-        d, gamma = self._round
         width = 0 if proposal is None else proposal.tokens.shape[1]
-        active = [b for b in range(state.batch) if rnd.active[b]]
-        for b in active:
-            self._rows[b].add(d, gamma, rnd.drafted[b], rnd.committed[b])
-        draft_s = rnd.draft_s if gamma and self._steady else None  # a lookup that missed still cost its time
-        self._learn(d, gamma, width, [rnd.drafted[b] for b in active], [rnd.committed[b] for b in active],
-                    rnd.verify_s, draft_s)
+        drafting = [g for g in self._round if g[1]]
+        verify_s = rnd.verify_s  # one verification, whatever drafted: recorded once
+        for d, gamma, rows in self._round:
+            active = [b for b in rows if rnd.active[b]]
+            for b in active:
+                self._rows[b].add(d, gamma, rnd.drafted[b], rnd.committed[b])
+            draft_s = None
+            if gamma:
+                # a lookup that missed still cost its time; with several drafters, each timed its own call
+                spent = self._spans[d].settle()
+                draft_s = (rnd.draft_s if len(drafting) == 1 else spent) if self._steady[d] else None
+            if active or verify_s is not None:
+                self._learn(d, gamma, width, [rnd.drafted[b] for b in active], [rnd.committed[b] for b in active],
+                            verify_s, draft_s)
+                verify_s = None
 
     def end(self) -> None:
         for drafter, started in zip(self.drafters, self._started):
@@ -163,6 +226,11 @@ class _Adaptive(Proposer):
                    if any(d.name == DRAFT_NAME for d in self.drafters) else {})}
 
     # what each strategy decides
+    def _groups(self, state: DecodeState) -> list[tuple[int | None, int, set[int]]]:
+        """This round's (drafter, gamma, rows) groups: by default one drafter (or none) for the whole batch."""
+        d, gamma = self._choose()
+        return [(d, gamma, set(range(state.batch)))]
+
     def _start(self, state: DecodeState) -> None:
         raise NotImplementedError
 
@@ -200,20 +268,33 @@ class Adaptive(_Adaptive):
     """Online window-size optimisation with draft choice; see `adaptive_online.GammaPolicy`."""
 
     name = "adaptive"
+    SELECT = ("round", "prompt")
     options = (
         Option("history", 16, "verification rounds the acceptance estimate looks back on"),
         Option("probe", 8, "after this many plain rounds, draft one token to re-check acceptance"),
+        Option("prior_trials", PRIOR_TRIALS, "weight of the per-prompt prior alpha, in drafted-token trials "
+               "(0: the plain maximum-likelihood alpha)", float),
+        Option("select", "round", "round: the draft candidate chosen every round; prompt: chosen once per "
+               "prompt, before decoding, from a model over prompt features", str),
         *COMMON,
     )
 
-    def __init__(self, drafters: list, gamma: int, history: int = 16, probe: int = 8, **common):
+    def __init__(self, drafters: list, gamma: int, history: int = 16, probe: int = 8,
+                 prior_trials: float = PRIOR_TRIALS, select: str = "round", **common):
         if history < 1 or probe < 1:
             raise SdbenchError(f"strategy 'adaptive' needs history >= 1 and probe >= 1 (got {history}, {probe})")
+        if not 0 <= prior_trials < math.inf:
+            raise SdbenchError(f"--set prior_trials={prior_trials}: expected a number of trials >= 0 "
+                               "(0 = the plain maximum-likelihood alpha)")
+        if select not in self.SELECT:
+            raise SdbenchError(f"--set select={select}: use round (the draft chosen every round) or prompt "
+                               "(chosen once per prompt)")
         super().__init__(drafters, gamma, **common)
-        self.history, self.probe = history, probe
-        self.policy = GammaPolicy(len(drafters), gamma, self.gamma_max, history, probe)
+        self.history, self.probe, self.prior_trials, self.select = history, probe, prior_trials, select
+        self.policy = GammaPolicy(len(drafters), gamma, self.gamma_max, history, probe, prior_trials)
         self.priors = [AlphaPrior() for _ in drafters]
         self._features: list = []
+        self._chosen: list[int] = []
 
     def _start(self, state: DecodeState) -> None:
         # the generation that just ended teaches the per-prompt prior before this one is predicted
@@ -222,7 +303,21 @@ class Adaptive(_Adaptive):
                 self.priors[d].add(x, fit_alpha(a, r), a + r)
         self._features = [prompt_features(state.tokens[b, : state.prompt_lengths[b]].numpy())
                           for b in range(state.batch)]
-        self.policy.start([sum(p.predict(x) for x in self._features) / len(self._features) for p in self.priors])
+        rows = [list(range(state.batch))] * len(self.drafters)
+        if self.select == "prompt":  # each drafter's window starts from the prior of the prompts it drafts for
+            self._chosen = select_drafters(self.policy, self.priors, self._features)
+            rows = [[b for b, c in enumerate(self._chosen) if c == d] or rows[d] for d in range(len(self.drafters))]
+        self.policy.start([sum(p.predict(self._features[b]) for b in r) / len(r) for p, r in zip(self.priors, rows)])
+
+    def _groups(self, state: DecodeState) -> list[tuple[int | None, int, set[int]]]:
+        if self.select == "round":
+            return super()._groups(state)
+        groups = []
+        for d in sorted({self._chosen[b] for b in range(state.batch) if not state.done[b]}):
+            rows = {b for b in range(state.batch) if self._chosen[b] == d}
+            chosen, gamma = self.policy.choose(only=d)
+            groups.append((chosen, gamma, rows))
+        return groups
 
     def _choose(self) -> tuple[int | None, int]:
         return self.policy.choose()
@@ -230,8 +325,17 @@ class Adaptive(_Adaptive):
     def _learn(self, d, gamma, width, drafted, accepted, verify_s, draft_s) -> None:
         self.policy.record(d, gamma, width, drafted, accepted, verify_s, draft_s)
 
+    def row_stats(self, b: int) -> dict:
+        """As for every adaptive strategy; with select=prompt also `selected`, the drafter the prompt used."""
+        stats = super().row_stats(b)
+        if self.select == "prompt":
+            stats["selected"] = self.drafters[self._chosen[b]].name
+        return stats
+
     def params(self) -> dict:
-        return {**super().params(), "history": self.history, "probe": self.probe}
+        return {**super().params(), "history": self.history, "probe": self.probe,
+                **({"prior_trials": self.prior_trials} if self.prior_trials != PRIOR_TRIALS else {}),
+                **({"select": self.select} if self.select != "round" else {})}
 
 
 class AdaptiveFSM(_Adaptive):

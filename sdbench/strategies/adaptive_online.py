@@ -11,7 +11,10 @@ round, so the bookkeeping stays far below one forward pass:
 - `AlphaPrior`: the per-prompt prior, an online ridge regression from cheap prompt features to the alpha a
   drafter reached on the run's earlier prompts.
 - `GammaPolicy`: each round, the (drafter, gamma) with the most predicted tokens per second, gamma = 0
-  (plain decoding) included, with periodic probes so that drafting can resume.
+  (plain decoding) included, with periodic probes so that drafting can resume; or, for a drafter fixed per
+  prompt, that drafter's gamma.
+- `select_drafters`: the per-prompt choice, once before decoding, of the drafter with the most predicted
+  tokens per second for each prompt of a batch.
 - `StepSchedule`: the state-machine alternative (grow after a fully accepted round, shrink after a rejection).
 """
 
@@ -146,11 +149,14 @@ class GammaPolicy:
         that the acceptance estimate keeps following the text and drafting resumes once it pays again.
     """
 
-    def __init__(self, n_drafters: int, gamma0: int, gamma_max: int, history: int, probe: int):
+    def __init__(self, n_drafters: int, gamma0: int, gamma_max: int, history: int, probe: int,
+                 prior_trials: float = PRIOR_TRIALS):
         self.gamma0, self.gamma_max, self.probe = gamma0, gamma_max, probe
+        self.prior_trials = prior_trials  # 0: the plain maximum-likelihood alpha once a round was seen
         self.verify = LinearCost()
         self.draft = [LinearCost() for _ in range(n_drafters)]
         self.tried = [False] * n_drafters
+        self.found = [[0, 0] for _ in range(n_drafters)]  # over the whole run: [rows with a draft, rows asked]
         self.history = history
         self.start([PRIOR_ALPHA] * n_drafters)
 
@@ -158,42 +164,57 @@ class GammaPolicy:
         """A new generation: fresh windows, the prompt's prior alpha per drafter."""
         self.priors = list(priors)
         self.windows = [Window(self.history) for _ in priors]
-        self.plain_run = 0
+        self.plain_run: dict = {}  # plain rounds in a row, per drafter set choose() was asked about
 
-    def best(self) -> tuple[float, int, int]:
-        """(rate, drafter, gamma) of the best drafting choice; ties go to the smaller gamma."""
-        top = (-math.inf, 0, 1)
-        va, vb = self.verify.coefficients()  # each fit solved once per round, not once per choice
-        for d, (window, draft) in enumerate(zip(self.windows, self.draft)):
-            alpha, hit = window.alpha(self.priors[d]), window.hit_rate()
-            da, db = draft.coefficients()
-            for g in range(1, self.gamma_max + 1):
-                r = tokens_per_second(alpha, g, da + db * g, va + vb * hit * g, hit)
-                if r > top[0]:
-                    top = (r, d, g)
+    def _top(self, d: int, alpha: float, hit: float, top: tuple) -> tuple[float, int, int]:
+        va, vb = self.verify.coefficients()  # each fit solved once per call, not once per gamma
+        da, db = self.draft[d].coefficients()
+        for g in range(1, self.gamma_max + 1):
+            r = tokens_per_second(alpha, g, da + db * g, va + vb * hit * g, hit)
+            if r > top[0]:
+                top = (r, d, g)
         return top
 
-    def choose(self) -> tuple[int | None, int]:
-        """(drafter index, gamma) for the next round; (None, 0) = a plain step."""
-        untried = [d for d, t in enumerate(self.tried) if not t]
+    def best(self, only: int | None = None) -> tuple[float, int, int]:
+        """(rate, drafter, gamma) of the best drafting choice (among all drafters, or drafter `only`); ties go
+        to the smaller gamma."""
+        top = (-math.inf, 0 if only is None else only, 1)
+        for d, window in enumerate(self.windows):
+            if only is None or d == only:
+                top = self._top(d, window.alpha(self.priors[d], self.prior_trials), window.hit_rate(), top)
+        return top
+
+    def prompt_rate(self, d: int, alpha: float) -> float:
+        """Predicted tokens per second of drafter d over a whole prompt whose acceptance is `alpha`: its best
+        gamma, with its hit rate over the run so far and the costs measured so far."""
+        hits, asked = self.found[d]
+        return self._top(d, alpha, hits / asked if asked else 1.0, (-math.inf, d, 1))[0]
+
+    def choose(self, only: int | None = None) -> tuple[int | None, int]:
+        """(drafter index, gamma) for the next round, among all drafters or drafter `only`; (None, 0) = a
+        plain step."""
+        untried = [d for d, t in enumerate(self.tried) if not t and (only is None or d == only)]
         if untried and self.gamma0 > 0:
             return untried[0], self.gamma0
         if not self.verify.known:
-            return (0, self.gamma0) if self.gamma0 else (None, 0)
-        rate, d, g = self.best()
+            return (only or 0, self.gamma0) if self.gamma0 else (None, 0)
+        rate, d, g = self.best(only)
         if rate > 1.0 / max(self.verify(0), 1e-12):
-            self.plain_run = 0
+            self.plain_run[only] = 0
             return d, g
-        self.plain_run += 1
-        if self.plain_run % self.probe == 0:
+        self.plain_run[only] = self.plain_run.get(only, 0) + 1
+        if self.plain_run[only] % self.probe == 0:
             return d, 1
         return None, 0
 
     def record(self, d: int | None, gamma: int, width: int, drafted: list[int], accepted: list[int],
-               verify_s: float, draft_s: float | None) -> None:
+               verify_s: float | None, draft_s: float | None) -> None:
         """One round over its active rows: drafted/accepted per row; width = tokens verified after the last
-        committed one; draft_s = drafting seconds when they measure a steady round (None otherwise)."""
-        self.verify.add(width, verify_s)
+        committed one; verify_s = the verification's seconds (None: already recorded for this round, when
+        several drafters shared it); draft_s = drafting seconds when they measure a steady round (None
+        otherwise)."""
+        if verify_s is not None:
+            self.verify.add(width, verify_s)
         if d is None or gamma == 0:
             return
         self.tried[d] = True
@@ -202,6 +223,19 @@ class GammaPolicy:
         rejections = sum(a < n for a, n in zip(accepted, drafted) if n > 0)
         hits = sum(n > 0 for n in drafted)
         self.windows[d].add(sum(accepted), rejections, len(drafted), hits)
+        self.found[d][0] += hits
+        self.found[d][1] += len(drafted)
+
+
+def select_drafters(policy: GammaPolicy, priors: list[AlphaPrior], features: list[np.ndarray]) -> list[int]:
+    """Per prompt (features [4] each), the drafter it decodes with: a drafter whose cost the run has not
+    measured yet first (spread over the batch's rows, so that every candidate is tried), else the one with the
+    most predicted tokens per second at the alpha its prior predicts for that prompt."""
+    n = len(priors)
+    untried = [d for d in range(n) if not policy.draft[d].known]
+    if untried:
+        return [untried[b % len(untried)] for b in range(len(features))]
+    return [max(range(n), key=lambda d: policy.prompt_rate(d, priors[d].predict(x))) for x in features]
 
 
 class StepSchedule:

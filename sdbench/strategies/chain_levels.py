@@ -41,7 +41,9 @@ class LevelStats:
     """One generation's counters for a level. Forwards and their time are the batch's; the rest are per row.
 
     rounds/committed: this level's own verifications (a verifying level only) and the tokens they committed,
-    accepted drafts plus the correction or bonus token. proposals/proposed/accepted: the blocks this level
+    accepted drafts plus the correction or bonus token; committed_sq: the sum of squares of the tokens each
+    round committed, from which the variance of the accepted length follows (the polybasic paper's Theorem 3.3
+    compares it under sampling and greedy decoding). proposals/proposed/accepted: the blocks this level
     handed up, their tokens, and how many of those the level above accepted.
     """
 
@@ -52,12 +54,13 @@ class LevelStats:
     prefill_s: float = 0.0  # the level's own prefill of the prompts (not a forward of the chain's rounds)
     rounds: list[int] = field(default_factory=list)
     committed: list[int] = field(default_factory=list)
+    committed_sq: list[int] = field(default_factory=list)  # sum over rounds of (tokens committed)^2
     proposals: list[int] = field(default_factory=list)
     proposed: list[int] = field(default_factory=list)
     accepted: list[int] = field(default_factory=list)
 
     def __post_init__(self):
-        for name in ("rounds", "committed", "proposals", "proposed", "accepted"):
+        for name in ("rounds", "committed", "committed_sq", "proposals", "proposed", "accepted"):
             setattr(self, name, [0] * self.batch)
 
     def handed_up(self, b: int, proposed: int, accepted: int) -> None:
@@ -68,6 +71,7 @@ class LevelStats:
     def verified(self, b: int, accepted: int) -> None:
         self.rounds[b] += 1
         self.committed[b] += accepted + 1
+        self.committed_sq[b] += (accepted + 1) ** 2
 
     def record(self, b: int, level: int, model: str) -> dict:
         """Row b's figures (JSON-able); a rate is None for a level that verifies (or hands up) nothing."""
@@ -77,9 +81,20 @@ class LevelStats:
             "prefill_s": self.prefill_s,
             "blocks": self.calls, "rounds": rounds, "committed": self.committed[b],
             "mean_accepted_len": _json(mean_accepted_length(self.committed[b], rounds, rows=0)),
+            "committed_sq": self.committed_sq[b],
+            "accepted_len_var": _json(length_variance(self.committed[b], self.committed_sq[b], rounds)),
             "proposals": proposals, "proposed": self.proposed[b], "accepted": self.accepted[b],
             "acceptance_rate": _json(acceptance_rate(self.accepted[b], self.proposed[b])),
         }
+
+
+def length_variance(total: float, total_sq: float, rounds: float) -> float:
+    """Variance of the tokens committed per round (bonus included) from their sum and sum of squares over
+    `rounds` rounds (population variance: the rounds are all there is); NaN without a round."""
+    if not rounds:
+        return math.nan
+    mean = total / rounds
+    return max(total_sq / rounds - mean * mean, 0.0)
 
 
 class NGramLevel:
