@@ -50,7 +50,7 @@ def test_the_page_is_self_contained_with_the_claims_first(tmp_path):
     claims = pd.read_parquet(tmp_path / "claims.parquet")
     assert claims["verdict"].tolist() == [HOLDS, UNTESTABLE]
     assert list(claims_frame(report.claims).columns)[:3] == ["claim", "measured", "verdict"]
-    assert render_page(report).count("<tr style=") == 2
+    assert render_page(report).count("<tr style=\"background:") == 2  # one coloured row per claim
 
 
 @pytest.mark.parametrize("paper", ["magicdec", "adaptive", "polybasic"])
@@ -72,8 +72,8 @@ def test_every_paper_is_registered():
 # ---- the DSI reproduction on synthetic runs ------------------------------------------------------------------
 
 
-def _run_rows(strategy: str, k: int, workers: int, verify_per_job: float | None) -> list[dict]:
-    """One prompt: the baseline at 20 ms per forward, the strategy with 2 ms drafts (c = 0.1) and a = 2/3."""
+def _run_rows(strategy: str, k: int, workers: int, verify_per_job: float | None, tpot: float) -> list[dict]:
+    """One prompt: the baseline at 20 ms per forward, the strategy with 2 ms drafts and a = 2/3."""
     stats = {"rejections": 10, "drafted_total": 60}
     if verify_per_job is not None:
         stats["verify_s_per_job"] = verify_per_job
@@ -82,7 +82,7 @@ def _run_rows(strategy: str, k: int, workers: int, verify_per_job: float | None)
              "wall_s": 0.7, "ttft_s": 0.08, "tpot_s": 0.02, "new_tokens": 32, "drafted": 0, "accepted": 0,
              "draft_s": 0.0, "params": "{}"},
             {"role": "strategy", "strategy": strategy, "prompt_id": "p0", "steps": 12, "verify_s": 0.3,
-             "wall_s": 0.5, "ttft_s": 0.05, "tpot_s": 0.015, "new_tokens": 32, "drafted": 40, "accepted": 20,
+             "wall_s": 0.5, "ttft_s": 0.05, "tpot_s": tpot, "new_tokens": 32, "drafted": 40, "accepted": 20,
              "draft_s": 0.12, "strategy_stats": json.dumps(stats), "params": json.dumps(params)}]
 
 
@@ -95,9 +95,9 @@ def fake_runs(monkeypatch):
         asked.update(cfg=cfg, plan=plan)
         out.mkdir(parents=True, exist_ok=True)
         paths = {}
-        for name, strategy, per_job in (("si", "draft", None), ("dsi", "dsi", 0.05)):
+        for name, strategy, per_job, tpot in (("si", "draft", None, 0.015), ("dsi", "dsi", 0.05, 0.03)):
             paths[name] = out / f"{name}.parquet"
-            pq.write_table(rows_to_table(_run_rows(strategy, 5, plan.workers, per_job)), paths[name])
+            pq.write_table(rows_to_table(_run_rows(strategy, 5, plan.workers, per_job, tpot)), paths[name])
         return {**paths, "k": 5, "c_timed": 0.1}
 
     monkeypatch.setattr(dsi_paper, "real_runs", real_runs)
@@ -118,7 +118,9 @@ def test_reproduce_dsi_quick_writes_the_report_folder(capsys, tmp_path, fake_run
     text = (out / "report.html").read_text()
     assert text.index("<h2>Claims</h2>") < text.index("<h2>Figures</h2>") < text.index("<h2>Setup</h2>")
     assert text.count("data:image/png;base64,") == 3 and "torch_version" in text
-    assert "claims" in stdout and "report:" in stdout
+    assert "verdict" in stdout and "report:" in stdout
+    # the synthetic DSI run has c = 0.04 and k = 5 with 2 workers: fewer than the paper's bound of 5
+    assert "warning: 2 workers is fewer than the paper's bound ceil(1/(k·c)) = 5" in stdout
     # the heat-map's four panels, and the model's claims on it
     frame = pd.read_parquet(out / "dsi-heatmap.parquet")
     for col in ("speedup_dsi_vs_si", "speedup_dsi_vs_plain", "speedup_si_vs_plain", "speedup_dsi_vs_best"):
@@ -129,6 +131,22 @@ def test_reproduce_dsi_quick_writes_the_report_folder(capsys, tmp_path, fake_run
     # the DSI run's workers took 50 ms per verification against 20 ms for a plain forward: the premise fails
     here = claims[claims["claim"].str.contains("on the real run here")].iloc[0]
     assert here["verdict"] == UNTESTABLE and "device per worker" in here["why"]
+
+
+def test_never_slower_on_the_real_run_judges_the_premise_first():
+    from sdbench.commands.simulate import Setting
+
+    s = Setting(0.02, 0.1, 0.8, 5, 2, 32)
+    real = {"plain": 0.020, "si": 0.018, "dsi": 0.017}
+
+    def versus(dsi_forward):
+        return pd.DataFrame({"algorithm": ["plain", "si", "dsi"], "target_forward_s": [0.02, 0.02, dsi_forward]})
+
+    assert dsi_paper.claim_never_slower_here(versus(0.02), s, real).verdict == HOLDS
+    slow = {**real, "dsi": 0.03}
+    assert dsi_paper.claim_never_slower_here(versus(0.021), s, slow).verdict == FAILS
+    untestable = dsi_paper.claim_never_slower_here(versus(0.05), s, slow)
+    assert untestable.verdict == UNTESTABLE and "50.0 ms against 20.0 ms" in untestable.why
 
 
 def test_the_real_runs_use_the_papers_lookahead_rule(monkeypatch, tmp_path):

@@ -195,12 +195,13 @@ def judge(frame, narrow, sweep, versus, table, s: Setting, real: dict) -> list[C
 
 def claim_never_slower_model(frame, narrow) -> Claim:
     worst, worst20 = frame["speedup_dsi_vs_best"].min(), narrow["speedup_dsi_vs_best"].min()
-    gain = (frame["speedup_dsi_vs_best"] / narrow["speedup_dsi_vs_best"]).max()
+    past20 = float((frame["k_si"] > 20).mean())
     return Claim(
         "DSI is never slower than SI or non-SI, given any drafter (theorem; heat-map DSI / min(SI, non-SI) "
         "has no cell below 1)",
         f"lowest DSI / min(SI, non-SI) over {len(frame)} cells (c, a), 7 workers: {worst:.3f}x with k <= "
-        f"{int(frame['k_si_any'].max())}, {worst20:.3f}x with k <= 20 (the wider range gains up to {gain:.2f}x)",
+        f"{int(frame['k_si_any'].max())} ({worst20:.3f}x with k <= 20; SI's best lookahead passes 20 in "
+        f"{past20:.0%} of the cells, DSI's is always the smallest the workers sustain)",
         verdict(worst >= 1 - 1e-9), "the paper's latency model, counted offline", value=float(worst),
         where="Theorem; Figure (heat-maps)")
 
