@@ -223,6 +223,16 @@ def dsi_window_starts(c: float, k: int, count: int, workers: int | None = None) 
     return starts
 
 
+RENEWAL_TERMS = 20_000  # explicit terms of the DSI renewal sum; a linear tail covers the rest (a close to 1)
+
+
+def renewal_terms(a: float) -> int:
+    """Terms of the renewal sum that carry weight (a^J >= 1e-16), at most RENEWAL_TERMS."""
+    if a <= 0.0:
+        return 0
+    return min(RENEWAL_TERMS, int(math.log(1e-16) / math.log(a)) + 1)
+
+
 def dsi_latency_per_token(a: float, c: float, k: int, bonus: bool = True, workers: int | None = None) -> float:
     """Distributed speculative inference, in target forwards per token (renewal form).
 
@@ -236,19 +246,19 @@ def dsi_latency_per_token(a: float, c: float, k: int, bonus: bool = True, worker
         latency per token = (1 - a) * sum_J (1 - a) a^J min(s_m(J) + 1, J + 1)
 
     With every draft accepted (a = 1) the windows stream at the pace of the drafter or of the workers,
-    whichever is slower: min(max(c, 1 / (N k)), 1) (just min(c, 1) with enough workers).
+    whichever is slower: p = min(max(c, 1 / (N k)), 1) (just min(c, 1) with enough workers). Past T =
+    RENEWAL_TERMS terms (a within ~0.2% of 1) a cycle's cost grows at that pace, cost_J = cost_T + p (J - T),
+    whose tail sums to a^(T+1) (cost_T + p / (1 - a)).
     """
+    pace = min(c if workers is None else max(c, 1.0 / (workers * k)), 1.0)
     if a >= 1.0:
-        return min(c if workers is None else max(c, 1.0 / (workers * k)), 1.0)
-    cost, j = 0.0, 0
-    starts = [0.0]
-    while True:
-        weight = (1.0 - a) * a**j
+        return pace
+    terms = renewal_terms(a)
+    starts = dsi_window_starts(c, k, math.ceil((terms + 1) / k), workers)
+    cost = last = 0.0
+    for j in range(terms + 1):
         window = math.ceil((j if bonus else j + 1) / k)
-        if window >= len(starts):
-            starts = dsi_window_starts(c, k, 2 * window + 1, workers)
-        cost += weight * min(starts[window] + 1.0, j + 1.0)
-        if a**j < 1e-16:
-            break
-        j += 1
+        last = min(starts[window] + 1.0, j + 1.0)
+        cost += (1.0 - a) * a**j * last
+    cost += a ** (terms + 1) * (last + pace / (1.0 - a))
     return cost * (1.0 - a)  # over E[J + 1] = 1 / (1 - a) tokens per cycle

@@ -227,3 +227,35 @@ def test_the_papers_table_lookahead_rule():
             if k is not None:
                 assert dsi_workers_needed(c, k) <= workers
                 assert all(dsi_workers_needed(c, smaller) > workers for smaller in (1, 5, 10) if smaller < k)
+
+
+def test_acceptance_close_to_one_needs_no_endless_sum():
+    import numpy as np
+
+    # a run whose drafts were all accepted fits a = 1 - 1e-8: the sum's tail, not billions of terms
+    for c, k, workers in ((0.1, 4, None), (0.75, 1, 2), (1.9, 1, 1), (0.05, 2, 3)):
+        limit = dsi_latency_per_token(1.0, c, k, workers=workers)
+        assert dsi_latency_per_token(1 - 1e-8, c, k, workers=workers) == pytest.approx(limit, rel=1e-5)
+    # past the explicit terms, the tail agrees with the sum written out
+    a, c, k = 0.9995, 0.1, 4
+    j = np.arange(300_000)
+    brute = float(((1 - a) ** 2 * a**j * np.minimum(np.ceil(j / k) * k * c + 1, j + 1)).sum())
+    assert dsi_latency_per_token(a, c, k) == pytest.approx(brute, rel=1e-6)
+
+
+def test_profile_leaves_the_prefills_out_where_the_run_recorded_them(tmp_path):
+    import pyarrow.parquet as pq
+
+    stats = {"rejections": 10, "drafted_total": 61, "verify_s_per_job": 0.05, "verify_s_per_decode_job": 0.03,
+             "draft_s_per_decode_token": 0.0015}
+    rows = [{"role": "baseline", "strategy": "autoregressive", "steps": 32, "verify_s": 0.64, "wall_s": 0.7,
+             "ttft_s": 0.08, "tpot_s": 0.02, "new_tokens": 32, "drafted": 0, "accepted": 0, "draft_s": 0.0,
+             "params": "{}"},
+            {"role": "strategy", "strategy": "dsi", "steps": 12, "verify_s": 0.3, "wall_s": 0.5, "ttft_s": 0.1,
+             "tpot_s": 0.0125, "new_tokens": 32, "drafted": 40, "accepted": 20, "draft_s": 0.12,
+             "strategy_stats": json.dumps(stats), "params": json.dumps({"gamma": 4, "workers": 2})}]
+    path = tmp_path / "run.parquet"
+    pq.write_table(rows_to_table(rows), path)
+    s, measured = profile_from_results([str(path)])
+    assert s.target_s == pytest.approx(0.03) and s.c == pytest.approx(0.0015 / 0.03)
+    assert measured["plain"] == pytest.approx(0.02 * 32) and measured["dsi"] == pytest.approx(0.0125 * 32)

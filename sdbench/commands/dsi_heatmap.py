@@ -15,11 +15,10 @@ from __future__ import annotations
 import math
 
 from sdbench.errors import SdbenchError
-from sdbench.theory import dsi_window_starts, dsi_workers_needed
+from sdbench.theory import dsi_window_starts, dsi_workers_needed, renewal_terms
 
 KMAX = 200  # lookaheads tried per cell: 1 .. KMAX
 PAPER_WORKERS = 7  # the paper's single node: 8 GPUs, one of them the drafter's
-TAIL = 1e-16  # the renewal sums stop where a^J falls below this
 
 # (column, title, colour-bar cap, contour lines): the paper's four panels
 PANELS = (
@@ -71,25 +70,26 @@ def si_latencies(a, c: float, ks):
 
 
 def dsi_latencies(a, c: float, ks, workers: int | None = None, bonus: bool = True):
-    """DSI latency per token, [A, K]: sdbench.theory.dsi_latency_per_token for every a and k at once."""
+    """DSI latency per token, [A, K]: sdbench.theory.dsi_latency_per_token for every a and k at once (the same
+    renewal sum with the same tail)."""
     import numpy as np
 
     a = np.asarray(a, dtype=float)
     inner = a[a < 1.0]
-    top = float(inner.max()) if inner.size else 0.0
-    jmax = int(math.log(TAIL) / math.log(top)) + 1 if top > 0 else 1
+    jmax = renewal_terms(float(inner.max())) if inner.size else 0
     j = np.arange(jmax + 1)
     cost = np.empty((jmax + 1, len(ks)))
     for col, k in enumerate(ks):
         windows = np.ceil((j if bonus else j + 1) / k).astype(int)
         starts = np.asarray(dsi_window_starts(c, int(k), int(windows[-1]), workers))
         cost[:, col] = np.minimum(starts[windows] + 1.0, j + 1.0)
-    safe = np.where(a < 1.0, a, 0.0)
-    weights = ((1.0 - safe) ** 2)[:, None] * safe[:, None] ** j[None, :]  # [A, J]
-    out = weights @ cost
-    ks_arr = np.asarray(ks, dtype=float)[None, :]
-    pace = c if workers is None else np.maximum(c, 1.0 / (workers * ks_arr))
-    return np.where(a[:, None] >= 1.0, np.minimum(pace, 1.0), out)
+    safe = np.where(a < 1.0, a, 0.0)[:, None]  # [A, 1]
+    ks_arr = np.asarray(ks, dtype=float)[None, :]  # [1, K]
+    pace = np.minimum(c if workers is None else np.maximum(c, 1.0 / (workers * ks_arr)), 1.0)
+    weights = (1.0 - safe) * safe ** j[None, :]  # [A, J]
+    tail = safe ** (jmax + 1) * (cost[-1][None, :] + pace / (1.0 - safe))  # [A, K]
+    out = (1.0 - safe) * (weights @ cost + tail)
+    return np.where(a[:, None] >= 1.0, np.broadcast_to(pace, out.shape), out)
 
 
 def _column(c: float, as_, workers: int, kmax: int):

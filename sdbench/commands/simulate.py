@@ -170,8 +170,11 @@ def profile_from_results(paths) -> tuple[Setting, dict]:
     The target forward is the one DSI's workers measured when the run recorded it (what DSI actually got:
     on a small machine the workers share the cores with each other and the drafter), else the baseline's;
     c is drafting time per drafted token (discarded drafts included) over it; a comes from the recorded
-    rejections, else from inverting Omega on the mean accepted length. `measured` has the latency of the
-    mean generation for the baseline ("plain") and the strategy (by name), and both forward latencies.
+    rejections, else from inverting Omega on the mean accepted length. Where the run recorded them, both
+    latencies are the decode phase's (the workers' prompt verifications and the drafter's first call, which
+    are prefills, left out), and so is `measured`: the latency of the mean generation for the baseline
+    ("plain") and the strategy (by name), from the time per token after the first (else from the wall time),
+    and both forward latencies.
     """
     import json
 
@@ -180,14 +183,15 @@ def profile_from_results(paths) -> tuple[Setting, dict]:
 
     df = read_results(paths)
     base, strat = df[df["role"] == "baseline"], df[df["role"].astype(str).str.startswith("strategy")]
-    if base.empty or strat.empty or not base["steps"].sum() or not strat["drafted"].sum():
+    if base.empty or strat.empty or not base["steps"].sum() or not strat["drafted"].sum() and not _drafts(strat):
         raise SdbenchError("--from needs a run with baseline rows and a drafting strategy (e.g. dsi or draft)")
     stats = [json.loads(x) if isinstance(x, str) and x else {} for x in strat["strategy_stats"]]
     params = json.loads(strat["params"].iloc[0] or "{}")
     baseline_forward = base["verify_s"].sum() / base["steps"].sum()
-    per_job = [st["verify_s_per_job"] for st in stats if st.get("verify_s_per_job")]
-    target_s = sum(per_job) / len(per_job) if len(per_job) == len(stats) else baseline_forward
+    target_s = _recorded_mean(stats, "verify_s_per_decode_job") or _recorded_mean(stats, "verify_s_per_job") \
+        or baseline_forward
     drafted = sum(st.get("drafted_total", 0) for st in stats) or strat["drafted"].sum()
+    draft_per_token = _recorded_mean(stats, "draft_s_per_decode_token") or strat["draft_s"].sum() / drafted
     k = int(params.get("gamma") or round(strat["drafted"].sum() / strat["steps"].sum()))
     if all("rejections" in st for st in stats):
         a = fit_alpha(int(strat["accepted"].sum()), sum(st["rejections"] for st in stats))
@@ -195,12 +199,30 @@ def profile_from_results(paths) -> tuple[Setting, dict]:
         a = alpha_from_tokens_per_step(1 + strat["accepted"].sum() / strat["steps"].sum(),
                                        strat["drafted"].sum() / strat["steps"].sum())
     tokens = max(int(round(strat["new_tokens"].mean())), 1)
-    setting = Setting(float(target_s), float(strat["draft_s"].sum() / drafted / target_s), float(a), k,
+    setting = Setting(float(target_s), float(draft_per_token / target_s), float(a), k,
                       int(params.get("workers", 1)), tokens)
-    measured = {"plain": float((base["wall_s"] / base["new_tokens"]).mean() * tokens),
-                str(strat["strategy"].iloc[0]): float((strat["wall_s"] / strat["new_tokens"]).mean() * tokens),
+    measured = {"plain": _per_token(base) * tokens, str(strat["strategy"].iloc[0]): _per_token(strat) * tokens,
                 "forward_baseline": float(baseline_forward), "forward_workers": float(target_s)}
     return setting.check(), measured
+
+
+def _drafts(strat) -> int:
+    import json
+
+    return sum(json.loads(x).get("drafted_total", 0) for x in strat["strategy_stats"] if isinstance(x, str) and x)
+
+
+def _recorded_mean(stats: list[dict], key: str) -> float | None:
+    """The mean of a per-row statistic when every row recorded it, else None."""
+    values = [st.get(key) for st in stats]
+    return sum(values) / len(values) if values and all(v is not None for v in values) else None
+
+
+def _per_token(rows) -> float:
+    """Seconds per token: of the decode phase when the rows recorded it, else of the whole generation."""
+    if "tpot_s" in rows and rows["tpot_s"].notna().all():
+        return float(rows["tpot_s"].mean())
+    return float((rows["wall_s"] / rows["new_tokens"]).mean())
 
 
 # ---- the `sdbench simulate dsi` command ------------------------------------------------------------------
