@@ -8,6 +8,7 @@ import pandas as pd
 import pytest
 
 from sdbench.cli import main
+from sdbench.errors import SdbenchError
 from sdbench.commands.simulate import Setting, heatmap, offline, online, profile_from_results, simulate_dsi, simulate_si
 from sdbench.reporting.results import rows_to_table
 from sdbench.theory import (alpha_from_tokens_per_step, dsi_latency_per_token, dsi_workers_needed,
@@ -259,3 +260,20 @@ def test_profile_leaves_the_prefills_out_where_the_run_recorded_them(tmp_path):
     s, measured = profile_from_results([str(path)])
     assert s.target_s == pytest.approx(0.03) and s.c == pytest.approx(0.0015 / 0.03)
     assert measured["plain"] == pytest.approx(0.02 * 32) and measured["dsi"] == pytest.approx(0.0125 * 32)
+
+
+def test_a_run_that_judged_no_draft_measured_no_acceptance(tmp_path):
+    import pyarrow.parquet as pq
+
+    stats = {"rejections": 0, "drafted_total": 20, "verify_s_per_job": 0.05}
+    rows = [{"role": "baseline", "strategy": "autoregressive", "steps": 32, "verify_s": 0.64, "wall_s": 0.7,
+             "new_tokens": 32, "drafted": 0, "accepted": 0, "draft_s": 0.0, "params": "{}"},
+            {"role": "strategy", "strategy": "dsi", "steps": 31, "verify_s": 1.5, "wall_s": 1.6, "new_tokens": 32,
+             "drafted": 0, "accepted": 0, "draft_s": 1.2, "strategy_stats": json.dumps(stats),
+             "params": json.dumps({"gamma": 1, "workers": 2})}]
+    path = tmp_path / "run.parquet"
+    pq.write_table(rows_to_table(rows), path)
+    with pytest.raises(SdbenchError, match="judged no draft"):
+        profile_from_results([str(path)])
+    s, _ = profile_from_results([str(path)], a=0.9)
+    assert s.a == 0.9 and s.c == pytest.approx(1.2 / 20 / 0.05)

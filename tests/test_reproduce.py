@@ -137,13 +137,15 @@ def test_never_slower_on_the_real_run_judges_the_premise_first():
     from sdbench.commands.simulate import Setting
 
     s = Setting(0.02, 0.1, 0.8, 5, 2, 32)
-    real = {"plain": 0.020, "si": 0.018, "dsi": 0.017}
+    real = {"plain": 0.020, "plain_si": 0.020, "plain_dsi": 0.020, "si": 0.018, "dsi": 0.017}
 
     def versus(dsi_forward):
         return pd.DataFrame({"algorithm": ["plain", "si", "dsi"], "target_forward_s": [0.02, 0.02, dsi_forward]})
 
     assert dsi_paper.claim_never_slower_here(versus(0.02), s, real).verdict == HOLDS
     slow = {**real, "dsi": 0.03}
+    # a run slowed down as a whole (its baseline too) is judged against its own baseline
+    assert dsi_paper.claim_never_slower_here(versus(0.02), s, {**slow, "plain_dsi": 0.04}).verdict == HOLDS
     assert dsi_paper.claim_never_slower_here(versus(0.021), s, slow).verdict == FAILS
     untestable = dsi_paper.claim_never_slower_here(versus(0.05), s, slow)
     assert untestable.verdict == UNTESTABLE and "50.0 ms against 20.0 ms" in untestable.why

@@ -164,7 +164,7 @@ def online(s: Setting, repeats: int = 20, seed: int = 0, preemptive: bool = Fals
 # ---- measured settings -----------------------------------------------------------------------------------
 
 
-def profile_from_results(paths) -> tuple[Setting, dict]:
+def profile_from_results(paths, a: float | None = None) -> tuple[Setting, dict]:
     """Target latency, c, a, k and workers measured by an sdbench run, and the measured latency of each side.
 
     The target forward is the one DSI's workers measured when the run recorded it (what DSI actually got:
@@ -174,7 +174,8 @@ def profile_from_results(paths) -> tuple[Setting, dict]:
     latencies are the decode phase's (the workers' prompt verifications and the drafter's first call, which
     are prefills, left out), and so is `measured`: the latency of the mean generation for the baseline
     ("plain") and the strategy (by name), from the time per token after the first (else from the wall time),
-    and both forward latencies.
+    and both forward latencies. `a`, when given, replaces the measured acceptance rate (a DSI run whose drafter
+    never got ahead of the verifications judged no draft, so it measured none).
     """
     import json
 
@@ -193,8 +194,13 @@ def profile_from_results(paths) -> tuple[Setting, dict]:
     drafted = sum(st.get("drafted_total", 0) for st in stats) or strat["drafted"].sum()
     draft_per_token = _recorded_mean(stats, "draft_s_per_decode_token") or strat["draft_s"].sum() / drafted
     k = int(params.get("gamma") or round(strat["drafted"].sum() / strat["steps"].sum()))
-    if all("rejections" in st for st in stats):
+    if a is not None:
+        pass
+    elif all("rejections" in st for st in stats):
         a = fit_alpha(int(strat["accepted"].sum()), sum(st["rejections"] for st in stats))
+        if math.isnan(a):
+            raise SdbenchError("--from: the run judged no draft (its drafter never got ahead of the target), so "
+                               "it measured no acceptance rate; simulate with --c and --a instead")
     else:
         a = alpha_from_tokens_per_step(1 + strat["accepted"].sum() / strat["steps"].sum(),
                                        strat["drafted"].sum() / strat["steps"].sum())

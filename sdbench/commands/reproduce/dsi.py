@@ -52,7 +52,7 @@ def reproduce(cfg: ReproduceConfig, folder, console) -> Report:
     runs = real_runs(cfg, plan, folder / "runs", console)
     with console.status("simulating on the measured latencies"):
         s_si, _ = profile_from_results([str(runs["si"])])
-        s_dsi, _ = profile_from_results([str(runs["dsi"])])
+        s_dsi, borrowed = dsi_profile(runs, s_si)
         real = measured_per_token(runs)
         versus = sim_vs_real(s_si, s_dsi, real, plan.repeats)
         table = latency_table(s_dsi.c, s_dsi.a, (s_dsi.workers, PAPER_WORKERS))
@@ -70,6 +70,10 @@ def reproduce(cfg: ReproduceConfig, folder, console) -> Report:
              "paper's model (heat-maps, table) with the latencies measured here."] if s_dsi.c > 0.5 else []
     if warning:
         notes.append(warning)
+    if borrowed:
+        notes.append(f"The DSI run judged no draft (its drafter never got ahead of the verifications, which then "
+                     f"committed at plain decoding's pace), so it measured no acceptance rate: a = {s_si.a:.3g} is "
+                     "the SI run's, on the same prompts.")
     setup = setup_facts(cfg, plan, runs, s_si, s_dsi, folder)
     tables = {"dsi-heatmap": frame, "dsi-latency-table": table, "dsi-sim-vs-real": versus,
               "dsi-workers": sweep}
@@ -114,18 +118,28 @@ def drafter_ratio(pair, context: int = 128) -> float:
     return draft / target
 
 
+def dsi_profile(runs: dict, s_si: Setting) -> tuple[Setting, bool]:
+    """The DSI run's setting; its acceptance rate is the SI run's when it judged no draft (then True)."""
+    from sdbench.errors import SdbenchError
+
+    try:
+        return profile_from_results([str(runs["dsi"])])[0], False
+    except SdbenchError:
+        return profile_from_results([str(runs["dsi"])], a=s_si.a)[0], True
+
+
 def measured_per_token(runs: dict) -> dict:
-    """Seconds per token of the decode phase (mean tpot over rows): plain decoding from both runs' baselines,
-    SI and DSI from their strategies."""
+    """Seconds per token of the decode phase (mean tpot over rows) of SI and DSI, and of the plain decoding
+    measured beside each ("plain_si", "plain_dsi"; "plain" is the SI run's). Each run interleaves its baseline
+    with its strategy batch by batch, so a strategy is compared with the baseline of its own run."""
     from sdbench.reporting.results import read_results
 
     out = {}
     for name in ("si", "dsi"):
         df = read_results([str(runs[name])])
-        base, strat = df[df["role"] == "baseline"], df[df["role"] == "strategy"]
-        out.setdefault("plain", []).extend(base["tpot_s"].dropna().tolist())
-        out[name] = float(strat["tpot_s"].mean())
-    out["plain"] = sum(out["plain"]) / len(out["plain"])
+        out[f"plain_{name}"] = float(df[df["role"] == "baseline"]["tpot_s"].mean())
+        out[name] = float(df[df["role"] == "strategy"]["tpot_s"].mean())
+    out["plain"] = out["plain_si"]
     return out
 
 
@@ -274,20 +288,22 @@ def claim_model_predicts(versus) -> Claim:
 def claim_never_slower_here(versus, s: Setting, real: dict) -> Claim:
     by = versus.set_index("algorithm")
     forward_plain, forward_dsi = by.loc["plain", "target_forward_s"], by.loc["dsi", "target_forward_s"]
-    dsi, si, plain = real["dsi"], real["si"], real["plain"]
-    measured = (f"decode time per token: DSI {dsi * 1e3:.1f} ms, SI {si * 1e3:.1f} ms, non-SI {plain * 1e3:.1f} ms "
-                f"({s.workers} workers); DSI / min(SI, non-SI) {min(si, plain) / dsi:.2f}x")
+    vs_plain = real["plain_dsi"] / real["dsi"]  # against the baseline of its own run
+    vs_si = vs_plain / (real["plain_si"] / real["si"])  # both over their own run's baseline
+    worst = min(vs_plain, vs_si)
+    measured = (f"decode time per token: DSI {real['dsi'] * 1e3:.1f} ms against {real['plain_dsi'] * 1e3:.1f} ms "
+                f"for plain decoding in the same run ({s.workers} workers): {vs_plain:.2f}x; SI {real['si'] * 1e3:.1f}"
+                f" ms against {real['plain_si'] * 1e3:.1f} ms in its run; DSI / SI {vs_si:.2f}x (each over its "
+                "own run's plain decoding)")
     claim = "DSI is never slower than SI or non-SI, on the real run here"
-    if dsi <= min(si, plain) * 1.02:
-        return Claim(claim, measured, HOLDS, "measured within 2%", value=min(si, plain) / dsi)
+    if worst >= 0.98:
+        return Claim(claim, measured, HOLDS, "measured within 2%", value=worst)
     if forward_dsi > SLOWED * forward_plain:
         return Claim(claim, measured, UNTESTABLE,
                      f"the premise fails here: a verification inside DSI took {forward_dsi * 1e3:.1f} ms against "
                      f"{forward_plain * 1e3:.1f} ms for a plain forward, because {s.workers} workers and the drafter "
-                     f"share {os.cpu_count()} cores; the paper assumes a device per worker",
-                     value=min(si, plain) / dsi)
-    return Claim(claim, measured, FAILS, "workers ran at plain decoding's speed, yet DSI was slower",
-                 value=min(si, plain) / dsi)
+                     f"share {os.cpu_count()} cores; the paper assumes a device per worker", value=worst)
+    return Claim(claim, measured, FAILS, "workers ran at plain decoding's speed, yet DSI was slower", value=worst)
 
 
 # ---- figures and setup -----------------------------------------------------------------------------------
