@@ -279,18 +279,34 @@ def simulate_dsi(
     tokens: Annotated[int, typer.Option(help="tokens to generate")] = 1000,
     repeats: Annotated[int, typer.Option(help="simulated generations averaged online")] = 20,
     grid: Annotated[int, typer.Option(help="heat-map resolution: grid+1 values of c and of a")] = 20,
-    kmax: Annotated[int, typer.Option(help="largest lookahead the heat-map tries")] = 20,
+    kmax: Annotated[int, typer.Option(help="largest lookahead the heat-map tries per cell")] = 200,
     seed: Seed = 0,
     from_results: Annotated[Optional[list[str]], typer.Option("--from", help="an sdbench run: take target latency, c, a, k and workers from it")] = None,
     out: Annotated[str, typer.Option(help="folder for dsi-heatmap.parquet and dsi-heatmap.png")] = C.DEFAULT_OUT,
 ):
     """Expected latency of plain decoding, SI and DSI (offline by counting, online by a timed simulation),
-    and the heat-map of DSI's speedup over SI and over plain decoding across drafter latency and acceptance."""
+    and the DSI paper's four heat-map panels across drafter latency and acceptance."""
     from sdbench.commands.simulate import Setting, run_simulation
 
     setting = Setting(target_latency, c, a, k, workers, tokens)
     run_simulation(setting, repeats=repeats, seed=seed, grid=grid, kmax=kmax, out=out, source=from_results,
                    console=console)
+
+
+@app.command()
+def reproduce(
+    paper: Annotated[str, typer.Argument(help="dsi, magicdec, adaptive or polybasic")],
+    target: Target = C.DEFAULT_TARGET,
+    draft: Annotated[Optional[str], typer.Option("--draft", "-d", help="draft model [default: the target itself]")] = None,
+    quick: Annotated[bool, typer.Option("--quick", help="fewer prompts and tokens: a few minutes on a small CPU")] = False,
+    out: Annotated[Optional[str], typer.Option(help="report folder [default: results/reproduce-PAPER]")] = None,
+    device: Device = "auto", dtype: Dtype = "float32",
+):
+    """A paper's experiment on this machine: its claims beside the measurements, each with a verdict, and a
+    report folder (Parquet, PNGs, one self-contained HTML page with the claims first)."""
+    from sdbench.commands.reproduce import ReproduceConfig, run_paper
+
+    run_paper(paper, ReproduceConfig(target, draft, quick, out, device, dtype), console)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -233,23 +233,64 @@ def dsi_workers_needed(c: float, k: int) -> int:
     return max(1, math.ceil(1.0 / (k * c) - 1e-9))
 
 
-def dsi_latency_per_token(a: float, c: float, k: int, bonus: bool = True) -> float:
-    """Distributed speculative inference with enough workers, in target forwards per token (renewal form).
+def dsi_window_starts(c: float, k: int, count: int, workers: int | None = None) -> list[float]:
+    """When the verifications of one DSI cycle start, in target forwards from the cycle's start.
+
+    Index 0 is the verification of the bare committed prefix, sent at once; index i >= 1 is the i-th window of
+    k drafts. A window goes out once it is drafted and a worker is free:
+
+        s_0 = 0,   s_i = max(s_{i-1} + k c,  s_{i-N} + 1)   (the second term only for i >= N)
+
+    The drafter pauses while a drafted window waits for a worker, so window i is drafted k c after window i - 1
+    went out; with N workers at most N verifications overlap, so verification i starts only once verification
+    i - N (1 target forward) has finished. With N >= ceil(1 / (k c)) workers (or workers=None) the second term
+    never binds and s_i = i k c, the paper's count. Returns s_0 .. s_count.
+    """
+    starts = [0.0]
+    for i in range(1, count + 1):
+        start = starts[i - 1] + k * c
+        if workers is not None and i >= workers:
+            start = max(start, starts[i - workers] + 1.0)
+        starts.append(start)
+    return starts
+
+
+RENEWAL_TERMS = 20_000  # explicit terms of the DSI renewal sum; a linear tail covers the rest (a close to 1)
+
+
+def renewal_terms(a: float) -> int:
+    """Terms of the renewal sum that carry weight (a^J >= 1e-16), at most RENEWAL_TERMS."""
+    if a <= 0.0:
+        return 0
+    return min(RENEWAL_TERMS, int(math.log(1e-16) / math.log(a)) + 1)
+
+
+def dsi_latency_per_token(a: float, c: float, k: int, bonus: bool = True, workers: int | None = None) -> float:
+    """Distributed speculative inference, in target forwards per token (renewal form).
 
     A cycle ends at the first rejected draft: J drafts are accepted with probability (1 - a) a^J and the
-    cycle commits J + 1 tokens. The target's token after them comes from the verification of the chunk of k
-    drafts holding draft J (its bonus position; with bonus=False, as in the DSI paper, from the chunk holding
-    draft J + 1), sent once the chunk is drafted: ceil(J / k) k c + 1. A verification of the bare committed
-    prefix always runs beside, so a cycle never costs more than plain decoding's J + 1.
+    cycle commits J + 1 tokens. The target's token after them comes from the verification of the window of k
+    drafts holding draft J (its bonus position; with bonus=False, as in the DSI paper, from the window holding
+    draft J + 1), window m = ceil(J / k), which ends at s_m + 1 with s_m from `dsi_window_starts`: m k c with
+    enough workers, later when `workers` is fewer than ceil(1 / (k c)). A verification of the bare committed
+    prefix always runs beside, so a cycle never costs more than plain decoding's J + 1:
+
+        latency per token = (1 - a) * sum_J (1 - a) a^J min(s_m(J) + 1, J + 1)
+
+    With every draft accepted (a = 1) the windows stream at the pace of the drafter or of the workers,
+    whichever is slower: p = min(max(c, 1 / (N k)), 1) (just min(c, 1) with enough workers). Past T =
+    RENEWAL_TERMS terms (a within ~0.2% of 1) a cycle's cost grows at that pace, cost_J = cost_T + p (J - T),
+    whose tail sums to a^(T+1) (cost_T + p / (1 - a)).
     """
+    pace = min(c if workers is None else max(c, 1.0 / (workers * k)), 1.0)
     if a >= 1.0:
-        return min(c, 1.0)
-    cost, j = 0.0, 0
-    while True:
-        weight = (1.0 - a) * a**j
-        chunks = math.ceil((j if bonus else j + 1) / k)
-        cost += weight * min(chunks * k * c + 1.0, j + 1.0)
-        if a**j < 1e-16:
-            break
-        j += 1
+        return pace
+    terms = renewal_terms(a)
+    starts = dsi_window_starts(c, k, math.ceil((terms + 1) / k), workers)
+    cost = last = 0.0
+    for j in range(terms + 1):
+        window = math.ceil((j if bonus else j + 1) / k)
+        last = min(starts[window] + 1.0, j + 1.0)
+        cost += (1.0 - a) * a**j * last
+    cost += a ** (terms + 1) * (last + pace / (1.0 - a))
     return cost * (1.0 - a)  # over E[J + 1] = 1 / (1 - a) tokens per cycle

@@ -8,11 +8,13 @@ import pandas as pd
 import pytest
 
 from sdbench.cli import main
+from sdbench.errors import SdbenchError
 from sdbench.commands.simulate import Setting, heatmap, offline, online, profile_from_results, simulate_dsi, simulate_si
 from sdbench.reporting.results import rows_to_table
 from sdbench.theory import (alpha_from_tokens_per_step, dsi_latency_per_token, dsi_workers_needed,
                             expected_tokens_per_step, si_latency_per_token)
 
+WORKER_TOLERANCE = 0.06  # the worker-limited count against the preemptive online simulation
 GRID = [(c, a) for c in (0.01, 0.05, 0.1, 0.2, 0.35, 0.5, 0.75, 1.0) for a in (0.0, 0.1, 0.3, 0.5, 0.7, 0.9, 0.99, 1.0)]
 
 
@@ -134,3 +136,144 @@ def test_profile_from_a_run(tmp_path):
     s, measured = profile_from_results([str(path)])
     assert s.target_s == pytest.approx(0.05) and s.c == pytest.approx(0.12 / 60 / 0.05)
     assert measured["forward_baseline"] == pytest.approx(0.02)
+
+
+# ---- the worker count, the paper's four panels and its lookahead rule ------------------------------------------
+
+
+@pytest.mark.parametrize("c, a, k, workers", [(0.1, 0.8, 2, 1), (0.1, 0.8, 2, 3), (0.05, 0.9, 2, 2),
+                                              (0.02, 0.95, 5, 3), (0.3, 0.9, 1, 2), (0.05, 0.6, 4, 1)])
+def test_worker_limited_offline_agrees_with_online(c, a, k, workers):
+    s = Setting(target_s=1.0, c=c, a=a, k=k, workers=workers, tokens=1500)
+    assert workers < dsi_workers_needed(c, k)
+    off = offline(s)
+    ideal = online(s, repeats=6, seed=2, preemptive=True)
+    assert off["dsi"] > off["dsi_enough"] * 1.02  # too few workers: the count no longer promises the paper's pace
+    assert abs(off["dsi"] - ideal["dsi"]) <= 4 * ideal["dsi_sem"] + WORKER_TOLERANCE * ideal["dsi"]
+    # what matters most: the offline row never promises a speedup the online simulation cannot reach
+    assert off["plain"] / off["dsi"] <= ideal["plain"] / ideal["dsi"] * (1 + WORKER_TOLERANCE)
+
+
+def test_worker_limited_count_is_the_papers_with_enough_workers():
+    for c, a, k in ((0.1, 0.8, 4), (0.01, 0.99, 20), (0.5, 0.3, 1), (0.2, 1.0, 3)):
+        need = dsi_workers_needed(c, k)
+        paper = dsi_latency_per_token(a, c, k)
+        for workers in (need, need + 3):
+            assert dsi_latency_per_token(a, c, k, workers=workers) == pytest.approx(paper, rel=1e-12)
+        lat = [dsi_latency_per_token(a, c, k, workers=n) for n in range(1, need + 1)]
+        assert all(x >= y - 1e-12 for x, y in zip(lat, lat[1:]))  # more workers never cost time
+        assert lat[0] <= 1.0 + 1e-12  # one worker still keeps plain decoding's pace
+    assert dsi_latency_per_token(1.0, 0.1, 2, workers=1) == pytest.approx(0.5)  # one window of 2 per forward
+
+
+def test_warning_when_fewer_workers_than_the_bound(tmp_path, capsys):
+    main(["simulate", "dsi", "--c", "0.05", "--a", "0.8", "--k", "2", "--workers", "3", "--tokens", "100",
+          "--repeats", "1", "--grid", "2", "--kmax", "4", "--out", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert out.count("warning:") == 1 and "fewer than the paper's bound ceil(1/(k·c)) = 10" in out
+    assert "DSI, 10 workers (the paper's bound)" in out and "table rule picks k=10" in out
+    main(["simulate", "dsi", "--c", "0.05", "--a", "0.8", "--k", "2", "--workers", "10", "--tokens", "100",
+          "--repeats", "1", "--grid", "2", "--kmax", "4", "--out", str(tmp_path)])
+    assert "warning:" not in capsys.readouterr().out
+
+
+def test_grid_sums_are_the_scalar_formulas():
+    from sdbench.commands.dsi_heatmap import dsi_latencies, si_latencies
+
+    a, ks = [0.01, 0.3, 0.8, 0.99, 1.0], [1, 3, 7, 40]
+    for c, workers in ((0.05, None), (0.05, 2), (0.4, 1), (1.0, None)):
+        dsi, si = dsi_latencies(a, c, ks, workers), si_latencies(a, c, ks)
+        paper = dsi_latencies(a, c, ks, workers, bonus=False)
+        for i, av in enumerate(a):
+            for j, k in enumerate(ks):
+                assert dsi[i, j] == pytest.approx(dsi_latency_per_token(av, c, k, workers=workers), rel=1e-9)
+                assert paper[i, j] == pytest.approx(
+                    dsi_latency_per_token(av, c, k, bonus=False, workers=workers), rel=1e-9)
+                assert si[i, j] == pytest.approx(si_latency_per_token(av, c, k), rel=1e-12)
+
+
+def test_heatmap_has_the_papers_four_panels_and_lookaheads_past_20(tmp_path):
+    from sdbench.commands.dsi_heatmap import PANELS, plot_heatmap
+
+    frame = heatmap(workers=7, grid=4)  # k up to 200 by default
+    assert [p[1] for p in PANELS] == ["DSI / SI", "DSI / non-SI (plain decoding)", "SI / non-SI (plain decoding)",
+                                      "DSI / min(SI, non-SI)"]
+    for column, *_ in PANELS:
+        assert frame[column].notna().all()
+    assert frame["speedup_si_vs_plain"].min() < 1  # SI loses somewhere ...
+    assert frame["speedup_dsi_vs_best"].min() >= 1 - 1e-9  # ... DSI never does
+    best = frame["speedup_dsi_vs_best"].to_numpy()
+    expect = (frame[["si", "plain"]].min(axis=1) / frame["dsi"]).to_numpy()
+    assert best == pytest.approx(expect)
+    # SI with a fast, accurate drafter wants lookaheads past 20; DSI's best is the smallest the workers sustain
+    assert frame["k_si"].max() > 20
+    assert (frame["k_dsi"] == frame["c"].map(lambda c: next(k for k in range(1, 201)
+                                                                 if dsi_workers_needed(c, k) <= 7))).all()
+    titles = plot_heatmap(frame, tmp_path / "h.png", mark=(0.5, 0.5))
+    assert [t.rsplit(" (min ", 1)[0] for t in titles] == [p[1] for p in PANELS]
+    assert (tmp_path / "h.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_the_papers_table_lookahead_rule():
+    from sdbench.commands.dsi_heatmap import table_lookahead
+
+    assert table_lookahead(0.3, 7) == 1  # ceil(1/0.3) = 4 <= 7
+    assert table_lookahead(0.1, 7) == 5  # k = 1 needs 10 workers, k = 5 needs 2
+    assert table_lookahead(0.02, 7) == 10  # k = 5 needs 10, k = 10 needs 5
+    assert table_lookahead(0.01, 7) is None  # even k = 10 needs 10
+    assert table_lookahead(1.0, 1) == 1
+    for c in (0.01, 0.03, 0.1, 0.2, 0.5, 1.0):
+        for workers in (1, 2, 7):
+            k = table_lookahead(c, workers)
+            if k is not None:
+                assert dsi_workers_needed(c, k) <= workers
+                assert all(dsi_workers_needed(c, smaller) > workers for smaller in (1, 5, 10) if smaller < k)
+
+
+def test_acceptance_close_to_one_needs_no_endless_sum():
+    import numpy as np
+
+    # a run whose drafts were all accepted fits a = 1 - 1e-8: the sum's tail, not billions of terms
+    for c, k, workers in ((0.1, 4, None), (0.75, 1, 2), (1.9, 1, 1), (0.05, 2, 3)):
+        limit = dsi_latency_per_token(1.0, c, k, workers=workers)
+        assert dsi_latency_per_token(1 - 1e-8, c, k, workers=workers) == pytest.approx(limit, rel=1e-5)
+    # past the explicit terms, the tail agrees with the sum written out
+    a, c, k = 0.9995, 0.1, 4
+    j = np.arange(300_000)
+    brute = float(((1 - a) ** 2 * a**j * np.minimum(np.ceil(j / k) * k * c + 1, j + 1)).sum())
+    assert dsi_latency_per_token(a, c, k) == pytest.approx(brute, rel=1e-6)
+
+
+def test_profile_leaves_the_prefills_out_where_the_run_recorded_them(tmp_path):
+    import pyarrow.parquet as pq
+
+    stats = {"rejections": 10, "drafted_total": 61, "verify_s_per_job": 0.05, "verify_s_per_decode_job": 0.03,
+             "draft_s_per_decode_token": 0.0015}
+    rows = [{"role": "baseline", "strategy": "autoregressive", "steps": 32, "verify_s": 0.64, "wall_s": 0.7,
+             "ttft_s": 0.08, "tpot_s": 0.02, "new_tokens": 32, "drafted": 0, "accepted": 0, "draft_s": 0.0,
+             "params": "{}"},
+            {"role": "strategy", "strategy": "dsi", "steps": 12, "verify_s": 0.3, "wall_s": 0.5, "ttft_s": 0.1,
+             "tpot_s": 0.0125, "new_tokens": 32, "drafted": 40, "accepted": 20, "draft_s": 0.12,
+             "strategy_stats": json.dumps(stats), "params": json.dumps({"gamma": 4, "workers": 2})}]
+    path = tmp_path / "run.parquet"
+    pq.write_table(rows_to_table(rows), path)
+    s, measured = profile_from_results([str(path)])
+    assert s.target_s == pytest.approx(0.03) and s.c == pytest.approx(0.0015 / 0.03)
+    assert measured["plain"] == pytest.approx(0.02 * 32) and measured["dsi"] == pytest.approx(0.0125 * 32)
+
+
+def test_a_run_that_judged_no_draft_measured_no_acceptance(tmp_path):
+    import pyarrow.parquet as pq
+
+    stats = {"rejections": 0, "drafted_total": 20, "verify_s_per_job": 0.05}
+    rows = [{"role": "baseline", "strategy": "autoregressive", "steps": 32, "verify_s": 0.64, "wall_s": 0.7,
+             "new_tokens": 32, "drafted": 0, "accepted": 0, "draft_s": 0.0, "params": "{}"},
+            {"role": "strategy", "strategy": "dsi", "steps": 31, "verify_s": 1.5, "wall_s": 1.6, "new_tokens": 32,
+             "drafted": 0, "accepted": 0, "draft_s": 1.2, "strategy_stats": json.dumps(stats),
+             "params": json.dumps({"gamma": 1, "workers": 2})}]
+    path = tmp_path / "run.parquet"
+    pq.write_table(rows_to_table(rows), path)
+    with pytest.raises(SdbenchError, match="judged no draft"):
+        profile_from_results([str(path)])
+    s, _ = profile_from_results([str(path)], a=0.9)
+    assert s.a == 0.9 and s.c == pytest.approx(1.2 / 20 / 0.05)

@@ -4,8 +4,11 @@ Model (the DSI paper's): one target forward costs `target_s` whatever it verifie
 c·target_s, and each drafted token is right with probability a, independently (given a right prefix).
 
 - offline: counting forwards. Closed forms in sdbench.theory (plain: 1 per token; SI: (k·c + 1) / Omega;
-  DSI: the renewal formula `dsi_latency_per_token`, which assumes enough workers). Fast enough for a
-  heat-map over (c, a).
+  DSI: the renewal formula `dsi_latency_per_token`). The DSI row honours the worker count: with N workers
+  at most N verifications overlap, so window i of a cycle starts at s_i = max(s_{i-1} + k·c, s_{i-N} + 1)
+  (`dsi_window_starts`), and a cycle of J accepted drafts costs min(s_ceil(J/k) + 1, J + 1) target forwards.
+  With N >= ceil(1/(k·c)) (the paper's bound) this is the paper's count; with fewer workers it is slower,
+  as the online simulation is. Fast enough for a heat-map over (c, a) (sdbench.commands.dsi_heatmap).
 - online: a timed event simulation (simulated clock, nothing sleeps) of SI and of DSI as sdbench runs it:
   the same Ledger as the real orchestrator, N workers, a drafter that is never interrupted mid-forward and
   workers that finish a cancelled verification before taking the next one (as real ones do). With
@@ -20,10 +23,14 @@ import math
 import random
 from dataclasses import dataclass
 
+from sdbench.commands.dsi_heatmap import heatmap, heatmap_summary, plot_heatmap, table_lookahead
 from sdbench.dsi.ledger import Ledger
 from sdbench.errors import SdbenchError
 from sdbench.paths import output_dir
 from sdbench.theory import dsi_latency_per_token, dsi_workers_needed, si_latency_per_token
+
+__all__ = ["Setting", "offline", "online", "simulate_si", "simulate_dsi", "heatmap", "plot_heatmap",
+           "profile_from_results", "run_simulation", "workers_warning"]
 
 
 @dataclass(frozen=True)
@@ -44,14 +51,25 @@ class Setting:
 
 
 def offline(s: Setting) -> dict[str, float]:
-    """Expected latency (same unit as target_s) of generating s.tokens tokens, by counting forwards."""
+    """Expected latency (same unit as target_s) of generating s.tokens tokens, by counting forwards. "dsi" has
+    s.workers workers (see the module docstring); "dsi_enough" the paper's ceil(1/(k·c)) or more."""
     scale = s.tokens * s.target_s
     return {
         "plain": scale,
         "si": scale * si_latency_per_token(s.a, s.c, s.k),
-        "dsi": scale * dsi_latency_per_token(s.a, s.c, s.k),
-        "dsi_paper": scale * dsi_latency_per_token(s.a, s.c, s.k, bonus=False),
+        "dsi": scale * dsi_latency_per_token(s.a, s.c, s.k, workers=s.workers),
+        "dsi_enough": scale * dsi_latency_per_token(s.a, s.c, s.k),
+        "dsi_paper": scale * dsi_latency_per_token(s.a, s.c, s.k, bonus=False, workers=s.workers),
     }
+
+
+def workers_warning(s: Setting) -> str | None:
+    """The warning line when fewer workers are given than the paper's bound, else None."""
+    need = dsi_workers_needed(s.c, s.k)
+    if s.workers >= need:
+        return None
+    return (f"warning: {s.workers} worker{'s' * (s.workers != 1)} is fewer than the paper's bound ceil(1/(k·c)) = "
+            f"{need} for c={s.c:.3g}, k={s.k}: drafting waits for workers, and the offline DSI row counts that")
 
 
 @dataclass
@@ -143,91 +161,21 @@ def online(s: Setting, repeats: int = 20, seed: int = 0, preemptive: bool = Fals
     }
 
 
-# ---- heat-map over (c, a) ------------------------------------------------------------------------------
-
-
-def heatmap(workers: int, grid: int = 20, kmax: int = 20, c_min: float = 0.01, a_range=(0.01, 0.99)):
-    """Offline expected latency per token over a (c, a) grid, each algorithm at its best lookahead.
-
-    As in the paper, only lookaheads the workers can sustain (ceil(1 / (k·c)) <= workers) are tried, for DSI
-    and SI alike; `si_any_k` is SI at its best over every k <= kmax. Returns a DataFrame: c, a, best k of each,
-    latencies per token (1.0 = plain decoding) and the speedups.
-    """
-    import numpy as np
-    import pandas as pd
-
-    if grid < 1 or kmax < 1 or workers < 1:
-        raise SdbenchError("need --grid >= 1, --kmax >= 1 and --workers >= 1")
-    rows = []
-    for c in np.maximum(np.linspace(0.0, 1.0, grid + 1), c_min):
-        valid = [k for k in range(1, kmax + 1) if dsi_workers_needed(c, k) <= workers]
-        for a in np.clip(np.linspace(0.0, 1.0, grid + 1), *a_range):
-            rows.append(_cell(float(c), float(a), workers, kmax, valid))
-    frame = pd.DataFrame(rows)
-    frame["k_dsi"] = frame["k_dsi"].astype("Int64")
-    return frame
-
-
-def _cell(c: float, a: float, workers: int, kmax: int, valid: list[int]) -> dict:
-    si = {k: si_latency_per_token(a, c, k) for k in range(1, kmax + 1)}
-    dsi = {k: dsi_latency_per_token(a, c, k) for k in valid}
-    k_any = min(si, key=si.get)
-    row = {"c": c, "a": a, "workers": workers, "k_si": None, "k_dsi": None, "plain": 1.0, "si": math.nan,
-           "dsi": math.nan, "dsi_paper": math.nan, "si_any_k": si[k_any], "k_si_any": k_any}
-    if valid:
-        k_si, k_dsi = min(valid, key=si.get), min(dsi, key=dsi.get)
-        row.update(k_si=k_si, k_dsi=k_dsi, si=si[k_si], dsi=dsi[k_dsi],
-                   dsi_paper=min(dsi_latency_per_token(a, c, k, bonus=False) for k in valid))
-    row.update(speedup_si_vs_plain=1.0 / row["si"], speedup_dsi_vs_si=row["si"] / row["dsi"],
-               speedup_dsi_vs_plain=1.0 / row["dsi"], speedup_dsi_vs_si_any_k=row["si_any_k"] / row["dsi"],
-               speedup_dsi_vs_best=min(row["si"], 1.0) / row["dsi"])
-    return row
-
-
-def plot_heatmap(frame, path) -> None:
-    """Two panels over (drafter latency c, acceptance rate a): DSI's speedup over SI and over plain decoding.
-    Where DSI would be slower (< 1) the cell is pink, as in the paper's figure."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    import numpy as np
-
-    cs, as_ = np.sort(frame["c"].unique()), np.sort(frame["a"].unique())
-    fig, axes = plt.subplots(1, 2, figsize=(12, 5), constrained_layout=True)
-    panels = ((axes[0], "speedup_dsi_vs_si", "DSI speedup over SI", 3.0, (1.1, 1.25, 1.5, 2.0)),
-              (axes[1], "speedup_dsi_vs_plain", "DSI speedup over plain decoding", 10.0, (1.5, 2, 3, 5)))
-    for ax, column, title, cap, lines in panels:
-        grid = frame.pivot(index="a", columns="c", values=column).reindex(index=as_, columns=cs).to_numpy()
-        top = min(cap, float(np.nanmax(grid)))
-        filled = ax.contourf(cs, as_, grid, levels=np.linspace(1.0, max(top, 1.01), 15), cmap="viridis",
-                             extend="max")
-        if np.nanmin(grid) < 1.0:
-            ax.contourf(cs, as_, grid, levels=[0.0, 1.0], colors=["#f81894"])
-        contours = ax.contour(cs, as_, grid, levels=list(lines), colors="white", linewidths=0.7)
-        ax.clabel(contours, fmt="%gx", fontsize=8)
-        fig.colorbar(filled, ax=ax, format="%.2gx")
-        ax.set_xlabel("drafter latency c (draft forward / target forward)")
-        ax.set_ylabel("acceptance rate a")
-        ax.set_title(f"{title} (min {np.nanmin(grid):.2f}x, max {np.nanmax(grid):.1f}x)")
-    workers = int(frame["workers"].iloc[0])
-    fig.suptitle(f"DSI with {workers} target workers, offline; each algorithm at its best lookahead k among those "
-                 f"the workers sustain (ceil(1/(k·c)) <= {workers})")
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
 # ---- measured settings -----------------------------------------------------------------------------------
 
 
-def profile_from_results(paths) -> tuple[Setting, dict]:
+def profile_from_results(paths, a: float | None = None) -> tuple[Setting, dict]:
     """Target latency, c, a, k and workers measured by an sdbench run, and the measured latency of each side.
 
     The target forward is the one DSI's workers measured when the run recorded it (what DSI actually got:
     on a small machine the workers share the cores with each other and the drafter), else the baseline's;
     c is drafting time per drafted token (discarded drafts included) over it; a comes from the recorded
-    rejections, else from inverting Omega on the mean accepted length. `measured` has the latency of the
-    mean generation for the baseline ("plain") and the strategy (by name), and both forward latencies.
+    rejections, else from inverting Omega on the mean accepted length. Where the run recorded them, both
+    latencies are the decode phase's (the workers' prompt verifications and the drafter's first call, which
+    are prefills, left out), and so is `measured`: the latency of the mean generation for the baseline
+    ("plain") and the strategy (by name), from the time per token after the first (else from the wall time),
+    and both forward latencies. `a`, when given, replaces the measured acceptance rate (a DSI run whose drafter
+    never got ahead of the verifications judged no draft, so it measured none).
     """
     import json
 
@@ -236,27 +184,51 @@ def profile_from_results(paths) -> tuple[Setting, dict]:
 
     df = read_results(paths)
     base, strat = df[df["role"] == "baseline"], df[df["role"].astype(str).str.startswith("strategy")]
-    if base.empty or strat.empty or not base["steps"].sum() or not strat["drafted"].sum():
+    if base.empty or strat.empty or not base["steps"].sum() or not strat["drafted"].sum() and not _drafts(strat):
         raise SdbenchError("--from needs a run with baseline rows and a drafting strategy (e.g. dsi or draft)")
     stats = [json.loads(x) if isinstance(x, str) and x else {} for x in strat["strategy_stats"]]
     params = json.loads(strat["params"].iloc[0] or "{}")
     baseline_forward = base["verify_s"].sum() / base["steps"].sum()
-    per_job = [st["verify_s_per_job"] for st in stats if st.get("verify_s_per_job")]
-    target_s = sum(per_job) / len(per_job) if len(per_job) == len(stats) else baseline_forward
+    target_s = _recorded_mean(stats, "verify_s_per_decode_job") or _recorded_mean(stats, "verify_s_per_job") \
+        or baseline_forward
     drafted = sum(st.get("drafted_total", 0) for st in stats) or strat["drafted"].sum()
+    draft_per_token = _recorded_mean(stats, "draft_s_per_decode_token") or strat["draft_s"].sum() / drafted
     k = int(params.get("gamma") or round(strat["drafted"].sum() / strat["steps"].sum()))
-    if all("rejections" in st for st in stats):
+    if a is not None:
+        pass
+    elif all("rejections" in st for st in stats):
         a = fit_alpha(int(strat["accepted"].sum()), sum(st["rejections"] for st in stats))
+        if math.isnan(a):
+            raise SdbenchError("--from: the run judged no draft (its drafter never got ahead of the target), so "
+                               "it measured no acceptance rate; simulate with --c and --a instead")
     else:
         a = alpha_from_tokens_per_step(1 + strat["accepted"].sum() / strat["steps"].sum(),
                                        strat["drafted"].sum() / strat["steps"].sum())
     tokens = max(int(round(strat["new_tokens"].mean())), 1)
-    setting = Setting(float(target_s), float(strat["draft_s"].sum() / drafted / target_s), float(a), k,
+    setting = Setting(float(target_s), float(draft_per_token / target_s), float(a), k,
                       int(params.get("workers", 1)), tokens)
-    measured = {"plain": float((base["wall_s"] / base["new_tokens"]).mean() * tokens),
-                str(strat["strategy"].iloc[0]): float((strat["wall_s"] / strat["new_tokens"]).mean() * tokens),
+    measured = {"plain": _per_token(base) * tokens, str(strat["strategy"].iloc[0]): _per_token(strat) * tokens,
                 "forward_baseline": float(baseline_forward), "forward_workers": float(target_s)}
     return setting.check(), measured
+
+
+def _drafts(strat) -> int:
+    import json
+
+    return sum(json.loads(x).get("drafted_total", 0) for x in strat["strategy_stats"] if isinstance(x, str) and x)
+
+
+def _recorded_mean(stats: list[dict], key: str) -> float | None:
+    """The mean of a per-row statistic when every row recorded it, else None."""
+    values = [st.get(key) for st in stats]
+    return sum(values) / len(values) if values and all(v is not None for v in values) else None
+
+
+def _per_token(rows) -> float:
+    """Seconds per token: of the decode phase when the rows recorded it, else of the whole generation."""
+    if "tpot_s" in rows and rows["tpot_s"].notna().all():
+        return float(rows["tpot_s"].mean())
+    return float((rows["wall_s"] / rows["new_tokens"]).mean())
 
 
 # ---- the `sdbench simulate dsi` command ------------------------------------------------------------------
@@ -275,6 +247,9 @@ def run_simulation(s: Setting, *, repeats: int, seed: int, grid: int, kmax: int,
     s.check()
     if repeats < 1:
         raise SdbenchError("--repeats must be at least 1")
+    warning = workers_warning(s)
+    if warning:
+        console.print(warning, style="yellow", highlight=False)
     with console.status("simulating"):
         off, on = offline(s), online(s, repeats, seed)
         ideal = online(s, repeats, seed, preemptive=True)
@@ -284,13 +259,14 @@ def run_simulation(s: Setting, *, repeats: int, seed: int, grid: int, kmax: int,
                       f"{measured['forward_workers']:.4g} s per verification inside the strategy's workers "
                       "(the simulation uses the latter)")
     console.print(_notes(s, on))
+    console.print(table_rule_line(s))
     with console.status("heat-map"):
         frame = heatmap(s.workers, grid, kmax)
     folder = output_dir(out)
     parquet, png = folder / "dsi-heatmap.parquet", folder / "dsi-heatmap.png"
     frame.to_parquet(parquet, index=False)
     plot_heatmap(frame, png)
-    console.print(_heatmap_summary(frame, kmax))
+    console.print(heatmap_summary(frame))
     console.print(f"wrote {parquet} and {png}")
     return parquet, png
 
@@ -311,6 +287,9 @@ def _setting_table(s: Setting, off: dict, on: dict, ideal: dict, measured: dict)
             key = {"plain": "plain", "si": "draft", "dsi": "dsi"}[name]
             row.append(_fmt_s(measured[key]) if key in measured else "")
         table.add_row(*row)
+    if off["dsi_enough"] != off["dsi"]:
+        table.add_row(f"DSI, {dsi_workers_needed(s.c, s.k)} workers (the paper's bound)", _fmt_s(off["dsi_enough"]),
+                      "", "", "")
     table.add_row("DSI, paper's count", _fmt_s(off["dsi_paper"]), "", "", "")
     return table
 
@@ -323,16 +302,15 @@ def _notes(s: Setting, on: dict) -> str:
             f"DSI {'<=' if on['dsi'] <= best * 1.0001 else '>'} min(SI, plain) online")
 
 
-def _heatmap_summary(frame, kmax: int) -> str:
-    def span(column):
-        return f"{frame[column].min():.2f}x..{frame[column].max():.1f}x"
-
-    worst = min(frame["speedup_dsi_vs_si"].min(), frame["speedup_dsi_vs_plain"].min())
-    verdict = "holds" if worst >= 1 - 1e-9 else "FAILS"
-    return (f"heat-map ({len(frame)} settings of c and a, {_workers(int(frame['workers'].iloc[0]))}, k <= {kmax}): "
-            f"DSI vs SI {span('speedup_dsi_vs_si')}, vs plain {span('speedup_dsi_vs_plain')}; 'never slower than "
-            f"SI or plain decoding' {verdict}. Against SI free to pick a lookahead the workers cannot sustain for "
-            f"DSI: {span('speedup_dsi_vs_si_any_k')}")
+def table_rule_line(s: Setting) -> str:
+    """What the paper's latency-table rule picks for this c and worker count, and the offline speedups then."""
+    k = table_lookahead(s.c, s.workers)
+    if k is None:
+        return (f"the paper's table rule (smallest k of 1, 5, 10 with ceil(1/(k·c)) <= workers) finds no lookahead "
+                f"for c={s.c:.3g} with {_workers(s.workers)}")
+    si, dsi = si_latency_per_token(s.a, s.c, k), dsi_latency_per_token(s.a, s.c, k, workers=s.workers)
+    return (f"the paper's table rule picks k={k} for c={s.c:.3g} with {_workers(s.workers)}: offline DSI/SI "
+            f"{si / dsi:.2f}x, DSI/plain {1 / dsi:.2f}x, SI/plain {1 / si:.2f}x")
 
 
 def _workers(n: int) -> str:

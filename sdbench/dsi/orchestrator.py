@@ -89,6 +89,10 @@ class _Shared:
     drafts_made: int = 0
     answers: int = 0
     busy: list = field(default_factory=list)
+    first_draft_s: float = 0.0  # the drafter's first call, which catches up on the prompt (its prefill)
+    warm_ids: set = field(default_factory=set)  # the workers' verifications of the bare prompt (their prefill)
+    warm_busy_s: float = 0.0
+    warm_answers: int = 0
 
 
 def decode_one(pool, draft_runner, prompt: list[int], *, lookahead: int, workers: int, max_new_tokens: int,
@@ -115,7 +119,9 @@ def decode_one(pool, draft_runner, prompt: list[int], *, lookahead: int, workers
     # and a synchronisation here while the drafter thread captures a CUDA graph would break the capture
     t0 = now()
     with cond:
-        send(ledger.warm())
+        warm = ledger.warm()
+        shared.warm_ids = {job.id for job in warm}
+        send(warm)
     drafting = threading.Thread(target=_draft_loop, args=(ledger, drafter, cond, shared, send),
                                 name="sdbench-dsi-drafter", daemon=True)
     drafting.start()
@@ -133,6 +139,9 @@ def decode_one(pool, draft_runner, prompt: list[int], *, lookahead: int, workers
                 for answer in answers:
                     shared.busy[answer.worker] += answer.busy_s
                     shared.answers += 1
+                    if answer.job in shared.warm_ids:
+                        shared.warm_busy_s += answer.busy_s
+                        shared.warm_answers += 1
                     for step in ledger.finish(answer.job, answer.worker, answer, judge):
                         if ttft is None:  # the prompt's verification gives the first token, as a prefill does:
                             ttft = now() - t0  # not a step (engine/metrics.py); its drafting time goes on
@@ -163,7 +172,14 @@ def _extras(ledger: Ledger, shared: _Shared, stats: RowStats, wall: float, ttft:
         "drafted_total": shared.drafts_made, "rejections": stats.rejections,
         "draft_s_per_token": shared.draft_s / shared.drafts_made if shared.drafts_made else None,
         "verify_s_per_job": sum(shared.busy) / shared.answers if shared.answers else None,
+        # the same without the prefills (the prompt's verifications, the drafter's first call): the decode phase
+        "verify_s_per_decode_job": _ratio(sum(shared.busy) - shared.warm_busy_s, shared.answers - shared.warm_answers),
+        "draft_s_per_decode_token": _ratio(shared.draft_s - shared.first_draft_s, shared.drafts_made - 1),
     }
+
+
+def _ratio(total: float, count: int) -> float | None:
+    return total / count if count > 0 else None
 
 
 def _draft_loop(ledger: Ledger, drafter: Drafter, cond: threading.Condition, shared: _Shared, send) -> None:
@@ -181,6 +197,8 @@ def _draft_loop(ledger: Ledger, drafter: Drafter, cond: threading.Condition, sha
             spent = now() - t0
             with cond:
                 shared.drafting = False
+                if not shared.drafts_made:
+                    shared.first_draft_s = spent
                 shared.draft_s += spent
                 shared.unassigned_draft_s += spent
                 shared.drafts_made += 1
