@@ -180,6 +180,7 @@ def profile_from_results(paths, a: float | None = None) -> tuple[Setting, dict]:
     import json
 
     from sdbench.reporting.results import read_results
+    from sdbench.engine.metrics import specbench_mean_accepted_tokens
     from sdbench.theory import alpha_from_tokens_per_step, fit_alpha
 
     df = read_results(paths)
@@ -202,7 +203,7 @@ def profile_from_results(paths, a: float | None = None) -> tuple[Setting, dict]:
             raise SdbenchError("--from: the run judged no draft (its drafter never got ahead of the target), so "
                                "it measured no acceptance rate; simulate with --c and --a instead")
     else:
-        a = alpha_from_tokens_per_step(1 + strat["accepted"].sum() / strat["steps"].sum(),
+        a = alpha_from_tokens_per_step(specbench_mean_accepted_tokens(strat["accepted"].sum(), strat["steps"].sum()),
                                        strat["drafted"].sum() / strat["steps"].sum())
     tokens = max(int(round(strat["new_tokens"].mean())), 1)
     setting = Setting(float(target_s), float(draft_per_token / target_s), float(a), k,
