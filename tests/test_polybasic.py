@@ -324,7 +324,7 @@ def test_predict_chain_command_on_smollm2(capsys):
     assert "NO" not in out  # every system produced plain decoding's tokens
     sdbench_line = next(line for line in out.splitlines() if line.startswith("measured:"))
     assert ("called it right" in sdbench_line) != ("got it wrong" in sdbench_line)
-    paper_line = next(line for line in out.splitlines() if line.startswith("the paper's Theorem 3.2"))
+    paper_line = next(line for line in out.splitlines() if line.startswith("Theorem 3.2 as sdbench reads the paper"))
     assert "T_j / L'_j + T_c / L_c + b_k T_k / L_c < T_j / L_j + b_k T_k / L_j" in paper_line
     assert ("called it right" in paper_line) != ("got it wrong" in paper_line)
     assert "greedy var" in out and "sampling var" in out

@@ -242,7 +242,8 @@ def print_chain_report(runs: list[ChainRun], target: str, candidate: str, at: in
     p_old, p_new = paper_verdict(old.costs, new.costs, at)
     paper = p_new < p_old
     bottom = " + b_k T_k / L_c" if at == len(old.costs.costs) - 2 else ""
-    console.print(f"the paper's Theorem 3.2, T_j / L'_j + T_c / L_c{bottom} < T_j / L_j{bottom.replace('_c', '_j')}: "
+    inequality = f"T_j / L'_j + T_c / L_c{bottom} < T_j / L_j{bottom.replace('_c', '_j')}"
+    console.print(f"Theorem 3.2 as sdbench reads the paper, {inequality}: "
                   f"{_ms(p_new)} vs {_ms(p_old)} ms -> predicted to {'help' if paper else 'hurt'}: it "
                   f"{'called it right' if paper == measured else 'got it wrong'}"
                   f"{'' if paper == predicted else ' (sdbench test and paper disagree)'}")
