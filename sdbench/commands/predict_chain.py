@@ -246,7 +246,7 @@ def print_chain_report(runs: list[ChainRun], target: str, candidate: str, at: in
     console.print(f"Theorem 3.2 as sdbench reads the paper, {inequality}: "
                   f"{_ms(p_new)} vs {_ms(p_old)} ms -> predicted to {'help' if paper else 'hurt'}: it "
                   f"{'called it right' if paper == measured else 'got it wrong'}"
-                  f"{'' if paper == predicted else ' (sdbench test and paper disagree)'}")
+                  f"{'' if paper == predicted else ' (sdbench test and paper disagree)'}", soft_wrap=True)
 
 
 def print_spread(runs: list[ChainRun], console: Console) -> None:
