@@ -334,7 +334,10 @@ def test_a_killed_tune_resumes_with_the_killed_trial_failed(tmp_path):
     assert rerun.returncode == 0, log
     trials = stored_trials(out)
     assert (trials[1].state, reason(trials[1])) == (TrialState.FAIL, STOPPED)
-    assert [t.state for t in trials if t.number != 1] == [TrialState.COMPLETE] * 3
+    # the three others finished; one may be pruned when a loaded machine makes its single batch look slow
+    finished = [t.state for t in trials if t.number != 1]
+    assert len(finished) == 3 and set(finished) <= {TrialState.COMPLETE, TrialState.PRUNED}
+    assert finished[0] == TrialState.COMPLETE
 
 
 def _trials_or_none(out):
