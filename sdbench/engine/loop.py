@@ -63,7 +63,7 @@ def _run(target, proposer, state: DecodeState, prompts, rows: list[RowStats], t_
             proposal = proposal.fit(state.lookahead(proposal.tokens.shape[1]))
         rnd = _verify(target, state, proposal or Proposal.empty(state.batch), marks)
         # the verdict has reached the host (the round's one wait), so every mark of the round can be read
-        rnd.draft_s, rnd.verify_s = marks.seconds(t0, t1), marks.seconds(t1, rnd.marks["verified"])
+        rnd.draft_s, rnd.verify_s = marks.seconds(t0, t1), marks.seconds(t1, rnd.verified_at)
         for b in range(state.batch):
             if rnd.active[b]:
                 rows[b].add_step(rnd.drafted[b], rnd.committed[b], rnd.draft_s, rnd.verify_s,
@@ -85,8 +85,4 @@ def _verify(target, state: DecodeState, proposal: Proposal, marks: Marks) -> Rou
     start = [n - 1 for n in state.lengths]
     logits = target.forward(state.target_cache, torch.cat([last.to(proposal.tokens.device), proposal.tokens], 1),
                             start)  # [B, G+1, V]
-    verified = {}
-    rnd = verify_and_commit(state, proposal, logits, state.sampling, state.generator,
-                            queued=lambda: verified.update(verified=marks.mark()))
-    rnd.marks = verified
-    return rnd
+    return verify_and_commit(state, proposal, logits, state.sampling, state.generator, clock=marks)

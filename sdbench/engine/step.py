@@ -8,12 +8,13 @@ applied by whatever holds the rows (`Rows`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Protocol
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 
 from sdbench.config import SamplingConfig
+from sdbench.engine.metrics import Marks
 from sdbench.engine.sampling import verify
 from sdbench.engine.state import Proposal
 
@@ -39,7 +40,7 @@ class Round:
     active: list[bool]
     draft_s: float = 0.0
     verify_s: float = 0.0
-    marks: dict = field(default_factory=dict)
+    verified_at: Any = None  # the loop's mark once the verification was queued (see verify_and_commit)
 
     def rejected(self, b: int) -> bool:
         """Whether the verifier rejected one of row b's drafts (a cut by EOS or the budget is not a rejection)."""
@@ -76,8 +77,13 @@ def commit_round(rows: Rows, drafts: list[list[int]], drafted: list[int], accept
 
 
 def verify_and_commit(rows: Rows, proposal: Proposal, logits: torch.Tensor, sampling: SamplingConfig,
-                      generator: torch.Generator | None, active: list[bool] | None = None, queued=None) -> Round:
-    """`accept`, then `commit_round`: the step every verifier runs."""
-    accepted, nxt = accept(proposal, logits, sampling, generator, queued)
-    drafted = proposal.lengths.tolist()
-    return commit_round(rows, proposal.tokens.tolist(), drafted, accepted, nxt, active)
+                      generator: torch.Generator | None, active: list[bool] | None = None,
+                      clock: Marks | None = None) -> Round:
+    """`accept`, then `commit_round`: the step every verifier runs. clock: marks the round's `verified_at` once
+    the verification is queued, before the wait."""
+    at = []
+    accepted, nxt = accept(proposal, logits, sampling, generator,
+                           None if clock is None else lambda: at.append(clock.mark()))
+    rnd = commit_round(rows, proposal.tokens.tolist(), proposal.lengths.tolist(), accepted, nxt, active)
+    rnd.verified_at = at[0] if at else None
+    return rnd
