@@ -131,6 +131,12 @@ def speedup_table(alpha: float, gammas: tuple[int, ...], draft_cost: float, veri
 # i.e. iff level j's gain in accepted length L'_j / L_j exceeds the growth of its round's cost. For j = 0
 # both sides are the two chains' times per token; for j >= 1 this holds as long as level j's block size N_j
 # stays the same (its overshoot past mu_j can change a little).
+#
+# Inserting c under the bottom drafter b (level k) makes b a verifier of c's blocks: b's tokens still follow
+# b's own distribution, but its block is now N_b >= mu_b tokens rather than gamma, so the acceptance of the
+# level j = k - 1 above it changes too. The comparison moves up one level: a level-j token costs
+# (T_j + b_k T_k) / L_j before and (T'_j + (N_b / L'_b)(T'_b + b_c T_c)) / L'_j after, which for k = 1 are the
+# two chains' times per token.
 
 
 @dataclass(frozen=True)
@@ -154,9 +160,13 @@ class ChainCosts:
             return self.bottom_forwards * self.costs[k]
         return self.blocks[i - 1] / self.accepted[i] * (self.costs[i] + self.block_cost(i + 1))
 
+    def level_token_cost(self, i: int) -> float:
+        """(T_i + C_{i+1}) / L_i: seconds per token level i (0..k-1) commits; for i = 0, time_per_token."""
+        return (self.costs[i] + self.block_cost(i + 1)) / self.accepted[i]
+
     def time_per_token(self) -> float:
         """tau = (T_0 + C_1) / L_0: seconds per committed token."""
-        return (self.costs[0] + self.block_cost(1)) / self.accepted[0]
+        return self.level_token_cost(0)
 
     def forwards_per_token(self) -> list[float]:
         """f_0 .. f_k: forwards of each level per committed token (sum of f_i T_i = time_per_token)."""
@@ -204,6 +214,26 @@ def paper_insertion_times(level_cost: float, accepted: float, accepted_new: floa
     bottom = bottom_cost or 0.0
     old = (level_cost + bottom) / accepted
     new = level_cost / accepted_new + (cand_cost + bottom) / cand_accepted
+    return old, new
+
+
+def paper_bottom_insertion_times(level_cost: float, accepted: float, accepted_new: float, bottom_block: float,
+                                 bottom_cost_new: float, bottom_accepted_new: float,
+                                 cand_block: float) -> tuple[float, float]:
+    """(old, new) of the paper's insertion condition when model c goes under the bottom drafter b, which then
+    verifies c's blocks instead of drafting; it pays iff new < old. Level j is the one above b.
+
+    The terms of the simple form that change: level j's T_j / L_j plus the bottom's b_k T_k / L_j
+    (bottom_block: the drafter's forwards per block times its forward) become T_j / L'_j, b's own verifying
+    term T'_b / L'_b (bottom_cost_new: b's forward as a verifier, which the new chain measures) and c's
+    b_c T_c / L'_b (cand_block):
+
+        T_j / L'_j + (T'_b + b_c T_c) / L'_b  <  (T_j + b_k T_k) / L_j.
+
+    T_j is level j's own constant on both sides, as in `paper_insertion_times`.
+    """
+    old = (level_cost + bottom_block) / accepted
+    new = level_cost / accepted_new + (bottom_cost_new + cand_block) / bottom_accepted_new
     return old, new
 
 

@@ -222,6 +222,30 @@ def test_paper_insertion_condition_by_hand():
     assert (p_old, p_new) == pytest.approx((0.010 / 4.0, 0.010 / 4.0 + 0.003 / 3.0))
 
 
+def test_insertion_under_the_bottom_by_hand():
+    from sdbench.commands.predict_chain import check_insertion, insertion_verdict, paper_verdict
+
+    # target 10 ms over a model bottom of 2 ms drafting 4 per block (L = 3); with an n-gram of 0.1 ms under it
+    # the bottom verifies (3 ms per forward, L' = 2, blocks of 8) and the target accepts L' = 5
+    before = ChainCosts((0.010, 0.002), (3.0,), (), 4.0)
+    after = ChainCosts((0.011, 0.003, 0.0001), (5.0, 2.0), (8.0,), 1.0)
+    # sdbench's form: the two chains' times per token (the level above the old bottom is the target)
+    assert insertion_verdict(before, after, 1) == pytest.approx((before.time_per_token(), after.time_per_token()))
+    assert before.time_per_token() == pytest.approx(0.018 / 3)  # (10 + 4 * 2) / 3
+    assert after.time_per_token() == pytest.approx((0.011 + 8 / 2 * 0.0031) / 5)
+    # the paper's: (T_j + b_k T_k) / L_j against T_j / L'_j + (T'_b + b_c T_c) / L'_b, T_j the old 10 ms
+    assert paper_verdict(before, after, 1) == pytest.approx((0.018 / 3, 0.010 / 5 + 0.0031 / 2))
+    # deeper: under the bottom of target <- A <- B the level compared is A's
+    deep = ChainCosts((0.010, 0.004, 0.001), (4.0, 2.0), (6.0,), 3.0)
+    deeper = ChainCosts((0.010, 0.004, 0.002, 0.0001), (4.5, 2.5, 1.5), (6.0, 5.0), 1.0)
+    old, new = insertion_verdict(deep, deeper, 2)
+    assert old == pytest.approx((0.004 + 0.003) / 2.0) == pytest.approx(deep.level_token_cost(1))
+    assert new == pytest.approx((0.004 + 5.0 / 1.5 * (0.002 + 0.0001)) / 2.5)
+    assert check_insertion(["a", "b"], 2) == ["a", "b", None] and check_insertion(["ngram"], 0) == [None, "ngram"]
+    with pytest.raises(SdbenchError, match="--at 1"):
+        check_insertion(["ngram"], 1)
+
+
 def test_accepted_length_variance_by_hand():
     from sdbench.strategies.chain_levels import length_variance
     from sdbench.theory import accepted_length_variance

@@ -29,10 +29,10 @@ from sdbench.engine.loop import generate
 from sdbench.errors import SdbenchError
 from sdbench.engine.metrics import BatchResult
 from sdbench.strategies.autoregressive import Autoregressive
-from sdbench.strategies.polybasic import Polybasic, check_chain
+from sdbench.strategies.polybasic import NGRAM, Polybasic, check_chain
 from sdbench.strategies.chain_levels import length_variance
 from sdbench.theory import (ChainCosts, accepted_length_variance, alpha_from_tokens_per_step, insertion_times,
-                            paper_insertion_times)
+                            paper_bottom_insertion_times, paper_insertion_times)
 
 GREEDY = SamplingConfig()
 
@@ -156,7 +156,12 @@ def measure(pair, runs: list[ChainRun], runners, prompts, max_new: int, gamma: i
 
 def insertion_verdict(old: ChainCosts, new: ChainCosts, at: int) -> tuple[float, float]:
     """(old, new) seconds per token of the level the candidate goes under (level `at`), from the insertion
-    condition: that level's round in the old chain against its round in the new one."""
+    condition: that level's round in the old chain against its round in the new one. A candidate put under
+    the old bottom (at = k) turns that drafter into a verifier, so the level above it (k - 1) is compared:
+    its token with the old bottom's blocks against its token with the new two-level tail."""
+    k = len(old.costs) - 1
+    if at == k:
+        return old.level_token_cost(k - 1), new.level_token_cost(k - 1)
     c = at + 1  # the candidate's level in the new chain; never the bottom
     return insertion_times(old.costs[at], old.block_cost(at + 1), old.accepted[at], new.costs[at], new.costs[c],
                            new.accepted[c], new.blocks[c - 1], new.accepted[at])
@@ -165,9 +170,54 @@ def insertion_verdict(old: ChainCosts, new: ChainCosts, at: int) -> tuple[float,
 def paper_verdict(old: ChainCosts, new: ChainCosts, at: int) -> tuple[float, float]:
     """(old, new) of the paper's Theorem 3.2 for the candidate under level `at`, from the same profiles."""
     c, k = at + 1, len(old.costs) - 1
+    if at == k:  # under the old bottom: it turns verifier, with the verifying forward the new chain measured
+        return paper_bottom_insertion_times(old.costs[k - 1], old.accepted[k - 1], new.accepted[k - 1],
+                                            old.block_cost(k), new.costs[k], new.accepted[k], new.block_cost(c))
     bottom = old.bottom_forwards * old.costs[k] if at == k - 1 else None  # the candidate lands above the bottom
     return paper_insertion_times(old.costs[at], old.accepted[at], new.accepted[at], new.costs[c], new.accepted[c],
                                  bottom)
+
+
+def check_insertion(drafts: list[str], at: int) -> list[str]:
+    """The chain with the candidate slot at `at` (None), or SdbenchError: under the target (0), under a
+    --draft level, or under the bottom when the bottom is a model (prompt lookup verifies nothing)."""
+    if not drafts:
+        raise SdbenchError("predict chain needs the chain as it is: --draft once per level, from the top down")
+    if not 0 <= at <= len(drafts) or (at == len(drafts) and drafts[-1] == NGRAM):
+        raise SdbenchError(f"--at {at}: insert under the target (0) or under one of the --draft levels 1.."
+                           f"{len(drafts)} (under the bottom only when it is a model: prompt lookup verifies "
+                           "nothing)")
+    return drafts[:at] + [None] + drafts[at:]
+
+
+def chain_config(target: str, chains: list[list[str]], dataset: str, limit: int, max_new_tokens: int, gamma: int,
+                 mu: str, seed: int, device: str, dtype: str) -> RunConfig:
+    """One RunConfig that loads every model of `chains` once; each chain is checked before anything loads."""
+    for chain in chains:
+        check_chain([d if d == NGRAM else None for d in chain], gamma, _mu(chain, mu))
+    drafts = tuple(dict.fromkeys(d for chain in chains for d in chain))
+    return RunConfig(target=target, drafts=drafts, dataset=dataset, limit=limit, max_new_tokens=max_new_tokens,
+                     gammas=(gamma,), sampling=SamplingConfig(seed=seed), device=device, dtype=dtype)
+
+
+def load_chains(cfg: RunConfig, console: Console) -> tuple[object, dict]:
+    """The loaded pair, and the runner (or "ngram") of each draft name."""
+    from sdbench.models.pair import load_pair, resolve_device, resolve_dtype
+
+    dev = resolve_device(cfg.device)
+    pair = load_pair(cfg, dev, resolve_dtype(cfg.dtype, dev), console)
+    return pair, dict(zip(cfg.drafts, pair.drafts))
+
+
+def profile_and_measure(pair, runs: list[ChainRun], runners, profiling, measuring, profile_tokens: int,
+                        max_new_tokens: int, gamma: int, mu: str, sampling: SamplingConfig | None,
+                        console: Console) -> None:
+    """The profiling pass on `profiling` (again under `sampling` when given), then the measured pass on
+    `measuring`, interleaved prompt by prompt; fills every run."""
+    with torch.inference_mode(), console.status("profiling"):
+        profile(pair, runs, runners, profiling, profile_tokens, gamma, mu, sampling)
+    with torch.inference_mode(), console.status("measuring"):
+        measure(pair, runs, runners, measuring, max_new_tokens, gamma, mu)
 
 
 def run_chain_prediction(target: str, drafts: list[str], candidate: str, at: int, gamma: int, mu: str,
@@ -175,36 +225,22 @@ def run_chain_prediction(target: str, drafts: list[str], candidate: str, at: int
                          device: str, dtype: str, seed: int, console: Console,
                          temperature: float = 1.0) -> list[ChainRun]:
     from sdbench.data.prompts import encode_prompts
-    from sdbench.models.pair import load_pair, resolve_device, resolve_dtype
 
-    if not drafts:
-        raise SdbenchError("predict chain needs the chain as it is: --draft once per level, from the top down")
-    if not 0 <= at < len(drafts):
-        raise SdbenchError(f"--at {at}: insert under the target (0) or under one of the first "
-                           f"{len(drafts) - 1} --draft levels (the bottom drafter verifies nothing)")
+    slot = check_insertion(drafts, at)
     for name, value in (("--limit", limit), ("--max-new-tokens", max_new_tokens),  # --gamma: check_chain
                         ("--profile-prompts", profile_prompts), ("--profile-tokens", profile_tokens)):
         if value < 1:
             raise SdbenchError(f"{name} must be at least 1 (got {value})")
     if not temperature >= 0:
         raise SdbenchError(f"--temperature {temperature}: expected 0 (no sampling pass) or more")
-    new_chain = drafts[:at] + [candidate] + drafts[at:]
-    # every chain is checked before anything loads
-    for chain in (drafts, new_chain):
-        check_chain([d if d == "ngram" else None for d in chain], gamma, _mu(chain, mu))
-    cfg = RunConfig(target=target, drafts=tuple(dict.fromkeys(new_chain)), dataset=dataset, limit=limit,
-                    max_new_tokens=max_new_tokens, gammas=(gamma,), sampling=SamplingConfig(seed=seed),
-                    device=device, dtype=dtype)
-    dev = resolve_device(device)
-    pair = load_pair(cfg, dev, resolve_dtype(dtype, dev), console)
-    runners = dict(zip(cfg.drafts, pair.drafts))
+    new_chain = [candidate if d is None else d for d in slot]
+    cfg = chain_config(target, [drafts, new_chain], dataset, limit, max_new_tokens, gamma, mu, seed, device, dtype)
+    pair, runners = load_chains(cfg, console)
     _, encoded = encode_prompts(cfg, pair)
     runs = [ChainRun("plain", []), ChainRun("chain", list(drafts)), ChainRun("with candidate", new_chain)]
-    with torch.inference_mode(), console.status("profiling"):
-        sampling = SamplingConfig(temperature, seed=seed) if temperature > 0 else None
-        profile(pair, runs, runners, encoded[:profile_prompts], profile_tokens, gamma, mu, sampling)
-    with torch.inference_mode(), console.status("measuring"):
-        measure(pair, runs, runners, encoded, max_new_tokens, gamma, mu)
+    sampling = SamplingConfig(temperature, seed=seed) if temperature > 0 else None
+    profile_and_measure(pair, runs, runners, encoded[:profile_prompts], encoded, profile_tokens, max_new_tokens,
+                        gamma, mu, sampling, console)
     print_chain_report(runs, target, candidate, at, console)
     print_spread(runs, console)
     return runs
@@ -231,18 +267,23 @@ def print_chain_report(runs: list[ChainRun], target: str, candidate: str, at: in
                       _ms(simple), _ms(run.measured), _ms(prefill), f"{plain.measured / run.measured:.2f}x",
                       "yes" if run.outputs == plain.outputs else "NO")
     console.print(table)
-    upper = target if at == 0 else old.chain[at - 1]
+    names = [target] + old.chain
+    k = len(old.chain)
+    compared = names[at - 1] if at == k else names[at]  # under the bottom: the level above it is compared
     t_old, t_new = insertion_verdict(old.costs, new.costs, at)
     predicted, measured = t_new < t_old, new.measured < old.measured
-    console.print(f"insertion test, {candidate} under {upper}: a token of {upper} costs {_ms(t_old)} ms now, "
-                  f"{_ms(t_new)} ms with it -> predicted to {'help' if predicted else 'hurt'}")
+    console.print(f"insertion test, {candidate} under {names[at]}: a token of {compared} costs {_ms(t_old)} ms "
+                  f"now, {_ms(t_new)} ms with it -> predicted to {'help' if predicted else 'hurt'}")
     verdict = "called it right" if predicted == measured else "got it wrong"
     console.print(f"measured: {_ms(old.measured)} -> {_ms(new.measured)} ms/token, it "
                   f"{'helped' if measured else 'hurt'}: the test {verdict}")
     p_old, p_new = paper_verdict(old.costs, new.costs, at)
     paper = p_new < p_old
-    bottom = " + b_k T_k / L_c" if at == len(old.costs.costs) - 2 else ""
-    inequality = f"T_j / L'_j + T_c / L_c{bottom} < T_j / L_j{bottom.replace('_c', '_j')}"
+    if at == k:
+        inequality = "T_j / L'_j + (T'_k + b_c T_c) / L'_k < (T_j + b_k T_k) / L_j"
+    else:
+        bottom = " + b_k T_k / L_c" if at == k - 1 else ""
+        inequality = f"T_j / L'_j + T_c / L_c{bottom} < T_j / L_j{bottom.replace('_c', '_j')}"
     console.print(f"Theorem 3.2 as sdbench reads the paper, {inequality}: "
                   f"{_ms(p_new)} vs {_ms(p_old)} ms -> predicted to {'help' if paper else 'hurt'}: it "
                   f"{'called it right' if paper == measured else 'got it wrong'}"

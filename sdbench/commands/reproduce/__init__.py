@@ -16,7 +16,9 @@ papers.add("dsi", "sdbench.commands.reproduce.dsi:reproduce",
            "Distributed Speculative Inference of Large Language Models (Timor et al., arXiv 2405.14105)")
 papers.add("magicdec", None, "MagicDec: sparse-KV self-speculation for long context and large batches")
 papers.add("adaptive", None, "On-the-fly adaptive speculative decoding")
-papers.add("polybasic", None, "Polybasic speculative decoding (chains of drafters)")
+papers.add("polybasic", "sdbench.commands.reproduce.polybasic:reproduce",
+           "Polybasic Speculative Decoding Through a Theoretical Perspective "
+           "(Wang et al., ICML 2025, arXiv 2510.26527)")
 
 
 class NotImplementedPaper(SdbenchError):
