@@ -78,6 +78,18 @@ class Report:
     notes: list[str] = field(default_factory=list)  # plain sentences shown under the claims
 
 
+ENVIRONMENT_KEYS = ("device", "dtype", "cpu", "cpu_count", "gpu", "torch_version", "transformers_version",
+                    "sdbench_version", "git_commit", "platform", "python_version")
+
+
+def environment_facts(cfg: ReproduceConfig) -> dict:
+    """The machine and software a reproduction ran on, the first lines of every report's setup."""
+    from sdbench.env import environment
+    from sdbench.models.pair import resolve_device
+
+    env = environment(str(resolve_device(cfg.device)), cfg.dtype)
+    return {key: env.get(key) for key in ENVIRONMENT_KEYS}
+
 def verdict(ok: bool) -> str:
     return HOLDS if ok else FAILS
 
