@@ -11,7 +11,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from sdbench.commands.reproduce import adaptive as paper
-from sdbench.commands.reproduce.adaptive_claims import judge
+from sdbench.commands.reproduce.adaptive_claims import claim_picks_faster, judge
 from sdbench.commands.reproduce.common import FAILS, HOLDS, UNTESTABLE, ReproduceConfig
 from sdbench.reporting.results import rows_to_table
 from tests.conftest import run_cli
@@ -21,7 +21,6 @@ M = "tiny@int8"
 BOTH = (M, "ngram")
 GAMMAS = (1, 4, 6)  # a shorter sweep than the real one keeps the summaries fast
 PLAIN = 20.0  # tokens/s of plain decoding in every run
-PROMPTS = ("p0", "p1")
 TINY = paper.Plan(("gsm8k", "humaneval"), limit=2, max_new_tokens=16)
 
 
@@ -36,14 +35,18 @@ class Scene:
                                                  **dict(zip((("ngram", g) for g in GAMMAS), (1.2, 1.4, 1.5)))})
     alone: dict = field(default_factory=lambda: {M: 0.95, "ngram": 1.5})
     fsm: dict = field(default_factory=lambda: {"step": 1.3, "heuristic": 1.25})
-    selected: tuple = (M, "ngram")
+    selected: tuple = (M, "ngram")  # one per prompt
     exploring: tuple = (True, False)
 
+    @property
+    def prompts(self) -> tuple[str, ...]:
+        return tuple(f"p{i}" for i in range(len(self.selected)))
 
-def _rows(run_id: str, roles: list[tuple]) -> list[dict]:
+
+def _rows(run_id: str, roles: list[tuple], prompts=("p0", "p1")) -> list[dict]:
     """roles: (role, strategy, draft, gamma, speedups per prompt, stats per prompt); plain decoding first."""
     rows = []
-    for b, prompt in enumerate(PROMPTS):
+    for b, prompt in enumerate(prompts):
         rows.append(_row(run_id, "baseline", "autoregressive", "", None, prompt, b, 1.0, None))
         for role, strategy, draft, gamma, speeds, stats in roles:
             rows.append(_row(run_id, role, strategy, draft, gamma, prompt, b, speeds[b], stats[b]))
@@ -60,30 +63,30 @@ def _row(run_id, role, strategy, draft, gamma, prompt, batch, speedup, stats) ->
             "strategy_stats": json.dumps(stats) if stats else None}
 
 
-def _per_prompt(value) -> list:
-    return list(value) if isinstance(value, (list, tuple)) else [value] * len(PROMPTS)
+def _per_prompt(value, n: int) -> list:
+    return list(value) if isinstance(value, (list, tuple)) else [value] * n
 
 
 def write_scene(out, scene: Scene, datasets=("gsm8k", "humaneval")) -> dict:
     """The result files of every run of the plan, as real_runs returns them."""
-    hist = [{"gamma_hist": {"0": 2, "3": 8}}] * len(PROMPTS)
+    n = len(scene.prompts)
+    hist, fsm_hist = [{"gamma_hist": {"0": 2, "3": 8}}] * n, [{"gamma_hist": {"4": 5, "5": 5}}] * n
     runs = {}
     for dataset in datasets:
         fixed = [(f"compare-draft-{c}-g{g}" if c == M else f"compare-ngram-g{g}", "draft" if c == M else "ngram", c, g,
-                  _per_prompt(s), [None] * len(PROMPTS)) for (c, g), s in scene.fixed.items()]
+                  _per_prompt(s, n), [None] * n) for (c, g), s in scene.fixed.items()]
         chosen = [{**hist[0], "selected": c, "exploring": e} for c, e in zip(scene.selected, scene.exploring)]
-        plan = {"sweep": [("strategy", "adaptive", ",".join(BOTH), 4, _per_prompt(scene.sdbench), hist)] + fixed,
-                "paper": [("strategy", "adaptive", ",".join(BOTH), 4, _per_prompt(scene.paper), chosen)]}
+        plan = {"sweep": [("strategy", "adaptive", ",".join(BOTH), 4, _per_prompt(scene.sdbench, n), hist)] + fixed,
+                "paper": [("strategy", "adaptive", ",".join(BOTH), 4, _per_prompt(scene.paper, n), chosen)]}
         for c in BOTH:
-            plan[f"alone:{c}"] = [("strategy", "adaptive", c, 4, _per_prompt(scene.alone[c]), hist)]
+            plan[f"alone:{c}"] = [("strategy", "adaptive", c, 4, _per_prompt(scene.alone[c], n), hist)]
         for schedule, s in scene.fsm.items():
-            fsm_hist = [{"gamma_hist": {"4": 5, "5": 5}}] * len(PROMPTS)
-            plan[f"fsm-{schedule}"] = [("strategy", "adaptive-fsm", "ngram", 4, _per_prompt(s), fsm_hist)]
+            plan[f"fsm-{schedule}"] = [("strategy", "adaptive-fsm", "ngram", 4, _per_prompt(s, n), fsm_hist)]
         runs[dataset] = {}
         for run, roles in plan.items():
             path = out / dataset / f"{run.replace(':', '-')}.parquet"
             path.parent.mkdir(parents=True, exist_ok=True)
-            pq.write_table(rows_to_table(_rows(f"{dataset}-{run}", roles)), path)
+            pq.write_table(rows_to_table(_rows(f"{dataset}-{run}", roles, scene.prompts)), path)
             runs[dataset][run] = path
     return {"runs": runs, "fsm_draft": {d: "ngram" for d in datasets}, "candidates": BOTH}
 
@@ -104,7 +107,7 @@ def find(claims: dict, words: str):
 
 
 def test_claims_hold_where_the_runs_meet_them(tmp_path):
-    claims = verdicts(tmp_path, Scene())
+    claims = verdicts(tmp_path, Scene(selected=(M, "ngram", "ngram", "ngram"), exploring=(True, False, False, False)))
     assert {c.verdict for c in claims.values()} == {HOLDS}, [(c.claim, c.measured) for c in claims.values()]
     standard = find(claims, "standard speculative decoding (fixed γ) - the paper's method")
     assert "+7.1% over fixed γ=4, ngram" in standard.measured and "+150% over tiny@int8" in standard.measured
@@ -115,14 +118,14 @@ def test_claims_hold_where_the_runs_meet_them(tmp_path):
     assert tuning.value == pytest.approx(1.45 / 1.5) and "fixed γ=6, ngram" in tuning.measured
     assert "1.15x of step, 1.20x of heuristic" in find(claims, "FSM").measured
     picks = find(claims, "draft that serves")
-    assert "right on 1 of 1" in picks.measured and "1 more were explorations" in picks.measured
+    assert "right on 3 of 3" in picks.measured and "1 more were explorations" in picks.measured
     assert "avoiding the slower draft" in picks.why  # ngram was fastest on every prompt
     assert find(claims, "better single draft").value == pytest.approx(1.0)
 
 
 def test_claims_fail_where_the_runs_miss_them(tmp_path):
     scene = Scene(paper=1.1, sdbench=1.426, alone={M: 0.95, "ngram": 1.2}, fsm={"step": 1.25, "heuristic": 1.1},
-                  selected=(M, M), exploring=(False, False))
+                  selected=(M, M, M), exploring=(False, False, False))
     claims = verdicts(tmp_path, scene)
     assert find(claims, "standard speculative decoding (fixed γ) - the paper's").verdict == FAILS
     # 1.426 / 1.4 is faster, but within the noise margin; 1.426 / 1.5 is within the tuning gap
@@ -141,7 +144,11 @@ def test_claims_without_room_cannot_be_tested(tmp_path):
     for words in ("No offline benchmarking needed", "FSM", "draft that serves"):
         assert {c.verdict for t, c in claims.items() if words in t} == {UNTESTABLE}, words
     assert "nothing to tune" in find(claims, "No offline").why
-    assert "too few prompts" in find(claims, "draft that serves").why
+    assert "chose for 0 prompt(s), fewer than 3" in find(claims, "draft that serves").why
+    two = pd.DataFrame({"exploring": [False, False], "right": [True, True], "gap": [0.5, 0.5],
+                        "fastest": ["ngram", "ngram"]})
+    assert claim_picks_faster(two).verdict == UNTESTABLE  # two choices are still too few to judge
+    assert claim_picks_faster(pd.concat([two] * 2)).verdict == HOLDS
 
 
 def test_a_wrong_pick_within_the_margin_counts_as_right(tmp_path):
@@ -177,7 +184,7 @@ def test_reproduce_adaptive_quick_writes_the_report_folder(capsys, tmp_path, fak
                  "adaptive-gamma.parquet", "adaptive-speedup.png", "adaptive-gamma.png"):
         assert (out / name).stat().st_size > 0, name
     claims = pd.read_parquet(out / "claims.parquet")
-    assert len(claims) == 8 and set(claims["verdict"]) == {HOLDS}
+    assert len(claims) == 8 and set(claims["verdict"]) == {HOLDS, UNTESTABLE}  # 2 data sets: 2 choices only
     text = (out / "report.html").read_text()
     assert text.index("<h2>Claims</h2>") < text.index("<h2>Figures</h2>") < text.index("<h2>Setup</h2>")
     assert text.count("data:image/png;base64,") == 2 and "torch_version" in text and "ACL 2025" in text
@@ -191,6 +198,7 @@ def test_reproduce_adaptive_quick_writes_the_report_folder(capsys, tmp_path, fak
     assert systems[systems["kind"] == "paper"]["mean_gamma"].iloc[0] == pytest.approx(2.4)  # 8 rounds at 3, 2 plain
     # the int8 candidate never paid: the report says so
     assert "tiny@int8 never beat plain decoding" in stdout
+    assert "2 of the 4 prompts of the paper's runs explored a candidate" in stdout
 
 
 def test_the_model_candidate_cannot_be_prompt_lookup(capsys, tmp_path):

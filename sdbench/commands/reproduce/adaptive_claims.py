@@ -20,6 +20,7 @@ TUNING_GAP = 0.05  # "needs no offline tuning": within this of the best fixed se
 PAPER_GAIN = (0.0355, 0.1648)  # over standard SD
 PAPER_SPEEDUP = (1.2, 3.4)  # over the default (autoregressive) LLM
 CHOICE_SHARE = 0.8  # share of its model-made choices the selection must get right
+MIN_CHOICES = 3  # fewer model-made choices than this judge nothing
 SYSTEMS = {"paper": "the paper's method (draft chosen per prompt, maximum-likelihood α)",
            "sdbench": "sdbench's adaptive (draft chosen per round, α with a prior)"}
 
@@ -162,9 +163,9 @@ def claim_picks_faster(selection) -> Claim:
                 f"(within {MARGIN:.0%} of the fastest candidate at its best fixed γ on that prompt); "
                 f"{len(explored)} more were explorations of an unmeasured candidate (right on "
                 f"{int(explored['right'].sum())}); fastest: {', '.join(fastest) or '-'}")
-    if not len(chosen):
-        return Claim(claim, measured, UNTESTABLE, "every selection was an exploration: the runs had too few "
-                     "prompts for the prompt model to choose")
+    if len(chosen) < MIN_CHOICES:
+        return Claim(claim, measured, UNTESTABLE, f"the prompt model chose for {len(chosen)} prompt(s), fewer than "
+                     f"{MIN_CHOICES}: the runs had too few prompts beyond exploring the candidates", value=share)
     if (chosen["gap"] < MARGIN).all():
         return Claim(claim, measured, UNTESTABLE, f"the candidates ran within {MARGIN:.0%} of each other on every "
                      "prompt: there was nothing to pick", value=share)
