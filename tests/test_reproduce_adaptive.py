@@ -131,8 +131,8 @@ def test_claims_fail_where_the_runs_miss_them(tmp_path):
     # 1.426 / 1.4 is faster, but within the noise margin; 1.426 / 1.5 is within the tuning gap
     assert find(claims, "standard speculative decoding (fixed γ) - sdbench's").verdict == FAILS
     assert find(claims, "1.2-3.4x").verdict == FAILS and "1.10x (below)" in find(claims, "1.2-3.4x").measured
-    assert find(claims, "No offline benchmarking needed: within 5% of the best fixed setting - the paper's").verdict == FAILS
-    assert find(claims, "No offline benchmarking needed: within 5% of the best fixed setting - sdbench's").verdict == HOLDS
+    assert find(claims, "best fixed setting - the paper's").verdict == FAILS
+    assert find(claims, "best fixed setting - sdbench's").verdict == HOLDS
     assert find(claims, "FSM").verdict == FAILS  # 1.2 against 1.25 for the step machine
     assert find(claims, "draft that serves").verdict == FAILS and find(claims, "draft that serves").value == 0.0
     assert find(claims, "better single draft").verdict == FAILS
@@ -257,7 +257,8 @@ def test_the_run_plan(monkeypatch, tmp_path):
         for schedule in ("step", "heuristic"):
             fsm, pair = by[(dataset, f"fsm-{schedule}")]
             assert fsm.strategy == "adaptive-fsm" and fsm.options == {"schedule": schedule}
-            assert fsm.drafts == (winners[dataset],) and pair.drafts == [{M: "int8 runner"}.get(winners[dataset], "ngram")]
+            runner = "int8 runner" if winners[dataset] == M else "ngram"
+            assert fsm.drafts == (winners[dataset],) and pair.drafts == [runner]
         assert {str(c.out) for c, _ in ran if c.dataset == dataset} == {str(tmp_path / dataset)}
 
 
