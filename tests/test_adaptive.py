@@ -432,6 +432,19 @@ def test_prompt_selection_matches_greedy(target, small_draft, prompts, batch, dr
     assert used == set(names)  # every candidate was tried
 
 
+
+def test_prompt_selection_says_which_choices_explored(target, small_draft, prompts):
+    """A prompt given a candidate whose cost was not measured yet is marked exploring; once every candidate has
+    drafted, the prompt model chooses and the mark is off."""
+    ps = repetitive(prompts, 2)
+    proposer = Adaptive(make_drafters([small_draft, "ngram"], 3, 1), 3, probe=2, select="prompt")
+    marks = []
+    for _ in range(3):
+        out = generate(target, proposer, ps, max_new_tokens=NEW, sampling=GREEDY)
+        marks.append({s["exploring"] for s in out.extras})
+        assert all(c.known for c in proposer.policy.draft) or marks[-1] == {True}
+    assert marks[0] == {True} and marks[-1] == {False}
+
 def test_prompt_selection_with_mixed_rows_follows_target_distribution(target, small_draft):
     """Rows drafted by a model (with distributions) and by prompt lookup (one-hot) verified in one round."""
     from tests.conftest import second_token_chi_square

@@ -295,6 +295,7 @@ class Adaptive(_Adaptive):
         self.priors = [AlphaPrior() for _ in drafters]
         self._features: list = []
         self._chosen: list[int] = []
+        self._exploring = False
 
     def _start(self, state: DecodeState) -> None:
         # the generation that just ended teaches the per-prompt prior before this one is predicted
@@ -305,6 +306,7 @@ class Adaptive(_Adaptive):
                           for b in range(state.batch)]
         rows = [list(range(state.batch))] * len(self.drafters)
         if self.select == "prompt":  # each drafter's window starts from the prior of the prompts it drafts for
+            self._exploring = not all(cost.known for cost in self.policy.draft)  # select_drafters' first rule
             self._chosen = select_drafters(self.policy, self.priors, self._features)
             rows = [[b for b, c in enumerate(self._chosen) if c == d] or rows[d] for d in range(len(self.drafters))]
         self.policy.start([sum(p.predict(self._features[b]) for b in r) / len(r) for p, r in zip(self.priors, rows)])
@@ -326,10 +328,13 @@ class Adaptive(_Adaptive):
         self.policy.record(d, gamma, width, drafted, accepted, verify_s, draft_s)
 
     def row_stats(self, b: int) -> dict:
-        """As for every adaptive strategy; with select=prompt also `selected`, the drafter the prompt used."""
+        """As for every adaptive strategy; with select=prompt also `selected`, the drafter the prompt used, and
+        `exploring`: True when it was given a candidate whose cost the run had not measured yet rather than
+        chosen by the prompt model."""
         stats = super().row_stats(b)
         if self.select == "prompt":
             stats["selected"] = self.drafters[self._chosen[b]].name
+            stats["exploring"] = self._exploring
         return stats
 
     def params(self) -> dict:

@@ -15,7 +15,9 @@ papers: Registry = Registry("paper")
 papers.add("dsi", "sdbench.commands.reproduce.dsi:reproduce",
            "Distributed Speculative Inference of Large Language Models (Timor et al., arXiv 2405.14105)")
 papers.add("magicdec", None, "MagicDec: sparse-KV self-speculation for long context and large batches")
-papers.add("adaptive", None, "On-the-fly adaptive speculative decoding")
+papers.add("adaptive", "sdbench.commands.reproduce.adaptive:reproduce",
+           "A Drop-In Solution for On-the-Fly Adaptation of Speculative Decoding in Large Language Models "
+           "(Liu, Park, Shen, ACL 2025)")
 papers.add("polybasic", "sdbench.commands.reproduce.polybasic:reproduce",
            "Polybasic Speculative Decoding Through a Theoretical Perspective "
            "(Wang et al., ICML 2025, arXiv 2510.26527)")
