@@ -94,10 +94,11 @@ def critical_lengths(rows: list[dict]) -> dict[int, int | None]:
     return found
 
 
-def alphas_from_results(paths: list[str]) -> dict[tuple[str, int, int], float]:
-    """Acceptance rate per (selector, budget, prompt length), fitted (Omega inverted) to earlier magicdec runs'
-    accepted lengths. A run's prompt length is the mean prompt of its rows (one --prompt-len gives one);
-    runs at the same selector, budget and length are pooled, gammas included."""
+def alphas_from_results(paths: list[str], strategy: str = "magicdec") -> dict[tuple[str, int, int], float]:
+    """Acceptance rate per (selector, budget, prompt length), fitted (Omega inverted) to earlier runs' accepted
+    lengths: magicdec's, or those of `strategy` "draft" with a sparse draft cache (--set draft_kv=...). A run's
+    prompt length is the mean prompt of its rows (one --prompt-len gives one); runs at the same selector,
+    budget and length are pooled, gammas included."""
     import json
 
     from sdbench.reporting.results import read_results
@@ -105,12 +106,12 @@ def alphas_from_results(paths: list[str]) -> dict[tuple[str, int, int], float]:
     from sdbench.theory import alpha_from_tokens_per_step
 
     df = read_results(paths)
-    rows = df[(df["role"] != "baseline") & (df["strategy"] == "magicdec")]
+    rows = df[(df["role"] != "baseline") & (df["strategy"] == strategy)]
     pooled: dict[tuple[str, int, int], list[float]] = {}
     for (_, params), group in rows.groupby(["run_id", "params"]):
         p = json.loads(params)
         steps = group["steps"].sum()
-        if not steps or not p.get("gamma"):
+        if not steps or not p.get("gamma") or "budget" not in p:  # a dense draft cache has no budget
             continue
         mean_len = mean_accepted_length(group["new_tokens"].sum(), steps, len(group))
         key = (str(p.get("kv", p.get("draft_kv", "streamingllm"))), int(p["budget"]),

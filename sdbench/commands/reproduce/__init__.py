@@ -14,7 +14,9 @@ from sdbench.registry import Registry
 papers: Registry = Registry("paper")
 papers.add("dsi", "sdbench.commands.reproduce.dsi:reproduce",
            "Distributed Speculative Inference of Large Language Models (Timor et al., arXiv 2405.14105)")
-papers.add("magicdec", None, "MagicDec: sparse-KV self-speculation for long context and large batches")
+papers.add("magicdec", "sdbench.commands.reproduce.magicdec:reproduce",
+           "MagicDec: Breaking the Latency-Throughput Tradeoff for Long Context Generation with Speculative Decoding "
+           "(Sadhukhan, Chen et al., arXiv 2408.11049, ICLR 2025)")
 papers.add("adaptive", None, "On-the-fly adaptive speculative decoding")
 papers.add("polybasic", None, "Polybasic speculative decoding (chains of drafters)")
 

@@ -82,6 +82,17 @@ def verdict(ok: bool) -> str:
     return HOLDS if ok else FAILS
 
 
+def environment_facts(cfg: ReproduceConfig) -> dict:
+    """The setup every report starts with: device, dtype, processor, versions, commit."""
+    from sdbench.env import environment
+    from sdbench.models.pair import resolve_device
+
+    env = environment(str(resolve_device(cfg.device)), cfg.dtype)
+    keys = ("device", "dtype", "cpu", "cpu_count", "gpu", "torch_version", "transformers_version",
+            "sdbench_version", "git_commit", "platform", "python_version")
+    return {key: env.get(key) for key in keys}
+
+
 def claims_frame(claims: list[Claim]):
     import pandas as pd
 

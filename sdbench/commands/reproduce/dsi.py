@@ -21,7 +21,7 @@ from dataclasses import dataclass, replace
 
 from sdbench.commands.dsi_heatmap import KMAX, PAPER_WORKERS, heatmap, plot_heatmap, table_lookahead
 from sdbench.commands.reproduce.common import (FAILS, HOLDS, UNTESTABLE, Claim, Figure, Report, ReproduceConfig,
-                                               figure_png, verdict)
+                                               environment_facts, figure_png, verdict)
 from sdbench.commands.simulate import Setting, offline, online, profile_from_results, workers_warning
 from sdbench.theory import dsi_latency_per_token, dsi_workers_needed, si_latency_per_token
 
@@ -363,13 +363,7 @@ def sweep_figure(sweep) -> Figure:
 
 
 def setup_facts(cfg: ReproduceConfig, plan: Plan, runs: dict, s_si: Setting, s_dsi: Setting, folder) -> dict:
-    from sdbench.env import environment
-    from sdbench.models.pair import resolve_device
-
-    env = environment(str(resolve_device(cfg.device)), cfg.dtype)
-    keys = ("device", "dtype", "cpu", "cpu_count", "gpu", "torch_version", "transformers_version",
-            "sdbench_version", "git_commit", "platform", "python_version")
-    facts = {key: env.get(key) for key in keys}
+    facts = environment_facts(cfg)
     facts.update({
         "target": cfg.target, "draft": cfg.drafter, "quick": cfg.quick, "prompts per run": plan.limit,
         "max new tokens": plan.max_new_tokens, "DSI workers (real run)": s_dsi.workers,
