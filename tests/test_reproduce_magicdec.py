@@ -159,7 +159,7 @@ def fake_measure(monkeypatch):
             pq.write_table(rows_to_table(_rows(run, plain_s, speedup, 2.5 if selector == "snapkv" else 2.2)),
                            run.path)
             runs.append(run)
-        return synthetic_profiles(), runs
+        return synthetic_profiles(), runs, {"profile": 1.0, "runs": 2.0}
 
     monkeypatch.setattr(paper, "measure", measure)
     monkeypatch.setattr(paper, "QUICK", TINY)
@@ -207,6 +207,11 @@ def test_the_small_draft_defaults_to_the_int8_copy_on_a_float32_cpu():
     assert paper.small_draft(ReproduceConfig(draft="other", device="cpu")) == "other"
 
 
+def test_the_runs_lookahead_is_the_best_predicted_at_the_longest_run_point():
+    assert paper.pick_gamma(synthetic_profiles(), TINY) == 2 and paper.pick_gamma(synthetic_profiles(kv=0.0), TINY) == 1
+    assert paper.pick_gamma({"target": [], "draft": []}, TINY) == TINY.gamma  # no such point profiled
+
+
 def test_the_real_runs_ask_bench_for_the_plan_on_one_loaded_pair(monkeypatch, tmp_path):
     from sdbench.commands import run as run_module
 
@@ -228,9 +233,9 @@ def test_the_real_runs_ask_bench_for_the_plan_on_one_loaded_pair(monkeypatch, tm
     monkeypatch.setattr(run_module, "Bench", FakeBench)
     monkeypatch.setattr("sdbench.models.pair.load_pair", lambda cfg, *a: (profiled.update(loaded=cfg), pair)[1])
     monkeypatch.setattr(paper, "profile_grid", lambda p, plan, contexts, console: profiled.update(
-        pair=p, contexts=contexts) or {"target": [], "draft": []})
+        pair=p, contexts=contexts) or synthetic_profiles(kv=0.0))
     plan = paper.Plan(BATCHES, (256, 1024, 4096), BUDGETS, GAMMAS, (1, 4), (256, 1536), 16, 64, 2)
-    _, runs = paper.measure(ReproduceConfig(), plan, "d@int8", tmp_path, Console(file=io.StringIO()))
+    _, runs, _ = paper.measure(ReproduceConfig(), plan, "d@int8", tmp_path, Console(file=io.StringIO()))
     assert len(made) == 2 * len(ran) == 2 * 12  # each configuration checked before the models load, then run
     assert profiled["pair"] is pair and all(p is pair for _, p in ran)
     assert profiled["loaded"].drafts == ("d@int8",)  # the loaded pair holds the small draft
@@ -240,6 +245,7 @@ def test_the_real_runs_ask_bench_for_the_plan_on_one_loaded_pair(monkeypatch, tm
              for c, _ in ran]
     assert asked == [(s, k, b, b, n) for b in (1, 4) for n in (256, 1536) for s, k in paper.CONFIGS]
     for cfg, _ in ran:
-        assert cfg.dataset == "pg19" and cfg.gammas == (2,) and cfg.options["budget"] == "64"
+        # the profile picked gamma 1: where the cache costs nothing, a wider verification costs more than it gains
+        assert cfg.dataset == "pg19" and cfg.gammas == (1,) and cfg.options["budget"] == "64"
         assert cfg.max_new_tokens == 16 and cfg.drafts == (("d@int8",) if cfg.strategy == "draft" else ())
     assert [(r.strategy, r.selector, r.batch, r.prompt_len) for r in runs] == [a[:2] + (a[2], a[4]) for a in asked]

@@ -28,6 +28,7 @@ TITLE = ("MagicDec: Breaking the Latency-Throughput Tradeoff for Long Context Ge
 DATASET = "pg19"
 # (strategy, KV selector) of the real runs: self-speculation with each selector, the small draft compressed
 CONFIGS = (("magicdec", "streamingllm"), ("magicdec", "snapkv"), ("draft", "streamingllm"))
+PROVISIONAL_ALPHA = 0.7  # the runs' lookahead is picked on the profile before any run has measured acceptance
 
 
 @dataclass(frozen=True)
@@ -40,7 +41,7 @@ class Plan:
     prompt_lens: tuple[int, ...]  # real runs: prompt lengths (one batch of PG-19 prompts each)
     max_new_tokens: int
     budget: int  # real runs: the sparse cache's budget (one of `budgets`, below every prompt length)
-    gamma: int  # real runs: the lookahead (one of `gammas`)
+    gamma: int  # real runs: the lookahead when the profile cannot pick one (see `pick_gamma`)
 
 
 QUICK = Plan((1, 2, 4, 8), (256, 1024, 2048, 4096), (64, 256), (1, 2, 3, 4), (1, 4), (256, 1536), 16, 64, 2)
@@ -62,7 +63,7 @@ class Run:
 def reproduce(cfg: ReproduceConfig, folder, console) -> Report:
     plan = QUICK if cfg.quick else FULL
     draft = small_draft(cfg)
-    profiles, runs = measure(cfg, plan, draft, folder / "runs", console)
+    profiles, runs, seconds = measure(cfg, plan, draft, folder / "runs", console)
     alphas = run_alphas(runs)
     predicted = predict_all(profiles, alphas)
     summary = run_summary(runs, alphas, predicted)
@@ -70,8 +71,8 @@ def reproduce(cfg: ReproduceConfig, folder, console) -> Report:
     figures = [speedup_figure(predicted, summary), tradeoff_figure(summary), cost_figure(profiles, plan.budget)]
     tables = {"magicdec-profile": profile_frame(profiles), "magicdec-predictions": _frame(predicted),
               "magicdec-runs": summary, "magicdec-critical": critical_frame(predicted)}
-    setup = setup_facts(cfg, plan, draft, summary, folder)
-    return Report("magicdec", TITLE, claims, tables, figures, setup, notes(cfg, draft, profiles, plan.budget))
+    setup = setup_facts(cfg, plan, draft, summary, seconds, folder)
+    return Report("magicdec", TITLE, claims, tables, figures, setup, notes(cfg, draft, profiles, plan))
 
 
 def small_draft(cfg: ReproduceConfig) -> str:
@@ -90,16 +91,16 @@ def small_draft(cfg: ReproduceConfig) -> str:
 # ---- the measurements ------------------------------------------------------------------------------------
 
 
-def run_configs(cfg: ReproduceConfig, plan: Plan, draft: str, out) -> list[tuple[tuple, object]]:
+def run_configs(cfg: ReproduceConfig, plan: Plan, draft: str, out, gamma: int | None = None) -> list[tuple]:
     """((strategy, selector, batch, prompt length), RunConfig) for every real run, the three configurations of
-    one (batch, prompt length) one after another."""
+    one (batch, prompt length) one after another; at lookahead `gamma` (default the plan's)."""
     from sdbench.config import RunConfig
 
     planned = []
     for batch in plan.run_batches:
         for length in plan.prompt_lens:
             base = RunConfig(target=cfg.target, dataset=DATASET, prompt_len=length, limit=batch, batch_size=batch,
-                             max_new_tokens=plan.max_new_tokens, gammas=(plan.gamma,), device=cfg.device,
+                             max_new_tokens=plan.max_new_tokens, gammas=(gamma or plan.gamma,), device=cfg.device,
                              dtype=cfg.dtype, out=str(out))
             for strategy, selector in CONFIGS:
                 if strategy == "magicdec":
@@ -111,22 +112,41 @@ def run_configs(cfg: ReproduceConfig, plan: Plan, draft: str, out) -> list[tuple
     return planned
 
 
-def measure(cfg: ReproduceConfig, plan: Plan, draft: str, out, console) -> tuple[dict, list[Run]]:
-    """Load the pair once, profile it, then every real run on it; returns (profiles, runs)."""
+def measure(cfg: ReproduceConfig, plan: Plan, draft: str, out, console) -> tuple[dict, list[Run], dict]:
+    """Load the pair once, profile it, pick the runs' lookahead on the profile, then every real run on the
+    same pair; returns (profiles, runs, wall seconds of the profile and of the runs)."""
+    import time
+
     from sdbench.commands.run import Bench
     from sdbench.models.pair import load_pair
 
-    planned = run_configs(cfg, plan, draft, out)
-    checked = [Bench(run, console) for _, run in planned]  # every setting is checked before the models load
+    checked = [Bench(run, console) for _, run in run_configs(cfg, plan, draft, out)]  # before the models load
     loader = next(b for b in checked if b.cfg.strategy == "draft")  # its pair holds the small draft
     pair = load_pair(loader.cfg, loader.device, loader.dtype, console)
+    t0 = time.perf_counter()
     profiles = profile_grid(pair, plan, grid_contexts(plan, pair.max_positions), console)
-    runs = []
+    gamma = pick_gamma(profiles, plan)
+    t1 = time.perf_counter()
+    console.print(f"profiled in {t1 - t0:.0f} s; the runs' lookahead gamma = {gamma} (best predicted at batch "
+                  f"{max(plan.run_batches)}, {max(plan.prompt_lens)}-token context with alpha = {PROVISIONAL_ALPHA})",
+                  highlight=False)
+    planned, runs = run_configs(cfg, plan, draft, out, gamma), []
     for i, ((strategy, selector, batch, length), run) in enumerate(planned):
         console.print(f"run {i + 1}/{len(planned)}: {strategy} ({selector}, budget {plan.budget}), batch {batch}, "
                       f"{length}-token prompts", highlight=False)
         runs.append(Run(strategy, selector, batch, length, str(Bench(run, console, pair=pair).run())))
-    return profiles, runs
+    return profiles, runs, {"profile": t1 - t0, "runs": time.perf_counter() - t1}
+
+
+def pick_gamma(profiles: dict, plan: Plan) -> int:
+    """The lookahead of the best predicted self-speculation at the runs' budget, largest batch and longest
+    prompt, with a provisional alpha; the plan's when the profile has no such point."""
+    from sdbench.commands.predict import predictions
+
+    batch, context = max(plan.run_batches), max(plan.prompt_lens)
+    rows = [r for p in profiles["target"] if (p.batch, p.context) == (batch, context)
+            for r in predictions(p, PROVISIONAL_ALPHA) if r["budget"] == plan.budget]
+    return max(rows, key=lambda r: r["predicted_speedup"])["gamma"] if rows else plan.gamma
 
 
 def grid_contexts(plan: Plan, max_positions: int) -> tuple[int, ...]:
@@ -362,8 +382,10 @@ def cost_figure(profiles: dict, budget: int) -> Figure:
                   "cache", figure_png(fig))
 
 
-def notes(cfg: ReproduceConfig, draft: str, profiles: dict, budget: int) -> list[str]:
-    out = []
+def notes(cfg: ReproduceConfig, draft: str, profiles: dict, plan: Plan) -> list[str]:
+    out = [f"Decode time per token counts each drafter's setup as drafting, as sdbench does everywhere: the small "
+           f"draft's own prefill of the prompt and SnapKV's scoring pass are spread over the {plan.max_new_tokens - 1} "
+           "tokens after the first; the per-step cost model leaves them out."]
     if draft == cfg.target:
         out.append(f"The small draft is the target itself ({cfg.target}): no smaller model or int8 copy was "
                    "available for this device and dtype, so its dense step is the target's.")
@@ -383,15 +405,18 @@ def notes(cfg: ReproduceConfig, draft: str, profiles: dict, budget: int) -> list
     return out
 
 
-def setup_facts(cfg: ReproduceConfig, plan: Plan, draft: str, summary, folder) -> dict:
+def setup_facts(cfg: ReproduceConfig, plan: Plan, draft: str, summary, seconds: dict, folder) -> dict:
     facts = environment_facts(cfg)
     facts.update({
         "target": cfg.target, "small draft": draft, "quick": cfg.quick,
         "profile": f"batch {list(plan.batches)} x context {list(plan.contexts)} (and the prompt lengths), budgets "
                    f"{list(plan.budgets)}, gamma {list(plan.gammas)}",
         "real runs": f"batch {list(plan.run_batches)} x prompt length {list(plan.prompt_lens)}, one batch each, "
-                     f"{plan.max_new_tokens} new tokens, gamma {plan.gamma}, budget {plan.budget}, greedy",
+                     f"{plan.max_new_tokens} new tokens, budget {plan.budget}, greedy",
         "configurations": ", ".join(f"{s} ({k})" for s, k in CONFIGS),
+        "lookahead": f"gamma {', '.join(map(str, sorted(set(summary['gamma']))))} (best predicted on the profile with "
+                     f"alpha = {PROVISIONAL_ALPHA})",
+        **{f"{phase} wall (s)": round(s, 1) for phase, s in seconds.items()},
         "data": ", ".join(sorted(set(summary["dataset"]))), "runs": str(folder / "runs"), "folder": str(folder),
     })
     return facts
