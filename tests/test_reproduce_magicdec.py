@@ -21,7 +21,7 @@ from tests.conftest import run_cli
 
 BATCHES, CONTEXTS, BUDGETS, GAMMAS = (1, 2, 4, 8), (256, 1024, 1536, 4096), (64, 256), (1, 2, 3, 4)
 KV = 1e-5  # seconds per key read per row: at 1536 keys a batch-1 step spends more on its cache than on weights
-TINY = paper.Plan(BATCHES, (256, 1024, 4096), BUDGETS, GAMMAS, (1, 4), (256, 1536), 16, 64, 2)
+TINY = paper.Plan(BATCHES, (256, 1024, 4096), BUDGETS, GAMMAS, (1, 4), (256, 1536), 16, 64, 2, 1)
 
 
 def step(batch: int, tokens: int, context: int, kv: float) -> float:
@@ -234,7 +234,7 @@ def test_the_real_runs_ask_bench_for_the_plan_on_one_loaded_pair(monkeypatch, tm
     monkeypatch.setattr("sdbench.models.pair.load_pair", lambda cfg, *a: (profiled.update(loaded=cfg), pair)[1])
     monkeypatch.setattr(paper, "profile_grid", lambda p, plan, contexts, console: profiled.update(
         pair=p, contexts=contexts) or synthetic_profiles(kv=0.0))
-    plan = paper.Plan(BATCHES, (256, 1024, 4096), BUDGETS, GAMMAS, (1, 4), (256, 1536), 16, 64, 2)
+    plan = TINY
     _, runs, _ = paper.measure(ReproduceConfig(), plan, "d@int8", tmp_path, Console(file=io.StringIO()))
     assert len(made) == 2 * len(ran) == 2 * 12  # each configuration checked before the models load, then run
     assert profiled["pair"] is pair and all(p is pair for _, p in ran)
@@ -249,3 +249,20 @@ def test_the_real_runs_ask_bench_for_the_plan_on_one_loaded_pair(monkeypatch, tm
         assert cfg.dataset == "pg19" and cfg.gammas == (1,) and cfg.options["budget"] == "64"
         assert cfg.max_new_tokens == 16 and cfg.drafts == (("d@int8",) if cfg.strategy == "draft" else ())
     assert [(r.strategy, r.selector, r.batch, r.prompt_len) for r in runs] == [a[:2] + (a[2], a[4]) for a in asked]
+
+
+def test_the_profile_grid_times_the_target_and_the_small_draft(target, small_draft):
+    from types import SimpleNamespace
+
+    plan = paper.Plan((1, 2), (16, 48), (8, 32), (1, 2), (1,), (16,), 4, 8, 1, 1)
+    quiet = Console(file=io.StringIO())
+    found = paper.profile_grid(SimpleNamespace(target=target, drafts=[small_draft]), plan, (16, 48), quiet)
+    assert [(p.batch, p.context) for p in found["target"]] == [(1, 16), (1, 48), (2, 16), (2, 48)]
+    assert [set(p.draft_s) for p in found["target"]] == [{8}, {8, 32}] * 2  # a budget >= the context is skipped
+    assert all(set(p.verify_s) == {1, 2} for p in found["target"])
+    assert all(set(p.draft_s) == {8} and p.target_s > 0 for p in found["draft"])  # the runs' budget only
+    frame = paper.profile_frame(found)
+    assert set(frame["model"]) == {"target", "draft"} and (frame["ms"] > 0).all()
+    # the target drafting for itself: its own steps, not profiled twice
+    alone = paper.profile_grid(SimpleNamespace(target=target, drafts=[target]), plan, (16,), quiet)
+    assert alone["draft"] == alone["target"]

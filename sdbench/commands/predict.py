@@ -46,8 +46,8 @@ def median_time(fn, device, reps: int = 5, warmup: int = 2) -> float:
     return statistics.median(times)
 
 
-def profile(runner, batch: int, context: int, gammas, budgets) -> Profile:
-    """Time the three kinds of step at one (batch, context)."""
+def profile(runner, batch: int, context: int, gammas, budgets, reps: int = 5, warmup: int = 2) -> Profile:
+    """Time the three kinds of step at one (batch, context): each the median of `reps` calls after `warmup`."""
     dev = runner.device
     capacity = needed_capacity(context, 0, max(gammas))
     dense = runner.new_cache(batch, capacity)
@@ -55,16 +55,19 @@ def profile(runner, batch: int, context: int, gammas, budgets) -> Profile:
         t.normal_(0, 0.1)
     start = [context] * batch
     one = torch.zeros(batch, 1, dtype=torch.long)
-    target_s = median_time(lambda: runner.forward(dense, one, start), dev)
-    verify_s = {g: median_time(lambda g=g: runner.forward(dense, torch.zeros(batch, g + 1, dtype=torch.long),
-                                                           start), dev) for g in gammas}
+    def timed(fn) -> float:
+        return median_time(fn, dev, reps, warmup)
+
+    target_s = timed(lambda: runner.forward(dense, one, start))
+    verify_s = {g: timed(lambda g=g: runner.forward(dense, torch.zeros(batch, g + 1, dtype=torch.long), start))
+                for g in gammas}
     draft_s = {}
     for budget in budgets:
         if budget >= context:
             continue  # a budget at least the context is the full cache: no saving to model
         sink = min(16, budget // 2)
         sparse = filled_for_profile(runner, batch, context, sink, budget - sink, max(gammas))
-        draft_s[budget] = median_time(lambda s=sparse: runner.forward(s, one, start), dev)
+        draft_s[budget] = timed(lambda s=sparse: runner.forward(s, one, start))
     return Profile(batch, context, target_s, verify_s, draft_s)
 
 

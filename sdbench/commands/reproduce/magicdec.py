@@ -42,11 +42,12 @@ class Plan:
     max_new_tokens: int
     budget: int  # real runs: the sparse cache's budget (one of `budgets`, below every prompt length)
     gamma: int  # real runs: the lookahead when the profile cannot pick one (see `pick_gamma`)
+    reps: int  # profile: each step time the median of this many calls (after one warm-up call)
 
 
-QUICK = Plan((1, 2, 4, 8), (256, 1024, 2048, 4096), (64, 256), (1, 2, 3, 4), (1, 4), (256, 1536), 16, 64, 2)
+QUICK = Plan((1, 2, 4, 8), (256, 1024, 2048, 4096), (64, 256), (1, 2, 3, 4), (1, 4), (256, 1536), 12, 64, 2, 3)
 FULL = Plan((1, 2, 4, 8, 16), (256, 512, 1024, 2048, 4096, 8192), (64, 128, 256, 512), (1, 2, 3, 4), (1, 4, 8),
-            (256, 1024, 2048), 24, 128, 2)
+            (256, 1024, 2048), 24, 128, 2, 5)
 
 
 @dataclass(frozen=True)
@@ -170,9 +171,9 @@ def profile_grid(pair, plan: Plan, contexts, console) -> dict:
         task = progress.add_task("profiling step costs", total=len(plan.batches) * len(contexts))
         for batch in plan.batches:
             for context in contexts:
-                found["target"].append(profile(pair.target, batch, context, plan.gammas, plan.budgets))
+                found["target"].append(profile(pair.target, batch, context, plan.gammas, plan.budgets, plan.reps, 1))
                 if draft is not pair.target:
-                    found["draft"].append(profile(draft, batch, context, (1,), (plan.budget,)))
+                    found["draft"].append(profile(draft, batch, context, (1,), (plan.budget,), plan.reps, 1))
                 progress.advance(task)
     if draft is pair.target:  # the small draft is the target itself: its steps are the target's
         found["draft"] = list(found["target"])
@@ -410,7 +411,7 @@ def setup_facts(cfg: ReproduceConfig, plan: Plan, draft: str, summary, seconds: 
     facts.update({
         "target": cfg.target, "small draft": draft, "quick": cfg.quick,
         "profile": f"batch {list(plan.batches)} x context {list(plan.contexts)} (and the prompt lengths), budgets "
-                   f"{list(plan.budgets)}, gamma {list(plan.gammas)}",
+                   f"{list(plan.budgets)}, gamma {list(plan.gammas)}, median of {plan.reps} calls per step",
         "real runs": f"batch {list(plan.run_batches)} x prompt length {list(plan.prompt_lens)}, one batch each, "
                      f"{plan.max_new_tokens} new tokens, budget {plan.budget}, greedy",
         "configurations": ", ".join(f"{s} ({k})" for s, k in CONFIGS),
