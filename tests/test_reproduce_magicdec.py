@@ -60,7 +60,8 @@ def synthetic_summary(predicted: list[dict], scale: dict | None = None, slower: 
         rows.append({"batch": r["batch"], "prompt_len": r["context"], "strategy": r["strategy"],
                      "selector": r["selector"], "budget": 64, "gamma": 2, "alpha": r["alpha"],
                      "plain_latency_ms": plain_ms, "latency_ms": plain_ms / measured,
-                     "plain_throughput": r["batch"] * 1e3 / plain_ms, "throughput": r["batch"] * 1e3 * measured / plain_ms,
+                     "plain_throughput": r["batch"] * 1e3 / plain_ms,
+                     "throughput": r["batch"] * 1e3 * measured / plain_ms,
                      "measured_speedup": measured, "predicted_speedup": r["predicted_speedup"], "dataset": "pg19"})
     return pd.DataFrame(rows)
 
@@ -132,13 +133,15 @@ def _rows(run: paper.Run, plain_s: float, speedup: float, accepted_len: float) -
     params = {"gamma": 2, "budget": 64, **({"kv": run.selector} if run.strategy == "magicdec" else
                                            {"draft_kv": run.selector, "sink": 16})}
     steps = round(15 / accepted_len)
+    setup = 1.0 if run.strategy == "draft" else 0.01  # the small draft's own prefill; a compression
     out = []
-    for role, strategy, tpot, n_steps, p in (("baseline", "autoregressive", plain_s, 15, "{}"),
-                                              ("strategy", run.strategy, plain_s / speedup, steps, json.dumps(params))):
-        wall = 0.5 + 15 * tpot
+    for role, strategy, tpot, n_steps, p, setup_s in (
+            ("baseline", "autoregressive", plain_s, 15, "{}", 0.0),
+            ("strategy", run.strategy, plain_s / speedup, steps, json.dumps(params), setup)):
+        wall = 0.5 + setup_s + 15 * tpot
         out += [{"role": role, "strategy": strategy, "run_id": f"{run.strategy}-{run.selector}-{run.batch}-"
                  f"{run.prompt_len}", "params": p, "prompt_id": f"p{i}", "batch_id": 0, "prompt_tokens": run.prompt_len,
-                 "new_tokens": 16, "steps": n_steps, "tpot_s": tpot, "wall_s": wall, "ttft_s": 0.5,
+                 "new_tokens": 16, "steps": n_steps, "tpot_s": tpot, "wall_s": wall, "ttft_s": 0.5, "setup_s": setup_s,
                  "tokens_per_s": 16 / wall, "dataset": "kjv-bible (PG-19 stand-in)"} for i in range(run.batch)]
     return out
 
@@ -153,7 +156,8 @@ def fake_measure(monkeypatch):
         out.mkdir(parents=True, exist_ok=True)
         runs = []
         for (strategy, selector, batch, length), _ in paper.run_configs(cfg, plan, draft, out):
-            run = paper.Run(strategy, selector, batch, length, str(out / f"{strategy}-{selector}-{batch}-{length}.parquet"))
+            path = out / f"{strategy}-{selector}-{batch}-{length}.parquet"
+            run = paper.Run(strategy, selector, batch, length, str(path))
             plain_s = step(batch, 1, length, KV)
             speedup = (1.1 if strategy == "magicdec" else 0.9) * (1 + 0.1 * (batch > 1) * (length > 1000))
             pq.write_table(rows_to_table(_rows(run, plain_s, speedup, 2.5 if selector == "snapkv" else 2.2)),
@@ -187,7 +191,9 @@ def test_reproduce_magicdec_quick_writes_the_report_folder(capsys, tmp_path, fak
     snap = runs[(runs["selector"] == "snapkv")]["alpha"]
     stream = runs[(runs["strategy"] == "magicdec") & (runs["selector"] == "streamingllm")]["alpha"]
     assert (snap > stream.mean()).all() and runs["predicted_speedup"].notna().all()
+    # the decode phase without the drafter's setup (a second for the small draft's prefill)
     assert runs["measured_speedup"].round(6).isin([1.1, 1.21, 0.9, 0.99]).all()
+    assert (runs.loc[runs["strategy"] == "draft", "setup_ms"] == 1000.0).all()
     profile = pd.read_parquet(out / "magicdec-profile.parquet")
     assert set(profile["step"]) == {"dense", "verify", "sparse"} and set(profile["model"]) == {"target", "draft"}
     critical = pd.read_parquet(out / "magicdec-critical.parquet")
@@ -260,9 +266,25 @@ def test_the_profile_grid_times_the_target_and_the_small_draft(target, small_dra
     assert [(p.batch, p.context) for p in found["target"]] == [(1, 16), (1, 48), (2, 16), (2, 48)]
     assert [set(p.draft_s) for p in found["target"]] == [{8}, {8, 32}] * 2  # a budget >= the context is skipped
     assert all(set(p.verify_s) == {1, 2} for p in found["target"])
-    assert all(set(p.draft_s) == {8} and p.target_s > 0 for p in found["draft"])  # the runs' budget only
+    # the small draft: its dense step and the runs' budget only, no verification
+    assert all(set(p.draft_s) == {8} and p.target_s > 0 and not p.verify_s for p in found["draft"])
     frame = paper.profile_frame(found)
     assert set(frame["model"]) == {"target", "draft"} and (frame["ms"] > 0).all()
     # the target drafting for itself: its own steps, not profiled twice
     alone = paper.profile_grid(SimpleNamespace(target=target, drafts=[target]), plan, (16,), quiet)
     assert alone["draft"] == alone["target"]
+
+
+def test_the_drafters_setup_is_recorded_apart_from_the_decode_steps(target, small_draft):
+    from sdbench.config import SamplingConfig
+    from sdbench.engine.loop import generate
+    from sdbench.engine.metrics import row_metrics
+    from sdbench.strategies.autoregressive import Autoregressive
+    from sdbench.strategies.draft import DraftModel
+
+    prompts = [list(range(1, 41)), list(range(3, 43))]
+    spec = generate(target, DraftModel(small_draft, 2), prompts, max_new_tokens=6, sampling=SamplingConfig())
+    plain = generate(target, Autoregressive(), prompts, max_new_tokens=6, sampling=SamplingConfig())
+    # the draft's own prefill of the prompts: inside the decode time and the drafting time, and recorded apart
+    assert 0 < spec.setup_s <= min(r.draft_s for r in spec.rows) and spec.setup_s < spec.wall_s - spec.ttft_s
+    assert row_metrics(spec, 1)["setup_s"] == spec.setup_s and plain.setup_s <= spec.setup_s

@@ -47,9 +47,11 @@ def median_time(fn, device, reps: int = 5, warmup: int = 2) -> float:
 
 
 def profile(runner, batch: int, context: int, gammas, budgets, reps: int = 5, warmup: int = 2) -> Profile:
-    """Time the three kinds of step at one (batch, context): each the median of `reps` calls after `warmup`."""
+    """Time the three kinds of step at one (batch, context): each the median of `reps` calls after `warmup`.
+    No gammas: no verification is timed (a draft model's own steps)."""
     dev = runner.device
-    capacity = needed_capacity(context, 0, max(gammas))
+    lookahead = max(gammas, default=1)
+    capacity = needed_capacity(context, 0, lookahead)
     dense = runner.new_cache(batch, capacity)
     for t in dense.k + dense.v:
         t.normal_(0, 0.1)
@@ -66,7 +68,7 @@ def profile(runner, batch: int, context: int, gammas, budgets, reps: int = 5, wa
         if budget >= context:
             continue  # a budget at least the context is the full cache: no saving to model
         sink = min(16, budget // 2)
-        sparse = filled_for_profile(runner, batch, context, sink, budget - sink, max(gammas))
+        sparse = filled_for_profile(runner, batch, context, sink, budget - sink, lookahead)
         draft_s[budget] = timed(lambda s=sparse: runner.forward(s, one, start))
     return Profile(batch, context, target_s, verify_s, draft_s)
 
