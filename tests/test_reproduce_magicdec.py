@@ -128,15 +128,16 @@ def test_the_critical_length_claim_fails_where_the_runs_contradict_it():
 # ---- the report folder, with the measurements replaced ----------------------------------------------------
 
 
-def _rows(run: paper.Run, plain_s: float, speedup: float, accepted_len: float) -> list[dict]:
-    """One batch of `run.batch` rows for plain decoding and for the strategy, 16 tokens each."""
+def _rows(run: paper.Run, plain_s: float, speedup: float, accepted_len: float, slow: float = 1.0) -> list[dict]:
+    """One batch of `run.batch` rows for plain decoding (`slow` times its usual time per token) and for the
+    strategy, 16 tokens each."""
     params = {"gamma": 2, "budget": 64, **({"kv": run.selector} if run.strategy == "magicdec" else
                                            {"draft_kv": run.selector, "sink": 16})}
     steps = round(15 / accepted_len)
     setup = 1.0 if run.strategy == "draft" else 0.01  # the small draft's own prefill; a compression
     out = []
     for role, strategy, tpot, n_steps, p, setup_s in (
-            ("baseline", "autoregressive", plain_s, 15, "{}", 0.0),
+            ("baseline", "autoregressive", plain_s * slow, 15, "{}", 0.0),
             ("strategy", run.strategy, plain_s / speedup, steps, json.dumps(params), setup)):
         wall = 0.5 + setup_s + 15 * tpot
         out += [{"role": role, "strategy": strategy, "run_id": f"{run.strategy}-{run.selector}-{run.batch}-"
@@ -160,7 +161,8 @@ def fake_measure(monkeypatch):
             run = paper.Run(strategy, selector, batch, length, str(path))
             plain_s = step(batch, 1, length, KV)
             speedup = (1.1 if strategy == "magicdec" else 0.9) * (1 + 0.1 * (batch > 1) * (length > 1000))
-            pq.write_table(rows_to_table(_rows(run, plain_s, speedup, 2.5 if selector == "snapkv" else 2.2)),
+            slow = 1.5 if (strategy, batch, length) == ("draft", 4, 1536) else 1.0  # one slow baseline
+            pq.write_table(rows_to_table(_rows(run, plain_s, speedup, 2.5 if selector == "snapkv" else 2.2, slow)),
                            run.path)
             runs.append(run)
         return synthetic_profiles(), runs, {"profile": 1.0, "runs": 2.0}
@@ -191,8 +193,12 @@ def test_reproduce_magicdec_quick_writes_the_report_folder(capsys, tmp_path, fak
     snap = runs[(runs["selector"] == "snapkv")]["alpha"]
     stream = runs[(runs["strategy"] == "magicdec") & (runs["selector"] == "streamingllm")]["alpha"]
     assert (snap > stream.mean()).all() and runs["predicted_speedup"].notna().all()
-    # the decode phase without the drafter's setup (a second for the small draft's prefill)
+    # the decode phase without the drafter's setup (a second for the small draft's prefill), against the median
+    # plain decoding of the three runs at each point: the one slow baseline moves only its run's own speedup
     assert runs["measured_speedup"].round(6).isin([1.1, 1.21, 0.9, 0.99]).all()
+    slow = (runs["strategy"] == "draft") & (runs["batch"] == 4) & (runs["prompt_len"] == 1536)
+    assert runs.loc[slow, "run_speedup"].round(6).tolist() == [1.485]
+    assert (runs.loc[~slow, "run_speedup"] - runs.loc[~slow, "measured_speedup"]).abs().max() < 1e-9
     assert (runs.loc[runs["strategy"] == "draft", "setup_ms"] == 1000.0).all()
     profile = pd.read_parquet(out / "magicdec-profile.parquet")
     assert set(profile["step"]) == {"dense", "verify", "sparse"} and set(profile["model"]) == {"target", "draft"}
