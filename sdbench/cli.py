@@ -297,7 +297,9 @@ def simulate_dsi(
 def reproduce(
     paper: Annotated[str, typer.Argument(help="dsi, magicdec, adaptive or polybasic")],
     target: Target = C.DEFAULT_TARGET,
-    draft: Annotated[Optional[str], typer.Option("--draft", "-d", help="draft model [default: the target itself]")] = None,
+    draft: Annotated[Optional[str], typer.Option(
+        "--draft", "-d", help="draft model [default: dsi the target itself; magicdec's small draft, adaptive's model "
+        "candidate and polybasic's middle level the target's int8 copy on a float32 CPU]")] = None,
     quick: Annotated[bool, typer.Option("--quick", help="fewer prompts and tokens: a few minutes on a small CPU")] = False,
     out: Annotated[Optional[str], typer.Option(help="report folder [default: results/reproduce-PAPER]")] = None,
     device: Device = "auto", dtype: Dtype = "float32",

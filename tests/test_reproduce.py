@@ -53,13 +53,6 @@ def test_the_page_is_self_contained_with_the_claims_first(tmp_path):
     assert render_page(report).count("<tr style=\"background:") == 2  # one coloured row per claim
 
 
-@pytest.mark.parametrize("paper", ["magicdec"])
-def test_papers_not_written_yet_say_so_in_one_line(capsys, tmp_path, paper):
-    code, _, err = run_cli(capsys, "reproduce", paper, "--quick", "--out", str(tmp_path / paper))
-    assert code != 0
-    assert f"reproduce {paper}: not implemented yet" in one_line(err)
-
-
 def test_an_unknown_paper_is_one_line(capsys):
     code, _, err = run_cli(capsys, "reproduce", "dsl")
     assert code != 0 and "unknown paper 'dsl'" in one_line(err) and "did you mean 'dsi'" in err

@@ -46,25 +46,30 @@ def median_time(fn, device, reps: int = 5, warmup: int = 2) -> float:
     return statistics.median(times)
 
 
-def profile(runner, batch: int, context: int, gammas, budgets) -> Profile:
-    """Time the three kinds of step at one (batch, context)."""
+def profile(runner, batch: int, context: int, gammas, budgets, reps: int = 5, warmup: int = 2) -> Profile:
+    """Time the three kinds of step at one (batch, context): each the median of `reps` calls after `warmup`.
+    No gammas: no verification is timed (a draft model's own steps)."""
     dev = runner.device
-    capacity = needed_capacity(context, 0, max(gammas))
+    lookahead = max(gammas, default=1)
+    capacity = needed_capacity(context, 0, lookahead)
     dense = runner.new_cache(batch, capacity)
     for t in dense.k + dense.v:
         t.normal_(0, 0.1)
     start = [context] * batch
     one = torch.zeros(batch, 1, dtype=torch.long)
-    target_s = median_time(lambda: runner.forward(dense, one, start), dev)
-    verify_s = {g: median_time(lambda g=g: runner.forward(dense, torch.zeros(batch, g + 1, dtype=torch.long),
-                                                           start), dev) for g in gammas}
+    def timed(fn) -> float:
+        return median_time(fn, dev, reps, warmup)
+
+    target_s = timed(lambda: runner.forward(dense, one, start))
+    verify_s = {g: timed(lambda g=g: runner.forward(dense, torch.zeros(batch, g + 1, dtype=torch.long), start))
+                for g in gammas}
     draft_s = {}
     for budget in budgets:
         if budget >= context:
             continue  # a budget at least the context is the full cache: no saving to model
         sink = min(16, budget // 2)
-        sparse = filled_for_profile(runner, batch, context, sink, budget - sink, max(gammas))
-        draft_s[budget] = median_time(lambda s=sparse: runner.forward(s, one, start), dev)
+        sparse = filled_for_profile(runner, batch, context, sink, budget - sink, lookahead)
+        draft_s[budget] = timed(lambda s=sparse: runner.forward(s, one, start))
     return Profile(batch, context, target_s, verify_s, draft_s)
 
 
@@ -94,10 +99,11 @@ def critical_lengths(rows: list[dict]) -> dict[int, int | None]:
     return found
 
 
-def alphas_from_results(paths: list[str]) -> dict[tuple[str, int, int], float]:
-    """Acceptance rate per (selector, budget, prompt length), fitted (Omega inverted) to earlier magicdec runs'
-    accepted lengths. A run's prompt length is the mean prompt of its rows (one --prompt-len gives one);
-    runs at the same selector, budget and length are pooled, gammas included."""
+def alphas_from_results(paths: list[str], strategy: str = "magicdec") -> dict[tuple[str, int, int], float]:
+    """Acceptance rate per (selector, budget, prompt length), fitted (Omega inverted) to earlier runs' accepted
+    lengths: magicdec's, or those of `strategy` "draft" with a sparse draft cache (--set draft_kv=...). A run's
+    prompt length is the mean prompt of its rows (one --prompt-len gives one); runs at the same selector,
+    budget and length are pooled, gammas included."""
     import json
 
     from sdbench.reporting.results import read_results
@@ -105,12 +111,12 @@ def alphas_from_results(paths: list[str]) -> dict[tuple[str, int, int], float]:
     from sdbench.theory import alpha_from_tokens_per_step
 
     df = read_results(paths)
-    rows = df[(df["role"] != "baseline") & (df["strategy"] == "magicdec")]
+    rows = df[(df["role"] != "baseline") & (df["strategy"] == strategy)]
     pooled: dict[tuple[str, int, int], list[float]] = {}
     for (_, params), group in rows.groupby(["run_id", "params"]):
         p = json.loads(params)
         steps = group["steps"].sum()
-        if not steps or not p.get("gamma"):
+        if not steps or not p.get("gamma") or "budget" not in p:  # a dense draft cache has no budget
             continue
         mean_len = mean_accepted_length(group["new_tokens"].sum(), steps, len(group))
         key = (str(p.get("kv", p.get("draft_kv", "streamingllm"))), int(p["budget"]),

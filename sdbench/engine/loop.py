@@ -72,7 +72,7 @@ def _run(target, proposer, state: DecodeState, prompts, rows: list[RowStats], t_
 
     wall = now(dev) - t_start
     return BatchResult([state.generated(b) for b in range(state.batch)], state.prompt_lengths, rows, wall, ttft,
-                       [proposer.row_stats(b) for b in range(state.batch)])
+                       [proposer.row_stats(b) for b in range(state.batch)], setup_s=setup)
 
 
 def _verify(target, state: DecodeState, proposal: Proposal, marks: Marks) -> Round:

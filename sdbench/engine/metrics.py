@@ -27,6 +27,8 @@ Timed per batch (every row of a batch carries its batch's values):
   decode time      wall_s - ttft_s: the time spent committing every token after each row's first; the
                    decode-phase rate is (new_tokens - 1 per row) / decode time
   tpot_s           decode time / (new_tokens - 1)
+  setup_s          the proposer's setup inside the decode time (a draft model's own prefill of the prompts, a
+                   sparse cache's compression), also counted in draft_s; 0 for plain decoding
   draft_s, verify_s      the batch's proposing and verifying time over the steps the row was active
 """
 
@@ -162,6 +164,7 @@ class BatchResult:
     wall_s: float  # prefill to last token, the whole batch
     ttft_s: float  # prefill to first token, summed over the passes (see the module docstring)
     extras: list[dict] = field(default_factory=list)  # per row: the proposer's row_stats()
+    setup_s: float = 0.0  # the proposer's begin(), inside the decode time (see the module docstring)
 
     @property
     def new_tokens(self) -> int:
@@ -188,6 +191,7 @@ def row_metrics(result: BatchResult, b: int) -> dict:
         "tpot_s": (result.wall_s - result.ttft_s) / (n - 1) if n > 1 else math.nan,
         "draft_s": stats.draft_s,
         "verify_s": stats.verify_s,
+        "setup_s": result.setup_s,
         "strategy_stats": json.dumps(result.extras[b] if b < len(result.extras) else {}, sort_keys=True),
     }
 

@@ -56,6 +56,7 @@ SCHEMA = pa.schema([
     ("tpot_s", _F),
     ("draft_s", _F),  # the batch's proposing time over the steps this row was active; max over rows = batch's
     ("verify_s", _F),  # the same for target verification
+    ("setup_s", _F),  # the batch's proposer setup (a draft's own prefill, a cache compression), also in draft_s
     ("peak_mem_bytes", _I),
     ("mem_kind", _S),  # see sdbench.env.peak_memory
     ("lossless", pa.bool_()),  # output ids == baseline's under greedy; null when sampling or no baseline

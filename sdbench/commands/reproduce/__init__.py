@@ -2,29 +2,26 @@
 
 One module per paper, each with `reproduce(cfg: ReproduceConfig, folder, console) -> Report`; the shared
 parts (claims, report folder, page) are in common.py. A paper is added by writing its module and pointing
-its line in `papers` at it (a target of None means "not implemented yet").
+its line in `papers` at it.
 """
 
 from __future__ import annotations
 
 from sdbench.commands.reproduce.common import Claim, ReproduceConfig, claims_table, write_report
-from sdbench.errors import SdbenchError
 from sdbench.registry import Registry
 
 papers: Registry = Registry("paper")
 papers.add("dsi", "sdbench.commands.reproduce.dsi:reproduce",
            "Distributed Speculative Inference of Large Language Models (Timor et al., arXiv 2405.14105)")
-papers.add("magicdec", None, "MagicDec: sparse-KV self-speculation for long context and large batches")
+papers.add("magicdec", "sdbench.commands.reproduce.magicdec:reproduce",
+           "MagicDec: Breaking the Latency-Throughput Tradeoff for Long Context Generation with Speculative Decoding "
+           "(Sadhukhan, Chen et al., arXiv 2408.11049, ICLR 2025)")
 papers.add("adaptive", "sdbench.commands.reproduce.adaptive:reproduce",
            "A Drop-In Solution for On-the-Fly Adaptation of Speculative Decoding in Large Language Models "
            "(Liu, Park, Shen, ACL 2025)")
 papers.add("polybasic", "sdbench.commands.reproduce.polybasic:reproduce",
            "Polybasic Speculative Decoding Through a Theoretical Perspective "
            "(Wang et al., ICML 2025, arXiv 2510.26527)")
-
-
-class NotImplementedPaper(SdbenchError):
-    """A registered paper whose reproduction is not written yet."""
 
 
 def run_paper(name: str, cfg: ReproduceConfig, console=None) -> list[Claim]:
@@ -34,8 +31,6 @@ def run_paper(name: str, cfg: ReproduceConfig, console=None) -> list[Claim]:
     console = console or Console()
     entry = papers.entry(name)
     reproduce = entry.load()
-    if reproduce is None:
-        raise NotImplementedPaper(f"reproduce {entry.name}: not implemented yet")
     folder = cfg.folder(entry.name)
     report = reproduce(cfg, folder, console)
     page = write_report(report, folder)

@@ -68,7 +68,7 @@ def reproduce(cfg: ReproduceConfig, folder, console) -> Report:
 
 def candidates(cfg: ReproduceConfig) -> tuple[str, str]:
     """(the model candidate, prompt lookup)."""
-    model = cfg.draft or f"{cfg.target}@int8"
+    model = cfg.small_draft
     if model == NGRAM:
         raise SdbenchError(f"reproduce adaptive: --draft names the model candidate; prompt lookup ({NGRAM}) is "
                            "always the other one")

@@ -38,6 +38,20 @@ class ReproduceConfig:
     def drafter(self) -> str:
         return self.draft or self.target
 
+    @property
+    def small_draft(self) -> str:
+        """--draft, else the target's int8 copy where one can be made (float32 on a CPU), else the target: the
+        cheaper model that magicdec's small draft, adaptive's model candidate and polybasic's middle level use."""
+        from sdbench.models.pair import resolve_device
+        from sdbench.models.variants import split_variant
+
+        if self.draft:
+            return self.draft
+        cpu = resolve_device(self.device).type == "cpu"
+        if cpu and self.dtype == "float32" and split_variant(self.target)[1] is None:
+            return f"{self.target}@int8"
+        return self.target
+
     def folder(self, paper: str) -> Path:
         return output_dir(self.out or f"{DEFAULT_OUT}/reproduce-{paper}")
 
@@ -93,6 +107,17 @@ def environment_facts(cfg: ReproduceConfig) -> dict:
 
 def verdict(ok: bool) -> str:
     return HOLDS if ok else FAILS
+
+
+def environment_facts(cfg: ReproduceConfig) -> dict:
+    """The setup every report starts with: device, dtype, processor, versions, commit."""
+    from sdbench.env import environment
+    from sdbench.models.pair import resolve_device
+
+    env = environment(str(resolve_device(cfg.device)), cfg.dtype)
+    keys = ("device", "dtype", "cpu", "cpu_count", "gpu", "torch_version", "transformers_version",
+            "sdbench_version", "git_commit", "platform", "python_version")
+    return {key: env.get(key) for key in keys}
 
 
 def claims_frame(claims: list[Claim]):

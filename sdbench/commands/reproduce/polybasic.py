@@ -59,7 +59,7 @@ class Insertion:
 
 def systems(cfg: ReproduceConfig) -> dict[str, list[str]]:
     """System key -> the drafts under the target, top down."""
-    middle = cfg.draft or f"{cfg.target}@int8"
+    middle = cfg.small_draft
     return {"plain": [], "ngram": [NGRAM], "middle": [middle], "three": [middle, NGRAM]}
 
 
