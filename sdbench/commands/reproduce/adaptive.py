@@ -25,7 +25,8 @@ import time
 from dataclasses import dataclass, replace
 
 from sdbench.commands.reproduce.adaptive_claims import GUESSED, MARGIN, TUNING_GAP, judge
-from sdbench.commands.reproduce.common import Figure, Report, ReproduceConfig, environment_facts, figure_png
+from sdbench.commands.reproduce.common import (Figure, Report, ReproduceConfig, environment_facts, figure_png,
+                                               grouped_bars, pyplot)
 from sdbench.drafting.ngram import DRAFT_NAME as NGRAM
 from sdbench.errors import SdbenchError
 
@@ -299,20 +300,12 @@ def headline(systems, both: tuple[str, str], fsm_drafts: dict):
 
 
 def speedup_figure(systems, both: tuple[str, str], fsm_drafts: dict) -> Figure:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    import numpy as np
-
     frame = headline(systems, both, fsm_drafts)
     datasets, labels = list(dict.fromkeys(frame["dataset"])), list(dict.fromkeys(frame["system"]))
-    fig, ax = plt.subplots(figsize=(10, 5.4), layout="constrained")
-    width = 0.8 / max(len(labels), 1)
-    x = np.arange(len(datasets))
-    for i, label in enumerate(labels):
-        values = frame[frame["system"] == label].set_index("dataset")["speedup"].reindex(datasets)
-        ax.bar(x + (i - (len(labels) - 1) / 2) * width, values, width, label=label)
+    fig, ax = pyplot().subplots(figsize=(10, 5.4), layout="constrained")
+    x = range(len(datasets))
+    grouped_bars(ax, x, [(label, frame[frame["system"] == label].set_index("dataset")["speedup"].reindex(datasets))
+                         for label in labels])
     ax.axhline(1.0, color="grey", linewidth=0.8)
     ax.set_xticks(x, [f"{d}\n(FSM draft: {fsm_drafts.get(d, '')})" for d in datasets])
     ax.set_ylabel("speedup over plain decoding (its own run)")
@@ -323,24 +316,16 @@ def speedup_figure(systems, both: tuple[str, str], fsm_drafts: dict) -> Figure:
 
 
 def gamma_figure(gammas, fsm_drafts: dict) -> Figure:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    import numpy as np
-
     datasets = list(dict.fromkeys(gammas["dataset"])) or ["-"]
-    fig, axes = plt.subplots(1, len(datasets), figsize=(4 * len(datasets), 3.8), constrained_layout=True,
+    fig, axes = pyplot().subplots(1, len(datasets), figsize=(4 * len(datasets), 3.8), constrained_layout=True,
                              squeeze=False)
     for ax, dataset in zip(axes[0], datasets):
         c = fsm_drafts.get(dataset)
         part = gammas[(gammas["dataset"] == dataset) & (gammas["draft"] == c)
                       & gammas["kind"].isin(["alone", *(f"fsm-{s}" for s in SCHEDULES)])]
-        systems = list(dict.fromkeys(part["system"]))
-        for i, system in enumerate(systems):
-            mine = part[part["system"] == system]
-            ax.bar(np.asarray(mine["gamma"]) + (i - (len(systems) - 1) / 2) * 0.8 / max(len(systems), 1),
-                   mine["share"], 0.8 / max(len(systems), 1), label=system)
+        share = part.pivot_table(index="gamma", columns="system", values="share", sort=True)
+        grouped_bars(ax, share.index, [(system, share[system].fillna(0.0))
+                                       for system in dict.fromkeys(part["system"])])
         ax.set_title(f"{dataset} ({c})")
         ax.set_xlabel("γ (0 = plain step)")
         ax.set_ylabel("share of rounds")

@@ -109,17 +109,6 @@ def verdict(ok: bool) -> str:
     return HOLDS if ok else FAILS
 
 
-def environment_facts(cfg: ReproduceConfig) -> dict:
-    """The setup every report starts with: device, dtype, processor, versions, commit."""
-    from sdbench.env import environment
-    from sdbench.models.pair import resolve_device
-
-    env = environment(str(resolve_device(cfg.device)), cfg.dtype)
-    keys = ("device", "dtype", "cpu", "cpu_count", "gpu", "torch_version", "transformers_version",
-            "sdbench_version", "git_commit", "platform", "python_version")
-    return {key: env.get(key) for key in keys}
-
-
 def claims_frame(claims: list[Claim]):
     import pandas as pd
 
@@ -136,6 +125,25 @@ def claims_table(claims: list[Claim], title: str = "claims"):
     for c in claims:
         table.add_row(c.claim, c.measured, f"[{COLOURS[c.verdict]}]{c.verdict}[/]", c.why)
     return table
+
+
+def pyplot():
+    """matplotlib's pyplot on the file-only backend: reports are written, never shown."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def grouped_bars(ax, positions, series) -> None:
+    """One bar per (label, values) of `series` at each position, side by side within 0.8 of a unit."""
+    import numpy as np
+
+    width = 0.8 / max(len(series), 1)
+    for i, (label, values) in enumerate(series):
+        ax.bar(np.asarray(positions, dtype=float) + (i - (len(series) - 1) / 2) * width, values, width, label=label)
 
 
 def figure_png(fig) -> bytes:

@@ -21,7 +21,7 @@ from dataclasses import dataclass, replace
 
 from sdbench.commands.dsi_heatmap import KMAX, PAPER_WORKERS, heatmap, plot_heatmap, table_lookahead
 from sdbench.commands.reproduce.common import (FAILS, HOLDS, UNTESTABLE, Claim, Figure, Report, ReproduceConfig,
-                                               environment_facts, figure_png, verdict)
+                                               environment_facts, figure_png, grouped_bars, pyplot, verdict)
 from sdbench.commands.simulate import Setting, offline, online, profile_from_results, workers_warning
 from sdbench.theory import dsi_latency_per_token, dsi_workers_needed, si_latency_per_token
 
@@ -322,17 +322,11 @@ def heatmap_figure(frame, s: Setting) -> Figure:
 
 
 def versus_figure(versus) -> Figure:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    import numpy as np
-
-    fig, ax = plt.subplots(figsize=(8, 4.5), constrained_layout=True)
-    x = np.arange(len(versus))
-    for i, (col, label) in enumerate((("measured_s", "measured"), ("offline_s", "offline"),
-                                      ("online_s", "online"))):
-        ax.bar(x + (i - 1) * 0.27, versus[col] * 1e3, 0.27, label=label)
+    fig, ax = pyplot().subplots(figsize=(8, 4.5), constrained_layout=True)
+    x = range(len(versus))
+    grouped_bars(ax, x, [(label, versus[col] * 1e3) for col, label in (("measured_s", "measured"),
+                                                                         ("offline_s", "offline"),
+                                                                         ("online_s", "online"))])
     ax.set_xticks(x, [str(a) for a in versus["algorithm"]])
     ax.set_ylabel("decode time per token (ms)")
     ax.legend()
@@ -342,12 +336,7 @@ def versus_figure(versus) -> Figure:
 
 
 def sweep_figure(sweep) -> Figure:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(8, 4.5), constrained_layout=True)
+    fig, ax = pyplot().subplots(figsize=(8, 4.5), constrained_layout=True)
     for col, label, style in (("offline", "offline, worker-limited count", "o-"),
                               ("online_preemptive", "online, preemptive", "s--"),
                               ("online", "online, as sdbench runs it", "^:"), ("si", "SI (offline)", "-")):

@@ -20,7 +20,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from sdbench.commands.reproduce.common import Figure, Report, ReproduceConfig, environment_facts, figure_png
+from sdbench.commands.reproduce.common import (Figure, Report, ReproduceConfig, environment_facts, figure_png,
+                                               pyplot)
 from sdbench.commands.reproduce.magicdec_claims import judge, kv_share, self_spec_best
 
 TITLE = ("MagicDec: Breaking the Latency-Throughput Tradeoff for Long Context Generation with Speculative Decoding "
@@ -290,19 +291,10 @@ def _frame(rows: list[dict]):
 # ---- figures, notes and setup ----------------------------------------------------------------------------
 
 
-def _pyplot():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
 def speedup_figure(predicted: list[dict], summary) -> Figure:
     """The paper's central figure: speedup against batch size, one colour per context; lines predicted (solid:
     the best self-speculation setting; dashed: the runs' setting), markers measured (best selector)."""
-    plt = _pyplot()
+    plt = pyplot()
     best = self_spec_best(predicted)  # {context: {batch: speedup}}
     spec = summary[summary["strategy"] == "magicdec"]
     at_run = {}
@@ -337,7 +329,7 @@ def speedup_figure(predicted: list[dict], summary) -> Figure:
 
 def tradeoff_figure(summary) -> Figure:
     """Throughput against latency per token at the longest prompt length, one point per batch size."""
-    plt = _pyplot()
+    plt = pyplot()
     longest = summary[summary["prompt_len"] == summary["prompt_len"].max()]
     fig, ax = plt.subplots(figsize=(8, 4.8), constrained_layout=True)
     plain = longest.groupby("batch")[["plain_latency_ms", "plain_throughput"]].mean()
@@ -361,7 +353,7 @@ def tradeoff_figure(summary) -> Figure:
 def cost_figure(profiles: dict, budget: int) -> Figure:
     """Step cost against context at batch 1 and the largest batch: T_T, self-speculation's T_D per budget, the
     small draft's dense and compressed step."""
-    plt = _pyplot()
+    plt = pyplot()
     batches = sorted({p.batch for p in profiles["target"]})
     shown = dict.fromkeys((batches[0], batches[-1]))
     fig, axes = plt.subplots(1, len(shown), figsize=(5.5 * len(shown), 4.5), constrained_layout=True, squeeze=False)

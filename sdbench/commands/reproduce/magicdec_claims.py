@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 
-from sdbench.commands.reproduce.common import FAILS, HOLDS, UNTESTABLE, Claim, verdict
+from sdbench.commands.reproduce.common import FAILS, UNTESTABLE, Claim, verdict
 
 FLAT = 0.25  # a step growing by at most this share from the shortest to the longest context counts as flat
 RISE_SLACK = 0.02  # a series "rises" when it ends higher and never drops more than this share from one step

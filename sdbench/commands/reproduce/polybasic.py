@@ -20,7 +20,7 @@ from dataclasses import dataclass, replace
 
 from sdbench.commands.predict_chain import ChainRun, insertion_verdict, paper_verdict
 from sdbench.commands.reproduce.common import (UNTESTABLE, Claim, Figure, Report, ReproduceConfig,
-                                               environment_facts, figure_png, verdict)
+                                               environment_facts, figure_png, grouped_bars, pyplot, verdict)
 from sdbench.config import DEFAULT_GAMMA, SamplingConfig
 from sdbench.strategies.polybasic import NGRAM, parse_mu
 
@@ -287,17 +287,11 @@ def notes(chains) -> list[str]:
 
 
 def times_figure(chains) -> Figure:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    import numpy as np
-
-    fig, ax = plt.subplots(figsize=(9, 4.5), constrained_layout=True)
-    x = np.arange(len(chains))
-    for i, (col, label) in enumerate((("measured_ms", "measured"), ("predicted_ms", "sdbench's form"),
-                                      ("simple_ms", "paper's form"))):
-        ax.bar(x + (i - 1) * 0.27, chains[col], 0.27, label=label)
+    fig, ax = pyplot().subplots(figsize=(9, 4.5), constrained_layout=True)
+    x = range(len(chains))
+    grouped_bars(ax, x, [(label, chains[col]) for col, label in (("measured_ms", "measured"),
+                                                                   ("predicted_ms", "sdbench's form"),
+                                                                   ("simple_ms", "paper's form"))])
     ax.set_xticks(x, [str(s).replace(" <- ", "\n<- ") for s in chains["levels"]], fontsize=8)
     ax.set_ylabel("ms per token")
     ax.legend()
@@ -307,13 +301,9 @@ def times_figure(chains) -> Figure:
 
 
 def spread_figure(spread) -> Figure:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     import numpy as np
 
-    fig, ax = plt.subplots(figsize=(9, 4.5), constrained_layout=True)
+    fig, ax = pyplot().subplots(figsize=(9, 4.5), constrained_layout=True)
     keys = list(dict.fromkeys(zip(spread["system"], spread["level"], spread["model"], spread["below"])))
     x = np.arange(len(keys))
     for i, mode in enumerate(("greedy", "sampling")):
