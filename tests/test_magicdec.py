@@ -94,6 +94,35 @@ def test_streamingllm_attention_equals_sink_plus_window(target):
                                    atol=1e-4, rtol=1e-4)
 
 
+def test_sparse_writes_across_the_ring_end_and_rewinds_equal_the_reference(target):
+    """Two rows through the ring's every kind of write: one run of slots shared by the rows (a copy), a run
+    crossing the ring's end, and rows at different positions (scatters), with a rewind between them; logits
+    and the slots' positions equal those of sinks + window over a full cache."""
+    sink, budget, gamma, n = 3, 10, 2, 30
+    prompts = torch.randint(0, VOCAB, (2, n), generator=torch.Generator().manual_seed(5))
+    dense = target.new_cache(2, 64)
+    target.prefill(dense, prompts.tolist())
+    sparse = compress(target, dense, [n, n], prompts, SparseSpec("streamingllm", budget, sink), gamma)
+    ref = WindowedDense(len(target.layers), 2, target.n_kv_heads, target.head_dim, 64, target.dtype,
+                        target.device, sink=sink, window=budget - sink)
+    target.prefill(ref, prompts.tolist())
+    ref.windowed = True
+    ring_end = n + sparse.ring - n % sparse.ring  # the first position that goes back to the ring's first slot
+    nxt = torch.randint(0, VOCAB, (2, 4), generator=torch.Generator().manual_seed(6))
+    steps = [(2, [n, n]), (2, [ring_end - 1] * 2), (1, [ring_end + 1] * 2), (3, [ring_end] * 2),
+             (2, [ring_end + 3, ring_end + 2])]
+    kinds = []
+    for width, start in steps:
+        torch.testing.assert_close(target.forward(sparse, nxt[:, :width], start),
+                                   target.forward(ref, nxt[:, :width], start), atol=1e-4, rtol=1e-4)
+        kinds.append(isinstance(sparse._at, slice))
+        top = max(start) + width  # every slot holds the latest position written there
+        for b in range(2):
+            held = {int(sparse.ring_slots(p)): p for p in range(n - budget + sink, top - (start[0] - start[b]))}
+            assert {s: int(sparse.slot_pos[b, s]) for s in held} == held
+    assert kinds == [True, False, True, True, False]  # copies and scatters, the ring's end crossed
+
+
 def test_snapkv_selection_keeps_top_positions_below_floor():
     scores = torch.tensor([[[0.1, 0.9, 0.3, 0.8, 0.7, 5.0]]]).repeat(2, 1, 1)  # [B=2, H=1, S=6]
     idx, valid = _select(scores, torch.tensor([5, 2]), 3)  # row 0: positions 0..4 eligible; row 1: 0..1

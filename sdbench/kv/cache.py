@@ -27,11 +27,21 @@ class KVCache(Protocol):
     def update(
         self, layer: int, k: torch.Tensor, v: torch.Tensor, step: "StepIndex"
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """Store the new keys/values and return (keys, values, mask) to attend over."""
+        """Store the new keys/values and return (keys, values, mask) to attend over; mask: additive, in the
+        keys' dtype (see `additive`), or None."""
         ...
 
     def queries(self, layer: int, q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor | None) -> None:
         """The layer's queries [B, Hq, T, D] against the keys [B, H_kv, S, D] it attends to (when wants_queries)."""
+
+
+def additive(allowed: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    """A bool mask (True = may attend) as the 0 / -inf mask scaled_dot_product_attention would otherwise make of
+    it in every layer: made once per forward, it is shared by all of them (the same values, so the same
+    attention)."""
+    if allowed is None:
+        return None
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, float("-inf"))
 
 
 class StepIndex:
@@ -59,13 +69,14 @@ class StepIndex:
         step.positions, step._mask, step._mask_built = positions, None, False
         return step
 
-    def causal_mask(self) -> torch.Tensor | None:
-        """[B, 1, T, kv_len] bool, True = may attend; None when every query sees every slot."""
+    def causal_mask(self, dtype: torch.dtype) -> torch.Tensor | None:
+        """[B, 1, T, kv_len] additive (`additive`), built once per forward; None when every query sees every
+        slot."""
         if not self._mask_built:
             self._mask_built = True
             if not (self.uniform and self.T == 1):
                 keys = torch.arange(self.kv_len, device=self.positions.device)
-                self._mask = (keys[None, None, :] <= self.positions[:, :, None])[:, None]
+                self._mask = additive((keys[None, None, :] <= self.positions[:, :, None])[:, None], dtype)
         return self._mask
 
 
@@ -99,4 +110,4 @@ class DenseKVCache(KVCache):
             # advanced indices on dims 0 and 2 put (B, T) first: [B, T, H_kv, D]
             kc[rows, :, step.positions] = k.transpose(1, 2)
             vc[rows, :, step.positions] = v.transpose(1, 2)
-        return kc[:, :, : step.kv_len], vc[:, :, : step.kv_len], step.causal_mask()
+        return kc[:, :, : step.kv_len], vc[:, :, : step.kv_len], step.causal_mask(kc.dtype)

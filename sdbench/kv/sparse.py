@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from sdbench.errors import SdbenchError
-from sdbench.kv.cache import DenseKVCache, KVCache, StepIndex
+from sdbench.kv.cache import DenseKVCache, KVCache, StepIndex, additive
 
 SELECTORS = ("streamingllm", "snapkv")
 
@@ -74,8 +74,9 @@ class SparseKVCache(KVCache):
         self.floor = torch.zeros(batch, dtype=torch.long, device=device)
         self.capacity = 1 << 62  # positions are unbounded: the ring wraps
         self._rows = torch.arange(batch, device=device)[:, None]
-        self._mask_step: StepIndex | None = None
-        self._mask: torch.Tensor | None = None
+        self._step: StepIndex | None = None  # the forward the next three were made for
+        self._at: slice | torch.Tensor | None = None  # its slots
+        self._mask: torch.Tensor | None = None  # [B, 1, T, slots] additive
         self.static_kv_len = size  # a static-shape forward attends over every slot (masked), as always
         self.graphs: dict = {}  # (B, T) -> StaticForward captured over this cache's storage
         self.pool_key = None
@@ -85,20 +86,36 @@ class SparseKVCache(KVCache):
         self.window.copy_(window)
         self.slot_pos.fill_(-1)
         self.floor.zero_()
-        self._mask_step = self._mask = None
+        self._step = self._at = self._mask = None
 
-    def ring_slots(self, positions: torch.Tensor) -> torch.Tensor:
+    def ring_slots(self, positions):
+        """Slot of each position (a tensor, or one int)."""
         return self.n_static + positions % self.ring
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor, step: StepIndex):
         # k, v: [B, H_kv, T, D] at positions step.positions [B, T]
-        slots = self.ring_slots(step.positions)
-        self.k[layer][self._rows, :, slots] = k.transpose(1, 2)
-        self.v[layer][self._rows, :, slots] = v.transpose(1, 2)
-        if self._mask_step is not step:  # once per forward, after the first layer's write
-            self.slot_pos[self._rows, slots] = step.positions
-            self._mask, self._mask_step = self._attend_mask(step.positions), step
+        if self._step is not step:  # once per forward, at the first layer: slots, their positions, the mask
+            self._begin(step, k.dtype)
+        at = self._at
+        if isinstance(at, slice):
+            self.k[layer][:, :, at] = k
+            self.v[layer][:, :, at] = v
+        else:
+            self.k[layer][self._rows, :, at] = k.transpose(1, 2)
+            self.v[layer][self._rows, :, at] = v.transpose(1, 2)
         return self.k[layer], self.v[layer], self._mask
+
+    def _begin(self, step: StepIndex, dtype: torch.dtype) -> None:
+        """Where this forward's keys go, shared by every layer: one run of slots for all rows when the rows
+        start at one position and the run does not wrap (a plain copy), else the slots [B, T] (a scatter)."""
+        slots = self.ring_slots(step.positions)  # [B, T]
+        self._at = slots
+        if step.start is not None and step.uniform:
+            first = self.ring_slots(step.start[0])
+            if first + step.T <= self.n_static + self.ring:
+                self._at = slice(first, first + step.T)
+        self.slot_pos[self._rows, slots] = step.positions
+        self._mask, self._step = additive(self._attend_mask(step.positions), dtype), step
 
     def _attend_mask(self, q: torch.Tensor) -> torch.Tensor:
         """[B, 1, T, slots] bool for queries at positions q [B, T]."""
@@ -129,16 +146,16 @@ class ScoringView(KVCache):
         self.scores: dict[int, torch.Tensor] = {}  # layer -> [B, H_kv, kv_len]
 
     def update(self, layer: int, k, v, step: StepIndex):
-        return (self.dense.k[layer][:, :, : step.kv_len], self.dense.v[layer][:, :, : step.kv_len],
-                step.causal_mask())
+        keys = self.dense.k[layer]
+        return keys[:, :, : step.kv_len], self.dense.v[layer][:, :, : step.kv_len], step.causal_mask(keys.dtype)
 
     def queries(self, layer: int, q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor | None) -> None:
         # q [B, Hq, T, D]; keys [B, H_kv, S, D]
         B, Hq, T, D = q.shape
         H = keys.shape[1]
         logits = torch.einsum("bhgtd,bhsd->bhgts", q.view(B, H, Hq // H, T, D).float(), keys.float()) * D**-0.5
-        if mask is not None:
-            logits = logits.masked_fill(~mask[:, :, None], float("-inf"))
+        if mask is not None:  # additive [B, 1, T, S]
+            logits = logits + mask[:, :, None].float()
         weight = logits.softmax(-1).sum(dim=(2, 3))  # [B, H_kv, S]
         self.scores[layer] = F.max_pool1d(weight, self.pool, stride=1, padding=self.pool // 2)
 

@@ -30,9 +30,12 @@ def _pick(x: torch.Tensor, at: torch.Tensor) -> torch.Tensor:
     return x[rows if at.dim() == 1 else rows[:, None], at.to(x.device)]
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding of x [B, H, T, D] (queries and keys together: one set of ops per layer, not two).
+    x*cos + rotate_half(x)*sin, rotate_half(x) = (-x2, x1), is computed as x*cos + roll(x)*sin' with
+    roll(x) = (x2, x1) and sin' = sin with its first half negated: the same products, so the same values, in
+    one op where rotate_half takes three."""
+    return x * cos + x.roll(x.shape[-1] // 2, -1) * sin
 
 
 class ModelRunner:
@@ -69,7 +72,7 @@ class ModelRunner:
         self.hidden_size = cfg.hidden_size
         p = self.lm_head.weight
         self.device, self.dtype = p.device, p.dtype
-        self._cos = self._sin = None
+        self._cos = self._sin = None  # rotary tables [S, D]; _sin with its first half negated (`_rope`)
         self.rope_version = 0  # bumped when the rotary tables are re-allocated: captured graphs read them
         self.graphs = bool(fast) and self.device.type == "cuda"
         self.static = self.graphs if static is None else static
@@ -94,7 +97,8 @@ class ModelRunner:
             pos = torch.arange(size, device=self.device)[None]
             probe = torch.empty(1, dtype=self.dtype, device=self.device)
             cos, sin = self.decoder.rotary_emb(probe, pos)
-            self._cos, self._sin = cos[0], sin[0]  # [S, D]
+            half = sin.shape[-1] // 2
+            self._cos, self._sin = cos[0], torch.cat((-sin[0, :, :half], sin[0, :, half:]), dim=-1)  # [S, D]
             self.rope_version += 1
         return self._cos, self._sin
 
@@ -162,25 +166,22 @@ class ModelRunner:
 
     def _attention(self, attn, fast, x, cache, i, step, cos, sin) -> torch.Tensor:
         B, T, _ = x.shape
-        nq, nk = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+        Hq, Hk, D = self.n_heads, self.n_kv_heads, self.head_dim
         if fast:
-            q, k, v = fast.qkv(x).split([nq, nk, nk], dim=-1)
+            qk, v = fast.qkv(x).split([(Hq + Hk) * D, Hk * D], dim=-1)
         else:
-            q, k, v = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
-        q = q.view(B, T, self.n_heads, self.head_dim)
-        k = k.view(B, T, self.n_kv_heads, self.head_dim)
-        v = v.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
+            qk, v = torch.cat((attn.q_proj(x), attn.k_proj(x)), dim=-1), attn.v_proj(x)
+        qk = qk.view(B, T, Hq + Hk, D)
+        v = v.view(B, T, Hk, D).transpose(1, 2)
         if hasattr(attn, "q_norm"):  # qwen3 normalises q/k per head before rotary
-            q, k = self._norm(attn.q_norm, q), self._norm(attn.k_norm, k)
-        q, k = q.transpose(1, 2), k.transpose(1, 2)  # [B, H, T, D]
-        q = q * cos + _rotate_half(q) * sin
-        k = k * cos + _rotate_half(k) * sin
+            q, k = qk.split([Hq, Hk], dim=2)
+            qk = torch.cat((self._norm(attn.q_norm, q), self._norm(attn.k_norm, k)), dim=2)
+        q, k = _rope(qk.transpose(1, 2), cos, sin).split([Hq, Hk], dim=1)  # [B, H, T, D]
         keys, values, mask = cache.update(i, k, v, step)
         if cache.wants_queries:  # a scoring view (SnapKV) looks at the queries too
             cache.queries(i, q, keys, mask)
-        o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask,
-                                           enable_gqa=self.n_heads != self.n_kv_heads)
-        o = o.transpose(1, 2).reshape(B, T, nq)
+        o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=Hq != Hk)
+        o = o.transpose(1, 2).reshape(B, T, Hq * D)
         return fast.o(o) if fast else attn.o_proj(o)
 
     @torch.inference_mode()
