@@ -103,3 +103,19 @@ def run_cli(capsys, *argv) -> tuple[int, str, str]:
         code = e.code
     out, err = capsys.readouterr()
     return code, out, err
+
+
+def reproduce_quick(capsys, paper: str, out, files: tuple[str, ...], figures: int, *args: str):
+    """`sdbench reproduce PAPER --quick --out OUT` must succeed and write its folder: every named file non-empty,
+    report.html with the claims first, `figures` inlined PNGs and the environment. Returns (claims, page, stdout)."""
+    import pandas as pd
+
+    code, stdout, err = run_cli(capsys, "reproduce", paper, "--quick", *args, "--out", str(out))
+    assert code == 0, err
+    for name in ("report.html", "claims.parquet", *files):
+        assert (out / name).stat().st_size > 0, name
+    text = (out / "report.html").read_text()
+    assert text.index("<h2>Claims</h2>") < text.index("<h2>Figures</h2>") < text.index("<h2>Setup</h2>")
+    assert text.count("data:image/png;base64,") == figures and "torch_version" in text
+    assert "verdict" in stdout and "report:" in stdout
+    return pd.read_parquet(out / "claims.parquet"), text, stdout

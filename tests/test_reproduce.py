@@ -14,7 +14,7 @@ from sdbench.commands.reproduce import papers
 from sdbench.commands.reproduce.common import (FAILS, HOLDS, UNTESTABLE, Claim, Figure, Report, claims_frame,
                                                render_page, write_report)
 from sdbench.reporting.results import rows_to_table
-from tests.conftest import run_cli
+from tests.conftest import reproduce_quick, run_cli
 
 TINY = dsi_paper.Plan(limit=1, max_new_tokens=8, workers=2, repeats=2, tokens=60, grid=4, kmax=12)
 
@@ -100,18 +100,11 @@ def fake_runs(monkeypatch):
 
 def test_reproduce_dsi_quick_writes_the_report_folder(capsys, tmp_path, fake_runs):
     out = tmp_path / "report"
-    code, stdout, err = run_cli(capsys, "reproduce", "dsi", "--quick", "--out", str(out))
-    assert code == 0, err
+    claims, text, stdout = reproduce_quick(capsys, "dsi", out, (
+        "dsi-heatmap.parquet", "dsi-heatmap.png", "dsi-latency-table.parquet", "dsi-sim-vs-real.parquet",
+        "dsi-workers.parquet", "dsi-sim-vs-real.png", "dsi-workers.png"), 3)
     assert fake_runs["plan"] == TINY and fake_runs["cfg"].quick and fake_runs["cfg"].drafter == "smollm2-135m"
-    for name in ("report.html", "claims.parquet", "dsi-heatmap.parquet", "dsi-heatmap.png", "dsi-latency-table.parquet",
-                 "dsi-sim-vs-real.parquet", "dsi-workers.parquet", "dsi-sim-vs-real.png", "dsi-workers.png"):
-        assert (out / name).stat().st_size > 0, name
-    claims = pd.read_parquet(out / "claims.parquet")
     assert len(claims) == 7 and set(claims["verdict"]) <= {HOLDS, FAILS, UNTESTABLE}
-    text = (out / "report.html").read_text()
-    assert text.index("<h2>Claims</h2>") < text.index("<h2>Figures</h2>") < text.index("<h2>Setup</h2>")
-    assert text.count("data:image/png;base64,") == 3 and "torch_version" in text
-    assert "verdict" in stdout and "report:" in stdout
     # the synthetic DSI run has c = 0.04 and k = 5 with 2 workers: fewer than the paper's bound of 5
     assert "warning: 2 workers is fewer than the paper's bound ceil(1/(k·c)) = 5" in stdout
     # the heat-map's four panels, and the model's claims on it
