@@ -179,7 +179,7 @@ def profile_from_results(paths, a: float | None = None) -> tuple[Setting, dict]:
     """
     import json
 
-    from sdbench.reporting.results import read_results
+    from sdbench.reporting.results import parse_stats, read_results
     from sdbench.engine.metrics import specbench_mean_accepted_tokens
     from sdbench.theory import alpha_from_tokens_per_step, fit_alpha
 
@@ -187,7 +187,7 @@ def profile_from_results(paths, a: float | None = None) -> tuple[Setting, dict]:
     base, strat = df[df["role"] == "baseline"], df[df["role"].astype(str).str.startswith("strategy")]
     if base.empty or strat.empty or not base["steps"].sum() or not strat["drafted"].sum() and not _drafts(strat):
         raise SdbenchError("--from needs a run with baseline rows and a drafting strategy (e.g. dsi or draft)")
-    stats = [json.loads(x) if isinstance(x, str) and x else {} for x in strat["strategy_stats"]]
+    stats = [parse_stats(x) for x in strat["strategy_stats"]]
     params = json.loads(strat["params"].iloc[0] or "{}")
     baseline_forward = base["verify_s"].sum() / base["steps"].sum()
     target_s = _recorded_mean(stats, "verify_s_per_decode_job") or _recorded_mean(stats, "verify_s_per_job") \
@@ -214,9 +214,9 @@ def profile_from_results(paths, a: float | None = None) -> tuple[Setting, dict]:
 
 
 def _drafts(strat) -> int:
-    import json
+    from sdbench.reporting.results import parse_stats
 
-    return sum(json.loads(x).get("drafted_total", 0) for x in strat["strategy_stats"] if isinstance(x, str) and x)
+    return sum(parse_stats(x).get("drafted_total", 0) for x in strat["strategy_stats"])
 
 
 def _recorded_mean(stats: list[dict], key: str) -> float | None:

@@ -36,6 +36,7 @@ from rich.text import Text
 from sdbench.errors import SdbenchError
 from sdbench.engine.metrics import acceptance_rate, mean_accepted_length, rate, speedup
 from sdbench.reporting.cells import fmt, numeric
+from sdbench.reporting.results import parse_stats
 from sdbench.reporting.stats import Interval, describe, repeat_spread, speedup_interval
 
 ALL = "ALL"
@@ -307,7 +308,7 @@ def adaptive_table(df: pd.DataFrame) -> Table | None:
     if "strategy_stats" not in df:
         return None
     data = _prepare(df, [])
-    stats = data["strategy_stats"].map(lambda s: json.loads(s) if isinstance(s, str) and s else {})
+    stats = data["strategy_stats"].map(parse_stats)
     mask = stats.map(lambda s: bool(s.get("gamma_hist")))
     if not mask.any():
         return None

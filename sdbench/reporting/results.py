@@ -285,6 +285,11 @@ def conform(table: pa.Table) -> pa.Table:
     return pa.Table.from_arrays(arrays + [table.column(n) for n in extras], names=list(COLUMNS) + extras)
 
 
+def parse_stats(text) -> dict:
+    """One row's `strategy_stats` (the proposer's JSON row stats) as a dict; {} where a row has none."""
+    return json.loads(text) if isinstance(text, str) and text else {}
+
+
 def read_results(paths: Iterable[str | Path] | str | Path) -> pd.DataFrame:
     """All rows from .parquet files, .parts folders and folders of runs, as one DataFrame."""
     paths = [paths] if isinstance(paths, (str, Path)) else list(paths)

@@ -19,7 +19,6 @@ cancels; the claims are in adaptive_claims.py.
 
 from __future__ import annotations
 
-import json
 import math
 import time
 from dataclasses import dataclass, replace
@@ -192,7 +191,9 @@ def systems_table(rows):
 
 
 def row_stats(group) -> list[dict]:
-    return [json.loads(s) if isinstance(s, str) and s else {} for s in group["strategy_stats"]]
+    from sdbench.reporting.results import parse_stats
+
+    return [parse_stats(s) for s in group["strategy_stats"]]
 
 
 def gamma_hist(group) -> dict[int, int]:
