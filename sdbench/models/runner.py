@@ -17,11 +17,12 @@ from sdbench.errors import SdbenchError
 from sdbench.kv.cache import DenseKVCache, KVCache, StepIndex
 from sdbench.kv.sparse import SparseKVCache
 from sdbench.models import cpufast
+from sdbench.models.families import NATIVE
 from sdbench.engine.state import needed_capacity
 from sdbench.models.graphs import CAPACITY_STEP, CachePool, StaticForward
 from sdbench.padding import right_pad
 
-SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED = NATIVE  # kept for callers that name it
 
 
 def _pick(x: torch.Tensor, at: torch.Tensor) -> torch.Tensor:
