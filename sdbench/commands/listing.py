@@ -21,7 +21,7 @@ def show(what: str, console: Console) -> None:
     elif kind == "dataset":
         console.print(_file_formats(_available("datasets", *_datasets())))
     elif kind == "model":
-        console.print(_available("models", *_models()))
+        console.print(_models())
     else:
         raise SdbenchError(f"cannot list '{what}': choose one of {', '.join(KINDS)}")
 
@@ -59,10 +59,27 @@ def _file_formats(table: Table) -> Table:
     return table
 
 
-def _models():
-    from sdbench.models.loader import model_available, model_registry
+def _models() -> Table:
+    """One row per alias: its shape from the shipped config (no hub), the runner that serves it, its drafts."""
+    from sdbench.models.aliases import drafts_of
+    from sdbench.models.families import serving
+    from sdbench.models.loader import load_config, model_available, model_registry
+    from sdbench.models.shapes import parameter_count, size_label
 
-    return model_registry, model_available
+    table = Table(title="models")
+    for col in ("name", "family", "size", "runner", "drafts", "offline now", "how / why"):
+        table.add_column(col, overflow="fold")
+    for e in model_registry:
+        try:
+            config = load_config(e.name)
+        except SdbenchError:
+            family, size, runner = "?", "?", "?"
+        else:
+            family, size, runner = config.model_type, size_label(parameter_count(config, cached=True)), serving(config).runner
+        ok, how = model_available(e.name)
+        name = ", ".join((e.name, *e.aliases))
+        table.add_row(name, family, size, runner, ", ".join(drafts_of(e.name)) or "-", _mark(ok), how)
+    return table
 
 
 def _available(title: str, registry, check) -> Table:

@@ -2,6 +2,7 @@
 
 GGUF files are de-quantised once (26-78 s) and kept as safetensors in the cache (reload ~1 s).
 The hub is never waited on: the local HF cache is tried first, and the network only after a short probe.
+A model's config is read before anything else, and what no runner serves is refused before any weight loads.
 """
 
 from __future__ import annotations
@@ -24,11 +25,13 @@ import torch
 
 from sdbench.errors import MissingPackageError, SdbenchError
 from sdbench.models import embedded
-from sdbench.models.aliases import EmbeddedModel, HubModel, model_registry
+from sdbench.models.aliases import EmbeddedModel, HubModel, model_registry, shipped_config
+from sdbench.models.families import serving
+from sdbench.models.shapes import config_from_dict
 from sdbench.paths import cache_dir
 
 if TYPE_CHECKING:
-    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+    from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 _HUB_PROBE_TIMEOUT_S = 3.0
 _COMPLETE = "sdbench-complete.json"  # written last into a cache folder; a folder without it is not trusted
@@ -51,6 +54,7 @@ def load_model(name: str, device: str | torch.device = "cpu", dtype: torch.dtype
     """Resolve `name` (alias -> local path -> hub id) and load weights and tokenizer, ready for inference."""
     dtype, device = _as_dtype(dtype), _as_device(device)
     source, ref = _resolve(name)
+    _refuse_unserved(name, _config(name, source, ref))
     if source == "hub":
         tokenizer = _from_hub(name, ref, lambda local: _auto_tokenizer(ref, local_files_only=local))
         model = _from_hub(name, ref, lambda local: _auto_model(ref, dtype, local_files_only=local))
@@ -61,6 +65,15 @@ def load_model(name: str, device: str | torch.device = "cpu", dtype: torch.dtype
             model = _auto_model(str(folder), dtype)
     model.eval().requires_grad_(False)
     return LoadedModel(name=name, ref=ref, source=source, model=model.to(device), tokenizer=tokenizer)
+
+
+def load_config(name: str) -> "PretrainedConfig":
+    """The model's config alone, reading no weights: the shipped config.json for an alias, the folder's
+    config.json, a GGUF's converted folder or else its metadata, or the hub's (local cache first)."""
+    shipped = shipped_config(name)
+    if shipped is not None:
+        return config_from_dict(shipped)
+    return _config(name, *_resolve(name))
 
 
 def load_tokenizer(name: str) -> "PreTrainedTokenizerBase":
@@ -146,6 +159,28 @@ def _resolve(name: str) -> tuple[str, str]:
     return "hub", name
 
 
+def _config(name: str, source: str, ref: str) -> "PretrainedConfig":
+    shipped = shipped_config(name)
+    if shipped is not None:
+        return config_from_dict(shipped)
+    if source == "hub":
+        return _from_hub(name, ref, lambda local: _auto_config(ref, local_files_only=local))
+    with _as_user_error(name):
+        if source == "local":
+            return _auto_config(ref)
+        cached = _gguf_cache_dir(Path(ref))
+        if _is_complete(cached):
+            return _auto_config(str(cached))
+        return _auto_config(str(Path(ref).parent), gguf_file=Path(ref).name)  # reads the metadata, not the tensors
+
+
+def _refuse_unserved(name: str, config: "PretrainedConfig") -> None:
+    """One line for a model no runner serves, decided from its config before any weight is read."""
+    decision = serving(config)
+    if decision.runner == "refused":
+        raise SdbenchError(f"model '{name}' cannot be run: {decision.reason}")
+
+
 def _looks_like_path(name: str) -> bool:
     # A hub id is `owner/name` (or a bare legacy name); anything else the user typed is meant as a path.
     return name.startswith((".", "/", "~")) or name.endswith(".gguf") or name.count("/") > 1 or "\\" in name
@@ -188,6 +223,12 @@ def _auto_tokenizer(ref: str, **kwargs) -> "PreTrainedTokenizerBase":
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(ref, **kwargs)
+
+
+def _auto_config(ref: str, **kwargs) -> "PretrainedConfig":
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(ref, **kwargs)
 
 
 def _auto_model(ref: str, dtype: torch.dtype, **kwargs) -> "PreTrainedModel":

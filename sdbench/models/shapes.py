@@ -1,0 +1,118 @@
+"""A model's shape from its config alone, with no weight read: the config object from a config.json's dict,
+the model built on the meta device (no memory, no values), its parameter count and a size label."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import warnings
+from pathlib import Path
+from typing import TYPE_CHECKING, Iterator
+
+from sdbench.errors import SdbenchError
+from sdbench.paths import cache_dir
+
+_COUNTS = "parameter-counts.json"  # in cache_dir("models"): {hash of library version + config: parameters}
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig, PreTrainedModel
+
+
+def config_from_dict(data: dict) -> "PretrainedConfig":
+    """The transformers config a config.json holds (legacy keys such as rope_scaling read as the library does)."""
+    from transformers import AutoConfig
+
+    fields = dict(data)
+    model_type = fields.pop("model_type", None)
+    if not model_type:
+        raise SdbenchError("a model config without 'model_type' cannot be read")
+    try:
+        with _quiet():
+            return AutoConfig.for_model(model_type, **fields)
+    except (ValueError, KeyError) as err:
+        raise SdbenchError(f"config of model type '{model_type}' could not be read: {err}") from err
+
+
+def meta_model(config: "PretrainedConfig") -> "PreTrainedModel":
+    """The causal LM this config describes, on the meta device: shapes and structure, no storage."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"), _quiet():
+        return AutoModelForCausalLM.from_config(config)
+
+
+def parameter_count(config: "PretrainedConfig", cached: bool = False) -> int | None:
+    """Parameters of the model (shared tensors such as a tied head counted once); None if no causal LM fits.
+
+    cached: remember the count in sdbench's cache, keyed by the config and the library's version (building the
+    model, and importing its family's code, takes ~0.1-1 s, and `list models` asks for every alias).
+    """
+    key = _count_key(config) if cached else None
+    counts = _read_counts() if key else {}
+    if key in counts:
+        return counts[key]
+    try:
+        model = meta_model(config)
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return None
+    n = sum(p.numel() for p in model.parameters())
+    if key:
+        counts[key] = n
+        _write_counts(counts)
+    return n
+
+
+def size_label(n: int | None) -> str:
+    """8_030_261_248 -> '8.0B', 999_885_952 -> '1.0B', 134_515_008 -> '135M'; '?' when unknown."""
+    if n is None:
+        return "?"
+    if n >= 999.5e6:
+        return f"{n / 1e9:.1f}B"
+    return f"{n / 1e6:.0f}M"
+
+
+def _count_key(config: "PretrainedConfig") -> str:
+    import transformers
+
+    text = config.to_json_string(use_diff=False)
+    return hashlib.sha256(f"{transformers.__version__}\n{text}".encode()).hexdigest()[:16]
+
+
+def _counts_file() -> Path:
+    return cache_dir("models") / _COUNTS
+
+
+def _read_counts() -> dict[str, int]:
+    try:
+        return json.loads(_counts_file().read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _write_counts(counts: dict[str, int]) -> None:
+    path = _counts_file()
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")  # written whole, then renamed: a reader never sees half a file
+    try:
+        tmp.write_text(json.dumps(counts, indent=0, sort_keys=True))
+        os.replace(tmp, path)
+    except OSError:
+        tmp.unlink(missing_ok=True)  # a read-only cache costs time, not correctness
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """The library warns about configs written by older versions of itself; the shipped configs are such."""
+    from transformers.utils import logging as hf_logging
+
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        hf_logging.set_verbosity(level)
