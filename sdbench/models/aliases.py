@@ -135,8 +135,9 @@ _HUB = [
     ("gemma2-27b", "google/gemma-2-27b-it", "Gemma 2 27B instruction-tuned", ("gemma2-2b",), 27.2e9, ("gemma-2-27b",)),
     ("gemma3-1b", "google/gemma-3-1b-it", "Gemma 3 1B instruction-tuned (text only)", (), 1.0e9, ("gemma-3-1b",)),
     # The larger Gemma 3 models take images too; their shipped configs are the text model's (the hub checkpoints'
-    # text_config; the report's parameter counts less the 417M of the vision encoder). Their tokenizers add an
-    # image token (id 262144) the 1B's vocabulary has not, so no draft is paired with them here.
+    # text_config; sizes are the report's counts less the 417M of the vision encoder). Their vocabulary has 64
+    # more rows than the 1B's and their processor adds an image token (id 262144), so no draft is registered
+    # for them until a load shows the tokenizers equal (`--draft gemma3-1b` is checked like any pair).
     ("gemma3-4b", "google/gemma-3-4b-it", "Gemma 3 4B instruction-tuned, text model", (), 3.88e9, ("gemma-3-4b",)),
     ("gemma3-12b", "google/gemma-3-12b-it", "Gemma 3 12B instruction-tuned, text model", (), 11.77e9,
      ("gemma-3-12b",)),
