@@ -171,3 +171,28 @@ def test_list_models_shows_family_size_runner_and_drafts(capsys):
     assert rows["qwen3-30b-a3b"][1:4] == ["qwen3_moe", "30.5B", serving(loader.load_config("qwen3-30b-a3b")).runner]
     assert rows["pythia-12b"][4] == "pythia-70m, pythia-160m"
     assert rows["smollm2-135m"][2] == "135M"
+
+
+# --- random weights at an alias's shape (the start of MODEL@random) -------------------------------------------
+
+SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, vocab_size=128, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2)
+
+
+@pytest.mark.parametrize("name", ["llama-1b", "gemma3-4b", "qwen3-30b-a3b", "pythia-70m"])
+def test_random_model_is_made_on_the_device_in_dtype_with_the_library_buffers(name):
+    from transformers import AutoModelForCausalLM
+
+    from sdbench.models.shapes import random_model
+
+    data = shipped_config(name)
+    data.update({k: v for k, v in {**SMALL, "head_dim": 16}.items() if k in data})
+    config = config_from_dict(data)
+    model = random_model(config, "cpu", torch.bfloat16)
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    assert all(p.device.type == "cpu" and torch.isfinite(p).all() for p in model.parameters())
+    reference = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)  # built the ordinary way
+    for (key, mine), (_, theirs) in zip(model.named_buffers(), reference.named_buffers(), strict=True):
+        assert torch.equal(mine, theirs), key  # rotary tables, embedding scales: computed, not left empty
+    ids = torch.tensor([[1, 5, 7]])
+    assert torch.isfinite(model(ids).logits.float()).all()

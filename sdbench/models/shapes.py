@@ -45,6 +45,21 @@ def meta_model(config: "PretrainedConfig") -> "PreTrainedModel":
         return AutoModelForCausalLM.from_config(config)
 
 
+def random_model(config: "PretrainedConfig", device, dtype) -> "PreTrainedModel":
+    """The model with random weights made directly on `device` in `dtype`: built on the meta device, given
+    uninitialised storage there, then initialised as the library initialises a new model (buffers such as rotary
+    tables and embedding scales included), never through a float32 copy on the CPU. For `MODEL@random`."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"), _quiet():
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model.to_empty(device=device)
+    model.initialize_weights()
+    model.tie_weights()
+    return model.eval().requires_grad_(False)
+
+
 def parameter_count(config: "PretrainedConfig", cached: bool = False) -> int | None:
     """Parameters of the model (shared tensors such as a tied head counted once); None if no causal LM fits.
 
