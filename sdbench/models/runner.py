@@ -22,6 +22,7 @@ from sdbench.models.families import NATIVE
 from sdbench.engine.state import needed_capacity
 from sdbench.models.graphs import CAPACITY_STEP, CachePool, StaticForward
 from sdbench.models.rotary import Rotary, rope
+from sdbench.models.windows import layer_windows
 from sdbench.padding import right_pad
 
 SUPPORTED = NATIVE  # kept for callers that name it
@@ -51,8 +52,6 @@ class ModelRunner:
                 f"model '{name or cfg.model_type}' has architecture '{cfg.model_type}', which sdbench's runner "
                 f"does not support yet (supported: {', '.join(SUPPORTED)})"
             )
-        if getattr(cfg, "sliding_window", None) and getattr(cfg, "use_sliding_window", False):
-            raise SdbenchError(f"model '{name}' uses sliding-window attention, which the runner does not support")
         model.requires_grad_(False)
         self.model = model
         self.name = name
@@ -68,6 +67,7 @@ class ModelRunner:
         p = self.lm_head.weight
         self.device, self.dtype = p.device, p.dtype
         self.rotary = Rotary(cfg, self.device, self.dtype)  # cos/sin per layer type (`rotary.layer_types`)
+        self.windows = layer_windows(cfg)  # per layer: its sliding window, or None
         self.graphs = bool(fast) and self.device.type == "cuda"
         self.static = self.graphs if static is None else static
         self.pool = CachePool()
@@ -93,7 +93,7 @@ class ModelRunner:
         cache = self.pool.take(key, capacity) if self.static else None
         if cache is None:
             cache = DenseKVCache(len(self.layers), batch, self.n_kv_heads, self.head_dim, capacity,
-                                 self.dtype, self.device)
+                                 self.dtype, self.device, self.windows)
             cache.pool_key = key if self.static else None
         return cache
 
@@ -104,7 +104,7 @@ class ModelRunner:
         cache = self.pool.take(key) if self.static else None
         if cache is None:
             cache = SparseKVCache(len(self.layers), batch, self.n_kv_heads, self.head_dim, n_static, ring,
-                                  self.dtype, self.device)
+                                  self.dtype, self.device, self.windows, self.n_heads)
             cache.pool_key = key if self.static else None
         cache.reset(window)
         return cache
