@@ -271,3 +271,61 @@ def test_a_windowed_layer_in_a_sparse_cache_sees_only_its_window(selector, sink)
                                        runner.forward(ref, nxt[:, :width], start), **TOL,
                                        msg=lambda m: f"{selector} {kind}: {m}")
     cpufast.disable(model)
+
+
+# ---- config-level checks (no forward) ----------------------------------------------------------------------
+def test_rope_per_layer_type_equals_the_library_module():
+    """Gemma 3: local layers on another base, global ones linearly scaled; each layer type's cos/sin equal the
+    library module's for that type (sin' = sin with its first half negated)."""
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3RotaryEmbedding
+
+    from sdbench.models.rotary import Rotary
+
+    cfg = tiny_config("gemma3_text", num_hidden_layers=6, head_dim=16, rope_parameters={
+        "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}})
+    rotary, library = Rotary(cfg, torch.device("cpu"), torch.float32), Gemma3RotaryEmbedding(cfg)
+    assert rotary.layer_types == ["sliding_attention"] * 5 + ["full_attention"]
+    pos = torch.arange(40)[None]
+    for t in ("full_attention", "sliding_attention"):
+        cos, sin = library(torch.zeros(1), pos, layer_type=t)
+        h = sin.shape[-1] // 2
+        assert torch.equal(rotary.cos_sin(pos, 40, t)[0], cos)
+        assert torch.equal(rotary.cos_sin(pos, 40, t)[1], torch.cat((-sin[..., :h], sin[..., h:]), -1))
+
+
+def test_partial_rotary_leaves_the_other_dimensions():
+    from sdbench.models.rotary import rope
+
+    x, angle = torch.randn(2, 3, 5, 16), torch.randn(5, 4)
+    emb = torch.cat((angle, angle), -1)
+    cos, sin = emb.cos(), emb.sin()
+    part = x[..., :8]
+    rotated = part * cos + torch.cat((-part[..., 4:], part[..., :4]), -1) * sin
+    got = rope(x, cos, torch.cat((-sin[..., :4], sin[..., 4:]), -1))
+    torch.testing.assert_close(got, torch.cat((rotated, x[..., 8:]), -1))
+
+
+@pytest.mark.parametrize("model_type,overrides,want", [
+    ("mistral", {"sliding_window": 8}, [8, 8, 8, 8]),
+    ("mistral", {"sliding_window": None}, [None] * 4),
+    ("mistral", {"sliding_window": 8, "layer_types": ["full_attention"] * 4}, [8] * 4),  # its modeling ignores them
+    ("mixtral", {"sliding_window": 8}, [8] * 4),
+    ("qwen2", {"sliding_window": 8}, [None] * 4),  # no use_sliding_window: no window
+    ("qwen2", {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 2}, [None, None, 8, 8]),
+    ("qwen2_moe", {}, [None] * 4),  # sliding_window 0 when off
+    ("gemma2", {"sliding_window": 8}, [8, None, 8, None]),
+    ("gemma3_text", {"sliding_window": 8, "sliding_window_pattern": 2}, [8, None, 8, None]),
+    ("llama", {}, [None] * 4),
+])
+def test_layer_windows_follow_the_library(model_type, overrides, want):
+    assert layer_windows(tiny_config(model_type, num_hidden_layers=4, **overrides)) == want
+
+
+def test_unknown_layer_kinds_are_refused():
+    from sdbench.errors import SdbenchError
+
+    cfg = tiny_config("qwen2", num_hidden_layers=2)
+    cfg.layer_types = ["full_attention", "chunked_attention"]
+    with pytest.raises(SdbenchError, match="chunked_attention"):
+        layer_windows(cfg)
