@@ -1,10 +1,10 @@
 """ModelRunner: sdbench's own forward pass over a Hugging Face decoder's weights.
 
-The runner borrows the loaded model's modules (embeddings, projections, MLPs, norms) and owns attention, the
-rotary embedding (`models/rotary.py`: computed from the config, the library's module is never called) and the
-KV cache, so that every strategy sees the same position-indexed cache: several new
-tokens per row, each row at its own position, rewind by starting the next forward earlier. Logits match the
-library's own forward (tests check this on random tiny models).
+The runner borrows the loaded model's modules (embeddings, projections, MLPs, norms) and owns attention (with
+sliding windows, `models/windows.py`), the rotary embedding (`models/rotary.py`: computed from the config; the
+library's module is never called) and the KV cache, so that every strategy sees the same position-indexed
+cache: several new tokens per row, each row at its own position, rewind by starting the next forward earlier.
+Logits match the library's own forward (tests/test_runner_fidelity.py checks this on random tiny models).
 """
 
 from __future__ import annotations
@@ -121,16 +121,16 @@ class ModelRunner:
     # ---- forward ----------------------------------------------------------------------------------------
     @torch.inference_mode()
     def hidden(self, cache: KVCache, tokens: torch.Tensor, start: list[int] | None,
-               step: StepIndex | None = None, rope: dict | None = None, seq_len: int | None = None) -> torch.Tensor:
+               step: StepIndex | None = None, cos_sin: dict | None = None, seq_len: int | None = None) -> torch.Tensor:
         """Final-norm hidden states [B, T, H] for tokens [B, T] placed at positions start[b] + t.
 
-        step, rope: a prepared (static) StepIndex instead of `start`, with its cos/sin per layer type
+        step, cos_sin: a prepared (static) StepIndex instead of `start`, with its cos/sin per layer type
         (`Rotary.for_forward`); seq_len: the length whose rotary scaling the forward uses (default: its largest
         position + 1; a chunked prefill passes the whole prompt's, as the library computes it in one call)."""
         if step is None:
             step = StepIndex(start, tokens.shape[1], self.device)
-        if rope is None:
-            rope = self.rotary.for_forward(step.positions, seq_len or step.kv_len)
+        if cos_sin is None:
+            cos_sin = self.rotary.for_forward(step.positions, seq_len or step.kv_len)
         if self._fast is not None:
             self._fast.pack()
         else:
@@ -138,7 +138,7 @@ class ModelRunner:
         h = self.decoder.embed_tokens(tokens.to(self.device))
         for i, layer in enumerate(self.layers):
             fast = self._fast_layers[i] if self._fast_layers else None
-            cos, sin = rope[self.rotary.layer_types[i]]
+            cos, sin = cos_sin[self.rotary.layer_types[i]]
             x = self._norm(layer.input_layernorm, h)
             h = h + self._attention(layer.self_attn, fast, x, cache, i, step, cos, sin)
             x = self._norm(layer.post_attention_layernorm, h)
