@@ -1,9 +1,10 @@
 """ModelRunner: sdbench's own forward pass over a Hugging Face decoder's weights.
 
-The runner borrows the loaded model's modules (embeddings, projections, MLPs, norms, rotary tables) and owns
-only attention and the KV cache, so that every strategy sees the same position-indexed cache: several new
-tokens per row, each row at its own position, rewind by starting the next forward earlier. Logits match the
-library's own forward (tests check this on random tiny models).
+The runner borrows the loaded model's modules (embeddings, projections, MLPs, norms) and owns attention (with
+sliding windows, `models/windows.py`), the rotary embedding (`models/rotary.py`: computed from the config; the
+library's module is never called) and the KV cache, so that every strategy sees the same position-indexed
+cache: several new tokens per row, each row at its own position, rewind by starting the next forward earlier.
+Logits match the library's own forward (tests/test_runner_fidelity.py checks this on random tiny models).
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from sdbench.models import cpufast
 from sdbench.models.families import NATIVE
 from sdbench.engine.state import needed_capacity
 from sdbench.models.graphs import CAPACITY_STEP, CachePool, StaticForward
+from sdbench.models.rotary import Rotary, rope
+from sdbench.models.windows import layer_windows
 from sdbench.padding import right_pad
 
 SUPPORTED = NATIVE  # kept for callers that name it
@@ -29,14 +32,6 @@ def _pick(x: torch.Tensor, at: torch.Tensor) -> torch.Tensor:
     """x[b, at[b]] for at [B], or x[b, at[b, k]] for at [B, K]."""
     rows = torch.arange(x.shape[0], device=x.device)
     return x[rows if at.dim() == 1 else rows[:, None], at.to(x.device)]
-
-
-def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotary embedding of x [B, H, T, D] (queries and keys together: one set of ops per layer, not two).
-    x*cos + rotate_half(x)*sin, rotate_half(x) = (-x2, x1), is computed as x*cos + roll(x)*sin' with
-    roll(x) = (x2, x1) and sin' = sin with its first half negated: the same products, so the same values, in
-    one op where rotate_half takes three."""
-    return x * cos + x.roll(x.shape[-1] // 2, -1) * sin
 
 
 class ModelRunner:
@@ -57,8 +52,6 @@ class ModelRunner:
                 f"model '{name or cfg.model_type}' has architecture '{cfg.model_type}', which sdbench's runner "
                 f"does not support yet (supported: {', '.join(SUPPORTED)})"
             )
-        if getattr(cfg, "sliding_window", None) and getattr(cfg, "use_sliding_window", False):
-            raise SdbenchError(f"model '{name}' uses sliding-window attention, which the runner does not support")
         model.requires_grad_(False)
         self.model = model
         self.name = name
@@ -73,8 +66,8 @@ class ModelRunner:
         self.hidden_size = cfg.hidden_size
         p = self.lm_head.weight
         self.device, self.dtype = p.device, p.dtype
-        self._cos = self._sin = None  # rotary tables [S, D]; _sin with its first half negated (`_rope`)
-        self.rope_version = 0  # bumped when the rotary tables are re-allocated: captured graphs read them
+        self.rotary = Rotary(cfg, self.device, self.dtype)  # cos/sin per layer type (`rotary.layer_types`)
+        self.windows = layer_windows(cfg)  # per layer: its sliding window, or None
         self.graphs = bool(fast) and self.device.type == "cuda"
         self.static = self.graphs if static is None else static
         self.pool = CachePool()
@@ -90,30 +83,17 @@ class ModelRunner:
             return cpufast.rms_norm(module, x)
         return module(x)
 
-    # ---- rotary tables -------------------------------------------------------------------------------
-    def _rope_tables(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos/sin for positions [0, n) from the model's own rotary module (all rope types it knows)."""
-        if self._cos is None or self._cos.shape[0] < n:
-            size = max(n, 2 * (0 if self._cos is None else self._cos.shape[0]), 256)
-            pos = torch.arange(size, device=self.device)[None]
-            probe = torch.empty(1, dtype=self.dtype, device=self.device)
-            cos, sin = self.decoder.rotary_emb(probe, pos)
-            half = sin.shape[-1] // 2
-            self._cos, self._sin = cos[0], torch.cat((-sin[0, :, :half], sin[0, :, half:]), dim=-1)  # [S, D]
-            self.rope_version += 1
-        return self._cos, self._sin
-
     # ---- caches -----------------------------------------------------------------------------------------
     def new_cache(self, batch: int, capacity: int) -> DenseKVCache:
         """A dense cache; with static shapes, a pooled one (length rounded up) whose graphs are kept."""
         if self.static:
             capacity = -(-capacity // CAPACITY_STEP) * CAPACITY_STEP
-        self._rope_tables(capacity)
+        self.rotary.reserve(capacity)
         key = ("dense", batch)
         cache = self.pool.take(key, capacity) if self.static else None
         if cache is None:
             cache = DenseKVCache(len(self.layers), batch, self.n_kv_heads, self.head_dim, capacity,
-                                 self.dtype, self.device)
+                                 self.dtype, self.device, self.windows)
             cache.pool_key = key if self.static else None
         return cache
 
@@ -124,7 +104,7 @@ class ModelRunner:
         cache = self.pool.take(key) if self.static else None
         if cache is None:
             cache = SparseKVCache(len(self.layers), batch, self.n_kv_heads, self.head_dim, n_static, ring,
-                                  self.dtype, self.device)
+                                  self.dtype, self.device, self.windows, self.n_heads)
             cache.pool_key = key if self.static else None
         cache.reset(window)
         return cache
@@ -141,24 +121,24 @@ class ModelRunner:
     # ---- forward ----------------------------------------------------------------------------------------
     @torch.inference_mode()
     def hidden(self, cache: KVCache, tokens: torch.Tensor, start: list[int] | None,
-               step: StepIndex | None = None) -> torch.Tensor:
+               step: StepIndex | None = None, cos_sin: dict | None = None, seq_len: int | None = None) -> torch.Tensor:
         """Final-norm hidden states [B, T, H] for tokens [B, T] placed at positions start[b] + t.
 
-        step: a prepared (static) StepIndex instead of `start`; the rotary tables must already cover it."""
+        step, cos_sin: a prepared (static) StepIndex instead of `start`, with its cos/sin per layer type
+        (`Rotary.for_forward`); seq_len: the length whose rotary scaling the forward uses (default: its largest
+        position + 1; a chunked prefill passes the whole prompt's, as the library computes it in one call)."""
         if step is None:
             step = StepIndex(start, tokens.shape[1], self.device)
-            cos_t, sin_t = self._rope_tables(step.kv_len)
-        else:
-            cos_t, sin_t = self._cos, self._sin
+        if cos_sin is None:
+            cos_sin = self.rotary.for_forward(step.positions, seq_len or step.kv_len)
         if self._fast is not None:
             self._fast.pack()
         else:
             cpufast.disable(self.model)
-        cos = cos_t[step.positions][:, None]  # [B, 1, T, D]
-        sin = sin_t[step.positions][:, None]
         h = self.decoder.embed_tokens(tokens.to(self.device))
         for i, layer in enumerate(self.layers):
             fast = self._fast_layers[i] if self._fast_layers else None
+            cos, sin = cos_sin[self.rotary.layer_types[i]]
             x = self._norm(layer.input_layernorm, h)
             h = h + self._attention(layer.self_attn, fast, x, cache, i, step, cos, sin)
             x = self._norm(layer.post_attention_layernorm, h)
@@ -177,7 +157,7 @@ class ModelRunner:
         if hasattr(attn, "q_norm"):  # qwen3 normalises q/k per head before rotary
             q, k = qk.split([Hq, Hk], dim=2)
             qk = torch.cat((self._norm(attn.q_norm, q), self._norm(attn.k_norm, k)), dim=2)
-        q, k = _rope(qk.transpose(1, 2), cos, sin).split([Hq, Hk], dim=1)  # [B, H, T, D]
+        q, k = rope(qk.transpose(1, 2), cos, sin).split([Hq, Hk], dim=1)  # [B, H, T, D]
         keys, values, mask = cache.update(i, k, v, step)
         if cache.wants_queries:  # a scoring view (SnapKV) looks at the queries too
             cache.queries(i, q, keys, mask)
@@ -205,7 +185,6 @@ class ModelRunner:
         need = max(start) + T
         if need > cache.capacity:
             raise RuntimeError(f"KV cache overflow: need {need} slots, have {cache.capacity}")
-        self._rope_tables(need)
         forward = cache.graphs.get((B, T))
         if forward is None:
             forward = cache.graphs[(B, T)] = StaticForward(self, cache, B, T)
@@ -227,7 +206,7 @@ class ModelRunner:
         final = torch.empty(len(prompts), self.hidden_size, dtype=self.dtype, device=self.device)
         for c0 in range(0, width, chunk):
             c1 = min(c0 + chunk, width)
-            h = self.hidden(cache, tokens[:, c0:c1], [c0] * len(prompts))
+            h = self.hidden(cache, tokens[:, c0:c1], [c0] * len(prompts), seq_len=width)
             rows = ((last >= c0) & (last < c1)).nonzero().flatten()
             if len(rows):
                 final[rows.to(self.device)] = h[rows.to(self.device), (last[rows] - c0).to(self.device)]
