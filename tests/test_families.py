@@ -137,12 +137,16 @@ def test_greedy_tokens_equal_generate(model, mode):
 
 
 def test_speculative_decoding_equals_plain_decoding(model):
-    name = model.config.model_type
+    """Drafting for itself (every draft accepted: the verification path) and by another, smaller model of the
+    family (drafts rejected: the rewind path), greedy: the tokens of plain decoding."""
     prompts = _prompts(4)
     target = ModelRunner(model)
     plain = generate(target, Autoregressive(), prompts, max_new_tokens=NEW, sampling=GREEDY)
-    draft = ModelRunner(tiny(name, seed=1, layers=1))  # a different model of the family: some drafts rejected
-    spec = generate(target, DraftModel(draft, 4), prompts, max_new_tokens=NEW, sampling=GREEDY)
+    itself = generate(target, DraftModel(target, 4), prompts, max_new_tokens=NEW, sampling=GREEDY)
+    assert itself.output_ids == plain.output_ids
+    assert all(row.steps <= NEW // 5 + 1 for row in itself.rows)  # 5 tokens a step: every draft accepted
+    other = ModelRunner(tiny(model.config.model_type, seed=1, layers=1))
+    spec = generate(target, DraftModel(other, 4), prompts, max_new_tokens=NEW, sampling=GREEDY)
     assert spec.output_ids == plain.output_ids
 
 

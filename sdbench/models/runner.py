@@ -116,8 +116,6 @@ class ModelRunner:
         self._scale = self.family.attn_scale or self.head_dim**-0.5  # soft-capped attention's
 
     def _norm(self, module, x: torch.Tensor) -> torch.Tensor:
-        if module is None:
-            return x
         if self._one_op_norms:
             return cpufast.rms_norm(module, x)
         return module(x)
@@ -195,13 +193,17 @@ class ModelRunner:
         r = fam.residual_scale
         for i, layer in enumerate(self.layers):
             fast = self._fast_layers[i] if self._fast_layers else None
-            attn_in, attn_out, mlp_in, mlp_out = self._norms[i]
-            a = self._attention(layer.self_attn, fast, self._norm(attn_in, h), cache, i, step, cos, sin)
-            a = self._norm(attn_out, a)
-            h = h + (a if r is None else a * r)
-            x = self._norm(mlp_in, h)
-            m = self._norm(mlp_out, fast.mlp(layer.mlp, x) if fast else layer.mlp(x))
-            h = h + (m if r is None else m * r)
+            attn_in, attn_out, mlp_in, mlp_out = self._norms[i]  # Llama: (input, None, post_attention, None)
+            x = h if attn_in is None else self._norm(attn_in, h)
+            a = self._attention(layer.self_attn, fast, x, cache, i, step, cos, sin)
+            if attn_out is not None:
+                a = self._norm(attn_out, a)
+            h = h + a if r is None else h + a * r
+            x = h if mlp_in is None else self._norm(mlp_in, h)
+            m = fast.mlp(layer.mlp, x) if fast else layer.mlp(x)
+            if mlp_out is not None:
+                m = self._norm(mlp_out, m)
+            h = h + m if r is None else h + m * r
         return self._norm(self.decoder.norm, h)
 
     def _project(self, attn, fast, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
