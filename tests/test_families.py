@@ -36,7 +36,8 @@ MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48, norm_
 # model_type -> (config class, model class, config arguments beyond BASE)
 SPECS = {
     "mixtral": (tf.MixtralConfig, tf.MixtralForCausalLM, dict(num_local_experts=4, num_experts_per_tok=2)),
-    "qwen2_moe": (tf.Qwen2MoeConfig, tf.Qwen2MoeForCausalLM, dict(MOE, shared_expert_intermediate_size=96)),
+    "qwen2_moe": (tf.Qwen2MoeConfig, tf.Qwen2MoeForCausalLM,  # a dense MLP in layer 1, a shared expert
+                  dict(MOE, shared_expert_intermediate_size=96, mlp_only_layers=[1])),
     "qwen3_moe": (tf.Qwen3MoeConfig, tf.Qwen3MoeForCausalLM, dict(MOE, head_dim=24)),
     "starcoder2": (tf.Starcoder2Config, tf.Starcoder2ForCausalLM, dict(use_bias=True, hidden_act="gelu_pytorch_tanh")),
     "gemma2": (tf.Gemma2Config, tf.Gemma2ForCausalLM, GEMMA),
