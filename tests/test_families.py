@@ -14,7 +14,6 @@ import dataclasses
 
 import pytest
 import torch
-import transformers as tf
 
 from sdbench.config import SamplingConfig
 from sdbench.engine.loop import generate
@@ -23,55 +22,42 @@ from sdbench.models.runner import ModelRunner
 from sdbench.strategies.autoregressive import Autoregressive
 from sdbench.strategies.draft import DraftModel
 from tests.conftest import VOCAB
+from tests.test_runner_fidelity import library_greedy, perturbed_model, tiny_config
 
 GREEDY = SamplingConfig()
 NEW = 32
-BASE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, initializer_range=0.3, max_position_embeddings=1024, tie_word_embeddings=False,
-            pad_token_id=0, bos_token_id=1, eos_token_id=2)
 GEMMA = dict(head_dim=16, query_pre_attn_scalar=24, attn_logit_softcapping=3.0, final_logit_softcapping=8.0,
              sliding_window=512, layer_types=["sliding_attention", "full_attention"], tie_word_embeddings=True)
 MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48, norm_topk_prob=False)
 
-# model_type -> (config class, model class, config arguments beyond BASE)
-SPECS = {
-    "mixtral": (tf.MixtralConfig, tf.MixtralForCausalLM, dict(num_local_experts=4, num_experts_per_tok=2)),
-    "qwen2_moe": (tf.Qwen2MoeConfig, tf.Qwen2MoeForCausalLM,  # a dense MLP in layer 1, a shared expert
-                  dict(MOE, shared_expert_intermediate_size=96, mlp_only_layers=[1])),
-    "qwen3_moe": (tf.Qwen3MoeConfig, tf.Qwen3MoeForCausalLM, dict(MOE, head_dim=24)),
-    "starcoder2": (tf.Starcoder2Config, tf.Starcoder2ForCausalLM, dict(use_bias=True, hidden_act="gelu_pytorch_tanh")),
-    "gemma2": (tf.Gemma2Config, tf.Gemma2ForCausalLM, GEMMA),
-    "gemma3_text": (tf.Gemma3TextConfig, tf.Gemma3ForCausalLM, dict(GEMMA, attn_logit_softcapping=None)),
-    "phi3": (tf.Phi3Config, tf.Phi3ForCausalLM, dict(
-        max_position_embeddings=8192, original_max_position_embeddings=4096,
-        rope_parameters=dict(rope_type="longrope", rope_theta=10000.0, partial_rotary_factor=0.75,
-                             short_factor=[1.0, 1.1, 1.3, 1.6, 2.0, 2.5], long_factor=[1.0, 2, 4, 8, 12, 16]))),
-    "granite": (tf.GraniteConfig, tf.GraniteForCausalLM, dict(
-        embedding_multiplier=6.0, residual_multiplier=0.4, attention_multiplier=0.2, logits_scaling=1.7)),
-    "olmo2": (tf.Olmo2Config, tf.Olmo2ForCausalLM, {}),
+SPECS = {  # model_type -> config arguments beyond `tiny_config`'s (hidden 64, 2 layers, 4 heads, 2 KV heads)
+    "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
+    "qwen2_moe": dict(MOE, shared_expert_intermediate_size=96, mlp_only_layers=[1]),  # layer 1 dense
+    "qwen3_moe": dict(MOE, head_dim=24),
+    "starcoder2": dict(use_bias=True, hidden_act="gelu_pytorch_tanh"),
+    "gemma2": GEMMA,
+    "gemma3_text": dict(GEMMA, attn_logit_softcapping=None, rope_parameters={  # local layers: their own base
+        "full_attention": dict(rope_type="linear", factor=4.0, rope_theta=10000.0),
+        "sliding_attention": dict(rope_type="default", rope_theta=100.0)}),
+    "phi3": dict(max_position_embeddings=8192, original_max_position_embeddings=4096, rope_parameters=dict(
+        rope_type="longrope", rope_theta=10000.0, partial_rotary_factor=0.75,
+        short_factor=[1.0, 1.1, 1.3, 1.6, 2.0, 2.5], long_factor=[1.0, 2, 4, 8, 12, 16])),
+    "granite": dict(embedding_multiplier=6.0, residual_multiplier=0.4, attention_multiplier=0.2, logits_scaling=1.7),
+    "olmo2": {},
 }
-NAMES = [name for name in SPECS if name in families.NATIVE]
+NAMES = list(SPECS)
 
 
-def tiny_config(name: str, layers: int = 2):
-    cfg_cls, _, extra = SPECS[name]
+def family_config(name: str, layers: int = 2, **overrides):
+    extra = {**SPECS[name], **overrides}
     if "layer_types" in extra:
-        extra = {**extra, "layer_types": extra["layer_types"][:layers]}
-    return cfg_cls(**{**BASE, "num_hidden_layers": layers, **extra})
+        extra["layer_types"] = extra["layer_types"][:layers]
+    return tiny_config(name, num_hidden_layers=layers, **extra)
 
 
-def tiny(name: str, seed: int = 0, layers: int = 2):
-    """A tiny random model of a family, every 1-D weight (norms, biases) perturbed around its initial value."""
-    cfg = tiny_config(name, layers)
-    torch.manual_seed(seed)
-    model = SPECS[name][1](cfg).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 1:
-                p.add_(0.3 * torch.randn_like(p))
-    model.generation_config.eos_token_id = None  # 32 tokens whatever they are
-    model.generation_config.pad_token_id = 0
-    return model
+def tiny(name: str, seed: int = 0, layers: int = 2, **overrides):
+    """A tiny random model of a family, every 1-D weight (norms, biases) perturbed."""
+    return perturbed_model(family_config(name, layers, **overrides), seed)
 
 
 @pytest.fixture(scope="module", params=NAMES)
@@ -114,18 +100,8 @@ _GREEDY: dict = {}  # (model, prompts) -> the library's tokens, computed once fo
 def _library_greedy(model, prompts) -> list[list[int]]:
     key = (id(model), str(prompts))
     if key not in _GREEDY:
-        _GREEDY[key] = _generate(model, prompts)
+        _GREEDY[key] = [library_greedy(model, p, NEW) for p in prompts]
     return _GREEDY[key]
-
-
-def _generate(model, prompts) -> list[list[int]]:
-    out = []
-    with cpufast.plain(model), torch.no_grad():
-        for p in prompts:
-            ids = torch.tensor([p])  # the mask given: a prompt token equal to pad_token_id is not padding
-            seq = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=NEW)
-            out.append(seq[0, len(p):].tolist())
-    return out
 
 
 @pytest.mark.parametrize("mode", ["plain", "fast", "static"])
@@ -154,7 +130,7 @@ def test_speculative_decoding_equals_plain_decoding(model):
 def _differences(name: str) -> list[str]:
     """The family's fields that are not Llama's, but `rms_norm` (whether the fast path may run the norms as
     one op: no maths of its own, and the fast-path logits test fails without it)."""
-    fam = families.family(tiny_config(name))
+    fam = families.family(family_config(name))
     return [f.name for f in dataclasses.fields(fam) if getattr(fam, f.name) != f.default and f.name != "rms_norm"]
 
 

@@ -61,8 +61,7 @@ _FAMILIES = {  # model_type -> its Family, from its config
     "gemma3_text": lambda c: replace(_gemma2(c), qk_norm="head"),
 }
 
-PENDING = ("gemma3_text",)  # described, but not yet computed exactly (per-layer-type rotary)
-NATIVE = tuple(t for t in _FAMILIES if t not in PENDING)  # model_type values the native runner computes exactly
+NATIVE = tuple(_FAMILIES)  # model_type values the native runner computes exactly
 
 
 def family(config) -> Family:

@@ -4,7 +4,9 @@ A decode step or a verification is a few hundred small kernels; on a GPU, launch
 more than running them at batch 1. The fix (as in gpt-fast and vLLM) is to give every forward fixed shapes
 and addresses and replay it as a CUDA graph:
 
-- the inputs (tokens [B, T] and their positions) are copied into buffers owned by the graph;
+- the inputs (tokens [B, T], their positions and their rotary cos/sin) are copied into buffers owned by the
+  graph: the host, which knows the positions, looks cos/sin up (or computes them, for the rope types whose
+  scaling depends on the forward's length) outside the graph, so a graph reads no table that may grow;
 - attention always runs over the cache's full, pre-allocated length, with a mask built on the device from
   the positions (a dense cache: slot <= position; a sparse cache: its own static + ring mask), and the new
   keys/values are scattered to their positions, so no shape depends on how long the sequence is;
@@ -39,22 +41,27 @@ class StaticForward:
         self.tokens = torch.zeros(batch, width, dtype=torch.long, device=dev)
         self.positions = torch.zeros(batch, width, dtype=torch.long, device=dev)
         self.offsets = torch.arange(width, dtype=torch.long)
+        # {layer type: (cos, sin')} [B, 1, T, Dr], filled per call
+        self.rope = {t: tuple(torch.zeros_like(x) for x in pair)
+                     for t, pair in runner.rotary.for_forward(self.positions, width).items()}
         self.graph = None
         self.out = None
-        self.rope_version = -1
 
     def _step(self) -> StepIndex:
         return StepIndex.fixed(self.positions, self.cache.static_kv_len)
 
     def _eager(self) -> torch.Tensor:
-        return self.runner.logits(self.runner.hidden(self.cache, self.tokens, None, step=self._step()))
+        return self.runner.logits(self.runner.hidden(self.cache, self.tokens, None, step=self._step(), rope=self.rope))
 
     def __call__(self, tokens: torch.Tensor, start: list[int]) -> torch.Tensor:
         self.tokens.copy_(tokens, non_blocking=True)
         self.positions.copy_(torch.tensor(start, dtype=torch.long)[:, None] + self.offsets, non_blocking=True)
+        for t, (cos, sin) in self.runner.rotary.for_forward(self.positions, max(start) + len(self.offsets)).items():
+            self.rope[t][0].copy_(cos)
+            self.rope[t][1].copy_(sin)
         if not self.runner.graphs:
             return self._eager()
-        if self.graph is not None and self.rope_version == self.runner.rope_version:
+        if self.graph is not None:
             self.graph.replay()
             return self.out.clone()  # the next replay overwrites out
         return self._record()
@@ -75,7 +82,7 @@ class StaticForward:
             err = float((out - eager).abs().max())
             runner.disable_graphs(f"a CUDA graph replay differed from the eager forward by {err:.3g}")
             return eager
-        self.graph, self.out, self.rope_version = graph, out, runner.rope_version
+        self.graph, self.out = graph, out
         return out.clone()
 
 

@@ -1,7 +1,8 @@
 """ModelRunner: sdbench's own forward pass over a Hugging Face decoder's weights.
 
-The runner borrows the loaded model's modules (embeddings, projections, MLPs, norms, rotary tables) and owns
-only attention and the KV cache, so that every strategy sees the same position-indexed cache: several new
+The runner borrows the loaded model's modules (embeddings, projections, MLPs, norms) and owns attention, the
+rotary embedding (`models/rotary.py`: computed from the config, the library's module is never called) and the
+KV cache, so that every strategy sees the same position-indexed cache: several new
 tokens per row, each row at its own position, rewind by starting the next forward earlier. Logits match the
 library's own forward (tests check this on random tiny models).
 """
@@ -20,6 +21,7 @@ from sdbench.models import cpufast
 from sdbench.models.families import NATIVE, family
 from sdbench.engine.state import needed_capacity
 from sdbench.models.graphs import CAPACITY_STEP, CachePool, StaticForward
+from sdbench.models.rotary import Rotary, rope
 from sdbench.padding import right_pad
 
 SUPPORTED = NATIVE  # kept for callers that name it
@@ -29,23 +31,6 @@ def _pick(x: torch.Tensor, at: torch.Tensor) -> torch.Tensor:
     """x[b, at[b]] for at [B], or x[b, at[b, k]] for at [B, K]."""
     rows = torch.arange(x.shape[0], device=x.device)
     return x[rows if at.dim() == 1 else rows[:, None], at.to(x.device)]
-
-
-def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotary embedding of x [B, H, T, D] (queries and keys together: one set of ops per layer, not two).
-    x*cos + rotate_half(x)*sin, rotate_half(x) = (-x2, x1), is computed as x*cos + roll(x)*sin' with
-    roll(x) = (x2, x1) and sin' = sin with its first half negated: the same products, so the same values, in
-    one op where rotate_half takes three."""
-    return x * cos + x.roll(x.shape[-1] // 2, -1) * sin
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """`_rope` over the first cos.shape[-1] dims of x [B, H, T, D] (partial rotary, as Phi-4-mini's), the rest
-    passed through."""
-    rd = cos.shape[-1]
-    if rd == x.shape[-1]:
-        return _rope(x, cos, sin)
-    return torch.cat((_rope(x[..., :rd], cos, sin), x[..., rd:]), dim=-1)
 
 
 def _capped_attention(q, keys, values, mask, scale: float, cap: float) -> torch.Tensor:
@@ -99,8 +84,7 @@ class ModelRunner:
         self.hidden_size = cfg.hidden_size
         p = self.lm_head.weight
         self.device, self.dtype = p.device, p.dtype
-        self._cos = self._sin = None  # rotary tables [S, D]; _sin with its first half negated (`_rope`)
-        self.rope_version = 0  # bumped when the rotary tables are re-allocated: captured graphs read them
+        self.rotary = Rotary(cfg, self.device, self.dtype)  # cos/sin per layer type (`rotary.layer_types`)
         self.graphs = bool(fast) and self.device.type == "cuda"
         self.static = self.graphs if static is None else static
         self.pool = CachePool()
@@ -120,25 +104,12 @@ class ModelRunner:
             return cpufast.rms_norm(module, x)
         return module(x)
 
-    # ---- rotary tables -------------------------------------------------------------------------------
-    def _rope_tables(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos/sin for positions [0, n) from the model's own rotary module (all rope types it knows)."""
-        if self._cos is None or self._cos.shape[0] < n:
-            size = max(n, 2 * (0 if self._cos is None else self._cos.shape[0]), 256)
-            pos = torch.arange(size, device=self.device)[None]
-            probe = torch.empty(1, dtype=self.dtype, device=self.device)
-            cos, sin = self.decoder.rotary_emb(probe, pos)
-            half = sin.shape[-1] // 2
-            self._cos, self._sin = cos[0], torch.cat((-sin[0, :, :half], sin[0, :, half:]), dim=-1)  # [S, D]
-            self.rope_version += 1
-        return self._cos, self._sin
-
     # ---- caches -----------------------------------------------------------------------------------------
     def new_cache(self, batch: int, capacity: int) -> DenseKVCache:
         """A dense cache; with static shapes, a pooled one (length rounded up) whose graphs are kept."""
         if self.static:
             capacity = -(-capacity // CAPACITY_STEP) * CAPACITY_STEP
-        self._rope_tables(capacity)
+        self.rotary.reserve(capacity)
         key = ("dense", batch)
         cache = self.pool.take(key, capacity) if self.static else None
         if cache is None:
@@ -171,21 +142,20 @@ class ModelRunner:
     # ---- forward ----------------------------------------------------------------------------------------
     @torch.inference_mode()
     def hidden(self, cache: KVCache, tokens: torch.Tensor, start: list[int] | None,
-               step: StepIndex | None = None) -> torch.Tensor:
+               step: StepIndex | None = None, rope: dict | None = None, seq_len: int | None = None) -> torch.Tensor:
         """Final-norm hidden states [B, T, H] for tokens [B, T] placed at positions start[b] + t.
 
-        step: a prepared (static) StepIndex instead of `start`; the rotary tables must already cover it."""
+        step, rope: a prepared (static) StepIndex instead of `start`, with its cos/sin per layer type
+        (`Rotary.for_forward`); seq_len: the length whose rotary scaling the forward uses (default: its largest
+        position + 1; a chunked prefill passes the whole prompt's, as the library computes it in one call)."""
         if step is None:
             step = StepIndex(start, tokens.shape[1], self.device)
-            cos_t, sin_t = self._rope_tables(step.kv_len)
-        else:
-            cos_t, sin_t = self._cos, self._sin
+        if rope is None:
+            rope = self.rotary.for_forward(step.positions, seq_len or step.kv_len)
         if self._fast is not None:
             self._fast.pack()
         else:
             cpufast.disable(self.model)
-        cos = cos_t[step.positions][:, None]  # [B, 1, T, D]
-        sin = sin_t[step.positions][:, None]
         h = self.decoder.embed_tokens(tokens.to(self.device))  # Gemma's sqrt(hidden) scale is the module's
         fam = self.family
         if fam.embed_scale is not None:
@@ -193,6 +163,7 @@ class ModelRunner:
         r = fam.residual_scale
         for i, layer in enumerate(self.layers):
             fast = self._fast_layers[i] if self._fast_layers else None
+            cos, sin = rope[self.rotary.layer_types[i]]
             attn_in, attn_out, mlp_in, mlp_out = self._norms[i]  # Llama: (input, None, post_attention, None)
             x = h if attn_in is None else self._norm(attn_in, h)
             a = self._attention(layer.self_attn, fast, x, cache, i, step, cos, sin)
@@ -231,7 +202,7 @@ class ModelRunner:
         if self.family.qk_norm == "head":  # Qwen3, Gemma3: per head, before rotary
             q, k = qk.split([Hq, Hk], dim=2)
             qk = torch.cat((self._norm(attn.q_norm, q), self._norm(attn.k_norm, k)), dim=2)
-        q, k = _rotate(qk.transpose(1, 2), cos, sin).split([Hq, Hk], dim=1)  # [B, H, T, D]
+        q, k = rope(qk.transpose(1, 2), cos, sin).split([Hq, Hk], dim=1)  # [B, H, T, D]
         keys, values, mask = cache.update(i, k, v, step)
         if cache.wants_queries:  # a scoring view (SnapKV) looks at the queries too
             cache.queries(i, q, keys, mask)
@@ -268,7 +239,6 @@ class ModelRunner:
         need = max(start) + T
         if need > cache.capacity:
             raise RuntimeError(f"KV cache overflow: need {need} slots, have {cache.capacity}")
-        self._rope_tables(need)
         forward = cache.graphs.get((B, T))
         if forward is None:
             forward = cache.graphs[(B, T)] = StaticForward(self, cache, B, T)
@@ -290,7 +260,7 @@ class ModelRunner:
         final = torch.empty(len(prompts), self.hidden_size, dtype=self.dtype, device=self.device)
         for c0 in range(0, width, chunk):
             c1 = min(c0 + chunk, width)
-            h = self.hidden(cache, tokens[:, c0:c1], [c0] * len(prompts))
+            h = self.hidden(cache, tokens[:, c0:c1], [c0] * len(prompts), seq_len=width)
             rows = ((last >= c0) & (last < c1)).nonzero().flatten()
             if len(rows):
                 final[rows.to(self.device)] = h[rows.to(self.device), (last[rows] - c0).to(self.device)]

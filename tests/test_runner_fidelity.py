@@ -1,0 +1,187 @@
+"""The native runner against the library's own forward: every rope type.
+
+Tiny random models of any family (`tiny_config`, `perturbed_model`: float32, every 1-D weight moved off its
+init so that norms and biases matter) are run through sdbench's runner (plain, CPU fast path, static path) and
+through the library, and must agree within 1e-4: logits at prefill, single-token steps and 5-token
+verifications after a cached prefix, at positions past the rope's original context,
+before and after the rotary tables have grown; and 32 greedy tokens against `model.generate`.
+
+The reference is the library's cached forward called the same way as the runner (`library_calls`: the
+prompt in one call, then the same chunks), and for the rope types whose tables do not depend on the length
+also the library's uncached forward over the whole sequence. For the length-dependent types (dynamic,
+longrope) only the first holds: the library rescales per call from that call's largest position, so a key
+keeps the rotation of the call that wrote it. A verification's rotation past the original context therefore
+depends on its width, so speculative decoding there is not exactly plain decoding: that is the model's
+property, not sdbench's.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
+
+from sdbench.config import SamplingConfig
+from sdbench.engine.loop import generate
+from sdbench.models import cpufast
+from sdbench.models.rotary import LENGTH_DEPENDENT
+from sdbench.models.runner import ModelRunner
+from sdbench.strategies.autoregressive import Autoregressive
+from tests.conftest import VOCAB
+
+TOL = dict(atol=1e-4, rtol=1e-4)
+ORIGINAL = 16  # the rope's original context: every test goes past it
+HALF = 8  # head_dim / 2 of `tiny_config`: longrope's factor lists
+ROPES = {
+    "default": {"rope_type": "default"},
+    "linear": {"rope_type": "linear", "factor": 2.0},
+    "llama3": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": ORIGINAL},
+    "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": ORIGINAL},
+    "dynamic": {"rope_type": "dynamic", "factor": 2.0},  # scales past max_position_embeddings
+    "longrope": {"rope_type": "longrope", "short_factor": [1.0 + 0.1 * i for i in range(HALF)],
+                 "long_factor": [1.5 + 0.5 * i for i in range(HALF)],
+                 "original_max_position_embeddings": ORIGINAL},
+}
+CASES = {  # name -> (model_type, config overrides)
+    **{f"llama-{name}": ("llama", {"rope_parameters": dict(rp, rope_theta=10000.0),
+                                   "max_position_embeddings": ORIGINAL if name == "dynamic" else 64})
+       for name, rp in ROPES.items()},
+}
+PROMPT = 12  # the steps then cross the original context
+WIDTHS = (PROMPT, 1, 1, 1, 5, 1, 5, 1, 5, 1)  # prefill, steps, verifications after a cached prefix: up to 33
+
+
+# ---- helpers (general: any family, any config) ------------------------------------------------------------
+def tiny_config(model_type: str, **overrides):
+    """A tiny config of any family: hidden 64, 2 layers, 4 heads (2 KV), VOCAB tokens, no special tokens."""
+    base = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, initializer_range=0.3, max_position_embeddings=64, tie_word_embeddings=False,
+                eos_token_id=None, bos_token_id=None, pad_token_id=None)
+    return AutoConfig.for_model(model_type, **{**base, **overrides})
+
+
+def perturbed_model(config, seed: int = 0):
+    """A float32 model of this config with random weights and every 1-D weight (norms, biases) perturbed."""
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config).float().eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 1:
+                p.add_(0.2 * torch.randn_like(p))
+    return model.requires_grad_(False)
+
+
+def rotary_modules(model) -> list:
+    return [m for m in model.modules() if any(n.endswith("inv_freq") for n, _ in m.named_buffers(recurse=False))]
+
+
+def rotary_state(model) -> list[dict]:
+    """Every rotary module's buffers and plain attributes (what a stateful rope rewrites), copied."""
+    return [{**{n: b.clone() for n, b in m.named_buffers(recurse=False)},
+             **{k: v for k, v in vars(m).items() if isinstance(v, (int, float, str))}} for m in rotary_modules(model)]
+
+
+def same_state(a: list[dict], b: list[dict]) -> bool:
+    return len(a) == len(b) and all(
+        x.keys() == y.keys() and all(torch.equal(x[k], y[k]) if torch.is_tensor(x[k]) else x[k] == y[k] for k in x)
+        for x, y in zip(a, b))
+
+
+def reset_rotary(model) -> None:
+    """The library's rotary modules as after loading (a length-dependent rope keeps the last call's scaling
+    otherwise): each reference starts from there, as a freshly loaded model would."""
+    for m in rotary_modules(model):
+        for name, buf in list(m.named_buffers(recurse=False)):
+            if name.endswith("original_inv_freq"):
+                m.register_buffer(name.replace("original_", ""), buf.clone(), persistent=False)
+        if hasattr(m, "original_max_seq_len"):
+            m.max_seq_len_cached = m.original_max_seq_len
+
+
+@torch.no_grad()
+def library_calls(model, ids: torch.Tensor, widths) -> list[torch.Tensor]:
+    """Logits [B, w, V] of each call of the library's cached forward over consecutive chunks of ids."""
+    reset_rotary(model)
+    with cpufast.plain(model):
+        cache, out, at = DynamicCache(config=model.config), [], 0
+        for w in widths:
+            out.append(model(input_ids=ids[:, at : at + w], past_key_values=cache, use_cache=True).logits)
+            at += w
+    return out
+
+
+def runner_calls(runner, ids: torch.Tensor, widths, capacity: int = 64) -> list[torch.Tensor]:
+    """The same calls through the runner's forward."""
+    cache, out, at = runner.new_cache(ids.shape[0], capacity), [], 0
+    for w in widths:
+        out.append(runner.forward(cache, ids[:, at : at + w], [at] * ids.shape[0]))
+        at += w
+    runner.release(cache)
+    return out
+
+
+@torch.no_grad()
+def library_greedy(model, prompt: list[int], n: int) -> list[int]:
+    reset_rotary(model)
+    ids = torch.tensor([prompt])
+    with cpufast.plain(model):
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=n,
+                             min_new_tokens=n, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def runner_greedy(runner, prompt: list[int], n: int) -> list[int]:
+    return generate(runner, Autoregressive(), [prompt], max_new_tokens=n, sampling=SamplingConfig()).output_ids[0]
+
+
+def runners(model) -> dict:
+    """The runner kinds a model runs under: plain, the CPU fast path (where oneDNN is), the static path."""
+    out = {"plain": ModelRunner(model), "static": ModelRunner(model, static=True)}
+    fast = ModelRunner(model, fast=True)
+    if fast.fast:
+        out["fast"] = fast
+    return out
+
+
+def _ids(seed: int, n: int, rows: int = 1) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (rows, n), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.fixture(scope="module", params=list(CASES))
+def case(request):
+    model_type, overrides = CASES[request.param]
+    return request.param, perturbed_model(tiny_config(model_type, **overrides), seed=len(request.param))
+
+
+# ---- tests ------------------------------------------------------------------------------------------------
+def test_logits_match_the_library_before_and_after_the_tables_grow(case):
+    name, model = case
+    ids = _ids(1, sum(WIDTHS))
+    ref = library_calls(model, ids, WIDTHS)
+    full = None if ROPES.get(name.split("-")[1], {}).get("rope_type") in LENGTH_DEPENDENT else model(ids).logits
+    if full is not None:  # the cached library calls are the uncached forward, for these rope types
+        torch.testing.assert_close(torch.cat(ref, 1), full, **TOL)
+    state = rotary_state(model)
+    for kind, runner in runners(model).items():
+        first = runner_calls(runner, ids, WIDTHS)
+        for i, (got, want) in enumerate(zip(first, ref)):
+            torch.testing.assert_close(got, want, **TOL, msg=lambda m: f"{name} {kind} call {i}: {m}")
+        cache = runner.new_cache(1, 64)  # the prefill path (chunked) gives the prompt's last logits
+        torch.testing.assert_close(runner.prefill(cache, [ids[0, :PROMPT].tolist()], chunk=7), ref[0][:, -1], **TOL)
+        runner_calls(runner, _ids(2, 600), (600, 3), capacity=700)  # a longer batch grows the tables
+        again = runner_calls(runner, ids, WIDTHS)
+        assert all(torch.equal(a, b) for a, b in zip(again, first)), f"{name} {kind}: moved after growth"
+    cpufast.disable(model)
+    assert same_state(rotary_state(model), state), "the library's rotary buffers were touched"
+
+
+def test_greedy_tokens_match_generate(case):
+    name, model = case
+    prompt = _ids(3, PROMPT)[0].tolist()
+    want = library_greedy(model, prompt, 32)
+    state = rotary_state(model)
+    for kind, runner in runners(model).items():
+        assert runner_greedy(runner, prompt, 32) == want, f"{name} {kind}"
+    cpufast.disable(model)
+    assert same_state(rotary_state(model), state)
