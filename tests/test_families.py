@@ -168,3 +168,37 @@ def test_fast_path_leaves_experts_and_gemma_norms_to_the_library():
 def test_native_list_is_the_families():
     assert set(NAMES) <= set(families.NATIVE)
     assert families.serving(tiny("gemma2").config).runner == "native"
+
+
+WINDOWED = {  # families with sliding windows -> config arguments making a window of 6 bind
+    "gemma2": dict(sliding_window=6),  # local layer 0, global layer 1
+    "gemma3_text": dict(sliding_window=6),
+    "mixtral": dict(sliding_window=6),
+    "starcoder2": dict(sliding_window=6),
+    "phi3": dict(sliding_window=6),
+    "qwen3_moe": dict(sliding_window=6, use_sliding_window=True),
+}
+
+
+@pytest.mark.parametrize("name", list(WINDOWED))
+def test_sliding_windows_that_bind(name):
+    """Windows far shorter than the sequences: logits past the window at prefill, steps and a verification,
+    greedy tokens of every runner kind equal to generate, and a speculative run equal to plain decoding."""
+    model = tiny(name, **WINDOWED[name])
+    ids = _ids(5, rows=2, n=24)
+    ref = _reference(model, ids)
+    for runner in (ModelRunner(model), ModelRunner(model, fast=True), ModelRunner(model, static=True)):
+        cache = runner.new_cache(2, 40)
+        first = runner.prefill(cache, [ids[0, :14].tolist(), ids[1, :10].tolist()], chunk=4)
+        torch.testing.assert_close(first, torch.stack([ref[0, 13], ref[1, 9]]), atol=1e-4, rtol=1e-4)
+        step = runner.forward(cache, torch.stack([ids[0, 14:15], ids[1, 10:11]]), [14, 10])
+        torch.testing.assert_close(step[:, 0], torch.stack([ref[0, 14], ref[1, 10]]), atol=1e-4, rtol=1e-4)
+        verify = runner.forward(cache, torch.stack([ids[0, 15:20], ids[1, 11:16]]), [15, 11])
+        torch.testing.assert_close(verify, torch.stack([ref[0, 15:20], ref[1, 11:16]]), atol=1e-4, rtol=1e-4)
+        prompts = _prompts(6)
+        out = generate(runner, Autoregressive(), prompts, max_new_tokens=NEW, sampling=GREEDY).output_ids
+        assert out == _library_greedy(model, prompts)
+    target = ModelRunner(model)
+    spec = generate(target, DraftModel(ModelRunner(tiny(name, seed=1, layers=1, **WINDOWED[name])), 4),
+                    _prompts(6), max_new_tokens=NEW, sampling=GREEDY)
+    assert spec.output_ids == _library_greedy(model, _prompts(6))
