@@ -177,6 +177,7 @@ WINDOWED = {  # families with sliding windows -> config arguments making a windo
     "starcoder2": dict(sliding_window=6),
     "phi3": dict(sliding_window=6),
     "qwen3_moe": dict(sliding_window=6, use_sliding_window=True),
+    "qwen2_moe": dict(sliding_window=6, use_sliding_window=True, max_window_layers=2),  # layer 0 slides
 }
 
 

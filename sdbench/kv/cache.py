@@ -5,6 +5,9 @@ slots are valid: every forward says where its tokens start (``start[b]``), write
 slots ``<= p`` for a query at position ``p``. Rewinding after a rejected draft is therefore free: the
 caller simply starts the next forward at the shorter length, and the stale slots beyond it are either
 overwritten or masked out. Storage is allocated once for the whole generation.
+
+A layer with a sliding window W (`models/windows.py`) attends to slots in (p - W, p] only; its storage stays
+full-length all the same (a ring of W slots per windowed layer would save memory, a later optimisation).
 """
 
 from __future__ import annotations
@@ -57,8 +60,7 @@ class StepIndex:
         self.kv_len = max(start) + T  # slots any query of this forward can see
         offs = torch.arange(T, device=device)
         self.positions = torch.tensor(start, device=device)[:, None] + offs  # [B, T]
-        self._mask: torch.Tensor | None = None
-        self._mask_built = False
+        self._masks: dict = {}  # window (None: causal) -> additive mask or None
 
     @classmethod
     def fixed(cls, positions: torch.Tensor, kv_len: int) -> "StepIndex":
@@ -66,18 +68,23 @@ class StepIndex:
         buffer) attend over the first kv_len slots under a mask computed on the device."""
         step = cls.__new__(cls)
         step.start, step.T, step.uniform, step.kv_len = None, positions.shape[1], False, kv_len
-        step.positions, step._mask, step._mask_built = positions, None, False
+        step.positions, step._masks = positions, {}
         return step
 
-    def causal_mask(self, dtype: torch.dtype) -> torch.Tensor | None:
-        """[B, 1, T, kv_len] additive (`additive`), built once per forward; None when every query sees every
-        slot."""
-        if not self._mask_built:
-            self._mask_built = True
-            if not (self.uniform and self.T == 1):
-                keys = torch.arange(self.kv_len, device=self.positions.device)
-                self._mask = additive((keys[None, None, :] <= self.positions[:, :, None])[:, None], dtype)
-        return self._mask
+    def causal_mask(self, dtype: torch.dtype, window: int | None = None) -> torch.Tensor | None:
+        """[B, 1, T, kv_len] additive (`additive`): a query at p sees slots <= p, and with a window W only
+        those > p - W. Built once per forward and window (every layer with that window shares it); None when
+        every query sees every slot."""
+        if window not in self._masks:
+            self._masks[window] = None
+            if not (self.uniform and self.T == 1 and (window is None or self.kv_len <= window)):
+                keys = torch.arange(self.kv_len, device=self.positions.device)[None, None, :]
+                q = self.positions[:, :, None]
+                allowed = keys <= q
+                if window is not None:
+                    allowed &= keys > q - window
+                self._masks[window] = additive(allowed[:, None], dtype)
+        return self._masks[window]
 
 
 class DenseKVCache(KVCache):
@@ -86,8 +93,10 @@ class DenseKVCache(KVCache):
     wants_queries = False
 
     def __init__(self, n_layers: int, batch: int, n_kv_heads: int, head_dim: int, capacity: int,
-                 dtype: torch.dtype, device: torch.device):
+                 dtype: torch.dtype, device: torch.device, windows: list[int | None] | None = None):
+        """windows: each layer's sliding window (None: full causal attention)."""
         shape = (batch, n_kv_heads, capacity, head_dim)
+        self.windows = list(windows) if windows else [None] * n_layers
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
         self.capacity = capacity
@@ -110,4 +119,8 @@ class DenseKVCache(KVCache):
             # advanced indices on dims 0 and 2 put (B, T) first: [B, T, H_kv, D]
             kc[rows, :, step.positions] = k.transpose(1, 2)
             vc[rows, :, step.positions] = v.transpose(1, 2)
-        return kc[:, :, : step.kv_len], vc[:, :, : step.kv_len], step.causal_mask(kc.dtype)
+        window = self.windows[layer]
+        if step.uniform and step.T == 1 and window is not None:  # one query position: slice, no mask
+            lo = max(0, step.kv_len - window)
+            return kc[:, :, lo : step.kv_len], vc[:, :, lo : step.kv_len], None
+        return kc[:, :, : step.kv_len], vc[:, :, : step.kv_len], step.causal_mask(kc.dtype, window)

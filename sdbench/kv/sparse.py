@@ -12,6 +12,10 @@ budget keys once the context is long enough: the draft's cost stays flat as cont
 prompt leaves static slots unused gives them to its window, so a budget at least as long as the context
 attends to everything, exactly like the full cache.
 Keys are stored already rotated at their true positions.
+
+A layer with its own sliding window W (`models/windows.py`) also drops every key at or below q - W, ring or
+static: static slots record their true positions per layer and KV head (`static_pos`; SnapKV picks them per
+layer and head), so such a layer's mask is per KV head, made for all the layers of one window at once.
 """
 
 from __future__ import annotations
@@ -61,9 +65,13 @@ class SparseKVCache(KVCache):
     wants_queries = False
 
     def __init__(self, n_layers: int, batch: int, n_kv_heads: int, head_dim: int, n_static: int, ring: int,
-                 dtype: torch.dtype, device: torch.device):
-        """ring: slots for the largest window plus one step's speculative tokens (and two spare)."""
+                 dtype: torch.dtype, device: torch.device, windows: list[int | None] | None = None,
+                 n_heads: int | None = None):
+        """ring: slots for the largest window plus one step's speculative tokens (and two spare); windows: each
+        layer's own sliding window (None: none); n_heads: query heads (a windowed layer's mask is per head)."""
         self.n_static = n_static
+        self.windows = list(windows) if windows else [None] * n_layers
+        self.group = (n_heads or n_kv_heads) // n_kv_heads
         self.ring = ring
         size = n_static + self.ring
         self.window = torch.zeros(batch, dtype=torch.long, device=device)  # [B] recent positions attended
@@ -71,12 +79,14 @@ class SparseKVCache(KVCache):
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
         self.slot_pos = torch.full((batch, size), -1, dtype=torch.long, device=device)  # position per slot
+        # static slots' true positions [L, B, H_kv, n_static] (-1: unused), read by windowed layers only
+        self.static_pos = torch.full((n_layers, batch, n_kv_heads, n_static), -1, dtype=torch.long, device=device)
         self.floor = torch.zeros(batch, dtype=torch.long, device=device)
         self.capacity = 1 << 62  # positions are unbounded: the ring wraps
         self._rows = torch.arange(batch, device=device)[:, None]
         self._step: StepIndex | None = None  # the forward the next three were made for
         self._at: slice | torch.Tensor | None = None  # its slots
-        self._mask: torch.Tensor | None = None  # [B, 1, T, slots] additive
+        self._masks: list = []  # per layer, its additive mask: [B, 1, T, slots], or [B, Hq, T, slots] if windowed
         self.static_kv_len = size  # a static-shape forward attends over every slot (masked), as always
         self.graphs: dict = {}  # (B, T) -> StaticForward captured over this cache's storage
         self.pool_key = None
@@ -85,8 +95,10 @@ class SparseKVCache(KVCache):
         """Empty the cache (in place: captured graphs keep reading the same tensors) for a new generation."""
         self.window.copy_(window)
         self.slot_pos.fill_(-1)
+        self.static_pos.fill_(-1)
         self.floor.zero_()
-        self._step = self._at = self._mask = None
+        self._step = self._at = None
+        self._masks = []
 
     def ring_slots(self, positions):
         """Slot of each position (a tensor, or one int)."""
@@ -103,7 +115,7 @@ class SparseKVCache(KVCache):
         else:
             self.k[layer][self._rows, :, at] = k.transpose(1, 2)
             self.v[layer][self._rows, :, at] = v.transpose(1, 2)
-        return self.k[layer], self.v[layer], self._mask
+        return self.k[layer], self.v[layer], self._masks[layer]
 
     def _begin(self, step: StepIndex, dtype: torch.dtype) -> None:
         """Where this forward's keys go, shared by every layer: one run of slots for all rows when the rows
@@ -115,7 +127,7 @@ class SparseKVCache(KVCache):
             if first + step.T <= self.n_static + self.ring:
                 self._at = slice(first, first + step.T)
         self.slot_pos[self._rows, slots] = step.positions
-        self._mask, self._step = additive(self._attend_mask(step.positions), dtype), step
+        self._masks, self._step = self._layer_masks(step.positions, dtype), step
 
     def _attend_mask(self, q: torch.Tensor) -> torch.Tensor:
         """[B, 1, T, slots] bool for queries at positions q [B, T]."""
@@ -125,6 +137,37 @@ class SparseKVCache(KVCache):
         recent = (~is_static) & (pos >= self.floor[:, None, None]) & (pos <= q[..., None]) & (
             pos > q[..., None] - self.window[:, None, None])
         return (static | recent)[:, None]
+
+    def _layer_masks(self, q: torch.Tensor, dtype: torch.dtype) -> list:
+        """Each layer's additive mask for queries at q [B, T]: one shared by the layers without a window of
+        their own, and for the others one batch per window (`_windowed`)."""
+        allowed = self._attend_mask(q)
+        by_window: dict = {}
+        for layer, w in enumerate(self.windows):
+            by_window.setdefault(w, []).append(layer)
+        masks: list = [None] * len(self.windows)
+        for w, layers in by_window.items():
+            if w is None:
+                made = [additive(allowed, dtype)] * len(layers)
+            else:
+                made = self._windowed(allowed, q, w, layers, dtype)
+            for layer, mask in zip(layers, made):
+                masks[layer] = mask
+        return masks
+
+    def _windowed(self, allowed: torch.Tensor, q: torch.Tensor, w: int, layers: list[int], dtype) -> list:
+        """Masks of `layers` (window w): `allowed` [B, 1, T, S] less the keys at or below q - w; static slots by
+        their true position per layer and KV head, so then a mask per layer, per query head [B, Hq, T, S]."""
+        lo = q[:, None, :, None] - w  # [B, 1, T, 1]
+        recent = allowed[..., self.n_static :] & (self.slot_pos[:, None, None, self.n_static :] > lo)
+        if not self.n_static:
+            return [additive(recent, dtype)] * len(layers)
+        sp = self.static_pos[layers][:, :, :, None, :]  # [l, B, H, 1, n]
+        static = (sp >= 0) & (sp > lo[None])  # [l, B, H, T, n]
+        both = torch.cat((static, recent[None].expand(*static.shape[:-1], recent.shape[-1])), dim=-1)
+        l, B, H, T, S = both.shape  # query head h reads KV head h // group, as the attention does
+        both = both[:, :, :, None].expand(l, B, H, self.group, T, S).reshape(l, B, H * self.group, T, S)
+        return list(additive(both, dtype).unbind(0))
 
 
 class ScoringView(KVCache):
@@ -147,7 +190,9 @@ class ScoringView(KVCache):
 
     def update(self, layer: int, k, v, step: StepIndex):
         keys = self.dense.k[layer]
-        return keys[:, :, : step.kv_len], self.dense.v[layer][:, :, : step.kv_len], step.causal_mask(keys.dtype)
+        mask = step.causal_mask(keys.dtype, self.dense.windows[layer])  # a mask even for one query: the scores'
+        # columns must stay the cache's positions
+        return keys[:, :, : step.kv_len], self.dense.v[layer][:, :, : step.kv_len], mask
 
     def queries(self, layer: int, q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor | None) -> None:
         # q [B, Hq, T, D]; keys [B, H_kv, S, D]
@@ -194,6 +239,7 @@ def filled_for_profile(runner, batch: int, context: int, sink: int, window: int,
     for t in cache.k + cache.v:
         t.normal_(0, 0.1)
     cache.slot_pos[:, :sink] = 0
+    cache.static_pos[:] = torch.arange(sink, device=cache.slot_pos.device)
     recent = torch.arange(context - window, context, device=cache.slot_pos.device)
     cache.slot_pos[:, cache.ring_slots(recent)] = recent
     cache.floor[:] = sink
@@ -231,8 +277,9 @@ def _fill(cache: SparseKVCache, dense: DenseKVCache, layer: int, static: torch.T
         gather = static[..., None].expand(B, H, n, D)
         cache.k[layer][:, :, :n] = dense.k[layer].gather(2, gather)
         cache.v[layer][:, :, :n] = dense.v[layer].gather(2, gather)
-        if layer == 0:  # static slots only need validity: they always lie below the window
+        if layer == 0:  # for the sparse window, static slots only need validity: they always lie below it
             cache.slot_pos[:, :n] = torch.where(valid, 0, -1)
+        cache.static_pos[layer] = torch.where(valid[:, None], static, -1)  # a layer's own window needs them
     for b in range(B):  # the most recent positions into the ring
         lo = max(int(cache.floor[b]), int(P[b]) - int(cache.window[b]))
         positions = torch.arange(lo, int(P[b]), device=P.device)

@@ -7,7 +7,9 @@ gate/up), median of 7, rows 1 / 2 / 5 / 8: stock 4.9 / 11.0 / 17.7 / 16.5 ms; `W
 9.2; oneDNN on the plain weight 3.8 / 6.2 / 7.1 / 8.2; oneDNN on its packed layout (packed for 5 rows) 3.8 /
 4.0 / 5.1 / 5.9, with prefill-sized chunks (64 rows) no slower than the others. So:
 
-- q/k/v are fused into one product and gate/up into another (7 products per layer become 4);
+- q/k/v are fused into one product and gate/up into another (7 products per layer become 4; Phi-3's are
+  fused already, StarCoder2's plain MLP packs its two products, a mixture of experts stays the library's
+  own module);
 - every fused projection is packed once into oneDNN's layout, which then is the only copy: the modules'
   own weights are emptied while packed, and `unpack` gives them back exactly (a reorder moves values, it
   does not round them). A model is packed by the first fast forward and unpacked by the first plain one
@@ -15,7 +17,8 @@ gate/up), median of 7, rows 1 / 2 / 5 / 8: stock 4.9 / 11.0 / 17.7 / 16.5 ms; `W
 - a vocabulary head tied to the embedding table stays plain, since the lookup needs that table: oneDNN
   reads it as it is for one row (about memory speed, 2x the stock product) and `W @ x^T` is faster for more;
   an untied head is packed like the rest;
-- RMSNorm runs as one op (`F.rms_norm`) instead of the module's five;
+- Llama's RMSNorm runs as one op (`F.rms_norm`) instead of the module's five (the runner decides from the
+  family: Gemma's (1 + w) norm and StarCoder2's LayerNorm stay modules);
 - the first packing also copies the weights it does not pack (embeddings, norms) into the process's own
   memory: a model loaded from memory-mapped safetensors then holds no reference into the file, the mapping
   goes, and the process's resident size is the packed weights alone (without this, the embedding alone kept

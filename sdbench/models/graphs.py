@@ -42,8 +42,8 @@ class StaticForward:
         self.positions = torch.zeros(batch, width, dtype=torch.long, device=dev)
         self.offsets = torch.arange(width, dtype=torch.long)
         # {layer type: (cos, sin')} [B, 1, T, Dr], filled per call
-        self.rope = {t: tuple(torch.zeros_like(x) for x in pair)
-                     for t, pair in runner.rotary.for_forward(self.positions, width).items()}
+        self.cos_sin = {t: tuple(torch.zeros_like(x) for x in pair)
+                        for t, pair in runner.rotary.for_forward(self.positions, width).items()}
         self.graph = None
         self.out = None
 
@@ -51,14 +51,15 @@ class StaticForward:
         return StepIndex.fixed(self.positions, self.cache.static_kv_len)
 
     def _eager(self) -> torch.Tensor:
-        return self.runner.logits(self.runner.hidden(self.cache, self.tokens, None, step=self._step(), rope=self.rope))
+        return self.runner.logits(self.runner.hidden(self.cache, self.tokens, None, step=self._step(),
+                                                     cos_sin=self.cos_sin))
 
     def __call__(self, tokens: torch.Tensor, start: list[int]) -> torch.Tensor:
         self.tokens.copy_(tokens, non_blocking=True)
         self.positions.copy_(torch.tensor(start, dtype=torch.long)[:, None] + self.offsets, non_blocking=True)
         for t, (cos, sin) in self.runner.rotary.for_forward(self.positions, max(start) + len(self.offsets)).items():
-            self.rope[t][0].copy_(cos)
-            self.rope[t][1].copy_(sin)
+            self.cos_sin[t][0].copy_(cos)
+            self.cos_sin[t][1].copy_(sin)
         if not self.runner.graphs:
             return self._eager()
         if self.graph is not None:

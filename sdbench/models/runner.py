@@ -1,10 +1,10 @@
 """ModelRunner: sdbench's own forward pass over a Hugging Face decoder's weights.
 
-The runner borrows the loaded model's modules (embeddings, projections, MLPs, norms) and owns attention, the
-rotary embedding (`models/rotary.py`: computed from the config, the library's module is never called) and the
-KV cache, so that every strategy sees the same position-indexed cache: several new
-tokens per row, each row at its own position, rewind by starting the next forward earlier. Logits match the
-library's own forward (tests check this on random tiny models).
+The runner borrows the loaded model's modules (embeddings, projections, MLPs, norms) and owns attention (with
+sliding windows, `models/windows.py`), the rotary embedding (`models/rotary.py`: computed from the config; the
+library's module is never called) and the KV cache, so that every strategy sees the same position-indexed
+cache: several new tokens per row, each row at its own position, rewind by starting the next forward earlier.
+Logits match the library's own forward (tests/test_runner_fidelity.py checks this on random tiny models).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from sdbench.models.families import NATIVE, family
 from sdbench.engine.state import needed_capacity
 from sdbench.models.graphs import CAPACITY_STEP, CachePool, StaticForward
 from sdbench.models.rotary import Rotary, rope
+from sdbench.models.windows import layer_windows
 from sdbench.padding import right_pad
 
 SUPPORTED = NATIVE  # kept for callers that name it
@@ -67,8 +68,6 @@ class ModelRunner:
                 f"model '{name or cfg.model_type}' has architecture '{cfg.model_type}', which sdbench's runner "
                 f"does not support yet (supported: {', '.join(SUPPORTED)})"
             )
-        if getattr(cfg, "sliding_window", None) and getattr(cfg, "use_sliding_window", False):
-            raise SdbenchError(f"model '{name}' uses sliding-window attention, which the runner does not support")
         model.requires_grad_(False)
         self.model = model
         self.name = name
@@ -85,6 +84,7 @@ class ModelRunner:
         p = self.lm_head.weight
         self.device, self.dtype = p.device, p.dtype
         self.rotary = Rotary(cfg, self.device, self.dtype)  # cos/sin per layer type (`rotary.layer_types`)
+        self.windows = layer_windows(cfg)  # per layer: its sliding window, or None
         self.graphs = bool(fast) and self.device.type == "cuda"
         self.static = self.graphs if static is None else static
         self.pool = CachePool()
@@ -114,7 +114,7 @@ class ModelRunner:
         cache = self.pool.take(key, capacity) if self.static else None
         if cache is None:
             cache = DenseKVCache(len(self.layers), batch, self.n_kv_heads, self.head_dim, capacity,
-                                 self.dtype, self.device)
+                                 self.dtype, self.device, self.windows)
             cache.pool_key = key if self.static else None
         return cache
 
@@ -125,7 +125,7 @@ class ModelRunner:
         cache = self.pool.take(key) if self.static else None
         if cache is None:
             cache = SparseKVCache(len(self.layers), batch, self.n_kv_heads, self.head_dim, n_static, ring,
-                                  self.dtype, self.device)
+                                  self.dtype, self.device, self.windows, self.n_heads)
             cache.pool_key = key if self.static else None
         cache.reset(window)
         return cache
@@ -142,16 +142,16 @@ class ModelRunner:
     # ---- forward ----------------------------------------------------------------------------------------
     @torch.inference_mode()
     def hidden(self, cache: KVCache, tokens: torch.Tensor, start: list[int] | None,
-               step: StepIndex | None = None, rope: dict | None = None, seq_len: int | None = None) -> torch.Tensor:
+               step: StepIndex | None = None, cos_sin: dict | None = None, seq_len: int | None = None) -> torch.Tensor:
         """Final-norm hidden states [B, T, H] for tokens [B, T] placed at positions start[b] + t.
 
-        step, rope: a prepared (static) StepIndex instead of `start`, with its cos/sin per layer type
+        step, cos_sin: a prepared (static) StepIndex instead of `start`, with its cos/sin per layer type
         (`Rotary.for_forward`); seq_len: the length whose rotary scaling the forward uses (default: its largest
         position + 1; a chunked prefill passes the whole prompt's, as the library computes it in one call)."""
         if step is None:
             step = StepIndex(start, tokens.shape[1], self.device)
-        if rope is None:
-            rope = self.rotary.for_forward(step.positions, seq_len or step.kv_len)
+        if cos_sin is None:
+            cos_sin = self.rotary.for_forward(step.positions, seq_len or step.kv_len)
         if self._fast is not None:
             self._fast.pack()
         else:
@@ -163,7 +163,7 @@ class ModelRunner:
         r = fam.residual_scale
         for i, layer in enumerate(self.layers):
             fast = self._fast_layers[i] if self._fast_layers else None
-            cos, sin = rope[self.rotary.layer_types[i]]
+            cos, sin = cos_sin[self.rotary.layer_types[i]]
             attn_in, attn_out, mlp_in, mlp_out = self._norms[i]  # Llama: (input, None, post_attention, None)
             x = h if attn_in is None else self._norm(attn_in, h)
             a = self._attention(layer.self_attn, fast, x, cache, i, step, cos, sin)
