@@ -127,6 +127,22 @@ def test_speculative_decoding_equals_plain_decoding(model):
     assert spec.output_ids == plain.output_ids
 
 
+@pytest.mark.parametrize("name", ["gemma2", "phi3"])
+@pytest.mark.parametrize("draft_kv", ["streamingllm", "snapkv"])
+def test_sparse_draft_caches_run_the_families(name, draft_kv):
+    """The model drafting for itself over a sparse view of its cache (soft-capped attention under the view's
+    mask; fused q/k/v with partial rotary): with a budget covering the context the view is the whole cache,
+    so every draft is accepted; with a small one, decoding stays that of plain decoding."""
+    target = ModelRunner(tiny(name))
+    prompts = [p * 4 for p in _prompts(4)]  # longer than the small budget
+    plain = generate(target, Autoregressive(), prompts, max_new_tokens=16, sampling=GREEDY).output_ids
+    for budget in (256, 16):
+        proposer = DraftModel(target, 3, draft_kv=draft_kv, budget=budget, sink=4, window=4)
+        out = generate(target, proposer, prompts, max_new_tokens=16, sampling=GREEDY)
+        assert out.output_ids == plain
+        assert budget < 256 or all(row.steps <= 16 // 4 + 1 for row in out.rows)
+
+
 def _differences(name: str) -> list[str]:
     """The family's fields that are not Llama's, but `rms_norm` (whether the fast path may run the norms as
     one op: no maths of its own, and the fast-path logits test fails without it)."""
