@@ -35,6 +35,7 @@ Sets = Annotated[Optional[list[str]], typer.Option("--set", help="strategy setti
 Out = Annotated[str, typer.Option(help="folder for the Parquet results")]
 Baseline = Annotated[bool, typer.Option("--baseline/--no-baseline", help="also run plain decoding on the same prompts")]
 Fast = Annotated[bool, typer.Option("--fast/--no-fast", help="the runner's fast path (CPU: oneDNN-packed projections)")]
+Probe = Annotated[bool, typer.Option("--probe/--no-probe", help="compare each model's logits with the library's own forward before running (refuse, or fall back to the generic runner, past the tolerance)")]
 Resume = Annotated[Optional[str], typer.Option(help="continue an interrupted run: its RUN_ID")]
 Turns = Annotated[Optional[int], typer.Option(help="turns of each multi-turn question to decode [default: all; MT-Bench: 2]")]
 PromptField = Annotated[Optional[str], typer.Option("--prompt-field", help="--dataset FILE: the field holding the prompt (a string or a list of turns)")]
@@ -84,7 +85,7 @@ def run(
     prompt_len: PromptLen = None, device: Device = "auto", dtype: Dtype = "float32", repeats: Repeats = 1,
     set_: Sets = None, out: Out = C.DEFAULT_OUT, baseline: Baseline = True, resume: Resume = None, fast: Fast = True,
     turns: Turns = None, prompt_field: PromptField = None, category_field: CategoryField = None, id_field: IdField = None,
-    depth: Depth = None,
+    depth: Depth = None, probe: Probe = True,
 ):
     """Run a strategy and the plain-decoding baseline on the same prompts; print tables, write Parquet."""
     from sdbench.commands.run import Bench, load_config
@@ -97,6 +98,7 @@ def run(
         gammas=parse_gammas(gamma), prompt_len=prompt_len, device=device, dtype=dtype, repeats=repeats, options=parse_sets(set_),
         out=out, baseline=baseline, resume=resume, fast=fast, turns=turns, depths=parse_depths(depth),
         fields={k: v for k, v in (("prompt", prompt_field), ("category", category_field), ("id", id_field)) if v},
+        probe=probe,
     )
     if resume:
         cfg = load_config(out, resume)
@@ -151,6 +153,7 @@ def tune(
     storage: Annotated[Optional[str], typer.Option(help="Optuna storage URL, e.g. postgresql://... [default: sqlite:///OUT/tune.db]")] = None,
     study: Annotated[Optional[str], typer.Option(help="study name [default: sdbench-TARGET-STRATEGY-DATASET-HARDWARE]")] = None,
     preset: Annotated[Optional[str], typer.Option(help="preset for the best settings [default: tuned-STRATEGY-TARGET]")] = None,
+    probe: Probe = True,
 ):
     """Search a strategy's settings with Optuna on a fixed prompt subset; write the best as a preset."""
     from sdbench.commands.tune import tune as run_tune
@@ -158,7 +161,7 @@ def tune(
     run_cfg = C.RunConfig(
         target=target, drafts=tuple(draft or ()), strategy=strategy, dataset=dataset, limit=limit,
         max_new_tokens=max_new_tokens, batch_size=batch_size, sampling=C.SamplingConfig(0.0, 1.0, seed),
-        prompt_len=prompt_len, device=device, dtype=dtype, repeats=repeats, out=out,
+        prompt_len=prompt_len, device=device, dtype=dtype, repeats=repeats, out=out, probe=probe,
     )
     run_tune(C.TuneConfig(run_cfg, trials, timeout, objective, storage, study, preset), console)
 

@@ -229,6 +229,7 @@ class Bench:
             "target": cfg.target, "dataset": _label(cfg), "batch_size": cfg.batch_size,
             "temperature": cfg.sampling.temperature, "top_p": cfg.sampling.top_p, "seed": cfg.sampling.seed,
             "fast": bool(getattr(pair.target, "fast", False)), "max_new_tokens": cfg.max_new_tokens,
+            **pair.fidelity(),
         }
 
     def _describe(self, role: str, proposer) -> tuple[str, str, str]:
