@@ -107,6 +107,22 @@ def run(
     console.print(f"results: {path}")
 
 
+@app.command()
+def check(
+    model: Annotated[str, typer.Argument(help="target model: alias, Hugging Face id, folder or .gguf")],
+    draft: Draft = None, device: Device = "auto", dtype: Dtype = "float32", fast: Fast = True,
+    context: Annotated[int, typer.Option(help="positions the probe reaches: the longest context your benchmark will use")] = 1024,
+    tokens: Annotated[int, typer.Option(help="greedy tokens in the short lossless run")] = 16,
+):
+    """Load the models, probe each against the library's forward, and run a few greedy tokens (the target
+    against the library's generate, each draft against plain decoding); exit 1 on any failure."""
+    from sdbench.commands.check import run_check
+
+    code = run_check(model, list(draft or ()), device, dtype, fast, context, tokens, console)
+    if code:
+        raise typer.Exit(code)
+
+
 @app.command("list")
 def list_(what: Annotated[str, typer.Argument(help="strategies, datasets or models")]):
     """What is registered, and whether each model/dataset is available offline right now."""

@@ -82,7 +82,7 @@ class GenericRunner:
         self.config = model.config
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
-        self.vocab_size = model.get_output_embeddings().weight.shape[0]
+        self.vocab_size = model.config.get_text_config().vocab_size  # (a packed head's own weight is empty)
         self._keeps = "logits_to_keep" in inspect.signature(model.forward).parameters
 
     # ---- caches -----------------------------------------------------------------------------------------

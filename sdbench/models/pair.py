@@ -55,8 +55,8 @@ class Pair:
         outcome = "skipped"
         if self.probes:
             outcome = "fallback" if any(p.fallback for p in self.probes) else "passed"
-        return {"runner": runner_kind(self.target), "probe": outcome,
-                "probe_gap": max((p.gap for p in self.probes), default=None)}
+        gaps = [p.gap for p in self.probes if p.gap is not None]
+        return {"runner": runner_kind(self.target), "probe": outcome, "probe_gap": max(gaps, default=None)}
 
 
 def load_pair(cfg: RunConfig, device: torch.device, dtype: torch.dtype, console: Console) -> Pair:
