@@ -147,3 +147,23 @@ def test_sparse_caches_are_refused_in_one_line(generic, prompts):
     with pytest.raises(SdbenchError, match="generic runner .* need the native runner") as refused:
         generate(generic, proposer, prompts, max_new_tokens=4, sampling=GREEDY)
     assert "\n" not in str(refused.value)
+
+
+def test_bench_measures_the_generic_runner_beside_the_native_one():
+    """`sdbench bench` on a model both runners compute: a generic-runner row after the native ones, with the
+    same greedy output as generate."""
+    from types import SimpleNamespace
+
+    from sdbench.commands.bench import GENERIC_ROW, _systems
+    from sdbench.models.runner import ModelRunner
+    from tests.conftest import tiny_model
+
+    model = perturbed(tiny_model(0), 0)
+    loaded = SimpleNamespace(model=model)
+    native = ModelRunner(model, "tiny")
+    systems = _systems(loaded, loaded, native, native, native, 8, [95], 64, 2, GenericRunner(model, "tiny"))
+    names = [name for name, _, _ in systems]
+    assert names.index(GENERIC_ROW) == names.index("sdbench autoregressive") + 1
+    prompt = [5, 17, 42, 8, 3]
+    outputs = {name: fn(prompt, None) for name, fn, _ in systems}
+    assert len(set(map(tuple, outputs.values()))) == 1 and outputs[GENERIC_ROW]

@@ -33,7 +33,7 @@ class Checked:
     runner: str = "–"
     gaps: dict = field(default_factory=dict)  # phase -> the probe's largest relative gap
     tolerance: float | None = None
-    tokenizer: str = "–"  # "same as target", or what differs
+    tokenizer: str = "–"  # the target's: "same", "differs", or "same model" (the target drafting for itself)
     weights: int | None = None  # bytes
     greedy: str = "–"  # the short lossless run: "✓", "✗" or "–" (not run)
     problems: list[str] = field(default_factory=list)  # one line each
@@ -64,7 +64,8 @@ def run_check(target: str, drafts: list[str], device: str, dtype: str, fast: boo
         row = Checked(name, "draft")
         rows.append(row)
         if name == target:  # the target drafting for itself: the same runner, already checked
-            row.runner, row.gaps, row.tolerance, row.tokenizer = rows[0].runner, rows[0].gaps, rows[0].tolerance, "same model"
+            row.runner, row.gaps, row.tolerance = rows[0].runner, rows[0].gaps, rows[0].tolerance
+            row.tokenizer = "same model"
             draft = runner
         else:
             draft = _draft(row, name, target, loaded, dev, dt, fast, context, console)
@@ -127,7 +128,7 @@ def _draft(row: Checked, name: str, target: str, loaded, dev, dt, fast: bool, co
         base = split_variant(name)[0]
         if loaded is not None:
             check_same_tokenizer(loaded.tokenizer, load_tokenizer(base), target, base)
-            row.tokenizer = "same as target"
+            row.tokenizer = "same"
         if split_variant(name)[1]:
             if loaded is None:
                 raise SdbenchError(f"model '{name}': a variant is made from loaded weights, and '{target}' "
@@ -192,7 +193,8 @@ def _lossless(row: Checked, target, draft, prompt: list[int], tokens: int, plain
 def _table(rows: list[Checked], dev, dtype: str, context: int, tokens: int) -> Table:
     table = Table(title=f"sdbench check · {dev} {dtype} · probe over {context} positions · {tokens} greedy tokens")
     for col in ("model", "role", "runner", *(f"{p} gap" for p in PHASES), "tokenizer", "weights", "greedy", ""):
-        table.add_column(col, justify="right" if col.endswith("gap") or col == "weights" else "left")
+        table.add_column(col, justify="right" if col.endswith("gap") or col == "weights" else "left",
+                         no_wrap=col in ("model", "runner"))
     for r in rows:
         gaps = [f"{r.gaps[p]:.1e}" if p in r.gaps else "–" for p in PHASES]
         weights = f"{r.weights / 2**20:,.1f} MiB" if r.weights is not None else "–"
@@ -201,5 +203,6 @@ def _table(rows: list[Checked], dev, dtype: str, context: int, tokens: int) -> T
     tol = next((r.tolerance for r in rows if r.tolerance is not None), None)
     table.caption = ("gap: the largest |runner - library| / max(1, max |logit|) over the probed positions"
                      + (f"; tolerance {tol:g}" if tol is not None else "")
-                     + "; greedy: the target against the library's generate, a draft against the target's plain decoding")
+                     + "; tokenizer: a draft's against the target's; greedy: the target against the library's "
+                     "generate, a draft against the target's plain decoding")
     return table
