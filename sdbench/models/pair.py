@@ -59,16 +59,18 @@ class Pair:
         return {"runner": runner_kind(self.target), "probe": outcome, "probe_gap": max(gaps, default=None)}
 
 
-def load_pair(cfg: RunConfig, device: torch.device, dtype: torch.dtype, console: Console) -> Pair:
+def load_pair(cfg: RunConfig, device: torch.device, dtype: torch.dtype, console: Console,
+              native: dict[str, str] | None = None) -> Pair:
     """Load the target and drafts, each on the runner its config calls for, then probe every runner against
     the library's forward (unless cfg.probe is off), falling back to the generic runner where a native one
-    fails and the run allows it."""
+    fails and the run allows it. native: model name -> what of the run needs it on the native runner
+    (`strategies.native_needed(cfg)`; a model the generic runner serves is then refused before loading)."""
     from sdbench.data.prompts import run_positions
     from sdbench.models.loader import eos_token_ids, load_model
     from sdbench.models.variants import split_variant, variant_runner
 
     check_tokenizers(cfg)
-    native = native_needed(cfg)
+    native = native or {}
     refuse_early(cfg, native)
     with console.status(f"loading target {cfg.target}"):
         target = load_model(cfg.target, device, dtype)
@@ -98,19 +100,6 @@ def load_pair(cfg: RunConfig, device: torch.device, dtype: torch.dtype, console:
 
     probe_pair(pair, run_positions(cfg, pair, cfg.gamma or DEFAULT_GAMMA), native, console)
     return pair
-
-
-def native_needed(cfg: RunConfig) -> dict[str, str]:
-    """Model name -> what in the run needs it on the native runner (sparse KV caches live in its attention)."""
-    from sdbench.strategies import resolve_strategy
-
-    choice = resolve_strategy(cfg.strategy)
-    kv = str({**choice.options, **cfg.options}.get("draft_kv", "dense"))
-    if choice.base == "magicdec":
-        return {cfg.target: "MagicDec's sparse draft cache"}
-    if choice.base == "draft" and kv != "dense":
-        return {name: f"the sparse draft cache (--set draft_kv={kv})" for name in cfg.drafts if name != NGRAM_DRAFT}
-    return {}
 
 
 def pick_runner(model, name: str, fast: bool, needs_native: str | None = None):
