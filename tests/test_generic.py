@@ -167,3 +167,12 @@ def test_bench_measures_the_generic_runner_beside_the_native_one():
     prompt = [5, 17, 42, 8, 3]
     outputs = {name: fn(prompt, None) for name, fn, _ in systems}
     assert len(set(map(tuple, outputs.values()))) == 1 and outputs[GENERIC_ROW]
+
+
+def test_a_model_with_a_recurrent_state_is_refused_in_one_line():
+    from transformers import MambaConfig, MambaForCausalLM
+
+    model = MambaForCausalLM(MambaConfig(vocab_size=VOCAB, hidden_size=16, num_hidden_layers=1, state_size=4))
+    with pytest.raises(SdbenchError, match="^model 'tiny-mamba' keeps a recurrent state") as refused:
+        GenericRunner(model, "tiny-mamba")
+    assert "\n" not in str(refused.value)

@@ -220,3 +220,9 @@ def test_sparse_caches_on_a_generic_model_are_refused_before_loading(folders, tm
     code, _, err = run_cli(capsys, "run", *argv, *RUN, "--out", str(tmp_path))
     line = one_line_error(code, err)
     assert f"model '{folders['gpt2']}' runs on the generic runner" in line and "needs the native runner" in line
+
+
+def test_an_int8_copy_of_a_generic_model_is_one_line(folders, tmp_path, capsys):
+    code, _, err = run_cli(capsys, "run", "--target", folders["gpt2"], "--draft", folders["gpt2"] + "@int8",
+                           "--strategy", "draft", *RUN, "--out", str(tmp_path))
+    assert "runs on the generic runner" in one_line_error(code, err)
