@@ -35,6 +35,7 @@ Sets = Annotated[Optional[list[str]], typer.Option("--set", help="strategy setti
 Out = Annotated[str, typer.Option(help="folder for the Parquet results")]
 Baseline = Annotated[bool, typer.Option("--baseline/--no-baseline", help="also run plain decoding on the same prompts")]
 Fast = Annotated[bool, typer.Option("--fast/--no-fast", help="the runner's fast path (CPU: oneDNN-packed projections)")]
+Probe = Annotated[bool, typer.Option("--probe/--no-probe", help="compare each model's logits with the library's own forward before running (refuse, or fall back to the generic runner, past the tolerance)")]
 Resume = Annotated[Optional[str], typer.Option(help="continue an interrupted run: its RUN_ID")]
 Turns = Annotated[Optional[int], typer.Option(help="turns of each multi-turn question to decode [default: all; MT-Bench: 2]")]
 PromptField = Annotated[Optional[str], typer.Option("--prompt-field", help="--dataset FILE: the field holding the prompt (a string or a list of turns)")]
@@ -84,7 +85,7 @@ def run(
     prompt_len: PromptLen = None, device: Device = "auto", dtype: Dtype = "float32", repeats: Repeats = 1,
     set_: Sets = None, out: Out = C.DEFAULT_OUT, baseline: Baseline = True, resume: Resume = None, fast: Fast = True,
     turns: Turns = None, prompt_field: PromptField = None, category_field: CategoryField = None, id_field: IdField = None,
-    depth: Depth = None,
+    depth: Depth = None, probe: Probe = True,
 ):
     """Run a strategy and the plain-decoding baseline on the same prompts; print tables, write Parquet."""
     from sdbench.commands.run import Bench, load_config
@@ -97,12 +98,29 @@ def run(
         gammas=parse_gammas(gamma), prompt_len=prompt_len, device=device, dtype=dtype, repeats=repeats, options=parse_sets(set_),
         out=out, baseline=baseline, resume=resume, fast=fast, turns=turns, depths=parse_depths(depth),
         fields={k: v for k, v in (("prompt", prompt_field), ("category", category_field), ("id", id_field)) if v},
+        probe=probe,
     )
     if resume:
         cfg = load_config(out, resume)
     path = Bench(cfg, console).run()
     print_report(read_results([path]), console)
     console.print(f"results: {path}")
+
+
+@app.command()
+def check(
+    model: Annotated[str, typer.Argument(help="target model: alias, Hugging Face id, folder or .gguf")],
+    draft: Draft = None, device: Device = "auto", dtype: Dtype = "float32", fast: Fast = True,
+    context: Annotated[int, typer.Option(help="positions the probe reaches: the longest context your benchmark will use")] = 1024,
+    tokens: Annotated[int, typer.Option(help="greedy tokens in the short lossless run")] = 16,
+):
+    """Load the models, probe each against the library's forward, and run a few greedy tokens (the target
+    against the library's generate, each draft against plain decoding); exit 1 on any failure."""
+    from sdbench.commands.check import run_check
+
+    code = run_check(model, list(draft or ()), device, dtype, fast, context, tokens, console)
+    if code:
+        raise typer.Exit(code)
 
 
 @app.command("list")
@@ -151,6 +169,7 @@ def tune(
     storage: Annotated[Optional[str], typer.Option(help="Optuna storage URL, e.g. postgresql://... [default: sqlite:///OUT/tune.db]")] = None,
     study: Annotated[Optional[str], typer.Option(help="study name [default: sdbench-TARGET-STRATEGY-DATASET-HARDWARE]")] = None,
     preset: Annotated[Optional[str], typer.Option(help="preset for the best settings [default: tuned-STRATEGY-TARGET]")] = None,
+    probe: Probe = True,
 ):
     """Search a strategy's settings with Optuna on a fixed prompt subset; write the best as a preset."""
     from sdbench.commands.tune import tune as run_tune
@@ -158,7 +177,7 @@ def tune(
     run_cfg = C.RunConfig(
         target=target, drafts=tuple(draft or ()), strategy=strategy, dataset=dataset, limit=limit,
         max_new_tokens=max_new_tokens, batch_size=batch_size, sampling=C.SamplingConfig(0.0, 1.0, seed),
-        prompt_len=prompt_len, device=device, dtype=dtype, repeats=repeats, out=out,
+        prompt_len=prompt_len, device=device, dtype=dtype, repeats=repeats, out=out, probe=probe,
     )
     run_tune(C.TuneConfig(run_cfg, trials, timeout, objective, storage, study, preset), console)
 

@@ -50,6 +50,7 @@ class RunConfig:
     turns: int | None = None  # turns of each conversation to decode; None: all of them (MT-Bench: 2)
     fields: dict = field(default_factory=dict)  # --dataset FILE: prompt / category / id -> the file's field
     depths: tuple[float, ...] = ()  # retrieval tasks: where the answer hides (0 = start, 1 = end); empty: spread
+    probe: bool = True  # compare every runner's logits with the library's forward before running (models/probe.py)
 
     @property
     def gamma(self) -> int | None:

@@ -21,6 +21,8 @@ from sdbench.strategies.autoregressive import Autoregressive
 from sdbench.strategies.draft import DraftModel
 from sdbench.strategies.ngram import NGram
 
+GENERIC_ROW = "sdbench autoregressive, generic runner (the library's forward)"
+
 
 @dataclass
 class Measured:
@@ -126,14 +128,19 @@ def cost_ratios(runner, draft, prompts: list[list[int]], gamma: int) -> tuple[fl
     return statistics.median(verify), statistics.median(c)
 
 
-def _systems(tgt, drf, runner, plain, d_runner, max_new: int, eos: list[int], room: int, gamma: int) -> list:
-    """(name, fn, on the fast path's weights) for every system, each transformers one before its sdbench peer."""
+def _systems(tgt, drf, runner, plain, d_runner, max_new: int, eos: list[int], room: int, gamma: int,
+             generic=None) -> list:
+    """(name, fn, on the fast path's weights) for every system, each transformers one before its sdbench peer.
+    generic: the generic runner over the target, measured beside the native one (None: the target has only it)."""
     fast = (" (CUDA graphs)" if runner.graphs else " (fast)") if runner.fast else ""
     on = runner.cpu_fast
+    beside = [] if generic is None else [
+        (GENERIC_ROW, _ours(generic, Autoregressive, max_new, eos, room), False)]
     return [
         ("transformers generate", _hf(tgt.model, max_new, eos), False),
         ("sdbench autoregressive (no fast path)", _ours(plain, Autoregressive, max_new, eos, room), False),
         (f"sdbench autoregressive{fast}", _ours(runner, Autoregressive, max_new, eos, room), on),
+        *beside,
         (f"transformers assisted (γ={gamma})",
          _hf(tgt.model, max_new, eos, assistant_model=drf.model, num_assistant_tokens=gamma,
              num_assistant_tokens_schedule="constant"), False),
@@ -149,8 +156,9 @@ def run_peers(target: str, draft: str, dataset: str, limit: int, max_new: int, g
               dtype: str, seed: int, console: Console, repeats: int = 2, out: str | None = None) -> list[Measured]:
     from sdbench.models.pair import resolve_device, resolve_dtype
     from sdbench.models import cpufast
+    from sdbench.models.generic import GenericRunner, runner_kind
     from sdbench.models.loader import check_same_tokenizer, eos_token_ids, load_model
-    from sdbench.models.runner import ModelRunner
+    from sdbench.models.pair import pick_runner
     from sdbench.data.tasks import encode_prompt, load_prompts
 
     dev = resolve_device(device)
@@ -164,8 +172,9 @@ def run_peers(target: str, draft: str, dataset: str, limit: int, max_new: int, g
     prompts = [encode_prompt(p, tgt.tokenizer) for p in load_prompts(dataset, limit=limit, seed=seed)]
     models = {id(m): m for m in (tgt.model, drf.model)}.values()
     plain_bytes = weight_bytes(tgt.model)  # before packing: a packed model's own weights are empty
-    runner = ModelRunner(tgt.model, target, fast=True)
-    d_runner = runner if drf is tgt else ModelRunner(drf.model, draft, fast=True)
+    runner = pick_runner(tgt.model, target, True)
+    d_runner = runner if drf is tgt else pick_runner(drf.model, draft, True)
+    generic = GenericRunner(tgt.model, target) if runner_kind(runner) == "native" else None
 
     def weights(fast: bool) -> None:
         for m in models:
@@ -174,8 +183,8 @@ def run_peers(target: str, draft: str, dataset: str, limit: int, max_new: int, g
             else:
                 cpufast.disable(m)
 
-    systems = _systems(tgt, drf, runner, ModelRunner(tgt.model, target), d_runner, max_new, eos,
-                       needed_capacity(max(len(p) for p in prompts), max_new, gamma), gamma)
+    systems = _systems(tgt, drf, runner, pick_runner(tgt.model, target, False), d_runner, max_new, eos,
+                       needed_capacity(max(len(p) for p in prompts), max_new, gamma), gamma, generic)
     with console.status("measuring") as status:
         results = _measure(systems, prompts, repeats, dev, status, weights)
         status.update("measuring the verification and draft cost ratios")
@@ -232,8 +241,13 @@ def _table(results: list[Measured], roofline: float, title: str) -> Table:
         table.add_row(m.system, str(sum(m.tokens)), f"{m.tokens_per_s:.2f}", f"{min(rates):.2f}-{max(rates):.2f}",
                       ratio, "yes" if m.outputs == ref else "no", f"{m.tokens_per_s / roofline:.0%}")
     plain = next((m for m in results if "no fast path" in m.system), None)
-    fast = next((m for m in results if m is not plain and m.system.startswith("sdbench autoregressive")), None)
+    fast = next((m for m in results if m is not plain and m.system.startswith("sdbench autoregressive")
+                 and m.system != GENERIC_ROW), None)
+    generic = next((m for m in results if m.system == GENERIC_ROW), None)
     table.caption = f"roofline (weights read once per token at measured bandwidth): {roofline:.1f} tokens/s"
     if plain and fast and plain.tokens_per_s:
         table.caption += f"; fast path / no fast path (autoregressive): {fast.tokens_per_s / plain.tokens_per_s:.2f}x"
+    if plain and generic and generic.tokens_per_s:
+        table.caption += (f"; native / generic runner (autoregressive, no fast path): "
+                          f"{plain.tokens_per_s / generic.tokens_per_s:.2f}x")
     return table

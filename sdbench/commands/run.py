@@ -26,8 +26,8 @@ from sdbench.errors import Interrupted, SdbenchError
 from sdbench.engine.metrics import BatchResult, predicted_speedup, row_metrics, speedup
 from sdbench.models.pair import Pair, load_pair, resolve_device, resolve_dtype
 from sdbench.paths import output_dir
-from sdbench.strategies import (BuildContext, build_variants, check_options, needs_draft, resolve_strategy,
-                                strategy_registry)
+from sdbench.strategies import (BuildContext, build_variants, check_options, native_needed, needs_draft,
+                                resolve_strategy, strategy_registry)
 from sdbench.strategies.autoregressive import Autoregressive
 
 WARMUP_PROMPT_TOKENS = 256
@@ -120,7 +120,7 @@ class Bench:
         from sdbench.data.turns import Conversations
 
         cfg = self.cfg
-        pair = self.pair or load_pair(cfg, self.device, self.dtype, self.console)
+        pair = self.pair or load_pair(cfg, self.device, self.dtype, self.console, native_needed(cfg))
         variants = self._variants(pair)
         prompts, encoded = encode_prompts(cfg, pair, max(p.max_lookahead for _, p in variants))
         context = max(len(e) for e in encoded) + cfg.max_new_tokens
@@ -229,6 +229,7 @@ class Bench:
             "target": cfg.target, "dataset": _label(cfg), "batch_size": cfg.batch_size,
             "temperature": cfg.sampling.temperature, "top_p": cfg.sampling.top_p, "seed": cfg.sampling.seed,
             "fast": bool(getattr(pair.target, "fast", False)), "max_new_tokens": cfg.max_new_tokens,
+            **pair.fidelity(),
         }
 
     def _describe(self, role: str, proposer) -> tuple[str, str, str]:

@@ -43,7 +43,7 @@ from sdbench.reporting.cells import fmt
 from sdbench.reporting.report import ALL, labelled, speedup_of, summarize
 from sdbench.reporting.results import RunWriter
 from sdbench.reporting.stats import Interval, describe as describe_interval, doubt, speedup_interval
-from sdbench.strategies import check_options, needs_draft, strategy_registry
+from sdbench.strategies import check_options, native_needed, needs_draft, strategy_registry
 from sdbench.strategies.base import SearchContext
 from sdbench.commands.studies import INTERRUPTED, NOT_NEEDED, counted, heartbeat, next_trial, reason as trial_reason
 from sdbench.commands.studies import storage as study_storage
@@ -245,7 +245,7 @@ class Tuner:
 
     def tune(self) -> optuna.Study:
         optuna.logging.set_verbosity(optuna.logging.WARNING)
-        pair = self.pair or load_pair(self.run, self.device, self.dtype, self.console)
+        pair = self.pair or load_pair(self.run, self.device, self.dtype, self.console, native_needed(self.run))
         self.runners = dict(zip(self.run.drafts, pair.drafts))
         _, encoded = encode_prompts(self.run, pair)
         space = SearchContext(tuple(self.run.drafts), max(len(e) for e in encoded), self.run.max_new_tokens)

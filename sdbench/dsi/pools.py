@@ -78,11 +78,11 @@ def _error(index: int, stage: str, error: BaseException) -> tuple:
     return "error", index, f"DSI worker {index} {stage}: {_why(error)}", traceback.format_exc()
 
 
-def _serve(device: str, threads: int, index: int, name: str, fast: bool, tasks, results) -> None:
+def _serve(device: str, threads: int, index: int, name: str, fast: bool, kind: str, tasks, results) -> None:
     """A worker process: receive the model, build the replica, then answer tasks until told to stop (None)."""
     try:
         model = pickle.loads(tasks.get())
-        worker = TargetWorker(model, device, threads, index, name, fast)
+        worker = TargetWorker(model, device, threads, index, name, fast, kind)
     except Exception as e:
         results.put(_error(index, "failed to start", e))
         return
@@ -99,10 +99,11 @@ def _serve(device: str, threads: int, index: int, name: str, fast: bool, tasks, 
 
 
 class ProcessPool:
-    def __init__(self, model, name: str, device_kind: str, threads: int, fast: bool = False):
+    def __init__(self, model, name: str, device_kind: str, threads: int, fast: bool = False, runner: str = "native"):
         import torch.multiprocessing as mp
 
         self.model, self.name, self.kind, self.threads, self.fast = model, name, device_kind, threads, fast
+        self.runner = runner  # the replicas' runner kind: "native" or "generic"
         if "forkserver" in mp.get_all_start_methods():
             # takes effect when the server starts (the first pool); the model's own module comes along
             mp.set_forkserver_preload(["sdbench.dsi.worker", "sdbench.models.runner", "transformers.modeling_utils",
@@ -125,7 +126,7 @@ class ProcessPool:
             tasks = self.ctx.Queue()
             proc = self.ctx.Process(target=_serve, name=f"sdbench-dsi-worker-{i}", daemon=True,
                                     args=(worker_device(self.kind, i), self.threads, i, self.name, self.fast,
-                                          tasks, self.results))
+                                          self.runner, tasks, self.results))
             proc.start()
             # through the queue, not as a start argument: a fork server passes at most 256 file descriptors
             # per start, and every shared tensor of the model takes one
@@ -193,7 +194,7 @@ class ProcessPool:
 class RayPool:
     """Workers as Ray actors. Ray connects to the cluster RAY_ADDRESS names, or starts a local one."""
 
-    def __init__(self, model, name: str, device_kind: str, threads: int, fast: bool = False):
+    def __init__(self, model, name: str, device_kind: str, threads: int, fast: bool = False, runner: str = "native"):
         try:
             import ray
         except ImportError:
@@ -202,7 +203,7 @@ class RayPool:
         if not ray.is_initialized():
             ray.init(include_dashboard=False, log_to_driver=False, ignore_reinit_error=True)
         self.ray, self.model, self.name, self.kind, self.threads = ray, model, name, device_kind, threads
-        self.fast = fast
+        self.fast, self.runner = fast, runner
         try:
             self.model_ref = ray.put(model)
         except Exception as e:
@@ -223,7 +224,8 @@ class RayPool:
             options = {"num_cpus": 0, "num_gpus": min(1.0, gpus / n)} if gpus else {"num_cpus": 0}
             device = "cuda" if gpus else "cpu"
             self.actors.append(self.actor.options(**options).remote(self.model_ref, device, self.threads,
-                                                                    len(self.actors), self.name, self.fast))
+                                                                    len(self.actors), self.name, self.fast,
+                                                                    self.runner))
         for i, actor in enumerate(self.actors):  # they start side by side: wait for each in turn
             try:
                 self.ray.get(actor.ready.remote(), timeout=START_TIMEOUT_S)
@@ -260,12 +262,15 @@ def get_pool(backend: str, runner, workers: int, threads: int):
     """A pool of at least `workers` replicas of runner's model (started on first use, then kept)."""
     if backend not in BACKENDS:
         raise SdbenchError(f"--set backend={backend}: use one of {', '.join(BACKENDS)}")
+    from sdbench.models.generic import runner_kind
+
     fast = runner.fast  # workers build the same fast path the target runs (CPU packing, or CUDA graphs)
-    key = (backend, id(runner.model), runner.device.type, threads, fast)
+    kind = runner_kind(runner)  # and the same runner: native, or generic where the target fell back to it
+    key = (backend, id(runner.model), runner.device.type, threads, kind, fast)
     with _lock:
         pool = _pools.get(key)
         if pool is None:
-            pool = _pools[key] = BACKENDS[backend](runner.model, runner.name, runner.device.type, threads, fast)
+            pool = _pools[key] = BACKENDS[backend](runner.model, runner.name, runner.device.type, threads, fast, kind)
         try:
             pool.ensure(workers)
         except BaseException:

@@ -48,15 +48,18 @@ def common_prefix(a: list[int], b: list[int], limit: int) -> int:
 
 
 class TargetWorker:
-    def __init__(self, model, device: str, threads: int, index: int = 0, name: str = "target", fast: bool = False):
+    def __init__(self, model, device: str, threads: int, index: int = 0, name: str = "target", fast: bool = False,
+                 kind: str = "native"):
         """fast: the runner's fast path, built here: on the CPU from the received plain weights (packed weights
-        are private to a process and never travel), on a GPU as this process's own CUDA graphs."""
-        from sdbench.models.runner import ModelRunner
+        are private to a process and never travel), on a GPU as this process's own CUDA graphs. kind: the
+        runner the target's own process probed and runs ("native" or "generic"); the replica is not probed
+        again: it is the same runner over the same weights, in the same dtype and with the same fast path."""
+        from sdbench.models.generic import make_runner
 
         if threads > 0:
             torch.set_num_threads(threads)
         self.index = index
-        self.runner = ModelRunner(model.to(device), name, fast=fast)
+        self.runner = make_runner(model.to(device), name, kind, fast)
         self.seq: int | None = None
         self.cache = None
         self.cached: list[int] = []

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from rich.console import Console
 
-from sdbench.config import RunConfig
+from sdbench.config import DEFAULT_GAMMA, RunConfig
 from sdbench.drafting.ngram import DRAFT_NAME as NGRAM_DRAFT
 from sdbench.errors import SdbenchError
 
@@ -40,22 +40,41 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 class Pair:
     """The loaded target and drafts, ready to decode."""
 
-    target: object  # ModelRunner
+    target: object  # ModelRunner or GenericRunner
     tokenizer: object
-    drafts: list  # [ModelRunner]
+    drafts: list  # [ModelRunner | GenericRunner, or a model-free draft name]
     eos: list[int]
     max_positions: int
+    probes: list = field(default_factory=list)  # ProbeResult of each probed model; empty: the probe was skipped
+
+    def fidelity(self) -> dict:
+        """What every result row records of the models: the target's runner, the probe's outcome ("passed",
+        "fallback": a native runner failed and the generic one passed, "skipped") and its largest gap."""
+        from sdbench.models.generic import runner_kind
+
+        outcome = "skipped"
+        if self.probes:
+            outcome = "fallback" if any(p.fallback for p in self.probes) else "passed"
+        gaps = [p.gap for p in self.probes if p.gap is not None]
+        return {"runner": runner_kind(self.target), "probe": outcome, "probe_gap": max(gaps, default=None)}
 
 
-def load_pair(cfg: RunConfig, device: torch.device, dtype: torch.dtype, console: Console) -> Pair:
+def load_pair(cfg: RunConfig, device: torch.device, dtype: torch.dtype, console: Console,
+              native: dict[str, str] | None = None) -> Pair:
+    """Load the target and drafts, each on the runner its config calls for, then probe every runner against
+    the library's forward (unless cfg.probe is off), falling back to the generic runner where a native one
+    fails and the run allows it. native: model name -> what of the run needs it on the native runner
+    (`strategies.native_needed(cfg)`; a model the generic runner serves is then refused before loading)."""
+    from sdbench.data.prompts import run_positions
     from sdbench.models.loader import eos_token_ids, load_model
-    from sdbench.models.runner import ModelRunner
     from sdbench.models.variants import split_variant, variant_runner
 
     check_tokenizers(cfg)
+    native = native or {}
+    refuse_early(cfg, native)
     with console.status(f"loading target {cfg.target}"):
         target = load_model(cfg.target, device, dtype)
-        runner = ModelRunner(target.model, cfg.target, fast=cfg.fast)
+        runner = pick_runner(target.model, cfg.target, cfg.fast, native.get(cfg.target))
     drafts = []
     for name in cfg.drafts:
         if name == NGRAM_DRAFT:  # prompt lookup as a draft candidate: no model, no tokenizer to check
@@ -70,9 +89,73 @@ def load_pair(cfg: RunConfig, device: torch.device, dtype: torch.dtype, console:
             continue
         with console.status(f"loading draft {name}"):
             draft = load_model(name, device, dtype)
-        drafts.append(ModelRunner(draft.model, name, fast=cfg.fast))
+        drafts.append(pick_runner(draft.model, name, cfg.fast, native.get(name)))
     limit = getattr(target.model.config, "max_position_embeddings", None) or 1 << 30
-    return Pair(runner, target.tokenizer, drafts, eos_token_ids(target), limit)
+    pair = Pair(runner, target.tokenizer, drafts, eos_token_ids(target), limit)
+    if not cfg.probe:
+        console.print("note: --no-probe: the runners' logits are not compared with the library's forward "
+                      "(rows record the probe as skipped)", style="yellow", highlight=False)
+        return pair
+    from sdbench.models.probe import probe_pair
+
+    probe_pair(pair, run_positions(cfg, pair, cfg.gamma or DEFAULT_GAMMA), native, console)
+    return pair
+
+
+def pick_runner(model, name: str, fast: bool, needs_native: str | None = None):
+    """The runner `serving(config)` names for a loaded model; refused in one line where it cannot serve."""
+    from sdbench.models.families import serving
+    from sdbench.models.generic import make_runner
+
+    serves = serving(model.config)
+    _refuse(name, serves, needs_native)
+    return make_runner(model, name, serves.runner, fast)
+
+
+def refuse_early(cfg: RunConfig, native: dict[str, str]) -> None:
+    """Refuse, from configs alone (before any weight loads), a model no runner serves, or one that would run on
+    the generic runner where the run needs the native one. A config not readable without the weights (an
+    embedded GGUF, a hub model not cached) is judged after loading instead."""
+    from sdbench.models.families import serving
+    from sdbench.models.variants import split_variant
+
+    for name in dict.fromkeys((cfg.target, *cfg.drafts)):
+        if name == NGRAM_DRAFT:
+            continue
+        config = _config_only(split_variant(name)[0])
+        if config is not None:
+            _refuse(name, serving(config), native.get(name))
+
+
+def _refuse(name: str, serves, needs_native: str | None) -> None:
+    if serves.runner == "refused":
+        raise SdbenchError(f"model '{name}' cannot be run: {serves.reason}")
+    if serves.runner == "generic" and needs_native:
+        raise SdbenchError(f"model '{name}' runs on the generic runner ({serves.reason}), and {needs_native} "
+                           "needs the native runner")
+
+
+def _config_only(name: str):
+    """The model's transformers config read without its weights: a local folder, or a hub model in the local
+    cache; None where that is not possible cheaply."""
+    from pathlib import Path
+
+    from sdbench.models.aliases import HubModel, model_registry
+
+    if name in model_registry:
+        spec = model_registry.get(name)
+        if not isinstance(spec, HubModel):
+            return None
+        name = spec.repo_id
+    elif Path(name).expanduser().is_file():
+        return None  # a GGUF file: its config comes with the conversion
+    try:
+        from transformers import AutoConfig
+
+        local = Path(name).expanduser()
+        return AutoConfig.from_pretrained(str(local) if local.is_dir() else name, local_files_only=True)
+    except (OSError, ValueError, KeyError):
+        return None
 
 
 def check_tokenizers(cfg: RunConfig) -> None:

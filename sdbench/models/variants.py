@@ -60,6 +60,7 @@ def quantise_int8(model) -> object:
 def variant_runner(name: str, target_name: str, target, device, dtype):
     """The ModelRunner for a draft named MODEL@VARIANT. target: the loaded target (LoadedModel), whose
     weights are copied when MODEL is the target itself rather than loaded a second time."""
+    from sdbench.models.families import serving
     from sdbench.models.loader import check_same_tokenizer, load_model
     from sdbench.models.runner import ModelRunner
 
@@ -70,4 +71,7 @@ def variant_runner(name: str, target_name: str, target, device, dtype):
         loaded = load_model(base, device, dtype)
         check_same_tokenizer(target.tokenizer, loaded.tokenizer, target_name, base)
         model = loaded.model
+    if serving(model.config).runner != "native":
+        raise SdbenchError(f"model '{name}': @{variant} quantises the decoder layers the native runner computes, and "
+                           f"'{base}' runs on the generic runner")
     return ModelRunner(quantise_int8(model), name)

@@ -84,6 +84,10 @@ SCHEMA = pa.schema([
     ("turn", _I),  # 1-based turn of a multi-turn conversation; null in files from before turns (read as 1)
     ("depth", _F),  # retrieval tasks: where the answer was hidden, 0 = start of the text, 1 = end
     ("found", pa.bool_()),  # retrieval tasks: the output holds the answer; null for other tasks
+    ("runner", _S),  # the target's runner: "native" (sdbench's forward) or "generic" (the library's forward)
+    ("probe", _S),  # the fidelity probe (models/probe.py): "passed", "fallback" (a native runner failed it and
+    # the generic one passed) or "skipped" (--no-probe); null in files from before the probe
+    ("probe_gap", _F),  # the probe's largest gap over the run's models, relative to the logits' scale
 ])
 COLUMNS: tuple[str, ...] = tuple(SCHEMA.names)
 ENV_COLUMNS = ("device", "dtype", "torch_version", "transformers_version", "sdbench_version",

@@ -82,6 +82,14 @@ def check_options(base: str, given: dict) -> dict:
     return take_options(strategy_registry.get(base).options, given, strategy_registry.entry(base).name)
 
 
+def native_needed(cfg) -> dict[str, str]:
+    """For a RunConfig: model name -> what of its strategy needs that model on the native runner."""
+    choice = resolve_strategy(cfg.strategy)
+    options = check_options(choice.base, {**choice.options, **cfg.options})
+    drafts = tuple(cfg.drafts or choice.drafts)
+    return strategy_registry.get(choice.base).needs_native(cfg.target, drafts, options)
+
+
 def build_proposer(base: str, ctx: BuildContext) -> Proposer:
     cls = strategy_registry.get(base)
     return cls.build(replace(ctx, options=check_options(base, ctx.options)))

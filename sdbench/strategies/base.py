@@ -99,6 +99,13 @@ class Proposer:
         builds itself with placeholders here."""
 
     @classmethod
+    def needs_native(cls, target: str, drafts: tuple[str, ...], options: dict) -> dict[str, str]:
+        """Model name -> what of this strategy needs that model on the native runner (sdbench's own attention,
+        where the sparse KV caches live), so that a model the generic runner serves is refused before its
+        weights load. options: validated, defaults filled."""
+        return {}
+
+    @classmethod
     def build(cls, ctx: "BuildContext") -> "Proposer":
         """Make the proposer from loaded models and settings (ctx.options already validated)."""
         return cls(ctx.gamma, **ctx.options)

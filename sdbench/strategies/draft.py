@@ -50,6 +50,13 @@ class DraftModel(FixedLookahead):
         cls(None, gamma, **options)  # the constructor checks every setting and touches no model
 
     @classmethod
+    def needs_native(cls, target: str, drafts: tuple[str, ...], options: dict) -> dict[str, str]:
+        kv = options.get("draft_kv", "dense")
+        if kv == "dense":
+            return {}
+        return {d: f"the sparse draft cache (--set draft_kv={kv})" for d in drafts[:1] if d != DRAFT_NAME}
+
+    @classmethod
     def build(cls, ctx: BuildContext) -> Proposer:
         if not ctx.drafts:
             raise SdbenchError("strategy 'draft' needs a draft model: pass --draft MODEL (the target itself works)")

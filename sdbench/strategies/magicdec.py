@@ -40,5 +40,9 @@ class MagicDec(DraftModel):
         return trial.suggest_int("gamma", 1, 6), options
 
     @classmethod
+    def needs_native(cls, target: str, drafts: tuple[str, ...], options: dict) -> dict[str, str]:
+        return {target: "MagicDec's sparse draft cache"}
+
+    @classmethod
     def build(cls, ctx: BuildContext) -> Proposer:
         return cls(ctx.target, ctx.gamma, **ctx.options)

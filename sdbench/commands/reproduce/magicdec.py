@@ -108,10 +108,12 @@ def measure(cfg: ReproduceConfig, plan: Plan, draft: str, out, console) -> tuple
 
     from sdbench.commands.run import Bench
     from sdbench.models.pair import load_pair
+    from sdbench.strategies import native_needed
 
     checked = [Bench(run, console) for _, run in run_configs(cfg, plan, draft, out)]  # before the models load
     loader = next(b for b in checked if b.cfg.strategy == "draft")  # its pair holds the small draft
-    pair = load_pair(loader.cfg, loader.device, loader.dtype, console)
+    native = {name: why for b in checked for name, why in native_needed(b.cfg).items()}  # MagicDec's runs too
+    pair = load_pair(loader.cfg, loader.device, loader.dtype, console, native)
     t0 = time.perf_counter()
     profiles = profile_grid(pair, plan, grid_contexts(plan, pair.max_positions), console)
     gamma = pick_gamma(profiles, plan)

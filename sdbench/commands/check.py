@@ -1,0 +1,208 @@
+"""`sdbench check MODEL [--draft MODEL ...]`: can these models be benchmarked faithfully? One table, and a
+non-zero exit on any failure, so that a CI job can run it before a benchmark.
+
+Per model: the runner that serves it (native, generic, or generic after the native one failed), the fidelity
+probe's largest gap per phase (`models/probe.py`), the draft's tokenizer against the target's, the weights'
+memory, and a short greedy run: the target's plain decoding against the library's own `generate`, and each
+draft's speculative decoding against the target's plain decoding.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from sdbench.config import SamplingConfig
+from sdbench.errors import SdbenchError
+from sdbench.models.probe import PHASES
+
+PROMPT_TOKENS = 24
+GAMMA = 4
+SEED = 1
+
+
+@dataclass
+class Checked:
+    """One model's row of the table."""
+
+    model: str
+    role: str  # "target" | "draft"
+    runner: str = "–"
+    gaps: dict = field(default_factory=dict)  # phase -> the probe's largest relative gap
+    tolerance: float | None = None
+    tokenizer: str = "–"  # the target's: "same", "differs", or "same model" (the target drafting for itself)
+    weights: int | None = None  # bytes
+    greedy: str = "–"  # the short lossless run: "✓", "✗" or "–" (not run)
+    problems: list[str] = field(default_factory=list)  # one line each
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+
+def run_check(target: str, drafts: list[str], device: str, dtype: str, fast: bool, context: int, tokens: int,
+              console: Console) -> int:
+    """Check the target and every draft; print the table; return the exit code (0: all passed, 1: not)."""
+    from sdbench.models.pair import resolve_device, resolve_dtype
+
+    if context < 1 or tokens < 1:
+        raise SdbenchError("check: --context and --tokens must be at least 1")
+    dev = resolve_device(device)
+    dt = resolve_dtype(dtype, dev)
+    rows = [Checked(target, "target")]
+    loaded, runner = _model(rows[0], target, dev, dt, fast, context, console)
+    prompt = None
+    if runner is not None:
+        prompt = _prompt(loaded.tokenizer, runner)
+        with console.status(f"greedy decoding of {target}: sdbench against the library's generate"):
+            plain = _greedy_vs_generate(rows[0], loaded, runner, prompt, tokens)
+    for name in drafts:
+        row = Checked(name, "draft")
+        rows.append(row)
+        if name == target:  # the target drafting for itself: the same runner, already checked
+            row.runner, row.gaps, row.tolerance = rows[0].runner, rows[0].gaps, rows[0].tolerance
+            row.tokenizer = "same model"
+            draft = runner
+        else:
+            draft = _draft(row, name, target, loaded, dev, dt, fast, context, console)
+        if draft is not None and runner is not None:
+            with console.status(f"speculative decoding with {name} against plain decoding"):
+                _lossless(row, runner, draft, prompt, tokens, plain, loaded)
+    console.print(_table(rows, dev, dtype, context, tokens))
+    for row in rows:
+        for line in row.notes:
+            console.print(f"note: {line}", style="yellow", highlight=False, soft_wrap=True)
+        for line in row.problems:
+            console.print(f"[red]✗[/red] {line}", highlight=False, soft_wrap=True)
+    return 0 if all(r.ok for r in rows) else 1
+
+
+def _model(row: Checked, name: str, dev, dt, fast: bool, context: int, console, tokenizer=None):
+    """(LoadedModel, runner) with row filled in; (loaded or None, None) on a failure recorded in the row."""
+    from sdbench.commands.bench import weight_bytes
+    from sdbench.models.loader import load_model
+    from sdbench.models.pair import pick_runner
+
+    try:
+        with console.status(f"loading {name}"):
+            loaded = load_model(name, dev, dt)
+        row.weights = weight_bytes(loaded.model)  # before any packing empties the modules' own weights
+        runner = pick_runner(loaded.model, name, fast)
+    except SdbenchError as e:
+        row.problems.append(str(e))
+        return None, None
+    return loaded, _probed(row, runner, context, tokenizer or loaded.tokenizer, console)
+
+
+def _probed(row: Checked, runner, context: int, tokenizer, console):
+    """The runner to use after the probe (a generic one where the native one failed), or None."""
+    from sdbench.models.probe import probe_runner
+
+    runner, result, note = probe_runner(runner, context, len(tokenizer), console)
+    row.runner = result.runner + (" (fallback)" if result.fallback else "")
+    row.gaps, row.tolerance = dict(result.gaps), result.tolerance
+    if note:
+        row.notes.append(note)
+    if result.skipped:
+        row.notes.append(f"{row.model} is not probed: {result.skipped}")
+    if not result.passed:
+        row.problems.append(result.line())
+        return None
+    return runner
+
+
+def _draft(row: Checked, name: str, target: str, loaded, dev, dt, fast: bool, context: int, console):
+    """The draft's runner (None for a failure recorded in the row, or for prompt lookup, which needs none)."""
+    from sdbench.drafting.ngram import DRAFT_NAME
+    from sdbench.models.loader import check_same_tokenizer, load_tokenizer
+    from sdbench.models.variants import split_variant, variant_runner
+
+    if name == DRAFT_NAME:
+        row.runner, row.tokenizer = "none (prompt lookup)", "–"
+        return name
+    try:
+        base = split_variant(name)[0]
+        if loaded is not None:
+            check_same_tokenizer(loaded.tokenizer, load_tokenizer(base), target, base)
+            row.tokenizer = "same"
+        if split_variant(name)[1]:
+            if loaded is None:
+                raise SdbenchError(f"model '{name}': a variant is made from loaded weights, and '{target}' "
+                                   "did not load")
+            with console.status(f"making {name}"):
+                runner = variant_runner(name, target, loaded, dev, dt)
+            return _probed(row, runner, context, loaded.tokenizer, console)
+    except SdbenchError as e:
+        row.tokenizer = "differs" if "share a tokenizer" in str(e) else row.tokenizer
+        row.problems.append(str(e))
+        return None
+    return _model(row, name, dev, dt, fast, context, console, loaded.tokenizer if loaded else None)[1]
+
+
+def _prompt(tokenizer, runner) -> list[int]:
+    vocab = min(len(tokenizer), runner.vocab_size)
+    return torch.randint(0, vocab, (PROMPT_TOKENS,), generator=torch.Generator().manual_seed(SEED)).tolist()
+
+
+def _greedy_vs_generate(row: Checked, loaded, runner, prompt: list[int], tokens: int) -> list[int]:
+    """sdbench's plain greedy tokens, after comparing them with the library's own generate."""
+    from sdbench.engine.loop import generate
+    from sdbench.models import cpufast
+    from sdbench.models.loader import eos_token_ids
+    from sdbench.strategies.autoregressive import Autoregressive
+
+    eos = eos_token_ids(loaded)
+    ours = generate(runner, Autoregressive(), [prompt], max_new_tokens=tokens, sampling=SamplingConfig(),
+                    eos_ids=eos).output_ids[0]
+    ids = torch.tensor([prompt], device=runner.device)
+    with cpufast.plain(loaded.model), torch.inference_mode():
+        out = loaded.model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, num_beams=1,
+                                    max_new_tokens=tokens, eos_token_id=eos or None,
+                                    pad_token_id=eos[0] if eos else 0, repetition_penalty=1.0,
+                                    no_repeat_ngram_size=0)
+    theirs = out[0, len(prompt):].tolist()
+    row.greedy = "✓" if ours == theirs else "✗"
+    if ours != theirs:
+        first = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
+        row.problems.append(f"model '{row.model}': sdbench's greedy tokens differ from the library's generate "
+                            f"from token {first} on")
+    return ours
+
+
+def _lossless(row: Checked, target, draft, prompt: list[int], tokens: int, plain: list[int], loaded) -> None:
+    """Greedy speculative decoding with the draft must give the target's plain tokens."""
+    from sdbench.drafting.ngram import DRAFT_NAME
+    from sdbench.engine.loop import generate
+    from sdbench.models.loader import eos_token_ids
+    from sdbench.strategies.draft import DraftModel
+    from sdbench.strategies.ngram import NGram
+
+    proposer = NGram(GAMMA) if draft == DRAFT_NAME else DraftModel(draft, GAMMA)
+    out = generate(target, proposer, [prompt], max_new_tokens=tokens, sampling=SamplingConfig(),
+                   eos_ids=eos_token_ids(loaded)).output_ids[0]
+    row.greedy = "✓" if out == plain else "✗"
+    if out != plain:
+        row.problems.append(f"model '{row.model}': speculative decoding with it as the draft changed the target's "
+                            "greedy output")
+
+
+def _table(rows: list[Checked], dev, dtype: str, context: int, tokens: int) -> Table:
+    table = Table(title=f"sdbench check · {dev} {dtype} · probe over {context} positions · {tokens} greedy tokens")
+    for col in ("model", "role", "runner", *(f"{p} gap" for p in PHASES), "tokenizer", "weights", "greedy", ""):
+        table.add_column(col, justify="right" if col.endswith("gap") or col == "weights" else "left",
+                         no_wrap=col in ("model", "runner"))
+    for r in rows:
+        gaps = [f"{r.gaps[p]:.1e}" if p in r.gaps else "–" for p in PHASES]
+        weights = f"{r.weights / 2**20:,.1f} MiB" if r.weights is not None else "–"
+        table.add_row(r.model, r.role, r.runner, *gaps, r.tokenizer, weights, r.greedy,
+                      "[green]ok[/green]" if r.ok else "[red]failed[/red]")
+    tol = next((r.tolerance for r in rows if r.tolerance is not None), None)
+    table.caption = ("gap: the largest |runner - library| / max(1, max |logit|) over the probed positions"
+                     + (f"; tolerance {tol:g}" if tol is not None else "")
+                     + "; tokenizer: a draft's against the target's; greedy: the target against the library's "
+                     "generate, a draft against the target's plain decoding")
+    return table

@@ -1,0 +1,145 @@
+"""The generic runner: the library's own forward and KV cache behind the runner's interface.
+
+For every causal LM the native runner (`models/runner.py`) does not compute (GPT-2, GPT-NeoX/Pythia, OPT,
+Falcon, ...), and as the fallback for a native family whose runner fails the fidelity probe
+(`models/probe.py`). Each row of a batch keeps its own library cache (`DynamicCache`), since rows sit at
+different positions and the library's cache has one length for the whole batch; a forward runs row by row.
+A forward that starts a row before the end of what its cache holds rewinds by cropping the cache there, so
+the runner offers the same position-indexed contract as the native one: `forward(cache, tokens, start, at)`.
+
+What it cannot offer: the sparse draft caches (MagicDec, `draft_kv`), which live in sdbench's own attention,
+and a fast path (no packed weights, no CUDA graphs: the library's forward runs as it is).
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+
+from sdbench.errors import SdbenchError
+from sdbench.models import cpufast
+
+SPARSE_REFUSAL = "sparse KV caches (MagicDec, --set draft_kv) need the native runner"
+
+
+def runner_kind(runner) -> str:
+    """'native' or 'generic': which runner computes a model."""
+    return getattr(runner, "kind", "native")
+
+
+def make_runner(model, name: str, kind: str = "native", fast: bool = False):
+    """The runner of a kind over a loaded model (a DSI worker builds the kind its target was probed with)."""
+    if kind == "generic":
+        return GenericRunner(model, name)
+    from sdbench.models.runner import ModelRunner
+
+    return ModelRunner(model, name, fast=fast)
+
+
+class GenericCache:
+    """One library cache per row. capacity: the positions a forward may write below (as a dense cache)."""
+
+    static_kv_len = None  # never a static-shape forward
+    wants_queries = False
+    pool_key = None
+
+    def __init__(self, batch: int, capacity: int):
+        from transformers import DynamicCache
+
+        # without a config every layer keeps every position (sliding-window layers too: the library's masks
+        # apply the window), so a rewind can crop any layer back to any length
+        self.rows = [DynamicCache() for _ in range(batch)]
+        self.capacity = capacity
+        self.batch = batch
+        self.graphs: dict = {}
+
+    def length(self, b: int) -> int:
+        return self.rows[b].get_seq_length()
+
+    def rewind(self, b: int, start: int) -> None:
+        """Row b's cache cut to positions [0, start); starting past its end would leave a hole."""
+        held = self.length(b)
+        if start > held:
+            raise RuntimeError(f"generic cache row {b} holds {held} positions; a forward cannot start at {start}")
+        if start < held:
+            self.rows[b].crop(start - held)  # the library's crop takes the (negative) count to remove
+
+
+class GenericRunner:
+    """Forward over new tokens at given positions through the library's own model and cache."""
+
+    kind = "generic"
+    fast = cpu_fast = graphs = static = False
+
+    def __init__(self, model, name: str = ""):
+        if getattr(model, "_is_stateful", False) or not _dynamic_cache_ok(model):
+            raise SdbenchError(f"model '{name or model.config.model_type}' keeps a recurrent state that cannot be "
+                               "rewound; sdbench runs attention-only causal LMs")
+        model.requires_grad_(False)
+        self.model = model
+        self.name = name
+        self.config = model.config
+        p = next(model.parameters())
+        self.device, self.dtype = p.device, p.dtype
+        self.vocab_size = model.config.get_text_config().vocab_size  # (a packed head's own weight is empty)
+        self._keeps = "logits_to_keep" in inspect.signature(model.forward).parameters
+
+    # ---- caches -----------------------------------------------------------------------------------------
+    def new_cache(self, batch: int, capacity: int) -> GenericCache:
+        return GenericCache(batch, capacity)
+
+    def new_sparse_cache(self, *args, **kwargs):
+        raise SdbenchError(f"model '{self.name}' runs on the generic runner (the library's own forward), and "
+                           f"{SPARSE_REFUSAL}")
+
+    def release(self, cache) -> None:
+        """Nothing to give back: caches are not pooled."""
+
+    # ---- forward ----------------------------------------------------------------------------------------
+    def _row(self, cache: GenericCache, b: int, tokens: torch.Tensor, start: int,
+             keep: torch.Tensor | None) -> torch.Tensor:
+        """Logits [K, V] (or [T, V] with keep None) of row b's tokens [T] written from position `start`."""
+        if start + tokens.shape[0] > cache.capacity:
+            raise RuntimeError(f"KV cache overflow: need {start + tokens.shape[0]} slots, have {cache.capacity}")
+        cache.rewind(b, start)
+        kwargs = {"logits_to_keep": keep} if self._keeps and keep is not None else {}
+        out = self.model(input_ids=tokens[None].to(self.device), past_key_values=cache.rows[b], use_cache=True,
+                         **kwargs)
+        logits = out.logits[0]
+        if keep is not None and not self._keeps:
+            logits = logits[keep]
+        return logits.float()
+
+    @torch.inference_mode()
+    def forward(self, cache: GenericCache, tokens: torch.Tensor, start: list[int],
+                at: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [B, T, V] (float32) for tokens [B, T] placed at positions start[b] + t, or only at in-chunk
+        indices `at`: [B] -> [B, V], [B, K] -> [B, K, V]."""
+        cpufast.disable(self.model)  # a model a native runner packed before falling back here
+        rows = []
+        for b in range(tokens.shape[0]):
+            keep = None if at is None else at[b].reshape(-1).to(self.device)
+            rows.append(self._row(cache, b, tokens[b], start[b], keep))
+        logits = torch.stack(rows)
+        return logits[:, 0] if at is not None and at.dim() == 1 else logits
+
+    @torch.inference_mode()
+    def prefill(self, cache: GenericCache, prompts: list[list[int]], chunk: int = 1024) -> torch.Tensor:
+        """Write every prompt into the cache from position 0; logits [B, V] after each prompt's last token."""
+        if min(len(p) for p in prompts) < 1:
+            raise SdbenchError("empty prompt: a prompt needs at least one token")
+        cpufast.disable(self.model)
+        last = []
+        for b, prompt in enumerate(prompts):
+            ids = torch.tensor(prompt, dtype=torch.long)
+            for c0 in range(0, len(prompt), chunk):  # the library's attention over a whole long prompt at
+                piece = ids[c0 : c0 + chunk]         # once may hold [heads, S, S] scores: chunks bound it
+                logits = self._row(cache, b, piece, c0, torch.tensor([len(piece) - 1], device=self.device))
+            last.append(logits[0])  # the last chunk's: after the prompt's last token
+        return torch.stack(last)
+
+
+def _dynamic_cache_ok(model) -> bool:
+    supports = getattr(type(model), "_supports_default_dynamic_cache", None)
+    return supports is None or bool(supports())
