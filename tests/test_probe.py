@@ -26,8 +26,8 @@ QUIET = Console(quiet=True)
 
 def broken_rotary(monkeypatch):
     """The native runner's rotary embedding 0.1% off: one op changed."""
-    real = native_module._rope
-    monkeypatch.setattr(native_module, "_rope", lambda x, cos, sin: real(x, cos, sin) * 1.001)
+    real = native_module.rope
+    monkeypatch.setattr(native_module, "rope", lambda x, cos, sin: real(x, cos, sin) * 1.001)
 
 
 @pytest.fixture(scope="module")
@@ -68,12 +68,14 @@ def test_a_broken_norm_on_the_fast_path_is_caught_by_the_fast_probe(llama, monke
 
 
 def test_the_reference_in_chunks_is_the_one_forward(llama, monkeypatch):
+    """The reference's calls (a prefix, single steps, a verification; the prefix in chunks when long) give the
+    library's uncached forward of the whole sequence, for a rope whose scaling does not depend on the call."""
     ids = torch.randint(0, 96, (200,), generator=torch.Generator().manual_seed(0))
-    whole = reference(llama, ids, 8, "cpu")
+    whole = reference(llama, ids, 193, "cpu")  # positions 192..199
     monkeypatch.setattr(probe_module, "REFERENCE_CHUNK", 64)
-    torch.testing.assert_close(reference(llama, ids, 8, "cpu"), whole, atol=1e-4, rtol=0)
+    torch.testing.assert_close(reference(llama, ids, 193, "cpu"), whole, atol=1e-4, rtol=0)
     with torch.no_grad():
-        torch.testing.assert_close(whole, llama(ids[None]).logits[0, -8:], atol=1e-5, rtol=0)
+        torch.testing.assert_close(whole, llama(ids[None]).logits[0, -8:], atol=1e-4, rtol=0)
 
 
 def test_a_failing_native_runner_falls_back_to_the_generic_one(llama, monkeypatch, capsys):

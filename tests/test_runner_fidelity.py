@@ -26,7 +26,7 @@ from sdbench.engine.loop import generate
 from sdbench.kv.cache import DenseKVCache
 from sdbench.kv.sparse import SparseSpec, compress
 from sdbench.models import cpufast
-from sdbench.models.rotary import LENGTH_DEPENDENT
+from sdbench.models.rotary import LENGTH_DEPENDENT, reset_library_rotary
 from sdbench.models.runner import ModelRunner
 from sdbench.models.windows import layer_windows
 from sdbench.strategies.autoregressive import Autoregressive
@@ -95,21 +95,10 @@ def same_state(a: list[dict], b: list[dict]) -> bool:
         for x, y in zip(a, b))
 
 
-def reset_rotary(model) -> None:
-    """The library's rotary modules as after loading (a length-dependent rope keeps the last call's scaling
-    otherwise): each reference starts from there, as a freshly loaded model would."""
-    for m in rotary_modules(model):
-        for name, buf in list(m.named_buffers(recurse=False)):
-            if name.endswith("original_inv_freq"):
-                m.register_buffer(name.replace("original_", ""), buf.clone(), persistent=False)
-        if hasattr(m, "original_max_seq_len"):
-            m.max_seq_len_cached = m.original_max_seq_len
-
-
 @torch.no_grad()
 def library_calls(model, ids: torch.Tensor, widths) -> list[torch.Tensor]:
     """Logits [B, w, V] of each call of the library's cached forward over consecutive chunks of ids."""
-    reset_rotary(model)
+    reset_library_rotary(model)
     with cpufast.plain(model):
         cache, out, at = DynamicCache(config=model.config), [], 0
         for w in widths:
@@ -130,7 +119,7 @@ def runner_calls(runner, ids: torch.Tensor, widths, capacity: int = 64) -> list[
 
 @torch.no_grad()
 def library_greedy(model, prompt: list[int], n: int) -> list[int]:
-    reset_rotary(model)
+    reset_library_rotary(model)
     ids = torch.tensor([prompt])
     with cpufast.plain(model):
         out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=n,

@@ -10,10 +10,9 @@ that depends on the length are reached) it runs, in the run's dtype, on its devi
 - verify: a rejected draft of W tokens at P + 2, then the true W tokens at the same positions (a rewind
   over stale keys, as after a rejection) -> logits at the last W positions;
 
-and compares them with the library's forward of the whole sequence on plain weights (`cpufast.plain`), its
-vocabulary head computed only at the compared positions (`logits_to_keep`). A sequence longer than
-REFERENCE_CHUNK goes through the library in chunks over its own cache, since one uncached forward would hold
-attention scores quadratic in the length.
+and compares them with the library's own cached forward (what `generate` runs) called the same way: the
+prefix in one call, single steps, one verification (`reference`), on plain weights (`cpufast.plain`), its
+vocabulary head computed only at the compared positions (`logits_to_keep`).
 
 A gap is measured relative to the logits' scale: max |runner - library| / max(1, max |library|) at a
 position. The tolerance is 1e-4 in float32 (exact implementations differ by about 1e-6: SmolLM2-135M at
@@ -38,7 +37,7 @@ TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 1e-1, torch.float16: 2e-2}
 STEPS = 2  # single-token forwards after the prefill
 WIDTH = 5  # tokens in the verification (gamma = 4 drafts and the bonus position)
 MIN_LENGTH = 32
-REFERENCE_CHUNK = 8192  # the library's forward runs at once up to this length, in chunks beyond it
+REFERENCE_CHUNK = 8192  # the library's prefill runs in one call up to this length, in chunks beyond it
 SEED = 20240  # the probe's token sequence, the same for every model
 PHASES = ("prefill", "step", "verify")
 VARIANT_SKIP = ("a quantised copy (MODEL@int8) picks its activations' scale per forward, so its logits depend on "
@@ -163,7 +162,7 @@ def probe(runner, length: int, vocab: int | None = None) -> ProbeResult:
     ids = _sequence(length, vocab)
     first = length - STEPS - WIDTH - 1  # the position the prefill's logits are taken at
     try:
-        ref = reference(model, ids, length - first, runner.device)  # [K, V] at positions first..length-1
+        ref = reference(model, ids, first + 1, runner.device)  # [K, V] at positions first..length-1
         ours = _run(runner, ids, first + 1, vocab)
     except Exception as exc:  # noqa: BLE001 - whatever a runner raises on a model it cannot compute
         result.error = f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0]}"
@@ -179,27 +178,35 @@ def _sequence(length: int, vocab: int) -> torch.Tensor:
 
 
 @torch.inference_mode()
-def reference(model, ids: torch.Tensor, last: int, device) -> torch.Tensor:
-    """The library's logits [last, V] (float32) at the last `last` positions of ids [S], on plain weights."""
-    keeps = "logits_to_keep" in inspect.signature(model.forward).parameters
-    with cpufast.plain(model):
-        if len(ids) <= REFERENCE_CHUNK:
-            return _library(model, ids[None].to(device), last, keeps, None)
-        from transformers import DynamicCache
+def reference(model, ids: torch.Tensor, prefix: int, device) -> torch.Tensor:
+    """The library's logits [K, V] (float32) at positions prefix - 1 .. len(ids) - 1, from its own cached
+    forward called as the runner is (`_run`): the prefix in one call (in REFERENCE_CHUNK pieces beyond that,
+    since one call holds attention scores quadratic in its length), STEPS single tokens, then the rest in one
+    verification. The calls matter where the rope's scaling depends on each call's length (`dynamic`): the
+    library's cached forward, which `generate` runs, is the model the user named. Plain weights
+    (`cpufast.plain`); its rotary modules start from their loaded state; the head runs only where compared."""
+    from transformers import DynamicCache
 
-        cache = DynamicCache()
-        bounds = [*range(0, len(ids) - last, REFERENCE_CHUNK), len(ids) - last, len(ids)]  # compared: the last
+    from sdbench.models.rotary import reset_library_rotary
+
+    keeps = "logits_to_keep" in inspect.signature(model.forward).parameters
+    bounds = [*range(0, prefix, REFERENCE_CHUNK), prefix, *range(prefix + 1, prefix + STEPS + 1), len(ids)]
+    compared = {prefix - 1, *range(prefix, len(ids))}
+    out = []
+    with cpufast.plain(model):
+        reset_library_rotary(model)
+        cache = DynamicCache(config=model.config)
         for c0, c1 in zip(bounds, bounds[1:]):
-            logits = _library(model, ids[None, c0:c1].to(device), min(last, c1 - c0), keeps, cache)
-        return logits
+            last = len(compared.intersection(range(c0, c1)))
+            logits = _library(model, ids[None, c0:c1].to(device), max(last, 1), keeps, cache)
+            out.extend(logits[logits.shape[0] - last:])
+        reset_library_rotary(model)
+    return torch.stack(out)
 
 
 def _library(model, ids: torch.Tensor, last: int, keeps: bool, cache) -> torch.Tensor:
     kwargs = {"logits_to_keep": last} if keeps else {}
-    if cache is None:
-        out = model(input_ids=ids, use_cache=False, **kwargs)
-    else:
-        out = model(input_ids=ids, past_key_values=cache, use_cache=True, **kwargs)
+    out = model(input_ids=ids, past_key_values=cache, use_cache=True, **kwargs)
     return out.logits[0, -last:].float()
 
 

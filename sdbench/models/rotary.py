@@ -163,3 +163,16 @@ class Rotary:
     def reserve(self, n: int) -> None:
         for e in self.embeddings.values():
             e.reserve(n)
+
+
+def reset_library_rotary(model) -> None:
+    """The library's rotary modules put back as after loading. A length-dependent rope (`dynamic`) keeps the
+    scaling of the longest call it has seen; a reference computed with the library starts from the state a
+    freshly loaded model has (sdbench's own runner never reads these modules)."""
+    for m in model.modules():
+        buffers = dict(m.named_buffers(recurse=False))
+        for name, buf in buffers.items():
+            if name.endswith("original_inv_freq"):
+                m.register_buffer(name.replace("original_", ""), buf.clone(), persistent=False)
+        if hasattr(m, "original_max_seq_len") and any(n.endswith("inv_freq") for n in buffers):
+            m.max_seq_len_cached = m.original_max_seq_len
