@@ -84,6 +84,7 @@ SCHEMA = pa.schema([
     ("turn", _I),  # 1-based turn of a multi-turn conversation; null in files from before turns (read as 1)
     ("depth", _F),  # retrieval tasks: where the answer was hidden, 0 = start of the text, 1 = end
     ("found", pa.bool_()),  # retrieval tasks: the output holds the answer; null for other tasks
+    ("weights", _S),  # "random" when the row's target or draft is MODEL@random, else "real"; null (real) before it
 ])
 COLUMNS: tuple[str, ...] = tuple(SCHEMA.names)
 ENV_COLUMNS = ("device", "dtype", "torch_version", "transformers_version", "sdbench_version",
