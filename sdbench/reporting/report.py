@@ -419,7 +419,7 @@ def _notes(df: pd.DataFrame) -> list[str]:
         if (mixed > 1).any():
             notes.append(f"{int((mixed > 1).sum())} batch(es) mix categories: each category's tokens/s "
                          "counts those batches' whole wall time")
-    if "weights" in df and df["weights"].astype(object).eq("random").any():
+    if "weights" in df and _prepare(df, [])["weights_say_nothing"].any():
         notes.append(f"{NOT_MEANINGFUL}: not meaningful with random weights (MODEL@random): acceptance and speedups "
                      "depend on the weights' values; tokens/s, step costs and memory do not (a model drafting for "
                      "itself is exempt: it accepts every draft whatever its weights)")
