@@ -184,6 +184,8 @@ def bench(
     limit: Limit = C.DEFAULT_LIMIT, max_new_tokens: MaxNew = 96, gamma: Annotated[int, typer.Option("--gamma", "-g")] = 4,
     device: Device = "auto", dtype: Dtype = "float32", seed: Seed = 0, repeats: Repeats = 2,
     out: Annotated[Optional[str], typer.Option(help="also write DIR/bench.parquet: one row per system and repeat")] = None,
+    generate: Annotated[str, typer.Option(envvar="SDBENCH_GENERATE", help="transformers generate's configuration: "
+                                          "fastest (tried and picked here), dynamic, static or compiled")] = "fastest",
 ):
     """Speed against peers in one process: transformers generate and assisted generation vs sdbench."""
     from sdbench.commands.bench import run_peers
@@ -197,8 +199,12 @@ def bench(
     if repeats < 1 or limit < 1 or max_new_tokens < 1:
         raise SdbenchError("bench: --repeats, --limit and --max-new-tokens must be at least 1")
     need_gamma("draft", gamma, "bench --gamma")
+    from sdbench.commands.hf_generate import MODES
+
+    if generate not in MODES:
+        raise SdbenchError(f"--generate {generate}: use one of {', '.join(MODES)}")
     run_peers(target, (draft or [target])[0], dataset, limit, max_new_tokens, gamma, device, dtype, seed, console,
-              repeats, out)
+              repeats, out, generate)
 
 
 predict_app = typer.Typer(no_args_is_help=True, help="What the cost models predict, from given or profiled costs.")
