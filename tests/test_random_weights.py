@@ -126,3 +126,17 @@ def test_compare_refuses_random_against_real(tmp_path, capsys):
     assert "baseline has real weights and current random" in err
     code, _, err = run_cli(capsys, "compare", random, random)
     assert code == 0, err
+
+
+def test_a_random_draft_beside_a_random_target_is_loaded_not_quantised(small):
+    from rich.console import Console
+
+    from sdbench.config import RunConfig
+    from sdbench.models.pair import load_pair
+
+    cfg = RunConfig(target="llama-8b@random", drafts=("llama-1b@random", "llama-8b@random"), strategy="draft")
+    pair = load_pair(cfg, torch.device("cpu"), torch.float32, Console())
+    random_draft, own = pair.drafts
+    assert own is pair.target  # the target drafting for itself: one model, its weights
+    assert type(random_draft.model.model.layers[0].self_attn.q_proj) is torch.nn.Linear  # not an @int8 copy
+    assert random_draft.name == "llama-1b@random" and random_draft.model is not pair.target.model

@@ -77,9 +77,10 @@ def load_model(name: str, device: str | torch.device = "cpu", dtype: torch.dtype
 def load_config(name: str) -> "PretrainedConfig":
     """The model's config alone, reading no weights: the shipped config.json for an alias, the folder's
     config.json, a GGUF's converted folder or else its metadata, or the hub's (local cache first). MODEL@random:
-    MODEL's."""
+    the config its random model is built from (MODEL's)."""
     base, variant = split_variant(name)
-    name = base if variant == RANDOM else name
+    if variant == RANDOM:
+        return _random_config(base)
     shipped = shipped_config(name)
     if shipped is not None:
         return config_from_dict(shipped)
