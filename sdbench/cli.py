@@ -217,11 +217,25 @@ def predict_speedup(
     gamma: Annotated[str, typer.Option("--gamma", "-g", help="lookahead, or a list like 1,2,4,8")] = "1,2,3,4,6,8",
     draft_cost: Annotated[float, typer.Option(help="one draft forward / one target forward")] = 0.1,
     verify_cost: Annotated[float, typer.Option(help="one verification of gamma+1 tokens / one target forward")] = 1.0,
+    target: Annotated[Optional[str], typer.Option("--target", "-t", help="measure the costs at this model's shape "
+                                                  "instead (MODEL@random works): --draft-cost/--verify-cost ignored")] = None,
+    draft: Annotated[Optional[str], typer.Option("--draft", "-d", help="with --target: the draft model [default: the target]")] = None,
+    context: Annotated[int, typer.Option(help="with --target: the prompt length the costs are measured at")] = 256,
+    device: Device = "auto", dtype: Dtype = "float32",
 ):
     """Expected tokens per step and speedup of draft-model SD under the i.i.d. acceptance model."""
     from sdbench.theory import speedup_table
 
-    console.print(speedup_table(alpha, parse_gammas(gamma, low=1), draft_cost, verify_cost))
+    gammas = parse_gammas(gamma, low=1)
+    if target is not None:
+        from sdbench.commands.predict import measured_costs
+
+        if context < 1:
+            raise SdbenchError(f"--context {context}: must be at least 1")
+        draft_cost, verify_cost = measured_costs(target, draft or target, gammas, context, device, dtype, console)
+        console.print(f"costs measured at {context} tokens of context: draft cost c = {draft_cost:.3f} "
+                      f"({draft or target} / {target})", highlight=False)
+    console.print(speedup_table(alpha, gammas, draft_cost, verify_cost))
 
 
 @predict_app.command("magicdec")

@@ -79,3 +79,14 @@ def test_alpha_from_runs_leaves_random_weights_out(tmp_path, capsys):
     writer.append(_magicdec_rows("random"))
     with pytest.raises(SdbenchError, match="every magicdec row has random weights"):
         alphas_from_results([str(writer.finalize())])
+
+
+def test_predict_speedup_takes_its_costs_from_a_model_at_random(small, capsys):  # noqa: F811
+    code, out, err = run_cli(capsys, "predict", "speedup", "--alpha", "0.8", "--gamma", "1,3",
+                             "--target", "llama-8b@random", "--draft", "llama-1b@random", "--context", "32",
+                             "--device", "cpu")
+    assert code == 0, err
+    assert "costs measured at 32 tokens of context: draft cost c = " in out
+    assert "verify cost ┃" in out and "verify cost per" in out
+    rows = [line for line in out.splitlines() if line.lstrip("│ ").startswith(("1 ", "3 "))]
+    assert len(rows) == 2 and all(line.rstrip(" │").endswith("x") for line in rows)

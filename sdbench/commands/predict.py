@@ -223,6 +223,35 @@ def fitting_points(target: str, dtype, device, batches, contexts, gamma: int, co
     return [p for p in points if p in found.fits]
 
 
+def measured_costs(target: str, draft: str, gammas, context: int, device: str, dtype: str,
+                   console) -> tuple[float, dict]:
+    """(c, {gamma: v}) for `predict speedup`, measured at the models' shapes (MODEL@random works): c one draft
+    step over one target step, v(gamma) one verification of gamma + 1 tokens over one target step, each the
+    median of a few forwards at the end of a `context`-token prompt of random ids, through the fast path."""
+    from sdbench.models.loader import load_model
+    from sdbench.models.pair import resolve_device, resolve_dtype, say_note
+    from sdbench.models.runner import ModelRunner
+
+    dev = resolve_device(device)
+    dt = resolve_dtype(dtype, dev)
+    runners = {}
+    with console.status("loading and timing"):
+        for name in dict.fromkeys((target, draft)):
+            loaded = load_model(name, dev, dt)
+            say_note(loaded, console)
+            runners[name] = ModelRunner(loaded.model, name, fast=True)
+        prompt = torch.randint(0, runners[target].vocab_size, (context,), generator=torch.Generator().manual_seed(0))
+        one = {}
+        for name, r in runners.items():
+            cache = r.new_cache(1, needed_capacity(context, 0, max(gammas)))
+            r.prefill(cache, [prompt.tolist()])
+            one[name] = median_time(lambda: r.forward(cache, prompt[None, -1:], [context]), r.device)
+            if name == target:
+                wide = {g: median_time(lambda g=g: r.forward(cache, prompt[None, -(g + 1):], [context]), r.device)
+                        for g in gammas}
+    return one[draft] / one[target], {g: t / one[target] for g, t in wide.items()}
+
+
 def print_alphas(measured: dict[tuple[str, int, int], float], console) -> None:
     from rich.table import Table
 
