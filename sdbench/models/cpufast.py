@@ -7,7 +7,9 @@ gate/up), median of 7, rows 1 / 2 / 5 / 8: stock 4.9 / 11.0 / 17.7 / 16.5 ms; `W
 9.2; oneDNN on the plain weight 3.8 / 6.2 / 7.1 / 8.2; oneDNN on its packed layout (packed for 5 rows) 3.8 /
 4.0 / 5.1 / 5.9, with prefill-sized chunks (64 rows) no slower than the others. So:
 
-- q/k/v are fused into one product and gate/up into another (7 products per layer become 4);
+- q/k/v are fused into one product and gate/up into another (7 products per layer become 4; Phi-3's are
+  fused already, StarCoder2's plain MLP packs its two products, a mixture of experts stays the library's
+  own module);
 - every fused projection is packed once into oneDNN's layout, which then is the only copy: the modules'
   own weights are emptied while packed, and `unpack` gives them back exactly (a reorder moves values, it
   does not round them). A model is packed by the first fast forward and unpacked by the first plain one
@@ -15,7 +17,8 @@ gate/up), median of 7, rows 1 / 2 / 5 / 8: stock 4.9 / 11.0 / 17.7 / 16.5 ms; `W
 - a vocabulary head tied to the embedding table stays plain, since the lookup needs that table: oneDNN
   reads it as it is for one row (about memory speed, 2x the stock product) and `W @ x^T` is faster for more;
   an untied head is packed like the rest;
-- RMSNorm runs as one op (`F.rms_norm`) instead of the module's five;
+- Llama's RMSNorm runs as one op (`F.rms_norm`) instead of the module's five (the runner decides from the
+  family: Gemma's (1 + w) norm and StarCoder2's LayerNorm stay modules);
 - the first packing also copies the weights it does not pack (embeddings, norms) into the process's own
   memory: a model loaded from memory-mapped safetensors then holds no reference into the file, the mapping
   goes, and the process's resident size is the packed weights alone (without this, the embedding alone kept
@@ -111,26 +114,49 @@ class TiedHead:
         return y.view(*x.shape[:-1], weight.shape[0])
 
 
+def _mlp_parts(mlp):
+    """(the products to fuse: [up side, down], the activation, gated) of an MLP the fast path packs: gated,
+    gate and up fused (Llama: gate_proj, up_proj; Phi-3: gate_up_proj, fused already), or plain (StarCoder2:
+    c_fc, c_proj); None for any other (a mixture of experts stays the library's own module)."""
+    if hasattr(mlp, "gate_proj"):
+        return [[mlp.gate_proj, mlp.up_proj], [mlp.down_proj]], mlp.act_fn, True
+    if isinstance(getattr(mlp, "gate_up_proj", None), torch.nn.Linear):  # not an MoE's stacked experts
+        return [[mlp.gate_up_proj], [mlp.down_proj]], mlp.activation_fn, True
+    if hasattr(mlp, "c_fc"):
+        return [[mlp.c_fc], [mlp.c_proj]], mlp.act, False
+    return None
+
+
+def _attention_parts(attn) -> list:
+    """The q/k/v products to fuse (one already fused: Phi-3's qkv_proj) and the output's."""
+    qkv = [attn.qkv_proj] if hasattr(attn, "qkv_proj") else [attn.q_proj, attn.k_proj, attn.v_proj]
+    return [qkv, [attn.o_proj]]
+
+
 class FastLayer:
-    """A decoder layer's projections: qkv, o, gate_up (None for a non-gated MLP), down."""
+    """A decoder layer's projections: qkv, o, and the MLP's (gate_up and down, or up and down; none for one
+    the fast path leaves to the library)."""
 
     def __init__(self, layer):
-        attn, mlp = layer.self_attn, layer.mlp
-        self.qkv = Packed([attn.q_proj, attn.k_proj, attn.v_proj])
-        self.o = Packed([attn.o_proj])
-        self.gated = hasattr(mlp, "gate_proj")
-        self.gate_up = Packed([mlp.gate_proj, mlp.up_proj]) if self.gated else None
-        self.down = Packed([mlp.down_proj]) if self.gated else None
-        self.act = mlp.act_fn if self.gated else None
-        self.intermediate = mlp.gate_proj.out_features if self.gated else 0
+        qkv, o = _attention_parts(layer.self_attn)
+        self.qkv, self.o = Packed(qkv), Packed(o)
+        parts = _mlp_parts(layer.mlp)
+        self.up = self.down = self.act = None
+        self.gated = False
+        if parts is not None:
+            (up, down), self.act, self.gated = parts
+            self.up, self.down = Packed(up), Packed(down)
+        self.intermediate = self.down.modules[0].in_features if self.down else 0
 
     def projections(self) -> list:
-        return [p for p in (self.qkv, self.o, self.gate_up, self.down) if p is not None]
+        return [p for p in (self.qkv, self.o, self.up, self.down) if p is not None]
 
     def mlp(self, mlp, x: torch.Tensor) -> torch.Tensor:
-        if not self.gated:
+        if self.up is None:
             return mlp(x)
-        gate, up = self.gate_up(x).split(self.intermediate, dim=-1)
+        if not self.gated:
+            return self.down(self.act(self.up(x)))
+        gate, up = self.up(x).split(self.intermediate, dim=-1)
         return self.down(self.act(gate) * up)
 
 
@@ -168,9 +194,9 @@ class FastModel:
 
 
 def _projection_modules(layer) -> list:
-    attn, mlp = layer.self_attn, layer.mlp
-    return [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj,
-            *(getattr(mlp, name) for name in ("gate_proj", "up_proj", "down_proj") if hasattr(mlp, name))]
+    parts = _mlp_parts(layer.mlp)
+    groups = _attention_parts(layer.self_attn) + (parts[0] if parts else [])
+    return [m for group in groups for m in group]
 
 
 def supports(model) -> bool:

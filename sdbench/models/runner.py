@@ -18,7 +18,7 @@ from sdbench.errors import SdbenchError
 from sdbench.kv.cache import DenseKVCache, KVCache, StepIndex
 from sdbench.kv.sparse import SparseKVCache
 from sdbench.models import cpufast
-from sdbench.models.families import NATIVE
+from sdbench.models.families import NATIVE, family
 from sdbench.engine.state import needed_capacity
 from sdbench.models.graphs import CAPACITY_STEP, CachePool, StaticForward
 from sdbench.models.rotary import Rotary, rope
@@ -34,8 +34,24 @@ def _pick(x: torch.Tensor, at: torch.Tensor) -> torch.Tensor:
     return x[rows if at.dim() == 1 else rows[:, None], at.to(x.device)]
 
 
+def _capped_attention(q, keys, values, mask, scale: float, cap: float) -> torch.Tensor:
+    """Attention whose logits are soft-capped (Gemma2/3), which scaled_dot_product_attention cannot do, as the
+    library's eager attention computes it: scale, cap * tanh(x / cap), mask, softmax in float32.
+    q [B, Hq, T, D]; keys, values [B, Hk, S, D]; mask additive [B, 1, T, S] or None -> [B, Hq, T, D]."""
+    B, Hq, T, D = q.shape
+    Hk, S = keys.shape[1], keys.shape[2]
+    grouped = q.reshape(B, Hk, Hq // Hk * T, D)  # query heads sharing a key head, side by side
+    scores = (torch.matmul(grouped, keys.transpose(-1, -2)) * scale).view(B, Hq, T, S)
+    scores = torch.tanh(scores / cap) * cap
+    if mask is not None:
+        scores = scores + mask
+    weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(weights.view(B, Hk, Hq // Hk * T, S), values).view(B, Hq, T, D)
+
+
 class ModelRunner:
-    """Forward over new tokens at given positions, for a Llama-family decoder.
+    """Forward over new tokens at given positions, for a decoder of a native family (`models/families.py`:
+    Llama's layer loop with the family's differences read once, here).
 
     fast: on CPU in float32, fused projections packed for oneDNN (one copy of the weights) and one-op norms
     (`models/cpufast.py`) where a short measurement at this shape finds them faster (`cpufast.choose`): the
@@ -56,6 +72,7 @@ class ModelRunner:
         self.model = model
         self.name = name
         self.config = cfg
+        self.family = family(cfg)
         self.decoder = model.model
         self.layers = list(self.decoder.layers)
         self.lm_head = model.lm_head
@@ -78,9 +95,13 @@ class ModelRunner:
         self._fast = cpufast.fast_model(model) if self.cpu_fast else None
         self._fast_layers = self._fast.layers if self.cpu_fast else None
         self._head = self._fast.head if self.cpu_fast else self.lm_head
+        self._one_op_norms = self.cpu_fast and self.family.rms_norm  # Llama's RMSNorm only (not Gemma's 1 + w)
+        # per layer: the norm modules (attention in, attention out, MLP in, MLP out), None where there is none
+        self._norms = [tuple(name and getattr(layer, name) for name in self.family.norms) for layer in self.layers]
+        self._scale = self.family.attn_scale or self.head_dim**-0.5  # soft-capped attention's
 
     def _norm(self, module, x: torch.Tensor) -> torch.Tensor:
-        if self.cpu_fast and hasattr(module, "variance_epsilon"):
+        if self._one_op_norms:
             return cpufast.rms_norm(module, x)
         return module(x)
 
@@ -136,39 +157,72 @@ class ModelRunner:
             self._fast.pack()
         else:
             cpufast.disable(self.model)
-        h = self.decoder.embed_tokens(tokens.to(self.device))
+        h = self.decoder.embed_tokens(tokens.to(self.device))  # Gemma's sqrt(hidden) scale is the module's
+        fam = self.family
+        if fam.embed_scale is not None:
+            h = h * fam.embed_scale
+        r = fam.residual_scale
         for i, layer in enumerate(self.layers):
             fast = self._fast_layers[i] if self._fast_layers else None
             cos, sin = cos_sin[self.rotary.layer_types[i]]
-            x = self._norm(layer.input_layernorm, h)
-            h = h + self._attention(layer.self_attn, fast, x, cache, i, step, cos, sin)
-            x = self._norm(layer.post_attention_layernorm, h)
-            h = h + (fast.mlp(layer.mlp, x) if fast else layer.mlp(x))
+            attn_in, attn_out, mlp_in, mlp_out = self._norms[i]  # Llama: (input, None, post_attention, None)
+            x = h if attn_in is None else self._norm(attn_in, h)
+            a = self._attention(layer.self_attn, fast, x, cache, i, step, cos, sin)
+            if attn_out is not None:
+                a = self._norm(attn_out, a)
+            h = h + a if r is None else h + a * r
+            x = h if mlp_in is None else self._norm(mlp_in, h)
+            m = fast.mlp(layer.mlp, x) if fast else layer.mlp(x)
+            if mlp_out is not None:
+                m = self._norm(mlp_out, m)
+            h = h + m if r is None else h + m * r
         return self._norm(self.decoder.norm, h)
+
+    def _project(self, attn, fast, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Queries and keys side by side [B, T, (Hq + Hk) * D] and values [B, T, Hk * D], from separate or
+        fused projections, q/k normalised here when the family norms them whole (OLMo2)."""
+        Hq, Hk, D = self.n_heads, self.n_kv_heads, self.head_dim
+        fused = fast.qkv if fast else (getattr(attn, self.family.qkv) if self.family.qkv else None)
+        whole = self.family.qk_norm == "all"
+        if fused is not None and not whole:
+            return fused(x).split([(Hq + Hk) * D, Hk * D], dim=-1)
+        if fused is not None:
+            q, k, v = fused(x).split([Hq * D, Hk * D, Hk * D], dim=-1)
+        else:
+            q, k, v = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
+        if whole:
+            q, k = self._norm(attn.q_norm, q), self._norm(attn.k_norm, k)
+        return torch.cat((q, k), dim=-1), v
 
     def _attention(self, attn, fast, x, cache, i, step, cos, sin) -> torch.Tensor:
         B, T, _ = x.shape
         Hq, Hk, D = self.n_heads, self.n_kv_heads, self.head_dim
-        if fast:
-            qk, v = fast.qkv(x).split([(Hq + Hk) * D, Hk * D], dim=-1)
-        else:
-            qk, v = torch.cat((attn.q_proj(x), attn.k_proj(x)), dim=-1), attn.v_proj(x)
+        qk, v = self._project(attn, fast, x)
         qk = qk.view(B, T, Hq + Hk, D)
         v = v.view(B, T, Hk, D).transpose(1, 2)
-        if hasattr(attn, "q_norm"):  # qwen3 normalises q/k per head before rotary
+        if self.family.qk_norm == "head":  # Qwen3, Gemma3: per head, before rotary
             q, k = qk.split([Hq, Hk], dim=2)
             qk = torch.cat((self._norm(attn.q_norm, q), self._norm(attn.k_norm, k)), dim=2)
         q, k = rope(qk.transpose(1, 2), cos, sin).split([Hq, Hk], dim=1)  # [B, H, T, D]
         keys, values, mask = cache.update(i, k, v, step)
         if cache.wants_queries:  # a scoring view (SnapKV) looks at the queries too
             cache.queries(i, q, keys, mask)
-        o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=Hq != Hk)
+        if self.family.attn_softcap is None:
+            o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.family.attn_scale,
+                                               enable_gqa=Hq != Hk)
+        else:
+            o = _capped_attention(q, keys, values, mask, self._scale, self.family.attn_softcap)
         o = o.transpose(1, 2).reshape(B, T, Hq * D)
         return fast.o(o) if fast else attn.o_proj(o)
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self._head(hidden).float()
+        out = self._head(hidden)  # [..., V], scaled and capped in the model's dtype, as the library does
+        if self.family.logits_divisor is not None:
+            out = out / self.family.logits_divisor
+        if self.family.final_softcap is not None:
+            out = torch.tanh(out / self.family.final_softcap) * self.family.final_softcap
+        return out.float()
 
     @torch.inference_mode()
     def forward(self, cache: KVCache, tokens: torch.Tensor, start: list[int],
