@@ -203,6 +203,8 @@ def bench(
     limit: Limit = C.DEFAULT_LIMIT, max_new_tokens: MaxNew = 96, gamma: Annotated[int, typer.Option("--gamma", "-g")] = 4,
     device: Device = "auto", dtype: Dtype = "float32", seed: Seed = 0, repeats: Repeats = 2,
     out: Annotated[Optional[str], typer.Option(help="also write DIR/bench.parquet: one row per system and repeat")] = None,
+    generate: Annotated[str, typer.Option(envvar="SDBENCH_GENERATE", help="transformers generate's configuration: "
+                                          "fastest (tried and picked here), dynamic, static or compiled")] = "fastest",
 ):
     """Speed against peers in one process: transformers generate and assisted generation vs sdbench."""
     from sdbench.commands.bench import run_peers
@@ -216,8 +218,12 @@ def bench(
     if repeats < 1 or limit < 1 or max_new_tokens < 1:
         raise SdbenchError("bench: --repeats, --limit and --max-new-tokens must be at least 1")
     need_gamma("draft", gamma, "bench --gamma")
+    from sdbench.commands.hf_generate import MODES
+
+    if generate not in MODES:
+        raise SdbenchError(f"--generate {generate}: use one of {', '.join(MODES)}")
     run_peers(target, (draft or [target])[0], dataset, limit, max_new_tokens, gamma, device, dtype, seed, console,
-              repeats, out)
+              repeats, out, generate)
 
 
 predict_app = typer.Typer(no_args_is_help=True, help="What the cost models predict, from given or profiled costs.")
@@ -230,11 +236,25 @@ def predict_speedup(
     gamma: Annotated[str, typer.Option("--gamma", "-g", help="lookahead, or a list like 1,2,4,8")] = "1,2,3,4,6,8",
     draft_cost: Annotated[float, typer.Option(help="one draft forward / one target forward")] = 0.1,
     verify_cost: Annotated[float, typer.Option(help="one verification of gamma+1 tokens / one target forward")] = 1.0,
+    target: Annotated[Optional[str], typer.Option("--target", "-t", help="measure the costs at this model's shape "
+                                                  "instead (MODEL@random works): --draft-cost/--verify-cost ignored")] = None,
+    draft: Annotated[Optional[str], typer.Option("--draft", "-d", help="with --target: the draft model [default: the target]")] = None,
+    context: Annotated[int, typer.Option(help="with --target: the prompt length the costs are measured at")] = 256,
+    device: Device = "auto", dtype: Dtype = "float32",
 ):
     """Expected tokens per step and speedup of draft-model SD under the i.i.d. acceptance model."""
     from sdbench.theory import speedup_table
 
-    console.print(speedup_table(alpha, parse_gammas(gamma, low=1), draft_cost, verify_cost))
+    gammas = parse_gammas(gamma, low=1)
+    if target is not None:
+        from sdbench.commands.predict import measured_costs
+
+        if context < 1:
+            raise SdbenchError(f"--context {context}: must be at least 1")
+        draft_cost, verify_cost = measured_costs(target, draft or target, gammas, context, device, dtype, console)
+        console.print(f"costs measured at {context} tokens of context: draft cost c = {draft_cost:.3f} "
+                      f"({draft or target} / {target})", highlight=False)
+    console.print(speedup_table(alpha, gammas, draft_cost, verify_cost))
 
 
 @predict_app.command("magicdec")

@@ -80,8 +80,11 @@ def predicted_speedup(alpha: float, gamma: float, draft_cost: float, verify_cost
     return expected_tokens_per_step(alpha, gamma) / denominator
 
 
-def speedup_table(alpha: float, gammas: tuple[int, ...], draft_cost: float, verify_cost: float):
-    """A rich table of Omega and the predicted speedup for each gamma; the best gamma marked."""
+def speedup_table(alpha: float, gammas: tuple[int, ...], draft_cost: float, verify_cost: float | dict):
+    """A rich table of Omega and the predicted speedup for each gamma; the best gamma marked. verify_cost: one
+    value, or one per gamma (measured: a wider verification costs more)."""
+    if isinstance(verify_cost, dict):
+        return _speedup_rows_table(alpha, gammas, draft_cost, verify_cost)
     from rich.table import Table
 
     from sdbench.errors import SdbenchError
@@ -96,6 +99,20 @@ def speedup_table(alpha: float, gammas: tuple[int, ...], draft_cost: float, veri
         table.add_column(col, justify="right")
     for g, omega, s in rows:
         table.add_row(f"{g}{' *' if g == best else ''}", f"{omega:.2f}", f"{s:.2f}x")
+    return table
+
+
+def _speedup_rows_table(alpha: float, gammas: tuple[int, ...], draft_cost: float, verify: dict):
+    from rich.table import Table
+
+    rows = [(g, expected_tokens_per_step(alpha, g), verify[g], predicted_speedup(alpha, g, draft_cost, verify[g]))
+            for g in gammas]
+    best = max(rows, key=lambda r: r[3])[0]
+    table = Table(title=f"alpha={alpha}, draft cost={draft_cost:.3f}, verify cost per gamma as measured")
+    for col in ("gamma", "tokens/step", "verify cost", "speedup"):
+        table.add_column(col, justify="right")
+    for g, omega, v, s in rows:
+        table.add_row(f"{g}{' *' if g == best else ''}", f"{omega:.2f}", f"{v:.2f}", f"{s:.2f}x")
     return table
 
 

@@ -119,3 +119,24 @@ def reproduce_quick(capsys, paper: str, out, files: tuple[str, ...], figures: in
     assert text.count("data:image/png;base64,") == figures and "torch_version" in text
     assert "verdict" in stdout and "report:" in stdout
     return pd.read_parquet(out / "claims.parquet"), text, stdout
+
+
+@pytest.fixture(scope="session", autouse=True)
+def packed_fast_path():
+    """The CPU fast path packs every float32 model in tests (as it did before the choice was measured per shape):
+    a measured choice would make which path a test exercises depend on the machine's speed. tests/test_fast_choice.py
+    measures."""
+    from sdbench.models.cpufast import FAST_ENV
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(FAST_ENV, "packed")
+        yield
+
+
+@pytest.fixture(scope="session", autouse=True)
+def plain_generate():
+    """`bench` measures transformers generate with its default dynamic cache in tests (picking the fastest
+    configuration compiles the model, minutes on a small CPU); tests/test_fast_choice.py picks."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("SDBENCH_GENERATE", "dynamic")
+        yield

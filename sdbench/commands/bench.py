@@ -13,6 +13,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from sdbench.commands.hf_generate import kwargs_for, pick
 from sdbench.config import SamplingConfig
 from sdbench.engine.loop import generate
 from sdbench.engine.state import needed_capacity
@@ -153,8 +154,10 @@ def _systems(tgt, drf, runner, plain, d_runner, max_new: int, eos: list[int], ro
 
 
 def run_peers(target: str, draft: str, dataset: str, limit: int, max_new: int, gamma: int, device: str,
-              dtype: str, seed: int, console: Console, repeats: int = 2, out: str | None = None) -> list[Measured]:
-    from sdbench.models.pair import resolve_device, resolve_dtype
+              dtype: str, seed: int, console: Console, repeats: int = 2, out: str | None = None,
+              generate: str = "fastest") -> list[Measured]:
+    """generate: transformers' generate configuration to measure (`hf_generate.MODES`; "fastest": picked here)."""
+    from sdbench.models.pair import resolve_device, resolve_dtype, say_note
     from sdbench.models import cpufast
     from sdbench.models.generic import GenericRunner, runner_kind
     from sdbench.models.loader import check_same_tokenizer, eos_token_ids, load_model
@@ -166,6 +169,8 @@ def run_peers(target: str, draft: str, dataset: str, limit: int, max_new: int, g
     with console.status("loading models"):
         tgt = load_model(target, dev, dt)
         drf = tgt if draft == target else load_model(draft, dev, dt)
+    for loaded in (tgt,) if drf is tgt else (tgt, drf):  # a @random model's stand-in tokenizer
+        say_note(loaded, console)
     if drf is not tgt:
         check_same_tokenizer(tgt.tokenizer, drf.tokenizer, target, draft)
     eos = eos_token_ids(tgt)
@@ -186,6 +191,9 @@ def run_peers(target: str, draft: str, dataset: str, limit: int, max_new: int, g
     systems = _systems(tgt, drf, runner, pick_runner(tgt.model, target, False), d_runner, max_new, eos,
                        needed_capacity(max(len(p) for p in prompts), max_new, gamma), gamma, generic)
     with console.status("measuring") as status:
+        picked = _pick_generate(tgt.model, prompts[0], eos, generate, dev, status, weights)
+        systems[0] = (f"transformers generate ({picked.label})",
+                      _hf(tgt.model, max_new, eos, **kwargs_for(picked.name, dev)), False)
         results = _measure(systems, prompts, repeats, dev, status, weights)
         status.update("measuring the verification and draft cost ratios")
         weights(True)
@@ -198,11 +206,30 @@ def run_peers(target: str, draft: str, dataset: str, limit: int, max_new: int, g
     console.print(f"verification cost T({gamma + 1} tokens) / T(1 token), {target}: {ratios[0]:.2f}; draft cost "
                   f"c = T_draft / T_target ({draft}): {ratios[1]:.2f} (fast path, medians over the prompts)",
                   highlight=False)
+    for line in (picked.line(), _fast_path_line(tgt.model, dev)):
+        if line:
+            console.print(line, highlight=False, soft_wrap=True)
     if out:
         path = write_bench(results, out, dict(model=target, draft=draft, dataset=dataset, device=str(dev),
                                               dtype=dtype, verify_cost=ratios[0], draft_cost=ratios[1]))
         console.print(f"results: {path}", highlight=False)
     return results
+
+
+def _pick_generate(model, prompt: list[int], eos: list[int], mode: str, device, status, weights):
+    """transformers' generate configuration to measure (hf_generate.pick), on the plain weights it runs on."""
+    status.update("choosing transformers generate's fastest configuration" if mode == "fastest" else "measuring")
+    weights(False)
+    return pick(model, prompt, eos, mode, device)
+
+
+def _fast_path_line(model, device) -> str | None:
+    """Which forward sdbench's fast path uses on a CPU (packed or plain, as measured at this shape), or None."""
+    from sdbench.models import cpufast
+
+    if device.type != "cpu" or not (cpufast.available() and cpufast.supports(model)):
+        return None
+    return cpufast.choose(model).describe()
 
 
 def write_bench(results: list[Measured], out: str, common: dict):

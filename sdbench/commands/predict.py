@@ -20,7 +20,9 @@ from dataclasses import dataclass
 
 import torch
 
+from sdbench.errors import SdbenchError
 from sdbench.kv.sparse import filled_for_profile
+from sdbench.models.names import is_random
 from sdbench.engine.metrics import now
 from sdbench.engine.state import needed_capacity
 from sdbench.theory import predicted_speedup
@@ -99,7 +101,8 @@ def critical_lengths(rows: list[dict]) -> dict[int, int | None]:
     return found
 
 
-def alphas_from_results(paths: list[str], strategy: str = "magicdec") -> dict[tuple[str, int, int], float]:
+def alphas_from_results(paths: list[str], strategy: str = "magicdec",
+                        console=None) -> dict[tuple[str, int, int], float]:
     """Acceptance rate per (selector, budget, prompt length), fitted (Omega inverted) to earlier runs' accepted
     lengths: magicdec's, or those of `strategy` "draft" with a sparse draft cache (--set draft_kv=...). A run's
     prompt length is the mean prompt of its rows (one --prompt-len gives one); runs at the same selector,
@@ -112,6 +115,15 @@ def alphas_from_results(paths: list[str], strategy: str = "magicdec") -> dict[tu
 
     df = read_results(paths)
     rows = df[(df["role"] != "baseline") & (df["strategy"] == strategy)]
+    random = rows["weights"].astype(object).eq("random").fillna(False).astype(bool) if "weights" in rows else None
+    if random is not None and random.any():  # a random model's acceptance says nothing of a real one's
+        rows = rows[~random]
+        if console is not None:
+            console.print(f"note: --from: {int(random.sum())} {strategy} row(s) with random weights left out of the "
+                          "fitted alpha", highlight=False)
+        if rows.empty:
+            raise SdbenchError(f"--from: every {strategy} row has random weights (MODEL@random), whose acceptance "
+                               "says nothing of a real model: give --alpha, or runs of a real model")
     pooled: dict[tuple[str, int, int], list[float]] = {}
     for (_, params), group in rows.groupby(["run_id", "params"]):
         p = json.loads(params)
@@ -182,6 +194,64 @@ def _crossing_text(kind: str, length: float) -> str:
     return {"at": f"{length:.0f}", "below": f"<= {length:.0f}", "above": f"> {length:.0f}"}[kind]
 
 
+def fitting_points(target: str, dtype, device, batches, contexts, gamma: int, console) -> list[tuple[int, int]]:
+    """The (batch, context) points whose caches fit beside the model's weights in the free memory, estimated from
+    the config before anything is allocated; one line names those left out, and a model whose weights alone do
+    not fit is refused."""
+    from sdbench.models.graphs import CAPACITY_STEP
+    from sdbench.models.loader import load_config
+    from sdbench.models.memory import GIB, plan
+    from sdbench.models.shapes import parameter_count
+
+    config = load_config(target)
+    params = parameter_count(config, cached=True) or 0
+    step = CAPACITY_STEP if device.type == "cuda" else 1  # static-shape caches are rounded up
+
+    def capacity(context: int) -> int:
+        return -(-needed_capacity(context, 0, gamma) // step) * step
+
+    points = [(b, s) for b in batches for s in contexts]
+    found = plan(config, params, dtype, device, points, capacity, gamma + 1)
+    if not found.weights_fit():
+        raise SdbenchError(f"{target}: its weights take {found.weights / GIB:.1f} GiB in {str(dtype)[6:]} and "
+                           f"{found.free / GIB:.1f} GiB are free on {device}: nothing can be profiled")
+    if found.line():
+        console.print(f"note: {found.line()}", highlight=False, soft_wrap=True)
+    if not found.fits:
+        raise SdbenchError(f"{target}: no (batch, context) point fits beside the weights; try smaller --batch or "
+                           "--context values")
+    return [p for p in points if p in found.fits]
+
+
+def measured_costs(target: str, draft: str, gammas, context: int, device: str, dtype: str,
+                   console) -> tuple[float, dict]:
+    """(c, {gamma: v}) for `predict speedup`, measured at the models' shapes (MODEL@random works): c one draft
+    step over one target step, v(gamma) one verification of gamma + 1 tokens over one target step, each the
+    median of a few forwards at the end of a `context`-token prompt of random ids, through the fast path."""
+    from sdbench.models.loader import load_model
+    from sdbench.models.pair import resolve_device, resolve_dtype, say_note
+    from sdbench.models.runner import ModelRunner
+
+    dev = resolve_device(device)
+    dt = resolve_dtype(dtype, dev)
+    runners = {}
+    with console.status("loading and timing"):
+        for name in dict.fromkeys((target, draft)):
+            loaded = load_model(name, dev, dt)
+            say_note(loaded, console)
+            runners[name] = ModelRunner(loaded.model, name, fast=True)
+        prompt = torch.randint(0, runners[target].vocab_size, (context,), generator=torch.Generator().manual_seed(0))
+        one = {}
+        for name, r in runners.items():
+            cache = r.new_cache(1, needed_capacity(context, 0, max(gammas)))
+            r.prefill(cache, [prompt.tolist()])
+            one[name] = median_time(lambda: r.forward(cache, prompt[None, -1:], [context]), r.device)
+            if name == target:
+                wide = {g: median_time(lambda g=g: r.forward(cache, prompt[None, -(g + 1):], [context]), r.device)
+                        for g in gammas}
+    return one[draft] / one[target], {g: t / one[target] for g, t in wide.items()}
+
+
 def print_alphas(measured: dict[tuple[str, int, int], float], console) -> None:
     from rich.table import Table
 
@@ -217,27 +287,32 @@ def run_predict(target: str, batches, contexts, gammas, budgets, alpha: float, f
     from rich.progress import Progress
     from rich.table import Table
 
-    from sdbench.models.pair import resolve_device, resolve_dtype
+    from sdbench.models.pair import resolve_device, resolve_dtype, say_note
     from sdbench.models.loader import load_model
     from sdbench.models.runner import ModelRunner
 
     dev = resolve_device(device)
-    measured = alphas_from_results(from_results) if from_results else {}
+    dt = resolve_dtype(dtype, dev)
+    measured = alphas_from_results(from_results, console=console) if from_results else {}
+    fits = fitting_points(target, dt, dev, batches, contexts, max(gammas), console)
     with console.status(f"loading {target}"):
-        runner = ModelRunner(load_model(target, dev, resolve_dtype(dtype, dev)).model, target, fast=fast)
+        loaded = load_model(target, dev, dt)
+        runner = ModelRunner(loaded.model, target, fast=fast)
+    say_note(loaded, console)
     rows = []
     with Progress(console=console, transient=True) as progress:
-        task = progress.add_task("profiling", total=len(batches) * len(contexts))
-        for b in batches:
-            for s in contexts:
-                p = profile(runner, b, s, gammas, budgets)
-                rows += with_alphas(predictions(p, alpha), measured, alpha)
-                progress.advance(task)
-    df = pd.DataFrame(rows)
+        task = progress.add_task("profiling", total=len(fits))
+        for b, s in fits:
+            p = profile(runner, b, s, gammas, budgets)
+            rows += with_alphas(predictions(p, alpha), measured, alpha)
+            progress.advance(task)
+    df = pd.DataFrame(rows).assign(weights=loaded.weights)
     best = df.loc[df.groupby(["batch", "context"])["predicted_speedup"].idxmax()] if len(df) else df
     if measured:
         print_alphas(measured, console)
     table = Table(title=f"{target} on {dev}: best predicted (gamma, budget, selector) per batch and context")
+    if measured and is_random(target):
+        table.caption = f"alpha measured with real weights; {target}'s own random weights decide only the costs"
     for col in ("batch", "context", "T_T ms", "T_D ms", "T_V ms", "gamma", "budget", "selector", "alpha",
                 "predicted"):
         table.add_column(col, justify="right")

@@ -24,6 +24,7 @@ from sdbench.engine.state import needed_capacity
 from sdbench.env import environment, peak_memory, reset_peak_memory
 from sdbench.errors import Interrupted, SdbenchError
 from sdbench.engine.metrics import BatchResult, predicted_speedup, row_metrics, speedup
+from sdbench.models.names import weights_of
 from sdbench.models.pair import Pair, load_pair, resolve_device, resolve_dtype
 from sdbench.paths import output_dir
 from sdbench.strategies import (BuildContext, build_variants, check_options, native_needed, needs_draft,
@@ -253,6 +254,7 @@ class Bench:
                            prompt_id=prompts[i].id, repeat=repeat, batch_id=batch_id, peak_mem_bytes=mem,
                            mem_kind=mem_kind, output_ids=res.output_ids[b], gamma=_gamma(params),
                            predicted_speedup=math.nan, timestamp=_now())
+                row["weights"] = weights_of([self.cfg.target, *drafts.split(",")])  # a @random model: "random"
                 if base is not None:
                     row["speedup"] = speedup(row["tokens_per_s"], row_metrics(base, b)["tokens_per_s"])
                     if not proposers[role].owns_loop:  # the sequential-SD model says nothing of DSI

@@ -26,15 +26,22 @@ gate/up), median of 7, rows 1 / 2 / 5 / 8: stock 4.9 / 11.0 / 17.7 / 16.5 ms; `W
 
 Packed tensors are opaque (they cannot be pickled or shared between processes): a process that receives a
 model's plain weights builds its own fast path with `enable(model)`.
+
+Whether to pack at all is measured per shape (`choose`): at some shapes the plain products win.
 """
 
 from __future__ import annotations
 
+import os
+import time
 import weakref
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from sdbench.errors import SdbenchError
 
 PACK_HINT = 5  # rows the packed layout is tuned for: a verification of gamma = 4 (also best at 1-9 rows)
 _EMPTY = torch.empty(0)  # what a packed module's own weight holds
@@ -241,3 +248,91 @@ def plain(model):
 def rms_norm(module, x: torch.Tensor) -> torch.Tensor:
     """A Llama-family RMSNorm in one op (float32 models: the same arithmetic as the module's)."""
     return F.rms_norm(x, (x.shape[-1],), module.weight, module.variance_epsilon)
+
+
+# --- whether packing pays at this shape -------------------------------------------------------------------------
+# Chosen on the three embedded models' shapes, the packed path lost at Llama-3.2-1B's (0.87x of the plain forward):
+# the choice is now measured per shape, once per process, on the products the two paths differ in.
+
+FAST_ENV = "SDBENCH_CPU_FAST"  # measure (default) | packed | plain: an override that skips the measurement
+WIDTHS = (1, 2, PACK_HINT)  # decoding, a draft's catch-up, a verification of gamma = 4
+_HEAD_ROWS = 8192  # the vocabulary head is timed on this many of its rows, scaled to all of them
+_chosen: dict = {}  # shape key -> Choice
+
+
+@dataclass(frozen=True)
+class Choice:
+    packed: bool
+    how: str  # "measured" or "override"
+    ratio: float | None = None  # plain time / packed time, layers and head, summed over WIDTHS (> 1: packing wins)
+
+    def describe(self) -> str:
+        path = "packed (oneDNN)" if self.packed else "plain"
+        if self.ratio is None:
+            return f"CPU fast path: {path} forward, set by {FAST_ENV}"
+        return (f"CPU fast path: {path} forward, measured at this shape (packed products {self.ratio:.2f}x the "
+                f"speed of plain ones at widths {', '.join(map(str, WIDTHS))})")
+
+
+def choose(model) -> Choice:
+    """Whether the fast path packs this model: the override when set, else measured once per shape."""
+    mode = os.environ.get(FAST_ENV, "measure").strip().lower() or "measure"
+    if mode in ("packed", "plain"):
+        return Choice(mode == "packed", "override")
+    if mode != "measure":
+        raise SdbenchError(f"{FAST_ENV}={mode}: use measure, packed or plain")
+    key = (model.config.to_json_string(use_diff=False), model.lm_head.weight is model.get_input_embeddings().weight,
+           torch.get_num_threads())
+    if key not in _chosen:
+        with plain(model):  # the plain weights to time and to pack a copy of
+            plain_s, packed_s = _timed_paths(fast_model(model))
+        _chosen[key] = Choice(packed_s < plain_s, "measured", plain_s / packed_s)
+    return _chosen[key]
+
+
+def _timed_paths(fast: FastModel) -> tuple[float, float]:
+    """(plain, packed) seconds of one forward's products: the first layer's times the layers, plus the head."""
+    plain_s, packed_s = 0.0, 0.0
+    for p in fast.layers[0].projections():
+        a, b = _timed_product(p.modules, p.bias)
+        plain_s, packed_s = plain_s + a * len(fast.layers), packed_s + b * len(fast.layers)
+    head = fast.head.lm_head if isinstance(fast.head, TiedHead) else fast.head.modules[0]
+    rows = min(_HEAD_ROWS, head.weight.shape[0])
+    a, b = _timed_product([head], None, rows, tied=isinstance(fast.head, TiedHead))
+    scale = head.weight.shape[0] / rows
+    return plain_s + a * scale, packed_s + b * scale
+
+
+def _timed_product(modules: list, bias, rows: int | None = None, tied: bool = False) -> tuple[float, float]:
+    """(plain, fast) seconds over WIDTHS of y = x W^T: the modules' own products one by one, against the fused
+    product packed (or, for a tied head, read in place as TiedHead does). rows: only the first rows of W."""
+    weights = [m.weight.detach()[:rows] for m in modules]
+    fused = (weights[0] if len(weights) == 1 else torch.cat(weights)).contiguous()
+    packed = fused if tied else torch.ops.mkldnn._reorder_linear_weight(fused, PACK_HINT)
+    fast_fn = TiedHead(_Weight(fused)) if tied else (lambda x: _linear(x, packed, bias))
+    plain_s = fast_s = 0.0
+    for width in WIDTHS:
+        x = torch.randn(1, width, fused.shape[1])
+        plain_s += _timed(lambda: [F.linear(x, w, m.bias if rows is None else None) for w, m in zip(weights, modules)])
+        fast_s += _timed(lambda: fast_fn(x))
+    return plain_s, fast_s
+
+
+class _Weight:
+    """What TiedHead reads of a head: its weight and bias."""
+
+    def __init__(self, weight: torch.Tensor):
+        self.weight, self.bias = weight, None
+
+
+def _timed(fn, reps: int = 5) -> float:
+    """Best of `reps` calls of fn(), in seconds, after one warm-up call: on a shared machine the slowest calls
+    measure the other jobs, the fastest the product."""
+    with torch.inference_mode():
+        fn()
+        best = float("inf")
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            best = min(best, time.perf_counter() - t0)
+    return best

@@ -3,6 +3,7 @@
 GGUF files are de-quantised once (26-78 s) and kept as safetensors in the cache (reload ~1 s).
 The hub is never waited on: the local HF cache is tried first, and the network only after a short probe.
 A model's config is read before anything else, and what no runner serves is refused before any weight loads.
+`MODEL@random` reads the config alone and builds random weights at its shape (`models/random_weights.py`).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from sdbench.errors import MissingPackageError, SdbenchError
 from sdbench.models import embedded
 from sdbench.models.aliases import EmbeddedModel, HubModel, model_registry, shipped_config
 from sdbench.models.families import serving
+from sdbench.models.names import RANDOM, split_variant
 from sdbench.models.shapes import config_from_dict
 from sdbench.paths import cache_dir
 
@@ -45,6 +47,8 @@ class LoadedModel:
     source: str  # "embedded" | "hub" | "local" | "gguf"
     model: "PreTrainedModel"  # eval mode, on device, in dtype, requires_grad off
     tokenizer: "PreTrainedTokenizerBase"
+    weights: str = "real"  # "random" for MODEL@random
+    note: str | None = None  # one line to show the user (a @random model's stand-in tokenizer), or None
 
 
 # --- public interface -------------------------------------------------------------------------------------------
@@ -53,6 +57,9 @@ class LoadedModel:
 def load_model(name: str, device: str | torch.device = "cpu", dtype: torch.dtype | str = torch.float32) -> LoadedModel:
     """Resolve `name` (alias -> local path -> hub id) and load weights and tokenizer, ready for inference."""
     dtype, device = _as_dtype(dtype), _as_device(device)
+    base, variant = split_variant(name)
+    if variant == RANDOM:
+        return _random_model(name, base, device, dtype)
     source, ref = _resolve(name)
     _refuse_unserved(name, _config(name, source, ref))
     if source == "hub":
@@ -69,7 +76,11 @@ def load_model(name: str, device: str | torch.device = "cpu", dtype: torch.dtype
 
 def load_config(name: str) -> "PretrainedConfig":
     """The model's config alone, reading no weights: the shipped config.json for an alias, the folder's
-    config.json, a GGUF's converted folder or else its metadata, or the hub's (local cache first)."""
+    config.json, a GGUF's converted folder or else its metadata, or the hub's (local cache first). MODEL@random:
+    the config its random model is built from (MODEL's)."""
+    base, variant = split_variant(name)
+    if variant == RANDOM:
+        return _random_config(base)
     shipped = shipped_config(name)
     if shipped is not None:
         return config_from_dict(shipped)
@@ -77,7 +88,11 @@ def load_config(name: str) -> "PretrainedConfig":
 
 
 def load_tokenizer(name: str) -> "PreTrainedTokenizerBase":
-    """The tokenizer alone; reads no weights (a GGUF not yet cached is parsed for its vocabulary only)."""
+    """The tokenizer alone; reads no weights (a GGUF not yet cached is parsed for its vocabulary only).
+    MODEL@random: the tokenizer its random model decodes with."""
+    base, variant = split_variant(name)
+    if variant == RANDOM:
+        return _random_tokenizer(name, base, _random_config(base).vocab_size)[0]
     source, ref = _resolve(name)
     if source == "hub":
         return _from_hub(name, ref, lambda local: _auto_tokenizer(ref, local_files_only=local))
@@ -90,6 +105,13 @@ def load_tokenizer(name: str) -> "PreTrainedTokenizerBase":
 
 def model_available(name: str) -> tuple[bool, str]:
     """Whether `name` can be loaded right now with no network, and a one-line how or why."""
+    base, variant = split_variant(name)
+    if variant == RANDOM:
+        try:
+            load_config(base)
+        except SdbenchError as err:
+            return False, str(err)
+        return True, f"random weights at {base}'s shape (its config is at hand)"
     if name in model_registry:
         spec = model_registry.get(name)
         if isinstance(spec, EmbeddedModel):
@@ -131,6 +153,30 @@ def eos_token_ids(loaded: LoadedModel) -> list[int]:
     if loaded.tokenizer.eos_token_id is not None:
         ids.add(int(loaded.tokenizer.eos_token_id))
     return sorted(ids)
+
+
+def _random_model(name: str, base: str, device: torch.device, dtype: torch.dtype) -> LoadedModel:
+    from sdbench.models import random_weights
+
+    config = _random_config(base)
+    _refuse_unserved(name, config)
+    model = random_weights.seeded_model(config, device, dtype)
+    tokenizer, note = _random_tokenizer(name, base, random_weights.vocabulary(model))
+    return LoadedModel(name=name, ref=base, source=RANDOM, model=model, tokenizer=tokenizer, weights=RANDOM, note=note)
+
+
+def _random_config(base: str) -> "PretrainedConfig":
+    from sdbench.models import random_weights
+
+    config = load_config(base)
+    return random_weights.RESHAPE(config) if random_weights.RESHAPE is not None else config
+
+
+def _random_tokenizer(name: str, base: str, vocab: int) -> tuple[Any, str | None]:
+    from sdbench.models import random_weights
+
+    return random_weights.standin_tokenizer(name, base, vocab, lambda: load_tokenizer(base),
+                                            lambda: load_tokenizer(random_weights.STANDIN))
 
 
 # --- resolution ---------------------------------------------------------------------------------------------

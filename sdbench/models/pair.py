@@ -75,6 +75,7 @@ def load_pair(cfg: RunConfig, device: torch.device, dtype: torch.dtype, console:
     with console.status(f"loading target {cfg.target}"):
         target = load_model(cfg.target, device, dtype)
         runner = pick_runner(target.model, cfg.target, cfg.fast, native.get(cfg.target))
+    say_note(target, console)
     drafts = []
     for name in cfg.drafts:
         if name == NGRAM_DRAFT:  # prompt lookup as a draft candidate: no model, no tokenizer to check
@@ -83,12 +84,13 @@ def load_pair(cfg: RunConfig, device: torch.device, dtype: torch.dtype, console:
         if name == cfg.target:
             drafts.append(runner)  # drafting with the target itself: same weights, its own cache
             continue
-        if split_variant(name)[1]:  # MODEL@int8: a quantised copy made now (of the target's weights if MODEL is it)
+        if split_variant(name)[1] == "int8":  # MODEL@int8: a quantised copy made now (of the target's weights if MODEL is it)
             with console.status(f"making draft {name}"):
                 drafts.append(variant_runner(name, cfg.target, target, device, dtype))
             continue
         with console.status(f"loading draft {name}"):
             draft = load_model(name, device, dtype)
+        say_note(draft, console)
         drafts.append(pick_runner(draft.model, name, cfg.fast, native.get(name)))
     limit = getattr(target.model.config, "max_position_embeddings", None) or 1 << 30
     pair = Pair(runner, target.tokenizer, drafts, eos_token_ids(target), limit)
@@ -161,11 +163,17 @@ def _config_only(name: str):
 def check_tokenizers(cfg: RunConfig) -> None:
     """Refuse a draft model whose tokenizer differs from the target's, loading tokenizers only (no weights)."""
     from sdbench.models.loader import check_same_tokenizer, load_tokenizer
-    from sdbench.models.variants import split_variant
+    from sdbench.models.names import tokenizer_name
 
-    bases = {split_variant(name)[0] for name in cfg.drafts if name != NGRAM_DRAFT} - {cfg.target}
+    bases = {tokenizer_name(name) for name in cfg.drafts if name != NGRAM_DRAFT} - {cfg.target}
     if not bases:
         return
     target = load_tokenizer(cfg.target)
     for name in sorted(bases):
         check_same_tokenizer(target, load_tokenizer(name), cfg.target, name)
+
+
+def say_note(loaded, console: Console) -> None:
+    """A loaded model's one-line note (a @random model's stand-in tokenizer), if it has one."""
+    if getattr(loaded, "note", None):
+        console.print(f"note: {loaded.note}", style="yellow", highlight=False, soft_wrap=True)

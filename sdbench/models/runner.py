@@ -54,9 +54,9 @@ class ModelRunner:
     Llama's layer loop with the family's differences read once, here).
 
     fast: on CPU in float32, fused projections packed for oneDNN (one copy of the weights) and one-op norms
-    (`models/cpufast.py`): the model is packed by this runner's first forward and unpacked by the first
-    forward of a plain runner on the same model; on CUDA, decode and verification steps replayed as CUDA graphs over static
-    shapes (`models/graphs.py`).
+    (`models/cpufast.py`) where a short measurement at this shape finds them faster (`cpufast.choose`): the
+    model is packed by this runner's first forward and unpacked by the first forward of a plain runner on it;
+    on CUDA, decode and verification steps replayed as CUDA graphs over static shapes (`models/graphs.py`).
     static: use the static-shape forward (pooled caches, attention over the full cache) without capturing
     graphs; defaults to on exactly when graphs are. Tests turn it on to check the graph path's maths on CPU.
     """
@@ -89,7 +89,8 @@ class ModelRunner:
         self.static = self.graphs if static is None else static
         self.pool = CachePool()
         self.graph_pool = None  # CUDA graphs' shared memory pool, made at the first capture
-        self.cpu_fast = bool(fast) and self.device.type == "cpu" and cpufast.available() and cpufast.supports(model)
+        self.cpu_fast = (bool(fast) and self.device.type == "cpu" and cpufast.available() and cpufast.supports(model)
+                         and cpufast.choose(model).packed)  # packing is measured per shape: at some it loses
         self.fast = self.cpu_fast or self.graphs
         self._fast = cpufast.fast_model(model) if self.cpu_fast else None
         self._fast_layers = self._fast.layers if self.cpu_fast else None

@@ -60,6 +60,40 @@ def random_model(config: "PretrainedConfig", device, dtype) -> "PreTrainedModel"
     return model.eval().requires_grad_(False)
 
 
+def shrink(config: "PretrainedConfig", layers: int = 2, hidden: int = 64, heads: int = 4,
+           vocab: int | None = None) -> "PretrainedConfig":
+    """A copy of the config at a small size, its family and every other field kept (rope type, windows,
+    soft-caps, tied head, grouped-query ratio): for tests and rehearsals of real-shape commands on a CPU.
+    Token ids the config names (pad, bos, eos) are folded into a smaller vocabulary as its tokenizer's are."""
+    import copy
+
+    small = copy.deepcopy(config)
+    q = getattr(small, "num_attention_heads", heads) or heads
+    kv = getattr(small, "num_key_value_heads", None) or q
+    sizes = {"num_hidden_layers": layers, "hidden_size": hidden, "num_attention_heads": heads,
+             "num_key_value_heads": max(1, heads * kv // q), "head_dim": hidden // heads,
+             "intermediate_size": 2 * hidden, "ffn_dim": 2 * hidden, "word_embed_proj_dim": hidden,
+             "moe_intermediate_size": hidden, "shared_expert_intermediate_size": hidden,
+             "query_pre_attn_scalar": hidden // heads}
+    for key, value in sizes.items():
+        if getattr(small, key, None) is not None:
+            setattr(small, key, value)
+    for key in ("num_local_experts", "num_experts"):
+        if getattr(small, key, None):
+            setattr(small, key, min(getattr(small, key), 4))
+    if getattr(small, "num_experts_per_tok", None):
+        small.num_experts_per_tok = min(small.num_experts_per_tok, 2)
+    if getattr(small, "layer_types", None):
+        small.layer_types = list(small.layer_types)[:layers]
+    if vocab is not None:
+        small.vocab_size = vocab
+        for key in ("pad_token_id", "bos_token_id", "eos_token_id"):
+            value = getattr(small, key, None)
+            if value is not None:
+                setattr(small, key, [v % vocab for v in value] if isinstance(value, list) else value % vocab)
+    return small
+
+
 def parameter_count(config: "PretrainedConfig", cached: bool = False) -> int | None:
     """Parameters of the model (shared tensors such as a tied head counted once); None if no causal LM fits.
 

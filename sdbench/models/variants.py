@@ -7,6 +7,8 @@ one scale per matrix (on SmolLM2-135M as a 4-token draft: 3.6 against 3.2 tokens
 projection and the embeddings stay in float32: the runner reads the head's weight matrix, and the head is
 what the acceptance test compares. The copy is a different model from the original (its greedy choices can
 differ), so as a draft or a middle level of a chain its acceptance is high but not 100%.
+
+`random`: random weights at the model's shape, made by the loader (`models/random_weights.py`), not here.
 """
 
 from __future__ import annotations
@@ -17,19 +19,7 @@ import warnings
 import torch
 
 from sdbench.errors import SdbenchError
-
-VARIANTS = ("int8",)
-
-
-def split_variant(name: str) -> tuple[str, str | None]:
-    """'base@variant' -> (base, variant); a name without a variant suffix -> (name, None)."""
-    base, sep, variant = name.rpartition("@")
-    if not sep or not base or "/" in variant or "." in variant:
-        return name, None
-    if variant not in VARIANTS:
-        raise SdbenchError(f"model '{name}': unknown variant '@{variant}' (variants: "
-                           f"{', '.join('@' + v for v in VARIANTS)})")
-    return base, variant
+from sdbench.models.names import RANDOM, VARIANTS, split_variant, weights_of  # noqa: F401 (re-exported)
 
 
 def quantise_int8(model) -> object:

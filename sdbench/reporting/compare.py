@@ -176,7 +176,12 @@ def different_settings(baseline: pd.DataFrame, current: pd.DataFrame) -> dict[st
 
 
 def check_settings(baseline: pd.DataFrame, current: pd.DataFrame, across: str = "") -> None:
-    """Raise (exit 2) when the sides were run with different settings not named in `across`."""
+    """Raise (exit 2) when the sides were run with different settings not named in `across`, or when one side
+    has random weights (MODEL@random) and the other real ones, which no --across allows."""
+    old, new = _weights(baseline), _weights(current)
+    if old != new:
+        raise SdbenchError(f"baseline has {_values(old)} weights and current {_values(new)}: a run with random weights "
+                           "(MODEL@random) is gated only against another with random weights")
     allowed = {s.strip().lstrip("-") for s in across.split(",") if s.strip()}
     unknown = sorted(allowed - set(SETTINGS.values()))
     if unknown:
@@ -187,6 +192,13 @@ def check_settings(baseline: pd.DataFrame, current: pd.DataFrame, across: str = 
         said = "; ".join(f"--{k} {_values(old)} vs {_values(new)}" for k, (old, new) in differ.items())
         raise SdbenchError(f"baseline and current were run with different settings ({said}): pass --across "
                            f"{','.join(differ)} to compare them anyway")
+
+
+def _weights(rows: pd.DataFrame) -> set:
+    """The weights a side's rows were run with: "random" (MODEL@random) or "real" (files from before the column)."""
+    if "weights" not in rows:
+        return {"real"}
+    return set(rows["weights"].astype(object).where(rows["weights"].notna(), "real"))
 
 
 def _values(values: set) -> str:

@@ -19,6 +19,9 @@ are sdbench.engine.metrics functions of the sums):
   predicted_speedup  mean of the computed values
   draft_share        draft_s / (draft_s + verify_s), each summed over unique batches of the batch's value
                      (the max over its rows: a row records the batch's time while the row was active)
+  weights_say_nothing  rows with random weights (MODEL@random), whose acceptance and speedups depend on values
+                     the weights do not have; the tables show them as n/m (a model drafting for itself with a
+                     dense cache is exempt: it accepts every draft whatever its weights)
 """
 
 from __future__ import annotations
@@ -43,7 +46,7 @@ ALL = "ALL"
 _BATCH = ["run_id", "role", "batch_id", "repeat"]
 _OPTIONAL = {"draft": "", "params": "", "category": "", "lossless": None, "predicted_speedup": np.nan, "ttft_s": np.nan,
              "draft_s": np.nan, "verify_s": np.nan, "peak_mem_bytes": np.nan, "drafted": 0, "accepted": 0,
-             "divergence": None, "turn": 1}
+             "divergence": None, "turn": 1, "weights": None, "target": ""}
 MAX_POSITIONS = 16
 
 
@@ -105,6 +108,7 @@ def _prepare(df: pd.DataFrame, by: list[str]) -> pd.DataFrame:
             data[column] = data[column].fillna("–")
     baseline = data["role"] == "baseline"
     ident = data[["strategy", "draft", "params"]].fillna("").astype(str)
+    data["weights_say_nothing"] = say_nothing(data, ident) & ~baseline
     label = ident["strategy"].where(~baseline, "baseline")
     # Several configurations under one strategy name in a run must not be pooled into one row.
     config = ident["draft"] + "\x1f" + ident["params"]
@@ -114,6 +118,15 @@ def _prepare(df: pd.DataFrame, by: list[str]) -> pd.DataFrame:
         label.loc[shared] = [f"{n} {d}" for n, d in zip(ident.loc[shared, "strategy"], _differing(ident.loc[shared]))]
     data["strategy"] = label
     return data
+
+
+def say_nothing(data: pd.DataFrame, ident: pd.DataFrame) -> pd.Series:
+    """Rows whose acceptance and speedup say nothing of a real model: random weights, unless the target drafts
+    for itself through a dense cache (`draft`, no sparse draft_kv), which accepts every draft whatever the values."""
+    random = data["weights"].astype(object).eq("random").fillna(False).astype(bool)
+    dense = ident["params"].map(lambda p: json.loads(p or "{}").get("draft_kv", "dense") == "dense")
+    own = ident["strategy"].eq("draft") & ident["draft"].eq(data["target"].fillna("").astype(str)) & dense
+    return random & ~own
 
 
 def labelled(df: pd.DataFrame) -> pd.DataFrame:
@@ -175,6 +188,7 @@ def _aggregate(group: pd.DataFrame) -> dict:
         "ties": int(ties.sum()),
         "predicted_speedup": float(np.nanmean(predicted)) if np.isfinite(predicted).any() else math.nan,
         "peak_mem_bytes": float(np.nanmax(peak)) if np.isfinite(peak).any() else math.nan,
+        "weights_say_nothing": bool(group["weights_say_nothing"].any()),
     }
 
 
@@ -210,16 +224,19 @@ def summary_table(summary: pd.DataFrame, title: str | None = None) -> Table:
         if overall and not started_overall:
             table.add_section()
             started_overall = True
+        values = [speedup_cell(row), speedup_cell(row, "decode_speedup"), fmt(row["predicted_speedup"], "{:.2f}x"),
+                  fmt(row["mean_accepted_len"], "{:.2f}"), fmt(row["acceptance_rate"], "{:.1%}")]
+        if row.get("weights_say_nothing"):
+            values = [NOT_MEANINGFUL] * len(values)
         cells = [row["strategy"], " / ".join(str(row[b]) for b in by), str(row["n_prompts"]),
-                 fmt(row["tokens_per_s"], "{:.1f}"), speedup_cell(row), speedup_cell(row, "decode_speedup"),
-                 fmt(row["predicted_speedup"], "{:.2f}x"), fmt(row["mean_accepted_len"], "{:.2f}"),
-                 fmt(row["acceptance_rate"], "{:.1%}"), fmt(row["draft_share"], "{:.1%}"),
+                 fmt(row["tokens_per_s"], "{:.1f}"), *values, fmt(row["draft_share"], "{:.1%}"),
                  _mark(row["lossless"]) + (f" ({row['ties']} tie)" if row.get("ties") else "")]
         cells = ([row["run_id"]] if many_runs else []) + cells
         table.add_row(*(Text(str(c)) for c in cells), style="bold" if overall else None)
     return table
 
 
+NOT_MEANINGFUL = "n/m"
 INTERVAL_CAPTION = ("speedup ±: half the width of its 95 % bootstrap interval over prompts and repeats; "
                     "* the interval contains 1.0")
 
@@ -295,8 +312,12 @@ def per_position_table(df: pd.DataFrame) -> Table | None:
     table.add_column("strategy")
     for position in range(1, width + 1):
         table.add_column(str(position), justify="right")
+    data = _prepare(df, [])
+    hidden = set(map(tuple, data.loc[data["weights_say_nothing"], ["run_id", "strategy"]].to_numpy()))
     for run_id, strategy, row in rates:
         cells = [fmt(row[i] if i < len(row) else None, "{:.1%}") for i in range(width)]
+        if (run_id, strategy) in hidden:
+            cells = [NOT_MEANINGFUL] * width
         table.add_row(*(Text(c) for c in ([run_id] if many_runs else []) + [strategy] + cells))
     return table
 
@@ -398,6 +419,10 @@ def _notes(df: pd.DataFrame) -> list[str]:
         if (mixed > 1).any():
             notes.append(f"{int((mixed > 1).sum())} batch(es) mix categories: each category's tokens/s "
                          "counts those batches' whole wall time")
+    if "weights" in df and _prepare(df, [])["weights_say_nothing"].any():
+        notes.append(f"{NOT_MEANINGFUL}: not meaningful with random weights (MODEL@random): acceptance and speedups "
+                     "depend on the weights' values; tokens/s, step costs and memory do not (a model drafting for "
+                     "itself is exempt: it accepts every draft whatever its weights)")
     if "mem_kind" in df and df["mem_kind"].astype(str).str.startswith("process_peak_rss").any():
         notes.append("CPU peak memory is the whole process's peak RSS, model weights included")
     return notes

@@ -88,6 +88,7 @@ SCHEMA = pa.schema([
     ("probe", _S),  # the fidelity probe (models/probe.py): "passed", "fallback" (a native runner failed it and
     # the generic one passed) or "skipped" (--no-probe); null in files from before the probe
     ("probe_gap", _F),  # the probe's largest gap over the run's models, relative to the logits' scale
+    ("weights", _S),  # "random" when the row's target or draft is MODEL@random, else "real"; null (real) before it
 ])
 COLUMNS: tuple[str, ...] = tuple(SCHEMA.names)
 ENV_COLUMNS = ("device", "dtype", "torch_version", "transformers_version", "sdbench_version",

@@ -1,0 +1,88 @@
+"""transformers' `generate` in its fastest configuration that runs here, for `bench` to measure against.
+
+Tried in turn on the first prompt, each after its own warm-up (where compiling happens): the library's default
+dynamic cache; a static cache (pre-allocated, attention over its full length) with compiling off; and a static
+cache with the forward compiled by torch.compile (the library compiles by itself on a GPU; on a CPU it is asked
+to). The fastest that ran is measured; what failed is said with its reason.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from sdbench.engine.metrics import now, rate
+from sdbench.errors import SdbenchError
+
+CONFIGS = ("dynamic", "static", "compiled")
+MODES = ("fastest", *CONFIGS)
+PICK_TOKENS = 16  # new tokens each configuration decodes when picking
+_LABELS = {"dynamic": "dynamic cache", "static": "static cache", "compiled": "static cache, torch.compile"}
+
+
+@dataclass
+class Picked:
+    name: str  # one of CONFIGS
+    rates: dict = field(default_factory=dict)  # config -> tokens/s while picking (empty: named by --generate)
+    failed: dict = field(default_factory=dict)  # config -> the first line of why it did not run
+
+    @property
+    def label(self) -> str:
+        return _LABELS[self.name]
+
+    def line(self) -> str:
+        """What was used and why, in one line."""
+        if not self.rates:
+            return f"transformers generate: {self.label}, as --generate asked"
+        tried = ", ".join(f"{_LABELS[n]} {r:.2f}" for n, r in self.rates.items())
+        why = f"transformers generate: {self.label}, the fastest of {tried} tokens/s over {PICK_TOKENS} tokens"
+        return why + "".join(f"; {_LABELS[n]} did not run: {e}" for n, e in self.failed.items())
+
+
+def kwargs_for(name: str, device: torch.device) -> dict:
+    """generate()'s keyword arguments for one configuration."""
+    if name == "dynamic":
+        return {}
+    if name == "static":
+        return {"cache_implementation": "static", "disable_compile": True}
+    from transformers import CompileConfig
+
+    config = CompileConfig()
+    if device.type != "cuda":
+        config._compile_all_devices = True  # the library compiles on its own only on accelerators
+    return {"cache_implementation": "static", "compile_config": config}
+
+
+def pick(model, prompt: list[int], eos: list[int], mode: str, device: torch.device) -> Picked:
+    """The configuration `mode` names, or with "fastest" the fastest of CONFIGS that runs on `prompt`."""
+    if mode not in MODES:
+        raise SdbenchError(f"--generate {mode}: use one of {', '.join(MODES)}")
+    if mode != "fastest":
+        return Picked(mode)
+    picked = Picked("dynamic")
+    for name in CONFIGS:
+        try:
+            run = generator(model, eos, kwargs_for(name, device))
+            run(prompt, PICK_TOKENS)  # warm-up: allocations, compiling
+            t0 = now(device)
+            tokens = len(run(prompt, PICK_TOKENS))
+            picked.rates[name] = rate(tokens, now(device) - t0)
+        except Exception as err:  # noqa: BLE001 (a compiler fails in many ways; each is a reason to say, not a crash)
+            text = str(err).strip().splitlines()
+            picked.failed[name] = f"{type(err).__name__}: {text[0][:160]}" if text else type(err).__name__
+    if not picked.rates:
+        raise SdbenchError(f"transformers generate did not run in any configuration: {picked.failed['dynamic']}")
+    picked.name = max(picked.rates, key=picked.rates.get)
+    return picked
+
+
+def generator(model, eos: list[int], kwargs: dict):
+    """fn(prompt ids, new tokens) -> the new ids, greedy, through model.generate with `kwargs`."""
+    def fn(prompt: list[int], max_new: int) -> list[int]:
+        ids = torch.tensor([prompt], device=model.device)
+        with torch.inference_mode():
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=max_new,
+                                 eos_token_id=eos, pad_token_id=eos[0], **kwargs)
+        return out[0, len(prompt):].tolist()
+    return fn

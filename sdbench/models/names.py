@@ -1,0 +1,38 @@
+"""The MODEL@VARIANT grammar, on names alone (nothing loads here): `@int8` copies (`models/variants.py`) and
+`@random` weights at a model's shape (`models/random_weights.py`)."""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+from sdbench.errors import SdbenchError
+
+RANDOM = "random"
+VARIANTS = ("int8", RANDOM)
+
+
+def split_variant(name: str) -> tuple[str, str | None]:
+    """'base@variant' -> (base, variant); a name without a variant suffix -> (name, None)."""
+    base, sep, variant = name.rpartition("@")
+    if not sep or not base or "/" in variant or "." in variant:
+        return name, None
+    if variant not in VARIANTS:
+        raise SdbenchError(f"model '{name}': unknown variant '@{variant}' (variants: "
+                           f"{', '.join('@' + v for v in VARIANTS)})")
+    return base, variant
+
+
+def is_random(name: str) -> bool:
+    return split_variant(name)[1] == RANDOM
+
+
+def weights_of(names: Iterable[str]) -> str:
+    """What a result row records in `weights`: "random" when any of the named models has random weights."""
+    return RANDOM if any(is_random(n) for n in names if n) else "real"
+
+
+def tokenizer_name(name: str) -> str:
+    """The model whose tokenizer `name` uses: an @int8 copy its base's; a @random model its own (the base's
+    when at hand, else a stand-in: `random_weights.standin_tokenizer`)."""
+    base, variant = split_variant(name)
+    return base if variant and variant != RANDOM else name

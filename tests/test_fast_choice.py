@@ -1,0 +1,134 @@
+"""Choices made by measuring, made deterministic here: the CPU fast path per shape (packed or plain products) and
+transformers generate's fastest configuration for `bench`; and `bench` at a real model's shape, @random."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from sdbench.commands import hf_generate
+from sdbench.errors import SdbenchError
+from sdbench.models import cpufast
+from sdbench.models.runner import ModelRunner
+from tests.conftest import run_cli, tiny_model
+from tests.test_random_weights import small  # noqa: F401 (fixture)
+
+
+@pytest.fixture
+def measuring(monkeypatch):
+    """The measured choice, with no choice remembered from earlier tests."""
+    monkeypatch.setenv(cpufast.FAST_ENV, "measure")
+    monkeypatch.setattr(cpufast, "_chosen", {})
+
+
+@pytest.mark.parametrize("mode, packed", [("packed", True), ("plain", False)])
+def test_the_override_decides_without_measuring(monkeypatch, mode, packed):
+    monkeypatch.setenv(cpufast.FAST_ENV, mode)
+    monkeypatch.setattr(cpufast, "_timed_paths", lambda fast: pytest.fail("measured despite the override"))
+    runner = ModelRunner(tiny_model(0), "tiny", fast=True)
+    assert runner.cpu_fast is packed and runner.fast is packed
+    assert cpufast.choose(runner.model).how == "override"
+
+
+def test_a_bad_override_is_one_line(monkeypatch):
+    monkeypatch.setenv(cpufast.FAST_ENV, "sometimes")
+    with pytest.raises(SdbenchError, match="SDBENCH_CPU_FAST=sometimes: use measure, packed or plain"):
+        cpufast.choose(tiny_model(0))
+
+
+@pytest.mark.parametrize("plain_s, packed_s, packed", [(2.0, 1.0, True), (1.0, 1.15, False)])
+def test_the_measured_choice_follows_the_times_once_per_shape(measuring, monkeypatch, plain_s, packed_s, packed):
+    calls = []
+    monkeypatch.setattr(cpufast, "_timed_paths", lambda fast: calls.append(fast) or (plain_s, packed_s))
+    model = tiny_model(0)
+    assert ModelRunner(model, "a", fast=True).cpu_fast is packed
+    assert ModelRunner(tiny_model(1), "b", fast=True).cpu_fast is packed  # same shape: remembered, not measured
+    assert len(calls) == 1
+    choice = cpufast.choose(model)
+    assert choice.how == "measured" and choice.ratio == pytest.approx(plain_s / packed_s)
+    assert ("packed (oneDNN)" if packed else "plain forward") in choice.describe()
+    ModelRunner(tiny_model(0, hidden=32, heads=2, kv=1), "c", fast=True)  # another shape: measured again
+    assert len(calls) == 2
+
+
+def test_measuring_times_both_paths_and_leaves_the_weights_as_they_were(measuring):
+    model = tiny_model(0)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    fast = cpufast.enable(model)  # packed already: measuring unpacks around itself and packs again
+    choice = cpufast.choose(model)
+    assert choice.how == "measured" and 0 < choice.ratio < float("inf")
+    assert fast.packed
+    cpufast.disable(model)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_a_runner_that_chose_plain_gives_the_plain_runners_logits(monkeypatch):
+    model = tiny_model(0)
+    monkeypatch.setenv(cpufast.FAST_ENV, "plain")
+    chose_plain = ModelRunner(model, "x", fast=True)
+    plain = ModelRunner(model, "y", fast=False)
+    outs = []
+    for runner in (chose_plain, plain):
+        cache = runner.new_cache(1, 16)
+        outs.append(runner.prefill(cache, [[3, 5, 7, 9]]))
+    assert torch.equal(outs[0], outs[1]) and not chose_plain.fast
+
+
+# --- transformers generate's fastest configuration -------------------------------------------------------------
+
+
+def test_pick_takes_the_fastest_configuration_that_runs_and_says_why_others_did_not(monkeypatch):
+    delay = {"dynamic": 0.03, "static": 0.01}
+
+    def generator(model, eos, kwargs):
+        name = "compiled" if "compile_config" in kwargs else "static" if kwargs else "dynamic"
+
+        def run(prompt, n):
+            if name == "compiled":
+                raise RuntimeError("inductor: no C++ compiler\nmore detail")
+            time.sleep(delay[name])
+            return [1] * n
+        return run
+
+    monkeypatch.setattr(hf_generate, "generator", generator)
+    picked = hf_generate.pick(None, [1, 2], [0], "fastest", torch.device("cpu"))
+    assert picked.name == "static" and set(picked.rates) == {"dynamic", "static"}
+    line = picked.line()
+    assert line.startswith("transformers generate: static cache, the fastest of dynamic cache")
+    assert "static cache, torch.compile did not run: RuntimeError: inductor: no C++ compiler" in line
+    assert "more detail" not in line
+    named = hf_generate.pick(None, [1], [0], "static", torch.device("cpu"))
+    assert named.rates == {} and "as --generate asked" in named.line()
+    with pytest.raises(SdbenchError, match="--generate fast: use one of fastest, dynamic, static, compiled"):
+        hf_generate.pick(None, [1], [0], "fast", torch.device("cpu"))
+
+
+def test_the_static_cache_configuration_decodes_as_the_default_one():
+    model = tiny_model(0)
+    prompt = [3, 5, 7, 9, 11]
+    outs = [hf_generate.generator(model, [0], hf_generate.kwargs_for(name, torch.device("cpu")))(prompt, 12)
+            for name in ("dynamic", "static")]
+    assert outs[0] == outs[1] and len(outs[0]) == 12
+
+
+# --- bench at a real model's shape -----------------------------------------------------------------------------
+
+
+def test_bench_on_an_alias_at_random_says_what_it_used(small, capsys, tmp_path, monkeypatch):  # noqa: F811
+    import pandas as pd
+
+    import sdbench.commands.bench as bench
+
+    monkeypatch.setattr(bench, "memory_bandwidth", lambda device: 1e9)  # not what this test is about
+    code, out, err = run_cli(capsys, "bench", "--target", "llama-1b@random", "--limit", "1", "--max-new-tokens", "6",
+                             "--repeats", "1", "--gamma", "2", "--device", "cpu", "--generate", "static",
+                             "--out", str(tmp_path))
+    assert code == 0, err
+    assert "note: llama-1b@random: random weights" in out
+    assert "transformers generate: static cache, as --generate asked" in out
+    assert "CPU fast path: packed (oneDNN) forward, set by SDBENCH_CPU_FAST" in out
+    assert "verification cost T(3 tokens) / T(1 token), llama-1b@random" in out
+    df = pd.read_parquet(tmp_path / "bench.parquet")
+    assert "transformers generate (static cache)" in set(df["system"]) and df["same_output"].all()

@@ -1,0 +1,92 @@
+"""`predict magicdec` at a real model's shape: MODEL@random (shrunk here), with alpha given or fitted to real
+runs, over the (batch, context) points that fit beside the weights, estimated before anything is allocated."""
+
+from __future__ import annotations
+
+import pandas as pd
+import pytest
+import torch
+
+from sdbench.commands.predict import alphas_from_results
+from sdbench.errors import SdbenchError
+from sdbench.models import memory
+from sdbench.models.loader import load_config
+from sdbench.models.shapes import parameter_count, shrink
+from sdbench.reporting.results import RunWriter
+from tests.conftest import run_cli
+from tests.test_random_weights import SMALL_VOCAB, small  # noqa: F401 (fixture)
+
+ARGS = ["predict", "magicdec", "--target", "llama-1b@random", "--batch", "1,2", "--context", "64,128",
+        "--budget", "16,32", "--gamma", "1,2", "--alpha", "0.7", "--device", "cpu"]
+
+
+def test_kv_bytes_by_hand():
+    config = load_config("llama-8b")  # 32 layers, 8 key/value heads of 128
+    assert memory.kv_bytes(config, batch=2, capacity=1000, dtype=torch.bfloat16) == 2 * 32 * 2 * 8 * 128 * 1000 * 2
+    assert memory.working_bytes(config, 1, 1000, 5) == 4 * 5 * (128256 + 32 * 1000)
+
+
+def _needs(capacity) -> tuple[int, dict]:
+    config = shrink(load_config("llama-1b"), vocab=SMALL_VOCAB)
+    weights = parameter_count(config) * 4
+    needs = {(b, s): memory.kv_bytes(config, b, capacity(s), torch.float32) + memory.working_bytes(config, b, s, 3)
+             for b in (1, 2) for s in (64, 128)}
+    return weights, needs
+
+
+def test_predict_at_random_profiles_what_fits_and_says_what_does_not(small, capsys, tmp_path, monkeypatch):  # noqa: F811
+    from sdbench.engine.state import needed_capacity
+
+    weights, needs = _needs(lambda s: needed_capacity(s, 0, 2))
+    assert max(needs, key=needs.get) == (2, 128)
+    room = weights + max(v for k, v in needs.items() if k != (2, 128))
+    monkeypatch.setattr(memory, "free_bytes", lambda device: int(room / memory.HEADROOM) + 1)
+    code, out, err = run_cli(capsys, *ARGS, "--out", str(tmp_path))
+    assert code == 0, err
+    assert "note: not profiled, as they do not fit" in out and "batch 2 from context 128" in out
+    assert "critical sequence length" in out
+    df = pd.read_parquet(next(tmp_path.glob("predict-magicdec-*.parquet")))
+    assert set(zip(df["batch"], df["context"])) == {(1, 64), (1, 128), (2, 64)}
+    assert set(df["weights"]) == {"random"} and (df["alpha"] == 0.7).all()
+
+
+def test_weights_that_do_not_fit_are_refused_before_loading(small, capsys, monkeypatch):  # noqa: F811
+    import sdbench.models.loader as loader
+
+    monkeypatch.setattr(memory, "free_bytes", lambda device: 1000)
+    monkeypatch.setattr(loader, "load_model", lambda *a: pytest.fail("loaded a model that cannot fit"))
+    code, _, err = run_cli(capsys, *ARGS)
+    assert code == 2 and err.count("\n") == 1
+    assert "llama-1b@random: its weights take" in err and "nothing can be profiled" in err
+
+
+def _magicdec_rows(weights: str | None) -> list[dict]:
+    return [{"role": "strategy", "strategy": "magicdec", "prompt_id": f"p{i}", "repeat": 0, "batch_id": i,
+             "params": '{"budget": 64, "gamma": 4, "kv": "streamingllm"}', "steps": 10, "new_tokens": 31,
+             "prompt_tokens": 512, "weights": weights} for i in range(2)]
+
+
+def test_alpha_from_runs_leaves_random_weights_out(tmp_path, capsys):
+    from rich.console import Console
+
+    writer = RunWriter(tmp_path, "mixed")
+    writer.append(_magicdec_rows("random") + [{**r, "prompt_id": "q" + r["prompt_id"]} for r in _magicdec_rows(None)])
+    path = str(writer.finalize())
+    measured = alphas_from_results([path], console=Console())
+    assert set(measured) == {("streamingllm", 64, 512)}
+    assert "2 magicdec row(s) with random weights left out" in capsys.readouterr().out
+    writer = RunWriter(tmp_path / "r", "random")
+    writer.append(_magicdec_rows("random"))
+    with pytest.raises(SdbenchError, match="every magicdec row has random weights"):
+        alphas_from_results([str(writer.finalize())])
+
+
+def test_predict_speedup_takes_its_costs_from_a_model_at_random(small, capsys):  # noqa: F811
+    code, out, err = run_cli(capsys, "predict", "speedup", "--alpha", "0.8", "--gamma", "1,3",
+                             "--target", "llama-8b@random", "--draft", "llama-1b@random", "--context", "32",
+                             "--device", "cpu")
+    assert code == 0, err
+    assert "costs measured at 32 tokens of context: draft cost c = " in out
+    assert "verify cost ┃" in out and "verify cost per" in out
+    rows = [line for line in out.splitlines() if line.lstrip("│ ").startswith(("1 ", "3 "))]
+    assert len(rows) == 2 and all(line.rstrip(" │").endswith("x") for line in rows)
