@@ -85,3 +85,28 @@ def test_bonus_and_second_position_distribution():
     assert v.accepted.eq(1).all()
     stat, _ = _chi_square(torch.bincount(v.next_token, minlength=V).float(), q1)
     assert stat < 20.0
+
+
+@pytest.mark.parametrize("draft_width", [6, 10])
+def test_a_draft_with_another_vocabulary_width_keeps_the_target_distribution(draft_width):
+    """Draft and target sharing a tokenizer may pad their vocabulary rows to different widths. One drafted
+    token per trial from the draft's own p (its padded rows carry mass when it is wider); the committed first
+    token must follow q over the target's 8 rows (chi-square at a 1e-4 false-alarm rate), and a draft of a
+    row the target does not have is never accepted."""
+    from scipy.stats import chi2
+
+    from sdbench.engine.sampling import verify_sampling
+
+    g = torch.Generator().manual_seed(3)
+    q = torch.softmax(torch.randn(8, generator=g) * 1.5, -1)
+    p = torch.softmax(torch.randn(draft_width, generator=g) * 1.5, -1)
+    n = 20000
+    draft = torch.multinomial(p.expand(n, -1), 1, replacement=True, generator=g)  # [n, 1]
+    verdict = verify_sampling(draft, torch.ones(n, dtype=torch.long), p.expand(n, 1, -1),
+                              q.expand(n, 2, -1).contiguous(), g)
+    first = torch.where(verdict.accepted == 1, draft[:, 0], verdict.next_token)
+    assert int(first.max()) < 8 and not bool(((draft[:, 0] >= 8) & (verdict.accepted == 1)).any())
+    counts = torch.bincount(first, minlength=8).double()
+    expected = q.double() * n
+    stat = float(((counts - expected) ** 2 / expected).sum())
+    assert stat < chi2.ppf(1 - 1e-4, df=7)

@@ -74,9 +74,12 @@ def verify_sampling(draft: torch.Tensor, n_draft: torch.Tensor, p: torch.Tensor 
     """
     B, G = draft.shape
     rows = torch.arange(B, device=draft.device)
+    p = _aligned(p, q.shape[-1])
     if G:
-        q_x = q[:, :G].gather(-1, draft[..., None]).squeeze(-1)  # [B, G]
-        p_x = torch.ones_like(q_x) if p is None else p.gather(-1, draft[..., None]).squeeze(-1)
+        inside = draft < q.shape[-1]  # a draft id past the target's vocabulary (a padded row) has q(x) = 0
+        x = draft.clamp(max=q.shape[-1] - 1)[..., None]
+        q_x = q[:, :G].gather(-1, x).squeeze(-1) * inside  # [B, G]
+        p_x = torch.ones_like(q_x) if p is None else p.gather(-1, x).squeeze(-1)
         u = torch.rand(B, G, generator=generator, device=q.device)
         valid = torch.arange(G, device=draft.device)[None] < n_draft[:, None]
         ok = (u * p_x < q_x) & valid
@@ -89,7 +92,8 @@ def verify_sampling(draft: torch.Tensor, n_draft: torch.Tensor, p: torch.Tensor 
         at = accepted.clamp(max=max(G - 1, 0))
         if p is None:
             residual = q_next.clone()
-            residual[rows, draft[rows, at]] = 0.0
+            x = draft[rows, at]
+            residual[rows, x.clamp(max=q.shape[-1] - 1)] *= (x >= q.shape[-1]).float()
         else:
             residual = (q_next - p[rows, at]).clamp(min=0.0)
         mass = residual.sum(-1, keepdim=True)
@@ -99,6 +103,18 @@ def verify_sampling(draft: torch.Tensor, n_draft: torch.Tensor, p: torch.Tensor 
     else:
         dist = q_next
     return Verdict(accepted, sample(dist, generator))
+
+
+def _aligned(p: torch.Tensor | None, width: int) -> torch.Tensor | None:
+    """The draft's p [..., V_d] over the target's V rows. A draft and target that share a tokenizer may pad
+    their vocabulary rows to different widths (Qwen 151936 / 152064, Pythia 50304 / 50432): rows past the
+    draft's have p = 0 (it never drafts them); rows past the target's are padding it cannot produce, so a
+    draft of one is rejected (q(x) = 0, `verify_sampling`) and only the target's rows enter the residual."""
+    if p is None or p.shape[-1] == width:
+        return p
+    if p.shape[-1] < width:
+        return torch.nn.functional.pad(p, (0, width - p.shape[-1]))
+    return p[..., :width]
 
 
 def verify(draft: torch.Tensor, n_draft: torch.Tensor, draft_probs: torch.Tensor | None,
