@@ -1,5 +1,6 @@
 """DSI: the ledger's bookkeeping on scripted answers, and real worker processes reproducing greedy decoding."""
 
+import re
 import time
 
 import pytest
@@ -275,11 +276,23 @@ def test_ray_missing_is_a_clear_error(monkeypatch, target):
 
 
 def test_a_failure_is_raised_and_the_pool_replaced(pools, target, small_draft, prompts):
-    broken = prompts[0] + [10_000]  # outside the tiny vocabulary: the forwards fail
-    proposer = DSI(small_draft, 3, workers=2, threads=1)
-    with pytest.raises(Exception) as failure:
+    """A worker that fails its task is reported in one line naming the worker and the reason. The prompt's last
+    token is one only the drafter knows (a larger vocabulary), so the drafter runs and only the target fails."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from sdbench.models.runner import ModelRunner
+
+    torch.manual_seed(0)
+    wide = ModelRunner(LlamaForCausalLM(LlamaConfig(vocab_size=200, hidden_size=32, intermediate_size=64,
+                                                    num_hidden_layers=1, num_attention_heads=2,
+                                                    num_key_value_heads=1, initializer_range=0.3)).eval())
+    broken = prompts[0] + [150]  # outside the target's 96 tokens: its forwards fail in the workers
+    proposer = DSI(wide, 3, workers=2, threads=1)
+    with pytest.raises(WorkerFailed) as failure:
         generate(target, proposer, [broken], max_new_tokens=4, sampling=GREEDY)
-    assert "index" in str(failure.value).lower()
+    message = str(failure.value)
+    assert re.fullmatch(r"DSI worker [01] [a-z ]+: IndexError: index out of range in self", message), message
+    assert "Traceback" in failure.value.details  # the worker's own traceback is kept, off the one line
     assert pool_module._pools == {}  # discarded: the next generation starts fresh workers
     _, out = run_dsi(target, small_draft, prompts[:1], 2)
     assert out.output_ids == reference(target, prompts[:1])

@@ -50,11 +50,36 @@ def test_write_bench_has_one_row_per_system_and_repeat(tmp_path):
     assert results[1].tokens_per_s == 16.0  # the median over repeats
 
 
-def test_cost_ratios_on_a_tiny_pair():
-    target = ModelRunner(tiny_model(0), fast=True)
-    draft = ModelRunner(tiny_model(1, layers=1), fast=True)
+class _Timed:
+    """A runner whose forwards take a known time: `cost[width]` seconds for a forward of `width` tokens, on a
+    clock that only forwards advance. Each forward is checked to run where a step does: at the prompt's end,
+    over a cache that holds the prompt."""
+
+    def __init__(self, runner, cost: dict, clock: list):
+        self.runner, self.cost, self.clock = runner, cost, clock
+        self.device = runner.device
+        self.filled: dict[int, int] = {}
+
+    def new_cache(self, batch, capacity):
+        return self.runner.new_cache(batch, capacity)
+
+    def prefill(self, cache, prompts):
+        self.filled[id(cache)] = len(prompts[0])
+        return self.runner.prefill(cache, prompts)
+
+    def forward(self, cache, tokens, start):
+        assert start == [self.filled[id(cache)]]  # right after the prompt, as a decode step or verification
+        self.clock[0] += self.cost[tokens.shape[1]]
+        return self.runner.forward(cache, tokens, start)
+
+
+def test_cost_ratios_are_the_forwards_time_ratios(monkeypatch):
+    clock = [0.0]
+    monkeypatch.setattr("sdbench.commands.predict.now", lambda device=None: clock[0])
+    target = _Timed(ModelRunner(tiny_model(0)), {1: 0.010, 5: 0.013}, clock)
+    draft = _Timed(ModelRunner(tiny_model(1, layers=1)), {1: 0.002}, clock)
     verify, c = cost_ratios(target, draft, [[1, 2, 3, 4, 5], [6, 7, 8]], 4)
-    assert verify > 0 and c > 0
+    assert verify == pytest.approx(1.3) and c == pytest.approx(0.2)
 
 
 @pytest.mark.parametrize("args", [["--repeats", "0"], ["--limit", "0"], ["--gamma", "0"]])
