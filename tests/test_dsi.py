@@ -16,7 +16,7 @@ from sdbench.errors import SdbenchError
 from sdbench.strategies import BuildContext, build_proposer
 from sdbench.strategies.autoregressive import Autoregressive
 from sdbench.strategies.dsi import DSI
-from tests.conftest import tiny_model
+from tests.conftest import skip_unless_ci, tiny_model
 
 GREEDY = SamplingConfig()
 NEW = 16
@@ -150,23 +150,38 @@ def test_dsi_stops_at_eos(pools, target, small_draft, prompts):
         assert run_dsi(target, draft, prompts, 2, gamma=4, eos=(eos,))[1].output_ids == stopped
 
 
-class Sluggish:
-    """A pool whose answers take 20 ms longer to arrive: drafting (about a millisecond a token here) always
-    has windows out when a rejection comes back."""
+class HeldBack:
+    """A pool that gives an answer back only once another verification is out beside it: a rejection then
+    always finds a running verification to cancel, however fast or slow this machine drafts. (Waiting for that
+    event, not for a delay that drafting must beat; the deadline only keeps the end of a row from hanging.)"""
 
-    def __init__(self, pool):
-        self.pool = pool
+    def __init__(self, pool, guard_s: float = 2.0):
+        import threading
+
+        self.pool, self.guard_s = pool, guard_s
+        self.lock = threading.Lock()
+        self.submitted = self.released = 0
+        self.held: list = []
 
     def submit(self, worker, task):
+        with self.lock:  # the drafter thread submits too
+            self.submitted += 1
         self.pool.submit(worker, task)
 
     def poll(self, timeout):
-        time.sleep(0.02)
-        return self.pool.poll(timeout)
+        self.held += self.pool.poll(timeout)
+        if not self.held:
+            return []
+        deadline = time.monotonic() + self.guard_s
+        while self.submitted - self.released < 2 and time.monotonic() < deadline:
+            time.sleep(0.001)
+        out, self.held = self.held, []
+        self.released += len(out)
+        return out
 
 
 def test_rejections_cancel_running_verifications(pools, target, small_draft, prompts):
-    pool = Sluggish(get_pool("process", target, 2, 1))
+    pool = HeldBack(get_pool("process", target, 2, 1))
     ref = reference(target, prompts[:1])[0]
     row = decode_one(pool, small_draft, prompts[0], lookahead=2, workers=2, max_new_tokens=NEW, eos=(),
                      sampling=GREEDY, generator=None)
@@ -204,7 +219,7 @@ def test_dsi_matches_greedy_with_the_cpu_fast_path(pools, target, small_draft, p
 
     fast_target = ModelRunner(tiny_model(0), "tiny-fast", fast=True)
     if not fast_target.cpu_fast:
-        pytest.skip("no packed GEMM on this CPU build")
+        skip_unless_ci("no packed GEMM on this CPU build")
     fast_pools = []
     try:
         for draft in (fast_target, small_draft):
@@ -222,7 +237,7 @@ def test_a_worker_that_cannot_start_is_named_at_once(target):
     from transformers import GPT2Config, GPT2LMHeadModel
 
     unsupported = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=32, n_positions=32))
-    t0 = time.monotonic()
+    # named at once: the worker's own reason, not the start timeout's "did not start in N s"
     with pytest.raises(WorkerFailed, match=r"^DSI worker 0 failed to start: SdbenchError: .*gpt2") as failure:
         pool_module.ProcessPool(unsupported, "tiny-gpt2", "cpu", 1).ensure(1)
     assert "\n" not in str(failure.value) and "Traceback" in failure.value.details
@@ -230,7 +245,6 @@ def test_a_worker_that_cannot_start_is_named_at_once(target):
     unsendable.packed = torch.randn(4, 4).to_mkldnn()  # an opaque tensor: no storage to share
     with pytest.raises(WorkerFailed, match=r"^DSI worker 0 could not be sent the target model: "):
         pool_module.ProcessPool(unsendable, "tiny", "cpu", 1).ensure(1)
-    assert time.monotonic() - t0 < 60
 
 
 def test_ray_backend_matches_greedy(ray_cluster, target, small_draft, prompts):

@@ -5,7 +5,7 @@ import pytest
 
 from sdbench.models.runner import ModelRunner
 from sdbench.commands.bench import Measured, _measure, _table, cost_ratios, write_bench
-from tests.conftest import run_cli, tiny_model
+from tests.conftest import run_cli, skip_unless_ci, tiny_model
 from tests.references import tiny_model_dir
 
 
@@ -156,7 +156,7 @@ def test_bench_on_smollm2_through_the_cli(capsys, tmp_path, monkeypatch):
 
     spec = model_registry.get("smollm2-135m")
     if embedded.missing_packages(spec):
-        pytest.skip(f"needs `{spec.install_command()}`")
+        skip_unless_ci(f"needs `{spec.install_command()}`")
     monkeypatch.setattr(bench, "cost_ratios", lambda *a: (1.0, 1.0))  # timings only (tested on a tiny pair)
     code, out, err = run_cli(capsys, "bench", "--limit", "1", "--max-new-tokens", "8", "--repeats", "1",
                              "--out", str(tmp_path))

@@ -17,7 +17,7 @@ from sdbench.models.runner import ModelRunner
 from sdbench.strategies.autoregressive import Autoregressive
 from sdbench.strategies.draft import DraftModel
 from sdbench.strategies.ngram import NGram
-from tests.conftest import VOCAB
+from tests.conftest import VOCAB, skip_unless_ci
 from tests.references import hf_assisted, hf_generate, hf_lookup, tiny_pair
 
 FAMILIES = ["llama", "qwen2", "qwen3", "mistral"]
@@ -106,7 +106,7 @@ def smollm2():
 
     spec = model_registry.get("smollm2-135m")
     if embedded.missing_packages(spec):
-        pytest.skip(f"needs `{spec.install_command()}`")
+        skip_unless_ci(f"needs `{spec.install_command()}`")
     loaded = load_model("smollm2-135m")
     prompts = [encode_prompt(p, loaded.tokenizer) for p in load_prompts("mt-bench", limit=2, seed=0)]
     return loaded, prompts, eos_token_ids(loaded)

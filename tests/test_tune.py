@@ -301,7 +301,7 @@ def test_two_processes_share_one_study(tmp_path):
     from sdbench.commands.studies import NOT_NEEDED, UNCOUNTED
 
     procs = [tune_process(tmp_path / "home", tmp_path / "out", trials=5) for _ in range(2)]
-    logs = [p.communicate(timeout=300)[0] for p in procs]
+    logs = [p.communicate(timeout=1800)[0] for p in procs]  # a hang guard only
     assert [p.returncode for p in procs] == [0, 0], "\n".join(log[-2000:] for log in logs)
     trials = stored_trials(tmp_path / "out")
     counted = [t for t in trials if t.user_attrs.get("reason") not in UNCOUNTED]
@@ -336,7 +336,7 @@ def test_a_killed_tune_resumes_with_the_killed_trial_failed(tmp_path):
     proc.wait()
     assert [t.state for t in stored_trials(out)][:2] == [TrialState.COMPLETE, TrialState.RUNNING]
     rerun = tune_process(tmp_path / "home", out, trials=3, max_new=48)
-    log = rerun.communicate(timeout=600)[0]
+    log = rerun.communicate(timeout=1800)[0]  # a hang guard only
     assert rerun.returncode == 0, log
     trials = stored_trials(out)
     assert (trials[1].state, reason(trials[1])) == (TrialState.FAIL, STOPPED)
