@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -299,3 +301,59 @@ def test_a_run_stopped_by_a_signal_resumes_to_every_prompt_once(tmp_path, sig):
     assert len(df) == 12 and not df.duplicated(["role", "prompt_id", "repeat"]).any()
     assert set(df["role"]) == {"baseline", "strategy"} and df["prompt_id"].nunique() == 3
     assert df["lossless"].all() and not (tmp_path / f"{run_id}.parts").exists()
+
+
+@pytest.fixture
+def narrow_target(tmp_path, monkeypatch):
+    """A target that knows 64 of its tokenizer's 96 tokens, a draft that knows them all, and a prompt with a token
+    only the draft knows: the DSI workers' forwards fail, the drafter's do not."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.references import tiny_model_dir
+
+    monkeypatch.setenv("SDBENCH_CACHE", str(tmp_path / "cache"))
+    tiny_model_dir(tmp_path / "draft", seed=1)
+    tiny_model_dir(tmp_path / "target")
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "target")
+    model.resize_token_embeddings(64)
+    model.save_pretrained(tmp_path / "target")
+    (tmp_path / "p.csv").write_text('prompt\n"w1 w2 w80 w3"\n')
+    return ["run", "--target", str(tmp_path / "target"), "--draft", str(tmp_path / "draft"), "--strategy", "dsi",
+            "--set", "workers=2", "--dataset", str(tmp_path / "p.csv"), "--limit", "1", "--max-new-tokens", "4",
+            "--no-baseline", "--out", str(tmp_path / "out")]
+
+
+def _one_line(err: str) -> str:
+    lines = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    return lines[0]
+
+
+def test_a_failed_dsi_worker_is_one_line_naming_it(capsys, narrow_target):
+    from sdbench.dsi.pools import shutdown_pools
+
+    capsys.readouterr()
+    try:
+        code, _, err = run_cli(capsys, *narrow_target)
+    finally:
+        shutdown_pools()
+    assert code == 2
+    assert re.fullmatch(r"error: DSI worker [01] failed: IndexError: index out of range in self", _one_line(err))
+
+
+def test_a_missing_package_is_one_line_with_its_install_command(capsys, narrow_target, monkeypatch):
+    import builtins
+
+    real_import = builtins.__import__
+
+    def no_ray(name, *args, **kwargs):
+        if name == "ray" or name.startswith("ray."):
+            raise ImportError(name)
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_ray)
+    capsys.readouterr()
+    code, _, err = run_cli(capsys, *narrow_target, "--set", "backend=ray")
+    assert code == 2
+    line = _one_line(err)
+    assert "the DSI Ray backend needs the package 'ray'" in line and "pip install 'sdbench[ray]'" in line, line
