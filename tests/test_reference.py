@@ -94,6 +94,22 @@ def test_batched_run_equals_each_prompts_generate(family):
     assert _ours(runner, NGram(GAMMA), prompts, eos) == [hf_generate(target, p, NEW, eos) for p in prompts]
 
 
+def test_the_cpu_fast_path_equals_generate(family):
+    """The fast path's own kernels (fused, packed projections; one-op RMSNorm) on weights whose norms and biases
+    matter, against transformers on the plain model."""
+    import copy
+
+    target, draft, prompts, plain, eos = family
+    runner = ModelRunner(copy.deepcopy(target), fast=True)  # packing empties the copy's own weights
+    if not runner.cpu_fast:
+        skip_unless_ci("oneDNN is not available in this torch build")
+    d_runner = ModelRunner(copy.deepcopy(draft), fast=True)
+    assert [_ours(runner, Autoregressive(), [p])[0] for p in prompts] == plain
+    assert _ours(runner, DraftModel(d_runner, GAMMA), prompts) == plain
+    assert [_ours(runner, NGram(GAMMA), [p], eos)[0] for p in prompts] == [hf_lookup(target, p, NEW, GAMMA, eos)
+                                                                          for p in prompts]
+
+
 # --- the real model ------------------------------------------------------------------------------------------
 
 
