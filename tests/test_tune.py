@@ -290,10 +290,10 @@ def tune_process(home, out, trials: int, max_new: int = 4):
     return subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
-def stored_trials(out):
+def stored_trials(out, study: str = "shared"):
     import optuna
 
-    return optuna.load_study(study_name="shared", storage=f"sqlite:///{out / 'tune.db'}").get_trials()
+    return optuna.load_study(study_name=study, storage=f"sqlite:///{out / 'tune.db'}").get_trials()
 
 
 @pytest.mark.slow
@@ -357,3 +357,40 @@ def _trials_or_none(out):
         return stored_trials(out)
     except Exception:  # the study is not created yet
         return []
+
+
+# ---- the study's fixed settings and --timeout, through the CLI on a tiny model folder ---------------------------
+
+
+@pytest.fixture
+def tiny_tune(tmp_path, monkeypatch):
+    from tests.references import tiny_model_dir
+
+    monkeypatch.setenv("SDBENCH_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("SDBENCH_CONFIG", str(tmp_path / "home"))
+    tiny_model_dir(tmp_path / "tiny")
+    (tmp_path / "p.csv").write_text('prompt\n"w1 w2 w3 w1 w2 w3 w4"\n')
+    return ["tune", "--target", str(tmp_path / "tiny"), "--strategy", "ngram", "--dataset", str(tmp_path / "p.csv"),
+            "--limit", "1", "--max-new-tokens", "6", "--study", "s", "--device", "cpu", "--out", str(tmp_path / "out")]
+
+
+def test_a_study_refuses_a_session_whose_objective_or_dtype_changed(capsys, tmp_path, tiny_tune):
+    from tests.conftest import run_cli
+
+    code, _, err = run_cli(capsys, *tiny_tune, "--trials", "1")
+    assert code == 0, err
+    for changed, said in ((["--objective", "tokens"], "objective=speedup, not tokens"),
+                          (["--dtype", "bfloat16"], "dtype=float32, not bfloat16")):
+        code, _, err = run_cli(capsys, *tiny_tune, "--trials", "2", *changed)
+        lines = [line for line in err.splitlines() if line.strip()]
+        assert code == 2 and len(lines) == 1 and f"study s was tuned with {said}" in lines[0], err
+    assert len(stored_trials(tmp_path / "out", "s")) == 1  # the refused sessions ran nothing
+
+
+def test_tune_timeout_stops_starting_trials(capsys, tmp_path, tiny_tune):
+    from tests.conftest import run_cli
+
+    code, out, err = run_cli(capsys, *tiny_tune, "--trials", "50", "--timeout", "0")
+    assert code == 0, err
+    assert "--timeout 0s reached" in out
+    assert stored_trials(tmp_path / "out", "s") == []  # the time was up before the first trial was taken
