@@ -7,6 +7,7 @@ from typing import Annotated, Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from sdbench import config as C
 from sdbench.errors import SdbenchError
@@ -354,8 +355,8 @@ def main(argv: list[str] | None = None) -> None:
     err = Console(stderr=True)
     try:
         code = typer.main.get_command(app).main(args=argv, prog_name="sdbench", standalone_mode=False)
-    except SdbenchError as e:
-        err.print(f"[red]error:[/red] {e}", highlight=False, soft_wrap=True)
+    except SdbenchError as e:  # escaped: a message may hold brackets, e.g. pip install 'sdbench[ray]'
+        err.print(f"[red]error:[/red] {escape(str(e))}", highlight=False, soft_wrap=True)
         sys.exit(e.exit_code)
     except (typer.Abort, KeyboardInterrupt):
         err.print("[red]error:[/red] interrupted", highlight=False)
@@ -365,7 +366,7 @@ def main(argv: list[str] | None = None) -> None:
     except typer.TyperException as e:  # usage errors: unknown option, bad value, missing argument
         message = e.format_message() if hasattr(e, "format_message") else str(e)
         if message:  # empty when help was shown for a bare command
-            err.print(f"[red]error:[/red] {message}", highlight=False, soft_wrap=True)
+            err.print(f"[red]error:[/red] {escape(message)}", highlight=False, soft_wrap=True)
         sys.exit(getattr(e, "exit_code", 2) or 2)
     if isinstance(code, int) and code:  # a command's typer.Exit(code) comes back as the return value here
         sys.exit(code)

@@ -240,3 +240,78 @@ def test_a_bfloat16_tie_is_recorded_and_passes_the_gate(capsys, tmp_path):
         assert "tie)" in out
     code, _, err = run_cli(capsys, "compare", str(tmp_path), str(tmp_path))
     assert code == 0, err
+
+
+# --- a run that really ties, through the CLI --------------------------------------------------------------------
+
+
+@pytest.fixture
+def tied_model(tmp_path, monkeypatch):
+    """A tiny model folder whose head row for token b is a copy of token a's, a being what plain decoding picks
+    at a known position: there the two best logits are exactly equal, and argmax (the lower id) picks a.
+    Returns (run arguments, prompt ids, plain output, position, a, b)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from sdbench.data.tasks import encode_prompt, load_prompts
+    from tests.references import hf_generate, tiny_model_dir
+
+    monkeypatch.setenv("SDBENCH_CACHE", str(tmp_path / "cache"))
+    folder = tiny_model_dir(tmp_path / "tied")
+    data = tmp_path / "prompt.csv"
+    data.write_text("prompt\n\"w4 w8 w15 w16 w23 w42\"\n")
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    prompt = encode_prompt(load_prompts(str(data))[0], AutoTokenizer.from_pretrained(folder))
+    plain = hf_generate(model, prompt, 16, eos=[2])
+    at = next(i for i in range(3, 10) if plain[i] not in plain[:i] and plain[i] < max(set(range(3, 96)) - set(plain)))
+    a, b = plain[at], max(set(range(3, 96)) - set(plain))
+    with torch.no_grad():
+        model.lm_head.weight[b] = model.lm_head.weight[a]
+    model.save_pretrained(folder)
+    assert hf_generate(model, prompt, 16, eos=[2]) == plain  # the tie changes nothing for plain decoding
+    args = ["run", "--target", str(folder), "--strategy", "draft", "--draft", str(folder), "--gamma", "4",
+            "--dataset", str(data), "--limit", "1", "--max-new-tokens", "16", "--repeats", "1"]
+    return args, prompt, plain, at, a, b
+
+
+def _nudged(monkeypatch, token: int, by: float | None):
+    """Verification forwards (more than one token) round token's logit up: by one unit in the last place (None),
+    as a forward of another shape may, or by `by`."""
+    from sdbench.models.runner import ModelRunner
+
+    real = ModelRunner.forward
+
+    def forward(self, cache, tokens, start, at=None):
+        out = real(self, cache, tokens, start, at).clone()
+        if tokens.shape[1] > 1:
+            col = out[..., token]
+            out[..., token] = torch.nextafter(col, torch.full_like(col, math.inf)) if by is None else col + by
+        return out
+    monkeypatch.setattr(ModelRunner, "forward", forward)
+
+
+def test_a_forced_tie_is_recorded_as_a_tie_and_passes_the_gate(capsys, tmp_path, monkeypatch, tied_model):
+    args, prompt, plain, at, a, b = tied_model
+    _nudged(monkeypatch, b, None)
+    code, out, err = run_cli(capsys, *args, "--out", str(tmp_path / "tie"))
+    assert code == 0, err
+    df = read_results([tmp_path / "tie"])
+    base, strat = df[df.role == "baseline"].iloc[0], df[df.role == "strategy"].iloc[0]
+    assert list(base.output_ids) == plain
+    ours = list(strat.output_ids)
+    assert first_difference(plain, ours) == at and (plain[at], ours[at]) == (a, b)  # b won the tie there
+    assert not strat.lossless and strat.divergence == "tie" and strat.divergence_gap == 0.0
+    assert "tie)" in out
+    code, _, err = run_cli(capsys, "compare", str(tmp_path / "tie"), str(tmp_path / "tie"))
+    assert code == 0, err
+
+
+def test_a_real_divergence_is_recorded_as_real_and_fails_the_gate(capsys, tmp_path, monkeypatch, tied_model):
+    args, prompt, plain, at, a, b = tied_model
+    wrong = next(t for t in range(3, 96) if t not in (a, b) and t not in plain)
+    _nudged(monkeypatch, wrong, 1e3)  # a verifier that prefers a token the model does not
+    code, out, err = run_cli(capsys, *args, "--out", str(tmp_path / "real"))
+    assert code == 0, err
+    strat = read_results([tmp_path / "real"]).query("role == 'strategy'").iloc[0]
+    assert not strat.lossless and strat.divergence == "real" and strat.divergence_gap > 1.0
+    code, _, err = run_cli(capsys, "compare", str(tmp_path / "real"), str(tmp_path / "real"))
+    assert code == 1 and "Traceback" not in err

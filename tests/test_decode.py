@@ -99,7 +99,11 @@ def test_counts_are_consistent(target, prompts):
 
 
 def test_sampling_loop_follows_target_distribution(target, small_draft):
-    """End to end: the token decided by the first verification is distributed as the target's."""
+    """End to end under top-p: the second token is distributed as the target's (every position of the first
+    verification, and wrong samplers caught, in test_sampling_reference.py)."""
     stat, dof, out = second_token_chi_square(target, DraftModel(small_draft, 3), SamplingConfig(1.0, 0.95))
-    assert stat < dof + 5 * (2 * dof) ** 0.5, f"chi-square {stat:.1f} with {dof} dof"
+    from scipy.stats import chi2
+
+    bound = chi2.ppf(1 - 1e-3, dof)  # a correct sampler fails this one time in a thousand
+    assert stat < bound, f"chi-square {stat:.1f} with {dof} dof, bound {bound:.1f}"
     assert sum(r.accepted for r in out.rows) > 0 and sum(r.accepted for r in out.rows) < sum(r.drafted for r in out.rows)

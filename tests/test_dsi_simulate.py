@@ -277,3 +277,36 @@ def test_a_run_that_judged_no_draft_measured_no_acceptance(tmp_path):
         profile_from_results([str(path)])
     s, _ = profile_from_results([str(path)], a=0.9)
     assert s.a == 0.9 and s.c == pytest.approx(1.2 / 20 / 0.05)
+
+
+def test_simulate_from_a_run_through_the_cli(tmp_path, capsys):
+    """`simulate dsi --from RUN.parquet`: the run's measurements replace --c and --a, and the offline rows are the
+    closed forms at them, worked out by hand: target forward 0.64 s / 32 steps = 0.02 s, c = 0.12 s / 60 drafted
+    / 0.02 s = 0.1, a = 20 accepted / (20 + 10 rejections) = 2/3, k = 4, 32 tokens."""
+    import re
+
+    from tests.conftest import run_cli
+
+    stats = json.dumps({"rejections": 10, "drafted_total": 60})
+    rows = [{"role": "baseline", "strategy": "autoregressive", "steps": 32, "verify_s": 0.64, "wall_s": 0.7,
+             "new_tokens": 32, "drafted": 0, "accepted": 0, "draft_s": 0.0, "params": "{}"},
+            {"role": "strategy", "strategy": "dsi", "steps": 12, "verify_s": 0.3, "wall_s": 0.5, "new_tokens": 32,
+             "drafted": 40, "accepted": 20, "draft_s": 0.12, "strategy_stats": stats,
+             "params": json.dumps({"gamma": 4, "workers": 2, "backend": "process"})}]
+    import pyarrow.parquet as pq
+
+    pq.write_table(rows_to_table(rows), tmp_path / "run.parquet")
+    code, out, err = run_cli(capsys, "simulate", "dsi", "--from", str(tmp_path / "run.parquet"), "--c", "0.5", "--a",
+                             "0.3", "--repeats", "3", "--grid", "2", "--kmax", "4", "--out", str(tmp_path / "sim"))
+    assert code == 0, err
+    flat = re.sub(r"\s+", " ", out)
+    omega = (1 - (2 / 3) ** 5) / (1 - 2 / 3)  # expected tokens per verification at k = 4
+    si = (4 * 0.1 + 1) / omega * 32 * 0.02
+    assert re.search(r"plain decoding │ 0\.64 │", flat) and re.search(rf"SI \(k=4\) │ {si:.3f} │", flat), flat
+    assert "measured target forward: 0.02 s in the baseline, 0.02 s per verification" in flat
+    assert "2 workers is fewer than the paper's bound ceil(1/(k·c)) = 3" in flat  # c = 0.1 from the run, not 0.5
+    assert (tmp_path / "sim" / "dsi-heatmap.parquet").stat().st_size > 0
+    # a file that is no drafting run: one line
+    pq.write_table(rows_to_table(rows[:1]), tmp_path / "plain.parquet")
+    code, _, err = run_cli(capsys, "simulate", "dsi", "--from", str(tmp_path / "plain.parquet"))
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "--from needs a run with baseline rows" in err

@@ -24,6 +24,7 @@ from sdbench.models.loader import (
     load_tokenizer,
     model_available,
 )
+from tests.conftest import skip_unless_ci
 
 SPECIALS = ["<unk>", "<s>", "</s>"]
 VOCAB = 200
@@ -252,7 +253,7 @@ def test_interrupted_cache_write_leaves_nothing(tmp_path):
 def test_smollm2_gguf_then_cached_alias_give_identical_logits():
     spec = model_registry.get("smollm2-135m")
     if embedded.missing_packages(spec):
-        pytest.skip(f"needs `{spec.install_command()}`")
+        skip_unless_ci(f"needs `{spec.install_command()}`")
     gguf = embedded.gguf_path("smollm2-135m", spec)
 
     start = time.perf_counter()

@@ -5,7 +5,8 @@ import pytest
 
 from sdbench.models.runner import ModelRunner
 from sdbench.commands.bench import Measured, _measure, _table, cost_ratios, write_bench
-from tests.conftest import run_cli, tiny_model
+from tests.conftest import run_cli, skip_unless_ci, tiny_model
+from tests.references import tiny_model_dir
 
 
 class _Status:
@@ -49,11 +50,36 @@ def test_write_bench_has_one_row_per_system_and_repeat(tmp_path):
     assert results[1].tokens_per_s == 16.0  # the median over repeats
 
 
-def test_cost_ratios_on_a_tiny_pair():
-    target = ModelRunner(tiny_model(0), fast=True)
-    draft = ModelRunner(tiny_model(1, layers=1), fast=True)
+class _Timed:
+    """A runner whose forwards take a known time: `cost[width]` seconds for a forward of `width` tokens, on a
+    clock that only forwards advance. Each forward is checked to run where a step does: at the prompt's end,
+    over a cache that holds the prompt."""
+
+    def __init__(self, runner, cost: dict, clock: list):
+        self.runner, self.cost, self.clock = runner, cost, clock
+        self.device = runner.device
+        self.filled: dict[int, int] = {}
+
+    def new_cache(self, batch, capacity):
+        return self.runner.new_cache(batch, capacity)
+
+    def prefill(self, cache, prompts):
+        self.filled[id(cache)] = len(prompts[0])
+        return self.runner.prefill(cache, prompts)
+
+    def forward(self, cache, tokens, start):
+        assert start == [self.filled[id(cache)]]  # right after the prompt, as a decode step or verification
+        self.clock[0] += self.cost[tokens.shape[1]]
+        return self.runner.forward(cache, tokens, start)
+
+
+def test_cost_ratios_are_the_forwards_time_ratios(monkeypatch):
+    clock = [0.0]
+    monkeypatch.setattr("sdbench.commands.predict.now", lambda device=None: clock[0])
+    target = _Timed(ModelRunner(tiny_model(0)), {1: 0.010, 5: 0.013}, clock)
+    draft = _Timed(ModelRunner(tiny_model(1, layers=1)), {1: 0.002}, clock)
     verify, c = cost_ratios(target, draft, [[1, 2, 3, 4, 5], [6, 7, 8]], 4)
-    assert verify > 0 and c > 0
+    assert verify == pytest.approx(1.3) and c == pytest.approx(0.2)
 
 
 @pytest.mark.parametrize("args", [["--repeats", "0"], ["--limit", "0"], ["--gamma", "0"]])
@@ -62,3 +88,79 @@ def test_bench_rejects_impossible_settings(capsys, args):
     assert code != 0 and "at least 1" in err and "Traceback" not in err
 
 
+
+
+# --- bench against transformers, for real --------------------------------------------------------------------
+
+
+@pytest.fixture
+def tiny_bench(tmp_path, monkeypatch):
+    """A tiny model folder and a two-prompt CSV whose prompts repeat (prompt lookup finds matches)."""
+    monkeypatch.setenv("SDBENCH_CACHE", str(tmp_path / "cache"))
+    folder = tiny_model_dir(tmp_path / "tiny")
+    data = tmp_path / "prompts.csv"
+    data.write_text("prompt\n" + "".join(f"\"{' '.join(f'w{(k * i) % 90}' for i in range(9)) * 2}\"\n"
+                                         for k in (3, 7)))
+    return ["bench", "--target", str(folder), "--dataset", str(data), "--limit", "2", "--max-new-tokens", "12",
+            "--repeats", "1"]
+
+
+def test_bench_runs_every_system_and_passes_when_outputs_equal_generate(capsys, tiny_bench, tmp_path):
+    code, out, err = run_cli(capsys, *tiny_bench, "--out", str(tmp_path / "bench"))
+    assert code == 0, err
+    df = pd.read_parquet(tmp_path / "bench" / "bench.parquet")
+    assert len(df) == 7 and df.same_output.all() and (df.tokens == 24).all()  # 7 systems, 2 prompts x 12 tokens
+    assert {"transformers generate", "transformers assisted (γ=4)", "transformers prompt lookup (γ=4)"} <= set(df.system)
+
+
+def test_bench_fails_naming_the_system_and_prompt_whose_output_differs(capsys, tiny_bench, monkeypatch):
+    import sdbench.commands.bench as bench
+
+    real = bench._systems
+
+    def one_token_off(*args, **kwargs):
+        systems = real(*args, **kwargs)
+        name, fn, fast = systems[-1]  # sdbench ngram
+
+        def wrong(prompt, budget):
+            out = fn(prompt, budget)
+            if budget is None and prompt == prompts_seen[1]:  # measured, second prompt: one token changed
+                out[5] = (out[5] + 1) % 96
+            return out
+        systems[-1] = (name, wrong, fast)
+        return systems
+
+    prompts_seen = []
+    real_measure = bench._measure
+    monkeypatch.setattr(bench, "_measure", lambda systems, prompts, *a: (prompts_seen.extend(prompts),
+                                                                        real_measure(systems, prompts, *a))[1])
+    monkeypatch.setattr(bench, "_systems", one_token_off)
+    monkeypatch.setattr(bench, "cost_ratios", lambda *a: (1.0, 1.0))  # not what this test is about
+    capsys.readouterr()
+    code, out, err = run_cli(capsys, *tiny_bench)
+    assert code == 1 and "Traceback" not in err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1
+    assert "sdbench ngram (γ=4)" in lines[0] and "prompt 2" in lines[0] and "new token 6" in lines[0]
+    # the table came out first, with the differing system marked
+    assert [" no " in line for line in out.splitlines() if "│ sdbench" in line] == [False, False, False, True]
+
+
+@pytest.mark.slow
+def test_bench_on_smollm2_through_the_cli(capsys, tmp_path, monkeypatch):
+    """The default bench (SmolLM2-135M drafting for itself, MT-Bench), cut short: every sdbench system's
+    output equals `generate`'s, or the command fails."""
+    import sdbench.commands.bench as bench
+    from sdbench.models import embedded
+    from sdbench.models.aliases import model_registry
+
+    spec = model_registry.get("smollm2-135m")
+    if embedded.missing_packages(spec):
+        skip_unless_ci(f"needs `{spec.install_command()}`")
+    monkeypatch.setattr(bench, "cost_ratios", lambda *a: (1.0, 1.0))  # timings only (tested on a tiny pair)
+    code, out, err = run_cli(capsys, "bench", "--limit", "1", "--max-new-tokens", "8", "--repeats", "1",
+                             "--out", str(tmp_path))
+    assert code == 0, err
+    df = pd.read_parquet(tmp_path / "bench.parquet")
+    assert len(df) == 7 and df.same_output.all() and (df.tokens == 8).all()
+    assert (df.model == "smollm2-135m").all() and (df.dataset == "mt-bench").all()

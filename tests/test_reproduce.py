@@ -104,7 +104,11 @@ def test_reproduce_dsi_quick_writes_the_report_folder(capsys, tmp_path, fake_run
         "dsi-heatmap.parquet", "dsi-heatmap.png", "dsi-latency-table.parquet", "dsi-sim-vs-real.parquet",
         "dsi-workers.parquet", "dsi-sim-vs-real.png", "dsi-workers.png"), 3)
     assert fake_runs["plan"] == TINY and fake_runs["cfg"].quick and fake_runs["cfg"].drafter == "smollm2-135m"
-    assert len(claims) == 7 and set(claims["verdict"]) <= {HOLDS, FAILS, UNTESTABLE}
+    # every verdict the synthetic runs imply (not merely one of the allowed words, which Claim enforces): the
+    # model's theorem and SI's slow cells hold on the heat map; the paper's 1.29-1.92x and the worker bound do not
+    # at this pair's c = 0.04 with 2 workers; DSI slower than plain (30 ms/token against 20) is untestable because
+    # its verifications ran slower than plain forwards (workers sharing the cores), against the paper's premise
+    assert list(claims["verdict"]) == [HOLDS, HOLDS, FAILS, FAILS, FAILS, FAILS, UNTESTABLE]
     # the synthetic DSI run has c = 0.04 and k = 5 with 2 workers: fewer than the paper's bound of 5
     assert "warning: 2 workers is fewer than the paper's bound ceil(1/(k·c)) = 5" in stdout
     # the heat-map's four panels, and the model's claims on it

@@ -179,7 +179,10 @@ def test_reproduce_magicdec_quick_writes_the_report_folder(capsys, tmp_path, fak
         "magicdec-critical.parquet", "magicdec-speedup.png", "magicdec-tradeoff.png", "magicdec-step-cost.png"), 3,
         "--device", "cpu")
     assert fake_measure["plan"] == TINY and fake_measure["draft"] == "smollm2-135m@int8"
-    assert len(found) == 7 and set(found["verdict"]) <= {HOLDS, FAILS, UNTESTABLE}
+    # every verdict the synthetic profile and runs imply (Claim itself enforces only the allowed words): the
+    # profile's shapes hold; the cost model picked the faster strategy at none of the 4 run points (the runs make
+    # draft slower than magicdec everywhere); the paper's 2x needs its models (1.21x here: untestable)
+    assert list(found["verdict"]) == [HOLDS, HOLDS, HOLDS, HOLDS, HOLDS, FAILS, UNTESTABLE]
     assert "kjv-bible (PG-19 stand-in)" in text and "ICLR 2025" in text
     runs = pd.read_parquet(out / "magicdec-runs.parquet")
     assert len(runs) == 2 * 2 * 3 and set(runs["strategy"]) == {"magicdec", "draft"}

@@ -6,7 +6,7 @@ import torch
 
 from sdbench.errors import SdbenchError
 from sdbench.models.runner import ModelRunner
-from tests.conftest import VOCAB, tiny_model
+from tests.conftest import VOCAB, skip_unless_ci, tiny_model
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral"])
@@ -84,7 +84,7 @@ def test_fast_path_matches_stock_forward_at_every_width(arch, tied):
     stock = ModelRunner(model)
     fast = ModelRunner(model, fast=True)
     if not fast.fast:
-        pytest.skip("oneDNN is not available in this torch build")
+        skip_unless_ci("oneDNN is not available in this torch build")
     assert ModelRunner(model, fast=True)._fast is fast._fast  # made once per model
     ids = torch.randint(0, VOCAB, (3, 60), generator=torch.Generator().manual_seed(4))
     for rows in (1, 3):  # rows x width products: 1..27 rows
@@ -119,7 +119,7 @@ def test_fast_path_keeps_one_copy_of_the_weights():
     model = tiny_model(8, hidden=512, layers=4)  # ~80 MB of weights: above allocator noise
     plain = sum(p.numel() * p.element_size() for p in model.parameters())
     if cpufast.enable(tiny_model(0)) is None:  # oneDNN's one-time set-up is not the model's memory
-        pytest.skip("oneDNN is not available in this torch build")
+        skip_unless_ci("oneDNN is not available in this torch build")
     rss = _resident()
     cpufast.enable(model)
     grown = _resident() - rss
@@ -149,7 +149,7 @@ def test_fast_path_lets_go_of_memory_mapped_weights(tmp_path):
     mapped = lambda: str(tmp_path) in Path("/proc/self/maps").read_text()  # noqa: E731
     assert mapped()
     if cpufast.enable(model) is None:
-        pytest.skip("oneDNN is not available in this torch build")
+        skip_unless_ci("oneDNN is not available in this torch build")
     gc.collect()
     assert not mapped()
     assert model.lm_head.weight is model.model.get_input_embeddings().weight  # still tied
@@ -163,7 +163,7 @@ def test_fast_path_model_pickles_with_plain_weights():
 
     model = tiny_model(9)
     if cpufast.enable(model) is None:
-        pytest.skip("oneDNN is not available in this torch build")
+        skip_unless_ci("oneDNN is not available in this torch build")
     with cpufast.plain(model):
         twin = pickle.loads(pickle.dumps(model))
     ids = torch.randint(0, VOCAB, (1, 7), generator=torch.Generator().manual_seed(3))
@@ -197,7 +197,7 @@ def test_fast_path_on_copies_and_quantised_models():
     model = tiny_model(7)
     fast = ModelRunner(model, fast=True)
     if not fast.fast:
-        pytest.skip("neither MKL nor oneDNN is available in this torch build")
+        skip_unless_ci("neither MKL nor oneDNN is available in this torch build")
     twin = copy.deepcopy(model)  # the copy does not carry the original's packed weights along
     assert "_sdbench_fast" not in twin.model.layers[0].__dict__ or twin.model.layers[0]._sdbench_fast is None
     with torch.no_grad():

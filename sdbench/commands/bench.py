@@ -18,11 +18,18 @@ from sdbench.config import SamplingConfig
 from sdbench.engine.loop import generate
 from sdbench.engine.state import needed_capacity
 from sdbench.engine.metrics import now, rate
+from sdbench.errors import SdbenchError
 from sdbench.strategies.autoregressive import Autoregressive
 from sdbench.strategies.draft import DraftModel
 from sdbench.strategies.ngram import NGram
 
 GENERIC_ROW = "sdbench autoregressive, generic runner (the library's forward)"
+
+
+class OutputDiffers(SdbenchError):
+    """An sdbench system's tokens differ from transformers' greedy `generate` on some prompt: not lossless."""
+
+    exit_code = 1
 
 
 @dataclass
@@ -213,6 +220,7 @@ def run_peers(target: str, draft: str, dataset: str, limit: int, max_new: int, g
         path = write_bench(results, out, dict(model=target, draft=draft, dataset=dataset, device=str(dev),
                                               dtype=dtype, verify_cost=ratios[0], draft_cost=ratios[1]))
         console.print(f"results: {path}", highlight=False)
+    check_outputs(results)
     return results
 
 
@@ -230,6 +238,20 @@ def _fast_path_line(model, device) -> str | None:
     if device.type != "cpu" or not (cpufast.available() and cpufast.supports(model)):
         return None
     return cpufast.choose(model).describe()
+
+
+def check_outputs(results: list[Measured]) -> None:
+    """Raise OutputDiffers naming the first sdbench system and prompt whose tokens differ from `generate`'s
+    (results[0], the reference); the table and the Parquet rows are already out by then."""
+    ref = results[0].outputs
+    for m in results:
+        if not m.system.startswith("sdbench"):
+            continue
+        for i, (ours, theirs) in enumerate(zip(m.outputs, ref)):
+            if ours != theirs:
+                at = next((k for k, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
+                raise OutputDiffers(f"bench: {m.system} differs from transformers generate on prompt {i + 1} "
+                                    f"(first at new token {at + 1}: {ours[at:at + 1]} vs {theirs[at:at + 1]})")
 
 
 def write_bench(results: list[Measured], out: str, common: dict):

@@ -138,23 +138,23 @@ def _refuse(name: str, serves, needs_native: str | None) -> None:
 
 
 def _config_only(name: str):
-    """The model's transformers config read without its weights: a local folder, or a hub model in the local
-    cache; None where that is not possible cheaply."""
+    """The model's transformers config read without its weights: an alias's shipped config, a local folder, or
+    a hub model in the local cache; None where that is not possible cheaply (a GGUF file before conversion, a
+    hub model not cached: judged after loading instead)."""
     from pathlib import Path
 
-    from sdbench.models.aliases import HubModel, model_registry
+    from sdbench.models.aliases import shipped_config
+    from sdbench.models.shapes import config_from_dict
 
-    if name in model_registry:
-        spec = model_registry.get(name)
-        if not isinstance(spec, HubModel):
-            return None
-        name = spec.repo_id
-    elif Path(name).expanduser().is_file():
-        return None  # a GGUF file: its config comes with the conversion
+    shipped = shipped_config(name)
+    if shipped is not None:
+        return config_from_dict(shipped)
+    local = Path(name).expanduser()
+    if local.is_file():
+        return None
     try:
         from transformers import AutoConfig
 
-        local = Path(name).expanduser()
         return AutoConfig.from_pretrained(str(local) if local.is_dir() else name, local_files_only=True)
     except (OSError, ValueError, KeyError):
         return None
