@@ -337,17 +337,3 @@ def test_static_forward_in_bfloat16_equals_eager_and_the_library(bf16_model, pro
         library = [bf16_model(torch.tensor([p + t])).logits[0, -width:] for p, t in zip(prompts, tokens.tolist())]
     for b, lib in enumerate(library):
         assert _gap(got[b], lib) <= BF16_TOL and _gap(want[b], lib) <= BF16_TOL
-
-
-def test_greedy_decoding_in_bfloat16_through_the_static_path_equals_eager(prompts):
-    """The static path decodes the same bfloat16 tokens as the eager path, plainly and with a draft (pooled
-    caches, widths 1, 2 and 4). Not far from ties: on random tiny models in bfloat16 the runner-up comes within
-    1e-2 of the logits' scale within 8 tokens for most seeds, below the paths' measured differences (seeds 0, 4
-    and 6 part within 24 tokens). Seed 5's weights are used, on which the library's own bfloat16 argmax agrees at
-    every step too: the equality holds for these weights and prompts, not by a stated margin."""
-    model = perturbed(tiny_model(5), 105).to(torch.bfloat16)
-    eager = ModelRunner(model, "eager-bf16")
-    static = ModelRunner(model, "static-bf16", static=True)
-    reference = _ids(eager, Autoregressive(), prompts)
-    assert _ids(static, Autoregressive(), prompts) == reference
-    assert _ids(static, DraftModel(static, 3), prompts) == reference
