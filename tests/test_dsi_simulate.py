@@ -113,13 +113,19 @@ def test_simulate_command_bad_input_is_one_line(capsys):
     assert len(err) == 1 and err[0].startswith("error:") and "--a" in err[0]
 
 
-def test_profile_from_a_run(tmp_path):
+def dsi_run_rows() -> list[dict]:
+    """A DSI run's rows: its plain baseline (32 steps, 0.64 s of target forwards) and the strategy (60 drafted
+    tokens in 0.12 s, 20 accepted, 10 rejections, gamma 4, 2 workers)."""
     stats = json.dumps({"rejections": 10, "drafted_total": 60})
-    rows = [{"role": "baseline", "strategy": "autoregressive", "steps": 32, "verify_s": 0.64, "wall_s": 0.7,
+    return [{"role": "baseline", "strategy": "autoregressive", "steps": 32, "verify_s": 0.64, "wall_s": 0.7,
              "new_tokens": 32, "drafted": 0, "accepted": 0, "draft_s": 0.0, "params": "{}"},
             {"role": "strategy", "strategy": "dsi", "steps": 12, "verify_s": 0.3, "wall_s": 0.5, "new_tokens": 32,
              "drafted": 40, "accepted": 20, "draft_s": 0.12, "strategy_stats": stats,
              "params": json.dumps({"gamma": 4, "workers": 2, "backend": "process"})}]
+
+
+def test_profile_from_a_run(tmp_path):
+    rows = dsi_run_rows()
     path = tmp_path / "run.parquet"
     import pyarrow.parquet as pq
 
@@ -287,12 +293,7 @@ def test_simulate_from_a_run_through_the_cli(tmp_path, capsys):
 
     from tests.conftest import run_cli
 
-    stats = json.dumps({"rejections": 10, "drafted_total": 60})
-    rows = [{"role": "baseline", "strategy": "autoregressive", "steps": 32, "verify_s": 0.64, "wall_s": 0.7,
-             "new_tokens": 32, "drafted": 0, "accepted": 0, "draft_s": 0.0, "params": "{}"},
-            {"role": "strategy", "strategy": "dsi", "steps": 12, "verify_s": 0.3, "wall_s": 0.5, "new_tokens": 32,
-             "drafted": 40, "accepted": 20, "draft_s": 0.12, "strategy_stats": stats,
-             "params": json.dumps({"gamma": 4, "workers": 2, "backend": "process"})}]
+    rows = dsi_run_rows()
     import pyarrow.parquet as pq
 
     pq.write_table(rows_to_table(rows), tmp_path / "run.parquet")
