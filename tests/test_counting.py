@@ -309,7 +309,9 @@ def test_a_real_divergence_is_recorded_as_real_and_fails_the_gate(capsys, tmp_pa
     args, prompt, plain, at, a, b = tied_model
     wrong = next(t for t in range(3, 96) if t not in (a, b) and t not in plain)
     _nudged(monkeypatch, wrong, 1e3)  # a verifier that prefers a token the model does not
-    code, out, err = run_cli(capsys, *args, "--out", str(tmp_path / "real"))
+    # --no-probe: the fidelity probe would catch this verifier and fall back to the generic runner, so no
+    # divergence would be left for the gate to judge
+    code, out, err = run_cli(capsys, *args, "--no-probe", "--out", str(tmp_path / "real"))
     assert code == 0, err
     strat = read_results([tmp_path / "real"]).query("role == 'strategy'").iloc[0]
     assert not strat.lossless and strat.divergence == "real" and strat.divergence_gap > 1.0
