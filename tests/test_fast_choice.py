@@ -76,6 +76,59 @@ def test_a_runner_that_chose_plain_gives_the_plain_runners_logits(monkeypatch):
     assert torch.equal(outs[0], outs[1]) and not chose_plain.fast
 
 
+# --- the vocabulary head's product per width -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_every_head_way_computes_the_librarys_product(bias):
+    torch.manual_seed(0)
+    w = torch.randn(300, 48)
+    b = torch.randn(300) if bias else None
+    for rows in (1, 2, 3, 5, 8, 17, 40):
+        x = torch.randn(1, rows, 48)
+        want = torch.nn.functional.linear(x, w, b)
+        for name, way in cpufast.HEAD_WAYS.items():
+            got = way(x, w, b)
+            assert got.shape == want.shape, name
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=name)
+
+
+def test_the_head_reads_by_the_way_measured_fastest_at_the_nearest_width(measuring, monkeypatch):
+    # each way's time per measured width; the test's own clock, so the choice is known in advance
+    cost = {"library": {1: 1.0, 2: 3.0, 5: 3.0, 8: 9.0}, "onednn": {1: 2.0, 2: 4.0, 5: 1.0, 8: 2.0},
+            "transposed": {1: 3.0, 2: 2.0, 5: 2.0, 8: 1.0}}
+    ran = []
+    fakes = {name: (lambda x, w, b, name=name: ran.append((name, x.shape[1])) or torch.zeros(*x.shape[:-1], w.shape[0]))
+             for name in cost}
+    monkeypatch.setattr(cpufast, "HEAD_WAYS", fakes)
+    monkeypatch.setattr(cpufast, "_head_ways", {})
+    monkeypatch.setattr(cpufast, "_timed", lambda fn, reps=5: [fn(), cost[ran[-1][0]][ran[-1][1]]][1])
+    head = cpufast.HeadProduct(torch.nn.Linear(16, 40, bias=False))
+    assert head.ways == {1: "library", 2: "transposed", 5: "onednn", 8: "transposed"}
+    expect = {1: "library", 2: "transposed", 3: "transposed", 4: "onednn", 6: "onednn", 7: "transposed",
+              16: "transposed", 17: "library", 64: "library"}  # past 16 rows (a prefill): the library's
+    for rows, way in expect.items():
+        ran.clear()
+        assert head(torch.zeros(1, rows, 16)).shape == (1, rows, 40)
+        assert ran == [(way, rows)], rows
+    cpufast.HeadProduct(torch.nn.Linear(16, 40, bias=False))
+    assert len(ran) == 1  # the same shape again: remembered, not measured
+
+
+def test_a_measured_head_gives_the_librarys_logits_on_a_tied_model(measuring, monkeypatch):
+    monkeypatch.setattr(cpufast, "_head_ways", {})
+    model = tiny_model(0)
+    model.lm_head.weight = model.model.get_input_embeddings().weight
+    runner = ModelRunner(model, "tied", fast=True)
+    prompt = [3, 5, 7, 9, 11, 2]
+    cache = runner.new_cache(1, 16)
+    ours = torch.cat([runner.prefill(cache, [prompt[:3]]).unsqueeze(1),
+                      runner.forward(cache, torch.tensor([prompt[3:]]), [3])], dim=1)[0]
+    with cpufast.plain(model), torch.inference_mode():
+        ref = model(torch.tensor([prompt])).logits[0, 2:]
+    torch.testing.assert_close(ours, ref.float(), rtol=1e-4, atol=1e-4)
+
+
 # --- transformers generate's fastest configuration -------------------------------------------------------------
 
 

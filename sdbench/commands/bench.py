@@ -19,6 +19,7 @@ from sdbench.engine.loop import generate
 from sdbench.engine.state import needed_capacity
 from sdbench.engine.metrics import now, rate
 from sdbench.errors import SdbenchError
+from sdbench.models.shapes import quiet_library
 from sdbench.strategies.autoregressive import Autoregressive
 from sdbench.strategies.draft import DraftModel
 from sdbench.strategies.ngram import NGram
@@ -78,7 +79,7 @@ def _measure(systems: list, prompts: list[list[int]], repeats: int, device, stat
 def _hf(model, max_new: int, eos: list[int], **kwargs):
     def fn(prompt: list[int], budget: int | None) -> list[int]:
         ids = torch.tensor([prompt], device=model.device)
-        with torch.inference_mode():
+        with torch.inference_mode(), quiet_library():
             out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
                                  max_new_tokens=budget or max_new, eos_token_id=eos, pad_token_id=eos[0],
                                  **kwargs)
@@ -195,12 +196,13 @@ def run_peers(target: str, draft: str, dataset: str, limit: int, max_new: int, g
             else:
                 cpufast.disable(m)
 
-    systems = _systems(tgt, drf, runner, pick_runner(tgt.model, target, False), d_runner, max_new, eos,
-                       needed_capacity(max(len(p) for p in prompts), max_new, gamma), gamma, generic)
+    room = needed_capacity(max(len(p) for p in prompts), max_new, gamma)
+    systems = _systems(tgt, drf, runner, pick_runner(tgt.model, target, False), d_runner, max_new, eos, room, gamma,
+                       generic)
     with console.status("measuring") as status:
-        picked = _pick_generate(tgt.model, prompts[0], eos, generate, dev, status, weights)
+        picked = _pick_generate(tgt.model, prompts[0], eos, generate, dev, status, weights, room)
         systems[0] = (f"transformers generate ({picked.label})",
-                      _hf(tgt.model, max_new, eos, **kwargs_for(picked.name, dev)), False)
+                      _hf(tgt.model, max_new, eos, **kwargs_for(picked.name, dev, room)), False)
         results = _measure(systems, prompts, repeats, dev, status, weights)
         status.update("measuring the verification and draft cost ratios")
         weights(True)
@@ -224,11 +226,11 @@ def run_peers(target: str, draft: str, dataset: str, limit: int, max_new: int, g
     return results
 
 
-def _pick_generate(model, prompt: list[int], eos: list[int], mode: str, device, status, weights):
+def _pick_generate(model, prompt: list[int], eos: list[int], mode: str, device, status, weights, room: int):
     """transformers' generate configuration to measure (hf_generate.pick), on the plain weights it runs on."""
     status.update("choosing transformers generate's fastest configuration" if mode == "fastest" else "measuring")
     weights(False)
-    return pick(model, prompt, eos, mode, device)
+    return pick(model, prompt, eos, mode, device, room)
 
 
 def _fast_path_line(model, device) -> str | None:

@@ -4,6 +4,10 @@ Tried in turn on the first prompt, each after its own warm-up (where compiling h
 dynamic cache; a static cache (pre-allocated, attention over its full length) with compiling off; and a static
 cache with the forward compiled by torch.compile (the library compiles by itself on a GPU; on a CPU it is asked
 to). The fastest that ran is measured; what failed is said with its reason.
+
+A static cache is sized once for the longest call of the whole measurement (`room`, the same KV length sdbench's
+own systems allocate): sized per call, each new prompt length or budget would make a new cache and, compiled, a
+new compilation inside the measured time.
 """
 
 from __future__ import annotations
@@ -40,22 +44,25 @@ class Picked:
         return why + "".join(f"; {_LABELS[n]} did not run: {e}" for n, e in self.failed.items())
 
 
-def kwargs_for(name: str, device: torch.device) -> dict:
-    """generate()'s keyword arguments for one configuration."""
+def kwargs_for(name: str, device: torch.device, room: int | None = None) -> dict:
+    """generate()'s keyword arguments for one configuration; room: the static cache's length for every call
+    (None: each call's own prompt and budget)."""
     if name == "dynamic":
         return {}
+    static = {"cache_implementation": "static"} | ({} if room is None else {"max_cache_len": room})
     if name == "static":
-        return {"cache_implementation": "static", "disable_compile": True}
+        return static | {"disable_compile": True}
     from transformers import CompileConfig
 
     config = CompileConfig()
     if device.type != "cuda":
         config._compile_all_devices = True  # the library compiles on its own only on accelerators
-    return {"cache_implementation": "static", "compile_config": config}
+    return static | {"compile_config": config}
 
 
-def pick(model, prompt: list[int], eos: list[int], mode: str, device: torch.device) -> Picked:
-    """The configuration `mode` names, or with "fastest" the fastest of CONFIGS that runs on `prompt`."""
+def pick(model, prompt: list[int], eos: list[int], mode: str, device: torch.device, room: int | None = None) -> Picked:
+    """The configuration `mode` names, or with "fastest" the fastest of CONFIGS that runs on `prompt` (room: as
+    in kwargs_for)."""
     if mode not in MODES:
         raise SdbenchError(f"--generate {mode}: use one of {', '.join(MODES)}")
     if mode != "fastest":
@@ -63,7 +70,7 @@ def pick(model, prompt: list[int], eos: list[int], mode: str, device: torch.devi
     picked = Picked("dynamic")
     for name in CONFIGS:
         try:
-            run = generator(model, eos, kwargs_for(name, device))
+            run = generator(model, eos, kwargs_for(name, device, room))
             run(prompt, PICK_TOKENS)  # warm-up: allocations, compiling
             t0 = now(device)
             tokens = len(run(prompt, PICK_TOKENS))

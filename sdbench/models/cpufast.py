@@ -14,9 +14,9 @@ gate/up), median of 7, rows 1 / 2 / 5 / 8: stock 4.9 / 11.0 / 17.7 / 16.5 ms; `W
   own weights are emptied while packed, and `unpack` gives them back exactly (a reorder moves values, it
   does not round them). A model is packed by the first fast forward and unpacked by the first plain one
   (the stock runner, or `plain(model)` around a library call), so both can share one model;
-- a vocabulary head tied to the embedding table stays plain, since the lookup needs that table: oneDNN
-  reads it as it is for one row (about memory speed, 2x the stock product) and `W @ x^T` is faster for more;
-  an untied head is packed like the rest;
+- a vocabulary head tied to the embedding table stays plain, since the lookup needs that table, and is read
+  by the product measured fastest for the forward's width (`HeadProduct`; also the plain forward's head); an
+  untied head is packed like the rest;
 - Llama's RMSNorm runs as one op (`F.rms_norm`) instead of the module's five (the runner decides from the
   family: Gemma's (1 + w) norm and StarCoder2's LayerNorm stay modules);
 - the first packing also copies the weights it does not pack (embeddings, norms) into the process's own
@@ -92,11 +92,41 @@ class Packed:
         return _linear(x, self.packed, self.bias)
 
 
-class TiedHead:
-    """The vocabulary head over the embedding table, read in place (never packed)."""
+# --- the vocabulary head's product, chosen per width -------------------------------------------------------------
+# The head is read in place (tied to the embedding table, or the plain weight of a model the fast path leaves
+# unpacked), and no one product is fastest for it at every width: the library's is near memory speed for one row
+# and up to 2x slower for 2-9, oneDNN's on the plain layout is the reverse at 2 rows, W x^T sits between.
+
+HEAD_WIDTHS = (1, 2, PACK_HINT, 8)  # the widths measured; a product of r <= 2 * 8 rows takes the nearest one's way
+HEAD_WAYS = {
+    "library": lambda x, w, b: F.linear(x, w, b),
+    "onednn": lambda x, w, b: _linear(x, w, b),
+    "transposed": lambda x, w, b: _transposed(x, w, b),
+}
+_HEAD_BYTES = 512 * 2**20  # timed on this much of the table at least: less would sit in a large L3 and time it
+_head_ways: dict = {}  # (V, H, bias, threads) -> {width: way}
+
+
+def _transposed(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    y = (weight @ x.reshape(-1, x.shape[-1]).T).T.contiguous()
+    if bias is not None:
+        y += bias
+    return y.view(*x.shape[:-1], weight.shape[0])
+
+
+def _nearest_width(rows: int) -> int | None:
+    if rows > 2 * HEAD_WIDTHS[-1]:
+        return None  # a prefill: compute-bound, the library's product
+    return min(HEAD_WIDTHS, key=lambda w: (abs(w - rows), w))
+
+
+class HeadProduct:
+    """The vocabulary head over its plain weight (never packed), by the way measured fastest for the forward's
+    number of rows (`head_ways`)."""
 
     def __init__(self, lm_head: torch.nn.Linear):
         self.lm_head = lm_head
+        self.ways = head_ways(lm_head.weight, lm_head.bias)
 
     def pack(self) -> None:
         pass
@@ -104,14 +134,29 @@ class TiedHead:
     unpack = pack
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # x [..., H] -> [..., V]
-        weight, bias = self.lm_head.weight, self.lm_head.bias
-        rows = x.reshape(-1, x.shape[-1])
-        if rows.shape[0] == 1:
-            return _linear(x, weight, bias)
-        y = (weight @ rows.T).T.contiguous()
-        if bias is not None:
-            y += bias
-        return y.view(*x.shape[:-1], weight.shape[0])
+        way = self.ways.get(_nearest_width(x.numel() // x.shape[-1]), "library")
+        return HEAD_WAYS[way](x, self.lm_head.weight, self.lm_head.bias)
+
+
+def head_ways(weight: torch.Tensor, bias: torch.Tensor | None) -> dict:
+    """{width: way} for a [V, H] head, measured once per shape and thread count (the override `packed` keeps the
+    fixed choice the fast path made before measuring: oneDNN for one row, W x^T for more; `plain` the library's)."""
+    mode = os.environ.get(FAST_ENV, "measure").strip().lower()
+    if mode == "packed":
+        return {w: "onednn" if w == 1 else "transposed" for w in HEAD_WIDTHS}
+    if mode == "plain":
+        return dict.fromkeys(HEAD_WIDTHS, "library")
+    key = (*weight.shape, bias is not None, torch.get_num_threads())
+    if key not in _head_ways:
+        rows = min(weight.shape[0], max(8192, _HEAD_BYTES // (weight.shape[1] * weight.element_size())))
+        w, b = weight.detach()[:rows], None if bias is None else bias.detach()[:rows]
+        ways = {}
+        for width in HEAD_WIDTHS:
+            x = torch.randn(1, width, weight.shape[1], dtype=weight.dtype)
+            times = {name: _timed(lambda: fn(x, w, b), reps=2) for name, fn in HEAD_WAYS.items()}
+            ways[width] = min(times, key=times.get)
+        _head_ways[key] = ways
+    return _head_ways[key]
 
 
 def _mlp_parts(mlp):
@@ -166,7 +211,7 @@ class FastModel:
     def __init__(self, model):
         self.layers = [FastLayer(layer) for layer in model.model.layers]
         head, embed = model.lm_head, model.model.get_input_embeddings()
-        self.head = TiedHead(head) if head.weight is embed.weight else Packed([head])
+        self.head = HeadProduct(head) if head.weight is embed.weight else Packed([head])
         self.packed = False
         packed = {id(m) for p in self._projections() if isinstance(p, Packed) for m in p.modules}
         rest = {id(p): p for m in model.modules() if id(m) not in packed for p in m.parameters(recurse=False)}
@@ -296,33 +341,28 @@ def _timed_paths(fast: FastModel) -> tuple[float, float]:
     for p in fast.layers[0].projections():
         a, b = _timed_product(p.modules, p.bias)
         plain_s, packed_s = plain_s + a * len(fast.layers), packed_s + b * len(fast.layers)
-    head = fast.head.lm_head if isinstance(fast.head, TiedHead) else fast.head.modules[0]
+    if isinstance(fast.head, HeadProduct):  # tied: the same product on either path
+        return plain_s, packed_s
+    head = fast.head.modules[0]
     rows = min(_HEAD_ROWS, head.weight.shape[0])
-    a, b = _timed_product([head], None, rows, tied=isinstance(fast.head, TiedHead))
+    a, b = _timed_product([head], None, rows)
     scale = head.weight.shape[0] / rows
     return plain_s + a * scale, packed_s + b * scale
 
 
-def _timed_product(modules: list, bias, rows: int | None = None, tied: bool = False) -> tuple[float, float]:
+def _timed_product(modules: list, bias, rows: int | None = None) -> tuple[float, float]:
     """(plain, fast) seconds over WIDTHS of y = x W^T: the modules' own products one by one, against the fused
-    product packed (or, for a tied head, read in place as TiedHead does). rows: only the first rows of W."""
+    product packed. rows: only the first rows of W."""
     weights = [m.weight.detach()[:rows] for m in modules]
     fused = (weights[0] if len(weights) == 1 else torch.cat(weights)).contiguous()
-    packed = fused if tied else torch.ops.mkldnn._reorder_linear_weight(fused, PACK_HINT)
-    fast_fn = TiedHead(_Weight(fused)) if tied else (lambda x: _linear(x, packed, bias))
+    packed = torch.ops.mkldnn._reorder_linear_weight(fused, PACK_HINT)
+    fast_fn = lambda x: _linear(x, packed, bias)  # noqa: E731
     plain_s = fast_s = 0.0
     for width in WIDTHS:
         x = torch.randn(1, width, fused.shape[1])
         plain_s += _timed(lambda: [F.linear(x, w, m.bias if rows is None else None) for w, m in zip(weights, modules)])
         fast_s += _timed(lambda: fast_fn(x))
     return plain_s, fast_s
-
-
-class _Weight:
-    """What TiedHead reads of a head: its weight and bias."""
-
-    def __init__(self, weight: torch.Tensor):
-        self.weight, self.bias = weight, None
 
 
 def _timed(fn, reps: int = 5) -> float:

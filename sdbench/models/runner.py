@@ -56,6 +56,7 @@ class ModelRunner:
     fast: on CPU in float32, fused projections packed for oneDNN (one copy of the weights) and one-op norms
     (`models/cpufast.py`) where a short measurement at this shape finds them faster (`cpufast.choose`): the
     model is packed by this runner's first forward and unpacked by the first forward of a plain runner on it;
+    a head left plain (tied, or the model unpacked) is read by the product measured fastest per width;
     on CUDA, decode and verification steps replayed as CUDA graphs over static shapes (`models/graphs.py`).
     static: use the static-shape forward (pooled caches, attention over the full cache) without capturing
     graphs; defaults to on exactly when graphs are. Tests turn it on to check the graph path's maths on CPU.
@@ -89,12 +90,13 @@ class ModelRunner:
         self.static = self.graphs if static is None else static
         self.pool = CachePool()
         self.graph_pool = None  # CUDA graphs' shared memory pool, made at the first capture
-        self.cpu_fast = (bool(fast) and self.device.type == "cpu" and cpufast.available() and cpufast.supports(model)
-                         and cpufast.choose(model).packed)  # packing is measured per shape: at some it loses
+        cpu = bool(fast) and self.device.type == "cpu" and cpufast.available() and cpufast.supports(model)
+        self.cpu_fast = cpu and cpufast.choose(model).packed  # packing is measured per shape: at some it loses
         self.fast = self.cpu_fast or self.graphs
         self._fast = cpufast.fast_model(model) if self.cpu_fast else None
         self._fast_layers = self._fast.layers if self.cpu_fast else None
-        self._head = self._fast.head if self.cpu_fast else self.lm_head
+        # the head: packed, or read in place by the product measured fastest per width (also unpacked)
+        self._head = self._fast.head if self.cpu_fast else cpufast.HeadProduct(self.lm_head) if cpu else self.lm_head
         self._one_op_norms = self.cpu_fast and self.family.rms_norm  # Llama's RMSNorm only (not Gemma's 1 + w)
         # per layer: the norm modules (attention in, attention out, MLP in, MLP out), None where there is none
         self._norms = [tuple(name and getattr(layer, name) for name in self.family.norms) for layer in self.layers]

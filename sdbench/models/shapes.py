@@ -30,7 +30,7 @@ def config_from_dict(data: dict) -> "PretrainedConfig":
     if not model_type:
         raise SdbenchError("a model config without 'model_type' cannot be read")
     try:
-        with _quiet():
+        with quiet_library():
             return AutoConfig.for_model(model_type, **fields)
     except (ValueError, KeyError) as err:
         raise SdbenchError(f"config of model type '{model_type}' could not be read: {err}") from err
@@ -41,7 +41,7 @@ def meta_model(config: "PretrainedConfig") -> "PreTrainedModel":
     import torch
     from transformers import AutoModelForCausalLM
 
-    with torch.device("meta"), _quiet():
+    with torch.device("meta"), quiet_library():
         return AutoModelForCausalLM.from_config(config)
 
 
@@ -52,7 +52,7 @@ def random_model(config: "PretrainedConfig", device, dtype) -> "PreTrainedModel"
     import torch
     from transformers import AutoModelForCausalLM
 
-    with torch.device("meta"), _quiet():
+    with torch.device("meta"), quiet_library():
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     model.to_empty(device=device)
     model.initialize_weights()
@@ -153,8 +153,9 @@ def _write_counts(counts: dict[str, int]) -> None:
 
 
 @contextlib.contextmanager
-def _quiet() -> Iterator[None]:
-    """The library warns about configs written by older versions of itself; the shipped configs are such."""
+def quiet_library() -> Iterator[None]:
+    """The library's warnings off inside the block: it warns about configs written by older versions of itself (the
+    shipped configs are such) and, in assisted generation, about how it calls itself."""
     from transformers.utils import logging as hf_logging
 
     level = hf_logging.get_verbosity()
