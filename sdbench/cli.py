@@ -252,7 +252,8 @@ def predict_speedup(
 
         if context < 1:
             raise SdbenchError(f"--context {context}: must be at least 1")
-        draft_cost, verify_cost = measured_costs(target, draft or target, gammas, context, device, dtype, console)
+        costs = measured_costs(target, draft or target, gammas, context, device, dtype, console)
+        draft_cost, verify_cost = costs.c, costs.verify
         console.print(f"costs measured at {context} tokens of context: draft cost c = {draft_cost:.3f} "
                       f"({draft or target} / {target})", highlight=False)
     console.print(speedup_table(alpha, gammas, draft_cost, verify_cost))
@@ -313,7 +314,8 @@ app.add_typer(simulate_app, name="simulate")
 def simulate_dsi(
     target_latency: Annotated[float, typer.Option(help="one target forward (seconds; 1 = count forwards)")] = 1.0,
     c: Annotated[float, typer.Option("--c", help="drafter latency: one draft forward / one target forward")] = 0.1,
-    a: Annotated[float, typer.Option("--a", help="per-token acceptance rate, 0..1")] = 0.8,
+    a: Annotated[Optional[float], typer.Option("--a", help="per-token acceptance rate, 0..1 [default: 0.8; with "
+                                               "--from the run's measured one, unless its weights are random]")] = None,
     k: Annotated[int, typer.Option("--k", help="lookahead: drafted tokens per verification")] = 4,
     workers: Annotated[int, typer.Option(help="DSI target workers")] = 7,
     tokens: Annotated[int, typer.Option(help="tokens to generate")] = 1000,
@@ -322,15 +324,24 @@ def simulate_dsi(
     kmax: Annotated[int, typer.Option(help="largest lookahead the heat-map tries per cell")] = 200,
     seed: Seed = 0,
     from_results: Annotated[Optional[list[str]], typer.Option("--from", help="an sdbench run: take target latency, c, a, k and workers from it")] = None,
+    target: Annotated[Optional[str], typer.Option("--target", "-t", help="measure the target latency and c at this "
+                                                  "model's shape instead (MODEL@random works)")] = None,
+    draft: Annotated[Optional[str], typer.Option("--draft", "-d", help="with --target: the drafter [default: the target]")] = None,
+    context: Annotated[int, typer.Option(help="with --target: the prompt length the latencies are measured at")] = 256,
+    device: Device = "auto", dtype: Dtype = "float32",
     out: Annotated[str, typer.Option(help="folder for dsi-heatmap.parquet and dsi-heatmap.png")] = C.DEFAULT_OUT,
 ):
     """Expected latency of plain decoding, SI and DSI (offline by counting, online by a timed simulation),
     and the DSI paper's four heat-map panels across drafter latency and acceptance."""
-    from sdbench.commands.simulate import Setting, run_simulation
+    from sdbench.commands.simulate import Setting, measured_setting, run_simulation
 
-    setting = Setting(target_latency, c, a, k, workers, tokens)
+    if target is not None and from_results:
+        raise SdbenchError("--target measures the latencies and --from reads them from a run: give one of them")
+    setting = Setting(target_latency, c, 0.8 if a is None else a, k, workers, tokens)
+    if target is not None:
+        setting = measured_setting(setting, target, draft or target, context, device, dtype, console)
     run_simulation(setting, repeats=repeats, seed=seed, grid=grid, kmax=kmax, out=out, source=from_results,
-                   console=console)
+                   console=console, a=a)
 
 
 @app.command()

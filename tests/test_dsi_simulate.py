@@ -11,6 +11,7 @@ from sdbench.cli import main
 from sdbench.errors import SdbenchError
 from sdbench.commands.simulate import Setting, heatmap, offline, online, profile_from_results, simulate_dsi, simulate_si
 from sdbench.reporting.results import rows_to_table
+from tests.test_random_weights import small  # noqa: F401 (fixture)
 from sdbench.theory import (alpha_from_tokens_per_step, dsi_latency_per_token, dsi_workers_needed,
                             expected_tokens_per_step, si_latency_per_token)
 
@@ -311,3 +312,50 @@ def test_simulate_from_a_run_through_the_cli(tmp_path, capsys):
     pq.write_table(rows_to_table(rows[:1]), tmp_path / "plain.parquet")
     code, _, err = run_cli(capsys, "simulate", "dsi", "--from", str(tmp_path / "plain.parquet"))
     assert code == 2 and len(err.strip().splitlines()) == 1 and "--from needs a run with baseline rows" in err
+
+
+# ---- latencies measured at a model's shape (MODEL@random) ------------------------------------------------------
+
+
+def test_simulate_at_a_models_shape_measures_the_latencies_and_keeps_the_given_rate(small, capsys, tmp_path,  # noqa: F811
+                                                                                    monkeypatch):
+    """`simulate dsi --target llama-1b@random` (shrunk here): the target latency and c are the forwards measured by
+    `predict.measured_costs`; a, k and workers are the given ones. A model drafting for itself has c = 1 exactly
+    (one runner, one measured forward)."""
+    from sdbench.commands import predict, simulate
+    from tests.conftest import run_cli
+
+    seen, costs = {}, []
+    real = predict.measured_costs
+    monkeypatch.setattr(predict, "measured_costs", lambda *args: costs.append(real(*args)) or costs[-1])
+    monkeypatch.setattr(simulate, "offline", lambda s: seen.setdefault("s", s) and offline(s))
+    code, out, err = run_cli(capsys, "simulate", "dsi", "--target", "llama-1b@random", "--a", "0.7", "--k", "3",
+                             "--workers", "2", "--context", "12", "--tokens", "20", "--repeats", "2", "--grid", "2",
+                             "--kmax", "4", "--out", str(tmp_path))
+    assert code == 0, err
+    s = seen["s"]
+    assert s.target_s == costs[0].target_s > 0 and s.c == 1.0
+    assert (s.a, s.k, s.workers, s.tokens) == (0.7, 3, 2, 20)
+    flat = " ".join(out.split())
+    assert "measured at 12 tokens of context" in flat and "acceptance rate a = 0.7 as given" in flat
+    code, _, err = run_cli(capsys, "simulate", "dsi", "--target", "llama-1b@random", "--from", "x.parquet")
+    assert code == 2 and "give one of them" in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_run_with_random_weights_gives_its_latencies_but_needs_the_rate(tmp_path, capsys):
+    import pyarrow.parquet as pq
+
+    from tests.conftest import run_cli
+
+    rows = [{**r, "weights": "random"} for r in dsi_run_rows()]
+    path = tmp_path / "random.parquet"
+    pq.write_table(rows_to_table(rows), path)
+    code, _, err = run_cli(capsys, "simulate", "dsi", "--from", str(path), "--out", str(tmp_path / "sim"))
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "random weights (MODEL@random)" in err
+    s, _ = profile_from_results([str(path)], random_a=0.4)
+    assert s.a == 0.4 and s.target_s == pytest.approx(0.02) and s.c == pytest.approx(0.1)  # latencies: the run's
+    s, _ = profile_from_results([str(path)], a=0.6, random_a=0.4)
+    assert s.a == 0.6
+    real = tmp_path / "real.parquet"
+    pq.write_table(rows_to_table(dsi_run_rows()), real)
+    assert profile_from_results([str(real)], random_a=0.4)[0].a == pytest.approx(20 / 30)  # real: its own rate

@@ -223,11 +223,20 @@ def fitting_points(target: str, dtype, device, batches, contexts, gamma: int, co
     return [p for p in points if p in found.fits]
 
 
-def measured_costs(target: str, draft: str, gammas, context: int, device: str, dtype: str,
-                   console) -> tuple[float, dict]:
-    """(c, {gamma: v}) for `predict speedup`, measured at the models' shapes (MODEL@random works): c one draft
-    step over one target step, v(gamma) one verification of gamma + 1 tokens over one target step, each the
-    median of a few forwards at the end of a `context`-token prompt of random ids, through the fast path."""
+@dataclass(frozen=True)
+class StepCosts:
+    """Costs measured at the models' shapes: c one draft step over one target step, verify[gamma] one
+    verification of gamma + 1 tokens over one target step, and the target step itself in seconds."""
+
+    c: float
+    verify: dict
+    target_s: float
+
+
+def measured_costs(target: str, draft: str, gammas, context: int, device: str, dtype: str, console) -> StepCosts:
+    """Step costs for `predict speedup` and `simulate dsi`, measured at the models' shapes (MODEL@random works):
+    each the median of a few forwards at the end of a `context`-token prompt of random ids, through the fast
+    path."""
     from sdbench.models.loader import load_model
     from sdbench.models.pair import resolve_device, resolve_dtype, say_note
     from sdbench.models.runner import ModelRunner
@@ -249,7 +258,7 @@ def measured_costs(target: str, draft: str, gammas, context: int, device: str, d
             if name == target:
                 wide = {g: median_time(lambda g=g: r.forward(cache, prompt[None, -(g + 1):], [context]), r.device)
                         for g in gammas}
-    return one[draft] / one[target], {g: t / one[target] for g, t in wide.items()}
+    return StepCosts(one[draft] / one[target], {g: t / one[target] for g, t in wide.items()}, one[target])
 
 
 def print_alphas(measured: dict[tuple[str, int, int], float], console) -> None:

@@ -164,7 +164,7 @@ def online(s: Setting, repeats: int = 20, seed: int = 0, preemptive: bool = Fals
 # ---- measured settings -----------------------------------------------------------------------------------
 
 
-def profile_from_results(paths, a: float | None = None) -> tuple[Setting, dict]:
+def profile_from_results(paths, a: float | None = None, random_a: float | None = None) -> tuple[Setting, dict]:
     """Target latency, c, a, k and workers measured by an sdbench run, and the measured latency of each side.
 
     The target forward is the one DSI's workers measured when the run recorded it (what DSI actually got:
@@ -175,7 +175,8 @@ def profile_from_results(paths, a: float | None = None) -> tuple[Setting, dict]:
     are prefills, left out), and so is `measured`: the latency of the mean generation for the baseline
     ("plain") and the strategy (by name), from the time per token after the first (else from the wall time),
     and both forward latencies. `a`, when given, replaces the measured acceptance rate (a DSI run whose drafter
-    never got ahead of the verifications judged no draft, so it measured none).
+    never got ahead of the verifications judged no draft, so it measured none). `random_a` is the rate for a run
+    with random weights (MODEL@random), whose measured acceptance says nothing; such a run needs one of the two.
     """
     import json
 
@@ -184,6 +185,11 @@ def profile_from_results(paths, a: float | None = None) -> tuple[Setting, dict]:
     from sdbench.theory import alpha_from_tokens_per_step, fit_alpha
 
     df = read_results(paths)
+    if "weights" in df and (df["weights"] == "random").any():  # its latencies hold, its acceptance says nothing
+        a = a if a is not None else random_a
+        if a is None:
+            raise SdbenchError("--from: the run has random weights (MODEL@random), whose acceptance rate means "
+                               "nothing; give the rate with --a (the latencies are taken from the run)")
     base, strat = df[df["role"] == "baseline"], df[df["role"].astype(str).str.startswith("strategy")]
     if base.empty or strat.empty or not base["steps"].sum() or not strat["drafted"].sum() and not _drafts(strat):
         raise SdbenchError("--from needs a run with baseline rows and a drafting strategy (e.g. dsi or draft)")
@@ -213,6 +219,21 @@ def profile_from_results(paths, a: float | None = None) -> tuple[Setting, dict]:
     return setting.check(), measured
 
 
+def measured_setting(s: Setting, target: str, draft: str, context: int, device: str, dtype: str,
+                     console) -> Setting:
+    """`s` with the target latency and c measured at the models' shapes (`predict.measured_costs`: the median of
+    a few forwards at the end of a `context`-token prompt, through the fast path); a, k, workers as given."""
+    from sdbench.commands.predict import measured_costs
+
+    if context < 1:
+        raise SdbenchError(f"--context {context}: must be at least 1")
+    costs = measured_costs(target, draft, [s.k], context, device, dtype, console)
+    console.print(f"measured at {context} tokens of context: one {target} forward {costs.target_s * 1e3:.1f} ms, "
+                  f"drafter latency c = {costs.c:.3f} ({draft} / {target}); acceptance rate a = {s.a} as given",
+                  highlight=False)
+    return Setting(costs.target_s, costs.c, s.a, s.k, s.workers, s.tokens)
+
+
 def _drafts(strat) -> int:
     from sdbench.reporting.results import parse_stats
 
@@ -236,15 +257,16 @@ def _per_token(rows) -> float:
 
 
 def run_simulation(s: Setting, *, repeats: int, seed: int, grid: int, kmax: int, out: str, source=None,
-                   console=None) -> tuple:
-    """Table for one setting (offline and online; measured too when `source` names an sdbench run), then the
-    heat-map grid as Parquet and PNG under `out`. Returns (parquet path, png path)."""
+                   console=None, a: float | None = None) -> tuple:
+    """Table for one setting (offline and online; measured too when `source` names an sdbench run, whose
+    acceptance rate `a` replaces only when its weights are random), then the heat-map grid as Parquet and PNG under `out`. Returns
+    (parquet path, png path)."""
     from rich.console import Console
 
     console = console or Console()
     measured = {}
     if source:
-        s, measured = profile_from_results(source)
+        s, measured = profile_from_results(source, random_a=a)
     s.check()
     if repeats < 1:
         raise SdbenchError("--repeats must be at least 1")
