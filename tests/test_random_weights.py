@@ -140,3 +140,32 @@ def test_a_random_draft_beside_a_random_target_is_loaded_not_quantised(small):
     assert own is pair.target  # the target drafting for itself: one model, its weights
     assert type(random_draft.model.model.layers[0].self_attn.q_proj) is torch.nn.Linear  # not an @int8 copy
     assert random_draft.name == "llama-1b@random" and random_draft.model is not pair.target.model
+
+
+def _alias_names() -> list[str]:
+    from sdbench.models.aliases import model_registry
+
+    return [e.name for e in model_registry]
+
+
+@pytest.mark.parametrize("name", _alias_names())
+def test_every_shipped_alias_at_random_decodes_as_transformers_generate(small, name):
+    """Every alias, @random at its shipped shape (shrunk): the runner sdbench picks for it (native, or the generic
+    one) decodes greedily what transformers' own `generate` decodes from the same weights."""
+    from sdbench.config import SamplingConfig
+    from sdbench.engine.loop import generate
+    from sdbench.models.pair import pick_runner
+    from sdbench.strategies.autoregressive import Autoregressive
+
+    from sdbench.models.loader import eos_token_ids
+
+    loaded = load_model(f"{name}@random", "cpu", torch.float32)
+    eos = eos_token_ids(loaded)
+    prompt = [5, 9, 17, 33, 65, 120]
+    ours = generate(pick_runner(loaded.model, name, False), Autoregressive(), [prompt], max_new_tokens=6,
+                    sampling=SamplingConfig(), eos_ids=eos).output_ids[0]
+    with torch.inference_mode():
+        ids = torch.tensor([prompt])
+        theirs = loaded.model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=6,
+                                       eos_token_id=eos, pad_token_id=eos[0])[0, len(prompt):].tolist()
+    assert ours == theirs and ours
