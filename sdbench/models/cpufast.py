@@ -103,7 +103,6 @@ HEAD_WAYS = {
     "onednn": lambda x, w, b: _linear(x, w, b),
     "transposed": lambda x, w, b: _transposed(x, w, b),
 }
-_HEAD_BYTES = 512 * 2**20  # timed on this much of the table at least: less would sit in a large L3 and time it
 _head_ways: dict = {}  # (V, H, bias, threads) -> {width: way}
 
 
@@ -148,7 +147,7 @@ def head_ways(weight: torch.Tensor, bias: torch.Tensor | None) -> dict:
         return dict.fromkeys(HEAD_WIDTHS, "library")
     key = (*weight.shape, bias is not None, torch.get_num_threads())
     if key not in _head_ways:
-        rows = min(weight.shape[0], max(8192, _HEAD_BYTES // (weight.shape[1] * weight.element_size())))
+        rows = min(weight.shape[0], max(8192, _STREAM_BYTES // (weight.shape[1] * weight.element_size())))
         w, b = weight.detach()[:rows], None if bias is None else bias.detach()[:rows]
         ways = {}
         for width in HEAD_WIDTHS:
@@ -301,7 +300,7 @@ def rms_norm(module, x: torch.Tensor) -> torch.Tensor:
 
 FAST_ENV = "SDBENCH_CPU_FAST"  # measure (default) | packed | plain: an override that skips the measurement
 WIDTHS = (1, 2, PACK_HINT)  # decoding, a draft's catch-up, a verification of gamma = 4
-_HEAD_ROWS = 8192  # the vocabulary head is timed on this many of its rows, scaled to all of them
+_STREAM_BYTES = 512 * 2**20  # the least weight each path is timed over (more than a large L3 holds)
 _chosen: dict = {}  # shape key -> Choice
 
 
@@ -336,33 +335,45 @@ def choose(model) -> Choice:
 
 
 def _timed_paths(fast: FastModel) -> tuple[float, float]:
-    """(plain, packed) seconds of one forward's products: the first layer's times the layers, plus the head."""
-    plain_s, packed_s = 0.0, 0.0
-    for p in fast.layers[0].projections():
-        a, b = _timed_product(p.modules, p.bias)
-        plain_s, packed_s = plain_s + a * len(fast.layers), packed_s + b * len(fast.layers)
-    if isinstance(fast.head, HeadProduct):  # tied: the same product on either path
+    """(plain, packed) seconds of one forward's products, summed over WIDTHS: a pass over the first layers that
+    hold _STREAM_BYTES (one layer timed again and again would sit in a large L3 and time the cache, not the
+    memory a forward streams from), scaled to all layers, plus an untied head's (a tied one is the same product
+    on either path)."""
+    layers, size = [], 0
+    for layer in fast.layers:
+        layers.append(layer.projections())
+        size += sum(m.weight.numel() * m.weight.element_size() for p in layers[-1] for m in p.modules)
+        if size >= _STREAM_BYTES:
+            break
+    plain_s, packed_s = _timed_products([p for projections in layers for p in projections])
+    scale = len(fast.layers) / len(layers)
+    plain_s, packed_s = plain_s * scale, packed_s * scale
+    if isinstance(fast.head, HeadProduct):
         return plain_s, packed_s
     head = fast.head.modules[0]
-    rows = min(_HEAD_ROWS, head.weight.shape[0])
-    a, b = _timed_product([head], None, rows)
+    rows = min(head.weight.shape[0], max(8192, _STREAM_BYTES // (head.weight.shape[1] * head.weight.element_size())))
+    a, b = _timed_products([fast.head], rows)
     scale = head.weight.shape[0] / rows
     return plain_s + a * scale, packed_s + b * scale
 
 
-def _timed_product(modules: list, bias, rows: int | None = None) -> tuple[float, float]:
-    """(plain, fast) seconds over WIDTHS of y = x W^T: the modules' own products one by one, against the fused
-    product packed. rows: only the first rows of W."""
-    weights = [m.weight.detach()[:rows] for m in modules]
-    fused = (weights[0] if len(weights) == 1 else torch.cat(weights)).contiguous()
-    packed = torch.ops.mkldnn._reorder_linear_weight(fused, PACK_HINT)
-    fast_fn = lambda x: _linear(x, packed, bias)  # noqa: E731
-    plain_s = fast_s = 0.0
+def _timed_products(products: list, rows: int | None = None) -> tuple[float, float]:
+    """(plain, packed) seconds over WIDTHS of y = x W^T for every product in turn: its modules' own products one
+    by one, against their fused weight packed (a copy). rows: only the first rows of each W."""
+    plain, packed = [], []
+    for p in products:
+        weights = [m.weight.detach()[:rows] for m in p.modules]
+        fused = (weights[0] if len(weights) == 1 else torch.cat(weights)).contiguous()
+        bias = None if p.bias is None or rows is not None else p.bias
+        plain.append([(w, m.bias if rows is None else None) for w, m in zip(weights, p.modules)])
+        packed.append((torch.ops.mkldnn._reorder_linear_weight(fused, PACK_HINT), bias))
+    plain_s = packed_s = 0.0
     for width in WIDTHS:
-        x = torch.randn(1, width, fused.shape[1])
-        plain_s += _timed(lambda: [F.linear(x, w, m.bias if rows is None else None) for w, m in zip(weights, modules)])
-        fast_s += _timed(lambda: fast_fn(x))
-    return plain_s, fast_s
+        xs = {n: torch.randn(1, width, n) for n in {pw[0][0].shape[1] for pw in plain}}
+        plain_s += _timed(lambda: [F.linear(xs[w.shape[1]], w, b) for pw in plain for w, b in pw], reps=3)
+        packed_s += _timed(lambda: [_linear(xs[pw[0][0].shape[1]], w, b) for pw, (w, b) in zip(plain, packed)],
+                           reps=3)
+    return plain_s, packed_s
 
 
 def _timed(fn, reps: int = 5) -> float:
