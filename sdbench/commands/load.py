@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from sdbench.commands.divergence import judge_rows
 from sdbench.config import RunConfig
 from sdbench.engine.loop import serve
 from sdbench.engine.metrics import format_slo, predicted_speedup, rate, served_row_metrics, speedup
@@ -78,9 +79,7 @@ def serve_points(bench, pair, roles, prompts, encoded, writer, common, progress)
                 results[role] = (done, peak_memory(str(bench.device)))
                 progress.advance(task)
             rows = _rows(bench, dict(roles), prompts, results, point, repeat, point_id, common)
-            from sdbench.commands.run import _judge_divergences
-
-            _judge_divergences(pair.target, rows, {p.id: ids for p, ids in zip(prompts, encoded)})
+            judge_rows(pair.target, rows, {p.id: ids for p, ids in zip(prompts, encoded)})
             writer.append(rows)
             if bench.on_batch is not None:
                 bench.on_batch(rows)

@@ -17,6 +17,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from sdbench.config import DEFAULT_GAMMA, RunConfig, SamplingConfig
+from sdbench.commands.divergence import judge_rows
 from sdbench.data.passkey import answer_found
 from sdbench.data.prompts import encode_prompts
 from sdbench.engine.loop import generate
@@ -223,7 +224,7 @@ class Bench:
         for row, i in zip(rows, members * len(roles)):
             row.update(turn=turn + 1, depth=talk.prompts[i].depth,
                        found=answer_found(talk.prompts[i], row["output_ids"], pair.tokenizer))
-        _judge_divergences(pair.target, rows, {talk.prompts[i].id: ids for i, ids in zip(members, batch)})
+        judge_rows(pair.target, rows, {talk.prompts[i].id: ids for i, ids in zip(members, batch)})
         return rows
 
     def _progress(self) -> Progress:
@@ -277,18 +278,6 @@ class Bench:
                         row["lossless"] = res.output_ids[b] == base.output_ids[b]
                 rows.append(row)
         return rows
-
-
-def _judge_divergences(target, rows: list[dict], prompts: dict) -> None:
-    """Tell a tie from a real divergence on every row whose greedy output differs from the baseline's.
-    prompts: prompt id -> its token ids."""
-    from sdbench.commands.divergence import judge
-
-    base = {r["prompt_id"]: r["output_ids"] for r in rows if r["role"] == "baseline"}
-    for row in rows:
-        if row.get("lossless") is False:
-            pid = row["prompt_id"]
-            row["divergence"], row["divergence_gap"] = judge(target, prompts[pid], base[pid], row["output_ids"])
 
 
 def _gamma(params: str) -> int | None:

@@ -26,10 +26,9 @@ def load_rows(df: pd.DataFrame) -> pd.Series:
 
 def summarize_load(df: pd.DataFrame) -> pd.DataFrame:
     """One row per (load point, strategy label): serving_summary averaged over repeats, the output-throughput
-    ratio to the baseline at the same point and run, and lossless requests."""
-    from sdbench.reporting.report import labelled
-
-    data = labelled(df)
+    ratio to the baseline at the same point and run, and lossless requests. df: rows labelled as the tables
+    show them (reporting.report.labelled)."""
+    data = df
     out = []
     for (run, rate, conc, label), group in data.groupby(["run_id", *POINT, "strategy"], sort=False, dropna=False):
         per_repeat = [serving_summary(_records(g), float(g["duration_s"].iloc[0])) for _, g in group.groupby("repeat")]

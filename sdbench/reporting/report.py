@@ -456,7 +456,7 @@ def print_report(df: pd.DataFrame, console: Console | None = None, by: tuple[str
 
     served = load_rows(df)
     if served.any():  # requests served under load have their own tables; batches (if any) follow
-        for table in load_tables(df[served]):
+        for table in load_tables(labelled(df[served])):
             console.print(table)
         df = df[~served]
         if df.empty:
