@@ -160,6 +160,8 @@ class Bench:
             if not writer.exists():  # no batch finished: forget the run instead of pointing at it
                 self._config_path(run_id).unlink(missing_ok=True)
                 raise Interrupted("interrupted before any batch finished: nothing was saved") from None
+            if cfg.under_load:
+                raise Interrupted(f"interrupted: finished load points are saved in {writer.final_path}") from None
             raise Interrupted(f"interrupted: finished prompts are saved in {writer.final_path}; continue with "
                                f"`sdbench run --resume {run_id} --out {cfg.out}`") from None
         return writer.final_path
