@@ -42,6 +42,9 @@ Turns = Annotated[Optional[int], typer.Option(help="turns of each multi-turn que
 PromptField = Annotated[Optional[str], typer.Option("--prompt-field", help="--dataset FILE: the field holding the prompt (a string or a list of turns)")]
 CategoryField = Annotated[Optional[str], typer.Option("--category-field", help="--dataset FILE: the field holding the category")]
 IdField = Annotated[Optional[str], typer.Option("--id-field", help="--dataset FILE: the field holding the prompt's id")]
+RequestRate = Annotated[Optional[str], typer.Option("--request-rate", help="serve the prompts as requests arriving at this rate (requests/s, Poisson from --seed; inf = all at once), or a list like 1,2,inf: one load point each")]
+Concurrency = Annotated[Optional[str], typer.Option("--concurrency", help="requests in flight at most (closed loop: one starts as one finishes), or a list like 1,4; with --request-rate, its cap")]
+Slo = Annotated[Optional[str], typer.Option("--slo", help="latency bounds for goodput under load, e.g. ttft:500ms,tpot:50ms (ttft, tpot, e2el)")]
 Depth = Annotated[Optional[str], typer.Option("--depth", help="retrieval tasks: where the answer hides, 0 (start) to 1 (end), or a list like 0,0.5,1 [default: spread]")]
 
 
@@ -68,6 +71,19 @@ def parse_depths(text: str | None) -> tuple[float, ...]:
         raise SdbenchError(f"--depth {text}: expected a number from 0 to 1, or a comma-separated list") from None
 
 
+def parse_rates(text: str | None) -> tuple[float, ...]:
+    """Request rates from '2' or '0.5,1,inf': each positive, or inf."""
+    if text is None:
+        return ()
+    try:
+        values = tuple(float(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise SdbenchError(f"--request-rate {text}: expected a number of requests/s, inf, or a comma-separated list") from None
+    if not values or len(set(values)) != len(values) or not all(v > 0 for v in values):  # NaN fails too
+        raise SdbenchError(f"--request-rate {text}: expected distinct rates above 0 (requests/s), or inf")
+    return values
+
+
 def parse_sets(items: list[str] | None) -> dict:
     options = {}
     for item in items or ():
@@ -86,9 +102,12 @@ def run(
     prompt_len: PromptLen = None, device: Device = "auto", dtype: Dtype = "float32", repeats: Repeats = 1,
     set_: Sets = None, out: Out = C.DEFAULT_OUT, baseline: Baseline = True, resume: Resume = None, fast: Fast = True,
     turns: Turns = None, prompt_field: PromptField = None, category_field: CategoryField = None, id_field: IdField = None,
-    depth: Depth = None, probe: Probe = True,
+    depth: Depth = None, probe: Probe = True, request_rate: RequestRate = None, concurrency: Concurrency = None,
+    slo: Slo = None,
 ):
     """Run a strategy and the plain-decoding baseline on the same prompts; print tables, write Parquet."""
+    from sdbench.engine.metrics import parse_slo
+
     from sdbench.commands.run import Bench, load_config
     from sdbench.reporting.report import print_report
     from sdbench.reporting.results import read_results
@@ -99,7 +118,8 @@ def run(
         gammas=parse_gammas(gamma), prompt_len=prompt_len, device=device, dtype=dtype, repeats=repeats, options=parse_sets(set_),
         out=out, baseline=baseline, resume=resume, fast=fast, turns=turns, depths=parse_depths(depth),
         fields={k: v for k, v in (("prompt", prompt_field), ("category", category_field), ("id", id_field)) if v},
-        probe=probe,
+        probe=probe, request_rates=parse_rates(request_rate), concurrencies=parse_gammas(concurrency, "--concurrency", 1),
+        slo=parse_slo(slo) if slo is not None else {},
     )
     if resume:
         cfg = load_config(out, resume)

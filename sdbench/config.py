@@ -51,6 +51,14 @@ class RunConfig:
     fields: dict = field(default_factory=dict)  # --dataset FILE: prompt / category / id -> the file's field
     depths: tuple[float, ...] = ()  # retrieval tasks: where the answer hides (0 = start, 1 = end); empty: spread
     probe: bool = True  # compare every runner's logits with the library's forward before running (models/probe.py)
+    # serving under load (commands/load.py): each (rate, concurrency) pair a load point; empty both: batches
+    request_rates: tuple[float, ...] = ()  # requests/s of Poisson arrivals; inf = all at once
+    concurrencies: tuple[int, ...] = ()  # requests in flight at most (the running batch); empty: --batch-size
+    slo: dict = field(default_factory=dict)  # metric (ttft, tpot, e2el) -> bound in ms, for goodput
+
+    @property
+    def under_load(self) -> bool:
+        return bool(self.request_rates or self.concurrencies)
 
     @property
     def gamma(self) -> int | None:

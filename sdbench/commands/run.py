@@ -17,6 +17,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from sdbench.config import DEFAULT_GAMMA, RunConfig, SamplingConfig
+from sdbench.commands.divergence import judge_rows
 from sdbench.data.passkey import answer_found
 from sdbench.data.prompts import encode_prompts
 from sdbench.engine.loop import generate
@@ -53,6 +54,10 @@ def plan(cfg: RunConfig) -> tuple[RunConfig, object]:
     if cfg.prompt_len is not None and cfg.prompt_len < 1:
         raise SdbenchError(f"--prompt-len must be at least 1 (got {cfg.prompt_len})")
     options = check_options(choice.base, cfg.options)
+    if cfg.under_load or cfg.slo:
+        from sdbench.commands.load import check_load
+
+        check_load(cfg, choice.base, options)
     cfg = replace(cfg, gammas=capped_gammas(cfg.gammas, cfg.max_new_tokens))
     for gamma in cfg.gammas:
         strategy_registry.get(choice.base).check(gamma, options, cfg.drafts, cfg.sampling)
@@ -145,29 +150,41 @@ class Bench:
         talk = Conversations(prompts, pair.tokenizer, cfg.turns)
         try:
             with writer, self._progress() as progress:
-                total = cfg.repeats * sum(talk.turns_of(idx) for idx in batches) * len(roles)
-                task = progress.add_task(self.choice.name, total=total)
-                for repeat in range(cfg.repeats):
-                    for batch_id, idx in enumerate(batches):
-                        if all((r, prompts[i].id, repeat, t + 1) in done for r, _ in roles for i in idx
-                               for t in range(talk.count[i])):
-                            progress.advance(task, len(roles) * talk.turns_of(idx))
-                            continue
-                        rows = []  # every turn of a batch goes into one part: a resumed run redoes whole batches
-                        for turn in range(talk.turns_of(idx)):
-                            rows += self._turn(pair, roles, talk, idx, turn, repeat, batch_id, common,
-                                               lambda role: progress.update(task, advance=1, description=(
-                                                   f"{role}: batch {batch_id + 1}/{len(batches)}")))
-                        writer.append(rows)
-                        if self.on_batch is not None:
-                            self.on_batch(rows)
+                if cfg.under_load:
+                    from sdbench.commands.load import serve_points
+
+                    serve_points(self, pair, roles, prompts, encoded, writer, common, progress)
+                else:
+                    self._batches(pair, roles, talk, batches, done, writer, common, progress)
         except KeyboardInterrupt:
             if not writer.exists():  # no batch finished: forget the run instead of pointing at it
                 self._config_path(run_id).unlink(missing_ok=True)
                 raise Interrupted("interrupted before any batch finished: nothing was saved") from None
+            if cfg.under_load:
+                raise Interrupted(f"interrupted: finished load points are saved in {writer.final_path}") from None
             raise Interrupted(f"interrupted: finished prompts are saved in {writer.final_path}; continue with "
                                f"`sdbench run --resume {run_id} --out {cfg.out}`") from None
         return writer.final_path
+
+    def _batches(self, pair: Pair, roles, talk, batches, done, writer, common, progress) -> None:
+        """Every batch (and turn) with every role, a part written per batch; batches `done` are skipped."""
+        prompts = talk.prompts
+        total = self.cfg.repeats * sum(talk.turns_of(idx) for idx in batches) * len(roles)
+        task = progress.add_task(self.choice.name, total=total)
+        for repeat in range(self.cfg.repeats):
+            for batch_id, idx in enumerate(batches):
+                if all((r, prompts[i].id, repeat, t + 1) in done for r, _ in roles for i in idx
+                       for t in range(talk.count[i])):
+                    progress.advance(task, len(roles) * talk.turns_of(idx))
+                    continue
+                rows = []  # every turn of a batch goes into one part: a resumed run redoes whole batches
+                for turn in range(talk.turns_of(idx)):
+                    rows += self._turn(pair, roles, talk, idx, turn, repeat, batch_id, common,
+                                       lambda role: progress.update(task, advance=1, description=(
+                                           f"{role}: batch {batch_id + 1}/{len(batches)}")))
+                writer.append(rows)
+                if self.on_batch is not None:
+                    self.on_batch(rows)
 
     def _warm_up(self, pair: Pair, variants, encoded, batches) -> None:
         """Every configuration once, unmeasured, with caches as long as the longest batch needs: static-shape
@@ -209,7 +226,7 @@ class Bench:
         for row, i in zip(rows, members * len(roles)):
             row.update(turn=turn + 1, depth=talk.prompts[i].depth,
                        found=answer_found(talk.prompts[i], row["output_ids"], pair.tokenizer))
-        _judge_divergences(pair.target, rows, {talk.prompts[i].id: ids for i, ids in zip(members, batch)})
+        judge_rows(pair.target, rows, {talk.prompts[i].id: ids for i, ids in zip(members, batch)})
         return rows
 
     def _progress(self) -> Progress:
@@ -265,18 +282,6 @@ class Bench:
         return rows
 
 
-def _judge_divergences(target, rows: list[dict], prompts: dict) -> None:
-    """Tell a tie from a real divergence on every row whose greedy output differs from the baseline's.
-    prompts: prompt id -> its token ids."""
-    from sdbench.commands.divergence import judge
-
-    base = {r["prompt_id"]: r["output_ids"] for r in rows if r["role"] == "baseline"}
-    for row in rows:
-        if row.get("lossless") is False:
-            pid = row["prompt_id"]
-            row["divergence"], row["divergence_gap"] = judge(target, prompts[pid], base[pid], row["output_ids"])
-
-
 def _gamma(params: str) -> int | None:
     return json.loads(params).get("gamma")
 
@@ -303,4 +308,6 @@ def load_config(out: str, run_id: str) -> RunConfig:
     raw["drafts"] = tuple(raw["drafts"])
     raw["depths"] = tuple(raw.get("depths", ()))
     raw.setdefault("turns", 1)  # saved before runs had turns: first turns only
+    for key in ("request_rates", "concurrencies"):
+        raw[key] = tuple(raw.get(key, ()))
     return replace(RunConfig(**raw), resume=run_id, out=out)

@@ -21,6 +21,10 @@ class Drafter(Protocol):
     def begin(self, state: DecodeState) -> None:
         """A new generation: state holds the prompts and each row's first token (a model prefills here)."""
 
+    def begin_rows(self, state: DecodeState, rows: list[int]) -> None:
+        """Rows `rows` now hold a new prompt and its first token mid-generation (a request joined a running
+        batch): forget what was kept for those rows (a model prefills its cache row)."""
+
     def catch_up(self, ctx: torch.Tensor, lengths: list[int]) -> int:
         """The most context tokens of a row the next `draft` must feed before drafting (0 for a lookup)."""
 

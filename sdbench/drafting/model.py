@@ -71,6 +71,15 @@ class ModelDrafter:
         if full is not state.target_cache:
             self.runner.release(full)
 
+    def begin_rows(self, state: DecodeState, rows: list[int]) -> None:
+        """Each joining row's prompt prefilled alone into its row of the (dense) draft cache."""
+        if self.sparse is not None:
+            raise NotImplementedError("a sparse draft cache is compressed from a whole batch's prompts")
+        for b in rows:
+            fed = state.lengths[b] - 1  # the prompt: the first generated token is fed by the first draft
+            self.runner.prefill(self.cache.row(b), [state.row(b)[:fed].tolist()])
+            self.prefix.holds_row(b, state.tokens[b], fed)
+
     def catch_up(self, ctx: torch.Tensor, lengths: list[int]) -> int:
         self.prefix.agree(ctx, lengths)
         return max(n - f for n, f in zip(lengths, self.prefix.fed))

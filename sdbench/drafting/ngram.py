@@ -42,6 +42,9 @@ class NGramDrafter:
     def begin(self, state: DecodeState) -> None:
         pass
 
+    def begin_rows(self, state: DecodeState, rows: list[int]) -> None:
+        pass  # no table: each lookup reads the row's own context, which `state` holds afresh
+
     def catch_up(self, ctx: torch.Tensor, lengths: list[int]) -> int:
         return 0
 

@@ -28,6 +28,14 @@ class CachedPrefix:
             self.seen[b, :n] = ctx[b, :n]
         self.fed = list(lens)
 
+    def holds_row(self, b: int, row: torch.Tensor, n: int) -> None:
+        """Row b of the cache now holds keys for row[:n] alone (a request prefilled into its slot); writes still
+        pending for the slot's earlier request are read back first, so that none lands over it later."""
+        self._read_back()
+        self.seen[b].zero_()
+        self.seen[b, :n] = row[:n]
+        self.fed[b] = n
+
     def wrote(self, tokens: torch.Tensor, start: list[int]) -> None:
         """A forward wrote tokens [B, T] from positions start[b] on; padding included, since it is what the
         cache now holds there. Tokens on a device are read back only when `agree` needs them (by then the

@@ -3,6 +3,10 @@
 Every strategy runs through `generate`; plain decoding is the proposer that proposes nothing. A strategy that
 changes the control flow itself (speculation parallelism) declares `owns_loop` and brings its own loop, which
 still commits through the same step (engine/step.py) and counts by the same definitions (engine/metrics.py).
+
+Serving under load (`serve`) runs the same rounds with an admission point between them: a `Scheduler`
+(engine/scheduler.py) frees the slots of finished requests and hands over arrived ones, which are prefilled into
+their slot and join the running batch (continuous batching at step granularity).
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ import torch
 
 from sdbench.config import SamplingConfig
 from sdbench.engine.metrics import BatchResult, Marks, RowStats, now
+from sdbench.engine.scheduler import Scheduler
 from sdbench.engine.sampling import choose
 from sdbench.engine.state import DecodeState, Proposal, needed_capacity
 from sdbench.engine.step import Round, verify_and_commit
@@ -54,8 +59,52 @@ def _run(target, proposer, state: DecodeState, prompts, rows: list[RowStats], t_
     for r in rows:  # the draft's own prefill (or cache compression) is drafting cost too
         r.draft_s += setup
 
-    marks = Marks(dev)
-    while not all(state.done):
+    _rounds(target, proposer, state, rows)
+    wall = now(dev) - t_start
+    return BatchResult([state.generated(b) for b in range(state.batch)], state.prompt_lengths, rows, wall, ttft,
+                       [proposer.row_stats(b) for b in range(state.batch)], setup_s=setup)
+
+
+def serve(target, proposer, scheduler: Scheduler, *, sampling: SamplingConfig, eos_ids=(),
+          generator: torch.Generator | None = None, capacity: int = 0) -> Scheduler:
+    """Serve the scheduler's requests as they arrive (continuous batching at step granularity): a running batch
+    of scheduler.slots rows, which requests join as slots free and leave at EOS or their budget. Returns the
+    scheduler, whose requests now hold their tokens, times and counters, and duration_s the whole serving time.
+
+    The rounds are the ones `generate` runs; between rounds the loop admits (`_admit`)."""
+    if proposer.owns_loop or not proposer.rows_join:  # the command refuses it earlier, in its own words
+        raise SdbenchError(f"strategy '{proposer.name}' cannot take requests joining a running batch")
+    longest = max(len(r.prompt) for r in scheduler.requests)
+    most = max(r.max_new_tokens for r in scheduler.requests)
+    capacity = max(capacity, needed_capacity(longest, most, proposer.max_lookahead))
+    cache = target.new_cache(scheduler.slots, capacity)
+    state = DecodeState.idle(scheduler.slots, capacity, eos_ids=eos_ids, sampling=sampling, generator=generator,
+                             device=target.device, target_cache=cache)
+    rows = [RowStats() for _ in range(scheduler.slots)]  # each slot's: its request's counters once one joins
+    try:
+        proposer.begin(state)
+        scheduler.start()
+        _rounds(target, proposer, state, rows, scheduler)
+        scheduler.duration_s = scheduler.elapsed()
+        return scheduler
+    finally:
+        target.release(cache)
+        proposer.end()
+
+
+def _rounds(target, proposer, state: DecodeState, rows: list[RowStats], admission: Scheduler | None = None) -> None:
+    """propose -> verify -> commit -> observe -> record, until every row is done; with an admission point
+    (serving under load), until the scheduler has no request left, admitting between rounds."""
+    marks = Marks(state.device)
+    while True:
+        if admission is not None:
+            _admit(target, proposer, state, rows, admission)
+            if admission.finished:
+                break
+        if all(state.done):
+            if admission is None:
+                break
+            continue  # requests that joined already finished (a one-token budget, an EOS first): free them
         t0 = marks.mark()
         proposal = proposer.propose(state)
         t1 = marks.mark()
@@ -64,15 +113,38 @@ def _run(target, proposer, state: DecodeState, prompts, rows: list[RowStats], t_
         rnd = _verify(target, state, proposal or Proposal.empty(state.batch), marks)
         # the verdict has reached the host (the round's one wait), so every mark of the round can be read
         rnd.draft_s, rnd.verify_s = marks.seconds(t0, t1), marks.seconds(t1, rnd.verified_at)
+        at = admission.elapsed() if admission is not None else None
         for b in range(state.batch):
             if rnd.active[b]:
                 rows[b].add_step(rnd.drafted[b], rnd.committed[b], rnd.draft_s, rnd.verify_s,
                                  rejected=rnd.rejected(b))
+                if admission is not None:
+                    admission.running[b].committed(at, rnd.kept[b])
         proposer.observe(state, proposal, rnd)
 
-    wall = now(dev) - t_start
-    return BatchResult([state.generated(b) for b in range(state.batch)], state.prompt_lengths, rows, wall, ttft,
-                       [proposer.row_stats(b) for b in range(state.batch)], setup_s=setup)
+
+def _admit(target, proposer, state: DecodeState, rows: list[RowStats], sched: Scheduler) -> None:
+    """The admission point between rounds: finished requests leave their slots, arrived requests take the free
+    ones. A joining request is prefilled alone into its slot of the target's cache (a row starts at position
+    0 again), its first token committed, and the proposer told (a draft model prefills its own cache row)."""
+    for b in sched.leaving(state.done):
+        sched.leave(b, state.generated(b), proposer.row_stats(b))
+    joins = sched.joining()
+    for b, req in joins:
+        req.scheduled_s = sched.elapsed()
+        first, _ = choose(target.prefill(state.target_cache.row(b), [req.prompt]), state.sampling, state.generator)
+        state.restart(b, req.prompt, req.max_new_tokens)
+        state.commit(b, first.tolist())  # read back to the host: the prefill has finished
+        at = sched.elapsed()
+        req.prefill_s = at - req.scheduled_s
+        req.committed(at, 1)
+        rows[b] = req.stats
+    if joins:
+        t0 = now(state.device)
+        proposer.begin_rows(state, [b for b, _ in joins])
+        setup = now(state.device) - t0
+        for _, req in joins:  # the draft's own prefill is drafting cost, as in `generate`
+            req.stats.draft_s += setup
 
 
 def _verify(target, state: DecodeState, proposal: Proposal, marks: Marks) -> Round:

@@ -30,16 +30,46 @@ Timed per batch (every row of a batch carries its batch's values):
   setup_s          the proposer's setup inside the decode time (a draft model's own prefill of the prompts, a
                    sparse cache's compression), also counted in draft_s; 0 for plain decoding
   draft_s, verify_s      the batch's proposing and verifying time over the steps the row was active
+
+Served under load (`run --request-rate/--concurrency`; engine/scheduler.py), per request, from the times its
+tokens were committed (chunk = the tokens one round committed for it; the first chunk is its prefill's token),
+as offsets from the start of serving; the names are vLLM's benchmark_serving's where the meaning is the same:
+  ttft_ms          first chunk - arrival: queueing, the prefill and the first token (vLLM: the same, but
+                   measured by a client across HTTP, detokenisation and streaming; here inside the engine)
+  itl_ms           the gaps between successive chunks (one per round that committed tokens for the request;
+                   several tokens per chunk under speculation, as in vLLM's streamed chunks)
+  e2el_ms          last chunk - arrival, so e2el = ttft + sum(itl)
+  tpot_ms          (e2el - ttft) / (new_tokens - 1); NaN for a one-token answer (vLLM records 0 there: see
+                   `meets_slo`)
+  queue_ms         the wait for a slot: scheduled - arrival (not in vLLM's client-side view)
+  prefill_ms       the request's own prefill and first token; the draft's own prefill of it is in draft_s
+  new_tokens       counted from token ids, as above (vLLM counts what the server reports, or re-tokenises)
+Per run (one role at one load point; `serving_summary`):
+  duration_s       from the first arrival (time 0) to the last committed token
+  request_throughput     completed requests / duration_s
+  output_throughput      sum(new_tokens) / duration_s
+  total_token_throughput (sum(prompt_tokens) + sum(new_tokens)) / duration_s
+  request_goodput  requests meeting every --slo bound / duration_s (null without --slo; vLLM's --goodput)
+  pNN_<latency>    the NNth percentile (numpy's linear interpolation, as vLLM) over requests, and for itl_ms
+                   over every gap of every request (vLLM's flattened ITLs); tpot_ms over requests with more
+                   than one token (vLLM: the same)
+A slot of the running batch is verified in every round, running or not (idle slots hold a placeholder, as
+finished rows of a batch do), where vLLM's scheduler forwards only running requests: at light load a round
+costs what a round of the full batch costs.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import re
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
+
+from sdbench.errors import SdbenchError
 
 
 def now(device: torch.device | str | None = None) -> float:
@@ -171,15 +201,10 @@ class BatchResult:
         return sum(len(o) for o in self.output_ids)
 
 
-def row_metrics(result: BatchResult, b: int) -> dict:
-    """The per-prompt metric columns of a result row."""
-    stats, n = result.rows[b], len(result.output_ids[b])
+def _counters(stats: RowStats, n: int) -> dict:
+    """The counted columns of one prompt's row (n: its new tokens)."""
     return {
-        "prompt_tokens": result.prompt_tokens[b],
         "new_tokens": n,
-        "wall_s": result.wall_s,
-        "tokens_per_s": rate(n, result.wall_s),
-        "batch_tokens_per_s": rate(result.new_tokens, result.wall_s),
         "steps": stats.steps,
         "drafted": stats.drafted,
         "accepted": stats.accepted,
@@ -187,10 +212,22 @@ def row_metrics(result: BatchResult, b: int) -> dict:
         "acceptance_rate": acceptance_rate(stats.accepted, stats.drafted),
         "accepted_per_position": list(stats.accepted_per_position),
         "drafted_per_position": list(stats.drafted_per_position),
-        "ttft_s": result.ttft_s,
-        "tpot_s": (result.wall_s - result.ttft_s) / (n - 1) if n > 1 else math.nan,
         "draft_s": stats.draft_s,
         "verify_s": stats.verify_s,
+    }
+
+
+def row_metrics(result: BatchResult, b: int) -> dict:
+    """The per-prompt metric columns of a result row."""
+    stats, n = result.rows[b], len(result.output_ids[b])
+    return {
+        **_counters(stats, n),
+        "prompt_tokens": result.prompt_tokens[b],
+        "wall_s": result.wall_s,
+        "tokens_per_s": rate(n, result.wall_s),
+        "batch_tokens_per_s": rate(result.new_tokens, result.wall_s),
+        "ttft_s": result.ttft_s,
+        "tpot_s": (result.wall_s - result.ttft_s) / (n - 1) if n > 1 else math.nan,
         "setup_s": result.setup_s,
         "strategy_stats": json.dumps(result.extras[b] if b < len(result.extras) else {}, sort_keys=True),
     }
@@ -217,3 +254,89 @@ def predicted_speedup(stats: RowStats, baseline: RowStats) -> float:
     c = stats.draft_s / stats.drafted / target_forward if stats.drafted else 0.0
     v = stats.verify_s / stats.steps / target_forward
     return formula(fit_alpha(stats.accepted, stats.rejections), gamma, c, v)
+
+
+# ---- served under load ---------------------------------------------------------------------------------------
+LATENCIES = ("ttft_ms", "tpot_ms", "itl_ms", "e2el_ms")
+PERCENTILES = (50, 90, 99)
+SLO_METRICS = ("ttft", "tpot", "e2el")  # the latencies an SLO may bound (vLLM's --goodput keys)
+_SLO_ITEM = re.compile(r"^(\w+):(\d+(?:\.\d*)?|\.\d+)(ms|s)?$")
+
+
+def parse_slo(text: str | None) -> dict[str, float]:
+    """'ttft:500ms,tpot:50ms' -> {"ttft": 500.0, "tpot": 50.0} (milliseconds; a bare number is ms, as vLLM's)."""
+    slo: dict[str, float] = {}
+    for item in (text or "").replace(" ", "").split(","):
+        m = _SLO_ITEM.match(item)
+        if not m or m.group(1) not in SLO_METRICS or m.group(1) in slo:
+            raise SdbenchError(f"--slo {text}: expected distinct METRIC:VALUE[ms|s] items joined by commas, METRIC "
+                               f"one of {', '.join(SLO_METRICS)} (e.g. ttft:500ms,tpot:50ms)")
+        slo[m.group(1)] = float(m.group(2)) * (1000.0 if m.group(3) == "s" else 1.0)
+    return slo
+
+
+def format_slo(slo: dict[str, float]) -> str:
+    return ",".join(f"{k}:{v:g}ms" for k, v in slo.items())
+
+
+def meets_slo(latencies: dict, slo: dict[str, float]) -> bool | None:
+    """Whether a request kept every bound (None without an SLO). A one-token answer has no TPOT: it keeps a
+    TPOT bound (vLLM counts its TPOT as 0)."""
+    if not slo:
+        return None
+    return all(not latencies[f"{k}_ms"] > bound for k, bound in slo.items())  # NaN TPOT passes
+
+
+def request_metrics(req, slo: dict[str, float]) -> dict:
+    """The per-request latency columns of a request served under load (engine/scheduler.py's Request)."""
+    t, n = req.token_s, sum(req.chunk_tokens)
+    ttft = (t[0] - req.arrival_s) * 1e3 if t else math.nan
+    e2el = (t[-1] - req.arrival_s) * 1e3 if t else math.nan
+    out = {
+        "arrival_s": req.arrival_s, "scheduled_s": req.scheduled_s, "token_s": list(t),
+        "chunk_tokens": list(req.chunk_tokens), "ttft_ms": ttft, "e2el_ms": e2el,
+        "itl_ms": [(b - a) * 1e3 for a, b in zip(t, t[1:])],
+        "tpot_ms": (e2el - ttft) / (n - 1) if n > 1 else math.nan,
+        "queue_ms": (req.scheduled_s - req.arrival_s) * 1e3, "prefill_ms": req.prefill_s * 1e3,
+    }
+    out["slo_met"] = meets_slo(out, slo)
+    return out
+
+
+def _spread(values: list[float], name: str) -> dict:
+    v = np.asarray([x for x in values if not math.isnan(x)], dtype=float)
+    stats = {f"mean_{name}": float(v.mean()) if len(v) else math.nan}
+    for q in PERCENTILES:
+        stats[f"p{q}_{name}"] = float(np.percentile(v, q)) if len(v) else math.nan
+    return stats
+
+
+def serving_summary(requests: list[dict], duration_s: float) -> dict:
+    """The run-level figures of one role at one load point, from its requests' rows (request_metrics' columns
+    plus prompt_tokens and new_tokens). Names as vLLM's benchmark_serving result (see the module docstring)."""
+    out_tokens = sum(r["new_tokens"] for r in requests)
+    good = [r["slo_met"] for r in requests]
+    summary = {
+        "completed": len(requests), "duration_s": duration_s,
+        "request_throughput": rate(len(requests), duration_s),
+        "output_throughput": rate(out_tokens, duration_s),
+        "total_token_throughput": rate(out_tokens + sum(r["prompt_tokens"] for r in requests), duration_s),
+        "request_goodput": math.nan if any(g is None for g in good) else rate(sum(map(bool, good)), duration_s),
+    }
+    for name in LATENCIES:
+        values = [x for r in requests for x in r[name]] if name == "itl_ms" else [r[name] for r in requests]
+        summary.update(_spread(values, name))
+    return summary
+
+
+def served_row_metrics(req, duration_s: float, slo: dict[str, float]) -> dict:
+    """The metric columns of a request's row served under load. The batch columns take the request's view:
+    wall_s is the whole serving time (the role's "batch"), tokens_per_s the request's own tokens over its
+    e2el, ttft_s and tpot_s its TTFT and TPOT in seconds."""
+    n = len(req.output_ids)
+    out = {**_counters(req.stats, n), **request_metrics(req, slo)}
+    out.update(prompt_tokens=len(req.prompt), wall_s=duration_s, duration_s=duration_s,
+               tokens_per_s=rate(n, out["e2el_ms"] / 1e3), ttft_s=out["ttft_ms"] / 1e3,
+               tpot_s=out["tpot_ms"] / 1e3, setup_s=0.0, output_ids=list(req.output_ids),
+               strategy_stats=json.dumps(req.extras, sort_keys=True))
+    return out

@@ -88,6 +88,22 @@ class DecodeState:
         lengths = [len(p) for p in prompts]
         return cls(right_pad(prompts, capacity), lengths, [n + max_new_tokens for n in lengths], **kw)
 
+    @classmethod
+    def idle(cls, batch: int, capacity: int, **kw) -> "DecodeState":
+        """`batch` empty slots for requests to join (serving under load): each holds one placeholder token and is
+        done, so that rounds skip it until `restart` gives it a request."""
+        return cls(torch.zeros(batch, capacity, dtype=torch.long), [1] * batch, [1] * batch, **kw)
+
+    def restart(self, b: int, prompt: list[int], max_new_tokens: int) -> None:
+        """Slot b takes a new request: its prompt, and a budget of max_new_tokens (a request joining a running
+        batch; the caller then commits its first token). Nothing of the slot's last request stays readable:
+        the buffer row is cleared, and every cache is position-indexed (rewritten from position 0)."""
+        self.tokens[b].zero_()
+        self.tokens[b, : len(prompt)] = torch.tensor(prompt, dtype=torch.long)
+        self.prompt_lengths[b] = self.lengths[b] = len(prompt)
+        self.limits[b] = min(len(prompt) + max_new_tokens, self.capacity)
+        self.done[b] = self.lengths[b] >= self.limits[b]
+
     def row(self, b: int) -> torch.Tensor:
         return self.tokens[b, : self.lengths[b]]
 

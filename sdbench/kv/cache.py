@@ -105,6 +105,16 @@ class DenseKVCache(KVCache):
         self.graphs: dict = {}  # (B, T) -> StaticForward captured over this cache's storage
         self.pool_key = None
 
+    def row(self, b: int) -> "DenseKVCache":
+        """A cache over row b alone, sharing this cache's storage (a request joining a running batch is
+        prefilled into its slot through it). Eager only: never pooled, no static shape."""
+        view = DenseKVCache.__new__(DenseKVCache)
+        view.windows, view.capacity, view.batch = self.windows, self.capacity, 1
+        view.k = [k[b : b + 1] for k in self.k]  # [1, H_kv, capacity, D] views
+        view.v = [v[b : b + 1] for v in self.v]
+        view.static_kv_len, view.graphs, view.pool_key = None, {}, None
+        return view
+
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor, step: StepIndex):
         # k, v: [B, H_kv, T, D]
         kc, vc = self.k[layer], self.v[layer]

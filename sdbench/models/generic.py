@@ -54,6 +54,12 @@ class GenericCache:
         self.batch = batch
         self.graphs: dict = {}
 
+    def row(self, b: int) -> "GenericCache":
+        """A cache over row b alone, sharing its library cache (see DenseKVCache.row)."""
+        view = GenericCache.__new__(GenericCache)
+        view.rows, view.capacity, view.batch, view.graphs = [self.rows[b]], self.capacity, 1, {}
+        return view
+
     def length(self, b: int) -> int:
         return self.rows[b].get_seq_length()
 

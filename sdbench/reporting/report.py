@@ -452,6 +452,15 @@ def print_report(df: pd.DataFrame, console: Console | None = None, by: tuple[str
         return
     for line in environment_lines(df):
         console.print(Text(line, style="dim"))
+    from sdbench.reporting.load import load_rows, load_tables
+
+    served = load_rows(df)
+    if served.any():  # requests served under load have their own tables; batches (if any) follow
+        for table in load_tables(labelled(df[served])):
+            console.print(table)
+        df = df[~served]
+        if df.empty:
+            return
     console.print(summary_table(summarize(df, by or ("category",)), title=_title(df)))
     if not by and "turn" in df and df["turn"].fillna(1).nunique() > 1:
         console.print(summary_table(summarize(df, ("turn",)), title="by turn"))

@@ -89,6 +89,23 @@ SCHEMA = pa.schema([
     # the generic one passed) or "skipped" (--no-probe); null in files from before the probe
     ("probe_gap", _F),  # the probe's largest gap over the run's models, relative to the logits' scale
     ("weights", _S),  # "random" when the row's target or draft is MODEL@random, else "real"; null (real) before it
+    # served under load (`run --request-rate/--concurrency`): one row per request; null for batch runs.
+    # Latencies as engine/metrics.py defines them (vLLM benchmark_serving's names); times in s from serving's start
+    ("request_rate", _F),  # requests/s of the Poisson arrivals; inf: all at once
+    ("concurrency", _I),  # requests in flight at most (the running batch's slots; also in batch_size)
+    ("arrival_s", _F),  # when the request arrived
+    ("scheduled_s", _F),  # when it took a slot (its prefill began)
+    ("token_s", pa.list_(_F)),  # when each chunk of its tokens was committed (the first: its first token)
+    ("chunk_tokens", pa.list_(_I)),  # tokens in each chunk
+    ("ttft_ms", _F),
+    ("tpot_ms", _F),
+    ("itl_ms", pa.list_(_F)),
+    ("e2el_ms", _F),
+    ("queue_ms", _F),
+    ("prefill_ms", _F),
+    ("duration_s", _F),  # the role's whole serving time at this load point (first arrival to last token)
+    ("slo", _S),  # the --slo bounds, e.g. "ttft:500ms,tpot:50ms"; null without
+    ("slo_met", pa.bool_()),  # the request kept every bound; null without --slo
 ])
 COLUMNS: tuple[str, ...] = tuple(SCHEMA.names)
 ENV_COLUMNS = ("device", "dtype", "torch_version", "transformers_version", "sdbench_version",

@@ -6,6 +6,10 @@ from sdbench.strategies.base import Proposer
 
 class Autoregressive(Proposer):
     name = "autoregressive"
+    rows_join = True  # nothing kept per row
+
+    def begin_rows(self, state, rows: list[int]) -> None:
+        pass
 
     def __init__(self, gamma: int = 0):
         super().__init__(0)

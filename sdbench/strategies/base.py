@@ -45,6 +45,7 @@ class Proposer:
     name = "autoregressive"
     options: tuple[Option, ...] = ()
     owns_loop = False  # True: the strategy changes control flow itself (see `generate`)
+    rows_join = False  # True: requests may join a running batch (serving under load): `begin_rows` is implemented
 
     def __init__(self, gamma: int = 0):
         self.gamma = gamma
@@ -57,6 +58,13 @@ class Proposer:
 
     def begin(self, state: DecodeState) -> None:
         """Called once after the target's prefill and first token."""
+
+    def begin_rows(self, state: DecodeState, rows: list[int]) -> None:
+        """Serving under load: rows `rows` now hold a new request (its prompt and first token) in the middle of a
+        generation; forget whatever was kept for the requests they held before (a draft model prefills its own
+        cache row). Only called where `rows_join` is set."""
+        if not self.rows_join:
+            raise NotImplementedError(f"strategy '{self.name}' cannot take rows joining mid-generation")
 
     def propose(self, state: DecodeState) -> Proposal | None:
         return None
@@ -97,6 +105,16 @@ class Proposer:
         take_options (defaults filled), drafts the --draft names, sampling the SamplingConfig. `build` (with
         the models) refuses the same; a strategy whose constructor checks its settings and touches no model
         builds itself with placeholders here."""
+
+    @classmethod
+    def join_refusal(cls, options: dict) -> str | None:
+        """Why this strategy with these options (validated, defaults filled) cannot serve requests that join a
+        running batch (`run --request-rate/--concurrency`), in a few words; None when it can."""
+        if cls.owns_loop:
+            return "it runs its own decode loop, one batch from start to end"
+        if not cls.rows_join:
+            return "its proposer keeps state for a whole batch from the start of a generation"
+        return None
 
     @classmethod
     def needs_native(cls, target: str, drafts: tuple[str, ...], options: dict) -> dict[str, str]:
@@ -191,8 +209,13 @@ class FixedLookahead(Proposer):
         super().__init__(gamma)
         self.drafter = drafter
 
+    rows_join = True
+
     def begin(self, state: DecodeState) -> None:
         self.drafter.begin(state)
+
+    def begin_rows(self, state: DecodeState, rows: list[int]) -> None:
+        self.drafter.begin_rows(state, rows)
 
     def propose(self, state: DecodeState) -> Proposal:
         return self.drafter.draft(state.tokens, state.lengths, state.lookahead(self.gamma))

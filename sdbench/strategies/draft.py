@@ -28,6 +28,7 @@ class DraftModel(FixedLookahead):
         sparse = None if draft_kv == "dense" else SparseSpec(draft_kv, budget, sink, window)
         super().__init__(ModelDrafter(runner, sparse, gamma, self_speculation=self.self_speculation), gamma)
         self.runner, self.sparse = runner, sparse
+        self.rows_join = sparse is None  # a sparse view is compressed from a whole batch's prompts at once
 
     def params(self) -> dict:
         if self.sparse is None:
@@ -48,6 +49,12 @@ class DraftModel(FixedLookahead):
         if cls.name == "draft" and drafts:
             _model_draft(drafts[0] if drafts[0] == DRAFT_NAME else None)
         cls(None, gamma, **options)  # the constructor checks every setting and touches no model
+
+    @classmethod
+    def join_refusal(cls, options: dict) -> str | None:
+        if options.get("draft_kv", "dense") != "dense":
+            return f"its sparse draft cache (--set draft_kv={options['draft_kv']}) is compressed from a whole batch's prompts"
+        return super().join_refusal(options)
 
     @classmethod
     def needs_native(cls, target: str, drafts: tuple[str, ...], options: dict) -> dict[str, str]:

@@ -16,6 +16,11 @@ class MagicDec(DraftModel):
     name = "magicdec"
     full_budget = "this runs as plain self-speculation with a full cache"
     self_speculation = True  # the target's own prefill already holds the prompt: compress it, no second prefill
+    rows_join = False
+
+    @classmethod
+    def join_refusal(cls, options: dict) -> str | None:
+        return "its draft cache is compressed from the target's prefill of a whole batch"
     # the draft strategy's sparse-cache settings, with the selector named `kv` and never dense
     options = (Option("kv", "streamingllm", "draft cache selector: streamingllm or snapkv", str),
                *(o for o in DraftModel.options if o.name != "draft_kv"))
