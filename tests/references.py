@@ -65,3 +65,27 @@ def tiny_model_dir(folder, arch: str = "llama", seed: int = 0):
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder
+
+
+def tiny_text_model_dir(folder, seed: int = 0, **shape):
+    """A loadable model folder whose tokenizer reads real text one character at a time (the specials, then space,
+    newline, letters, digits and punctuation; other characters are <unk>), so the built-in data sets (MT-Bench,
+    GSM8K, PG-19) encode to varied ids. `shape` passes on to tiny_model (layers, hidden, heads, kv)."""
+    import string
+
+    from tokenizers import Tokenizer, decoders
+    from tokenizers.models import BPE
+    from transformers import PreTrainedTokenizerFast
+
+    from tests.conftest import VOCAB
+
+    specials = ["<unk>", "<s>", "</s>"]
+    chars = list(" \n" + string.ascii_letters + string.digits + string.punctuation)[: VOCAB - len(specials)]
+    backend = Tokenizer(BPE({t: i for i, t in enumerate(specials + chars)}, [], unk_token="<unk>"))
+    backend.decoder = decoders.Fuse()  # characters join back without spaces between them
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    model = perturbed(tiny_model(seed, **shape), seed + 100)
+    model.generation_config.eos_token_id = 2
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder

@@ -150,28 +150,109 @@ def test_dsi_stops_at_eos(pools, target, small_draft, prompts):
         assert run_dsi(target, draft, prompts, 2, gamma=4, eos=(eos,))[1].output_ids == stopped
 
 
-class Sluggish:
-    """A pool whose answers take 20 ms longer to arrive: drafting (about a millisecond a token here) always
-    has windows out when a rejection comes back."""
+class Watched(Ledger):
+    """The orchestrator's ledger, recording what it does. Its methods run under the orchestrator's lock, so what
+    it records is never half-written: each job's inputs, the jobs whose answers may go back (`free`: every live
+    job but the one reaching furthest, and a job reaching the budget), and each discard with the jobs it
+    cancelled and whether each was still in flight (a worker on it)."""
 
-    def __init__(self, pool):
-        self.pool = pool
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.inputs_of: dict[int, list[int]] = {}
+        self.free: set[int] = set()
+        self.discards: list[tuple[int, list[tuple[int, bool]]]] = []
+
+    def _open(self, worker, start, width):
+        job = super()._open(worker, start, width)
+        self.inputs_of[job.id] = list(self.tokens[: job.end])
+        furthest = max(self.live.values(), key=lambda j: (j.end, j.id))
+        self.free |= {j for j in self.live if j != furthest.id}
+        if job.end >= self.cap - 1:  # no job can reach past it
+            self.free.add(job.id)
+        return job
+
+    def _discard_from(self, p):
+        doomed, running = [j for j, job in self.live.items() if job.end > p], set(self.running.values())
+        super()._discard_from(p)
+        self.discards.append((p, [(j, j in running) for j in doomed]))
+
+
+class Gated:
+    """A pool that gives answers back one per poll, each only once the ledger lets it go: once a job reaching
+    further has been opened (so whichever verification commits a position finds the speculation built on it
+    still out), or when its job is no longer needed, reaches the budget, or the row is done. The order is
+    the ledger's doing, not the clock's: a slow drafter only makes the answer wait longer. `guard_s` only keeps
+    a broken ledger from hanging the test (the test then fails on `guard_fired`)."""
+
+    def __init__(self, pool, ledgers: list, guard_s: float = 120.0):
+        self.pool, self.ledgers, self.guard_s = pool, ledgers, guard_s
+        self.held: list = []  # (answer, when it arrived)
+        self.seqs: set = set()  # the rows decoded through this gate (a shared pool may answer earlier ones)
+        self.guard_fired = 0
 
     def submit(self, worker, task):
+        self.seqs.add(task.seq)
         self.pool.submit(worker, task)
 
+    def _may_go(self, answer, since: float) -> bool:
+        led = self.ledgers[-1]
+        if answer.seq not in self.seqs or led.done or answer.job not in led.live or answer.job in led.free:
+            return True
+        if time.monotonic() - since > self.guard_s:
+            self.guard_fired += 1
+            return True
+        return False
+
     def poll(self, timeout):
-        time.sleep(0.02)
-        return self.pool.poll(timeout)
+        deadline = time.monotonic() + timeout
+        while True:
+            now = time.monotonic()
+            self.held += [(a, now) for a in self.pool.poll(0.01 if self.held else timeout)]
+            for i, (answer, since) in enumerate(self.held):
+                if self._may_go(answer, since):
+                    del self.held[i]
+                    return [answer]  # one at a time: the next is judged on the ledger this one leaves
+            if time.monotonic() >= deadline:
+                return []
 
 
-def test_rejections_cancel_running_verifications(pools, target, small_draft, prompts):
-    pool = Sluggish(get_pool("process", target, 2, 1))
-    ref = reference(target, prompts[:1])[0]
-    row = decode_one(pool, small_draft, prompts[0], lookahead=2, workers=2, max_new_tokens=NEW, eos=(),
+def test_a_rejection_cancels_the_verifications_in_flight_on_the_rejected_draft(pools, target, prompts, monkeypatch):
+    """The drafter is scripted (plain decoding's tokens, but a wrong one at position `w`) and the pool gated,
+    so the order is forced: the verification that commits position w rejects the wrong draft while a
+    verification built on it is out, and that one is cancelled and its answer ignored."""
+    from sdbench.dsi import orchestrator
+
+    prompt, lookahead = prompts[0], 2
+    ref = reference(target, [prompt])[0]
+    w = len(prompt) + 3  # the 4th new token: after the prompt's verifications, well before the budget
+    script = prompt + ref
+    wrong = script[w] = (ref[3] + 1) % target.vocab_size
+
+    class Scripted:
+        def __init__(self, runner, prompt, capacity, sampling):
+            pass
+
+        def next_token(self, tokens):
+            return script[len(tokens)]
+
+        def end(self):
+            pass
+
+    ledgers: list[Watched] = []
+    monkeypatch.setattr(orchestrator, "Drafter", Scripted)
+    monkeypatch.setattr(orchestrator, "Ledger", lambda *a, **k: ledgers.append(Watched(*a, **k)) or ledgers[-1])
+    pool = Gated(get_pool("process", target, 2, 1), ledgers)
+    row = decode_one(pool, None, prompt, lookahead=lookahead, workers=2, max_new_tokens=NEW, eos=(),
                      sampling=GREEDY, generator=None)
-    assert row.tokens == ref
-    assert row.stats.rejections > 0 and row.extras["cancelled"] > 0
+    (led,) = ledgers
+    assert pool.guard_fired == 0  # every answer went back on the ledger's word, none on the hang guard
+    assert row.tokens == ref  # the wrong draft never reached the output
+    # exactly one discard, at the wrong draft: it cancelled verifications whose inputs held that draft, one
+    # of them still running on its worker
+    ((at, cancelled),) = led.discards
+    assert at == w and cancelled and all(led.inputs_of[j][w] == wrong for j, _ in cancelled)
+    assert any(in_flight for _, in_flight in cancelled)
+    assert row.extras["cancelled"] == len(cancelled) and row.stats.rejections <= 1
     assert row.extras["verifications"] == 1 + row.stats.steps + row.extras["cancelled"] + row.extras["redundant"]
 
 
