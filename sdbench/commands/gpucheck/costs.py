@@ -83,7 +83,7 @@ def step_costs(ctx: Ctx) -> list[Section]:
     if asked and frame.get("fell_back", pd.Series(dtype=bool)).fillna(False).astype(bool).any():
         first = frame[frame["fell_back"].fillna(False).astype(bool)].iloc[0]
         costs.failures.append(f"step costs: CUDA graphs fell back to the eager forward from batch {first['batch']}, "
-                              f"context {first['context']} on ({first['fallback'] or 'graphs off'})")
+                              f"context {first['context']} onwards ({first['fallback'] or 'graphs off'})")
     return [costs, _predict_section(ctx, pd.DataFrame(predicted))]
 
 
@@ -147,6 +147,10 @@ def magicdec_run(ctx: Ctx) -> Section:
     from sdbench.strategies import native_needed
 
     s = ctx.sizes
+    unfit = _run_does_not_fit(ctx)
+    if unfit:
+        return Section("magicdec", pd.DataFrame([{"kind": "not run", "why": unfit}]),
+                       [Claim(f"magicdec at {LLAMA_8B}: lossless", "not run", UNTESTABLE, unfit)], notes=[unfit])
     prompts = prompts_of_tokens(ctx.work / "long-prompts.jsonl", LLAMA_8B, s.run_batch, s.run_context)
     cfg = RunConfig(target=LLAMA_8B, strategy="magicdec", dataset=str(prompts), limit=s.run_batch,
                     batch_size=s.run_batch, max_new_tokens=s.run_tokens, gammas=(s.run_gamma,),
@@ -172,6 +176,16 @@ def magicdec_run(ctx: Ctx) -> Section:
     if asked and not held:
         section.failures.append("magicdec run: CUDA graphs fell back to the eager forward (see the warning above)")
     return section
+
+
+def _run_does_not_fit(ctx: Ctx) -> str | None:
+    """Why the run's point does not fit beside the weights (`predict.memory_plan`), or None when it does."""
+    from sdbench.commands.predict import memory_plan
+
+    s = ctx.sizes
+    found = memory_plan(LLAMA_8B, ctx.torch_dtype, ctx.torch_device, (s.run_batch,), (s.run_context + s.run_tokens,),
+                        s.run_gamma)
+    return None if found.fits else f"magicdec run not made: {found.line()}"
 
 
 def _run_rows(df) -> list[dict]:

@@ -65,11 +65,11 @@ GPU = Sizes(dtype="bfloat16", tiny=False, bench_prompts=2, bench_prompt_chars=51
             budgets=(256, 512, 1024, 2048), reps=5, alpha=0.8,
             run_batch=32, run_context=8192, run_tokens=64, run_gamma=3, run_budget=512,
             dsi_workers=(2, 4), dsi_prompts=2, dsi_tokens=64, dsi_gamma=4)
-TINY = Sizes(dtype="float32", tiny=True, bench_prompts=1, bench_prompt_chars=48, bench_tokens=8, bench_repeats=1,
+TINY = Sizes(dtype="float32", tiny=True, bench_prompts=1, bench_prompt_chars=32, bench_tokens=6, bench_repeats=1,
              gamma=4, generate="dynamic",
-             batches=(1, 2), contexts=(64, 128), gammas=(1, 2), budgets=(16, 32), reps=1, alpha=0.8,
-             run_batch=2, run_context=96, run_tokens=8, run_gamma=2, run_budget=32,
-             dsi_workers=(2, 4), dsi_prompts=1, dsi_tokens=6, dsi_gamma=2)
+             batches=(1, 2), contexts=(32, 64), gammas=(1, 2), budgets=(16, 32), reps=1, alpha=0.8,
+             run_batch=2, run_context=64, run_tokens=6, run_gamma=2, run_budget=32,
+             dsi_workers=(2, 4), dsi_prompts=1, dsi_tokens=4, dsi_gamma=2)
 
 
 @dataclass
