@@ -126,7 +126,7 @@ def bench_figure(rows) -> Figure:
 def cost_figure(rows) -> Figure:
     plt = pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    timed = rows[rows["kind"] != "not measured"]
+    timed = rows[rows["kind"] != "not measured"].astype({"batch": int, "context": int})
     for batch, group in timed.groupby("batch"):
         target = group[group["kind"] == "target"].sort_values("context")
         line = axes[0].plot(target["context"], target["ms"], marker="o", label=f"batch {batch}: target")[0]
@@ -139,8 +139,9 @@ def cost_figure(rows) -> Figure:
             widest = verify[verify["gamma"] == verify["gamma"].max()].sort_values("context")
             ratio = widest["ms"].to_numpy() / target.set_index("context").loc[widest["context"], "ms"].to_numpy()
             axes[1].plot(widest["context"], ratio, marker="o", color=line.get_color(), label=f"batch {batch}")
-    axes[0].set_ylabel("ms per step (solid: dense target; dashed: sparse draft, smallest budget)")
-    axes[1].set_ylabel("T(widest verification) / T(1 token)")
+    axes[0].set_ylabel("ms per step")
+    axes[0].set_title("solid: target, dense cache; dashed: sparse draft, smallest budget", fontsize=9)
+    axes[1].set_ylabel("T(gamma + 1) / T(1), widest gamma")
     for ax in axes:
         ax.set_xscale("log", base=2)
         ax.set_xlabel("context (tokens)")
@@ -151,7 +152,8 @@ def cost_figure(rows) -> Figure:
 
 def predict_figure(rows) -> Figure:
     plt = pyplot()
-    best = rows.groupby(["batch", "context"])["predicted_speedup"].max().unstack("context")
+    best = rows.astype({"batch": int, "context": int}).groupby(["batch", "context"])["predicted_speedup"].max()
+    best = best.unstack("context")
     fig, ax = plt.subplots(figsize=(7, 4))
     image = ax.imshow(best.to_numpy(), cmap="RdYlGn", vmin=0.5, vmax=1.5, aspect="auto", origin="lower")
     ax.set_xticks(range(len(best.columns)), [str(c) for c in best.columns])
@@ -187,11 +189,12 @@ def magicdec_figure(rows) -> Figure:
 def dsi_figure(rows) -> Figure:
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 4))
+    rows = rows.astype({"workers": int})
     workers = sorted(rows["workers"].unique())
     grouped_bars(ax, range(len(workers)), [(role, [float(rows[(rows["workers"] == w) & (rows["role"] == role)]
                                                          ["tokens_per_s"].mean()) for w in workers])
                                            for role in dict.fromkeys(rows["role"])])
-    ax.set_xticks(range(len(workers)), [f"{int(w)} workers" for w in workers])
+    ax.set_xticks(range(len(workers)), [f"{w} workers" for w in workers])
     ax.set_ylabel("tokens/s")
     ax.legend(fontsize=8)
     fig.tight_layout()
