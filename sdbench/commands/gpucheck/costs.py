@@ -41,7 +41,6 @@ def step_costs(ctx: Ctx) -> list[Section]:
     through the graphs; the points that do not fit (or find no time left) recorded as not measured, with why.
     Then the cost model's predicted speedup at every measured point with the sizes' alpha."""
     import pandas as pd
-    from rich.progress import Progress
 
     from sdbench.commands.predict import memory_plan, predictions
     from sdbench.models.loader import load_model
@@ -58,18 +57,16 @@ def step_costs(ctx: Ctx) -> list[Section]:
     asked = bool(runner.graphs)
     points = sorted(found.fits, key=lambda p: (p[0] * p[1], p))
     rows, predicted, late = [], [], []
-    with Progress(console=ctx.console, transient=True) as progress:
-        task = progress.add_task(f"step costs at {LLAMA_8B}", total=len(points))
-        for b, c in points:
-            if ctx.left() <= 0:
-                late.append((b, c))
-                continue
-            progress.update(task, description=f"step costs at {LLAMA_8B}: batch {b}, context {c}")
-            point, profile = timed_point(runner, b, c, s, asked)
-            rows += point
-            predicted += [dict(r, alpha=s.alpha) for r in predictions(profile, s.alpha)]
-            free(dev)
-            progress.advance(task)
+    for i, (b, c) in enumerate(points, 1):  # one line a point: progress that a log file keeps too
+        if ctx.left() <= 0:
+            late.append((b, c))
+            continue
+        point, profile = timed_point(runner, b, c, s, asked)
+        rows += point
+        predicted += [dict(r, alpha=s.alpha) for r in predictions(profile, s.alpha)]
+        free(dev)
+        ctx.console.print(f"  step costs {i}/{len(points)}: batch {b}, context {c}: target {point[0]['ms']:.2f} ms, "
+                          f"{point[0]['path']}", highlight=False)
     del runner, loaded
     free(dev)
     rows += [{"batch": b, "context": c, "kind": "not measured", "fallback": "",
@@ -98,6 +95,8 @@ def _fallback_claim(frame, asked: bool) -> Claim:
     claim = "no step-cost point fell back from the CUDA graphs to the eager forward"
     measured = frame[frame["kind"] != "not measured"]
     points = measured[["batch", "context"]].drop_duplicates()
+    if measured.empty:
+        return Claim(claim, "no point measured", UNTESTABLE, "no point fitted beside the weights, or no time was left")
     if not asked:
         return Claim(claim, f"{len(points)} points on the static path, no capture", UNTESTABLE,
                      "no CUDA device: the static-shape forward (the graphs' maths) ran without capture; fell_back is "

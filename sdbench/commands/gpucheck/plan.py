@@ -189,9 +189,11 @@ def settings(tiny: bool) -> Iterator[None]:
 
 def free(device) -> None:
     """Hand back what the last step's models, caches and graphs held (caches and their graphs refer to each
-    other, so only the cycle collector frees them), before the next step plans its memory."""
+    other, so only the cycle collector frees them; transformers' compiled generate is dropped with the
+    compiler's caches), before the next step plans its memory."""
+    import torch
+
+    torch.compiler.reset()
     gc.collect()
     if getattr(device, "type", device) != "cpu":
-        import torch
-
         torch.cuda.empty_cache()

@@ -36,10 +36,18 @@ def junit_rows(report: Path) -> list[dict]:
         for tag, said in (("failure", "failed"), ("error", "error"), ("skipped", "skipped")):
             found = case.find(tag)
             if found is not None:
-                outcome, message = said, (found.get("message") or "").splitlines()[0][:200] if found.get("message") else ""
+                outcome, message = said, _first_line(found.get("message") or "")
         rows.append({"test": f"{case.get('classname')}::{case.get('name')}", "outcome": outcome,
                      "seconds": float(case.get("time") or 0.0), "message": message})
     return rows
+
+
+def _first_line(text: str) -> str:
+    return text.strip().splitlines()[0][:200] if text.strip() else ""
+
+
+def _last_line(text: str) -> str:
+    return text.strip().splitlines()[-1][:200] if text.strip() else ""
 
 
 def cuda_tests(ctx: Ctx) -> Section:
@@ -63,8 +71,8 @@ def cuda_tests(ctx: Ctx) -> Section:
             done = None
     rows = junit_rows(report) if report.is_file() else []
     if done is None or not rows:
-        said = "timed out" if done is None else (done.stdout + done.stderr).strip().splitlines()[-1:] or ["no output"]
-        line = f"the CUDA tests did not run to the end: {said if isinstance(said, str) else said[0]}"
+        said = "timed out" if done is None else _last_line(done.stdout + done.stderr) or f"exit {done.returncode}"
+        line = f"the CUDA tests did not run to the end: {said}"
         return Section("cuda-tests", pd.DataFrame([{"test": "-", "outcome": "not run", "message": line}]),
                        [Claim(claim, "not run", FAILS, line)], [line])
     frame = pd.DataFrame(rows)
