@@ -111,7 +111,8 @@ def bench_figure(rows) -> Figure:
     kinds = list(dict.fromkeys(rows["kind"]))
 
     def series(col):
-        return [(k, [float(rows[(rows["model"] == m) & (rows["kind"] == k)][col].max()) for m in models]) for k in kinds]
+        return [(k, [float(rows[(rows["model"] == m) & (rows["kind"] == k)][col].max()) for m in models])
+                for k in kinds]
 
     grouped_bars(left, range(len(models)), series("tokens_per_s"))
     grouped_bars(right, range(len(models)), series("of_roofline"))

@@ -189,7 +189,7 @@ def dsi_runs(ctx: Ctx) -> Section:
         del pair
         free(ctx.device)
     frame = pd.DataFrame(rows)
-    notes = [f"DSI with {', '.join(map(str, skipped))} workers not run: the part's time budget was spent"] if skipped else []
+    notes = [f"DSI with {', '.join(map(str, skipped))} workers not run: the part's time budget was spent"] * bool(skipped)
     return Section("dsi", frame, checks, [c.why for c in checks if c.verdict == FAILS], notes)
 
 
