@@ -1,13 +1,18 @@
 # sdbench: `make run` installs everything and runs the default benchmark; `make test` installs and tests.
+# `make gpu-check PART=1` (then 2, 3) measures a GPU machine with no network, with the Python already there
+# (GPU_PYTHON; no virtual environment, nothing installed); `make gpu-check-merge` joins the parts' folders.
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.sdbench-installed
 ARGS ?=
+GPU_PYTHON ?= python3
+PART ?= all
+GPU_OUT ?= results/gpu-check
 # bash: brace expansion in the qwen target
 SHELL := /bin/bash
 
-.PHONY: setup run test bench bench-qwen qwen peers clean
+.PHONY: setup run test bench bench-qwen qwen peers gpu-check gpu-check-merge clean
 
 setup: $(STAMP)
 
@@ -38,6 +43,13 @@ qwen: setup
 bench-qwen: qwen
 	$(BIN)/sdbench bench --target qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b --dataset humaneval \
 		--limit 4 --max-new-tokens 64 --repeats 2 --out results/bench-qwen $(ARGS)
+
+# one call per part (each under 9 minutes on one H100): GPU_OUT/part-N/ holds one Parquet, PNGs, index.html
+gpu-check:
+	PYTHONUNBUFFERED=1 $(GPU_PYTHON) -m sdbench gpu-check --part $(PART) --out $(GPU_OUT) $(ARGS)
+
+gpu-check-merge:
+	$(GPU_PYTHON) -m sdbench gpu-check --merge --out $(GPU_OUT)
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -247,6 +247,30 @@ def bench(
               repeats, out, generate)
 
 
+@app.command("gpu-check")
+def gpu_check(
+    part: Annotated[str, typer.Option(help="1, 2, 3, a list like 1,3, or all: the parts this call runs")] = "all",
+    device: Device = "cuda",
+    tiny: Annotated[bool, typer.Option("--tiny", help="the same steps on the models shrunk to two layers: a "
+                                                      "rehearsal (with --device cpu, the tests' own)")] = False,
+    out: Annotated[str, typer.Option(help="each part writes OUT/part-N/: one Parquet, PNGs, index.html")] = "results/gpu-check",
+    merge: Annotated[bool, typer.Option("--merge", help="measure nothing: join OUT/part-*/ into OUT/index.html")] = False,
+    budget: Annotated[float, typer.Option(help="seconds into a part after which it starts no new measurement")] = 510.0,
+):
+    """Measure a GPU that reaches no network, every model MODEL@random: the CUDA tests, bench, step costs
+    through the CUDA graphs, a MagicDec run with its prediction and DSI, in three parts of under 9 minutes."""
+    from pathlib import Path
+
+    from sdbench.commands.gpucheck import parse_parts, run_check
+    from sdbench.commands.gpucheck.page import merge as merge_parts
+
+    if merge:
+        console.print(f"page: {merge_parts(Path(out))}", highlight=False)
+        return
+    for page in run_check(parse_parts(part), device, tiny, out, console, budget):
+        console.print(f"page: {page}", highlight=False)
+
+
 predict_app = typer.Typer(no_args_is_help=True, help="What the cost models predict, from given or profiled costs.")
 app.add_typer(predict_app, name="predict")
 

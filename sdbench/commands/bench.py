@@ -138,18 +138,24 @@ def cost_ratios(runner, draft, prompts: list[list[int]], gamma: int) -> tuple[fl
 
 
 def _systems(tgt, drf, runner, plain, d_runner, max_new: int, eos: list[int], room: int, gamma: int,
-             generic=None) -> list:
+             generic=None, autoregressive_only: bool = False) -> list:
     """(name, fn, on the fast path's weights) for every system, each transformers one before its sdbench peer.
-    generic: the generic runner over the target, measured beside the native one (None: the target has only it)."""
+    generic: the generic runner over the target, measured beside the native one (None: the target has only it).
+    autoregressive_only: plain decoding alone (transformers, sdbench eager, sdbench fast, generic)."""
     fast = (" (CUDA graphs)" if runner.graphs else " (fast)") if runner.fast else ""
     on = runner.cpu_fast
     beside = [] if generic is None else [
         (GENERIC_ROW, _ours(generic, Autoregressive, max_new, eos, room), False)]
-    return [
+    plain_decoding = [
         ("transformers generate", _hf(tgt.model, max_new, eos), False),
         ("sdbench autoregressive (no fast path)", _ours(plain, Autoregressive, max_new, eos, room), False),
         (f"sdbench autoregressive{fast}", _ours(runner, Autoregressive, max_new, eos, room), on),
         *beside,
+    ]
+    if autoregressive_only:
+        return plain_decoding
+    return [
+        *plain_decoding,
         (f"transformers assisted (γ={gamma})",
          _hf(tgt.model, max_new, eos, assistant_model=drf.model, num_assistant_tokens=gamma,
              num_assistant_tokens_schedule="constant"), False),
@@ -161,10 +167,57 @@ def _systems(tgt, drf, runner, plain, d_runner, max_new: int, eos: list[int], ro
     ]
 
 
+@dataclass
+class Peers:
+    """What `measure_peers` measured: the systems, and what the table's caption and the lines under it say."""
+
+    results: list[Measured]
+    bandwidth: float  # bytes/s, streaming reads on the device
+    weight_bytes: int  # the target's plain weights
+    verify_cost: float  # T(gamma + 1 tokens) / T(1 token) of the target, fast path
+    draft_cost: float  # c = T_draft / T_target, fast path
+    picked: object  # hf_generate.Picked: transformers generate's configuration
+    fast_line: str | None  # which CPU forward the fast path uses, or None
+    graphs_asked: bool  # the target's fast runner was to replay CUDA graphs
+    graphs: bool  # ... and still did at the end (False after a capture failed or disagreed: eager fallback)
+    prompts: int  # prompts measured
+    device: str
+
+    @property
+    def roofline(self) -> float:
+        """Tokens/s if every token read the weights once at the measured bandwidth."""
+        return self.bandwidth / self.weight_bytes
+
+
 def run_peers(target: str, draft: str, dataset: str, limit: int, max_new: int, gamma: int, device: str,
               dtype: str, seed: int, console: Console, repeats: int = 2, out: str | None = None,
               generate: str = "fastest") -> list[Measured]:
     """generate: transformers' generate configuration to measure (`hf_generate.MODES`; "fastest": picked here)."""
+    peers = measure_peers(target, draft, dataset, limit, max_new, gamma, device, dtype, seed, console, repeats,
+                          generate)
+    console.print(_table(peers.results, peers.roofline, f"{target} / draft {draft}, {dataset} x{peers.prompts} "
+                                                        f"x{repeats} repeats, {max_new} new tokens, greedy, "
+                                                        f"{peers.device} {dtype}, {torch.get_num_threads()} threads"))
+    console.print(f"verification cost T({gamma + 1} tokens) / T(1 token), {target}: {peers.verify_cost:.2f}; draft "
+                  f"cost c = T_draft / T_target ({draft}): {peers.draft_cost:.2f} (fast path, medians over the "
+                  "prompts)", highlight=False)
+    for line in (peers.picked.line(), peers.fast_line):
+        if line:
+            console.print(line, highlight=False, soft_wrap=True)
+    if out:
+        path = write_bench(peers.results, out, dict(model=target, draft=draft, dataset=dataset,
+                                                    device=peers.device, dtype=dtype,
+                                                    verify_cost=peers.verify_cost, draft_cost=peers.draft_cost))
+        console.print(f"results: {path}", highlight=False)
+    check_outputs(peers.results)
+    return peers.results
+
+
+def measure_peers(target: str, draft: str, dataset: str, limit: int, max_new: int, gamma: int, device: str,
+                  dtype: str, seed: int, console: Console, repeats: int = 2, generate: str = "fastest",
+                  autoregressive_only: bool = False) -> Peers:
+    """Load the models, measure every system (`_systems`) on the same prompts, then the cost ratios and the
+    memory bandwidth; prints nothing but progress and a @random model's note."""
     from sdbench.models.pair import resolve_device, resolve_dtype, say_note
     from sdbench.models import cpufast
     from sdbench.models.generic import GenericRunner, runner_kind
@@ -186,6 +239,7 @@ def run_peers(target: str, draft: str, dataset: str, limit: int, max_new: int, g
     models = {id(m): m for m in (tgt.model, drf.model)}.values()
     plain_bytes = weight_bytes(tgt.model)  # before packing: a packed model's own weights are empty
     runner = pick_runner(tgt.model, target, True)
+    graphs_asked = bool(getattr(runner, "graphs", False))
     d_runner = runner if drf is tgt else pick_runner(drf.model, draft, True)
     generic = GenericRunner(tgt.model, target) if runner_kind(runner) == "native" else None
 
@@ -198,7 +252,7 @@ def run_peers(target: str, draft: str, dataset: str, limit: int, max_new: int, g
 
     room = needed_capacity(max(len(p) for p in prompts), max_new, gamma)
     systems = _systems(tgt, drf, runner, pick_runner(tgt.model, target, False), d_runner, max_new, eos, room, gamma,
-                       generic)
+                       generic, autoregressive_only)
     with console.status("measuring") as status:
         picked = _pick_generate(tgt.model, prompts[0], eos, generate, dev, status, weights, room)
         systems[0] = (f"transformers generate ({picked.label})",
@@ -208,22 +262,9 @@ def run_peers(target: str, draft: str, dataset: str, limit: int, max_new: int, g
         weights(True)
         ratios = cost_ratios(runner, d_runner, prompts, gamma)
     weights(False)
-    roofline = memory_bandwidth(dev) / plain_bytes
-    console.print(_table(results, roofline, f"{target} / draft {draft}, {dataset} x{len(prompts)} x{repeats} "
-                                            f"repeats, {max_new} new tokens, greedy, {dev} {dtype}, "
-                                            f"{torch.get_num_threads()} threads"))
-    console.print(f"verification cost T({gamma + 1} tokens) / T(1 token), {target}: {ratios[0]:.2f}; draft cost "
-                  f"c = T_draft / T_target ({draft}): {ratios[1]:.2f} (fast path, medians over the prompts)",
-                  highlight=False)
-    for line in (picked.line(), _fast_path_line(tgt.model, dev)):
-        if line:
-            console.print(line, highlight=False, soft_wrap=True)
-    if out:
-        path = write_bench(results, out, dict(model=target, draft=draft, dataset=dataset, device=str(dev),
-                                              dtype=dtype, verify_cost=ratios[0], draft_cost=ratios[1]))
-        console.print(f"results: {path}", highlight=False)
-    check_outputs(results)
-    return results
+    return Peers(results, memory_bandwidth(dev), plain_bytes, ratios[0], ratios[1], picked,
+                 _fast_path_line(tgt.model, dev), graphs_asked, bool(getattr(runner, "graphs", False)), len(prompts),
+                 str(dev))
 
 
 def _pick_generate(model, prompt: list[int], eos: list[int], mode: str, device, status, weights, room: int):

