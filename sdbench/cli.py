@@ -129,6 +129,57 @@ def run(
 
 
 @app.command()
+def sweep(
+    target: Target = C.DEFAULT_TARGET, draft: Draft = None,
+    strategy: Annotated[Optional[list[str]], typer.Option("--strategy", "-s", help="strategy or preset measured at every point (repeatable) [default: ngram]")] = None,
+    batch: Annotated[Optional[str], typer.Option(help="batch sizes: static batches, as run decodes them [default: 1,2,4,8; --quick: 1,2,4]")] = None,
+    concurrency: Annotated[Optional[str], typer.Option(help="requests in flight, instead of --batch: served under load as run --concurrency does (a closed loop)")] = None,
+    prompt_len: Annotated[Optional[str], typer.Option("--prompt-len", help="prompt lengths in tokens, token-exact from a book data set [default: 256,1024,2048; --quick: 256,1024]")] = None,
+    dataset: Annotated[str, typer.Option(help="a book data set (see `sdbench list datasets`)")] = C.DEFAULT_SWEEP_DATASET,
+    limit: Annotated[int, typer.Option(help="prompts per point (at least its batch size or concurrency)")] = C.DEFAULT_LIMIT,
+    max_new_tokens: Annotated[Optional[int], typer.Option("--max-new-tokens", help=f"tokens to generate per prompt [default: {C.DEFAULT_MAX_NEW_TOKENS}; --quick: {C.QUICK_SWEEP_MAX_NEW_TOKENS}]")] = None,
+    gamma: Gamma = None, temperature: Temperature = 0.0, seed: Seed = 0, device: Device = "auto", dtype: Dtype = "float32",
+    repeats: Repeats = 1,
+    set_: Annotated[Optional[list[str]], typer.Option("--set", help="strategy setting key=value for every strategy, or NAME.key=value for one (repeatable)")] = None,
+    out: Out = C.DEFAULT_OUT, fast: Fast = True, probe: Probe = True,
+    resume: Annotated[Optional[str], typer.Option(help="continue an interrupted sweep: its SWEEP_ID (settings as saved)")] = None,
+    quick: Annotated[bool, typer.Option("--quick", help="a small grid and fewer tokens: minutes on a small CPU")] = False,
+):
+    """Where speculative decoding stops paying: every strategy beside plain decoding at each batch size (or
+    concurrency) and prompt length; the best setting's speedup per point, measured and predicted, and the
+    break-even frontier as a table, a heat-map and one line. Each point is saved as it finishes (--resume)."""
+    from sdbench.commands.sweep import run_sweep
+
+    if batch is not None and concurrency is not None:
+        raise SdbenchError("--batch and --concurrency are two axes: give one of them")
+    strategies = tuple(strategy or (C.DEFAULT_STRATEGY,))
+    axis = "concurrency" if concurrency is not None else "batch"
+    sizes = parse_gammas(concurrency if concurrency is not None else batch, f"--{axis}", 1) or (
+        C.QUICK_SWEEP_SIZES if quick else C.DEFAULT_SWEEP_SIZES)
+    lengths = parse_gammas(prompt_len, "--prompt-len", 1) or (C.QUICK_SWEEP_PROMPT_LENS if quick else C.DEFAULT_SWEEP_PROMPT_LENS)
+    shared, scoped = split_sets(parse_sets(set_))
+    new = max_new_tokens if max_new_tokens is not None else (C.QUICK_SWEEP_MAX_NEW_TOKENS if quick else C.DEFAULT_MAX_NEW_TOKENS)
+    run_cfg = C.RunConfig(
+        target=target, drafts=tuple(draft or ()), dataset=dataset, limit=limit, max_new_tokens=new,
+        sampling=C.SamplingConfig(temperature, 1.0, seed), gammas=parse_gammas(gamma), device=device, dtype=dtype,
+        repeats=repeats, options=shared, out=out, fast=fast, probe=probe,
+    )
+    run_sweep(C.SweepConfig(run_cfg, strategies, axis, sizes, lengths, scoped, resume), console)
+
+
+def split_sets(options: dict) -> tuple[dict, dict]:
+    """--set values for every strategy, and NAME.key=value ones per strategy NAME."""
+    shared, scoped = {}, {}
+    for key, value in options.items():
+        name, dot, own = key.partition(".")
+        if dot and own:
+            scoped.setdefault(name, {})[own] = value
+        else:
+            shared[key] = value
+    return shared, scoped
+
+
+@app.command()
 def check(
     model: Annotated[str, typer.Argument(help="target model: alias, Hugging Face id, folder or .gguf")],
     draft: Draft = None, device: Device = "auto", dtype: Dtype = "float32", fast: Fast = True,
@@ -164,8 +215,11 @@ def report(
     from sdbench.reporting.report import print_report
     from sdbench.reporting.results import read_results
 
+    from sdbench.reporting.sweep import print_frontier
+
     df = read_results(paths)
     print_report(df, console, by=tuple(by or ()))
+    print_frontier(df, console)  # rows of a sweep: its best setting per point and where SD stops paying
     if explain:
         from sdbench.reporting.explain import print_explain
 

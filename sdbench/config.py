@@ -81,3 +81,26 @@ class TuneConfig:
     storage: str | None = None  # any Optuna storage URL; None: sqlite:///<out>/tune.db
     study: str | None = None  # study name; None: sdbench-<target>-<strategy>-<dataset>-<hardware>
     preset: str | None = None  # preset written with the best settings; None: tuned-<strategy>-<target>
+
+
+SWEEP_AXES = ("batch", "concurrency")  # static batches of that size, or that many requests in flight under load
+DEFAULT_SWEEP_SIZES = (1, 2, 4, 8)
+DEFAULT_SWEEP_PROMPT_LENS = (256, 1024, 2048)
+DEFAULT_SWEEP_DATASET = "pg19"  # book text cut into token-exact prompts of each --prompt-len
+QUICK_SWEEP_SIZES = (1, 2, 4)
+QUICK_SWEEP_PROMPT_LENS = (256, 1024)
+QUICK_SWEEP_MAX_NEW_TOKENS = 32
+
+
+@dataclass(frozen=True)
+class SweepConfig:
+    """`sdbench sweep`: every strategy beside plain decoding at every (size, prompt length) point of a grid."""
+
+    run: RunConfig  # the settings every point shares (target, drafts, data set, budget, gammas, device, out...);
+    # its strategy, batch_size, prompt_len and concurrencies are set per point
+    strategies: tuple[str, ...] = (DEFAULT_STRATEGY,)  # names or presets; each measured at every point
+    axis: str = "batch"  # one of SWEEP_AXES
+    sizes: tuple[int, ...] = DEFAULT_SWEEP_SIZES  # batch sizes or concurrencies
+    prompt_lens: tuple[int, ...] = DEFAULT_SWEEP_PROMPT_LENS
+    scoped: dict = field(default_factory=dict)  # strategy name -> its own --set NAME.key=value settings
+    resume: str | None = None  # a sweep id under run.out to continue

@@ -86,11 +86,13 @@ class Bench:
     """Runs one configured benchmark; `run` returns the path of the Parquet file it wrote."""
 
     def __init__(self, cfg: RunConfig, console: Console | None = None, pair: Pair | None = None,
-                 on_batch=None):
+                 on_batch=None, run_id: str | None = None):
         """pair: already-loaded models to reuse (tuning runs many configurations on one pair);
-        on_batch(rows): called with each batch's rows once they are written (e.g. to prune a trial)."""
+        on_batch(rows): called with each batch's rows once they are written (e.g. to prune a trial);
+        run_id: the id a new run takes (a sweep names its points) instead of a fresh one."""
         self.console = console or Console()
         self.pair, self.on_batch = pair, on_batch
+        self._given_id = run_id
         self.run_id: str | None = None  # set when run() starts: the results it writes are RUN_ID.*
         self.cfg, self.choice = plan(cfg)
         asked = cfg.gammas or (self.choice.gamma or DEFAULT_GAMMA,)
@@ -134,7 +136,7 @@ class Bench:
             self.console.print(f"note: {note}", highlight=False, soft_wrap=True)
         batches = [list(range(i, min(i + cfg.batch_size, len(prompts)))) for i in range(0, len(prompts),
                                                                                       cfg.batch_size)]
-        run_id = self.run_id = cfg.resume or new_run_id(self.choice.name)
+        run_id = self.run_id = cfg.resume or self._given_id or new_run_id(self.choice.name)
         env = environment(str(self.device), cfg.dtype)
         writer = RunWriter(cfg.out, run_id, env)
         done = writer.done_keys() if cfg.resume else set()
@@ -247,6 +249,7 @@ class Bench:
             "target": cfg.target, "dataset": _label(cfg), "batch_size": cfg.batch_size,
             "temperature": cfg.sampling.temperature, "top_p": cfg.sampling.top_p, "seed": cfg.sampling.seed,
             "fast": bool(getattr(pair.target, "fast", False)), "max_new_tokens": cfg.max_new_tokens,
+            "prompt_len": cfg.prompt_len,
             **pair.fidelity(),
         }
 
@@ -303,11 +306,17 @@ def load_config(out: str, run_id: str) -> RunConfig:
     path = Path(out) / f"{run_id}.config.json"
     if not path.exists():
         raise SdbenchError(f"--resume {run_id}: no saved configuration at {path}")
-    raw = json.loads(path.read_text())
+    return replace(run_config(json.loads(path.read_text())), resume=run_id, out=out)
+
+
+def run_config(raw: dict) -> RunConfig:
+    """A RunConfig from its saved JSON (dataclasses.asdict), older files' missing settings filled in."""
+    raw = dict(raw)
     raw["sampling"] = SamplingConfig(**raw["sampling"])
     raw["drafts"] = tuple(raw["drafts"])
     raw["depths"] = tuple(raw.get("depths", ()))
     raw.setdefault("turns", 1)  # saved before runs had turns: first turns only
     for key in ("request_rates", "concurrencies"):
         raw[key] = tuple(raw.get(key, ()))
-    return replace(RunConfig(**raw), resume=run_id, out=out)
+    raw["gammas"] = tuple(raw.get("gammas", ()))
+    return RunConfig(**raw)

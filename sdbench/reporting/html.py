@@ -14,6 +14,7 @@ from rich.console import Console
 from sdbench.paths import output_dir
 from sdbench.reporting.plots import render, write_plots
 from sdbench.reporting.report import print_report, summarize, summary_table
+from sdbench.reporting.sweep import print_frontier
 
 STYLE = """
 body { font-family: system-ui, sans-serif; margin: 2rem auto; max-width: 1200px; color: #222; }
@@ -28,6 +29,7 @@ def tables_html(df: pd.DataFrame, width: int = 150) -> str:
     """The tables `sdbench report` prints, as HTML with inline colours; per data set too when there are several."""
     console = Console(record=True, width=width, file=io.StringIO(), color_system="truecolor")
     print_report(df, console)
+    print_frontier(df, console)
     if "dataset" in df and df["dataset"].nunique() > 1:
         console.print(summary_table(summarize(df, by=("dataset", "category")), title="by data set and category"))
     return console.export_html(inline_styles=True, code_format='<pre class="tables">{code}</pre>')

@@ -46,7 +46,8 @@ def _pyplot():
 
 def _png(plt, fig) -> bytes:
     buffer = io.BytesIO()
-    fig.tight_layout()
+    if fig.get_layout_engine() is None:  # a figure made with its own layout (constrained) keeps it
+        fig.tight_layout()
     fig.savefig(buffer, format="png", dpi=110)
     plt.close(fig)
     return buffer.getvalue()
@@ -214,8 +215,20 @@ def render(df: pd.DataFrame) -> list[Plot]:
         raise SdbenchError("no result rows to plot")
     plt = _pyplot()
     plots = [speedup_by_strategy(plt, df), acceptance_histogram(plt, df), per_position(plt, df),
-             *speedup_sweeps(plt, df), predicted_vs_measured(plt, df), *speedup_waterfalls(plt, df)]
+             *speedup_sweeps(plt, df), predicted_vs_measured(plt, df), *speedup_waterfalls(plt, df),
+             *_figures(plt, df)]
     return [p for p in plots if p is not None]
+
+
+def sweep_plots(df: pd.DataFrame) -> list[Plot]:
+    """The frontier heat-map of each sweep in the rows and the throughput-latency curves under load, alone."""
+    return _figures(_pyplot(), df)
+
+
+def _figures(plt, df: pd.DataFrame) -> list[Plot]:
+    from sdbench.reporting.sweep_plots import sweep_figures
+
+    return [Plot(name, title, _png(plt, fig)) for name, title, fig in sweep_figures(plt, df)]
 
 
 def write_plots(df: pd.DataFrame, folder: str | Path, plots: list[Plot] | None = None) -> list[Path]:

@@ -106,6 +106,8 @@ SCHEMA = pa.schema([
     ("duration_s", _F),  # the role's whole serving time at this load point (first arrival to last token)
     ("slo", _S),  # the --slo bounds, e.g. "ttft:500ms,tpot:50ms"; null without
     ("slo_met", pa.bool_()),  # the request kept every bound; null without --slo
+    ("prompt_len", _I),  # --prompt-len: the token-exact prompts' length; null for prompts of their own lengths
+    ("sweep", _S),  # the `sdbench sweep` this row's run is a point of (its id); null outside a sweep
 ])
 COLUMNS: tuple[str, ...] = tuple(SCHEMA.names)
 ENV_COLUMNS = ("device", "dtype", "torch_version", "transformers_version", "sdbench_version",
