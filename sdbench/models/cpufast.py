@@ -143,7 +143,7 @@ def head_ways(weight: torch.Tensor, bias: torch.Tensor | None) -> dict:
     mode = os.environ.get(FAST_ENV, "measure").strip().lower()
     if mode == "packed":
         return {w: "onednn" if w == 1 else "transposed" for w in HEAD_WIDTHS}
-    if mode == "plain":
+    if mode == "plain" or not weight.numel():  # (an untied head emptied while packed: nothing to time)
         return dict.fromkeys(HEAD_WIDTHS, "library")
     key = (*weight.shape, bias is not None, torch.get_num_threads())
     if key not in _head_ways:
