@@ -348,8 +348,6 @@ def predict_speedup(
     if target is not None:
         from sdbench.commands.predict import measured_costs
 
-        if context < 1:
-            raise SdbenchError(f"--context {context}: must be at least 1")
         costs = measured_costs(target, draft or target, gammas, context, device, dtype, console)
         draft_cost, verify_cost = costs.c, costs.verify
         console.print(f"costs measured at {context} tokens of context: draft cost c = {draft_cost:.3f} "

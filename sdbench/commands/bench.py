@@ -13,13 +13,12 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from sdbench.commands.hf_generate import kwargs_for, pick
+from sdbench.commands.hf_generate import generator, kwargs_for, pick
 from sdbench.config import SamplingConfig
 from sdbench.engine.loop import generate
 from sdbench.engine.state import needed_capacity
 from sdbench.engine.metrics import now, rate
 from sdbench.errors import SdbenchError
-from sdbench.models.shapes import quiet_library
 from sdbench.strategies.autoregressive import Autoregressive
 from sdbench.strategies.draft import DraftModel
 from sdbench.strategies.ngram import NGram
@@ -77,14 +76,9 @@ def _measure(systems: list, prompts: list[list[int]], repeats: int, device, stat
 
 
 def _hf(model, max_new: int, eos: list[int], **kwargs):
-    def fn(prompt: list[int], budget: int | None) -> list[int]:
-        ids = torch.tensor([prompt], device=model.device)
-        with torch.inference_mode(), quiet_library():
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                 max_new_tokens=budget or max_new, eos_token_id=eos, pad_token_id=eos[0],
-                                 **kwargs)
-        return out[0, len(prompt):].tolist()
-    return fn
+    """fn(prompt ids, budget or None for max_new) -> the new ids, through transformers' greedy generate."""
+    run = generator(model, eos, kwargs)
+    return lambda prompt, budget: run(prompt, budget or max_new)
 
 
 def _ours(runner, proposer_factory, max_new: int, eos: list[int], capacity: int):

@@ -18,6 +18,7 @@ import torch
 
 from sdbench.engine.metrics import now, rate
 from sdbench.errors import SdbenchError
+from sdbench.models.shapes import quiet_library
 
 CONFIGS = ("dynamic", "static", "compiled")
 MODES = ("fastest", *CONFIGS)
@@ -88,7 +89,7 @@ def generator(model, eos: list[int], kwargs: dict):
     """fn(prompt ids, new tokens) -> the new ids, greedy, through model.generate with `kwargs`."""
     def fn(prompt: list[int], max_new: int) -> list[int]:
         ids = torch.tensor([prompt], device=model.device)
-        with torch.inference_mode():
+        with torch.inference_mode(), quiet_library():  # its assisted calls warn about how it calls itself
             out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=max_new,
                                  eos_token_id=eos, pad_token_id=eos[0], **kwargs)
         return out[0, len(prompt):].tolist()

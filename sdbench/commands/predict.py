@@ -246,6 +246,8 @@ def measured_costs(target: str, draft: str, gammas, context: int, device: str, d
     from sdbench.models.pair import resolve_device, resolve_dtype, say_note
     from sdbench.models.runner import ModelRunner
 
+    if context < 1:
+        raise SdbenchError(f"--context {context}: must be at least 1")
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
     runners = {}

@@ -225,8 +225,6 @@ def measured_setting(s: Setting, target: str, draft: str, context: int, device: 
     a few forwards at the end of a `context`-token prompt, through the fast path); a, k, workers as given."""
     from sdbench.commands.predict import measured_costs
 
-    if context < 1:
-        raise SdbenchError(f"--context {context}: must be at least 1")
     costs = measured_costs(target, draft, [s.k], context, device, dtype, console)
     console.print(f"measured at {context} tokens of context: one {target} forward {costs.target_s * 1e3:.1f} ms, "
                   f"drafter latency c = {costs.c:.3f} ({draft} / {target}); acceptance rate a = {s.a} as given",

@@ -147,7 +147,7 @@ def head_ways(weight: torch.Tensor, bias: torch.Tensor | None) -> dict:
         return dict.fromkeys(HEAD_WIDTHS, "library")
     key = (*weight.shape, bias is not None, torch.get_num_threads())
     if key not in _head_ways:
-        rows = min(weight.shape[0], max(8192, _STREAM_BYTES // (weight.shape[1] * weight.element_size())))
+        rows = _streamed_rows(weight)
         w, b = weight.detach()[:rows], None if bias is None else bias.detach()[:rows]
         ways = {}
         for width in HEAD_WIDTHS:
@@ -156,6 +156,11 @@ def head_ways(weight: torch.Tensor, bias: torch.Tensor | None) -> dict:
             ways[width] = min(times, key=times.get)
         _head_ways[key] = ways
     return _head_ways[key]
+
+
+def _streamed_rows(weight: torch.Tensor) -> int:
+    """Rows of a [V, H] weight to time a product on: _STREAM_BYTES of them (at least 8192), or all."""
+    return min(weight.shape[0], max(8192, _STREAM_BYTES // (weight.shape[1] * weight.element_size())))
 
 
 def _mlp_parts(mlp):
@@ -351,7 +356,7 @@ def _timed_paths(fast: FastModel) -> tuple[float, float]:
     if isinstance(fast.head, HeadProduct):
         return plain_s, packed_s
     head = fast.head.modules[0]
-    rows = min(head.weight.shape[0], max(8192, _STREAM_BYTES // (head.weight.shape[1] * head.weight.element_size())))
+    rows = _streamed_rows(head.weight)
     a, b = _timed_products([fast.head], rows)
     scale = head.weight.shape[0] / rows
     return plain_s + a * scale, packed_s + b * scale
