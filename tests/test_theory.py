@@ -3,7 +3,7 @@ import random
 
 import pytest
 
-from sdbench.engine.metrics import RowStats, predicted_speedup
+from sdbench.engine.metrics import RowStats, predicted_batch_speedup, predicted_speedup
 from sdbench.theory import expected_tokens_per_step, fit_alpha, predicted_speedup as formula
 
 
@@ -41,6 +41,31 @@ def test_predicted_speedup_formula_and_from_measurements():
     assert predicted_speedup(strat, base) == pytest.approx(4 / (3 * 0.2 + 1.5))
     assert math.isnan(predicted_speedup(strat, RowStats()))
 
+
+
+def test_predicted_batch_speedup_waits_for_the_slowest_row():
+    base = [RowStats(), RowStats()]
+    for stats in base:  # plain decoding of 9 tokens after the first: 9 forwards of 0.01 s
+        for _ in range(9):
+            stats.add_step(0, 0, 0.0, 0.01)
+    lucky, unlucky = RowStats(), RowStats()
+    for _ in range(3):  # every 2-token draft accepted: 3 rounds commit 9 tokens; rounds of 0.004 + 0.012 s
+        lucky.add_step(2, 2, 0.004, 0.012)
+    for _ in range(9):  # every draft rejected: 9 rounds, one token each
+        unlucky.add_step(2, 0, 0.004, 0.012)
+    # on its own the lucky row would run 3x faster over rounds of 1.6 forwards: 3 / 1.6
+    assert predicted_speedup(lucky, base[0]) == pytest.approx(3 / 1.6)
+    assert predicted_batch_speedup([lucky], base[:1], [10]) == pytest.approx(3 / 1.6)
+    # together the batch runs until the unlucky row is done: 9 rounds of 1.6 forwards against 9 forwards
+    assert predicted_batch_speedup([lucky, unlucky], base, [10, 10]) == pytest.approx(9 / (9 * 1.6))
+    # a row that drafted nothing (prompt lookup found no match) takes one round per token
+    nothing = RowStats()
+    for _ in range(9):
+        nothing.add_step(0, 0, 0.004, 0.012)  # the batch drafted for the other row meanwhile
+    assert predicted_batch_speedup([lucky, nothing], base, [10, 10]) == pytest.approx(9 / (9 * 1.6))
+    # a row whose budget ended after its first token adds no rounds; shapes that disagree give no figure
+    assert predicted_batch_speedup([lucky, RowStats()], base, [10, 1]) == pytest.approx(3 / 1.6)
+    assert math.isnan(predicted_batch_speedup([lucky], base, [10]))
 
 def test_predict_speedup_command(capsys):
     from sdbench.cli import main

@@ -24,7 +24,7 @@ from sdbench.engine.loop import generate
 from sdbench.engine.state import needed_capacity
 from sdbench.env import environment, peak_memory, reset_peak_memory
 from sdbench.errors import Interrupted, SdbenchError
-from sdbench.engine.metrics import BatchResult, predicted_speedup, row_metrics, speedup
+from sdbench.engine.metrics import BatchResult, predicted_batch_speedup, row_metrics, speedup
 from sdbench.models.names import weights_of
 from sdbench.models.pair import Pair, load_pair, resolve_device, resolve_dtype
 from sdbench.paths import output_dir
@@ -267,18 +267,19 @@ class Bench:
         base = results.get("baseline", (None,))[0]
         for role, (res, (mem, mem_kind)) in results.items():
             name, params, drafts = self._describe(role, proposers[role])
+            predicted = math.nan  # the sequential-SD model says nothing of DSI
+            if base is not None and role != "baseline" and not proposers[role].owns_loop:
+                predicted = predicted_batch_speedup(res.rows, base.rows, [len(o) for o in res.output_ids])
             for b, i in enumerate(idx):
                 row = dict(common)
                 row.update(row_metrics(res, b))
                 row.update(role=role, strategy=name, params=params, draft=drafts, category=prompts[i].category,
                            prompt_id=prompts[i].id, repeat=repeat, batch_id=batch_id, peak_mem_bytes=mem,
                            mem_kind=mem_kind, output_ids=res.output_ids[b], gamma=_gamma(params),
-                           predicted_speedup=math.nan, timestamp=_now())
+                           predicted_speedup=predicted, timestamp=_now())
                 row["weights"] = weights_of([self.cfg.target, *drafts.split(",")])  # a @random model: "random"
                 if base is not None:
                     row["speedup"] = speedup(row["tokens_per_s"], row_metrics(base, b)["tokens_per_s"])
-                    if not proposers[role].owns_loop:  # the sequential-SD model says nothing of DSI
-                        row["predicted_speedup"] = predicted_speedup(res.rows[b], base.rows[b])
                     if self.cfg.sampling.greedy:
                         row["lossless"] = res.output_ids[b] == base.output_ids[b]
                 rows.append(row)

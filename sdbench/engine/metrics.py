@@ -238,7 +238,8 @@ def speedup(tokens_per_s: float, baseline_tokens_per_s: float) -> float:
 
 
 def predicted_speedup(stats: RowStats, baseline: RowStats) -> float:
-    """The cost model's speedup from this run's own measurements.
+    """The cost model's speedup from this run's own measurements, for one row decoding on its own (batch 1, or a
+    request served under load, which leaves its batch when it is done).
 
     alpha: fitted to the row's accepted lengths; gamma: mean drafted tokens per step; draft cost c: drafting
     time per drafted token over the baseline's time per target forward; verify cost v: time per
@@ -254,6 +255,39 @@ def predicted_speedup(stats: RowStats, baseline: RowStats) -> float:
     c = stats.draft_s / stats.drafted / target_forward if stats.drafted else 0.0
     v = stats.verify_s / stats.steps / target_forward
     return formula(fit_alpha(stats.accepted, stats.rejections), gamma, c, v)
+
+
+def predicted_batch_speedup(rows: list[RowStats], baseline: list[RowStats], new_tokens: list[int]) -> float:
+    """The cost model's speedup of one static batch, whose rows share every round and its wall clock.
+
+    A static batch runs until its slowest row is done: row b is expected to take (n_b - 1) / Omega(gamma_b,
+    alpha_b) rounds for its n_b - 1 tokens after the first (alpha_b fitted to its accepted lengths, gamma_b its
+    mean drafted tokens per step), so the batch takes the most of these; plain decoding takes max_b(n_b - 1)
+    target forwards. A round costs (gamma c + v) target forwards: its drafting and verification time, read from
+    the row active in the most rounds, over the baseline's time per forward. With one row this is
+    `predicted_speedup`; with rows whose acceptance differs (prompt lookup finding matches in some prompts and
+    none in others) it is far below the mean of their own predictions, as the measured batch speedup is.
+    """
+    from sdbench.theory import expected_tokens_per_step, fit_alpha
+
+    if not rows or len(rows) != len(baseline) or len(rows) != len(new_tokens):
+        return math.nan
+    base = max(baseline, key=lambda s: s.steps)
+    longest = max(rows, key=lambda s: s.steps)
+    if not (base.steps and base.verify_s > 0 and longest.steps):
+        return math.nan
+    rounds = 0.0
+    for stats, n in zip(rows, new_tokens):
+        if n <= 1:
+            continue
+        gamma = stats.drafted / stats.steps if stats.steps else 0.0
+        alpha = fit_alpha(stats.accepted, stats.rejections) if gamma > 0 else 0.0
+        if math.isnan(alpha):
+            return math.nan
+        rounds = max(rounds, (n - 1) / expected_tokens_per_step(alpha, gamma))
+    round_cost = (longest.draft_s + longest.verify_s) / longest.steps / (base.verify_s / base.steps)
+    plain = max(new_tokens) - 1
+    return plain / (rounds * round_cost) if rounds > 0 and round_cost > 0 else math.nan
 
 
 # ---- served under load ---------------------------------------------------------------------------------------
