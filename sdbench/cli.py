@@ -11,6 +11,7 @@ from rich.markup import escape
 
 from sdbench import config as C
 from sdbench.errors import SdbenchError
+from sdbench.options import parse_depths, parse_gammas, parse_rates, parse_sets
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Benchmark and tune speculative decoding of language models.")
@@ -46,52 +47,6 @@ RequestRate = Annotated[Optional[str], typer.Option("--request-rate", help="serv
 Concurrency = Annotated[Optional[str], typer.Option("--concurrency", help="requests in flight at most (closed loop: one starts as one finishes), or a list like 1,4; with --request-rate, its cap")]
 Slo = Annotated[Optional[str], typer.Option("--slo", help="latency bounds for goodput under load, e.g. ttft:500ms,tpot:50ms (ttft, tpot, e2el)")]
 Depth = Annotated[Optional[str], typer.Option("--depth", help="retrieval tasks: where the answer hides, 0 (start) to 1 (end), or a list like 0,0.5,1 [default: spread]")]
-
-
-def parse_gammas(text: str | None, option: str = "--gamma", low: int | None = None) -> tuple[int, ...]:
-    """Whole numbers from '4' or '1,2,4', distinct, each at least `low` when given; errors name `option`, the
-    option the user typed."""
-    if text is None:
-        return ()
-    try:
-        values = tuple(int(x) for x in text.split(",") if x.strip())
-    except ValueError:
-        raise SdbenchError(f"{option} {text}: expected a whole number or a comma-separated list") from None
-    if not values or len(set(values)) != len(values):
-        raise SdbenchError(f"{option} {text}: expected distinct whole numbers")
-    if low is not None and min(values) < low:
-        raise SdbenchError(f"{option} {text}: every value must be at least {low}")
-    return values
-
-
-def parse_depths(text: str | None) -> tuple[float, ...]:
-    try:
-        return tuple(float(x) for x in (text or "").split(",") if x.strip())
-    except ValueError:
-        raise SdbenchError(f"--depth {text}: expected a number from 0 to 1, or a comma-separated list") from None
-
-
-def parse_rates(text: str | None) -> tuple[float, ...]:
-    """Request rates from '2' or '0.5,1,inf': each positive, or inf."""
-    if text is None:
-        return ()
-    try:
-        values = tuple(float(x) for x in text.split(",") if x.strip())
-    except ValueError:
-        raise SdbenchError(f"--request-rate {text}: expected a number of requests/s, inf, or a comma-separated list") from None
-    if not values or len(set(values)) != len(values) or not all(v > 0 for v in values):  # NaN fails too
-        raise SdbenchError(f"--request-rate {text}: expected distinct rates above 0 (requests/s), or inf")
-    return values
-
-
-def parse_sets(items: list[str] | None) -> dict:
-    options = {}
-    for item in items or ():
-        key, sep, value = item.partition("=")
-        if not sep or not key.strip():
-            raise SdbenchError(f"--set {item}: expected key=value")
-        options[key.strip()] = value.strip()
-    return options
 
 
 @app.command()
@@ -236,7 +191,9 @@ def tune(
     target: Target = C.DEFAULT_TARGET,
     draft: Annotated[Optional[list[str]], typer.Option("--draft", "-d", help="draft candidate (repeatable; the tuner picks one per trial)")] = None,
     strategy: Strategy = C.DEFAULT_STRATEGY, dataset: Dataset = C.DEFAULT_DATASET, limit: Limit = C.DEFAULT_LIMIT,
-    max_new_tokens: MaxNew = C.DEFAULT_MAX_NEW_TOKENS, batch_size: Batch = 1, seed: Seed = 0, prompt_len: PromptLen = None,
+    max_new_tokens: MaxNew = C.DEFAULT_MAX_NEW_TOKENS, batch_size: Batch = 1, seed: Seed = 0,
+    prompt_len: Annotated[Optional[str], typer.Option("--prompt-len", help="prompts of exactly this many tokens (book datasets); several (512,4096): a schedule per context length too")] = None,
+    batch: Annotated[Optional[str], typer.Option("--batch", help="batch sizes, e.g. 1,4: one study each, written as a schedule that run looks up per batch size")] = None,
     device: Device = "auto", dtype: Dtype = "float32", repeats: Repeats = 1, out: Out = C.DEFAULT_OUT,
     trials: Annotated[int, typer.Option(help="finished trials the study should reach (a re-run resumes toward it)")] = C.DEFAULT_TRIALS,
     timeout: Annotated[Optional[float], typer.Option(help="seconds; no new trial starts after this")] = None,
@@ -246,15 +203,46 @@ def tune(
     preset: Annotated[Optional[str], typer.Option(help="preset for the best settings [default: tuned-STRATEGY-TARGET]")] = None,
     probe: Probe = True,
 ):
-    """Search a strategy's settings with Optuna on a fixed prompt subset; write the best as a preset."""
+    """Search a strategy's settings with Optuna on a fixed prompt subset; write the best as a preset (with
+    several --batch sizes or --prompt-len lengths: the best per bucket, as a schedule preset)."""
+    from sdbench.commands.schedule import tune_schedule
     from sdbench.commands.tune import tune as run_tune
 
+    batches, lengths = parse_gammas(batch, "--batch", 1), parse_gammas(prompt_len, "--prompt-len", 1)
+    if batches and batch_size != 1:
+        raise SdbenchError("give either --batch (sizes to tune a schedule over) or --batch-size, not both")
     run_cfg = C.RunConfig(
         target=target, drafts=tuple(draft or ()), strategy=strategy, dataset=dataset, limit=limit,
         max_new_tokens=max_new_tokens, batch_size=batch_size, sampling=C.SamplingConfig(0.0, 1.0, seed),
-        prompt_len=prompt_len, device=device, dtype=dtype, repeats=repeats, out=out, probe=probe,
+        device=device, dtype=dtype, repeats=repeats, out=out, probe=probe,
     )
-    run_tune(C.TuneConfig(run_cfg, trials, timeout, objective, storage, study, preset), console)
+    cfg = C.TuneConfig(run_cfg, trials, timeout, objective, storage, study, preset, batches, lengths)
+    (tune_schedule if len(batches) > 1 or len(lengths) > 1 else run_tune)(cfg, console)
+
+
+schedule_app = typer.Typer(no_args_is_help=True, help="Schedules that `tune --batch` wrote: show or export them.")
+app.add_typer(schedule_app, name="schedule")
+ScheduleName = Annotated[str, typer.Argument(help="the schedule preset's name")]
+
+
+@schedule_app.command("show")
+def schedule_show(name: ScheduleName):
+    """The schedule's entries: batch size (and prompt length), settings, tuned value."""
+    from sdbench.commands.schedule import show_schedule
+
+    show_schedule(name, console)
+
+
+@schedule_app.command("export")
+def schedule_export(
+    name: ScheduleName,
+    format: Annotated[str, typer.Option("--format", help="vllm (a --speculative-config per batch-size bucket) or json")] = "vllm",
+    out: Annotated[Optional[str], typer.Option("--out", "-o", help="file to write [default: print it]")] = None,
+):
+    """The schedule in the form an engine takes: vLLM's --speculative-config per batch-size bucket, or json."""
+    from sdbench.commands.schedule import export_schedule
+
+    export_schedule(name, format, out, console)
 
 
 @app.command()

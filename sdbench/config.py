@@ -81,6 +81,8 @@ class TuneConfig:
     storage: str | None = None  # any Optuna storage URL; None: sqlite:///<out>/tune.db
     study: str | None = None  # study name; None: sdbench-<target>-<strategy>-<dataset>-<hardware>
     preset: str | None = None  # preset written with the best settings; None: tuned-<strategy>-<target>
+    batches: tuple[int, ...] = ()  # several: one study per batch size, written as a schedule (commands/schedule.py)
+    prompt_lens: tuple[int, ...] = ()  # several: one study per prompt length too (MagicDec's budget per context)
 
 
 SWEEP_AXES = ("batch", "concurrency")  # static batches of that size, or that many requests in flight under load

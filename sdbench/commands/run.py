@@ -37,7 +37,7 @@ WARMUP_PROMPT_TOKENS = 256
 
 def plan(cfg: RunConfig) -> tuple[RunConfig, object]:
     """Settle the strategy (presets included) and check the settings before anything heavy loads."""
-    choice = resolve_strategy(cfg.strategy)
+    choice = resolve_strategy(cfg.strategy).at(max(cfg.concurrencies or (cfg.batch_size,)), cfg.prompt_len)
     gammas = cfg.gammas or (choice.gamma or DEFAULT_GAMMA,)
     drafts = cfg.drafts or choice.drafts
     cfg = replace(cfg, gammas=tuple(gammas), drafts=tuple(drafts), options={**choice.options, **cfg.options})
@@ -99,6 +99,8 @@ class Bench:
         note = gamma_note(asked, self.cfg.gammas, self.cfg.max_new_tokens)
         if note:
             self.console.print(note, style="yellow", highlight=False)
+        if self.choice.entry is not None:
+            self.console.print(f"schedule '{self.choice.name}': the {self.choice.entry.label} entry", highlight=False)
         self.device = resolve_device(self.cfg.device)
         self.dtype = resolve_dtype(self.cfg.dtype, self.device)
         output_dir(self.cfg.out)  # a bad --out fails now, not after the models have loaded
@@ -250,6 +252,7 @@ class Bench:
             "temperature": cfg.sampling.temperature, "top_p": cfg.sampling.top_p, "seed": cfg.sampling.seed,
             "fast": bool(getattr(pair.target, "fast", False)), "max_new_tokens": cfg.max_new_tokens,
             "prompt_len": cfg.prompt_len,
+            "schedule_entry": self.choice.entry.label if self.choice.entry is not None else None,
             **pair.fidelity(),
         }
 

@@ -181,12 +181,13 @@ class _Feed:
 class Tuner:
     """One tuning session over one study."""
 
-    def __init__(self, cfg: TuneConfig, console: Console | None = None, pair=None, pruner=None):
+    def __init__(self, cfg: TuneConfig, console: Console | None = None, pair=None, pruner=None, write: bool = True):
+        """write: write the best trial as a preset (a schedule's bucket studies leave that to the schedule)."""
         if cfg.objective not in OBJECTIVES:
             raise SdbenchError(f"--objective {cfg.objective}: use one of {', '.join(OBJECTIVES)}")
         if cfg.trials < 1:
             raise SdbenchError(f"--trials must be at least 1 (got {cfg.trials})")
-        self.cfg, self.console, self.pair, self.pruner = cfg, console or Console(), pair, pruner
+        self.cfg, self.console, self.pair, self.pruner, self.write = cfg, console or Console(), pair, pruner, write
         run, choice = plan(replace(cfg.run, gammas=(1,), options={}))
         if not run.sampling.greedy:
             raise SdbenchError("sdbench tune decodes greedily: losslessness is checked token for token")
@@ -245,7 +246,7 @@ class Tuner:
 
     def tune(self) -> optuna.Study:
         optuna.logging.set_verbosity(optuna.logging.WARNING)
-        pair = self.pair or load_pair(self.run, self.device, self.dtype, self.console, native_needed(self.run))
+        pair = self.pair or self.load()
         self.runners = dict(zip(self.run.drafts, pair.drafts))
         _, encoded = encode_prompts(self.run, pair)
         space = SearchContext(tuple(self.run.drafts), max(len(e) for e in encoded), self.run.max_new_tokens)
@@ -264,8 +265,13 @@ class Tuner:
             self.console.print(f"--timeout {self.cfg.timeout:g}s reached")
         write_trials(study, self.folder / "trials" / "trials.parquet")
         self.console.print(best_table(study, self.cfg.objective))
-        self._write_preset(study)
+        if self.write:
+            self._write_preset(study)
         return study
+
+    def load(self):
+        """The pair this study's runs decode with."""
+        return load_pair(self.run, self.device, self.dtype, self.console, native_needed(self.run))
 
     def _reference(self, pair) -> dict:
         """Plain greedy outputs of the subset, for trials run without a baseline beside them."""
@@ -426,7 +432,7 @@ def trial_records(study: optuna.Study) -> pd.DataFrame:
     return frame
 
 
-def _write_whole(path: Path, write) -> Path:
+def write_whole(path: Path, write) -> Path:
     """write(tmp) then rename over path: readers, and other processes of a shared study writing the same
     file, only ever see a whole one."""
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -437,7 +443,7 @@ def _write_whole(path: Path, write) -> Path:
 
 
 def write_trials(study: optuna.Study, path: Path) -> Path:
-    return _write_whole(path, lambda tmp: trial_records(study).to_parquet(tmp, index=False))
+    return write_whole(path, lambda tmp: trial_records(study).to_parquet(tmp, index=False))
 
 
 def write_preset(path: Path, name: str, strategy: str, trial, study: optuna.Study, cfg: TuneConfig, run,
@@ -464,8 +470,14 @@ def write_preset(path: Path, name: str, strategy: str, trial, study: optuna.Stud
     }
     header = "# Written by `sdbench tune`; tuning the same study again rewrites it.\n"
     text = header + yaml.safe_dump(spec, sort_keys=False, allow_unicode=True)
-    return _write_whole(path, lambda tmp: tmp.write_text(text))
+    return write_whole(path, lambda tmp: tmp.write_text(text))
 
 
 def tune(cfg: TuneConfig, console: Console | None = None, **kwargs) -> optuna.Study:
+    """One study and its preset, at cfg's one batch size and prompt length (several make a schedule:
+    commands/schedule.py)."""
+    if len(cfg.batches) > 1 or len(cfg.prompt_lens) > 1:
+        raise SdbenchError("several --batch sizes or --prompt-len lengths make a schedule: commands/schedule.py")
+    cfg = replace(cfg, run=replace(cfg.run, batch_size=(cfg.batches or (cfg.run.batch_size,))[0],
+                                   prompt_len=(cfg.prompt_lens or (cfg.run.prompt_len,))[0]))
     return Tuner(cfg, console, **kwargs).tune()

@@ -107,6 +107,7 @@ SCHEMA = pa.schema([
     ("slo", _S),  # the --slo bounds, e.g. "ttft:500ms,tpot:50ms"; null without
     ("slo_met", pa.bool_()),  # the request kept every bound; null without --slo
     ("prompt_len", _I),  # --prompt-len: the token-exact prompts' length; null for prompts of their own lengths
+    ("schedule_entry", _S),  # the tuned schedule's entry this run applied (sdbench/schedule.py), e.g. "batch 4"
     ("sweep", _S),  # the `sdbench sweep` this row's run is a point of (its id); null outside a sweep
 ])
 COLUMNS: tuple[str, ...] = tuple(SCHEMA.names)

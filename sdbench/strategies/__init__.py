@@ -10,6 +10,7 @@ from dataclasses import dataclass, field, replace
 
 from sdbench.presets import read_presets
 from sdbench.registry import Registry
+from sdbench.schedule import Entry, Schedule
 from sdbench.strategies.base import BuildContext, Proposal, Proposer, Variant, take_options
 
 strategy_registry: Registry = Registry("strategy")
@@ -64,6 +65,16 @@ class StrategyChoice:
     gamma: int | None = None
     options: dict = field(default_factory=dict)
     drafts: tuple[str, ...] = ()
+    schedule: Schedule | None = None  # a tuned schedule: settings per batch size (and context), looked up by `run`
+    entry: Entry | None = None  # the schedule's entry a run applies (`at`)
+
+    def at(self, batch: int, prompt_len: int | None) -> "StrategyChoice":
+        """The choice with the schedule's entry for this batch size and prompt length applied (itself when it
+        has no schedule)."""
+        if self.schedule is None:
+            return self
+        e = self.schedule.lookup(batch, prompt_len)
+        return replace(self, gamma=e.gamma, options=dict(e.options), drafts=e.drafts or self.drafts, entry=e)
 
 
 def resolve_strategy(name: str) -> StrategyChoice:
@@ -73,8 +84,10 @@ def resolve_strategy(name: str) -> StrategyChoice:
     if preset is None:
         strategy_registry.entry(name)  # raises the one-line unknown-strategy error
     base = strategy_registry.entry(str(preset.get("strategy", ""))).name
+    schedule = (Schedule.from_spec(preset["schedule"], f"preset '{name}'") if preset.get("schedule") is not None
+                else None)
     return StrategyChoice(name, base, preset.get("gamma"), dict(preset.get("options") or {}),
-                          tuple(preset.get("drafts") or ()))
+                          tuple(preset.get("drafts") or ()), schedule)
 
 
 def check_options(base: str, given: dict) -> dict:

@@ -1,0 +1,51 @@
+"""Parsing the command line's list and key=value options: every bad value is one line naming the option typed."""
+
+from __future__ import annotations
+
+from sdbench.errors import SdbenchError
+
+
+def parse_gammas(text: str | None, option: str = "--gamma", low: int | None = None) -> tuple[int, ...]:
+    """Whole numbers from '4' or '1,2,4', distinct, each at least `low` when given; errors name `option`, the
+    option the user typed."""
+    if text is None:
+        return ()
+    try:
+        values = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise SdbenchError(f"{option} {text}: expected a whole number or a comma-separated list") from None
+    if not values or len(set(values)) != len(values):
+        raise SdbenchError(f"{option} {text}: expected distinct whole numbers")
+    if low is not None and min(values) < low:
+        raise SdbenchError(f"{option} {text}: every value must be at least {low}")
+    return values
+
+
+def parse_depths(text: str | None) -> tuple[float, ...]:
+    try:
+        return tuple(float(x) for x in (text or "").split(",") if x.strip())
+    except ValueError:
+        raise SdbenchError(f"--depth {text}: expected a number from 0 to 1, or a comma-separated list") from None
+
+
+def parse_rates(text: str | None) -> tuple[float, ...]:
+    """Request rates from '2' or '0.5,1,inf': each positive, or inf."""
+    if text is None:
+        return ()
+    try:
+        values = tuple(float(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise SdbenchError(f"--request-rate {text}: expected a number of requests/s, inf, or a comma-separated list") from None
+    if not values or len(set(values)) != len(values) or not all(v > 0 for v in values):  # NaN fails too
+        raise SdbenchError(f"--request-rate {text}: expected distinct rates above 0 (requests/s), or inf")
+    return values
+
+
+def parse_sets(items: list[str] | None) -> dict:
+    options = {}
+    for item in items or ():
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise SdbenchError(f"--set {item}: expected key=value")
+        options[key.strip()] = value.strip()
+    return options

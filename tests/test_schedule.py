@@ -1,0 +1,139 @@
+"""Schedules: `tune --batch` writes one, `run` looks its entry up per batch size, `schedule export` writes vLLM's
+form. Through the CLI on a tiny model folder; the rules themselves by hand."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import yaml
+
+from sdbench.errors import SdbenchError
+from sdbench.reporting.results import read_results
+from sdbench.schedule import Entry, Schedule, bucket, export, pick, vllm_config
+from tests.conftest import run_cli
+
+
+@pytest.fixture
+def tiny(tmp_path, monkeypatch):
+    from tests.references import tiny_model_dir
+
+    monkeypatch.setenv("SDBENCH_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("SDBENCH_CONFIG", str(tmp_path / "home"))
+    tiny_model_dir(tmp_path / "tiny")
+    (tmp_path / "p.csv").write_text('prompt\n"w1 w2 w3 w1 w2 w3 w4"\n"w5 w6 w5 w6 w5"\n"w7 w8 w9 w7 w8"\n')
+    return ["--target", str(tmp_path / "tiny"), "--dataset", str(tmp_path / "p.csv"), "--max-new-tokens", "6",
+            "--device", "cpu"]
+
+
+def write_preset(home, name: str, spec: dict) -> None:
+    folder = home / "strategies"
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / f"{name}.yaml").write_text(yaml.safe_dump({"name": name, **spec}))
+
+
+def ran(out) -> "object":
+    rows = read_results(out)
+    return rows[rows["role"] != "baseline"]
+
+
+def test_lookup_rule_takes_the_largest_tuned_size_at_or_below():
+    assert [bucket({1, 4}, b) for b in (1, 2, 3, 4, 5, 64)] == [1, 1, 1, 4, 4, 4]
+    assert bucket({2, 8}, 1) == 2  # below every tuned size: the smallest
+    sched = Schedule.from_spec({"entries": [
+        {"batch": 1, "prompt_len": 1024, "gamma": 3, "options": {"budget": 256}},
+        {"batch": 1, "prompt_len": 4096, "gamma": 2, "options": {"budget": 512}},
+        {"batch": 8, "prompt_len": 1024, "gamma": 1, "options": {"budget": 128}}]}, "t")
+    assert sched.lookup(4, 5000).options == {"budget": 512} and sched.lookup(4, 5000).label == "batch 1, 4096 tokens"
+    assert sched.lookup(16, 9000).gamma == 1  # batch 8 was tuned at 1024 only
+    with pytest.raises(SdbenchError, match="give --prompt-len"):
+        sched.lookup(1, None)
+
+
+def test_selection_rule_gives_a_tie_inside_the_interval_to_the_smaller_gamma():
+    # trial values with their 95 % intervals and gammas
+    assert pick([(1.30, (1.20, 1.40), 4), (1.25, (1.15, 1.35), 2), (1.10, (1.0, 1.2), 1)]) == 1
+    assert pick([(1.30, (1.28, 1.32), 4), (1.25, (1.15, 1.35), 2)]) == 0  # 1.25 is below the best's interval
+    assert pick([(1.30, (math.nan, math.nan), 4), (1.30, (1.2, 1.4), 2)]) == 1  # equal values: smaller gamma
+    assert pick([(1.1, (None, None), 3)]) == 0
+
+
+def test_vllm_export_field_by_field():
+    ngram = Schedule((Entry(1, None, 4, {"max_ngram": 4, "min_ngram": 2}), Entry(8, None, 2, {"max_ngram": 3})))
+    exported = json.loads(export("ngram", ngram, "vllm"))
+    assert exported["buckets"] == [
+        {"min_batch_size": 1, "speculative_config": {"method": "ngram", "num_speculative_tokens": 4,
+                                                     "prompt_lookup_max": 4, "prompt_lookup_min": 2}},
+        {"min_batch_size": 8, "speculative_config": {"method": "ngram", "num_speculative_tokens": 2,
+                                                     "prompt_lookup_max": 3, "prompt_lookup_min": 1}}]
+    draft = Entry(1, None, 5, {}, ("llama-1b",))
+    assert vllm_config("draft", draft, {"llama-1b": "meta-llama/Llama-3.2-1B-Instruct"}.get) == {
+        "method": "draft_model", "num_speculative_tokens": 5, "model": "meta-llama/Llama-3.2-1B-Instruct"}
+    assert vllm_config("draft", Entry(1, None, 0, {}, ("d",))) is None  # gamma 0: no speculation to configure
+    with pytest.raises(SdbenchError, match="no vLLM --speculative-config form"):
+        export("magicdec", Schedule((Entry(1, None, 2, {"budget": 256}),)), "vllm")
+    assert json.loads(export("magicdec", Schedule((Entry(1, None, 2, {"budget": 256}),)), "json"))["entries"][0][
+        "options"] == {"budget": 256}
+
+
+def test_a_schedule_entry_is_applied_at_its_batch_size(capsys, tmp_path, tiny):
+    write_preset(tmp_path / "home", "sched", {"strategy": "ngram", "gamma": 2, "schedule": {"entries": [
+        {"batch": 1, "gamma": 2, "options": {"max_ngram": 2}}, {"batch": 2, "gamma": 3, "options": {"max_ngram": 1}}]}})
+    for size, gamma, max_ngram, label in ((1, 2, 2, "batch 1"), (2, 3, 1, "batch 2"), (3, 3, 1, "batch 2")):
+        out = tmp_path / f"out{size}"
+        code, stdout, err = run_cli(capsys, "run", *tiny, "--strategy", "sched", "--batch-size", str(size),
+                                    "--limit", "3", "--out", str(out))
+        assert code == 0, err
+        assert f"the {label} entry" in stdout
+        rows = ran(out)
+        assert set(rows["schedule_entry"]) == {label}
+        assert set(rows["gamma"]) == {gamma}
+        assert {json.loads(p)["max_ngram"] for p in rows["params"]} == {max_ngram}
+        assert rows["lossless"].all()
+
+
+def test_tune_over_batch_sizes_writes_a_schedule_that_run_applies(capsys, tmp_path, tiny):
+    code, out, err = run_cli(capsys, "tune", *tiny, "--strategy", "ngram", "--batch", "1,2", "--limit", "2",
+                             "--trials", "2", "--study", "s", "--preset", "mine", "--out", str(tmp_path / "tune"))
+    assert code == 0, err
+    spec = yaml.safe_load((tmp_path / "home" / "strategies" / "mine.yaml").read_text())
+    entries = spec["schedule"]["entries"]
+    assert spec["strategy"] == "ngram" and [e["batch"] for e in entries] == [1, 2]
+    assert [e["tuned"]["study"] for e in entries] == ["s-b1", "s-b2"]
+    for size, entry in zip((1, 2), entries):
+        code, _, err = run_cli(capsys, "run", *tiny, "--strategy", "mine", "--batch-size", str(size), "--limit", "2",
+                               "--out", str(tmp_path / f"run{size}"))
+        assert code == 0, err
+        rows = ran(tmp_path / f"run{size}")
+        assert set(rows["schedule_entry"]) == {f"batch {size}"} and set(rows["gamma"]) == {entry["gamma"]}
+        assert {json.dumps(json.loads(p), sort_keys=True) for p in rows["params"]} == {
+            json.dumps({"gamma": entry["gamma"], **entry["options"]}, sort_keys=True)}
+    code, out, err = run_cli(capsys, "schedule", "export", "mine", "--format", "vllm")
+    assert code == 0, err
+    buckets = json.loads(out)["buckets"]
+    assert [b["speculative_config"]["num_speculative_tokens"] for b in buckets] == [e["gamma"] for e in entries]
+    code, out, err = run_cli(capsys, "schedule", "show", "mine")
+    assert code == 0 and "schedule mine" in out, err
+
+
+@pytest.mark.parametrize("argv, said", [
+    (["schedule", "export", "nothing"], "no preset named 'nothing'"),
+    (["schedule", "export", "plain"], "preset 'plain' has no schedule"),
+    (["schedule", "export", "twice"], "two schedule entries share a bucket"),
+    (["schedule", "export", "ctx", "--format", "vllm"], "not per context length"),
+    (["schedule", "export", "sched", "--format", "yamlish"], "--format yamlish: use vllm or json"),
+    (["tune", "--batch", "1,1"], "--batch 1,1: expected distinct whole numbers"),
+    (["tune", "--batch", "1,2", "--batch-size", "2"], "either --batch"),
+])
+def test_bad_schedules_are_one_line(capsys, tmp_path, monkeypatch, argv, said):
+    monkeypatch.setenv("SDBENCH_CONFIG", str(tmp_path / "home"))
+    home = tmp_path / "home"
+    write_preset(home, "plain", {"strategy": "ngram", "gamma": 2})
+    write_preset(home, "twice", {"strategy": "ngram", "schedule": {"entries": [{"batch": 1, "gamma": 2},
+                                                                               {"batch": 1, "gamma": 3}]}})
+    write_preset(home, "ctx", {"strategy": "ngram", "schedule": {"entries": [{"batch": 1, "prompt_len": 64, "gamma": 2}]}})
+    write_preset(home, "sched", {"strategy": "ngram", "schedule": {"entries": [{"batch": 1, "gamma": 2}]}})
+    code, _, err = run_cli(capsys, *argv)
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code == 2 and len(lines) == 1 and said in lines[0], err
