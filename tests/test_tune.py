@@ -100,22 +100,31 @@ def test_pruned_trials_stop_after_their_first_batch(tmp_path, pair):
 
 
 class Lossy(Proposer):
-    """Plain decoding through its own loop, with one token changed: what a broken strategy would do."""
+    """Plain decoding whose decoder changes one token (`lossy_decoder`): what a broken strategy would do."""
 
     name = "lossy"
 
-    owns_loop = True
 
-    def generate(self, target, prompts, **kwargs):
+def lossy_decoder(proposer):
+    """sdbench.decoders.decoder_for, except that a Lossy proposer's output has its last token changed."""
+    from sdbench.decoders import decoder_for
+
+    if not isinstance(proposer, Lossy):
+        return decoder_for(proposer)
+
+    def decode(target, proposer, prompts, **kwargs):
         result = loop.generate(target, Proposer(), prompts, **kwargs)
         result.output_ids[0][-1] += 1
         return result
+
+    return decode
 
 
 @pytest.mark.parametrize("objective", ["speedup", "tokens"])
 def test_lossy_trials_fail_and_are_never_best(tmp_path, pair, monkeypatch, objective):
     monkeypatch.setitem(strategy_registry._entries, "lossy", Entry("lossy", Lossy, meta={"needs_draft": False}))
     monkeypatch.setitem(strategy_registry._alias, "lossy", "lossy")
+    monkeypatch.setattr("sdbench.commands.run.decoder_for", lossy_decoder)
     t = tuner(tmp_path, pair, strategy="lossy", trials=2, objective=objective)
     study = t.tune()
     assert [s.state for s in study.trials] == [TrialState.FAIL] * 2

@@ -39,7 +39,8 @@ def _strategies() -> Table:
         table.add_row(e.name, ", ".join(e.aliases), "yes" if e.meta.get("needs_draft") else "no", settings,
                       e.description)
     for name, spec in read_presets().items():
-        table.add_row(name, "", "", f"preset of {spec.get('strategy')}", str(spec.get("description", "")))
+        kind = "schedule" if spec.get("schedule") else "preset"  # a schedule: `sdbench schedule show NAME`
+        table.add_row(name, "", "", f"{kind} of {spec.get('strategy')}", str(spec.get("description", "")))
     return table
 
 

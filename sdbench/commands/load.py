@@ -116,8 +116,7 @@ def _rows(bench, proposers, prompts, results, point: LoadPoint, repeat: int, poi
             elif req.index in base:
                 brow, breq = base[req.index]
                 row["speedup"] = speedup(row["tokens_per_s"], brow["tokens_per_s"])
-                if not proposers[role].owns_loop:
-                    row["predicted_speedup"] = predicted_speedup(req.stats, breq.stats)
+                row["predicted_speedup"] = predicted_speedup(req.stats, breq.stats)  # DSI is never served
                 if cfg.sampling.greedy:
                     row["lossless"] = req.output_ids == breq.output_ids
             rows.append(row)

@@ -20,7 +20,7 @@ from sdbench.config import DEFAULT_GAMMA, RunConfig, SamplingConfig
 from sdbench.commands.divergence import judge_rows
 from sdbench.data.passkey import answer_found
 from sdbench.data.prompts import encode_prompts
-from sdbench.engine.loop import generate
+from sdbench.decoders import SEQUENTIAL, decoder_for
 from sdbench.engine.state import needed_capacity
 from sdbench.env import environment, peak_memory, reset_peak_memory
 from sdbench.errors import Interrupted, SdbenchError
@@ -122,8 +122,8 @@ class Bench:
     def _generate(self, pair: Pair, proposer, batch: list[list[int]], max_new: int, seed: int,
                   capacity: int = 0) -> BatchResult:
         gen = torch.Generator(self.device).manual_seed(seed)
-        return generate(pair.target, proposer, batch, max_new_tokens=max_new, sampling=self.cfg.sampling,
-                    eos_ids=pair.eos, generator=gen, capacity=capacity)
+        return decoder_for(proposer)(pair.target, proposer, batch, max_new_tokens=max_new, sampling=self.cfg.sampling,
+                                     eos_ids=pair.eos, generator=gen, capacity=capacity)
 
     def run(self) -> Path:
         from sdbench.reporting.results import RunWriter, new_run_id
@@ -271,7 +271,7 @@ class Bench:
         for role, (res, (mem, mem_kind)) in results.items():
             name, params, drafts = self._describe(role, proposers[role])
             predicted = math.nan  # the sequential-SD model says nothing of DSI
-            if base is not None and role != "baseline" and not proposers[role].owns_loop:
+            if base is not None and role != "baseline" and proposers[role].decoder == SEQUENTIAL:
                 predicted = predicted_batch_speedup(res.rows, base.rows, [len(o) for o in res.output_ids])
             for b, i in enumerate(idx):
                 row = dict(common)

@@ -1,8 +1,9 @@
 """The one decode loop: propose -> verify -> commit -> observe -> record.
 
-Every strategy runs through `generate`; plain decoding is the proposer that proposes nothing. A strategy that
-changes the control flow itself (speculation parallelism) declares `owns_loop` and brings its own loop, which
-still commits through the same step (engine/step.py) and counts by the same definitions (engine/metrics.py).
+Every strategy runs through `generate`; plain decoding is the proposer that proposes nothing. Speculation
+parallelism (DSI) changes the control flow itself: it has its own decoder (dsi/decoder.py), which the command
+chooses (sdbench/decoders.py) and which still commits by the same rule (engine/step.py) and counts by the same
+definitions (engine/metrics.py).
 
 Serving under load (`serve`) runs the same rounds with an admission point between them: a `Scheduler`
 (engine/scheduler.py) frees the slots of finished requests and hands over arrived ones, which are prefilled into
@@ -24,15 +25,12 @@ from sdbench.errors import SdbenchError
 
 def generate(target, proposer, prompts: list[list[int]], *, max_new_tokens: int, sampling: SamplingConfig,
            eos_ids=(), generator: torch.Generator | None = None, capacity: int = 0) -> BatchResult:
-    """Decode a batch of prompts with the target, drafting through `proposer` (its own loop if it owns one).
+    """Decode a batch of prompts with the target, drafting through `proposer`.
 
     capacity: the least KV length to allocate (a warm-up passes the longest batch's, so that static-shape
     caches and their CUDA graphs are made during the warm-up and reused by the measured batches)."""
     if max_new_tokens < 1:
         raise SdbenchError(f"--max-new-tokens must be at least 1 (got {max_new_tokens})")
-    if proposer.owns_loop:
-        return proposer.generate(target, prompts, max_new_tokens=max_new_tokens, sampling=sampling,
-                                 eos_ids=eos_ids, generator=generator)
     capacity = max(capacity, needed_capacity(max(len(p) for p in prompts), max_new_tokens, proposer.max_lookahead))
     rows = [RowStats() for _ in prompts]
     t_start = now(target.device)
@@ -72,7 +70,7 @@ def serve(target, proposer, scheduler: Scheduler, *, sampling: SamplingConfig, e
     scheduler, whose requests now hold their tokens, times and counters, and duration_s the whole serving time.
 
     The rounds are the ones `generate` runs; between rounds the loop admits (`_admit`)."""
-    if proposer.owns_loop or not proposer.rows_join:  # the command refuses it earlier, in its own words
+    if not proposer.rows_join:  # the command refuses it earlier, in its own words
         raise SdbenchError(f"strategy '{proposer.name}' cannot take requests joining a running batch")
     longest = max(len(r.prompt) for r in scheduler.requests)
     most = max(r.max_new_tokens for r in scheduler.requests)

@@ -117,6 +117,11 @@ class GenericRunner:
             logits = logits[keep]
         return logits.float()
 
+    def share_plain(self) -> None:
+        """Put the weights back in the library's layout (a packed copy cannot be shared with worker processes);
+        a packing runner packs them again at its next forward."""
+        cpufast.disable(self.model)
+
     @torch.inference_mode()
     def forward(self, cache: GenericCache, tokens: torch.Tensor, start: list[int],
                 at: torch.Tensor | None = None) -> torch.Tensor:

@@ -139,6 +139,11 @@ class ModelRunner:
         if self.static:
             self.pool.give(cache)
 
+    def share_plain(self) -> None:
+        """Put the weights back in the library's layout (a packed copy cannot be shared with worker processes);
+        a packing runner packs them again at its next forward."""
+        cpufast.disable(self.model)
+
     def disable_graphs(self, reason: str) -> None:
         self.graphs = False
         warnings.warn(f"{self.name or 'model'}: {reason}; using the eager forward", RuntimeWarning, stacklevel=2)

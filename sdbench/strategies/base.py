@@ -44,7 +44,7 @@ class Proposer:
 
     name = "autoregressive"
     options: tuple[Option, ...] = ()
-    owns_loop = False  # True: the strategy changes control flow itself (see `generate`)
+    decoder = "sequential"  # the decoder the command runs it with (sdbench/decoders.py): the one loop, or "dsi"
     rows_join = False  # True: requests may join a running batch (serving under load): `begin_rows` is implemented
 
     def __init__(self, gamma: int = 0):
@@ -77,12 +77,6 @@ class Proposer:
     def end(self) -> None:
         """Called once the generation is over (also after an error): give back caches for reuse."""
 
-    def generate(self, target, prompts: list[list[int]], *, max_new_tokens: int, sampling, eos_ids=(),
-                 generator=None):
-        """Only for a strategy with `owns_loop`: decode the prompts itself and return a BatchResult counted
-        by engine/metrics.py's definitions."""
-        raise NotImplementedError
-
     # ---- reporting -----------------------------------------------------------------------------------------
     def params(self) -> dict:
         """The settings recorded with every result row."""
@@ -110,7 +104,7 @@ class Proposer:
     def join_refusal(cls, options: dict) -> str | None:
         """Why this strategy with these options (validated, defaults filled) cannot serve requests that join a
         running batch (`run --request-rate/--concurrency`), in a few words; None when it can."""
-        if cls.owns_loop:
+        if cls.decoder != "sequential":
             return "it runs its own decode loop, one batch from start to end"
         if not cls.rows_join:
             return "its proposer keeps state for a whole batch from the start of a generation"

@@ -7,8 +7,8 @@ With about 1/(gamma·c) workers (c = draft forward / target forward) it is never
 and faster than sequential SD in expectation (`sdbench simulate dsi` shows where). The output is the
 target's: verification is sdbench.engine.sampling's greedy rule.
 
-This strategy owns its loop (speculation parallelism changes control flow) and counts by sdbench.engine.metrics'
-definitions: the verification of the bare prompt gives the first token (the time to it is the TTFT, as a
+This strategy runs on its own decoder (dsi/decoder.py, chosen by the command through sdbench/decoders.py:
+speculation parallelism changes control flow) and counts by sdbench.engine.metrics' definitions: the verification of the bare prompt gives the first token (the time to it is the TTFT, as a
 prefill's), a step is each later verification that committed tokens, `drafted` counts the drafts it judged
 and `accepted` those of them it committed, draft_s is all drafting time (discarded drafts included) and
 verify_s the committing verifications' time. The batch's wall time and TTFT are both sums over its prompts
@@ -21,14 +21,14 @@ not implemented, so temperature > 0 is refused. A batch is decoded one prompt af
 
 from __future__ import annotations
 
+from sdbench.dsi.decoder import greedy_only
 from sdbench.errors import SdbenchError
-from sdbench.engine.metrics import BatchResult
 from sdbench.strategies.base import BuildContext, Option, Proposer, need_gamma
 
 
 class DSI(Proposer):
     name = "dsi"
-    owns_loop = True
+    decoder = "dsi"
     options = (
         Option("workers", 2, "target workers: processes on the CPU, one GPU each on CUDA"),
         Option("backend", "process", "where workers run: process (this machine) or ray (a Ray cluster, or "
@@ -48,44 +48,13 @@ class DSI(Proposer):
             raise SdbenchError(f"--set backend={backend}: use one of {', '.join(BACKENDS)}")
         super().__init__(gamma)
         self.draft, self.workers, self.backend, self.threads = draft, workers, backend, threads
-        self._rows: list[dict] = []
 
     def params(self) -> dict:
         return {"gamma": self.gamma, "workers": self.workers, "backend": self.backend}
 
-    def row_stats(self, b: int) -> dict:
-        return self._rows[b] if b < len(self._rows) else {}
-
-    def generate(self, target, prompts, *, max_new_tokens, sampling, eos_ids=(), generator=None):
-        """Decode each prompt with DSI, one after another."""
-        from sdbench.dsi.orchestrator import decode_one, torch_threads
-        from sdbench.dsi.pools import default_threads, discard_pool, get_pool
-
-        _greedy_only(sampling)
-        from sdbench.models import cpufast
-
-        threads = self.threads or default_threads(self.workers)
-        cpufast.disable(target.model)  # workers receive the plain weights (packed ones cannot be shared)
-        pool = get_pool(self.backend, target, self.workers, threads)
-        outcomes = []
-        try:
-            with torch_threads(threads):
-                for prompt in prompts:
-                    outcomes.append(decode_one(pool, self.draft, list(prompt), lookahead=self.gamma,
-                                               workers=self.workers, max_new_tokens=max_new_tokens, eos=eos_ids,
-                                               sampling=sampling, generator=generator))
-        except BaseException:  # workers may still be busy with this generation, or broken
-            discard_pool(pool)
-            raise
-        for o in outcomes:
-            o.extras["backend"] = self.backend
-        self._rows = [o.extras for o in outcomes]
-        return BatchResult([o.tokens for o in outcomes], [len(p) for p in prompts], [o.stats for o in outcomes],
-                           sum(o.wall_s for o in outcomes), sum(o.ttft_s for o in outcomes), list(self._rows))
-
     @classmethod
     def check(cls, gamma: int, options: dict, drafts: tuple[str, ...], sampling) -> None:
-        _greedy_only(sampling)
+        greedy_only(sampling)
         cls(None, gamma, **options)  # the constructor checks every setting and touches no model
 
     @classmethod
@@ -94,7 +63,3 @@ class DSI(Proposer):
             raise SdbenchError("strategy 'dsi' needs a draft model: pass --draft MODEL (the target itself works)")
         return cls(ctx.drafts[0], ctx.gamma, **ctx.options)
 
-
-def _greedy_only(sampling) -> None:
-    if not sampling.greedy:
-        raise SdbenchError("strategy 'dsi' decodes greedily only: use --temperature 0")
