@@ -168,7 +168,7 @@ def test_run_batched_ngram_and_long_context(capsys, tmp_path):
 @pytest.mark.slow
 def test_interrupted_run_keeps_finished_batches_and_resumes(capsys, tmp_path, monkeypatch):
     calls = {"n": 0}
-    real = benchmark.generate
+    real = benchmark.decode
 
     def flaky(*args, **kwargs):
         calls["n"] += 1
@@ -176,7 +176,7 @@ def test_interrupted_run_keeps_finished_batches_and_resumes(capsys, tmp_path, mo
             raise KeyboardInterrupt
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(benchmark, "generate", flaky)
+    monkeypatch.setattr(benchmark, "decode", flaky)
     code, _, err = run_cli(capsys, "run", *SMALL, "--turns", "1", "--out", str(tmp_path))
     line = one_line_error(code, err)
     assert "interrupted" in line and "--resume" in line
@@ -269,13 +269,13 @@ def test_a_run_stopped_by_a_signal_resumes_to_every_prompt_once(tmp_path, sig):
     ready = tmp_path.parent / f"{tmp_path.name}.second-batch"
     # the run as the user starts it, except that once its first part is on disk, its next generation says so in
     # a file and waits there for the signal: the signal lands mid-batch by an event, not by a race against a sleep
-    hold = (f"import pathlib, time; import sdbench.commands.run as r; real = r.generate\n"
+    hold = (f"import pathlib, time; import sdbench.commands.run as r; real = r.decode\n"
             f"def held(*a, **k):\n"
             f"    if list(pathlib.Path({str(tmp_path)!r}).glob('*.parts/part-*.parquet')):\n"
             f"        pathlib.Path({str(ready)!r}).touch()\n"
             f"        time.sleep(600)\n"
             f"    return real(*a, **k)\n"
-            f"r.generate = held\n"
+            f"r.decode = held\n"
             f"from sdbench.cli import main; main({run!r})\n")
     proc = subprocess.Popen([sys.executable, "-c", hold], env=env, stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True)

@@ -89,20 +89,25 @@ def test_a_cut_step_is_censored_not_rejected():
 def test_dsi_batch_times_sum_over_its_prompts(monkeypatch, target):
     """DSI decodes a batch one prompt after another: its wall time and its TTFT both sum the prompts', so
     wall - TTFT (the decode phase) means for it what it means for the batched loop."""
-    from sdbench.dsi import orchestrator, pools
+    from sdbench.decoders import decoder_for
+    from sdbench.dsi import decoder
     from sdbench.dsi.orchestrator import RowOutcome
     from sdbench.strategies.dsi import DSI
 
-    def one(pool, draft, prompt, **kw):
-        stats = RowStats()
-        for _ in range(4):
-            stats.add_step(2, 2, 0.0, 0.0)
-        return RowOutcome([1] * 13, stats, {}, wall_s=1.0, ttft_s=0.4)
+    class One:
+        def __init__(self, pool, draft, prompt, **kw):
+            pass
 
-    monkeypatch.setattr(orchestrator, "decode_one", one)
-    monkeypatch.setattr(pools, "get_pool", lambda *a, **k: None)
+        def run(self):
+            stats = RowStats()
+            for _ in range(4):
+                stats.add_step(2, 2, 0.0, 0.0)
+            return RowOutcome([1] * 13, stats, {}, wall_s=1.0, ttft_s=0.4)
+
+    monkeypatch.setattr(decoder, "RowDecode", One)
+    monkeypatch.setattr(decoder, "get_pool", lambda *a, **k: None)
     dsi = DSI(target, 2, workers=1, threads=1)
-    results = {n: generate(target, dsi, [[1, 2]] * n, max_new_tokens=13, sampling=GREEDY) for n in (1, 3)}
+    results = {n: decoder_for(dsi)(target, dsi, [[1, 2]] * n, max_new_tokens=13, sampling=GREEDY) for n in (1, 3)}
     assert (results[3].wall_s, results[3].ttft_s) == pytest.approx((3.0, 1.2))
     decode_rate = {n: (r.new_tokens - n) / (r.wall_s - r.ttft_s) for n, r in results.items()}
     assert decode_rate[3] == pytest.approx(decode_rate[1])  # the old TTFT (the first prompt's) gave 36/2.6
@@ -210,7 +215,7 @@ def test_a_huge_gamma_is_capped_to_the_budget(capsys, tmp_path):
                                           (3, "before any batch finished: nothing was saved")])
 def test_ctrl_c_before_anything_finished_leaves_nothing(capsys, tmp_path, monkeypatch, cut_at, said):
     calls = {"n": 0}
-    real = benchmark.generate
+    real = benchmark.decode
 
     def interrupted(*args, **kwargs):
         calls["n"] += 1
@@ -218,7 +223,7 @@ def test_ctrl_c_before_anything_finished_leaves_nothing(capsys, tmp_path, monkey
             raise KeyboardInterrupt
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(benchmark, "generate", interrupted)
+    monkeypatch.setattr(benchmark, "decode", interrupted)
     code, _, err = run_cli(capsys, "run", "--limit", "1", "--max-new-tokens", "4", "--out", str(tmp_path))
     assert code == 130 and said in err and "--resume" not in err
     assert not list(tmp_path.iterdir())  # no RUN.config.json, no parts

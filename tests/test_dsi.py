@@ -11,7 +11,7 @@ from sdbench.decoders import decoder_for
 from sdbench.dsi.decoder import generate as dsi_generate
 from sdbench.engine.loop import generate
 from sdbench.dsi.ledger import Ledger
-from sdbench.dsi.orchestrator import decode_one
+from sdbench.dsi.orchestrator import RowDecode
 from sdbench.dsi import pools as pool_module
 from sdbench.dsi.pools import WorkerFailed, discard_pool, get_pool, shutdown_pools
 from sdbench.errors import SdbenchError
@@ -241,11 +241,11 @@ def test_a_rejection_cancels_the_verifications_in_flight_on_the_rejected_draft(p
             pass
 
     ledgers: list[Watched] = []
-    monkeypatch.setattr(orchestrator, "Drafter", Scripted)
+    monkeypatch.setattr(orchestrator, "PromptDrafter", Scripted)
     monkeypatch.setattr(orchestrator, "Ledger", lambda *a, **k: ledgers.append(Watched(*a, **k)) or ledgers[-1])
     pool = Gated(get_pool("process", target, 2, 1), ledgers)
-    row = decode_one(pool, None, prompt, lookahead=lookahead, workers=2, max_new_tokens=NEW, eos=(),
-                     sampling=GREEDY, generator=None)
+    row = RowDecode(pool, None, prompt, lookahead=lookahead, workers=2, max_new_tokens=NEW, eos=(),
+                    sampling=GREEDY, generator=None).run()
     (led,) = ledgers
     assert pool.guard_fired == 0  # every answer went back on the ledger's word, none on the hang guard
     assert row.tokens == ref  # the wrong draft never reached the output
@@ -274,8 +274,8 @@ def test_only_the_drafter_thread_waits_for_the_device(pools, target, small_draft
 
     monkeypatch.setattr(orchestrator, "now", now)
     pool = get_pool("process", target, 2, 1)
-    row = decode_one(pool, small_draft, prompts[0], lookahead=2, workers=2, max_new_tokens=NEW, eos=(),
-                     sampling=GREEDY, generator=None)
+    row = RowDecode(pool, small_draft, prompts[0], lookahead=2, workers=2, max_new_tokens=NEW, eos=(),
+                    sampling=GREEDY, generator=None).run()
     assert row.tokens == reference(target, prompts[:1])[0]
     assert set(waits) <= {"sdbench-dsi-drafter"}  # the drafter reads its tokens back; nothing else ever waits
 
@@ -382,9 +382,9 @@ def test_a_failure_is_raised_and_the_pool_replaced(pools, target, small_draft, p
 
 def test_the_drafter_drafts_after_a_one_token_prompt(small_draft):
     """Nothing to prefill before the first draft: it feeds the whole (one-token) prompt itself."""
-    from sdbench.dsi.orchestrator import Drafter
+    from sdbench.dsi.orchestrator import PromptDrafter
 
-    drafter = Drafter(small_draft, [5], 16, GREEDY)
+    drafter = PromptDrafter(small_draft, [5], 16, GREEDY)
     with torch.no_grad():
         want = small_draft.model(torch.tensor([[5]])).logits[0, -1].argmax()
     assert drafter.next_token([5]) == int(want)

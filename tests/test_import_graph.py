@@ -138,3 +138,14 @@ def test_top_level_folders_form_layers():
                 mine.setdefault(folder(target), 0)
     found = [c for c in cycles(folders) if frozenset(c) not in ALLOWED_FOLDER_CYCLES]
     assert not found, "folder cycles:\n" + "\n".join(f"{c}:\n{_where(graph, c, folder)}" for c in found)
+
+
+# what sits below the commands: it is called by them and never calls them back
+BELOW_COMMANDS = ("analysis", "engine", "strategies", "drafting", "dsi", "models", "kv", "data", "reporting")
+
+
+def test_nothing_below_the_commands_imports_them():
+    graph = import_graph()
+    found = {(m, t): line for m, edges in graph.items() for t, line in edges.items()
+             if folder(m) in BELOW_COMMANDS and folder(t) == "commands"}
+    assert not found, "\n".join(f"  {m} -> {t} (line {line})" for (m, t), line in sorted(found.items()))

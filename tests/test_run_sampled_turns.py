@@ -27,19 +27,19 @@ RECORDS = [{"question_id": 1, "category": "writing", "turns": ["w5 w9 w13 w5 w9 
 
 @pytest.fixture
 def sampled(tmp_path, monkeypatch):
-    """(run arguments but --out and --seed, the decodes' log: (proposer class, prompts) per `generate` call)."""
+    """(run arguments but --out and --seed, the decodes' log: (proposer class, prompts) per `decode` call)."""
     monkeypatch.setenv("SDBENCH_CACHE", str(tmp_path / "cache"))
     folder = tiny_model_dir(tmp_path / "tiny")
     data = tmp_path / "two-turns.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in RECORDS))
     calls = []
-    real = benchmark.generate
+    real = benchmark.decode
 
     def watched(target, proposer, batch, *args, **kwargs):
         calls.append((type(proposer).__name__, [list(p) for p in batch]))
         return real(target, proposer, batch, *args, **kwargs)
 
-    monkeypatch.setattr(benchmark, "generate", watched)
+    monkeypatch.setattr(benchmark, "decode", watched)
     args = ["run", "--target", str(folder), "--strategy", "draft", "--draft", str(folder), "--gamma", "3",
             "--dataset", str(data), "--limit", "2", "--max-new-tokens", str(NEW), "--temperature", "1.5",
             "--device", "cpu"]

@@ -67,6 +67,11 @@ def plan(cfg: RunConfig) -> tuple[RunConfig, object]:
     return cfg, choice
 
 
+def decode(target, proposer, prompts: list[list[int]], **kwargs) -> BatchResult:
+    """One batch with the decoder this proposer runs on (sdbench/decoders.py): every generation of a run."""
+    return decoder_for(proposer)(target, proposer, prompts, **kwargs)
+
+
 def capped_gammas(gammas: tuple[int, ...], max_new_tokens: int) -> tuple[int, ...]:
     """Each lookahead capped to the most tokens a step can still commit (every token after the prefill's first),
     so that what a row records is the lookahead actually used; duplicates the cap makes are dropped."""
@@ -122,8 +127,8 @@ class Bench:
     def _generate(self, pair: Pair, proposer, batch: list[list[int]], max_new: int, seed: int,
                   capacity: int = 0) -> BatchResult:
         gen = torch.Generator(self.device).manual_seed(seed)
-        return decoder_for(proposer)(pair.target, proposer, batch, max_new_tokens=max_new, sampling=self.cfg.sampling,
-                                     eos_ids=pair.eos, generator=gen, capacity=capacity)
+        return decode(pair.target, proposer, batch, max_new_tokens=max_new, sampling=self.cfg.sampling,
+                      eos_ids=pair.eos, generator=gen, capacity=capacity)
 
     def run(self) -> Path:
         from sdbench.reporting.results import RunWriter, new_run_id

@@ -8,7 +8,7 @@ engine/metrics.py's definitions (strategies/dsi.py says how).
 
 from __future__ import annotations
 
-from sdbench.dsi.orchestrator import decode_one, torch_threads
+from sdbench.dsi.orchestrator import RowDecode, torch_threads
 from sdbench.dsi.pools import default_threads, discard_pool, get_pool
 from sdbench.engine.metrics import BatchResult
 from sdbench.errors import SdbenchError
@@ -31,9 +31,9 @@ def generate(target, proposer, prompts: list[list[int]], *, max_new_tokens: int,
     try:
         with torch_threads(threads):
             for prompt in prompts:
-                outcomes.append(decode_one(pool, proposer.draft, list(prompt), lookahead=proposer.gamma,
-                                           workers=proposer.workers, max_new_tokens=max_new_tokens, eos=eos_ids,
-                                           sampling=sampling, generator=generator))
+                outcomes.append(RowDecode(pool, proposer.draft, list(prompt), lookahead=proposer.gamma,
+                                          workers=proposer.workers, max_new_tokens=max_new_tokens, eos=eos_ids,
+                                          sampling=sampling, generator=generator).run())
     except BaseException:  # workers may still be busy with this generation, or broken
         discard_pool(pool)
         raise

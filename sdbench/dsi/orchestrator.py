@@ -45,7 +45,7 @@ def torch_threads(n: int):
         torch.set_num_threads(before)
 
 
-class Drafter:
+class PromptDrafter:
     """One token at a time after a token list, through the one model drafter (batch of one); its cache follows
     the list, rewinds included (drafting/prefix.py). It prefills the prompt on its first draft, in the drafter
     thread, so that the prefill counts as drafting time."""
@@ -95,72 +95,102 @@ class _Shared:
     warm_answers: int = 0
 
 
-def decode_one(pool, draft_runner, prompt: list[int], *, lookahead: int, workers: int, max_new_tokens: int,
-               eos, sampling: SamplingConfig, generator) -> RowOutcome:
-    seq = next(_seq_ids)
-    capacity = needed_capacity(len(prompt), max_new_tokens, lookahead)
-    ledger = Ledger(prompt, lookahead=lookahead, max_new_tokens=max_new_tokens, workers=workers, eos=eos)
-    drafter = Drafter(draft_runner, prompt, capacity, sampling)
-    cond = threading.Condition()
-    shared = _Shared(busy=[0.0] * workers)
-    stats = RowStats()
+class RowDecode:
+    """One prompt decoded with DSI: start the workers on the prompt, draft in a second thread, take answers
+    until the ledger is done, stop the drafter, drain the workers (`run`)."""
 
-    def send(jobs: list[Job]) -> None:
+    def __init__(self, pool, draft_runner, prompt: list[int], *, lookahead: int, workers: int, max_new_tokens: int,
+                 eos, sampling: SamplingConfig, generator):
+        self.pool, self.sampling, self.generator = pool, sampling, generator
+        self.seq = next(_seq_ids)
+        self.capacity = needed_capacity(len(prompt), max_new_tokens, lookahead)
+        self.ledger = Ledger(prompt, lookahead=lookahead, max_new_tokens=max_new_tokens, workers=workers, eos=eos)
+        self.drafter = PromptDrafter(draft_runner, prompt, self.capacity, sampling)
+        self.cond = threading.Condition()
+        self.shared = _Shared(busy=[0.0] * workers)
+        self.stats = RowStats()
+        self.ttft: float | None = None
+        self.t0 = 0.0
+
+    def run(self) -> RowOutcome:
+        # this thread never waits for the device: it does no GPU work of its own (the workers are other
+        # processes), and a synchronisation here while the drafter thread captures a CUDA graph would break it
+        self.t0 = now()
+        self._start_workers()
+        drafting = threading.Thread(target=_draft_loop, args=(self.ledger, self.drafter, self.cond, self.shared,
+                                                              self.send), name="sdbench-dsi-drafter", daemon=True)
+        drafting.start()
+        try:
+            self._take_answers()
+            wall = now() - self.t0
+        finally:
+            self._stop_drafter(drafting)
+        _drain(self.pool, self.ledger, self.seq)  # after a failure the caller discards the pool instead
+        extras = _extras(self.ledger, self.shared, self.stats, wall, self.ttft)
+        return RowOutcome(self.ledger.generated(), self.stats, extras, wall, self.ttft)
+
+    def send(self, jobs: list[Job]) -> None:
         for job in jobs:
-            pool.submit(job.worker, Task(seq, job.id, capacity, ledger.inputs(job), job.start))
+            self.pool.submit(job.worker, Task(self.seq, job.id, self.capacity, self.ledger.inputs(job), job.start))
 
-    def judge(job: Job, frontier: int, drafts: list[int]):
+    def judge(self, job: Job, frontier: int, drafts: list[int]):
+        """The greedy verdict on `drafts` after `frontier` from a job's logits: (accepted, next token)."""
         logits = job.result.logits[frontier - job.start :]  # [n + 1, V]: predictions at frontier..end
         proposal = Proposal(torch.tensor([drafts], dtype=torch.long), torch.tensor([len(drafts)]))
-        accepted, nxt = accept(proposal, logits[None], sampling, generator)
+        accepted, nxt = accept(proposal, logits[None], self.sampling, self.generator)
         return accepted[0], nxt[0]
 
-    # this thread never waits for the device: it does no GPU work of its own (the workers are other processes),
-    # and a synchronisation here while the drafter thread captures a CUDA graph would break the capture
-    t0 = now()
-    with cond:
-        warm = ledger.warm()
-        shared.warm_ids = {job.id for job in warm}
-        send(warm)
-    drafting = threading.Thread(target=_draft_loop, args=(ledger, drafter, cond, shared, send),
-                                name="sdbench-dsi-drafter", daemon=True)
-    drafting.start()
-    ttft = None
-    try:
+    def _start_workers(self) -> None:
+        """The verifications of the bare prompt: the workers' prefill, and the first token."""
+        with self.cond:
+            warm = self.ledger.warm()
+            self.shared.warm_ids = {job.id for job in warm}
+            self.send(warm)
+
+    def _take_answers(self) -> None:
+        """Until the ledger is done: wait for answers, judge and commit them, send the next jobs."""
         waited = 0.0
         while True:
-            with cond:
-                if ledger.done:
-                    break
-                _check(ledger, shared, waited)
-            answers = [a for a in pool.poll(POLL_S) if a.seq == seq]
+            with self.cond:
+                if self.ledger.done:
+                    return
+                _check(self.ledger, self.shared, waited)
+            answers = [a for a in self.pool.poll(POLL_S) if a.seq == self.seq]
             waited = 0.0 if answers else waited + POLL_S
-            with cond:
+            with self.cond:
                 for answer in answers:
-                    shared.busy[answer.worker] += answer.busy_s
-                    shared.answers += 1
-                    if answer.job in shared.warm_ids:
-                        shared.warm_busy_s += answer.busy_s
-                        shared.warm_answers += 1
-                    for step in ledger.finish(answer.job, answer.worker, answer, judge):
-                        if ttft is None:  # the prompt's verification gives the first token, as a prefill does:
-                            ttft = now() - t0  # not a step (engine/metrics.py); its drafting time goes on
-                            continue
-                        # accepted = drafts committed (an EOS may cut accepted ones), as the decode loop counts
-                        stats.add_step(step.drafted, min(step.accepted, step.committed), shared.unassigned_draft_s,
-                                       step.job.result.busy_s, rejected=step.accepted < step.drafted)
-                        shared.unassigned_draft_s = 0.0
-                send(ledger.dispatch())
-                cond.notify_all()
-        wall = now() - t0
-    finally:
-        with cond:
-            shared.stop = True
-            cond.notify_all()
+                    self._take(answer)
+                self.send(self.ledger.dispatch())
+                self.cond.notify_all()
+
+    def _take(self, answer) -> None:
+        """One worker's answer (under the lock): its busy time, then every step it lets the ledger commit."""
+        shared = self.shared
+        shared.busy[answer.worker] += answer.busy_s
+        shared.answers += 1
+        if answer.job in shared.warm_ids:
+            shared.warm_busy_s += answer.busy_s
+            shared.warm_answers += 1
+        for step in self.ledger.finish(answer.job, answer.worker, answer, self.judge):
+            self._count(step)
+
+    def _count(self, step) -> None:
+        """The prompt's verification gives the first token, as a prefill does: not a step (engine/metrics.py),
+        and its drafting time goes on to the first step. Accepted = drafts committed (an EOS may cut accepted
+        ones), as the decode loop counts."""
+        if self.ttft is None:
+            self.ttft = now() - self.t0
+            return
+        self.stats.add_step(step.drafted, min(step.accepted, step.committed), self.shared.unassigned_draft_s,
+                            step.job.result.busy_s, rejected=step.accepted < step.drafted)
+        self.shared.unassigned_draft_s = 0.0
+
+    def _stop_drafter(self, drafting: threading.Thread) -> None:
+        with self.cond:
+            self.shared.stop = True
+            self.cond.notify_all()
         drafting.join()
-        drafter.end()
-    _drain(pool, ledger, seq)  # after a failure the caller discards the pool instead
-    return RowOutcome(ledger.generated(), stats, _extras(ledger, shared, stats, wall, ttft), wall, ttft)
+        self.drafter.end()
 
 
 def _extras(ledger: Ledger, shared: _Shared, stats: RowStats, wall: float, ttft: float) -> dict:
@@ -182,7 +212,7 @@ def _ratio(total: float, count: int) -> float | None:
     return total / count if count > 0 else None
 
 
-def _draft_loop(ledger: Ledger, drafter: Drafter, cond: threading.Condition, shared: _Shared, send) -> None:
+def _draft_loop(ledger: Ledger, drafter: PromptDrafter, cond: threading.Condition, shared: _Shared, send) -> None:
     try:
         while True:
             with cond:
