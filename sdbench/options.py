@@ -5,15 +5,20 @@ from __future__ import annotations
 from sdbench.errors import SdbenchError
 
 
+def _numbers(text: str, kind, what: str) -> tuple:
+    """Numbers of `kind` from 'a' or 'a,b,c'; a value that does not parse is one line naming `what` was expected."""
+    try:
+        return tuple(kind(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise SdbenchError(f"{text}: expected {what}, or a comma-separated list") from None
+
+
 def parse_gammas(text: str | None, option: str = "--gamma", low: int | None = None) -> tuple[int, ...]:
     """Whole numbers from '4' or '1,2,4', distinct, each at least `low` when given; errors name `option`, the
     option the user typed."""
     if text is None:
         return ()
-    try:
-        values = tuple(int(x) for x in text.split(",") if x.strip())
-    except ValueError:
-        raise SdbenchError(f"{option} {text}: expected a whole number or a comma-separated list") from None
+    values = _named(option, lambda: _numbers(text, int, "a whole number"))
     if not values or len(set(values)) != len(values):
         raise SdbenchError(f"{option} {text}: expected distinct whole numbers")
     if low is not None and min(values) < low:
@@ -22,23 +27,25 @@ def parse_gammas(text: str | None, option: str = "--gamma", low: int | None = No
 
 
 def parse_depths(text: str | None) -> tuple[float, ...]:
-    try:
-        return tuple(float(x) for x in (text or "").split(",") if x.strip())
-    except ValueError:
-        raise SdbenchError(f"--depth {text}: expected a number from 0 to 1, or a comma-separated list") from None
+    return _named("--depth", lambda: _numbers(text or "", float, "a number from 0 to 1"))
 
 
 def parse_rates(text: str | None) -> tuple[float, ...]:
     """Request rates from '2' or '0.5,1,inf': each positive, or inf."""
     if text is None:
         return ()
-    try:
-        values = tuple(float(x) for x in text.split(",") if x.strip())
-    except ValueError:
-        raise SdbenchError(f"--request-rate {text}: expected a number of requests/s, inf, or a comma-separated list") from None
+    values = _named("--request-rate", lambda: _numbers(text, float, "a number of requests/s, inf"))
     if not values or len(set(values)) != len(values) or not all(v > 0 for v in values):  # NaN fails too
         raise SdbenchError(f"--request-rate {text}: expected distinct rates above 0 (requests/s), or inf")
     return values
+
+
+def _named(option: str, parse):
+    """parse(), its error prefixed with the option the user typed."""
+    try:
+        return parse()
+    except SdbenchError as e:
+        raise SdbenchError(f"{option} {e}") from None
 
 
 def parse_sets(items: list[str] | None) -> dict:

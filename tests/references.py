@@ -89,3 +89,13 @@ def tiny_text_model_dir(folder, seed: int = 0, **shape):
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder
+
+
+def tiny_cli_files(tmp_path, monkeypatch, prompts: list[str]) -> list[str]:
+    """A tiny model folder and a CSV of `prompts` under tmp_path, the cache and the user's presets there too:
+    the CLI's `--target FOLDER --dataset CSV`."""
+    monkeypatch.setenv("SDBENCH_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("SDBENCH_CONFIG", str(tmp_path / "home"))
+    tiny_model_dir(tmp_path / "tiny")
+    (tmp_path / "p.csv").write_text("prompt\n" + "".join(f'"{p}"\n' for p in prompts))
+    return ["--target", str(tmp_path / "tiny"), "--dataset", str(tmp_path / "p.csv")]

@@ -17,14 +17,10 @@ from tests.conftest import run_cli
 
 @pytest.fixture
 def tiny(tmp_path, monkeypatch):
-    from tests.references import tiny_model_dir
+    from tests.references import tiny_cli_files
 
-    monkeypatch.setenv("SDBENCH_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setenv("SDBENCH_CONFIG", str(tmp_path / "home"))
-    tiny_model_dir(tmp_path / "tiny")
-    (tmp_path / "p.csv").write_text('prompt\n"w1 w2 w3 w1 w2 w3 w4"\n"w5 w6 w5 w6 w5"\n"w7 w8 w9 w7 w8"\n')
-    return ["--target", str(tmp_path / "tiny"), "--dataset", str(tmp_path / "p.csv"), "--max-new-tokens", "6",
-            "--device", "cpu"]
+    prompts = ["w1 w2 w3 w1 w2 w3 w4", "w5 w6 w5 w6 w5", "w7 w8 w9 w7 w8"]
+    return [*tiny_cli_files(tmp_path, monkeypatch, prompts), "--max-new-tokens", "6", "--device", "cpu"]
 
 
 def write_preset(home, name: str, spec: dict) -> None:

@@ -373,13 +373,9 @@ def _trials_or_none(out):
 
 @pytest.fixture
 def tiny_tune(tmp_path, monkeypatch):
-    from tests.references import tiny_model_dir
+    from tests.references import tiny_cli_files
 
-    monkeypatch.setenv("SDBENCH_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setenv("SDBENCH_CONFIG", str(tmp_path / "home"))
-    tiny_model_dir(tmp_path / "tiny")
-    (tmp_path / "p.csv").write_text('prompt\n"w1 w2 w3 w1 w2 w3 w4"\n')
-    return ["tune", "--target", str(tmp_path / "tiny"), "--strategy", "ngram", "--dataset", str(tmp_path / "p.csv"),
+    return ["tune", *tiny_cli_files(tmp_path, monkeypatch, ["w1 w2 w3 w1 w2 w3 w4"]), "--strategy", "ngram",
             "--limit", "1", "--max-new-tokens", "6", "--study", "s", "--device", "cpu", "--out", str(tmp_path / "out")]
 
 
