@@ -397,3 +397,9 @@ def test_the_command_picks_the_dsi_decoder_and_the_one_loop_for_every_other_stra
     for e in strategy_registry:
         cls = e.load()
         assert decoder_for(cls.__new__(cls)) is (dsi_generate if e.name == "dsi" else generate), e.name
+
+
+def test_the_one_loop_refuses_a_proposer_of_another_decoder(target, small_draft):
+    """Calling the loop with DSI would decode plainly and look right: it refuses, naming the way."""
+    with pytest.raises(ValueError, match="runs on the 'dsi' decoder"):
+        generate(target, DSI(small_draft, 2, workers=1), [[1, 2, 3]], max_new_tokens=4, sampling=GREEDY)

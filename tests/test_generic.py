@@ -127,6 +127,7 @@ def test_strategies_are_lossless_on_generic_runners(family, prompts, strategy, o
 
 
 def test_dsi_workers_run_the_generic_runner(prompts):
+    from sdbench.decoders import decoder_for
     from sdbench.dsi import pools as pool_module
     from sdbench.dsi.pools import discard_pool
 
@@ -134,7 +135,8 @@ def test_dsi_workers_run_the_generic_runner(prompts):
     plain = generate(target, Autoregressive(), prompts[:2], max_new_tokens=10, sampling=GREEDY).output_ids
     try:
         proposer = build_proposer("dsi", BuildContext(target, [draft], 3, {"workers": 2, "threads": 1}))
-        assert generate(target, proposer, prompts[:2], max_new_tokens=10, sampling=GREEDY).output_ids == plain
+        decode = decoder_for(proposer)
+        assert decode(target, proposer, prompts[:2], max_new_tokens=10, sampling=GREEDY).output_ids == plain
         assert [key[-2] for key in pool_module._pools if key[1] == id(target.model)] == ["generic"]
     finally:
         for key, pool in list(pool_module._pools.items()):

@@ -31,6 +31,9 @@ def generate(target, proposer, prompts: list[list[int]], *, max_new_tokens: int,
     caches and their CUDA graphs are made during the warm-up and reused by the measured batches)."""
     if max_new_tokens < 1:
         raise SdbenchError(f"--max-new-tokens must be at least 1 (got {max_new_tokens})")
+    if proposer.decoder != "sequential":  # this loop would decode plainly and look right: refuse instead
+        raise ValueError(f"strategy '{proposer.name}' runs on the '{proposer.decoder}' decoder, not this loop: "
+                         "call sdbench.decoders.decoder_for(proposer)")
     capacity = max(capacity, needed_capacity(max(len(p) for p in prompts), max_new_tokens, proposer.max_lookahead))
     rows = [RowStats() for _ in prompts]
     t_start = now(target.device)
