@@ -149,3 +149,11 @@ def test_nothing_below_the_commands_imports_them():
     found = {(m, t): line for m, edges in graph.items() for t, line in edges.items()
              if folder(m) in BELOW_COMMANDS and folder(t) == "commands"}
     assert not found, "\n".join(f"  {m} -> {t} (line {line})" for (m, t), line in sorted(found.items()))
+
+
+def test_only_the_models_package_touches_the_cpu_fast_path():
+    """Packing the weights is the runner's business: every other module asks a runner (share_plain, own_layout,
+    plain), so that no command or strategy flips a model's layout behind a runner's back."""
+    graph = import_graph()
+    found = sorted(m for m, edges in graph.items() if "sdbench.models.cpufast" in edges and folder(m) != "models")
+    assert not found, found

@@ -213,7 +213,6 @@ def measure_peers(target: str, draft: str, dataset: str, limit: int, max_new: in
     """Load the models, measure every system (`_systems`) on the same prompts, then the cost ratios and the
     memory bandwidth; prints nothing but progress and a @random model's note."""
     from sdbench.models.pair import resolve_device, resolve_dtype, say_note
-    from sdbench.models import cpufast
     from sdbench.models.generic import GenericRunner, runner_kind
     from sdbench.models.loader import check_same_tokenizer, eos_token_ids, load_model
     from sdbench.models.pair import pick_runner
@@ -230,7 +229,6 @@ def measure_peers(target: str, draft: str, dataset: str, limit: int, max_new: in
         check_same_tokenizer(tgt.tokenizer, drf.tokenizer, target, draft)
     eos = eos_token_ids(tgt)
     prompts = [encode_prompt(p, tgt.tokenizer) for p in load_prompts(dataset, limit=limit, seed=seed)]
-    models = {id(m): m for m in (tgt.model, drf.model)}.values()
     plain_bytes = weight_bytes(tgt.model)  # before packing: a packed model's own weights are empty
     runner = pick_runner(tgt.model, target, True)
     graphs_asked = bool(getattr(runner, "graphs", False))
@@ -238,11 +236,12 @@ def measure_peers(target: str, draft: str, dataset: str, limit: int, max_new: in
     generic = GenericRunner(tgt.model, target) if runner_kind(runner) == "native" else None
 
     def weights(fast: bool) -> None:
-        for m in models:
+        """Each model in the layout the next system runs on: the fast runners' own, or the library's."""
+        for r in {id(r): r for r in (runner, d_runner)}.values():
             if fast:
-                cpufast.enable(m)
+                r.own_layout()
             else:
-                cpufast.disable(m)
+                r.share_plain()
 
     room = needed_capacity(max(len(p) for p in prompts), max_new, gamma)
     systems = _systems(tgt, drf, runner, pick_runner(tgt.model, target, False), d_runner, max_new, eos, room, gamma,
@@ -257,7 +256,7 @@ def measure_peers(target: str, draft: str, dataset: str, limit: int, max_new: in
         ratios = cost_ratios(runner, d_runner, prompts, gamma)
     weights(False)
     return Peers(results, memory_bandwidth(dev), plain_bytes, ratios[0], ratios[1], picked,
-                 _fast_path_line(tgt.model, dev), graphs_asked, bool(getattr(runner, "graphs", False)), len(prompts),
+                 runner.fast_path_note(), graphs_asked, bool(getattr(runner, "graphs", False)), len(prompts),
                  str(dev))
 
 
@@ -266,15 +265,6 @@ def _pick_generate(model, prompt: list[int], eos: list[int], mode: str, device, 
     status.update("choosing transformers generate's fastest configuration" if mode == "fastest" else "measuring")
     weights(False)
     return pick(model, prompt, eos, mode, device, room)
-
-
-def _fast_path_line(model, device) -> str | None:
-    """Which forward sdbench's fast path uses on a CPU (packed or plain, as measured at this shape), or None."""
-    from sdbench.models import cpufast
-
-    if device.type != "cpu" or not (cpufast.available() and cpufast.supports(model)):
-        return None
-    return cpufast.choose(model).describe()
 
 
 def check_outputs(results: list[Measured]) -> None:

@@ -151,7 +151,6 @@ def _prompt(tokenizer, runner) -> list[int]:
 def _greedy_vs_generate(row: Checked, loaded, runner, prompt: list[int], tokens: int) -> list[int]:
     """sdbench's plain greedy tokens, after comparing them with the library's own generate."""
     from sdbench.engine.loop import generate
-    from sdbench.models import cpufast
     from sdbench.models.loader import eos_token_ids
     from sdbench.strategies.autoregressive import Autoregressive
 
@@ -159,7 +158,7 @@ def _greedy_vs_generate(row: Checked, loaded, runner, prompt: list[int], tokens:
     ours = generate(runner, Autoregressive(), [prompt], max_new_tokens=tokens, sampling=SamplingConfig(),
                     eos_ids=eos).output_ids[0]
     ids = torch.tensor([prompt], device=runner.device)
-    with cpufast.plain(loaded.model), torch.inference_mode():
+    with runner.plain(), torch.inference_mode():
         out = loaded.model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, num_beams=1,
                                     max_new_tokens=tokens, eos_token_id=eos or None,
                                     pad_token_id=eos[0] if eos else 0, repetition_penalty=1.0,

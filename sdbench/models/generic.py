@@ -122,6 +122,15 @@ class GenericRunner:
         a packing runner packs them again at its next forward."""
         cpufast.disable(self.model)
 
+    own_layout = share_plain  # this runner's forward is the library's, on its own weights
+
+    def plain(self):
+        """A context in which the model has the library's own weights (as this runner always uses)."""
+        return cpufast.plain(self.model)
+
+    def fast_path_note(self) -> str | None:
+        return None
+
     @torch.inference_mode()
     def forward(self, cache: GenericCache, tokens: torch.Tensor, start: list[int],
                 at: torch.Tensor | None = None) -> torch.Tensor:

@@ -144,6 +144,25 @@ class ModelRunner:
         a packing runner packs them again at its next forward."""
         cpufast.disable(self.model)
 
+    def own_layout(self) -> None:
+        """Put the weights in the layout this runner's forward uses (packed, or the library's) now, so that its
+        first forward does not (a benchmark readies each side before timing it)."""
+        if self._fast is not None:
+            self._fast.pack()
+        else:
+            cpufast.disable(self.model)
+
+    def plain(self):
+        """A context in which the model has the library's own weights (its own forward, a copy), the packing
+        restored after it."""
+        return cpufast.plain(self.model)
+
+    def fast_path_note(self) -> str | None:
+        """Which forward the CPU fast path uses at this shape (packed or plain, as measured), or None off it."""
+        if self.device.type != "cpu" or not (cpufast.available() and cpufast.supports(self.model)):
+            return None
+        return cpufast.choose(self.model).describe()
+
     def disable_graphs(self, reason: str) -> None:
         self.graphs = False
         warnings.warn(f"{self.name or 'model'}: {reason}; using the eager forward", RuntimeWarning, stacklevel=2)
