@@ -403,3 +403,41 @@ def test_the_one_loop_refuses_a_proposer_of_another_decoder(target, small_draft)
     """Calling the loop with DSI would decode plainly and look right: it refuses, naming the way."""
     with pytest.raises(ValueError, match="runs on the 'dsi' decoder"):
         generate(target, DSI(small_draft, 2, workers=1), [[1, 2, 3]], max_new_tokens=4, sampling=GREEDY)
+
+
+def test_a_drafter_failure_is_raised_by_the_calling_thread(pools, target, prompts, monkeypatch):
+    """The drafter thread's error stops its thread and is raised where the decode was called, not lost in the
+    thread (which would leave the calling thread waiting for drafts that never come)."""
+    from sdbench.dsi import orchestrator
+
+    class Failing:
+        def __init__(self, runner, prompt, capacity, sampling):
+            self.ended = False
+
+        def next_token(self, tokens):
+            raise ValueError("the draft model broke")
+
+        def end(self):
+            self.ended = True
+
+    monkeypatch.setattr(orchestrator, "PromptDrafter", Failing)
+    row = RowDecode(get_pool("process", target, 2, 1), None, prompts[0], lookahead=2, workers=2,
+                    max_new_tokens=NEW, eos=(), sampling=GREEDY, generator=None)
+    with pytest.raises(ValueError, match="the draft model broke"):
+        row.run()
+    assert not row.drafts.thread.is_alive() and row.drafts.drafter.ended
+    discard_pool(row.pool)  # its workers may still hold the prompt's verifications: later tests start fresh ones
+
+
+def test_every_drafting_second_goes_to_one_step(pools, target, small_draft, prompts):
+    """The drafter counts its time; each committing step takes what was drafted since the previous one (the
+    first step also what came before the first token): the steps' draft_s and what is left after the last
+    step add up to the drafter's total, nothing counted twice or lost across the two threads."""
+    row = RowDecode(get_pool("process", target, 2, 1), small_draft, prompts[0], lookahead=2, workers=2,
+                    max_new_tokens=NEW, eos=(), sampling=GREEDY, generator=None)
+    out = row.run()
+    assert out.tokens == reference(target, prompts[:1])[0]
+    drafts = row.drafts
+    assert out.stats.steps > 0 and drafts.made == out.extras["drafted_total"] > 0
+    assert out.stats.draft_s + drafts.unassigned_s == pytest.approx(drafts.draft_s)
+    assert 0 < drafts.first_s <= drafts.draft_s

@@ -1,11 +1,15 @@
 """DSI on real models: a drafter thread and a result loop around one Ledger, over a pool of target workers.
 
 Two threads share the ledger under one lock:
-- the drafter thread drafts one token at a time (the draft model lives in this process, with its own KV
-  cache) whenever the ledger wants one, and sends every completed window to an idle worker. It never waits
-  for a verification, only for a free worker when a full window is already waiting (pool saturated).
-- the calling thread waits for answers, judges them through sdbench.engine.sampling (greedy verification), commits,
-  cancels what a rejection invalidated, and sends the next jobs.
+- the drafter thread (DraftThread) drafts one token at a time (the draft model lives in this process, with
+  its own KV cache) whenever the ledger wants one, and sends every completed window to an idle worker. It
+  never waits for a verification, only for a free worker when a full window is already waiting (pool
+  saturated).
+- the calling thread (RowDecode, one prompt's decode) waits for answers, judges them through
+  sdbench.engine.sampling (greedy verification), commits, cancels what a rejection invalidated, and sends
+  the next jobs.
+Each counts its own: the drafter its drafting time, the calling thread the workers' answers and the steps (a
+step takes the drafting time spent since the previous one from the drafter, under the lock).
 Neither forward can be interrupted: a draft begun on a prefix that a rejection discards is dropped when it
 completes, and a worker finishes a cancelled verification before it takes the next one (the simulator's
 default, non-preemptive mode models exactly this).
@@ -77,27 +81,98 @@ class RowOutcome:
     ttft_s: float
 
 
-@dataclass
-class _Shared:
-    """What the two threads share besides the ledger (guarded by the same lock)."""
+class DraftThread:
+    """The drafter thread: drafts one token whenever the ledger wants one and sends every completed window to
+    an idle worker (`send`); it never waits for a verification. What it counts is its own, written under the
+    calling thread's lock (`cond`), which reads it under the same lock."""
 
-    stop: bool = False
-    drafting: bool = False
-    error: BaseException | None = None
-    draft_s: float = 0.0
-    unassigned_draft_s: float = 0.0  # drafting time not yet attributed to a committing step
-    drafts_made: int = 0
-    answers: int = 0
-    busy: list = field(default_factory=list)
-    first_draft_s: float = 0.0  # the drafter's first call, which catches up on the prompt (its prefill)
-    warm_ids: set = field(default_factory=set)  # the workers' verifications of the bare prompt (their prefill)
+    def __init__(self, ledger: Ledger, drafter: PromptDrafter, cond: threading.Condition, send):
+        self.ledger, self.drafter, self.cond, self.send = ledger, drafter, cond, send
+        self.stopping = False
+        self.drafting = False  # a draft forward is running (the ledger may not want another meanwhile)
+        self.error: BaseException | None = None  # what stopped the thread, raised by the calling thread
+        self.draft_s = 0.0  # all drafting time, discarded drafts included
+        self.first_s = 0.0  # the first call, which catches up on the prompt (the drafter's prefill)
+        self.made = 0
+        self.unassigned_s = 0.0  # drafting time not yet attributed to a committing step
+        self.thread = threading.Thread(target=self._loop, name="sdbench-dsi-drafter", daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def stop(self) -> None:
+        with self.cond:
+            self.stopping = True
+            self.cond.notify_all()
+        self.thread.join()
+        self.drafter.end()
+
+    def take_unassigned(self) -> float:
+        """Under the lock: the drafting time since the last committing step, which goes to the next one."""
+        spent, self.unassigned_s = self.unassigned_s, 0.0
+        return spent
+
+    def check(self) -> None:
+        """Under the lock: raise what the drafter hit, or a stall (nothing running, nothing to draft)."""
+        if self.error is not None:
+            raise self.error
+        if not self.ledger.running and not self.drafting and not self.ledger.want_draft():
+            raise RuntimeError("DSI stalled: no verification running and nothing to draft")
+
+    def _loop(self) -> None:
+        try:
+            while (work := self._wait_for_work()) is not None:
+                tokens, ticket = work
+                t0 = now()  # no device wait of its own: next_token reads its token back
+                token = self.drafter.next_token(tokens)
+                self._drafted(token, ticket, now() - t0)
+        except BaseException as e:  # surfaced by the calling thread
+            with self.cond:
+                self.error, self.drafting = e, False
+
+    def _wait_for_work(self):
+        """(tokens, ticket) once the ledger wants a draft; None once asked to stop."""
+        with self.cond:
+            while not self.stopping and not self.ledger.want_draft():
+                self.cond.wait()
+            if self.stopping:
+                return None
+            self.drafting = True
+            return list(self.ledger.tokens), self.ledger.ticket()
+
+    def _drafted(self, token: int, ticket, spent: float) -> None:
+        with self.cond:
+            self.drafting = False
+            if not self.made:
+                self.first_s = spent
+            self.draft_s += spent
+            self.unassigned_s += spent
+            self.made += 1
+            if self.ledger.add_draft(token, ticket):  # dropped when a commit moved its position meanwhile
+                self.send(self.ledger.dispatch())
+
+
+@dataclass
+class _Answers:
+    """The workers' answers to one row, counted by the calling thread alone."""
+
+    busy: list[float]  # each worker's busy seconds
+    count: int = 0
+    warm_ids: set = field(default_factory=set)  # the verifications of the bare prompt (the workers' prefill)
     warm_busy_s: float = 0.0
-    warm_answers: int = 0
+    warm_count: int = 0
+
+    def record(self, answer) -> None:
+        self.busy[answer.worker] += answer.busy_s
+        self.count += 1
+        if answer.job in self.warm_ids:
+            self.warm_busy_s += answer.busy_s
+            self.warm_count += 1
 
 
 class RowDecode:
-    """One prompt decoded with DSI: start the workers on the prompt, draft in a second thread, take answers
-    until the ledger is done, stop the drafter, drain the workers (`run`)."""
+    """One prompt decoded with DSI (`run`): start the workers on the prompt, draft in a second thread
+    (DraftThread), take answers until the ledger is done, stop the drafter, drain the workers."""
 
     def __init__(self, pool, draft_runner, prompt: list[int], *, lookahead: int, workers: int, max_new_tokens: int,
                  eos, sampling: SamplingConfig, generator):
@@ -105,9 +180,10 @@ class RowDecode:
         self.seq = next(_seq_ids)
         self.capacity = needed_capacity(len(prompt), max_new_tokens, lookahead)
         self.ledger = Ledger(prompt, lookahead=lookahead, max_new_tokens=max_new_tokens, workers=workers, eos=eos)
-        self.drafter = PromptDrafter(draft_runner, prompt, self.capacity, sampling)
         self.cond = threading.Condition()
-        self.shared = _Shared(busy=[0.0] * workers)
+        self.drafts = DraftThread(self.ledger, PromptDrafter(draft_runner, prompt, self.capacity, sampling),
+                                  self.cond, self.send)
+        self.answers = _Answers([0.0] * workers)
         self.stats = RowStats()
         self.ttft: float | None = None
         self.t0 = 0.0
@@ -117,16 +193,14 @@ class RowDecode:
         # processes), and a synchronisation here while the drafter thread captures a CUDA graph would break it
         self.t0 = now()
         self._start_workers()
-        drafting = threading.Thread(target=_draft_loop, args=(self.ledger, self.drafter, self.cond, self.shared,
-                                                              self.send), name="sdbench-dsi-drafter", daemon=True)
-        drafting.start()
+        self.drafts.start()
         try:
             self._take_answers()
             wall = now() - self.t0
         finally:
-            self._stop_drafter(drafting)
+            self.drafts.stop()
         _drain(self.pool, self.ledger, self.seq)  # after a failure the caller discards the pool instead
-        extras = _extras(self.ledger, self.shared, self.stats, wall, self.ttft)
+        extras = _extras(self.ledger, self.drafts, self.answers, self.stats, wall, self.ttft)
         return RowOutcome(self.ledger.generated(), self.stats, extras, wall, self.ttft)
 
     def send(self, jobs: list[Job]) -> None:
@@ -144,7 +218,7 @@ class RowDecode:
         """The verifications of the bare prompt: the workers' prefill, and the first token."""
         with self.cond:
             warm = self.ledger.warm()
-            self.shared.warm_ids = {job.id for job in warm}
+            self.answers.warm_ids = {job.id for job in warm}
             self.send(warm)
 
     def _take_answers(self) -> None:
@@ -154,7 +228,9 @@ class RowDecode:
             with self.cond:
                 if self.ledger.done:
                     return
-                _check(self.ledger, self.shared, waited)
+                self.drafts.check()
+            if waited > STALL_S:
+                raise WorkerFailed(f"DSI workers gave no answer for {STALL_S:.0f} s")
             answers = [a for a in self.pool.poll(POLL_S) if a.seq == self.seq]
             waited = 0.0 if answers else waited + POLL_S
             with self.cond:
@@ -165,12 +241,7 @@ class RowDecode:
 
     def _take(self, answer) -> None:
         """One worker's answer (under the lock): its busy time, then every step it lets the ledger commit."""
-        shared = self.shared
-        shared.busy[answer.worker] += answer.busy_s
-        shared.answers += 1
-        if answer.job in shared.warm_ids:
-            shared.warm_busy_s += answer.busy_s
-            shared.warm_answers += 1
+        self.answers.record(answer)
         for step in self.ledger.finish(answer.job, answer.worker, answer, self.judge):
             self._count(step)
 
@@ -181,72 +252,28 @@ class RowDecode:
         if self.ttft is None:
             self.ttft = now() - self.t0
             return
-        self.stats.add_step(step.drafted, min(step.accepted, step.committed), self.shared.unassigned_draft_s,
+        self.stats.add_step(step.drafted, min(step.accepted, step.committed), self.drafts.take_unassigned(),
                             step.job.result.busy_s, rejected=step.accepted < step.drafted)
-        self.shared.unassigned_draft_s = 0.0
-
-    def _stop_drafter(self, drafting: threading.Thread) -> None:
-        with self.cond:
-            self.shared.stop = True
-            self.cond.notify_all()
-        drafting.join()
-        self.drafter.end()
 
 
-def _extras(ledger: Ledger, shared: _Shared, stats: RowStats, wall: float, ttft: float) -> dict:
+def _extras(ledger: Ledger, drafts: DraftThread, answers: _Answers, stats: RowStats, wall: float,
+            ttft: float) -> dict:
     """The row's strategy_stats: what the pool did, and the latencies `sdbench simulate dsi --from` reads."""
     return {
         "workers": ledger.workers, "lookahead": ledger.k, "wall_s": wall, "ttft_s": ttft,
-        "busy": [round(b / wall, 4) for b in shared.busy],
+        "busy": [round(b / wall, 4) for b in answers.busy],
         "cancelled": ledger.cancelled, "redundant": ledger.redundant, "verifications": ledger.dispatched,
-        "drafted_total": shared.drafts_made, "rejections": stats.rejections,
-        "draft_s_per_token": shared.draft_s / shared.drafts_made if shared.drafts_made else None,
-        "verify_s_per_job": sum(shared.busy) / shared.answers if shared.answers else None,
+        "drafted_total": drafts.made, "rejections": stats.rejections,
+        "draft_s_per_token": drafts.draft_s / drafts.made if drafts.made else None,
+        "verify_s_per_job": sum(answers.busy) / answers.count if answers.count else None,
         # the same without the prefills (the prompt's verifications, the drafter's first call): the decode phase
-        "verify_s_per_decode_job": _ratio(sum(shared.busy) - shared.warm_busy_s, shared.answers - shared.warm_answers),
-        "draft_s_per_decode_token": _ratio(shared.draft_s - shared.first_draft_s, shared.drafts_made - 1),
+        "verify_s_per_decode_job": _ratio(sum(answers.busy) - answers.warm_busy_s, answers.count - answers.warm_count),
+        "draft_s_per_decode_token": _ratio(drafts.draft_s - drafts.first_s, drafts.made - 1),
     }
 
 
 def _ratio(total: float, count: int) -> float | None:
     return total / count if count > 0 else None
-
-
-def _draft_loop(ledger: Ledger, drafter: PromptDrafter, cond: threading.Condition, shared: _Shared, send) -> None:
-    try:
-        while True:
-            with cond:
-                while not shared.stop and not ledger.want_draft():
-                    cond.wait()
-                if shared.stop:
-                    return
-                tokens, ticket = list(ledger.tokens), ledger.ticket()
-                shared.drafting = True
-            t0 = now()  # no device wait of its own: next_token reads its token back
-            token = drafter.next_token(tokens)
-            spent = now() - t0
-            with cond:
-                shared.drafting = False
-                if not shared.drafts_made:
-                    shared.first_draft_s = spent
-                shared.draft_s += spent
-                shared.unassigned_draft_s += spent
-                shared.drafts_made += 1
-                if ledger.add_draft(token, ticket):  # dropped when a commit moved its position meanwhile
-                    send(ledger.dispatch())
-    except BaseException as e:  # surfaced by the waiting thread
-        with cond:
-            shared.error, shared.drafting = e, False
-
-
-def _check(ledger: Ledger, shared: _Shared, waited: float) -> None:
-    """Called under the lock: raise what the drafter hit, or a stall that would otherwise hang the run."""
-    if shared.error is not None:
-        raise shared.error
-    if not ledger.running and not shared.drafting and not ledger.want_draft():
-        raise RuntimeError("DSI stalled: no verification running and nothing to draft")
-    if waited > STALL_S:
-        raise WorkerFailed(f"DSI workers gave no answer for {STALL_S:.0f} s")
 
 
 def _drain(pool, ledger: Ledger, seq: int) -> None:
