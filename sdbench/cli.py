@@ -276,7 +276,7 @@ def bench(
     if draft and draft[0] == DRAFT_NAME:
         raise SdbenchError(f"bench --draft takes a draft model; prompt lookup ({DRAFT_NAME}) is always measured "
                            "against transformers' prompt_lookup_num_tokens")
-    from sdbench.strategies.base import need_gamma
+    from sdbench.strategies.spec import need_gamma
 
     if repeats < 1 or limit < 1 or max_new_tokens < 1:
         raise SdbenchError("bench: --repeats, --limit and --max-new-tokens must be at least 1")

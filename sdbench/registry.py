@@ -47,6 +47,12 @@ class Registry(Generic[T]):
             self._alias[a] = key
         return entry
 
+    def remove(self, name: str) -> None:
+        """Take an entry and its aliases out (a registration a test made)."""
+        key = self.entry(name).name.lower()
+        del self._entries[key]
+        self._alias = {a: k for a, k in self._alias.items() if k != key}
+
     def __contains__(self, name: str) -> bool:
         return name.lower() in self._alias
 

@@ -15,7 +15,7 @@ from sdbench.config import RunConfig, SamplingConfig
 from sdbench.engine.loop import generate
 from sdbench.errors import SdbenchError
 from sdbench.reporting.results import read_results
-from sdbench.strategies import BuildContext, build_variants
+from sdbench.strategies import BuildContext, build_proposer, build_variants, strategy
 from sdbench.strategies.adaptive import Adaptive, AdaptiveFSM, parse_compare
 from sdbench.strategies.adaptive_online import (AlphaPrior, GammaPolicy, LinearCost, StepSchedule, Window,
                                                 prompt_features)
@@ -282,11 +282,11 @@ def test_alpha_prior_learns_from_prompt_features():
 
 def test_settings_are_checked(small_draft):
     with pytest.raises(SdbenchError, match="gamma_max"):
-        Adaptive(make_drafters([], 3, 1), 9)
+        build_proposer("adaptive", BuildContext(None, [], 9))
     with pytest.raises(SdbenchError, match="schedule=fast"):
-        AdaptiveFSM(make_drafters([], 3, 1), 4, schedule="fast")
+        build_proposer("adaptive-fsm", BuildContext(None, [], 4, {"schedule": "fast"}))
     with pytest.raises(SdbenchError, match="one --draft"):
-        AdaptiveFSM(make_drafters([small_draft, "ngram"], 3, 1), 4)
+        build_proposer("adaptive-fsm", BuildContext(None, [small_draft, "ngram"], 4))
     with pytest.raises(SdbenchError, match="compare=2,x"):
         parse_compare("2,x")
     with pytest.raises(SdbenchError, match="compare=0,2: every gamma must be at least 1"):
@@ -364,15 +364,13 @@ def test_prior_trials_zero_is_the_plain_maximum_likelihood_alpha():
 
 
 def test_prompt_selection_settings_are_checked(small_draft):
-    from sdbench.strategies import check_options
-
     for options, message in (({"prior_trials": -1.0}, "prior_trials=-1.0"), ({"prior_trials": math.inf}, "inf"),
                              ({"select": "token"}, "select=token")):
         with pytest.raises(SdbenchError, match=message):
-            Adaptive(make_drafters([small_draft], 3, 1), 3, **options)
+            build_proposer("adaptive", BuildContext(None, [small_draft], 3, options))
     with pytest.raises(SdbenchError, match="prior_trials=lots: expected float"):
-        check_options("adaptive", {"prior_trials": "lots"})
-    assert check_options("adaptive", {"prior_trials": "0", "select": "prompt"})["prior_trials"] == 0.0
+        strategy("adaptive").settings({"prior_trials": "lots"})
+    assert strategy("adaptive").settings({"prior_trials": "0", "select": "prompt"})["prior_trials"] == 0.0
     made = Adaptive(make_drafters([small_draft], 3, 1), 3, prior_trials=0.0, select="prompt")
     assert made.params()["prior_trials"] == 0.0 and made.params()["select"] == "prompt"
     assert "select" not in Adaptive(make_drafters([small_draft], 3, 1), 3).params()

@@ -395,7 +395,7 @@ def test_the_command_picks_the_dsi_decoder_and_the_one_loop_for_every_other_stra
     from sdbench.strategies import strategy_registry
 
     for e in strategy_registry:
-        cls = e.load()
+        cls = e.load().proposer
         assert decoder_for(cls.__new__(cls)) is (dsi_generate if e.name == "dsi" else generate), e.name
 
 

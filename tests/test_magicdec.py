@@ -10,7 +10,7 @@ from sdbench.kv.cache import DenseKVCache
 from sdbench.kv.sparse import SparseSpec, _select, compress
 from sdbench.strategies.autoregressive import Autoregressive
 from sdbench.strategies.draft import DraftModel
-from sdbench.strategies.magicdec import MagicDec
+from sdbench.strategies.magicdec import MagicDec, MagicDecStrategy
 from tests.conftest import VOCAB
 
 GREEDY = SamplingConfig()
@@ -224,11 +224,11 @@ def test_predict_magicdec_command(capsys):
 def test_magicdec_search_space_keeps_budgets_below_the_context():
     import optuna
 
-    from sdbench.strategies.base import SearchContext
+    from sdbench.strategies.spec import SearchContext
 
     study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0))
     space = SearchContext(prompt_tokens=150, max_new_tokens=50)
     for _ in range(20):
-        gamma, options = MagicDec.search_space(study.ask(), space)
+        gamma, options = MagicDecStrategy.search_space(study.ask(), space)
         assert 1 <= gamma <= 6 and options["kv"] in ("streamingllm", "snapkv")
         assert options["budget"] in (32, 64, 128) and options["window"] <= options["budget"]

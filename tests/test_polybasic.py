@@ -18,7 +18,7 @@ from sdbench.strategies import BuildContext, build_proposer
 from sdbench.strategies.autoregressive import Autoregressive
 from sdbench.engine.state import DecodeState
 from sdbench.strategies.chain_levels import ModelLevel
-from sdbench.strategies.polybasic import Polybasic, parse_mu
+from sdbench.strategies.polybasic import Polybasic, PolybasicStrategy, parse_mu
 from sdbench.theory import ChainCosts, insertion_times
 from tests.conftest import VOCAB, second_token_chi_square, tiny_model
 
@@ -159,7 +159,7 @@ def test_settings_and_bad_chains(target, small_draft):
         ([small_draft], 0, "", "--gamma must be at least 1"),
     ):
         with pytest.raises(SdbenchError, match=expect):
-            Polybasic(chain, gamma, mu)
+            build_proposer("polybasic", BuildContext(target, chain, gamma, {"mu": mu}))
     proposer = build_proposer("polybasic", BuildContext(target, [target, small_draft, "ngram"], 3, {"mu": "10"}))
     assert proposer.params() == {"gamma": 3, "mu": [10, 10], "chain": ["tiny-target", "tiny-draft", "ngram"],
                                  "max_ngram": 3, "min_ngram": 1}
@@ -372,11 +372,11 @@ def test_run_records_levels_on_smollm2(capsys, tmp_path):
 
 
 def test_search_space_keeps_the_chain_whole():
-    from sdbench.strategies.base import SearchContext
+    from sdbench.strategies.spec import SearchContext
 
     class Trial:
         def suggest_int(self, name, low, high):
             return {"gamma": 3, "mu": 7}[name]
 
-    assert Polybasic.search_space(Trial(), SearchContext(("a", "ngram"))) == (3, {"mu": "7"}, ("a", "ngram"))
-    assert Polybasic.search_space(Trial(), SearchContext(("a",))) == (3, {}, ("a",))
+    assert PolybasicStrategy.search_space(Trial(), SearchContext(("a", "ngram"))) == (3, {"mu": "7"}, ("a", "ngram"))
+    assert PolybasicStrategy.search_space(Trial(), SearchContext(("a",))) == (3, {}, ("a",))

@@ -1,7 +1,7 @@
 import pytest
 
 from sdbench.errors import SdbenchError
-from sdbench.strategies import check_options, resolve_strategy
+from sdbench.strategies import resolve_strategy, strategy
 
 
 def test_builtin_and_alias():
@@ -12,7 +12,7 @@ def test_builtin_and_alias():
 def test_presets_resolve_with_their_settings():
     choice = resolve_strategy("ngram-code")
     assert (choice.base, choice.gamma, choice.options) == ("ngram", 6, {"max_ngram": 4, "min_ngram": 2})
-    assert check_options(choice.base, choice.options) == {"max_ngram": 4, "min_ngram": 2}
+    assert strategy(choice.base).settings(choice.options) == {"max_ngram": 4, "min_ngram": 2}
     assert resolve_strategy("self-draft").drafts == ("smollm2-135m",)
 
 

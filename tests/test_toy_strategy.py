@@ -6,8 +6,9 @@ import pytest
 
 from sdbench.config import SamplingConfig
 from sdbench.engine.loop import generate
-from sdbench.strategies import BuildContext, build_proposer, resolve_strategy, strategy_registry
+from sdbench.strategies import BuildContext, build_proposer, register, resolve_strategy, strategy_registry
 from sdbench.strategies.autoregressive import Autoregressive
+from tests.toy_strategy import RepeatStrategy
 
 GREEDY = SamplingConfig()
 NEW = 24
@@ -15,9 +16,9 @@ NEW = 24
 
 @pytest.fixture
 def registered():
-    strategy_registry.add("repeat", "tests.toy_strategy:Repeat", "the last token, repeated", needs_draft=False)
+    register(RepeatStrategy)
     yield
-    del strategy_registry._entries["repeat"], strategy_registry._alias["repeat"]
+    strategy_registry.remove("repeat")
 
 
 @pytest.mark.parametrize("batch", [1, 4])

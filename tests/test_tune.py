@@ -21,7 +21,8 @@ from sdbench.errors import SdbenchError
 from sdbench.registry import Entry
 from sdbench.reporting.results import read_results
 from sdbench.strategies import resolve_strategy, strategy_registry
-from sdbench.strategies.base import Proposer, SearchContext
+from sdbench.strategies.base import Proposer
+from sdbench.strategies.spec import SearchContext, Strategy
 from sdbench.commands.tune import ClearlyWorse, Tuner, draw, objective_value
 
 PROMPTS = [[5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6], [10, 11, 12, 10, 11, 12, 10, 11], [1, 2, 3, 4, 1, 2, 3]]
@@ -105,6 +106,11 @@ class Lossy(Proposer):
     name = "lossy"
 
 
+class LossyStrategy(Strategy):
+    name = "lossy"
+    proposer = Lossy
+
+
 def lossy_decoder(proposer):
     """sdbench.decoders.decoder_for, except that a Lossy proposer's output has its last token changed."""
     from sdbench.decoders import decoder_for
@@ -122,7 +128,7 @@ def lossy_decoder(proposer):
 
 @pytest.mark.parametrize("objective", ["speedup", "tokens"])
 def test_lossy_trials_fail_and_are_never_best(tmp_path, pair, monkeypatch, objective):
-    monkeypatch.setitem(strategy_registry._entries, "lossy", Entry("lossy", Lossy, meta={"needs_draft": False}))
+    monkeypatch.setitem(strategy_registry._entries, "lossy", Entry("lossy", LossyStrategy))
     monkeypatch.setitem(strategy_registry._alias, "lossy", "lossy")
     monkeypatch.setattr("sdbench.commands.run.decoder_for", lossy_decoder)
     t = tuner(tmp_path, pair, strategy="lossy", trials=2, objective=objective)
@@ -231,7 +237,7 @@ def test_an_interrupted_tune_resumes(tmp_path, pair, monkeypatch):
 
 
 def test_a_search_space_with_undeclared_settings_is_refused(monkeypatch):
-    from sdbench.strategies.ngram import NGram
+    from sdbench.strategies.ngram import NGramStrategy as NGram
 
     monkeypatch.setattr(NGram, "search_space", classmethod(lambda cls, trial, space: (2, {"colour": 1})))
     with pytest.raises(SdbenchError, match="has no setting 'colour'"):
@@ -359,6 +365,28 @@ def test_a_killed_tune_resumes_with_the_killed_trial_failed(tmp_path):
         assert value < 0.9 * float(np.median(before)), (value, before)
     else:
         assert last.state == TrialState.COMPLETE
+
+
+def test_a_trial_whose_process_died_before_its_first_heartbeat_is_failed_not_waited_for(tmp_path, monkeypatch):
+    """Optuna never calls a running trial with no heartbeat stale: a process killed between taking a trial and
+    its first beat must not leave every later process waiting on it (a resumed tune hung on one in CI)."""
+    import time
+
+    from sdbench.commands import studies
+
+    monkeypatch.setattr(studies, "GRACE_S", 1)
+    url = f"sqlite:///{tmp_path / 'tune.db'}"
+    study = optuna.create_study(study_name="s", storage=studies.storage(url), direction="maximize")
+    study.tell(study.ask(), 1.0)
+    study.ask()  # trial 1: taken by a process that died at once, no heartbeat recorded
+    time.sleep(1.5)
+    deadline = time.monotonic() + 30  # before the fix, next_trial waited here for trial 1 forever
+    trial = studies.next_trial(study, 2, stop=lambda: time.monotonic() > deadline)
+    assert trial is not None and trial.number == 2
+    stale = study.get_trials()[1]
+    assert (stale.state, studies.reason(stale)) == (TrialState.FAIL, studies.STOPPED)
+    # a trial handed out by next_trial has its first heartbeat at once: Optuna's own check can fail it later
+    assert studies._has_heartbeat(study._storage, trial._trial_id)
 
 
 def _trials_or_none(out):

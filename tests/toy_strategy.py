@@ -1,6 +1,7 @@
-"""A whole new strategy in one file: a drafter that proposes the last committed token repeated, and the
-fixed-lookahead proposer that drafts through it. `test_toy_strategy.py` registers it with one line and runs it
-through the one decode loop like any shipped strategy."""
+"""A whole new strategy in one file: a drafter that proposes the last committed token repeated, the
+fixed-lookahead proposer that drafts through it, and its declaration. `test_toy_strategy.py` registers it with
+one line (`register(RepeatStrategy)`, what the decorator on a shipped declaration does) and runs it through the
+one decode loop like any shipped strategy."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import torch
 
 from sdbench.engine.state import Proposal
 from sdbench.strategies.base import FixedLookahead
+from sdbench.strategies.spec import Strategy, need_gamma
 
 
 class RepeatDrafter:
@@ -33,3 +35,13 @@ class Repeat(FixedLookahead):
 
     def __init__(self, gamma: int):
         super().__init__(RepeatDrafter(), gamma)
+
+
+class RepeatStrategy(Strategy):
+    name = "repeat"
+    help = "the last token, repeated"
+    proposer = Repeat
+
+    @classmethod
+    def validate(cls, gamma: int, options: dict, drafts: tuple[str, ...], sampling) -> None:
+        need_gamma(cls.name, gamma)

@@ -34,9 +34,9 @@ def _strategies() -> Table:
     for col in ("name", "aliases", "needs draft", "settings (--set)", "description"):
         table.add_column(col)
     for e in strategy_registry:
-        cls = e.load()
-        settings = ", ".join(f"{o.name}={o.default}" for o in cls.options) or "-"
-        table.add_row(e.name, ", ".join(e.aliases), "yes" if e.meta.get("needs_draft") else "no", settings,
+        declared = e.load()
+        settings = ", ".join(f"{o.name}={o.default}" for o in declared.options) or "-"
+        table.add_row(e.name, ", ".join(e.aliases), "yes" if declared.needs_draft else "no", settings,
                       e.description)
     for name, spec in read_presets().items():
         kind = "schedule" if spec.get("schedule") else "preset"  # a schedule: `sdbench schedule show NAME`

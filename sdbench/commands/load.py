@@ -23,7 +23,7 @@ from sdbench.engine.scheduler import Request, Scheduler, arrival_times
 from sdbench.env import peak_memory, reset_peak_memory
 from sdbench.errors import SdbenchError
 from sdbench.models.names import weights_of
-from sdbench.strategies import strategy_registry
+from sdbench.strategies import strategy, strategy_registry
 
 
 @dataclass(frozen=True)
@@ -44,7 +44,7 @@ def load_points(cfg: RunConfig) -> list[LoadPoint]:
     return [LoadPoint(r, c) for r in rates for c in caps]
 
 
-def check_load(cfg: RunConfig, strategy: str, options: dict) -> None:
+def check_load(cfg: RunConfig, base: str, options: dict) -> None:
     """Refuse, before any model loads, what serving under load cannot do."""
     if cfg.slo and not cfg.under_load:
         raise SdbenchError("--slo applies to runs under load: add --request-rate or --concurrency")
@@ -55,11 +55,10 @@ def check_load(cfg: RunConfig, strategy: str, options: dict) -> None:
         raise SdbenchError("--resume does not continue runs under load yet: start the run again")
     if cfg.turns is not None and cfg.turns > 1:
         raise SdbenchError("--turns: under load each prompt's first turn is one request; later turns are not served")
-    reason = strategy_registry.get(strategy).join_refusal(options)
+    reason = strategy(base).join_refusal(options)
     if reason:
-        able = [n for n in strategy_registry.names() if not strategy_registry.get(n).join_refusal(
-            {o.name: o.default for o in strategy_registry.get(n).options})]
-        raise SdbenchError(f"strategy '{strategy}' cannot serve requests joining a running batch "
+        able = [e.name for e in strategy_registry if not e.target.join_refusal(e.target.settings({}))]
+        raise SdbenchError(f"strategy '{base}' cannot serve requests joining a running batch "
                            f"(--request-rate/--concurrency): {reason}; strategies that can: {', '.join(able)}")
 
 

@@ -28,8 +28,7 @@ from sdbench.engine.metrics import BatchResult, predicted_batch_speedup, row_met
 from sdbench.models.names import weights_of
 from sdbench.models.pair import Pair, load_pair, resolve_device, resolve_dtype
 from sdbench.paths import output_dir
-from sdbench.strategies import (BuildContext, build_variants, check_options, native_needed, needs_draft,
-                                resolve_strategy, strategy_registry)
+from sdbench.strategies import BuildContext, build_variants, native_needed, resolve_strategy, strategy
 from sdbench.strategies.autoregressive import Autoregressive
 
 WARMUP_PROMPT_TOKENS = 256
@@ -41,9 +40,6 @@ def plan(cfg: RunConfig) -> tuple[RunConfig, object]:
     gammas = cfg.gammas or (choice.gamma or DEFAULT_GAMMA,)
     drafts = cfg.drafts or choice.drafts
     cfg = replace(cfg, gammas=tuple(gammas), drafts=tuple(drafts), options={**choice.options, **cfg.options})
-    if needs_draft(choice.base) and not cfg.drafts:
-        raise SdbenchError(f"strategy '{choice.base}' needs --draft MODEL (e.g. --draft {cfg.target} to let "
-                           "the target draft for itself)")
     for name, value, low in (("--limit", cfg.limit, 1), ("--max-new-tokens", cfg.max_new_tokens, 1),
                              ("--batch-size", cfg.batch_size, 1), ("--repeats", cfg.repeats, 1), ("--turns", cfg.turns, 1),
                              ("--gamma", min(cfg.gammas), 0)):
@@ -53,14 +49,15 @@ def plan(cfg: RunConfig) -> tuple[RunConfig, object]:
         raise SdbenchError("--temperature must be >= 0 and --top-p in (0, 1]")
     if cfg.prompt_len is not None and cfg.prompt_len < 1:
         raise SdbenchError(f"--prompt-len must be at least 1 (got {cfg.prompt_len})")
-    options = check_options(choice.base, cfg.options)
+    declared = strategy(choice.base)
+    options = declared.settings(cfg.options)
     if cfg.under_load or cfg.slo:
         from sdbench.commands.load import check_load
 
         check_load(cfg, choice.base, options)
     cfg = replace(cfg, gammas=capped_gammas(cfg.gammas, cfg.max_new_tokens))
     for gamma in cfg.gammas:
-        strategy_registry.get(choice.base).check(gamma, options, cfg.drafts, cfg.sampling)
+        declared.check(gamma, options, cfg.drafts, cfg.sampling)
     from sdbench.data.tasks import check_dataset
 
     check_dataset(cfg.dataset, cfg.fields, cfg.depths, cfg.prompt_len)  # an unknown data set or a bad file fails before models load

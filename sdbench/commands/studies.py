@@ -10,8 +10,11 @@
   way, its trial is not needed: it is closed at once as failed with reason NOT_NEEDED, which no count or
   table treats as a trial, and the process waits for the running ones (one of them may yet fail to count).
 - A process killed mid-trial (SIGKILL, a lost machine) leaves its trial RUNNING. Each running trial records
-  a heartbeat every HEARTBEAT_S; one silent for GRACE_S is marked failed by the next process that looks
-  (`reason`: STOPPED) and, like an interrupted trial, does not count toward N: another trial takes its place.
+  a heartbeat every HEARTBEAT_S, the first one as soon as it is taken; one silent for GRACE_S is marked failed
+  by the next process that looks (`reason`: STOPPED) and, like an interrupted trial, does not count toward N:
+  another trial takes its place. Optuna never calls a trial with no heartbeat at all stale, so a process
+  killed between taking a trial and its first beat would leave it running forever and every other process
+  waiting on it: such a trial, started more than GRACE_S ago, is failed the same way here.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import threading
 import time
 import warnings
 from contextlib import contextmanager
+from datetime import datetime, timedelta
 
 import optuna
 from optuna.trial import TrialState
@@ -85,16 +89,47 @@ def next_trial(study: optuna.Study, total: int, stop) -> optuna.Trial | None:
     while True:
         with _quiet():
             optuna.storages.fail_stale_trials(study)
+        _fail_unborn(study)
         if counted(study) >= total or stop():
             return None
         if _ahead(study) < total:
             with _quiet():
                 trial = study.ask()
+                study._storage.record_heartbeat(trial._trial_id)  # at once: a trial with none is never stale
             if _ahead(study, trial.number) < total:
                 return trial
             trial.set_user_attr("reason", NOT_NEEDED)
             study.tell(trial, state=TrialState.FAIL)
         time.sleep(HEARTBEAT_S)
+
+
+def _fail_unborn(study: optuna.Study) -> None:
+    """Fail (reason STOPPED) running trials that never recorded a heartbeat and started over GRACE_S ago: their
+    process died between taking them and its first beat, and Optuna's stale-trial check skips them."""
+    store = study._storage
+    old = datetime.now() - timedelta(seconds=GRACE_S)
+    for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+        if t.datetime_start is None or t.datetime_start > old or _has_heartbeat(store, t._trial_id):
+            continue
+        try:
+            store.set_trial_user_attr(t._trial_id, "reason", STOPPED)
+            store.set_trial_state_values(t._trial_id, state=TrialState.FAIL)
+        except (optuna.exceptions.UpdateFinishedTrialError, RuntimeError):
+            pass  # another process failed it first
+
+
+def _has_heartbeat(store, trial_id: int) -> bool:
+    """Whether the trial ever recorded a heartbeat (Optuna's RDB storage has no public reader for it)."""
+    from optuna.storages._rdb import models
+
+    store = getattr(store, "_backend", store)  # Optuna wraps an RDB storage in a cache
+    if not isinstance(store, optuna.storages.RDBStorage):
+        return True  # not one of ours: leave it to Optuna
+    session = store.scoped_session()
+    try:
+        return models.TrialHeartbeatModel.where_trial_id(trial_id, session) is not None
+    finally:
+        session.close()
 
 
 @contextmanager

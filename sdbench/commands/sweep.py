@@ -24,7 +24,7 @@ from sdbench.commands.run import Bench, run_config
 from sdbench.config import SWEEP_AXES, RunConfig, SweepConfig
 from sdbench.errors import Interrupted, SdbenchError
 from sdbench.reporting.results import RunWriter, new_run_id
-from sdbench.strategies import native_needed, needs_draft, resolve_strategy
+from sdbench.strategies import native_needed, resolve_strategy, strategy
 
 SETTINGS, DONE = "sweep.json", "done.json"
 
@@ -64,16 +64,16 @@ def check_grid(cfg: SweepConfig) -> None:
     unknown = set(cfg.scoped) - set(cfg.strategies)
     if unknown:
         raise SdbenchError(f"--set {sorted(unknown)[0]}.KEY=VALUE: no --strategy {sorted(unknown)[0]} in this sweep")
-    if cfg.run.drafts and not any(needs_draft(resolve_strategy(s).base) for s in cfg.strategies):
+    if cfg.run.drafts and not any(strategy(resolve_strategy(s).base).needs_draft for s in cfg.strategies):
         raise SdbenchError("--draft: none of the strategies drafts with a model; drop --draft or add one that does")
 
 
-def member_config(cfg: SweepConfig, strategy: str, point: Point) -> RunConfig:
+def member_config(cfg: SweepConfig, name: str, point: Point) -> RunConfig:
     """The `run` configuration of one strategy at one point: a static batch of `size` prompts, or `size`
     requests in flight (a closed loop: every request arrives at once); at least `size` prompts."""
     base = cfg.run
-    drafts = base.drafts if needs_draft(resolve_strategy(strategy).base) else ()
-    run = replace(base, strategy=strategy, drafts=drafts, options={**base.options, **cfg.scoped.get(strategy, {})},
+    drafts = base.drafts if strategy(resolve_strategy(name).base).needs_draft else ()
+    run = replace(base, strategy=name, drafts=drafts, options={**base.options, **cfg.scoped.get(name, {})},
                   prompt_len=point.prompt_len, limit=max(base.limit, point.size), resume=None)
     if point.axis == "batch":
         return replace(run, batch_size=point.size, request_rates=(), concurrencies=())

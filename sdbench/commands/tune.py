@@ -43,8 +43,8 @@ from sdbench.reporting.cells import fmt
 from sdbench.reporting.report import ALL, labelled, speedup_of, summarize
 from sdbench.reporting.results import RunWriter
 from sdbench.reporting.stats import Interval, describe as describe_interval, doubt, speedup_interval
-from sdbench.strategies import check_options, native_needed, needs_draft, strategy_registry
-from sdbench.strategies.base import SearchContext
+from sdbench.strategies import native_needed, strategy, strategy_registry
+from sdbench.strategies.spec import SearchContext
 from sdbench.commands.studies import INTERRUPTED, NOT_NEEDED, counted, heartbeat, next_trial, reason as trial_reason
 from sdbench.commands.studies import storage as study_storage
 
@@ -124,20 +124,21 @@ def doubts(study: optuna.Study, objective: str) -> list[str]:
     return [d for d in found if d]
 
 
-def draw(strategy: str, trial, space: SearchContext) -> dict:
+def draw(base: str, trial, space: SearchContext) -> dict:
     """One trial's settings from the strategy's search space: gamma, checked options, drafts."""
-    drawn = strategy_registry.get(strategy).search_space(trial, space)
+    declared = strategy(base)
+    drawn = declared.search_space(trial, space)
     if not isinstance(drawn, tuple) or len(drawn) not in (2, 3):
-        raise SdbenchError(f"strategy '{strategy}': search_space must return (gamma, options[, drafts])")
+        raise SdbenchError(f"strategy '{base}': search_space must return (gamma, options[, drafts])")
     gamma, options, drafts = (*drawn, None)[:3]
     if drafts is None:  # one candidate per trial for a draft-model strategy; none for the others
-        drafts = space.drafts if needs_draft(strategy) else ()
+        drafts = space.drafts if declared.needs_draft else ()
         if len(drafts) > 1:
             drafts = (trial.suggest_categorical("draft", list(drafts)),)
     unknown = sorted(set(drafts) - set(space.drafts))
     if unknown:
-        raise SdbenchError(f"strategy '{strategy}' chose draft '{unknown[0]}', which is not a --draft candidate")
-    check_options(strategy, dict(options))
+        raise SdbenchError(f"strategy '{base}' chose draft '{unknown[0]}', which is not a --draft candidate")
+    declared.settings(dict(options))
     return {"gamma": int(gamma), "options": dict(options), "drafts": list(drafts)}
 
 

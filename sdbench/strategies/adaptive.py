@@ -51,7 +51,8 @@ from sdbench.engine.step import Round
 from sdbench.errors import SdbenchError
 from sdbench.strategies.adaptive_online import (PRIOR_TRIALS, AlphaPrior, GammaPolicy, StepSchedule,
                                                 prompt_features, select_drafters)
-from sdbench.strategies.base import BuildContext, Option, Proposer, Variant, need_gamma
+from sdbench.strategies.base import Proposer
+from sdbench.strategies.spec import BuildContext, Option, Strategy, Variant, need_gamma, register
 from sdbench.strategies.draft import DraftModel
 from sdbench.strategies.ngram import NGram
 from sdbench.theory import fit_alpha
@@ -133,10 +134,6 @@ class _Adaptive(Proposer):
 
     def __init__(self, drafters: list, gamma: int, gamma_max: int = 8, compare: str = "", max_ngram: int = 3,
                  min_ngram: int = 1):
-        if gamma_max < 1 or not 0 <= gamma <= gamma_max:
-            raise SdbenchError(f"strategy '{self.name}' needs 0 <= --gamma <= gamma_max and gamma_max >= 1 "
-                               f"(got --gamma {gamma}, gamma_max {gamma_max}; raise it with --set gamma_max=N)")
-        check_ngram(self.name, max_ngram, min_ngram)
         super().__init__(gamma)
         self.drafters, self.gamma_max = drafters, gamma_max
         self.compare = parse_compare(compare, self.name)
@@ -240,55 +237,14 @@ class _Adaptive(Proposer):
     def _learn(self, d, gamma, width, drafted, accepted, verify_s, draft_s) -> None:
         raise NotImplementedError
 
-    @classmethod
-    def check(cls, gamma: int, options: dict, drafts: tuple[str, ...], sampling) -> None:
-        cls([None] * max(1, len(drafts)), gamma, **options)  # one placeholder per draft candidate
-
-    @classmethod
-    def build(cls, ctx: BuildContext) -> Proposer:
-        drafters = make_drafters(ctx.drafts, ctx.options["max_ngram"], ctx.options["min_ngram"])
-        return cls(drafters, ctx.gamma, **ctx.options)
-
-    @classmethod
-    def variants(cls, ctx: BuildContext) -> list[Variant]:
-        """Itself, then with `compare` set: fixed-gamma SD per draft candidate at those gammas and --gamma."""
-        me = cls.build(ctx)
-        made = [Variant(me)]
-        gammas = sorted(set(me.compare) | ({ctx.gamma} if ctx.gamma else set())) if me.compare else []
-        for spec in ctx.drafts or [DRAFT_NAME]:
-            for g in gammas:
-                if isinstance(spec, str):
-                    made.append(Variant(NGram(g, me.max_ngram, me.min_ngram), f"ngram-g{g}", "ngram", DRAFT_NAME))
-                else:
-                    made.append(Variant(DraftModel(spec, g), f"draft-{spec.name}-g{g}", "draft", spec.name))
-        return made
-
 
 class Adaptive(_Adaptive):
     """Online window-size optimisation with draft choice; see `adaptive_online.GammaPolicy`."""
 
     name = "adaptive"
-    SELECT = ("round", "prompt")
-    options = (
-        Option("history", 16, "verification rounds the acceptance estimate looks back on"),
-        Option("probe", 8, "after this many plain rounds, draft one token to re-check acceptance"),
-        Option("prior_trials", PRIOR_TRIALS, "weight of the per-prompt prior alpha, in drafted-token trials "
-               "(0: the plain maximum-likelihood alpha)", float),
-        Option("select", "round", "round: the draft candidate chosen every round; prompt: chosen once per "
-               "prompt, before decoding, from a model over prompt features", str),
-        *COMMON,
-    )
 
     def __init__(self, drafters: list, gamma: int, history: int = 16, probe: int = 8,
                  prior_trials: float = PRIOR_TRIALS, select: str = "round", **common):
-        if history < 1 or probe < 1:
-            raise SdbenchError(f"strategy 'adaptive' needs history >= 1 and probe >= 1 (got {history}, {probe})")
-        if not 0 <= prior_trials < math.inf:
-            raise SdbenchError(f"--set prior_trials={prior_trials}: expected a number of trials >= 0 "
-                               "(0 = the plain maximum-likelihood alpha)")
-        if select not in self.SELECT:
-            raise SdbenchError(f"--set select={select}: use round (the draft chosen every round) or prompt "
-                               "(chosen once per prompt)")
         super().__init__(drafters, gamma, **common)
         self.history, self.probe, self.prior_trials, self.select = history, probe, prior_trials, select
         self.policy = GammaPolicy(len(drafters), gamma, self.gamma_max, history, probe, prior_trials)
@@ -347,19 +303,8 @@ class AdaptiveFSM(_Adaptive):
     """The state-machine lookahead; see `adaptive_online.StepSchedule`. One draft candidate."""
 
     name = "adaptive-fsm"
-    options = (
-        Option("schedule", "step", "step: +1 after a fully accepted round, -1 after a rejection; "
-               "heuristic: +2 / -1 (transformers' schedule)", str),
-        *COMMON,
-    )
 
     def __init__(self, drafters: list, gamma: int, schedule: str = "step", **common):
-        if schedule not in StepSchedule.UPS:
-            raise SdbenchError(f"--set schedule={schedule}: use one of {', '.join(StepSchedule.UPS)}")
-        if len(drafters) != 1:
-            raise SdbenchError("strategy 'adaptive-fsm' drafts with one --draft; use 'adaptive' to choose "
-                               "among several")
-        need_gamma(self.name, gamma)
         super().__init__(drafters, gamma, **common)
         self.schedule = schedule
         self.fsm = StepSchedule(gamma, self.gamma_max, StepSchedule.UPS[schedule])
@@ -375,3 +320,91 @@ class AdaptiveFSM(_Adaptive):
 
     def params(self) -> dict:
         return {**super().params(), "schedule": self.schedule}
+
+
+class _AdaptiveStrategy(Strategy):
+    """What both adaptive declarations share: the common settings' rules, building, the comparisons."""
+
+    @classmethod
+    def validate(cls, gamma: int, options: dict, drafts: tuple[str, ...], sampling) -> None:
+        gamma_max = options["gamma_max"]
+        if gamma_max < 1 or not 0 <= gamma <= gamma_max:
+            raise SdbenchError(f"strategy '{cls.name}' needs 0 <= --gamma <= gamma_max and gamma_max >= 1 "
+                               f"(got --gamma {gamma}, gamma_max {gamma_max}; raise it with --set gamma_max=N)")
+        check_ngram(cls.name, options["max_ngram"], options["min_ngram"])
+        parse_compare(options["compare"], cls.name)
+
+    @classmethod
+    def build(cls, ctx: BuildContext) -> _Adaptive:
+        drafters = make_drafters(ctx.drafts, ctx.options["max_ngram"], ctx.options["min_ngram"])
+        return cls.proposer(drafters, ctx.gamma, **ctx.options)
+
+    @classmethod
+    def variants(cls, ctx: BuildContext) -> list[Variant]:
+        """Itself, then with `compare` set: fixed-gamma SD per draft candidate at those gammas and --gamma."""
+        me = cls.build(ctx)
+        made = [Variant(me)]
+        gammas = sorted(set(me.compare) | ({ctx.gamma} if ctx.gamma else set())) if me.compare else []
+        for spec in ctx.drafts or [DRAFT_NAME]:
+            for g in gammas:
+                if isinstance(spec, str):
+                    made.append(Variant(NGram(g, me.max_ngram, me.min_ngram), f"ngram-g{g}", "ngram", DRAFT_NAME))
+                else:
+                    made.append(Variant(DraftModel(spec, g), f"draft-{spec.name}-g{g}", "draft", spec.name))
+        return made
+
+
+@register
+class AdaptiveStrategy(_AdaptiveStrategy):
+    name = "adaptive"
+    help = ("gamma (0 = plain) and draft chosen each round for the most predicted tokens/s; n-gram draft "
+            "without --draft")
+    aliases = ("adaptive-gamma",)
+    SELECT = ("round", "prompt")
+    options = (
+        Option("history", 16, "verification rounds the acceptance estimate looks back on"),
+        Option("probe", 8, "after this many plain rounds, draft one token to re-check acceptance"),
+        Option("prior_trials", PRIOR_TRIALS, "weight of the per-prompt prior alpha, in drafted-token trials "
+               "(0: the plain maximum-likelihood alpha)", float),
+        Option("select", "round", "round: the draft candidate chosen every round; prompt: chosen once per "
+               "prompt, before decoding, from a model over prompt features", str),
+        *COMMON,
+    )
+    proposer = Adaptive
+
+    @classmethod
+    def validate(cls, gamma: int, options: dict, drafts: tuple[str, ...], sampling) -> None:
+        super().validate(gamma, options, drafts, sampling)
+        history, probe, prior_trials = options["history"], options["probe"], options["prior_trials"]
+        if history < 1 or probe < 1:
+            raise SdbenchError(f"strategy 'adaptive' needs history >= 1 and probe >= 1 (got {history}, {probe})")
+        if not 0 <= prior_trials < math.inf:
+            raise SdbenchError(f"--set prior_trials={prior_trials}: expected a number of trials >= 0 "
+                               "(0 = the plain maximum-likelihood alpha)")
+        if options["select"] not in cls.SELECT:
+            raise SdbenchError(f"--set select={options['select']}: use round (the draft chosen every round) or "
+                               "prompt (chosen once per prompt)")
+
+
+@register
+class AdaptiveFSMStrategy(_AdaptiveStrategy):
+    name = "adaptive-fsm"
+    help = ("state-machine gamma: grow after a fully accepted round, shrink after a rejection "
+            "(schedule=step|heuristic)")
+    aliases = ("fsm",)
+    options = (
+        Option("schedule", "step", "step: +1 after a fully accepted round, -1 after a rejection; "
+               "heuristic: +2 / -1 (transformers' schedule)", str),
+        *COMMON,
+    )
+    proposer = AdaptiveFSM
+
+    @classmethod
+    def validate(cls, gamma: int, options: dict, drafts: tuple[str, ...], sampling) -> None:
+        super().validate(gamma, options, drafts, sampling)
+        if options["schedule"] not in StepSchedule.UPS:
+            raise SdbenchError(f"--set schedule={options['schedule']}: use one of {', '.join(StepSchedule.UPS)}")
+        if len(drafts) > 1:
+            raise SdbenchError("strategy 'adaptive-fsm' drafts with one --draft; use 'adaptive' to choose "
+                               "among several")
+        need_gamma(cls.name, gamma)

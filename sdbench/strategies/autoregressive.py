@@ -2,6 +2,7 @@
 
 from sdbench.errors import SdbenchError
 from sdbench.strategies.base import Proposer
+from sdbench.strategies.spec import Strategy, register
 
 
 class Autoregressive(Proposer):
@@ -16,6 +17,14 @@ class Autoregressive(Proposer):
 
     def params(self) -> dict:
         return {}
+
+
+@register
+class AutoregressiveStrategy(Strategy):
+    name = "autoregressive"
+    help = "plain decoding, one target forward per token (the baseline)"
+    aliases = ("ar", "baseline")
+    proposer = Autoregressive
 
     @classmethod
     def search_space(cls, trial, space):

@@ -22,44 +22,51 @@ not implemented, so temperature > 0 is refused. A batch is decoded one prompt af
 from __future__ import annotations
 
 from sdbench.dsi.decoder import greedy_only
+from sdbench.dsi.pools import BACKENDS
 from sdbench.errors import SdbenchError
-from sdbench.strategies.base import BuildContext, Option, Proposer, need_gamma
+from sdbench.strategies.base import Proposer
+from sdbench.strategies.spec import BuildContext, Option, Strategy, need_gamma, register
 
 
 class DSI(Proposer):
     name = "dsi"
     decoder = "dsi"
-    options = (
-        Option("workers", 2, "target workers: processes on the CPU, one GPU each on CUDA"),
-        Option("backend", "process", "where workers run: process (this machine) or ray (a Ray cluster, or "
-                                     "Ray's local one)", str),
-        Option("threads", 0, "torch threads per worker and for the drafter; 0 = cores / (workers + 1)"),
-    )
 
     def __init__(self, draft, gamma: int, workers: int = 2, backend: str = "process", threads: int = 0):
-        need_gamma(self.name, gamma)
-        if workers < 1:
-            raise SdbenchError(f"--set workers={workers}: need at least 1")
-        if threads < 0:
-            raise SdbenchError(f"--set threads={threads}: need 0 (automatic) or more")
-        from sdbench.dsi.pools import BACKENDS
-
-        if backend not in BACKENDS:
-            raise SdbenchError(f"--set backend={backend}: use one of {', '.join(BACKENDS)}")
         super().__init__(gamma)
         self.draft, self.workers, self.backend, self.threads = draft, workers, backend, threads
 
     def params(self) -> dict:
         return {"gamma": self.gamma, "workers": self.workers, "backend": self.backend}
 
-    @classmethod
-    def check(cls, gamma: int, options: dict, drafts: tuple[str, ...], sampling) -> None:
-        greedy_only(sampling)
-        cls(None, gamma, **options)  # the constructor checks every setting and touches no model
+
+@register
+class DSIStrategy(Strategy):
+    name = "dsi"
+    help = ("distributed speculative inference: drafting never waits, windows verified on a pool of target "
+            "workers (--set workers=N backend=process|ray), greedy only")
+    aliases = ("distributed",)
+    options = (
+        Option("workers", 2, "target workers: processes on the CPU, one GPU each on CUDA"),
+        Option("backend", "process", "where workers run: process (this machine) or ray (a Ray cluster, or "
+                                     "Ray's local one)", str),
+        Option("threads", 0, "torch threads per worker and for the drafter; 0 = cores / (workers + 1)"),
+    )
+    needs_draft = model_draft = True
+    proposer = DSI
 
     @classmethod
-    def build(cls, ctx: BuildContext) -> Proposer:
-        if not ctx.drafts or isinstance(ctx.drafts[0], str):
-            raise SdbenchError("strategy 'dsi' needs a draft model: pass --draft MODEL (the target itself works)")
-        return cls(ctx.drafts[0], ctx.gamma, **ctx.options)
+    def validate(cls, gamma: int, options: dict, drafts: tuple[str, ...], sampling) -> None:
+        if sampling is not None:
+            greedy_only(sampling)
+        need_gamma(cls.name, gamma)
+        if options["workers"] < 1:
+            raise SdbenchError(f"--set workers={options['workers']}: need at least 1")
+        if options["threads"] < 0:
+            raise SdbenchError(f"--set threads={options['threads']}: need 0 (automatic) or more")
+        if options["backend"] not in BACKENDS:
+            raise SdbenchError(f"--set backend={options['backend']}: use one of {', '.join(BACKENDS)}")
 
+    @classmethod
+    def build(cls, ctx: BuildContext) -> DSI:
+        return DSI(ctx.drafts[0], ctx.gamma, **ctx.options)

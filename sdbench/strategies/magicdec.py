@@ -8,8 +8,9 @@ flat as the context grows, while its acceptance stays high because it is the tar
 
 from __future__ import annotations
 
-from sdbench.strategies.base import BuildContext, Option, Proposer
-from sdbench.strategies.draft import DraftModel
+from sdbench.kv.sparse import SparseSpec
+from sdbench.strategies.draft import SPARSE_OPTIONS, DraftModel
+from sdbench.strategies.spec import BuildContext, Option, Strategy, need_gamma, register
 
 
 class MagicDec(DraftModel):
@@ -18,21 +19,34 @@ class MagicDec(DraftModel):
     self_speculation = True  # the target's own prefill already holds the prompt: compress it, no second prefill
     rows_join = False
 
-    @classmethod
-    def join_refusal(cls, options: dict) -> str | None:
-        return "its draft cache is compressed from the target's prefill of a whole batch"
-    # the draft strategy's sparse-cache settings, with the selector named `kv` and never dense
-    options = (Option("kv", "streamingllm", "draft cache selector: streamingllm or snapkv", str),
-               *(o for o in DraftModel.options if o.name != "draft_kv"))
-
     def __init__(self, runner, gamma: int, kv: str = "streamingllm", budget: int = 256, sink: int = 16,
                  window: int = 32):
         super().__init__(runner, gamma, kv, budget, sink, window)
+        self.rows_join = False
 
     def params(self) -> dict:
         params = super().params()
         params["kv"] = params.pop("draft_kv")
         return params
+
+
+@register
+class MagicDecStrategy(Strategy):
+    name = "magicdec"
+    help = "self-speculation: the target drafts through a fixed-budget sparse KV cache (StreamingLLM or SnapKV)"
+    aliases = ("self-spec", "sparse-kv")
+    # the draft strategy's sparse-cache settings, with the selector named `kv` and never dense
+    options = (Option("kv", "streamingllm", "draft cache selector: streamingllm or snapkv", str), *SPARSE_OPTIONS)
+    proposer = MagicDec
+
+    @classmethod
+    def validate(cls, gamma: int, options: dict, drafts: tuple[str, ...], sampling) -> None:
+        need_gamma(cls.name, gamma)
+        SparseSpec(options["kv"], options["budget"], options["sink"], options["window"])  # never dense
+
+    @classmethod
+    def join_refusal(cls, options: dict) -> str | None:
+        return "its draft cache is compressed from the target's prefill of a whole batch"
 
     @classmethod
     def search_space(cls, trial, space) -> tuple:
@@ -49,5 +63,5 @@ class MagicDec(DraftModel):
         return {target: "MagicDec's sparse draft cache"}
 
     @classmethod
-    def build(cls, ctx: BuildContext) -> Proposer:
-        return cls(ctx.target, ctx.gamma, **ctx.options)
+    def build(cls, ctx: BuildContext) -> MagicDec:
+        return MagicDec(ctx.target, ctx.gamma, **ctx.options)

@@ -3,27 +3,36 @@
 from __future__ import annotations
 
 from sdbench.drafting.ngram import NGramDrafter, check_ngram
-from sdbench.strategies.base import FixedLookahead, Option
+from sdbench.strategies.base import FixedLookahead
+from sdbench.strategies.spec import Option, Strategy, need_gamma, register
 
 
 class NGram(FixedLookahead):
     name = "ngram"
-    options = (
-        Option("max_ngram", 3, "longest suffix (tokens) to match"),
-        Option("min_ngram", 1, "shortest suffix (tokens) to match"),
-    )
 
     def __init__(self, gamma: int, max_ngram: int = 3, min_ngram: int = 1):
-        check_ngram(self.name, max_ngram, min_ngram)
         super().__init__(NGramDrafter(max_ngram, min_ngram), gamma)
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
 
     def params(self) -> dict:
         return {"gamma": self.gamma, "max_ngram": self.max_ngram, "min_ngram": self.min_ngram}
 
+
+@register
+class NGramStrategy(Strategy):
+    name = "ngram"
+    help = "prompt lookup: draft from the latest earlier match of the context's suffix (no model)"
+    aliases = ("prompt-lookup", "pld")
+    options = (
+        Option("max_ngram", 3, "longest suffix (tokens) to match"),
+        Option("min_ngram", 1, "shortest suffix (tokens) to match"),
+    )
+    proposer = NGram
+
     @classmethod
-    def check(cls, gamma: int, options: dict, drafts: tuple[str, ...], sampling) -> None:
-        cls(gamma, **options)
+    def validate(cls, gamma: int, options: dict, drafts: tuple[str, ...], sampling) -> None:
+        need_gamma(cls.name, gamma)
+        check_ngram(cls.name, options["max_ngram"], options["min_ngram"])
 
     @classmethod
     def search_space(cls, trial, space) -> tuple[int, dict]:

@@ -31,9 +31,10 @@ import torch
 from sdbench.engine.state import DecodeState, Proposal
 from sdbench.engine.step import Round
 from sdbench.errors import SdbenchError
-from sdbench.strategies.base import BuildContext, Option, Proposer, need_gamma
-from sdbench.strategies.chain_levels import LevelStats, ModelLevel, NGramLevel
 from sdbench.drafting.ngram import check_ngram
+from sdbench.strategies.base import Proposer
+from sdbench.strategies.chain_levels import LevelStats, ModelLevel, NGramLevel
+from sdbench.strategies.spec import BuildContext, Option, Strategy, need_gamma, register
 
 NGRAM = "ngram"
 
@@ -59,14 +60,13 @@ def parse_mu(text: str, levels: int, gamma: int) -> list[int]:
     return values
 
 
-def check_chain(drafts: list, gamma: int, mu: str = "", max_ngram: int = 3, min_ngram: int = 1) -> list[int]:
-    """Raise on an impossible chain (drafts: top down, 'ngram' or anything else for a model); mu per middle
-    level, top down."""
+def check_chain(drafts: tuple[str, ...], gamma: int, mu: str = "", max_ngram: int = 3, min_ngram: int = 1) -> list[int]:
+    """Raise on an impossible chain (drafts: the --draft names, top down); mu per middle level, top down."""
     need_gamma("polybasic", gamma)
     if not drafts:
         raise SdbenchError("strategy 'polybasic' needs --draft, once per level from the top down "
                            "(e.g. --draft MIDDLE --draft ngram)")
-    if any(isinstance(d, str) for d in drafts[:-1]):
+    if NGRAM in drafts[:-1]:
         raise SdbenchError("--draft ngram can only be the last (bottom) level of a polybasic chain: prompt "
                            "lookup drafts but cannot verify")
     check_ngram("polybasic", max_ngram, min_ngram)
@@ -75,17 +75,11 @@ def check_chain(drafts: list, gamma: int, mu: str = "", max_ngram: int = 3, min_
 
 class Polybasic(Proposer):
     name = "polybasic"
-    options = (
-        Option("mu", "", "tokens a middle level accumulates before handing them up: one value, or one per "
-                         "middle level from the top down (default: 2*gamma above the bottom, doubling upwards)", str),
-        Option("max_ngram", 3, "longest suffix to match when the bottom is ngram"),
-        Option("min_ngram", 1, "shortest suffix to match when the bottom is ngram"),
-    )
 
     def __init__(self, drafts: list, gamma: int, mu: str = "", max_ngram: int = 3, min_ngram: int = 1,
                  target_name: str = "target"):
         """drafts: the chain from the top down; each a ModelRunner, or 'ngram' (only at the bottom)."""
-        self.mus = check_chain(drafts, gamma, mu, max_ngram, min_ngram)
+        self.mus = parse_mu(mu, len(drafts) - 1, gamma)
         super().__init__(gamma)
         self.ngram = (max_ngram, min_ngram)
         bottom = drafts[-1]
@@ -149,6 +143,25 @@ class Polybasic(Proposer):
         levels += [level.stats.record(b, i + 1, level.label) for i, level in enumerate(self.levels)]
         return {"levels": levels}
 
+
+@register
+class PolybasicStrategy(Strategy):
+    name = "polybasic"
+    help = "a chain of drafters (--draft from the top down, ngram allowed at the bottom), each verifying the one below"
+    aliases = ("chain",)
+    options = (
+        Option("mu", "", "tokens a middle level accumulates before handing them up: one value, or one per "
+                         "middle level from the top down (default: 2*gamma above the bottom, doubling upwards)", str),
+        Option("max_ngram", 3, "longest suffix to match when the bottom is ngram"),
+        Option("min_ngram", 1, "shortest suffix to match when the bottom is ngram"),
+    )
+    needs_draft = True
+    proposer = Polybasic
+
+    @classmethod
+    def validate(cls, gamma: int, options: dict, drafts: tuple[str, ...], sampling) -> None:
+        check_chain(drafts, gamma, **options)
+
     @classmethod
     def search_space(cls, trial, space) -> tuple:
         """gamma, and one mu for the middle levels; the --draft list is the chain, kept whole and in order."""
@@ -157,10 +170,6 @@ class Polybasic(Proposer):
         return gamma, options, tuple(space.drafts)
 
     @classmethod
-    def check(cls, gamma: int, options: dict, drafts: tuple[str, ...], sampling) -> None:
-        check_chain([d if d == NGRAM else None for d in drafts], gamma, **options)  # None: a model level
-
-    @classmethod
-    def build(cls, ctx: BuildContext) -> Proposer:
-        return cls(list(ctx.drafts), ctx.gamma, target_name=getattr(ctx.target, "name", "") or "target",
-                   **ctx.options)
+    def build(cls, ctx: BuildContext) -> Polybasic:
+        return Polybasic(list(ctx.drafts), ctx.gamma, target_name=getattr(ctx.target, "name", "") or "target",
+                         **ctx.options)
