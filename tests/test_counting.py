@@ -33,7 +33,7 @@ def assert_counts_true(out, max_new):
     """The definitions of sdbench.engine.metrics, row by row."""
     for b, (row, ids) in enumerate(zip(out.rows, out.output_ids)):
         m = row_metrics(out, b)
-        assert m["mean_accepted_len"] * row.steps == pytest.approx(len(ids) - 1)  # never more than committed
+        assert m.mean_accepted_len * row.steps == pytest.approx(len(ids) - 1)  # never more than committed
         assert len(ids) - 1 <= row.accepted + row.steps <= len(ids)  # only a step's own token may be cut
         assert row.accepted <= row.drafted and len(row.drafted_per_position) <= max_new - 1  # no step past it
         assert sum(row.accepted_per_position) == row.accepted
@@ -61,7 +61,7 @@ def test_a_huge_lookahead_drafts_no_more_than_the_budget(target, prompts):
     row = out.rows[0]
     assert out.output_ids == reference(target, prompts[:1], 8)
     assert row.steps == 1 and row.drafted == 7 == row.accepted and row.drafted_per_position == [1] * 7
-    assert row_metrics(out, 0)["mean_accepted_len"] == 7.0  # 7 tokens committed in one step, not 1001
+    assert row_metrics(out, 0).mean_accepted_len == 7.0  # 7 tokens committed in one step, not 1001
 
 
 def test_drafts_after_an_eos_are_not_accepted(target, small_draft, prompts):
@@ -111,7 +111,7 @@ def test_dsi_batch_times_sum_over_its_prompts(monkeypatch, target):
     assert (results[3].wall_s, results[3].ttft_s) == pytest.approx((3.0, 1.2))
     decode_rate = {n: (r.new_tokens - n) / (r.wall_s - r.ttft_s) for n, r in results.items()}
     assert decode_rate[3] == pytest.approx(decode_rate[1])  # the old TTFT (the first prompt's) gave 36/2.6
-    assert row_metrics(results[3], 1)["mean_accepted_len"] == 3.0
+    assert row_metrics(results[3], 1).mean_accepted_len == 3.0
 
 
 # ---- ties in low precision ---------------------------------------------------------------------------------

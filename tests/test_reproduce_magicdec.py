@@ -290,4 +290,4 @@ def test_the_drafters_setup_is_recorded_apart_from_the_decode_steps(target, smal
     plain = generate(target, Autoregressive(), prompts, max_new_tokens=6, sampling=SamplingConfig())
     # the draft's own prefill of the prompts: inside the decode time and the drafting time, and recorded apart
     assert 0 < spec.setup_s <= min(r.draft_s for r in spec.rows) and spec.setup_s < spec.wall_s - spec.ttft_s
-    assert row_metrics(spec, 1)["setup_s"] == spec.setup_s and plain.setup_s <= spec.setup_s
+    assert row_metrics(spec, 1).setup_s == spec.setup_s and plain.setup_s <= spec.setup_s

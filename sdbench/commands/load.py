@@ -9,20 +9,20 @@ each point's rows are one part on disk, written as the point finishes.
 
 from __future__ import annotations
 
-import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from sdbench.commands.divergence import judge_rows
+from sdbench.commands.roles import BASELINE, Measured
 from sdbench.config import RunConfig
 from sdbench.engine.loop import serve
-from sdbench.engine.metrics import format_slo, predicted_speedup, rate, served_row_metrics, speedup
+from sdbench.engine.metrics import RowMetrics, format_slo, predicted_speedup, rate, served_row_metrics
 from sdbench.engine.scheduler import Request, Scheduler, arrival_times
-from sdbench.env import peak_memory, reset_peak_memory
 from sdbench.errors import SdbenchError
 from sdbench.models.names import weights_of
+from sdbench.reporting.results import Judged, Place, RunFields, result_row
 from sdbench.strategies import strategy, strategy_registry
 
 
@@ -62,22 +62,22 @@ def check_load(cfg: RunConfig, base: str, options: dict) -> None:
                            f"(--request-rate/--concurrency): {reason}; strategies that can: {', '.join(able)}")
 
 
-def serve_points(bench, pair, roles, prompts, encoded, writer, common, progress) -> None:
-    """Every load point and repeat, every role on the same arrivals; a part written per point and repeat."""
-    cfg = bench.cfg
+def serve_points(bench, prompts, encoded, writer, progress) -> None:
+    """Every load point and repeat, every role on the same arrivals; a part written per point and repeat.
+    bench: the run's Bench, its pair loaded (`loaded`, `every`, `fields`)."""
+    cfg, pair, every = bench.cfg, bench.loaded, bench.every
     points = load_points(cfg)
-    task = progress.add_task(bench.choice.name, total=cfg.repeats * len(points) * len(roles))
+    task = progress.add_task(bench.choice.name, total=cfg.repeats * len(points) * len(every.roles))
     for repeat in range(cfg.repeats):
         for point_id, point in enumerate(points):
             arrivals = arrival_times(len(encoded), point.rate, [cfg.sampling.seed, repeat])
-            results = {}
-            for role, proposer in roles:
-                progress.update(task, description=f"{role}: {point.label}")
-                reset_peak_memory(str(bench.device))
-                done = _serve(bench, pair, proposer, encoded, arrivals, point.slots, repeat, point_id)
-                results[role] = (done, peak_memory(str(bench.device)))
-                progress.advance(task)
-            rows = _rows(bench, dict(roles), prompts, results, point, repeat, point_id, common)
+            measured = every.measure(
+                lambda role: _serve(bench, pair, role.proposer, encoded, arrivals, point.slots, repeat, point_id),
+                started=lambda role: progress.update(task, description=f"{role.name}: {point.label}"),
+                done=lambda role: progress.advance(task))
+            at = replace(bench.fields, batch_size=point.slots, request_rate=point.rate, concurrency=point.slots,
+                         slo=format_slo(cfg.slo) or None)
+            rows = _rows(bench, measured, prompts, at, Place("", "", repeat, point_id))
             judge_rows(pair.target, rows, {p.id: ids for p, ids in zip(prompts, encoded)})
             writer.append(rows)
             if bench.on_batch is not None:
@@ -93,30 +93,26 @@ def _serve(bench, pair, proposer, encoded, arrivals, slots: int, repeat: int, po
                  generator=gen)
 
 
-def _rows(bench, proposers, prompts, results, point: LoadPoint, repeat: int, point_id: int, common) -> list[dict]:
+def _rows(bench, measured: list[Measured[Scheduler]], prompts, fields: RunFields, at: Place) -> list[dict]:
     """One row per request and role; speedup and lossless against the baseline's row for the same request."""
     cfg = bench.cfg
-    base = {}
+    served = {m.role.name: _served(m.result, cfg.slo) for m in measured}
+    base = next((m for m in measured if m.role.is_baseline), None)
     rows = []
-    for role, (done, (mem, mem_kind)) in results.items():
-        name, params, drafts = bench._describe(role, proposers[role])
-        served = [served_row_metrics(req, done.duration_s, cfg.slo) for req in done.requests]
-        throughput = rate(sum(r["new_tokens"] for r in served), done.duration_s)
-        for req, metrics in zip(done.requests, served):
-            p = prompts[req.index]
-            row = {**common, **metrics, "batch_tokens_per_s": throughput}
-            row.update(role=role, strategy=name, params=params, draft=drafts, category=p.category, prompt_id=p.id,
-                       repeat=repeat, batch_id=point_id, batch_size=point.slots, peak_mem_bytes=mem,
-                       mem_kind=mem_kind, gamma=json.loads(params).get("gamma"), predicted_speedup=math.nan,
-                       turn=1, depth=p.depth, request_rate=point.rate, concurrency=point.slots,
-                       slo=format_slo(cfg.slo) or None, weights=weights_of([cfg.target, *drafts.split(",")]))
-            if role == "baseline":
-                base[req.index] = (row, req)
-            elif req.index in base:
-                brow, breq = base[req.index]
-                row["speedup"] = speedup(row["tokens_per_s"], brow["tokens_per_s"])
-                row["predicted_speedup"] = predicted_speedup(req.stats, breq.stats)  # DSI is never served
-                if cfg.sampling.greedy:
-                    row["lossless"] = req.output_ids == breq.output_ids
-            rows.append(row)
+    for m in measured:
+        weights = weights_of([cfg.target, *m.role.drafts])
+        for req, metrics in zip(m.result.requests, served[m.role.name].values()):
+            p, judged = prompts[req.index], Judged(None, cfg.sampling.greedy)
+            if base is not None and req.index in served[BASELINE]:
+                breq = next(r for r in base.result.requests if r.index == req.index)
+                predicted = math.nan if m.role.is_baseline else predicted_speedup(req.stats, breq.stats)
+                judged = Judged(served[BASELINE][req.index], cfg.sampling.greedy, predicted)  # DSI is never served
+            place = replace(at, category=p.category, prompt_id=p.id, depth=p.depth)
+            rows.append(result_row(fields, m.role, place, metrics, judged, m.memory, weights))
     return rows
+
+
+def _served(done: Scheduler, slo: dict) -> dict[int, RowMetrics]:
+    """Request index -> its metrics, in the order the scheduler holds the requests."""
+    throughput = rate(sum(len(req.output_ids) for req in done.requests), done.duration_s)
+    return {req.index: served_row_metrics(req, done.duration_s, slo, throughput) for req in done.requests}

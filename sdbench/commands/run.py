@@ -18,18 +18,20 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from sdbench.config import DEFAULT_GAMMA, RunConfig, SamplingConfig
 from sdbench.commands.divergence import judge_rows
+from sdbench.commands.roles import EveryRole, Measured, Role, baseline_role, plan_roles
 from sdbench.data.passkey import answer_found
 from sdbench.data.prompts import encode_prompts
+from sdbench.data.turns import Conversations
 from sdbench.decoders import SEQUENTIAL, decoder_for
 from sdbench.engine.state import needed_capacity
-from sdbench.env import environment, peak_memory, reset_peak_memory
+from sdbench.env import environment
 from sdbench.errors import Interrupted, SdbenchError
-from sdbench.engine.metrics import BatchResult, predicted_batch_speedup, row_metrics, speedup
+from sdbench.engine.metrics import BatchResult, predicted_batch_speedup, row_metrics
 from sdbench.models.names import weights_of
 from sdbench.models.pair import Pair, load_pair, resolve_device, resolve_dtype
 from sdbench.paths import output_dir
-from sdbench.strategies import BuildContext, build_variants, native_needed, resolve_strategy, strategy
-from sdbench.strategies.autoregressive import Autoregressive
+from sdbench.reporting.results import Judged, Place, RunFields, RunWriter, new_run_id, result_row
+from sdbench.strategies import native_needed, resolve_strategy, strategy
 
 WARMUP_PROMPT_TOKENS = 256
 
@@ -106,20 +108,15 @@ class Bench:
         self.device = resolve_device(self.cfg.device)
         self.dtype = resolve_dtype(self.cfg.dtype, self.device)
         output_dir(self.cfg.out)  # a bad --out fails now, not after the models have loaded
-        self._extra: dict = {}  # role -> Variant: configurations a strategy runs beside itself for comparison
+        # set by run() once the models are loaded: the pair, its roles and what every row records of the run
+        self.loaded: Pair | None = None
+        self.every: EveryRole | None = None
+        self.fields: RunFields | None = None
 
-    def _variants(self, pair: Pair) -> list[tuple[str, object]]:
-        """(role, proposer) for each strategy configuration to run: one per --gamma value, then the extra
-        configurations the strategy brings for comparison (once each, however many --gamma values ask)."""
-        made = [v for g in self.cfg.gammas for v in build_variants(
-            self.choice.base, BuildContext(pair.target, pair.drafts, g, dict(self.cfg.options)))]
-        own = [v.proposer for v in made if not v.label]
-        self._extra = {}
-        for v in made:
-            if v.label:
-                self._extra.setdefault(f"compare-{v.label}", v)
-        roles = [("strategy", own[0])] if len(own) == 1 else [(f"strategy-{i + 1}", p) for i, p in enumerate(own)]
-        return roles + [(role, v.proposer) for role, v in self._extra.items()]
+    def plan_roles(self, pair: Pair) -> list[Role]:
+        """The strategy's roles (commands/roles.py); the baseline is added by `run`."""
+        cfg = self.cfg
+        return plan_roles(self.choice.name, self.choice.base, pair, cfg.gammas, cfg.drafts, cfg.options)
 
     def _generate(self, pair: Pair, proposer, batch: list[list[int]], max_new: int, seed: int,
                   capacity: int = 0) -> BatchResult:
@@ -128,15 +125,12 @@ class Bench:
                       eos_ids=pair.eos, generator=gen, capacity=capacity)
 
     def run(self) -> Path:
-        from sdbench.reporting.results import RunWriter, new_run_id
-        from sdbench.data.turns import Conversations
-
         cfg = self.cfg
         pair = self.pair or load_pair(cfg, self.device, self.dtype, self.console, native_needed(cfg))
-        variants = self._variants(pair)
-        prompts, encoded = encode_prompts(cfg, pair, max(p.max_lookahead for _, p in variants))
+        roles = [baseline_role()] * cfg.baseline + self.plan_roles(pair)
+        prompts, encoded = encode_prompts(cfg, pair, max(r.proposer.max_lookahead for r in roles))
         context = max(len(e) for e in encoded) + cfg.max_new_tokens
-        for note in dict.fromkeys(n for _, p in variants for n in p.notes(context)):
+        for note in dict.fromkeys(n for r in roles for n in r.proposer.notes(context)):
             self.console.print(f"note: {note}", highlight=False, soft_wrap=True)
         batches = [list(range(i, min(i + cfg.batch_size, len(prompts)))) for i in range(0, len(prompts),
                                                                                       cfg.batch_size)]
@@ -147,21 +141,19 @@ class Bench:
         if cfg.resume and not writer.exists():
             raise SdbenchError(f"--resume {run_id}: no such run under {cfg.out}")
         try:
-            self._warm_up(pair, variants, encoded, batches)
+            self._warm_up(pair, roles, encoded, batches)
         except KeyboardInterrupt:  # nothing is on disk yet: no run to resume
             raise Interrupted("interrupted during warm-up: nothing was saved") from None
         self._save_config(run_id)  # only now: a run that never measured leaves nothing behind
-        roles = (("baseline", Autoregressive()),) * cfg.baseline + tuple(variants)
-        common = self._common(pair)
-        talk = Conversations(prompts, pair.tokenizer, cfg.turns)
+        self.loaded, self.every, self.fields = pair, EveryRole(roles, str(self.device)), self.run_fields(pair)
         try:
             with writer, self._progress() as progress:
                 if cfg.under_load:
                     from sdbench.commands.load import serve_points
 
-                    serve_points(self, pair, roles, prompts, encoded, writer, common, progress)
+                    serve_points(self, prompts, encoded, writer, progress)
                 else:
-                    self._batches(pair, roles, talk, batches, done, writer, common, progress)
+                    self._batches(Conversations(prompts, pair.tokenizer, cfg.turns), batches, done, writer, progress)
         except KeyboardInterrupt:
             if not writer.exists():  # no batch finished: forget the run instead of pointing at it
                 self._config_path(run_id).unlink(missing_ok=True)
@@ -172,27 +164,27 @@ class Bench:
                                f"`sdbench run --resume {run_id} --out {cfg.out}`") from None
         return writer.final_path
 
-    def _batches(self, pair: Pair, roles, talk, batches, done, writer, common, progress) -> None:
+    def _batches(self, talk: Conversations, batches: list[list[int]], done: set, writer: RunWriter, progress) -> None:
         """Every batch (and turn) with every role, a part written per batch; batches `done` are skipped."""
-        prompts = talk.prompts
+        prompts, roles = talk.prompts, self.every.roles
         total = self.cfg.repeats * sum(talk.turns_of(idx) for idx in batches) * len(roles)
         task = progress.add_task(self.choice.name, total=total)
         for repeat in range(self.cfg.repeats):
             for batch_id, idx in enumerate(batches):
-                if all((r, prompts[i].id, repeat, t + 1) in done for r, _ in roles for i in idx
+                if all((r.name, prompts[i].id, repeat, t + 1) in done for r in roles for i in idx
                        for t in range(talk.count[i])):
                     progress.advance(task, len(roles) * talk.turns_of(idx))
                     continue
                 rows = []  # every turn of a batch goes into one part: a resumed run redoes whole batches
                 for turn in range(talk.turns_of(idx)):
-                    rows += self._turn(pair, roles, talk, idx, turn, repeat, batch_id, common,
+                    rows += self._turn(talk, idx, Place("", "", repeat, batch_id, turn + 1),
                                        lambda role: progress.update(task, advance=1, description=(
-                                           f"{role}: batch {batch_id + 1}/{len(batches)}")))
+                                           f"{role.name}: batch {batch_id + 1}/{len(batches)}")))
                 writer.append(rows)
                 if self.on_batch is not None:
                     self.on_batch(rows)
 
-    def _warm_up(self, pair: Pair, variants, encoded, batches) -> None:
+    def _warm_up(self, pair: Pair, roles: list[Role], encoded, batches) -> None:
         """Every configuration once, unmeasured, with caches as long as the longest batch needs: static-shape
         caches and their CUDA graphs are then made here and reused by the measured batches.
 
@@ -207,31 +199,25 @@ class Bench:
                 warm = [encoded[i] for i in holding]
             else:
                 warm = [encoded[i][:WARMUP_PROMPT_TOKENS] for i in batches[0]]
-            for _, prop in (("baseline", Autoregressive()),) * cfg.baseline + tuple(variants):
+            for role in roles:
+                prop = role.proposer
                 longest = max(needed_capacity(max(len(encoded[i]) for i in idx), cfg.max_new_tokens, prop.max_lookahead)
                               for idx in batches)
                 self._generate(pair, prop, warm, min(cfg.warmup_tokens, cfg.max_new_tokens), cfg.sampling.seed,
                                capacity=longest)
 
-    def _turn(self, pair: Pair, roles, talk, idx: list[int], turn: int, repeat: int, batch_id: int, common,
-              advance) -> list[dict]:
-        """Decode one turn of a batch with every role; the answer carried into the next turn is the first
-        role's (the baseline's, when it runs). A turn past the first is its own batch (batch_id)."""
-        members = talk.members(idx, turn)
-        batch_id = batch_id * talk.most + turn
-        seed = self.cfg.sampling.seed * 1_000_003 + repeat * 10_007 + batch_id
-        batch = [talk.encode(i, turn) for i in members]
-        results = {}
-        for role, prop in roles:
-            reset_peak_memory(str(self.device))
-            res = self._generate(pair, prop, batch, self.cfg.max_new_tokens, seed)
-            results[role] = (res, peak_memory(str(self.device)))
-            advance(role)
-        talk.record(members, turn, results[roles[0][0]][0].output_ids)
-        rows = self._rows(common, dict(roles), talk.prompts, members, results, repeat, batch_id)
-        for row, i in zip(rows, members * len(roles)):
-            row.update(turn=turn + 1, depth=talk.prompts[i].depth,
-                       found=answer_found(talk.prompts[i], row["output_ids"], pair.tokenizer))
+    def _turn(self, talk: Conversations, idx: list[int], at: Place, advance) -> list[dict]:
+        """Decode one turn (at.turn) of the batch of prompts idx with every role; the answer carried into the next
+        turn is the first role's (the baseline's, when it runs). A turn past the first is its own batch (batch_id)."""
+        pair = self.loaded
+        members = talk.members(idx, at.turn - 1)
+        at = replace(at, batch_id=at.batch_id * talk.most + at.turn - 1)
+        seed = self.cfg.sampling.seed * 1_000_003 + at.repeat * 10_007 + at.batch_id
+        batch = [talk.encode(i, at.turn - 1) for i in members]
+        measured = self.every.measure(
+            lambda role: self._generate(pair, role.proposer, batch, self.cfg.max_new_tokens, seed), done=advance)
+        talk.record(members, at.turn - 1, measured[0].result.output_ids)
+        rows = self._rows(measured, [talk.prompts[i] for i in members], at, pair.tokenizer)
         judge_rows(pair.target, rows, {talk.prompts[i].id: ids for i, ids in zip(members, batch)})
         return rows
 
@@ -247,64 +233,36 @@ class Bench:
         path = self._config_path(run_id)
         path.write_text(json.dumps(asdict(self.cfg), indent=2, default=str))
 
-    def _common(self, pair: Pair) -> dict:
+    def run_fields(self, pair: Pair) -> RunFields:
         cfg = self.cfg
-        return {
-            "target": cfg.target, "dataset": _label(cfg), "batch_size": cfg.batch_size,
-            "temperature": cfg.sampling.temperature, "top_p": cfg.sampling.top_p, "seed": cfg.sampling.seed,
-            "fast": bool(getattr(pair.target, "fast", False)), "max_new_tokens": cfg.max_new_tokens,
-            "prompt_len": cfg.prompt_len,
-            "schedule_entry": self.choice.entry.label if self.choice.entry is not None else None,
-            **pair.fidelity(),
-        }
+        return RunFields(
+            target=cfg.target, dataset=_label(cfg), batch_size=cfg.batch_size, temperature=cfg.sampling.temperature,
+            top_p=cfg.sampling.top_p, seed=cfg.sampling.seed, fast=bool(getattr(pair.target, "fast", False)),
+            max_new_tokens=cfg.max_new_tokens, prompt_len=cfg.prompt_len,
+            schedule_entry=self.choice.entry.label if self.choice.entry is not None else None, **pair.fidelity())
 
-    def _describe(self, role: str, proposer) -> tuple[str, str, str]:
-        """(strategy, params JSON, drafts) as recorded on a row."""
-        if role == "baseline":
-            return "autoregressive", "{}", ""
-        if role in self._extra:
-            extra = self._extra[role]
-            return extra.strategy, json.dumps(proposer.params(), sort_keys=True), extra.drafts
-        return self.choice.name, json.dumps(proposer.params(), sort_keys=True), ",".join(self.cfg.drafts)
-
-    def _rows(self, common, proposers, prompts, idx, results, repeat, batch_id) -> list[dict]:
+    def _rows(self, measured: list[Measured[BatchResult]], prompts, at: Place, tokenizer) -> list[dict]:
+        """The rows of one decoded batch: one per role and prompt (prompts: the batch's, in row order)."""
         rows = []
-        base = results.get("baseline", (None,))[0]
-        for role, (res, (mem, mem_kind)) in results.items():
-            name, params, drafts = self._describe(role, proposers[role])
+        base = EveryRole.baseline(measured)
+        for m in measured:
+            res = m.result
             predicted = math.nan  # the sequential-SD model says nothing of DSI
-            if base is not None and role != "baseline" and proposers[role].decoder == SEQUENTIAL:
+            if base is not None and not m.role.is_baseline and m.role.proposer.decoder == SEQUENTIAL:
                 predicted = predicted_batch_speedup(res.rows, base.rows, [len(o) for o in res.output_ids])
-            for b, i in enumerate(idx):
-                row = dict(common)
-                row.update(row_metrics(res, b))
-                row.update(role=role, strategy=name, params=params, draft=drafts, category=prompts[i].category,
-                           prompt_id=prompts[i].id, repeat=repeat, batch_id=batch_id, peak_mem_bytes=mem,
-                           mem_kind=mem_kind, output_ids=res.output_ids[b], gamma=_gamma(params),
-                           predicted_speedup=predicted, timestamp=_now())
-                row["weights"] = weights_of([self.cfg.target, *drafts.split(",")])  # a @random model: "random"
-                if base is not None:
-                    row["speedup"] = speedup(row["tokens_per_s"], row_metrics(base, b)["tokens_per_s"])
-                    if self.cfg.sampling.greedy:
-                        row["lossless"] = res.output_ids[b] == base.output_ids[b]
-                rows.append(row)
+            weights = weights_of([self.cfg.target, *m.role.drafts])  # a @random model: "random"
+            for b, p in enumerate(prompts):
+                judged = Judged(row_metrics(base, b) if base is not None else None, self.cfg.sampling.greedy,
+                                predicted, answer_found(p, res.output_ids[b], tokenizer))
+                place = replace(at, category=p.category, prompt_id=p.id, depth=p.depth)
+                rows.append(result_row(self.fields, m.role, place, row_metrics(res, b), judged, m.memory, weights))
         return rows
-
-
-def _gamma(params: str) -> int | None:
-    return json.loads(params).get("gamma")
 
 
 def _label(cfg: RunConfig) -> str:
     from sdbench.data.tasks import dataset_label
 
     return dataset_label(cfg.dataset, cfg.prompt_len)
-
-
-def _now() -> str:
-    from datetime import datetime
-
-    return datetime.now().astimezone().isoformat(timespec="seconds")
 
 
 def load_config(out: str, run_id: str) -> RunConfig:

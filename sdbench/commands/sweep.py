@@ -20,10 +20,11 @@ from pathlib import Path
 
 from rich.console import Console
 
+from sdbench.commands.roles import Role
 from sdbench.commands.run import Bench, run_config
 from sdbench.config import SWEEP_AXES, RunConfig, SweepConfig
 from sdbench.errors import Interrupted, SdbenchError
-from sdbench.reporting.results import RunWriter, new_run_id
+from sdbench.reporting.results import RunFields, RunWriter, new_run_id
 from sdbench.strategies import native_needed, resolve_strategy, strategy
 
 SETTINGS, DONE = "sweep.json", "done.json"
@@ -90,26 +91,17 @@ class PointBench(Bench):
         self.console = console
         self.members = [Bench(c, console, pair=pair) for c in cfgs]
         self.runners, self.sweep_id = runners, sweep_id
-        self._owner: dict[str, tuple[Bench, str]] = {}
 
-    def _variants(self, pair) -> list[tuple[str, object]]:
+    def plan_roles(self, pair) -> list[Role]:
         roles = []
         for member in self.members:
             own = replace(pair, drafts=[self.runners[d] for d in member.cfg.drafts])
-            for role, proposer in member._variants(own):
-                name = role if len(self.members) == 1 else f"{role}:{member.choice.name}"
-                self._owner[name] = (member, role)
-                roles.append((name, proposer))
+            for role in member.plan_roles(own):
+                roles.append(role if len(self.members) == 1 else replace(role, name=f"{role.name}:{member.choice.name}"))
         return roles
 
-    def _describe(self, role: str, proposer) -> tuple[str, str, str]:
-        if role == "baseline":
-            return super()._describe(role, proposer)
-        member, own = self._owner[role]
-        return member._describe(own, proposer)
-
-    def _common(self, pair) -> dict:
-        return {**super()._common(pair), "sweep": self.sweep_id}
+    def run_fields(self, pair) -> RunFields:
+        return replace(super().run_fields(pair), sweep=self.sweep_id)
 
 
 class Sweep:

@@ -60,7 +60,6 @@ costs what a round of the full batch costs.
 
 from __future__ import annotations
 
-import json
 import math
 import re
 import time
@@ -201,36 +200,76 @@ class BatchResult:
         return sum(len(o) for o in self.output_ids)
 
 
-def _counters(stats: RowStats, n: int) -> dict:
-    """The counted columns of one prompt's row (n: its new tokens)."""
-    return {
-        "new_tokens": n,
-        "steps": stats.steps,
-        "drafted": stats.drafted,
-        "accepted": stats.accepted,
-        "mean_accepted_len": mean_accepted_length(n, stats.steps),
-        "acceptance_rate": acceptance_rate(stats.accepted, stats.drafted),
-        "accepted_per_position": list(stats.accepted_per_position),
-        "drafted_per_position": list(stats.drafted_per_position),
-        "draft_s": stats.draft_s,
-        "verify_s": stats.verify_s,
-    }
+@dataclass(frozen=True)
+class ServedLatencies:
+    """A request's latencies served under load (see the module docstring); times in s from serving's start."""
+
+    arrival_s: float
+    scheduled_s: float
+    token_s: list[float]  # when each chunk of its tokens was committed (the first: its first token)
+    chunk_tokens: list[int]  # tokens in each chunk
+    ttft_ms: float
+    e2el_ms: float
+    itl_ms: list[float]
+    tpot_ms: float
+    queue_ms: float
+    prefill_ms: float
+    slo_met: bool | None  # every --slo bound kept; None without --slo
+    duration_s: float  # the role's whole serving time at this load point
 
 
-def row_metrics(result: BatchResult, b: int) -> dict:
-    """The per-prompt metric columns of a result row."""
-    stats, n = result.rows[b], len(result.output_ids[b])
-    return {
-        **_counters(stats, n),
-        "prompt_tokens": result.prompt_tokens[b],
-        "wall_s": result.wall_s,
-        "tokens_per_s": rate(n, result.wall_s),
-        "batch_tokens_per_s": rate(result.new_tokens, result.wall_s),
-        "ttft_s": result.ttft_s,
-        "tpot_s": (result.wall_s - result.ttft_s) / (n - 1) if n > 1 else math.nan,
-        "setup_s": result.setup_s,
-        "strategy_stats": json.dumps(result.extras[b] if b < len(result.extras) else {}, sort_keys=True),
-    }
+@dataclass(frozen=True)
+class RowMetrics:
+    """One prompt's measured figures: a row of a decoded batch, or a request served under load (`served`)."""
+
+    output_ids: list[int]  # the committed tokens after the prompt
+    prompt_tokens: int
+    steps: int
+    drafted: int
+    accepted: int
+    accepted_per_position: list[int]
+    drafted_per_position: list[int]
+    draft_s: float
+    verify_s: float
+    wall_s: float
+    tokens_per_s: float
+    batch_tokens_per_s: float
+    ttft_s: float
+    tpot_s: float
+    setup_s: float
+    strategy_stats: dict  # the proposer's own per-row figures (Proposer.row_stats)
+    served: ServedLatencies | None = None
+
+    @property
+    def new_tokens(self) -> int:
+        return len(self.output_ids)
+
+    @property
+    def mean_accepted_len(self) -> float:
+        return mean_accepted_length(self.new_tokens, self.steps)
+
+    @property
+    def acceptance_rate(self) -> float:
+        return acceptance_rate(self.accepted, self.drafted)
+
+
+def _counted(stats: RowStats) -> dict:
+    """RowMetrics' counters of one prompt's RowStats."""
+    return dict(steps=stats.steps, drafted=stats.drafted, accepted=stats.accepted,
+                accepted_per_position=list(stats.accepted_per_position),
+                drafted_per_position=list(stats.drafted_per_position), draft_s=stats.draft_s, verify_s=stats.verify_s)
+
+
+def row_metrics(result: BatchResult, b: int) -> RowMetrics:
+    """Row b of a decoded batch."""
+    n = len(result.output_ids[b])
+    return RowMetrics(
+        output_ids=list(result.output_ids[b]), prompt_tokens=result.prompt_tokens[b], **_counted(result.rows[b]),
+        wall_s=result.wall_s, tokens_per_s=rate(n, result.wall_s),
+        batch_tokens_per_s=rate(result.new_tokens, result.wall_s), ttft_s=result.ttft_s,
+        tpot_s=(result.wall_s - result.ttft_s) / (n - 1) if n > 1 else math.nan, setup_s=result.setup_s,
+        strategy_stats=result.extras[b] if b < len(result.extras) else {},
+    )
 
 
 def speedup(tokens_per_s: float, baseline_tokens_per_s: float) -> float:
@@ -321,20 +360,18 @@ def meets_slo(latencies: dict, slo: dict[str, float]) -> bool | None:
     return all(not latencies[f"{k}_ms"] > bound for k, bound in slo.items())  # NaN TPOT passes
 
 
-def request_metrics(req, slo: dict[str, float]) -> dict:
-    """The per-request latency columns of a request served under load (engine/scheduler.py's Request)."""
+def request_metrics(req, slo: dict[str, float], duration_s: float) -> ServedLatencies:
+    """The latencies of a request served under load (engine/scheduler.py's Request)."""
     t, n = req.token_s, sum(req.chunk_tokens)
     ttft = (t[0] - req.arrival_s) * 1e3 if t else math.nan
     e2el = (t[-1] - req.arrival_s) * 1e3 if t else math.nan
-    out = {
-        "arrival_s": req.arrival_s, "scheduled_s": req.scheduled_s, "token_s": list(t),
-        "chunk_tokens": list(req.chunk_tokens), "ttft_ms": ttft, "e2el_ms": e2el,
-        "itl_ms": [(b - a) * 1e3 for a, b in zip(t, t[1:])],
-        "tpot_ms": (e2el - ttft) / (n - 1) if n > 1 else math.nan,
-        "queue_ms": (req.scheduled_s - req.arrival_s) * 1e3, "prefill_ms": req.prefill_s * 1e3,
-    }
-    out["slo_met"] = meets_slo(out, slo)
-    return out
+    tpot = (e2el - ttft) / (n - 1) if n > 1 else math.nan
+    met = meets_slo({"ttft_ms": ttft, "tpot_ms": tpot, "e2el_ms": e2el}, slo)
+    return ServedLatencies(arrival_s=req.arrival_s, scheduled_s=req.scheduled_s, token_s=list(t),
+                           chunk_tokens=list(req.chunk_tokens), ttft_ms=ttft, e2el_ms=e2el,
+                           itl_ms=[(b - a) * 1e3 for a, b in zip(t, t[1:])], tpot_ms=tpot,
+                           queue_ms=(req.scheduled_s - req.arrival_s) * 1e3, prefill_ms=req.prefill_s * 1e3,
+                           slo_met=met, duration_s=duration_s)
 
 
 def _spread(values: list[float], name: str) -> dict:
@@ -363,14 +400,14 @@ def serving_summary(requests: list[dict], duration_s: float) -> dict:
     return summary
 
 
-def served_row_metrics(req, duration_s: float, slo: dict[str, float]) -> dict:
-    """The metric columns of a request's row served under load. The batch columns take the request's view:
-    wall_s is the whole serving time (the role's "batch"), tokens_per_s the request's own tokens over its
-    e2el, ttft_s and tpot_s its TTFT and TPOT in seconds."""
-    n = len(req.output_ids)
-    out = {**_counters(req.stats, n), **request_metrics(req, slo)}
-    out.update(prompt_tokens=len(req.prompt), wall_s=duration_s, duration_s=duration_s,
-               tokens_per_s=rate(n, out["e2el_ms"] / 1e3), ttft_s=out["ttft_ms"] / 1e3,
-               tpot_s=out["tpot_ms"] / 1e3, setup_s=0.0, output_ids=list(req.output_ids),
-               strategy_stats=json.dumps(req.extras, sort_keys=True))
-    return out
+def served_row_metrics(req, duration_s: float, slo: dict[str, float], throughput: float) -> RowMetrics:
+    """A request served under load. The batch figures take the request's view: wall_s is the whole serving
+    time (the role's "batch"), tokens_per_s the request's own tokens over its e2el, ttft_s and tpot_s its TTFT
+    and TPOT in seconds; throughput: the role's output tokens/s at this load point (batch_tokens_per_s)."""
+    served = request_metrics(req, slo, duration_s)
+    return RowMetrics(
+        output_ids=list(req.output_ids), prompt_tokens=len(req.prompt), **_counted(req.stats), wall_s=duration_s,
+        tokens_per_s=rate(len(req.output_ids), served.e2el_ms / 1e3), batch_tokens_per_s=throughput,
+        ttft_s=served.ttft_ms / 1e3, tpot_s=served.tpot_ms / 1e3, setup_s=0.0, strategy_stats=req.extras,
+        served=served,
+    )

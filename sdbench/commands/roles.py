@@ -1,0 +1,85 @@
+"""Roles: the configurations a run decodes every batch with (the baseline, the strategy at each --gamma, the
+configurations a strategy brings along to be compared with), planned once; and the one step that decodes a
+batch, or serves a load point, with every role in turn.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Generic, TypeVar
+
+from sdbench.env import peak_memory, reset_peak_memory
+from sdbench.strategies import BuildContext, Proposer, build_variants
+from sdbench.strategies.autoregressive import Autoregressive
+
+BASELINE = "baseline"
+R = TypeVar("R")
+
+
+@dataclass(frozen=True)
+class Role:
+    """One configuration of a run, and what its rows record of it."""
+
+    name: str  # the `role` column: "baseline", "strategy" ("strategy-N" with several --gamma), "compare-LABEL"
+    proposer: Proposer
+    strategy: str  # the `strategy` column: the name the user asked for (a preset's), or a compared one's
+    drafts: tuple[str, ...] = ()  # the `draft` column's names
+
+    @property
+    def is_baseline(self) -> bool:
+        return self.name == BASELINE
+
+    def params(self) -> dict:
+        return self.proposer.params()
+
+
+def baseline_role() -> Role:
+    return Role(BASELINE, Autoregressive(), "autoregressive")
+
+
+def plan_roles(strategy: str, base: str, pair, gammas: tuple[int, ...], drafts: tuple[str, ...],
+               options: dict) -> list[Role]:
+    """The strategy's roles: one per --gamma value, then the configurations it brings for comparison, once
+    each however many --gamma values bring them. strategy: the name rows record; base: the registered one."""
+    made = [v for g in gammas for v in build_variants(base, BuildContext(pair.target, pair.drafts, g, dict(options)))]
+    own = [v.proposer for v in made if not v.label]
+    names = ["strategy"] if len(own) == 1 else [f"strategy-{i + 1}" for i in range(len(own))]
+    roles = [Role(name, proposer, strategy, drafts) for name, proposer in zip(names, own)]
+    compared: dict[str, Role] = {}
+    for v in made:
+        if v.label:
+            name = f"compare-{v.label}"
+            compared.setdefault(name, Role(name, v.proposer, v.strategy, (v.drafts,) if v.drafts else ()))
+    return roles + list(compared.values())
+
+
+@dataclass(frozen=True)
+class Measured(Generic[R]):
+    """What one role's decode returned, and the peak memory it reached."""
+
+    role: Role
+    result: R
+    memory: tuple[int | None, str]  # (bytes, kind) as sdbench.env.peak_memory
+
+
+class EveryRole:
+    """Decodes one batch (or serves one load point) with every role in turn, measuring each one's peak memory
+    on its own. The first role is the baseline when one runs: its answers are what later turns continue."""
+
+    def __init__(self, roles: list[Role], device: str):
+        self.roles, self.device = roles, device
+
+    def measure(self, decode: Callable[[Role], R], started: Callable[[Role], None] = lambda role: None,
+                done: Callable[[Role], None] = lambda role: None) -> list[Measured[R]]:
+        measured = []
+        for role in self.roles:
+            started(role)
+            reset_peak_memory(self.device)
+            result = decode(role)
+            measured.append(Measured(role, result, peak_memory(self.device)))
+            done(role)
+        return measured
+
+    @staticmethod
+    def baseline(measured: list[Measured[R]]) -> R | None:
+        return next((m.result for m in measured if m.role.is_baseline), None)
