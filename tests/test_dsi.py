@@ -298,7 +298,7 @@ def test_dsi_matches_greedy_with_the_cpu_fast_path(pools, target, small_draft, p
     finally:
         for pool in fast_pools:
             discard_pool(pool)
-    assert cpufast.fast_model(fast_target.model) is fast_target._fast  # ours untouched
+    assert cpufast.fast_model(fast_target.model) is fast_target.path.fast  # ours untouched
 
 
 def test_a_worker_that_cannot_start_is_named_at_once(target):

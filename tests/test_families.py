@@ -173,12 +173,12 @@ def test_fast_path_leaves_experts_and_gemma_norms_to_the_library():
     mixtral = ModelRunner(tiny("mixtral"), fast=True)
     if not mixtral.fast:
         pytest.skip("neither MKL nor oneDNN is available in this torch build")
-    assert all(layer.up is None for layer in mixtral._fast_layers)  # experts: the library's own block
-    assert mixtral._one_op_norms
+    assert all(layer.up is None for layer in mixtral.path.fast.layers)  # experts: the library's own block
+    assert mixtral.path.one_op_norms
     gemma = ModelRunner(tiny("gemma2"), fast=True)
-    assert gemma.fast and not gemma._one_op_norms  # (1 + w) RMSNorm: not F.rms_norm
+    assert gemma.fast and not gemma.path.one_op_norms  # (1 + w) RMSNorm: not F.rms_norm
     phi = ModelRunner(tiny("phi3"), fast=True)
-    assert [len(p.modules) for p in phi._fast_layers[0].projections()] == [1, 1, 1, 1]  # fused already
+    assert [len(p.modules) for p in phi.path.layer(0).projections()] == [1, 1, 1, 1]  # fused already
 
 
 def test_native_list_is_the_families():

@@ -85,7 +85,7 @@ def test_fast_path_matches_stock_forward_at_every_width(arch, tied):
     fast = ModelRunner(model, fast=True)
     if not fast.fast:
         skip_unless_ci("oneDNN is not available in this torch build")
-    assert ModelRunner(model, fast=True)._fast is fast._fast  # made once per model
+    assert ModelRunner(model, fast=True).path.fast is fast.path.fast  # made once per model
     ids = torch.randint(0, VOCAB, (3, 60), generator=torch.Generator().manual_seed(4))
     for rows in (1, 3):  # rows x width products: 1..27 rows
         a, b = stock.new_cache(rows, 64), fast.new_cache(rows, 64)
@@ -96,9 +96,9 @@ def test_fast_path_matches_stock_forward_at_every_width(arch, tied):
         for width in range(1, 10):  # decode, a draft's catch-up, verifications up to gamma = 8
             chunk = ids[:rows, pos : pos + width]
             want = stock.forward(a, chunk, [pos] * rows)
-            assert not fast._fast.packed  # the stock forward runs on plain weights
+            assert not fast.path.fast.packed  # the stock forward runs on plain weights
             got = fast.forward(b, chunk, [pos] * rows)
-            assert fast._fast.packed
+            assert fast.path.fast.packed
             torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
             assert torch.equal(got.argmax(-1), want.argmax(-1))
             pos += width

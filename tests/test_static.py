@@ -13,6 +13,7 @@ from sdbench.engine.loop import generate
 from sdbench.kv.sparse import SparseSpec, compress
 from sdbench.models.graphs import CAPACITY_STEP
 from sdbench.models.probe import TOLERANCE
+from sdbench.models.forward_paths import CudaGraphs
 from sdbench.models.runner import ModelRunner
 from sdbench.padding import right_pad
 from sdbench.strategies.autoregressive import Autoregressive
@@ -153,7 +154,7 @@ def fake_graphs(monkeypatch):
     monkeypatch.setattr(graphs, "warm_up", lambda fn: fn())
     monkeypatch.setattr(graphs, "capture", capture)
     runner = ModelRunner(tiny_model(0), "graphed", static=True)
-    runner.graphs = True
+    runner.path = CudaGraphs(runner.model)
     return runner, log
 
 
@@ -201,7 +202,7 @@ def test_failed_or_wrong_capture_falls_back_to_eager(target, prompts, fake_graph
         out = fn()
         return _ReplayedGraph(lambda: fn() + 1, out, []), out
 
-    runner.graphs = True
+    runner.path = CudaGraphs(runner.model)
     monkeypatch.setattr(graphs, "capture", wrong)
     with pytest.warns(RuntimeWarning, match="differed from the eager forward"):
         assert _ids(runner, DraftModel(runner, 2), prompts) == reference

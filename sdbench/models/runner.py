@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from sdbench.errors import SdbenchError
 from sdbench.kv.cache import DenseKVCache, KVCache, StepIndex
 from sdbench.kv.sparse import SparseKVCache
-from sdbench.models import cpufast
+from sdbench.models import cpufast, forward_paths
 from sdbench.models.families import NATIVE, family
 from sdbench.engine.state import needed_capacity
 from sdbench.models.graphs import CAPACITY_STEP, CachePool, StaticForward
@@ -54,11 +54,12 @@ class ModelRunner:
     """Forward over new tokens at given positions, for a decoder of a native family (`models/families.py`:
     Llama's layer loop with the family's differences read once, here).
 
-    fast: on CPU in float32, fused projections packed for oneDNN (one copy of the weights) and one-op norms
-    (`models/cpufast.py`) where a short measurement at this shape finds them faster (`cpufast.choose`): the
-    model is packed by this runner's first forward and unpacked by the first forward of a plain runner on it;
-    a head left plain (tied, or the model unpacked) is read by the product measured fastest per width;
-    on CUDA, decode and verification steps replayed as CUDA graphs over static shapes (`models/graphs.py`).
+    fast: take the fast forward path for the device (`models/forward_paths.py`, chosen here once): on CPU in
+    float32, fused projections packed for oneDNN (one copy of the weights) and one-op norms where a short
+    measurement at this shape finds them faster: the model is packed by this runner's first forward and
+    unpacked by the first forward of a plain runner on it; a head left plain (tied, or the model unpacked) is
+    read by the product measured fastest per width; on CUDA, decode and verification steps replayed as CUDA
+    graphs over static shapes (`models/graphs.py`).
     static: use the static-shape forward (pooled caches, attention over the full cache) without capturing
     graphs; defaults to on exactly when graphs are. Tests turn it on to check the graph path's maths on CPU.
     """
@@ -87,26 +88,24 @@ class ModelRunner:
         self.device, self.dtype = p.device, p.dtype
         self.rotary = Rotary(cfg, self.device, self.dtype)  # cos/sin per layer type (`rotary.layer_types`)
         self.windows = layer_windows(cfg)  # per layer: its sliding window, or None
-        self.graphs = bool(fast) and self.device.type == "cuda"
-        self.static = self.graphs if static is None else static
+        self.path = forward_paths.choose(model, bool(fast), self.device, self.family.rms_norm)
+        self.fast = self.path.kind != forward_paths.EAGER  # what result rows record (`fast`)
+        self.static = self.path.graphs if static is None else static
         self.pool = CachePool()
         self.graph_pool = None  # CUDA graphs' shared memory pool, made at the first capture
-        cpu = bool(fast) and self.device.type == "cpu" and cpufast.available() and cpufast.supports(model)
-        self.cpu_fast = cpu and cpufast.choose(model).packed  # packing is measured per shape: at some it loses
-        self.fast = self.cpu_fast or self.graphs
-        self._fast = cpufast.fast_model(model) if self.cpu_fast else None
-        self._fast_layers = self._fast.layers if self.cpu_fast else None
-        # the head: packed, or read in place by the product measured fastest per width (also unpacked)
-        self._head = self._fast.head if self.cpu_fast else cpufast.HeadProduct(self.lm_head) if cpu else self.lm_head
-        self._one_op_norms = self.cpu_fast and self.family.rms_norm  # Llama's RMSNorm only (not Gemma's 1 + w)
         # per layer: the norm modules (attention in, attention out, MLP in, MLP out), None where there is none
         self._norms = [tuple(name and getattr(layer, name) for name in self.family.norms) for layer in self.layers]
         self._scale = self.family.attn_scale or self.head_dim**-0.5  # soft-capped attention's
 
-    def _norm(self, module, x: torch.Tensor) -> torch.Tensor:
-        if self._one_op_norms:
-            return cpufast.rms_norm(module, x)
-        return module(x)
+    @property
+    def cpu_fast(self) -> bool:
+        """The weights are packed for oneDNN while this runner runs (the CPU fast path, where it measured faster)."""
+        return self.path.kind == forward_paths.CPU_PACKED
+
+    @property
+    def graphs(self) -> bool:
+        """Static steps are captured as CUDA graphs (off again after a failed capture: `disable_graphs`)."""
+        return self.path.graphs
 
     # ---- caches -----------------------------------------------------------------------------------------
     def new_cache(self, batch: int, capacity: int) -> DenseKVCache:
@@ -147,10 +146,7 @@ class ModelRunner:
     def own_layout(self) -> None:
         """Put the weights in the layout this runner's forward uses (packed, or the library's) now, so that its
         first forward does not (a benchmark readies each side before timing it)."""
-        if self._fast is not None:
-            self._fast.pack()
-        else:
-            cpufast.disable(self.model)
+        self.path.ready()
 
     def plain(self):
         """A context in which the model has the library's own weights (its own forward, a copy), the packing
@@ -164,7 +160,7 @@ class ModelRunner:
         return cpufast.choose(self.model).describe()
 
     def disable_graphs(self, reason: str) -> None:
-        self.graphs = False
+        self.path = forward_paths.Eager(self.model)
         warnings.warn(f"{self.name or 'model'}: {reason}; using the eager forward", RuntimeWarning, stacklevel=2)
 
     # ---- forward ----------------------------------------------------------------------------------------
@@ -180,30 +176,27 @@ class ModelRunner:
             step = StepIndex(start, tokens.shape[1], self.device)
         if cos_sin is None:
             cos_sin = self.rotary.for_forward(step.positions, seq_len or step.kv_len)
-        if self._fast is not None:
-            self._fast.pack()
-        else:
-            cpufast.disable(self.model)
+        self.path.ready()
         h = self.decoder.embed_tokens(tokens.to(self.device))  # Gemma's sqrt(hidden) scale is the module's
         fam = self.family
         if fam.embed_scale is not None:
             h = h * fam.embed_scale
         r = fam.residual_scale
         for i, layer in enumerate(self.layers):
-            fast = self._fast_layers[i] if self._fast_layers else None
+            fast = self.path.layer(i)
             cos, sin = cos_sin[self.rotary.layer_types[i]]
             attn_in, attn_out, mlp_in, mlp_out = self._norms[i]  # Llama: (input, None, post_attention, None)
-            x = h if attn_in is None else self._norm(attn_in, h)
+            x = h if attn_in is None else self.path.norm(attn_in, h)
             a = self._attention(layer.self_attn, fast, x, cache, i, step, cos, sin)
             if attn_out is not None:
-                a = self._norm(attn_out, a)
+                a = self.path.norm(attn_out, a)
             h = h + a if r is None else h + a * r
-            x = h if mlp_in is None else self._norm(mlp_in, h)
+            x = h if mlp_in is None else self.path.norm(mlp_in, h)
             m = fast.mlp(layer.mlp, x) if fast else layer.mlp(x)
             if mlp_out is not None:
-                m = self._norm(mlp_out, m)
+                m = self.path.norm(mlp_out, m)
             h = h + m if r is None else h + m * r
-        return self._norm(self.decoder.norm, h)
+        return self.path.norm(self.decoder.norm, h)
 
     def _project(self, attn, fast, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Queries and keys side by side [B, T, (Hq + Hk) * D] and values [B, T, Hk * D], from separate or
@@ -218,7 +211,7 @@ class ModelRunner:
         else:
             q, k, v = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
         if whole:
-            q, k = self._norm(attn.q_norm, q), self._norm(attn.k_norm, k)
+            q, k = self.path.norm(attn.q_norm, q), self.path.norm(attn.k_norm, k)
         return torch.cat((q, k), dim=-1), v
 
     def _attention(self, attn, fast, x, cache, i, step, cos, sin) -> torch.Tensor:
@@ -229,7 +222,7 @@ class ModelRunner:
         v = v.view(B, T, Hk, D).transpose(1, 2)
         if self.family.qk_norm == "head":  # Qwen3, Gemma3: per head, before rotary
             q, k = qk.split([Hq, Hk], dim=2)
-            qk = torch.cat((self._norm(attn.q_norm, q), self._norm(attn.k_norm, k)), dim=2)
+            qk = torch.cat((self.path.norm(attn.q_norm, q), self.path.norm(attn.k_norm, k)), dim=2)
         q, k = rope(qk.transpose(1, 2), cos, sin).split([Hq, Hk], dim=1)  # [B, H, T, D]
         keys, values, mask = cache.update(i, k, v, step)
         if cache.wants_queries:  # a scoring view (SnapKV) looks at the queries too
@@ -244,7 +237,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        out = self._head(hidden)  # [..., V], scaled and capped in the model's dtype, as the library does
+        out = self.path.head(hidden)  # [..., V], scaled and capped in the model's dtype, as the library does
         if self.family.logits_divisor is not None:
             out = out / self.family.logits_divisor
         if self.family.final_softcap is not None:
