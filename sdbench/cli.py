@@ -271,22 +271,9 @@ def bench(
 ):
     """Speed against peers in one process: transformers generate and assisted generation vs sdbench."""
     from sdbench.commands.bench import run_peers
-    from sdbench.drafting.ngram import DRAFT_NAME
 
-    if draft and draft[0] == DRAFT_NAME:
-        raise SdbenchError(f"bench --draft takes a draft model; prompt lookup ({DRAFT_NAME}) is always measured "
-                           "against transformers' prompt_lookup_num_tokens")
-    from sdbench.strategies.spec import need_gamma
-
-    if repeats < 1 or limit < 1 or max_new_tokens < 1:
-        raise SdbenchError("bench: --repeats, --limit and --max-new-tokens must be at least 1")
-    need_gamma("draft", gamma, "bench --gamma")
-    from sdbench.commands.hf_generate import MODES
-
-    if generate not in MODES:
-        raise SdbenchError(f"--generate {generate}: use one of {', '.join(MODES)}")
-    run_peers(target, (draft or [target])[0], dataset, limit, max_new_tokens, gamma, device, dtype, seed, console,
-              repeats, out, generate)
+    run_peers(C.BenchConfig(target, (draft or [""])[0], dataset, limit, max_new_tokens, gamma, device, dtype, seed,
+                            repeats, out, generate), console)
 
 
 @app.command("gpu-check")

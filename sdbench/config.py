@@ -95,6 +95,29 @@ QUICK_SWEEP_MAX_NEW_TOKENS = 32
 
 
 @dataclass(frozen=True)
+class BenchConfig:
+    """`sdbench bench`: sdbench against transformers' generate and assisted generation, in one process."""
+
+    target: str = DEFAULT_TARGET
+    draft: str = ""  # a draft model; "" = the target drafting for itself
+    dataset: str = DEFAULT_DATASET
+    limit: int = DEFAULT_LIMIT
+    max_new_tokens: int = 96
+    gamma: int = 4
+    device: str = "auto"
+    dtype: str = "float32"
+    seed: int = 0
+    repeats: int = 2
+    out: str | None = None  # also write OUT/bench.parquet
+    generate: str = "fastest"  # transformers generate's configuration (commands/hf_generate.py MODES)
+    autoregressive_only: bool = False  # plain decoding alone (transformers, sdbench eager and fast, generic)
+
+    @property
+    def draft_model(self) -> str:
+        return self.draft or self.target
+
+
+@dataclass(frozen=True)
 class SweepConfig:
     """`sdbench sweep`: every strategy beside plain decoding at every (size, prompt length) point of a grid."""
 

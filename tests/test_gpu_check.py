@@ -85,6 +85,7 @@ def test_a_fall_back_to_the_eager_forward_fails_the_check(no_tokenizer, monkeypa
 
     from sdbench.commands.gpucheck import costs
     from sdbench.models import graphs, runner
+    from sdbench.models.forward_paths import CudaGraphs
 
     class Replayed:
         def __init__(self, fn, out):
@@ -96,7 +97,7 @@ def test_a_fall_back_to_the_eager_forward_fails_the_check(no_tokenizer, monkeypa
     class Graphed(runner.ModelRunner):
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
-            self.graphs = True
+            self.path = CudaGraphs(self.model)
 
     def capture(fn, runner):
         out = fn()

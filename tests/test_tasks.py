@@ -15,7 +15,9 @@ from sdbench.data import tasks
 from sdbench.data import readers
 from sdbench.data.books import as_id_list
 from sdbench.errors import MissingPackageError, SdbenchError
-from sdbench.data.tasks import Prompt, dataset_available, dataset_label, encode_prompt, load_prompts, task_registry
+from sdbench.data import Prompt
+from sdbench.data.specs import TaskRegistry, task_registry
+from sdbench.data.tasks import dataset_available, dataset_label, encode_prompt, load_prompts
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|user|>{{ m['content'] }}\n{% endfor %}"
@@ -283,7 +285,7 @@ def test_a_local_path_that_does_not_exist_is_reported(monkeypatch, tmp_path):
 def test_a_broken_task_file_is_one_line(tmp_path):
     (tmp_path / "bad.yaml").write_text("name: bad\nkind: prompts\nsources: [{package: x}]\n")
     with pytest.raises(SdbenchError) as err:
-        tasks.TaskRegistry(tmp_path).names()
+        TaskRegistry(tmp_path).names()
     assert "needs `module` and `path`" in _one_line_error(err)
 
 

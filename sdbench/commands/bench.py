@@ -13,8 +13,9 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from sdbench.commands.hf_generate import generator, kwargs_for, pick
-from sdbench.config import SamplingConfig
+from sdbench.commands.hf_generate import MODES, generator, kwargs_for, pick
+from sdbench.config import BenchConfig, SamplingConfig
+from sdbench.drafting.ngram import DRAFT_NAME
 from sdbench.engine.loop import generate
 from sdbench.engine.state import needed_capacity
 from sdbench.engine.metrics import now, rate
@@ -22,6 +23,7 @@ from sdbench.errors import SdbenchError
 from sdbench.strategies.autoregressive import Autoregressive
 from sdbench.strategies.draft import DraftModel
 from sdbench.strategies.ngram import NGram
+from sdbench.strategies.spec import need_gamma
 
 GENERIC_ROW = "sdbench autoregressive, generic runner (the library's forward)"
 
@@ -183,43 +185,55 @@ class Peers:
         return self.bandwidth / self.weight_bytes
 
 
-def run_peers(target: str, draft: str, dataset: str, limit: int, max_new: int, gamma: int, device: str,
-              dtype: str, seed: int, console: Console, repeats: int = 2, out: str | None = None,
-              generate: str = "fastest") -> list[Measured]:
-    """generate: transformers' generate configuration to measure (`hf_generate.MODES`; "fastest": picked here)."""
-    peers = measure_peers(target, draft, dataset, limit, max_new, gamma, device, dtype, seed, console, repeats,
-                          generate)
-    console.print(_table(peers.results, peers.roofline, f"{target} / draft {draft}, {dataset} x{peers.prompts} "
-                                                        f"x{repeats} repeats, {max_new} new tokens, greedy, "
-                                                        f"{peers.device} {dtype}, {torch.get_num_threads()} threads"))
+def check_bench(cfg: BenchConfig) -> None:
+    """Refuse impossible settings before any model loads."""
+    if cfg.draft == DRAFT_NAME:
+        raise SdbenchError(f"bench --draft takes a draft model; prompt lookup ({DRAFT_NAME}) is always measured "
+                           "against transformers' prompt_lookup_num_tokens")
+    if cfg.repeats < 1 or cfg.limit < 1 or cfg.max_new_tokens < 1:
+        raise SdbenchError("bench: --repeats, --limit and --max-new-tokens must be at least 1")
+    need_gamma("draft", cfg.gamma, "bench --gamma")
+    if cfg.generate not in MODES:
+        raise SdbenchError(f"--generate {cfg.generate}: use one of {', '.join(MODES)}")
+
+
+def run_peers(cfg: BenchConfig, console: Console) -> list[Measured]:
+    """Measure, print the table and the cost ratios, write OUT/bench.parquet when asked, then fail if an sdbench
+    system's output differs from transformers generate's."""
+    check_bench(cfg)
+    target, draft, gamma = cfg.target, cfg.draft_model, cfg.gamma
+    peers = measure_peers(cfg, console)
+    console.print(_table(peers.results, peers.roofline, f"{target} / draft {draft}, {cfg.dataset} x{peers.prompts} "
+                                                        f"x{cfg.repeats} repeats, {cfg.max_new_tokens} new tokens, "
+                                                        f"greedy, {peers.device} {cfg.dtype}, "
+                                                        f"{torch.get_num_threads()} threads"))
     console.print(f"verification cost T({gamma + 1} tokens) / T(1 token), {target}: {peers.verify_cost:.2f}; draft "
                   f"cost c = T_draft / T_target ({draft}): {peers.draft_cost:.2f} (fast path, medians over the "
                   "prompts)", highlight=False)
     for line in (peers.picked.line(), peers.fast_line):
         if line:
             console.print(line, highlight=False, soft_wrap=True)
-    if out:
-        path = write_bench(peers.results, out, dict(model=target, draft=draft, dataset=dataset,
-                                                    device=peers.device, dtype=dtype,
+    if cfg.out:
+        path = write_bench(peers.results, cfg.out, dict(model=target, draft=draft, dataset=cfg.dataset,
+                                                    device=peers.device, dtype=cfg.dtype,
                                                     verify_cost=peers.verify_cost, draft_cost=peers.draft_cost))
         console.print(f"results: {path}", highlight=False)
     check_outputs(peers.results)
     return peers.results
 
 
-def measure_peers(target: str, draft: str, dataset: str, limit: int, max_new: int, gamma: int, device: str,
-                  dtype: str, seed: int, console: Console, repeats: int = 2, generate: str = "fastest",
-                  autoregressive_only: bool = False) -> Peers:
+def measure_peers(cfg: BenchConfig, console: Console) -> Peers:
     """Load the models, measure every system (`_systems`) on the same prompts, then the cost ratios and the
     memory bandwidth; prints nothing but progress and a @random model's note."""
+    target, draft, max_new, gamma = cfg.target, cfg.draft_model, cfg.max_new_tokens, cfg.gamma
     from sdbench.models.pair import resolve_device, resolve_dtype, say_note
     from sdbench.models.generic import GenericRunner, runner_kind
     from sdbench.models.loader import check_same_tokenizer, eos_token_ids, load_model
     from sdbench.models.pair import pick_runner
     from sdbench.data.tasks import encode_prompt, load_prompts
 
-    dev = resolve_device(device)
-    dt = resolve_dtype(dtype, dev)
+    dev = resolve_device(cfg.device)
+    dt = resolve_dtype(cfg.dtype, dev)
     with console.status("loading models"):
         tgt = load_model(target, dev, dt)
         drf = tgt if draft == target else load_model(draft, dev, dt)
@@ -228,7 +242,7 @@ def measure_peers(target: str, draft: str, dataset: str, limit: int, max_new: in
     if drf is not tgt:
         check_same_tokenizer(tgt.tokenizer, drf.tokenizer, target, draft)
     eos = eos_token_ids(tgt)
-    prompts = [encode_prompt(p, tgt.tokenizer) for p in load_prompts(dataset, limit=limit, seed=seed)]
+    prompts = [encode_prompt(p, tgt.tokenizer) for p in load_prompts(cfg.dataset, limit=cfg.limit, seed=cfg.seed)]
     plain_bytes = weight_bytes(tgt.model)  # before packing: a packed model's own weights are empty
     runner = pick_runner(tgt.model, target, True)
     graphs_asked = bool(getattr(runner, "graphs", False))
@@ -245,12 +259,12 @@ def measure_peers(target: str, draft: str, dataset: str, limit: int, max_new: in
 
     room = needed_capacity(max(len(p) for p in prompts), max_new, gamma)
     systems = _systems(tgt, drf, runner, pick_runner(tgt.model, target, False), d_runner, max_new, eos, room, gamma,
-                       generic, autoregressive_only)
+                       generic, cfg.autoregressive_only)
     with console.status("measuring") as status:
-        picked = _pick_generate(tgt.model, prompts[0], eos, generate, dev, status, weights, room)
+        picked = _pick_generate(tgt.model, prompts[0], eos, cfg.generate, dev, status, weights, room)
         systems[0] = (f"transformers generate ({picked.label})",
                       _hf(tgt.model, max_new, eos, **kwargs_for(picked.name, dev, room)), False)
-        results = _measure(systems, prompts, repeats, dev, status, weights)
+        results = _measure(systems, prompts, cfg.repeats, dev, status, weights)
         status.update("measuring the verification and draft cost ratios")
         weights(True)
         ratios = cost_ratios(runner, d_runner, prompts, gamma)

@@ -45,7 +45,8 @@ def _strategies() -> Table:
 
 
 def _datasets():
-    from sdbench.data.tasks import dataset_available, task_registry
+    from sdbench.data.specs import task_registry
+    from sdbench.data.tasks import dataset_available
 
     return task_registry, dataset_available
 

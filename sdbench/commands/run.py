@@ -190,8 +190,8 @@ class Bench:
 
         On CPU kernels warm up on short inputs as well (a long-context prefill would only cost time here). On a
         GPU the warm-up prefills the batch holding the longest prompt in full: the first prefill of a new size
-        grows the allocator's pool and picks GEMM kernels (1.6 s against 0.18 s for an 8000-token prompt on an
-        H100), a cost that would otherwise fall on whichever side is measured first."""
+        grows the allocator's pool and picks GEMM kernels, several times the cost of a later prefill of the same
+        size, which would otherwise fall on whichever side is measured first."""
         cfg = self.cfg
         with self.console.status("warming up"):
             if self.device.type == "cuda":

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from sdbench.drafting.prefix import CachedPrefix
+from sdbench.engine.runner import Runner
 from sdbench.engine.sampling import choose
 from sdbench.engine.state import DecodeState, Proposal
 from sdbench.kv.sparse import SparseSpec, compress
@@ -44,7 +45,7 @@ class ModelDrafter:
     `lookahead` drafts per round; self_speculation: the runner is the target, whose prefilled cache is
     compressed instead of prefilling again."""
 
-    def __init__(self, runner, sparse: SparseSpec | None = None, lookahead: int = 1, self_speculation: bool = False):
+    def __init__(self, runner: Runner, sparse: SparseSpec | None = None, lookahead: int = 1, self_speculation: bool = False):
         self.runner, self.sparse, self.lookahead = runner, sparse, lookahead
         self.self_speculation = self_speculation
         self.name = getattr(runner, "name", "") or "model"

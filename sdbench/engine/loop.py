@@ -16,6 +16,7 @@ import torch
 
 from sdbench.config import SamplingConfig
 from sdbench.engine.metrics import BatchResult, Marks, RowStats, now
+from sdbench.engine.runner import Runner
 from sdbench.engine.scheduler import Scheduler
 from sdbench.engine.sampling import choose
 from sdbench.engine.state import DecodeState, Proposal, needed_capacity
@@ -23,7 +24,7 @@ from sdbench.engine.step import Round, verify_and_commit
 from sdbench.errors import SdbenchError
 
 
-def generate(target, proposer, prompts: list[list[int]], *, max_new_tokens: int, sampling: SamplingConfig,
+def generate(target: Runner, proposer, prompts: list[list[int]], *, max_new_tokens: int, sampling: SamplingConfig,
            eos_ids=(), generator: torch.Generator | None = None, capacity: int = 0) -> BatchResult:
     """Decode a batch of prompts with the target, drafting through `proposer`.
 
@@ -48,7 +49,7 @@ def generate(target, proposer, prompts: list[list[int]], *, max_new_tokens: int,
         proposer.end()
 
 
-def _run(target, proposer, state: DecodeState, prompts, rows: list[RowStats], t_start: float) -> BatchResult:
+def _run(target: Runner, proposer, state: DecodeState, prompts, rows: list[RowStats], t_start: float) -> BatchResult:
     dev = state.device
     first, _ = choose(target.prefill(state.target_cache, prompts), state.sampling, state.generator)
     for b, t in enumerate(first.tolist()):
@@ -66,7 +67,7 @@ def _run(target, proposer, state: DecodeState, prompts, rows: list[RowStats], t_
                        [proposer.row_stats(b) for b in range(state.batch)], setup_s=setup)
 
 
-def serve(target, proposer, scheduler: Scheduler, *, sampling: SamplingConfig, eos_ids=(),
+def serve(target: Runner, proposer, scheduler: Scheduler, *, sampling: SamplingConfig, eos_ids=(),
           generator: torch.Generator | None = None, capacity: int = 0) -> Scheduler:
     """Serve the scheduler's requests as they arrive (continuous batching at step granularity): a running batch
     of scheduler.slots rows, which requests join as slots free and leave at EOS or their budget. Returns the
@@ -93,7 +94,7 @@ def serve(target, proposer, scheduler: Scheduler, *, sampling: SamplingConfig, e
         proposer.end()
 
 
-def _rounds(target, proposer, state: DecodeState, rows: list[RowStats], admission: Scheduler | None = None) -> None:
+def _rounds(target: Runner, proposer, state: DecodeState, rows: list[RowStats], admission: Scheduler | None = None) -> None:
     """propose -> verify -> commit -> observe -> record, until every row is done; with an admission point
     (serving under load), until the scheduler has no request left, admitting between rounds."""
     marks = Marks(state.device)
@@ -124,7 +125,7 @@ def _rounds(target, proposer, state: DecodeState, rows: list[RowStats], admissio
         proposer.observe(state, proposal, rnd)
 
 
-def _admit(target, proposer, state: DecodeState, rows: list[RowStats], sched: Scheduler) -> None:
+def _admit(target: Runner, proposer, state: DecodeState, rows: list[RowStats], sched: Scheduler) -> None:
     """The admission point between rounds: finished requests leave their slots, arrived requests take the free
     ones. A joining request is prefilled alone into its slot of the target's cache (a row starts at position
     0 again), its first token committed, and the proposer told (a draft model prefills its own cache row)."""
@@ -148,7 +149,7 @@ def _admit(target, proposer, state: DecodeState, rows: list[RowStats], sched: Sc
             req.stats.draft_s += setup
 
 
-def _verify(target, state: DecodeState, proposal: Proposal, marks: Marks) -> Round:
+def _verify(target: Runner, state: DecodeState, proposal: Proposal, marks: Marks) -> Round:
     """One target forward over [last committed token, drafts...] per row, then the verify-and-commit step.
 
     The target cache holds every committed token but the last; writing from there overwrites whatever a

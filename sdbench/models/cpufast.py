@@ -1,11 +1,8 @@
 """The CPU fast path (float32): fused projections packed for oneDNN, one copy of the weights.
 
-On this project's machines (2-core AMD EPYC, AVX2; torch 2.13 with MKL 2024.2 and oneDNN 3.12) the stock
-product (MKL) is near memory speed for one row but 2-4x slower for 2-9 rows, the widths a draft's catch-up
-and a verification use. Measured on 2026-11-22, one 1536 -> 17920 product (Qwen2.5-Coder-1.5B's fused
-gate/up), median of 7, rows 1 / 2 / 5 / 8: stock 4.9 / 11.0 / 17.7 / 16.5 ms; `W @ x^T` 5.0 / 5.1 / 6.9 /
-9.2; oneDNN on the plain weight 3.8 / 6.2 / 7.1 / 8.2; oneDNN on its packed layout (packed for 5 rows) 3.8 /
-4.0 / 5.1 / 5.9, with prefill-sized chunks (64 rows) no slower than the others. So:
+The stock product (MKL) runs near memory speed for one row but is several times slower for the 2-9 rows a
+draft's catch-up and a verification use; oneDNN's product on its own packed layout is not (the README's CPU
+fast path section gives the measurements). So:
 
 - q/k/v are fused into one product and gate/up into another (7 products per layer become 4; Phi-3's are
   fused already, StarCoder2's plain MLP packs its two products, a mixture of experts stays the library's

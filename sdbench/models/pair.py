@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from rich.console import Console
 
 from sdbench.config import DEFAULT_GAMMA, RunConfig
 from sdbench.drafting.ngram import DRAFT_NAME as NGRAM_DRAFT
+from sdbench.engine.runner import Runner
 from sdbench.errors import SdbenchError
+
+if TYPE_CHECKING:  # transformers' tokenizer base is a slow import, and only a type here
+    from transformers import PreTrainedTokenizerBase
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -40,9 +45,9 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 class Pair:
     """The loaded target and drafts, ready to decode."""
 
-    target: object  # ModelRunner or GenericRunner
-    tokenizer: object
-    drafts: list  # [ModelRunner | GenericRunner, or a model-free draft name]
+    target: Runner  # ModelRunner or GenericRunner
+    tokenizer: PreTrainedTokenizerBase
+    drafts: list[Runner | str]  # a model-free draft by its name (ngram)
     eos: list[int]
     max_positions: int
     probes: list = field(default_factory=list)  # ProbeResult of each probed model; empty: the probe was skipped

@@ -4,35 +4,18 @@ No training and no offline tuning: both strategies only propose (the decode loop
 strategy) and learn from what each round cost and how much of it was accepted.
 
 - `adaptive` picks the draft candidate and gamma (0 = a plain step) with the most predicted tokens per
-  second: acceptance alpha by maximum likelihood over the last `history` rounds, shrunk toward a per-prompt
-  prior worth `prior_trials` drafted tokens (`--set prior_trials=0`: the plain maximum-likelihood alpha of the
-  on-the-fly adaptation paper); draft and verification times measured online (`adaptive_online.GammaPolicy`).
-  Which candidate drafts is decided by `select`:
-    round (default) - every round, for the whole batch, by the tokens-per-second objective above;
-    prompt - the paper's draft selection: once per prompt, before its first round, and then fixed for that
-      prompt (rows of one batch may use different drafters; each round asks every drafter in use for its
-      rows, and the drafts are verified together). The model: for each candidate d, the acceptance it will
-      reach on the prompt is predicted by an online ridge regression (`AlphaPrior`, refit after every batch
-      from the alpha each candidate reached on the run's earlier prompts) over four prompt features: a bias,
-      repetition (share of the prompt's token bigrams seen earlier in it), compressibility (zlib ratio of the
-      token ids: a perplexity-like signal, the bits per token a simple compressor needs, taking the place of
-      a language model's perplexity without a forward pass) and log length. Each candidate's predicted alpha
-      goes through the same cost model as the per-round choice (its best gamma, its measured draft cost and
-      hit rate, the measured verification cost) and the prompt takes the candidate with the most predicted
-      tokens per second. A candidate whose cost the run has not measured yet is tried first (spread over
-      the rows of a batch). Gamma stays per round (window-size optimisation for the prompt's drafter).
+  second (`adaptive_online.GammaPolicy`): acceptance alpha by maximum likelihood over the last `history` rounds,
+  shrunk toward a per-prompt prior worth `prior_trials` drafted tokens (0: the paper's plain estimate), and the
+  draft and verification times the decode loop measured. `select=round` (default) chooses the candidate every
+  round for the whole batch; `select=prompt` is the paper's draft selection, once per prompt before its first
+  round, from the alpha predicted from prompt features (`adaptive_online.select_drafters`, `AlphaPrior`,
+  `prompt_features`); rows of a batch may then draft with different candidates, verified together.
 - `adaptive-fsm` is the state machine: gamma grows after a fully accepted round and shrinks after a
   rejection (`schedule=step`: +1/-1; `schedule=heuristic`: +2/-1, transformers' schedule).
 
-Timing: both strategies learn from the draft and verification seconds the decode loop measured for each
-round; a round whose drafting also paid for a drafter's prefill or a long catch-up (more than STEADY_CATCH_UP
-unseen tokens) does not teach the draft-cost model. When several drafters drafted in one round (select=prompt),
-each one's share is its own call's span (taken without waiting for the device, read after the round).
-
-`--set compare=1,2,4` also runs fixed-gamma speculative decoding with every draft candidate (strategy
-`draft` for a model, `ngram` for prompt lookup) at those gammas and at --gamma, in the same run on the
-same prompts, so the table shows the adaptive strategy beside the best fixed gamma and the one the user
-would have guessed.
+A round whose drafting also paid for a drafter's prefill or a long catch-up (more than STEADY_CATCH_UP unseen
+tokens) does not teach the draft-cost model. `--set compare=1,2,4` also runs fixed-gamma speculative decoding
+with every draft candidate at those gammas and at --gamma, in the same run on the same prompts.
 """
 
 from __future__ import annotations

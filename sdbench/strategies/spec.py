@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from sdbench.drafting.ngram import DRAFT_NAME
+from sdbench.engine.runner import Runner
 from sdbench.errors import SdbenchError
 from sdbench.registry import Registry
 from sdbench.strategies.base import Proposer
@@ -60,8 +61,8 @@ class SearchContext:
 class BuildContext:
     """What a strategy's `build` gets: loaded runners and the user's settings."""
 
-    target: Any  # Runner (models/runner.py ModelRunner or models/generic.py GenericRunner)
-    drafts: list = field(default_factory=list)  # [Runner, or a model-free draft name such as "ngram"]
+    target: Runner
+    drafts: list[Runner | str] = field(default_factory=list)  # a model-free draft by its name (ngram)
     gamma: int = 4
     options: dict = field(default_factory=dict)
 

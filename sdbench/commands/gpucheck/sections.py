@@ -9,6 +9,7 @@ import sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
+from sdbench.config import BenchConfig
 from sdbench.commands.gpucheck.plan import LLAMA_1B, LLAMA_8B, Ctx, Section, free, write_prompts
 from sdbench.commands.reproduce.common import FAILS, HOLDS, UNTESTABLE, Claim
 
@@ -118,8 +119,9 @@ def bench_model(ctx: Ctx, model: str) -> Section:
     prompts = write_prompts(ctx.work / "bench-prompts.jsonl", s.bench_prompts, s.bench_prompt_chars)
     ctx.console.print(f"bench {model}: batch 1, {s.bench_tokens} new tokens x {s.bench_prompts} prompts x "
                       f"{s.bench_repeats} repeats", highlight=False)
-    peers = measure_peers(model, model, str(prompts), s.bench_prompts, s.bench_tokens, s.gamma, ctx.device, s.dtype,
-                          0, ctx.console, s.bench_repeats, s.generate, autoregressive_only=True)
+    peers = measure_peers(BenchConfig(model, model, str(prompts), s.bench_prompts, s.bench_tokens, s.gamma, ctx.device,
+                                      s.dtype, 0, s.bench_repeats, generate=s.generate, autoregressive_only=True),
+                          ctx.console)
     free(ctx.device)
     ref = peers.results[0]
     fell_back = peers.graphs_asked and not peers.graphs

@@ -1,0 +1,51 @@
+"""What decoding needs of a model: the `Runner` protocol. models/runner.py's ModelRunner (sdbench's own
+forward) and models/generic.py's GenericRunner (the library's forward and cache) implement it; the engine,
+drafters and strategies know a model only through it (a cache is the runner's own: kv/ for the native runner).
+"""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager
+from typing import Any, Protocol
+
+import torch
+
+
+class Runner(Protocol):
+    name: str  # the model as the user named it
+    model: Any  # the library's module the runner reads its weights from
+    config: Any  # its configuration
+    device: torch.device
+    dtype: torch.dtype
+    vocab_size: int
+    fast: bool  # the fast forward path for the device is on (recorded with results)
+    graphs: bool  # static steps are replayed as CUDA graphs
+    static: bool  # static-shape forwards over pooled caches
+
+    def new_cache(self, batch: int, capacity: int) -> Any:
+        """An empty KV cache for `batch` rows of up to `capacity` positions each."""
+
+    def new_sparse_cache(self, batch: int, n_static: int, window: torch.Tensor, lookahead: int) -> Any:
+        """A fixed-budget sparse draft cache (native runner only)."""
+
+    def release(self, cache: Any) -> None:
+        """Give a cache back for reuse (static shapes), or nothing."""
+
+    def prefill(self, cache: Any, prompts: list[list[int]], chunk: int | None = None) -> torch.Tensor:
+        """Write every prompt from position 0; logits [B, V] (float32) after each prompt's last token."""
+
+    def forward(self, cache: Any, tokens: torch.Tensor, start: list[int],
+                at: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [B, T, V] (float32) for tokens [B, T] placed at start[b] + t; only at `at` when given."""
+
+    def share_plain(self) -> None:
+        """Put the weights in the library's layout (to hand them to another process)."""
+
+    def own_layout(self) -> None:
+        """Put the weights in the layout this runner's forward reads, now (before a timed section)."""
+
+    def plain(self) -> AbstractContextManager:
+        """A context in which the model holds the library's own weights (a library call), restored after."""
+
+    def fast_path_note(self) -> str | None:
+        """One line on which forward the fast path uses at this shape, or None off it."""
