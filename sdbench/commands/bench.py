@@ -8,18 +8,26 @@ from __future__ import annotations
 
 import statistics
 from dataclasses import dataclass, field
+from pathlib import Path
 
+import pandas as pd
 import torch
 from rich.console import Console
 from rich.table import Table
 
 from sdbench.commands.hf_generate import MODES, generator, kwargs_for, pick
 from sdbench.config import BenchConfig, SamplingConfig
+from sdbench.data.tasks import encode_prompt, load_prompts
 from sdbench.drafting.ngram import DRAFT_NAME
 from sdbench.engine.loop import generate
-from sdbench.engine.state import needed_capacity
 from sdbench.engine.metrics import now, rate
+from sdbench.engine.state import needed_capacity
+from sdbench.env import environment
 from sdbench.errors import SdbenchError
+from sdbench.models.generic import GenericRunner, runner_kind
+from sdbench.models.loader import check_same_tokenizer, eos_token_ids, load_model
+from sdbench.models.pair import pick_runner, resolve_device, resolve_dtype, say_note
+from sdbench.reporting.results import env_fields
 from sdbench.strategies.autoregressive import Autoregressive
 from sdbench.strategies.draft import DraftModel
 from sdbench.strategies.ngram import NGram
@@ -226,12 +234,6 @@ def measure_peers(cfg: BenchConfig, console: Console) -> Peers:
     """Load the models, measure every system (`_systems`) on the same prompts, then the cost ratios and the
     memory bandwidth; prints nothing but progress and a @random model's note."""
     target, draft, max_new, gamma = cfg.target, cfg.draft_model, cfg.max_new_tokens, cfg.gamma
-    from sdbench.models.pair import resolve_device, resolve_dtype, say_note
-    from sdbench.models.generic import GenericRunner, runner_kind
-    from sdbench.models.loader import check_same_tokenizer, eos_token_ids, load_model
-    from sdbench.models.pair import pick_runner
-    from sdbench.data.tasks import encode_prompt, load_prompts
-
     dev = resolve_device(cfg.device)
     dt = resolve_dtype(cfg.dtype, dev)
     with console.status("loading models"):
@@ -297,13 +299,6 @@ def check_outputs(results: list[Measured]) -> None:
 
 def write_bench(results: list[Measured], out: str, common: dict):
     """<out>/bench.parquet: one row per system and repeat, with the environment columns `run` records."""
-    from pathlib import Path
-
-    import pandas as pd
-
-    from sdbench.env import environment
-    from sdbench.reporting.results import env_fields
-
     env = env_fields(environment(common["device"], common["dtype"]))
     ref = results[0].outputs
     rows = [{"system": m.system, **common, "repeat": r, "tokens": m.tokens[r], "seconds": m.seconds[r],

@@ -15,9 +15,18 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from sdbench.commands.bench import weight_bytes
 from sdbench.config import SamplingConfig
+from sdbench.drafting.ngram import DRAFT_NAME
+from sdbench.engine.loop import generate
 from sdbench.errors import SdbenchError
-from sdbench.models.probe import PHASES
+from sdbench.models.loader import check_same_tokenizer, eos_token_ids, load_model, load_tokenizer
+from sdbench.models.pair import pick_runner, resolve_device, resolve_dtype
+from sdbench.models.probe import PHASES, probe_runner
+from sdbench.models.variants import split_variant, variant_runner
+from sdbench.strategies.autoregressive import Autoregressive
+from sdbench.strategies.draft import DraftModel
+from sdbench.strategies.ngram import NGram
 
 PROMPT_TOKENS = 24
 GAMMA = 4
@@ -47,8 +56,6 @@ class Checked:
 def run_check(target: str, drafts: list[str], device: str, dtype: str, fast: bool, context: int, tokens: int,
               console: Console) -> int:
     """Check the target and every draft; print the table; return the exit code (0: all passed, 1: not)."""
-    from sdbench.models.pair import resolve_device, resolve_dtype
-
     if context < 1 or tokens < 1:
         raise SdbenchError("check: --context and --tokens must be at least 1")
     dev = resolve_device(device)
@@ -83,10 +90,6 @@ def run_check(target: str, drafts: list[str], device: str, dtype: str, fast: boo
 
 def _model(row: Checked, name: str, dev, dt, fast: bool, context: int, console, tokenizer=None):
     """(LoadedModel, runner) with row filled in; (loaded or None, None) on a failure recorded in the row."""
-    from sdbench.commands.bench import weight_bytes
-    from sdbench.models.loader import load_model
-    from sdbench.models.pair import pick_runner
-
     try:
         with console.status(f"loading {name}"):
             loaded = load_model(name, dev, dt)
@@ -100,8 +103,6 @@ def _model(row: Checked, name: str, dev, dt, fast: bool, context: int, console, 
 
 def _probed(row: Checked, runner, context: int, tokenizer, console):
     """The runner to use after the probe (a generic one where the native one failed), or None."""
-    from sdbench.models.probe import probe_runner
-
     runner, result, note = probe_runner(runner, context, len(tokenizer), console)
     row.runner = result.runner + (" (fallback)" if result.fallback else "")
     row.gaps, row.tolerance = dict(result.gaps), result.tolerance
@@ -117,10 +118,6 @@ def _probed(row: Checked, runner, context: int, tokenizer, console):
 
 def _draft(row: Checked, name: str, target: str, loaded, dev, dt, fast: bool, context: int, console):
     """The draft's runner (None for a failure recorded in the row, or for prompt lookup, which needs none)."""
-    from sdbench.drafting.ngram import DRAFT_NAME
-    from sdbench.models.loader import check_same_tokenizer, load_tokenizer
-    from sdbench.models.variants import split_variant, variant_runner
-
     if name == DRAFT_NAME:
         row.runner, row.tokenizer = "none (prompt lookup)", "–"
         return name
@@ -150,10 +147,6 @@ def _prompt(tokenizer, runner) -> list[int]:
 
 def _greedy_vs_generate(row: Checked, loaded, runner, prompt: list[int], tokens: int) -> list[int]:
     """sdbench's plain greedy tokens, after comparing them with the library's own generate."""
-    from sdbench.engine.loop import generate
-    from sdbench.models.loader import eos_token_ids
-    from sdbench.strategies.autoregressive import Autoregressive
-
     eos = eos_token_ids(loaded)
     ours = generate(runner, Autoregressive(), [prompt], max_new_tokens=tokens, sampling=SamplingConfig(),
                     eos_ids=eos).output_ids[0]
@@ -174,12 +167,6 @@ def _greedy_vs_generate(row: Checked, loaded, runner, prompt: list[int], tokens:
 
 def _lossless(row: Checked, target, draft, prompt: list[int], tokens: int, plain: list[int], loaded) -> None:
     """Greedy speculative decoding with the draft must give the target's plain tokens."""
-    from sdbench.drafting.ngram import DRAFT_NAME
-    from sdbench.engine.loop import generate
-    from sdbench.models.loader import eos_token_ids
-    from sdbench.strategies.draft import DraftModel
-    from sdbench.strategies.ngram import NGram
-
     proposer = NGram(GAMMA) if draft == DRAFT_NAME else DraftModel(draft, GAMMA)
     out = generate(target, proposer, [prompt], max_new_tokens=tokens, sampling=SamplingConfig(),
                    eos_ids=eos_token_ids(loaded)).output_ids[0]

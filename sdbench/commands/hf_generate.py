@@ -53,7 +53,7 @@ def kwargs_for(name: str, device: torch.device, room: int | None = None) -> dict
     static = {"cache_implementation": "static"} | ({} if room is None else {"max_cache_len": room})
     if name == "static":
         return static | {"disable_compile": True}
-    from transformers import CompileConfig
+    from transformers import CompileConfig  # transformers: slow to import, and only a compiled generate needs it
 
     config = CompileConfig()
     if device.type != "cuda":

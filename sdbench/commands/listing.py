@@ -5,7 +5,16 @@ from __future__ import annotations
 from rich.console import Console
 from rich.table import Table
 
+from sdbench.data.files import FORMATS
+from sdbench.data.specs import task_registry
+from sdbench.data.tasks import dataset_available
 from sdbench.errors import SdbenchError
+from sdbench.models.aliases import drafts_of
+from sdbench.models.families import serving
+from sdbench.models.loader import load_config, model_available, model_registry
+from sdbench.models.shapes import parameter_count, size_label
+from sdbench.presets import read_presets
+from sdbench.strategies import strategy_registry
 
 KINDS = ("strategies", "datasets", "models")
 
@@ -27,9 +36,6 @@ def show(what: str, console: Console) -> None:
 
 
 def _strategies() -> Table:
-    from sdbench.presets import read_presets
-    from sdbench.strategies import strategy_registry
-
     table = Table(title="strategies")
     for col in ("name", "aliases", "needs draft", "settings (--set)", "description"):
         table.add_column(col)
@@ -45,16 +51,11 @@ def _strategies() -> Table:
 
 
 def _datasets():
-    from sdbench.data.specs import task_registry
-    from sdbench.data.tasks import dataset_available
-
     return task_registry, dataset_available
 
 
 def _file_formats(table: Table) -> Table:
     """Prompt files a user can pass as --dataset PATH, one row per format."""
-    from sdbench.data.files import FORMATS
-
     table.add_section()
     for name, what in FORMATS:
         table.add_row(name, "", _mark(True), "--dataset PATH (--prompt-field / --category-field / --id-field)", what)
@@ -63,11 +64,6 @@ def _file_formats(table: Table) -> Table:
 
 def _models() -> Table:
     """One row per alias: its shape from the shipped config (no hub), the runner that serves it, its drafts."""
-    from sdbench.models.aliases import drafts_of
-    from sdbench.models.families import serving
-    from sdbench.models.loader import load_config, model_available, model_registry
-    from sdbench.models.shapes import parameter_count, size_label
-
     table = Table(title="models")
     for col in ("name", "family", "size", "runner", "drafts", "offline now", "how / why"):
         table.add_column(col, overflow="fold")

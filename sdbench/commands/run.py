@@ -18,9 +18,11 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from sdbench.config import DEFAULT_GAMMA, RunConfig, SamplingConfig
 from sdbench.commands.divergence import judge_rows
+from sdbench.commands.load import check_load, serve_points
 from sdbench.commands.roles import EveryRole, Measured, Role, baseline_role, plan_roles
 from sdbench.data.passkey import answer_found
 from sdbench.data.prompts import encode_prompts
+from sdbench.data.tasks import check_dataset, dataset_label
 from sdbench.data.turns import Conversations
 from sdbench.decoders import SEQUENTIAL, decoder_for
 from sdbench.engine.state import needed_capacity
@@ -54,14 +56,10 @@ def plan(cfg: RunConfig) -> tuple[RunConfig, object]:
     declared = strategy(choice.base)
     options = declared.settings(cfg.options)
     if cfg.under_load or cfg.slo:
-        from sdbench.commands.load import check_load
-
         check_load(cfg, choice.base, options)
     cfg = replace(cfg, gammas=capped_gammas(cfg.gammas, cfg.max_new_tokens))
     for gamma in cfg.gammas:
         declared.check(gamma, options, cfg.drafts, cfg.sampling)
-    from sdbench.data.tasks import check_dataset
-
     check_dataset(cfg.dataset, cfg.fields, cfg.depths, cfg.prompt_len)  # an unknown data set or a bad file fails before models load
     return cfg, choice
 
@@ -149,8 +147,6 @@ class Bench:
         try:
             with writer, self._progress() as progress:
                 if cfg.under_load:
-                    from sdbench.commands.load import serve_points
-
                     serve_points(self, prompts, encoded, writer, progress)
                 else:
                     self._batches(Conversations(prompts, pair.tokenizer, cfg.turns), batches, done, writer, progress)
@@ -260,8 +256,6 @@ class Bench:
 
 
 def _label(cfg: RunConfig) -> str:
-    from sdbench.data.tasks import dataset_label
-
     return dataset_label(cfg.dataset, cfg.prompt_len)
 
 

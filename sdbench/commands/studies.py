@@ -26,7 +26,9 @@ from contextlib import contextmanager
 from datetime import datetime, timedelta
 
 import optuna
+from optuna.storages._rdb import models
 from optuna.trial import TrialState
+from sqlalchemy.exc import IntegrityError, OperationalError
 
 SQLITE_TIMEOUT_S = 120
 HEARTBEAT_S = 2
@@ -39,8 +41,6 @@ UNCOUNTED = (INTERRUPTED, NOT_NEEDED, STOPPED)
 
 def storage(url: str) -> optuna.storages.RDBStorage:
     """The study's storage, with heartbeats for running trials (and patient locking under SQLite)."""
-    from sqlalchemy.exc import IntegrityError, OperationalError
-
     engine = {"connect_args": {"timeout": SQLITE_TIMEOUT_S}} if url.startswith("sqlite") else {}
     for attempt in range(3):
         try:
@@ -120,8 +120,6 @@ def _fail_unborn(study: optuna.Study) -> None:
 
 def _has_heartbeat(store, trial_id: int) -> bool:
     """Whether the trial ever recorded a heartbeat (Optuna's RDB storage has no public reader for it)."""
-    from optuna.storages._rdb import models
-
     store = getattr(store, "_backend", store)  # Optuna wraps an RDB storage in a cache
     if not isinstance(store, optuna.storages.RDBStorage):
         return True  # not one of ours: leave it to Optuna

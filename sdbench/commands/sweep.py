@@ -23,8 +23,12 @@ from rich.console import Console
 from sdbench.commands.roles import Role
 from sdbench.commands.run import Bench, run_config
 from sdbench.config import SWEEP_AXES, RunConfig, SweepConfig
+from sdbench.data.prompts import run_positions
 from sdbench.errors import Interrupted, SdbenchError
-from sdbench.reporting.results import RunFields, RunWriter, new_run_id
+from sdbench.models.pair import load_pair
+from sdbench.reporting.plots import sweep_plots
+from sdbench.reporting.results import RunFields, RunWriter, new_run_id, read_results
+from sdbench.reporting.sweep import best_points, frontier, print_frontier
 from sdbench.strategies import native_needed, resolve_strategy, strategy
 
 SETTINGS, DONE = "sweep.json", "done.json"
@@ -157,9 +161,6 @@ class Sweep:
     def _load(self):
         """The pair for every point: the drafts every strategy needs, probed over the longest point's context
         (which is checked to fit before anything is measured)."""
-        from sdbench.data.prompts import run_positions
-        from sdbench.models.pair import load_pair
-
         benches = list(self.planned.values())
         drafts = tuple(dict.fromkeys(d for b in benches for d in b.cfg.drafts))
         widest = max(benches, key=lambda b: (b.cfg.prompt_len, b.cfg.limit))
@@ -214,9 +215,6 @@ def load_sweep(out: str, sweep_id: str) -> SweepConfig:
 
 def run_sweep(cfg: SweepConfig, console: Console) -> Path:
     """Measure the grid (or what is left of it), then print and write the analysis; returns the sweep's folder."""
-    from sdbench.reporting.results import read_results
-    from sdbench.reporting.sweep import best_points, frontier, print_frontier
-
     sweep = Sweep(cfg, console)
     folder = sweep.run()
     df = read_results([folder])
@@ -224,8 +222,6 @@ def run_sweep(cfg: SweepConfig, console: Console) -> Path:
     points = best_points(df)
     points.to_csv(folder / "points.csv", index=False)
     frontier(points).to_csv(folder / "frontier.csv", index=False)
-    from sdbench.reporting.plots import sweep_plots
-
     for plot in sweep_plots(df):
         (folder / f"{plot.name}.png").write_bytes(plot.png)
     console.print(f"results: {folder} (points.csv, frontier.csv, the heat-map PNG; `sdbench report {folder}`)",
