@@ -11,7 +11,14 @@ import sys
 from importlib import metadata
 from pathlib import Path
 
+import torch
+
 from sdbench import __version__
+
+try:
+    import resource
+except ImportError:  # not on Windows
+    resource = None
 
 _GIB = 1024**3
 # Whether the kernel let this process clear its peak RSS; without it the CPU peak is lifetime-wide.
@@ -103,19 +110,12 @@ def _version(package: str) -> str | None:
         return None
 
 
-def _torch_threads() -> int | None:
-    try:
-        import torch
-
-        return torch.get_num_threads()
-    except ImportError:
-        return None
+def _torch_threads() -> int:
+    return torch.get_num_threads()
 
 
 def _gpu(device: str) -> tuple[str | None, int | None]:
     try:
-        import torch
-
         if not device.startswith("cuda") or not torch.cuda.is_available():
             return None, None  # the GPU a run used: none for a CPU run, even on a machine that has one
         index = torch.device(device).index
@@ -128,16 +128,12 @@ def _gpu(device: str) -> tuple[str | None, int | None]:
 def peak_memory(device: str) -> tuple[int, str]:
     """(bytes, kind). On CPU this is the whole process's peak RSS, model weights included."""
     if device.startswith("cuda"):
-        import torch
-
         return int(torch.cuda.max_memory_allocated(device)), "cuda_max_allocated"
     kind = "process_peak_rss" if _RSS_RESET["done"] else "process_peak_rss_lifetime"
     hwm = _status_kib("VmHWM")
     if hwm is not None:
         return hwm * 1024, kind
-    try:
-        import resource
-    except ImportError:
+    if resource is None:
         return 0, "unavailable"
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     # ru_maxrss is KiB on Linux but bytes on macOS; it cannot be reset.
@@ -147,8 +143,6 @@ def peak_memory(device: str) -> tuple[int, str]:
 def reset_peak_memory(device: str) -> None:
     """Start a new peak window. On Linux CPU this clears the kernel's RSS high-water mark."""
     if device.startswith("cuda"):
-        import torch
-
         torch.cuda.reset_peak_memory_stats(device)
         return
     try:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from sdbench.errors import SdbenchError
+
 
 def repo_root() -> Path:
     """The folder holding tasks/ and strategies/ (the checkout, for an editable install)."""
@@ -36,8 +38,6 @@ def cache_dir(*parts: str) -> Path:
 
 def output_dir(path: str | Path, option: str = "--out") -> Path:
     """A folder to write into, created on demand; a path that cannot be one is a one-line error."""
-    from sdbench.errors import SdbenchError
-
     folder = Path(path)
     if folder.exists() and not folder.is_dir():
         raise SdbenchError(f"{option} {path}: a file of that name exists; give a folder")

@@ -5,6 +5,8 @@ from __future__ import annotations
 from typing import Protocol
 
 from sdbench.config import RunConfig
+from sdbench.data import tasks  # the module, not its names: tests replace tasks.load_prompts
+from sdbench.data.turns import Conversations
 from sdbench.engine.state import needed_capacity
 from sdbench.errors import SdbenchError
 
@@ -20,10 +22,8 @@ class Pair(Protocol):
 def encode_prompts(cfg: RunConfig, pair: Pair, lookahead: int | None = None):
     """The prompts as token ids; refuses any that, with the budget and the deepest lookahead, would run past
     the target's positions."""
-    from sdbench.data.tasks import encode_prompt
-
     prompts = _load(cfg, pair)
-    encoded = [encode_prompt(p, pair.tokenizer) for p in prompts]
+    encoded = [tasks.encode_prompt(p, pair.tokenizer) for p in prompts]
     _positions(cfg, pair, prompts, lookahead)
     return prompts, encoded
 
@@ -35,15 +35,11 @@ def run_positions(cfg: RunConfig, pair: Pair, lookahead: int | None = None) -> i
 
 
 def _load(cfg: RunConfig, pair: Pair):
-    from sdbench.data.tasks import load_prompts
-
-    return load_prompts(cfg.dataset, limit=cfg.limit, seed=cfg.sampling.seed, prompt_len=cfg.prompt_len,
-                        tokenizer=pair.tokenizer, fields=cfg.fields, depths=cfg.depths)
+    return tasks.load_prompts(cfg.dataset, limit=cfg.limit, seed=cfg.sampling.seed, prompt_len=cfg.prompt_len,
+                              tokenizer=pair.tokenizer, fields=cfg.fields, depths=cfg.depths)
 
 
 def _positions(cfg: RunConfig, pair: Pair, prompts, lookahead: int | None) -> int:
-    from sdbench.data.turns import Conversations
-
     context = Conversations(prompts, pair.tokenizer, cfg.turns).longest(cfg.max_new_tokens)
     longest = needed_capacity(context, cfg.max_new_tokens, lookahead or cfg.gamma)
     if longest > pair.max_positions:

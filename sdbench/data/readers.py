@@ -153,7 +153,7 @@ def hub_usable(repo: str) -> bool:
 
 def _datasets():
     try:
-        import datasets
+        import datasets  # slow to import, and only a hub source needs it
     except ImportError:
         raise SdbenchError("reading this source needs `datasets`: run `pip install datasets`") from None
     return datasets

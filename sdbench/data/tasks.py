@@ -25,6 +25,7 @@ from sdbench.config import DEFAULT_LIMIT
 from sdbench.data import Prompt
 from sdbench.data.books import Book, as_id_list, assemble_books, excerpt_prompts, long_context_prompts, plain_ids
 from sdbench.data.files import is_prompt_file, load_prompt_file
+from sdbench.data.passkey import passkey_prompts
 from sdbench.data.readers import hub_usable, read_file, read_hub, read_local_dataset
 from sdbench.data.specs import Source, TaskSpec, task_registry
 from sdbench.errors import MissingPackageError, SdbenchError
@@ -326,8 +327,6 @@ def load_prompts(task: str, *, limit: int | None = None, seed: int = 0, prompt_l
         raise SdbenchError(f"task '{spec.name}': {res.location} holds no book text")
     count = DEFAULT_LIMIT if limit is None else limit
     if spec.kind == "retrieval":
-        from sdbench.data.passkey import passkey_prompts
-
         return passkey_prompts(books, res.spec.name, count, seed, prompt_len, tokenizer, depths)
     if prompt_len is None:
         return excerpt_prompts(books, res.spec.name, count, seed, spec.excerpt_chars)

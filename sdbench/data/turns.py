@@ -9,6 +9,7 @@ the same answers anyway; under sampling the baseline's sampled answer is the one
 from __future__ import annotations
 
 from sdbench.data import Prompt
+from sdbench.data.tasks import encode_prompt
 
 # a reply re-tokenized inside the chat template may take a few more tokens than were generated
 ANSWER_SLACK_TOKENS = 8
@@ -35,8 +36,6 @@ class Conversations:
         return max(self.count[i] for i in idx)
 
     def encode(self, i: int, turn: int) -> list[int]:
-        from sdbench.data.tasks import encode_prompt
-
         said = [self.tokenizer.decode(self.answers[i, t], skip_special_tokens=True).strip() for t in range(turn)]
         return encode_prompt(self.prompts[i], self.tokenizer, said)
 
@@ -47,7 +46,5 @@ class Conversations:
 
     def longest(self, max_new_tokens: int) -> int:
         """An upper bound on any turn's prompt length: the last turn with empty answers, plus room for them."""
-        from sdbench.data.tasks import encode_prompt
-
         return max(len(encode_prompt(p, self.tokenizer, [""] * (n - 1))) + (n - 1) * (max_new_tokens + ANSWER_SLACK_TOKENS)
                    for p, n in zip(self.prompts, self.count))

@@ -28,6 +28,7 @@ import traceback
 
 from sdbench.dsi.worker import Answer, Task, TargetWorker, worker_device
 from sdbench.errors import MissingPackageError, SdbenchError
+from sdbench.models.generic import runner_kind
 
 START_TIMEOUT_S = 600.0
 
@@ -100,7 +101,7 @@ def _serve(device: str, threads: int, index: int, name: str, fast: bool, kind: s
 
 class ProcessPool:
     def __init__(self, model, name: str, device_kind: str, threads: int, fast: bool = False, runner: str = "native"):
-        import torch.multiprocessing as mp
+        import torch.multiprocessing as mp  # only the process backend starts workers
 
         self.model, self.name, self.kind, self.threads, self.fast = model, name, device_kind, threads, fast
         self.runner = runner  # the replicas' runner kind: "native" or "generic"
@@ -151,7 +152,7 @@ class ProcessPool:
         """The model serialised for worker `index` (shared tensors travel as file descriptors, each usable
         once: one payload per worker). Done here rather than in the queue's feeder thread, whose errors
         would only be printed, leaving the worker waiting."""
-        from multiprocessing.reduction import ForkingPickler
+        from multiprocessing.reduction import ForkingPickler  # only the process backend sends the model
 
         try:
             return bytes(ForkingPickler.dumps(self.model))
@@ -196,7 +197,7 @@ class RayPool:
 
     def __init__(self, model, name: str, device_kind: str, threads: int, fast: bool = False, runner: str = "native"):
         try:
-            import ray
+            import ray  # optional: an extra (pip install "sdbench[ray]")
         except ImportError:
             raise MissingPackageError("ray", "the DSI Ray backend",
                                       "pip install 'sdbench[ray]'` or `pip install ray==2.60.0") from None
@@ -262,8 +263,6 @@ def get_pool(backend: str, runner, workers: int, threads: int):
     """A pool of at least `workers` replicas of runner's model (started on first use, then kept)."""
     if backend not in BACKENDS:
         raise SdbenchError(f"--set backend={backend}: use one of {', '.join(BACKENDS)}")
-    from sdbench.models.generic import runner_kind
-
     fast = runner.fast  # workers build the same fast path the target runs (CPU packing, or CUDA graphs)
     kind = runner_kind(runner)  # and the same runner: native, or generic where the target fell back to it
     key = (backend, id(runner.model), runner.device.type, threads, kind, fast)

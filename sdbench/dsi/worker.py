@@ -13,6 +13,9 @@ from dataclasses import dataclass
 
 import torch
 
+from sdbench.engine.metrics import now
+from sdbench.models.generic import make_runner
+
 
 @dataclass
 class Task:
@@ -54,8 +57,6 @@ class TargetWorker:
         are private to a process and never travel), on a GPU as this process's own CUDA graphs. kind: the
         runner the target's own process probed and runs ("native" or "generic"); the replica is not probed
         again: it is the same runner over the same weights, in the same dtype and with the same fast path."""
-        from sdbench.models.generic import make_runner
-
         if threads > 0:
             torch.set_num_threads(threads)
         self.index = index
@@ -68,8 +69,6 @@ class TargetWorker:
         return self.index
 
     def run(self, task: Task) -> Answer:
-        from sdbench.engine.metrics import now
-
         t0 = now()  # the answer is read back to the host below, which waits for the device
         if task.seq != self.seq or self.cache is None or self.cache.capacity < task.capacity:
             self.cache = self.runner.new_cache(1, task.capacity)

@@ -32,7 +32,7 @@ def make_runner(model, name: str, kind: str = "native", fast: bool = False):
     """The runner of a kind over a loaded model (a DSI worker builds the kind its target was probed with)."""
     if kind == "generic":
         return GenericRunner(model, name)
-    from sdbench.models.runner import ModelRunner
+    from sdbench.models.runner import ModelRunner  # imports transformers (rotary): only a native runner needs it
 
     return ModelRunner(model, name, fast=fast)
 
@@ -45,7 +45,7 @@ class GenericCache:
     pool_key = None
 
     def __init__(self, batch: int, capacity: int):
-        from transformers import DynamicCache
+        from transformers import DynamicCache  # slow to import, and only a generic cache needs it
 
         # without a config every layer keeps every position (sliding-window layers too: the library's masks
         # apply the window), so a rewind can crop any layer back to any length

@@ -9,6 +9,7 @@ A model's config is read before anything else, and what no runner serves is refu
 from __future__ import annotations
 
 import contextlib
+import difflib
 import functools
 import hashlib
 import importlib.util
@@ -25,7 +26,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 import torch
 
 from sdbench.errors import MissingPackageError, SdbenchError
-from sdbench.models import embedded
+from sdbench.models import embedded, random_weights
 from sdbench.models.aliases import EmbeddedModel, HubModel, model_registry, shipped_config
 from sdbench.models.families import serving
 from sdbench.models.names import RANDOM, split_variant
@@ -156,8 +157,6 @@ def eos_token_ids(loaded: LoadedModel) -> list[int]:
 
 
 def _random_model(name: str, base: str, device: torch.device, dtype: torch.dtype) -> LoadedModel:
-    from sdbench.models import random_weights
-
     config = _random_config(base)
     _refuse_unserved(name, config)
     model = random_weights.seeded_model(config, device, dtype)
@@ -166,15 +165,11 @@ def _random_model(name: str, base: str, device: torch.device, dtype: torch.dtype
 
 
 def _random_config(base: str) -> "PretrainedConfig":
-    from sdbench.models import random_weights
-
     config = load_config(base)
     return random_weights.RESHAPE(config) if random_weights.RESHAPE is not None else config
 
 
 def _random_tokenizer(name: str, base: str, vocab: int) -> tuple[Any, str | None]:
-    from sdbench.models import random_weights
-
     return random_weights.standin_tokenizer(name, base, vocab, lambda: load_tokenizer(base),
                                             lambda: load_tokenizer(random_weights.STANDIN))
 
@@ -266,18 +261,19 @@ def _first_line(err: BaseException) -> str:
 
 
 def _auto_tokenizer(ref: str, **kwargs) -> "PreTrainedTokenizerBase":
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer  # transformers: slow to import, and only loading needs it
 
     return AutoTokenizer.from_pretrained(ref, **kwargs)
 
 
 def _auto_config(ref: str, **kwargs) -> "PretrainedConfig":
-    from transformers import AutoConfig
+    from transformers import AutoConfig  # transformers: slow to import, and only loading needs it
 
     return AutoConfig.from_pretrained(ref, **kwargs)
 
 
 def _auto_model(ref: str, dtype: torch.dtype, **kwargs) -> "PreTrainedModel":
+    # transformers: slow to import, and only loading needs it
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
@@ -335,14 +331,14 @@ def _atomic_dir(final: Path) -> Iterator[Path]:
 
 def _convert_gguf(gguf: Path, out: Path) -> None:
     """De-quantise to float32 (lossless for every later dtype) and save model + tokenizer as a plain HF folder."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM  # transformers: slow to import, and only loading needs it
 
     for package in ("gguf", "accelerate"):  # transformers needs both to read a GGUF
         if importlib.util.find_spec(package) is None:
             raise MissingPackageError(package, f"reading the GGUF file {gguf.name}")
     kwargs: dict[str, Any] = {}
     with contextlib.suppress(ImportError):
-        from transformers import GgufConfig
+        from transformers import GgufConfig  # transformers: slow to import, and older versions lack it
 
         # Explicit: with the `kernels` package present, transformers would otherwise keep weights packed.
         kwargs["quantization_config"] = GgufConfig(dequantize=True)
@@ -382,14 +378,14 @@ def _gguf_tokenizer(gguf: Path) -> "PreTrainedTokenizerBase":
 
 
 def _gguf_chat_template(gguf: Path) -> str | None:
-    from gguf import GGUFReader
+    from gguf import GGUFReader  # gguf: only a GGUF file's chat template needs it
 
     field = GGUFReader(str(gguf)).fields.get("tokenizer.chat_template")
     return field.contents() if field is not None else None
 
 
 def _transformers_version() -> str:
-    import transformers
+    import transformers  # slow to import, and only a GGUF conversion needs it
 
     return transformers.__version__
 
@@ -428,8 +424,6 @@ def _raise_unavailable(name: str, label: str, repo_id: str, why: str) -> None:
 
 
 def _close_alias(name: str) -> str | None:
-    import difflib
-
     close = difflib.get_close_matches(name.lower(), model_registry.names(), n=1)
     return close[0] if close else None
 
@@ -441,7 +435,7 @@ def _hub_offline() -> bool:
 
 
 def _hub_endpoint() -> str:
-    from huggingface_hub import constants
+    from huggingface_hub import constants  # huggingface_hub: slow to import, and only the hub path needs it
 
     return os.environ.get("HF_ENDPOINT") or constants.ENDPOINT
 
@@ -460,7 +454,7 @@ def _hub_reachable(endpoint: str) -> bool:
 
 
 def _hub_available(repo_id: str) -> tuple[bool, str]:
-    from huggingface_hub import try_to_load_from_cache
+    from huggingface_hub import try_to_load_from_cache  # huggingface_hub: slow to import; only a hub model needs it
 
     config = try_to_load_from_cache(repo_id, "config.json")
     if isinstance(config, str):

@@ -3,15 +3,25 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 from rich.console import Console
 
 from sdbench.config import DEFAULT_GAMMA, RunConfig
+from sdbench.data.prompts import run_positions
 from sdbench.drafting.ngram import DRAFT_NAME as NGRAM_DRAFT
 from sdbench.engine.runner import Runner
 from sdbench.errors import SdbenchError
+from sdbench.models import loader  # the module, not its names: tests replace loader.load_model and load_tokenizer
+from sdbench.models.aliases import shipped_config
+from sdbench.models.families import serving
+from sdbench.models.generic import make_runner, runner_kind
+from sdbench.models.names import tokenizer_name
+from sdbench.models.probe import probe_pair
+from sdbench.models.shapes import config_from_dict
+from sdbench.models.variants import split_variant, variant_runner
 
 if TYPE_CHECKING:  # transformers' tokenizer base is a slow import, and only a type here
     from transformers import PreTrainedTokenizerBase
@@ -55,8 +65,6 @@ class Pair:
     def fidelity(self) -> dict:
         """What every result row records of the models: the target's runner, the probe's outcome ("passed",
         "fallback": a native runner failed and the generic one passed, "skipped") and its largest gap."""
-        from sdbench.models.generic import runner_kind
-
         outcome = "skipped"
         if self.probes:
             outcome = "fallback" if any(p.fallback for p in self.probes) else "passed"
@@ -70,15 +78,11 @@ def load_pair(cfg: RunConfig, device: torch.device, dtype: torch.dtype, console:
     the library's forward (unless cfg.probe is off), falling back to the generic runner where a native one
     fails and the run allows it. native: model name -> what of the run needs it on the native runner
     (`strategies.native_needed(cfg)`; a model the generic runner serves is then refused before loading)."""
-    from sdbench.data.prompts import run_positions
-    from sdbench.models.loader import eos_token_ids, load_model
-    from sdbench.models.variants import split_variant, variant_runner
-
     check_tokenizers(cfg)
     native = native or {}
     refuse_early(cfg, native)
     with console.status(f"loading target {cfg.target}"):
-        target = load_model(cfg.target, device, dtype)
+        target = loader.load_model(cfg.target, device, dtype)
         runner = pick_runner(target.model, cfg.target, cfg.fast, native.get(cfg.target))
     say_note(target, console)
     drafts = []
@@ -94,26 +98,21 @@ def load_pair(cfg: RunConfig, device: torch.device, dtype: torch.dtype, console:
                 drafts.append(variant_runner(name, cfg.target, target, device, dtype))
             continue
         with console.status(f"loading draft {name}"):
-            draft = load_model(name, device, dtype)
+            draft = loader.load_model(name, device, dtype)
         say_note(draft, console)
         drafts.append(pick_runner(draft.model, name, cfg.fast, native.get(name)))
     limit = getattr(target.model.config, "max_position_embeddings", None) or 1 << 30
-    pair = Pair(runner, target.tokenizer, drafts, eos_token_ids(target), limit)
+    pair = Pair(runner, target.tokenizer, drafts, loader.eos_token_ids(target), limit)
     if not cfg.probe:
         console.print("note: --no-probe: the runners' logits are not compared with the library's forward "
                       "(rows record the probe as skipped)", style="yellow", highlight=False)
         return pair
-    from sdbench.models.probe import probe_pair
-
     probe_pair(pair, run_positions(cfg, pair, cfg.gamma or DEFAULT_GAMMA), native, console)
     return pair
 
 
 def pick_runner(model, name: str, fast: bool, needs_native: str | None = None):
     """The runner `serving(config)` names for a loaded model; refused in one line where it cannot serve."""
-    from sdbench.models.families import serving
-    from sdbench.models.generic import make_runner
-
     serves = serving(model.config)
     _refuse(name, serves, needs_native)
     return make_runner(model, name, serves.runner, fast)
@@ -123,9 +122,6 @@ def refuse_early(cfg: RunConfig, native: dict[str, str]) -> None:
     """Refuse, from configs alone (before any weight loads), a model no runner serves, or one that would run on
     the generic runner where the run needs the native one. A config not readable without the weights (an
     embedded GGUF, a hub model not cached) is judged after loading instead."""
-    from sdbench.models.families import serving
-    from sdbench.models.variants import split_variant
-
     for name in dict.fromkeys((cfg.target, *cfg.drafts)):
         if name == NGRAM_DRAFT:
             continue
@@ -146,11 +142,6 @@ def _config_only(name: str):
     """The model's transformers config read without its weights: an alias's shipped config, a local folder, or
     a hub model in the local cache; None where that is not possible cheaply (a GGUF file before conversion, a
     hub model not cached: judged after loading instead)."""
-    from pathlib import Path
-
-    from sdbench.models.aliases import shipped_config
-    from sdbench.models.shapes import config_from_dict
-
     shipped = shipped_config(name)
     if shipped is not None:
         return config_from_dict(shipped)
@@ -158,7 +149,7 @@ def _config_only(name: str):
     if local.is_file():
         return None
     try:
-        from transformers import AutoConfig
+        from transformers import AutoConfig  # slow to import, and only a model with no shipped config needs it
 
         return AutoConfig.from_pretrained(str(local) if local.is_dir() else name, local_files_only=True)
     except (OSError, ValueError, KeyError):
@@ -167,15 +158,12 @@ def _config_only(name: str):
 
 def check_tokenizers(cfg: RunConfig) -> None:
     """Refuse a draft model whose tokenizer differs from the target's, loading tokenizers only (no weights)."""
-    from sdbench.models.loader import check_same_tokenizer, load_tokenizer
-    from sdbench.models.names import tokenizer_name
-
     bases = {tokenizer_name(name) for name in cfg.drafts if name != NGRAM_DRAFT} - {cfg.target}
     if not bases:
         return
-    target = load_tokenizer(cfg.target)
+    target = loader.load_tokenizer(cfg.target)
     for name in sorted(bases):
-        check_same_tokenizer(target, load_tokenizer(name), cfg.target, name)
+        loader.check_same_tokenizer(target, loader.load_tokenizer(name), cfg.target, name)
 
 
 def say_note(loaded, console: Console) -> None:

@@ -31,7 +31,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from sdbench.errors import SdbenchError
 from sdbench.models import cpufast
+from sdbench.models.generic import GenericRunner, runner_kind
+from sdbench.models.variants import split_variant
 
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 1e-1, torch.float16: 2e-2}
 STEPS = 2  # single-token forwards after the prefill
@@ -88,8 +91,6 @@ def probe_pair(pair, length: int, native: dict[str, str], console) -> None:
     """Probe every model runner of a loaded pair once (a draft that is the target shares its probe); a model
     that fails is refused in one line, after a fallback to the generic runner where the run allows one
     (`native`: model name -> what needs it native). Results go to pair.probes; fallbacks replace the runner."""
-    from sdbench.errors import SdbenchError
-
     vocab = len(pair.tokenizer) if pair.tokenizer is not None else None
     swapped = {}
     for runner in {id(r): r for r in (pair.target, *pair.drafts) if not isinstance(r, str)}.values():
@@ -111,9 +112,6 @@ def probe_runner(runner, length: int, vocab: int | None, console, fallback: bool
     """(the runner to use, its ProbeResult, a one-line note or ''). A native runner that fails is replaced by
     the generic runner over the same model when `fallback` allows it and the generic one passes (the note
     says so); otherwise the failing result comes back for the caller to refuse."""
-    from sdbench.models.generic import runner_kind
-    from sdbench.models.variants import split_variant
-
     if split_variant(runner.name)[1] == "int8":  # a MODEL@random has one reference forward like any model
         return runner, ProbeResult(runner.name, runner_kind(runner), 0, runner.dtype, skipped=VARIANT_SKIP), ""
     result = _shown(runner, length, vocab, console)
@@ -127,8 +125,6 @@ def probe_runner(runner, length: int, vocab: int | None, console, fallback: bool
 
 
 def _shown(runner, length: int, vocab: int | None, console) -> "ProbeResult":
-    from sdbench.models.generic import runner_kind
-
     with console.status(f"probing {runner.name} ({runner_kind(runner)} runner): its logits against the "
                         f"library's forward over {max(length, MIN_LENGTH)} positions"):
         return probe(runner, length, vocab)
@@ -136,9 +132,6 @@ def _shown(runner, length: int, vocab: int | None, console) -> "ProbeResult":
 
 def _fallback(runner, length: int, vocab: int | None, console):
     """(the generic runner, its passing ProbeResult) over the native runner's model, or None."""
-    from sdbench.errors import SdbenchError
-    from sdbench.models.generic import GenericRunner
-
     try:
         generic = GenericRunner(runner.model, runner.name)
     except SdbenchError:
@@ -151,8 +144,6 @@ def _fallback(runner, length: int, vocab: int | None, console):
 def probe(runner, length: int, vocab: int | None = None) -> ProbeResult:
     """The runner's logits against the library's forward on `length` positions (at least MIN_LENGTH, at
     most the model's positions). vocab: draw tokens below it (the tokenizer's size; default the head's)."""
-    from sdbench.models.generic import runner_kind
-
     model = runner.model
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     most = getattr(config, "max_position_embeddings", None) or length
@@ -185,6 +176,7 @@ def reference(model, ids: torch.Tensor, prefix: int, device) -> torch.Tensor:
     verification. The calls matter where the rope's scaling depends on each call's length (`dynamic`): the
     library's cached forward, which `generate` runs, is the model the user named. Plain weights
     (`cpufast.plain`); its rotary modules start from their loaded state; the head runs only where compared."""
+    # transformers (and rotary, which imports it): slow to import, and only the reference forward needs them
     from transformers import DynamicCache
 
     from sdbench.models.rotary import reset_library_rotary

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
+from sdbench.errors import SdbenchError
 from sdbench.models.shapes import random_model
 
 if TYPE_CHECKING:
@@ -49,8 +50,6 @@ def standin_tokenizer(name: str, base: str, vocab: int, own: Callable[[], Any],
                       standin: Callable[[], Any]) -> tuple[Any, str | None]:
     """(tokenizer, one-line note or None) for `name` = base@random with `vocab` ids. own(): the base model's
     tokenizer, raising SdbenchError where it is not at hand; standin(): the embedded one."""
-    from sdbench.errors import SdbenchError
-
     try:
         tokenizer, whose = own(), None
     except SdbenchError:
@@ -76,6 +75,7 @@ BOS, EOS = "<|bos|>", "<|eos|>"
 def byte_tokenizer():
     """A tokenizer needing no file: ids 0-255 are the UTF-8 bytes of the text (every text encodes, one id per
     byte), 256 and 257 the BOS every encoding starts with and the EOS; no chat template, so prompts are plain."""
+    # tokenizers and transformers: slow to import, and only a byte stand-in needs them
     from tokenizers import Tokenizer, decoders, models, processors
     from transformers import PreTrainedTokenizerFast
 

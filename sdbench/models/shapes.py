@@ -4,6 +4,7 @@ the model built on the meta device (no memory, no values), its parameter count a
 from __future__ import annotations
 
 import contextlib
+import copy
 import hashlib
 import json
 import logging
@@ -11,6 +12,8 @@ import os
 import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterator
+
+import torch
 
 from sdbench.errors import SdbenchError
 from sdbench.paths import cache_dir
@@ -23,7 +26,7 @@ if TYPE_CHECKING:
 
 def config_from_dict(data: dict) -> "PretrainedConfig":
     """The transformers config a config.json holds (legacy keys such as rope_scaling read as the library does)."""
-    from transformers import AutoConfig
+    from transformers import AutoConfig  # transformers: slow to import
 
     fields = dict(data)
     model_type = fields.pop("model_type", None)
@@ -38,8 +41,7 @@ def config_from_dict(data: dict) -> "PretrainedConfig":
 
 def meta_model(config: "PretrainedConfig") -> "PreTrainedModel":
     """The causal LM this config describes, on the meta device: shapes and structure, no storage."""
-    import torch
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM  # transformers: slow to import
 
     with torch.device("meta"), quiet_library():
         return AutoModelForCausalLM.from_config(config)
@@ -49,8 +51,7 @@ def random_model(config: "PretrainedConfig", device, dtype) -> "PreTrainedModel"
     """The model with random weights made directly on `device` in `dtype`: built on the meta device, given
     uninitialised storage there, then initialised as the library initialises a new model (buffers such as rotary
     tables and embedding scales included), never through a float32 copy on the CPU. For `MODEL@random`."""
-    import torch
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM  # transformers: slow to import
 
     with torch.device("meta"), quiet_library():
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
@@ -65,8 +66,6 @@ def shrink(config: "PretrainedConfig", layers: int = 2, hidden: int = 64, heads:
     """A copy of the config at a small size, its family and every other field kept (rope type, windows,
     soft-caps, tied head, grouped-query ratio): for tests and rehearsals of real-shape commands on a CPU.
     Token ids the config names (pad, bos, eos) are folded into a smaller vocabulary as its tokenizer's are."""
-    import copy
-
     small = copy.deepcopy(config)
     q = getattr(small, "num_attention_heads", heads) or heads
     kv = getattr(small, "num_key_value_heads", None) or q
@@ -125,7 +124,7 @@ def size_label(n: int | None) -> str:
 
 
 def _count_key(config: "PretrainedConfig") -> str:
-    import transformers
+    import transformers  # slow to import
 
     text = config.to_json_string(use_diff=False)
     return hashlib.sha256(f"{transformers.__version__}\n{text}".encode()).hexdigest()[:16]
@@ -156,7 +155,7 @@ def _write_counts(counts: dict[str, int]) -> None:
 def quiet_library() -> Iterator[None]:
     """The library's warnings off inside the block: it warns about configs written by older versions of itself (the
     shipped configs are such) and, in assisted generation, about how it calls itself."""
-    from transformers.utils import logging as hf_logging
+    from transformers.utils import logging as hf_logging  # transformers: slow to import
 
     level = hf_logging.get_verbosity()
     hf_logging.set_verbosity(logging.ERROR)

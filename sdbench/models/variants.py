@@ -19,6 +19,8 @@ import warnings
 import torch
 
 from sdbench.errors import SdbenchError
+from sdbench.models import cpufast, loader  # loader as a module: tests replace loader.load_model
+from sdbench.models.families import serving
 from sdbench.models.names import RANDOM, VARIANTS, split_variant, weights_of  # noqa: F401 (re-exported)
 
 
@@ -36,8 +38,6 @@ def quantise_int8(model) -> object:
     if quantize_dynamic is None or qconfig is None:
         raise SdbenchError(f"@int8 needs torch.ao.quantization.quantize_dynamic, which torch {torch.__version__} "
                            "no longer has")
-    from sdbench.models import cpufast
-
     with cpufast.plain(model):  # a packed model's own weights are empty
         copied = copy.deepcopy(model)
     with warnings.catch_warnings():  # torch announces the API's move to torchao on every call
@@ -50,16 +50,14 @@ def quantise_int8(model) -> object:
 def variant_runner(name: str, target_name: str, target, device, dtype):
     """The ModelRunner for a draft named MODEL@VARIANT. target: the loaded target (LoadedModel), whose
     weights are copied when MODEL is the target itself rather than loaded a second time."""
-    from sdbench.models.families import serving
-    from sdbench.models.loader import check_same_tokenizer, load_model
-    from sdbench.models.runner import ModelRunner
+    from sdbench.models.runner import ModelRunner  # imports transformers (rotary): only an @int8 draft needs it
 
     base, variant = split_variant(name)
     if base == target_name:
         model = target.model
     else:
-        loaded = load_model(base, device, dtype)
-        check_same_tokenizer(target.tokenizer, loaded.tokenizer, target_name, base)
+        loaded = loader.load_model(base, device, dtype)
+        loader.check_same_tokenizer(target.tokenizer, loaded.tokenizer, target_name, base)
         model = loaded.model
     if serving(model.config).runner != "native":
         raise SdbenchError(f"model '{name}': @{variant} quantises the decoder layers the native runner computes, and "
