@@ -46,6 +46,7 @@ import torch.nn.functional as F
 
 from sdbench.drafting.model import ModelDrafter
 from sdbench.drafting.ngram import DRAFT_NAME, NGramDrafter, check_ngram
+from sdbench.engine.iid_model import fit_alpha
 from sdbench.engine.metrics import Spans
 from sdbench.engine.state import DecodeState, Proposal
 from sdbench.engine.step import Round
@@ -57,7 +58,6 @@ from sdbench.strategies.base import Proposer
 from sdbench.strategies.spec import BuildContext, Option, Strategy, Variant, need_gamma, register
 from sdbench.strategies.draft import DraftModel
 from sdbench.strategies.ngram import NGram
-from sdbench.theory import fit_alpha
 
 COMMON = (
     Option("gamma_max", 8, "largest lookahead the adaptation may choose"),

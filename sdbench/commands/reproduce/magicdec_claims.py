@@ -101,7 +101,7 @@ def claim_draft_flat(profiles: dict) -> Claim:
 
 
 def claim_critical(profiles: dict, predicted: list[dict], summary) -> Claim:
-    from sdbench.commands.predict import crossing_lengths
+    from sdbench.analysis.costs import crossing_lengths
 
     best = self_spec_best(predicted)
     contexts = sorted(best)
