@@ -317,17 +317,10 @@ def predict_speedup(
     device: Device = "auto", dtype: Dtype = "float32",
 ):
     """Expected tokens per step and speedup of draft-model SD under the i.i.d. acceptance model."""
-    from sdbench.theory import speedup_table
+    from sdbench.commands.predict_speedup import run_speedup
 
-    gammas = parse_gammas(gamma, low=1)
-    if target is not None:
-        from sdbench.commands.predict import measured_costs
-
-        costs = measured_costs(target, draft or target, gammas, context, device, dtype, console)
-        draft_cost, verify_cost = costs.c, costs.verify
-        console.print(f"costs measured at {context} tokens of context: draft cost c = {draft_cost:.3f} "
-                      f"({draft or target} / {target})", highlight=False)
-    console.print(speedup_table(alpha, gammas, draft_cost, verify_cost))
+    run_speedup(alpha, parse_gammas(gamma, low=1), draft_cost, verify_cost, console, target=target, draft=draft,
+                context=context, device=device, dtype=dtype)
 
 
 @predict_app.command("magicdec")
@@ -349,9 +342,10 @@ def predict_magicdec(
 
     if not 0.0 <= alpha <= 1.0:
         raise SdbenchError(f"--alpha {alpha}: expected a rate between 0 and 1")
-    run_predict(target, parse_gammas(batch, "--batch", 1), parse_gammas(context, "--context", 1),
-                parse_gammas(gamma, low=1), parse_gammas(budget, "--budget", 1), alpha, from_results, device, dtype,
-                out, console, fast=fast)
+    cfg = C.PredictMagicdecConfig(target, parse_gammas(batch, "--batch", 1), parse_gammas(context, "--context", 1),
+                                  parse_gammas(gamma, low=1), parse_gammas(budget, "--budget", 1), alpha,
+                                  tuple(from_results or ()), device, dtype, out, fast)
+    run_predict(cfg, console)
 
 
 @predict_app.command("chain")
@@ -373,8 +367,9 @@ def predict_chain(
     chain lowers the time per token, then measure both chains (and plain decoding) on the same prompts."""
     from sdbench.commands.predict_chain import run_chain_prediction
 
-    run_chain_prediction(target, list(draft or ()), candidate, at, gamma, mu, dataset, limit, max_new_tokens,
-                         profile_prompts, profile_tokens, device, dtype, seed, console, temperature)
+    run_chain_prediction(C.PredictChainConfig(target, tuple(draft or ()), candidate, at, gamma, mu, dataset, limit,
+                                              max_new_tokens, profile_prompts, profile_tokens, device, dtype, seed,
+                                              temperature), console)
 
 
 simulate_app = typer.Typer(no_args_is_help=True, help="Simulated latency of decoding algorithms (no models run).")
@@ -404,15 +399,10 @@ def simulate_dsi(
 ):
     """Expected latency of plain decoding, SI and DSI (offline by counting, online by a timed simulation),
     and the DSI paper's four heat-map panels across drafter latency and acceptance."""
-    from sdbench.commands.simulate import Setting, measured_setting, run_simulation
+    from sdbench.commands.simulate import run_simulation
 
-    if target is not None and from_results:
-        raise SdbenchError("--target measures the latencies and --from reads them from a run: give one of them")
-    setting = Setting(target_latency, c, 0.8 if a is None else a, k, workers, tokens)
-    if target is not None:
-        setting = measured_setting(setting, target, draft or target, context, device, dtype, console)
-    run_simulation(setting, repeats=repeats, seed=seed, grid=grid, kmax=kmax, out=out, source=from_results,
-                   console=console, a=a)
+    run_simulation(C.SimulateDSIConfig(target_latency, c, a, k, workers, tokens, repeats, grid, kmax, seed,
+                                       tuple(from_results or ()), target, draft, context, device, dtype, out), console)
 
 
 @app.command()

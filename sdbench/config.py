@@ -129,3 +129,68 @@ class SweepConfig:
     prompt_lens: tuple[int, ...] = DEFAULT_SWEEP_PROMPT_LENS
     scoped: dict = field(default_factory=dict)  # strategy name -> its own --set NAME.key=value settings
     resume: str | None = None  # a sweep id under run.out to continue
+
+
+# ---- the analysis commands (`predict`, `simulate`): their settings as the CLI gave them --------------------------
+
+
+@dataclass(frozen=True)
+class PredictMagicdecConfig:
+    """`sdbench predict magicdec`: profile step costs over a batch x context grid, predict per (gamma, budget)."""
+
+    target: str
+    batches: tuple[int, ...]
+    contexts: tuple[int, ...]
+    gammas: tuple[int, ...]
+    budgets: tuple[int, ...]  # draft KV budgets
+    alpha: float  # where no --from run measured one
+    from_results: tuple[str, ...]  # magicdec results: alpha fitted per selector, budget and prompt length
+    device: str
+    dtype: str
+    out: str | None  # folder for the profile as Parquet; None: not written
+    fast: bool = True  # time the steps through the runner decoding would use
+
+
+@dataclass(frozen=True)
+class PredictChainConfig:
+    """`sdbench predict chain`: insert `candidate` into a polybasic chain under level `at`; predict, then measure."""
+
+    target: str
+    drafts: tuple[str, ...]  # the chain as it is, top down (ngram allowed last)
+    candidate: str
+    at: int  # 0: under the target; i: under the i-th draft
+    gamma: int  # the bottom drafter's tokens per block
+    mu: str  # the middle levels' thresholds ("": the default)
+    dataset: str
+    limit: int
+    max_new_tokens: int
+    profile_prompts: int
+    profile_tokens: int
+    device: str
+    dtype: str
+    seed: int
+    temperature: float  # the profiling pass again under sampling at it; 0: greedy only
+
+
+@dataclass(frozen=True)
+class SimulateDSIConfig:
+    """`sdbench simulate dsi`: one setting given, measured at models' shapes (`target`) or read from a run
+    (`from_results`), simulated; then the heat-map grid."""
+
+    target_latency: float  # one target forward (seconds; 1 = count forwards)
+    c: float  # one draft forward / one target forward
+    a: float | None  # acceptance rate; None: 0.8, or with `from_results` the run's
+    k: int
+    workers: int
+    tokens: int
+    repeats: int  # simulated generations averaged online
+    grid: int
+    kmax: int
+    seed: int
+    from_results: tuple[str, ...]  # an sdbench run to take the setting from
+    target: str | None  # measure the target latency and c at this model's shape
+    draft: str | None  # with target: the drafter (None: the target)
+    context: int  # with target: the prompt length the latencies are measured at
+    device: str
+    dtype: str
+    out: str  # folder for dsi-heatmap.parquet and .png

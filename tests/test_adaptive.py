@@ -22,7 +22,7 @@ from sdbench.strategies.adaptive_online import (AlphaPrior, GammaPolicy, LinearC
 from sdbench.strategies.autoregressive import Autoregressive
 from sdbench.engine.state import Proposal
 from sdbench.strategies.adaptive import make_drafters
-from sdbench.theory import shrunk_alpha, tokens_per_second
+from sdbench.engine.iid_model import shrunk_alpha, tokens_per_second
 from tests.conftest import VOCAB
 
 GREEDY = SamplingConfig()

@@ -9,11 +9,13 @@ import pytest
 
 from sdbench.cli import main
 from sdbench.errors import SdbenchError
-from sdbench.commands.simulate import Setting, heatmap, offline, online, profile_from_results, simulate_dsi, simulate_si
+from sdbench.analysis.dsi_heatmap import heatmap
+from sdbench.analysis.dsi_sim import Setting, offline, online, profile_from_results, simulate_dsi, simulate_si
 from sdbench.reporting.results import rows_to_table
 from tests.test_random_weights import small  # noqa: F401 (fixture)
-from sdbench.theory import (alpha_from_tokens_per_step, dsi_latency_per_token, dsi_workers_needed,
-                            expected_tokens_per_step, si_latency_per_token)
+from sdbench.analysis.theory import (alpha_from_tokens_per_step, dsi_latency_per_token, dsi_workers_needed,
+                                     si_latency_per_token)
+from sdbench.engine.iid_model import expected_tokens_per_step
 
 WORKER_TOLERANCE = 0.06  # the worker-limited count against the preemptive online simulation
 GRID = [(c, a) for c in (0.01, 0.05, 0.1, 0.2, 0.35, 0.5, 0.75, 1.0) for a in (0.0, 0.1, 0.3, 0.5, 0.7, 0.9, 0.99, 1.0)]
@@ -185,7 +187,7 @@ def test_warning_when_fewer_workers_than_the_bound(tmp_path, capsys):
 
 
 def test_grid_sums_are_the_scalar_formulas():
-    from sdbench.commands.dsi_heatmap import dsi_latencies, si_latencies
+    from sdbench.analysis.dsi_heatmap import dsi_latencies, si_latencies
 
     a, ks = [0.01, 0.3, 0.8, 0.99, 1.0], [1, 3, 7, 40]
     for c, workers in ((0.05, None), (0.05, 2), (0.4, 1), (1.0, None)):
@@ -200,7 +202,7 @@ def test_grid_sums_are_the_scalar_formulas():
 
 
 def test_heatmap_has_the_papers_four_panels_and_lookaheads_past_20(tmp_path):
-    from sdbench.commands.dsi_heatmap import PANELS, plot_heatmap
+    from sdbench.analysis.dsi_heatmap import PANELS, plot_heatmap
 
     frame = heatmap(workers=7, grid=4)  # k up to 200 by default
     assert [p[1] for p in PANELS] == ["DSI / SI", "DSI / non-SI (plain decoding)", "SI / non-SI (plain decoding)",
@@ -222,7 +224,7 @@ def test_heatmap_has_the_papers_four_panels_and_lookaheads_past_20(tmp_path):
 
 
 def test_the_papers_table_lookahead_rule():
-    from sdbench.commands.dsi_heatmap import table_lookahead
+    from sdbench.analysis.dsi_heatmap import table_lookahead
 
     assert table_lookahead(0.3, 7) == 1  # ceil(1/0.3) = 4 <= 7
     assert table_lookahead(0.1, 7) == 5  # k = 1 needs 10 workers, k = 5 needs 2
@@ -320,14 +322,15 @@ def test_simulate_from_a_run_through_the_cli(tmp_path, capsys):
 def test_simulate_at_a_models_shape_measures_the_latencies_and_keeps_the_given_rate(small, capsys, tmp_path,  # noqa: F811
                                                                                     monkeypatch):
     """`simulate dsi --target llama-1b@random` (shrunk here): the target latency and c are the forwards measured by
-    `predict.measured_costs`; a, k and workers are the given ones. A model drafting for itself has c = 1 exactly
+    `costs.measured_costs`; a, k and workers are the given ones. A model drafting for itself has c = 1 exactly
     (one runner, one measured forward)."""
-    from sdbench.commands import predict, simulate
+    from sdbench.analysis import costs as profiling
+    from sdbench.commands import simulate
     from tests.conftest import run_cli
 
     seen, costs = {}, []
-    real = predict.measured_costs
-    monkeypatch.setattr(predict, "measured_costs", lambda *args: costs.append(real(*args)) or costs[-1])
+    real = profiling.measured_costs
+    monkeypatch.setattr(profiling, "measured_costs", lambda *args: costs.append(real(*args)) or costs[-1])
     monkeypatch.setattr(simulate, "offline", lambda s: seen.setdefault("s", s) and offline(s))
     code, out, err = run_cli(capsys, "simulate", "dsi", "--target", "llama-1b@random", "--a", "0.7", "--k", "3",
                              "--workers", "2", "--context", "12", "--tokens", "20", "--repeats", "2", "--grid", "2",

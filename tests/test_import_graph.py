@@ -1,6 +1,6 @@
 """The import graph of sdbench, read from the source with `ast`: no module imports itself back through others,
-and the top-level folders (engine, drafting, strategies, dsi, models, kv, data, commands, reporting, and each
-top-level module) form layers, not loops.
+and the top-level folders (engine, drafting, strategies, dsi, models, kv, data, analysis, commands, reporting,
+and each top-level module) form layers, not loops; nothing below the commands imports them.
 
 Every import counts wherever it is written: at module level, inside a function (a lazy import still ties the
 two modules together), under `if TYPE_CHECKING:`, and the "sdbench.module:attr" targets a registry imports on
@@ -144,11 +144,28 @@ def test_top_level_folders_form_layers():
 BELOW_COMMANDS = ("analysis", "engine", "strategies", "drafting", "dsi", "models", "kv", "data", "reporting")
 
 
+def imports_of_commands(graph: dict[str, dict[str, int]]) -> dict[tuple[str, str], int]:
+    """(module, command module it imports) -> line, for every module of a folder below the commands."""
+    return {(m, t): line for m, edges in graph.items() for t, line in edges.items()
+            if folder(m) in BELOW_COMMANDS and folder(t) == "commands"}
+
+
 def test_nothing_below_the_commands_imports_them():
-    graph = import_graph()
-    found = {(m, t): line for m, edges in graph.items() for t, line in edges.items()
-             if folder(m) in BELOW_COMMANDS and folder(t) == "commands"}
+    found = imports_of_commands(import_graph())
     assert not found, "\n".join(f"  {m} -> {t} (line {line})" for (m, t), line in sorted(found.items()))
+
+
+def test_an_import_of_the_commands_from_below_is_found():
+    for below in ("analysis", "engine", "strategies"):
+        graph = {f"sdbench.{below}.x": {"sdbench.commands.predict": 3, "sdbench.errors": 1}, "sdbench.cli": {}}
+        assert imports_of_commands(graph) == {(f"sdbench.{below}.x", "sdbench.commands.predict"): 3}
+    assert not imports_of_commands({"sdbench.cli": {"sdbench.commands.predict": 1}})
+
+
+def test_every_folder_has_its_place():
+    """A new folder is either the commands or below them (BELOW_COMMANDS), so that the test above sees it."""
+    folders = {p.name for p in PACKAGE.iterdir() if (p / "__init__.py").is_file()}
+    assert folders == set(BELOW_COMMANDS) | {"commands"}
 
 
 def test_only_the_models_package_touches_the_cpu_fast_path():

@@ -142,8 +142,9 @@ def test_bad_sparse_settings(args, message):
 
 
 def test_cost_model_profile_and_critical_length(target):
-    from sdbench.commands.predict import critical_lengths, predictions, profile
-    from sdbench.theory import alpha_from_tokens_per_step, expected_tokens_per_step
+    from sdbench.analysis.costs import critical_lengths, predictions, profile
+    from sdbench.analysis.theory import alpha_from_tokens_per_step
+    from sdbench.engine.iid_model import expected_tokens_per_step
 
     p = profile(target, 2, 48, gammas=(1, 3), budgets=(8, 64))
     assert p.target_s > 0 and set(p.verify_s) == {1, 3} and set(p.draft_s) == {8}  # 64 >= context: skipped
@@ -158,7 +159,7 @@ def test_cost_model_profile_and_critical_length(target):
 
 
 def test_critical_length_is_interpolated_per_batch():
-    from sdbench.commands.predict import crossing_lengths
+    from sdbench.analysis.costs import crossing_lengths
 
     points = [(1, 256, 0.9), (1, 1024, 1.2), (1, 4096, 1.5), (1, 1024, 0.5), (8, 256, 0.7), (8, 512, 0.9),
               (4, 256, 1.1), (4, 512, 0.9)]
@@ -186,8 +187,8 @@ def fake_results(runs):
 
 def test_alpha_is_fitted_per_selector_budget_and_prompt_length(monkeypatch):
     import sdbench.reporting.results as results
-    from sdbench.commands.predict import alpha_for, alphas_from_results, with_alphas
-    from sdbench.theory import alpha_from_tokens_per_step
+    from sdbench.analysis.costs import alpha_for, alphas_from_results, with_alphas
+    from sdbench.analysis.theory import alpha_from_tokens_per_step
 
     # mean accepted length (new - 1) / steps: 3.0 for StreamingLLM, 1.5 for SnapKV, both at budget 64
     table = fake_results([("a", "streamingllm", 64, 4, 512, [(31, 10)]), ("b", "snapkv", 64, 4, 512, [(16, 10)]),

@@ -75,7 +75,7 @@ class _Timed:
 
 def test_cost_ratios_are_the_forwards_time_ratios(monkeypatch):
     clock = [0.0]
-    monkeypatch.setattr("sdbench.commands.predict.now", lambda device=None: clock[0])
+    monkeypatch.setattr("sdbench.analysis.costs.now", lambda device=None: clock[0])
     target = _Timed(ModelRunner(tiny_model(0)), {1: 0.010, 5: 0.013}, clock)
     draft = _Timed(ModelRunner(tiny_model(1, layers=1)), {1: 0.002}, clock)
     verify, c = cost_ratios(target, draft, [[1, 2, 3, 4, 5], [6, 7, 8]], 4)

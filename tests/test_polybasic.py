@@ -19,7 +19,7 @@ from sdbench.strategies.autoregressive import Autoregressive
 from sdbench.engine.state import DecodeState
 from sdbench.strategies.chain_levels import ModelLevel
 from sdbench.strategies.polybasic import Polybasic, PolybasicStrategy, parse_mu
-from sdbench.theory import ChainCosts, insertion_times
+from sdbench.analysis.theory import ChainCosts, insertion_times
 from tests.conftest import VOCAB, second_token_chi_square, tiny_model
 
 GREEDY = SamplingConfig()
@@ -195,14 +195,14 @@ def test_insertion_condition_by_hand():
     before = ChainCosts((0.010, 0.001), (2.0,), (), 2.0)
     after = ChainCosts((0.012, 0.003, 0.001), (5.0, 1.5), (6.0,), 2.0)
     assert (old, new) == pytest.approx((before.time_per_token(), after.time_per_token()))
-    from sdbench.commands.predict_chain import insertion_verdict
+    from sdbench.analysis.chain import insertion_verdict
 
     assert insertion_verdict(before, after, 0) == pytest.approx((old, new))
 
 
 def test_paper_insertion_condition_by_hand():
-    from sdbench.commands.predict_chain import paper_verdict
-    from sdbench.theory import paper_insertion_times
+    from sdbench.analysis.chain import paper_verdict
+    from sdbench.analysis.theory import paper_insertion_times
 
     # under the target, above an n-gram bottom (1 lookup of 0.1 ms per block): T_j = 10 ms, L_j = 2;
     # the candidate: T_c = 3 ms, L_c = 1.5, and the target then accepts L'_j = 5
@@ -223,7 +223,8 @@ def test_paper_insertion_condition_by_hand():
 
 
 def test_insertion_under_the_bottom_by_hand():
-    from sdbench.commands.predict_chain import check_insertion, insertion_verdict, paper_verdict
+    from sdbench.analysis.chain import insertion_verdict, paper_verdict
+    from sdbench.commands.predict_chain import check_insertion
 
     # target 10 ms over a model bottom of 2 ms drafting 4 per block (L = 3); with an n-gram of 0.1 ms under it
     # the bottom verifies (3 ms per forward, L' = 2, blocks of 8) and the target accepts L' = 5
@@ -248,7 +249,7 @@ def test_insertion_under_the_bottom_by_hand():
 
 def test_accepted_length_variance_by_hand():
     from sdbench.strategies.chain_levels import length_variance
-    from sdbench.theory import accepted_length_variance
+    from sdbench.analysis.theory import accepted_length_variance
 
     assert accepted_length_variance(0.5, 1) == pytest.approx(0.25)  # 1 or 2 tokens, evenly
     # gamma 2, alpha 0.5: 1, 2, 3 tokens with 1/2, 1/4, 1/4: mean 1.75, E[L^2] = 0.5 + 1 + 2.25
@@ -260,7 +261,7 @@ def test_accepted_length_variance_by_hand():
 
 @pytest.mark.parametrize("sampling", [GREEDY, SamplingConfig(1.0)])
 def test_level_records_carry_the_accepted_length_variance(target, small_draft, other_draft, prompts, sampling):
-    from sdbench.commands.predict_chain import spread_from_records
+    from sdbench.analysis.chain import spread_from_records
 
     proposer = Polybasic([small_draft, other_draft], 2, "3", target_name=target.name)
     out = generate(target, proposer, prompts[:2], max_new_tokens=NEW, sampling=sampling,
@@ -307,14 +308,15 @@ def test_variant_names():
 def test_predict_chain_passes_settings(capsys, monkeypatch):
     import sdbench.commands.predict_chain as cp
     from sdbench.cli import main
+    from sdbench.config import PredictChainConfig
 
     seen = {}
     monkeypatch.setattr(cp, "run_chain_prediction", lambda *args: seen.setdefault("args", args))
     main(["predict", "chain", "--target", "m", "--draft", "a", "--draft", "ngram", "--candidate", "c@int8", "--at",
           "1", "--gamma", "3", "--mu", "6", "--limit", "2", "--max-new-tokens", "20", "--profile-prompts", "1",
           "--profile-tokens", "5", "--dataset", "gsm8k", "--seed", "4", "--temperature", "0.5"])
-    assert seen["args"][:14] == ("m", ["a", "ngram"], "c@int8", 1, 3, "6", "gsm8k", 2, 20, 1, 5, "cpu", "float32", 4)
-    assert seen["args"][15] == 0.5
+    assert seen["args"][0] == PredictChainConfig("m", ("a", "ngram"), "c@int8", 1, 3, "6", "gsm8k", 2, 20, 1, 5, "cpu",
+                                                 "float32", 4, 0.5)
 
 
 @pytest.mark.parametrize("argv, expect", [

@@ -7,7 +7,7 @@ import pandas as pd
 import pytest
 import torch
 
-from sdbench.commands.predict import alphas_from_results
+from sdbench.analysis.costs import alphas_from_results
 from sdbench.errors import SdbenchError
 from sdbench.models import memory
 from sdbench.models.loader import load_config

@@ -124,7 +124,7 @@ def test_reproduce_dsi_quick_writes_the_report_folder(capsys, tmp_path, fake_run
 
 
 def test_never_slower_on_the_real_run_judges_the_premise_first():
-    from sdbench.commands.simulate import Setting
+    from sdbench.analysis.dsi_sim import Setting
 
     s = Setting(0.02, 0.1, 0.8, 5, 2, 32)
     real = {"plain": 0.020, "plain_si": 0.020, "plain_dsi": 0.020, "si": 0.018, "dsi": 0.017}

@@ -12,7 +12,7 @@ import pyarrow.parquet as pq
 import pytest
 from rich.console import Console
 
-from sdbench.commands.predict import Profile
+from sdbench.analysis.costs import Profile
 from sdbench.commands.reproduce import magicdec as paper
 from sdbench.commands.reproduce import magicdec_claims as claims
 from sdbench.commands.reproduce.common import FAILS, HOLDS, UNTESTABLE, ReproduceConfig

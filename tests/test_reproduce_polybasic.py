@@ -6,10 +6,10 @@ from __future__ import annotations
 import pandas as pd
 import pytest
 
-from sdbench.commands.predict_chain import ChainRun, LevelSpread
+from sdbench.analysis.chain import ChainRun, LevelSpread
 from sdbench.commands.reproduce import polybasic as poly
 from sdbench.commands.reproduce.common import FAILS, HOLDS, UNTESTABLE, ReproduceConfig
-from sdbench.theory import ChainCosts
+from sdbench.analysis.theory import ChainCosts
 from tests.conftest import reproduce_quick, run_cli
 
 TOKENS = 100

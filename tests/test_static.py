@@ -280,7 +280,7 @@ def test_cached_prefix_reads_drafted_tokens_back_lazily():
 
 def test_cost_model_times_through_the_graphs(fake_graphs):
     """`predict magicdec` times the forwards decoding would run: one capture per (cache, width), then replays."""
-    from sdbench.commands.predict import profile
+    from sdbench.analysis.costs import profile
 
     runner, log = fake_graphs
     p = profile(runner, 2, 48, gammas=(1, 3), budgets=(8,))
@@ -292,7 +292,7 @@ def test_cost_model_times_through_the_graphs(fake_graphs):
 @pytest.mark.cuda
 @cuda
 def test_cost_model_profiles_with_real_cuda_graphs():
-    from sdbench.commands.predict import profile
+    from sdbench.analysis.costs import profile
 
     runner = ModelRunner(tiny_model(0).to("cuda"), "graphed", fast=True)
     p = profile(runner, 2, 300, gammas=(1, 3), budgets=(64,))

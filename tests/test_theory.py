@@ -4,7 +4,7 @@ import random
 import pytest
 
 from sdbench.engine.metrics import RowStats, predicted_batch_speedup, predicted_speedup
-from sdbench.theory import expected_tokens_per_step, fit_alpha, predicted_speedup as formula
+from sdbench.engine.iid_model import expected_tokens_per_step, fit_alpha, predicted_speedup as formula
 
 
 def test_expected_tokens_per_step():

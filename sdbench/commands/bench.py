@@ -124,7 +124,7 @@ def weight_bytes(model) -> int:
 def cost_ratios(runner, draft, prompts: list[list[int]], gamma: int) -> tuple[float, float]:
     """(T(gamma + 1 tokens) / T(1 token) of the target, one draft forward / one target forward), each the
     median over the prompts of forwards at the prompt's end, as a verification and a decode step see them."""
-    from sdbench.commands.predict import median_time
+    from sdbench.analysis.costs import median_time
 
     verify, c = [], []
     for p in prompts:

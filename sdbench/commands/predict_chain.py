@@ -1,181 +1,21 @@
 """`sdbench predict chain`: the insertion test for a polybasic chain, then the measured answer.
 
-A short profiling pass decodes a few prompts for a few tokens with the chain as it is and with the candidate
-inserted, and reads from each level's records its time per forward T_i, its mean accepted length L_i, the
-block sizes N_i and the bottom's forwards per block. `sdbench.theory.ChainCosts` turns these into the
-predicted time per token of each chain, and `insertion_times` into the verdict: does the candidate pay? Then
-the measured pass decodes the full prompts with plain decoding and both chains, interleaved prompt by prompt
-so that drift on a shared machine falls on all three alike, and prints the measured time per token next to
-the prediction. Time per token is decode time after the first token over the tokens after the first; the
-measured figure also pays each level's prefill and the loop's bookkeeping, which the formula leaves out.
-
-Beside sdbench's test, the paper's own insertion inequality (its Theorem 3.2, `theory.paper_insertion_times`)
-is printed from the same profile, with the measured verdict for both. The profiling pass of each chain is run
-once more under sampling (--temperature), and a table gives, per verifying level, the mean and variance of the
-tokens a round commits under greedy decoding and under sampling (the paper's Theorem 3.3 is about that
-variance), beside the variance independent acceptances at the same mean would give.
+The chain as it is, the chain with --candidate inserted under level --at, and plain decoding are profiled and
+measured by analysis/chain.py on the same prompts; this prints the predicted and measured time per token of
+each, sdbench's insertion verdict and the paper's (its Theorem 3.2), each against the measured outcome, and the
+accepted length's mean and variance per verifying level under greedy decoding and under sampling.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
-import torch
 from rich.console import Console
 from rich.table import Table
 
-from sdbench.config import RunConfig, SamplingConfig
-from sdbench.engine.loop import generate
+from sdbench.analysis.chain import (ChainRun, chain_config, insertion_verdict, load_chains, paper_verdict,
+                                    profile_and_measure)
+from sdbench.config import PredictChainConfig, SamplingConfig
 from sdbench.errors import SdbenchError
-from sdbench.engine.metrics import BatchResult
-from sdbench.strategies.autoregressive import Autoregressive
-from sdbench.strategies.polybasic import NGRAM, Polybasic, check_chain
-from sdbench.strategies.chain_levels import length_variance
-from sdbench.theory import (ChainCosts, accepted_length_variance, alpha_from_tokens_per_step, insertion_times,
-                            paper_bottom_insertion_times, paper_insertion_times)
-
-GREEDY = SamplingConfig()
-
-
-@dataclass
-class ChainRun:
-    """One system's figures: the profile it was predicted from, and what the measured pass saw."""
-
-    label: str
-    chain: list[str]  # the drafts, top down (empty: plain decoding)
-    costs: ChainCosts | None = None
-    profile_forward_s: float = 0.0  # plain decoding only: one target forward in the profiling pass
-    seconds: float = 0.0  # measured decode time after each first token, summed over prompts
-    tokens: int = 0  # measured tokens after each first token
-    prefill_s: float = 0.0  # of `seconds`: the lower levels' own prefills, which the formula leaves out
-    outputs: list[list[int]] = field(default_factory=list)
-    spread: dict = field(default_factory=dict)  # "greedy" / "sampling" -> per verifying level, LevelSpread
-
-    @property
-    def predicted(self) -> float:
-        return self.costs.time_per_token() if self.costs else self.profile_forward_s
-
-    @property
-    def measured(self) -> float:
-        return self.seconds / self.tokens if self.tokens else float("nan")
-
-
-def costs_from_records(records: list[dict]) -> ChainCosts:
-    """ChainCosts from Polybasic.row_stats()["levels"] of several generations (batch 1 each)."""
-    k = len(records[0]) - 1
-
-    def total(i: int, key: str) -> float:
-        return sum(r[i][key] for r in records)
-
-    def ratio(i: int, num: str, den: str) -> float:
-        d = total(i, den)
-        if not d:
-            raise SdbenchError(f"the profiling pass saw no {den} at level {i}: raise --profile-tokens")
-        return total(i, num) / d
-
-    costs = tuple(ratio(i, "forward_s", "forwards") for i in range(k + 1))
-    accepted = tuple(ratio(i, "committed", "rounds") for i in range(k))
-    blocks = tuple(ratio(i, "proposed", "proposals") for i in range(1, k))
-    return ChainCosts(costs, accepted, blocks, ratio(k, "forwards", "blocks"))
-
-
-@dataclass(frozen=True)
-class LevelSpread:
-    """One verifying level's accepted length over the rounds of a pass: mean, variance, and the variance of
-    independent acceptances at that mean over blocks of the mean size (`theory.accepted_length_variance`)."""
-
-    model: str
-    rounds: int
-    mean: float
-    var: float
-    iid_var: float
-
-
-def spread_from_records(records: list[dict]) -> list[LevelSpread]:
-    """Per verifying level (top down), from Polybasic.row_stats()["levels"] of several generations."""
-    out = []
-    for i in range(len(records[0]) - 1):  # the bottom verifies nothing
-        rounds = sum(r[i]["rounds"] for r in records)
-        total, total_sq = sum(r[i]["committed"] for r in records), sum(r[i]["committed_sq"] for r in records)
-        blocks = sum(r[i + 1]["proposals"] for r in records)
-        mean = total / rounds if rounds else float("nan")
-        block = max(1, round(sum(r[i + 1]["proposed"] for r in records) / blocks)) if blocks else 1
-        iid = accepted_length_variance(alpha_from_tokens_per_step(mean, block), block)
-        out.append(LevelSpread(records[0][i]["model"], rounds, mean, length_variance(total, total_sq, rounds), iid))
-    return out
-
-
-def _decode(pair, proposer, prompt: list[int], max_new: int, sampling: SamplingConfig = GREEDY,
-            generator=None) -> BatchResult:
-    return generate(pair.target, proposer, [prompt], max_new_tokens=max_new, sampling=sampling, eos_ids=pair.eos,
-                    generator=generator)
-
-
-def _build(pair, names: list[str], runners: dict, gamma: int, mu: str):
-    if not names:
-        return Autoregressive()
-    return Polybasic([runners[n] for n in names], gamma, _mu(names, mu), target_name=pair.target.name)
-
-
-def _mu(chain: list[str], mu: str) -> str:
-    """--mu is for the middle levels; a chain of one draft has none."""
-    return mu if len(chain) > 1 else ""
-
-
-def profile(pair, runs: list[ChainRun], runners, prompts, tokens: int, gamma: int, mu: str,
-            sampling: SamplingConfig | None = None) -> None:
-    """Fill each run's costs from a short pass (after one unrecorded warm-up generation each); with
-    `sampling`, each chain's pass once more under it, for the spread of the accepted lengths."""
-    for run in runs:
-        proposer = _build(pair, run.chain, runners, gamma, mu)
-        _decode(pair, proposer, prompts[0], 4)
-        results = [_decode(pair, proposer, p, tokens) for p in prompts]
-        if run.chain:
-            records = [res.extras[0]["levels"] for res in results]
-            run.costs = costs_from_records(records)
-            run.spread["greedy"] = spread_from_records(records)
-            if sampling is not None:
-                g = torch.Generator().manual_seed(sampling.seed)
-                records = [_decode(pair, proposer, p, tokens, sampling, g).extras[0]["levels"] for p in prompts]
-                run.spread["sampling"] = spread_from_records(records)
-        else:
-            rows = [res.rows[0] for res in results]
-            run.profile_forward_s = sum(r.verify_s for r in rows) / max(sum(r.steps for r in rows), 1)
-
-
-def measure(pair, runs: list[ChainRun], runners, prompts, max_new: int, gamma: int, mu: str) -> None:
-    proposers = [_build(pair, run.chain, runners, gamma, mu) for run in runs]
-    for prompt in prompts:
-        for run, proposer in zip(runs, proposers):
-            res = _decode(pair, proposer, prompt, max_new)
-            run.seconds += res.wall_s - res.ttft_s
-            run.tokens += max(len(res.output_ids[0]) - 1, 0)
-            run.outputs.append(res.output_ids[0])
-            run.prefill_s += sum(level.get("prefill_s", 0.0) for level in (res.extras[0].get("levels") or []))
-
-
-def insertion_verdict(old: ChainCosts, new: ChainCosts, at: int) -> tuple[float, float]:
-    """(old, new) seconds per token of the level the candidate goes under (level `at`), from the insertion
-    condition: that level's round in the old chain against its round in the new one. A candidate put under
-    the old bottom (at = k) turns that drafter into a verifier, so the level above it (k - 1) is compared:
-    its token with the old bottom's blocks against its token with the new two-level tail."""
-    k = len(old.costs) - 1
-    if at == k:
-        return old.level_token_cost(k - 1), new.level_token_cost(k - 1)
-    c = at + 1  # the candidate's level in the new chain; never the bottom
-    return insertion_times(old.costs[at], old.block_cost(at + 1), old.accepted[at], new.costs[at], new.costs[c],
-                           new.accepted[c], new.blocks[c - 1], new.accepted[at])
-
-
-def paper_verdict(old: ChainCosts, new: ChainCosts, at: int) -> tuple[float, float]:
-    """(old, new) of the paper's Theorem 3.2 for the candidate under level `at`, from the same profiles."""
-    c, k = at + 1, len(old.costs) - 1
-    if at == k:  # under the old bottom: it turns verifier, with the verifying forward the new chain measured
-        return paper_bottom_insertion_times(old.costs[k - 1], old.accepted[k - 1], new.accepted[k - 1],
-                                            old.block_cost(k), new.costs[k], new.accepted[k], new.block_cost(c))
-    bottom = old.bottom_forwards * old.costs[k] if at == k - 1 else None  # the candidate lands above the bottom
-    return paper_insertion_times(old.costs[at], old.accepted[at], new.accepted[at], new.costs[c], new.accepted[c],
-                                 bottom)
+from sdbench.strategies.polybasic import NGRAM
 
 
 def check_insertion(drafts: list[str], at: int) -> list[str]:
@@ -190,58 +30,27 @@ def check_insertion(drafts: list[str], at: int) -> list[str]:
     return drafts[:at] + [None] + drafts[at:]
 
 
-def chain_config(target: str, chains: list[list[str]], dataset: str, limit: int, max_new_tokens: int, gamma: int,
-                 mu: str, seed: int, device: str, dtype: str) -> RunConfig:
-    """One RunConfig that loads every model of `chains` once; each chain is checked before anything loads."""
-    for chain in chains:
-        check_chain([d if d == NGRAM else None for d in chain], gamma, _mu(chain, mu))
-    drafts = tuple(dict.fromkeys(d for chain in chains for d in chain))
-    return RunConfig(target=target, drafts=drafts, dataset=dataset, limit=limit, max_new_tokens=max_new_tokens,
-                     gammas=(gamma,), sampling=SamplingConfig(seed=seed), device=device, dtype=dtype)
-
-
-def load_chains(cfg: RunConfig, console: Console) -> tuple[object, dict]:
-    """The loaded pair, and the runner (or "ngram") of each draft name."""
-    from sdbench.models.pair import load_pair, resolve_device, resolve_dtype
-
-    dev = resolve_device(cfg.device)
-    pair = load_pair(cfg, dev, resolve_dtype(cfg.dtype, dev), console)
-    return pair, dict(zip(cfg.drafts, pair.drafts))
-
-
-def profile_and_measure(pair, runs: list[ChainRun], runners, profiling, measuring, profile_tokens: int,
-                        max_new_tokens: int, gamma: int, mu: str, sampling: SamplingConfig | None,
-                        console: Console) -> None:
-    """The profiling pass on `profiling` (again under `sampling` when given), then the measured pass on
-    `measuring`, interleaved prompt by prompt; fills every run."""
-    with torch.inference_mode(), console.status("profiling"):
-        profile(pair, runs, runners, profiling, profile_tokens, gamma, mu, sampling)
-    with torch.inference_mode(), console.status("measuring"):
-        measure(pair, runs, runners, measuring, max_new_tokens, gamma, mu)
-
-
-def run_chain_prediction(target: str, drafts: list[str], candidate: str, at: int, gamma: int, mu: str,
-                         dataset: str, limit: int, max_new_tokens: int, profile_prompts: int, profile_tokens: int,
-                         device: str, dtype: str, seed: int, console: Console,
-                         temperature: float = 1.0) -> list[ChainRun]:
+def run_chain_prediction(cfg: PredictChainConfig, console: Console) -> list[ChainRun]:
     from sdbench.data.prompts import encode_prompts
 
-    slot = check_insertion(drafts, at)
-    for name, value in (("--limit", limit), ("--max-new-tokens", max_new_tokens),  # --gamma: check_chain
-                        ("--profile-prompts", profile_prompts), ("--profile-tokens", profile_tokens)):
+    slot = check_insertion(list(cfg.drafts), cfg.at)
+    for name, value in (("--limit", cfg.limit), ("--max-new-tokens", cfg.max_new_tokens),  # --gamma: check_chain
+                        ("--profile-prompts", cfg.profile_prompts), ("--profile-tokens", cfg.profile_tokens)):
         if value < 1:
             raise SdbenchError(f"{name} must be at least 1 (got {value})")
-    if not temperature >= 0:
-        raise SdbenchError(f"--temperature {temperature}: expected 0 (no sampling pass) or more")
-    new_chain = [candidate if d is None else d for d in slot]
-    cfg = chain_config(target, [drafts, new_chain], dataset, limit, max_new_tokens, gamma, mu, seed, device, dtype)
-    pair, runners = load_chains(cfg, console)
-    _, encoded = encode_prompts(cfg, pair)
-    runs = [ChainRun("plain", []), ChainRun("chain", list(drafts)), ChainRun("with candidate", new_chain)]
-    sampling = SamplingConfig(temperature, seed=seed) if temperature > 0 else None
-    profile_and_measure(pair, runs, runners, encoded[:profile_prompts], encoded, profile_tokens, max_new_tokens,
-                        gamma, mu, sampling, console)
-    print_chain_report(runs, target, candidate, at, console)
+    if not cfg.temperature >= 0:
+        raise SdbenchError(f"--temperature {cfg.temperature}: expected 0 (no sampling pass) or more")
+    drafts = list(cfg.drafts)
+    new_chain = [cfg.candidate if d is None else d for d in slot]
+    rc = chain_config(cfg.target, [drafts, new_chain], cfg.dataset, cfg.limit, cfg.max_new_tokens, cfg.gamma, cfg.mu,
+                      cfg.seed, cfg.device, cfg.dtype)
+    pair, runners = load_chains(rc, console)
+    _, encoded = encode_prompts(rc, pair)
+    runs = [ChainRun("plain", []), ChainRun("chain", drafts), ChainRun("with candidate", new_chain)]
+    sampling = SamplingConfig(cfg.temperature, seed=cfg.seed) if cfg.temperature > 0 else None
+    profile_and_measure(pair, runs, runners, encoded[: cfg.profile_prompts], encoded, cfg.profile_tokens,
+                        cfg.max_new_tokens, cfg.gamma, cfg.mu, sampling, console)
+    print_chain_report(runs, cfg.target, cfg.candidate, cfg.at, console)
     print_spread(runs, console)
     return runs
 

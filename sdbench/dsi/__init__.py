@@ -5,5 +5,5 @@ ledger.py        the bookkeeping of one generation (committed tokens, drafts, ve
 worker.py        one target replica with its own KV cache (the code every backend runs)
 pools.py         backends: worker processes (torch.multiprocessing) or Ray actors
 orchestrator.py  the real decode: a drafter thread plus result handling, over a pool
-(commands/simulate.py: expected latency of plain decoding, SI and DSI, offline and online, on the same Ledger)
+(analysis/dsi_sim.py: expected latency of plain decoding, SI and DSI, offline and online, on the same Ledger)
 """

@@ -1,7 +1,7 @@
 """The bookkeeping of one DSI generation: committed tokens, speculative drafts and verification jobs.
 
 Pure Python, no models: the real orchestrator (sdbench.dsi.orchestrator) and the timed simulator
-(sdbench.commands.simulate) drive the same Ledger, so the simulator predicts the algorithm that actually runs.
+(sdbench.analysis.dsi_sim) drive the same Ledger, so the simulator predicts the algorithm that actually runs.
 
 `tokens` holds the committed sequence (prompt included) followed by the drafts beyond it. A verification job
 covers positions start..end (end = start + width): its inputs are tokens[:end] as they were when it was

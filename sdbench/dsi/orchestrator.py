@@ -32,6 +32,7 @@ from sdbench.drafting.model import ModelDrafter
 from sdbench.engine.metrics import RowStats, now
 from sdbench.engine.state import DecodeState, Proposal, needed_capacity
 from sdbench.engine.step import accept
+from sdbench.stats_record import StatsRecord
 
 _seq_ids = itertools.count()
 POLL_S = 0.5  # how often the waiting thread checks the drafter and the workers' health
@@ -72,11 +73,36 @@ class PromptDrafter:
         self.model.end()
 
 
+@dataclass(frozen=True)
+class DSIRowStats(StatsRecord):
+    """One row's strategy_stats under DSI: what the pool did, and the latencies `sdbench simulate dsi --from`
+    reads. None: not recorded (an older file), or nothing to divide by (no draft, no answer)."""
+
+    OPTIONAL = ("backend",)  # added by the decoder (dsi/decoder.py), which knows the pool
+
+    workers: int | None = None
+    lookahead: int | None = None
+    wall_s: float | None = None
+    ttft_s: float | None = None
+    busy: list[float] = field(default_factory=list)  # per worker: the share of the row's wall time it verified
+    cancelled: int | None = None  # verifications a rejection made useless
+    redundant: int | None = None
+    verifications: int | None = None
+    drafted_total: int | None = None  # every drafted token, discarded ones included
+    rejections: int | None = None
+    draft_s_per_token: float | None = None
+    verify_s_per_job: float | None = None
+    # the same two without the prefills (the prompt's verifications, the drafter's first call): the decode phase
+    verify_s_per_decode_job: float | None = None
+    draft_s_per_decode_token: float | None = None
+    backend: str | None = None
+
+
 @dataclass
 class RowOutcome:
     tokens: list[int]  # generated (prompt excluded)
     stats: RowStats
-    extras: dict
+    extras: dict  # DSIRowStats.to_dict()
     wall_s: float
     ttft_s: float
 
@@ -258,18 +284,17 @@ class RowDecode:
 
 def _extras(ledger: Ledger, drafts: DraftThread, answers: _Answers, stats: RowStats, wall: float,
             ttft: float) -> dict:
-    """The row's strategy_stats: what the pool did, and the latencies `sdbench simulate dsi --from` reads."""
-    return {
-        "workers": ledger.workers, "lookahead": ledger.k, "wall_s": wall, "ttft_s": ttft,
-        "busy": [round(b / wall, 4) for b in answers.busy],
-        "cancelled": ledger.cancelled, "redundant": ledger.redundant, "verifications": ledger.dispatched,
-        "drafted_total": drafts.made, "rejections": stats.rejections,
-        "draft_s_per_token": drafts.draft_s / drafts.made if drafts.made else None,
-        "verify_s_per_job": sum(answers.busy) / answers.count if answers.count else None,
-        # the same without the prefills (the prompt's verifications, the drafter's first call): the decode phase
-        "verify_s_per_decode_job": _ratio(sum(answers.busy) - answers.warm_busy_s, answers.count - answers.warm_count),
-        "draft_s_per_decode_token": _ratio(drafts.draft_s - drafts.first_s, drafts.made - 1),
-    }
+    """The row's strategy_stats (DSIRowStats, as its dict)."""
+    return DSIRowStats(
+        workers=ledger.workers, lookahead=ledger.k, wall_s=wall, ttft_s=ttft,
+        busy=[round(b / wall, 4) for b in answers.busy],
+        cancelled=ledger.cancelled, redundant=ledger.redundant, verifications=ledger.dispatched,
+        drafted_total=drafts.made, rejections=stats.rejections,
+        draft_s_per_token=drafts.draft_s / drafts.made if drafts.made else None,
+        verify_s_per_job=sum(answers.busy) / answers.count if answers.count else None,
+        verify_s_per_decode_job=_ratio(sum(answers.busy) - answers.warm_busy_s, answers.count - answers.warm_count),
+        draft_s_per_decode_token=_ratio(drafts.draft_s - drafts.first_s, drafts.made - 1),
+    ).to_dict()
 
 
 def _ratio(total: float, count: int) -> float | None:

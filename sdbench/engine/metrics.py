@@ -285,7 +285,7 @@ def predicted_speedup(stats: RowStats, baseline: RowStats) -> float:
     verification over the same. Whatever the model leaves out (bookkeeping, non-geometric acceptance, the
     budget cutting the last step short) shows as the gap to the measured speedup.
     """
-    from sdbench.theory import fit_alpha, predicted_speedup as formula
+    from sdbench.engine.iid_model import fit_alpha, predicted_speedup as formula
 
     if not (stats.steps and baseline.steps and baseline.verify_s > 0):
         return math.nan
@@ -307,7 +307,7 @@ def predicted_batch_speedup(rows: list[RowStats], baseline: list[RowStats], new_
     `predicted_speedup`; with rows whose acceptance differs (prompt lookup finding matches in some prompts and
     none in others) it is far below the mean of their own predictions, as the measured batch speedup is.
     """
-    from sdbench.theory import expected_tokens_per_step, fit_alpha
+    from sdbench.engine.iid_model import expected_tokens_per_step, fit_alpha
 
     if not rows or len(rows) != len(baseline) or len(rows) != len(new_tokens):
         return math.nan

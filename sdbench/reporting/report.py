@@ -41,6 +41,7 @@ from sdbench.engine.metrics import acceptance_rate, mean_accepted_length, rate, 
 from sdbench.reporting.cells import fmt, numeric
 from sdbench.reporting.results import parse_stats
 from sdbench.reporting.stats import Interval, describe, repeat_spread, speedup_interval
+from sdbench.strategies.adaptive import AdaptiveRowStats
 
 ALL = "ALL"
 _BATCH = ["run_id", "role", "batch_id", "repeat"]
@@ -329,8 +330,8 @@ def adaptive_table(df: pd.DataFrame) -> Table | None:
     if "strategy_stats" not in df:
         return None
     data = _prepare(df, [])
-    stats = data["strategy_stats"].map(parse_stats)
-    mask = stats.map(lambda s: bool(s.get("gamma_hist")))
+    stats = data["strategy_stats"].map(lambda text: AdaptiveRowStats.from_dict(parse_stats(text)))
+    mask = stats.map(lambda s: bool(s.gamma_hist))
     if not mask.any():
         return None
     overall = summarize(df)
@@ -342,9 +343,9 @@ def adaptive_table(df: pd.DataFrame) -> Table | None:
     for (run_id, role), group in data[mask].groupby(["run_id", "role"], sort=False):
         hist, drafts = {}, {}
         for s in stats[group.index]:
-            for g, n in s.get("gamma_hist", {}).items():
-                hist[int(g)] = hist.get(int(g), 0) + n
-            for name, n in s.get("drafts", {}).items():
+            for g, n in s.gamma_hist.items():
+                hist[g] = hist.get(g, 0) + n
+            for name, n in s.drafts.items():
                 drafts[name] = drafts.get(name, 0) + n
         rounds = sum(hist.values())
         mean = sum(g * n for g, n in hist.items()) / rounds if rounds else math.nan

@@ -22,23 +22,25 @@ from __future__ import annotations
 
 import math
 from collections import Counter
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn.functional as F
 
 from sdbench.drafting.model import ModelDrafter
 from sdbench.drafting.ngram import DRAFT_NAME, NGramDrafter, check_ngram
+from sdbench.engine.iid_model import fit_alpha
 from sdbench.engine.metrics import Spans
 from sdbench.engine.state import DecodeState, Proposal
 from sdbench.engine.step import Round
 from sdbench.errors import SdbenchError
+from sdbench.stats_record import StatsRecord
 from sdbench.strategies.adaptive_online import (PRIOR_TRIALS, AlphaPrior, GammaPolicy, StepSchedule,
                                                 prompt_features, select_drafters)
 from sdbench.strategies.base import Proposer
 from sdbench.strategies.spec import BuildContext, Option, Strategy, Variant, need_gamma, register
 from sdbench.strategies.draft import DraftModel
 from sdbench.strategies.ngram import NGram
-from sdbench.theory import fit_alpha
 
 COMMON = (
     Option("gamma_max", 8, "largest lookahead the adaptation may choose"),
@@ -87,6 +89,29 @@ def merge_proposals(parts: list[Proposal]) -> Proposal:
             probs[rows, :g] = (p.probs.to(device)[rows] if p.probs is not None
                                else F.one_hot(part, probs.shape[-1]).to(probs.dtype))
     return Proposal(tokens, lengths, probs)
+
+
+@dataclass(frozen=True)
+class AdaptiveRowStats(StatsRecord):
+    """One row's strategy_stats under an adaptive strategy (gamma 0 = a plain step)."""
+
+    OPTIONAL = ("selected", "exploring")  # select=prompt only
+
+    gamma_mean: float | None = None  # over the row's rounds; None without a round
+    gamma_hist: dict[int, int] = field(default_factory=dict)  # rounds at each gamma asked of the drafter
+    drafts: dict[str, int] = field(default_factory=dict)  # rounds drafted per candidate
+    switches: int = 0  # rounds whose candidate differs from the previous drafting round's
+    alpha: dict[str, float] = field(default_factory=dict)  # per candidate that drafted: its fitted alpha
+    selected: str | None = None  # select=prompt: the drafter the prompt used
+    exploring: bool | None = None  # select=prompt: a candidate whose cost was not measured yet, not the model's pick
+
+    def to_dict(self) -> dict:
+        return {**super().to_dict(), "gamma_hist": {str(g): n for g, n in sorted(self.gamma_hist.items())}}
+
+    @classmethod
+    def from_dict(cls, data) -> "AdaptiveRowStats":
+        stats = super().from_dict(data)  # JSON keys are strings: gamma_hist's are gammas
+        return replace(stats, gamma_hist={int(g): int(n) for g, n in stats.gamma_hist.items()})
 
 
 class RowTrace:
@@ -187,18 +212,21 @@ class _Adaptive(Proposer):
                 drafter.end()
 
     def row_stats(self, b: int) -> dict:
-        """gamma_mean and gamma_hist over the row's rounds (gamma asked of the drafter, 0 = plain step),
-        rounds drafted per candidate, switches between candidates, and each candidate's fitted alpha."""
+        """AdaptiveRowStats over the row's rounds: gamma asked of the drafter, rounds per candidate, switches
+        between candidates, and each candidate's fitted alpha."""
+        return self._row_stats(b).to_dict()
+
+    def _row_stats(self, b: int) -> AdaptiveRowStats:
         row = self._rows[b]
         rounds = sum(row.gammas.values())
         names = [d.name for d in self.drafters]
-        return {
-            "gamma_mean": round(sum(g * n for g, n in row.gammas.items()) / rounds, 4) if rounds else None,
-            "gamma_hist": {str(g): n for g, n in sorted(row.gammas.items())},
-            "drafts": {names[d]: n for d, n in sorted(row.drafts.items())},
-            "switches": row.switches,
-            "alpha": {names[d]: round(fit_alpha(a, r), 4) for d, (a, r) in sorted(row.counts.items()) if a + r},
-        }
+        return AdaptiveRowStats(
+            gamma_mean=round(sum(g * n for g, n in row.gammas.items()) / rounds, 4) if rounds else None,
+            gamma_hist=dict(sorted(row.gammas.items())),
+            drafts={names[d]: n for d, n in sorted(row.drafts.items())},
+            switches=row.switches,
+            alpha={names[d]: round(fit_alpha(a, r), 4) for d, (a, r) in sorted(row.counts.items()) if a + r},
+        )
 
     def params(self) -> dict:
         return {"gamma": self.gamma, "gamma_max": self.gamma_max,
@@ -266,14 +294,11 @@ class Adaptive(_Adaptive):
     def _learn(self, d, gamma, width, drafted, accepted, verify_s, draft_s) -> None:
         self.policy.record(d, gamma, width, drafted, accepted, verify_s, draft_s)
 
-    def row_stats(self, b: int) -> dict:
-        """As for every adaptive strategy; with select=prompt also `selected`, the drafter the prompt used, and
-        `exploring`: True when it was given a candidate whose cost the run had not measured yet rather than
-        chosen by the prompt model."""
-        stats = super().row_stats(b)
+    def _row_stats(self, b: int) -> AdaptiveRowStats:
+        """As for every adaptive strategy; with select=prompt also `selected` and `exploring`."""
+        stats = super()._row_stats(b)
         if self.select == "prompt":
-            stats["selected"] = self.drafters[self._chosen[b]].name
-            stats["exploring"] = self._exploring
+            stats = replace(stats, selected=self.drafters[self._chosen[b]].name, exploring=self._exploring)
         return stats
 
     def params(self) -> dict:

@@ -7,7 +7,7 @@ round, so the bookkeeping stays far below one forward pass:
   function of the tokens verified; drafting as a function of gamma, one per drafter).
 - `Window`: accepted tokens and rejections of the last h rounds of one drafter on the current prompt(s);
   the acceptance rate alpha is their maximum-likelihood fit (accepted lengths are truncated geometric),
-  shrunk toward a per-prompt prior (`theory.shrunk_alpha`).
+  shrunk toward a per-prompt prior (`engine.iid_model.shrunk_alpha`).
 - `AlphaPrior`: the per-prompt prior, an online ridge regression from cheap prompt features to the alpha a
   drafter reached on the run's earlier prompts.
 - `GammaPolicy`: each round, the (drafter, gamma) with the most predicted tokens per second, gamma = 0
@@ -26,7 +26,7 @@ from collections import deque
 
 import numpy as np
 
-from sdbench.theory import shrunk_alpha, tokens_per_second
+from sdbench.engine.iid_model import shrunk_alpha, tokens_per_second
 
 PRIOR_ALPHA = 0.5  # what a drafter is expected to reach before the run has seen any of its rounds
 PRIOR_TRIALS = 4.0  # weight of the per-prompt prior, in drafted-token trials
@@ -141,7 +141,7 @@ class GammaPolicy:
     """Chooses each round's drafter and gamma to maximise predicted tokens per second.
 
     For drafter d and lookahead g: alpha_d from the window (shrunk toward the prompt's prior), hit rate
-    h_d from the window, then theory.tokens_per_second(alpha_d, g, draft_d(g), verify(h_d * g), h_d), where
+    h_d from the window, then iid_model.tokens_per_second(alpha_d, g, draft_d(g), verify(h_d * g), h_d), where
     draft_d and verify are the online linear costs. g = 0 (a plain step, 1 token per verify(0)) wins when no
     drafter beats it. Rules around that:
       - a drafter never used in this run is tried first, at the initial gamma;

@@ -29,11 +29,34 @@ from sdbench.engine.metrics import Spans, acceptance_rate, mean_accepted_length
 from sdbench.engine.sampling import probs_from_logits
 from sdbench.engine.state import DecodeState, Proposal
 from sdbench.engine.step import verify_and_commit
+from sdbench.stats_record import StatsRecord
 
 
 def _json(x: float):
     """NaN (no rounds) as None in the JSON-able per-level record."""
     return None if math.isnan(x) else x
+
+
+@dataclass(frozen=True)
+class LevelRecord(StatsRecord):
+    """One level's figures for one row (`LevelStats.record`): forwards, their time and the level's blocks are
+    the batch's; the rest are the row's. A rate is None for a level that verifies (or hands up) nothing."""
+
+    level: int = 0  # 0: the target
+    model: str = ""
+    forwards: int = 0
+    forward_s: float = 0.0
+    prefill_s: float = 0.0  # the level's own prefill of the prompts
+    blocks: int = 0  # blocks produced for the whole batch
+    rounds: int = 0  # this level's own verifications (a verifying level only)
+    committed: int = 0  # tokens those rounds committed, bonus or correction included
+    mean_accepted_len: float | None = None
+    committed_sq: int = 0  # sum over rounds of (tokens committed)^2
+    accepted_len_var: float | None = None
+    proposals: int = 0  # blocks this level handed up
+    proposed: int = 0  # their tokens
+    accepted: int = 0  # of those, accepted by the level above
+    acceptance_rate: float | None = None
 
 
 @dataclass
@@ -73,19 +96,18 @@ class LevelStats:
         self.committed[b] += accepted + 1
         self.committed_sq[b] += (accepted + 1) ** 2
 
-    def record(self, b: int, level: int, model: str) -> dict:
-        """Row b's figures (JSON-able); a rate is None for a level that verifies (or hands up) nothing."""
+    def record(self, b: int, level: int, model: str) -> LevelRecord:
+        """Row b's figures."""
         rounds, proposals = self.rounds[b], self.proposals[b]
-        return {
-            "level": level, "model": model, "forwards": self.forwards, "forward_s": self.forward_s,
-            "prefill_s": self.prefill_s,
-            "blocks": self.calls, "rounds": rounds, "committed": self.committed[b],
-            "mean_accepted_len": _json(mean_accepted_length(self.committed[b], rounds, rows=0)),
-            "committed_sq": self.committed_sq[b],
-            "accepted_len_var": _json(length_variance(self.committed[b], self.committed_sq[b], rounds)),
-            "proposals": proposals, "proposed": self.proposed[b], "accepted": self.accepted[b],
-            "acceptance_rate": _json(acceptance_rate(self.accepted[b], self.proposed[b])),
-        }
+        return LevelRecord(
+            level=level, model=model, forwards=self.forwards, forward_s=self.forward_s, prefill_s=self.prefill_s,
+            blocks=self.calls, rounds=rounds, committed=self.committed[b],
+            mean_accepted_len=_json(mean_accepted_length(self.committed[b], rounds, rows=0)),
+            committed_sq=self.committed_sq[b],
+            accepted_len_var=_json(length_variance(self.committed[b], self.committed_sq[b], rounds)),
+            proposals=proposals, proposed=self.proposed[b], accepted=self.accepted[b],
+            acceptance_rate=_json(acceptance_rate(self.accepted[b], self.proposed[b])),
+        )
 
 
 def length_variance(total: float, total_sq: float, rounds: float) -> float:

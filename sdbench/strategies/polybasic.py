@@ -26,14 +26,17 @@ for twice the mu of the level below, so each verification sees a longer block th
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 
 from sdbench.engine.state import DecodeState, Proposal
 from sdbench.engine.step import Round
 from sdbench.errors import SdbenchError
 from sdbench.drafting.ngram import check_ngram
+from sdbench.stats_record import StatsRecord
 from sdbench.strategies.base import Proposer
-from sdbench.strategies.chain_levels import LevelStats, ModelLevel, NGramLevel
+from sdbench.strategies.chain_levels import LevelRecord, LevelStats, ModelLevel, NGramLevel
 from sdbench.strategies.spec import BuildContext, Option, Strategy, need_gamma, register
 
 NGRAM = "ngram"
@@ -135,13 +138,27 @@ class Polybasic(Proposer):
         return out
 
     def row_stats(self, b: int) -> dict:
-        """Per level, top (the target, level 0) down: forwards and their time (the batch's), this row's
-        verification rounds and mean accepted length (bonus included), and its blocks handed up."""
+        """PolybasicRowStats: per level, top (the target, level 0) down, forwards and their time (the batch's),
+        this row's verification rounds and mean accepted length (bonus included), and its blocks handed up."""
         for level in self.levels:  # a generation whose first token was its last had no round to settle them
             level.settle()
         levels = [self.target.record(b, 0, self.target_name)]
         levels += [level.stats.record(b, i + 1, level.label) for i, level in enumerate(self.levels)]
-        return {"levels": levels}
+        return PolybasicRowStats(levels).to_dict()
+
+
+@dataclass(frozen=True)
+class PolybasicRowStats(StatsRecord):
+    """One row's strategy_stats under polybasic: a LevelRecord per level, top (the target) down."""
+
+    levels: list[LevelRecord] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return {"levels": [level.to_dict() for level in self.levels]}
+
+    @classmethod
+    def from_dict(cls, data) -> "PolybasicRowStats":
+        return cls([LevelRecord.from_dict(level) for level in (data or {}).get("levels") or []])
 
 
 @register

@@ -1,6 +1,6 @@
 """The check's steps on MagicDec's costs at LLAMA_8B's shape: step costs over batch x context through the graphs
-(`commands/predict.profile`, each point checked for a fall back to the eager forward), the cost model on them
-(`predict.predictions`), and one real MagicDec run in the paper's regime (`commands/run.Bench`) beside its
+(`analysis/costs.profile`, each point checked for a fall back to the eager forward), the cost model on them
+(`costs.predictions`), and one real MagicDec run in the paper's regime (`commands/run.Bench`) beside its
 prediction at the same point."""
 
 from __future__ import annotations
@@ -17,10 +17,10 @@ PREDICTION_TOLERANCE = 0.25  # |predicted / measured - 1| within which the cost 
 
 
 def timed_point(runner, batch: int, context: int, sizes, asked: bool) -> tuple[list[dict], object]:
-    """`predict.profile` at one point, and whether its forwards stayed on the graphs: a capture that fails or
+    """`costs.profile` at one point, and whether its forwards stayed on the graphs: a capture that fails or
     disagrees turns the runner's graphs off with a RuntimeWarning, caught here and recorded on the point's rows.
     Returns (rows: the target step, each verification width, each sparse budget; the Profile)."""
-    from sdbench.commands.predict import profile
+    from sdbench.analysis.costs import profile
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", RuntimeWarning)
@@ -42,7 +42,7 @@ def step_costs(ctx: Ctx) -> list[Section]:
     Then the cost model's predicted speedup at every measured point with the sizes' alpha."""
     import pandas as pd
 
-    from sdbench.commands.predict import memory_plan, predictions
+    from sdbench.analysis.costs import memory_plan, predictions
     from sdbench.models.loader import load_model
     from sdbench.models.memory import GIB
     from sdbench.models.pair import say_note
@@ -108,7 +108,7 @@ def _fallback_claim(frame, asked: bool) -> Claim:
 
 def _predict_section(ctx: Ctx, frame) -> Section:
     """The predictions, and where MagicDec is predicted to win at the run's budget (best gamma) per batch."""
-    from sdbench.commands.predict import crossing_lengths
+    from sdbench.analysis.costs import crossing_lengths
 
     s = ctx.sizes
     if frame.empty:
@@ -178,8 +178,8 @@ def magicdec_run(ctx: Ctx) -> Section:
 
 
 def _run_does_not_fit(ctx: Ctx) -> str | None:
-    """Why the run's point does not fit beside the weights (`predict.memory_plan`), or None when it does."""
-    from sdbench.commands.predict import memory_plan
+    """Why the run's point does not fit beside the weights (`costs.memory_plan`), or None when it does."""
+    from sdbench.analysis.costs import memory_plan
 
     s = ctx.sizes
     found = memory_plan(LLAMA_8B, ctx.torch_dtype, ctx.torch_device, (s.run_batch,), (s.run_context + s.run_tokens,),
@@ -208,9 +208,9 @@ def _run_rows(df) -> list[dict]:
 def _predicted_rows(ctx: Ctx, runner, df, context: int) -> list[dict]:
     """The cost model at the run's point: steps profiled through the run's own runner, alpha as given and as
     fitted to the run's accepted length."""
-    from sdbench.commands.predict import predictions, profile
+    from sdbench.analysis.costs import predictions, profile
     from sdbench.engine.metrics import mean_accepted_length
-    from sdbench.theory import alpha_from_tokens_per_step
+    from sdbench.analysis.theory import alpha_from_tokens_per_step
 
     s = ctx.sizes
     with ctx.console.status("profiling the run's point for the cost model"):

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 import xml.etree.ElementTree as ET
@@ -214,10 +213,13 @@ def _dsi_rows(df, workers: int) -> list[dict]:
 
 
 def _numbers(stats) -> dict:
-    """Mean of every number (a list: its mean) in the rows' strategy_stats JSON, as dsi_<key> columns."""
+    """Mean of every number (a list: its mean) in the rows' DSIRowStats, as dsi_<field> columns."""
+    from sdbench.dsi.orchestrator import DSIRowStats  # torch
+    from sdbench.reporting.results import parse_stats
+
     sums: dict[str, list[float]] = {}
     for text in stats:
-        for key, value in json.loads(text or "{}").items():
+        for key, value in DSIRowStats.from_dict(parse_stats(text)).to_dict().items():
             if isinstance(value, list) and value and all(isinstance(v, (int, float)) for v in value):
                 value = sum(value) / len(value)
             if isinstance(value, (int, float)) and not isinstance(value, bool):

@@ -28,6 +28,7 @@ from sdbench.commands.reproduce.common import (Figure, Report, ReproduceConfig, 
                                                grouped_bars, pyplot)
 from sdbench.drafting.ngram import DRAFT_NAME as NGRAM
 from sdbench.errors import SdbenchError
+from sdbench.strategies.adaptive import AdaptiveRowStats
 
 TITLE = ("A Drop-In Solution for On-the-Fly Adaptation of Speculative Decoding in Large Language Models "
          "(Jiesong Liu, Brian Park, Xipeng Shen, ACL 2025)")
@@ -190,18 +191,18 @@ def systems_table(rows):
     return pd.DataFrame(out)
 
 
-def row_stats(group) -> list[dict]:
+def row_stats(group) -> list[AdaptiveRowStats]:
     from sdbench.reporting.results import parse_stats
 
-    return [parse_stats(s) for s in group["strategy_stats"]]
+    return [AdaptiveRowStats.from_dict(parse_stats(s)) for s in group["strategy_stats"]]
 
 
 def gamma_hist(group) -> dict[int, int]:
     """Rounds at each gamma (0 = a plain step), pooled over the rows of an adaptive strategy; {} otherwise."""
     hist: dict[int, int] = {}
     for stats in row_stats(group):
-        for g, n in stats.get("gamma_hist", {}).items():
-            hist[int(g)] = hist.get(int(g), 0) + int(n)
+        for g, n in stats.gamma_hist.items():
+            hist[g] = hist.get(g, 0) + n
     return dict(sorted(hist.items()))
 
 
@@ -239,10 +240,10 @@ def selection_table(rows, both: tuple[str, str]):
         for row, stats in zip(paper.itertuples(), row_stats(paper)):
             speeds = {c: float(best.get((row.prompt_id, row.turn, c), math.nan)) for c in both}
             fastest = max(both, key=lambda c: -math.inf if math.isnan(speeds[c]) else speeds[c])
-            chosen = stats.get("selected", "")
+            chosen = stats.selected or ""
             mine = speeds.get(chosen, math.nan)
             out.append({"dataset": dataset, "prompt_id": row.prompt_id, "turn": int(row.turn), "selected": chosen,
-                        "exploring": bool(stats.get("exploring", False)), "fastest": fastest,
+                        "exploring": bool(stats.exploring), "fastest": fastest,
                         "model_draft": both[0], "model_best_tokens_per_s": speeds[both[0]],
                         "ngram_best_tokens_per_s": speeds[both[1]],
                         "gap": max(speeds.values()) / min(speeds.values()) - 1.0,

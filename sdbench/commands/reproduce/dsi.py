@@ -19,11 +19,11 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, replace
 
-from sdbench.commands.dsi_heatmap import KMAX, PAPER_WORKERS, heatmap, plot_heatmap, table_lookahead
+from sdbench.analysis.dsi_heatmap import KMAX, PAPER_WORKERS, heatmap, plot_heatmap, table_lookahead
+from sdbench.analysis.dsi_sim import Setting, offline, online, profile_from_results, workers_warning
+from sdbench.analysis.theory import dsi_latency_per_token, dsi_workers_needed, si_latency_per_token
 from sdbench.commands.reproduce.common import (FAILS, HOLDS, UNTESTABLE, Claim, Figure, Report, ReproduceConfig,
                                                environment_facts, figure_png, grouped_bars, pyplot, verdict)
-from sdbench.commands.simulate import Setting, offline, online, profile_from_results, workers_warning
-from sdbench.theory import dsi_latency_per_token, dsi_workers_needed, si_latency_per_token
 
 TITLE = ("Distributed Speculative Inference (DSI): Speculation Parallelism for Provably Faster Lossless Language "
          "Model Inference (Timor et al., arXiv 2405.14105)")
@@ -111,7 +111,7 @@ def real_runs(cfg: ReproduceConfig, plan: Plan, out, console) -> dict:
 
 def drafter_ratio(pair, context: int = 128) -> float:
     """One draft forward over one target forward at batch 1 (medians), the c the paper's rule needs."""
-    from sdbench.commands.predict import profile
+    from sdbench.analysis.costs import profile
 
     target = profile(pair.target, 1, context, [1], []).target_s
     draft = profile(pair.drafts[0], 1, context, [1], []).target_s

@@ -132,7 +132,7 @@ def measure(cfg: ReproduceConfig, plan: Plan, draft: str, out, console) -> tuple
 def pick_gamma(profiles: dict, plan: Plan) -> int:
     """The lookahead of the best predicted self-speculation at the runs' budget, largest batch and longest
     prompt, with a provisional alpha; the plan's when the profile has no such point."""
-    from sdbench.commands.predict import predictions
+    from sdbench.analysis.costs import predictions
 
     batch, context = max(plan.run_batches), max(plan.prompt_lens)
     rows = [r for p in profiles["target"] if (p.batch, p.context) == (batch, context)
@@ -153,7 +153,7 @@ def profile_grid(pair, plan: Plan, contexts, console) -> dict:
     dense step (its `target_s`) and compressed step at the runs' budget (its `draft_s`), at every grid point."""
     from rich.progress import Progress
 
-    from sdbench.commands.predict import profile
+    from sdbench.analysis.costs import profile
 
     draft = pair.drafts[0]
     found = {"target": [], "draft": []}
@@ -190,7 +190,7 @@ def profile_frame(profiles: dict):
 
 def run_alphas(runs: list[Run]) -> dict[str, dict]:
     """strategy -> {(selector, budget, prompt length): alpha} fitted to the real runs."""
-    from sdbench.commands.predict import alphas_from_results
+    from sdbench.analysis.costs import alphas_from_results
 
     return {s: alphas_from_results([r.path for r in runs if r.strategy == s], strategy=s)
             for s in dict.fromkeys(r.strategy for r in runs)}
@@ -200,7 +200,7 @@ def predict_all(profiles: dict, alphas: dict[str, dict]) -> list[dict]:
     """The predicted speedup at every profiled (batch, context, gamma, budget) for each measured configuration:
     self-speculation (magicdec) per selector, and the small draft through its compressed cache (its own T_D,
     the target's T_T and T_V). Only budgets a run measured an acceptance rate for are predicted."""
-    from sdbench.commands.predict import predictions, with_alphas
+    from sdbench.analysis.costs import predictions, with_alphas
 
     drafts = {(p.batch, p.context): p for p in profiles["draft"]}
     rows = []
@@ -274,7 +274,7 @@ def critical_frame(predicted: list[dict]):
     and the first profiled context that wins."""
     import pandas as pd
 
-    from sdbench.commands.predict import critical_lengths, crossing_lengths
+    from sdbench.analysis.costs import critical_lengths, crossing_lengths
 
     spec = [r for r in predicted if r["strategy"] == "magicdec"]
     if not spec:

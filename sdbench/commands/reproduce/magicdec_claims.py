@@ -1,8 +1,8 @@
 """The MagicDec paper's claims, each judged on the cost profile and the real runs measured here.
 
-Inputs: `profiles` ({"target": [Profile], "draft": [Profile]}, as `predict.profile` times them: the small
+Inputs: `profiles` ({"target": [Profile], "draft": [Profile]}, as `costs.profile` times them: the small
 draft's dense step is its `target_s`, its compressed step its `draft_s`), `predicted` (rows of
-`predict.with_alphas` with a "strategy" key) and `summary` (one row per real run, see magicdec.run_summary).
+`costs.with_alphas` with a "strategy" key) and `summary` (one row per real run, see magicdec.run_summary).
 """
 
 from __future__ import annotations
@@ -101,7 +101,7 @@ def claim_draft_flat(profiles: dict) -> Claim:
 
 
 def claim_critical(profiles: dict, predicted: list[dict], summary) -> Claim:
-    from sdbench.commands.predict import crossing_lengths
+    from sdbench.analysis.costs import crossing_lengths
 
     best = self_spec_best(predicted)
     contexts = sorted(best)

@@ -6,7 +6,7 @@ What it runs, on one loaded target (every model loaded once):
    target <- M <- ngram, where M is the int8 copy of the target (or --draft). A short profiling pass per system
    reads each level's time per forward T, accepted length L and block size N, greedy, then once more under
    sampling (temperature 1) for the spread of the accepted length; the measured pass then decodes every
-   prompt with the four systems interleaved prompt by prompt (`predict_chain.profile_and_measure`).
+   prompt with the four systems interleaved prompt by prompt (`analysis.chain.profile_and_measure`).
 2. Two insertions, each predicted from the profiles by sdbench's insertion condition and by the paper's
    Theorem 3.2 as sdbench reads it, then settled by the measured times: M under the target, above the n-gram
    bottom (target <- ngram becomes the three-model chain), and the n-gram under M (target <- M becomes it).
@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from sdbench.commands.predict_chain import ChainRun, insertion_verdict, paper_verdict
+from sdbench.analysis.chain import ChainRun, insertion_verdict, paper_verdict
 from sdbench.commands.reproduce.common import (UNTESTABLE, Claim, Figure, Report, ReproduceConfig,
                                                environment_facts, figure_png, grouped_bars, pyplot, verdict)
 from sdbench.config import DEFAULT_GAMMA, SamplingConfig
@@ -87,7 +87,7 @@ def reproduce(cfg: ReproduceConfig, folder, console) -> Report:
 def measure_systems(cfg: ReproduceConfig, plan: Plan, console) -> tuple[dict[str, ChainRun], dict[str, int]]:
     """Profile and measure the four systems (`systems`) on one loaded target; returns the runs by key and the
     prompts measured per dataset."""
-    from sdbench.commands.predict_chain import chain_config, load_chains, profile_and_measure
+    from sdbench.analysis.chain import chain_config, load_chains, profile_and_measure
     from sdbench.data.prompts import encode_prompts
 
     chains = systems(cfg)

@@ -1,14 +1,8 @@
-"""Expected-speedup formulas, each in one place.
+"""Expected-speedup formulas beyond the i.i.d. basics, each in one place.
 
-Speculative decoding with lookahead gamma, where each drafted token is accepted independently with
-probability alpha (the i.i.d. model of Leviathan et al.), commits per target verification
-
-    Omega(gamma, alpha) = (1 - alpha^(gamma+1)) / (1 - alpha)
-
-tokens on average (bonus token included). With a draft forward costing c target forwards and a verification
-of gamma + 1 tokens costing v target forwards, the expected speedup over plain decoding is
-
-    Omega(gamma, alpha) / (gamma * c + v).
+The i.i.d. acceptance model itself (Omega(gamma, alpha), the fitted alpha, the predicted speedup) is
+sdbench/engine/iid_model.py, since decoding uses it; here are its inverse and its variance, a polybasic chain's
+time per token and insertion conditions, and the expected latency of SI and DSI.
 """
 
 from __future__ import annotations
@@ -16,47 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-
-def expected_tokens_per_step(alpha: float, gamma: float) -> float:
-    """Omega(gamma, alpha): mean tokens committed per verification (1.0 when gamma = 0)."""
-    if gamma <= 0:
-        return 1.0
-    if alpha >= 1.0:
-        return gamma + 1.0
-    return (1.0 - alpha ** (gamma + 1)) / (1.0 - alpha)
-
-
-def fit_alpha(accepted: int, rejections: int) -> float:
-    """Maximum-likelihood acceptance rate for truncated-geometric accepted lengths.
-
-    A step that drafts n tokens and accepts k < n of them contributes alpha^k (1 - alpha); one that accepts
-    all n contributes alpha^n. The likelihood peaks at accepted / (accepted + rejections).
-    """
-    total = accepted + rejections
-    return accepted / total if total else math.nan
-
-
-def shrunk_alpha(accepted: float, rejections: float, prior: float, weight: float) -> float:
-    """fit_alpha with `weight` pseudo-trials at rate `prior` added: the posterior mean under a Beta prior.
-
-    Every drafted token that reached verification is a Bernoulli trial (accepted, or the one rejection of its
-    step), so a prior worth `weight` trials keeps a handful of observations from swinging the estimate to 0 or 1.
-    """
-    total = accepted + rejections + weight
-    return (accepted + weight * prior) / total if total > 0 else prior
-
-
-def tokens_per_second(alpha: float, gamma: float, draft_s: float, verify_s: float, hit: float = 1.0) -> float:
-    """Expected committed tokens per second of one round that asks for gamma drafted tokens.
-
-    A draft is found with probability `hit` (always for a model; prompt lookup can come up empty, and the
-    round is then a plain step), so the round commits 1 + hit * (Omega(gamma, alpha) - 1) tokens in
-    draft_s + verify_s seconds.
-    """
-    seconds = draft_s + verify_s
-    if not seconds > 0 or math.isnan(alpha):
-        return math.nan
-    return (1.0 + hit * (expected_tokens_per_step(alpha, gamma) - 1.0)) / seconds
+from sdbench.engine.iid_model import expected_tokens_per_step
 
 
 def alpha_from_tokens_per_step(tokens_per_step: float, gamma: int) -> float:
@@ -70,50 +24,6 @@ def alpha_from_tokens_per_step(tokens_per_step: float, gamma: int) -> float:
         mid = (lo + hi) / 2
         lo, hi = (mid, hi) if expected_tokens_per_step(mid, gamma) < target else (lo, mid)
     return (lo + hi) / 2
-
-
-def predicted_speedup(alpha: float, gamma: float, draft_cost: float, verify_cost: float) -> float:
-    """Omega(gamma, alpha) / (gamma * c + v); c and v are in units of one plain target forward."""
-    denominator = gamma * draft_cost + verify_cost
-    if not denominator > 0 or math.isnan(alpha):
-        return math.nan
-    return expected_tokens_per_step(alpha, gamma) / denominator
-
-
-def speedup_table(alpha: float, gammas: tuple[int, ...], draft_cost: float, verify_cost: float | dict):
-    """A rich table of Omega and the predicted speedup for each gamma; the best gamma marked. verify_cost: one
-    value, or one per gamma (measured: a wider verification costs more)."""
-    if isinstance(verify_cost, dict):
-        return _speedup_rows_table(alpha, gammas, draft_cost, verify_cost)
-    from rich.table import Table
-
-    from sdbench.errors import SdbenchError
-
-    if not 0.0 <= alpha <= 1.0 or draft_cost < 0 or verify_cost <= 0:
-        raise SdbenchError("need 0 <= --alpha <= 1, --draft-cost >= 0 and --verify-cost > 0")
-    rows = [(g, expected_tokens_per_step(alpha, g), predicted_speedup(alpha, g, draft_cost, verify_cost))
-            for g in gammas]
-    best = max(rows, key=lambda r: r[2])[0]
-    table = Table(title=f"alpha={alpha}, draft cost={draft_cost}, verify cost={verify_cost}")
-    for col in ("gamma", "tokens/step", "speedup"):
-        table.add_column(col, justify="right")
-    for g, omega, s in rows:
-        table.add_row(f"{g}{' *' if g == best else ''}", f"{omega:.2f}", f"{s:.2f}x")
-    return table
-
-
-def _speedup_rows_table(alpha: float, gammas: tuple[int, ...], draft_cost: float, verify: dict):
-    from rich.table import Table
-
-    rows = [(g, expected_tokens_per_step(alpha, g), verify[g], predicted_speedup(alpha, g, draft_cost, verify[g]))
-            for g in gammas]
-    best = max(rows, key=lambda r: r[3])[0]
-    table = Table(title=f"alpha={alpha}, draft cost={draft_cost:.3f}, verify cost per gamma as measured")
-    for col in ("gamma", "tokens/step", "verify cost", "speedup"):
-        table.add_column(col, justify="right")
-    for g, omega, v, s in rows:
-        table.add_row(f"{g}{' *' if g == best else ''}", f"{omega:.2f}", f"{v:.2f}", f"{s:.2f}x")
-    return table
 
 
 # ---- polybasic chains ------------------------------------------------------------------------------------

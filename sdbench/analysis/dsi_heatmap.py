@@ -7,7 +7,7 @@ The grid follows the paper's reference implementation: grid + 1 values of c and 
 alike. The reference implementation tries k = 1 .. ndim (its README gives ndim = 20 for the paper's figure;
 an earlier configuration had ndim = 200); sdbench tries k = 1 .. kmax, by default 200, which holds both
 (a wider range can only lower a cell's best latency). Offline (counting forwards), vectorised over a and k:
-the same renewal sums as sdbench.theory, checked against it by the tests.
+the same renewal sums as sdbench.analysis.theory, checked against it by the tests.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 
 from sdbench.errors import SdbenchError
-from sdbench.theory import dsi_window_starts, dsi_workers_needed, renewal_terms
+from sdbench.analysis.theory import dsi_window_starts, dsi_workers_needed, renewal_terms
 
 KMAX = 200  # lookaheads tried per cell: 1 .. KMAX
 PAPER_WORKERS = 7  # the paper's single node: 8 GPUs, one of them the drafter's
@@ -70,7 +70,7 @@ def si_latencies(a, c: float, ks):
 
 
 def dsi_latencies(a, c: float, ks, workers: int | None = None, bonus: bool = True):
-    """DSI latency per token, [A, K]: sdbench.theory.dsi_latency_per_token for every a and k at once (the same
+    """DSI latency per token, [A, K]: analysis.theory.dsi_latency_per_token for every a and k at once (the same
     renewal sum with the same tail)."""
     import numpy as np
 

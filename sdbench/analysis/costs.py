@@ -1,0 +1,253 @@
+"""Step costs on this machine, and MagicDec's cost model on them.
+
+A short profiling pass (`profile`) times, for each batch size B and context length S, one target decode step
+T_T(B, S), one draft step through a sparse cache T_D(B, S, budget) and one verification of gamma + 1 tokens
+T_V(B, S, gamma). The caches are filled with random values: the time of a forward does not depend on them, and
+no prefill of S tokens is needed. The predicted speedup is
+    Omega(gamma, alpha) / (gamma * T_D / T_T + T_V / T_T)
+and the critical sequence length for a batch size is where the best (gamma, budget) is predicted to start
+beating plain decoding: the shortest profiled S that wins (`critical_lengths`), and the length where the
+predicted speedup crosses 1, interpolated in log S between the grid points around it (`crossing_lengths`).
+alpha can be fitted per (KV selector, budget, prompt length) to earlier runs (`alphas_from_results`), and each
+prediction then takes the alpha of its selector and budget at the measured prompt length nearest its context.
+
+`measured_costs` times one draft and one target forward at the models' own shapes after a real prompt (what
+`predict speedup --target` and `simulate dsi --target` use).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from dataclasses import dataclass
+
+import torch
+
+from sdbench.analysis.theory import alpha_from_tokens_per_step
+from sdbench.engine.iid_model import predicted_speedup
+from sdbench.engine.metrics import mean_accepted_length, now
+from sdbench.engine.state import needed_capacity
+from sdbench.errors import SdbenchError
+from sdbench.kv.sparse import filled_for_profile
+
+
+@dataclass(frozen=True)
+class Profile:
+    batch: int
+    context: int
+    target_s: float  # T_T: one decode step, full cache
+    verify_s: dict  # gamma -> T_V: one forward over gamma + 1 tokens, full cache
+    draft_s: dict  # budget -> T_D: one decode step through a sparse cache of that budget
+
+
+def median_time(fn, device, reps: int = 5, warmup: int = 2) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        t0 = now(device)
+        fn()
+        times.append(now(device) - t0)
+    return statistics.median(times)
+
+
+def profile(runner, batch: int, context: int, gammas, budgets, reps: int = 5, warmup: int = 2) -> Profile:
+    """Time the three kinds of step at one (batch, context): each the median of `reps` calls after `warmup`.
+    No gammas: no verification is timed (a draft model's own steps)."""
+    dev = runner.device
+    lookahead = max(gammas, default=1)
+    capacity = needed_capacity(context, 0, lookahead)
+    dense = runner.new_cache(batch, capacity)
+    for t in dense.k + dense.v:
+        t.normal_(0, 0.1)
+    start = [context] * batch
+    one = torch.zeros(batch, 1, dtype=torch.long)
+    def timed(fn) -> float:
+        return median_time(fn, dev, reps, warmup)
+
+    target_s = timed(lambda: runner.forward(dense, one, start))
+    verify_s = {g: timed(lambda g=g: runner.forward(dense, torch.zeros(batch, g + 1, dtype=torch.long), start))
+                for g in gammas}
+    draft_s = {}
+    for budget in budgets:
+        if budget >= context:
+            continue  # a budget at least the context is the full cache: no saving to model
+        sink = min(16, budget // 2)
+        sparse = filled_for_profile(runner, batch, context, sink, budget - sink, lookahead)
+        draft_s[budget] = timed(lambda s=sparse: runner.forward(s, one, start))
+    return Profile(batch, context, target_s, verify_s, draft_s)
+
+
+def predictions(p: Profile, alpha: float) -> list[dict]:
+    """Predicted speedup for every (gamma, budget) profiled at this (batch, context)."""
+    out = []
+    for budget, t_d in p.draft_s.items():
+        for gamma, t_v in p.verify_s.items():
+            s = predicted_speedup(alpha, gamma, t_d / p.target_s, t_v / p.target_s)
+            out.append({"batch": p.batch, "context": p.context, "gamma": gamma, "budget": budget,
+                        "target_ms": p.target_s * 1e3, "draft_ms": t_d * 1e3, "verify_ms": t_v * 1e3,
+                        "predicted_speedup": s})
+    return out
+
+
+def critical_lengths(rows: list[dict]) -> dict[int, int | None]:
+    """Per batch size, the shortest profiled context whose best predicted speedup exceeds 1."""
+    best: dict[tuple[int, int], float] = {}
+    for r in rows:
+        key = (r["batch"], r["context"])
+        best[key] = max(best.get(key, 0.0), r["predicted_speedup"])
+    found: dict[int, int | None] = {}
+    for (batch, context), s in sorted(best.items()):
+        found.setdefault(batch, None)
+        if s > 1.0 and found[batch] is None:
+            found[batch] = context
+    return found
+
+
+def alphas_from_results(paths: list[str], strategy: str = "magicdec",
+                        console=None) -> dict[tuple[str, int, int], float]:
+    """Acceptance rate per (selector, budget, prompt length), fitted (Omega inverted) to earlier runs' accepted
+    lengths: magicdec's, or those of `strategy` "draft" with a sparse draft cache (--set draft_kv=...). A run's
+    prompt length is the mean prompt of its rows (one --prompt-len gives one); runs at the same selector,
+    budget and length are pooled, gammas included."""
+    from sdbench.reporting.results import read_results  # pandas and pyarrow
+
+    df = read_results(paths)
+    rows = df[(df["role"] != "baseline") & (df["strategy"] == strategy)]
+    random = rows["weights"].astype(object).eq("random").fillna(False).astype(bool) if "weights" in rows else None
+    if random is not None and random.any():  # a random model's acceptance says nothing of a real one's
+        rows = rows[~random]
+        if console is not None:
+            console.print(f"note: --from: {int(random.sum())} {strategy} row(s) with random weights left out of the "
+                          "fitted alpha", highlight=False)
+        if rows.empty:
+            raise SdbenchError(f"--from: every {strategy} row has random weights (MODEL@random), whose acceptance "
+                               "says nothing of a real model: give --alpha, or runs of a real model")
+    pooled: dict[tuple[str, int, int], list[float]] = {}
+    for (_, params), group in rows.groupby(["run_id", "params"]):
+        p = json.loads(params)
+        steps = group["steps"].sum()
+        if not steps or not p.get("gamma") or "budget" not in p:  # a dense draft cache has no budget
+            continue
+        mean_len = mean_accepted_length(group["new_tokens"].sum(), steps, len(group))
+        key = (str(p.get("kv", p.get("draft_kv", "streamingllm"))), int(p["budget"]),
+               int(round(group["prompt_tokens"].mean())))
+        # weight each run by its steps: the pooled alpha is the one its rounds support
+        a = alpha_from_tokens_per_step(float(mean_len), int(p["gamma"]))
+        acc = pooled.setdefault(key, [0.0, 0.0])
+        acc[0] += a * steps
+        acc[1] += steps
+    return {k: total / steps for k, (total, steps) in pooled.items()}
+
+
+def alpha_for(measured: dict[tuple[str, int, int], float], selector: str, budget: int, context: int) -> float | None:
+    """The measured alpha for a selector and budget at the prompt length nearest to `context` (in ratio);
+    None when that selector was not measured at that budget."""
+    lengths = [n for (s, b, n) in measured if s == selector and b == budget]
+    if not lengths:
+        return None
+    nearest = min(lengths, key=lambda n: abs(math.log(max(n, 1) / max(context, 1))))
+    return measured[(selector, budget, nearest)]
+
+
+def with_alphas(rows: list[dict], measured: dict[tuple[str, int, int], float], alpha: float) -> list[dict]:
+    """Each predicted row once per selector measured at its budget (the draft step costs the same for both
+    selectors; only the acceptance differs), its alpha from `alpha_for`; a budget no run measured keeps the
+    given alpha, with selector '-'."""
+    selectors = sorted({s for s, _, _ in measured})
+    out = []
+    for r in rows:
+        found = [(s, alpha_for(measured, s, r["budget"], r["context"])) for s in selectors]
+        for selector, a in [(s, a) for s, a in found if a is not None] or [("-", alpha)]:
+            out.append({**r, "selector": selector, "alpha": a,
+                        "predicted_speedup": predicted_speedup(a, r["gamma"], r["draft_ms"] / r["target_ms"],
+                                                               r["verify_ms"] / r["target_ms"])})
+    return out
+
+
+def crossing_lengths(rows: list[dict]) -> dict[int, tuple[str, float | None]]:
+    """Per batch size, where the best predicted speedup crosses 1 over the profiled contexts, interpolated
+    linearly in log context between the two grid points around the first crossing. Returns (kind, length):
+    ("at", S) for a crossing, ("below", S0) when the shortest context already wins, ("above", Smax) when none
+    does."""
+    best: dict[int, dict[int, float]] = {}
+    for r in rows:
+        per = best.setdefault(r["batch"], {})
+        per[r["context"]] = max(per.get(r["context"], 0.0), r["predicted_speedup"])
+    found = {}
+    for batch, per in sorted(best.items()):
+        points = sorted(per.items())
+        if points[0][1] > 1.0:
+            found[batch] = ("below", points[0][0])
+            continue
+        found[batch] = ("above", points[-1][0])
+        for (s0, v0), (s1, v1) in zip(points, points[1:]):
+            if v0 <= 1.0 < v1:
+                t = (1.0 - v0) / (v1 - v0)
+                found[batch] = ("at", math.exp(math.log(s0) + t * (math.log(s1) - math.log(s0))))
+                break
+    return found
+
+
+def memory_plan(target: str, dtype, device, batches, contexts, gamma: int):
+    """Which (batch, context) points' caches fit beside the model's weights in the free memory (`memory.Plan`),
+    estimated from the config before anything is allocated; a model whose weights alone do not fit is refused."""
+    from sdbench.models.graphs import CAPACITY_STEP  # the models package: transformers
+    from sdbench.models.loader import load_config
+    from sdbench.models.memory import GIB, plan
+    from sdbench.models.shapes import parameter_count
+
+    config = load_config(target)
+    params = parameter_count(config, cached=True) or 0
+    step = CAPACITY_STEP if device.type == "cuda" else 1  # static-shape caches are rounded up
+
+    def capacity(context: int) -> int:
+        return -(-needed_capacity(context, 0, gamma) // step) * step
+
+    points = [(b, s) for b in batches for s in contexts]
+    found = plan(config, params, dtype, device, points, capacity, gamma + 1)
+    if not found.weights_fit():
+        raise SdbenchError(f"{target}: its weights take {found.weights / GIB:.1f} GiB in {str(dtype)[6:]} and "
+                           f"{found.free / GIB:.1f} GiB are free on {device}: nothing can be profiled")
+    return found
+
+
+@dataclass(frozen=True)
+class StepCosts:
+    """Costs measured at the models' shapes: c one draft step over one target step, verify[gamma] one
+    verification of gamma + 1 tokens over one target step, and the target step itself in seconds."""
+
+    c: float
+    verify: dict
+    target_s: float
+
+
+def measured_costs(target: str, draft: str, gammas, context: int, device: str, dtype: str, console) -> StepCosts:
+    """Step costs for `predict speedup` and `simulate dsi`, measured at the models' shapes (MODEL@random works):
+    each the median of a few forwards at the end of a `context`-token prompt of random ids, through the fast
+    path."""
+    from sdbench.models.loader import load_model  # the models package: transformers
+    from sdbench.models.pair import resolve_device, resolve_dtype, say_note
+    from sdbench.models.runner import ModelRunner
+
+    if context < 1:
+        raise SdbenchError(f"--context {context}: must be at least 1")
+    dev = resolve_device(device)
+    dt = resolve_dtype(dtype, dev)
+    runners = {}
+    with console.status("loading and timing"):
+        for name in dict.fromkeys((target, draft)):
+            loaded = load_model(name, dev, dt)
+            say_note(loaded, console)
+            runners[name] = ModelRunner(loaded.model, name, fast=True)
+        prompt = torch.randint(0, runners[target].vocab_size, (context,), generator=torch.Generator().manual_seed(0))
+        one = {}
+        for name, r in runners.items():
+            cache = r.new_cache(1, needed_capacity(context, 0, max(gammas)))
+            r.prefill(cache, [prompt.tolist()])
+            one[name] = median_time(lambda: r.forward(cache, prompt[None, -1:], [context]), r.device)
+            if name == target:
+                wide = {g: median_time(lambda g=g: r.forward(cache, prompt[None, -(g + 1):], [context]), r.device)
+                        for g in gammas}
+    return StepCosts(one[draft] / one[target], {g: t / one[target] for g, t in wide.items()}, one[target])
