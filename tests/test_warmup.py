@@ -6,6 +6,7 @@ import pytest
 import torch
 from rich.console import Console
 
+from sdbench.commands.roles import Role, baseline_role
 from sdbench.commands.run import WARMUP_PROMPT_TOKENS, Bench
 from sdbench.config import RunConfig
 from sdbench.strategies.autoregressive import Autoregressive
@@ -21,5 +22,6 @@ def test_warm_up_prompts(device, expected):
     seen = []
     bench._generate = lambda pair, prop, batch, *args, **kwargs: seen.append([len(p) for p in batch])
     encoded = [[1] * n for n in (300, 10, 20, 900, 40)]
-    bench._warm_up(None, [("strategy", Autoregressive())], encoded, [[0, 1], [2, 3], [4]])
+    roles = [baseline_role(), Role("strategy", Autoregressive(), "autoregressive")]
+    bench._warm_up(None, roles, encoded, [[0, 1], [2, 3], [4]])
     assert seen == expected
