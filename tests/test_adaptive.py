@@ -15,7 +15,7 @@ from sdbench.config import RunConfig, SamplingConfig
 from sdbench.engine.loop import generate
 from sdbench.errors import SdbenchError
 from sdbench.reporting.results import read_results
-from sdbench.strategies import BuildContext, build_proposer, build_variants, strategy
+from sdbench.strategies import BuildContext, build_proposer, build_configurations, strategy
 from sdbench.strategies.adaptive import Adaptive, AdaptiveFSM, parse_compare
 from sdbench.strategies.adaptive_online import (AlphaPrior, GammaPolicy, LinearCost, StepSchedule, Window,
                                                 prompt_features)
@@ -293,18 +293,18 @@ def test_settings_are_checked(small_draft):
         parse_compare("0,2")
     assert parse_compare("4, 1,2,4") == (1, 2, 4) and parse_compare("") == ()
     with pytest.raises(SdbenchError, match="--draft ngram is not one"):
-        build_variants("draft", BuildContext(None, ["ngram"], 4, {}))
+        build_configurations("draft", BuildContext(None, ["ngram"], 4, {}))
 
 
 def test_compare_variants(target, small_draft):
-    made = build_variants("adaptive", BuildContext(target, [small_draft, "ngram"], 3, {"compare": "1,4"}))
+    made = build_configurations("adaptive", BuildContext(target, [small_draft, "ngram"], 3, {"compare": "1,4"}))
     assert [(v.label, v.strategy, v.drafts) for v in made] == [
         ("", "", ""),
         ("draft-tiny-draft-g1", "draft", "tiny-draft"), ("draft-tiny-draft-g3", "draft", "tiny-draft"),
         ("draft-tiny-draft-g4", "draft", "tiny-draft"),
         ("ngram-g1", "ngram", "ngram"), ("ngram-g3", "ngram", "ngram"), ("ngram-g4", "ngram", "ngram")]
     assert [v.proposer.gamma for v in made] == [3, 1, 3, 4, 1, 3, 4]
-    assert len(build_variants("adaptive-fsm", BuildContext(target, [], 2, {}))) == 1  # no compare: itself only
+    assert len(build_configurations("adaptive-fsm", BuildContext(target, [], 2, {}))) == 1  # no compare: itself only
 
 
 def test_adaptive_row_stats_add_up(target, small_draft, prompts):

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field, replace
 from sdbench.presets import read_presets
 from sdbench.schedule import Entry, Schedule
 from sdbench.strategies.base import Proposal, Proposer
-from sdbench.strategies.spec import BuildContext, Strategy, Variant, register, strategy, strategy_registry
+from sdbench.strategies.spec import BuildContext, Strategy, Configuration, register, strategy, strategy_registry
 
 # each module registers its strategy (`@register` on its declaration)
 from sdbench.strategies import (adaptive, autoregressive, draft, dsi, magicdec, ngram,  # noqa: E402,F401
@@ -75,11 +75,11 @@ def build_proposer(base: str, ctx: BuildContext) -> Proposer:
     return declared.build(ctx)
 
 
-def build_variants(base: str, ctx: BuildContext) -> list[Variant]:
+def build_configurations(base: str, ctx: BuildContext) -> list[Configuration]:
     """The proposer for one setting plus any configurations the strategy runs beside it for comparison."""
     declared, ctx = _checked(base, ctx)
-    return declared.variants(ctx)
+    return declared.configurations(ctx)
 
 
-__all__ = ["BuildContext", "Proposal", "Proposer", "Strategy", "StrategyChoice", "Variant", "build_proposer",
-           "build_variants", "native_needed", "register", "resolve_strategy", "strategy", "strategy_registry"]
+__all__ = ["BuildContext", "Proposal", "Proposer", "Strategy", "StrategyChoice", "Configuration", "build_proposer",
+           "build_configurations", "native_needed", "register", "resolve_strategy", "strategy", "strategy_registry"]

@@ -38,7 +38,7 @@ from sdbench.stats_record import StatsRecord
 from sdbench.strategies.adaptive_online import (PRIOR_TRIALS, AlphaPrior, GammaPolicy, StepSchedule,
                                                 prompt_features, select_drafters)
 from sdbench.strategies.base import Proposer
-from sdbench.strategies.spec import BuildContext, Option, Strategy, Variant, need_gamma, register
+from sdbench.strategies.spec import BuildContext, Option, Strategy, Configuration, need_gamma, register
 from sdbench.strategies.draft import DraftModel
 from sdbench.strategies.ngram import NGram
 
@@ -348,17 +348,17 @@ class _AdaptiveStrategy(Strategy):
         return cls.proposer(drafters, ctx.gamma, **ctx.options)
 
     @classmethod
-    def variants(cls, ctx: BuildContext) -> list[Variant]:
+    def configurations(cls, ctx: BuildContext) -> list[Configuration]:
         """Itself, then with `compare` set: fixed-gamma SD per draft candidate at those gammas and --gamma."""
         me = cls.build(ctx)
-        made = [Variant(me)]
+        made = [Configuration(me)]
         gammas = sorted(set(me.compare) | ({ctx.gamma} if ctx.gamma else set())) if me.compare else []
         for spec in ctx.drafts or [DRAFT_NAME]:
             for g in gammas:
                 if isinstance(spec, str):
-                    made.append(Variant(NGram(g, me.max_ngram, me.min_ngram), f"ngram-g{g}", "ngram", DRAFT_NAME))
+                    made.append(Configuration(NGram(g, me.max_ngram, me.min_ngram), f"ngram-g{g}", "ngram", DRAFT_NAME))
                 else:
-                    made.append(Variant(DraftModel(spec, g), f"draft-{spec.name}-g{g}", "draft", spec.name))
+                    made.append(Configuration(DraftModel(spec, g), f"draft-{spec.name}-g{g}", "draft", spec.name))
         return made
 
 

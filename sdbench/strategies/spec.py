@@ -72,7 +72,7 @@ class BuildContext:
 
 
 @dataclass
-class Variant:
+class Configuration:
     """One configuration to run. label '' is the strategy as asked for; an extra configuration has a label
     naming it (unique within the run) and the strategy name and draft column its rows record."""
 
@@ -139,10 +139,10 @@ class Strategy:
         return cls.proposer(ctx.gamma, **ctx.options)
 
     @classmethod
-    def variants(cls, ctx: BuildContext) -> list[Variant]:
+    def configurations(cls, ctx: BuildContext) -> list[Configuration]:
         """The configurations one setting of this strategy runs: itself, plus any it brings along to be
         compared with in the same run (adaptive strategies add fixed-gamma ones)."""
-        return [Variant(cls.build(ctx))]
+        return [Configuration(cls.build(ctx))]
 
     @classmethod
     def join_refusal(cls, options: dict) -> str | None:
