@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
@@ -12,6 +13,10 @@ from rich.markup import escape
 from sdbench import config as C
 from sdbench.errors import SdbenchError
 from sdbench.options import parse_depths, parse_gammas, parse_rates, parse_sets
+
+# Each command imports its command module (and what else it runs) inside its own function: those modules load
+# torch, transformers or pandas, which `sdbench --help` and a light command (`predict speedup`) need not load.
+# Only light modules are imported at the top.
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Benchmark and tune speculative decoding of language models.")
@@ -61,9 +66,8 @@ def run(
     slo: Slo = None,
 ):
     """Run a strategy and the plain-decoding baseline on the same prompts; print tables, write Parquet."""
-    from sdbench.engine.metrics import parse_slo
-
     from sdbench.commands.run import Bench, load_config
+    from sdbench.engine.metrics import parse_slo
     from sdbench.reporting.report import print_report
     from sdbench.reporting.results import read_results
 
@@ -169,7 +173,6 @@ def report(
     """Print the tables of earlier runs; optionally PNG plots and an HTML page."""
     from sdbench.reporting.report import print_report
     from sdbench.reporting.results import read_results
-
     from sdbench.reporting.sweep import print_frontier
 
     df = read_results(paths)
@@ -288,8 +291,6 @@ def gpu_check(
 ):
     """Measure a GPU that reaches no network, every model MODEL@random: the CUDA tests, bench, step costs
     through the CUDA graphs, a MagicDec run with its prediction and DSI, in three parts of under 9 minutes."""
-    from pathlib import Path
-
     from sdbench.commands.gpucheck import parse_parts, run_check
     from sdbench.commands.gpucheck.page import merge as merge_parts
 

@@ -28,6 +28,7 @@ from sdbench.config import RunConfig, SamplingConfig
 from sdbench.engine.loop import generate
 from sdbench.engine.metrics import BatchResult
 from sdbench.errors import SdbenchError
+from sdbench.models import pair as pair_module  # the module: tests replace pair.load_pair
 from sdbench.strategies.autoregressive import Autoregressive
 from sdbench.strategies.chain_levels import LevelRecord, length_variance
 from sdbench.strategies.polybasic import NGRAM, Polybasic, PolybasicRowStats, check_chain
@@ -206,10 +207,8 @@ def chain_config(target: str, chains: list[list[str]], dataset: str, limit: int,
 
 def load_chains(cfg: RunConfig, console: Console) -> tuple[object, dict]:
     """The loaded pair, and the runner (or "ngram") of each draft name."""
-    from sdbench.models.pair import load_pair, resolve_device, resolve_dtype
-
-    dev = resolve_device(cfg.device)
-    pair = load_pair(cfg, dev, resolve_dtype(cfg.dtype, dev), console)
+    dev = pair_module.resolve_device(cfg.device)
+    pair = pair_module.load_pair(cfg, dev, pair_module.resolve_dtype(cfg.dtype, dev), console)
     return pair, dict(zip(cfg.drafts, pair.drafts))
 
 

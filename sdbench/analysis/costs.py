@@ -30,6 +30,12 @@ from sdbench.engine.metrics import mean_accepted_length, now
 from sdbench.engine.state import needed_capacity
 from sdbench.errors import SdbenchError
 from sdbench.kv.sparse import filled_for_profile
+from sdbench.models import loader  # the module: tests replace loader.load_model
+from sdbench.models.graphs import CAPACITY_STEP
+from sdbench.models.memory import GIB, plan
+from sdbench.models.pair import resolve_device, resolve_dtype, say_note
+from sdbench.models.shapes import parameter_count
+from sdbench.reporting import results  # the module: tests replace results.read_results
 
 
 @dataclass(frozen=True)
@@ -111,9 +117,7 @@ def alphas_from_results(paths: list[str], strategy: str = "magicdec",
     lengths: magicdec's, or those of `strategy` "draft" with a sparse draft cache (--set draft_kv=...). A run's
     prompt length is the mean prompt of its rows (one --prompt-len gives one); runs at the same selector,
     budget and length are pooled, gammas included."""
-    from sdbench.reporting.results import read_results  # pandas and pyarrow
-
-    df = read_results(paths)
+    df = results.read_results(paths)
     rows = df[(df["role"] != "baseline") & (df["strategy"] == strategy)]
     random = rows["weights"].astype(object).eq("random").fillna(False).astype(bool) if "weights" in rows else None
     if random is not None and random.any():  # a random model's acceptance says nothing of a real one's
@@ -193,12 +197,7 @@ def crossing_lengths(rows: list[dict]) -> dict[int, tuple[str, float | None]]:
 def memory_plan(target: str, dtype, device, batches, contexts, gamma: int):
     """Which (batch, context) points' caches fit beside the model's weights in the free memory (`memory.Plan`),
     estimated from the config before anything is allocated; a model whose weights alone do not fit is refused."""
-    from sdbench.models.graphs import CAPACITY_STEP  # the models package: transformers
-    from sdbench.models.loader import load_config
-    from sdbench.models.memory import GIB, plan
-    from sdbench.models.shapes import parameter_count
-
-    config = load_config(target)
+    config = loader.load_config(target)
     params = parameter_count(config, cached=True) or 0
     step = CAPACITY_STEP if device.type == "cuda" else 1  # static-shape caches are rounded up
 
@@ -227,9 +226,7 @@ def measured_costs(target: str, draft: str, gammas, context: int, device: str, d
     """Step costs for `predict speedup` and `simulate dsi`, measured at the models' shapes (MODEL@random works):
     each the median of a few forwards at the end of a `context`-token prompt of random ids, through the fast
     path."""
-    from sdbench.models.loader import load_model  # the models package: transformers
-    from sdbench.models.pair import resolve_device, resolve_dtype, say_note
-    from sdbench.models.runner import ModelRunner
+    from sdbench.models.runner import ModelRunner  # loads transformers (slow): only measuring needs it
 
     if context < 1:
         raise SdbenchError(f"--context {context}: must be at least 1")
@@ -238,7 +235,7 @@ def measured_costs(target: str, draft: str, gammas, context: int, device: str, d
     runners = {}
     with console.status("loading and timing"):
         for name in dict.fromkeys((target, draft)):
-            loaded = load_model(name, dev, dt)
+            loaded = loader.load_model(name, dev, dt)
             say_note(loaded, console)
             runners[name] = ModelRunner(loaded.model, name, fast=True)
         prompt = torch.randint(0, runners[target].vocab_size, (context,), generator=torch.Generator().manual_seed(0))

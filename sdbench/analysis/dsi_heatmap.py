@@ -14,6 +14,9 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
+import pandas as pd
+
 from sdbench.errors import SdbenchError
 from sdbench.analysis.theory import dsi_window_starts, dsi_workers_needed, renewal_terms
 
@@ -30,8 +33,6 @@ PANELS = (
 
 
 def grid_values(grid: int, c_min: float = 0.01, a_range=(0.01, 0.99)):
-    import numpy as np
-
     c = np.maximum(np.linspace(0.0, 1.0, grid + 1), c_min)
     a = np.clip(np.linspace(0.0, 1.0, grid + 1), *a_range)
     return c, a
@@ -42,9 +43,6 @@ def heatmap(workers: int = PAPER_WORKERS, grid: int = 20, kmax: int = KMAX, c_mi
     """Offline expected latency per token over a (c, a) grid (1.0 = plain decoding), each algorithm at its best
     lookahead among those the workers sustain; `si_any_k` is SI at its best over every k <= kmax. Returns a
     DataFrame: c, a, workers, best k of each, latencies and the speedups of the four panels."""
-    import numpy as np
-    import pandas as pd
-
     if grid < 1 or kmax < 1 or workers < 1:
         raise SdbenchError("need --grid >= 1, --kmax >= 1 and --workers >= 1")
     cs, as_ = grid_values(grid, c_min, a_range)
@@ -62,8 +60,6 @@ def heatmap(workers: int = PAPER_WORKERS, grid: int = 20, kmax: int = KMAX, c_mi
 
 def si_latencies(a, c: float, ks):
     """SI latency per token, [A, K]: (k c + 1) / Omega(k, a), Omega = (1 - a^(k+1)) / (1 - a)."""
-    import numpy as np
-
     a, ks = np.asarray(a, dtype=float)[:, None], np.asarray(ks, dtype=float)[None, :]
     omega = np.where(a >= 1.0, ks + 1.0, (1.0 - a ** (ks + 1.0)) / np.where(a >= 1.0, 1.0, 1.0 - a))
     return (ks * c + 1.0) / omega
@@ -72,8 +68,6 @@ def si_latencies(a, c: float, ks):
 def dsi_latencies(a, c: float, ks, workers: int | None = None, bonus: bool = True):
     """DSI latency per token, [A, K]: analysis.theory.dsi_latency_per_token for every a and k at once (the same
     renewal sum with the same tail)."""
-    import numpy as np
-
     a = np.asarray(a, dtype=float)
     inner = a[a < 1.0]
     jmax = renewal_terms(float(inner.max())) if inner.size else 0
@@ -94,9 +88,6 @@ def dsi_latencies(a, c: float, ks, workers: int | None = None, bonus: bool = Tru
 
 def _column(c: float, as_, workers: int, kmax: int):
     """The heat-map's rows for one drafter latency c (every a)."""
-    import numpy as np
-    import pandas as pd
-
     ks = np.arange(1, kmax + 1)
     valid = ks[[dsi_workers_needed(c, int(k)) <= workers for k in ks]]
     si = si_latencies(as_, c, ks)
@@ -121,11 +112,10 @@ def plot_heatmap(frame, path, mark: tuple[float, float] | None = None) -> list[s
     """The paper's four panels over (drafter latency c, acceptance rate a). Where the ratio is below 1 (the
     first algorithm slower) the cell is pink, as in the paper's figure. `mark`: a measured (c, a) to show.
     Returns the panels' titles."""
-    import matplotlib
+    import matplotlib  # slow to import, and only the plot needs it
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    import numpy as np
 
     cs, as_ = np.sort(frame["c"].unique()), np.sort(frame["a"].unique())
     fig, axes = plt.subplots(2, 2, figsize=(13, 10), constrained_layout=True)

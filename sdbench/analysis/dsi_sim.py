@@ -19,15 +19,20 @@ c·target_s, and each drafted token is right with probability a, independently (
 from __future__ import annotations
 
 import heapq
+import json
 import math
 import random
 from dataclasses import dataclass
 
+from sdbench.analysis import costs  # the module: tests replace costs.measured_costs
 from sdbench.analysis.theory import (alpha_from_tokens_per_step, dsi_latency_per_token, dsi_workers_needed,
                                      si_latency_per_token)
 from sdbench.dsi.ledger import Ledger
+from sdbench.dsi.orchestrator import DSIRowStats
 from sdbench.engine.iid_model import fit_alpha
+from sdbench.engine.metrics import specbench_mean_accepted_tokens
 from sdbench.errors import SdbenchError
+from sdbench.reporting import results  # the module: tests replace results.read_results
 
 
 @dataclass(frozen=True)
@@ -175,11 +180,7 @@ def profile_from_results(paths, a: float | None = None, random_a: float | None =
     never got ahead of the verifications judged no draft, so it measured none). `random_a` is the rate for a run
     with random weights (MODEL@random), whose measured acceptance says nothing; such a run needs one of the two.
     """
-    import json
-
-    from sdbench.reporting.results import read_results  # pandas and pyarrow
-
-    df = read_results(paths)
+    df = results.read_results(paths)
     if "weights" in df and (df["weights"] == "random").any():  # its latencies hold, its acceptance says nothing
         a = a if a is not None else random_a
         if a is None:
@@ -210,25 +211,18 @@ def measured_setting(s: Setting, target: str, draft: str, context: int, device: 
                      console) -> Setting:
     """`s` with the target latency and c measured at the models' shapes (`costs.measured_costs`: the median of
     a few forwards at the end of a `context`-token prompt, through the fast path); a, k, workers as given."""
-    from sdbench.analysis.costs import measured_costs  # torch and the model loaders
-
-    costs = measured_costs(target, draft, [s.k], context, device, dtype, console)
-    return Setting(costs.target_s, costs.c, s.a, s.k, s.workers, s.tokens)
+    measured = costs.measured_costs(target, draft, [s.k], context, device, dtype, console)
+    return Setting(measured.target_s, measured.c, s.a, s.k, s.workers, s.tokens)
 
 
 def _row_stats(strat) -> list:
     """The strategy rows' stats as DSI records them (a field another strategy did not record is None)."""
-    from sdbench.dsi.orchestrator import DSIRowStats  # torch
-    from sdbench.reporting.results import parse_stats
-
-    return [DSIRowStats.from_dict(parse_stats(x)) for x in strat["strategy_stats"]]
+    return [DSIRowStats.from_dict(results.parse_stats(x)) for x in strat["strategy_stats"]]
 
 
 def _measured_rate(strat, stats: list) -> float:
     """a fitted to the recorded rejections when every row recorded them, else Omega inverted on the mean
     accepted length."""
-    from sdbench.engine.metrics import specbench_mean_accepted_tokens  # torch
-
     if all(st.rejections is not None for st in stats):
         a = fit_alpha(int(strat["accepted"].sum()), sum(st.rejections for st in stats))
         if math.isnan(a):

@@ -15,6 +15,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from sdbench.analysis.costs import median_time
 from sdbench.commands.hf_generate import MODES, generator, kwargs_for, pick
 from sdbench.config import BenchConfig, SamplingConfig
 from sdbench.data.tasks import encode_prompt, load_prompts
@@ -124,8 +125,6 @@ def weight_bytes(model) -> int:
 def cost_ratios(runner, draft, prompts: list[list[int]], gamma: int) -> tuple[float, float]:
     """(T(gamma + 1 tokens) / T(1 token) of the target, one draft forward / one target forward), each the
     median over the prompts of forwards at the prompt's end, as a verification and a decode step see them."""
-    from sdbench.analysis.costs import median_time
-
     verify, c = [], []
     for p in prompts:
         times = []

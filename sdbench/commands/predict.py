@@ -6,13 +6,18 @@ profile over the grid, prints the best settings and the critical lengths, and wr
 
 from __future__ import annotations
 
+import pandas as pd
+from rich.progress import Progress
 from rich.table import Table
 
 from sdbench.analysis.costs import (alphas_from_results, critical_lengths, crossing_lengths, memory_plan,
                                     predictions, profile, with_alphas)
 from sdbench.config import PredictMagicdecConfig
 from sdbench.errors import SdbenchError
+from sdbench.models import loader  # the module: tests replace loader.load_model
 from sdbench.models.names import is_random
+from sdbench.models.pair import resolve_device, resolve_dtype, say_note
+from sdbench.paths import output_dir
 
 
 def fitting_points(target: str, dtype, device, batches, contexts, gamma: int, console) -> list[tuple[int, int]]:
@@ -56,19 +61,14 @@ def run_predict(cfg: PredictMagicdecConfig, console) -> list[dict]:
 
     The steps are timed through the runner decoding would use (`fast`: CUDA graphs on a GPU), since on a GPU
     an eager step of a small model is launch-bound and would hide what the cache sizes cost."""
-    import pandas as pd
-    from rich.progress import Progress
-
-    from sdbench.models.loader import load_model  # the models package: transformers
-    from sdbench.models.pair import resolve_device, resolve_dtype, say_note
-    from sdbench.models.runner import ModelRunner
+    from sdbench.models.runner import ModelRunner  # loads transformers (slow): only profiling needs it
 
     dev = resolve_device(cfg.device)
     dt = resolve_dtype(cfg.dtype, dev)
     measured = alphas_from_results(list(cfg.from_results), console=console) if cfg.from_results else {}
     fits = fitting_points(cfg.target, dt, dev, cfg.batches, cfg.contexts, max(cfg.gammas), console)
     with console.status(f"loading {cfg.target}"):
-        loaded = load_model(cfg.target, dev, dt)
+        loaded = loader.load_model(cfg.target, dev, dt)
         runner = ModelRunner(loaded.model, cfg.target, fast=cfg.fast)
     say_note(loaded, console)
     rows = []
@@ -84,8 +84,6 @@ def run_predict(cfg: PredictMagicdecConfig, console) -> list[dict]:
     console.print(best_table(df, cfg.target, dev, caption=bool(measured) and is_random(cfg.target)))
     print_critical(rows, cfg.contexts, console)
     if cfg.out:
-        from sdbench.paths import output_dir
-
         path = output_dir(cfg.out) / f"predict-magicdec-{cfg.target.replace('/', '_')}.parquet"
         df.to_parquet(path)
         console.print(f"profile: {path}")

@@ -14,6 +14,7 @@ from rich.table import Table
 from sdbench.analysis.chain import (ChainRun, chain_config, insertion_verdict, load_chains, paper_verdict,
                                     profile_and_measure)
 from sdbench.config import PredictChainConfig, SamplingConfig
+from sdbench.data.prompts import encode_prompts
 from sdbench.errors import SdbenchError
 from sdbench.strategies.polybasic import NGRAM
 
@@ -31,8 +32,6 @@ def check_insertion(drafts: list[str], at: int) -> list[str]:
 
 
 def run_chain_prediction(cfg: PredictChainConfig, console: Console) -> list[ChainRun]:
-    from sdbench.data.prompts import encode_prompts
-
     slot = check_insertion(list(cfg.drafts), cfg.at)
     for name, value in (("--limit", cfg.limit), ("--max-new-tokens", cfg.max_new_tokens),  # --gamma: check_chain
                         ("--profile-prompts", cfg.profile_prompts), ("--profile-tokens", cfg.profile_tokens)):

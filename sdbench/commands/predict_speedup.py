@@ -14,7 +14,7 @@ def run_speedup(alpha: float, gammas: tuple[int, ...], draft_cost: float, verify
     """The table for the given costs, or, with `target`, for the costs measured at its shape and the draft's
     (the draft defaulting to the target)."""
     if target is not None:
-        from sdbench.analysis.costs import measured_costs  # torch and the model loaders
+        from sdbench.analysis.costs import measured_costs  # torch and the model loaders: only --target needs them
 
         costs = measured_costs(target, draft or target, gammas, context, device, dtype, console)
         draft_cost, verify_cost = costs.c, costs.verify

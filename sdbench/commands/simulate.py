@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import math
 
+from rich.table import Table
+
 from sdbench.analysis.dsi_heatmap import heatmap, heatmap_summary, plot_heatmap, table_lookahead
 from sdbench.analysis.dsi_sim import (Setting, measured_setting, offline, online, profile_from_results,
                                       workers_warning)
@@ -66,8 +68,6 @@ def setting(cfg: SimulateDSIConfig, console) -> tuple[Setting, dict]:
 
 
 def _setting_table(s: Setting, off: dict, on: dict, ideal: dict, measured: dict):
-    from rich.table import Table
-
     table = Table(title=f"latency of {s.tokens} tokens, in the unit of the target forward = {s.target_s:.4g}; "
                         f"c={s.c:.3g}, a={s.a:.3g}, k={s.k}, {_workers(s.workers)}")
     columns = ["algorithm", "offline", "online", "online (preemptive)", "speedup vs plain (online)"]

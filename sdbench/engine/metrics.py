@@ -68,6 +68,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from sdbench.engine import iid_model
 from sdbench.errors import SdbenchError
 
 
@@ -285,15 +286,13 @@ def predicted_speedup(stats: RowStats, baseline: RowStats) -> float:
     verification over the same. Whatever the model leaves out (bookkeeping, non-geometric acceptance, the
     budget cutting the last step short) shows as the gap to the measured speedup.
     """
-    from sdbench.engine.iid_model import fit_alpha, predicted_speedup as formula
-
     if not (stats.steps and baseline.steps and baseline.verify_s > 0):
         return math.nan
     target_forward = baseline.verify_s / baseline.steps
     gamma = stats.drafted / stats.steps
     c = stats.draft_s / stats.drafted / target_forward if stats.drafted else 0.0
     v = stats.verify_s / stats.steps / target_forward
-    return formula(fit_alpha(stats.accepted, stats.rejections), gamma, c, v)
+    return iid_model.predicted_speedup(iid_model.fit_alpha(stats.accepted, stats.rejections), gamma, c, v)
 
 
 def predicted_batch_speedup(rows: list[RowStats], baseline: list[RowStats], new_tokens: list[int]) -> float:
@@ -307,8 +306,6 @@ def predicted_batch_speedup(rows: list[RowStats], baseline: list[RowStats], new_
     `predicted_speedup`; with rows whose acceptance differs (prompt lookup finding matches in some prompts and
     none in others) it is far below the mean of their own predictions, as the measured batch speedup is.
     """
-    from sdbench.engine.iid_model import expected_tokens_per_step, fit_alpha
-
     if not rows or len(rows) != len(baseline) or len(rows) != len(new_tokens):
         return math.nan
     base = max(baseline, key=lambda s: s.steps)
@@ -320,10 +317,10 @@ def predicted_batch_speedup(rows: list[RowStats], baseline: list[RowStats], new_
         if n <= 1:
             continue
         gamma = stats.drafted / stats.steps if stats.steps else 0.0
-        alpha = fit_alpha(stats.accepted, stats.rejections) if gamma > 0 else 0.0
+        alpha = iid_model.fit_alpha(stats.accepted, stats.rejections) if gamma > 0 else 0.0
         if math.isnan(alpha):
             return math.nan
-        rounds = max(rounds, (n - 1) / expected_tokens_per_step(alpha, gamma))
+        rounds = max(rounds, (n - 1) / iid_model.expected_tokens_per_step(alpha, gamma))
     round_cost = (longest.draft_s + longest.verify_s) / longest.steps / (base.verify_s / base.steps)
     plain = max(new_tokens) - 1
     return plain / (rounds * round_cost) if rounds > 0 and round_cost > 0 else math.nan

@@ -18,7 +18,9 @@ import pandas as pd
 from sdbench.errors import MissingPackageError, SdbenchError
 from sdbench.paths import output_dir
 from sdbench.reporting.cells import numeric
+from sdbench.reporting.explain import FACTORS, breakdown
 from sdbench.reporting.report import ALL, labelled, per_position_rates, summarize
+from sdbench.reporting.sweep_plots import sweep_figures
 
 # settings a sweep may vary, and where each is found: a result column or a key of the params JSON
 SWEEPS = (("gamma", "γ (draft tokens per step)"), ("budget", "draft KV budget (tokens)"),
@@ -34,7 +36,7 @@ class Plot:
 
 def _pyplot():
     try:
-        import matplotlib
+        import matplotlib  # optional and slow to import: only the plots need it
     except ImportError:
         raise MissingPackageError("matplotlib", "plots (sdbench report --plots/--html)",
                                   "pip install matplotlib") from None
@@ -185,8 +187,6 @@ def predicted_vs_measured(plt, df: pd.DataFrame) -> Plot | None:
 def speedup_waterfalls(plt, df: pd.DataFrame) -> list[Plot]:
     """Per configuration, the explain factors as a waterfall on a log scale: from 1.0, each factor moves the
     running product up (green) or down (red), ending at the measured speedup."""
-    from sdbench.reporting.explain import FACTORS, breakdown
-
     plots = []
     for i, row in enumerate(breakdown(df).to_dict("records")):
         values = [row[f] for f in FACTORS]
@@ -226,8 +226,6 @@ def sweep_plots(df: pd.DataFrame) -> list[Plot]:
 
 
 def _figures(plt, df: pd.DataFrame) -> list[Plot]:
-    from sdbench.reporting.sweep_plots import sweep_figures
-
     return [Plot(name, title, _png(plt, fig)) for name, title, fig in sweep_figures(plt, df)]
 
 

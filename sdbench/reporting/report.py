@@ -39,6 +39,7 @@ from rich.text import Text
 from sdbench.errors import SdbenchError
 from sdbench.engine.metrics import acceptance_rate, mean_accepted_length, rate, speedup
 from sdbench.reporting.cells import fmt, numeric
+from sdbench.reporting.load import load_rows, load_tables
 from sdbench.reporting.results import parse_stats
 from sdbench.reporting.stats import Interval, describe, repeat_spread, speedup_interval
 from sdbench.strategies.adaptive import AdaptiveRowStats
@@ -453,8 +454,6 @@ def print_report(df: pd.DataFrame, console: Console | None = None, by: tuple[str
         return
     for line in environment_lines(df):
         console.print(Text(line, style="dim"))
-    from sdbench.reporting.load import load_rows, load_tables
-
     served = load_rows(df)
     if served.any():  # requests served under load have their own tables; batches (if any) follow
         for table in load_tables(labelled(df[served])):

@@ -16,7 +16,7 @@ def frontier_heatmaps(plt, df: pd.DataFrame) -> list[tuple]:
     """One figure per sweep: a panel per strategy, size up and prompt length across, each cell coloured by the
     best setting's measured speedup (blue pays, red loses) and labelled with it and the predicted one; the
     measured frontier drawn solid black, the predicted one dashed orange, between the last paying and first losing size."""
-    from matplotlib.colors import LogNorm
+    from matplotlib.colors import LogNorm  # optional and slow to import: only the plots need it
 
     points = best_points(df)
     figures = []

@@ -14,6 +14,10 @@ one folder of at most 8 files (`page.write_part`); `--merge` joins the parts' fo
 
 `--tiny` runs the same parts on the same models shrunk to two layers (`plan.TINY`): the CPU rehearsal the
 tests run end to end.
+
+This module, plan.py and page.py (and reproduce/common.py, which they import) load neither torch nor pandas at
+import: the preflight first names, in one line, a package the GPU machine lacks. What needs them is imported
+inside the functions that run after it.
 """
 
 from __future__ import annotations
@@ -22,7 +26,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from sdbench.commands.gpucheck.plan import GPU, LLAMA_1B, LLAMA_3B, LLAMA_8B, TINY, Ctx, Section, preflight, settings
+from sdbench.commands.gpucheck.page import write_part
+from sdbench.commands.gpucheck.plan import (GPU, LLAMA_1B, LLAMA_3B, LLAMA_8B, TINY, Ctx, Section, free, preflight,
+                                            settings)
+from sdbench.commands.reproduce.common import FAILS, Claim
 from sdbench.errors import SdbenchError
 
 PARTS = (1, 2, 3)
@@ -37,7 +44,7 @@ class CheckFailed(SdbenchError):
 
 def steps(part: int):
     """(label, fn(ctx) -> Section or [Section]) of one part, in order."""
-    from sdbench.commands.gpucheck import costs, sections
+    from sdbench.commands.gpucheck import costs, sections  # torch and pandas: after the preflight
 
     return {
         1: [("the CUDA tests", sections.cuda_tests),
@@ -84,9 +91,6 @@ def run_check(parts: tuple[int, ...], device: str, tiny: bool, out: str, console
 def run_part(part: int, ctx: Ctx, folder: Path) -> tuple[Path, list[str]]:
     """Each step of the part in turn, the folder rewritten after each (a call stopped by its time limit still
     leaves what finished); a step that raises is recorded as failed (one line) and the part goes on."""
-    from sdbench.commands.gpucheck.page import write_part
-    from sdbench.commands.gpucheck.plan import free
-
     started = time.perf_counter()
     done: list[Section] = []
     notes: list[str] = []
@@ -117,9 +121,7 @@ def run_part(part: int, ctx: Ctx, folder: Path) -> tuple[Path, list[str]]:
 
 
 def _failed_step(label: str, message: str) -> Section:
-    import pandas as pd
-
-    from sdbench.commands.reproduce.common import FAILS, Claim
+    import pandas as pd  # after the preflight (see the module's docstring)
 
     line = f"{label} failed: {message}"
     return Section("errors", pd.DataFrame([{"step": label, "error": message}]),
@@ -127,7 +129,7 @@ def _failed_step(label: str, message: str) -> Section:
 
 
 def _setup(ctx: Ctx, part: int, started: float) -> dict:
-    from sdbench.env import environment
+    from sdbench.env import environment  # loads torch: after the preflight (see the module's docstring)
 
     env = environment(str(ctx.torch_device), ctx.sizes.dtype)
     keys = ("device", "dtype", "gpu", "gpu_memory_bytes", "cpu", "cpu_count", "torch_version", "transformers_version",

@@ -8,9 +8,21 @@ from __future__ import annotations
 import math
 import warnings
 
+import pandas as pd
+
+from sdbench.analysis.costs import crossing_lengths, memory_plan, predictions, profile
+from sdbench.analysis.theory import alpha_from_tokens_per_step
+from sdbench.commands import run as run_module  # the module: tests replace run.Bench
 from sdbench.commands.gpucheck.plan import LLAMA_8B, Ctx, Section, free, prompts_of_tokens
 from sdbench.commands.gpucheck.sections import _lossless_claim
 from sdbench.commands.reproduce.common import FAILS, HOLDS, UNTESTABLE, Claim
+from sdbench.config import RunConfig
+from sdbench.engine.metrics import mean_accepted_length
+from sdbench.models import loader  # the module: tests replace loader.load_model
+from sdbench.models import pair as pair_module  # the module: tests replace pair.load_pair
+from sdbench.models.memory import GIB
+from sdbench.reporting import results  # the module: tests replace results.read_results
+from sdbench.strategies import native_needed
 
 FALLBACK = "eager forward"  # what `ModelRunner.disable_graphs`' warning says
 PREDICTION_TOLERANCE = 0.25  # |predicted / measured - 1| within which the cost model is said to predict a run
@@ -20,8 +32,6 @@ def timed_point(runner, batch: int, context: int, sizes, asked: bool) -> tuple[l
     """`costs.profile` at one point, and whether its forwards stayed on the graphs: a capture that fails or
     disagrees turns the runner's graphs off with a RuntimeWarning, caught here and recorded on the point's rows.
     Returns (rows: the target step, each verification width, each sparse budget; the Profile)."""
-    from sdbench.analysis.costs import profile
-
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", RuntimeWarning)
         p = profile(runner, batch, context, sizes.gammas, sizes.budgets, reps=sizes.reps)
@@ -40,20 +50,14 @@ def step_costs(ctx: Ctx) -> list[Section]:
     """Step costs at LLAMA_8B's shape over the sizes' batch x context grid, smallest first, dense and sparse,
     through the graphs; the points that do not fit (or find no time left) recorded as not measured, with why.
     Then the cost model's predicted speedup at every measured point with the sizes' alpha."""
-    import pandas as pd
-
-    from sdbench.analysis.costs import memory_plan, predictions
-    from sdbench.models.loader import load_model
-    from sdbench.models.memory import GIB
-    from sdbench.models.pair import say_note
-    from sdbench.models.runner import ModelRunner
+    from sdbench.models.runner import ModelRunner  # loads transformers (slow): only this step needs it
 
     s, dev, dt = ctx.sizes, ctx.torch_device, ctx.torch_dtype
     found = memory_plan(LLAMA_8B, dt, dev, s.batches, s.contexts, max(s.gammas))
     with ctx.console.status(f"loading {LLAMA_8B}"):
-        loaded = load_model(LLAMA_8B, dev, dt)
+        loaded = loader.load_model(LLAMA_8B, dev, dt)
         runner = ModelRunner(loaded.model, LLAMA_8B, fast=True, static=True)  # static: the graphs' maths on a CPU
-    say_note(loaded, ctx.console)
+    pair_module.say_note(loaded, ctx.console)
     asked = bool(runner.graphs)
     points = sorted(found.fits, key=lambda p: (p[0] * p[1], p))
     rows, predicted, late = [], [], []
@@ -108,8 +112,6 @@ def _fallback_claim(frame, asked: bool) -> Claim:
 
 def _predict_section(ctx: Ctx, frame) -> Section:
     """The predictions, and where MagicDec is predicted to win at the run's budget (best gamma) per batch."""
-    from sdbench.analysis.costs import crossing_lengths
-
     s = ctx.sizes
     if frame.empty:
         return Section("predict", frame, notes=["no point was measured: nothing to predict"])
@@ -137,14 +139,6 @@ def magicdec_run(ctx: Ctx) -> Section:
     """`run --strategy magicdec` at LLAMA_8B's shape, one batch of prompts of the sizes' context, beside plain
     decoding of the same batch (lossless check, costs), then `predict magicdec`'s profile at the same point:
     the speedup predicted with the given alpha and with the run's own, against the measured one."""
-    import pandas as pd
-
-    from sdbench.commands.run import Bench
-    from sdbench.config import RunConfig
-    from sdbench.models.pair import load_pair
-    from sdbench.reporting.results import read_results
-    from sdbench.strategies import native_needed
-
     s = ctx.sizes
     unfit = _run_does_not_fit(ctx)
     if unfit:
@@ -154,12 +148,12 @@ def magicdec_run(ctx: Ctx) -> Section:
     cfg = RunConfig(target=LLAMA_8B, strategy="magicdec", dataset=str(prompts), limit=s.run_batch,
                     batch_size=s.run_batch, max_new_tokens=s.run_tokens, gammas=(s.run_gamma,),
                     options={"budget": str(s.run_budget)}, device=ctx.device, dtype=s.dtype, out=str(ctx.work / "runs"))
-    bench = Bench(cfg, ctx.console)
+    bench = run_module.Bench(cfg, ctx.console)
     ctx.console.print(f"magicdec at {LLAMA_8B}: batch {s.run_batch}, ~{s.run_context}-token prompts, budget "
                       f"{s.run_budget}, gamma {s.run_gamma}, {s.run_tokens} new tokens", highlight=False)
-    pair = load_pair(bench.cfg, bench.device, bench.dtype, ctx.console, native_needed(bench.cfg))
+    pair = pair_module.load_pair(bench.cfg, bench.device, bench.dtype, ctx.console, native_needed(bench.cfg))
     try:
-        df = read_results([str(Bench(cfg, ctx.console, pair=pair).run())])
+        df = results.read_results([str(run_module.Bench(cfg, ctx.console, pair=pair).run())])
         asked = bench.device.type == "cuda" and bool(getattr(pair.target, "fast", False))
         held = bool(getattr(pair.target, "graphs", False))
         context = int(round(df["prompt_tokens"].mean()))
@@ -179,8 +173,6 @@ def magicdec_run(ctx: Ctx) -> Section:
 
 def _run_does_not_fit(ctx: Ctx) -> str | None:
     """Why the run's point does not fit beside the weights (`costs.memory_plan`), or None when it does."""
-    from sdbench.analysis.costs import memory_plan
-
     s = ctx.sizes
     found = memory_plan(LLAMA_8B, ctx.torch_dtype, ctx.torch_device, (s.run_batch,), (s.run_context + s.run_tokens,),
                         s.run_gamma)
@@ -190,8 +182,6 @@ def _run_does_not_fit(ctx: Ctx) -> str | None:
 def _run_rows(df) -> list[dict]:
     """Per role: the run's means, and the decode phase's speedup (plain decoding's time per token over the
     strategy's, as `reproduce magicdec` measures it: the cost model has no prefill)."""
-    from sdbench.engine.metrics import mean_accepted_length
-
     base_tpot = float(df[df["role"] == "baseline"]["tpot_s"].mean())
     out = []
     for role, group in df.groupby("role", sort=False):
@@ -208,10 +198,6 @@ def _run_rows(df) -> list[dict]:
 def _predicted_rows(ctx: Ctx, runner, df, context: int) -> list[dict]:
     """The cost model at the run's point: steps profiled through the run's own runner, alpha as given and as
     fitted to the run's accepted length."""
-    from sdbench.analysis.costs import predictions, profile
-    from sdbench.engine.metrics import mean_accepted_length
-    from sdbench.analysis.theory import alpha_from_tokens_per_step
-
     s = ctx.sizes
     with ctx.console.status("profiling the run's point for the cost model"):
         p = profile(runner, s.run_batch, context, (s.run_gamma,), (s.run_budget,), reps=s.reps)

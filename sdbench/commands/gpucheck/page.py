@@ -33,7 +33,7 @@ def arrow_safe(frame):
 
 
 def part_frame(part: int, sections, setup: dict):
-    import pandas as pd
+    import pandas as pd  # not at import: see the package's docstring
 
     frames = [s.frame.assign(section=s.name) for s in sections if len(s.frame)]
     checks = [dict(vars(c), section="checks") for s in sections for c in s.checks]
@@ -60,7 +60,7 @@ def write_part(folder: Path, part: int, sections, setup: dict, notes: list[str])
 
 def merge(out: Path) -> Path:
     """out/index.html from every out/part-N/part-N.parquet and its PNGs: one page for the parts' calls."""
-    import pandas as pd
+    import pandas as pd  # not at import: see the package's docstring
 
     files = sorted(out.glob("part-*/part-*.parquet"))
     if not files:

@@ -15,9 +15,12 @@ import os
 import random
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Iterator
 
+from sdbench.commands.reproduce.common import UNTESTABLE, verdict
+from sdbench.data.books import as_id_list
 from sdbench.errors import SdbenchError
 
 LLAMA_1B, LLAMA_3B, LLAMA_8B = "llama-1b@random", "llama-3b@random", "llama-8b@random"
@@ -98,20 +101,18 @@ class Ctx:
 
     @property
     def torch_device(self):
-        from sdbench.models.pair import resolve_device
+        from sdbench.models.pair import resolve_device  # loads torch: not before the preflight
 
         return resolve_device(self.device)
 
     @property
     def torch_dtype(self):
-        from sdbench.models.pair import resolve_dtype
+        from sdbench.models.pair import resolve_dtype  # loads torch: not before the preflight
 
         return resolve_dtype(self.sizes.dtype, self.torch_device)
 
     def verdict_or_untestable(self, ok: bool) -> tuple[str, str]:
         """(verdict, why) of a speed target: judged on a GPU at real shapes, untestable in a CPU rehearsal."""
-        from sdbench.commands.reproduce.common import UNTESTABLE, verdict
-
         if self.sizes.tiny or self.torch_device.type != "cuda":
             return UNTESTABLE, "tiny shapes or no GPU: the targets are for an H100 at the real shape"
         return verdict(ok), ""
@@ -137,8 +138,7 @@ def write_prompts(path: Path, count: int, chars: int, seed: int = 0) -> Path:
 def prompts_of_tokens(path: Path, model: str, count: int, tokens: int) -> Path:
     """A prompt file whose texts encode to about `tokens` tokens with `model`'s tokenizer (its characters per
     token measured on a sample first; the byte tokenizer's is exact: one id per byte, after the BOS)."""
-    from sdbench.data.books import as_id_list
-    from sdbench.models.loader import load_tokenizer
+    from sdbench.models.loader import load_tokenizer  # loads torch: not before the preflight
 
     tokenizer = load_tokenizer(model)
     sample = write_prompts(path, 1, 4096).read_text(encoding="utf-8")
@@ -159,7 +159,7 @@ def preflight(parts, device: str) -> None:
     if missing:
         raise SdbenchError(f"gpu-check needs {', '.join(missing)}, not installed here: bring the wheel(s) and "
                            "install them with `pip install --no-index --no-deps WHEELS` (README: On a GPU)")
-    from sdbench.models.pair import resolve_device
+    from sdbench.models.pair import resolve_device  # loads torch: only once the check has passed
 
     resolve_device(device)
 
@@ -168,9 +168,7 @@ def preflight(parts, device: str) -> None:
 def settings(tiny: bool) -> Iterator[None]:
     """For one call: no hub is ever asked (HF_HUB_OFFLINE; every model is MODEL@random), and with `tiny` the
     @random models shrunk to two layers of 64 with TINY_VOCAB ids. Both restored afterwards."""
-    from functools import partial
-
-    from sdbench.models import random_weights
+    from sdbench.models import random_weights  # these load torch: not before the preflight
     from sdbench.models.shapes import shrink
 
     before = os.environ.get("HF_HUB_OFFLINE"), random_weights.RESHAPE
@@ -191,7 +189,7 @@ def free(device) -> None:
     """Hand back what the last step's models, caches and graphs held (caches and their graphs refer to each
     other, so only the cycle collector frees them; transformers' compiled generate is dropped with the
     compiler's caches), before the next step plans its memory."""
-    import torch
+    import torch  # not before the preflight
 
     torch.compiler.reset()
     gc.collect()

@@ -6,11 +6,21 @@ from __future__ import annotations
 import subprocess
 import sys
 import xml.etree.ElementTree as ET
+from dataclasses import replace
 from pathlib import Path
 
-from sdbench.config import BenchConfig
+import pandas as pd
+
+from sdbench.commands import run as run_module  # the module: tests replace run.Bench
+from sdbench.commands.bench import GENERIC_ROW, measure_peers
 from sdbench.commands.gpucheck.plan import LLAMA_1B, LLAMA_8B, Ctx, Section, free, write_prompts
 from sdbench.commands.reproduce.common import FAILS, HOLDS, UNTESTABLE, Claim
+from sdbench.config import BenchConfig, RunConfig
+from sdbench.dsi.orchestrator import DSIRowStats
+from sdbench.dsi.pools import shutdown_pools
+from sdbench.models import pair as pair_module  # the module: tests replace pair.load_pair
+from sdbench.models.memory import GIB
+from sdbench.reporting import results  # the module: tests replace results.read_results
 
 REPO = Path(__file__).resolve().parents[3]  # the checkout holding sdbench/ and tests/
 MARK = "pytest.mark.cuda"
@@ -53,8 +63,6 @@ def _last_line(text: str) -> str:
 def cuda_tests(ctx: Ctx) -> Section:
     """`pytest -m cuda` over the modules that hold such tests, in a child process; a test that fails, or any
     test skipped while a GPU is here, fails the call."""
-    import pandas as pd
-
     files = cuda_test_files()
     claim = "the CUDA tests pass (pytest -m cuda)"
     if not files:
@@ -94,8 +102,6 @@ def cuda_tests(ctx: Ctx) -> Section:
 
 
 def _kind(system: str, graphs_asked: bool) -> str:
-    from sdbench.commands.bench import GENERIC_ROW
-
     if system.startswith("transformers"):
         return "transformers"
     if system == GENERIC_ROW:
@@ -109,11 +115,6 @@ def bench_model(ctx: Ctx, model: str) -> Section:
     """`bench` at one model's shape, batch 1, plain decoding only: transformers' generate in its fastest
     configuration here, sdbench eager, sdbench through the fast path (CUDA graphs on a GPU) and the generic
     runner; share of the memory roofline and T(gamma + 1) / T(1)."""
-    import pandas as pd
-
-    from sdbench.commands.bench import measure_peers
-    from sdbench.models.memory import GIB
-
     s = ctx.sizes
     prompts = write_prompts(ctx.work / "bench-prompts.jsonl", s.bench_prompts, s.bench_prompt_chars)
     ctx.console.print(f"bench {model}: batch 1, {s.bench_tokens} new tokens x {s.bench_prompts} prompts x "
@@ -156,24 +157,14 @@ def _target_claim(ctx: Ctx, frame) -> Claim:
 def dsi_runs(ctx: Ctx) -> Section:
     """`run --strategy dsi` at LLAMA_1B's shape, the target drafting for itself, with each worker count of the
     sizes, all workers on the one device; every run beside plain decoding of the same prompts."""
-    from dataclasses import replace
-
-    import pandas as pd
-
-    from sdbench.commands.run import Bench
-    from sdbench.config import RunConfig
-    from sdbench.dsi.pools import shutdown_pools
-    from sdbench.models.pair import load_pair
-    from sdbench.reporting.results import read_results
-
     s = ctx.sizes
     prompts = write_prompts(ctx.work / "dsi-prompts.jsonl", s.dsi_prompts, s.bench_prompt_chars)
     base = RunConfig(target=LLAMA_1B, drafts=(LLAMA_1B,), strategy="dsi", dataset=str(prompts), limit=s.dsi_prompts,
                      max_new_tokens=s.dsi_tokens, gammas=(s.dsi_gamma,), device=ctx.device, dtype=s.dtype,
                      out=str(ctx.work / "runs"))
     configs = [replace(base, options={"workers": str(w)}) for w in s.dsi_workers]
-    first = Bench(configs[0], ctx.console)
-    pair = load_pair(first.cfg, first.device, first.dtype, ctx.console)
+    first = run_module.Bench(configs[0], ctx.console)
+    pair = pair_module.load_pair(first.cfg, first.device, first.dtype, ctx.console)
     rows, checks, skipped = [], [], []
     try:
         for cfg, workers in zip(configs, s.dsi_workers):
@@ -182,7 +173,7 @@ def dsi_runs(ctx: Ctx) -> Section:
                 continue
             ctx.console.print(f"dsi at {LLAMA_1B}: {workers} workers on one {first.device.type} device",
                               highlight=False)
-            df = read_results([str(Bench(cfg, ctx.console, pair=pair).run())])
+            df = results.read_results([str(run_module.Bench(cfg, ctx.console, pair=pair).run())])
             rows += _dsi_rows(df, workers)
             checks.append(_lossless_claim(f"dsi, {workers} workers", df))
     finally:
@@ -214,12 +205,9 @@ def _dsi_rows(df, workers: int) -> list[dict]:
 
 def _numbers(stats) -> dict:
     """Mean of every number (a list: its mean) in the rows' DSIRowStats, as dsi_<field> columns."""
-    from sdbench.dsi.orchestrator import DSIRowStats  # torch
-    from sdbench.reporting.results import parse_stats
-
     sums: dict[str, list[float]] = {}
     for text in stats:
-        for key, value in DSIRowStats.from_dict(parse_stats(text)).to_dict().items():
+        for key, value in DSIRowStats.from_dict(results.parse_stats(text)).to_dict().items():
             if isinstance(value, list) and value and all(isinstance(v, (int, float)) for v in value):
                 value = sum(value) / len(value)
             if isinstance(value, (int, float)) and not isinstance(value, bool):

@@ -7,6 +7,8 @@ its line in `papers` at it.
 
 from __future__ import annotations
 
+from rich.console import Console
+
 from sdbench.commands.reproduce.common import Claim, ReproduceConfig, claims_table, write_report
 from sdbench.registry import Registry
 
@@ -26,8 +28,6 @@ papers.add("polybasic", "sdbench.commands.reproduce.polybasic:reproduce",
 
 def run_paper(name: str, cfg: ReproduceConfig, console=None) -> list[Claim]:
     """Run one paper's reproduction, write its report folder, print its claims; return the claims."""
-    from rich.console import Console
-
     console = console or Console()
     entry = papers.entry(name)
     reproduce = entry.load()

@@ -23,11 +23,18 @@ import math
 import time
 from dataclasses import dataclass, replace
 
+import pandas as pd
+
+from sdbench.commands import run as run_module  # the module: tests replace run.Bench
 from sdbench.commands.reproduce.adaptive_claims import GUESSED, MARGIN, TUNING_GAP, judge
 from sdbench.commands.reproduce.common import (Figure, Report, ReproduceConfig, environment_facts, figure_png,
                                                grouped_bars, pyplot)
+from sdbench.config import RunConfig
 from sdbench.drafting.ngram import DRAFT_NAME as NGRAM
 from sdbench.errors import SdbenchError
+from sdbench.models import pair as pair_module  # the module: tests replace pair.load_pair
+from sdbench.reporting import results  # the module: tests replace results.read_results
+from sdbench.reporting.report import ALL, summarize
 from sdbench.strategies.adaptive import AdaptiveRowStats
 
 TITLE = ("A Drop-In Solution for On-the-Fly Adaptation of Speculative Decoding in Large Language Models "
@@ -78,8 +85,6 @@ def candidates(cfg: ReproduceConfig) -> tuple[str, str]:
 
 def run_configs(cfg: ReproduceConfig, plan: Plan, dataset: str, out, fsm_draft: str) -> dict:
     """Run name -> RunConfig for one data set, the sweep first."""
-    from sdbench.config import RunConfig
-
     both = candidates(cfg)
     base = RunConfig(target=cfg.target, drafts=both, strategy="adaptive", dataset=dataset, limit=plan.limit,
                      max_new_tokens=plan.max_new_tokens, turns=plan.turns, device=cfg.device, dtype=cfg.dtype,
@@ -97,23 +102,21 @@ def run_configs(cfg: ReproduceConfig, plan: Plan, dataset: str, out, fsm_draft: 
 def real_runs(cfg: ReproduceConfig, plan: Plan, out, console) -> dict:
     """Every run of the plan on one loaded pair. Returns {"runs": {dataset: {run: Parquet path}},
     "fsm_draft": {dataset: candidate}, "candidates": (model, ngram)}."""
-    from sdbench.commands.run import Bench
-    from sdbench.models.pair import load_pair
-
     both = candidates(cfg)
-    checked = [Bench(c, console) for d in plan.datasets for fsm in both  # every setting before the models load
+    checked = [run_module.Bench(c, console)  # every setting before the models load
+               for d in plan.datasets for fsm in both
                for name, c in run_configs(cfg, plan, d, out, fsm).items() if fsm == both[0] or name.startswith("fsm")]
-    pair = load_pair(checked[0].cfg, checked[0].device, checked[0].dtype, console)
+    pair = pair_module.load_pair(checked[0].cfg, checked[0].device, checked[0].dtype, console)
     runs, fsm_drafts = {}, {}
     for dataset in plan.datasets:
         sweep = run_configs(cfg, plan, dataset, out, both[0])["sweep"]
-        paths = {"sweep": Bench(sweep, console, pair=pair).run()}
+        paths = {"sweep": run_module.Bench(sweep, console, pair=pair).run()}
         fsm_drafts[dataset] = sweep_winner(paths["sweep"], both)
         console.print(f"{dataset}: the FSM schedules draft with {fsm_drafts[dataset]}, the candidate fastest at its "
                       "best fixed γ in the sweep", highlight=False)
         for name, config in run_configs(cfg, plan, dataset, out, fsm_drafts[dataset]).items():
             if name != "sweep":
-                paths[name] = Bench(config, console, pair=sub_pair(pair, both, config.drafts)).run()
+                paths[name] = run_module.Bench(config, console, pair=sub_pair(pair, both, config.drafts)).run()
         runs[dataset] = paths
     return {"runs": runs, "fsm_draft": fsm_drafts, "candidates": both}
 
@@ -136,11 +139,7 @@ def sweep_winner(path, both: tuple[str, ...]) -> str:
 
 def collect(runs: dict):
     """Every row of every run, with `dataset` the plan's name for it and `run` the run's name."""
-    import pandas as pd
-
-    from sdbench.reporting.results import read_results
-
-    frames = [read_results([str(path)]).assign(dataset=dataset, run=run)
+    frames = [results.read_results([str(path)]).assign(dataset=dataset, run=run)
               for dataset, paths in runs.items() for run, path in paths.items()]
     return pd.concat(frames, ignore_index=True)
 
@@ -167,10 +166,6 @@ def systems_table(rows):
     """Per data set x system: tokens/s, speedup over its own run's plain decoding (with its interval), mean
     accepted length, acceptance rate, mean gamma chosen (plain steps count as 0) and the run's plain tokens/s.
     Plain decoding appears once per data set (the sweep's); every run's own is in plain_tokens_per_s."""
-    import pandas as pd
-
-    from sdbench.reporting.report import ALL, summarize
-
     out = []
     for (dataset, run), df in rows.groupby(["dataset", "run"], sort=False):
         summary = summarize(df)
@@ -192,9 +187,7 @@ def systems_table(rows):
 
 
 def row_stats(group) -> list[AdaptiveRowStats]:
-    from sdbench.reporting.results import parse_stats
-
-    return [AdaptiveRowStats.from_dict(parse_stats(s)) for s in group["strategy_stats"]]
+    return [AdaptiveRowStats.from_dict(results.parse_stats(s)) for s in group["strategy_stats"]]
 
 
 def gamma_hist(group) -> dict[int, int]:
@@ -214,8 +207,6 @@ def mean_gamma(hist: dict[int, int]) -> float:
 def gamma_table(rows):
     """Per data set and adaptive or state-machine system: the share of its rounds at each gamma. Rows record
     how many rounds used each gamma (RowTrace), not their order, so this is a distribution, not a trajectory."""
-    import pandas as pd
-
     out = []
     for (dataset, run, role), group in rows.groupby(["dataset", "run", "role"], sort=False):
         hist = gamma_hist(group)
@@ -230,8 +221,6 @@ def selection_table(rows, both: tuple[str, str]):
     """Per prompt of the paper's runs: the draft it selected, whether that was an exploration (a candidate not
     measured yet) or the prompt model's choice, each candidate's tokens/s at its best fixed gamma on that prompt
     (the sweep), the fastest, and whether the selection was right (within MARGIN of the fastest)."""
-    import pandas as pd
-
     out = []
     for dataset, df in rows.groupby("dataset", sort=False):
         fixed = df[(df["run"] == "sweep") & df["role"].str.startswith("compare-")]
@@ -282,8 +271,6 @@ def headline(systems, both: tuple[str, str], fsm_drafts: dict):
     """Per data set, the speedups the figure shows: both adaptive systems, the sweep's best fixed setting,
     the guessed gamma (with the faster candidate there and with the model), the paper's method with the FSM's
     draft alone and the FSM schedules with it; `draft` names the candidate where one is fixed."""
-    import pandas as pd
-
     out = []
     for dataset, df in systems.groupby("dataset", sort=False):
         c = fsm_drafts.get(dataset, both[0])

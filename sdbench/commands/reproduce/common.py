@@ -4,15 +4,22 @@ A paper's module returns a Report: its claims (the paper's words, the measured c
 why), the measurements as tables, the figures as PNG bytes and the setup. `write_report` writes the folder:
 one Parquet file per table (claims.parquet too), one PNG per figure and report.html, whose first section is
 the claims table, then the figures, the tables and the setup (device, dtype, versions, commit).
+
+gpu-check imports this module before its preflight has checked that the packages it needs are installed, so
+torch (through the sdbench modules that load it), pandas, numpy and matplotlib are imported inside the functions
+that use them.
 """
 
 from __future__ import annotations
 
 import base64
 import html
+import io
 import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+
+from rich.table import Table
 
 from sdbench.config import DEFAULT_OUT, DEFAULT_TARGET
 from sdbench.paths import output_dir
@@ -42,7 +49,7 @@ class ReproduceConfig:
     def small_draft(self) -> str:
         """--draft, else the target's int8 copy where one can be made (float32 on a CPU), else the target: the
         cheaper model that magicdec's small draft, adaptive's model candidate and polybasic's middle level use."""
-        from sdbench.models.pair import resolve_device
+        from sdbench.models.pair import resolve_device  # not at import: see the module's docstring
         from sdbench.models.variants import split_variant
 
         if self.draft:
@@ -99,7 +106,7 @@ ENVIRONMENT_KEYS = ("device", "dtype", "cpu", "cpu_count", "gpu", "torch_version
 
 def environment_facts(cfg: ReproduceConfig) -> dict:
     """The machine and software a reproduction ran on (the first rows of every report's setup)."""
-    from sdbench.env import environment
+    from sdbench.env import environment  # not at import: see the module's docstring
     from sdbench.models.pair import resolve_device
 
     env = environment(str(resolve_device(cfg.device)), cfg.dtype)
@@ -111,15 +118,13 @@ def verdict(ok: bool) -> str:
 
 
 def claims_frame(claims: list[Claim]):
-    import pandas as pd
+    import pandas as pd  # not at import: see the module's docstring
 
     return pd.DataFrame([asdict(c) for c in claims], columns=list(Claim.__dataclass_fields__))
 
 
 def claims_table(claims: list[Claim], title: str = "claims"):
     """The claims as a rich table: claim, measured here, verdict (coloured) and why."""
-    from rich.table import Table
-
     table = Table(title=title, show_lines=True)
     for col, ratio in (("claim", 3), ("measured here", 3), ("verdict", 1), ("why", 3)):
         table.add_column(col, ratio=ratio, overflow="fold")
@@ -130,7 +135,7 @@ def claims_table(claims: list[Claim], title: str = "claims"):
 
 def pyplot():
     """matplotlib's pyplot on the file-only backend: reports are written, never shown."""
-    import matplotlib
+    import matplotlib  # slow to import, and only figures need it
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -140,7 +145,7 @@ def pyplot():
 
 def grouped_bars(ax, positions, series) -> None:
     """One bar per (label, values) of `series` at each position, side by side within 0.8 of a unit."""
-    import numpy as np
+    import numpy as np  # not at import: see the module's docstring
 
     width = 0.8 / max(len(series), 1)
     for i, (label, values) in enumerate(series):
@@ -149,9 +154,7 @@ def grouped_bars(ax, positions, series) -> None:
 
 def figure_png(fig) -> bytes:
     """A matplotlib figure as PNG bytes (the figure is closed)."""
-    import io
-
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # slow to import, and only figures need it
 
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=110)

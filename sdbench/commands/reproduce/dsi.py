@@ -17,13 +17,23 @@ Then each claim gets its verdict.
 from __future__ import annotations
 
 import os
+import tempfile
 from dataclasses import dataclass, replace
+from pathlib import Path
 
+import pandas as pd
+
+from sdbench.analysis.costs import profile
 from sdbench.analysis.dsi_heatmap import KMAX, PAPER_WORKERS, heatmap, plot_heatmap, table_lookahead
 from sdbench.analysis.dsi_sim import Setting, offline, online, profile_from_results, workers_warning
 from sdbench.analysis.theory import dsi_latency_per_token, dsi_workers_needed, si_latency_per_token
+from sdbench.commands import run as run_module  # the module: tests replace run.Bench
 from sdbench.commands.reproduce.common import (FAILS, HOLDS, UNTESTABLE, Claim, Figure, Report, ReproduceConfig,
                                                environment_facts, figure_png, grouped_bars, pyplot, verdict)
+from sdbench.config import RunConfig
+from sdbench.errors import SdbenchError
+from sdbench.models import pair as pair_module  # the module: tests replace pair.load_pair
+from sdbench.reporting import results  # the module: tests replace results.read_results
 
 TITLE = ("Distributed Speculative Inference (DSI): Speculation Parallelism for Provably Faster Lossless Language "
          "Model Inference (Timor et al., arXiv 2405.14105)")
@@ -86,17 +96,13 @@ def reproduce(cfg: ReproduceConfig, folder, console) -> Report:
 def real_runs(cfg: ReproduceConfig, plan: Plan, out, console) -> dict:
     """SI and DSI on the same prompts, each beside plain decoding, on one loaded pair; returns the Parquet
     paths ("si", "dsi") and the lookahead the paper's rule chose ("k") from c timed here ("c_timed")."""
-    from sdbench.commands.run import Bench
-    from sdbench.config import RunConfig
-    from sdbench.models.pair import load_pair
-
     base = RunConfig(target=cfg.target, drafts=(cfg.drafter,), strategy="draft", limit=plan.limit,
                      max_new_tokens=plan.max_new_tokens, device=cfg.device, dtype=cfg.dtype, out=str(out),
                      gammas=(1,))
     dsi_cfg = replace(base, strategy="dsi", options={"workers": str(plan.workers)})
-    first = Bench(base, console)
-    Bench(dsi_cfg, console)  # every setting is checked before the models load
-    pair = load_pair(first.cfg, first.device, first.dtype, console)
+    first = run_module.Bench(base, console)
+    run_module.Bench(dsi_cfg, console)  # every setting is checked before the models load
+    pair = pair_module.load_pair(first.cfg, first.device, first.dtype, console)
     with console.status("timing one forward of each model"):
         c_timed = drafter_ratio(pair)
     k = table_lookahead(c_timed, plan.workers)
@@ -104,15 +110,13 @@ def real_runs(cfg: ReproduceConfig, plan: Plan, out, console) -> dict:
         "no lookahead of 1, 5, 10 meets the worker bound, so k = 10 (the nearest)")
     k = k or 10
     console.print(f"c = {c_timed:.3g} timed here; {rule} for {plan.workers} workers", highlight=False)
-    si = Bench(replace(base, gammas=(k,)), console, pair=pair).run()
-    dsi = Bench(replace(dsi_cfg, gammas=(k,)), console, pair=pair).run()
+    si = run_module.Bench(replace(base, gammas=(k,)), console, pair=pair).run()
+    dsi = run_module.Bench(replace(dsi_cfg, gammas=(k,)), console, pair=pair).run()
     return {"si": si, "dsi": dsi, "k": k, "c_timed": c_timed}
 
 
 def drafter_ratio(pair, context: int = 128) -> float:
     """One draft forward over one target forward at batch 1 (medians), the c the paper's rule needs."""
-    from sdbench.analysis.costs import profile
-
     target = profile(pair.target, 1, context, [1], []).target_s
     draft = profile(pair.drafts[0], 1, context, [1], []).target_s
     return draft / target
@@ -120,8 +124,6 @@ def drafter_ratio(pair, context: int = 128) -> float:
 
 def dsi_profile(runs: dict, s_si: Setting) -> tuple[Setting, bool]:
     """The DSI run's setting; its acceptance rate is the SI run's when it judged no draft (then True)."""
-    from sdbench.errors import SdbenchError
-
     try:
         return profile_from_results([str(runs["dsi"])])[0], False
     except SdbenchError:
@@ -132,11 +134,9 @@ def measured_per_token(runs: dict) -> dict:
     """Seconds per token of the decode phase (mean tpot over rows) of SI and DSI, and of the plain decoding
     measured beside each ("plain_si", "plain_dsi"; "plain" is the SI run's). Each run interleaves its baseline
     with its strategy batch by batch, so a strategy is compared with the baseline of its own run."""
-    from sdbench.reporting.results import read_results
-
     out = {}
     for name in ("si", "dsi"):
-        df = read_results([str(runs[name])])
+        df = results.read_results([str(runs[name])])
         out[f"plain_{name}"] = float(df[df["role"] == "baseline"]["tpot_s"].mean())
         out[name] = float(df[df["role"] == "strategy"]["tpot_s"].mean())
     out["plain"] = out["plain_si"]
@@ -149,8 +149,6 @@ def measured_per_token(runs: dict) -> dict:
 def sim_vs_real(s_si: Setting, s_dsi: Setting, real: dict, repeats: int):
     """Per algorithm: measured seconds per token beside the offline and online simulation on the same
     measured latencies (plain and SI from the SI run's profile, DSI from the DSI run's), and the errors."""
-    import pandas as pd
-
     rows = []
     for name, s in (("plain", s_si), ("si", s_si), ("dsi", s_dsi)):
         off, on = offline(s), online(s, repeats, seed=0)
@@ -166,8 +164,6 @@ def sim_vs_real(s_si: Setting, s_dsi: Setting, real: dict, repeats: int):
 def latency_table(c: float, a: float, workers_options) -> "object":
     """The paper's latency table at one (c, a): lookahead by its rule for each worker count, offline latency
     per token of plain decoding, SI and DSI (worker-limited) in target forwards, and the speedups."""
-    import pandas as pd
-
     rows = []
     for workers in dict.fromkeys(workers_options):
         k = table_lookahead(c, workers)
@@ -182,8 +178,6 @@ def latency_table(c: float, a: float, workers_options) -> "object":
 def worker_sweep(plan: Plan):
     """Latency per token against the worker count at SWEEP: the worker-limited offline count, the online
     simulation in its preemptive idealisation (what the count models) and as sdbench runs it."""
-    import pandas as pd
-
     rows = []
     for workers in range(1, PAPER_WORKERS + 1):
         s = Setting(1.0, SWEEP["c"], SWEEP["a"], SWEEP["k"], workers, plan.tokens)
@@ -310,9 +304,6 @@ def claim_never_slower_here(versus, s: Setting, real: dict) -> Claim:
 
 
 def heatmap_figure(frame, s: Setting) -> Figure:
-    import tempfile
-    from pathlib import Path
-
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "heatmap.png"
         plot_heatmap(frame, path, mark=(min(s.c, 1.0), min(max(s.a, 0.0), 1.0)))

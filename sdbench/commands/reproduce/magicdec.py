@@ -17,12 +17,26 @@ Then each claim gets its verdict (magicdec_claims.py) and the figures are drawn.
 
 from __future__ import annotations
 
+import json
 import math
+import time
 from dataclasses import dataclass, replace
 
+import pandas as pd
+from rich.progress import Progress
+
+from sdbench.analysis.costs import (alphas_from_results, critical_lengths, crossing_lengths, predictions, profile,
+                                    with_alphas)
+from sdbench.commands import run as run_module  # the module: tests replace run.Bench
 from sdbench.commands.reproduce.common import (Figure, Report, ReproduceConfig, environment_facts, figure_png,
                                                pyplot)
 from sdbench.commands.reproduce.magicdec_claims import judge, kv_share, self_spec_best
+from sdbench.config import RunConfig
+from sdbench.engine.metrics import mean_accepted_length
+from sdbench.engine.state import needed_capacity
+from sdbench.models import pair as pair_module  # the module: tests replace pair.load_pair
+from sdbench.reporting import results  # the module: tests replace results.read_results
+from sdbench.strategies import native_needed
 
 TITLE = ("MagicDec: Breaking the Latency-Throughput Tradeoff for Long Context Generation with Speculative Decoding "
          "(Sadhukhan, Chen et al., arXiv 2408.11049, ICLR 2025)")
@@ -83,8 +97,6 @@ def reproduce(cfg: ReproduceConfig, folder, console) -> Report:
 def run_configs(cfg: ReproduceConfig, plan: Plan, draft: str, out, gamma: int | None = None) -> list[tuple]:
     """((strategy, selector, batch, prompt length), RunConfig) for every real run, the three configurations of
     one (batch, prompt length) one after another; at lookahead `gamma` (default the plan's)."""
-    from sdbench.config import RunConfig
-
     planned = []
     for batch in plan.run_batches:
         for length in plan.prompt_lens:
@@ -104,16 +116,11 @@ def run_configs(cfg: ReproduceConfig, plan: Plan, draft: str, out, gamma: int | 
 def measure(cfg: ReproduceConfig, plan: Plan, draft: str, out, console) -> tuple[dict, list[Run], dict]:
     """Load the pair once, profile it, pick the runs' lookahead on the profile, then every real run on the
     same pair; returns (profiles, runs, wall seconds of the profile and of the runs)."""
-    import time
-
-    from sdbench.commands.run import Bench
-    from sdbench.models.pair import load_pair
-    from sdbench.strategies import native_needed
-
-    checked = [Bench(run, console) for _, run in run_configs(cfg, plan, draft, out)]  # before the models load
+    # every setting is checked before the models load
+    checked = [run_module.Bench(run, console) for _, run in run_configs(cfg, plan, draft, out)]
     loader = next(b for b in checked if b.cfg.strategy == "draft")  # its pair holds the small draft
     native = {name: why for b in checked for name, why in native_needed(b.cfg).items()}  # MagicDec's runs too
-    pair = load_pair(loader.cfg, loader.device, loader.dtype, console, native)
+    pair = pair_module.load_pair(loader.cfg, loader.device, loader.dtype, console, native)
     t0 = time.perf_counter()
     profiles = profile_grid(pair, plan, grid_contexts(plan, pair.max_positions), console)
     gamma = pick_gamma(profiles, plan)
@@ -125,15 +132,13 @@ def measure(cfg: ReproduceConfig, plan: Plan, draft: str, out, console) -> tuple
     for i, ((strategy, selector, batch, length), run) in enumerate(planned):
         console.print(f"run {i + 1}/{len(planned)}: {strategy} ({selector}, budget {plan.budget}), batch {batch}, "
                       f"{length}-token prompts", highlight=False)
-        runs.append(Run(strategy, selector, batch, length, str(Bench(run, console, pair=pair).run())))
+        runs.append(Run(strategy, selector, batch, length, str(run_module.Bench(run, console, pair=pair).run())))
     return profiles, runs, {"profile": t1 - t0, "runs": time.perf_counter() - t1}
 
 
 def pick_gamma(profiles: dict, plan: Plan) -> int:
     """The lookahead of the best predicted self-speculation at the runs' budget, largest batch and longest
     prompt, with a provisional alpha; the plan's when the profile has no such point."""
-    from sdbench.analysis.costs import predictions
-
     batch, context = max(plan.run_batches), max(plan.prompt_lens)
     rows = [r for p in profiles["target"] if (p.batch, p.context) == (batch, context)
             for r in predictions(p, PROVISIONAL_ALPHA) if r["budget"] == plan.budget]
@@ -142,8 +147,6 @@ def pick_gamma(profiles: dict, plan: Plan) -> int:
 
 def grid_contexts(plan: Plan, max_positions: int) -> tuple[int, ...]:
     """The profiled contexts with the runs' prompt lengths, each within the model's positions."""
-    from sdbench.engine.state import needed_capacity
-
     room = max_positions - (needed_capacity(0, 0, max(plan.gammas)))
     return tuple(sorted({min(s, room) for s in (*plan.contexts, *plan.prompt_lens)}))
 
@@ -151,10 +154,6 @@ def grid_contexts(plan: Plan, max_positions: int) -> tuple[int, ...]:
 def profile_grid(pair, plan: Plan, contexts, console) -> dict:
     """{"target": [Profile], "draft": [Profile]}: the target's T_T, T_V, T_D per budget, and the small draft's
     dense step (its `target_s`) and compressed step at the runs' budget (its `draft_s`), at every grid point."""
-    from rich.progress import Progress
-
-    from sdbench.analysis.costs import profile
-
     draft = pair.drafts[0]
     found = {"target": [], "draft": []}
     with Progress(console=console, transient=True) as progress:
@@ -172,8 +171,6 @@ def profile_grid(pair, plan: Plan, contexts, console) -> dict:
 
 def profile_frame(profiles: dict):
     """The profile in long form: model, step (dense / verify / sparse), batch, context, gamma, budget, ms."""
-    import pandas as pd
-
     rows = []
     for model, found in profiles.items():
         for p in found:
@@ -190,8 +187,6 @@ def profile_frame(profiles: dict):
 
 def run_alphas(runs: list[Run]) -> dict[str, dict]:
     """strategy -> {(selector, budget, prompt length): alpha} fitted to the real runs."""
-    from sdbench.analysis.costs import alphas_from_results
-
     return {s: alphas_from_results([r.path for r in runs if r.strategy == s], strategy=s)
             for s in dict.fromkeys(r.strategy for r in runs)}
 
@@ -200,8 +195,6 @@ def predict_all(profiles: dict, alphas: dict[str, dict]) -> list[dict]:
     """The predicted speedup at every profiled (batch, context, gamma, budget) for each measured configuration:
     self-speculation (magicdec) per selector, and the small draft through its compressed cache (its own T_D,
     the target's T_T and T_V). Only budgets a run measured an acceptance rate for are predicted."""
-    from sdbench.analysis.costs import predictions, with_alphas
-
     drafts = {(p.batch, p.context): p for p in profiles["draft"]}
     rows = []
     for strategy, measured in alphas.items():
@@ -235,17 +228,10 @@ def run_summary(runs: list[Run], alphas: dict[str, dict], predicted: list[dict])
     Every run at one (batch, prompt length) decodes the same prompts beside its own plain decoding; plain
     decoding's latency and throughput there are the median over those runs (one batch of a dozen tokens is
     noisy, and one slow baseline would otherwise decide a comparison), `run_speedup` is against the run's own."""
-    import json
-
-    import pandas as pd
-
-    from sdbench.engine.metrics import mean_accepted_length
-    from sdbench.reporting.results import read_results
-
     index = {(r["strategy"], r["selector"], r["batch"], r["context"], r["gamma"], r["budget"]): r for r in predicted}
     rows = []
     for run in runs:
-        df = read_results([run.path])
+        df = results.read_results([run.path])
         plain, spec = df[df["role"] == "baseline"], df[df["role"] == "strategy"]
         params = json.loads(spec["params"].iloc[0])
         budget, gamma = int(params["budget"]), int(params["gamma"])
@@ -272,10 +258,6 @@ def run_summary(runs: list[Run], alphas: dict[str, dict], predicted: list[dict])
 def critical_frame(predicted: list[dict]):
     """Per batch size: where self-speculation's best predicted speedup crosses 1 (interpolated in log context)
     and the first profiled context that wins."""
-    import pandas as pd
-
-    from sdbench.analysis.costs import critical_lengths, crossing_lengths
-
     spec = [r for r in predicted if r["strategy"] == "magicdec"]
     if not spec:
         return pd.DataFrame(columns=["batch", "crossing", "length", "first_winning_context"])
@@ -285,8 +267,6 @@ def critical_frame(predicted: list[dict]):
 
 
 def _frame(rows: list[dict]):
-    import pandas as pd
-
     return pd.DataFrame(rows)
 
 

@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
+
+from sdbench.analysis.costs import crossing_lengths
 from sdbench.commands.reproduce.common import FAILS, UNTESTABLE, Claim, verdict
 
 FLAT = 0.25  # a step growing by at most this share from the shortest to the longest context counts as flat
@@ -33,8 +36,6 @@ def kv_share(profiles: dict) -> dict[int, float]:
     """Per batch size, the share of the target step that grows with context, (T_T(Smax) - T_T(Smin)) / T_T(Smax),
     on the least-squares line of T_T against S over every profiled context (reading the cache is linear in S;
     the line keeps one noisy point from deciding)."""
-    import numpy as np
-
     share = {}
     for batch in sorted({p.batch for p in profiles["target"]}):
         points = sorted((p.context, p.target_s) for p in profiles["target"] if p.batch == batch)
@@ -101,8 +102,6 @@ def claim_draft_flat(profiles: dict) -> Claim:
 
 
 def claim_critical(profiles: dict, predicted: list[dict], summary) -> Claim:
-    from sdbench.analysis.costs import crossing_lengths
-
     best = self_spec_best(predicted)
     contexts = sorted(best)
     rising = {s: rises(best[s][b] for b in sorted(best[s])) for s in contexts}

@@ -18,10 +18,15 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from sdbench.analysis.chain import ChainRun, insertion_verdict, paper_verdict
+import numpy as np
+import pandas as pd
+
+from sdbench.analysis.chain import (ChainRun, chain_config, insertion_verdict, load_chains, paper_verdict,
+                                    profile_and_measure)
 from sdbench.commands.reproduce.common import (UNTESTABLE, Claim, Figure, Report, ReproduceConfig,
                                                environment_facts, figure_png, grouped_bars, pyplot, verdict)
 from sdbench.config import DEFAULT_GAMMA, SamplingConfig
+from sdbench.data.prompts import encode_prompts
 from sdbench.strategies.polybasic import NGRAM, parse_mu
 
 TITLE = ("Polybasic Speculative Decoding Through a Theoretical Perspective (Ruilin Wang, Huixia Li, Yuexiao Ma, "
@@ -87,9 +92,6 @@ def reproduce(cfg: ReproduceConfig, folder, console) -> Report:
 def measure_systems(cfg: ReproduceConfig, plan: Plan, console) -> tuple[dict[str, ChainRun], dict[str, int]]:
     """Profile and measure the four systems (`systems`) on one loaded target; returns the runs by key and the
     prompts measured per dataset."""
-    from sdbench.analysis.chain import chain_config, load_chains, profile_and_measure
-    from sdbench.data.prompts import encode_prompts
-
     chains = systems(cfg)
     rc = chain_config(cfg.target, [c for c in chains.values() if c], plan.datasets[0], plan.limit,
                       plan.max_new_tokens, plan.gamma, plan.mu, SEED, cfg.device, cfg.dtype)
@@ -110,8 +112,6 @@ def _levels(target: str, chain: list[str]) -> str:
 def chains_frame(runs: dict[str, ChainRun], target: str):
     """Per system: per level (top down) ms per forward T, accepted length L, block size N; the predicted ms per
     token (sdbench's form, the paper's simple form), the measured one, the speedup and the losslessness."""
-    import pandas as pd
-
     plain = runs["plain"]
     rows = []
     for key, run in runs.items():
@@ -134,8 +134,6 @@ def chains_frame(runs: dict[str, ChainRun], target: str):
 
 def insertions_frame(runs: dict[str, ChainRun], inserted: list[Insertion]):
     """Per insertion: both tests' (old, new) ms per token of the level they compare, and the measured chains."""
-    import pandas as pd
-
     rows = []
     for ins in inserted:
         old, new = runs[ins.old], runs[ins.new]
@@ -155,8 +153,6 @@ def insertions_frame(runs: dict[str, ChainRun], inserted: list[Insertion]):
 def spread_frame(runs: dict[str, ChainRun]):
     """Per system, verifying level and mode (greedy, sampling): rounds, mean and variance of the tokens a round
     commits, the variance of independent acceptances at that mean, their ratio and the coefficient of variation."""
-    import pandas as pd
-
     rows = []
     for key, run in runs.items():
         for mode, levels in run.spread.items():
@@ -301,8 +297,6 @@ def times_figure(chains) -> Figure:
 
 
 def spread_figure(spread) -> Figure:
-    import numpy as np
-
     fig, ax = pyplot().subplots(figsize=(9, 4.5), constrained_layout=True)
     keys = list(dict.fromkeys(zip(spread["system"], spread["level"], spread["model"], spread["below"])))
     x = np.arange(len(keys))
