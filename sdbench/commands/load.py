@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from sdbench.commands.divergence import judge_rows
-from sdbench.commands.roles import BASELINE, Measured
+from sdbench.commands.roles import BASELINE, EveryRole, Measured
 from sdbench.config import RunConfig
 from sdbench.engine.loop import serve
 from sdbench.engine.metrics import RowMetrics, format_slo, predicted_speedup, rate, served_row_metrics
@@ -97,22 +97,23 @@ def _rows(bench, measured: list[Measured[Scheduler]], prompts, fields: RunFields
     """One row per request and role; speedup and lossless against the baseline's row for the same request."""
     cfg = bench.cfg
     served = {m.role.name: _served(m.result, cfg.slo) for m in measured}
-    base = next((m for m in measured if m.role.is_baseline), None)
+    base = EveryRole.baseline(measured)
+    base_requests = {req.index: req for req in base.requests} if base is not None else {}
     rows = []
     for m in measured:
         weights = weights_of([cfg.target, *m.role.drafts])
-        for req, metrics in zip(m.result.requests, served[m.role.name].values()):
+        for req in m.result.requests:
             p, judged = prompts[req.index], Judged(None, cfg.sampling.greedy)
-            if base is not None and req.index in served[BASELINE]:
-                breq = next(r for r in base.result.requests if r.index == req.index)
+            breq = base_requests.get(req.index)
+            if breq is not None:
                 predicted = math.nan if m.role.is_baseline else predicted_speedup(req.stats, breq.stats)
                 judged = Judged(served[BASELINE][req.index], cfg.sampling.greedy, predicted)  # DSI is never served
             place = replace(at, category=p.category, prompt_id=p.id, depth=p.depth)
-            rows.append(result_row(fields, m.role, place, metrics, judged, m.memory, weights))
+            rows.append(result_row(fields, m.role, place, served[m.role.name][req.index], judged, m.memory, weights))
     return rows
 
 
 def _served(done: Scheduler, slo: dict) -> dict[int, RowMetrics]:
-    """Request index -> its metrics, in the order the scheduler holds the requests."""
+    """Request index -> its metrics."""
     throughput = rate(sum(len(req.output_ids) for req in done.requests), done.duration_s)
     return {req.index: served_row_metrics(req, done.duration_s, slo, throughput) for req in done.requests}

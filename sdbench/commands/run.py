@@ -241,6 +241,7 @@ class Bench:
         """The rows of one decoded batch: one per role and prompt (prompts: the batch's, in row order)."""
         rows = []
         base = EveryRole.baseline(measured)
+        base_rows = [row_metrics(base, b) for b in range(len(prompts))] if base is not None else None
         for m in measured:
             res = m.result
             predicted = math.nan  # the sequential-SD model says nothing of DSI
@@ -248,7 +249,7 @@ class Bench:
                 predicted = predicted_batch_speedup(res.rows, base.rows, [len(o) for o in res.output_ids])
             weights = weights_of([self.cfg.target, *m.role.drafts])  # a @random model: "random"
             for b, p in enumerate(prompts):
-                judged = Judged(row_metrics(base, b) if base is not None else None, self.cfg.sampling.greedy,
+                judged = Judged(base_rows[b] if base_rows is not None else None, self.cfg.sampling.greedy,
                                 predicted, answer_found(p, res.output_ids[b], tokenizer))
                 place = replace(at, category=p.category, prompt_id=p.id, depth=p.depth)
                 rows.append(result_row(self.fields, m.role, place, row_metrics(res, b), judged, m.memory, weights))
