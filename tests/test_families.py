@@ -11,6 +11,7 @@ of the family's differences changes the logits (so that the test would fail with
 from __future__ import annotations
 
 import dataclasses
+import weakref
 
 import pytest
 import torch
@@ -94,14 +95,16 @@ def _prompts(seed: int = 3) -> list[list[int]]:
     return [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (7, 12, 4)]
 
 
-_GREEDY: dict = {}  # (model, prompts) -> the library's tokens, computed once for the three modes
+# model -> {prompts: the library's tokens}, computed once for the three modes. Keyed by the model itself, held
+# weakly: an id() key can be reused by the next family's model once the fixture frees this one.
+_GREEDY: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _library_greedy(model, prompts) -> list[list[int]]:
-    key = (id(model), str(prompts))
-    if key not in _GREEDY:
-        _GREEDY[key] = [library_greedy(model, p, NEW) for p in prompts]
-    return _GREEDY[key]
+    known = _GREEDY.setdefault(model, {})
+    if str(prompts) not in known:
+        known[str(prompts)] = [library_greedy(model, p, NEW) for p in prompts]
+    return known[str(prompts)]
 
 
 @pytest.mark.parametrize("mode", ["plain", "fast", "static"])
