@@ -3,7 +3,6 @@ transformers generate's fastest configuration for `bench`; and `bench` at a real
 
 from __future__ import annotations
 
-import time
 
 import pytest
 import torch
@@ -134,6 +133,7 @@ def test_a_measured_head_gives_the_librarys_logits_on_a_tied_model(measuring, mo
 
 def test_pick_takes_the_fastest_configuration_that_runs_and_says_why_others_did_not(monkeypatch):
     delay = {"dynamic": 0.03, "static": 0.01}
+    clock = [0.0]  # a fake clock each configuration's run advances by its delay: no timing, no flakes
 
     def generator(model, eos, kwargs):
         name = "compiled" if "compile_config" in kwargs else "static" if kwargs else "dynamic"
@@ -141,11 +141,12 @@ def test_pick_takes_the_fastest_configuration_that_runs_and_says_why_others_did_
         def run(prompt, n):
             if name == "compiled":
                 raise RuntimeError("inductor: no C++ compiler\nmore detail")
-            time.sleep(delay[name])
+            clock[0] += delay[name]
             return [1] * n
         return run
 
     monkeypatch.setattr(hf_generate, "generator", generator)
+    monkeypatch.setattr(hf_generate, "now", lambda device: clock[0])
     picked = hf_generate.pick(None, [1, 2], [0], "fastest", torch.device("cpu"))
     assert picked.name == "static" and set(picked.rates) == {"dynamic", "static"}
     line = picked.line()
