@@ -48,7 +48,8 @@ def test_static_forward_equals_eager(target, static_target, prompts, width):
     tokens = torch.randint(0, VOCAB, (len(prompts), width), generator=g)
     start = [len(p) for p in prompts]  # rows at different positions
     eager = target.forward(_prefilled(target, prompts), tokens, start)
-    cache = _prefilled(static_target, prompts)
+    cache = _prefilled(static_target, prompts)  # pooled: may hold graphs of earlier tests' batches of this size
+    before = set(cache.graphs)
     assert cache.capacity % CAPACITY_STEP == 0 and cache.capacity >= 64
     static = static_target.forward(cache, tokens, start)
     torch.testing.assert_close(static, eager, atol=1e-4, rtol=1e-4)
@@ -56,7 +57,7 @@ def test_static_forward_equals_eager(target, static_target, prompts, width):
     eager2 = target.forward(_prefilled(target, prompts), tokens.flip(1), [s - 1 for s in start])
     static2 = static_target.forward(cache, tokens.flip(1), [s - 1 for s in start])
     torch.testing.assert_close(static2, eager2, atol=1e-4, rtol=1e-4)
-    assert set(cache.graphs) == {(len(prompts), width)}
+    assert (len(prompts), width) in cache.graphs and set(cache.graphs) - before <= {(len(prompts), width)}
 
 
 def test_static_forward_on_a_sparse_cache_equals_eager(target, static_target):
