@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import random
 
 import pytest
 import torch
@@ -12,6 +13,30 @@ from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralF
 from sdbench.models.runner import ModelRunner
 
 VOCAB = 96
+
+
+def pytest_addoption(parser):
+    parser.addoption("--order", default="file", help="file (default), reverse, or shuffle:SEED (modules "
+                     "shuffled, then the tests within each): finds tests that pass only after or before others")
+
+
+def pytest_collection_modifyitems(config, items):
+    order = config.getoption("--order")
+    kind, _, seed = order.partition(":")
+    if (kind, seed) == ("reverse", ""):
+        items.reverse()
+    elif kind == "shuffle" and seed.isdigit():
+        rng = random.Random(int(seed))
+        modules: dict[str, list] = {}
+        for item in items:
+            modules.setdefault(item.nodeid.split("::")[0], []).append(item)
+        names = list(modules)
+        rng.shuffle(names)
+        for name in names:
+            rng.shuffle(modules[name])
+        items[:] = [item for name in names for item in modules[name]]
+    elif order != "file":
+        raise pytest.UsageError(f"--order {order}: use file, reverse or shuffle:SEED")
 
 
 def tiny_model(seed: int = 0, arch: str = "llama", layers: int = 2, hidden: int = 64, heads: int = 4, kv: int = 2):
