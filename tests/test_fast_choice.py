@@ -3,7 +3,6 @@ transformers generate's fastest configuration for `bench`; and `bench` at a real
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 

@@ -257,9 +257,12 @@ def test_smollm2_gguf_then_cached_alias_give_identical_logits(monkeypatch, tmp_p
     gguf = embedded.gguf_path("smollm2-135m", spec)
 
     monkeypatch.setenv("SDBENCH_CACHE", str(tmp_path))  # an empty cache: the first load must de-quantise
-    converted = []
-    convert = loader._convert_gguf
-    monkeypatch.setattr(loader, "_convert_gguf", lambda gguf, out: [converted.append(gguf), convert(gguf, out)])
+    converted, convert = [], loader._convert_gguf
+
+    def counted(path, out):
+        converted.append(path)
+        convert(path, out)
+    monkeypatch.setattr(loader, "_convert_gguf", counted)
 
     first = load_model(str(gguf))  # by file path: de-quantises and fills the cache
     assert converted == [gguf]
