@@ -104,15 +104,15 @@ def next_trial(study: optuna.Study, total: int, stop) -> optuna.Trial | None:
 
 
 def _fail_unborn(study: optuna.Study) -> None:
-    """Fail (reason STOPPED) running trials that never recorded a heartbeat and started over GRACE_S ago: their
-    process died between taking them and its first beat, and Optuna's stale-trial check skips them."""
+    """Fail running trials that never recorded a heartbeat and started over GRACE_S ago: their process died
+    between taking them and its first beat, and Optuna's stale-trial check skips them. Failed without a reason,
+    as Optuna fails a silent one, they read as STOPPED (`reason`)."""
     store = study._storage
     old = datetime.now() - timedelta(seconds=GRACE_S)
     for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
         if t.datetime_start is None or t.datetime_start > old or _has_heartbeat(store, t._trial_id):
             continue
         try:
-            store.set_trial_user_attr(t._trial_id, "reason", STOPPED)
             store.set_trial_state_values(t._trial_id, state=TrialState.FAIL)
         except (optuna.exceptions.UpdateFinishedTrialError, RuntimeError):
             pass  # another process failed it first
