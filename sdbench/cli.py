@@ -12,7 +12,7 @@ from rich.markup import escape
 
 from sdbench import config as C
 from sdbench.errors import SdbenchError
-from sdbench.options import parse_depths, parse_gammas, parse_rates, parse_sets
+from sdbench.options import parse_depths, parse_gammas, parse_rates, parse_sets, probe_mode
 
 # Each command imports its command module (and what else it runs) inside its own function: those modules load
 # torch, transformers or pandas, which `sdbench --help` and a light command (`predict speedup`) need not load.
@@ -42,7 +42,8 @@ Sets = Annotated[Optional[list[str]], typer.Option("--set", help="strategy setti
 Out = Annotated[str, typer.Option(help="folder for the Parquet results")]
 Baseline = Annotated[bool, typer.Option("--baseline/--no-baseline", help="also run plain decoding on the same prompts")]
 Fast = Annotated[bool, typer.Option("--fast/--no-fast", help="the runner's fast path (CPU: oneDNN-packed projections)")]
-Probe = Annotated[bool, typer.Option("--probe/--no-probe", help="compare each model's logits with the library's own forward before running (refuse, or fall back to the generic runner, past the tolerance)")]
+Probe = Annotated[str, typer.Option("--probe", help="compare each model's logits with the library's own forward before running (refuse, or fall back to the generic runner, past the tolerance): auto reuses the verdict kept for the same weights, dtype, device and code within the context it covered; always probes again; never skips it")]
+NoProbe = Annotated[bool, typer.Option("--no-probe", help="the same as --probe never")]
 Resume = Annotated[Optional[str], typer.Option(help="continue an interrupted run: its RUN_ID")]
 Turns = Annotated[Optional[int], typer.Option(help="turns of each multi-turn question to decode [default: all; MT-Bench: 2]")]
 PromptField = Annotated[Optional[str], typer.Option("--prompt-field", help="--dataset FILE: the field holding the prompt (a string or a list of turns)")]
@@ -62,7 +63,7 @@ def run(
     prompt_len: PromptLen = None, device: Device = "auto", dtype: Dtype = "float32", repeats: Repeats = 1,
     set_: Sets = None, out: Out = C.DEFAULT_OUT, baseline: Baseline = True, resume: Resume = None, fast: Fast = True,
     turns: Turns = None, prompt_field: PromptField = None, category_field: CategoryField = None, id_field: IdField = None,
-    depth: Depth = None, probe: Probe = True, request_rate: RequestRate = None, concurrency: Concurrency = None,
+    depth: Depth = None, probe: Probe = "auto", no_probe: NoProbe = False, request_rate: RequestRate = None, concurrency: Concurrency = None,
     slo: Slo = None,
 ):
     """Run a strategy and the plain-decoding baseline on the same prompts; print tables, write Parquet."""
@@ -77,7 +78,7 @@ def run(
         gammas=parse_gammas(gamma), prompt_len=prompt_len, device=device, dtype=dtype, repeats=repeats, options=parse_sets(set_),
         out=out, baseline=baseline, resume=resume, fast=fast, turns=turns, depths=parse_depths(depth),
         fields={k: v for k, v in (("prompt", prompt_field), ("category", category_field), ("id", id_field)) if v},
-        probe=probe, request_rates=parse_rates(request_rate), concurrencies=parse_gammas(concurrency, "--concurrency", 1),
+        probe=probe_mode(probe, no_probe), request_rates=parse_rates(request_rate), concurrencies=parse_gammas(concurrency, "--concurrency", 1),
         slo=parse_slo(slo) if slo is not None else {},
     )
     if resume:
@@ -100,7 +101,7 @@ def sweep(
     gamma: Gamma = None, temperature: Temperature = 0.0, seed: Seed = 0, device: Device = "auto", dtype: Dtype = "float32",
     repeats: Repeats = 1,
     set_: Annotated[Optional[list[str]], typer.Option("--set", help="strategy setting key=value for every strategy, or NAME.key=value for one (repeatable)")] = None,
-    out: Out = C.DEFAULT_OUT, fast: Fast = True, probe: Probe = True,
+    out: Out = C.DEFAULT_OUT, fast: Fast = True, probe: Probe = "auto", no_probe: NoProbe = False,
     resume: Annotated[Optional[str], typer.Option(help="continue an interrupted sweep: its SWEEP_ID (settings as saved)")] = None,
     quick: Annotated[bool, typer.Option("--quick", help="a small grid and fewer tokens: minutes on a small CPU")] = False,
 ):
@@ -121,7 +122,7 @@ def sweep(
     run_cfg = C.RunConfig(
         target=target, drafts=tuple(draft or ()), dataset=dataset, limit=limit, max_new_tokens=new,
         sampling=C.SamplingConfig(temperature, 1.0, seed), gammas=parse_gammas(gamma), device=device, dtype=dtype,
-        repeats=repeats, options=shared, out=out, fast=fast, probe=probe,
+        repeats=repeats, options=shared, out=out, fast=fast, probe=probe_mode(probe, no_probe),
     )
     run_sweep(C.SweepConfig(run_cfg, strategies, axis, sizes, lengths, scoped, resume), console)
 
@@ -204,7 +205,7 @@ def tune(
     storage: Annotated[Optional[str], typer.Option(help="Optuna storage URL, e.g. postgresql://... [default: sqlite:///OUT/tune.db]")] = None,
     study: Annotated[Optional[str], typer.Option(help="study name [default: sdbench-TARGET-STRATEGY-DATASET-HARDWARE]")] = None,
     preset: Annotated[Optional[str], typer.Option(help="preset for the best settings [default: tuned-STRATEGY-TARGET]")] = None,
-    probe: Probe = True,
+    probe: Probe = "auto", no_probe: NoProbe = False,
 ):
     """Search a strategy's settings with Optuna on a fixed prompt subset; write the best as a preset (with
     several --batch sizes or --prompt-len lengths: the best per bucket, as a schedule preset)."""
@@ -217,7 +218,7 @@ def tune(
     run_cfg = C.RunConfig(
         target=target, drafts=tuple(draft or ()), strategy=strategy, dataset=dataset, limit=limit,
         max_new_tokens=max_new_tokens, batch_size=batch_size, sampling=C.SamplingConfig(0.0, 1.0, seed),
-        device=device, dtype=dtype, repeats=repeats, out=out, probe=probe,
+        device=device, dtype=dtype, repeats=repeats, out=out, probe=probe_mode(probe, no_probe),
     )
     cfg = C.TuneConfig(run_cfg, trials, timeout, objective, storage, study, preset, batches, lengths)
     (tune_schedule if len(batches) > 1 or len(lengths) > 1 else run_tune)(cfg, console)

@@ -40,6 +40,18 @@ def parse_rates(text: str | None) -> tuple[float, ...]:
     return values
 
 
+PROBE_MODES = ("auto", "always", "never")  # --probe: reuse a kept verdict, probe again, or skip the probe
+
+
+def probe_mode(probe: str, no_probe: bool = False) -> str:
+    """--probe's mode; --no-probe is --probe never."""
+    if probe not in PROBE_MODES:
+        raise SdbenchError(f"--probe {probe}: use one of {', '.join(PROBE_MODES)}")
+    if no_probe and probe not in ("auto", "never"):
+        raise SdbenchError(f"--no-probe and --probe {probe} contradict each other: give one")
+    return "never" if no_probe else probe
+
+
 def _named(option: str, parse):
     """parse(), its error prefixed with the option the user typed."""
     try:

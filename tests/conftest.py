@@ -60,6 +60,16 @@ def user_config(tmp_path_factory):
         yield folder
 
 
+@pytest.fixture(autouse=True)
+def probe_verdicts(tmp_path_factory, monkeypatch):
+    """Each test starts with no kept fidelity-probe verdicts (models/probe_cache.py): a verdict kept by another
+    test on the same tiny weights would stand in for the probe a test means to run (a runner broken on
+    purpose). A test of the reuse runs both commands within itself."""
+    folder = tmp_path_factory.mktemp("probes")
+    monkeypatch.setenv("SDBENCH_PROBES", str(folder))
+    return folder
+
+
 @pytest.fixture(scope="session")
 def target():
     return ModelRunner(tiny_model(0), "tiny-target")

@@ -205,7 +205,7 @@ def test_no_probe_is_said_on_every_row(folders, tmp_path, monkeypatch, capsys):
     code, out, err = run_cli(capsys, "run", "--target", folders["llama"], "--no-probe", *RUN, "--out",
                              str(tmp_path))
     assert code == 0, err
-    assert "--no-probe" in out
+    assert "--probe never" in out
     df = read_results([tmp_path])
     assert set(df["probe"]) == {"skipped"} and df["probe_gap"].isna().all() and set(df["runner"]) == {"native"}
 

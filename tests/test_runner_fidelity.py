@@ -6,13 +6,13 @@ through the library, and must agree within 1e-4: logits at prefill, single-token
 verifications after a cached prefix, at positions past the window and past the rope's original context,
 before and after the rotary tables have grown; and 32 greedy tokens against `model.generate`.
 
-The reference is the library's cached forward called the same way as the runner (`library_calls`: the
-prompt in one call, then the same chunks), and for the rope types whose tables do not depend on the length
-also the library's uncached forward over the whole sequence. For the length-dependent types (dynamic,
-longrope) only the first holds: the library rescales per call from that call's largest position, so a key
-keeps the rotation of the call that wrote it. A verification's rotation past the original context therefore
-depends on its width, so speculative decoding there is not exactly plain decoding: that is the model's
-property, not sdbench's.
+The reference is the library's cached forward called as plain decoding calls it (`library_decoding`: the
+prompt in one call, then one token per call, which is what `generate` runs), whatever the runner's calls
+were; for the rope types whose tables do not depend on the length, the library's cached forward called in the
+runner's chunks and its uncached forward over the whole sequence are that too. For the length-dependent types
+(dynamic, longrope) the library rescales per call from that call's largest position, so its own 5-token call
+differs from decoding those 5 tokens one by one (`test_the_cases_exercise_windows_and_scaling` shows it); the
+runner rotates each token as decoding does, so a verification equals plain decoding for them too.
 """
 
 from __future__ import annotations
@@ -23,10 +23,11 @@ from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 
 from sdbench.config import SamplingConfig
 from sdbench.engine.loop import generate
-from sdbench.kv.cache import DenseKVCache
+from sdbench.kv.cache import DenseKVCache, set_prompt_lengths
 from sdbench.kv.sparse import SparseSpec, compress
 from sdbench.models import cpufast
-from sdbench.models.rotary import LENGTH_DEPENDENT, reset_library_rotary
+from sdbench.models.generic import cache_keyword
+from sdbench.models.rotary import length_dependent_type, reset_library_rotary
 from sdbench.models.runner import ModelRunner
 from sdbench.models.windows import layer_windows
 from sdbench.strategies.autoregressive import Autoregressive
@@ -102,14 +103,21 @@ def library_calls(model, ids: torch.Tensor, widths) -> list[torch.Tensor]:
     with cpufast.plain(model):
         cache, out, at = DynamicCache(config=model.config), [], 0
         for w in widths:
-            out.append(model(input_ids=ids[:, at : at + w], past_key_values=cache, use_cache=True).logits)
+            out.append(model(input_ids=ids[:, at : at + w], use_cache=True, **{cache_keyword(model): cache}).logits)
             at += w
     return out
 
 
+def library_decoding(model, ids: torch.Tensor, prompt: int) -> torch.Tensor:
+    """Logits [B, S, V] at every position as plain decoding computes them: the prompt in one call, then one
+    token per call."""
+    return torch.cat(library_calls(model, ids, (prompt,) + (1,) * (ids.shape[1] - prompt)), 1)
+
+
 def runner_calls(runner, ids: torch.Tensor, widths, capacity: int = 64) -> list[torch.Tensor]:
-    """The same calls through the runner's forward."""
+    """The same calls through the runner's forward, the first one a prompt (as a DSI worker feeds it)."""
     cache, out, at = runner.new_cache(ids.shape[0], capacity), [], 0
+    set_prompt_lengths(cache, [widths[0]] * ids.shape[0])
     for w in widths:
         out.append(runner.forward(cache, ids[:, at : at + w], [at] * ids.shape[0]))
         at += w
@@ -151,6 +159,10 @@ def case(request):
 
 
 # ---- tests ------------------------------------------------------------------------------------------------
+def rescaled(name: str) -> bool:
+    return length_dependent_type(ROPES.get(name.split("-")[1], {}).get("rope_type", "default"))
+
+
 def test_the_cases_exercise_windows_and_scaling(case):
     name, model = case
     windows = layer_windows(model.config)
@@ -161,22 +173,26 @@ def test_the_cases_exercise_windows_and_scaling(case):
     else:
         assert windows == [None, None]
     assert sum(WIDTHS) > max(WINDOW, ORIGINAL) + 5
+    ids = _ids(1, sum(WIDTHS))
+    chunked = torch.cat(library_calls(model, ids, WIDTHS), 1)
+    # the library's own k-token calls are plain decoding exactly for the static rope types
+    assert torch.allclose(chunked, library_decoding(model, ids, PROMPT), **TOL) != rescaled(name), name
 
 
 def test_logits_match_the_library_before_and_after_the_tables_grow(case):
     name, model = case
     ids = _ids(1, sum(WIDTHS))
-    ref = library_calls(model, ids, WIDTHS)
-    full = None if ROPES.get(name.split("-")[1], {}).get("rope_type") in LENGTH_DEPENDENT else model(ids).logits
-    if full is not None:  # the cached library calls are the uncached forward, for these rope types
-        torch.testing.assert_close(torch.cat(ref, 1), full, **TOL)
+    want = library_decoding(model, ids, PROMPT)
+    if not rescaled(name):  # the cached library calls are the uncached forward, for these rope types
+        torch.testing.assert_close(torch.cat(library_calls(model, ids, WIDTHS), 1), model(ids).logits, **TOL)
+        torch.testing.assert_close(want, model(ids).logits, **TOL)
     state = rotary_state(model)
     for kind, runner in runners(model).items():
         first = runner_calls(runner, ids, WIDTHS)
-        for i, (got, want) in enumerate(zip(first, ref)):
-            torch.testing.assert_close(got, want, **TOL, msg=lambda m: f"{name} {kind} call {i}: {m}")
+        torch.testing.assert_close(torch.cat(first, 1), want, **TOL, msg=lambda m: f"{name} {kind}: {m}")
         cache = runner.new_cache(1, 64)  # the prefill path (chunked) gives the prompt's last logits
-        torch.testing.assert_close(runner.prefill(cache, [ids[0, :PROMPT].tolist()], chunk=7), ref[0][:, -1], **TOL)
+        torch.testing.assert_close(runner.prefill(cache, [ids[0, :PROMPT].tolist()], chunk=7), want[:, PROMPT - 1],
+                                   **TOL)
         runner_calls(runner, _ids(2, 600), (600, 3), capacity=700)  # a longer batch grows the tables
         again = runner_calls(runner, ids, WIDTHS)
         assert all(torch.equal(a, b) for a, b in zip(again, first)), f"{name} {kind}: moved after growth"

@@ -180,6 +180,8 @@ class Peers:
     verify_cost: float  # T(gamma + 1 tokens) / T(1 token) of the target, fast path
     draft_cost: float  # c = T_draft / T_target, fast path
     picked: object  # hf_generate.Picked: transformers generate's configuration
+    reference: list[list[int]]  # per prompt, generate's tokens with its dynamic cache: what outputs must equal
+    disagreement: str | None  # one line where the measured configuration's tokens differ from the reference
     fast_line: str | None  # which CPU forward the fast path uses, or None
     graphs_asked: bool  # the target's fast runner was to replay CUDA graphs
     graphs: bool  # ... and still did at the end (False after a capture failed or disagreed: eager fallback)
@@ -217,7 +219,7 @@ def run_peers(cfg: BenchConfig, console: Console) -> list[Measured]:
     console.print(f"verification cost T({gamma + 1} tokens) / T(1 token), {target}: {peers.verify_cost:.2f}; draft "
                   f"cost c = T_draft / T_target ({draft}): {peers.draft_cost:.2f} (fast path, medians over the "
                   "prompts)", highlight=False)
-    for line in (peers.picked.line(), peers.fast_line):
+    for line in (peers.picked.line(), peers.disagreement, peers.fast_line):
         if line:
             console.print(line, highlight=False, soft_wrap=True)
     if cfg.out:
@@ -225,7 +227,7 @@ def run_peers(cfg: BenchConfig, console: Console) -> list[Measured]:
                                                     device=peers.device, dtype=cfg.dtype,
                                                     verify_cost=peers.verify_cost, draft_cost=peers.draft_cost))
         console.print(f"results: {path}", highlight=False)
-    check_outputs(peers.results)
+    check_outputs(peers.results, peers.reference)
     return peers.results
 
 
@@ -266,11 +268,12 @@ def measure_peers(cfg: BenchConfig, console: Console) -> Peers:
         systems[0] = (f"transformers generate ({picked.label})",
                       _hf(tgt.model, max_new, eos, **kwargs_for(picked.name, dev, room)), False)
         results = _measure(systems, prompts, cfg.repeats, dev, status, weights)
+        reference, disagreement = _reference(tgt.model, prompts, eos, max_new, picked, results[0], status, weights)
         status.update("measuring the verification and draft cost ratios")
         weights(True)
         ratios = cost_ratios(runner, d_runner, prompts, gamma)
     weights(False)
-    return Peers(results, memory_bandwidth(dev), plain_bytes, ratios[0], ratios[1], picked,
+    return Peers(results, memory_bandwidth(dev), plain_bytes, ratios[0], ratios[1], picked, reference, disagreement,
                  runner.fast_path_note(), graphs_asked, bool(getattr(runner, "graphs", False)), len(prompts),
                  str(dev))
 
@@ -282,18 +285,50 @@ def _pick_generate(model, prompt: list[int], eos: list[int], mode: str, device, 
     return pick(model, prompt, eos, mode, device, room)
 
 
-def check_outputs(results: list[Measured]) -> None:
+def _reference(model, prompts, eos, max_new: int, picked, measured: Measured, status, weights):
+    """(generate's tokens per prompt with its dynamic cache, a line where the measured configuration's differ).
+
+    The dynamic cache is the library's own step-by-step decoding, the model the user named; a static or
+    compiled cache may compute another rotation or rounding (a rope rescaled per call, a fused kernel). When
+    the fastest configuration measured is not it, it runs once more, untimed, for the reference."""
+    if picked.name == "dynamic":
+        return measured.outputs, None
+    status.update("transformers generate with its dynamic cache: the reference outputs (untimed)")
+    weights(False)
+    run = generator(model, eos, {})
+    reference = [run(p, max_new) for p in prompts]
+    first = first_difference(measured.outputs, reference)
+    if first is None:
+        return reference, None
+    i, at = first
+    return reference, (f"transformers generate's configurations disagree on this model: its {picked.label} differs "
+                       f"from its dynamic cache on prompt {i + 1} (first at new token {at + 1}); outputs are "
+                       "compared with the dynamic cache (the library's step-by-step decoding)")
+
+
+def first_difference(outputs: list[list[int]], reference: list[list[int]]) -> tuple[int, int] | None:
+    """(prompt, new token) where outputs first differ from the reference, or None."""
+    for i, (ours, theirs) in enumerate(zip(outputs, reference)):
+        if ours != theirs:
+            at = next((k for k, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
+            return i, at
+    return None
+
+
+def check_outputs(results: list[Measured], reference: list[list[int]] | None = None) -> None:
     """Raise OutputDiffers naming the first sdbench system and prompt whose tokens differ from `generate`'s
-    (results[0], the reference); the table and the Parquet rows are already out by then."""
-    ref = results[0].outputs
+    with its dynamic cache (`reference`; default results[0]'s); the table and the Parquet rows are already out
+    by then."""
+    ref = results[0].outputs if reference is None else reference
     for m in results:
         if not m.system.startswith("sdbench"):
             continue
-        for i, (ours, theirs) in enumerate(zip(m.outputs, ref)):
-            if ours != theirs:
-                at = next((k for k, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
-                raise OutputDiffers(f"bench: {m.system} differs from transformers generate on prompt {i + 1} "
-                                    f"(first at new token {at + 1}: {ours[at:at + 1]} vs {theirs[at:at + 1]})")
+        found = first_difference(m.outputs, ref)
+        if found is not None:
+            i, at = found
+            ours, theirs = m.outputs[i], ref[i]
+            raise OutputDiffers(f"bench: {m.system} differs from transformers generate on prompt {i + 1} "
+                                f"(first at new token {at + 1}: {ours[at:at + 1]} vs {theirs[at:at + 1]})")
 
 
 def write_bench(results: list[Measured], out: str, common: dict):

@@ -23,6 +23,7 @@ from sdbench.errors import SdbenchError
 from sdbench.models.loader import check_same_tokenizer, eos_token_ids, load_model, load_tokenizer
 from sdbench.models.pair import pick_runner, resolve_device, resolve_dtype
 from sdbench.models.probe import PHASES, probe_runner
+from sdbench.models.probe_cache import ProbeCache
 from sdbench.models.variants import split_variant, variant_runner
 from sdbench.strategies.autoregressive import Autoregressive
 from sdbench.strategies.draft import DraftModel
@@ -103,7 +104,8 @@ def _model(row: Checked, name: str, dev, dt, fast: bool, context: int, console, 
 
 def _probed(row: Checked, runner, context: int, tokenizer, console):
     """The runner to use after the probe (a generic one where the native one failed), or None."""
-    runner, result, note = probe_runner(runner, context, len(tokenizer), console)
+    # measured afresh, and kept for the runs that follow (they reuse it within this context)
+    runner, result, note = probe_runner(runner, context, len(tokenizer), console, verdicts=ProbeCache("always"))
     row.runner = result.runner + (" (fallback)" if result.fallback else "")
     row.gaps, row.tolerance = dict(result.gaps), result.tolerance
     if note:

@@ -278,4 +278,6 @@ def run_config(raw: dict) -> RunConfig:
     for key in ("request_rates", "concurrencies"):
         raw[key] = tuple(raw.get(key, ()))
     raw["gammas"] = tuple(raw.get("gammas", ()))
+    if isinstance(raw.get("probe"), bool):  # saved before the probe kept its verdicts: on or off
+        raw["probe"] = "auto" if raw["probe"] else "never"
     return RunConfig(**raw)

@@ -8,6 +8,7 @@ from sdbench.drafting.prefix import CachedPrefix
 from sdbench.engine.runner import Runner
 from sdbench.engine.sampling import choose
 from sdbench.engine.state import DecodeState, Proposal
+from sdbench.kv.cache import set_prompt_lengths
 from sdbench.kv.sparse import SparseSpec, compress
 
 
@@ -58,6 +59,7 @@ class ModelDrafter:
         self.prefix = CachedPrefix(state.batch, state.capacity)
         if self.sparse is None:
             self.cache = self.runner.new_cache(state.batch, state.capacity)
+            set_prompt_lengths(self.cache, fed)  # also where the first draft feeds a prompt instead
             if min(fed) > 0:  # else nothing to prefill for some row: the first draft feeds every row's context
                 self.runner.prefill(self.cache, prompts)
                 self.prefix.holds(state.tokens, fed)

@@ -204,6 +204,7 @@ class RowDecode:
                  eos, sampling: SamplingConfig, generator):
         self.pool, self.sampling, self.generator = pool, sampling, generator
         self.seq = next(_seq_ids)
+        self.prompt_len = len(prompt)
         self.capacity = needed_capacity(len(prompt), max_new_tokens, lookahead)
         self.ledger = Ledger(prompt, lookahead=lookahead, max_new_tokens=max_new_tokens, workers=workers, eos=eos)
         self.cond = threading.Condition()
@@ -231,7 +232,8 @@ class RowDecode:
 
     def send(self, jobs: list[Job]) -> None:
         for job in jobs:
-            self.pool.submit(job.worker, Task(self.seq, job.id, self.capacity, self.ledger.inputs(job), job.start))
+            self.pool.submit(job.worker, Task(self.seq, job.id, self.capacity, self.ledger.inputs(job), job.start,
+                                             self.prompt_len))
 
     def judge(self, job: Job, frontier: int, drafts: list[int]):
         """The greedy verdict on `drafts` after `frontier` from a job's logits: (accepted, next token)."""

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from sdbench.engine.metrics import now
+from sdbench.kv.cache import set_prompt_lengths
 from sdbench.models.generic import make_runner
 
 
@@ -24,6 +25,7 @@ class Task:
     capacity: int  # cache slots the generation needs
     tokens: list[int]  # the job's inputs: committed prefix + drafts
     start: int  # first predicted position; predictions cover start..len(tokens)
+    prompt: int = 0  # the generation's prompt length (its tokens rotate as one prefill rotates them)
 
 
 @dataclass
@@ -72,6 +74,7 @@ class TargetWorker:
         t0 = now()  # the answer is read back to the host below, which waits for the device
         if task.seq != self.seq or self.cache is None or self.cache.capacity < task.capacity:
             self.cache = self.runner.new_cache(1, task.capacity)
+            set_prompt_lengths(self.cache, [task.prompt])
             self.seq, self.cached = task.seq, []
         # keys for tokens[:start - 1] must be in the cache; the forward then runs from the first missing one
         keep = common_prefix(self.cached, task.tokens, task.start - 1)

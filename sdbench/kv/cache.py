@@ -26,6 +26,8 @@ class KVCache(Protocol):
     wants_queries: bool  # True: after `update`, each layer's queries go to `queries` (SnapKV scoring)
     graphs: dict  # (B, T) -> StaticForward captured over this cache's storage
     pool_key: tuple | None  # the runner's pool key (static shapes); None: never pooled
+    prompt_len: torch.Tensor  # [B] on the host: each row's prompt length (set by a prefill), which decides the
+    # rotation of the rope types the library rescales per call (`models/rotary.py`)
 
     def update(
         self, layer: int, k: torch.Tensor, v: torch.Tensor, step: "StepIndex"
@@ -36,6 +38,18 @@ class KVCache(Protocol):
 
     def queries(self, layer: int, q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor | None) -> None:
         """The layer's queries [B, Hq, T, D] against the keys [B, H_kv, S, D] it attends to (when wants_queries)."""
+
+
+def prompt_lengths(cache) -> torch.Tensor | None:
+    """The rows' prompt lengths [B] a cache records (None for a cache that records none)."""
+    return getattr(cache, "prompt_len", None)
+
+
+def set_prompt_lengths(cache, lengths) -> None:
+    """Record the rows' prompt lengths (in place: a row view writes its parent's)."""
+    held = prompt_lengths(cache)
+    if held is not None:
+        held.copy_(torch.as_tensor(lengths, dtype=torch.long))
 
 
 def additive(allowed: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
@@ -104,6 +118,7 @@ class DenseKVCache(KVCache):
         self.static_kv_len = capacity  # a static-shape forward attends over the whole cache
         self.graphs: dict = {}  # (B, T) -> StaticForward captured over this cache's storage
         self.pool_key = None
+        self.prompt_len = torch.zeros(batch, dtype=torch.long)
 
     def row(self, b: int) -> "DenseKVCache":
         """A cache over row b alone, sharing this cache's storage (a request joining a running batch is
@@ -113,6 +128,7 @@ class DenseKVCache(KVCache):
         view.k = [k[b : b + 1] for k in self.k]  # [1, H_kv, capacity, D] views
         view.v = [v[b : b + 1] for v in self.v]
         view.static_kv_len, view.graphs, view.pool_key = None, {}, None
+        view.prompt_len = self.prompt_len[b : b + 1]
         return view
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor, step: StepIndex):

@@ -90,9 +90,11 @@ class SparseKVCache(KVCache):
         self.static_kv_len = size  # a static-shape forward attends over every slot (masked), as always
         self.graphs: dict = {}  # (B, T) -> StaticForward captured over this cache's storage
         self.pool_key = None
+        self.prompt_len = torch.zeros(batch, dtype=torch.long)
 
     def reset(self, window: torch.Tensor) -> None:
         """Empty the cache (in place: captured graphs keep reading the same tensors) for a new generation."""
+        self.prompt_len.zero_()
         self.window.copy_(window)
         self.slot_pos.fill_(-1)
         self.static_pos.fill_(-1)
@@ -184,6 +186,7 @@ class ScoringView(KVCache):
     def __init__(self, dense: DenseKVCache, pool: int = 7):
         self.dense = dense
         self.capacity = dense.capacity
+        self.prompt_len = dense.prompt_len  # the re-run prompt tokens rotate as the prefill rotated them
         self.graphs: dict = {}
         self.pool = pool
         self.scores: dict[int, torch.Tensor] = {}  # layer -> [B, H_kv, kv_len]
@@ -216,6 +219,7 @@ def compress(runner, dense: DenseKVCache, lengths: list[int], tokens: torch.Tens
     floor = P.clamp(max=n) if spec.selector == "streamingllm" else (P - spec.recent).clamp(min=0)
     used_static = floor.clamp(max=n)
     cache = runner.new_sparse_cache(B, n, spec.budget - used_static, lookahead)
+    cache.prompt_len.copy_(torch.tensor(lengths, dtype=torch.long))
     cache.floor[:] = floor
     if spec.selector == "streamingllm":
         first = torch.arange(n, device=runner.device)

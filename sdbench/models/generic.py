@@ -53,11 +53,13 @@ class GenericCache:
         self.capacity = capacity
         self.batch = batch
         self.graphs: dict = {}
+        self.prompt_len = torch.zeros(batch, dtype=torch.long)  # [B] host (see kv/cache.py)
 
     def row(self, b: int) -> "GenericCache":
         """A cache over row b alone, sharing its library cache (see DenseKVCache.row)."""
         view = GenericCache.__new__(GenericCache)
         view.rows, view.capacity, view.batch, view.graphs = [self.rows[b]], self.capacity, 1, {}
+        view.prompt_len = self.prompt_len[b : b + 1]
         return view
 
     def length(self, b: int) -> int:
@@ -90,6 +92,14 @@ class GenericRunner:
         self.device, self.dtype = p.device, p.dtype
         self.vocab_size = model.config.get_text_config().vocab_size  # (a packed head's own weight is empty)
         self._keeps = "logits_to_keep" in inspect.signature(model.forward).parameters
+        self._cache_kw = cache_keyword(model)
+        # a rope the library rescales per call from the call's largest position (models/rotary.py): each
+        # decoded token then runs in a call of its own, the rotary modules put back before every call, so
+        # that it is rotated as plain decoding rotates it; the prompt keeps one call
+        from sdbench.models.rotary import config_length_dependent, library_rotary_modules  # imports transformers
+
+        text = model.config.get_text_config()
+        self._rotary = library_rotary_modules(model) if config_length_dependent(text) else None
 
     # ---- caches -----------------------------------------------------------------------------------------
     def new_cache(self, batch: int, capacity: int) -> GenericCache:
@@ -108,14 +118,43 @@ class GenericRunner:
         """Logits [K, V] (or [T, V] with keep None) of row b's tokens [T] written from position `start`."""
         if start + tokens.shape[0] > cache.capacity:
             raise RuntimeError(f"KV cache overflow: need {start + tokens.shape[0]} slots, have {cache.capacity}")
+        if self._rotary is not None:
+            return self._row_rescaled(cache, b, tokens, start, keep)
+        return self._call(cache, b, tokens, start, keep)
+
+    def _call(self, cache: GenericCache, b: int, tokens: torch.Tensor, start: int,
+              keep: torch.Tensor | None) -> torch.Tensor:
+        """One call of the library's forward over row b's tokens [T] from `start`: logits [K or T, V]."""
         cache.rewind(b, start)
+        if self._rotary is not None:
+            from sdbench.models.rotary import reset_library_rotary  # loaded already (see __init__)
+
+            reset_library_rotary(self._rotary)
         kwargs = {"logits_to_keep": keep} if self._keeps and keep is not None else {}
-        out = self.model(input_ids=tokens[None].to(self.device), past_key_values=cache.rows[b], use_cache=True,
-                         **kwargs)
+        out = self.model(input_ids=tokens[None].to(self.device), use_cache=True,
+                         **{self._cache_kw: cache.rows[b]}, **kwargs)
         logits = out.logits[0]
         if keep is not None and not self._keeps:
             logits = logits[keep]
         return logits.float()
+
+    def _row_rescaled(self, cache: GenericCache, b: int, tokens: torch.Tensor, start: int,
+                      keep: torch.Tensor | None) -> torch.Tensor:
+        """`_row` for a rope rescaled per call: the tokens still in row b's prompt in one call, then each
+        later token in a call of its own."""
+        T = tokens.shape[0]
+        cut = min(max(int(cache.prompt_len[b]) - start, 0), T)
+        bounds = [0, *range(max(cut, 1), T + 1)]
+        wanted = torch.arange(T) if keep is None else keep.reshape(-1).cpu()
+        ordered, order = wanted.sort()
+        out = []
+        for lo, hi in zip(bounds, bounds[1:]):
+            here = ordered[(ordered >= lo) & (ordered < hi)] - lo
+            logits = self._call(cache, b, tokens[lo:hi], start + lo,
+                                (here if len(here) else torch.tensor([hi - lo - 1])).to(self.device))
+            if len(here):
+                out.append(logits)
+        return torch.cat(out)[order.argsort().to(self.device)]
 
     def share_plain(self) -> None:
         """Put the weights back in the library's layout (a packed copy cannot be shared with worker processes);
@@ -150,14 +189,23 @@ class GenericRunner:
         if min(len(p) for p in prompts) < 1:
             raise SdbenchError("empty prompt: a prompt needs at least one token")
         cpufast.disable(self.model)
+        cache.prompt_len.copy_(torch.tensor([len(p) for p in prompts]))
         last = []
         for b, prompt in enumerate(prompts):
             ids = torch.tensor(prompt, dtype=torch.long)
+            if self._rotary is not None:  # a chunk would be rotated for its own end, not the prompt's
+                chunk = max(chunk, len(prompt))
             for c0 in range(0, len(prompt), chunk):  # the library's attention over a whole long prompt at
                 piece = ids[c0 : c0 + chunk]         # once may hold [heads, S, S] scores: chunks bound it
                 logits = self._row(cache, b, piece, c0, torch.tensor([len(piece) - 1], device=self.device))
             last.append(logits[0])  # the last chunk's: after the prompt's last token
         return torch.stack(last)
+
+
+def cache_keyword(model) -> str:
+    """The name the library's forward takes its cache by: `cache` (transformers >= 5.24; the older name
+    warns there) or `past_key_values` (earlier releases)."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
 def _dynamic_cache_ok(model) -> bool:

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from sdbench.kv.cache import StepIndex
+from sdbench.kv.cache import StepIndex, prompt_lengths
 
 CAPACITY_STEP = 256  # pooled dense caches round their length up to a multiple of this
 POOL_MAX = 8  # caches a runner keeps for reuse
@@ -42,8 +42,9 @@ class StaticForward:
         self.positions = torch.zeros(batch, width, dtype=torch.long, device=dev)
         self.offsets = torch.arange(width, dtype=torch.long)
         # {layer type: (cos, sin')} [B, 1, T, Dr], filled per call
+        lengths = runner.rotary.scaling_lengths([0] * batch, width, None)
         self.cos_sin = {t: tuple(torch.zeros_like(x) for x in pair)
-                        for t, pair in runner.rotary.for_forward(self.positions, width).items()}
+                        for t, pair in runner.rotary.for_forward(self.positions, width, lengths).items()}
         self.graph = None
         self.out = None
 
@@ -57,7 +58,9 @@ class StaticForward:
     def __call__(self, tokens: torch.Tensor, start: list[int]) -> torch.Tensor:
         self.tokens.copy_(tokens, non_blocking=True)
         self.positions.copy_(torch.tensor(start, dtype=torch.long)[:, None] + self.offsets, non_blocking=True)
-        for t, (cos, sin) in self.runner.rotary.for_forward(self.positions, max(start) + len(self.offsets)).items():
+        rotary, width = self.runner.rotary, len(self.offsets)
+        lengths = rotary.scaling_lengths(start, width, prompt_lengths(self.cache))
+        for t, (cos, sin) in rotary.for_forward(self.positions, max(start) + width, lengths).items():
             self.cos_sin[t][0].copy_(cos)
             self.cos_sin[t][1].copy_(sin)
         if not self.runner.graphs:

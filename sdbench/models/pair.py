@@ -20,6 +20,7 @@ from sdbench.models.families import serving
 from sdbench.models.generic import make_runner, runner_kind
 from sdbench.models.names import tokenizer_name
 from sdbench.models.probe import probe_pair
+from sdbench.models.probe_cache import ProbeCache
 from sdbench.models.shapes import config_from_dict
 from sdbench.models.variants import split_variant, variant_runner
 
@@ -64,12 +65,15 @@ class Pair:
 
     def fidelity(self) -> dict:
         """What every result row records of the models: the target's runner, the probe's outcome ("passed",
-        "fallback": a native runner failed and the generic one passed, "skipped") and its largest gap."""
+        "fallback": a native runner failed and the generic one passed, "skipped"), its largest gap and whether
+        a kept verdict was reused for some model (None when skipped)."""
         outcome = "skipped"
         if self.probes:
             outcome = "fallback" if any(p.fallback for p in self.probes) else "passed"
         gaps = [p.gap for p in self.probes if p.gap is not None]
-        return {"runner": runner_kind(self.target), "probe": outcome, "probe_gap": max(gaps, default=None)}
+        reused = any(p.reused for p in self.probes) if self.probes else None
+        return {"runner": runner_kind(self.target), "probe": outcome, "probe_gap": max(gaps, default=None),
+                "probe_reused": reused}
 
 
 def load_pair(cfg: RunConfig, device: torch.device, dtype: torch.dtype, console: Console,
@@ -103,11 +107,11 @@ def load_pair(cfg: RunConfig, device: torch.device, dtype: torch.dtype, console:
         drafts.append(pick_runner(draft.model, name, cfg.fast, native.get(name)))
     limit = getattr(target.model.config, "max_position_embeddings", None) or 1 << 30
     pair = Pair(runner, target.tokenizer, drafts, loader.eos_token_ids(target), limit)
-    if not cfg.probe:
-        console.print("note: --no-probe: the runners' logits are not compared with the library's forward "
+    if cfg.probe == "never":
+        console.print("note: --probe never: the runners' logits are not compared with the library's forward "
                       "(rows record the probe as skipped)", style="yellow", highlight=False)
         return pair
-    probe_pair(pair, run_positions(cfg, pair, cfg.gamma or DEFAULT_GAMMA), native, console)
+    probe_pair(pair, run_positions(cfg, pair, cfg.gamma or DEFAULT_GAMMA), native, console, ProbeCache(cfg.probe))
     return pair
 
 

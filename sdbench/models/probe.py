@@ -10,9 +10,14 @@ that depends on the length are reached) it runs, in the run's dtype, on its devi
 - verify: a rejected draft of W tokens at P + 2, then the true W tokens at the same positions (a rewind
   over stale keys, as after a rejection) -> logits at the last W positions;
 
-and compares them with the library's own cached forward (what `generate` runs) called the same way: the
-prefix in one call, single steps, one verification (`reference`), on plain weights (`cpufast.plain`), its
-vocabulary head computed only at the compared positions (`logits_to_keep`).
+and compares them with the library's own cached forward called as `generate` calls it in plain decoding: the
+prefix in one call, then one token per call (`reference`), on plain weights (`cpufast.plain`), its
+vocabulary head computed only at the compared positions (`logits_to_keep`). So the verification is held to
+what decoding its tokens one by one gives, which is what makes speculative decoding lossless.
+
+A verdict does not change between runs of the same weights, dtype, device, forward path and code: it is kept
+(`models/probe_cache.py`) and reused by a run whose context it covers (`--probe auto`, the default; rows
+record `probe_reused`), re-measured by `--probe always` and by `sdbench check`.
 
 A gap is measured relative to the logits' scale: max |runner - library| / max(1, max |library|) at a
 position. The tolerance is 1e-4 in float32 (exact implementations differ by about 1e-6: SmolLM2-135M at
@@ -33,7 +38,7 @@ import torch
 
 from sdbench.errors import SdbenchError
 from sdbench.models import cpufast
-from sdbench.models.generic import GenericRunner, runner_kind
+from sdbench.models.generic import GenericRunner, cache_keyword, runner_kind
 from sdbench.models.variants import split_variant
 
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 1e-1, torch.float16: 2e-2}
@@ -59,6 +64,7 @@ class ProbeResult:
     error: str = ""  # the runner failed to run the probe at all (one line)
     skipped: str = ""  # why this model was not probed (then it passes, with no gaps)
     fallback: bool = False  # the model's native runner failed the probe and this generic one replaced it
+    reused: str = ""  # when the kept verdict reused here was measured (models/probe_cache.py); "": measured now
 
     @property
     def tolerance(self) -> float:
@@ -87,17 +93,22 @@ class ProbeResult:
                 f"{self.tolerance:g})")
 
 
-def probe_pair(pair, length: int, native: dict[str, str], console) -> None:
+def probe_pair(pair, length: int, native: dict[str, str], console, verdicts=None) -> None:
     """Probe every model runner of a loaded pair once (a draft that is the target shares its probe); a model
     that fails is refused in one line, after a fallback to the generic runner where the run allows one
-    (`native`: model name -> what needs it native). Results go to pair.probes; fallbacks replace the runner."""
+    (`native`: model name -> what needs it native). Results go to pair.probes; fallbacks replace the runner.
+    verdicts: a ProbeCache whose kept verdicts are reused (and new ones kept), or None."""
     vocab = len(pair.tokenizer) if pair.tokenizer is not None else None
     swapped = {}
     for runner in {id(r): r for r in (pair.target, *pair.drafts) if not isinstance(r, str)}.values():
         why = native.get(runner.name)
-        used, result, note = probe_runner(runner, length, vocab, console, fallback=not why)
+        used, result, note = probe_runner(runner, length, vocab, console, fallback=not why, verdicts=verdicts)
         if result.skipped:
             note = f"{runner.name} is not probed: {result.skipped}"
+        elif result.reused and result.passed:
+            note = (f"{runner.name}: the fidelity probe's verdict of {result.reused} is reused (largest gap "
+                    f"{result.gap:.2g} over {result.length} positions, {result.runner} runner; --probe always "
+                    f"probes again){'; ' + note if note else ''}")
         if note:
             console.print(f"note: {note}", style="yellow", highlight=False, soft_wrap=True)
         if not result.passed:
@@ -108,46 +119,76 @@ def probe_pair(pair, length: int, native: dict[str, str], console) -> None:
     pair.drafts = [d if isinstance(d, str) else swapped.get(id(d), d) for d in pair.drafts]
 
 
-def probe_runner(runner, length: int, vocab: int | None, console, fallback: bool = True):
+def probe_runner(runner, length: int, vocab: int | None, console, fallback: bool = True, verdicts=None):
     """(the runner to use, its ProbeResult, a one-line note or ''). A native runner that fails is replaced by
     the generic runner over the same model when `fallback` allows it and the generic one passes (the note
-    says so); otherwise the failing result comes back for the caller to refuse."""
+    says so); otherwise the failing result comes back for the caller to refuse. verdicts: see probe_pair."""
     if split_variant(runner.name)[1] == "int8":  # a MODEL@random has one reference forward like any model
         return runner, ProbeResult(runner.name, runner_kind(runner), 0, runner.dtype, skipped=VARIANT_SKIP), ""
-    result = _shown(runner, length, vocab, console)
+    result = _shown(runner, length, vocab, console, verdicts)
     if result.passed or result.runner != "native" or not fallback:
         return runner, result, ""
-    found = _fallback(runner, length, vocab, console)
+    found = _fallback(runner, length, vocab, console, verdicts)
     if found is None:
         return runner, result, ""
     note = f"{result.line()}; running it on the generic runner (the library's own forward) instead"
     return found[0], found[1], note
 
 
-def _shown(runner, length: int, vocab: int | None, console) -> "ProbeResult":
+def _shown(runner, length: int, vocab: int | None, console, verdicts=None) -> "ProbeResult":
+    """The runner's verdict: kept from an earlier probe over at least this context, or measured now (and
+    kept)."""
+    reach = probe_length(runner.model, length)
+    kept = verdicts.get(runner, reach) if verdicts is not None else None
+    if kept is not None:
+        return ProbeResult(runner.name or runner.model.config.model_type, runner_kind(runner), kept.length,
+                           runner.dtype, gaps=kept.gaps, worst=tuple(kept.worst), reused=kept.measured)
     with console.status(f"probing {runner.name} ({runner_kind(runner)} runner): its logits against the "
-                        f"library's forward over {max(length, MIN_LENGTH)} positions"):
-        return probe(runner, length, vocab)
+                        f"library's forward over {reach} positions"):
+        result = probe(runner, length, vocab)
+    if verdicts is not None:
+        verdicts.put(runner, result)
+    return result
 
 
-def _fallback(runner, length: int, vocab: int | None, console):
+def _fallback(runner, length: int, vocab: int | None, console, verdicts=None):
     """(the generic runner, its passing ProbeResult) over the native runner's model, or None."""
     try:
         generic = GenericRunner(runner.model, runner.name)
     except SdbenchError:
         return None
-    result = _shown(generic, length, vocab, console)
+    result = _shown(generic, length, vocab, console, verdicts)
     result.fallback = True
     return (generic, result) if result.passed else None
 
 
-def probe(runner, length: int, vocab: int | None = None) -> ProbeResult:
-    """The runner's logits against the library's forward on `length` positions (at least MIN_LENGTH, at
-    most the model's positions). vocab: draw tokens below it (the tokenizer's size; default the head's)."""
-    model = runner.model
-    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+def _text_config(model):
+    return model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+
+
+def probe_length(model, length: int) -> int:
+    """The positions a probe asked for `length` reaches: at least MIN_LENGTH, at most the model's positions
+    (a dynamic rope, made to scale past them, has no such bound)."""
+    config = _text_config(model)
     most = getattr(config, "max_position_embeddings", None) or length
-    length = max(min(max(length, MIN_LENGTH), most), STEPS + WIDTH + 1)
+    if _rescaled(config):
+        most = max(most, length)
+    return max(min(max(length, MIN_LENGTH), most), STEPS + WIDTH + 1)
+
+
+def _rescaled(config) -> bool:
+    """A rope the library rescales per call (`models/rotary.py`)."""
+    from sdbench.models.rotary import config_length_dependent  # imports transformers
+
+    return config_length_dependent(config)
+
+
+def probe(runner, length: int, vocab: int | None = None) -> ProbeResult:
+    """The runner's logits against the library's forward on `probe_length` positions. vocab: draw tokens
+    below it (the tokenizer's size; default the head's)."""
+    model = runner.model
+    config = _text_config(model)
+    length = probe_length(model, length)
     result = ProbeResult(runner.name or config.model_type, runner_kind(runner), length, runner.dtype)
     vocab = min(vocab or config.vocab_size, config.vocab_size)
     ids = _sequence(length, vocab)
@@ -171,10 +212,9 @@ def _sequence(length: int, vocab: int) -> torch.Tensor:
 @torch.inference_mode()
 def reference(model, ids: torch.Tensor, prefix: int, device) -> torch.Tensor:
     """The library's logits [K, V] (float32) at positions prefix - 1 .. len(ids) - 1, from its own cached
-    forward called as the runner is (`_run`): the prefix in one call (in REFERENCE_CHUNK pieces beyond that,
-    since one call holds attention scores quadratic in its length), STEPS single tokens, then the rest in one
-    verification. The calls matter where the rope's scaling depends on each call's length (`dynamic`): the
-    library's cached forward, which `generate` runs, is the model the user named. Plain weights
+    forward called as plain decoding (`generate`) calls it: the prefix in one call (in REFERENCE_CHUNK pieces
+    beyond that, since one call holds attention scores quadratic in its length, except for a rope rescaled
+    per call, whose prompt is one call in `generate`), then one token per call. Plain weights
     (`cpufast.plain`); its rotary modules start from their loaded state; the head runs only where compared."""
     # transformers (and rotary, which imports it): slow to import, and only the reference forward needs them
     from transformers import DynamicCache
@@ -182,7 +222,8 @@ def reference(model, ids: torch.Tensor, prefix: int, device) -> torch.Tensor:
     from sdbench.models.rotary import reset_library_rotary
 
     keeps = "logits_to_keep" in inspect.signature(model.forward).parameters
-    bounds = [*range(0, prefix, REFERENCE_CHUNK), prefix, *range(prefix + 1, prefix + STEPS + 1), len(ids)]
+    chunk = prefix if _rescaled(_text_config(model)) else REFERENCE_CHUNK
+    bounds = [*range(0, prefix, chunk), *range(prefix, len(ids) + 1)]
     compared = {prefix - 1, *range(prefix, len(ids))}
     out = []
     with cpufast.plain(model):
@@ -198,7 +239,7 @@ def reference(model, ids: torch.Tensor, prefix: int, device) -> torch.Tensor:
 
 def _library(model, ids: torch.Tensor, last: int, keeps: bool, cache) -> torch.Tensor:
     kwargs = {"logits_to_keep": last} if keeps else {}
-    out = model(input_ids=ids, past_key_values=cache, use_cache=True, **kwargs)
+    out = model(input_ids=ids, use_cache=True, **{cache_keyword(model): cache}, **kwargs)
     return out.logits[0, -last:].float()
 
 

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from sdbench.errors import SdbenchError
-from sdbench.kv.cache import DenseKVCache, KVCache, StepIndex
+from sdbench.kv.cache import DenseKVCache, KVCache, StepIndex, prompt_lengths, set_prompt_lengths
 from sdbench.kv.sparse import SparseKVCache
 from sdbench.models import cpufast, forward_paths
 from sdbench.models.families import NATIVE, family
@@ -119,6 +119,7 @@ class ModelRunner:
             cache = DenseKVCache(len(self.layers), batch, self.n_kv_heads, self.head_dim, capacity,
                                  self.dtype, self.device, self.windows)
             cache.pool_key = key if self.static else None
+        set_prompt_lengths(cache, [0] * batch)  # a pooled cache's last prompts are not this generation's
         return cache
 
     def new_sparse_cache(self, batch: int, n_static: int, window: torch.Tensor, lookahead: int) -> SparseKVCache:
@@ -166,16 +167,17 @@ class ModelRunner:
     # ---- forward ----------------------------------------------------------------------------------------
     @torch.inference_mode()
     def hidden(self, cache: KVCache, tokens: torch.Tensor, start: list[int] | None,
-               step: StepIndex | None = None, cos_sin: dict | None = None, seq_len: int | None = None) -> torch.Tensor:
+               step: StepIndex | None = None, cos_sin: dict | None = None) -> torch.Tensor:
         """Final-norm hidden states [B, T, H] for tokens [B, T] placed at positions start[b] + t.
 
         step, cos_sin: a prepared (static) StepIndex instead of `start`, with its cos/sin per layer type
-        (`Rotary.for_forward`); seq_len: the length whose rotary scaling the forward uses (default: its largest
-        position + 1; a chunked prefill passes the whole prompt's, as the library computes it in one call)."""
+        (`Rotary.for_forward`). Each token is rotated as plain decoding rotates it, for the prompt lengths the
+        cache records (`Rotary.scaling_lengths`)."""
         if step is None:
             step = StepIndex(start, tokens.shape[1], self.device)
         if cos_sin is None:
-            cos_sin = self.rotary.for_forward(step.positions, seq_len or step.kv_len)
+            lengths = self.rotary.scaling_lengths(start, tokens.shape[1], prompt_lengths(cache))
+            cos_sin = self.rotary.for_forward(step.positions, step.kv_len, lengths)
         self.path.ready()
         h = self.decoder.embed_tokens(tokens.to(self.device))  # Gemma's sqrt(hidden) scale is the module's
         fam = self.family
@@ -282,10 +284,11 @@ class ModelRunner:
         tokens = right_pad(prompts)
         width = tokens.shape[1]
         last = torch.tensor(lengths) - 1
+        set_prompt_lengths(cache, lengths)  # every prompt token is rotated as the prompt's one forward does
         final = torch.empty(len(prompts), self.hidden_size, dtype=self.dtype, device=self.device)
         for c0 in range(0, width, chunk):
             c1 = min(c0 + chunk, width)
-            h = self.hidden(cache, tokens[:, c0:c1], [c0] * len(prompts), seq_len=width)
+            h = self.hidden(cache, tokens[:, c0:c1], [c0] * len(prompts))
             rows = ((last >= c0) & (last < c1)).nonzero().flatten()
             if len(rows):
                 final[rows.to(self.device)] = h[rows.to(self.device), (last[rows] - c0).to(self.device)]
