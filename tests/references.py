@@ -45,9 +45,10 @@ def hf_lookup(model, prompt: list[int], max_new: int, gamma: int, eos=()) -> lis
     return hf_generate(model, prompt, max_new, eos, prompt_lookup_num_tokens=gamma)
 
 
-def tiny_model_dir(folder, arch: str = "llama", seed: int = 0):
-    """A loadable model folder (`--target FOLDER`): a perturbed tiny model and a word-level tokenizer whose
-    words are w0, w1, ... (w-prefixed text encodes to known ids: id = 3 + the number; 0-2 are specials)."""
+def tiny_model_dir(folder, arch: str = "llama", seed: int = 0, model=None):
+    """A loadable model folder (`--target FOLDER`): a perturbed tiny model (or `model`, VOCAB tokens) and a
+    word-level tokenizer whose words are w0, w1, ... (w-prefixed text encodes to known ids: id = 3 + the
+    number; 0-2 are specials)."""
     from tokenizers import Tokenizer
     from tokenizers.models import WordLevel
     from tokenizers.pre_tokenizers import Whitespace
@@ -60,7 +61,7 @@ def tiny_model_dir(folder, arch: str = "llama", seed: int = 0):
     backend = Tokenizer(WordLevel(vocab, unk_token="<unk>"))
     backend.pre_tokenizer = Whitespace()
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
-    model = perturbed(tiny_model(seed, arch=arch), seed + 100)
+    model = perturbed(tiny_model(seed, arch=arch), seed + 100) if model is None else model
     model.generation_config.eos_token_id = 2
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
