@@ -1,6 +1,7 @@
 # sdbench: `make run` installs everything and runs the default benchmark; `make test` installs and tests.
 # `make gpu-check PART=1` (then 2, 3) measures a GPU machine with no network, with the Python already there
 # (GPU_PYTHON; no virtual environment, nothing installed); `make gpu-check-merge` joins the parts' folders.
+# `make docs` builds docs/ as a static site (mkdocs, strict).
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
@@ -12,7 +13,7 @@ GPU_OUT ?= results/gpu-check
 # bash: brace expansion in the qwen target
 SHELL := /bin/bash
 
-.PHONY: setup run test bench bench-qwen qwen peers gpu-check gpu-check-merge clean
+.PHONY: setup run test bench bench-qwen qwen peers gpu-check gpu-check-merge docs clean
 
 setup: $(STAMP)
 
@@ -50,6 +51,13 @@ gpu-check:
 
 gpu-check-merge:
 	$(GPU_PYTHON) -m sdbench gpu-check --merge --out $(GPU_OUT)
+
+# docs/ as a static site in build/site, failing on any warning (a page, link or anchor that does not resolve);
+# needs only mkdocs, not `make setup`, and is no part of `make test`
+docs:
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet mkdocs==1.6.1
+	$(BIN)/mkdocs build --strict
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

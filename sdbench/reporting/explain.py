@@ -95,7 +95,7 @@ def definitions(df: pd.DataFrame) -> pd.DataFrame:
 def breakdown_table(parts: pd.DataFrame) -> Table:
     table = Table(title="Where the speedup goes (factors multiply to the measured speedup)",
                   caption="verification: 1/v, v = one verification over a plain 1-token step (shown in brackets); "
-                          "README 'Explaining a speedup' defines each factor")
+                          "docs/results.md, 'Explaining a speedup', defines each factor")
     for name in ("run", "strategy", "measured", *FACTORS, "product", "predicted"):
         table.add_column(name, justify="left" if name in ("run", "strategy") else "right", no_wrap=True)
     for row in parts.to_dict("records"):

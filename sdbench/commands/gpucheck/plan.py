@@ -158,7 +158,7 @@ def preflight(parts, device: str) -> None:
     missing = missing_packages(parts)
     if missing:
         raise SdbenchError(f"gpu-check needs {', '.join(missing)}, not installed here: bring the wheel(s) and "
-                           "install them with `pip install --no-index --no-deps WHEELS` (README: On a GPU)")
+                           "install them with `pip install --no-index --no-deps WHEELS` (docs/gpu.md)")
     from sdbench.models.pair import resolve_device  # loads torch: only once the check has passed
 
     resolve_device(device)
