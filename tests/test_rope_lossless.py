@@ -6,8 +6,9 @@ token is rotated as plain decoding rotates it (models/rotary.py): with the libra
 (`test_the_per_call_rule_would_not_be_lossless`, the control). `sdbench bench`, the command a user checks this
 with, is run on the rescaled types: its sdbench rows (plain, fast, generic runner, `draft`, `ngram`) equal
 `generate`. transformers' own assisted generation and prompt lookup do not, on the dynamic rope: the library's
-k-token verification rescales per call. Phi-3's `generate` also drops its cache when a sequence first passes
-the original context (CROSSING): not emulated yet, a known difference (strict xfail)."""
+k-token verification rescales per call. Phi-3's `generate` also computes the whole sequence again with the
+long factors when it first passes the original context (models/recompute.py): the Phi-3 case crosses there
+inside verifications, and rejected ones rewind below it."""
 
 from __future__ import annotations
 
@@ -17,6 +18,8 @@ import torch
 
 from sdbench.config import SamplingConfig
 from sdbench.engine.loop import generate
+from sdbench.models import cpufast
+from sdbench.models.generic import GenericRunner
 from sdbench.models.rotary import Rotary
 from sdbench.models.runner import ModelRunner
 from sdbench.strategies.draft import DraftModel
@@ -39,10 +42,7 @@ CASES = {
                                            original_max_position_embeddings=ORIGINAL, rope_parameters=PHI3),
 }
 RESCALED = ["llama-dynamic", "llama-longrope", "phi3-longrope"]
-CROSSING = pytest.mark.xfail(strict=True, reason=(
-    "Phi-3's generate drops its cache and recomputes the whole sequence with the long factors when a sequence "
-    "first passes original_max_position_embeddings (its prepare_inputs_for_generation); sdbench's runner does "
-    "not emulate that recomputation yet, so a generation that crosses there differs from it from the crossing on"))
+
 
 
 def _model(name: str):
@@ -56,8 +56,12 @@ def _prompts(length: int = PROMPT) -> list[list[int]]:
     return [[3 + (k * i) % 40 for i in range(length)] for k in (3, 7)]
 
 
-def _decoded(model, strategy, prompts=None) -> list[list[int]]:
-    runner = ModelRunner(model, fast=True)
+RUNNERS = {"fast": lambda m: ModelRunner(m, fast=True), "static": lambda m: ModelRunner(m, static=True),
+           "generic": lambda m: GenericRunner(m)}
+
+
+def _decoded(model, strategy, prompts=None, kind: str = "fast") -> list[list[int]]:
+    runner = RUNNERS[kind](model)
     return [generate(runner, strategy(runner), [p], max_new_tokens=NEW, sampling=SamplingConfig()).output_ids[0]
             for p in prompts or _prompts()]
 
@@ -65,13 +69,15 @@ def _decoded(model, strategy, prompts=None) -> list[list[int]]:
 STRATEGIES = {"draft": lambda r: DraftModel(r, 4), "ngram": lambda r: NGram(4)}
 
 
-@pytest.mark.parametrize("name", [n if n != "phi3-longrope" else pytest.param(n, marks=CROSSING) for n in CASES])
+@pytest.mark.parametrize("name", list(CASES))
 def test_draft_and_ngram_equal_generate_past_the_original_context(name):
     model = _model(name)
     want = [library_greedy(model, p, NEW) for p in _prompts()]
     assert all(len(w) == NEW for w in want) and PROMPT < ORIGINAL < PROMPT + NEW
-    for label, strategy in STRATEGIES.items():
-        assert _decoded(model, strategy) == want, f"{name} {label}"
+    for kind in RUNNERS:
+        for label, strategy in STRATEGIES.items():
+            assert _decoded(model, strategy, kind=kind) == want, f"{name} {kind} {label}"
+    cpufast.disable(model)
 
 
 def test_phi3_equals_generate_with_a_prompt_past_the_original_context():
@@ -83,7 +89,7 @@ def test_phi3_equals_generate_with_a_prompt_past_the_original_context():
         assert _decoded(model, strategy, prompts) == want, label
 
 
-@pytest.mark.parametrize("name", RESCALED)
+@pytest.mark.parametrize("name", RESCALED[:2])
 def test_the_per_call_rule_would_not_be_lossless(name, monkeypatch):
     """The control: every token of a forward rotated for the forward's widest position (the library's per-call
     rule) makes speculative decoding differ from `generate` on these models, so the test above can fail."""
@@ -99,7 +105,7 @@ def test_the_per_call_rule_would_not_be_lossless(name, monkeypatch):
     assert _decoded(model, STRATEGIES["draft"]) != want
 
 
-@pytest.mark.parametrize("name", RESCALED[:2])
+@pytest.mark.parametrize("name", RESCALED)
 def test_bench_equals_generate_on_the_rescaled_ropes(name, tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("SDBENCH_CACHE", str(tmp_path / "cache"))
     folder = tiny_model_dir(tmp_path / "tiny", model=_model(name))
@@ -112,3 +118,43 @@ def test_bench_equals_generate_on_the_rescaled_ropes(name, tmp_path, monkeypatch
     df = pd.read_parquet(tmp_path / "b" / "bench.parquet")
     ours = df[df.system.str.startswith("sdbench")]
     assert len(ours) == 5 and ours.same_output.all() and (ours.tokens == 2 * NEW).all()
+
+
+def test_phi3_without_its_recomputation_would_not_be_lossless(monkeypatch):
+    """The control for Phi-3: rotating each token right but keeping the short-rope keys past the crossing (no
+    recomputation) differs from its `generate`."""
+    from sdbench.models import recompute
+
+    model = _model("phi3-longrope")
+    want = [library_greedy(model, p, NEW) for p in _prompts()]
+    monkeypatch.setattr(recompute, "switches", lambda *a: False)
+    assert _decoded(model, STRATEGIES["draft"]) != want
+
+
+@pytest.mark.parametrize("kind", list(RUNNERS))
+def test_phi3_rewound_below_the_crossing_equals_generate(kind, monkeypatch):
+    """A draft of other weights is rejected across the crossing, so rows cross, rewind below it (their keys
+    computed again with the short factors) and cross again; the output stays generate's."""
+    from sdbench.models import generic, recompute
+
+    model, other = _model("phi3-longrope"), perturbed_model(CASES["phi3-longrope"](), seed=11)
+    switched = []
+    real_native, real_generic = recompute._recompute, generic.GenericRunner._switch
+
+    def native(runner, view, upto, crossed):
+        switched.append(crossed)
+        return real_native(runner, view, upto, crossed)
+
+    def generic_switch(self, cache, b, start, width):
+        before = bool(cache.crossed[b])
+        out = real_generic(self, cache, b, start, width)
+        if bool(cache.crossed[b]) != before:
+            switched.append(bool(cache.crossed[b]))
+        return out
+
+    monkeypatch.setattr(recompute, "_recompute", native)
+    monkeypatch.setattr(generic.GenericRunner, "_switch", generic_switch)
+    want = [library_greedy(model, p, NEW) for p in _prompts()]
+    drafter = ModelRunner(other)
+    assert _decoded(model, lambda r: DraftModel(drafter, 4), kind=kind) == want
+    assert True in switched and False in switched, switched  # crossed, and rewound below the crossing

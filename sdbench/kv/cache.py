@@ -28,6 +28,9 @@ class KVCache(Protocol):
     pool_key: tuple | None  # the runner's pool key (static shapes); None: never pooled
     prompt_len: torch.Tensor  # [B] on the host: each row's prompt length (set by a prefill), which decides the
     # rotation of the rope types the library rescales per call (`models/rotary.py`)
+    ids: torch.Tensor | None  # [B, capacity] the token at each position, kept only for a model whose keys may
+    # have to be computed again (`models/recompute.py`); None otherwise
+    crossed: torch.Tensor | None  # [B] bool on the host, beside `ids`: the row's keys are its long-rope ones
 
     def update(
         self, layer: int, k: torch.Tensor, v: torch.Tensor, step: "StepIndex"
@@ -46,10 +49,13 @@ def prompt_lengths(cache) -> torch.Tensor | None:
 
 
 def set_prompt_lengths(cache, lengths) -> None:
-    """Record the rows' prompt lengths (in place: a row view writes its parent's)."""
+    """Record the rows' prompt lengths (in place: a row view writes its parent's); rows start with the keys of
+    their prompt (not crossed)."""
     held = prompt_lengths(cache)
     if held is not None:
         held.copy_(torch.as_tensor(lengths, dtype=torch.long))
+    if getattr(cache, "crossed", None) is not None:
+        cache.crossed.zero_()
 
 
 def additive(allowed: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
@@ -119,6 +125,13 @@ class DenseKVCache(KVCache):
         self.graphs: dict = {}  # (B, T) -> StaticForward captured over this cache's storage
         self.pool_key = None
         self.prompt_len = torch.zeros(batch, dtype=torch.long)
+        self.ids = self.crossed = None
+
+    def keep_ids(self) -> None:
+        """Keep the token at each position (see KVCache.ids)."""
+        if self.ids is None:
+            self.ids = torch.zeros(self.batch, self.capacity, dtype=torch.long, device=self.k[0].device)
+            self.crossed = torch.zeros(self.batch, dtype=torch.bool)
 
     def row(self, b: int) -> "DenseKVCache":
         """A cache over row b alone, sharing this cache's storage (a request joining a running batch is
@@ -129,6 +142,8 @@ class DenseKVCache(KVCache):
         view.v = [v[b : b + 1] for v in self.v]
         view.static_kv_len, view.graphs, view.pool_key = None, {}, None
         view.prompt_len = self.prompt_len[b : b + 1]
+        view.ids = None if self.ids is None else self.ids[b : b + 1]
+        view.crossed = None if self.crossed is None else self.crossed[b : b + 1]
         return view
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor, step: StepIndex):

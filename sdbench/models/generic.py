@@ -19,6 +19,7 @@ import torch
 
 from sdbench.errors import SdbenchError
 from sdbench.models import cpufast
+from sdbench.models.recompute import recompute_threshold
 
 SPARSE_REFUSAL = "sparse KV caches (MagicDec, --set draft_kv) need the native runner"
 
@@ -54,12 +55,15 @@ class GenericCache:
         self.batch = batch
         self.graphs: dict = {}
         self.prompt_len = torch.zeros(batch, dtype=torch.long)  # [B] host (see kv/cache.py)
+        self.ids = [[] for _ in range(batch)]  # per row, the tokens its library cache holds (models/recompute.py)
+        self.crossed = torch.zeros(batch, dtype=torch.bool)  # per row: its keys are the long-rope ones
 
     def row(self, b: int) -> "GenericCache":
         """A cache over row b alone, sharing its library cache (see DenseKVCache.row)."""
         view = GenericCache.__new__(GenericCache)
         view.rows, view.capacity, view.batch, view.graphs = [self.rows[b]], self.capacity, 1, {}
         view.prompt_len = self.prompt_len[b : b + 1]
+        view.ids, view.crossed = [self.ids[b]], self.crossed[b : b + 1]
         return view
 
     def length(self, b: int) -> int:
@@ -72,6 +76,7 @@ class GenericCache:
             raise RuntimeError(f"generic cache row {b} holds {held} positions; a forward cannot start at {start}")
         if start < held:
             self.rows[b].crop(start - held)  # the library's crop takes the (negative) count to remove
+        del self.ids[b][start:]
 
 
 class GenericRunner:
@@ -100,6 +105,7 @@ class GenericRunner:
 
         text = model.config.get_text_config()
         self._rotary = library_rotary_modules(model) if config_length_dependent(text) else None
+        self._recompute_at = recompute_threshold(text, self._rotary is not None)
 
     # ---- caches -----------------------------------------------------------------------------------------
     def new_cache(self, batch: int, capacity: int) -> GenericCache:
@@ -133,6 +139,8 @@ class GenericRunner:
         kwargs = {"logits_to_keep": keep} if self._keeps and keep is not None else {}
         out = self.model(input_ids=tokens[None].to(self.device), use_cache=True,
                          **{self._cache_kw: cache.rows[b]}, **kwargs)
+        if self._recompute_at is not None:
+            cache.ids[b].extend(tokens.tolist())
         logits = out.logits[0]
         if keep is not None and not self._keeps:
             logits = logits[keep]
@@ -150,11 +158,37 @@ class GenericRunner:
         out = []
         for lo, hi in zip(bounds, bounds[1:]):
             here = ordered[(ordered >= lo) & (ordered < hi)] - lo
-            logits = self._call(cache, b, tokens[lo:hi], start + lo,
-                                (here if len(here) else torch.tensor([hi - lo - 1])).to(self.device))
+            earlier = self._switch(cache, b, start + lo, hi - lo)  # Phi-3 past O: the sequence again, here
+            back = len(earlier)
+            piece = tokens[lo:hi]
+            if back:
+                piece = torch.cat((torch.tensor(earlier, dtype=tokens.dtype), piece.cpu()))
+            logits = self._call(cache, b, piece, start + lo - back,
+                                (here + back if len(here) else torch.tensor([back + hi - lo - 1])).to(self.device))
             if len(here):
                 out.append(logits)
         return torch.cat(out)[order.argsort().to(self.device)]
+
+    def _switch(self, cache: GenericCache, b: int, start: int, width: int) -> list[int]:
+        """For a model whose generate computes the whole sequence again when it first passes O
+        (models/recompute.py), before a call of `width` tokens from `start`: where the call's queries lie past
+        O and the row's keys are the short-rope ones, the row's earlier tokens, to go first in that call (one
+        call up to the first position past O, as generate makes it), its cache emptied; where they lie below O
+        and the keys are the long-rope ones (a rewind), the short-rope keys computed again. [] otherwise."""
+        limit = self._recompute_at
+        if limit is None or int(cache.prompt_len[b]) > limit:
+            return []
+        long = start + width > limit
+        if long == bool(cache.crossed[b]):
+            return []
+        cache.crossed[b] = long
+        earlier = list(cache.ids[b][:start])
+        cache.rewind(b, 0)
+        if long:
+            return earlier
+        if earlier:
+            self._call(cache, b, torch.tensor(earlier, dtype=torch.long), 0, torch.tensor([len(earlier) - 1]))
+        return []
 
     def share_plain(self) -> None:
         """Put the weights back in the library's layout (a packed copy cannot be shared with worker processes);

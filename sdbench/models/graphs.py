@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from sdbench.kv.cache import StepIndex, prompt_lengths
+from sdbench.kv.cache import StepIndex
 
 CAPACITY_STEP = 256  # pooled dense caches round their length up to a multiple of this
 POOL_MAX = 8  # caches a runner keeps for reuse
@@ -59,7 +59,7 @@ class StaticForward:
         self.tokens.copy_(tokens, non_blocking=True)
         self.positions.copy_(torch.tensor(start, dtype=torch.long)[:, None] + self.offsets, non_blocking=True)
         rotary, width = self.runner.rotary, len(self.offsets)
-        lengths = rotary.scaling_lengths(start, width, prompt_lengths(self.cache))
+        lengths = rotary.scaling_lengths(start, width, self.runner.scaling_floor(self.cache))
         for t, (cos, sin) in rotary.for_forward(self.positions, max(start) + width, lengths).items():
             self.cos_sin[t][0].copy_(cos)
             self.cos_sin[t][1].copy_(sin)

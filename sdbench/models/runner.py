@@ -15,9 +15,9 @@ import torch
 import torch.nn.functional as F
 
 from sdbench.errors import SdbenchError
-from sdbench.kv.cache import DenseKVCache, KVCache, StepIndex, prompt_lengths, set_prompt_lengths
+from sdbench.kv.cache import DenseKVCache, KVCache, StepIndex, set_prompt_lengths
 from sdbench.kv.sparse import SparseKVCache
-from sdbench.models import cpufast, forward_paths
+from sdbench.models import cpufast, forward_paths, recompute
 from sdbench.models.families import NATIVE, family
 from sdbench.engine.state import needed_capacity
 from sdbench.models.graphs import CAPACITY_STEP, CachePool, StaticForward
@@ -87,6 +87,8 @@ class ModelRunner:
         p = self.lm_head.weight
         self.device, self.dtype = p.device, p.dtype
         self.rotary = Rotary(cfg, self.device, self.dtype)  # cos/sin per layer type (`rotary.layer_types`)
+        self.recompute_at = recompute.recompute_threshold(cfg, self.rotary.length_dependent)  # Phi-3's O, else None
+        self.prefill_tokens = PREFILL_TOKENS
         self.windows = layer_windows(cfg)  # per layer: its sliding window, or None
         self.path = forward_paths.choose(model, bool(fast), self.device, self.family.rms_norm)
         self.fast = self.path.kind != forward_paths.EAGER  # what result rows record (`fast`)
@@ -119,6 +121,8 @@ class ModelRunner:
             cache = DenseKVCache(len(self.layers), batch, self.n_kv_heads, self.head_dim, capacity,
                                  self.dtype, self.device, self.windows)
             cache.pool_key = key if self.static else None
+        if self.recompute_at is not None:
+            cache.keep_ids()
         set_prompt_lengths(cache, [0] * batch)  # a pooled cache's last prompts are not this generation's
         return cache
 
@@ -176,8 +180,10 @@ class ModelRunner:
         if step is None:
             step = StepIndex(start, tokens.shape[1], self.device)
         if cos_sin is None:
-            lengths = self.rotary.scaling_lengths(start, tokens.shape[1], prompt_lengths(cache))
+            lengths = self.rotary.scaling_lengths(start, tokens.shape[1], self.scaling_floor(cache))
             cos_sin = self.rotary.for_forward(step.positions, step.kv_len, lengths)
+        if getattr(cache, "ids", None) is not None:
+            cache.ids.scatter_(1, step.positions, tokens.to(self.device))
         self.path.ready()
         h = self.decoder.embed_tokens(tokens.to(self.device))  # Gemma's sqrt(hidden) scale is the module's
         fam = self.family
@@ -199,6 +205,11 @@ class ModelRunner:
                 m = self.path.norm(mlp_out, m)
             h = h + m if r is None else h + m * r
         return self.path.norm(self.decoder.norm, h)
+
+    def scaling_floor(self, cache) -> torch.Tensor | None:
+        """The rows' floors of the rope's scaling length (`Rotary.scaling_lengths`): their prompt lengths, and
+        past Phi-3's O for rows whose keys are the long-rope ones (`models/recompute.py`)."""
+        return recompute.scaling_floor(cache, self.recompute_at)
 
     def _project(self, attn, fast, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Queries and keys side by side [B, T, (Hq + Hk) * D] and values [B, T, Hk * D], from separate or
@@ -251,6 +262,8 @@ class ModelRunner:
                 at: torch.Tensor | None = None) -> torch.Tensor:
         """Logits [B, T, V] (float32), or only at in-chunk indices `at`: [B] -> [B, V], [B, K] -> [B, K, V]
         (eagerly, the vocabulary projection then runs only there: it costs as much as a few layers)."""
+        if recompute.switches(cache, self.recompute_at, start, tokens.shape[1]):
+            return recompute.forward_switching(self, cache, tokens, start, at, self.recompute_at)
         if self.static and cache.static_kv_len is not None:
             logits = self._static_forward(cache, tokens, start)
             return logits if at is None else _pick(logits, at)
@@ -277,7 +290,7 @@ class ModelRunner:
         runs under a mask, take no more at batch 32 than at batch 1: 34 GB for Llama-3.1-8B's shape at batch 32 x
         8,192 tokens otherwise].
         """
-        chunk = chunk or max(1, PREFILL_TOKENS // len(prompts))
+        chunk = chunk or max(1, self.prefill_tokens // len(prompts))
         lengths = [len(p) for p in prompts]
         if min(lengths) < 1:
             raise SdbenchError("empty prompt: a prompt needs at least one token")
