@@ -158,3 +158,17 @@ def test_phi3_rewound_below_the_crossing_equals_generate(kind, monkeypatch):
     drafter = ModelRunner(other)
     assert _decoded(model, lambda r: DraftModel(drafter, 4), kind=kind) == want
     assert True in switched and False in switched, switched  # crossed, and rewound below the crossing
+
+
+@pytest.mark.parametrize("original", [26, 30])  # the probe's 32 positions cross there in its steps / verification
+def test_the_probe_holds_phi3_to_its_generate_across_the_crossing(original, monkeypatch):
+    from sdbench.models import probe as probe_module, recompute
+
+    config = family_config("phi3", max_position_embeddings=64, original_max_position_embeddings=original,
+                           rope_parameters=dict(PHI3, original_max_position_embeddings=original))
+    model = perturbed_model(config, seed=3)
+    for runner in RUNNERS.values():
+        assert probe_module.probe(runner(model), 32).passed
+    cpufast.disable(model)
+    monkeypatch.setattr(recompute, "switches", lambda *a: False)  # the control: no recomputation
+    assert not probe_module.probe(ModelRunner(model), 32).passed

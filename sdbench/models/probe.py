@@ -39,6 +39,7 @@ import torch
 from sdbench.errors import SdbenchError
 from sdbench.models import cpufast
 from sdbench.models.generic import GenericRunner, cache_keyword, runner_kind
+from sdbench.models.recompute import recompute_threshold
 from sdbench.models.variants import split_variant
 
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 1e-1, torch.float16: 2e-2}
@@ -222,15 +223,19 @@ def reference(model, ids: torch.Tensor, prefix: int, device) -> torch.Tensor:
     from sdbench.models.rotary import reset_library_rotary
 
     keeps = "logits_to_keep" in inspect.signature(model.forward).parameters
-    chunk = prefix if _rescaled(_text_config(model)) else REFERENCE_CHUNK
+    config = _text_config(model)
+    chunk = prefix if _rescaled(config) else REFERENCE_CHUNK
     bounds = [*range(0, prefix, chunk), *range(prefix, len(ids) + 1)]
     compared = {prefix - 1, *range(prefix, len(ids))}
+    limit = recompute_threshold(config, _rescaled(config))  # Phi-3: generate recomputes when passing it
     out = []
     with cpufast.plain(model):
         reset_library_rotary(model)
         cache = DynamicCache(config=model.config)
         for c0, c1 in zip(bounds, bounds[1:]):
             last = len(compared.intersection(range(c0, c1)))
+            if limit is not None and c0 == limit >= prefix:  # the step at O: the whole sequence again
+                cache, c0 = DynamicCache(config=model.config), 0
             logits = _library(model, ids[None, c0:c1].to(device), max(last, 1), keeps, cache)
             out.extend(logits[logits.shape[0] - last:])
         reset_library_rotary(model)
