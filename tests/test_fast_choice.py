@@ -15,9 +15,10 @@ from tests.test_random_weights import small  # noqa: F401 (fixture)
 
 
 @pytest.fixture
-def measuring(monkeypatch):
-    """The measured choice, with no choice remembered from earlier tests."""
+def measuring(monkeypatch, tmp_path):
+    """The measured choice, with no choice remembered from earlier tests (in this process or kept on disk)."""
     monkeypatch.setenv(cpufast.FAST_ENV, "measure")
+    monkeypatch.setenv("SDBENCH_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(cpufast, "_chosen", {})
 
 
@@ -185,3 +186,18 @@ def test_bench_on_an_alias_at_random_says_what_it_used(small, capsys, tmp_path, 
     assert "verification cost T(3 tokens) / T(1 token), llama-1b@random" in out
     df = pd.read_parquet(tmp_path / "bench.parquet")
     assert "transformers generate (static cache)" in set(df["system"]) and df["same_output"].all()
+
+
+def test_the_measured_choice_is_kept_for_later_runs_on_this_machine(measuring, monkeypatch):
+    """A second process (here: the in-process memory emptied) takes the kept choice without measuring, and says
+    when it was measured; the opposite of what a new measurement would say proves it was not measured again."""
+    model = tiny_model(0)
+    monkeypatch.setattr(cpufast, "_timed_paths", lambda fast: (2.0, 1.0))  # packing measured 2x faster
+    first = cpufast.choose(model)
+    assert first.packed and first.ratio == 2.0 and not first.measured
+    monkeypatch.setattr(cpufast, "_chosen", {})
+    monkeypatch.setattr(cpufast, "_timed_paths", lambda fast: (1.0, 2.0))  # would now choose plain
+    again = cpufast.choose(model)
+    assert again.packed and again.ratio == 2.0 and again.measured and "kept" in again.describe()
+    other = tiny_model(1, layers=1)  # another shape: measured, not taken from the first
+    assert not cpufast.choose(other).packed

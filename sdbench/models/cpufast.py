@@ -29,16 +29,21 @@ Whether to pack at all is measured per shape (`choose`): at some shapes the plai
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import time
 import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from sdbench.env import cpu_name
 from sdbench.errors import SdbenchError
+from sdbench.paths import cache_dir
 
 PACK_HINT = 5  # rows the packed layout is tuned for: a verification of gamma = 4 (also best at 1-9 rows)
 _EMPTY = torch.empty(0)  # what a packed module's own weight holds
@@ -298,7 +303,10 @@ def rms_norm(module, x: torch.Tensor) -> torch.Tensor:
 
 # --- whether packing pays at this shape -------------------------------------------------------------------------
 # Chosen on the three embedded models' shapes, the packed path lost at Llama-3.2-1B's (0.87x of the plain forward):
-# the choice is now measured per shape, once per process, on the products the two paths differ in.
+# the choice is now measured per shape on the products the two paths differ in, once per machine: it is kept in
+# the cache (`choices.json`) by shape, threads, CPU and torch, so that runs on one machine take the same path
+# (where the two are close, a measurement per run would flip between them, and with it every figure that
+# depends on the forward path, the fidelity probe's kept verdicts included). Delete the file to measure again.
 
 FAST_ENV = "SDBENCH_CPU_FAST"  # measure (default) | packed | plain: an override that skips the measurement
 WIDTHS = (1, 2, PACK_HINT)  # decoding, a draft's catch-up, a verification of gamma = 4
@@ -311,13 +319,15 @@ class Choice:
     packed: bool
     how: str  # "measured" or "override"
     ratio: float | None = None  # plain time / packed time, layers and head, summed over WIDTHS (> 1: packing wins)
+    measured: str = ""  # when, where the measurement was kept from an earlier run on this machine ("": now)
 
     def describe(self) -> str:
         path = "packed (oneDNN)" if self.packed else "plain"
         if self.ratio is None:
             return f"CPU fast path: {path} forward, set by {FAST_ENV}"
-        return (f"CPU fast path: {path} forward, measured at this shape (packed products {self.ratio:.2f}x the "
-                f"speed of plain ones at widths {', '.join(map(str, WIDTHS))})")
+        when = f" on {self.measured} (kept: {_choices_file()})" if self.measured else ""
+        return (f"CPU fast path: {path} forward, measured at this shape{when} (packed products {self.ratio:.2f}x "
+                f"the speed of plain ones at widths {', '.join(map(str, WIDTHS))})")
 
 
 def choose(model) -> Choice:
@@ -330,10 +340,41 @@ def choose(model) -> Choice:
     key = (model.config.to_json_string(use_diff=False), model.lm_head.weight is model.get_input_embeddings().weight,
            torch.get_num_threads())
     if key not in _chosen:
-        with plain(model):  # the plain weights to time and to pack a copy of
-            plain_s, packed_s = _timed_paths(fast_model(model))
-        _chosen[key] = Choice(packed_s < plain_s, "measured", plain_s / packed_s)
+        digest = hashlib.sha256(json.dumps([*key, cpu_name(), torch.__version__]).encode()).hexdigest()[:24]
+        kept = _kept_choices().get(digest)
+        if kept is not None:
+            _chosen[key] = Choice(kept["packed"], "measured", kept["ratio"], kept["measured"])
+        else:
+            with plain(model):  # the plain weights to time and to pack a copy of
+                plain_s, packed_s = _timed_paths(fast_model(model))
+            _chosen[key] = Choice(packed_s < plain_s, "measured", plain_s / packed_s)
+            _keep_choice(digest, _chosen[key])
     return _chosen[key]
+
+
+def _choices_file() -> Path:
+    return cache_dir("cpufast") / "choices.json"
+
+
+def _kept_choices() -> dict:
+    try:
+        return json.loads(_choices_file().read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _keep_choice(digest: str, choice: Choice) -> None:
+    """Keep a measured choice for later runs on this machine (whole file replaced at once)."""
+    try:
+        kept = _kept_choices()
+        kept[digest] = {"packed": choice.packed, "ratio": choice.ratio,
+                        "measured": time.strftime("%Y-%m-%d %H:%M")}
+        path = _choices_file()
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(kept, indent=1))
+        tmp.replace(path)
+    except OSError:
+        pass  # an unwritable cache: the next run measures again
 
 
 def _timed_paths(fast: FastModel) -> tuple[float, float]:
