@@ -10,6 +10,7 @@ of the family's differences changes the logits (so that the test would fail with
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import weakref
 
@@ -22,7 +23,7 @@ from sdbench.models import cpufast, families
 from sdbench.models.runner import ModelRunner
 from sdbench.strategies.autoregressive import Autoregressive
 from sdbench.strategies.draft import DraftModel
-from tests.conftest import VOCAB
+from tests.conftest import VOCAB, skip_unless_ci
 from tests.test_runner_fidelity import library_greedy, perturbed_model, tiny_config
 
 GREEDY = SamplingConfig()
@@ -164,18 +165,30 @@ def test_each_difference_of_a_family_matters(name, field, monkeypatch):
     llama = dataclasses.fields(families.Family)
     default = next(f.default for f in llama if f.name == field)
     monkeypatch.setattr("sdbench.models.runner.family", lambda c: dataclasses.replace(real(c), **{field: default}))
-    try:
-        runner = ModelRunner(model)
-        got = runner.forward(runner.new_cache(1, 16), ids, [0])
-    except AttributeError:  # module names (fused projections, norm placement): Llama's are not there at all
+    if (name, field) in NAMES_ONLY:  # Llama's module is not there at all: the runner cannot be built without it
+        attention = model.model.layers[0].self_attn
+        assert not hasattr(attention, NAMES_ONLY[name, field])
+        with pytest.raises(AttributeError, match=NAMES_ONLY[name, field]):
+            runner = ModelRunner(model)
+            runner.forward(runner.new_cache(1, 16), ids, [0])
         return
+    if (name, field) == ("olmo2", "norms"):  # post-norms only: Llama's pre-norm, a copy of the family's own
+        for layer in model.model.layers:
+            layer.input_layernorm = copy.deepcopy(layer.post_attention_layernorm)
+    runner = ModelRunner(model)
+    got = runner.forward(runner.new_cache(1, 16), ids, [0])
     assert (got - ref).abs().max() > 1e-2
+
+
+# a difference that only names modules: Llama's name, absent from the family's layers (an exact split of the
+# fused projection would compute the same logits, so the name is all there is to check)
+NAMES_ONLY = {("phi3", "qkv"): "q_proj"}
 
 
 def test_fast_path_leaves_experts_and_gemma_norms_to_the_library():
     mixtral = ModelRunner(tiny("mixtral"), fast=True)
     if not mixtral.fast:
-        pytest.skip("neither MKL nor oneDNN is available in this torch build")
+        skip_unless_ci("neither MKL nor oneDNN is available in this torch build")
     assert all(layer.up is None for layer in mixtral.path.fast.layers)  # experts: the library's own block
     assert mixtral.path.one_op_norms
     gemma = ModelRunner(tiny("gemma2"), fast=True)

@@ -8,6 +8,7 @@ from the recorded commit times.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -212,3 +213,76 @@ def test_latencies_from_the_recorded_times_and_the_same_arrivals_for_both_sides(
 def test_bad_load_input_is_one_line(capsys, tmp_path, extra, expect):
     code, _, err = run_cli(capsys, "run", "--out", str(tmp_path), *extra)
     assert expect in one_line_error(code, err)
+
+
+# ---- latencies on a clock that only the target's forwards move ------------------------------------------------
+PREFILL_S, STEP_S = 0.010, 0.004
+
+
+class Timed:
+    """The target runner, with the fake clock moved by each prefill (PREFILL_S) and each forward (STEP_S):
+    every latency is then a sum of these, computable by hand."""
+
+    def __init__(self, runner, clock: FakeClock):
+        self.runner, self.clock = runner, clock
+
+    def __getattr__(self, name):
+        return getattr(self.runner, name)
+
+    def prefill(self, *args, **kwargs):
+        self.clock.sleep(PREFILL_S)
+        return self.runner.prefill(*args, **kwargs)
+
+    def forward(self, *args, **kwargs):
+        self.clock.sleep(STEP_S)
+        return self.runner.forward(*args, **kwargs)
+
+
+def test_latencies_and_their_percentiles_by_hand_on_an_injected_clock(target, joining_prompts):
+    """Two slots, four requests (arrival ms, budget): r0 (0, 3), r1 (0, 2), r2 (10, 3), r3 (100, 2), plain
+    decoding; a prefill takes 10 ms and a round 4 ms. By hand: r0 and r1 are prefilled at 0-10 and 10-20; rounds
+    end at 24 (r1 done), r2 is prefilled 24-34, rounds end at 38 (r0 done) and 42 (r2 done); nothing runs until
+    r3 arrives at 100, prefilled 100-110, its round ends at 114. Each request's tokens, in ms:
+    r0 10, 24, 38; r1 20, 24; r2 34, 38, 42; r3 110, 114."""
+    from rich.console import Console
+
+    from sdbench.engine.metrics import served_row_metrics
+    from sdbench.reporting.load import latency_table, summarize_load
+
+    clock = FakeClock()
+    reqs = [Request(i, p, a, m) for i, (p, a, m) in enumerate(zip(joining_prompts, (0.0, 0.0, 0.010, 0.100),
+                                                                   (3, 2, 3, 2)))]
+    done = serve(Timed(target, clock), Autoregressive(), Scheduler(reqs, 2, clock=clock, sleep=clock.sleep),
+                 sampling=GREEDY)
+    assert done.duration_s == pytest.approx(0.114) and done.idle_s == pytest.approx(0.058)
+    ms = [[t * 1e3 for t in r.token_s] for r in reqs]
+    assert ms == [pytest.approx(x) for x in ([10, 24, 38], [20, 24], [34, 38, 42], [110, 114])]
+    rows = [dataclasses.asdict(served_row_metrics(r, done.duration_s, {}, 0.0).served) for r in reqs]
+    by_hand = {"ttft_ms": [10, 20, 24, 10], "e2el_ms": [38, 24, 32, 14], "tpot_ms": [14, 4, 4, 4],
+               "queue_ms": [0, 10, 14, 0], "prefill_ms": [10, 10, 10, 10]}
+    for name, values in by_hand.items():
+        assert [r[name] for r in rows] == pytest.approx(values), name
+    assert [r["itl_ms"] for r in rows] == [pytest.approx(x) for x in ([14, 14], [4], [4, 4], [4])]
+
+    # the percentiles, interpolated by hand: rank q/100 * (n - 1) into the sorted values
+    for r, req in zip(rows, reqs):
+        r.update(new_tokens=len(req.output_ids), prompt_tokens=len(req.prompt), slo_met=None, run_id="x",
+                 request_rate=math.inf, concurrency=2, repeat=0, lossless=True, strategy="ngram")
+    base = [{**r, "strategy": "baseline", "duration_s": 2 * r["duration_s"]} for r in rows]
+    import pandas as pd
+
+    summary = summarize_load(pd.DataFrame(rows + base)).set_index("strategy").loc["ngram"]
+    expected = {"ttft_ms": (15.0, 20 + 0.7 * 4, 20 + 0.97 * 4),  # sorted 10, 10, 20, 24
+                "tpot_ms": (4.0, 4 + 0.7 * 10, 4 + 0.97 * 10),  # sorted 4, 4, 4, 14
+                "itl_ms": (4.0, 14.0, 14.0),  # every gap: sorted 4, 4, 4, 4, 14, 14 (ranks 2.5, 4.5, 4.95)
+                "e2el_ms": (28.0, 32 + 0.7 * 6, 32 + 0.97 * 6)}  # sorted 14, 24, 32, 38
+    for name, (p50, p90, p99) in expected.items():
+        assert (summary[f"p50_{name}"], summary[f"p90_{name}"], summary[f"p99_{name}"]) == pytest.approx(
+            (p50, p90, p99)), name
+    assert summary["mean_itl_ms"] == pytest.approx(44 / 6) and summary["mean_tpot_ms"] == pytest.approx(6.5)
+    assert summary["completed"] == 4 and summary["output_throughput"] == pytest.approx(10 / 0.114)
+    assert summary["request_throughput"] == pytest.approx(4 / 0.114) and summary["vs_baseline"] == pytest.approx(2.0)
+    console = Console(width=300, record=True)
+    console.print(latency_table(summarize_load(pd.DataFrame(rows))))
+    text = console.export_text()
+    assert "15.0/22.8/23.9" in text and "4.0/11.0/13.7" in text and "28.0/36.2/37.8" in text

@@ -213,13 +213,19 @@ def test_alpha_is_fitted_per_selector_budget_and_prompt_length(monkeypatch):
 
 
 @pytest.mark.slow
-def test_predict_magicdec_command(capsys):
+def test_predict_magicdec_command(capsys, tmp_path):
+    """On the embedded model: the printed figures are those recomputed from the profile it writes."""
+    import pandas as pd
+
     from sdbench.cli import main
+    from tests.test_predict_scale import assert_predict_magicdec_output
 
     main(["predict", "magicdec", "--batch", "1", "--context", "64", "--budget", "16", "--gamma", "2",
-          "--device", "cpu"])
+          "--device", "cpu", "--out", str(tmp_path)])
     out = capsys.readouterr().out
-    assert "critical" in out and "predicted" in out and " 16 " in out
+    df = pd.read_parquet(next(tmp_path.glob("predict-magicdec-*.parquet")))
+    assert len(df) == 1 and (df["budget"] == 16).all() and (df["gamma"] == 2).all() and (df["alpha"] == 0.8).all()
+    assert_predict_magicdec_output(out, df)
 
 
 def test_magicdec_search_space_keeps_budgets_below_the_context():

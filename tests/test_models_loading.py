@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 
 import pytest
@@ -118,27 +117,46 @@ def test_a_file_that_is_not_gguf_is_refused(tmp_path):
 # --- hub -----------------------------------------------------------------------------------------------------
 
 
-def test_unknown_hub_id_offline_is_one_quick_line(monkeypatch):
+def _hub_calls(monkeypatch) -> dict:
+    """What the hub path ran: each load's local_files_only, and each endpoint probed (the probe itself runs)."""
+    calls = {"loads": [], "probes": []}
+    real_from_hub, real_probe = loader._from_hub, loader._hub_reachable
+
+    def from_hub(name, repo_id, load):
+        return real_from_hub(name, repo_id, lambda local: calls["loads"].append(local) or load(local))
+
+    def probe(endpoint):
+        calls["probes"].append(endpoint)
+        return real_probe(endpoint)
+    monkeypatch.setattr(loader, "_from_hub", from_hub)
+    monkeypatch.setattr(loader, "_hub_reachable", probe)
+    return calls
+
+
+def test_unknown_hub_id_offline_is_one_line_without_touching_the_network(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    start = time.perf_counter()
+    calls = _hub_calls(monkeypatch)
     with pytest.raises(SdbenchError) as err:
         load_model("sdbench-nobody/no-such-model")
     message = str(err.value)
-    assert time.perf_counter() - start < 5
+    assert calls == {"loads": [True], "probes": []}  # the local cache only: no probe, no download
     assert "\n" not in message
     assert "not in the local Hugging Face cache" in message and "HF_HUB_OFFLINE" in message
     assert "`hf download sdbench-nobody/no-such-model`" in message
 
 
-def test_unreachable_hub_fails_fast_without_offline_flag(monkeypatch):
+def test_unreachable_hub_is_probed_once_and_never_downloaded_from(monkeypatch):
+    """Without the offline flag, one short probe of the endpoint decides: a download from an unreachable hub
+    would retry for tens of seconds, so none is attempted."""
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     monkeypatch.delenv("TRANSFORMERS_OFFLINE", raising=False)
     monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # discard port: refused at once
     loader._hub_reachable.cache_clear()
-    start = time.perf_counter()
+    calls = _hub_calls(monkeypatch)
     with pytest.raises(SdbenchError, match="the hub is unreachable"):
         load_tokenizer("sdbench-nobody/no-such-model")
-    assert time.perf_counter() - start < 10
+    assert calls == {"loads": [True], "probes": ["http://127.0.0.1:9"]}
+    assert loader._HUB_PROBE_TIMEOUT_S <= 5  # the probe's own bound
 
 
 def test_hub_alias_message_names_alias_and_repo(monkeypatch):

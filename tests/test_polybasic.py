@@ -21,6 +21,7 @@ from sdbench.strategies.chain_levels import ModelLevel
 from sdbench.strategies.polybasic import Polybasic, PolybasicStrategy, parse_mu
 from sdbench.analysis.theory import ChainCosts, insertion_times
 from tests.conftest import VOCAB, second_token_chi_square, tiny_model
+from tests.references import hf_generate, perturbed, tiny_pair
 
 GREEDY = SamplingConfig()
 NEW = 24
@@ -47,17 +48,39 @@ CHAINS = {  # name: (levels under the target, top down, (gamma, mu) settings to 
 }
 
 
+@pytest.fixture(scope="module")
+def library_greedy(target, prompts):
+    """transformers' greedy `generate` on the target, each repetitive prompt alone (the chains' reference)."""
+    ps = [(p * 3)[:20] for p in prompts]  # repetitive prompts give an ngram bottom something to find
+    return ps, [hf_generate(target.model, p, NEW) for p in ps]
+
+
 @pytest.mark.parametrize("batch", [1, 4])
 @pytest.mark.parametrize("name", list(CHAINS))
-def test_chains_match_greedy(target, small_draft, other_draft, prompts, batch, name):
-    ps = [(p * 3)[:20] for p in prompts[:batch]]  # repetitive prompts give an ngram bottom something to find
-    ref = reference(target, ps)
+def test_chains_match_greedy(target, small_draft, other_draft, library_greedy, batch, name):
+    """Every chain's greedy output is transformers' `generate` on the target, token for token."""
+    ps, ref = library_greedy[0][:batch], library_greedy[1][:batch]
     models = {"target": target, "small": small_draft, "other": other_draft, "ngram": "ngram"}
     levels, settings = CHAINS[name]
     for gamma, mu in settings:
         out = generate(target, Polybasic([models[m] for m in levels], gamma, mu), ps, max_new_tokens=NEW,
                        sampling=GREEDY)
         assert out.output_ids == ref, (gamma, mu)
+
+
+@pytest.mark.parametrize("arch", ["qwen2"])
+def test_chains_of_perturbed_families_match_the_library(arch, prompts):
+    """Chains of 2, 3 and 4 levels over a family whose norms and biases are perturbed: each prompt's greedy
+    output is transformers' `generate` on the target, in a batch of rows of different lengths."""
+    target, draft = tiny_pair(arch, seed=3)
+    third = perturbed(tiny_model(6, arch=arch, layers=1, hidden=32, heads=2, kv=1), 106)
+    ps = [(p * 3)[:n] for p, n in zip(prompts, (20, 14, 9, 17))]
+    ref = [hf_generate(target, p, NEW) for p in ps]
+    runners = [ModelRunner(m, name) for m, name in ((target, "t"), (draft, "d"), (third, "e"))]
+    for chain, gamma, mu in (([runners[1]], 3, ""), ([runners[1], "ngram"], 2, "3"),
+                             ([runners[2], runners[1], "ngram"], 2, "4,2")):
+        out = generate(runners[0], Polybasic(chain, gamma, mu), ps, max_new_tokens=NEW, sampling=GREEDY)
+        assert out.output_ids == ref, len(chain)
 
 
 def test_the_target_as_every_level_accepts_everything(target, prompts):
@@ -338,6 +361,55 @@ def test_predict_chain_bad_input_is_one_line(capsys, argv, expect):
     assert err.startswith("error:") and expect in err and len(err.splitlines()) == 1
 
 
+def assert_verdicts_follow_the_printed_times(out: str) -> dict:
+    """Each verdict of `predict chain` recomputed from the times it prints: predicted to help when the new time
+    is below the old one, helped when the measured time with the candidate is, right when the two agree."""
+    import re
+
+    lines = out.splitlines()
+    ours = re.search(r"costs ([\d.]+) ms now, ([\d.]+) ms with it -> predicted to (help|hurt)$",
+                     next(line for line in lines if line.startswith("insertion test,")))
+    measured = re.search(r"^measured: ([\d.]+) -> ([\d.]+) ms/token, it (helped|hurt): the test (.+)$",
+                         next(line for line in lines if line.startswith("measured:")))
+    paper = re.search(r": ([\d.]+) vs ([\d.]+) ms -> predicted to (help|hurt): it (called it right|got it wrong)"
+                      r"( \(sdbench test and paper disagree\))?$",
+                      next(line for line in lines if line.startswith("Theorem 3.2")))
+    t_old, t_new, p_new, p_old, m_old, m_new = (float(x) for x in (*ours.group(1, 2), *paper.group(1, 2),
+                                                                   *measured.group(1, 2)))
+    helps, paper_helps, helped = ours.group(3) == "help", paper.group(3) == "help", measured.group(3) == "helped"
+    for new, old, said in ((t_new, t_old, helps), (p_new, p_old, paper_helps), (m_new, m_old, helped)):
+        assert new != old and said == (new < old)  # printed to 0.1 ms: a tie there would be undecidable
+    assert measured.group(4) == ("called it right" if helps == helped else "got it wrong")
+    assert paper.group(4) == ("called it right" if paper_helps == helped else "got it wrong")
+    assert bool(paper.group(5)) == (paper_helps != helps)
+    return {"ours": (t_old, t_new), "paper": (p_old, p_new), "measured": (m_old, m_new)}
+
+
+@pytest.mark.parametrize("with_candidate_ms, ours, paper", [(7.0, "called it right", "got it wrong"),
+                                                            (5.0, "got it wrong", "called it right")])
+def test_the_insertion_verdicts_by_hand(capsys, with_candidate_ms, ours, paper):
+    """The chain target <- 1 ms draft (gamma 2, L = 2) measured at 6.5 ms per token; with a 3 ms candidate under
+    the target (L_c = 1.5, blocks of 6, the target's forward 12 ms, L' = 5): sdbench's test predicts
+    (12 + 6 / 1.5 * (3 + 2)) / 5 = 6.4 ms against (10 + 2) / 2 = 6.0 ms, it hurts; the paper's predicts
+    10 / 5 + (3 + 2) / 1.5 = 5.3 ms against 6.0 ms, it helps. Whichever the measurement says, one is right."""
+    from rich.console import Console
+
+    from sdbench.analysis.chain import ChainRun
+    from sdbench.commands.predict_chain import print_chain_report
+
+    same = [[1, 2, 3]]
+    runs = [ChainRun("plain", [], profile_forward_s=0.010, seconds=1.0, tokens=100, outputs=same),
+            ChainRun("chain", ["d"], ChainCosts((0.010, 0.001), (2.0,), (), 2.0), seconds=0.65, tokens=100,
+                     outputs=same),
+            ChainRun("with candidate", ["c", "d"], ChainCosts((0.012, 0.003, 0.001), (5.0, 1.5), (6.0,), 2.0),
+                     seconds=with_candidate_ms / 10, tokens=100, outputs=same)]
+    print_chain_report(runs, "t", "c", 0, Console(width=400))
+    out = capsys.readouterr().out
+    assert assert_verdicts_follow_the_printed_times(out) == {"ours": (6.0, 6.4), "paper": (6.0, 5.3),
+                                                             "measured": (6.5, with_candidate_ms)}
+    assert f"the test {ours}" in out and f"it {paper} (sdbench test and paper disagree)" in out
+
+
 @pytest.mark.slow
 def test_predict_chain_command_on_smollm2(capsys):
     from sdbench.cli import main
@@ -348,11 +420,9 @@ def test_predict_chain_command_on_smollm2(capsys):
     assert "with candidate" in out and "smollm2-135m@int8" in out
     assert "insertion test, smollm2-135m@int8 under smollm2-135m: a token of smollm2-135m costs" in out
     assert "NO" not in out  # every system produced plain decoding's tokens
-    sdbench_line = next(line for line in out.splitlines() if line.startswith("measured:"))
-    assert ("called it right" in sdbench_line) != ("got it wrong" in sdbench_line)
     paper_line = next(line for line in out.splitlines() if line.startswith("Theorem 3.2 as sdbench reads the paper"))
     assert "T_j / L'_j + T_c / L_c + b_k T_k / L_c < T_j / L_j + b_k T_k / L_j" in paper_line
-    assert ("called it right" in paper_line) != ("got it wrong" in paper_line)
+    assert_verdicts_follow_the_printed_times(out)
     assert "greedy var" in out and "sampling var" in out
 
 

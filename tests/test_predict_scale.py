@@ -26,6 +26,38 @@ def test_kv_bytes_by_hand():
     assert memory.working_bytes(config, 1, 1000, 5) == 4 * 5 * (128256 + 32 * 1000)
 
 
+def omega(alpha: float, gamma: int) -> float:
+    """Expected tokens per step under i.i.d. acceptance, summed by hand: 1 + alpha + ... + alpha^gamma."""
+    return sum(alpha**i for i in range(gamma + 1))
+
+
+def table_rows(out: str, cells: int) -> list[list[str]]:
+    """The body rows of the printed tables that have `cells` cells, as stripped strings."""
+    rows = [[c.strip() for c in line.strip().strip("│").split("│")] for line in out.splitlines()
+            if line.lstrip().startswith("│")]
+    return [r for r in rows if len(r) == cells]
+
+
+def assert_predict_magicdec_output(out: str, df) -> None:
+    """`predict magicdec`'s printed figures recomputed from its Parquet profile: each row's predicted speedup
+    Omega(gamma, alpha) / (gamma T_D / T_T + T_V / T_T), the best setting printed per (batch, context), and the
+    first context per batch whose best exceeds 1."""
+    for r in df.itertuples():
+        by_hand = omega(r.alpha, r.gamma) / (r.gamma * r.draft_ms / r.target_ms + r.verify_ms / r.target_ms)
+        assert r.predicted_speedup == pytest.approx(by_hand)
+    best = df.loc[df.groupby(["batch", "context"])["predicted_speedup"].idxmax()]
+    printed = {(int(r[0]), int(r[1])): r for r in table_rows(out, 10) if r[0].isdigit()}
+    assert set(printed) == set(zip(best["batch"], best["context"]))
+    for r in best.itertuples():
+        row = printed[(r.batch, r.context)]
+        assert row[5:8] == [str(r.gamma), str(r.budget), r.selector] and row[9] == f"{r.predicted_speedup:.2f}x"
+        assert row[2:5] == [f"{r.target_ms:.1f}", f"{r.draft_ms:.1f}", f"{r.verify_ms:.1f}"]
+    critical = {int(r[0]): r[1] for r in table_rows(out, 3) if r[0].isdigit()}
+    for batch, group in best.groupby("batch"):
+        winning = group.loc[group["predicted_speedup"] > 1.0, "context"]
+        assert critical[batch] == (str(winning.min()) if len(winning) else f"> {df['context'].max()}")
+
+
 def _needs(capacity) -> tuple[int, dict]:
     config = shrink(load_config("llama-1b"), vocab=SMALL_VOCAB)
     weights = parameter_count(config) * 4
@@ -48,6 +80,8 @@ def test_predict_at_random_profiles_what_fits_and_says_what_does_not(small, caps
     df = pd.read_parquet(next(tmp_path.glob("predict-magicdec-*.parquet")))
     assert set(zip(df["batch"], df["context"])) == {(1, 64), (1, 128), (2, 64)}
     assert set(df["weights"]) == {"random"} and (df["alpha"] == 0.7).all()
+    assert set(df["gamma"]) == {1, 2} and set(df["budget"]) == {16, 32}
+    assert_predict_magicdec_output(out, df)
 
 
 def test_weights_that_do_not_fit_are_refused_before_loading(small, capsys, monkeypatch):  # noqa: F811
@@ -86,7 +120,19 @@ def test_predict_speedup_takes_its_costs_from_a_model_at_random(small, capsys): 
                              "--target", "llama-8b@random", "--draft", "llama-1b@random", "--context", "32",
                              "--device", "cpu")
     assert code == 0, err
-    assert "costs measured at 32 tokens of context: draft cost c = " in out
-    assert "verify cost ┃" in out and "verify cost per" in out
-    rows = [line for line in out.splitlines() if line.lstrip("│ ").startswith(("1 ", "3 "))]
-    assert len(rows) == 2 and all(line.rstrip(" │").endswith("x") for line in rows)
+    import re
+
+    c = float(re.search(r"costs measured at 32 tokens of context: draft cost c = ([\d.]+) ", out).group(1))
+    rows = table_rows(out, 4)[-2:]  # gamma, tokens/step, verify cost, speedup
+    assert [r[0].rstrip(" *") for r in rows] == ["1", "3"] and sum(r[0].endswith("*") for r in rows) == 1
+    speedups = []
+    for r in rows:
+        gamma, v = int(r[0].rstrip(" *")), float(r[2])
+        assert r[1] == f"{omega(0.8, gamma):.2f}"
+        # the speedup from the printed c (3 decimals) and v (2 decimals): within their rounding
+        s = float(r[3].rstrip("x"))
+        low = omega(0.8, gamma) / (gamma * (c + 5e-4) + v + 5e-3)
+        high = omega(0.8, gamma) / (gamma * max(c - 5e-4, 0) + v - 5e-3)
+        assert low - 5e-3 <= s <= high + 5e-3, (r, c)
+        speedups.append(s)
+    assert rows[speedups.index(max(speedups))][0].endswith("*")  # the best gamma is marked

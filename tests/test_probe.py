@@ -16,7 +16,7 @@ from sdbench.models.pair import Pair
 from sdbench.models.probe import PHASES, probe, probe_pair, reference
 from sdbench.models.runner import ModelRunner
 from sdbench.reporting.results import read_results
-from tests.conftest import run_cli, tiny_model
+from tests.conftest import run_cli, skip_unless_ci, tiny_model
 from tests.test_cli import one_line_error
 from tests.test_generic import perturbed
 from tests.test_models_loading import tiny_tokenizer
@@ -62,7 +62,7 @@ def test_a_broken_norm_on_the_fast_path_is_caught_by_the_fast_probe(llama, monke
     monkeypatch.setattr(cpufast, "rms_norm", lambda module, x: real(module, x) * 1.001)
     fast = ModelRunner(llama, "fast", fast=True)
     if not fast.cpu_fast:
-        pytest.skip("no packed GEMM on this CPU build")
+        skip_unless_ci("no packed GEMM on this CPU build")
     assert not probe(fast, 64).passed
     assert probe(ModelRunner(llama, "plain"), 64).passed
 

@@ -19,6 +19,7 @@ from sdbench import env as envmod
 from sdbench.errors import SdbenchError
 from sdbench.reporting.report import per_position_rates, print_report, summarize, summary_table
 from sdbench.reporting.results import COLUMNS, RunWriter, new_run_id, read_results
+from tests.conftest import skip_unless_ci
 
 
 def row(prompt_id: str, repeat: int = 0, role: str = "strategy", **extra) -> dict:
@@ -326,8 +327,10 @@ def test_hardware_fingerprint():
     assert envmod.hardware_fingerprint("cpu", None, None, None, None) == "cpu:? x?/?"
 
 
-@pytest.mark.skipif(shutil.which("git") is None, reason="needs git")
 def test_git_commit_marks_dirty_tree(tmp_path):
+    if shutil.which("git") is None:
+        skip_unless_ci("needs git")
+
     def git(*args):
         subprocess.run(["git", "-C", str(tmp_path), "-c", "user.name=t", "-c", "user.email=t@t", *args],
                        check=True, capture_output=True)

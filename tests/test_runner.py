@@ -114,7 +114,7 @@ def test_fast_path_keeps_one_copy_of_the_weights():
     from sdbench.models import cpufast
 
     if not os.path.exists("/proc/self/statm"):
-        pytest.skip("reads the resident size from /proc (Linux, glibc)")
+        skip_unless_ci("reads the resident size from /proc (Linux, glibc)")
 
     model = tiny_model(8, hidden=512, layers=4)  # ~80 MB of weights: above allocator noise
     plain = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -141,7 +141,7 @@ def test_fast_path_lets_go_of_memory_mapped_weights(tmp_path):
     from sdbench.models import cpufast
 
     if not os.path.exists("/proc/self/maps"):
-        pytest.skip("reads the process's mappings from /proc (Linux)")
+        skip_unless_ci("reads the process's mappings from /proc (Linux)")
     model = _tied(tiny_model(10))  # tied: the embedding table stays plain and also serves as the head
     model.config.tie_word_embeddings = True
     model.save_pretrained(tmp_path)

@@ -43,35 +43,48 @@ def _chi_square(counts: torch.Tensor, expected_p: torch.Tensor) -> float:
     return float(((counts[keep] - expected[keep]) ** 2 / expected[keep]).sum()), int(keep.sum()) - 1
 
 
+Q0 = torch.tensor([0.30, 0.05, 0.25, 0.0, 0.15, 0.25])
+P0 = torch.tensor([0.05, 0.40, 0.10, 0.20, 0.05, 0.20])
+
+
+def _first_committed(p0, q0, deterministic_draft: bool, n: int = 40000, seed: int = 123, swapped: bool = False):
+    """One drafted token per trial (from p0, or the fixed token 1), verified by sdbench against q0: the committed
+    first token of each trial [n] (the accepted draft or the replacement), and the verdicts. swapped: sdbench is
+    handed q0 as the draft's distribution and p0 as the target's."""
+    g = torch.Generator().manual_seed(seed)
+    V = len(q0)
+    q = torch.stack([q0, torch.full((V,), 1 / V)])[None].expand(n, 2, V)
+    if deterministic_draft:
+        draft, p = torch.full((n, 1), 1), None
+    else:
+        p = p0[None, None].expand(n, 1, V)
+        draft = torch.multinomial(p0, n, replacement=True, generator=g)[:, None]
+    if swapped:
+        p, q = q[:, :1], torch.cat([p, q[:, 1:]], 1)
+    v = verify_sampling(draft, torch.ones(n, dtype=torch.long), p, q, g)
+    return torch.where(v.accepted > 0, draft[:, 0], v.next_token), v
+
+
 @pytest.mark.parametrize("deterministic_draft", [False, True])
 def test_committed_tokens_follow_target_distribution(deterministic_draft):
     """Each committed token (first position: accepted draft or replacement) is distributed as q."""
-    g = torch.Generator().manual_seed(123)
-    V, N = 6, 40000
-    q0 = torch.tensor([0.30, 0.05, 0.25, 0.0, 0.15, 0.25])
-    p0 = torch.tensor([0.05, 0.40, 0.10, 0.20, 0.05, 0.20])
-    q = torch.stack([q0, torch.full((V,), 1 / V)])[None].expand(N, 2, V)
-    if deterministic_draft:
-        draft = torch.full((N, 1), 1)
-        p = None
-    else:
-        p = p0[None, None].expand(N, 1, V)
-        draft = torch.multinomial(p0, N, replacement=True, generator=g)[:, None]
-    v = verify_sampling(draft, torch.ones(N, dtype=torch.long), p, q, g)
-    first = torch.where(v.accepted > 0, draft[:, 0], v.next_token)
-    stat, dof = _chi_square(torch.bincount(first, minlength=V).float(), q0)
+    first, v = _first_committed(P0, Q0, deterministic_draft)
+    stat, dof = _chi_square(torch.bincount(first, minlength=6).float(), Q0)
     assert stat < 25.0, f"chi-square {stat:.1f} with {dof} dof"  # p < 0.001 critical value for 4-5 dof is ~18-20.5
     # acceptance rate is sum min(p, q) for a sampled draft, q(x) for a fixed one
-    expect = torch.minimum(p0, q0).sum() if not deterministic_draft else q0[1]
+    expect = torch.minimum(P0, Q0).sum() if not deterministic_draft else Q0[1]
     assert math.isclose(v.accepted.float().mean().item(), expect.item(), abs_tol=0.01)
 
 
 def test_chi_square_detects_a_wrong_sampler():
-    """The statistical check above can fail: sampling from p instead of the residual is caught."""
-    g = torch.Generator().manual_seed(5)
-    q0 = torch.tensor([0.30, 0.05, 0.25, 0.0, 0.15, 0.25])
-    wrong = torch.multinomial(torch.tensor([0.05, 0.40, 0.10, 0.20, 0.05, 0.20]), 40000, True, generator=g)
-    stat, _ = _chi_square(torch.bincount(wrong, minlength=6).float(), q0 + 1e-9)
+    """The check above can fail: sdbench's sampler handed p and q the wrong way round (the draft's distribution
+    as the target's: the anchors disagree on which letter is which) commits tokens the target never gives, and
+    the rest far from q."""
+    first, _ = _first_committed(P0, Q0, deterministic_draft=False, swapped=True)
+    counts = torch.bincount(first, minlength=6).float()
+    with pytest.raises(AssertionError, match="sampled a token the target gives zero probability"):
+        _chi_square(counts, Q0)
+    stat, _ = _chi_square(counts[Q0 > 0], Q0[Q0 > 0] / Q0.sum())
     assert stat > 1000
 
 

@@ -7,6 +7,11 @@ prefill, tokens 1..γ+1 decided by the first verification (accepted drafts, the 
 the bonus). Each position's counts are compared with its exact marginal by a chi-square test whose bound is the
 chi-square quantile at a false-alarm rate of ALPHA per position (a correct sampler fails one run with
 probability at most (γ + 2) · ALPHA = 0.5 %). The same check, run with deliberately wrong samplers, must fail.
+
+At a temperature other than 1 and top-p below 1, the target's distribution is the library's own: its forward,
+then transformers' TemperatureLogitsWarper and TopPLogitsWarper, as `generate(do_sample=True)` applies them.
+Those tests decode six tokens with a lookahead short enough that tokens 4 and 5 are decided by a later
+verification than the first, for `draft`, `ngram`, a polybasic chain and MagicDec.
 """
 
 from __future__ import annotations
@@ -16,7 +21,8 @@ import itertools
 import pytest
 import torch
 from scipy.stats import chi2
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import (LlamaConfig, LlamaForCausalLM, LogitsProcessorList, TemperatureLogitsWarper,
+                          TopPLogitsWarper)
 
 from sdbench.config import SamplingConfig
 from sdbench.engine import sampling
@@ -24,7 +30,9 @@ from sdbench.engine.loop import generate
 from sdbench.engine.sampling import Verdict, sample
 from sdbench.models.runner import ModelRunner
 from sdbench.strategies.draft import DraftModel
+from sdbench.strategies.magicdec import MagicDec
 from sdbench.strategies.ngram import NGram
+from sdbench.strategies.polybasic import Polybasic
 from tests.references import perturbed
 
 V = 8
@@ -48,13 +56,22 @@ def pair():
     return _model(0, 2), _model(1, 1)
 
 
-def exact_marginals(model, prompt: list[int], positions: int) -> list[torch.Tensor]:
+def library_probs(model, ctx: torch.Tensor, temperature: float = TEMPERATURE, top_p: float = 1.0) -> torch.Tensor:
+    """[P, V] the next token's distribution after each context [P, S]: the library's forward, then its own
+    warpers (temperature, then nucleus), as its sampling `generate` applies them; float64."""
+    warpers = LogitsProcessorList([TemperatureLogitsWarper(temperature), TopPLogitsWarper(top_p)])
+    with torch.no_grad():
+        scores = torch.cat([model(part).logits[:, -1] for part in ctx.split(4096)])
+    return warpers(ctx, scores).double().softmax(-1)
+
+
+def exact_marginals(model, prompt: list[int], positions: int, temperature: float = TEMPERATURE,
+                    top_p: float = 1.0) -> list[torch.Tensor]:
     """[V] distribution of each output token 0..positions-1 under the target (float64)."""
     out, joint, prefixes = [], torch.ones(1, dtype=torch.float64), [()]
     for _ in range(positions):
         ctx = torch.tensor([prompt + list(p) for p in prefixes])
-        with torch.no_grad():
-            q = (model(ctx).logits[:, -1].double() / TEMPERATURE).softmax(-1)  # [P, V]
+        q = library_probs(model, ctx, temperature, top_p)  # [P, V]
         out.append(joint @ q)
         joint = (joint[:, None] * q).flatten()  # prefixes extended by one token, in product order
         prefixes = [p + (t,) for p in prefixes for t in range(V)]
@@ -110,6 +127,8 @@ def _wrong(flip_ratio: bool = False, residual_is_q: bool = False, unnormalised: 
         accepted = ok.long().cumprod(-1).sum(-1)
         q_next = q[rows, accepted]
         at = accepted.clamp(max=max(G - 1, 0))
+        if not G:  # nothing drafted (a lookup that found no match): the bonus token alone
+            return Verdict(accepted, sample(q_next, generator))
         p_at = torch.zeros_like(q_next).scatter(-1, draft[rows, at][:, None], 1.0) if p is None else p[rows, at]
         residual = q_next if residual_is_q else (q_next - p_at).clamp(min=0.0)
         if unnormalised:  # drawn by inverse CDF from the unnormalised residual: u beyond its mass lands on the last id
@@ -128,4 +147,63 @@ def test_the_same_check_catches_a_wrong_sampler(pair, monkeypatch, mistake):
     monkeypatch.setattr(sampling, "verify_sampling", _wrong(**mistake))
     checks, _ = position_checks(target, DraftModel(ModelRunner(draft), GAMMA))
     assert checks[0][1] < checks[0][2]  # the prefill's token does not go through the verifier
+    assert any(stat > bound for _, stat, bound in checks[1:]), checks
+
+
+# ---- temperature and top-p through the library's own warpers, over several rounds ----------------------------
+WARPED = SamplingConfig(0.7, 0.8)
+POSITIONS = 6  # tokens 0..5: every proposer below commits at most 3 tokens a round, so 4 and 5 come later
+N_WARPED = 4000
+
+
+@pytest.fixture(scope="module")
+def warped_marginals(pair):
+    return exact_marginals(pair[0], PROMPT, POSITIONS, WARPED.temperature, WARPED.top_p)
+
+
+def warped_checks(target, proposer_for, marginals, seed: int = 1):
+    """[(position, statistic, bound)] for tokens 0..5 under WARPED, and the BatchResult. proposer_for(runner)
+    builds the proposer around the target's runner (MagicDec drafts with the target itself)."""
+    runner = ModelRunner(target)
+    g = torch.Generator().manual_seed(seed)
+    out = generate(runner, proposer_for(runner), [PROMPT] * N_WARPED, max_new_tokens=POSITIONS, sampling=WARPED,
+                   generator=g)
+    tokens = torch.tensor(out.output_ids)  # [N, 6]
+    checks = []
+    for k, exact in enumerate(marginals):
+        stat, bound = chi_square(torch.bincount(tokens[:, k], minlength=V).double(), exact)
+        checks.append((k, stat, bound))
+    return checks, out
+
+
+PROPOSERS = {  # each drafts at most 2 tokens a round (polybasic: a middle block of 1, plus its bonus)
+    "draft": lambda draft: lambda runner: DraftModel(ModelRunner(draft), 2),
+    "ngram": lambda draft: lambda runner: NGram(2),
+    "polybasic": lambda draft: lambda runner: Polybasic([ModelRunner(draft), "ngram"], 1, "1"),
+    "magicdec": lambda draft: lambda runner: MagicDec(runner, 2, kv="streamingllm", budget=3, sink=1),
+}
+
+
+@pytest.mark.parametrize("name", list(PROPOSERS))
+def test_every_position_follows_the_library_at_temperature_and_top_p(pair, warped_marginals, name):
+    """Sampling at T = 0.7, top-p = 0.8: each of the first six tokens follows the target's exact marginal under
+    transformers' own warpers, tokens 4 and 5 decided after the first verification."""
+    target, draft = pair
+    assert sum(float((m == 0).sum()) for m in warped_marginals) > 0  # the nucleus does drop tokens here
+    checks, out = warped_checks(target, PROPOSERS[name](draft), warped_marginals)
+    assert all(stat < bound for _, stat, bound in checks), checks
+    accepted, drafted = sum(r.accepted for r in out.rows), sum(r.drafted for r in out.rows)
+    assert min(accepted, drafted - accepted) > 400  # both acceptance and rejection exercised
+    assert sum(r.steps for r in out.rows) >= 2 * N_WARPED  # several rounds per row
+
+
+@pytest.mark.parametrize("mistake", [dict(flip_ratio=True), dict(residual_is_q=True), dict(unnormalised=True)],
+                         ids=["one-hot draft accepted whenever q(x) > 0", "one-hot residual q, x not removed",
+                              "one-hot residual not renormalised"])
+def test_the_same_check_catches_a_wrong_one_hot_sampler(pair, warped_marginals, monkeypatch, mistake):
+    """Prompt lookup's draft is the one-hot p = 1[x]: accepted with probability q(x), its residual q without x.
+    A wrong rule for it fails the check the correct one passes above."""
+    monkeypatch.setattr(sampling, "verify_sampling", _wrong(**mistake))
+    checks, _ = warped_checks(pair[0], PROPOSERS["ngram"](pair[1]), warped_marginals)
+    assert checks[0][1] < checks[0][2]
     assert any(stat > bound for _, stat, bound in checks[1:]), checks

@@ -233,7 +233,8 @@ def test_encode_prompt_applies_the_chat_template(tokenizer):
 
 
 def test_as_id_list_accepts_what_tokenizers_return():
-    torch = pytest.importorskip("torch")
+    import torch
+
     assert as_id_list({"input_ids": [1, 2]}) == [1, 2]
     assert as_id_list([[3, 4]]) == [3, 4]
     assert as_id_list(torch.tensor([[5, 6]])) == [5, 6]
@@ -313,7 +314,8 @@ def test_pg19_falls_back_to_the_labelled_kjv_stand_in(tokenizer, caplog):
 
 
 def test_pg19_from_a_local_copy_is_labelled_pg19(monkeypatch, tmp_path, tokenizer):
-    datasets = pytest.importorskip("datasets")
+    import datasets  # a dependency of sdbench itself
+
     text = _book_text(60_000)
     books = {"short_book_title": ["Book One", "Book Two"], "text": [text[:30_000], text[30_000:]]}
     datasets.DatasetDict({"test": datasets.Dataset.from_dict(books)}).save_to_disk(str(tmp_path / "pg19"))
