@@ -78,18 +78,42 @@ def test_check_probes_again_and_keeps_its_verdict_for_runs(llama, tmp_path, caps
     assert len(counted) == 3 and counted[1:] == [64, 200]  # check never reuses; the runs after it did
 
 
-def test_the_fingerprint_follows_the_weights_values(tmp_path):
+def test_the_fingerprint_follows_the_weight_files(tmp_path):
     from transformers import AutoModelForCausalLM
 
-    a = AutoModelForCausalLM.from_pretrained(tiny_llama_folder(tmp_path / "x"))
-    b = AutoModelForCausalLM.from_pretrained(tiny_llama_folder(tmp_path / "y"))  # the same seed: same values
-    assert weights_fingerprint(a) == weights_fingerprint(b)
-    with torch.no_grad():  # one value of one matrix, by one float32 step
+    folder = tiny_llama_folder(tmp_path / "x")
+    a, b = AutoModelForCausalLM.from_pretrained(folder), AutoModelForCausalLM.from_pretrained(folder)
+    before = weights_fingerprint(a)
+    assert before.startswith("files:") and before == weights_fingerprint(b)
+    other = AutoModelForCausalLM.from_pretrained(tiny_llama_folder(tmp_path / "y"))  # the same values elsewhere
+    assert weights_fingerprint(other) != before
+    with torch.no_grad():  # the folder's weights rewritten with one value one float32 step away
+        w = b.model.layers[1].mlp.down_proj.weight
+        w[3, 5] = torch.nextafter(w[3, 5], torch.tensor(float("inf")))
+    b.save_pretrained(folder)
+    assert weights_fingerprint(AutoModelForCausalLM.from_pretrained(folder)) != before
+
+
+def test_a_model_built_in_memory_is_fingerprinted_by_its_values():
+    from sdbench.models.probe_cache import values_fingerprint
+    from tests.conftest import tiny_model
+
+    a, b = tiny_model(0), tiny_model(0)
+    assert weights_fingerprint(a) == weights_fingerprint(b) == "values:" + values_fingerprint(a)
+    with torch.no_grad():
         w = b.model.layers[1].mlp.down_proj.weight
         w[3, 5] = torch.nextafter(w[3, 5], torch.tensor(float("inf")))
     assert weights_fingerprint(a) != weights_fingerprint(b)
-    c = AutoModelForCausalLM.from_pretrained(tiny_llama_folder(tmp_path / "z", seed=1))
-    assert weights_fingerprint(c) != weights_fingerprint(a)
+    assert weights_fingerprint(tiny_model(1)) != weights_fingerprint(a)
+
+
+def test_a_random_model_is_fingerprinted_by_its_name_and_config():
+    from tests.conftest import tiny_model
+
+    a = tiny_model(0)
+    assert weights_fingerprint(a, "x@random") == weights_fingerprint(tiny_model(1), "x@random")  # same shape
+    assert weights_fingerprint(a, "x@random") != weights_fingerprint(tiny_model(0, layers=1), "x@random")
+    assert weights_fingerprint(a, "x@random").startswith("random:")
 
 
 def test_the_key_names_dtype_path_and_runner(tmp_path):

@@ -6,10 +6,12 @@ longest context probed. All but the last make the key; a verdict is reused for a
 most the one it probed, and is replaced by a probe over a longer one. Only measured verdicts are kept (a
 probe that could not run at all, e.g. out of memory, is not).
 
-The weights are fingerprinted by their values, wherever they came from (a folder, the hub's cache, a GGUF
-de-quantised, MODEL@random's seed and shape, a model built in memory): per tensor its name, shape, dtype, its
-sum and 2-norm in float64 and its first and last values. One pass over the weights at memory speed (about
-0.3 s per GB on this project's 2-core CPU), against tens of seconds for the probe itself.
+The weights are fingerprinted by where they were read from, at no cost: the weight files of the folder the
+model was loaded from (a local folder, the hub cache's snapshot, the safetensors a GGUF was de-quantised to),
+by path, size and modification time; a MODEL@random by its name and config (its values follow from them and
+the seed in sdbench's code, which the key holds too). A model with no such files (built in memory) by its
+values: per tensor its name, shape, dtype, its sum and 2-norm in float64 and its first and last values (a
+pass over the weights: seconds per GB on a small CPU).
 
 Verdicts live in $SDBENCH_PROBES, else the sdbench cache's `probes/` folder, one JSON file per key.
 """
@@ -29,14 +31,48 @@ import torch
 import sdbench
 from sdbench.env import _gpu, _version, cpu_name
 from sdbench.models import cpufast
+from sdbench.models.names import RANDOM, split_variant
 from sdbench.paths import cache_dir
 
 EDGE = 64  # values of each tensor's start and end that enter the fingerprint as they are
 CODE = ("models", "kv")  # sdbench's folders whose code computes the model (the runner, the probe, the caches)
 
 
+def weights_fingerprint(model, name: str = "") -> str:
+    """A digest of the model's weights (see the module docstring)."""
+    if split_variant(name)[1] == RANDOM:
+        return "random:" + hashlib.sha256(f"{name}|{model.config.to_json_string()}".encode()).hexdigest()[:32]
+    files = weight_files(model)
+    if files:
+        stats = [(str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns) for f in files]
+        return "files:" + hashlib.sha256(json.dumps(stats).encode()).hexdigest()[:32]
+    return "values:" + values_fingerprint(model)
+
+
+def weight_files(model) -> list[Path]:
+    """The weight files a model was loaded from (its folder, or the hub cache's snapshot of its id); [] when
+    none is found."""
+    where = str(getattr(model, "name_or_path", "") or "")
+    folder = Path(where) if where else None
+    if folder is None or not folder.is_dir():
+        folder = _hub_snapshot(where) if where else None
+    if folder is None:
+        return []
+    return sorted(p for ext in ("*.safetensors", "*.bin", "*.pt") for p in folder.glob(ext))
+
+
+def _hub_snapshot(repo: str) -> Path | None:
+    try:
+        from huggingface_hub import try_to_load_from_cache  # only for a model loaded by hub id
+
+        found = try_to_load_from_cache(repo, "config.json")
+    except Exception:  # noqa: BLE001 - not an id the hub library reads: no files to name
+        return None
+    return Path(found).parent if isinstance(found, str) else None
+
+
 @torch.inference_mode()
-def weights_fingerprint(model) -> str:
+def values_fingerprint(model) -> str:
     """A digest of the model's weight values (see the module docstring), read in the library's layout."""
     h = hashlib.sha256()
     seen = set()
@@ -108,7 +144,7 @@ class ProbeCache:
     def key(self, runner) -> dict:
         model = runner.model
         if id(model) not in self._weights:
-            self._weights[id(model)] = weights_fingerprint(model)
+            self._weights[id(model)] = weights_fingerprint(model, runner.name)
         return runner_key(runner, self._weights[id(model)])
 
     def _file(self, key: dict) -> Path:
