@@ -19,6 +19,12 @@ class MissingPackageError(SdbenchError):
         self.install = install
 
 
+class CheckFailed(SdbenchError):
+    """A check ran and found failures: its report is already printed, and this line sums it up."""
+
+    exit_code = 1
+
+
 class Interrupted(SdbenchError):
     """The user stopped a long run (Ctrl-C); what finished is saved and the message says how to go on."""
 

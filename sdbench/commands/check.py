@@ -19,7 +19,7 @@ from sdbench.commands.bench import weight_bytes
 from sdbench.config import SamplingConfig
 from sdbench.drafting.ngram import DRAFT_NAME
 from sdbench.engine.loop import generate
-from sdbench.errors import SdbenchError
+from sdbench.errors import CheckFailed, SdbenchError
 from sdbench.models.loader import check_same_tokenizer, eos_token_ids, load_model, load_tokenizer
 from sdbench.models.pair import pick_runner, resolve_device, resolve_dtype
 from sdbench.models.probe import PHASES, probe_runner
@@ -54,8 +54,8 @@ class Checked:
 
 
 def run_check(target: str, drafts: list[str], device: str, dtype: str, fast: bool, context: int, tokens: int,
-              console: Console) -> int:
-    """Check the target and every draft; print the table; return the exit code (0: all passed, 1: not)."""
+              console: Console) -> None:
+    """Check the target and every draft; print the table; raise CheckFailed (exit 1) on any failure."""
     if context < 1 or tokens < 1:
         raise SdbenchError("check: --context and --tokens must be at least 1")
     dev = resolve_device(device)
@@ -85,7 +85,11 @@ def run_check(target: str, drafts: list[str], device: str, dtype: str, fast: boo
             console.print(f"note: {line}", style="yellow", highlight=False, soft_wrap=True)
         for line in row.problems:
             console.print(f"[red]✗[/red] {line}", highlight=False, soft_wrap=True)
-    return 0 if all(r.ok for r in rows) else 1
+    problems = [line for row in rows for line in row.problems]
+    if len(problems) == 1:
+        raise CheckFailed(f"check failed: {problems[0]}")
+    if problems:
+        raise CheckFailed(f"check failed: {len(problems)} problems (the ✗ lines above); the first: {problems[0]}")
 
 
 def _model(row: Checked, name: str, dev, dt, fast: bool, context: int, console, tokenizer=None):

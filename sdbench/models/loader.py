@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import torch
+from safetensors import SafetensorError, safe_open
 
 from sdbench.errors import MissingPackageError, SdbenchError
 from sdbench.models import embedded, random_weights
@@ -68,7 +69,7 @@ def load_model(name: str, device: str | torch.device = "cpu", dtype: torch.dtype
         model = _from_hub(name, ref, lambda local: _auto_model(ref, dtype, local_files_only=local))
     else:
         folder = _converted_gguf(Path(ref)) if source in ("embedded", "gguf") else Path(ref)
-        with _as_user_error(name):
+        with _as_user_error(name, folder):
             tokenizer = _auto_tokenizer(str(folder))
             model = _auto_model(str(folder), dtype)
     model.eval().requires_grad_(False)
@@ -244,12 +245,28 @@ def _as_device(device: str | torch.device) -> torch.device:
 
 
 @contextlib.contextmanager
-def _as_user_error(name: str) -> Iterator[None]:
-    """transformers reports unreadable checkpoints as OSError/ValueError/KeyError; make them one user line."""
+def _as_user_error(name: str, folder: Path | None = None) -> Iterator[None]:
+    """transformers reports unreadable checkpoints as OSError/ValueError/KeyError, and safetensors a corrupt
+    weights file as its own SafetensorError (which names no file); make each one user line."""
     try:
         yield
+    except SafetensorError as err:
+        bad = _unreadable_safetensors(folder) if folder is not None else None
+        what = f"{bad} is not a readable safetensors file" if bad else "a safetensors file is unreadable"
+        raise SdbenchError(f"model '{name}' could not be loaded: {what} ({_first_line(err)})") from err
     except (OSError, ValueError, KeyError) as err:
         raise SdbenchError(f"model '{name}' could not be loaded: {_first_line(err)}") from err
+
+
+def _unreadable_safetensors(folder: Path) -> Path | None:
+    """The first of the folder's safetensors files whose header does not parse (reads headers only)."""
+    for path in sorted(folder.glob("*.safetensors")):
+        try:
+            with safe_open(str(path), framework="pt"):
+                pass
+        except (SafetensorError, OSError):
+            return path
+    return None
 
 
 def _first_line(err: BaseException) -> str:
@@ -400,7 +417,7 @@ def _from_hub(name: str, repo_id: str, load: Callable[[bool], Any]) -> Any:
         return load(True)
     except OSError:
         pass  # not in the local cache
-    except (ValueError, KeyError) as err:
+    except (ValueError, KeyError, SafetensorError) as err:
         raise SdbenchError(f"model {label} could not be loaded: {_first_line(err)}") from err
     if _hub_offline():
         _raise_unavailable(name, label, repo_id, "HF_HUB_OFFLINE is set")
@@ -408,7 +425,7 @@ def _from_hub(name: str, repo_id: str, load: Callable[[bool], Any]) -> Any:
         _raise_unavailable(name, label, repo_id, "the hub is unreachable")
     try:
         return load(False)
-    except (OSError, ValueError, KeyError) as err:
+    except (OSError, ValueError, KeyError, SafetensorError) as err:
         raise SdbenchError(f"model {label} could not be fetched from the hub: {_first_line(err)}") from err
 
 

@@ -1,0 +1,46 @@
+"""Bad input and faults a user meets: each ends in one `error:` line on stderr (or one note), never a traceback."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+from tests.conftest import run_cli
+from tests.references import tiny_model_dir
+
+
+def one_line_error(code: int, err: str) -> str:
+    assert code != 0
+    lines = [line for line in err.strip().splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error:"), err
+    assert "Traceback" not in err
+    return lines[0]
+
+
+@pytest.fixture(scope="module")
+def tiny_folder(tmp_path_factory):
+    return tiny_model_dir(tmp_path_factory.mktemp("tiny") / "tiny")
+
+
+@pytest.mark.parametrize("damage", ["header", "truncated"])
+def test_a_corrupt_safetensors_file_is_one_line_naming_it(capsys, tmp_path, monkeypatch, tiny_folder, damage):
+    monkeypatch.setenv("SDBENCH_CACHE", str(tmp_path / "cache"))
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_folder, folder)
+    weights = folder / "model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(b"\xff" * 64 if damage == "header" else data[: len(data) // 2])
+    code, _, err = run_cli(capsys, "check", str(folder), "--device", "cpu")
+    line = one_line_error(code, err)
+    assert f"{weights} is not a readable safetensors file" in line
+
+
+def test_check_keeps_its_table_and_says_its_failure_on_stderr(capsys, tmp_path, monkeypatch, tiny_folder):
+    monkeypatch.setenv("SDBENCH_CACHE", str(tmp_path / "cache"))
+    code, out, err = run_cli(capsys, "check", str(tiny_folder), "--draft", str(tmp_path / "nope"), "--device", "cpu",
+                             "--context", "32", "--tokens", "4")
+    assert code == 1
+    line = one_line_error(code, err)
+    assert line.startswith("error: check failed: ") and "no such file or folder" in line
+    assert "sdbench check" in out and "failed" in out  # the table stays on stdout
