@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import shutil
 
 import pytest
@@ -44,3 +45,24 @@ def test_check_keeps_its_table_and_says_its_failure_on_stderr(capsys, tmp_path, 
     line = one_line_error(code, err)
     assert line.startswith("error: check failed: ") and "no such file or folder" in line
     assert "sdbench check" in out and "failed" in out  # the table stays on stdout
+
+
+@pytest.mark.parametrize("argv", [
+    ["bench", "--target", "smollm2-135m@random", "--limit", "1"],
+    ["run", "--target", "smollm2-135m@random", "--limit", "1"],
+    ["run", "--target", "smollm2-135m", "--draft", "smollm2-135m@random", "--strategy", "draft", "--limit", "1"],
+    ["check", "smollm2-135m@random"],
+    ["simulate", "dsi", "--target", "smollm2-135m@random"],
+    ["predict", "speedup", "--alpha", "0.8", "--target", "smollm2-135m@random"],
+    ["tune", "--target", "smollm2-135m@random", "--limit", "1", "--trials", "1"],
+])
+def test_a_model_that_cannot_fit_is_refused_before_anything_is_built(capsys, tmp_path, monkeypatch, argv):
+    from sdbench.models import memory, random_weights
+
+    monkeypatch.setattr(memory, "free_bytes", lambda device: 64 << 20)
+    monkeypatch.setattr(random_weights, "seeded_model", lambda *a: pytest.fail("a model was built"))
+    out = [] if argv[0] == "check" or argv[:2] == ["predict", "speedup"] else ["--out", str(tmp_path)]
+    code, _, err = run_cli(capsys, *argv, "--device", "cpu", *out)
+    line = one_line_error(code, err)
+    assert re.search(r"its weights take 0\.\d GiB in float32 and 0\.1 GiB are free on cpu: nothing was built", line) \
+        or re.search(r"smollm2-135m and smollm2-135m@random: their weights take 1\.0 GiB", line), line

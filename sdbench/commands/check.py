@@ -20,7 +20,7 @@ from sdbench.config import SamplingConfig
 from sdbench.drafting.ngram import DRAFT_NAME
 from sdbench.engine.loop import generate
 from sdbench.errors import CheckFailed, SdbenchError
-from sdbench.models.loader import check_same_tokenizer, eos_token_ids, load_model, load_tokenizer
+from sdbench.models.loader import check_fit, check_same_tokenizer, eos_token_ids, load_model, load_tokenizer
 from sdbench.models.pair import pick_runner, resolve_device, resolve_dtype
 from sdbench.models.probe import PHASES, probe_runner
 from sdbench.models.variants import split_variant, variant_runner
@@ -60,6 +60,7 @@ def run_check(target: str, drafts: list[str], device: str, dtype: str, fast: boo
         raise SdbenchError("check: --context and --tokens must be at least 1")
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
+    check_fit([n for n in (target, *drafts) if n != DRAFT_NAME], dev, dt)
     rows = [Checked(target, "target")]
     loaded, runner = _model(rows[0], target, dev, dt, fast, context, console)
     prompt = None

@@ -27,11 +27,11 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from sdbench.errors import MissingPackageError, SdbenchError
-from sdbench.models import embedded, random_weights
+from sdbench.models import embedded, memory, random_weights
 from sdbench.models.aliases import EmbeddedModel, HubModel, model_registry, shipped_config
 from sdbench.models.families import serving
-from sdbench.models.names import RANDOM, split_variant
-from sdbench.models.shapes import config_from_dict
+from sdbench.models.names import RANDOM, is_random, split_variant
+from sdbench.models.shapes import config_from_dict, parameter_count
 from sdbench.paths import cache_dir
 
 if TYPE_CHECKING:
@@ -74,6 +74,23 @@ def load_model(name: str, device: str | torch.device = "cpu", dtype: torch.dtype
             model = _auto_model(str(folder), dtype)
     model.eval().requires_grad_(False)
     return LoadedModel(name=name, ref=ref, source=source, model=model.to(device), tokenizer=tokenizer)
+
+
+def check_fit(names: list[str], device: str | torch.device = "cpu", dtype: torch.dtype | str = torch.float32) -> None:
+    """Refuse in one line, before any model is built, models whose weights together do not fit in the device's
+    free memory (`memory.refuse_beyond_memory`, the check `predict` and `gpu-check` make). Counted from configs
+    alone: every MODEL@random, and every model whose config is at hand without loading (an alias's shipped
+    config, a folder's config.json); a MODEL@int8 copy counts as its MODEL, each model once."""
+    dtype, device = _as_dtype(dtype), _as_device(device)
+    counted, weights = [], 0
+    for name in dict.fromkeys(n if is_random(n) else split_variant(n)[0] for n in names):
+        config = _config_at_hand(name)
+        params = parameter_count(config, cached=True) if config is not None else None
+        if params:
+            counted.append(name)
+            weights += params * memory.element_bytes(dtype)
+    if counted:
+        memory.refuse_beyond_memory(counted, weights, memory.free_bytes(device), dtype, device, "nothing was built")
 
 
 def load_config(name: str) -> "PretrainedConfig":
@@ -160,9 +177,25 @@ def eos_token_ids(loaded: LoadedModel) -> list[int]:
 def _random_model(name: str, base: str, device: torch.device, dtype: torch.dtype) -> LoadedModel:
     config = _random_config(base)
     _refuse_unserved(name, config)
+    check_fit([name], device, dtype)
     model = random_weights.seeded_model(config, device, dtype)
     tokenizer, note = _random_tokenizer(name, base, random_weights.vocabulary(model))
     return LoadedModel(name=name, ref=base, source=RANDOM, model=model, tokenizer=tokenizer, weights=RANDOM, note=note)
+
+
+def _config_at_hand(name: str) -> "PretrainedConfig | None":
+    """A model's config where reading it costs no download, conversion or network: MODEL@random's, an alias's
+    shipped one, a local folder's config.json; None otherwise."""
+    if is_random(name):
+        return load_config(name)
+    shipped = shipped_config(name)
+    if shipped is not None:
+        return config_from_dict(shipped)
+    folder = Path(name).expanduser()
+    if (folder / "config.json").is_file():
+        with _as_user_error(name):
+            return _auto_config(str(folder))
+    return None
 
 
 def _random_config(base: str) -> "PretrainedConfig":
