@@ -66,3 +66,19 @@ def test_a_model_that_cannot_fit_is_refused_before_anything_is_built(capsys, tmp
     line = one_line_error(code, err)
     assert re.search(r"its weights take 0\.\d GiB in float32 and 0\.1 GiB are free on cpu: nothing was built", line) \
         or re.search(r"smollm2-135m and smollm2-135m@random: their weights take 1\.0 GiB", line), line
+
+
+@pytest.mark.parametrize("argv, expect", [
+    (["--storage", "bogus://x"], "error: --storage bogus://x: "),
+    (["--strategy", "autoregressive"], "error: strategy 'autoregressive' has nothing to tune"),
+])
+def test_tune_refuses_a_bad_storage_or_strategy_before_loading(capsys, tmp_path, monkeypatch, tiny_folder, argv,
+                                                               expect):
+    from sdbench.models import loader
+
+    monkeypatch.setattr(loader, "load_model", lambda *a, **k: pytest.fail("a model was loaded"))
+    monkeypatch.setattr(loader, "load_tokenizer", lambda *a, **k: pytest.fail("a tokenizer was loaded"))
+    code, _, err = run_cli(capsys, "tune", "--target", str(tiny_folder), "--limit", "1", "--trials", "1",
+                           "--out", str(tmp_path), *argv)
+    assert one_line_error(code, err).startswith(expect)
+    assert not (tmp_path / "tune.db").exists() or argv[0] == "--storage"
