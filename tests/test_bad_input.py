@@ -8,7 +8,7 @@ import shutil
 import pytest
 
 from tests.conftest import run_cli
-from tests.references import tiny_model_dir
+from tests.references import tiny_cli_files, tiny_model_dir
 
 
 def one_line_error(code: int, err: str) -> str:
@@ -82,3 +82,36 @@ def test_tune_refuses_a_bad_storage_or_strategy_before_loading(capsys, tmp_path,
                            "--out", str(tmp_path), *argv)
     assert one_line_error(code, err).startswith(expect)
     assert not (tmp_path / "tune.db").exists() or argv[0] == "--storage"
+
+
+class Killed(BaseException):
+    """The process dying mid-run (SIGKILL): no handler of the run's own sees it."""
+
+
+def test_a_run_stopped_mid_way_reads_as_partial_until_resumed(capsys, tmp_path, monkeypatch):
+    from sdbench.reporting.results import RunWriter
+
+    args = tiny_cli_files(tmp_path, monkeypatch, ["w1 w2 w3 w1 w2", "w4 w5 w6 w4 w5"])
+    out = tmp_path / "out"
+    real = RunWriter.append
+
+    def append_then_die(self, rows):
+        real(self, rows)
+        raise Killed
+
+    monkeypatch.setattr(RunWriter, "append", append_then_die)
+    with pytest.raises(Killed):
+        run_cli(capsys, "run", *args, "--strategy", "ngram", "--limit", "2", "--max-new-tokens", "4", "--no-probe",
+                "--out", str(out))
+    monkeypatch.setattr(RunWriter, "append", real)
+    capsys.readouterr()
+    (parts,) = out.glob("*.parts")
+    run_id = parts.name.removesuffix(".parts")
+    code, report, _ = run_cli(capsys, "report", str(out))
+    assert code == 0 and f"{run_id} (partial)" in report
+    assert f"{run_id} is partial: its process stopped before the run's end" in " ".join(report.split())
+
+    code, _, err = run_cli(capsys, "run", "--resume", run_id, "--out", str(out))
+    assert code == 0, err
+    code, report, _ = run_cli(capsys, "report", str(out))
+    assert code == 0 and run_id in report and "partial" not in report

@@ -143,6 +143,7 @@ class Bench:
         except KeyboardInterrupt:  # nothing is on disk yet: no run to resume
             raise Interrupted("interrupted during warm-up: nothing was saved") from None
         self._save_config(run_id)  # only now: a run that never measured leaves nothing behind
+        writer.mark_unfinished()  # until the last batch: a run stopped before it reads as partial
         self.loaded, self.every, self.fields = pair, EveryRole(roles, str(self.device)), self.run_fields(pair)
         try:
             with writer, self._progress() as progress:
@@ -153,11 +154,14 @@ class Bench:
         except KeyboardInterrupt:
             if not writer.exists():  # no batch finished: forget the run instead of pointing at it
                 self._config_path(run_id).unlink(missing_ok=True)
+                writer.mark_finished()
                 raise Interrupted("interrupted before any batch finished: nothing was saved") from None
+            writer.mark_unfinished("interrupted (Ctrl-C)")
             if cfg.under_load:
                 raise Interrupted(f"interrupted: finished load points are saved in {writer.final_path}") from None
             raise Interrupted(f"interrupted: finished prompts are saved in {writer.final_path}; continue with "
                                f"`sdbench run --resume {run_id} --out {cfg.out}`") from None
+        writer.mark_finished()
         return writer.final_path
 
     def _batches(self, talk: Conversations, batches: list[list[int]], done: set, writer: RunWriter, progress) -> None:

@@ -334,8 +334,9 @@ class Tuner:
         # an aborted run leaves unmerged parts: merge its own (not any other: a process sharing the study may be
         # writing its trial beside it) so its rows read as one file
         if aborted is not None and aborted.run_id is not None and (self.folder / f"{aborted.run_id}.parts").is_dir():
-            path = RunWriter(self.folder, aborted.run_id).finalize()
-            trial.set_user_attr("results", str(path))
+            writer = RunWriter(self.folder, aborted.run_id)
+            writer.mark_unfinished(f"tune trial {trial.number}: {reason}")  # its rows stop where the trial did
+            trial.set_user_attr("results", str(writer.finalize()))
         if feed is not None and feed.rows:
             _record(trial, feed)
         if reason:
