@@ -20,7 +20,8 @@ class MissingPackageError(SdbenchError):
 
 
 class CheckFailed(SdbenchError):
-    """A check ran and found failures: its report is already printed, and this line sums it up."""
+    """A check that must hold did not (`check`: a probe, a tokenizer, a greedy run; `gpu-check`: a CUDA test, a
+    fall back to the eager forward, a real divergence): the report is printed, and this line sums it up."""
 
     exit_code = 1
 

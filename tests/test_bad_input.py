@@ -115,3 +115,38 @@ def test_a_run_stopped_mid_way_reads_as_partial_until_resumed(capsys, tmp_path, 
     assert code == 0, err
     code, report, _ = run_cli(capsys, "report", str(out))
     assert code == 0 and run_id in report and "partial" not in report
+
+
+def test_a_batch_larger_than_the_prompts_and_turns_beyond_them_are_said_and_recorded(capsys, tmp_path, monkeypatch):
+    from sdbench.reporting.results import read_results
+
+    args = tiny_cli_files(tmp_path, monkeypatch, ["w1 w2 w3 w1 w2", "w4 w5 w6 w4 w5"])
+    out = tmp_path / "out"
+    code, stdout, err = run_cli(capsys, "run", *args, "--strategy", "ngram", "--limit", "2", "--batch-size", "8",
+                                "--turns", "3", "--max-new-tokens", "4", "--gamma", "2", "--no-probe", "--out", str(out))
+    assert code == 0, err
+    said = " ".join(stdout.split())
+    assert "note: --batch-size 8 with 2 prompt(s): batches of 2 are run and recorded" in said
+    assert "note: --turns 3: the prompts have at most 1 turn(s), so 1 is run" in said
+    rows = read_results([out])
+    assert set(rows["batch_size"]) == {2} and set(rows["turn"]) == {1}
+
+    code, _, err = run_cli(capsys, "compare", str(out), str(out), "--across", "dtype,,")
+    assert one_line_error(code, err) == ("error: --across dtype,,: an empty item in the list (two commas in a row, "
+                                         "or one at an end)")
+
+
+@pytest.mark.parametrize("argv", [
+    ["run", "--gamma", "1,,2"],
+    ["run", "--request-rate", "1,4,"],
+    ["sweep", "--prompt-len", ",256"],
+    ["predict", "magicdec", "--batch", "1,,4"],
+])
+def test_an_empty_list_item_is_refused(capsys, monkeypatch, argv):
+    from sdbench.models import loader
+
+    monkeypatch.setattr(loader, "load_config", lambda *a, **k: pytest.fail("the command went on"))
+    monkeypatch.setattr(loader, "load_model", lambda *a, **k: pytest.fail("the command went on"))
+    monkeypatch.setattr(loader, "load_tokenizer", lambda *a, **k: pytest.fail("the command went on"))
+    code, _, err = run_cli(capsys, *argv)
+    assert one_line_error(code, err).endswith("an empty item in the list (two commas in a row, or one at an end)")

@@ -87,10 +87,9 @@ def run_check(target: str, drafts: list[str], device: str, dtype: str, fast: boo
         for line in row.problems:
             console.print(f"[red]✗[/red] {line}", highlight=False, soft_wrap=True)
     problems = [line for row in rows for line in row.problems]
-    if len(problems) == 1:
-        raise CheckFailed(f"check failed: {problems[0]}")
     if problems:
-        raise CheckFailed(f"check failed: {len(problems)} problems (the ✗ lines above); the first: {problems[0]}")
+        more = f" (and {len(problems) - 1} more: the ✗ lines above)" if len(problems) > 1 else ""
+        raise CheckFailed(f"check failed: {problems[0]}{more}")
 
 
 def _model(row: Checked, name: str, dev, dt, fast: bool, context: int, console, tokenizer=None):

@@ -127,6 +127,14 @@ class Bench:
         pair = self.pair or load_pair(cfg, self.device, self.dtype, self.console, native_needed(cfg))
         roles = [baseline_role()] * cfg.baseline + self.plan_roles(pair)
         prompts, encoded = encode_prompts(cfg, pair, max(r.proposer.max_lookahead for r in roles))
+        if not cfg.under_load and cfg.batch_size > len(prompts):  # rows record the batch that was run
+            self.console.print(f"note: --batch-size {cfg.batch_size} with {len(prompts)} prompt(s): batches of "
+                               f"{len(prompts)} are run and recorded", style="yellow", highlight=False)
+            cfg = self.cfg = replace(cfg, batch_size=len(prompts))
+        most = max(len(p.turns) for p in prompts)
+        if cfg.turns is not None and cfg.turns > most:
+            self.console.print(f"note: --turns {cfg.turns}: the prompts have at most {most} turn(s), so {most} "
+                               f"{'is' if most == 1 else 'are'} run", style="yellow", highlight=False)
         context = max(len(e) for e in encoded) + cfg.max_new_tokens
         for note in dict.fromkeys(n for r in roles for n in r.proposer.notes(context)):
             self.console.print(f"note: {note}", highlight=False, soft_wrap=True)
