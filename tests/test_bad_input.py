@@ -123,7 +123,8 @@ def test_a_batch_larger_than_the_prompts_and_turns_beyond_them_are_said_and_reco
     args = tiny_cli_files(tmp_path, monkeypatch, ["w1 w2 w3 w1 w2", "w4 w5 w6 w4 w5"])
     out = tmp_path / "out"
     code, stdout, err = run_cli(capsys, "run", *args, "--strategy", "ngram", "--limit", "2", "--batch-size", "8",
-                                "--turns", "3", "--max-new-tokens", "4", "--gamma", "2", "--no-probe", "--out", str(out))
+                                "--turns", "3", "--max-new-tokens", "4", "--gamma", "2", "--no-probe",
+                                "--out", str(out))
     assert code == 0, err
     said = " ".join(stdout.split())
     assert "note: --batch-size 8 with 2 prompt(s): batches of 2 are run and recorded" in said

@@ -32,7 +32,7 @@ from sdbench.errors import SdbenchError
 from sdbench.kv.sparse import filled_for_profile
 from sdbench.models import loader  # the module: tests replace loader.load_model
 from sdbench.models.graphs import CAPACITY_STEP
-from sdbench.models.memory import GIB, plan, refuse_beyond_memory
+from sdbench.models.memory import plan, refuse_beyond_memory
 from sdbench.models.pair import resolve_device, resolve_dtype, say_note
 from sdbench.models.shapes import parameter_count
 from sdbench.reporting import results  # the module: tests replace results.read_results
