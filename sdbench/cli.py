@@ -49,8 +49,8 @@ Turns = Annotated[Optional[int], typer.Option(help="turns of each multi-turn que
 PromptField = Annotated[Optional[str], typer.Option("--prompt-field", help="--dataset FILE: the field holding the prompt (a string or a list of turns)")]
 CategoryField = Annotated[Optional[str], typer.Option("--category-field", help="--dataset FILE: the field holding the category")]
 IdField = Annotated[Optional[str], typer.Option("--id-field", help="--dataset FILE: the field holding the prompt's id")]
-RequestRate = Annotated[Optional[str], typer.Option("--request-rate", help="serve the prompts as requests arriving at this rate (requests/s, Poisson from --seed; inf = all at once), or a list like 1,2,inf: one load point each")]
-Concurrency = Annotated[Optional[str], typer.Option("--concurrency", help="requests in flight at most (closed loop: one starts as one finishes), or a list like 1,4; with --request-rate, its cap")]
+RequestRate = Annotated[Optional[str], typer.Option("--request-rate", help="serve the prompts as requests arriving at this rate (requests/s, Poisson from --seed; inf = all at once), or a list like 1,2,inf: one load point each; every arrival is admitted unless --concurrency caps it")]
+Concurrency = Annotated[Optional[str], typer.Option("--concurrency", help="requests in flight at most (closed loop: one starts as one finishes), or a list like 1,4; with --request-rate, its cap (as vllm bench serve's --max-concurrency)")]
 Slo = Annotated[Optional[str], typer.Option("--slo", help="latency bounds for goodput under load, e.g. ttft:500ms,tpot:50ms (ttft, tpot, e2el)")]
 Depth = Annotated[Optional[str], typer.Option("--depth", help="retrieval tasks: where the answer hides, 0 (start) to 1 (end), or a list like 0,0.5,1 [default: spread]")]
 
@@ -150,9 +150,7 @@ def check(
     against the library's generate, each draft against plain decoding); exit 1 on any failure."""
     from sdbench.commands.check import run_check
 
-    code = run_check(model, list(draft or ()), device, dtype, fast, context, tokens, console)
-    if code:
-        raise typer.Exit(code)
+    run_check(model, list(draft or ()), device, dtype, fast, context, tokens, console)
 
 
 @app.command("list")
@@ -172,11 +170,11 @@ def report(
     explain: Annotated[bool, typer.Option("--explain", help="also break each speedup into the factors that multiply to it, and show other tools' definitions")] = False,
 ):
     """Print the tables of earlier runs; optionally PNG plots and an HTML page."""
-    from sdbench.reporting.report import print_report
+    from sdbench.reporting.report import marked_partial, print_report
     from sdbench.reporting.results import read_results
     from sdbench.reporting.sweep import print_frontier
 
-    df = read_results(paths)
+    df = marked_partial(read_results(paths))
     print_report(df, console, by=tuple(by or ()))
     print_frontier(df, console)  # rows of a sweep: its best setting per point and where SD stops paying
     if explain:

@@ -56,7 +56,7 @@ class RunConfig:
     probe: str = "auto"
     # serving under load (commands/load.py): each (rate, concurrency) pair a load point; empty both: batches
     request_rates: tuple[float, ...] = ()  # requests/s of Poisson arrivals; inf = all at once
-    concurrencies: tuple[int, ...] = ()  # requests in flight at most (the running batch); empty: --batch-size
+    concurrencies: tuple[int, ...] = ()  # requests in flight at most (the running batch); empty: every request
     slo: dict = field(default_factory=dict)  # metric (ttft, tpot, e2el) -> bound in ms, for goodput
 
     @property

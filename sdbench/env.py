@@ -62,12 +62,13 @@ def hardware_fingerprint(device: str, cpu: str | None, cores: int | None, memory
 
 @functools.lru_cache(maxsize=None)
 def git_commit(path: str | None = None) -> str | None:
-    """Short sha of the sdbench checkout, '-dirty' with uncommitted changes; None outside git."""
+    """Short sha of the sdbench checkout, '-dirty' when tracked files have uncommitted changes (untracked ones, a
+    results or work folder say nothing of the code that ran); None outside git."""
     where = path or str(Path(__file__).resolve().parent.parent)
     sha = _git(where, "rev-parse", "--short", "HEAD")
     if not sha:
         return None
-    status = _git(where, "status", "--porcelain")
+    status = _git(where, "status", "--porcelain", "--untracked-files=no")
     # An unreadable status must not claim a clean tree.
     return sha if status == "" else f"{sha}-dirty"
 

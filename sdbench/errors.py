@@ -19,6 +19,13 @@ class MissingPackageError(SdbenchError):
         self.install = install
 
 
+class CheckFailed(SdbenchError):
+    """A check that must hold did not (`check`: a probe, a tokenizer, a greedy run; `gpu-check`: a CUDA test, a
+    fall back to the eager forward, a real divergence): the report is printed, and this line sums it up."""
+
+    exit_code = 1
+
+
 class Interrupted(SdbenchError):
     """The user stopped a long run (Ctrl-C); what finished is saved and the message says how to go on."""
 

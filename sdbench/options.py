@@ -5,10 +5,23 @@ from __future__ import annotations
 from sdbench.errors import SdbenchError
 
 
+def split_list(text: str, option: str) -> list[str]:
+    """The stripped items of 'a' or 'a,b,c' ('' has none); an empty item is one line naming `option`."""
+    return _named(option, lambda: _items(text))
+
+
+def _items(text: str) -> list[str]:
+    items = [x.strip() for x in text.split(",")] if text.strip() else []
+    if not all(items):
+        raise SdbenchError(f"{text}: an empty item in the list (two commas in a row, or one at an end)")
+    return items
+
+
 def _numbers(text: str, kind, what: str) -> tuple:
     """Numbers of `kind` from 'a' or 'a,b,c'; a value that does not parse is one line naming `what` was expected."""
+    items = _items(text)
     try:
-        return tuple(kind(x) for x in text.split(",") if x.strip())
+        return tuple(kind(x) for x in items)
     except ValueError:
         raise SdbenchError(f"{text}: expected {what}, or a comma-separated list") from None
 

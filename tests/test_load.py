@@ -195,11 +195,24 @@ def test_latencies_from_the_recorded_times_and_the_same_arrivals_for_both_sides(
     assert arrivals(again) == arrivals(df) != arrivals(other)
 
 
+def test_a_request_rate_alone_admits_every_arrival(capsys, cli_setup, monkeypatch, tmp_path):
+    """As `vllm bench serve` without --max-concurrency: no arrival waits for a slot (the cap is every request)."""
+    monkeypatch.setenv("SDBENCH_CACHE", str(tmp_path / "cache"))
+    args, _ = cli_setup
+    df, stdout = _run(capsys, args, tmp_path / "a", "--request-rate", "1000", "--max-new-tokens", "40")
+    assert (df["concurrency"] == len(RECORDS)).all() and (df["request_rate"] == 1000).all()
+    assert f"1000 req/s · ≤{len(RECORDS)} in flight" in stdout
+    for _, side in df.groupby("role"):  # some request joined while another was running: none queued behind one
+        spans = sorted(zip(side["scheduled_s"], side["scheduled_s"] + side["e2el_ms"] / 1e3 - side["queue_ms"] / 1e3))
+        assert any(later < end for (_, end), (later, _) in zip(spans, spans[1:]))
+
+
 @pytest.mark.parametrize("extra, expect", [
     (["--request-rate", "-1"], "--request-rate -1: expected distinct rates above 0"),
     (["--request-rate", "fast"], "--request-rate fast"),
     (["--concurrency", "0"], "--concurrency 0: every value must be at least 1"),
-    (["--concurrency", "2", "--batch-size", "4"], "--batch-size and --concurrency both"),
+    (["--concurrency", "2", "--batch-size", "4"], "--batch-size sets static batches; under load --concurrency caps"),
+    (["--request-rate", "2", "--batch-size", "4"], "--batch-size sets static batches; under load --concurrency caps"),
     (["--concurrency", "2", "--strategy", "magicdec"], "strategy 'magicdec' cannot serve requests joining"),
     (["--concurrency", "2", "--strategy", "adaptive"], "strategy 'adaptive' cannot serve requests joining"),
     (["--concurrency", "2", "--strategy", "polybasic", "--draft", "x", "--draft", "ngram"], "strategy 'polybasic' cannot"),

@@ -342,6 +342,10 @@ def test_git_commit_marks_dirty_tree(tmp_path):
     sha = subprocess.run(["git", "-C", str(tmp_path), "rev-parse", "--short", "HEAD"],
                          capture_output=True, text=True).stdout.strip()
     assert envmod.git_commit(str(tmp_path)) == sha
+    (tmp_path / "work").mkdir()  # untracked files (a work or results folder) leave the code as committed
+    (tmp_path / "work" / "notes.txt").write_text("x")
+    envmod.git_commit.cache_clear()
+    assert envmod.git_commit(str(tmp_path)) == sha
     (tmp_path / "a.txt").write_text("2")
     envmod.git_commit.cache_clear()
     assert envmod.git_commit(str(tmp_path)) == f"{sha}-dirty"

@@ -188,7 +188,7 @@ def test_the_cli_asks_for_the_quick_grid_and_scoped_settings(capsys, monkeypatch
 
 
 @pytest.mark.parametrize("extra, expect", [
-    (["--prompt-len", ","], "--prompt-len ,: expected distinct whole numbers"),
+    (["--prompt-len", ","], "--prompt-len ,: an empty item in the list"),
     (["--batch", ""], "--batch : expected distinct whole numbers"),
     (["--batch", "0,2"], "--batch 0,2: every value must be at least 1"),
     (["-s", "nosuch"], "nosuch"),

@@ -98,6 +98,8 @@ def test_pruned_trials_stop_after_their_first_batch(tmp_path, pair):
     assert not t.preset_path.exists()
     rows = read_results([study.trials[0].user_attrs["results"]])  # the aborted run's parts, merged
     assert sorted(rows["role"]) == ["baseline", "strategy"] and set(rows["prompt_id"]) == {"p0"}
+    (said,) = set(rows["unfinished"])  # and `report` marks it partial, with why
+    assert said.startswith("tune trial 0: pruned after 1 batch")
 
 
 class Lossy(Proposer):

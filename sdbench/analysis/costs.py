@@ -32,7 +32,7 @@ from sdbench.errors import SdbenchError
 from sdbench.kv.sparse import filled_for_profile
 from sdbench.models import loader  # the module: tests replace loader.load_model
 from sdbench.models.graphs import CAPACITY_STEP
-from sdbench.models.memory import GIB, plan
+from sdbench.models.memory import plan, refuse_beyond_memory
 from sdbench.models.pair import resolve_device, resolve_dtype, say_note
 from sdbench.models.shapes import parameter_count
 from sdbench.reporting import results  # the module: tests replace results.read_results
@@ -206,9 +206,7 @@ def memory_plan(target: str, dtype, device, batches, contexts, gamma: int):
 
     points = [(b, s) for b in batches for s in contexts]
     found = plan(config, params, dtype, device, points, capacity, gamma + 1)
-    if not found.weights_fit():
-        raise SdbenchError(f"{target}: its weights take {found.weights / GIB:.1f} GiB in {str(dtype)[6:]} and "
-                           f"{found.free / GIB:.1f} GiB are free on {device}: nothing can be profiled")
+    refuse_beyond_memory([target], found.weights, found.free, dtype, device, "nothing can be profiled")
     return found
 
 
@@ -233,6 +231,7 @@ def measured_costs(target: str, draft: str, gammas, context: int, device: str, d
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
     runners = {}
+    loader.check_fit([target, draft], dev, dt)
     with console.status("loading and timing"):
         for name in dict.fromkeys((target, draft)):
             loaded = loader.load_model(name, dev, dt)

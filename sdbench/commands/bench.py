@@ -26,7 +26,7 @@ from sdbench.engine.state import needed_capacity
 from sdbench.env import environment
 from sdbench.errors import SdbenchError
 from sdbench.models.generic import GenericRunner, runner_kind
-from sdbench.models.loader import check_same_tokenizer, eos_token_ids, load_model
+from sdbench.models.loader import check_fit, check_same_tokenizer, eos_token_ids, load_model
 from sdbench.models.pair import pick_runner, resolve_device, resolve_dtype, say_note
 from sdbench.reporting.results import env_fields
 from sdbench.strategies.autoregressive import Autoregressive
@@ -237,6 +237,7 @@ def measure_peers(cfg: BenchConfig, console: Console) -> Peers:
     target, draft, max_new, gamma = cfg.target, cfg.draft_model, cfg.max_new_tokens, cfg.gamma
     dev = resolve_device(cfg.device)
     dt = resolve_dtype(cfg.dtype, dev)
+    check_fit([target, draft], dev, dt)
     with console.status("loading models"):
         tgt = load_model(target, dev, dt)
         drf = tgt if draft == target else load_model(draft, dev, dt)

@@ -19,8 +19,8 @@ from sdbench.commands.bench import weight_bytes
 from sdbench.config import SamplingConfig
 from sdbench.drafting.ngram import DRAFT_NAME
 from sdbench.engine.loop import generate
-from sdbench.errors import SdbenchError
-from sdbench.models.loader import check_same_tokenizer, eos_token_ids, load_model, load_tokenizer
+from sdbench.errors import CheckFailed, SdbenchError
+from sdbench.models.loader import check_fit, check_same_tokenizer, eos_token_ids, load_model, load_tokenizer
 from sdbench.models.pair import pick_runner, resolve_device, resolve_dtype
 from sdbench.models.probe import PHASES, probe_runner
 from sdbench.models.probe_cache import ProbeCache
@@ -55,12 +55,13 @@ class Checked:
 
 
 def run_check(target: str, drafts: list[str], device: str, dtype: str, fast: bool, context: int, tokens: int,
-              console: Console) -> int:
-    """Check the target and every draft; print the table; return the exit code (0: all passed, 1: not)."""
+              console: Console) -> None:
+    """Check the target and every draft; print the table; raise CheckFailed (exit 1) on any failure."""
     if context < 1 or tokens < 1:
         raise SdbenchError("check: --context and --tokens must be at least 1")
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
+    check_fit([n for n in (target, *drafts) if n != DRAFT_NAME], dev, dt)
     rows = [Checked(target, "target")]
     loaded, runner = _model(rows[0], target, dev, dt, fast, context, console)
     prompt = None
@@ -86,7 +87,10 @@ def run_check(target: str, drafts: list[str], device: str, dtype: str, fast: boo
             console.print(f"note: {line}", style="yellow", highlight=False, soft_wrap=True)
         for line in row.problems:
             console.print(f"[red]✗[/red] {line}", highlight=False, soft_wrap=True)
-    return 0 if all(r.ok for r in rows) else 1
+    problems = [line for row in rows for line in row.problems]
+    if problems:
+        more = f" (and {len(problems) - 1} more: the ✗ lines above)" if len(problems) > 1 else ""
+        raise CheckFailed(f"check failed: {problems[0]}{more}")
 
 
 def _model(row: Checked, name: str, dev, dt, fast: bool, context: int, console, tokenizer=None):

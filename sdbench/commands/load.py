@@ -1,7 +1,8 @@
 """`sdbench run --request-rate R / --concurrency C`: the prompts served as requests arriving over time.
 
 A load point is a request rate (Poisson arrivals drawn from the seed; inf: every request at once) and a cap on
-the requests in flight (the running batch's slots: --concurrency, else --batch-size). At each point and repeat,
+the requests in flight (the running batch's slots: --concurrency; without it every arrival is admitted, as
+`vllm bench serve` does without --max-concurrency: one slot per request). At each point and repeat,
 the arrival times are drawn once and every role (the baseline and each strategy configuration) serves the same
 requests at the same times through the one decode loop (`engine.loop.serve`). One row per request and role;
 each point's rows are one part on disk, written as the point finishes.
@@ -36,11 +37,11 @@ class LoadPoint:
         return f"rate {self.rate:g}/s, concurrency {self.slots}"
 
 
-def load_points(cfg: RunConfig) -> list[LoadPoint]:
-    """Every (rate, concurrency) pair asked for: --request-rate alone caps the flight at --batch-size,
-    --concurrency alone has every request arrive at once (a closed loop)."""
+def load_points(cfg: RunConfig, requests: int) -> list[LoadPoint]:
+    """Every (rate, concurrency) pair asked for: --request-rate alone admits every arrival (a slot for each of
+    the `requests`, so none waits for one), --concurrency alone has every request arrive at once (a closed loop)."""
     rates = cfg.request_rates or (math.inf,)
-    caps = cfg.concurrencies or (cfg.batch_size,)
+    caps = cfg.concurrencies or (requests,)
     return [LoadPoint(r, c) for r in rates for c in caps]
 
 
@@ -48,9 +49,9 @@ def check_load(cfg: RunConfig, base: str, options: dict) -> None:
     """Refuse, before any model loads, what serving under load cannot do."""
     if cfg.slo and not cfg.under_load:
         raise SdbenchError("--slo applies to runs under load: add --request-rate or --concurrency")
-    if cfg.concurrencies and cfg.batch_size != 1:
-        raise SdbenchError("--batch-size and --concurrency both set how many requests run together: give one "
-                           "(under load, --batch-size caps the flight only when --concurrency is not given)")
+    if cfg.batch_size != 1:
+        raise SdbenchError("--batch-size sets static batches; under load --concurrency caps the requests in flight "
+                           "(without it every arrival is admitted)")
     if cfg.resume:
         raise SdbenchError("--resume does not continue runs under load yet: start the run again")
     if cfg.turns is not None and cfg.turns > 1:
@@ -66,7 +67,7 @@ def serve_points(bench, prompts, encoded, writer, progress) -> None:
     """Every load point and repeat, every role on the same arrivals; a part written per point and repeat.
     bench: the run's Bench, its pair loaded (`loaded`, `every`, `fields`)."""
     cfg, pair, every = bench.cfg, bench.loaded, bench.every
-    points = load_points(cfg)
+    points = load_points(cfg, len(encoded))
     task = progress.add_task(bench.choice.name, total=cfg.repeats * len(points) * len(every.roles))
     for repeat in range(cfg.repeats):
         for point_id, point in enumerate(points):

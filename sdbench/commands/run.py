@@ -127,6 +127,14 @@ class Bench:
         pair = self.pair or load_pair(cfg, self.device, self.dtype, self.console, native_needed(cfg))
         roles = [baseline_role()] * cfg.baseline + self.plan_roles(pair)
         prompts, encoded = encode_prompts(cfg, pair, max(r.proposer.max_lookahead for r in roles))
+        if not cfg.under_load and cfg.batch_size > len(prompts):  # rows record the batch that was run
+            self.console.print(f"note: --batch-size {cfg.batch_size} with {len(prompts)} prompt(s): batches of "
+                               f"{len(prompts)} are run and recorded", style="yellow", highlight=False)
+            cfg = self.cfg = replace(cfg, batch_size=len(prompts))
+        most = max(len(p.turns) for p in prompts)
+        if cfg.turns is not None and cfg.turns > most:
+            self.console.print(f"note: --turns {cfg.turns}: the prompts have at most {most} turn(s), so {most} "
+                               f"{'is' if most == 1 else 'are'} run", style="yellow", highlight=False)
         context = max(len(e) for e in encoded) + cfg.max_new_tokens
         for note in dict.fromkeys(n for r in roles for n in r.proposer.notes(context)):
             self.console.print(f"note: {note}", highlight=False, soft_wrap=True)
@@ -143,6 +151,7 @@ class Bench:
         except KeyboardInterrupt:  # nothing is on disk yet: no run to resume
             raise Interrupted("interrupted during warm-up: nothing was saved") from None
         self._save_config(run_id)  # only now: a run that never measured leaves nothing behind
+        writer.mark_unfinished()  # until the last batch: a run stopped before it reads as partial
         self.loaded, self.every, self.fields = pair, EveryRole(roles, str(self.device)), self.run_fields(pair)
         try:
             with writer, self._progress() as progress:
@@ -153,11 +162,14 @@ class Bench:
         except KeyboardInterrupt:
             if not writer.exists():  # no batch finished: forget the run instead of pointing at it
                 self._config_path(run_id).unlink(missing_ok=True)
+                writer.mark_finished()
                 raise Interrupted("interrupted before any batch finished: nothing was saved") from None
+            writer.mark_unfinished("interrupted (Ctrl-C)")
             if cfg.under_load:
                 raise Interrupted(f"interrupted: finished load points are saved in {writer.final_path}") from None
             raise Interrupted(f"interrupted: finished prompts are saved in {writer.final_path}; continue with "
                                f"`sdbench run --resume {run_id} --out {cfg.out}`") from None
+        writer.mark_finished()
         return writer.final_path
 
     def _batches(self, talk: Conversations, batches: list[list[int]], done: set, writer: RunWriter, progress) -> None:

@@ -19,8 +19,10 @@ import math
 import os
 import re
 import time
+from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
+from typing import Iterator
 
 import numpy as np
 import optuna
@@ -202,6 +204,12 @@ class Tuner:
         self.preset_name = cfg.preset or slug(f"tuned-{self.strategy}-{run.target}")
         self.preset_path = user_dir() / f"{self.preset_name}.yaml"  # never the shipped folder
         self._check_preset()
+        optuna.logging.set_verbosity(optuna.logging.WARNING)
+        # what the user got wrong fails now, before any model loads: a strategy with nothing to tune (its space
+        # drawn once at the configured lengths; the trials draw at the prompts' own), then a storage URL
+        draw(self.strategy, optuna.create_study().ask(),
+             SearchContext(tuple(run.drafts), run.prompt_len or 0, run.max_new_tokens))
+        self._storage = self._open_storage()
 
     def _check_preset(self) -> None:
         if self.preset_name in strategy_registry:
@@ -216,15 +224,14 @@ class Tuner:
             return self.cfg.storage
         return f"sqlite:///{(output_dir(self.run.out) / 'tune.db').resolve()}"
 
+    def _open_storage(self) -> optuna.storages.RDBStorage:
+        with _storage_errors(self.storage()):
+            return study_storage(self.storage())
+
     def open_study(self) -> optuna.Study:
-        url = self.storage()
-        try:
-            study = optuna.create_study(study_name=self.study_name, storage=study_storage(url), direction="maximize",
+        with _storage_errors(self.storage()):
+            study = optuna.create_study(study_name=self.study_name, storage=self._storage, direction="maximize",
                                         pruner=self.pruner or ClearlyWorse(), load_if_exists=True)
-        except ImportError as e:
-            raise SdbenchError(f"--storage {url}: a database driver is missing ({e}); install it with pip") from e
-        except Exception as e:  # any storage URL problem: bad scheme, unreachable server, wrong password
-            raise SdbenchError(f"--storage {url}: {str(e).strip().splitlines()[0]}") from e
         # a resumed session must not replay the first session's random start
         study.sampler = optuna.samplers.TPESampler(seed=self.run.sampling.seed + len(study.trials))
         self._check_settings(study)
@@ -246,12 +253,10 @@ class Tuner:
                                    f"{mine[key]}: resume it with the same settings, or name a new one with --study")
 
     def tune(self) -> optuna.Study:
-        optuna.logging.set_verbosity(optuna.logging.WARNING)
         pair = self.pair or self.load()
         self.runners = dict(zip(self.run.drafts, pair.drafts))
         _, encoded = encode_prompts(self.run, pair)
         space = SearchContext(tuple(self.run.drafts), max(len(e) for e in encoded), self.run.max_new_tokens)
-        draw(self.strategy, optuna.create_study().ask(), space)  # nothing to tune fails before the study exists
         study = self.open_study()
         self.console.print(f"study {self.study_name} in {_safe_url(self.storage())}", highlight=False)
         reference = self._reference(pair) if self.cfg.objective == "tokens" else None
@@ -329,8 +334,9 @@ class Tuner:
         # an aborted run leaves unmerged parts: merge its own (not any other: a process sharing the study may be
         # writing its trial beside it) so its rows read as one file
         if aborted is not None and aborted.run_id is not None and (self.folder / f"{aborted.run_id}.parts").is_dir():
-            path = RunWriter(self.folder, aborted.run_id).finalize()
-            trial.set_user_attr("results", str(path))
+            writer = RunWriter(self.folder, aborted.run_id)
+            writer.mark_unfinished(f"tune trial {trial.number}: {reason}")  # its rows stop where the trial did
+            trial.set_user_attr("results", str(writer.finalize()))
         if feed is not None and feed.rows:
             _record(trial, feed)
         if reason:
@@ -360,6 +366,18 @@ class _NoPrune:
 
     def should_prune(self) -> bool:
         return False
+
+
+@contextmanager
+def _storage_errors(url: str) -> Iterator[None]:
+    """Any storage URL problem (bad scheme, missing driver, unreachable server, wrong password) as one line."""
+    try:
+        yield
+    except ImportError as e:
+        raise SdbenchError(f"--storage {_safe_url(url)}: a database driver is missing ({e}); install it with "
+                           "pip") from e
+    except Exception as e:
+        raise SdbenchError(f"--storage {_safe_url(url)}: {str(e).strip().splitlines()[0]}") from e
 
 
 def _safe_url(url: str) -> str:

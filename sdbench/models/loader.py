@@ -24,13 +24,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import torch
+from safetensors import SafetensorError, safe_open
 
 from sdbench.errors import MissingPackageError, SdbenchError
-from sdbench.models import embedded, random_weights
+from sdbench.models import embedded, memory, random_weights
 from sdbench.models.aliases import EmbeddedModel, HubModel, model_registry, shipped_config
 from sdbench.models.families import serving
-from sdbench.models.names import RANDOM, split_variant
-from sdbench.models.shapes import config_from_dict
+from sdbench.models.names import RANDOM, is_random, split_variant
+from sdbench.models.shapes import config_from_dict, parameter_count
 from sdbench.paths import cache_dir
 
 if TYPE_CHECKING:
@@ -68,11 +69,28 @@ def load_model(name: str, device: str | torch.device = "cpu", dtype: torch.dtype
         model = _from_hub(name, ref, lambda local: _auto_model(ref, dtype, local_files_only=local))
     else:
         folder = _converted_gguf(Path(ref)) if source in ("embedded", "gguf") else Path(ref)
-        with _as_user_error(name):
+        with _as_user_error(name, folder):
             tokenizer = _auto_tokenizer(str(folder))
             model = _auto_model(str(folder), dtype)
     model.eval().requires_grad_(False)
     return LoadedModel(name=name, ref=ref, source=source, model=model.to(device), tokenizer=tokenizer)
+
+
+def check_fit(names: list[str], device: str | torch.device = "cpu", dtype: torch.dtype | str = torch.float32) -> None:
+    """Refuse in one line, before any model is built, models whose weights together do not fit in the device's
+    free memory (`memory.refuse_beyond_memory`, the check `predict` and `gpu-check` make). Counted from configs
+    alone: every MODEL@random, and every model whose config is at hand without loading (an alias's shipped
+    config, a folder's config.json); a MODEL@int8 copy counts as its MODEL, each model once."""
+    dtype, device = _as_dtype(dtype), _as_device(device)
+    counted, weights = [], 0
+    for name in dict.fromkeys(n if is_random(n) else split_variant(n)[0] for n in names):
+        config = _config_at_hand(name)
+        params = parameter_count(config, cached=True) if config is not None else None
+        if params:
+            counted.append(name)
+            weights += params * memory.element_bytes(dtype)
+    if counted:
+        memory.refuse_beyond_memory(counted, weights, memory.free_bytes(device), dtype, device, "nothing was built")
 
 
 def load_config(name: str) -> "PretrainedConfig":
@@ -159,9 +177,25 @@ def eos_token_ids(loaded: LoadedModel) -> list[int]:
 def _random_model(name: str, base: str, device: torch.device, dtype: torch.dtype) -> LoadedModel:
     config = _random_config(base)
     _refuse_unserved(name, config)
+    check_fit([name], device, dtype)
     model = random_weights.seeded_model(config, device, dtype)
     tokenizer, note = _random_tokenizer(name, base, random_weights.vocabulary(model))
     return LoadedModel(name=name, ref=base, source=RANDOM, model=model, tokenizer=tokenizer, weights=RANDOM, note=note)
+
+
+def _config_at_hand(name: str) -> "PretrainedConfig | None":
+    """A model's config where reading it costs no download, conversion or network: MODEL@random's, an alias's
+    shipped one, a local folder's config.json; None otherwise."""
+    if is_random(name):
+        return load_config(name)
+    shipped = shipped_config(name)
+    if shipped is not None:
+        return config_from_dict(shipped)
+    folder = Path(name).expanduser()
+    if (folder / "config.json").is_file():
+        with _as_user_error(name):
+            return _auto_config(str(folder))
+    return None
 
 
 def _random_config(base: str) -> "PretrainedConfig":
@@ -244,12 +278,28 @@ def _as_device(device: str | torch.device) -> torch.device:
 
 
 @contextlib.contextmanager
-def _as_user_error(name: str) -> Iterator[None]:
-    """transformers reports unreadable checkpoints as OSError/ValueError/KeyError; make them one user line."""
+def _as_user_error(name: str, folder: Path | None = None) -> Iterator[None]:
+    """transformers reports unreadable checkpoints as OSError/ValueError/KeyError, and safetensors a corrupt
+    weights file as its own SafetensorError (which names no file); make each one user line."""
     try:
         yield
+    except SafetensorError as err:
+        bad = _unreadable_safetensors(folder) if folder is not None else None
+        what = f"{bad} is not a readable safetensors file" if bad else "a safetensors file is unreadable"
+        raise SdbenchError(f"model '{name}' could not be loaded: {what} ({_first_line(err)})") from err
     except (OSError, ValueError, KeyError) as err:
         raise SdbenchError(f"model '{name}' could not be loaded: {_first_line(err)}") from err
+
+
+def _unreadable_safetensors(folder: Path) -> Path | None:
+    """The first of the folder's safetensors files whose header does not parse (reads headers only)."""
+    for path in sorted(folder.glob("*.safetensors")):
+        try:
+            with safe_open(str(path), framework="pt"):
+                pass
+        except (SafetensorError, OSError):
+            return path
+    return None
 
 
 def _first_line(err: BaseException) -> str:
@@ -400,7 +450,7 @@ def _from_hub(name: str, repo_id: str, load: Callable[[bool], Any]) -> Any:
         return load(True)
     except OSError:
         pass  # not in the local cache
-    except (ValueError, KeyError) as err:
+    except (ValueError, KeyError, SafetensorError) as err:
         raise SdbenchError(f"model {label} could not be loaded: {_first_line(err)}") from err
     if _hub_offline():
         _raise_unavailable(name, label, repo_id, "HF_HUB_OFFLINE is set")
@@ -408,7 +458,7 @@ def _from_hub(name: str, repo_id: str, load: Callable[[bool], Any]) -> Any:
         _raise_unavailable(name, label, repo_id, "the hub is unreachable")
     try:
         return load(False)
-    except (OSError, ValueError, KeyError) as err:
+    except (OSError, ValueError, KeyError, SafetensorError) as err:
         raise SdbenchError(f"model {label} could not be fetched from the hub: {_first_line(err)}") from err
 
 

@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from sdbench.errors import SdbenchError
+
 HEADROOM = 0.9  # of the free memory a plan may use: allocators fragment, the process has other buffers
 GIB = 1 << 30
 
@@ -44,6 +46,17 @@ def free_bytes(device: torch.device) -> int | None:
     return None
 
 
+def refuse_beyond_memory(names: list[str], weights: int, free: int | None, dtype: torch.dtype,
+                         device: torch.device, then: str) -> None:
+    """The one check that weights fit, before anything is allocated: one line saying what they need and what
+    the device has free, when they take more than HEADROOM of it. then: what the command therefore does not do."""
+    if free is None or weights <= HEADROOM * free:
+        return
+    whose = f"{names[0]}: its" if len(names) == 1 else f"{', '.join(names[:-1])} and {names[-1]}: their"
+    raise SdbenchError(f"{whose} weights take {weights / GIB:.1f} GiB in {str(dtype).removeprefix('torch.')} and "
+                       f"{free / GIB:.1f} GiB are free on {device}: {then}")
+
+
 @dataclass
 class Plan:
     """Which (batch, context) points fit beside the weights in `free` bytes."""
@@ -52,9 +65,6 @@ class Plan:
     free: int | None
     fits: set = field(default_factory=set)  # (batch, context)
     too_big: dict = field(default_factory=dict)  # (batch, context) -> bytes its caches and buffers need
-
-    def weights_fit(self) -> bool:
-        return self.free is None or self.weights <= HEADROOM * self.free
 
     def line(self) -> str | None:
         """One line naming the points left out, per batch from the shortest context that does not fit, or None."""

@@ -82,9 +82,10 @@ def load_pair(cfg: RunConfig, device: torch.device, dtype: torch.dtype, console:
     the library's forward (unless cfg.probe is off), falling back to the generic runner where a native one
     fails and the run allows it. native: model name -> what of the run needs it on the native runner
     (`strategies.native_needed(cfg)`; a model the generic runner serves is then refused before loading)."""
-    check_tokenizers(cfg)
     native = native or {}
     refuse_early(cfg, native)
+    loader.check_fit([n for n in (cfg.target, *cfg.drafts) if n != NGRAM_DRAFT], device, dtype)
+    check_tokenizers(cfg)
     with console.status(f"loading target {cfg.target}"):
         target = loader.load_model(cfg.target, device, dtype)
         runner = pick_runner(target.model, cfg.target, cfg.fast, native.get(cfg.target))

@@ -26,6 +26,7 @@ from rich.table import Table
 from rich.text import Text
 
 from sdbench.errors import SdbenchError
+from sdbench.options import split_list
 from sdbench.reporting.results import read_results
 from sdbench.reporting.stats import Interval, bootstrap_ratio, spread
 
@@ -182,7 +183,7 @@ def check_settings(baseline: pd.DataFrame, current: pd.DataFrame, across: str = 
     if old != new:
         raise SdbenchError(f"baseline has {_values(old)} weights and current {_values(new)}: a run with random weights "
                            "(MODEL@random) is gated only against another with random weights")
-    allowed = {s.strip().lstrip("-") for s in across.split(",") if s.strip()}
+    allowed = {s.lstrip("-") for s in split_list(across, "--across")}
     unknown = sorted(allowed - set(SETTINGS.values()))
     if unknown:
         raise SdbenchError(f"--across {across}: unknown setting '{unknown[0]}' (settings: "

@@ -53,7 +53,7 @@ def _records(group: pd.DataFrame) -> list[dict]:
 
 def _point(row) -> str:
     rate = "inf" if math.isinf(row.request_rate) else f"{row.request_rate:g}"
-    return f"{rate} req/s · {int(row.concurrency)} in flight"
+    return f"{rate} req/s · ≤{int(row.concurrency)} in flight"
 
 
 def throughput_table(summary: pd.DataFrame) -> Table:

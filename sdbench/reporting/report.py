@@ -239,6 +239,7 @@ def summary_table(summary: pd.DataFrame, title: str | None = None) -> Table:
 
 
 NOT_MEANINGFUL = "n/m"
+PARTIAL = " (partial)"  # after the run id of a run stopped before its end
 INTERVAL_CAPTION = ("speedup ±: half the width of its 95 % bootstrap interval over prompts and repeats; "
                     "* the interval contains 1.0")
 
@@ -414,8 +415,22 @@ def _title(df: pd.DataFrame) -> str:
     return " · ".join(p for p in parts if p)
 
 
+def marked_partial(df: pd.DataFrame) -> pd.DataFrame:
+    """Rows of a partial run (`unfinished` set by read_results) under the run id 'RUN (partial)', so that every
+    table and plot says so; idempotent."""
+    if "unfinished" not in df or not df["unfinished"].notna().any():
+        return df
+    run_id = df["run_id"].astype(str)
+    relabel = df["unfinished"].notna() & ~run_id.str.endswith(PARTIAL)
+    return df.assign(run_id=run_id.where(~relabel, run_id + PARTIAL))
+
+
 def _notes(df: pd.DataFrame) -> list[str]:
     notes = []
+    if "unfinished" in df:
+        for run_id, reason in df[["run_id", "unfinished"]].dropna().drop_duplicates().itertuples(index=False):
+            notes.append(f"{run_id.removesuffix(PARTIAL)} is partial: {reason}; its rows cover only the batches "
+                         "that finished, not the whole run")
     if {"category", *_BATCH} <= set(df.columns):
         mixed = df.groupby(_BATCH, dropna=True)["category"].nunique()
         if (mixed > 1).any():
@@ -452,6 +467,7 @@ def print_report(df: pd.DataFrame, console: Console | None = None, by: tuple[str
     if df.empty:
         console.print("no result rows")
         return
+    df = marked_partial(df)
     for line in environment_lines(df):
         console.print(Text(line, style="dim"))
     served = load_rows(df)

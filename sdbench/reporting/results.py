@@ -121,6 +121,7 @@ ENV_COLUMNS = ("device", "dtype", "torch_version", "transformers_version", "sdbe
 KEY = ("role", "prompt_id", "repeat", "turn")
 _MERGED = b"sdbench.merged_parts"
 _PART = re.compile(r"^part-(\d+)\.parquet$")
+UNFINISHED = "its process stopped before the run's end (killed, or still running)"
 # Nullable pandas dtypes keep ints ints (and lossless a true three-valued bool) when values are missing.
 _PANDAS_TYPES = {_I: pd.Int64Dtype(), pa.int32(): pd.Int32Dtype(), pa.bool_(): pd.BooleanDtype()}
 
@@ -263,6 +264,15 @@ class RunWriter:
     def exists(self) -> bool:
         return self.final_path.exists() or self.parts_dir.exists()
 
+    def mark_unfinished(self, reason: str = "") -> None:
+        """Leave <run_id>.unfinished beside the rows until mark_finished(): a run stopped before its end (killed,
+        interrupted, a tune trial pruned or failed) reads as partial, with the reason written here."""
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        unfinished_path(self.final_path).write_text(reason)
+
+    def mark_finished(self) -> None:
+        unfinished_path(self.final_path).unlink(missing_ok=True)
+
     def append(self, rows: list[dict]) -> Path | None:
         """Write rows now, as one part. run_id, timestamp and env columns are filled where missing."""
         if not rows:
@@ -305,6 +315,21 @@ class RunWriter:
         if self.parts_dir.exists():
             shutil.rmtree(self.parts_dir, ignore_errors=True)
         return self.final_path if self.final_path.exists() else None
+
+
+def unfinished_path(final_path: Path) -> Path:
+    return final_path.with_suffix(".unfinished")
+
+
+def unfinished_reason(source: Path) -> str | None:
+    """Why the run a results file belongs to is partial, or None when it ran to its end: its marker's reason,
+    or, for parts with no merged file (the marker predates), that its process stopped before the end."""
+    parts = source.parent.name.endswith(".parts")
+    final = source.parent.with_suffix(".parquet") if parts else source
+    marker = unfinished_path(final)
+    if marker.is_file():
+        return marker.read_text().strip() or UNFINISHED
+    return UNFINISHED if parts and not final.is_file() else None
 
 
 def run_sources(final_path: Path, parts_dir: Path) -> list[Path]:
@@ -412,11 +437,19 @@ def read_results(paths: Iterable[str | Path] | str | Path) -> pd.DataFrame:
     sources: dict[Path, None] = {}  # ordered set: a file named twice is read once
     for raw in paths:
         sources.update(dict.fromkeys(p.resolve() for p in _expand(Path(raw))))
-    tables = [t for t in (conform(_sdbench_table(p)) for p in sources) if t.num_rows]
+    tables = [t for t in (_with_unfinished(conform(_sdbench_table(p)), unfinished_reason(p)) for p in sources)
+              if t.num_rows]
     if not tables:
         raise SdbenchError(f"no result rows in {', '.join(str(p) for p in paths)}")
     table = pa.concat_tables(tables, promote_options="default")
     return table.to_pandas(types_mapper=_PANDAS_TYPES.get)
+
+
+def _with_unfinished(table: pa.Table, reason: str | None) -> pa.Table:
+    """A partial run's rows carry why in the column `unfinished` (read only: never written to a results file)."""
+    if reason is None:
+        return table
+    return table.append_column("unfinished", pa.array([reason] * table.num_rows, pa.string()))
 
 
 def _expand(path: Path) -> list[Path]:

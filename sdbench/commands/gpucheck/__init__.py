@@ -30,16 +30,11 @@ from sdbench.commands.gpucheck.page import write_part
 from sdbench.commands.gpucheck.plan import (GPU, LLAMA_1B, LLAMA_3B, LLAMA_8B, TINY, Ctx, Section, free, preflight,
                                             settings)
 from sdbench.commands.reproduce.common import FAILS, Claim
-from sdbench.errors import SdbenchError
+from sdbench.errors import CheckFailed, SdbenchError
+from sdbench.options import split_list
 
 PARTS = (1, 2, 3)
 BUDGET_S = 510.0  # a part starts no new measurement after this: 8.5 minutes, under a 10-minute limit per call
-
-
-class CheckFailed(SdbenchError):
-    """A check that must hold did not (a CUDA test, a fall back to the eager forward, a real divergence)."""
-
-    exit_code = 1
 
 
 def steps(part: int):
@@ -62,8 +57,8 @@ def parse_parts(text: str) -> tuple[int, ...]:
     if text.strip().lower() == "all":
         return PARTS
     try:
-        parts = tuple(int(x) for x in text.split(",") if x.strip())
-    except ValueError:
+        parts = tuple(int(x) for x in split_list(text, "--part"))
+    except (ValueError, SdbenchError):
         parts = ()
     if not parts or any(p not in PARTS for p in parts):
         raise SdbenchError(f"--part {text}: use 1, 2, 3, a list like 1,3, or all")
