@@ -166,3 +166,28 @@ def test_bench_on_smollm2_through_the_cli(capsys, tmp_path, monkeypatch):
     df = pd.read_parquet(tmp_path / "bench.parquet")
     assert len(df) == 8 and df.same_output.all() and (df.tokens == 8).all()
     assert (df.model == "smollm2-135m").all() and (df.dataset == "mt-bench").all()
+
+
+def test_outputs_are_compared_with_generates_dynamic_cache_when_the_timed_configuration_disagrees(monkeypatch):
+    """The fastest `generate` configuration timed is not the reference: its dynamic cache (step-by-step decoding)
+    is. Where the two disagree, one line says so, and an sdbench system equal to the timed configuration but not
+    to the dynamic cache fails."""
+    import sdbench.commands.bench as bench
+    from sdbench.commands.hf_generate import Picked
+
+    dynamic = {(1, 2): [5, 6, 7, 8], (3, 4): [9, 9, 9, 9]}
+    monkeypatch.setattr(bench, "generator", lambda model, eos, kwargs: (
+        lambda prompt, n: (pytest.fail("not the dynamic cache") if kwargs else dynamic[tuple(prompt)][:n])))
+    timed = Measured("transformers generate (static cache, torch.compile)", False, [8], [1.0],
+                     [[5, 6, 7, 8], [9, 9, 1, 9]])
+    ref, line = bench._reference(None, [[1, 2], [3, 4]], [0], 4, Picked("compiled"), timed, _Status(),
+                                 lambda fast: None)
+    assert ref == [[5, 6, 7, 8], [9, 9, 9, 9]]
+    assert "disagree" in line and "prompt 2" in line and "new token 3" in line and "dynamic cache" in line
+    ours = Measured("sdbench ngram (γ=4)", True, [8], [1.0], [[5, 6, 7, 8], [9, 9, 1, 9]])
+    with pytest.raises(bench.OutputDiffers, match="prompt 2 .first at new token 3"):
+        bench.check_outputs([timed, ours], ref)
+    agree = Measured(timed.system, False, [8], [1.0], [list(r) for r in ref])
+    assert bench._reference(None, [[1, 2], [3, 4]], [0], 4, Picked("compiled"), agree, _Status(),
+                            lambda fast: None) == (ref, None)
+    assert bench._reference(None, [], [0], 4, Picked("dynamic"), timed, _Status(), None) == (timed.outputs, None)
