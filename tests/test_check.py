@@ -55,10 +55,12 @@ def test_check_passes_with_one_table(folders, capsys, monkeypatch):
     assert "generic" in draft and "same" in draft and "✓" in draft and "ok" in draft
     # the weights: the parameters' bytes, counted here from the library's own model
     assert _mib(folders["llama"]) in target and _mib(folders["gpt2"]) in draft
-    # the probe's gaps: the native runner's within the tolerance, the generic one's exactly 0 (it is the
-    # library's cached forward)
+    # the probe's gaps: the native runner's within the tolerance; the generic one's exactly 0 at the prefill
+    # and the steps (it is the library's cached forward, called the same way), and at rounding level for its
+    # one-call verification against the reference's one token per call
     assert all(float(g) < 1e-4 for g in re.findall(r"\d\.\de[+-]\d\d", target)) and "tolerance 0.0001" in out
-    assert re.findall(r"\d\.\de[+-]\d\d", draft) == ["0.0e+00"] * 3
+    gaps = re.findall(r"\d\.\de[+-]\d\d", draft)
+    assert gaps[:2] == ["0.0e+00"] * 2 and float(gaps[2]) < 1e-5
     # what the greedy columns compared: sdbench's plain tokens (the library's generate on the same prompt), and
     # each draft's speculative decoding (the same tokens)
     (_, (prompt,), new, (plain,)), *spec = seen
