@@ -9,14 +9,7 @@ import pytest
 
 from tests.conftest import run_cli
 from tests.references import tiny_cli_files, tiny_model_dir
-
-
-def one_line_error(code: int, err: str) -> str:
-    assert code != 0
-    lines = [line for line in err.strip().splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("error:"), err
-    assert "Traceback" not in err
-    return lines[0]
+from tests.test_cli import one_line_error
 
 
 @pytest.fixture(scope="module")
