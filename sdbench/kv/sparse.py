@@ -91,6 +91,8 @@ class SparseKVCache(KVCache):
         self.graphs: dict = {}  # (B, T) -> StaticForward captured over this cache's storage
         self.pool_key = None
         self.prompt_len = torch.zeros(batch, dtype=torch.long)
+        self.ids = self.crossed = None  # no recomputation (models/recompute.py): a sparse cache only drafts, and a
+        # draft's stale keys cost acceptance, never the output
 
     def reset(self, window: torch.Tensor) -> None:
         """Empty the cache (in place: captured graphs keep reading the same tensors) for a new generation."""
@@ -187,6 +189,7 @@ class ScoringView(KVCache):
         self.dense = dense
         self.capacity = dense.capacity
         self.prompt_len = dense.prompt_len  # the re-run prompt tokens rotate as the prefill rotated them
+        self.ids = self.crossed = None  # the re-run tokens are already the dense cache's
         self.graphs: dict = {}
         self.pool = pool
         self.scores: dict[int, torch.Tensor] = {}  # layer -> [B, H_kv, kv_len]

@@ -182,7 +182,7 @@ class ModelRunner:
         if cos_sin is None:
             lengths = self.rotary.scaling_lengths(start, tokens.shape[1], self.scaling_floor(cache))
             cos_sin = self.rotary.for_forward(step.positions, step.kv_len, lengths)
-        if getattr(cache, "ids", None) is not None:
+        if cache.ids is not None:
             cache.ids.scatter_(1, step.positions, tokens.to(self.device))
         self.path.ready()
         h = self.decoder.embed_tokens(tokens.to(self.device))  # Gemma's sqrt(hidden) scale is the module's
