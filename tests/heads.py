@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import save_file
 
@@ -46,7 +47,7 @@ def eagle3_weights(target, seed: int = 0, draft_vocab: int | None = None, layers
     Vd = draft_vocab or V
     w.update({"fc.weight": _rand(g, H, layers * H, scale=0.15), "norm.weight": 1 + _rand(g, H, scale=0.2),
               "lm_head.weight": _rand(g, Vd, H, scale=0.6)})
-    ids = torch.arange(Vd) * (V // Vd)  # the draft vocabulary's target ids
+    ids = torch.arange(Vd) * V // Vd  # the draft vocabulary's target ids, spread over the target's
     w["d2t"] = ids - torch.arange(Vd)
     w["t2d"] = torch.zeros(V, dtype=torch.bool).index_fill_(0, ids, True)
     return w
@@ -103,3 +104,30 @@ def medusa_dir(folder, target, heads: int = 3, layers: int = 1, seed: int = 0) -
                                                     "base_model_name_or_path": "tiny"}))
     save_file(w, str(folder / "medusa_lm_head.safetensors"))
     return folder
+
+
+def small_vocab_target(arch: str, vocab: int = 8, layers: int = 4, seed: int = 0):
+    """A tiny perturbed target of a family with a small vocabulary, so that random heads agree with it now and
+    then (both acceptance and rejection happen)."""
+    from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config,
+                              Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
+
+    from tests.references import perturbed
+
+    cfg_cls, model_cls = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+                          "qwen3": (Qwen3Config, Qwen3ForCausalLM),
+                          "mistral": (MistralConfig, MistralForCausalLM)}[arch]
+    torch.manual_seed(seed)
+    cfg = cfg_cls(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                  num_attention_heads=2, num_key_value_heads=1, initializer_range=0.3, max_position_embeddings=256,
+                  tie_word_embeddings=False)
+    return perturbed(model_cls(cfg).eval(), seed + 100)
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny heads and targets run faster on one thread than on two contended ones (restored after)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

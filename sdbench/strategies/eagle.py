@@ -18,11 +18,7 @@ def loaded_head(ctx: BuildContext, kinds: tuple[str, ...], strategy: str):
     """The --head for ctx's target, refused when it is another strategy's kind of head."""
     from sdbench.drafting.heads.load import load_head  # reads weights: only a run that drafts with it
 
-    head = load_head(ctx.options["head"], ctx.target)
-    if head.kind not in kinds:
-        other = "medusa" if strategy == "eagle" else "eagle"
-        raise SdbenchError(f"--head {head.name} is a {head.kind} head: use --strategy {other}")
-    return head
+    return load_head(ctx.options["head"], ctx.target, kinds, strategy)
 
 
 @register

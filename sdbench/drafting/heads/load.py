@@ -41,13 +41,18 @@ class Head:
     norm_before_residual: bool = False
 
 
-def load_head(source: str, target) -> Head:
+def load_head(source: str, target, kinds: tuple[str, ...] = (EAGLE3, EAGLE1, MEDUSA), strategy: str = "") -> Head:
     """The head at `source` (a folder, else a hub id), for the target runner `target`; raises SdbenchError on a
-    folder that is not a head this reads, or a head made for another target."""
+    folder that is not a head this reads, a head of another kind than `kinds` (what `strategy` drafts with),
+    or a head made for another target."""
     folder = _folder(source)
     config = _read_config(folder, source)
     weights = _read_weights(folder, source)
     head = _parse(source, config, weights, target)
+    if head.kind not in kinds:
+        other = "medusa" if head.kind == MEDUSA else "eagle"
+        raise SdbenchError(f"--head {source} is a {head.kind} head, which --strategy {strategy or kinds[0]} does not "
+                           f"draft with: use --strategy {other}")
     check_against(head, target)
     return head
 
@@ -121,7 +126,7 @@ def check_against(head: Head, target) -> None:
     cfg = _text(target.config)
     H, L, V = cfg.hidden_size, cfg.num_hidden_layers, target.vocab_size
     where = f"--head {head.name}"
-    bad = [i for i in head.layers if i != FINAL and not 0 <= i < L]
+    bad = [i for i in head.layers if not 0 <= i < L and not (i == FINAL and head.kind != EAGLE3)]
     if bad:
         raise SdbenchError(f"{where} reads target layer {bad[0]}, but the target has {L} layers")
     if head.kind == MEDUSA:
