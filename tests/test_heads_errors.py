@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from sdbench.drafting.heads.load import load_head
+from sdbench.models.heads.load import load_head
 from sdbench.errors import SdbenchError
 from sdbench.models.runner import ModelRunner
 from tests.conftest import run_cli, tiny_model

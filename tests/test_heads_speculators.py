@@ -13,8 +13,8 @@ pytest.importorskip("speculators.models.eagle3", reason="the speculators package
 
 from transformers import LlamaConfig  # noqa: E402
 
-from sdbench.drafting.heads.eagle import EagleHead  # noqa: E402
-from sdbench.drafting.heads.load import load_head  # noqa: E402
+from sdbench.models.heads.eagle import EagleHead  # noqa: E402
+from sdbench.models.heads.load import load_head  # noqa: E402
 from sdbench.models.runner import ModelRunner  # noqa: E402
 from tests.heads import small_vocab_target  # noqa: E402
 

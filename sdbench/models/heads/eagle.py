@@ -17,8 +17,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from sdbench.drafting.heads.load import EAGLE1, EAGLE3, Head
+from sdbench.models.heads.load import EAGLE1, EAGLE3, Head
 from sdbench.kv.cache import DenseKVCache, StepIndex
+from sdbench.models.rotary import Rotary, rope
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -40,8 +41,6 @@ class EagleHead:
     """EAGLE-1 or EAGLE-3 over a target runner (its embedding, and for EAGLE-1 its head)."""
 
     def __init__(self, head: Head, target):
-        from sdbench.models.rotary import Rotary  # imports transformers
-
         self.kind, self.target = head.kind, target
         self.device, self.dtype = target.device, target.dtype
         cfg = _layer_config(head)
@@ -98,8 +97,6 @@ class EagleHead:
             q = rms_norm(q, self.w["self_attn.q_norm.weight"], self.eps)
             k = rms_norm(k, self.w["self_attn.k_norm.weight"], self.eps)
         cos, sin = next(iter(self.rotary.for_forward(step.positions, step.kv_len).values()))
-        from sdbench.models.rotary import rope  # loaded already (Rotary)
-
         q, k = rope(q.transpose(1, 2), cos, sin), rope(k.transpose(1, 2), cos, sin)  # [B, H, T, D]
         keys, values, mask = cache.update(0, k, v, step)
         o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=Hq != Hk)

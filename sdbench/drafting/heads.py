@@ -15,21 +15,18 @@ Medusa (Cai et al., 2024): head k reads the target's final state of token N - 2 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
-from sdbench.drafting.heads.eagle import EagleHead
-from sdbench.drafting.heads.load import Head
 from sdbench.engine.hidden import TargetStates
 from sdbench.engine.sampling import choose
 from sdbench.engine.state import DecodeState, Proposal
 
 
 class EagleDrafter:
-    """Drafts with an EAGLE head (kv cache of its own, kept in step with the target's)."""
+    """Drafts with an EAGLE head (models/heads/eagle.py: its forward, over a KV cache of its own kept in step
+    with the target's). layers: the target states it reads (engine/hidden.py)."""
 
-    def __init__(self, head: Head, target):
-        self.head = EagleHead(head, target)
-        self.name, self.layers = head.name, head.layers
+    def __init__(self, head, name: str, layers: tuple[int, ...]):
+        self.head, self.name, self.layers = head, name, layers
         self.cache, self.pending = None, None
 
     def begin(self, state: DecodeState) -> None:
@@ -76,14 +73,10 @@ class EagleDrafter:
 
 
 class MedusaDrafter:
-    """Drafts with Medusa-1 heads: head k is `medusa_num_layers` residual blocks x + SiLU(W x + b), then its
-    own vocabulary projection, over the target's final state."""
+    """Drafts with Medusa-1 heads (models/heads/medusa.py) over the target's final state."""
 
-    def __init__(self, head: Head, target):
-        self.name, self.layers = head.name, head.layers
-        self.n_heads = int(head.config["medusa_num_heads"])
-        self.depth = int(head.config.get("medusa_num_layers", 1))
-        self.w = {k: v.to(target.device, target.dtype) for k, v in head.weights.items()}
+    def __init__(self, head, name: str, layers: tuple[int, ...]):
+        self.head, self.name, self.layers = head, name, layers
         self.last = None  # [B, H] each row's latest target state
 
     def begin(self, state: DecodeState) -> None:
@@ -98,20 +91,13 @@ class MedusaDrafter:
             h = torch.where((count > 0).to(h.device)[:, None], h, self.last)
         self.last = h
 
-    @torch.inference_mode()
-    def logits(self, k: int, h: torch.Tensor) -> torch.Tensor:
-        """Head k's logits [B, V] (float32) from final states [B, H]."""
-        for j in range(self.depth):
-            h = h + F.silu(F.linear(h, self.w[f"{k}.{j}.linear.weight"], self.w.get(f"{k}.{j}.linear.bias")))
-        return F.linear(h, self.w[f"{k}.{self.depth}.weight"]).float()
-
     def draft(self, ctx: torch.Tensor, lengths: list[int], limits: list[int]) -> Proposal:
         k = max(limits, default=0)
         if k == 0:
             return Proposal.empty(len(lengths))
         drafted, probs = [], []
         for i in range(k):  # each head on its own: a chain whose positions are drawn independently
-            x, p = choose(self.logits(i, self.last), self.sampling, self.generator)
+            x, p = choose(self.head.logits(i, self.last), self.sampling, self.generator)
             drafted.append(x)
             probs.append(p)
         return Proposal(torch.stack(drafted, 1), torch.tensor(limits, dtype=torch.long),
