@@ -84,11 +84,11 @@ class MedusaDrafter:
         self.last = None
 
     def see(self, states: TargetStates) -> None:
-        count = torch.tensor(states.count)
-        rows = torch.arange(len(count))
-        h = states.states[rows, (count - 1).clamp(min=0).to(states.states.device)]
+        dev = states.states.device
+        count = torch.tensor(states.count, device=dev)
+        h = states.states[torch.arange(len(count), device=dev), (count - 1).clamp(min=0)]
         if self.last is not None:  # rows with nothing new keep their state
-            h = torch.where((count > 0).to(h.device)[:, None], h, self.last)
+            h = torch.where((count > 0)[:, None], h, self.last)
         self.last = h
 
     def draft(self, ctx: torch.Tensor, lengths: list[int], limits: list[int]) -> Proposal:
