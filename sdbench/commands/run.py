@@ -54,6 +54,9 @@ def plan(cfg: RunConfig) -> tuple[RunConfig, object]:
     if cfg.prompt_len is not None and cfg.prompt_len < 1:
         raise SdbenchError(f"--prompt-len must be at least 1 (got {cfg.prompt_len})")
     declared = strategy(choice.base)
+    if "head" in cfg.options and not any(o.name == "head" for o in declared.options):
+        raise SdbenchError(f"--head needs --strategy eagle or medusa (a trained head drafts for them), not "
+                           f"'{cfg.strategy}'")
     options = declared.settings(cfg.options)
     if cfg.under_load or cfg.slo:
         check_load(cfg, choice.base, options)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from sdbench.config import SamplingConfig
+from sdbench.engine.hidden import Taps, TargetStates
 from sdbench.engine.metrics import BatchResult, Marks, RowStats, now
 from sdbench.engine.runner import Runner
 from sdbench.engine.scheduler import Scheduler
@@ -51,12 +52,15 @@ def generate(target: Runner, proposer, prompts: list[list[int]], *, max_new_toke
 
 def _run(target: Runner, proposer, state: DecodeState, prompts, rows: list[RowStats], t_start: float) -> BatchResult:
     dev = state.device
-    first, _ = choose(target.prefill(state.target_cache, prompts), state.sampling, state.generator)
+    taps = _taps(proposer)
+    first, _ = choose(target.prefill(state.target_cache, prompts, **taps), state.sampling, state.generator)
     for b, t in enumerate(first.tolist()):
         state.commit(b, [t])
     ttft = now(dev) - t_start
     t0 = now(dev)
     proposer.begin(state)
+    if taps:  # the prompts' states: a head drafts from them
+        proposer.see_target(TargetStates(taps["taps"].states(), [0] * state.batch, [len(p) for p in prompts]))
     setup = now(dev) - t0
     for r in rows:  # the draft's own prefill (or cache compression) is drafting cost too
         r.draft_s += setup
@@ -112,7 +116,7 @@ def _rounds(target: Runner, proposer, state: DecodeState, rows: list[RowStats], 
         t1 = marks.mark()
         if proposal is not None:  # cut to what each row can still commit (the proposer observes the cut)
             proposal = proposal.fit(state.lookahead(proposal.tokens.shape[1]))
-        rnd = _verify(target, state, proposal or Proposal.empty(state.batch), marks)
+        rnd = _verify(target, proposer, state, proposal or Proposal.empty(state.batch), marks)
         # the verdict has reached the host (the round's one wait), so every mark of the round can be read
         rnd.draft_s, rnd.verify_s = marks.seconds(t0, t1), marks.seconds(t1, rnd.verified_at)
         at = admission.elapsed() if admission is not None else None
@@ -149,14 +153,27 @@ def _admit(target: Runner, proposer, state: DecodeState, rows: list[RowStats], s
             req.stats.draft_s += setup
 
 
-def _verify(target: Runner, state: DecodeState, proposal: Proposal, marks: Marks) -> Round:
-    """One target forward over [last committed token, drafts...] per row, then the verify-and-commit step.
+def _taps(proposer) -> dict:
+    """{"taps": Taps} when the proposer reads the target's hidden states, else {} (nothing is kept)."""
+    layers = getattr(proposer, "hidden_layers", ())
+    return {"taps": Taps(layers)} if layers else {}
+
+
+def _verify(target: Runner, proposer, state: DecodeState, proposal: Proposal, marks: Marks) -> Round:
+    """One target forward over [last committed token, drafts...] per row, then the verify-and-commit step;
+    a proposer that reads the target's hidden states is then given those of the tokens just committed to the
+    target's cache (the last committed token and the accepted drafts).
 
     The target cache holds every committed token but the last; writing from there overwrites whatever a
     rejected draft left behind, which is the whole of rewinding.
     """
     last = state.last_tokens()[:, None]
     start = [n - 1 for n in state.lengths]
+    taps = _taps(proposer)
     logits = target.forward(state.target_cache, torch.cat([last.to(proposal.tokens.device), proposal.tokens], 1),
-                            start)  # [B, G+1, V]
-    return verify_and_commit(state, proposal, logits, state.sampling, state.generator, clock=marks)
+                            start, **taps)  # [B, G+1, V]
+    rnd = verify_and_commit(state, proposal, logits, state.sampling, state.generator, clock=marks)
+    if taps:
+        count = [a + 1 if on else 0 for a, on in zip(rnd.accepted, rnd.active)]
+        proposer.see_target(TargetStates(taps["taps"].states(), start, count))
+    return rnd

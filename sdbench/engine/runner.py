@@ -10,6 +10,8 @@ from typing import Any, Protocol
 
 import torch
 
+from sdbench.engine.hidden import Taps
+
 
 class Runner(Protocol):
     name: str  # the model as the user named it
@@ -31,12 +33,21 @@ class Runner(Protocol):
     def release(self, cache: Any) -> None:
         """Give a cache back for reuse (static shapes), or nothing."""
 
-    def prefill(self, cache: Any, prompts: list[list[int]], chunk: int | None = None) -> torch.Tensor:
-        """Write every prompt from position 0; logits [B, V] (float32) after each prompt's last token."""
+    def prefill(self, cache: Any, prompts: list[list[int]], chunk: int | None = None,
+                taps: Taps | None = None) -> torch.Tensor:
+        """Write every prompt from position 0; logits [B, V] (float32) after each prompt's last token.
+        taps: also keep the hidden states it names, of every prompt position (engine/hidden.py)."""
 
     def forward(self, cache: Any, tokens: torch.Tensor, start: list[int],
-                at: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits [B, T, V] (float32) for tokens [B, T] placed at start[b] + t; only at `at` when given."""
+                at: torch.Tensor | None = None, taps: Taps | None = None) -> torch.Tensor:
+        """Logits [B, T, V] (float32) for tokens [B, T] placed at start[b] + t; only at `at` when given.
+        taps: also keep the hidden states it names, of every token (nothing is kept without one)."""
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The input embeddings [B, T, H] of tokens [B, T] (what a trained head reads beside the states)."""
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The model's own head over final-norm hidden states [..., H]: logits [..., V] (float32)."""
 
     def share_plain(self) -> None:
         """Put the weights in the library's layout (to hand them to another process)."""

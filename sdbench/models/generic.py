@@ -17,6 +17,7 @@ import inspect
 
 import torch
 
+from sdbench.engine.hidden import FINAL, Taps
 from sdbench.errors import SdbenchError
 from sdbench.models import cpufast
 from sdbench.models.recompute import recompute_threshold
@@ -98,6 +99,7 @@ class GenericRunner:
         self.vocab_size = model.config.get_text_config().vocab_size  # (a packed head's own weight is empty)
         self._keeps = "logits_to_keep" in inspect.signature(model.forward).parameters
         self._cache_kw = cache_keyword(model)
+        self._taps: Taps | None = None  # the hidden states the current call keeps (engine/hidden.py)
         # a rope the library rescales per call from the call's largest position (models/rotary.py): each
         # decoded token then runs in a call of its own, the rotary modules put back before every call, so
         # that it is rotated as plain decoding rotates it; the prompt keeps one call
@@ -120,16 +122,20 @@ class GenericRunner:
 
     # ---- forward ----------------------------------------------------------------------------------------
     def _row(self, cache: GenericCache, b: int, tokens: torch.Tensor, start: int,
-             keep: torch.Tensor | None) -> torch.Tensor:
-        """Logits [K, V] (or [T, V] with keep None) of row b's tokens [T] written from position `start`."""
+             keep: torch.Tensor | None, kept: list | None = None) -> torch.Tensor:
+        """Logits [K, V] (or [T, V] with keep None) of row b's tokens [T] written from position `start`.
+        kept: where the hidden states the runner's `taps` name go, [T, k*H] per call."""
         if start + tokens.shape[0] > cache.capacity:
             raise RuntimeError(f"KV cache overflow: need {start + tokens.shape[0]} slots, have {cache.capacity}")
         if self._rotary is not None:
+            if kept is not None:
+                raise SdbenchError(f"model '{self.name}' runs on the generic runner with a rope rescaled per call, "
+                                   "which cannot give a trained head its hidden states")
             return self._row_rescaled(cache, b, tokens, start, keep)
-        return self._call(cache, b, tokens, start, keep)
+        return self._call(cache, b, tokens, start, keep, kept)
 
     def _call(self, cache: GenericCache, b: int, tokens: torch.Tensor, start: int,
-              keep: torch.Tensor | None) -> torch.Tensor:
+              keep: torch.Tensor | None, kept: list | None = None) -> torch.Tensor:
         """One call of the library's forward over row b's tokens [T] from `start`: logits [K or T, V]."""
         cache.rewind(b, start)
         if self._rotary is not None:
@@ -138,7 +144,9 @@ class GenericRunner:
             reset_library_rotary(self._rotary)
         kwargs = {"logits_to_keep": keep} if self._keeps and keep is not None else {}
         out = self.model(input_ids=tokens[None].to(self.device), use_cache=True,
-                         **{self._cache_kw: cache.rows[b]}, **kwargs)
+                         **{self._cache_kw: cache.rows[b]}, **kwargs, output_hidden_states=kept is not None)
+        if kept is not None:
+            kept.append(self._states(out.hidden_states)[0])
         if self._recompute_at is not None:
             cache.ids[b].extend(tokens.tolist())
         logits = out.logits[0]
@@ -190,6 +198,28 @@ class GenericRunner:
             self._call(cache, b, torch.tensor(earlier, dtype=torch.long), 0, torch.tensor([len(earlier) - 1]))
         return []
 
+    def _states(self, hidden: tuple) -> torch.Tensor:
+        """The states the runner's taps name, from the library's `hidden_states` (the input of each layer,
+        then the final-norm output): [1, T, k*H]."""
+        n = len(hidden) - 1
+        if n in self._taps.layers:
+            raise SdbenchError(f"model '{self.name}' runs on the generic runner, whose library forward gives no "
+                               "last-layer state before the final norm")
+        return torch.cat([hidden[n if i == FINAL else i] for i in self._taps.layers], -1)
+
+    @torch.inference_mode()
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The input embeddings [B, T, H] of tokens [B, T], as the library's embedding module gives them."""
+        return self.model.get_input_embeddings()(tokens.to(self.device))
+
+    @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The model's own head over final-norm hidden states [..., H]: logits [..., V] (float32)."""
+        cpufast.disable(self.model)
+        out = self.model.get_output_embeddings()(hidden)
+        cap = getattr(self.config.get_text_config(), "final_logit_softcapping", None)  # as the library's forward
+        return (out if cap is None else torch.tanh(out / cap) * cap).float()
+
     def share_plain(self) -> None:
         """Put the weights back in the library's layout (a packed copy cannot be shared with worker processes);
         a packing runner packs them again at its next forward."""
@@ -206,33 +236,43 @@ class GenericRunner:
 
     @torch.inference_mode()
     def forward(self, cache: GenericCache, tokens: torch.Tensor, start: list[int],
-                at: torch.Tensor | None = None) -> torch.Tensor:
+                at: torch.Tensor | None = None, taps: Taps | None = None) -> torch.Tensor:
         """Logits [B, T, V] (float32) for tokens [B, T] placed at positions start[b] + t, or only at in-chunk
-        indices `at`: [B] -> [B, V], [B, K] -> [B, K, V]."""
+        indices `at`: [B] -> [B, V], [B, K] -> [B, K, V]. taps: the hidden states to keep too."""
         cpufast.disable(self.model)  # a model a native runner packed before falling back here
-        rows = []
+        rows, kept = [], None if taps is None else []
+        self._taps = taps
         for b in range(tokens.shape[0]):
             keep = None if at is None else at[b].reshape(-1).to(self.device)
-            rows.append(self._row(cache, b, tokens[b], start[b], keep))
+            rows.append(self._row(cache, b, tokens[b], start[b], keep, kept))
+        if taps is not None:
+            taps.put_joined(torch.stack(kept))
         logits = torch.stack(rows)
         return logits[:, 0] if at is not None and at.dim() == 1 else logits
 
     @torch.inference_mode()
-    def prefill(self, cache: GenericCache, prompts: list[list[int]], chunk: int = 1024) -> torch.Tensor:
-        """Write every prompt into the cache from position 0; logits [B, V] after each prompt's last token."""
+    def prefill(self, cache: GenericCache, prompts: list[list[int]], chunk: int = 1024,
+                taps: Taps | None = None) -> torch.Tensor:
+        """Write every prompt into the cache from position 0; logits [B, V] after each prompt's last token.
+        taps: the hidden states to keep too, of every position (right-padded rows: [B, longest, k*H])."""
         if min(len(p) for p in prompts) < 1:
             raise SdbenchError("empty prompt: a prompt needs at least one token")
         cpufast.disable(self.model)
         cache.prompt_len.copy_(torch.tensor([len(p) for p in prompts]))
-        last = []
+        last, self._taps, rows = [], taps, []
         for b, prompt in enumerate(prompts):
             ids = torch.tensor(prompt, dtype=torch.long)
             if self._rotary is not None:  # a chunk would be rotated for its own end, not the prompt's
                 chunk = max(chunk, len(prompt))
+            kept = None if taps is None else []
             for c0 in range(0, len(prompt), chunk):  # the library's attention over a whole long prompt at
                 piece = ids[c0 : c0 + chunk]         # once may hold [heads, S, S] scores: chunks bound it
-                logits = self._row(cache, b, piece, c0, torch.tensor([len(piece) - 1], device=self.device))
+                logits = self._row(cache, b, piece, c0, torch.tensor([len(piece) - 1], device=self.device), kept)
             last.append(logits[0])  # the last chunk's: after the prompt's last token
+            if kept is not None:
+                rows.append(torch.cat(kept))
+        if taps is not None:  # rows right-padded to the longest prompt, as the native prefill keeps them
+            taps.put_joined(torch.nn.utils.rnn.pad_sequence(rows, batch_first=True))
         return torch.stack(last)
 
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import torch
 
+from sdbench.engine.hidden import Taps
 from sdbench.kv.cache import StepIndex
 
 CAPACITY_STEP = 256  # pooled dense caches round their length up to a multiple of this
@@ -33,11 +34,12 @@ CHECK_ATOL = 2e-2  # capture self-check: logits of a replay vs the eager forward
 
 class StaticForward:
     """Logits [B, T, V] for one cache and one (B, T), with fixed input buffers; replayed as a CUDA graph
-    while the runner's `graphs` is on."""
+    while the runner's `graphs` is on. layers: also keep these hidden states (engine/hidden.py), returned as
+    (logits, states [B, T, k*H])."""
 
-    def __init__(self, runner, cache, batch: int, width: int):
+    def __init__(self, runner, cache, batch: int, width: int, layers: tuple[int, ...] | None = None):
         dev = runner.device
-        self.runner, self.cache = runner, cache
+        self.runner, self.cache, self.layers = runner, cache, layers
         self.tokens = torch.zeros(batch, width, dtype=torch.long, device=dev)
         self.positions = torch.zeros(batch, width, dtype=torch.long, device=dev)
         self.offsets = torch.arange(width, dtype=torch.long)
@@ -51,9 +53,11 @@ class StaticForward:
     def _step(self) -> StepIndex:
         return StepIndex.fixed(self.positions, self.cache.static_kv_len)
 
-    def _eager(self) -> torch.Tensor:
-        return self.runner.logits(self.runner.hidden(self.cache, self.tokens, None, step=self._step(),
-                                                     cos_sin=self.cos_sin))
+    def _eager(self):
+        taps = None if self.layers is None else Taps(self.layers)
+        logits = self.runner.logits(self.runner.hidden(self.cache, self.tokens, None, step=self._step(),
+                                                       cos_sin=self.cos_sin, taps=taps))
+        return logits if taps is None else (logits, taps.states())
 
     def __call__(self, tokens: torch.Tensor, start: list[int]) -> torch.Tensor:
         self.tokens.copy_(tokens, non_blocking=True)
@@ -67,7 +71,7 @@ class StaticForward:
             return self._eager()
         if self.graph is not None:
             self.graph.replay()
-            return self.out.clone()  # the next replay overwrites out
+            return _clone(self.out)  # the next replay overwrites out
         return self._record()
 
     def _record(self) -> torch.Tensor:
@@ -78,16 +82,25 @@ class StaticForward:
         try:
             graph, out = capture(self._eager, runner)
             graph.replay()
-            ok = torch.allclose(out, eager, atol=CHECK_ATOL, rtol=CHECK_ATOL)
+            ok = all(torch.allclose(a, b, atol=CHECK_ATOL, rtol=CHECK_ATOL) for a, b in zip(_parts(out), _parts(eager)))
         except Exception as exc:  # noqa: BLE001 - an op that cannot be captured, whatever torch raises
             runner.disable_graphs(f"CUDA graph capture failed ({str(exc).splitlines()[0]})")
             return eager
         if not ok:
-            err = float((out - eager).abs().max())
+            err = max(float((a - b).abs().max()) for a, b in zip(_parts(out), _parts(eager)))
             runner.disable_graphs(f"a CUDA graph replay differed from the eager forward by {err:.3g}")
             return eager
         self.graph, self.out = graph, out
-        return out.clone()
+        return _clone(out)
+
+
+def _parts(out) -> tuple:
+    """A static forward's outputs as a tuple: (logits,) or (logits, states)."""
+    return out if isinstance(out, tuple) else (out,)
+
+
+def _clone(out):
+    return tuple(x.clone() for x in out) if isinstance(out, tuple) else out.clone()
 
 
 def warm_up(fn):

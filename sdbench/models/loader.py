@@ -462,6 +462,13 @@ def _from_hub(name: str, repo_id: str, load: Callable[[bool], Any]) -> Any:
         raise SdbenchError(f"model {label} could not be fetched from the hub: {_first_line(err)}") from err
 
 
+def hub_snapshot(repo_id: str) -> Path:
+    """The folder of a hub repository's newest snapshot (a trained head's): the local cache first."""
+    from huggingface_hub import snapshot_download  # slow to import; only a hub head needs it
+
+    return Path(_from_hub(repo_id, repo_id, lambda local: snapshot_download(repo_id, local_files_only=local)))
+
+
 def _raise_unavailable(name: str, label: str, repo_id: str, why: str) -> None:
     hint = ""
     if name not in model_registry and "/" not in name:

@@ -58,35 +58,40 @@ def switches(cache, limit: int | None, start: list[int], width: int) -> bool:
 
 
 def forward_switching(runner, cache, tokens: torch.Tensor, start: list[int], at: torch.Tensor | None,
-                      limit: int) -> torch.Tensor:
+                      limit: int, taps=None) -> torch.Tensor:
     """The runner's logits (as `ModelRunner.forward` returns them) for a forward where some row switches:
-    every row on its own, each split at O."""
-    out = []
+    every row on its own, each split at O. taps: the hidden states to keep too (engine/hidden.py)."""
+    out, kept = [], []
     for b in range(tokens.shape[0]):
-        h = _row_hidden(runner, cache.row(b), tokens[b : b + 1], start[b], limit)
+        row_taps = None if taps is None else type(taps)(taps.layers)
+        h = _row_hidden(runner, cache.row(b), tokens[b : b + 1], start[b], limit, row_taps)
+        if row_taps is not None:
+            kept.append(row_taps.states())
         if at is not None:
             rows = torch.zeros(1, dtype=torch.long, device=h.device)
             h = h[rows if at.dim() == 1 else rows[:, None], at[b : b + 1].to(h.device)]
         out.append(runner.logits(h))
+    if taps is not None:
+        taps.put_joined(torch.cat(kept))
     return torch.cat(out)
 
 
-def _row_hidden(runner, view, tokens: torch.Tensor, start: int, limit: int) -> torch.Tensor:
+def _row_hidden(runner, view, tokens: torch.Tensor, start: int, limit: int, taps=None) -> torch.Tensor:
     """Hidden states [1, T, H] of one row's tokens from `start`, the part before O with the short-rope keys,
     the part from O on with the long-rope ones."""
     width = tokens.shape[1]
     if int(view.prompt_len[0]) > limit:
-        return runner.hidden(view, tokens, [start])
+        return runner.hidden(view, tokens, [start], taps=taps)
     cut = min(max(limit - start, 0), width)
     parts = []
     if cut:
         if bool(view.crossed[0]):
             _recompute(runner, view, start, crossed=False)
-        parts.append(runner.hidden(view, tokens[:, :cut], [start]))
+        parts.append(runner.hidden(view, tokens[:, :cut], [start], taps=taps))
     if cut < width:
         if not bool(view.crossed[0]):
             _recompute(runner, view, start + cut, crossed=True)
-        parts.append(runner.hidden(view, tokens[:, cut:], [start + cut]))
+        parts.append(runner.hidden(view, tokens[:, cut:], [start + cut], taps=taps))
     return torch.cat(parts, 1)
 
 

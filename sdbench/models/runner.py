@@ -19,6 +19,7 @@ from sdbench.kv.cache import DenseKVCache, KVCache, StepIndex, set_prompt_length
 from sdbench.kv.sparse import SparseKVCache
 from sdbench.models import cpufast, forward_paths, recompute
 from sdbench.models.families import NATIVE, family
+from sdbench.engine.hidden import FINAL, Taps
 from sdbench.engine.state import needed_capacity
 from sdbench.models.graphs import CAPACITY_STEP, CachePool, StaticForward
 from sdbench.models.rotary import Rotary, rope
@@ -171,12 +172,12 @@ class ModelRunner:
     # ---- forward ----------------------------------------------------------------------------------------
     @torch.inference_mode()
     def hidden(self, cache: KVCache, tokens: torch.Tensor, start: list[int] | None,
-               step: StepIndex | None = None, cos_sin: dict | None = None) -> torch.Tensor:
+               step: StepIndex | None = None, cos_sin: dict | None = None, taps: Taps | None = None) -> torch.Tensor:
         """Final-norm hidden states [B, T, H] for tokens [B, T] placed at positions start[b] + t.
 
         step, cos_sin: a prepared (static) StepIndex instead of `start`, with its cos/sin per layer type
         (`Rotary.for_forward`). Each token is rotated as plain decoding rotates it, for the prompt lengths the
-        cache records (`Rotary.scaling_lengths`)."""
+        cache records (`Rotary.scaling_lengths`). taps: the layers' states to keep as well (engine/hidden.py)."""
         if step is None:
             step = StepIndex(start, tokens.shape[1], self.device)
         if cos_sin is None:
@@ -191,6 +192,8 @@ class ModelRunner:
             h = h * fam.embed_scale
         r = fam.residual_scale
         for i, layer in enumerate(self.layers):
+            if taps is not None:
+                taps.put(i, h)
             fast = self.path.layer(i)
             cos, sin = cos_sin[self.rotary.layer_types[i]]
             attn_in, attn_out, mlp_in, mlp_out = self._norms[i]  # Llama: (input, None, post_attention, None)
@@ -204,7 +207,12 @@ class ModelRunner:
             if mlp_out is not None:
                 m = self.path.norm(mlp_out, m)
             h = h + m if r is None else h + m * r
-        return self.path.norm(self.decoder.norm, h)
+        if taps is None:
+            return self.path.norm(self.decoder.norm, h)
+        taps.put(len(self.layers), h)
+        out = self.path.norm(self.decoder.norm, h)
+        taps.put(FINAL, out)
+        return out
 
     def scaling_floor(self, cache) -> torch.Tensor | None:
         """The rows' floors of the rope's scaling length (`Rotary.scaling_lengths`): their prompt lengths, and
@@ -249,7 +257,13 @@ class ModelRunner:
         return fast.o(o) if fast else attn.o_proj(o)
 
     @torch.inference_mode()
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The input embeddings [B, T, H] of tokens [B, T], as the library's embedding module gives them."""
+        return self.decoder.embed_tokens(tokens.to(self.device))
+
+    @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The model's own head over final-norm hidden states [..., H]: logits [..., V] (float32)."""
         out = self.path.head(hidden)  # [..., V], scaled and capped in the model's dtype, as the library does
         if self.family.logits_divisor is not None:
             out = out / self.family.logits_divisor
@@ -259,30 +273,38 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, cache: KVCache, tokens: torch.Tensor, start: list[int],
-                at: torch.Tensor | None = None) -> torch.Tensor:
+                at: torch.Tensor | None = None, taps: Taps | None = None) -> torch.Tensor:
         """Logits [B, T, V] (float32), or only at in-chunk indices `at`: [B] -> [B, V], [B, K] -> [B, K, V]
-        (eagerly, the vocabulary projection then runs only there: it costs as much as a few layers)."""
+        (eagerly, the vocabulary projection then runs only there: it costs as much as a few layers).
+        taps: the hidden states to keep too, of every token (engine/hidden.py)."""
         if recompute.switches(cache, self.recompute_at, start, tokens.shape[1]):
-            return recompute.forward_switching(self, cache, tokens, start, at, self.recompute_at)
+            return recompute.forward_switching(self, cache, tokens, start, at, self.recompute_at, taps)
         if self.static and cache.static_kv_len is not None:
-            logits = self._static_forward(cache, tokens, start)
+            logits = self._static_forward(cache, tokens, start, taps)
             return logits if at is None else _pick(logits, at)
-        h = self.hidden(cache, tokens, start)
+        h = self.hidden(cache, tokens, start, taps=taps)
         return self.logits(h if at is None else _pick(h, at))
 
-    def _static_forward(self, cache, tokens: torch.Tensor, start: list[int]) -> torch.Tensor:
+    def _static_forward(self, cache, tokens: torch.Tensor, start: list[int], taps: Taps | None) -> torch.Tensor:
         B, T = tokens.shape
         need = max(start) + T
         if need > cache.capacity:
             raise RuntimeError(f"KV cache overflow: need {need} slots, have {cache.capacity}")
-        forward = cache.graphs.get((B, T))
+        key = (B, T) if taps is None else (B, T, taps.layers)  # a forward keeping states is a graph of its own
+        forward = cache.graphs.get(key)
         if forward is None:
-            forward = cache.graphs[(B, T)] = StaticForward(self, cache, B, T)
-        return forward(tokens, start)
+            forward = cache.graphs[key] = StaticForward(self, cache, B, T, None if taps is None else taps.layers)
+        if taps is None:
+            return forward(tokens, start)
+        logits, states = forward(tokens, start)
+        taps.put_joined(states)
+        return logits
 
     @torch.inference_mode()
-    def prefill(self, cache: KVCache, prompts: list[list[int]], chunk: int | None = None) -> torch.Tensor:
+    def prefill(self, cache: KVCache, prompts: list[list[int]], chunk: int | None = None,
+                taps: Taps | None = None) -> torch.Tensor:
         """Write every prompt into the cache from position 0; logits [B, V] after each prompt's last token.
+        taps: the hidden states to keep too, of every position (right-padded rows: [B, longest, k*H]).
 
         Prompts of different lengths are right-padded; a padded slot lies beyond its row's length, so it is
         overwritten before any query of that row can see it. chunk: positions per forward [default: PREFILL_TOKENS
@@ -301,7 +323,7 @@ class ModelRunner:
         final = torch.empty(len(prompts), self.hidden_size, dtype=self.dtype, device=self.device)
         for c0 in range(0, width, chunk):
             c1 = min(c0 + chunk, width)
-            h = self.hidden(cache, tokens[:, c0:c1], [c0] * len(prompts))
+            h = self.hidden(cache, tokens[:, c0:c1], [c0] * len(prompts), taps=taps)
             rows = ((last >= c0) & (last < c1)).nonzero().flatten()
             if len(rows):
                 final[rows.to(self.device)] = h[rows.to(self.device), (last[rows] - c0).to(self.device)]

@@ -15,8 +15,8 @@ from sdbench.strategies.base import Proposal, Proposer
 from sdbench.strategies.spec import BuildContext, Strategy, Configuration, register, strategy, strategy_registry
 
 # each module registers its strategy (`@register` on its declaration)
-from sdbench.strategies import (adaptive, autoregressive, draft, dsi, magicdec, ngram,  # noqa: E402,F401
-                                polybasic)
+from sdbench.strategies import (adaptive, autoregressive, draft, dsi, eagle, magicdec, medusa,  # noqa: E402,F401
+                                ngram, polybasic)
 
 
 @dataclass(frozen=True)

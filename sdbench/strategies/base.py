@@ -7,6 +7,7 @@ strategy's declaration (strategies/spec.py).
 
 from __future__ import annotations
 
+from sdbench.engine.hidden import TargetStates
 from sdbench.engine.state import DecodeState, Proposal
 from sdbench.engine.step import Round
 
@@ -17,6 +18,7 @@ class Proposer:
     name = "autoregressive"
     decoder = "sequential"  # the decoder the command runs it with (sdbench/decoders.py): the one loop, or "dsi"
     rows_join = False  # True: requests may join a running batch (serving under load): `begin_rows` is implemented
+    hidden_layers: tuple[int, ...] = ()  # the target's hidden states it reads (engine/hidden.py); () : none kept
 
     def __init__(self, gamma: int = 0):
         self.gamma = gamma
@@ -39,6 +41,11 @@ class Proposer:
 
     def propose(self, state: DecodeState) -> Proposal | None:
         return None
+
+    def see_target(self, states: TargetStates) -> None:
+        """Only for a proposer naming `hidden_layers`: the target's states of the tokens just committed to its
+        cache (the prompts after the prefill; after each verification, the last committed token and the
+        accepted drafts), before `observe`."""
 
     def observe(self, state: DecodeState, proposal: Proposal | None, rnd: Round) -> None:
         """Called after each verification: the proposal as verified (cut to what each row could commit) and
@@ -85,3 +92,21 @@ class FixedLookahead(Proposer):
 
     def end(self) -> None:
         self.drafter.end()
+
+
+class TrainedHead(FixedLookahead):
+    """A fixed-k use of a trained head's drafter (EAGLE, Medusa): it reads the target's hidden states, which
+    the loop gives it after the prefill and each verification."""
+
+    rows_join = False  # a joining row's prompt states would come from its own prefill: not wired yet
+
+    def __init__(self, drafter, gamma: int, head: str):
+        super().__init__(drafter, gamma)
+        self.head = head
+        self.hidden_layers = tuple(drafter.layers)
+
+    def see_target(self, states: TargetStates) -> None:
+        self.drafter.see(states)
+
+    def params(self) -> dict:
+        return {"gamma": self.gamma, "head": self.head}

@@ -1,0 +1,126 @@
+"""The EAGLE head's forward: one decoder layer over the target's hidden states and the next token's embedding,
+with its own position-indexed KV cache (kv/cache.py), so that it rewinds with the target as a draft model does.
+
+EAGLE-1 (Li et al., 2024; vLLM `llama_eagle.py`): x = fc(cat(e, h)) with e the token's embedding and h the
+target's final-norm state (or the head's own output, fed back); the layer has no input norm; its output o is
+both fed back and read by the target's own head: logits = target_head(o).
+
+EAGLE-3 (Li et al., 2025; vLLM `llama_eagle3.py`, speculators `Eagle3DraftModel`): x = fc(cat(h_a, h_b, h_c))
+of three target layers' inputs (the head's own output o is fed back as x, unprojected); the layer's attention
+reads cat(input_layernorm(e), hidden_norm(x)), its residual is x (hidden_norm(x) with `norm_before_residual`);
+o = its output before the final norm, fed back; draft logits = lm_head(norm(o)) over the draft vocabulary,
+whose token i is target token i + d2t[i].
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from sdbench.models.heads.load import EAGLE1, EAGLE3, Head
+from sdbench.kv.cache import DenseKVCache, StepIndex
+from sdbench.models.rotary import Rotary, rope
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Llama's RMSNorm: normalised in float32, scaled in the input's dtype."""
+    x32 = x.float()
+    return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def _layer_config(head: Head):
+    """The head layer's library config (for its rotary embedding): Llama unless it names another type."""
+    from transformers import AutoConfig  # slow to import; only a head needs it here
+
+    cfg = {k: v for k, v in head.config.items() if k not in ("architectures", "draft_vocab_size", "auto_map")}
+    cfg["num_hidden_layers"] = 1
+    return AutoConfig.for_model(cfg.pop("model_type", "llama"), **cfg)
+
+
+class EagleHead:
+    """EAGLE-1 or EAGLE-3 over a target runner (its embedding, and for EAGLE-1 its head)."""
+
+    def __init__(self, head: Head, target):
+        self.kind, self.target = head.kind, target
+        self.device, self.dtype = target.device, target.dtype
+        cfg = _layer_config(head)
+        self.eps = cfg.rms_norm_eps
+        self.n_heads, self.n_kv = cfg.num_attention_heads, cfg.num_key_value_heads or cfg.num_attention_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.n_heads
+        self.hidden_size = cfg.hidden_size
+        self.w = {k: v.to(self.device, self.dtype) for k, v in head.weights.items() if k not in ("d2t", "t2d")}
+        self.rotary = Rotary(cfg, self.device, self.dtype)
+        self.norm_before_residual = head.norm_before_residual
+        d2t = head.weights.get("d2t")
+        # target id of each draft-vocabulary id (EAGLE-3 with a smaller vocabulary); None: the same ids
+        self.to_target = None if d2t is None else (d2t.long() + torch.arange(len(d2t))).to(self.device)
+
+    def new_cache(self, batch: int, capacity: int) -> DenseKVCache:
+        self.rotary.reserve(capacity)
+        return DenseKVCache(1, batch, self.n_kv, self.head_dim, capacity, self.dtype, self.device)
+
+    def _linear(self, name: str, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.w[f"{name}.weight"], self.w.get(f"{name}.bias"))
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        own = self.w.get("embed_tokens.weight")
+        return self.target.embed(tokens) if own is None else F.embedding(tokens.to(self.device), own)
+
+    @torch.inference_mode()
+    def forward(self, cache, tokens: torch.Tensor, states: torch.Tensor, start: list[int],
+                at: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """tokens [B, T] at positions start[b] + t, each with the state it follows: states [B, T, S] (the
+        target's, or the head's own output fed back). Returns, at in-chunk indices at [B], the logits over the
+        target's vocabulary [B, V] (float32) and the head's output [B, H] to feed back."""
+        e = self.embed(tokens)
+        states = states.to(self.dtype)
+        if self.kind == EAGLE1:
+            x = self._linear("fc", torch.cat((e, states), -1))
+            attn_in, residual = x, x
+        else:
+            x = states if states.shape[-1] == self.hidden_size else self._linear("fc", states)
+            hn = rms_norm(x, self.w["hidden_norm.weight"], self.eps)
+            attn_in = torch.cat((rms_norm(e, self.w["input_layernorm.weight"], self.eps), hn), -1)
+            residual = hn if self.norm_before_residual else x
+        h = residual + self._attention(attn_in, cache, StepIndex(start, tokens.shape[1], self.device))
+        h = h + self._mlp(rms_norm(h, self.w["post_attention_layernorm.weight"], self.eps))
+        out = h[torch.arange(h.shape[0], device=h.device), at.to(h.device)]  # [B, H]
+        return self._logits(out), out
+
+    def _attention(self, x: torch.Tensor, cache, step: StepIndex) -> torch.Tensor:
+        B, T, _ = x.shape
+        Hq, Hk, D = self.n_heads, self.n_kv, self.head_dim
+        q = self._linear("self_attn.q_proj", x).view(B, T, Hq, D)
+        k = self._linear("self_attn.k_proj", x).view(B, T, Hk, D)
+        v = self._linear("self_attn.v_proj", x).view(B, T, Hk, D).transpose(1, 2)
+        if "self_attn.q_norm.weight" in self.w:  # a Qwen3 layer: per head, before the rotation
+            q = rms_norm(q, self.w["self_attn.q_norm.weight"], self.eps)
+            k = rms_norm(k, self.w["self_attn.k_norm.weight"], self.eps)
+        cos, sin = next(iter(self.rotary.for_forward(step.positions, step.kv_len).values()))
+        q, k = rope(q.transpose(1, 2), cos, sin), rope(k.transpose(1, 2), cos, sin)  # [B, H, T, D]
+        keys, values, mask = cache.update(0, k, v, step)
+        o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=Hq != Hk)
+        return self._linear("self_attn.o_proj", o.transpose(1, 2).reshape(B, T, Hq * D))
+
+    def _mlp(self, x: torch.Tensor) -> torch.Tensor:
+        gate = F.silu(self._linear("mlp.gate_proj", x))
+        return self._linear("mlp.down_proj", gate * self._linear("mlp.up_proj", x))
+
+    def draft_logits(self, out: torch.Tensor) -> torch.Tensor:
+        """EAGLE-3: logits over the draft vocabulary [B, Vd] of the head's outputs [B, H]."""
+        return F.linear(rms_norm(out, self.w["norm.weight"], self.eps), self.w["lm_head.weight"]).float()
+
+    def _logits(self, out: torch.Tensor) -> torch.Tensor:
+        """Logits over the target's vocabulary [B, V]: a draft-vocabulary token i at target id i + d2t[i], every
+        target token outside the draft vocabulary at -inf (vLLM's `compute_logits`)."""
+        if self.kind == EAGLE1:
+            return self.target.logits(out)
+        logits = self.draft_logits(out)
+        if self.to_target is None:
+            return logits
+        full = logits.new_full((logits.shape[0], self.target.vocab_size), float("-inf"))
+        full[:, self.to_target] = logits
+        return full
+
+
+__all__ = ["EagleHead", "rms_norm", "EAGLE1", "EAGLE3"]

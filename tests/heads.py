@@ -1,0 +1,133 @@
+"""Tiny random trained heads written as the formats they are read from (tests only): EAGLE-3 in the
+speculators and the EAGLE repository's layouts, EAGLE-1, Medusa-1."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+
+def _rand(g, *shape, scale=0.3):
+    return scale * torch.randn(*shape, generator=g)
+
+
+def _layer(g, H: int, width: int, heads: int, kv: int, inter: int, input_norm: bool = True) -> dict:
+    """One Llama decoder layer's weights whose attention reads `width` features; norms off 1."""
+    D = H // heads
+    w = {"self_attn.q_proj.weight": _rand(g, heads * D, width), "self_attn.k_proj.weight": _rand(g, kv * D, width),
+         "self_attn.v_proj.weight": _rand(g, kv * D, width), "self_attn.o_proj.weight": _rand(g, H, heads * D),
+         "mlp.gate_proj.weight": _rand(g, inter, H), "mlp.up_proj.weight": _rand(g, inter, H),
+         "mlp.down_proj.weight": _rand(g, H, inter),
+         "post_attention_layernorm.weight": 1 + _rand(g, H, scale=0.2)}
+    if input_norm:
+        w["input_layernorm.weight"] = 1 + _rand(g, H, scale=0.2)
+    return w
+
+
+def _layer_config(target, heads: int = 2, kv: int = 1) -> dict:
+    cfg = target.config
+    return {"model_type": "llama", "hidden_size": cfg.hidden_size, "intermediate_size": 2 * cfg.hidden_size,
+            "num_attention_heads": heads, "num_key_value_heads": kv, "num_hidden_layers": 1,
+            "head_dim": cfg.hidden_size // heads, "rms_norm_eps": 1e-6, "vocab_size": cfg.vocab_size,
+            "max_position_embeddings": 1024, "rope_theta": 10000.0}
+
+
+def eagle3_weights(target, seed: int = 0, draft_vocab: int | None = None, layers: int = 3) -> dict:
+    """EAGLE-3 weights (speculators names); draft_vocab < the target's: every other target id, with d2t."""
+    g = torch.Generator().manual_seed(seed)
+    H, V = target.config.hidden_size, target.config.vocab_size
+    lc = _layer_config(target)
+    w = {f"layers.0.{k}": v for k, v in _layer(g, H, 2 * H, lc["num_attention_heads"], lc["num_key_value_heads"],
+                                                lc["intermediate_size"]).items()}
+    w["layers.0.hidden_norm.weight"] = 1 + _rand(g, H, scale=0.2)
+    Vd = draft_vocab or V
+    w.update({"fc.weight": _rand(g, H, layers * H, scale=0.15), "norm.weight": 1 + _rand(g, H, scale=0.2),
+              "lm_head.weight": _rand(g, Vd, H, scale=0.6)})
+    ids = torch.arange(Vd) * V // Vd  # the draft vocabulary's target ids, spread over the target's
+    w["d2t"] = ids - torch.arange(Vd)
+    w["t2d"] = torch.zeros(V, dtype=torch.bool).index_fill_(0, ids, True)
+    return w
+
+
+def eagle3_dir(folder, target, fmt: str = "speculators", seed: int = 0, draft_vocab: int | None = None,
+               layer_ids=None, drop=(), norm_before_residual: bool = False) -> Path:
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    w = eagle3_weights(target, seed, draft_vocab, len(layer_ids) if layer_ids else 3)
+    lc = _layer_config(target)
+    Vd = w["lm_head.weight"].shape[0]
+    if fmt == "speculators":
+        cfg = {"speculators_model_type": "eagle3", "architectures": ["Eagle3Speculator"],
+               "transformer_layer_config": lc, "draft_vocab_size": Vd, "norm_before_residual": norm_before_residual}
+        if layer_ids is not None:
+            cfg["eagle_aux_hidden_state_layer_ids"] = list(layer_ids)
+    else:  # the EAGLE repository's
+        cfg = {**lc, "architectures": ["LlamaForCausalLMEagle3"], "draft_vocab_size": Vd}
+        w = {k.replace("layers.0.", "midlayer."): v for k, v in w.items()}
+    for k in drop:
+        w.pop(k)
+    (folder / "config.json").write_text(json.dumps(cfg))
+    save_file({k: v.contiguous() for k, v in w.items()}, str(folder / "model.safetensors"))
+    return folder
+
+
+def eagle1_dir(folder, target, seed: int = 0) -> Path:
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    g = torch.Generator().manual_seed(seed)
+    lc = _layer_config(target)
+    H = lc["hidden_size"]
+    w = {f"layers.0.{k}": v for k, v in _layer(g, H, H, lc["num_attention_heads"], lc["num_key_value_heads"],
+                                                lc["intermediate_size"], input_norm=False).items()}
+    w.update({"fc.weight": _rand(g, H, 2 * H, scale=0.2), "fc.bias": _rand(g, H, scale=0.2)})
+    (folder / "config.json").write_text(json.dumps({**lc, "architectures": ["LlamaForCausalLM"]}))
+    torch.save(w, folder / "pytorch_model.bin")
+    return folder
+
+
+def medusa_dir(folder, target, heads: int = 3, layers: int = 1, seed: int = 0) -> Path:
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    g = torch.Generator().manual_seed(seed)
+    H, V = target.config.hidden_size, target.config.vocab_size
+    w = {}
+    for k in range(heads):
+        for j in range(layers):
+            w[f"{k}.{j}.linear.weight"] = _rand(g, H, H, scale=0.2)
+            w[f"{k}.{j}.linear.bias"] = _rand(g, H, scale=0.2)
+        w[f"{k}.{layers}.weight"] = _rand(g, V, H, scale=0.6)
+    (folder / "config.json").write_text(json.dumps({"medusa_num_heads": heads, "medusa_num_layers": layers,
+                                                    "base_model_name_or_path": "tiny"}))
+    save_file(w, str(folder / "medusa_lm_head.safetensors"))
+    return folder
+
+
+def small_vocab_target(arch: str, vocab: int = 8, layers: int = 4, seed: int = 0):
+    """A tiny perturbed target of a family with a small vocabulary, so that random heads agree with it now and
+    then (both acceptance and rejection happen)."""
+    from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config,
+                              Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
+
+    from tests.references import perturbed
+
+    cfg_cls, model_cls = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+                          "qwen3": (Qwen3Config, Qwen3ForCausalLM),
+                          "mistral": (MistralConfig, MistralForCausalLM)}[arch]
+    torch.manual_seed(seed)
+    cfg = cfg_cls(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                  num_attention_heads=2, num_key_value_heads=1, initializer_range=0.3, max_position_embeddings=256,
+                  tie_word_embeddings=False)
+    return perturbed(model_cls(cfg).eval(), seed + 100)
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny heads and targets run faster on one thread than on two contended ones (restored after)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
