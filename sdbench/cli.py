@@ -206,6 +206,7 @@ def tune(
     study: Annotated[Optional[str], typer.Option(help="study name [default: sdbench-TARGET-STRATEGY-DATASET-HARDWARE]")] = None,
     preset: Annotated[Optional[str], typer.Option(help="preset for the best settings [default: tuned-STRATEGY-TARGET]")] = None,
     probe: Probe = "auto", no_probe: NoProbe = False,
+    head: Annotated[Optional[list[str]], typer.Option("--head", help="trained-head candidate for --strategy eagle or medusa (repeatable; the tuner picks one per trial) [default: the target's heads that train-head recorded]")] = None,
 ):
     """Search a strategy's settings with Optuna on a fixed prompt subset; write the best as a preset (with
     several --batch sizes or --prompt-len lengths: the best per bucket, as a schedule preset)."""
@@ -220,7 +221,7 @@ def tune(
         max_new_tokens=max_new_tokens, batch_size=batch_size, sampling=C.SamplingConfig(0.0, 1.0, seed),
         device=device, dtype=dtype, repeats=repeats, out=out, probe=probe_mode(probe, no_probe),
     )
-    cfg = C.TuneConfig(run_cfg, trials, timeout, objective, storage, study, preset, batches, lengths)
+    cfg = C.TuneConfig(run_cfg, trials, timeout, objective, storage, study, preset, batches, lengths, tuple(head or ()))
     (tune_schedule if len(batches) > 1 or len(lengths) > 1 else run_tune)(cfg, console)
 
 
