@@ -147,12 +147,13 @@ def check(
     draft: Draft = None, device: Device = "auto", dtype: Dtype = "float32", fast: Fast = True,
     context: Annotated[int, typer.Option(help="positions the probe reaches: the longest context your benchmark will use")] = 1024,
     tokens: Annotated[int, typer.Option(help="greedy tokens in the short lossless run")] = 16,
+    head: Annotated[Optional[list[str]], typer.Option("--head", help="trained head (folder or hub id) to check against the target: the hidden states it reads, and decoding with it (repeatable)")] = None,
 ):
     """Load the models, probe each against the library's forward, and run a few greedy tokens (the target
-    against the library's generate, each draft against plain decoding); exit 1 on any failure."""
+    against the library's generate, each draft and head against plain decoding); exit 1 on any failure."""
     from sdbench.commands.check import run_check
 
-    run_check(model, list(draft or ()), device, dtype, fast, context, tokens, console)
+    run_check(model, list(draft or ()), device, dtype, fast, context, tokens, console, list(head or ()))
 
 
 @app.command("list")

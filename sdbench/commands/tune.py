@@ -193,8 +193,9 @@ class Tuner:
         if cfg.trials < 1:
             raise SdbenchError(f"--trials must be at least 1 (got {cfg.trials})")
         self.cfg, self.console, self.pair, self.pruner, self.write = cfg, console or Console(), pair, pruner, write
-        asked = cfg.run.strategy
-        self.heads = head_candidates(strategy(resolve_strategy(asked).base), asked, cfg.run.target, cfg.heads)
+        asked, resolved = cfg.run.strategy, resolve_strategy(cfg.run.strategy)
+        given = cfg.heads or tuple(h for h in (resolved.options.get("head"),) if h)  # a preset's own head
+        self.heads = head_candidates(strategy(resolved.base), asked, cfg.run.target, given)
         run, choice = plan(replace(cfg.run, gammas=(1,), options={"head": self.heads[0]} if self.heads else {}))
         if not run.sampling.greedy:
             raise SdbenchError("sdbench tune decodes greedily: losslessness is checked token for token")
