@@ -45,8 +45,8 @@ from sdbench.reporting.cells import fmt
 from sdbench.reporting.report import ALL, labelled, speedup_of, summarize
 from sdbench.reporting.results import RunWriter
 from sdbench.reporting.stats import Interval, describe as describe_interval, doubt, speedup_interval
-from sdbench.strategies import native_needed, resolve_strategy, strategy, strategy_registry
-from sdbench.strategies.spec import SearchContext, head_candidates
+from sdbench.strategies import head_candidates, native_needed, strategy, strategy_registry
+from sdbench.strategies.spec import SearchContext
 from sdbench.commands.studies import INTERRUPTED, NOT_NEEDED, counted, heartbeat, next_trial, reason as trial_reason
 from sdbench.commands.studies import storage as study_storage
 
@@ -193,9 +193,7 @@ class Tuner:
         if cfg.trials < 1:
             raise SdbenchError(f"--trials must be at least 1 (got {cfg.trials})")
         self.cfg, self.console, self.pair, self.pruner, self.write = cfg, console or Console(), pair, pruner, write
-        asked, resolved = cfg.run.strategy, resolve_strategy(cfg.run.strategy)
-        given = cfg.heads or tuple(h for h in (resolved.options.get("head"),) if h)  # a preset's own head
-        self.heads = head_candidates(strategy(resolved.base), asked, cfg.run.target, given)
+        self.heads = head_candidates(cfg.run.strategy, cfg.run.target, cfg.heads)
         run, choice = plan(replace(cfg.run, gammas=(1,), options={"head": self.heads[0]} if self.heads else {}))
         if not run.sampling.greedy:
             raise SdbenchError("sdbench tune decodes greedily: losslessness is checked token for token")
@@ -247,7 +245,7 @@ class Tuner:
         mine = {"objective": self.cfg.objective, "limit": run.limit, "max_new_tokens": run.max_new_tokens,
                 "batch_size": run.batch_size, "seed": run.sampling.seed, "prompt_len": run.prompt_len,
                 "dtype": run.dtype, "repeats": run.repeats, "drafts": list(run.drafts),
-                **({"heads": list(self.heads)} if self.heads else {})}  # absent: studies from before heads match
+                **({"heads": list(self.heads)} if self.heads else {})}  # absent: older studies still match
         saved = study.user_attrs.get("settings")
         if saved is None:
             study.set_user_attr("settings", mine)

@@ -96,23 +96,6 @@ def refuse_head(declared: type["Strategy"], asked: str) -> None:
         raise SdbenchError(f"--head needs --strategy eagle or medusa (a trained head drafts for them), not '{asked}'")
 
 
-def head_candidates(declared: type["Strategy"], asked: str, target: str, given: tuple[str, ...]) -> tuple[str, ...]:
-    """The heads `tune` chooses among: those given (--head), else the heads of the target's of a kind the strategy
-    drafts with that train-head recorded; () for a strategy that takes none."""
-    if given:
-        refuse_head(declared, asked)
-        return tuple(dict.fromkeys(given))
-    if not declared.head_kinds:
-        return ()
-    from sdbench.models.heads.registry import known_heads  # reads the user's index of heads
-
-    found = tuple(h["path"] for h in known_heads(target) if h.get("kind") in declared.head_kinds)
-    if not found:
-        raise SdbenchError(f"strategy '{declared.name}' needs a trained head to tune with: give --head PATH|HUB_ID "
-                           f"(repeatable), or train one for {target} with `sdbench train-head`")
-    return found
-
-
 def take_options(declared: tuple[Option, ...], given: dict, strategy: str) -> dict:
     """Declared defaults overridden by --set values; unknown keys are an error."""
     known = {o.name: o for o in declared}
