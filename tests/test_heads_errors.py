@@ -126,11 +126,13 @@ def _corrupt(folder, target):
 
 BAD_HEADS = {  # name: (strategy and options, how the head is made for the CLI's 2-layer target, the error)
     "absent": (["--strategy", "eagle"], lambda f, t: f, "no such folder, nor a hub id"),
-    "another target": (["--strategy", "eagle"], lambda f, t: eagle3_dir(f, small_vocab_target("llama"), layer_ids=(0, 1, 1)),
+    "another target": (["--strategy", "eagle"],
+                       lambda f, t: eagle3_dir(f, small_vocab_target("llama"), layer_ids=(0, 1, 1)),
                        "reads hidden states of width 96, but the target's layers (0, 1, 1) give 192"),
     "layer ids": (["--strategy", "eagle"], lambda f, t: eagle3_dir(f, t, layer_ids=(0, 1, 5)),
                   "reads target layer 5, but the target has 2 layers"),
-    "no d2t": (["--strategy", "eagle"], lambda f, t: eagle3_dir(f, t, layer_ids=(0, 1, 1), draft_vocab=48, drop=("d2t",)),
+    "no d2t": (["--strategy", "eagle"],
+               lambda f, t: eagle3_dir(f, t, layer_ids=(0, 1, 1), draft_vocab=48, drop=("d2t",)),
                "drafts over 48 tokens and has no d2t"),
     "no weights": (["--strategy", "eagle"], _no_weights, "no weights in"),
     "corrupt weights": (["--strategy", "eagle"], _corrupt, "model.safetensors is not a readable weights file"),

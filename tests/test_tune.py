@@ -463,7 +463,8 @@ def test_tune_chooses_among_the_targets_recorded_heads(tmp_path, pair):
     assert {s.params["head"] for s in done} == {first, second}  # a categorical, as --draft candidates are
     for s in done:  # the trial drafted with the head it drew: its rows record it
         rows = read_results([s.user_attrs["results"]])
-        assert set(rows[rows["role"] != "baseline"]["params"].map(lambda p: json.loads(p)["head"])) == {s.params["head"]}
+        heads = rows[rows["role"] != "baseline"]["params"].map(lambda p: json.loads(p)["head"])
+        assert set(heads) == {s.params["head"]}
     best = max(done, key=lambda s: s.value)
     choice = resolve_strategy(t.preset_name)  # the preset runs the best trial's head
     assert (choice.base, choice.gamma, choice.options) == ("eagle", best.params["gamma"], {"head": best.params["head"]})

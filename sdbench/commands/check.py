@@ -207,7 +207,8 @@ def _head(row: Checked, runner, loaded, prompt: list[int], tokens: int, plain: l
         return
     row.runner, row.tokenizer = f"{head.kind} head", "the target's"
     row.weights = sum(w.numel() * w.element_size() for w in head.weights.values())
-    row.gaps, row.tolerance = tap_gaps(runner, loaded.model, head.layers, prompt), TOLERANCE.get(runner.dtype, TOLERANCE[torch.bfloat16])
+    row.gaps = tap_gaps(runner, loaded.model, head.layers, prompt)
+    row.tolerance = TOLERANCE.get(runner.dtype, TOLERANCE[torch.bfloat16])  # the fidelity probe's, for states
     phase = max(row.gaps, key=row.gaps.get)
     if row.gaps[phase] > row.tolerance:
         row.problems.append(f"--head {row.model}: the target's hidden states at layers {head.layers} differ from the "
@@ -236,5 +237,6 @@ def _table(rows: list[Checked], dev, dtype: str, context: int, tokens: int) -> T
                      + "; tokenizer: a draft's against the target's; greedy: the target against the library's "
                      "generate, a draft against the target's plain decoding"
                      + ("; a head's gaps: the target's hidden states at its layers against the library's "
-                        "output_hidden_states, and greedy: decoding with it against plain" if any(r.role == "head" for r in rows) else ""))
+                        "output_hidden_states, and greedy: decoding with it against plain"
+                        if any(r.role == "head" for r in rows) else ""))
     return table

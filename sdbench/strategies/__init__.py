@@ -105,4 +105,5 @@ def build_configurations(base: str, ctx: BuildContext) -> list[Configuration]:
 
 
 __all__ = ["BuildContext", "Proposal", "Proposer", "Strategy", "StrategyChoice", "Configuration", "build_proposer",
-           "build_configurations", "head_candidates", "native_needed", "register", "resolve_strategy", "strategy", "strategy_registry"]
+           "build_configurations", "head_candidates", "native_needed", "register", "resolve_strategy", "strategy",
+           "strategy_registry"]
