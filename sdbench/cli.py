@@ -296,12 +296,13 @@ def bench(
     out: Annotated[Optional[str], typer.Option(help="also write DIR/bench.parquet: one row per system and repeat")] = None,
     generate: Annotated[str, typer.Option(envvar="SDBENCH_GENERATE", help="transformers generate's configuration: "
                                           "fastest (tried and picked here), dynamic, static or compiled")] = "fastest",
+    head: Annotated[Optional[list[str]], typer.Option("--head", help="a trained head (EAGLE or Medusa folder or hub id) measured beside the others (repeatable)")] = None,
 ):
     """Speed against peers in one process: transformers generate and assisted generation vs sdbench."""
     from sdbench.commands.bench import run_peers
 
     run_peers(C.BenchConfig(target, (draft or [""])[0], dataset, limit, max_new_tokens, gamma, device, dtype, seed,
-                            repeats, out, generate), console)
+                            repeats, out, generate, heads=tuple(head or ())), console)
 
 
 @app.command("gpu-check")

@@ -137,6 +137,7 @@ class BenchConfig:
     out: str | None = None  # also write OUT/bench.parquet
     generate: str = "fastest"  # transformers generate's configuration (commands/hf_generate.py MODES)
     autoregressive_only: bool = False  # plain decoding alone (transformers, sdbench eager and fast, generic)
+    heads: tuple[str, ...] = ()  # trained heads (folders or hub ids): one sdbench eagle/medusa row each
 
     @property
     def draft_model(self) -> str:
