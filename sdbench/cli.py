@@ -235,8 +235,9 @@ def train_head(
     max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", help="tokens of the target's answer to each prompt")] = 128,
     draft_vocab: Annotated[Optional[int], typer.Option("--draft-vocab", help="EAGLE-3: tokens the head drafts over, the target's most chosen (0: all); by default 8192")] = None,
     steps: Annotated[Optional[int], typer.Option(help="EAGLE-3: unrolled training steps (default 3); Medusa: heads (default 4)")] = None,
-    device: Device = "auto", dtype: Dtype = "float32", seed: Seed = 0,
-    probe: Probe = "auto", no_probe: NoProbe = False,
+    device: Device = "auto",
+    dtype: Annotated[str, typer.Option(help="the target's dtype while it answers: float32, bfloat16, float16, or auto (bfloat16 on a GPU, float32 on a CPU)")] = "auto",
+    seed: Seed = 0, probe: Probe = "auto", no_probe: NoProbe = False,
 ):
     """Fit an EAGLE-3 or Medusa head on the target's own answers to shipped prompts, written in the format
     vLLM loads (run it with --strategy eagle|medusa --head OUT)."""

@@ -106,7 +106,7 @@ class TrainHeadConfig:
     draft_vocab: int | None = None  # EAGLE-3's draft vocabulary; None: min(target's, 8192); 0: the target's
     steps: int | None = None  # EAGLE-3's unrolled steps (default 3) or Medusa's heads (default 4)
     device: str = "auto"
-    dtype: str = "float32"
+    dtype: str = "auto"  # the target's while it answers: bfloat16 on a GPU, float32 on a CPU
     seed: int = 0
     probe: str = "auto"
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import replace
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -59,10 +60,12 @@ def train_head(cfg: TrainHeadConfig, console: Console) -> Path:
     from sdbench.models.probe import probe_pair
     from sdbench.models.probe_cache import ProbeCache
 
+    device = resolve_device(cfg.device)
+    dtype_name = cfg.dtype if cfg.dtype != "auto" else ("bfloat16" if device.type == "cuda" else "float32")
+    dtype = resolve_dtype(dtype_name, device)
+    cfg = replace(cfg, dtype=dtype_name)  # what the folder records: a resumed fit must answer in the same dtype
     out = output_dir(cfg.out)
     state = _state(out, cfg)
-    device = resolve_device(cfg.device)
-    dtype = resolve_dtype(cfg.dtype, device)
     t_start = time.perf_counter()
     loader.check_fit([cfg.target], device, dtype)
     with console.status(f"loading target {cfg.target}"):
@@ -88,7 +91,7 @@ def train_head(cfg: TrainHeadConfig, console: Console) -> Path:
     plan = Plan(steps=steps, lr=1e-3,
                 batch_tokens=16384 if device.type == "cuda" else 2048,
                 eval_every_s=max(30.0, budget / 10), seed=cfg.seed)
-    save_dtype = torch.float32 if dtype == torch.float32 else dtype
+    save_dtype = dtype  # the head in the target's dtype (vLLM loads both in the serving dtype)
     record = HeadRecord(target=cfg.target, kind=cfg.kind,
                         trained_on=_trained_on(train), draft_vocab=getattr(model, "draft_ids", torch.empty(0)).numel()
                         or None, env=environment(str(device), cfg.dtype))
