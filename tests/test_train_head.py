@@ -19,7 +19,7 @@ from sdbench.models.runner import ModelRunner
 from sdbench.training.data import Sequence
 from sdbench.training.fit import chain_acceptance
 from sdbench.training.heads import build, draft_vocabulary, write_head
-from tests.conftest import run_cli
+from tests.conftest import run_cli, skip_unless_ci
 from tests.heads import one_thread, small_vocab_target  # noqa: F401  (one_thread: a fixture)
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors: two contended threads are far slower than one
@@ -78,7 +78,10 @@ def test_the_training_forward_is_the_drafting_forward(tmp_path):
 def test_the_training_forward_equals_speculators_which_loads_the_written_head(tmp_path):
     """The independent reference: speculators' Eagle3DraftModel, loaded from the folder train-head writes, gives
     the same logits at every unrolled step (its training-time test) as sdbench's training forward."""
-    pytest.importorskip("speculators.models.eagle3", reason="the speculators package is not installed")
+    try:
+        import speculators.models.eagle3  # noqa: F401
+    except ImportError:
+        skip_unless_ci("the speculators package is not installed (make setup installs it)")
     from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
 
     target = small_vocab_target("llama")
