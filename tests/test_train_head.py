@@ -109,6 +109,24 @@ def test_the_training_forward_equals_speculators_which_loads_the_written_head(tm
         torch.testing.assert_close(ours[k][0], seen[k], atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("kind", ["eagle3", "medusa"])
+def test_a_head_fits_over_a_target_whose_weights_were_made_in_inference_mode(kind):
+    """The CPU fast path packs (and restores) the target's weights under inference mode: the trainee must copy
+    what it reads of them, or its first backward fails."""
+    from sdbench.training.fit import step_losses
+
+    target = small_vocab_target("llama")
+    with torch.inference_mode():
+        for p in target.parameters():
+            p.data = p.data.clone()
+    assert target.lm_head.weight.is_inference()
+    seq = Sequence("x", "x/0", torch.arange(8), torch.randn(8, 96 if kind == "eagle3" else 32),
+                   torch.tensor([0, 1, 1, 3, 3, 3, 5, 6]))
+    trainee = build(kind, target, [seq], 2, 0)
+    loss, _, _ = step_losses(trainee, [seq], 2, "cpu")
+    loss.backward()
+
+
 def test_medusa_written_heads_are_the_drafters_heads(tmp_path):
     target = small_vocab_target("llama", vocab=8)
     trainee = _perturb(build("medusa", target, [], 3, None)).eval()

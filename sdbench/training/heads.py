@@ -67,8 +67,8 @@ def draft_vocabulary(seqs: list[Sequence], vocab: int, size: int) -> torch.Tenso
 
 def build(kind: str, model, seqs: list[Sequence], steps: int, draft_vocab: int | None):
     """A fresh trainee for the loaded library model `model` (its embedding and head are read, not changed)."""
-    emb = model.get_input_embeddings().weight.detach().float().cpu()
-    out = model.get_output_embeddings().weight.detach().float().cpu()
+    emb = model.get_input_embeddings().weight.detach().float().cpu().clone()  # a copy: the model's may be inference tensors
+    out = model.get_output_embeddings().weight.detach().float().cpu().clone()
     if kind == "medusa":
         return MedusaTrainee(out, steps)
     layer = layer_config(model.config)
@@ -84,8 +84,8 @@ def build(kind: str, model, seqs: list[Sequence], steps: int, draft_vocab: int |
 
 def rebuild(kind: str, model, steps: int, draft_ids: torch.Tensor | None):
     """The trainee a checkpoint was made from (its draft vocabulary as saved)."""
-    emb = model.get_input_embeddings().weight.detach().float().cpu()
-    out = model.get_output_embeddings().weight.detach().float().cpu()
+    emb = model.get_input_embeddings().weight.detach().float().cpu().clone()  # a copy: the model's may be inference tensors
+    out = model.get_output_embeddings().weight.detach().float().cpu().clone()
     if kind == "medusa":
         return MedusaTrainee(out, steps)
     return Eagle3Trainee(layer_config(model.config), emb, draft_ids, out[draft_ids],
