@@ -226,6 +226,31 @@ def tune(
     (tune_schedule if len(batches) > 1 or len(lengths) > 1 else run_tune)(cfg, console)
 
 
+@app.command("train-head")
+def train_head(
+    out: Annotated[str, typer.Option("--out", help="the head's folder (a re-run with the same folder resumes)")],
+    target: Target = C.DEFAULT_TARGET,
+    kind: Annotated[str, typer.Option(help="eagle3 or medusa")] = "eagle3",
+    data: Annotated[Optional[list[str]], typer.Option("--data", help="training prompts: a data set or a prompt file (repeatable); by default sharegpt, gsm8k and humaneval, never MT-Bench (what heads are measured on)")] = None,
+    minutes: Annotated[float, typer.Option(help="wall-clock budget: the target's answers first (at most 40%), then the fit")] = 20.0,
+    prompts: Annotated[int, typer.Option(help="training prompts at most (1 in 16 held out to measure acceptance)")] = 512,
+    max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", help="tokens of the target's answer to each prompt")] = 128,
+    draft_vocab: Annotated[Optional[int], typer.Option("--draft-vocab", help="EAGLE-3: tokens the head drafts over, the target's most chosen (0: all); by default 8192")] = None,
+    steps: Annotated[Optional[int], typer.Option(help="EAGLE-3: unrolled training steps (default 3); Medusa: heads (default 4)")] = None,
+    device: Device = "auto",
+    dtype: Annotated[str, typer.Option(help="the target's dtype while it answers: float32, bfloat16, float16, or auto (bfloat16 on a GPU, float32 on a CPU)")] = "auto",
+    seed: Seed = 0, probe: Probe = "auto", no_probe: NoProbe = False,
+):
+    """Fit an EAGLE-3 or Medusa head on the target's own answers to shipped prompts, written in the format
+    vLLM loads (run it with --strategy eagle|medusa --head OUT)."""
+    from sdbench.commands.train_head import train_head as fit_head
+
+    fit_head(C.TrainHeadConfig(target=target, kind=kind, out=out, data=tuple(data or C.DEFAULT_HEAD_DATA),
+                               minutes=minutes, prompts=prompts, max_new_tokens=max_new_tokens,
+                               draft_vocab=draft_vocab, steps=steps, device=device, dtype=dtype, seed=seed,
+                               probe=probe_mode(probe, no_probe)), console)
+
+
 schedule_app = typer.Typer(no_args_is_help=True, help="Schedules that `tune --batch` wrote: show or export them.")
 app.add_typer(schedule_app, name="schedule")
 ScheduleName = Annotated[str, typer.Argument(help="the schedule preset's name")]
@@ -274,12 +299,13 @@ def bench(
     out: Annotated[Optional[str], typer.Option(help="also write DIR/bench.parquet: one row per system and repeat")] = None,
     generate: Annotated[str, typer.Option(envvar="SDBENCH_GENERATE", help="transformers generate's configuration: "
                                           "fastest (tried and picked here), dynamic, static or compiled")] = "fastest",
+    head: Annotated[Optional[list[str]], typer.Option("--head", help="a trained head (EAGLE or Medusa folder or hub id) measured beside the others (repeatable)")] = None,
 ):
     """Speed against peers in one process: transformers generate and assisted generation vs sdbench."""
     from sdbench.commands.bench import run_peers
 
     run_peers(C.BenchConfig(target, (draft or [""])[0], dataset, limit, max_new_tokens, gamma, device, dtype, seed,
-                            repeats, out, generate), console)
+                            repeats, out, generate, heads=tuple(head or ())), console)
 
 
 @app.command("gpu-check")

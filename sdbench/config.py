@@ -89,6 +89,29 @@ class TuneConfig:
     heads: tuple[str, ...] = ()  # trained-head candidates (eagle, medusa); none: the target's recorded heads
 
 
+HEAD_KINDS = ("eagle3", "medusa")
+DEFAULT_HEAD_DATA = ("sharegpt", "gsm8k", "humaneval")  # never MT-Bench: the prompts heads are measured on
+
+
+@dataclass(frozen=True)
+class TrainHeadConfig:
+    """`sdbench train-head`: fit a head on the target's own answers to prompts of shipped data sets."""
+
+    target: str
+    kind: str  # one of HEAD_KINDS
+    out: str  # the head's folder (also its data and checkpoint: a re-run resumes there)
+    data: tuple[str, ...] = DEFAULT_HEAD_DATA
+    minutes: float = 20.0  # the whole command's wall-clock budget: generating its data, then fitting
+    prompts: int = 512  # training prompts at most (a share held out for acceptance)
+    max_new_tokens: int = 128  # the target's answer to each
+    draft_vocab: int | None = None  # EAGLE-3's draft vocabulary; None: min(target's, 8192); 0: the target's
+    steps: int | None = None  # EAGLE-3's unrolled steps (default 3) or Medusa's heads (default 4)
+    device: str = "auto"
+    dtype: str = "auto"  # the target's while it answers: bfloat16 on a GPU, float32 on a CPU
+    seed: int = 0
+    probe: str = "auto"
+
+
 SWEEP_AXES = ("batch", "concurrency")  # static batches of that size, or that many requests in flight under load
 DEFAULT_SWEEP_SIZES = (1, 2, 4, 8)
 DEFAULT_SWEEP_PROMPT_LENS = (256, 1024, 2048)
@@ -115,6 +138,7 @@ class BenchConfig:
     out: str | None = None  # also write OUT/bench.parquet
     generate: str = "fastest"  # transformers generate's configuration (commands/hf_generate.py MODES)
     autoregressive_only: bool = False  # plain decoding alone (transformers, sdbench eager and fast, generic)
+    heads: tuple[str, ...] = ()  # trained heads (folders or hub ids): one sdbench eagle/medusa row each
 
     @property
     def draft_model(self) -> str:

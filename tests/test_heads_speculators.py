@@ -2,14 +2,19 @@
 Eagle3DraftModel saved by speculators itself, read back by sdbench's loader; given the same target states and
 tokens, sdbench's head gives the same draft logits at every position (speculators' first TTT step) and, at the
 last position, the same logits for the next draft fed the head's own output (its second step). Skipped where
-speculators is not installed (it is not a dependency of sdbench)."""
+speculators is not installed (`make setup` installs it; not a dependency of sdbench), failed in CI."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-pytest.importorskip("speculators.models.eagle3", reason="the speculators package is not installed")
+try:
+    import speculators.models.eagle3  # noqa: F401
+except ImportError:  # `make setup` installs it (requirements-reference.txt): in CI a skip would hide the test
+    from tests.conftest import skip_unless_ci
+
+    skip_unless_ci("the speculators package is not installed (make setup installs it)")
 
 from transformers import LlamaConfig  # noqa: E402
 

@@ -115,6 +115,24 @@ def test_bench_runs_every_system_and_passes_when_outputs_equal_generate(capsys, 
             "transformers prompt lookup (γ=4)"} <= set(df.system)
 
 
+def test_bench_measures_trained_heads_beside_the_others_and_checks_their_outputs(capsys, tiny_bench, tmp_path):
+    """--head adds one sdbench row per head (EAGLE-3 and Medusa here), interleaved with the others and held to
+    generate's tokens like every sdbench row."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.heads import eagle3_dir, medusa_dir
+
+    target = AutoModelForCausalLM.from_pretrained(tiny_bench[2])
+    eagle3_dir(tmp_path / "e3", target, draft_vocab=48, layer_ids=[0, 1, 2])
+    medusa_dir(tmp_path / "md", target, heads=4)
+    code, out, err = run_cli(capsys, *tiny_bench, "--head", str(tmp_path / "e3"), "--head", str(tmp_path / "md"),
+                             "--out", str(tmp_path / "bench"))
+    assert code == 0, err
+    df = pd.read_parquet(tmp_path / "bench" / "bench.parquet")
+    heads = df[df.system.str.startswith("sdbench eagle eagle3 e3") | df.system.str.startswith("sdbench medusa medusa md")]
+    assert len(heads) == 2 and heads.same_output.all() and (heads.tokens == 24).all(), df.system.tolist()
+
+
 def test_bench_fails_naming_the_system_and_prompt_whose_output_differs(capsys, tiny_bench, monkeypatch):
     import sdbench.commands.bench as bench
 

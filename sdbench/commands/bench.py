@@ -29,7 +29,9 @@ from sdbench.models.generic import GenericRunner, runner_kind
 from sdbench.models.loader import check_fit, check_same_tokenizer, eos_token_ids, load_model
 from sdbench.models.pair import pick_runner, resolve_device, resolve_dtype, say_note
 from sdbench.reporting.results import env_fields
+from sdbench.strategies import strategy
 from sdbench.strategies.autoregressive import Autoregressive
+from sdbench.strategies.base import TrainedHead
 from sdbench.strategies.draft import DraftModel
 from sdbench.strategies.ngram import NGram
 from sdbench.strategies.spec import need_gamma
@@ -170,6 +172,22 @@ def _systems(tgt, drf, runner, plain, d_runner, max_new: int, eos: list[int], ro
     ]
 
 
+def _head_systems(runner, heads: tuple[str, ...], max_new: int, eos: list[int], room: int, gamma: int) -> list:
+    """(name, fn, on the fast path's weights) for each trained head drafting for the fast runner."""
+    from sdbench.models.heads.load import MEDUSA, load_head  # reads weights: only a bench given --head
+
+    fast = (" (CUDA graphs)" if runner.graphs else " (fast)") if runner.fast else ""
+    rows = []
+    for source in heads:
+        head = load_head(source, runner)
+        declared = strategy("medusa" if head.kind == MEDUSA else "eagle")
+        drafter = declared.drafter(head, runner, gamma)  # reused: each generation begins it afresh
+        rows.append((f"sdbench {declared.name} {head.kind} {Path(source).name} (γ={gamma}){fast}",
+                     _ours(runner, lambda d=drafter, src=source: TrainedHead(d, gamma, src), max_new, eos, room),
+                     runner.cpu_fast))
+    return rows
+
+
 @dataclass
 class Peers:
     """What `measure_peers` measured: the systems, and what the table's caption and the lines under it say."""
@@ -264,6 +282,7 @@ def measure_peers(cfg: BenchConfig, console: Console) -> Peers:
     room = needed_capacity(max(len(p) for p in prompts), max_new, gamma)
     systems = _systems(tgt, drf, runner, pick_runner(tgt.model, target, False), d_runner, max_new, eos, room, gamma,
                        generic, cfg.autoregressive_only)
+    systems += _head_systems(runner, cfg.heads, max_new, eos, room, gamma)
     with console.status("measuring") as status:
         picked = _pick_generate(tgt.model, prompts[0], eos, cfg.generate, dev, status, weights, room)
         systems[0] = (f"transformers generate ({picked.label})",

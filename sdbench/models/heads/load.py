@@ -160,10 +160,11 @@ def check_against(head: Head, target) -> None:
     cfg = _text(target.config)
     H, L, V = cfg.hidden_size, cfg.num_hidden_layers, target.vocab_size
     where = f"--head {head.name}"
+    # i < L: the input of layer i; L: the last layer's output (vLLM's and speculators' numbering)
     bad = [i for i in head.layers if isinstance(i, bool) or not isinstance(i, int)
-           or not 0 <= i < L and not (i == FINAL and head.kind != EAGLE3)]
+           or not 0 <= i <= L and not (i == FINAL and head.kind != EAGLE3)]
     if bad:
-        raise SdbenchError(f"{where} reads target layer {bad[0]}, but the target has {L} layers")
+        raise SdbenchError(f"{where} reads target layer {bad[0]}, but the target has {L} layers (0 to {L})")
     if head.kind == MEDUSA:
         return _check_medusa(head, H, V)
     need = len(head.layers) * H

@@ -84,3 +84,16 @@ def known_heads(target: str | None = None) -> list[dict]:
 def same_model(name: str) -> str:
     """One name per model: an alias (or a second alias of it) as its registered name, any other name as given."""
     return model_registry.entry(name).name if name in model_registry else name
+
+
+def trained_on_note(head: str, prompt_ids: list[str]) -> str | None:
+    """One line when a head train-head fitted is measured on prompts it was trained on (None otherwise)."""
+    record = read_record(head) if head else None
+    if record is None:
+        return None
+    seen = {i for ids in record.trained_on.values() for i in ids}
+    both = [i for i in prompt_ids if i in seen]
+    if not both:
+        return None
+    return (f"--head {head} was trained on {len(both)} of these {len(prompt_ids)} prompts (e.g. {both[0]}): its "
+            f"acceptance on them overstates what unseen prompts get; measure it on another data set")

@@ -1,0 +1,222 @@
+"""`sdbench train-head`: load the target, make self-distillation data from shipped prompts, fit the head within
+the time budget, and write it where `--head` reads it — after every evaluation, so that an interruption loses
+at most the steps since the last one. A re-run with the same --out resumes: the data shards made are kept, the
+fit continues from its checkpoint and the budget counts the time already spent."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import replace
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress as Bar, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from sdbench.config import HEAD_KINDS, TrainHeadConfig
+from sdbench.env import environment
+from sdbench.errors import SdbenchError
+from sdbench.models.heads.registry import HeadRecord, write_record
+from sdbench.paths import output_dir
+from sdbench.training import data as D
+from sdbench.training.fit import Plan, Progress, fit
+from sdbench.training.heads import DEFAULT_STEPS, build, head_layers, rebuild, write_head
+
+STATE = "train_state.json"  # what the folder was made for and how far data and fit went
+CHECKPOINT = "checkpoint.pt"
+DATA_SHARE = 0.4  # of the budget, at most, for generating data (the rest fits)
+HELDOUT_EVERY = 16  # one training prompt in this many is held out for the acceptance it reports
+MAX_PROMPT = 512  # a longer training prompt keeps its last tokens
+
+
+def validate(cfg: TrainHeadConfig) -> None:
+    """One line on the first impossible setting, before anything is loaded."""
+    if cfg.kind not in HEAD_KINDS:
+        raise SdbenchError(f"--kind {cfg.kind}: use one of {', '.join(HEAD_KINDS)}")
+    if not cfg.data:
+        raise SdbenchError("train-head needs training data: --data NAME (a data set of `sdbench list datasets` "
+                           "or a prompt file)")
+    if cfg.minutes <= 0:
+        raise SdbenchError(f"--minutes {cfg.minutes}: give a positive number of minutes")
+    if cfg.prompts < 2:
+        raise SdbenchError(f"--prompts {cfg.prompts}: at least 2 (one is held out to measure acceptance)")
+    if cfg.max_new_tokens < 4:
+        raise SdbenchError(f"--max-new-tokens {cfg.max_new_tokens}: at least 4 (the head learns from the answers)")
+    if cfg.draft_vocab is not None and cfg.draft_vocab < 0:
+        raise SdbenchError(f"--draft-vocab {cfg.draft_vocab}: a number of tokens, or 0 for the target's vocabulary")
+    if cfg.draft_vocab and cfg.kind != "eagle3":
+        raise SdbenchError("--draft-vocab is for --kind eagle3 (Medusa drafts over the target's vocabulary)")
+    if cfg.steps is not None and not 1 <= cfg.steps <= 16:
+        raise SdbenchError(f"--steps {cfg.steps}: between 1 and 16")
+
+
+def train_head(cfg: TrainHeadConfig, console: Console) -> Path:
+    validate(cfg)
+    from sdbench.models import loader  # transformers: only once the settings are known to be sound
+    from sdbench.models.pair import Pair, pick_runner, resolve_device, resolve_dtype
+    from sdbench.models.probe import probe_pair
+    from sdbench.models.probe_cache import ProbeCache
+
+    device = resolve_device(cfg.device)
+    dtype_name = cfg.dtype if cfg.dtype != "auto" else ("bfloat16" if device.type == "cuda" else "float32")
+    dtype = resolve_dtype(dtype_name, device)
+    cfg = replace(cfg, dtype=dtype_name)  # what the folder records: a resumed fit must answer in the same dtype
+    out = output_dir(cfg.out)
+    state = _state(out, cfg)
+    t_start = time.perf_counter()
+    loader.check_fit([cfg.target], device, dtype)
+    with console.status(f"loading target {cfg.target}"):
+        loaded = loader.load_model(cfg.target, device, dtype)
+        runner = pick_runner(loaded.model, cfg.target, fast=True)
+    steps = cfg.steps or DEFAULT_STEPS[cfg.kind]
+    layers = head_layers(cfg.kind, loaded.model.config)
+    eos = loader.eos_token_ids(loaded)
+    if cfg.probe != "never":  # the states the head learns from come from a runner equal to the library's
+        pair = Pair(runner, loaded.tokenizer, [], eos, 1 << 30)
+        probe_pair(pair, MAX_PROMPT + cfg.max_new_tokens, {}, console, ProbeCache(cfg.probe))
+        runner = pair.target
+    prompts = D.training_prompts(cfg.data, cfg.prompts, cfg.seed, loaded.tokenizer)
+    heldout_ids = {(src, p.id) for i, (src, p) in enumerate(prompts) if i % HELDOUT_EVERY == HELDOUT_EVERY - 1}
+    seqs = _make_data(out, cfg, state, runner, loaded.tokenizer, prompts, layers, eos, device, console, t_start)
+    train = [s for s in seqs if (s.source, s.id) not in heldout_ids]
+    heldout = [s for s in seqs if (s.source, s.id) in heldout_ids] or train[-1:]
+    if not train:
+        raise SdbenchError("no training data was made within --minutes: give more minutes")
+    budget = cfg.minutes * 60 - state["data_seconds"]
+    runner.share_plain()  # the fit reads the target's embedding and head in the library's layout (no forward follows)
+    model, optimizer, progress = _trainee(out, cfg, loaded.model, train, steps, device)
+    plan = Plan(steps=steps, lr=1e-3,
+                batch_tokens=16384 if device.type == "cuda" else 2048,
+                eval_every_s=max(30.0, budget / 10), seed=cfg.seed)
+    save_dtype = dtype  # the head in the target's dtype (vLLM loads both in the serving dtype)
+    record = HeadRecord(target=cfg.target, kind=cfg.kind,
+                        trained_on=_trained_on(train), draft_vocab=getattr(model, "draft_ids", torch.empty(0)).numel()
+                        or None, env=environment(str(device), cfg.dtype))
+
+    def on_eval(p: Progress) -> None:
+        _save_checkpoint(out, model, optimizer, p)
+        write_head(out, cfg.kind, model, loaded.model, loaded.ref, save_dtype)
+        record.steps, record.heldout_acceptance = p.step, (p.heldout or {}).get("tau")
+        record.created = datetime.now(timezone.utc).isoformat(timespec="seconds")
+        write_record(out, record)
+
+    columns = (TextColumn("[bold]fitting {task.description}"), BarColumn(), TextColumn("{task.fields[info]}"),
+               TimeElapsedColumn())
+    with Bar(*columns, console=console, transient=True) as bar:
+        task = bar.add_task(cfg.kind, total=budget, completed=progress.seconds, info="")
+
+        def on_step(p: Progress) -> None:
+            tau = (p.heldout or {}).get("tau")
+            info = f"step {p.step}  loss {p.loss:.3f}" + (f"  held-out τ {tau:.2f}" if tau else "")
+            bar.update(task, completed=min(p.seconds, budget), info=info)
+
+        fit(model, optimizer, train, heldout, plan, progress, budget, device, on_eval, on_step)
+    _summary(console, cfg, out, progress, len(train), len(heldout), seqs, time.perf_counter() - t_start)
+    return out
+
+
+def _state(out: Path, cfg: TrainHeadConfig) -> dict:
+    """The folder's state: new, or a resumed fit of the same target and kind (anything else is refused)."""
+    path = out / STATE
+    made = {"target": cfg.target, "kind": cfg.kind, "data": list(cfg.data), "max_new_tokens": cfg.max_new_tokens,
+            "steps": cfg.steps, "draft_vocab": cfg.draft_vocab, "dtype": cfg.dtype}
+    if not path.is_file():
+        if any(out.glob("*.safetensors")) or (out / "config.json").is_file():
+            raise SdbenchError(f"--out {out} already holds a head train-head did not start: give another folder")
+        state = {**made, "data_seconds": 0.0}
+        path.write_text(json.dumps(state, indent=1))
+        return state
+    state = json.loads(path.read_text())
+    differ = [k for k, v in made.items() if state.get(k) != v]
+    if differ:
+        raise SdbenchError(f"--out {out} holds a fit with another {differ[0]} ({state.get(differ[0])!r}): resume it "
+                           f"with the same settings, or give another folder")
+    return state
+
+
+def _save_state(out: Path, state: dict) -> None:
+    tmp = out / (STATE + ".tmp")
+    tmp.write_text(json.dumps(state, indent=1))
+    tmp.replace(out / STATE)
+
+
+def _make_data(out, cfg, state, runner, tokenizer, prompts, layers, eos, device, console,
+               t_start) -> list[D.Sequence]:
+    """The sequences made so far (a resumed run keeps them), then the rest, in batches landed as shards, until
+    the prompts or the data's share of the budget run out."""
+    folder = out / "data"
+    seqs = D.load_shards(folder)
+    done = {(s.source, s.id) for s in seqs}
+    todo = D.encode([(src, p) for src, p in prompts if (src, p.id) not in done], tokenizer, MAX_PROMPT)
+    if not todo:
+        return seqs
+    share = cfg.minutes * 60 * DATA_SHARE
+    size = 32 if device.type == "cuda" else 8
+    shard = len(list(folder.glob("shard-*.pt")))
+    columns = (TextColumn("[bold]target answering training prompts"), BarColumn(), MofNCompleteColumn(),
+               TimeElapsedColumn())
+    with Bar(*columns, console=console, transient=True) as bar:
+        task = bar.add_task("data", total=len(prompts), completed=len(done))
+        for i in range(0, len(todo), size):
+            if state["data_seconds"] >= share:
+                console.print(f"note: data generation stopped at its share of --minutes ({len(seqs)} of "
+                              f"{len(prompts)} prompts answered)", style="yellow", highlight=False)
+                break
+            t0 = time.perf_counter()
+            made = D.distil(runner, todo[i:i + size], layers, cfg.max_new_tokens, eos)
+            D.save_shard(folder, shard, made)
+            shard += 1
+            seqs += made
+            state["data_seconds"] += time.perf_counter() - t0
+            _save_state(out, state)
+            bar.update(task, advance=len(made))
+    return seqs
+
+
+def _trainee(out: Path, cfg: TrainHeadConfig, model, train, steps: int, device):
+    """The trainee, its optimizer and progress: from the checkpoint when resuming, else new."""
+    path = out / CHECKPOINT
+    if path.is_file():
+        saved = torch.load(path, weights_only=False)
+        trainee = rebuild(cfg.kind, model, steps, saved.get("draft_ids")).to(device)
+        trainee.load_state_dict(saved["model"])
+        optimizer = torch.optim.AdamW([p for p in trainee.parameters() if p.requires_grad], lr=0.0)
+        optimizer.load_state_dict(saved["optimizer"])
+        return trainee, optimizer, Progress(**saved["progress"])
+    trainee = build(cfg.kind, model, train, steps, cfg.draft_vocab).to(device)
+    optimizer = torch.optim.AdamW([p for p in trainee.parameters() if p.requires_grad], lr=0.0, weight_decay=0.0)
+    return trainee, optimizer, Progress()
+
+
+def _save_checkpoint(out: Path, model, optimizer, progress: Progress) -> None:
+    ids = getattr(model, "draft_ids", None)
+    saved = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "progress": vars(progress),
+             "draft_ids": None if ids is None else ids.cpu()}
+    tmp = out / (CHECKPOINT + ".tmp")
+    torch.save(saved, tmp)
+    tmp.replace(out / CHECKPOINT)
+
+
+def _trained_on(seqs: list[D.Sequence]) -> dict[str, list[str]]:
+    by: dict[str, list[str]] = {}
+    for s in seqs:
+        by.setdefault(s.source, []).append(s.id)
+    return by
+
+
+def _summary(console: Console, cfg: TrainHeadConfig, out: Path, progress: Progress, n_train: int, n_heldout: int,
+             seqs, wall: float) -> None:
+    held = progress.heldout or {}
+    table = Table(title=f"train-head {cfg.kind} for {cfg.target}", title_justify="left")
+    for col in ("steps", "train / held-out prompts", "tokens", "loss", "held-out τ", "acceptance by depth", "wall"):
+        table.add_column(col)
+    reach = held.get("per_step") or []
+    table.add_row(str(progress.step), f"{n_train} / {n_heldout}", str(sum(len(s.tokens) for s in seqs)),
+                  f"{progress.loss:.3f}", f"{held.get('tau', float('nan')):.2f}",
+                  " ".join(f"{r:.2f}" for r in reach), f"{wall / 60:.1f} min")
+    console.print(table)
+    console.print(f"head written to {out} (run it: --strategy {'medusa' if cfg.kind == 'medusa' else 'eagle'} "
+                  f"--head {out})", highlight=False)

@@ -1,0 +1,105 @@
+"""Self-distillation data for a head: the target answers training prompts (greedy, sdbench's own decoding), then
+one forward over each prompt + answer keeps the hidden states the head reads and the target's own choice of
+the next token at every position (what verification will compare the head's drafts with).
+
+Shards land in OUT/data/ as they are made (`shard-NNNNN.pt`: one batch of sequences), so an interrupted
+train-head keeps what it generated; `Sequences.load` reads them back."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from sdbench.config import SamplingConfig
+from sdbench.data import Prompt
+from sdbench.data.tasks import encode_prompt, load_prompts
+from sdbench.engine.hidden import Taps
+from sdbench.engine.loop import generate
+from sdbench.errors import SdbenchError
+from sdbench.strategies.base import Proposer
+
+
+@dataclass
+class Sequence:
+    source: str  # data set
+    id: str  # prompt id within it
+    tokens: torch.Tensor  # [T] prompt + answer
+    states: torch.Tensor  # [T, k*H] the target states the head reads (stored in bfloat16 when the run is in float32)
+    pred: torch.Tensor  # [T] the target's argmax after each position
+
+
+def training_prompts(datasets: tuple[str, ...], limit: int, seed: int, tokenizer,
+                     avoid: dict[str, set[str]] | None = None) -> list[tuple[str, Prompt]]:
+    """Up to `limit` prompts drawn evenly from `datasets` (seeded), as (data set, prompt); prompts in `avoid`
+    (data set -> ids) left out."""
+    if not datasets:
+        raise SdbenchError("train-head needs training data: --data NAME (a data set of `sdbench list datasets` "
+                           "or a prompt file)")
+    pools = []
+    for name in datasets:
+        pool = [p for p in load_prompts(name, tokenizer=tokenizer) if p.id not in (avoid or {}).get(name, ())]
+        if not pool:
+            raise SdbenchError(f"--data {name}: no prompts to train on")
+        random.Random(seed).shuffle(pool)
+        pools.append((name, pool))
+    picked, i = [], 0
+    while len(picked) < limit and any(i < len(p) for _, p in pools):  # round robin over the data sets
+        picked += [(name, pool[i]) for name, pool in pools if i < len(pool)]
+        i += 1
+    return picked[:limit]
+
+
+def encode(prompts: list[tuple[str, Prompt]], tokenizer, max_prompt: int) -> list[tuple[str, Prompt, list[int]]]:
+    """Each prompt's first turn as ids; one longer than max_prompt tokens keeps its last max_prompt."""
+    return [(src, p, encode_prompt(p, tokenizer)[-max_prompt:]) for src, p in prompts]
+
+
+@torch.inference_mode()
+def distil(runner, batch: list[tuple[str, Prompt, list[int]]], layers: tuple[int, ...], max_new_tokens: int,
+           eos: list[int]) -> list[Sequence]:
+    """The target's greedy answers to a batch of prompts, then each sequence's states and choices."""
+    ids = [e for _, _, e in batch]
+    result = generate(runner, Proposer(), ids, max_new_tokens=max_new_tokens, sampling=SamplingConfig(),
+                      eos_ids=eos)
+    out = []
+    for (src, prompt, prompt_ids), answer in zip(batch, result.output_ids):
+        tokens = torch.tensor(prompt_ids + answer, dtype=torch.long)
+        taps = Taps(layers)
+        cache = runner.new_cache(1, len(tokens) + 1)
+        try:
+            logits = runner.forward(cache, tokens[None].to(runner.device), [0], taps=taps)
+        finally:
+            runner.release(cache)
+        states = taps.states()[0].float().cpu()
+        out.append(Sequence(src, prompt.id, tokens, states.to(torch.bfloat16), logits[0].argmax(-1).cpu()))
+    return out
+
+
+def save_shard(folder: Path, index: int, sequences: list[Sequence]) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"shard-{index:05d}.pt"
+    tmp = path.with_suffix(".tmp")
+    torch.save([vars(s) for s in sequences], tmp)
+    tmp.replace(path)  # a shard is there whole or not at all
+
+
+def load_shards(folder: Path) -> list[Sequence]:
+    found = []
+    for path in sorted(folder.glob("shard-*.pt")):
+        found += [Sequence(**d) for d in torch.load(path, weights_only=True)]
+    return found
+
+
+def pad_batch(seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """tokens [B, T], states [B, T, S] (float32), pred [B, T] and lengths [B], padded with zeros."""
+    T = max(len(s.tokens) for s in seqs)
+    tokens = torch.zeros(len(seqs), T, dtype=torch.long)
+    pred = torch.zeros(len(seqs), T, dtype=torch.long)
+    states = torch.zeros(len(seqs), T, seqs[0].states.shape[-1])
+    for b, s in enumerate(seqs):
+        n = len(s.tokens)
+        tokens[b, :n], pred[b, :n], states[b, :n] = s.tokens, s.pred, s.states.float()
+    return tokens, states, pred, torch.tensor([len(s.tokens) for s in seqs])

@@ -1,0 +1,127 @@
+"""What each head kind needs to be fitted and written: its trainee (eagle3.py, medusa.py) built from the target,
+and its files in the format engines load (EAGLE-3: the speculators format vLLM reads; Medusa-1: the Medusa
+repository's `config.json` + `medusa_lm_head.safetensors`)."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+
+import torch
+
+from sdbench.engine.hidden import FINAL, eagle3_layers
+from sdbench.training.data import Sequence
+from sdbench.training.eagle3 import Eagle3Trainee
+from sdbench.training.medusa import MedusaTrainee
+
+DEFAULT_STEPS = {"eagle3": 3, "medusa": 4}  # EAGLE-3's unrolled steps; Medusa's heads
+DEFAULT_DRAFT_VOCAB = 8192
+
+
+def text_config(config):
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def head_layers(kind: str, config) -> tuple[int, ...]:
+    """The target states the head reads (engine/hidden.py numbering): EAGLE-3's usual three where they are
+    distinct (vLLM and speculators refuse repeated ones), else three distinct ones spread over a shallow target."""
+    if kind != "eagle3":
+        return (FINAL,)
+    L = text_config(config).num_hidden_layers
+    usual = eagle3_layers(L)
+    if len(set(usual)) == 3 and min(usual) >= 0:
+        return usual
+    spread = sorted({min(L, max(0, round(L * f))) for f in (0.25, 0.5, 0.75)})
+    spread += [i for i in range(L + 1) if i not in spread][: 3 - len(spread)]
+    return tuple(sorted(spread))
+
+
+def layer_config(config):
+    """The EAGLE-3 decoder layer's config: a Llama layer at the target's attention shape and rope."""
+    from transformers import LlamaConfig  # slow to import: only a fit builds one
+
+    tc = text_config(config)
+    rope = dict(getattr(tc, "rope_parameters", None) or {})
+    if "rope_type" not in rope:  # keyed per layer type (sliding/full): the full-attention layers' rope
+        rope = dict(rope.get("full_attention") or {"rope_type": "default", "rope_theta": 10000.0})
+    head_dim = getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads
+    return LlamaConfig(vocab_size=tc.vocab_size, hidden_size=tc.hidden_size, intermediate_size=tc.intermediate_size,
+                       num_hidden_layers=1, num_attention_heads=tc.num_attention_heads,
+                       num_key_value_heads=tc.num_key_value_heads or tc.num_attention_heads, head_dim=head_dim,
+                       rms_norm_eps=getattr(tc, "rms_norm_eps", 1e-6),
+                       max_position_embeddings=tc.max_position_embeddings, rope_parameters=rope,
+                       tie_word_embeddings=False, initializer_range=0.02)
+
+
+def draft_vocabulary(seqs: list[Sequence], vocab: int, size: int) -> torch.Tensor:
+    """The `size` target tokens the target chooses most often in the data (ties: lower id), ascending."""
+    if size >= vocab:
+        return torch.arange(vocab)
+    counts = Counter()
+    for s in seqs:
+        counts.update(s.pred.tolist())
+    ranked = sorted(range(vocab), key=lambda t: (-counts.get(t, 0), t))[:size]
+    return torch.tensor(sorted(ranked))
+
+
+def build(kind: str, model, seqs: list[Sequence], steps: int, draft_vocab: int | None):
+    """A fresh trainee for the loaded library model `model` (its embedding and head are read, not changed)."""
+    emb = model.get_input_embeddings().weight.detach().float().cpu().clone()  # a copy: the model's may be inference tensors
+    out = model.get_output_embeddings().weight.detach().float().cpu().clone()
+    if kind == "medusa":
+        return MedusaTrainee(out, steps)
+    layer = layer_config(model.config)
+    size = DEFAULT_DRAFT_VOCAB if draft_vocab is None else (draft_vocab or layer.vocab_size)
+    ids = draft_vocabulary(seqs, layer.vocab_size, min(size, layer.vocab_size))
+    trainee = Eagle3Trainee(layer, emb, ids, out[ids], n_states=len(head_layers(kind, model.config)))
+    norm = getattr(model.get_decoder(), "norm", None)
+    if norm is not None and getattr(norm, "weight", None) is not None and norm.weight.shape == trainee.norm.shape:
+        with torch.no_grad():  # its lm_head starts as the target's over the target's final norm
+            trainee.norm.copy_(norm.weight.detach().float().cpu())
+    return trainee
+
+
+def rebuild(kind: str, model, steps: int, draft_ids: torch.Tensor | None):
+    """The trainee a checkpoint was made from (its draft vocabulary as saved)."""
+    emb = model.get_input_embeddings().weight.detach().float().cpu().clone()  # a copy: the model's may be inference tensors
+    out = model.get_output_embeddings().weight.detach().float().cpu().clone()
+    if kind == "medusa":
+        return MedusaTrainee(out, steps)
+    return Eagle3Trainee(layer_config(model.config), emb, draft_ids, out[draft_ids],
+                         n_states=len(head_layers(kind, model.config)))
+
+
+def write_head(folder: Path, kind: str, trainee, model, target_ref: str, dtype: torch.dtype) -> list[Path]:
+    """The head's config and weights in the format engines load; returns the files written."""
+    from safetensors.torch import save_file
+
+    weights = {k: (v.to(dtype) if v.is_floating_point() else v).contiguous() for k, v in trainee.weights().items()}
+    tc = text_config(model.config)
+    if kind == "medusa":
+        config = {"medusa_num_heads": trainee.n_heads, "medusa_num_layers": trainee.depth,
+                  "hidden_size": tc.hidden_size, "vocab_size": tc.vocab_size,
+                  "base_model_name_or_path": target_ref, "architectures": ["MedusaModel"]}
+        name = "medusa_lm_head.safetensors"
+    else:
+        weights["embed_tokens.weight"] = model.get_input_embeddings().weight.detach().to(dtype).cpu().contiguous()
+        layer = trainee.layer_config.to_dict()
+        layer.pop("transformers_version", None)
+        config = {"architectures": ["Eagle3DraftModel"], "speculators_model_type": "eagle3",
+                  "draft_vocab_size": int(len(trainee.draft_ids)), "norm_before_residual": False,
+                  "norm_before_fc": False, "fc_norm": False, "norm_output": False, "embed_requires_grad": False,
+                  "eagle_aux_hidden_state_layer_ids": list(head_layers(kind, model.config)),
+                  "target_hidden_size": None, "tie_word_embeddings": False, "transformer_layer_config": layer,
+                  "speculators_config": {"algorithm": "eagle3", "default_proposal_method": "greedy",
+                                         "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": 3,
+                                                               "accept_tolerance": 0.0, "verifier_accept_k": 1}],
+                                         "verifier": {"name_or_path": target_ref,
+                                                      "architectures": list(model.config.architectures or [])}},
+                  "dtype": str(dtype).removeprefix("torch.")}
+        name = "model.safetensors"
+    folder.mkdir(parents=True, exist_ok=True)
+    tmp = folder / (name + ".tmp")
+    save_file(weights, str(tmp))
+    tmp.replace(folder / name)
+    (folder / "config.json").write_text(json.dumps(config, indent=1))
+    return [folder / "config.json", folder / name]

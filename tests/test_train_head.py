@@ -1,0 +1,273 @@
+"""`sdbench train-head`: the training forward against the drafting forward and against the `speculators` package's
+own EAGLE-3 training forward (which loads the head train-head writes, as vLLM does), Medusa's written heads
+against the drafter's, the acceptance it reports by hand, and the command end to end: a head fitted on a tiny
+model learns (held-out acceptance above its start), runs lossless under `run`, says when a run measures it on its
+own training prompts, resumes, and refuses a folder made for another fit."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from sdbench.drafting.heads import MedusaDrafter  # noqa: F401  (the drafter the Medusa head below is read by)
+from sdbench.models.heads.eagle import EagleHead
+from sdbench.models.heads.load import load_head
+from sdbench.models.heads.medusa import MedusaHead
+from sdbench.models.runner import ModelRunner
+from sdbench.training.data import Sequence
+from sdbench.training.fit import chain_acceptance
+from sdbench.training.heads import build, draft_vocabulary, write_head
+from tests.conftest import run_cli, skip_unless_ci
+from tests.heads import one_thread, small_vocab_target  # noqa: F401  (one_thread: a fixture)
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors: two contended threads are far slower than one
+
+S = 9
+
+
+def _perturb(trainee, seed: int = 5):
+    """Norm weights and the head off their initial values, so a swapped norm or a missed weight shows."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in trainee.named_parameters():
+            if p.dim() == 1:
+                p.copy_(1 + 0.3 * torch.randn(p.shape, generator=g))
+            else:
+                p.add_(0.2 * torch.randn(p.shape, generator=g))
+    return trainee
+
+
+def _eagle3(target, draft_vocab: int):
+    seq = Sequence("x", "x/0", torch.arange(8), torch.zeros(8, 96), torch.tensor([0, 1, 1, 3, 3, 3, 5, 6]))
+    return _perturb(build("eagle3", target, [seq], 3, draft_vocab)).eval()
+
+
+def test_draft_vocabulary_is_the_most_chosen_tokens_ascending():
+    seqs = [Sequence("x", "x/0", torch.zeros(6), torch.zeros(6, 1), torch.tensor([5, 5, 5, 2, 2, 7]))]
+    assert draft_vocabulary(seqs, 10, 3).tolist() == [2, 5, 7]
+    assert draft_vocabulary(seqs, 10, 4).tolist() == [0, 2, 5, 7]  # a tie of unseen tokens: the lower id
+    assert draft_vocabulary(seqs, 10, 10).tolist() == list(range(10))
+
+
+def test_the_training_forward_is_the_drafting_forward(tmp_path):
+    """Every step of the unrolled training forward equals the head drafting through its cache (models/heads),
+    read back from the files train-head writes, with a draft vocabulary smaller than the target's."""
+    target = small_vocab_target("llama")
+    trainee = _eagle3(target, 6)
+    write_head(tmp_path, "eagle3", trainee, target, "tiny", torch.float32)
+    runner = ModelRunner(target)
+    head = EagleHead(load_head(str(tmp_path), runner), runner)
+    g = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, 8, (1, S), generator=g)
+    states = torch.randn(1, S, 96, generator=g)
+    with torch.no_grad():
+        steps = trainee.steps(tokens, states, 3)
+    for root in (0, 3, S - 4):
+        cache = head.new_cache(1, 64)
+        nxt = torch.cat([tokens[:, 1:], torch.zeros(1, 1, dtype=torch.long)], 1)
+        _, out = head.forward(cache, nxt[:, : root + 1], states[:, : root + 1], [0], torch.tensor([root]))
+        torch.testing.assert_close(head.draft_logits(out)[0], steps[0][0, root], atol=1e-4, rtol=1e-4)
+        for k in (1, 2):  # the true next token, fed with the head's own output (as a chain of accepted drafts)
+            _, out = head.forward(cache, tokens[:, root + k + 1: root + k + 2], out[:, None], [root + k],
+                                  torch.tensor([0]))
+            torch.testing.assert_close(head.draft_logits(out)[0], steps[k][0, root], atol=1e-4, rtol=1e-4)
+
+
+def test_the_training_forward_equals_speculators_which_loads_the_written_head(tmp_path):
+    """The independent reference: speculators' Eagle3DraftModel, loaded from the folder train-head writes, gives
+    the same logits at every unrolled step (its training-time test) as sdbench's training forward."""
+    try:
+        import speculators.models.eagle3  # noqa: F401
+    except ImportError:
+        skip_unless_ci("the speculators package is not installed (make setup installs it)")
+    from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
+
+    target = small_vocab_target("llama")
+    target.save_pretrained(tmp_path / "target")  # the verifier the head names: speculators reads its config
+    trainee = _eagle3(target, 6)
+    write_head(tmp_path / "head", "eagle3", trainee, target, str(tmp_path / "target"), torch.float32)
+    config = Eagle3SpeculatorConfig.from_pretrained(str(tmp_path / "head"))
+    config.transformer_layer_config._attn_implementation = "eager"  # its flex attention wants longer sequences
+    theirs = Eagle3DraftModel.from_pretrained(str(tmp_path / "head"), config=config).eval()
+    g = torch.Generator().manual_seed(2)
+    tokens = torch.randint(0, 8, (1, S), generator=g)
+    states = torch.randn(1, S, 96, generator=g)
+    # speculators pairs input_ids[q] with states[q] and shifts the tokens once per step: given the tokens that
+    # follow each state, its step k at root q reads token q + k + 1, as sdbench's does
+    following = torch.cat([tokens[:, 1:], torch.zeros(1, 1, dtype=torch.long)], 1)
+    seen = []
+    hook = theirs.lm_head.register_forward_hook(lambda m, i, o: seen.append(o[0].detach()))
+    with torch.no_grad():
+        theirs(hidden_states=states, input_ids=following, document_ids=torch.zeros(1, S, dtype=torch.long),
+               ttt_steps=3)
+        ours = trainee.steps(tokens, states, 3)
+    hook.remove()
+    assert len(seen) == 3
+    for k in range(3):
+        torch.testing.assert_close(ours[k][0], seen[k], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "medusa"])
+def test_a_head_fits_over_a_target_whose_weights_were_made_in_inference_mode(kind):
+    """The CPU fast path packs (and restores) the target's weights under inference mode: the trainee must copy
+    what it reads of them, or its first backward fails."""
+    from sdbench.training.fit import step_losses
+
+    target = small_vocab_target("llama")
+    with torch.inference_mode():
+        for p in target.parameters():
+            p.data = p.data.clone()
+    assert target.lm_head.weight.is_inference()
+    seq = Sequence("x", "x/0", torch.arange(8), torch.randn(8, 96 if kind == "eagle3" else 32),
+                   torch.tensor([0, 1, 1, 3, 3, 3, 5, 6]))
+    trainee = build(kind, target, [seq], 2, 0)
+    loss, _, _ = step_losses(trainee, [seq], 2, "cpu")
+    loss.backward()
+
+
+def test_medusa_written_heads_are_the_drafters_heads(tmp_path):
+    target = small_vocab_target("llama", vocab=8)
+    trainee = _perturb(build("medusa", target, [], 3, None)).eval()
+    write_head(tmp_path, "medusa", trainee, target, "tiny", torch.float32)
+    runner = ModelRunner(target)
+    head = MedusaHead(load_head(str(tmp_path), runner), runner)
+    h = torch.randn(1, 4, 32, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        steps = trainee.steps(torch.zeros(1, 4, dtype=torch.long), h, 3)
+    for k in range(3):
+        torch.testing.assert_close(head.logits(k, h[0]), steps[k][0], atol=1e-5, rtol=1e-5)
+
+
+class _Fixed(torch.nn.Module):
+    """A head whose step logits are given: to check chain_acceptance by hand."""
+
+    def __init__(self, logits, labels):
+        super().__init__()
+        self.l, self.b = logits, labels
+
+    def steps(self, tokens, states, n):
+        return self.l
+
+    def labels(self, pred, n, lengths):
+        return self.b
+
+
+def test_chain_acceptance_counts_the_leading_run_of_accepted_drafts():
+    # 5 positions, 2 steps; a chain of 2 fits from roots 0..2 (root + 2 < 5)
+    right = torch.tensor([[1, 1, 0, 1, 1]]), torch.tensor([[1, 0, 1, 1, 1]])  # step 0, step 1 correct?
+    labels = [torch.zeros(1, 5, dtype=torch.long), torch.zeros(1, 5, dtype=torch.long)]
+    logits = [torch.stack([torch.where(r.bool(), 1.0, -1.0), torch.where(r.bool(), -1.0, 1.0)], -1).float()
+              for r in right]  # argmax 0 (= label) where correct
+    seq = Sequence("x", "x/0", torch.zeros(5, dtype=torch.long), torch.zeros(5, 1), torch.zeros(5, dtype=torch.long))
+    got = chain_acceptance(_Fixed(logits, labels), [seq], 2, "cpu", 64)
+    # roots 0, 1, 2: step 0 right at 0, 1 (2 of 3); both right at 0 only (1 of 3): tau = 1 + 2/3 + 1/3
+    assert got["positions"] == 3
+    assert got["per_step"] == pytest.approx([2 / 3, 1 / 3])
+    assert got["tau"] == pytest.approx(2.0)
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "medusa"])
+def test_a_fit_learns_the_targets_choices(fitted, kind):
+    """Fitted for a fixed number of steps on a tiny target's own answers, a head's held-out chains are accepted
+    far more often than before the fit (an untrained head's almost never)."""
+    from sdbench.models.loader import load_model
+    from sdbench.models.pair import pick_runner
+    from sdbench.data import Prompt
+    from sdbench.training.data import distil
+    from sdbench.training.fit import Plan, Progress, fit
+    from sdbench.training.heads import head_layers
+
+    loaded = load_model(str(fitted / "target"))
+    runner = pick_runner(loaded.model, "tiny", fast=False)
+    layers = head_layers(kind, loaded.model.config)
+    prompts = [("p", Prompt(f"p/{i}", "x", (f"Tom has {i} apples",)), loaded.tokenizer.encode(f"Tom has {i} apples"))
+               for i in range(24)]
+    seqs = distil(runner, prompts, layers, 24, [])
+    torch.manual_seed(0)
+    head = build(kind, loaded.model, seqs[:20], 3, 0)
+    opt = torch.optim.AdamW(head.parameters(), lr=1e-3, weight_decay=0.0)
+    before = chain_acceptance(head, seqs[20:], 3, "cpu", 2048)
+    plan = Plan(steps=3, lr=3e-3, batch_tokens=512, eval_every_s=1e9, max_steps=300)
+    done = fit(head, opt, seqs[:20], seqs[20:], plan, Progress(), 1e9, "cpu", lambda p: None)
+    assert done.step == 300
+    assert done.heldout["per_step"][0] > before["per_step"][0] + 0.2, (before, done.heldout)
+    assert done.heldout["tau"] > before["tau"] + 0.4, (before, done.heldout)
+
+
+@pytest.fixture(scope="module")
+def fitted(tmp_path_factory):
+    """A tiny text model and a file of prompts for it."""
+    from tests.references import tiny_text_model_dir
+
+    root = tmp_path_factory.mktemp("train")
+    tiny_text_model_dir(root / "target", layers=4)
+    lines = ["prompt"] + [f'"Tom has {i} apples and buys {i + 3} more. How many now?"' for i in range(20)]
+    (root / "p.csv").write_text("\n".join(lines) + "\n")
+    return root
+
+
+def _train(capsys, fitted, out, minutes: str, *extra: str):
+    return run_cli(capsys, "train-head", "--target", str(fitted / "target"), "--out", str(out), "--data",
+                   str(fitted / "p.csv"), "--prompts", "20", "--max-new-tokens", "24", "--minutes", minutes,
+                   "--device", "cpu", *extra)
+
+
+def test_train_head_learns_runs_lossless_and_says_when_measured_on_its_training_prompts(fitted, capsys):
+    out = fitted / "head"
+    code, text, err = _train(capsys, fitted, out, "0.5", "--draft-vocab", "0")
+    assert code == 0, err
+    record = json.loads((out / "sdbench_head.json").read_text())
+    trained = next(iter(record["trained_on"].values()))
+    assert record["kind"] == "eagle3" and len(trained) == 19  # 1 in 16 held out
+    assert record["steps"] > 0
+    state = json.loads((out / "train_state.json").read_text())
+    assert record["heldout_acceptance"] >= 1.0, record  # measured (how much it learns: the test below)
+    config = json.loads((out / "config.json").read_text())
+    assert config["speculators_model_type"] == "eagle3" and config["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3]
+    # run on the same prompts: one note says so; the output equals plain decoding
+    code, text, err = run_cli(capsys, "run", "--target", str(fitted / "target"), "--strategy", "eagle", "--head",
+                              str(out), "--dataset", str(fitted / "p.csv"), "--limit", "4", "--max-new-tokens", "8",
+                              "--device", "cpu", "--out", str(fitted / "runs"), "--batch-size", "4")
+    assert code == 0, err
+    assert "was trained on" in text and "of these 4 prompts" in text.replace("\n", " "), text
+    from sdbench.reporting.results import read_results
+
+    df = read_results([str(fitted / "runs")])
+    eagle = df[df["strategy"] == "eagle"]
+    assert len(eagle) and bool(eagle["lossless"].all()), df
+    # resumed: same folder, more minutes -> the data kept, the fit continues from its checkpoint
+    made = sorted(p.name for p in (out / "data").glob("shard-*.pt"))
+    code, text, err = _train(capsys, fitted, out, "0.8", "--draft-vocab", "0")
+    assert code == 0, err
+    again = json.loads((out / "sdbench_head.json").read_text())
+    assert again["steps"] > record["steps"]
+    assert sorted(p.name for p in (out / "data").glob("shard-*.pt")) == made
+    assert json.loads((out / "train_state.json").read_text())["data_seconds"] == state["data_seconds"]
+    assert next(iter(again["trained_on"].values())) == trained
+
+
+def test_train_head_refuses_a_folder_made_for_another_fit(fitted, capsys):
+    from tests.test_cli import _one_line
+
+    out = fitted / "medusa"
+    code, _, err = _train(capsys, fitted, out, "0.1", "--kind", "medusa")
+    assert code == 0, err
+    assert json.loads((out / "config.json").read_text())["medusa_num_heads"] == 4
+    code, _, err = _train(capsys, fitted, out, "0.1", "--kind", "eagle3")
+    assert code != 0 and "holds a fit with another kind" in _one_line(err)
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--kind", "eagle"], "--kind eagle: use one of eagle3, medusa"),
+    (["--minutes", "0"], "--minutes 0.0: give a positive number"),
+    (["--prompts", "1"], "--prompts 1: at least 2"),
+    (["--kind", "medusa", "--draft-vocab", "100"], "--draft-vocab is for --kind eagle3"),
+    (["--data", "no-such-set"], "no-such-set"),
+])
+def test_train_head_bad_settings_are_one_line(tmp_path, capsys, args, words):
+    from tests.test_cli import _one_line
+
+    code, _, err = run_cli(capsys, "train-head", "--out", str(tmp_path / "h"), "--device", "cpu", *args)
+    assert code != 0 and words in _one_line(err)
