@@ -147,12 +147,13 @@ def check(
     draft: Draft = None, device: Device = "auto", dtype: Dtype = "float32", fast: Fast = True,
     context: Annotated[int, typer.Option(help="positions the probe reaches: the longest context your benchmark will use")] = 1024,
     tokens: Annotated[int, typer.Option(help="greedy tokens in the short lossless run")] = 16,
+    head: Annotated[Optional[list[str]], typer.Option("--head", help="trained head (folder or hub id) to check against the target: the hidden states it reads, and decoding with it (repeatable)")] = None,
 ):
     """Load the models, probe each against the library's forward, and run a few greedy tokens (the target
-    against the library's generate, each draft against plain decoding); exit 1 on any failure."""
+    against the library's generate, each draft and head against plain decoding); exit 1 on any failure."""
     from sdbench.commands.check import run_check
 
-    run_check(model, list(draft or ()), device, dtype, fast, context, tokens, console)
+    run_check(model, list(draft or ()), device, dtype, fast, context, tokens, console, list(head or ()))
 
 
 @app.command("list")
@@ -206,6 +207,7 @@ def tune(
     study: Annotated[Optional[str], typer.Option(help="study name [default: sdbench-TARGET-STRATEGY-DATASET-HARDWARE]")] = None,
     preset: Annotated[Optional[str], typer.Option(help="preset for the best settings [default: tuned-STRATEGY-TARGET]")] = None,
     probe: Probe = "auto", no_probe: NoProbe = False,
+    head: Annotated[Optional[list[str]], typer.Option("--head", help="trained-head candidate for --strategy eagle or medusa (repeatable; the tuner picks one per trial) [default: the target's heads that train-head recorded]")] = None,
 ):
     """Search a strategy's settings with Optuna on a fixed prompt subset; write the best as a preset (with
     several --batch sizes or --prompt-len lengths: the best per bucket, as a schedule preset)."""
@@ -220,7 +222,7 @@ def tune(
         max_new_tokens=max_new_tokens, batch_size=batch_size, sampling=C.SamplingConfig(0.0, 1.0, seed),
         device=device, dtype=dtype, repeats=repeats, out=out, probe=probe_mode(probe, no_probe),
     )
-    cfg = C.TuneConfig(run_cfg, trials, timeout, objective, storage, study, preset, batches, lengths)
+    cfg = C.TuneConfig(run_cfg, trials, timeout, objective, storage, study, preset, batches, lengths, tuple(head or ()))
     (tune_schedule if len(batches) > 1 or len(lengths) > 1 else run_tune)(cfg, console)
 
 

@@ -86,6 +86,7 @@ class TuneConfig:
     preset: str | None = None  # preset written with the best settings; None: tuned-<strategy>-<target>
     batches: tuple[int, ...] = ()  # several: one study per batch size, written as a schedule (commands/schedule.py)
     prompt_lens: tuple[int, ...] = ()  # several: one study per prompt length too (MagicDec's budget per context)
+    heads: tuple[str, ...] = ()  # trained-head candidates (eagle, medusa); none: the target's recorded heads
 
 
 HEAD_KINDS = ("eagle3", "medusa")

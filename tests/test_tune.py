@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -204,6 +205,10 @@ def test_cli_passes_settings_to_the_tuner(monkeypatch):
     assert (run.target, run.drafts, run.strategy, run.limit, run.max_new_tokens, run.sampling.seed) == (
         "m", ("a", "b"), "draft", 3, 9, 5)
     assert run.sampling.greedy
+    assert cfg.heads == ()
+    seen.clear()
+    main(["tune", "--target", "m", "--strategy", "eagle", "--head", "h1", "--head", "h2"])
+    assert seen["cfg"].heads == ("h1", "h2")
 
 
 @pytest.mark.slow
@@ -429,3 +434,56 @@ def test_tune_timeout_stops_starting_trials(capsys, tmp_path, tiny_tune):
     assert code == 0, err
     assert "--timeout 0s reached" in out
     assert stored_trials(tmp_path / "out", "s") == []  # the time was up before the first trial was taken
+
+
+# ---- trained heads: the head is a choice of the search space, like a draft ----------------------------------
+
+
+def _recorded(folder, target: str, kind: str):
+    from sdbench.models.heads.registry import HeadRecord, write_record
+
+    write_record(folder, HeadRecord(target=target, kind=kind))
+    return str(Path(folder).resolve())
+
+
+def test_tune_chooses_among_the_targets_recorded_heads(tmp_path, pair):
+    from tests.heads import eagle3_dir, medusa_dir
+
+    layers = (0, 1, 1)  # the tiny target has 2 layers
+    first = _recorded(eagle3_dir(tmp_path / "e-a", pair.target.model, layer_ids=layers, seed=1), "tiny", "eagle3")
+    second = _recorded(eagle3_dir(tmp_path / "e-b", pair.target.model, layer_ids=layers, seed=2), "tiny", "eagle3")
+    _recorded(medusa_dir(tmp_path / "m", pair.target.model), "tiny", "medusa")  # another kind
+    _recorded(eagle3_dir(tmp_path / "o", pair.target.model, layer_ids=layers), "other-target", "eagle3")
+    t = tuner(tmp_path, pair, strategy="eagle", trials=4, drafts=(), objective="tokens",
+              pruner=optuna.pruners.NopPruner())
+    assert t.heads == (first, second)  # the target's eagle heads only
+    study = t.tune()
+    done = [s for s in study.trials if s.state == TrialState.COMPLETE]
+    assert len(done) == 4  # each checked token for token against plain decoding (a lossy trial fails)
+    assert {s.params["head"] for s in done} == {first, second}  # a categorical, as --draft candidates are
+    for s in done:  # the trial drafted with the head it drew: its rows record it
+        rows = read_results([s.user_attrs["results"]])
+        heads = rows[rows["role"] != "baseline"]["params"].map(lambda p: json.loads(p)["head"])
+        assert set(heads) == {s.params["head"]}
+    best = max(done, key=lambda s: s.value)
+    choice = resolve_strategy(t.preset_name)  # the preset runs the best trial's head
+    assert (choice.base, choice.gamma, choice.options) == ("eagle", best.params["gamma"], {"head": best.params["head"]})
+
+
+def test_tune_medusa_draws_no_more_drafts_than_heads(tmp_path, pair):
+    from tests.heads import medusa_dir
+
+    head = str(medusa_dir(tmp_path / "m", pair.target.model, heads=2))
+    study = tuner(tmp_path, pair, strategy="medusa", trials=3, drafts=(), heads=(head,), objective="tokens",
+                  pruner=optuna.pruners.NopPruner()).tune()
+    assert [s.state for s in study.trials] == [TrialState.COMPLETE] * 3
+    assert {s.params["gamma"] for s in study.trials} <= {1, 2} and "head" not in study.trials[0].params
+
+
+def test_tune_head_refusals(tmp_path, pair):
+    with pytest.raises(SdbenchError, match="'eagle' needs a trained head to tune with: give --head"):
+        tuner(tmp_path, pair, strategy="eagle", drafts=())
+    with pytest.raises(SdbenchError, match="--head needs --strategy eagle or medusa .* not 'ngram'"):
+        tuner(tmp_path, pair, strategy="ngram", heads=("x",))
+    with pytest.raises(SdbenchError, match="--head /nonexistent: no such folder"):
+        tuner(tmp_path, pair, strategy="eagle", drafts=(), heads=("/nonexistent",))

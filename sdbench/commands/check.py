@@ -4,7 +4,9 @@ non-zero exit on any failure, so that a CI job can run it before a benchmark.
 Per model: the runner that serves it (native, generic, or generic after the native one failed), the fidelity
 probe's largest gap per phase (`models/probe.py`), the draft's tokenizer against the target's, the weights'
 memory, and a short greedy run: the target's plain decoding against the library's own `generate`, and each
-draft's speculative decoding against the target's plain decoding.
+draft's speculative decoding against the target's plain decoding. A trained head (`--head`) gets a row too: the
+target's hidden states it reads, through the runner, against the library's `output_hidden_states` (its gaps),
+and speculative decoding with it against the target's plain decoding.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from sdbench.engine.loop import generate
 from sdbench.errors import CheckFailed, SdbenchError
 from sdbench.models.loader import check_fit, check_same_tokenizer, eos_token_ids, load_model, load_tokenizer
 from sdbench.models.pair import pick_runner, resolve_device, resolve_dtype
-from sdbench.models.probe import PHASES, probe_runner
+from sdbench.models.probe import PHASES, TOLERANCE, probe_runner
 from sdbench.models.probe_cache import ProbeCache
 from sdbench.models.variants import split_variant, variant_runner
 from sdbench.strategies.autoregressive import Autoregressive
@@ -39,7 +41,7 @@ class Checked:
     """One model's row of the table."""
 
     model: str
-    role: str  # "target" | "draft"
+    role: str  # "target" | "draft" | "head"
     runner: str = "–"
     gaps: dict = field(default_factory=dict)  # phase -> the probe's largest relative gap
     tolerance: float | None = None
@@ -55,8 +57,9 @@ class Checked:
 
 
 def run_check(target: str, drafts: list[str], device: str, dtype: str, fast: bool, context: int, tokens: int,
-              console: Console) -> None:
-    """Check the target and every draft; print the table; raise CheckFailed (exit 1) on any failure."""
+              console: Console, heads: list[str] = ()) -> None:
+    """Check the target, every draft and every trained head; print the table; raise CheckFailed (exit 1) on any
+    failure."""
     if context < 1 or tokens < 1:
         raise SdbenchError("check: --context and --tokens must be at least 1")
     dev = resolve_device(device)
@@ -81,6 +84,11 @@ def run_check(target: str, drafts: list[str], device: str, dtype: str, fast: boo
         if draft is not None and runner is not None:
             with console.status(f"speculative decoding with {name} against plain decoding"):
                 _lossless(row, runner, draft, prompt, tokens, plain, loaded)
+    for name in heads:
+        rows.append(Checked(name, "head"))
+        if runner is not None:  # a head is read against the target's runner: none when the target failed
+            with console.status(f"the hidden states {name} reads, and speculative decoding with it"):
+                _head(rows[-1], runner, loaded, prompt, tokens, plain)
     console.print(_table(rows, dev, dtype, context, tokens))
     for row in rows:
         for line in row.notes:
@@ -182,6 +190,37 @@ def _lossless(row: Checked, target, draft, prompt: list[int], tokens: int, plain
                             "greedy output")
 
 
+def _head(row: Checked, runner, loaded, prompt: list[int], tokens: int, plain: list[int]) -> None:
+    """A trained head: it loads and fits the target; the runner's states at its layers equal the library's;
+    greedy speculative decoding with it gives the target's plain tokens."""
+    from sdbench.models.heads.load import MEDUSA, load_head  # reads weights: only a check with --head
+    from sdbench.models.heads.probe import tap_gaps
+    from sdbench.strategies import strategy
+
+    try:
+        head = load_head(row.model, runner)
+        declared = strategy("medusa" if head.kind == MEDUSA else "eagle")
+        gamma = min(GAMMA, int(head.config["medusa_num_heads"])) if head.kind == MEDUSA else GAMMA
+        proposer = declared.proposer_for(head, runner, gamma)
+    except SdbenchError as e:
+        row.problems.append(str(e))
+        return
+    row.runner, row.tokenizer = f"{head.kind} head", "the target's"
+    row.weights = sum(w.numel() * w.element_size() for w in head.weights.values())
+    row.gaps = tap_gaps(runner, loaded.model, head.layers, prompt)
+    row.tolerance = TOLERANCE.get(runner.dtype, TOLERANCE[torch.bfloat16])  # the fidelity probe's, for states
+    phase = max(row.gaps, key=row.gaps.get)
+    if row.gaps[phase] > row.tolerance:
+        row.problems.append(f"--head {row.model}: the target's hidden states at layers {head.layers} differ from the "
+                            f"library's output_hidden_states by {row.gaps[phase]:.1e} at the {phase} "
+                            f"(tolerance {row.tolerance:g})")
+    out = generate(runner, proposer, [prompt], max_new_tokens=tokens, sampling=SamplingConfig(),
+                   eos_ids=eos_token_ids(loaded)).output_ids[0]
+    row.greedy = "✓" if out == plain else "✗"
+    if out != plain:
+        row.problems.append(f"--head {row.model}: speculative decoding with it changed the target's greedy output")
+
+
 def _table(rows: list[Checked], dev, dtype: str, context: int, tokens: int) -> Table:
     table = Table(title=f"sdbench check · {dev} {dtype} · probe over {context} positions · {tokens} greedy tokens")
     for col in ("model", "role", "runner", *(f"{p} gap" for p in PHASES), "tokenizer", "weights", "greedy", ""):
@@ -196,5 +235,8 @@ def _table(rows: list[Checked], dev, dtype: str, context: int, tokens: int) -> T
     table.caption = ("gap: the largest |runner - library| / max(1, max |logit|) over the probed positions"
                      + (f"; tolerance {tol:g}" if tol is not None else "")
                      + "; tokenizer: a draft's against the target's; greedy: the target against the library's "
-                     "generate, a draft against the target's plain decoding")
+                     "generate, a draft against the target's plain decoding"
+                     + ("; a head's gaps: the target's hidden states at its layers against the library's "
+                        "output_hidden_states, and greedy: decoding with it against plain"
+                        if any(r.role == "head" for r in rows) else ""))
     return table

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from rich.console import Console
 from rich.table import Table
 
@@ -11,6 +13,7 @@ from sdbench.data.tasks import dataset_available
 from sdbench.errors import SdbenchError
 from sdbench.models.aliases import drafts_of
 from sdbench.models.families import serving
+from sdbench.models.heads.registry import known_heads, same_model
 from sdbench.models.loader import load_config, model_available, model_registry
 from sdbench.models.shapes import parameter_count, size_label
 from sdbench.presets import read_presets
@@ -63,10 +66,14 @@ def _file_formats(table: Table) -> Table:
 
 
 def _models() -> Table:
-    """One row per alias: its shape from the shipped config (no hub), the runner that serves it, its drafts."""
+    """One row per alias: its shape from the shipped config (no hub), the runner that serves it, its drafts and
+    the heads train-head recorded for it; then a row per other target (a folder, a hub id) that has heads."""
     table = Table(title="models")
-    for col in ("name", "family", "size", "runner", "drafts", "offline now", "how / why"):
+    for col in ("name", "family", "size", "runner", "drafts", "heads", "offline now", "how / why"):
         table.add_column(col, overflow="fold")
+    heads: dict[str, list[str]] = {}  # target (one name per model) -> its heads, one line each
+    for h in known_heads():
+        heads.setdefault(same_model(h.get("target", "")), []).append(f"{h.get('kind')} {_home(h['path'])}")
     for e in model_registry:
         try:
             config = load_config(e.name)
@@ -76,8 +83,19 @@ def _models() -> Table:
             family, size, runner = config.model_type, size_label(parameter_count(config, cached=True)), serving(config).runner
         ok, how = model_available(e.name)
         name = ", ".join((e.name, *e.aliases))
-        table.add_row(name, family, size, runner, ", ".join(drafts_of(e.name)) or "-", _mark(ok), how)
+        table.add_row(name, family, size, runner, ", ".join(drafts_of(e.name)) or "-",
+                      "\n".join(heads.pop(e.name, ())) or "-", _mark(ok), how)
+    if heads:
+        table.add_section()
+    for target, lines in sorted(heads.items()):
+        table.add_row(target, "", "", "", "", "\n".join(lines), "", "a target named by folder or hub id")
     return table
+
+
+def _home(path: str) -> str:
+    """A path under the home folder as ~/..."""
+    home = str(Path.home())
+    return "~" + path[len(home):] if path.startswith(home + "/") else path
 
 
 def _available(title: str, registry, check) -> Table:

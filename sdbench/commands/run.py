@@ -35,6 +35,7 @@ from sdbench.models.pair import Pair, load_pair, resolve_device, resolve_dtype
 from sdbench.paths import output_dir
 from sdbench.reporting.results import Judged, Place, RunFields, RunWriter, new_run_id, result_row
 from sdbench.strategies import native_needed, resolve_strategy, strategy
+from sdbench.strategies.spec import refuse_head
 
 WARMUP_PROMPT_TOKENS = 256
 
@@ -55,9 +56,8 @@ def plan(cfg: RunConfig) -> tuple[RunConfig, object]:
     if cfg.prompt_len is not None and cfg.prompt_len < 1:
         raise SdbenchError(f"--prompt-len must be at least 1 (got {cfg.prompt_len})")
     declared = strategy(choice.base)
-    if "head" in cfg.options and not any(o.name == "head" for o in declared.options):
-        raise SdbenchError(f"--head needs --strategy eagle or medusa (a trained head drafts for them), not "
-                           f"'{cfg.strategy}'")
+    if "head" in cfg.options:
+        refuse_head(declared, cfg.strategy)
     options = declared.settings(cfg.options)
     if cfg.under_load or cfg.slo:
         check_load(cfg, choice.base, options)

@@ -45,14 +45,14 @@ from sdbench.reporting.cells import fmt
 from sdbench.reporting.report import ALL, labelled, speedup_of, summarize
 from sdbench.reporting.results import RunWriter
 from sdbench.reporting.stats import Interval, describe as describe_interval, doubt, speedup_interval
-from sdbench.strategies import native_needed, strategy, strategy_registry
+from sdbench.strategies import head_candidates, native_needed, strategy, strategy_registry
 from sdbench.strategies.spec import SearchContext
 from sdbench.commands.studies import INTERRUPTED, NOT_NEEDED, counted, heartbeat, next_trial, reason as trial_reason
 from sdbench.commands.studies import storage as study_storage
 
 # what must not change between sessions of one study, or its trials would not be comparable
 STUDY_SETTINGS = ("objective", "limit", "max_new_tokens", "batch_size", "seed", "prompt_len", "dtype", "repeats",
-                  "drafts")
+                  "drafts", "heads")
 
 
 class Lossy(Exception):
@@ -140,6 +140,8 @@ def draw(base: str, trial, space: SearchContext) -> dict:
     unknown = sorted(set(drafts) - set(space.drafts))
     if unknown:
         raise SdbenchError(f"strategy '{base}' chose draft '{unknown[0]}', which is not a --draft candidate")
+    if options.get("head") and options["head"] not in space.heads:
+        raise SdbenchError(f"strategy '{base}' chose head '{options['head']}', which is not a --head candidate")
     declared.settings(dict(options))
     return {"gamma": int(gamma), "options": dict(options), "drafts": list(drafts)}
 
@@ -191,7 +193,8 @@ class Tuner:
         if cfg.trials < 1:
             raise SdbenchError(f"--trials must be at least 1 (got {cfg.trials})")
         self.cfg, self.console, self.pair, self.pruner, self.write = cfg, console or Console(), pair, pruner, write
-        run, choice = plan(replace(cfg.run, gammas=(1,), options={}))
+        self.heads = head_candidates(cfg.run.strategy, cfg.run.target, cfg.heads)
+        run, choice = plan(replace(cfg.run, gammas=(1,), options={"head": self.heads[0]} if self.heads else {}))
         if not run.sampling.greedy:
             raise SdbenchError("sdbench tune decodes greedily: losslessness is checked token for token")
         self.run, self.strategy = run, choice.base
@@ -208,7 +211,7 @@ class Tuner:
         # what the user got wrong fails now, before any model loads: a strategy with nothing to tune (its space
         # drawn once at the configured lengths; the trials draw at the prompts' own), then a storage URL
         draw(self.strategy, optuna.create_study().ask(),
-             SearchContext(tuple(run.drafts), run.prompt_len or 0, run.max_new_tokens))
+             SearchContext(tuple(run.drafts), run.prompt_len or 0, run.max_new_tokens, self.heads))
         self._storage = self._open_storage()
 
     def _check_preset(self) -> None:
@@ -241,22 +244,24 @@ class Tuner:
         run = self.run
         mine = {"objective": self.cfg.objective, "limit": run.limit, "max_new_tokens": run.max_new_tokens,
                 "batch_size": run.batch_size, "seed": run.sampling.seed, "prompt_len": run.prompt_len,
-                "dtype": run.dtype, "repeats": run.repeats, "drafts": list(run.drafts)}
+                "dtype": run.dtype, "repeats": run.repeats, "drafts": list(run.drafts),
+                **({"heads": list(self.heads)} if self.heads else {})}  # absent: older studies still match
         saved = study.user_attrs.get("settings")
         if saved is None:
             study.set_user_attr("settings", mine)
             study.set_user_attr("hardware", self.hardware)
             return
         for key in STUDY_SETTINGS:
-            if saved.get(key) != mine[key]:
+            if saved.get(key) != mine.get(key):
                 raise SdbenchError(f"study {self.study_name} was tuned with {key}={saved.get(key)}, not "
-                                   f"{mine[key]}: resume it with the same settings, or name a new one with --study")
+                                   f"{mine.get(key)}: resume it with the same settings, or name a new one with --study")
 
     def tune(self) -> optuna.Study:
         pair = self.pair or self.load()
         self.runners = dict(zip(self.run.drafts, pair.drafts))
         _, encoded = encode_prompts(self.run, pair)
-        space = SearchContext(tuple(self.run.drafts), max(len(e) for e in encoded), self.run.max_new_tokens)
+        space = SearchContext(tuple(self.run.drafts), max(len(e) for e in encoded), self.run.max_new_tokens,
+                              self.heads)
         study = self.open_study()
         self.console.print(f"study {self.study_name} in {_safe_url(self.storage())}", highlight=False)
         reference = self._reference(pair) if self.cfg.objective == "tokens" else None
@@ -281,7 +286,7 @@ class Tuner:
 
     def _reference(self, pair) -> dict:
         """Plain greedy outputs of the subset, for trials run without a baseline beside them."""
-        cfg = replace(self.run, strategy="autoregressive", gammas=(0,), drafts=(), baseline=False,
+        cfg = replace(self.run, strategy="autoregressive", gammas=(0,), drafts=(), options={}, baseline=False,
                       out=str(self.folder / "reference"))
         with self.console.status("plain decoding for the lossless check"):
             feed = _Feed(_NoPrune(), "tokens", None)

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+from sdbench.errors import SdbenchError
 from sdbench.presets import read_presets
 from sdbench.schedule import Entry, Schedule
 from sdbench.strategies.base import Proposal, Proposer
-from sdbench.strategies.spec import BuildContext, Strategy, Configuration, register, strategy, strategy_registry
+from sdbench.strategies.spec import (BuildContext, Configuration, Strategy, refuse_head, register, strategy,
+                                     strategy_registry)
 
 # each module registers its strategy (`@register` on its declaration)
 from sdbench.strategies import (adaptive, autoregressive, draft, dsi, eagle, magicdec, medusa,  # noqa: E402,F401
@@ -53,6 +55,27 @@ def resolve_strategy(name: str) -> StrategyChoice:
                           tuple(preset.get("drafts") or ()), schedule)
 
 
+def head_candidates(asked: str, target: str, given: tuple[str, ...] = ()) -> tuple[str, ...]:
+    """The heads `tune` chooses among for strategy (or preset) `asked`: those given (--head), else a preset's own,
+    else the target's heads of a kind the strategy drafts with that train-head recorded; () for a strategy that
+    takes no head."""
+    choice = resolve_strategy(asked)
+    declared = strategy(choice.base)
+    given = given or tuple(h for h in (choice.options.get("head"),) if h)
+    if given:
+        refuse_head(declared, asked)
+        return tuple(dict.fromkeys(given))
+    if not declared.head_kinds:
+        return ()
+    from sdbench.models.heads.registry import known_heads  # reads the user's index of heads
+
+    found = tuple(h["path"] for h in known_heads(target) if h.get("kind") in declared.head_kinds)
+    if not found:
+        raise SdbenchError(f"strategy '{declared.name}' needs a trained head to tune with: give --head PATH|HUB_ID "
+                           f"(repeatable), or train one for {target} with `sdbench train-head`")
+    return found
+
+
 def native_needed(cfg) -> dict[str, str]:
     """For a RunConfig: model name -> what of its strategy needs that model on the native runner."""
     choice = resolve_strategy(cfg.strategy)
@@ -82,4 +105,5 @@ def build_configurations(base: str, ctx: BuildContext) -> list[Configuration]:
 
 
 __all__ = ["BuildContext", "Proposal", "Proposer", "Strategy", "StrategyChoice", "Configuration", "build_proposer",
-           "build_configurations", "native_needed", "register", "resolve_strategy", "strategy", "strategy_registry"]
+           "build_configurations", "head_candidates", "native_needed", "register", "resolve_strategy", "strategy",
+           "strategy_registry"]

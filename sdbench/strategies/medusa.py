@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from sdbench.errors import SdbenchError
-from sdbench.strategies.eagle import HeadStrategy
+from sdbench.strategies.eagle import MAX_TUNED_GAMMA, HeadStrategy
 from sdbench.strategies.spec import register
 
 
@@ -11,7 +11,7 @@ from sdbench.strategies.spec import register
 class MedusaStrategy(HeadStrategy):
     name = "medusa"
     help = "Medusa-1 trained heads (--head) drafting a chain from the target's last hidden state, fixed gamma"
-    kinds = ("medusa",)
+    head_kinds = ("medusa",)
 
     @classmethod
     def drafter(cls, head, target, gamma: int):
@@ -22,3 +22,10 @@ class MedusaStrategy(HeadStrategy):
         if gamma > heads:
             raise SdbenchError(f"--gamma {gamma}: --head {head.name} has {heads} Medusa heads, one per draft")
         return MedusaDrafter(MedusaHead(head, target), head.name, head.layers)
+
+    @classmethod
+    def max_gamma(cls, heads: tuple[str, ...]) -> int:
+        """One draft per Medusa head: at most the fewest heads among the candidates (read from their configs)."""
+        from sdbench.models.heads.load import medusa_heads
+
+        return min([MAX_TUNED_GAMMA, *(n for n in map(medusa_heads, heads) if n)])

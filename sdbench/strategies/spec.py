@@ -50,6 +50,7 @@ class SearchContext:
     drafts: tuple[str, ...] = ()  # the --draft candidates
     prompt_tokens: int = 0  # longest prompt of the tuning subset
     max_new_tokens: int = 0
+    heads: tuple[str, ...] = ()  # the trained-head candidates (--head, or the target's recorded heads)
 
     @property
     def context_tokens(self) -> int:
@@ -89,6 +90,12 @@ def need_gamma(strategy: str, gamma: int, option: str = "--gamma") -> None:
         raise SdbenchError(f"{option} must be at least 1 for strategy '{strategy}' (got {gamma})")
 
 
+def refuse_head(declared: type["Strategy"], asked: str) -> None:
+    """--head given to a strategy that drafts with no trained head: one line. asked: the strategy as named."""
+    if not declared.head_kinds:
+        raise SdbenchError(f"--head needs --strategy eagle or medusa (a trained head drafts for them), not '{asked}'")
+
+
 def take_options(declared: tuple[Option, ...], given: dict, strategy: str) -> dict:
     """Declared defaults overridden by --set values; unknown keys are an error."""
     known = {o.name: o for o in declared}
@@ -109,6 +116,7 @@ class Strategy:
     options: ClassVar[tuple[Option, ...]] = ()
     needs_draft: ClassVar[bool] = False  # refused without --draft
     model_draft: ClassVar[bool] = False  # the first --draft must be a model (not a model-free draft such as ngram)
+    head_kinds: ClassVar[tuple[str, ...]] = ()  # the trained heads it drafts with (--head); () : it takes none
     proposer: ClassVar[type[Proposer]] = Proposer  # what `build` makes (its decoder and rows_join say how it runs)
 
     @classmethod

@@ -57,15 +57,31 @@ def load_head(source: str, target, kinds: tuple[str, ...] = (EAGLE3, EAGLE1, MED
     return head
 
 
+def looks_like_path(source: str) -> bool:
+    """A head the user named as a folder (a hub id is `owner/name`)."""
+    return source.startswith((".", "/", "~")) or source.count("/") != 1 or "\\" in source
+
+
 def _folder(source: str) -> Path:
     path = Path(source).expanduser()
     if path.is_dir():
         return path
-    if path.exists() or source.count("/") != 1:
-        raise SdbenchError(f"--head {source}: not a folder, nor a hub id (owner/name)")
+    if path.exists():
+        raise SdbenchError(f"--head {source}: not a folder (a head is a folder of config.json and weights)")
+    if looks_like_path(source):
+        raise SdbenchError(f"--head {source}: no such folder, nor a hub id (owner/name)")
     from sdbench.models.loader import hub_snapshot  # huggingface_hub: slow to import; only a hub head needs it
 
     return hub_snapshot(source)
+
+
+def medusa_heads(source: str) -> int | None:
+    """A Medusa head's number of heads, from its config alone (None: not a Medusa config, or not readable)."""
+    try:
+        n = _read_config(_folder(source), source).get("medusa_num_heads")
+    except SdbenchError:
+        return None
+    return n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else None
 
 
 def _read_config(folder: Path, source: str) -> dict:
@@ -79,15 +95,25 @@ def _read_config(folder: Path, source: str) -> dict:
 
 
 def _read_weights(folder: Path, source: str) -> dict[str, torch.Tensor]:
-    files = sorted(folder.glob("*.safetensors"))
-    if files:
-        from safetensors.torch import load_file
-
-        return {k: v for f in files for k, v in load_file(str(f)).items()}
-    files = sorted(folder.glob("*.bin")) + sorted(folder.glob("*.pt"))
+    files = sorted(folder.glob("*.safetensors")) or sorted(folder.glob("*.bin")) + sorted(folder.glob("*.pt"))
     if not files:
         raise SdbenchError(f"--head {source}: no weights in {folder} (*.safetensors, *.bin or *.pt)")
-    return {k: v for f in files for k, v in torch.load(f, map_location="cpu", weights_only=True).items()}
+    weights = {}
+    for f in files:
+        try:
+            if f.suffix == ".safetensors":
+                from safetensors.torch import load_file
+
+                part = load_file(str(f))
+            else:
+                part = torch.load(f, map_location="cpu", weights_only=True)
+        except Exception as err:  # safetensors, pickle and zip errors alike: the file is not readable weights
+            line = (str(err).strip() or type(err).__name__).splitlines()[0]
+            raise SdbenchError(f"--head {source}: {f} is not a readable weights file ({line})") from None
+        if not isinstance(part, dict) or not all(isinstance(v, torch.Tensor) for v in part.values()):
+            raise SdbenchError(f"--head {source}: {f} does not hold a dictionary of tensors")
+        weights.update(part)
+    return weights
 
 
 def _parse(source: str, config: dict, weights: dict, target) -> Head:
@@ -100,16 +126,24 @@ def _parse(source: str, config: dict, weights: dict, target) -> Head:
             raise SdbenchError(f"--head {source}: EAGLE-3 with {bad[0]} is not supported yet")
         layer = dict(config.get("transformer_layer_config") or {})
         layer["draft_vocab_size"] = config.get("draft_vocab_size", layer.get("vocab_size"))
-        ids = config.get("eagle_aux_hidden_state_layer_ids") or eagle3_layers(n_layers)
+        ids = _layer_ids(source, config) or eagle3_layers(n_layers)
         return Head(source, EAGLE3, tuple(ids), layer, _strip(weights, "layers.0."),
                     bool(config.get("norm_before_residual", False)))
     if "LlamaForCausalLMEagle3" in (config.get("architectures") or []) or any(k.startswith("midlayer.") for k in weights):
-        ids = config.get("eagle_aux_hidden_state_layer_ids") or eagle3_layers(n_layers)
+        ids = _layer_ids(source, config) or eagle3_layers(n_layers)
         return Head(source, EAGLE3, tuple(ids), dict(config), _strip(weights, "midlayer."))
     if "fc.weight" in weights and any(k.startswith("layers.0.") for k in weights):
         return Head(source, EAGLE1, (FINAL,), dict(config), _strip(weights, "layers.0."))
     raise SdbenchError(f"--head {source}: not a head sdbench reads (EAGLE-3 in the speculators or EAGLE format, "
                        "EAGLE-1, Medusa-1)")
+
+
+def _layer_ids(source: str, config: dict) -> list | None:
+    ids = config.get("eagle_aux_hidden_state_layer_ids")
+    if ids is not None and not isinstance(ids, list):
+        raise SdbenchError(f"--head {source}: eagle_aux_hidden_state_layer_ids in its config.json is {ids!r}, not a "
+                           "list of layer ids")
+    return ids
 
 
 def _strip(weights: dict, prefix: str) -> dict:
@@ -127,7 +161,8 @@ def check_against(head: Head, target) -> None:
     H, L, V = cfg.hidden_size, cfg.num_hidden_layers, target.vocab_size
     where = f"--head {head.name}"
     # i < L: the input of layer i; L: the last layer's output (vLLM's and speculators' numbering)
-    bad = [i for i in head.layers if not 0 <= i <= L and not (i == FINAL and head.kind != EAGLE3)]
+    bad = [i for i in head.layers if isinstance(i, bool) or not isinstance(i, int)
+           or not 0 <= i <= L and not (i == FINAL and head.kind != EAGLE3)]
     if bad:
         raise SdbenchError(f"{where} reads target layer {bad[0]}, but the target has {L} layers (0 to {L})")
     if head.kind == MEDUSA:
@@ -142,6 +177,7 @@ def check_against(head: Head, target) -> None:
                            f"give {need} (hidden size {H})")
     if head.kind == EAGLE3:
         _check_vocab(head, V)
+    _check_layer(head, H, V)
 
 
 def _check_vocab(head: Head, V: int) -> None:
@@ -163,9 +199,55 @@ def _check_vocab(head: Head, V: int) -> None:
             raise SdbenchError(f"{where}: d2t maps to token {int(ids.max())}, past the target's {V} tokens")
 
 
+def _count(head: Head, key: str, default=None, least: int = 1) -> int:
+    """A whole-number setting of the head's config, at least `least` (one line otherwise)."""
+    value = head.config.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+        raise SdbenchError(f"--head {head.name}: {key} in its config.json is {value!r}, not a whole number of at "
+                           f"least {least}")
+    return value
+
+
+def _check_shapes(head: Head, need: dict[str, tuple[int, ...]], optional: dict[str, tuple[int, ...]]) -> None:
+    """Each weight the forward reads, present (`need`) and of the shape this target asks for."""
+    for name, shape in {**need, **optional}.items():
+        w = head.weights.get(name)
+        if w is None and name in need:
+            raise SdbenchError(f"--head {head.name}: no {name} in its weights")
+        if w is not None and tuple(w.shape) != shape:
+            raise SdbenchError(f"--head {head.name}: {name} has shape {tuple(w.shape)}, but its config and the "
+                               f"target's hidden size need {shape}")
+
+
+def _check_layer(head: Head, H: int, V: int) -> None:
+    """The EAGLE decoder layer's weights against its config and the target (hidden size H, V tokens)."""
+    hidden = head.config.get("hidden_size", H)
+    if hidden != H:
+        raise SdbenchError(f"--head {head.name} has hidden size {hidden}, but the target's is {H}")
+    n = _count(head, "num_attention_heads")
+    kv = _count(head, "num_key_value_heads", n)
+    D = _count(head, "head_dim", H // n)
+    gate = head.weights.get("mlp.gate_proj.weight")
+    inter = gate.shape[0] if gate is not None else _count(head, "intermediate_size")
+    width = 2 * H if head.kind == EAGLE3 else H  # EAGLE-3's attention reads cat(embedding, state)
+    need = {"self_attn.q_proj.weight": (n * D, width), "self_attn.k_proj.weight": (kv * D, width),
+            "self_attn.v_proj.weight": (kv * D, width), "self_attn.o_proj.weight": (H, n * D),
+            "mlp.gate_proj.weight": (inter, H), "mlp.up_proj.weight": (inter, H), "mlp.down_proj.weight": (H, inter),
+            "post_attention_layernorm.weight": (H,)}
+    optional = {"self_attn.q_proj.bias": (n * D,), "self_attn.k_proj.bias": (kv * D,),
+                "self_attn.v_proj.bias": (kv * D,), "self_attn.o_proj.bias": (H,), "self_attn.q_norm.weight": (D,),
+                "self_attn.k_norm.weight": (D,), "embed_tokens.weight": (V, H)}
+    if head.kind == EAGLE3:
+        need.update({"input_layernorm.weight": (H,), "hidden_norm.weight": (H,), "norm.weight": (H,)})
+        optional["lm_head.weight"] = (head.weights["lm_head.weight"].shape[0], H)
+    fc = head.weights["fc.weight"]
+    optional.update({"fc.weight": (H, fc.shape[1]), "fc.bias": (H,)})  # the state's width was checked above
+    _check_shapes(head, need, optional)
+
+
 def _check_medusa(head: Head, H: int, V: int) -> None:
     where = f"--head {head.name}"
-    n, depth = int(head.config["medusa_num_heads"]), int(head.config.get("medusa_num_layers", 1))
+    n, depth = _count(head, "medusa_num_heads"), _count(head, "medusa_num_layers", 1, least=0)
     for k in range(n):
         out = head.weights.get(f"{k}.{depth}.weight")
         if out is None:
@@ -173,3 +255,6 @@ def _check_medusa(head: Head, H: int, V: int) -> None:
         if out.shape != (V, H):
             raise SdbenchError(f"{where}: head {k} maps hidden size {out.shape[1]} to {out.shape[0]} tokens, but "
                                f"the target has hidden size {H} and {V} tokens")
+    blocks = [(k, j) for k in range(n) for j in range(depth)]  # the residual blocks before each projection
+    _check_shapes(head, {f"{k}.{j}.linear.weight": (H, H) for k, j in blocks},
+                  {f"{k}.{j}.linear.bias": (H,) for k, j in blocks})
