@@ -166,34 +166,52 @@ def test_chain_acceptance_counts_the_leading_run_of_accepted_drafts():
     assert got["positions"] == 3
     assert got["per_step"] == pytest.approx([2 / 3, 1 / 3])
     assert got["tau"] == pytest.approx(2.0)
+    # a prompt of 2 tokens: decoding drafts from root 1 on (the prompt's last position), so roots 1 and 2 count
+    seq.answer_from = 2
+    got = chain_acceptance(_Fixed(logits, labels), [seq], 2, "cpu", 64)
+    assert got["positions"] == 2 and got["per_step"] == pytest.approx([1 / 2, 0.0])
 
 
 @pytest.mark.parametrize("kind", ["eagle3", "medusa"])
-def test_a_fit_learns_the_targets_choices(fitted, kind):
-    """Fitted for a fixed number of steps on a tiny target's own answers, a head's held-out chains are accepted
-    far more often than before the fit (an untrained head's almost never)."""
+def test_a_fit_learns_what_decoding_accepts(fitted, kind, tmp_path):
+    """Fitted for a fixed number of steps on a tiny target's answers, a head's drafts are accepted by the real
+    decode loop (the target verifying, the head fed the loop's states) far more often than before the fit, and
+    the acceptance the fit reports on those answers rises with it. A head fitted to misaligned labels or states
+    would memorise them and still be rejected here."""
+    from sdbench.data import Prompt
+    from sdbench.engine.loop import generate
+    from sdbench.config import SamplingConfig
     from sdbench.models.loader import load_model
     from sdbench.models.pair import pick_runner
-    from sdbench.data import Prompt
+    from sdbench.strategies import strategy
     from sdbench.training.data import distil
     from sdbench.training.fit import Plan, Progress, fit
     from sdbench.training.heads import head_layers
 
     loaded = load_model(str(fitted / "target"))
     runner = pick_runner(loaded.model, "tiny", fast=False)
-    layers = head_layers(kind, loaded.model.config)
     prompts = [("p", Prompt(f"p/{i}", "x", (f"Tom has {i} apples",)), loaded.tokenizer.encode(f"Tom has {i} apples"))
-               for i in range(24)]
-    seqs = distil(runner, prompts, layers, 24, [])
+               for i in range(12)]
+    seqs = distil(runner, prompts, head_layers(kind, loaded.model.config), 32, [])
+
+    def accepted(head) -> float:
+        write_head(tmp_path / kind, kind, head, loaded.model, "tiny", torch.float32)
+        declared = strategy("medusa" if kind == "medusa" else "eagle")
+        proposer = declared.proposer_for(load_head(str(tmp_path / kind), runner), runner, 3)
+        res = generate(runner, proposer, [e for _, _, e in prompts], max_new_tokens=32, sampling=SamplingConfig())
+        assert [list(s.tokens[len(e):]) for s, (_, _, e) in zip(seqs, prompts)] == res.output_ids  # lossless
+        return sum(r.accepted for r in res.rows) / sum(r.drafted for r in res.rows)
+
     torch.manual_seed(0)
-    head = build(kind, loaded.model, seqs[:20], 3, 0)
-    opt = torch.optim.AdamW(head.parameters(), lr=1e-3, weight_decay=0.0)
-    before = chain_acceptance(head, seqs[20:], 3, "cpu", 2048)
-    plan = Plan(steps=3, lr=3e-3, batch_tokens=512, eval_every_s=1e9, max_steps=300)
-    done = fit(head, opt, seqs[:20], seqs[20:], plan, Progress(), 1e9, "cpu", lambda p: None)
-    assert done.step == 300
-    assert done.heldout["per_step"][0] > before["per_step"][0] + 0.2, (before, done.heldout)
-    assert done.heldout["tau"] > before["tau"] + 0.4, (before, done.heldout)
+    head = build(kind, loaded.model, seqs, 3, 0)
+    before, reported = accepted(head), chain_acceptance(head, seqs, 3, "cpu", 2048)
+    plan = Plan(steps=3, lr=3e-3, batch_tokens=512, eval_every_s=1e9, max_steps=200)
+    done = fit(head, torch.optim.AdamW(head.parameters(), lr=1e-3, weight_decay=0.0), seqs, seqs, plan, Progress(),
+               1e9, "cpu", lambda p: None)
+    assert done.step == 200
+    after = accepted(head)
+    assert after > before + 0.3, (before, after)
+    assert done.heldout["per_step"][0] > reported["per_step"][0] + 0.3, (reported, done.heldout)
 
 
 @pytest.fixture(scope="module")

@@ -29,6 +29,7 @@ class Sequence:
     tokens: torch.Tensor  # [T] prompt + answer
     states: torch.Tensor  # [T, k*H] the target states the head reads (stored in bfloat16 when the run is in float32)
     pred: torch.Tensor  # [T] the target's argmax after each position
+    answer_from: int = 0  # the prompt's length: drafting starts from root answer_from - 1 (0: every position counts)
 
 
 def training_prompts(datasets: tuple[str, ...], limit: int, seed: int, tokenizer,
@@ -74,7 +75,8 @@ def distil(runner, batch: list[tuple[str, Prompt, list[int]]], layers: tuple[int
         finally:
             runner.release(cache)
         states = taps.states()[0].float().cpu()
-        out.append(Sequence(src, prompt.id, tokens, states.to(torch.bfloat16), logits[0].argmax(-1).cpu()))
+        out.append(Sequence(src, prompt.id, tokens, states.to(torch.bfloat16), logits[0].argmax(-1).cpu(),
+                            len(prompt_ids)))
     return out
 
 
@@ -91,6 +93,13 @@ def load_shards(folder: Path) -> list[Sequence]:
     for path in sorted(folder.glob("shard-*.pt")):
         found += [Sequence(**d) for d in torch.load(path, weights_only=True)]
     return found
+
+
+def first_roots(seqs: list[Sequence]) -> torch.Tensor:
+    """[B] each sequence's first chain root that decoding drafts from: the prompt's last position (the prefill
+    gives the first answer token; the first draft follows it). Roots before it are the prompt's, which a head
+    never drafts from: they are neither fitted nor counted."""
+    return torch.tensor([max(s.answer_from - 1, 0) for s in seqs])
 
 
 def pad_batch(seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from sdbench.training.data import Sequence, pad_batch
+from sdbench.training.data import Sequence, first_roots, pad_batch
 
 
 @dataclass
@@ -59,7 +59,8 @@ def step_losses(model, seqs: list[Sequence], n_steps: int, device) -> tuple[torc
     """The mean cross-entropy over every step's labelled positions, each step's logits and labels."""
     tokens, states, pred, lengths = (t.to(device) for t in pad_batch(seqs))
     logits = model.steps(tokens, states, n_steps)
-    labels = model.labels(pred, len(logits), lengths)
+    before = torch.arange(tokens.shape[1], device=device)[None, :] < first_roots(seqs).to(device)[:, None]
+    labels = [lab.masked_fill(before, -100) for lab in model.labels(pred, len(logits), lengths)]  # answers only
     losses = [F.cross_entropy(lg.flatten(0, 1).float(), lb.flatten(), ignore_index=-100)
               for lg, lb in zip(logits, labels) if bool((lb != -100).any())]
     return torch.stack(losses).mean(), logits, labels
@@ -67,9 +68,10 @@ def step_losses(model, seqs: list[Sequence], n_steps: int, device) -> tuple[torc
 
 @torch.no_grad()
 def chain_acceptance(model, seqs: list[Sequence], n_steps: int, device, batch_tokens: int) -> dict:
-    """Greedy chain drafting of n_steps tokens from every position of held-out sequences whose whole chain
-    lies in the sequence: how many drafts the target accepts (the leading run of drafts equal to the target's
-    own choices), as the mean accepted length τ (with the target's bonus token) and per-step acceptance."""
+    """Greedy chain drafting of n_steps tokens from every answer position of held-out sequences whose whole
+    chain lies in the sequence (the positions decoding drafts from; a prompt's are easier and would flatter
+    it): how many drafts the target accepts (the leading run of drafts equal to the target's own choices), as
+    the mean accepted length τ (with the target's bonus token) and per-step acceptance."""
     model.eval()
     roots, per_step = 0, [0] * n_steps
     for group in _once(seqs, batch_tokens):
@@ -78,7 +80,9 @@ def chain_acceptance(model, seqs: list[Sequence], n_steps: int, device, batch_to
             continue
         T = labels[0].shape[1]
         lengths = torch.tensor([len(s.tokens) for s in group], device=device)
-        full = torch.arange(T, device=device)[None, :] + n_steps < lengths[:, None]  # the chain fits
+        roots_at = torch.arange(T, device=device)[None, :]
+        full = (roots_at + n_steps < lengths[:, None]) & (roots_at >= first_roots(group).to(device)[:, None])
+        # the chain fits, and starts where decoding drafts from (an answer's positions)
         run = torch.ones_like(full)
         for k in range(n_steps):
             run = run & (logits[k].argmax(-1) == labels[k]) & (labels[k] != -100)
