@@ -266,6 +266,29 @@ def test_train_head_learns_runs_lossless_and_says_when_measured_on_its_training_
     assert next(iter(again["trained_on"].values())) == trained
 
 
+def test_an_interrupted_fit_keeps_its_steps_in_one_line_and_resumes(fitted, capsys, monkeypatch):
+    import sdbench.commands.train_head as command
+    from tests.test_cli import _one_line
+
+    real = command.fit
+
+    def stopped(*args):
+        def on_step(p):
+            if p.step == 3:
+                raise KeyboardInterrupt
+        return real(*args[:-1], on_step)
+
+    monkeypatch.setattr(command, "fit", stopped)
+    out = fitted / "stopped"
+    code, _, err = _train(capsys, fitted, out, "0.5")
+    assert code == 130 and "interrupted at step 3" in _one_line(err)
+    assert json.loads((out / "sdbench_head.json").read_text())["steps"] == 3  # kept, beyond the last evaluation
+    monkeypatch.setattr(command, "fit", real)
+    code, _, err = _train(capsys, fitted, out, "0.5")
+    assert code == 0, err
+    assert json.loads((out / "sdbench_head.json").read_text())["steps"] > 3
+
+
 def test_train_head_refuses_a_folder_made_for_another_fit(fitted, capsys):
     from tests.test_cli import _one_line
 

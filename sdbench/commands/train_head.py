@@ -18,7 +18,7 @@ from rich.table import Table
 
 from sdbench.config import HEAD_KINDS, TrainHeadConfig
 from sdbench.env import environment
-from sdbench.errors import SdbenchError
+from sdbench.errors import Interrupted, SdbenchError
 from sdbench.models.heads.registry import HeadRecord, write_record
 from sdbench.paths import output_dir
 from sdbench.training import data as D
@@ -80,7 +80,7 @@ def train_head(cfg: TrainHeadConfig, console: Console) -> Path:
         runner = pair.target
     prompts = D.training_prompts(cfg.data, cfg.prompts, cfg.seed, loaded.tokenizer)
     heldout_ids = {(src, p.id) for i, (src, p) in enumerate(prompts) if i % HELDOUT_EVERY == HELDOUT_EVERY - 1}
-    seqs = _make_data(out, cfg, state, runner, loaded.tokenizer, prompts, layers, eos, device, console, t_start)
+    seqs = _make_data(out, cfg, state, runner, loaded.tokenizer, prompts, layers, eos, device, console)
     train = [s for s in seqs if (s.source, s.id) not in heldout_ids]
     heldout = [s for s in seqs if (s.source, s.id) in heldout_ids] or train[-1:]
     if not train:
@@ -113,7 +113,12 @@ def train_head(cfg: TrainHeadConfig, console: Console) -> Path:
             info = f"step {p.step}  loss {p.loss:.3f}" + (f"  held-out τ {tau:.2f}" if tau else "")
             bar.update(task, completed=min(p.seconds, budget), info=info)
 
-        fit(model, optimizer, train, heldout, plan, progress, budget, device, on_eval, on_step)
+        try:
+            fit(model, optimizer, train, heldout, plan, progress, budget, device, on_eval, on_step)
+        except KeyboardInterrupt:
+            on_eval(progress)  # the steps since the last evaluation are kept too
+            raise Interrupted(f"interrupted at step {progress.step}: the head so far is in {out}; the same command "
+                              "resumes the fit") from None
     _summary(console, cfg, out, progress, len(train), len(heldout), seqs, time.perf_counter() - t_start)
     return out
 
@@ -143,8 +148,7 @@ def _save_state(out: Path, state: dict) -> None:
     tmp.replace(out / STATE)
 
 
-def _make_data(out, cfg, state, runner, tokenizer, prompts, layers, eos, device, console,
-               t_start) -> list[D.Sequence]:
+def _make_data(out, cfg, state, runner, tokenizer, prompts, layers, eos, device, console) -> list[D.Sequence]:
     """The sequences made so far (a resumed run keeps them), then the rest, in batches landed as shards, until
     the prompts or the data's share of the budget run out."""
     folder = out / "data"
@@ -166,7 +170,11 @@ def _make_data(out, cfg, state, runner, tokenizer, prompts, layers, eos, device,
                               f"{len(prompts)} prompts answered)", style="yellow", highlight=False)
                 break
             t0 = time.perf_counter()
-            made = D.distil(runner, todo[i:i + size], layers, cfg.max_new_tokens, eos)
+            try:
+                made = D.distil(runner, todo[i:i + size], layers, cfg.max_new_tokens, eos)
+            except KeyboardInterrupt:
+                raise Interrupted(f"interrupted while the target answered: {len(seqs)} answers kept in {folder}; "
+                                  "the same command goes on from there") from None
             D.save_shard(folder, shard, made)
             shard += 1
             seqs += made
