@@ -67,14 +67,11 @@ def draft_vocabulary(seqs: list[Sequence], vocab: int, size: int) -> torch.Tenso
 
 def build(kind: str, model, seqs: list[Sequence], steps: int, draft_vocab: int | None):
     """A fresh trainee for the loaded library model `model` (its embedding and head are read, not changed)."""
-    emb = model.get_input_embeddings().weight.detach().float().cpu().clone()  # a copy: the model's may be inference tensors
-    out = model.get_output_embeddings().weight.detach().float().cpu().clone()
     if kind == "medusa":
-        return MedusaTrainee(out, steps)
-    layer = layer_config(model.config)
-    size = DEFAULT_DRAFT_VOCAB if draft_vocab is None else (draft_vocab or layer.vocab_size)
-    ids = draft_vocabulary(seqs, layer.vocab_size, min(size, layer.vocab_size))
-    trainee = Eagle3Trainee(layer, emb, ids, out[ids], n_states=len(head_layers(kind, model.config)))
+        return rebuild(kind, model, steps, None)
+    vocab = text_config(model.config).vocab_size
+    size = DEFAULT_DRAFT_VOCAB if draft_vocab is None else (draft_vocab or vocab)
+    trainee = rebuild(kind, model, steps, draft_vocabulary(seqs, vocab, min(size, vocab)))
     norm = getattr(model.get_decoder(), "norm", None)
     if norm is not None and getattr(norm, "weight", None) is not None and norm.weight.shape == trainee.norm.shape:
         with torch.no_grad():  # its lm_head starts as the target's over the target's final norm
@@ -83,11 +80,11 @@ def build(kind: str, model, seqs: list[Sequence], steps: int, draft_vocab: int |
 
 
 def rebuild(kind: str, model, steps: int, draft_ids: torch.Tensor | None):
-    """The trainee a checkpoint was made from (its draft vocabulary as saved)."""
-    emb = model.get_input_embeddings().weight.detach().float().cpu().clone()  # a copy: the model's may be inference tensors
-    out = model.get_output_embeddings().weight.detach().float().cpu().clone()
-    if kind == "medusa":
+    """The trainee over `model`'s embedding and head with a given draft vocabulary (a checkpoint's, as saved)."""
+    out = model.get_output_embeddings().weight.detach().float().cpu().clone()  # copies: the model's may be
+    if kind == "medusa":  # inference tensors
         return MedusaTrainee(out, steps)
+    emb = model.get_input_embeddings().weight.detach().float().cpu().clone()
     return Eagle3Trainee(layer_config(model.config), emb, draft_ids, out[draft_ids],
                          n_states=len(head_layers(kind, model.config)))
 
