@@ -195,7 +195,8 @@ def report(
 def tune(
     target: Target = C.DEFAULT_TARGET,
     draft: Annotated[Optional[list[str]], typer.Option("--draft", "-d", help="draft candidate (repeatable; the tuner picks one per trial)")] = None,
-    strategy: Strategy = C.DEFAULT_STRATEGY, dataset: Dataset = C.DEFAULT_DATASET, limit: Limit = C.DEFAULT_LIMIT,
+    strategy: Annotated[Optional[list[str]], typer.Option("--strategy", "-s", help="strategy or preset to tune; several (repeated, or draft,eagle,ngram): one study chooses among them and their settings [default: ngram]")] = None,
+    dataset: Dataset = C.DEFAULT_DATASET, limit: Limit = C.DEFAULT_LIMIT,
     max_new_tokens: MaxNew = C.DEFAULT_MAX_NEW_TOKENS, batch_size: Batch = 1, seed: Seed = 0,
     prompt_len: Annotated[Optional[str], typer.Option("--prompt-len", help="prompts of exactly this many tokens (book datasets); several (512,4096): a schedule per context length too")] = None,
     batch: Annotated[Optional[str], typer.Option("--batch", help="batch sizes, e.g. 1,4: one study each, written as a schedule that run looks up per batch size")] = None,
@@ -210,19 +211,24 @@ def tune(
     head: Annotated[Optional[list[str]], typer.Option("--head", help="trained-head candidate for --strategy eagle or medusa (repeatable; the tuner picks one per trial) [default: the target's heads that train-head recorded]")] = None,
 ):
     """Search a strategy's settings with Optuna on a fixed prompt subset; write the best as a preset (with
-    several --batch sizes or --prompt-len lengths: the best per bucket, as a schedule preset)."""
+    several --batch sizes or --prompt-len lengths: the best per bucket, as a schedule preset; with several
+    --strategy: the best strategy and its settings, e.g. among draft models, trained heads and n-gram)."""
     from sdbench.commands.schedule import tune_schedule
     from sdbench.commands.tune import tune as run_tune
 
     batches, lengths = parse_gammas(batch, "--batch", 1), parse_gammas(prompt_len, "--prompt-len", 1)
     if batches and batch_size != 1:
         raise SdbenchError("give either --batch (sizes to tune a schedule over) or --batch-size, not both")
+    strategies = tuple(n.strip() for given in strategy or (C.DEFAULT_STRATEGY,) for n in given.split(",") if n.strip())
+    if not strategies:
+        raise SdbenchError("--strategy: name a strategy or preset (see `sdbench list strategies`)")
     run_cfg = C.RunConfig(
-        target=target, drafts=tuple(draft or ()), strategy=strategy, dataset=dataset, limit=limit,
+        target=target, drafts=tuple(draft or ()), strategy=strategies[0], dataset=dataset, limit=limit,
         max_new_tokens=max_new_tokens, batch_size=batch_size, sampling=C.SamplingConfig(0.0, 1.0, seed),
         device=device, dtype=dtype, repeats=repeats, out=out, probe=probe_mode(probe, no_probe),
     )
-    cfg = C.TuneConfig(run_cfg, trials, timeout, objective, storage, study, preset, batches, lengths, tuple(head or ()))
+    cfg = C.TuneConfig(run_cfg, trials, timeout, objective, storage, study, preset, batches, lengths, tuple(head or ()),
+                       strategies)
     (tune_schedule if len(batches) > 1 or len(lengths) > 1 else run_tune)(cfg, console)
 
 

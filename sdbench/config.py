@@ -87,6 +87,7 @@ class TuneConfig:
     batches: tuple[int, ...] = ()  # several: one study per batch size, written as a schedule (commands/schedule.py)
     prompt_lens: tuple[int, ...] = ()  # several: one study per prompt length too (MagicDec's budget per context)
     heads: tuple[str, ...] = ()  # trained-head candidates (eagle, medusa); none: the target's recorded heads
+    strategies: tuple[str, ...] = ()  # several: one study chooses among them (each trial one); none: run.strategy
 
 
 HEAD_KINDS = ("eagle3", "medusa")

@@ -11,7 +11,6 @@ import json
 import pytest
 import torch
 
-from sdbench.drafting.heads import MedusaDrafter  # noqa: F401  (the drafter the Medusa head below is read by)
 from sdbench.models.heads.eagle import EagleHead
 from sdbench.models.heads.load import load_head
 from sdbench.models.heads.medusa import MedusaHead

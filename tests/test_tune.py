@@ -487,3 +487,77 @@ def test_tune_head_refusals(tmp_path, pair):
         tuner(tmp_path, pair, strategy="ngram", heads=("x",))
     with pytest.raises(SdbenchError, match="--head /nonexistent: no such folder"):
         tuner(tmp_path, pair, strategy="eagle", drafts=(), heads=("/nonexistent",))
+
+
+# ---- several strategies in one study: the draft choice among draft models, heads and n-gram -----------------
+
+
+def test_one_study_chooses_among_a_draft_model_a_head_and_ngram(tmp_path, pair, user_presets):
+    from tests.heads import eagle3_dir
+
+    head = str(eagle3_dir(tmp_path / "e", pair.target.model, layer_ids=(0, 1, 1), seed=1))
+    t = tuner(tmp_path, pair, strategy="draft", strategies=("draft", "eagle", "ngram"), heads=(head,), trials=5,
+              objective="tokens", pruner=optuna.pruners.NopPruner())
+    assert t.strategies == ("draft", "eagle", "ngram") and t.heads_of == {"draft": (), "eagle": (head,), "ngram": ()}
+    assert t.study_name.startswith("sdbench-tiny-draft+eagle+ngram-") and t.preset_name == "tuned-draft-eagle-ngram-tiny"
+    study = t.tune()
+    done = [s for s in study.trials if s.state == TrialState.COMPLETE]
+    assert len(done) == 5  # each checked token for token against plain decoding
+    assert [s.params["strategy"] for s in done[:3]] == ["draft", "eagle", "ngram"]  # each measured once first
+    for s in done:  # each strategy's settings are its own parameters, and the trial ran the strategy it drew
+        chosen = s.params["strategy"]
+        assert all(k == "strategy" or k.startswith(f"{chosen}.") for k in s.params), s.params
+        settings = s.user_attrs["settings"]
+        assert settings["strategy"] == chosen and settings["gamma"] == s.params[f"{chosen}.gamma"]
+        rows = read_results([s.user_attrs["results"]])
+        assert set(rows[rows["role"] != "baseline"]["strategy"]) == {chosen}
+        assert settings["drafts"] == (["tiny-draft"] if chosen == "draft" else [])
+        if chosen == "eagle":
+            assert settings["options"] == {"head": head}
+    best = max(done, key=lambda s: s.value)
+    spec = yaml.safe_load(t.preset_path.read_text())
+    assert (spec["strategy"], spec["gamma"]) == (best.params["strategy"], best.user_attrs["settings"]["gamma"])
+    choice = resolve_strategy(t.preset_name)  # what `run --strategy` reads: the best strategy with its settings
+    assert (choice.base, choice.options) == (best.params["strategy"], best.user_attrs["settings"]["options"])
+    trials = pd.read_parquet(t.folder / "trials" / "trials.parquet")
+    assert list(trials["strategy"]) == [s.params["strategy"] for s in study.trials]
+
+
+def test_heads_go_to_the_strategy_of_their_kind(tmp_path, pair):
+    from sdbench.strategies import heads_for
+    from tests.heads import eagle3_dir, medusa_dir
+
+    eagle = str(eagle3_dir(tmp_path / "e", pair.target.model, layer_ids=(0, 1, 1)))
+    medusa = str(medusa_dir(tmp_path / "m", pair.target.model))
+    assert heads_for(("eagle", "medusa", "ngram"), "tiny", (medusa, eagle)) == {
+        "eagle": (eagle,), "medusa": (medusa,), "ngram": ()}
+    with pytest.raises(SdbenchError, match=f"--head {re.escape(medusa)}: no --strategy tuned here drafts with it"):
+        heads_for(("eagle", "ngram"), "tiny", (eagle, medusa))
+    with pytest.raises(SdbenchError, match="'medusa' needs a trained head to tune with"):
+        heads_for(("eagle", "medusa"), "tiny", (eagle,))  # and the target has none recorded
+
+
+def test_several_strategies_refusals(tmp_path, pair):
+    with pytest.raises(SdbenchError, match="--strategy ngram is given twice"):
+        tuner(tmp_path, pair, strategies=("ngram", "ngram"))
+    (tmp_path / "strategies").mkdir(exist_ok=True)
+    (tmp_path / "strategies" / "mine.yaml").write_text("name: mine\nstrategy: ngram\n")
+    with pytest.raises(SdbenchError, match="two of ngram, mine are strategy 'ngram'"):
+        tuner(tmp_path, pair, strategies=("ngram", "mine"))
+    with pytest.raises(SdbenchError, match="strategy 'draft' needs"):
+        tuner(tmp_path, pair, strategies=("ngram", "draft"), drafts=())  # each strategy checked as run checks it
+    from sdbench.commands.schedule import tune_schedule
+
+    run = RunConfig(target="tiny", strategy="ngram", device="cpu", out=str(tmp_path / "r"), drafts=("tiny-draft",))
+    with pytest.raises(SdbenchError, match="a schedule holds one strategy's settings per bucket"):
+        tune_schedule(TuneConfig(run, batches=(1, 2), strategies=("ngram", "draft")), None, pair=pair)
+
+
+def test_cli_takes_several_strategies(monkeypatch):
+    import sdbench.commands.tune
+    from sdbench.cli import main
+
+    seen = {}
+    monkeypatch.setattr(sdbench.commands.tune, "tune", lambda cfg, console: seen.setdefault("cfg", cfg))
+    main(["tune", "--target", "m", "--strategy", "draft,eagle", "-s", "ngram", "--draft", "a"])
+    assert seen["cfg"].strategies == ("draft", "eagle", "ngram") and seen["cfg"].run.strategy == "draft"

@@ -44,6 +44,9 @@ def bucket_config(cfg: TuneConfig, study: str, batch: int, prompt_len: int | Non
 
 def tune_schedule(cfg: TuneConfig, console: Console, pair=None) -> Path:
     """Tune every bucket, then write the schedule preset; returns its path."""
+    if len(cfg.strategies) > 1:
+        raise SdbenchError("a schedule holds one strategy's settings per bucket: give one --strategy with --batch "
+                           "or several --prompt-len lengths")
     planned = Tuner(cfg, console, write=False)
     name = cfg.preset or slug(f"schedule-{planned.strategy}-{planned.run.target}")
     first = Tuner(replace(cfg, preset=name), console, write=False)  # checks the preset's name

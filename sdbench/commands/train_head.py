@@ -132,7 +132,7 @@ def _state(out: Path, cfg: TrainHeadConfig) -> dict:
         if any(out.glob("*.safetensors")) or (out / "config.json").is_file():
             raise SdbenchError(f"--out {out} already holds a head train-head did not start: give another folder")
         state = {**made, "data_seconds": 0.0}
-        path.write_text(json.dumps(state, indent=1))
+        _save_state(out, state)
         return state
     state = json.loads(path.read_text())
     differ = [k for k, v in made.items() if state.get(k) != v]

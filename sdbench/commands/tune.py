@@ -1,5 +1,9 @@
 """`sdbench tune`: an Optuna study over a strategy's own search space, measured by real runs.
 
+With several strategies (`--strategy draft --strategy eagle --strategy ngram`) one study chooses among them: each
+trial draws a strategy, then that strategy's own settings (named `STRATEGY.NAME`, so two strategies' `gamma` stay
+two parameters) — the draft choice among draft models, trained heads and n-gram lookup, measured alike.
+
 Each trial is one `Bench` run over the same seeded prompt subset, with the settings the strategy's
 `search_space` draws; the model pair is loaded once and shared by every trial. The objective is the speedup
 over plain decoding measured beside the trial on the same prompts, or the strategy's tokens/s. Losslessness
@@ -45,7 +49,7 @@ from sdbench.reporting.cells import fmt
 from sdbench.reporting.report import ALL, labelled, speedup_of, summarize
 from sdbench.reporting.results import RunWriter
 from sdbench.reporting.stats import Interval, describe as describe_interval, doubt, speedup_interval
-from sdbench.strategies import head_candidates, native_needed, strategy, strategy_registry
+from sdbench.strategies import heads_for, native_needed, strategy, strategy_registry
 from sdbench.strategies.spec import SearchContext
 from sdbench.commands.studies import INTERRUPTED, NOT_NEEDED, counted, heartbeat, next_trial, reason as trial_reason
 from sdbench.commands.studies import storage as study_storage
@@ -146,9 +150,36 @@ def draw(base: str, trial, space: SearchContext) -> dict:
     return {"gamma": int(gamma), "options": dict(options), "drafts": list(drafts)}
 
 
+class Within:
+    """A trial as one of several strategies tuned together sees it: the parameters it suggests are named
+    STRATEGY.NAME, so that each strategy's search space is its own (TPE models each apart)."""
+
+    def __init__(self, trial, strategy: str):
+        self.trial, self.prefix = trial, f"{strategy}."
+
+    def suggest_int(self, name: str, *args, **kwargs):
+        return self.trial.suggest_int(self.prefix + name, *args, **kwargs)
+
+    def suggest_float(self, name: str, *args, **kwargs):
+        return self.trial.suggest_float(self.prefix + name, *args, **kwargs)
+
+    def suggest_categorical(self, name: str, *args, **kwargs):
+        return self.trial.suggest_categorical(self.prefix + name, *args, **kwargs)
+
+
+def draw_among(bases: tuple[str, ...], trial, spaces: dict[str, SearchContext]) -> dict:
+    """One trial's settings: with one strategy, its own draw (parameters as the strategy names them); with
+    several, the strategy first (a categorical), then its settings, and the settings record which it is."""
+    if len(bases) == 1:
+        return draw(bases[0], trial, spaces[bases[0]])
+    base = trial.suggest_categorical("strategy", list(bases))
+    return {"strategy": base, **draw(base, Within(trial, base), spaces[base])}
+
+
 def describe(settings: dict) -> str:
-    """e.g. 'gamma=4 max_ngram=3 draft=smollm2-135m'."""
-    parts = [f"gamma={settings['gamma']}", *(f"{k}={v}" for k, v in settings["options"].items())]
+    """e.g. 'gamma=4 max_ngram=3 draft=smollm2-135m' ('strategy=eagle gamma=3 head=...' among several)."""
+    parts = [*([f"strategy={settings['strategy']}"] if settings.get("strategy") else []),
+             f"gamma={settings['gamma']}", *(f"{k}={v}" for k, v in settings["options"].items())]
     if settings.get("drafts"):
         parts.append(f"draft={','.join(settings['drafts'])}")
     return " ".join(parts)
@@ -193,11 +224,26 @@ class Tuner:
         if cfg.trials < 1:
             raise SdbenchError(f"--trials must be at least 1 (got {cfg.trials})")
         self.cfg, self.console, self.pair, self.pruner, self.write = cfg, console or Console(), pair, pruner, write
-        self.heads = head_candidates(cfg.run.strategy, cfg.run.target, cfg.heads)
-        run, choice = plan(replace(cfg.run, gammas=(1,), options={"head": self.heads[0]} if self.heads else {}))
-        if not run.sampling.greedy:
+        asked = cfg.strategies or (cfg.run.strategy,)
+        twice = [a for i, a in enumerate(asked) if a in asked[:i]]
+        if twice:
+            raise SdbenchError(f"--strategy {twice[0]} is given twice")
+        heads = heads_for(tuple(asked), cfg.run.target, cfg.heads)
+        # each strategy's run planned (and checked) on its own; the study's run is the first's, with every draft
+        self.runs = [plan(replace(cfg.run, strategy=a, gammas=(1,), options={"head": heads[a][0]} if heads[a] else {}))
+                     for a in asked]
+        if not self.runs[0][0].sampling.greedy:
             raise SdbenchError("sdbench tune decodes greedily: losslessness is checked token for token")
-        self.run, self.strategy = run, choice.base
+        bases = tuple(choice.base for _, choice in self.runs)
+        same = [b for i, b in enumerate(bases) if b in bases[:i]]
+        if same:
+            raise SdbenchError(f"--strategy: two of {', '.join(asked)} are strategy '{same[0]}'; tune it once")
+        drafts = tuple(dict.fromkeys(d for run, _ in self.runs for d in run.drafts))
+        self.run, self.strategies = replace(self.runs[0][0], drafts=drafts, options={}), bases
+        self.strategy = "+".join(bases)  # one strategy's name, or the names of those chosen among
+        self.heads_of = {choice.base: heads[a] for a, (_, choice) in zip(asked, self.runs)}
+        self.heads = tuple(dict.fromkeys(h for hs in self.heads_of.values() for h in hs))
+        run = self.run
         self.device = resolve_device(run.device)
         self.dtype = resolve_dtype(run.dtype, self.device)
         self.hardware = environment(str(self.device), run.dtype)["hardware"]
@@ -210,9 +256,14 @@ class Tuner:
         optuna.logging.set_verbosity(optuna.logging.WARNING)
         # what the user got wrong fails now, before any model loads: a strategy with nothing to tune (its space
         # drawn once at the configured lengths; the trials draw at the prompts' own), then a storage URL
-        draw(self.strategy, optuna.create_study().ask(),
-             SearchContext(tuple(run.drafts), run.prompt_len or 0, run.max_new_tokens, self.heads))
+        for base in bases:
+            draw_among((base,), optuna.create_study().ask(), self.spaces(run.prompt_len or 0))
         self._storage = self._open_storage()
+
+    def spaces(self, prompt_tokens: int) -> dict[str, SearchContext]:
+        """Each strategy's search context: the draft candidates, the lengths, its own head candidates."""
+        return {b: SearchContext(tuple(self.run.drafts), prompt_tokens, self.run.max_new_tokens, self.heads_of[b])
+                for b in self.strategies}
 
     def _check_preset(self) -> None:
         if self.preset_name in strategy_registry:
@@ -250,6 +301,7 @@ class Tuner:
         if saved is None:
             study.set_user_attr("settings", mine)
             study.set_user_attr("hardware", self.hardware)
+            study.set_user_attr("strategies", list(self.strategies))
             return
         for key in STUDY_SETTINGS:
             if saved.get(key) != mine.get(key):
@@ -260,9 +312,11 @@ class Tuner:
         pair = self.pair or self.load()
         self.runners = dict(zip(self.run.drafts, pair.drafts))
         _, encoded = encode_prompts(self.run, pair)
-        space = SearchContext(tuple(self.run.drafts), max(len(e) for e in encoded), self.run.max_new_tokens,
-                              self.heads)
+        space = self.spaces(max(len(e) for e in encoded))
         study = self.open_study()
+        if len(self.strategies) > 1:  # each strategy is measured once before the sampler weighs them
+            for base in self.strategies:
+                study.enqueue_trial({"strategy": base}, skip_if_exists=True)
         self.console.print(f"study {self.study_name} in {_safe_url(self.storage())}", highlight=False)
         reference = self._reference(pair) if self.cfg.objective == "tokens" else None
         started = time.monotonic()
@@ -281,8 +335,9 @@ class Tuner:
         return study
 
     def load(self):
-        """The pair this study's runs decode with."""
-        return load_pair(self.run, self.device, self.dtype, self.console, native_needed(self.run))
+        """The pair this study's runs decode with (on the native runner where any strategy needs it)."""
+        needed = {model: why for run, _ in self.runs for model, why in native_needed(run).items()}
+        return load_pair(self.run, self.device, self.dtype, self.console, needed)
 
     def _reference(self, pair) -> dict:
         """Plain greedy outputs of the subset, for trials run without a baseline beside them."""
@@ -293,14 +348,15 @@ class Tuner:
             Bench(cfg, Console(quiet=True), pair=replace(pair, drafts=[]), on_batch=feed).run()
         return {(r["prompt_id"], r["turn"]): list(r["output_ids"]) for r in feed.rows if r["repeat"] == 0}
 
-    def _trial(self, study: optuna.Study, trial, pair, space: SearchContext, reference: dict | None) -> None:
+    def _trial(self, study: optuna.Study, trial, pair, space: dict[str, SearchContext], reference: dict | None) -> None:
         try:
-            settings = draw(self.strategy, trial, space)
+            settings = draw_among(self.strategies, trial, space)
         except SdbenchError as e:
             return self._finish(study, trial, TrialState.FAIL, reason=str(e))
         trial.set_user_attr("settings", settings)
         trial.set_user_attr("hardware", self.hardware)
-        cfg = replace(self.run, strategy=self.strategy, drafts=tuple(settings["drafts"]), gammas=(settings["gamma"],),
+        cfg = replace(self.run, strategy=settings.get("strategy", self.strategies[0]), drafts=tuple(settings["drafts"]),
+                      gammas=(settings["gamma"],),
                       options=settings["options"], out=str(self.folder), baseline=self.cfg.objective == "speedup")
         feed = _Feed(trial, self.cfg.objective, reference)
         quiet = Console(quiet=True)
@@ -357,7 +413,8 @@ class Tuner:
             self.console.print("no trial completed losslessly: no preset written")
             return
         found = doubts(study, self.cfg.objective)
-        write_preset(self.preset_path, self.preset_name, self.strategy, best[0], study, self.cfg, self.run, found)
+        write_preset(self.preset_path, self.preset_name, best[0].user_attrs["settings"].get("strategy", self.strategy),
+                     best[0], study, self.cfg, self.run, found)
         said = "best settings" if not found else f"trial {best[0].number}'s settings (no claim: see above)"
         self.console.print(f"{said} → {self.preset_path} (run them with `sdbench run --strategy "
                            f"{self.preset_name}`)", highlight=False)
@@ -440,6 +497,7 @@ def trial_records(study: optuna.Study) -> pd.DataFrame:
         settings = attrs.get("settings") or {}
         records.append({
             "study": study.study_name, "trial": t.number, "state": t.state.name, "value": t.value,
+            "strategy": settings.get("strategy") or "+".join(study.user_attrs.get("strategies") or ()) or None,
             "gamma": settings.get("gamma"), "options": json.dumps(settings.get("options", {}), sort_keys=True),
             "drafts": ",".join(settings.get("drafts", [])), "params": json.dumps(t.params, sort_keys=True, default=str),
             "tokens_per_s": attrs.get("tokens_per_s"), "speedup": attrs.get("speedup"),

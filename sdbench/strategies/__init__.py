@@ -76,6 +76,26 @@ def head_candidates(asked: str, target: str, given: tuple[str, ...] = ()) -> tup
     return found
 
 
+def heads_for(asked: tuple[str, ...], target: str, given: tuple[str, ...] = ()) -> dict[str, tuple[str, ...]]:
+    """The head candidates of each strategy (or preset) tuned together, by its name as asked. With one strategy,
+    `head_candidates`; with several, each --head goes to the strategy drafting with its kind (a Medusa config to
+    medusa, any other head to eagle) and a head strategy given none takes the target's recorded heads."""
+    if len(asked) == 1:
+        return {asked[0]: head_candidates(asked[0], target, given)}
+    from sdbench.models.heads.load import medusa_heads  # reads config.json only
+
+    found = {}
+    for name in asked:
+        kinds = strategy(resolve_strategy(name).base).head_kinds
+        mine = tuple(h for h in given if kinds and (medusa_heads(h) is not None) == ("medusa" in kinds))
+        found[name] = head_candidates(name, target, mine) if kinds else ()
+    unused = [h for h in given if not any(h in heads for heads in found.values())]
+    if unused:
+        raise SdbenchError(f"--head {unused[0]}: no --strategy tuned here drafts with it (a head needs eagle or "
+                           "medusa among them)")
+    return found
+
+
 def native_needed(cfg) -> dict[str, str]:
     """For a RunConfig: model name -> what of its strategy needs that model on the native runner."""
     choice = resolve_strategy(cfg.strategy)
@@ -105,5 +125,5 @@ def build_configurations(base: str, ctx: BuildContext) -> list[Configuration]:
 
 
 __all__ = ["BuildContext", "Proposal", "Proposer", "Strategy", "StrategyChoice", "Configuration", "build_proposer",
-           "build_configurations", "head_candidates", "native_needed", "register", "resolve_strategy", "strategy",
+           "build_configurations", "head_candidates", "heads_for", "native_needed", "register", "resolve_strategy", "strategy",
            "strategy_registry"]

@@ -35,10 +35,7 @@ class Sequence:
 def training_prompts(datasets: tuple[str, ...], limit: int, seed: int, tokenizer,
                      avoid: dict[str, set[str]] | None = None) -> list[tuple[str, Prompt]]:
     """Up to `limit` prompts drawn evenly from `datasets` (seeded), as (data set, prompt); prompts in `avoid`
-    (data set -> ids) left out."""
-    if not datasets:
-        raise SdbenchError("train-head needs training data: --data NAME (a data set of `sdbench list datasets` "
-                           "or a prompt file)")
+    (data set -> ids) left out. `commands/train_head.validate` has refused an empty `datasets`."""
     pools = []
     for name in datasets:
         pool = [p for p in load_prompts(name, tokenizer=tokenizer) if p.id not in (avoid or {}).get(name, ())]
