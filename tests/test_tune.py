@@ -266,7 +266,7 @@ def _study(*trials) -> optuna.Study:
 
 
 def test_a_best_inside_the_noise_is_not_claimed(tmp_path):
-    from sdbench.commands.tune import best_table, doubts, write_preset
+    from sdbench.commands.trials import best_table, doubts, write_preset
 
     tied = _study((1.15, [1.02, 1.28], 1), (1.10, [1.0, 1.2], 1))
     found = doubts(tied, "speedup")

@@ -15,7 +15,8 @@ import yaml
 from rich.console import Console
 from rich.table import Table
 
-from sdbench.commands.tune import Tuner, best_trials, slug, write_whole
+from sdbench.commands.trials import best_trials, write_whole
+from sdbench.commands.tune import Tuner, slug
 from sdbench.config import TuneConfig
 from sdbench.errors import SdbenchError
 from sdbench.models.aliases import HubModel, model_registry
