@@ -12,6 +12,15 @@ q with x removed.
 
 Temperature and top-p are applied by `probs_from_logits` to draft and target alike; greedy decoding is the
 temperature-0 limit (accept while the drafted token equals the target's argmax).
+
+Token trees (engine/tree.py; the chain stays the fast path above) are verified from the root down. At a node
+the children x_1..x_m are tried in rank order against the target's q there: x_i is accepted with probability
+min(1, q(x_i) / p_i(x_i)), where p_i is the draft's distribution x_i was drawn from; on a rejection q becomes
+norm(max(0, q - p_i)) and the next child is tried. This is SpecInfer's multi-step speculative sampling for
+children drawn independently (i.i.d. from one p, or from several drafts); for DETERMINISTIC children (the
+draft's top-k, n-gram branches: p_i one-hot at x_i) it is: accept with q(x_i), else zero q(x_i) and
+renormalise. An accepted child becomes the node (its own q); when every child is rejected, or a leaf is
+reached, the next token is drawn from the final q. Greedy: descend to the child equal to the target's argmax.
 """
 
 from __future__ import annotations
@@ -21,6 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from sdbench.config import SamplingConfig
+from sdbench.engine.tree import TreeBatch
 
 
 @dataclass
@@ -123,3 +133,107 @@ def verify(draft: torch.Tensor, n_draft: torch.Tensor, draft_probs: torch.Tensor
     if cfg.greedy:
         return verify_greedy(draft, n_draft, target_logits)
     return verify_sampling(draft, n_draft, draft_probs, probs_from_logits(target_logits, cfg), generator)
+
+
+@dataclass
+class TreeVerdict:
+    path: torch.Tensor  # [B, D] long: the accepted nodes from the root's child down, -1 past accepted[b]
+    accepted: torch.Tensor  # [B] long: accepted nodes (the path's length)
+    next_token: torch.Tensor  # [B] long: the correction (all children of the last node rejected) or bonus token
+
+    def committed(self, draft: torch.Tensor) -> list[list[int]]:
+        """Per row, the tokens the verification commits: the accepted path's drafts, then next_token."""
+        tokens = draft.gather(1, self.path.clamp(min=0).to(draft.device)).tolist()
+        return [t[:a] + [n] for t, a, n in zip(tokens, self.accepted.tolist(), self.next_token.tolist())]
+
+
+def verify_tree_greedy(trees: TreeBatch, draft: torch.Tensor, target_logits: torch.Tensor) -> TreeVerdict:
+    """draft [B, N] a token per node; target_logits [B, N+1, V] (row 0 at the root, i + 1 after node i): from
+    the root, descend to the first-ranked child equal to the target's argmax; next token: argmax at the end."""
+    B = draft.shape[0]
+    rows = torch.arange(B, device=draft.device)
+    best = target_logits.argmax(-1)  # [B, N+1]
+    kids = trees.children.to(draft.device)  # [B, N+1, K]
+    kid_tokens = torch.where(kids >= 0, draft.gather(1, kids.clamp(min=0).flatten(1)).view_as(kids), -1)
+    D = trees.max_depth
+    path = torch.full((B, D), -1, dtype=torch.long, device=draft.device)
+    at = torch.zeros(B, dtype=torch.long, device=draft.device)  # the current row: 0 root, i + 1 node i
+    live = torch.ones(B, dtype=torch.bool, device=draft.device)
+    for d in range(D):
+        match = (kid_tokens[rows, at] == best[rows, at][:, None]) & live[:, None]  # [B, K]
+        live = match.any(-1)
+        child = kids[rows, at, match.int().argmax(-1)]  # argmax: the first match by rank
+        path[:, d] = torch.where(live, child, -1)
+        at = torch.where(live, child + 1, at)
+    return TreeVerdict(path, (path >= 0).sum(-1), best[rows, at])
+
+
+def verify_tree_sampling(trees: TreeBatch, draft: torch.Tensor, p: torch.Tensor | None, q: torch.Tensor,
+                         generator: torch.Generator | None) -> TreeVerdict:
+    """Lossless tree verification (the rule in the module docstring).
+
+    draft [B, N] a token per node (padding nodes are never read); p [B, N, V]: p[b, i] the draft's distribution
+    node i was drawn from (the draft's at i's parent; equal rows for i.i.d. siblings), None for deterministic
+    children (p one-hot at the drafted token); q [B, N+1, V] the target's distributions, row 0 after the last
+    committed token, row i + 1 after node i. The random stream is the chain's: one uniform per node (rand
+    [B, N], read when the node is tried), then one draw of the next token, so `Tree.chain(γ)` gives exactly
+    `verify_sampling`'s verdicts for the same generator state."""
+    B, N = draft.shape
+    V = q.shape[-1]
+    dev = q.device
+    rows = torch.arange(B, device=dev)
+    p = _aligned(p, V)
+    kids = trees.children.to(dev)  # [B, N+1, K]
+    u = torch.rand(B, N, generator=generator, device=dev) if N else None
+    inside = draft < V  # a draft id past the target's vocabulary has q(x) = 0
+    x_all = draft.clamp(0, V - 1)
+    D, K = trees.max_depth, kids.shape[-1]
+    path = torch.full((B, D), -1, dtype=torch.long, device=dev)
+    at = torch.zeros(B, dtype=torch.long, device=dev)  # the current row: 0 root, i + 1 node i
+    q_at = q[:, 0]  # [B, V] the target's q at the current node, after the rejections there so far
+    live = torch.ones(B, dtype=torch.bool, device=dev)
+    for d in range(D):
+        moved = torch.zeros(B, dtype=torch.bool, device=dev)
+        for r in range(K):
+            child = kids[rows, at, r]
+            trying = live & ~moved & (child >= 0)
+            if not trying.any():
+                break  # children are contiguous by rank: no row has a child of a higher rank
+            c = child.clamp(min=0)
+            x = x_all[rows, c]
+            q_x = q_at.gather(1, x[:, None]).squeeze(1) * inside[rows, c]
+            p_x = torch.ones_like(q_x) if p is None else p[rows, c].gather(1, x[:, None]).squeeze(1)
+            ok = trying & (u[rows, c] * p_x < q_x)
+            rejected = trying & ~ok
+            if rejected.any():
+                q_at = torch.where(rejected[:, None], _residual(q_at, None if p is None else p[rows, c], x,
+                                                                inside[rows, c]), q_at)
+            q_at = torch.where(ok[:, None], q[rows, c + 1], q_at)
+            at = torch.where(ok, c + 1, at)
+            path[:, d] = torch.where(ok, c, path[:, d])
+            moved |= ok
+        live = moved
+        if not live.any():
+            break
+    return TreeVerdict(path, (path >= 0).sum(-1), sample(q_at, generator))
+
+
+def _residual(q: torch.Tensor, p: torch.Tensor | None, x: torch.Tensor, inside: torch.Tensor) -> torch.Tensor:
+    """norm(max(0, q - p)) [B, V] after the draft x [B] drawn from p [B, V] was rejected; p None: one-hot at x,
+    i.e. q with x removed (an x past the target's vocabulary removes nothing)."""
+    if p is None:
+        residual = q.clone()
+        residual[torch.arange(len(x), device=x.device), x] *= (~inside).float()
+    else:
+        residual = (q - p).clamp(min=0.0)
+    mass = residual.sum(-1, keepdim=True)
+    # mass can only vanish through rounding (q == p); q itself is then the exact residual
+    return torch.where(mass > 0, residual / mass.clamp(min=1e-30), q)
+
+
+def verify_tree(trees: TreeBatch, draft: torch.Tensor, draft_probs: torch.Tensor | None,
+                target_logits: torch.Tensor, cfg: SamplingConfig, generator: torch.Generator | None) -> TreeVerdict:
+    """Dispatch on the sampling config. draft [B, N], draft_probs [B, N, V] or None, target_logits [B, N+1, V]."""
+    if cfg.greedy:
+        return verify_tree_greedy(trees, draft, target_logits)
+    return verify_tree_sampling(trees, draft, draft_probs, probs_from_logits(target_logits, cfg), generator)
