@@ -100,15 +100,9 @@ def verify_sampling(draft: torch.Tensor, n_draft: torch.Tensor, p: torch.Tensor 
     rejected = accepted < n_draft
     if rejected.any():
         at = accepted.clamp(max=max(G - 1, 0))
-        if p is None:
-            residual = q_next.clone()
-            x = draft[rows, at]
-            residual[rows, x.clamp(max=q.shape[-1] - 1)] *= (x >= q.shape[-1]).float()
-        else:
-            residual = (q_next - p[rows, at]).clamp(min=0.0)
-        mass = residual.sum(-1, keepdim=True)
-        # mass can only vanish through rounding (q == p); q itself is then the exact residual
-        residual = torch.where(mass > 0, residual / mass.clamp(min=1e-30), q_next)
+        x = draft[rows, at]
+        residual = _residual(q_next, None if p is None else p[rows, at], x.clamp(max=q.shape[-1] - 1),
+                             x < q.shape[-1])
         dist = torch.where(rejected[:, None], residual, q_next)
     else:
         dist = q_next
