@@ -11,6 +11,7 @@ from typing import Any, Protocol
 import torch
 
 from sdbench.engine.hidden import Taps
+from sdbench.engine.tree import TreeBatch
 
 
 class Runner(Protocol):
@@ -39,9 +40,13 @@ class Runner(Protocol):
         taps: also keep the hidden states it names, of every prompt position (engine/hidden.py)."""
 
     def forward(self, cache: Any, tokens: torch.Tensor, start: list[int],
-                at: torch.Tensor | None = None, taps: Taps | None = None) -> torch.Tensor:
+                at: torch.Tensor | None = None, taps: Taps | None = None,
+                tree: TreeBatch | None = None) -> torch.Tensor:
         """Logits [B, T, V] (float32) for tokens [B, T] placed at start[b] + t; only at `at` when given.
-        taps: also keep the hidden states it names, of every token (nothing is kept without one)."""
+        taps: also keep the hidden states it names, of every token (nothing is kept without one).
+        tree: tokens are a token tree per row (engine/tree.py, the verifying forward's `with_root()` trees):
+        node j in slot start[b] + j at position start[b] - 1 + depth, seeing the slots before start[b], its
+        ancestors and itself; the cache's `keep_path(b, start, nodes)` then keeps the accepted path."""
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         """The input embeddings [B, T, H] of tokens [B, T] (what a trained head reads beside the states)."""

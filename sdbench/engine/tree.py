@@ -247,6 +247,12 @@ class TreeBatch:
     def max_depth(self) -> int:
         return max((t.max_depth for t in set(self.trees)), default=0)
 
+    def check_tokens(self, tokens: torch.Tensor) -> None:
+        """Refuse tokens [B, N] that are not one per node of this batch (a runner's tree forward)."""
+        if tuple(tokens.shape) != tuple(self.valid.shape):
+            raise SdbenchError(f"a tree forward takes one token per node: tokens {tuple(tokens.shape)}, "
+                               f"trees {tuple(self.valid.shape)}")
+
     def positions(self, prefix_lens: torch.Tensor) -> torch.Tensor:
         """[B, N] long: node positions after prefix_lens [B] tokens (root included); padding at its row's
         prefix_len (a position the row's next forward writes anyway)."""

@@ -82,6 +82,11 @@ class StepIndex:
         self.positions = torch.tensor(start, device=device)[:, None] + offs  # [B, T]
         self._masks: dict = {}  # window (None: causal) -> additive mask or None
 
+    @property
+    def rotated(self) -> torch.Tensor:
+        """[B, T] the positions the tokens are rotated at: their slots (a tree's differ, `TreeStep`)."""
+        return self.positions
+
     @classmethod
     def fixed(cls, positions: torch.Tensor, kv_len: int) -> "StepIndex":
         """A step with no host-side positions (a static-shape forward): queries at positions [B, T] (a device
@@ -105,6 +110,47 @@ class StepIndex:
                     allowed &= keys > q - window
                 self._masks[window] = additive(allowed[:, None], dtype)
         return self._masks[window]
+
+
+class TreeStep(StepIndex):
+    """A forward over one token tree per row (engine/tree.py's TreeBatch, its trees the verifying forward's
+    `with_root()` ones): node j of row b goes to slot start[b] + j (`positions`, what the cache writes, as for
+    a chain), is rotated at start[b] - 1 + depth (`rotated`: the tree placed with prefix_len = start[b]), and
+    sees the slots before start[b], its ancestors and itself; a padding node sees itself only. The chain's
+    tree gives the chain's step."""
+
+    def __init__(self, start: list[int], tree, device: torch.device):
+        super().__init__(start, tree.valid.shape[1], device)
+        self.ancestors = tree.ancestors.to(device)  # [B, T, T]
+        self._rotated = tree.positions(torch.tensor(start)).to(device)  # [B, T]
+
+    @property
+    def rotated(self) -> torch.Tensor:
+        return self._rotated
+
+    def causal_mask(self, dtype: torch.dtype, window: int | None = None) -> torch.Tensor:
+        """[B, 1, T, kv_len] additive: the prefix, ancestors and self; with a window W only keys whose
+        position (a slot's own before start, a node's rotated one in the block) is > p - W."""
+        if window not in self._masks:
+            B, T = self.positions.shape
+            device = self.positions.device
+            slots = torch.arange(self.kv_len, device=device)[None]  # [1, S]
+            node = slots - torch.tensor(self.start, device=device)[:, None]  # [B, S]: index in the row's block
+            inside = (node >= 0) & (node < T)
+            at = node.clamp(0, T - 1)
+            allowed = (node < 0)[:, None] | (inside[:, None] & self.ancestors.gather(2, at[:, None].expand(B, T, -1)))
+            if window is not None:
+                key_pos = torch.where(inside, self._rotated.gather(1, at), slots)  # [B, S]
+                allowed &= key_pos[:, None] > self._rotated[:, :, None] - window
+            self._masks[window] = additive(allowed[:, None], dtype)
+        return self._masks[window]
+
+
+def keep_path_index(start: int, nodes, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(from, to) slots of a path kept after a tree forward from `start`: block nodes (ascending, the root
+    excluded) to start + 1, start + 2, ..."""
+    src = start + torch.as_tensor(nodes, dtype=torch.long, device=device).reshape(-1)
+    return src, start + 1 + torch.arange(len(src), device=device)
 
 
 class DenseKVCache(KVCache):
@@ -145,6 +191,18 @@ class DenseKVCache(KVCache):
         view.ids = None if self.ids is None else self.ids[b : b + 1]
         view.crossed = None if self.crossed is None else self.crossed[b : b + 1]
         return view
+
+    @torch.inference_mode()
+    def keep_path(self, b: int, start: int, nodes) -> None:
+        """After a tree forward from `start` (`TreeStep`), row b keeps the accepted path: the keys and values
+        (and ids) of block nodes `nodes` (ascending, 1-based: node 0 is the root, already at `start`) move to
+        slots start + 1, start + 2, ...; the slots after them are stale, as after any rejected draft."""
+        src, dst = keep_path_index(start, nodes, self.k[0].device)
+        for kv in (self.k, self.v):
+            for x in kv:  # one tensor per layer: one gather and scatter each
+                x[b, :, dst] = x[b, :, src]
+        if self.ids is not None:
+            self.ids[b, dst] = self.ids[b, src]
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor, step: StepIndex):
         # k, v: [B, H_kv, T, D]

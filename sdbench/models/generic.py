@@ -18,9 +18,12 @@ import inspect
 import torch
 
 from sdbench.engine.hidden import FINAL, Taps
+from sdbench.engine.tree import TreeBatch
 from sdbench.errors import SdbenchError
+from sdbench.kv.cache import additive, keep_path_index
 from sdbench.models import cpufast
 from sdbench.models.recompute import recompute_threshold
+from sdbench.models.windows import layer_windows
 
 SPARSE_REFUSAL = "sparse KV caches (MagicDec, --set draft_kv) need the native runner"
 
@@ -67,6 +70,19 @@ class GenericCache:
         view.ids, view.crossed = [self.ids[b]], self.crossed[b : b + 1]
         return view
 
+    @torch.inference_mode()  # the library's cache tensors were made by an inference-mode forward
+    def keep_path(self, b: int, start: int, nodes) -> None:
+        """Row b keeps the accepted path of a tree forward from `start` (see DenseKVCache.keep_path), in
+        every layer of its library cache."""
+        src, dst = keep_path_index(start, nodes, "cpu")
+        for layer in self.rows[b].layers:
+            for x in (layer.keys, layer.values):  # [1, H_kv, S, D]
+                x[:, :, dst.to(x.device)] = x[:, :, src.to(x.device)]
+        ids = self.ids[b]  # kept for Phi-3's recomputation only (empty otherwise)
+        for i, j in zip(src.tolist(), dst.tolist()):
+            if i < len(ids):
+                ids[j] = ids[i]
+
     def length(self, b: int) -> int:
         return self.rows[b].get_seq_length()
 
@@ -99,6 +115,7 @@ class GenericRunner:
         self.vocab_size = model.config.get_text_config().vocab_size  # (a packed head's own weight is empty)
         self._keeps = "logits_to_keep" in inspect.signature(model.forward).parameters
         self._cache_kw = cache_keyword(model)
+        self._positions = "position_ids" in inspect.signature(model.forward).parameters  # a tree needs them
         self._taps: Taps | None = None  # the hidden states the current call keeps (engine/hidden.py)
         # a rope the library rescales per call from the call's largest position (models/rotary.py): each
         # decoded token then runs in a call of its own, the rotary modules put back before every call, so
@@ -135,8 +152,9 @@ class GenericRunner:
         return self._call(cache, b, tokens, start, keep, kept)
 
     def _call(self, cache: GenericCache, b: int, tokens: torch.Tensor, start: int,
-              keep: torch.Tensor | None, kept: list | None = None) -> torch.Tensor:
-        """One call of the library's forward over row b's tokens [T] from `start`: logits [K or T, V]."""
+              keep: torch.Tensor | None, kept: list | None = None, placed: dict | None = None) -> torch.Tensor:
+        """One call of the library's forward over row b's tokens [T] from `start`: logits [K or T, V].
+        placed: the tokens' position_ids and 4-D attention_mask (a token tree, `_tree_inputs`)."""
         cache.rewind(b, start)
         if self._rotary is not None:
             from sdbench.models.rotary import reset_library_rotary  # loaded already (see __init__)
@@ -144,7 +162,8 @@ class GenericRunner:
             reset_library_rotary(self._rotary)
         kwargs = {"logits_to_keep": keep} if self._keeps and keep is not None else {}
         out = self.model(input_ids=tokens[None].to(self.device), use_cache=True,
-                         **{self._cache_kw: cache.rows[b]}, **kwargs, output_hidden_states=kept is not None)
+                         **{self._cache_kw: cache.rows[b]}, **kwargs, **(placed or {}),
+                         output_hidden_states=kept is not None)
         if kept is not None:
             kept.append(self._states(out.hidden_states)[0])
         if self._recompute_at is not None:
@@ -236,19 +255,47 @@ class GenericRunner:
 
     @torch.inference_mode()
     def forward(self, cache: GenericCache, tokens: torch.Tensor, start: list[int],
-                at: torch.Tensor | None = None, taps: Taps | None = None) -> torch.Tensor:
+                at: torch.Tensor | None = None, taps: Taps | None = None,
+                tree: TreeBatch | None = None) -> torch.Tensor:
         """Logits [B, T, V] (float32) for tokens [B, T] placed at positions start[b] + t, or only at in-chunk
-        indices `at`: [B] -> [B, V], [B, K] -> [B, K, V]. taps: the hidden states to keep too."""
+        indices `at`: [B] -> [B, V], [B, K] -> [B, K, V]. taps: the hidden states to keep too. tree: tokens
+        are a token tree per row, placed as the native runner places them (`kv.cache.TreeStep`)."""
         cpufast.disable(self.model)  # a model a native runner packed before falling back here
         rows, kept = [], None if taps is None else []
         self._taps = taps
+        placed = None if tree is None else self._tree_inputs(cache, tokens, start, tree)
         for b in range(tokens.shape[0]):
             keep = None if at is None else at[b].reshape(-1).to(self.device)
-            rows.append(self._row(cache, b, tokens[b], start[b], keep, kept))
+            if placed is None:
+                rows.append(self._row(cache, b, tokens[b], start[b], keep, kept))
+            else:
+                rows.append(self._call(cache, b, tokens[b], start[b], keep, kept, placed[b]))
         if taps is not None:
             taps.put_joined(torch.stack(kept))
         logits = torch.stack(rows)
         return logits[:, 0] if at is not None and at.dim() == 1 else logits
+
+    def _tree_inputs(self, cache: GenericCache, tokens: torch.Tensor, start: list[int],
+                     tree: TreeBatch) -> list[dict]:
+        """Per row, the library's position_ids [1, T] and additive attention_mask [1, 1, T, start + T] of a
+        tree forward (the prefix, ancestors and self), or the refusal of a model they cannot place."""
+        tree.check_tokens(tokens)
+        text = self.config.get_text_config()
+        why = ("a rope rescaled per call" if self._rotary is not None else
+               "sliding windows" if any(layer_windows(text)) else  # the library's masks would drop them
+               "ALiBi" if getattr(text, "alibi", False) else  # biases from key offsets, not positions
+               "no position_ids" if not self._positions else None)
+        if why:
+            raise SdbenchError(f"token trees are not supported on the generic runner for '{text.model_type}' "
+                               f"({why}) yet")
+        positions = tree.positions(torch.tensor(start)).to(self.device)  # [B, T]
+        ancestors = tree.ancestors.to(self.device)  # [B, T, T]
+        out = []
+        for b, s in enumerate(start):
+            seen = torch.cat([ancestors.new_ones(tokens.shape[1], s), ancestors[b]], 1)  # [T, s + T]
+            out.append({"position_ids": positions[b : b + 1],
+                        "attention_mask": additive(seen[None, None], self.dtype)})
+        return out
 
     @torch.inference_mode()
     def prefill(self, cache: GenericCache, prompts: list[list[int]], chunk: int = 1024,

@@ -204,14 +204,19 @@ class Rotary:
             out[t] = cos[:, None], sin[:, None]
         return out
 
-    def scaling_lengths(self, start: list[int], width: int, prompt_len) -> torch.Tensor | None:
+    def scaling_lengths(self, start: list[int], width: int, prompt_len,
+                        positions: torch.Tensor | None = None) -> torch.Tensor | None:
         """Each token's scaling length [B, width] (host) for a forward of `width` tokens per row from
         start[b], in rows whose prompts have prompt_len[b] tokens: max(p + 1, P). None when no layer's
-        rotation depends on it (nothing is computed on the hot path of the static types)."""
+        rotation depends on it (nothing is computed on the hot path of the static types). positions: the
+        tokens' own [B, width] where they are not start[b] + t (a token tree's, `kv.cache.TreeStep`)."""
         if not self.length_dependent:
             return None
         floor = torch.zeros(len(start), dtype=torch.long) if prompt_len is None else prompt_len.to("cpu")
-        ends = torch.tensor(start, dtype=torch.long)[:, None] + torch.arange(1, width + 1)
+        if positions is not None:
+            ends = positions.to("cpu") + 1
+        else:
+            ends = torch.tensor(start, dtype=torch.long)[:, None] + torch.arange(1, width + 1)
         return torch.maximum(ends, floor.reshape(-1, 1))
 
     def reserve(self, n: int) -> None:

@@ -15,11 +15,12 @@ import torch
 import torch.nn.functional as F
 
 from sdbench.errors import SdbenchError
-from sdbench.kv.cache import DenseKVCache, KVCache, StepIndex, set_prompt_lengths
+from sdbench.kv.cache import DenseKVCache, KVCache, StepIndex, TreeStep, set_prompt_lengths
 from sdbench.kv.sparse import SparseKVCache
 from sdbench.models import cpufast, forward_paths, recompute
 from sdbench.models.families import NATIVE, family
 from sdbench.engine.hidden import FINAL, Taps
+from sdbench.engine.tree import TreeBatch
 from sdbench.engine.state import needed_capacity
 from sdbench.models.graphs import CAPACITY_STEP, CachePool, StaticForward
 from sdbench.models.rotary import Rotary, rope
@@ -181,8 +182,9 @@ class ModelRunner:
         if step is None:
             step = StepIndex(start, tokens.shape[1], self.device)
         if cos_sin is None:
-            lengths = self.rotary.scaling_lengths(start, tokens.shape[1], self.scaling_floor(cache))
-            cos_sin = self.rotary.for_forward(step.positions, step.kv_len, lengths)
+            lengths = self.rotary.scaling_lengths(start, tokens.shape[1], self.scaling_floor(cache),
+                                                  step.rotated if isinstance(step, TreeStep) else None)
+            cos_sin = self.rotary.for_forward(step.rotated, step.kv_len, lengths)
         if cache.ids is not None:
             cache.ids.scatter_(1, step.positions, tokens.to(self.device))
         self.path.ready()
@@ -273,10 +275,16 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, cache: KVCache, tokens: torch.Tensor, start: list[int],
-                at: torch.Tensor | None = None, taps: Taps | None = None) -> torch.Tensor:
+                at: torch.Tensor | None = None, taps: Taps | None = None,
+                tree: TreeBatch | None = None) -> torch.Tensor:
         """Logits [B, T, V] (float32), or only at in-chunk indices `at`: [B] -> [B, V], [B, K] -> [B, K, V]
         (eagerly, the vocabulary projection then runs only there: it costs as much as a few layers).
-        taps: the hidden states to keep too, of every token (engine/hidden.py)."""
+        taps: the hidden states to keep too, of every token (engine/hidden.py). tree: tokens [B, T] are a
+        token tree per row (`kv.cache.TreeStep`: slots start[b] + j, tree positions and mask), eagerly."""
+        if tree is not None:
+            step = self._tree_step(cache, tokens, start, tree)
+            h = self.hidden(cache, tokens, start, step=step, taps=taps)
+            return self.logits(h if at is None else _pick(h, at))
         if recompute.switches(cache, self.recompute_at, start, tokens.shape[1]):
             return recompute.forward_switching(self, cache, tokens, start, at, self.recompute_at, taps)
         if self.static and cache.static_kv_len is not None:
@@ -284,6 +292,18 @@ class ModelRunner:
             return logits if at is None else _pick(logits, at)
         h = self.hidden(cache, tokens, start, taps=taps)
         return self.logits(h if at is None else _pick(h, at))
+
+    def _tree_step(self, cache, tokens: torch.Tensor, start: list[int], tree: TreeBatch) -> TreeStep:
+        """The step of a tree forward, or the one-line refusal of a path that cannot take a tree yet."""
+        tree.check_tokens(tokens)
+        if self.static and cache.static_kv_len is not None:
+            raise SdbenchError("token trees are not supported on the static-shape (CUDA graph) forward yet")
+        if not isinstance(cache, DenseKVCache):
+            raise SdbenchError("token trees are not supported on sparse KV caches yet")
+        if recompute.switches(cache, self.recompute_at, start, tokens.shape[1]):
+            raise SdbenchError("token trees are not supported across Phi-3's original context "
+                               "(its cache's recomputation) yet")
+        return TreeStep(start, tree, self.device)
 
     def _static_forward(self, cache, tokens: torch.Tensor, start: list[int], taps: Taps | None) -> torch.Tensor:
         B, T = tokens.shape
