@@ -21,6 +21,7 @@ from sdbench.engine.runner import Runner
 from sdbench.engine.scheduler import Scheduler
 from sdbench.engine.sampling import choose
 from sdbench.engine.state import DecodeState, Proposal, needed_capacity
+from sdbench.engine.tree import TreeBatch
 from sdbench.engine.step import Round, verify_and_commit
 from sdbench.errors import SdbenchError
 
@@ -43,6 +44,7 @@ def generate(target: Runner, proposer, prompts: list[list[int]], *, max_new_toke
     state = DecodeState.for_prompts(prompts, max_new_tokens, capacity, eos_ids=eos_ids, sampling=sampling,
                                     generator=generator, device=target.device, target_cache=cache)
     try:
+        check_trees(target, proposer, cache)
         return _run(target, proposer, state, prompts, rows, t_start)
     finally:  # caches go back for reuse by the next generation when shapes are static (CUDA graphs),
         # in the order they were taken, so that each is taken again for the same role with its graphs
@@ -68,7 +70,8 @@ def _run(target: Runner, proposer, state: DecodeState, prompts, rows: list[RowSt
     _rounds(target, proposer, state, rows)
     wall = now(dev) - t_start
     return BatchResult([state.generated(b) for b in range(state.batch)], state.prompt_lengths, rows, wall, ttft,
-                       [proposer.row_stats(b) for b in range(state.batch)], setup_s=setup)
+                       [{**proposer.row_stats(b), **rows[b].tree_counts()} for b in range(state.batch)],
+                       setup_s=setup)
 
 
 def serve(target: Runner, proposer, scheduler: Scheduler, *, sampling: SamplingConfig, eos_ids=(),
@@ -88,6 +91,7 @@ def serve(target: Runner, proposer, scheduler: Scheduler, *, sampling: SamplingC
                              device=target.device, target_cache=cache)
     rows = [RowStats() for _ in range(scheduler.slots)]  # each slot's: its request's counters once one joins
     try:
+        check_trees(target, proposer, cache)
         proposer.begin(state)
         scheduler.start()
         _rounds(target, proposer, state, rows, scheduler)
@@ -123,7 +127,7 @@ def _rounds(target: Runner, proposer, state: DecodeState, rows: list[RowStats], 
         for b in range(state.batch):
             if rnd.active[b]:
                 rows[b].add_step(rnd.drafted[b], rnd.committed[b], rnd.draft_s, rnd.verify_s,
-                                 rejected=rnd.rejected(b))
+                                 rejected=rnd.rejected(b), **rnd.tree_counts(b))
                 if admission is not None:
                     admission.running[b].committed(at, rnd.kept[b])
         proposer.observe(state, proposal, rnd)
@@ -165,15 +169,41 @@ def _verify(target: Runner, proposer, state: DecodeState, proposal: Proposal, ma
     target's cache (the last committed token and the accepted drafts).
 
     The target cache holds every committed token but the last; writing from there overwrites whatever a
-    rejected draft left behind, which is the whole of rewinding.
+    rejected draft left behind, which is the whole of rewinding. A tree proposal is one tree forward (the last
+    committed token as every tree's root), after which each row's cache keeps its accepted path in order.
     """
     last = state.last_tokens()[:, None]
     start = [n - 1 for n in state.lengths]
     taps = _taps(proposer)
-    logits = target.forward(state.target_cache, torch.cat([last.to(proposal.tokens.device), proposal.tokens], 1),
-                            start, **taps)  # [B, G+1, V]
+    tokens = torch.cat([last.to(proposal.tokens.device), proposal.tokens], 1)
+    # a chain's call stays as it was (the fast path); a tree's forward takes each row's tree, with its root
+    tree = {} if proposal.trees is None else {"tree": TreeBatch.of([t.with_root() for t in proposal.trees])}
+    logits = target.forward(state.target_cache, tokens, start, **taps, **tree)  # [B, G+1, V]
     rnd = verify_and_commit(state, proposal, logits, state.sampling, state.generator, clock=marks)
+    if proposal.trees is not None:
+        _keep_paths(state.target_cache, start, rnd)
     if taps:
         count = [a + 1 if on else 0 for a, on in zip(rnd.accepted, rnd.active)]
         proposer.see_target(TargetStates(taps["taps"].states(), start, count))
     return rnd
+
+
+def _keep_paths(cache, start: list[int], rnd: Round) -> None:
+    """After a tree forward, each taking-part row's cache keeps its accepted path at start + 1, ... (a path of
+    the first nodes in order is already there)."""
+    for b, path in enumerate(rnd.paths):
+        if rnd.active[b] and path != list(range(len(path))):
+            cache.keep_path(b, start[b], [i + 1 for i in path])  # node i of a tree is node i + 1 of its block
+
+
+def check_trees(target: Runner, proposer, cache) -> None:
+    """Refuse, before anything runs, a tree-proposing strategy on a path that cannot verify trees: a trained
+    head (it would need the states along the accepted path), or a runner or cache without tree forwards."""
+    if not getattr(proposer, "proposes_trees", False):
+        return
+    if _taps(proposer):
+        raise SdbenchError(f"strategy '{proposer.name}' reads the target's hidden states, which token trees do "
+                           "not give yet: propose a chain")
+    why = target.tree_refusal(cache)
+    if why:
+        raise SdbenchError(why)

@@ -19,6 +19,14 @@ Counted per prompt (row), from token ids, for the baseline and every strategy al
                    token at position j (0-based), the share whose draft j was committed
   rejections       steps whose verifier rejected one of their drafts (the alpha fit's failures; a step cut
                    by EOS or the budget is censored, not rejected)
+Token trees (a proposal that branches, engine/tree.py) count by the same names: a tree step's drafted are its
+nodes, its accepted the committed nodes of its accepted path (one per depth), so mean accepted length still
+includes the bonus token; positions are depths (drafted_per_position[j]: steps whose tree reached depth j + 1);
+a tree step is rejected when its accepted path ends at a node with children. Beside them, per row:
+  tree_steps       steps that verified a tree
+  tree_nodes       the nodes those steps drafted (mean tree size: tree_nodes / tree_steps)
+  sibling_accepts  committed nodes that were not their parent's first child: what the branches won over the
+                   tree's first path (0 for a chain)
 Timed per batch (every row of a batch carries its batch's values):
   wall_s           from the start of the first prefill to the last committed token
   ttft_s           the time to first tokens: from the start of a prefill to that pass's first committed
@@ -167,21 +175,37 @@ class RowStats:
     drafted_per_position: list[int] = field(default_factory=list)  # [j]: steps that drafted a token at j
     draft_s: float = 0.0  # the batch's drafting time over the steps this row was active
     verify_s: float = 0.0
+    tree_steps: int = 0  # token trees: see the module docstring
+    tree_nodes: int = 0
+    sibling_accepts: int = 0
 
     def add_step(self, drafted: int, accepted: int, draft_s: float, verify_s: float,
-                 rejected: bool | None = None) -> None:
+                 rejected: bool | None = None, depth: int | None = None, siblings: int = 0) -> None:
         """accepted: drafts committed (see the module docstring); rejected: the verifier rejected a draft
-        (default: fewer accepted than drafted, right whenever nothing was cut)."""
+        (default: fewer accepted than drafted, right whenever nothing was cut). A tree step: depth, the tree's
+        depth; siblings, its committed nodes that were not their parent's first child."""
         self.steps += 1
         self.drafted += drafted
         self.accepted += accepted
         self.rejections += (accepted < drafted) if rejected is None else bool(rejected)
         self.draft_s += draft_s
         self.verify_s += verify_s
-        for counts, n in ((self.drafted_per_position, drafted), (self.accepted_per_position, accepted)):
+        if depth is not None:
+            self.tree_steps += 1
+            self.tree_nodes += drafted
+            self.sibling_accepts += siblings
+        reached = drafted if depth is None else depth
+        for counts, n in ((self.drafted_per_position, reached), (self.accepted_per_position, accepted)):
             counts.extend([0] * (n - len(counts)))
             for j in range(n):
                 counts[j] += 1
+
+    def tree_counts(self) -> dict:
+        """The tree counters, for the row's strategy_stats ({} for a row that verified no tree)."""
+        if not self.tree_steps:
+            return {}
+        return {"tree_steps": self.tree_steps, "tree_nodes": self.tree_nodes,
+                "sibling_accepts": self.sibling_accepts}
 
 
 @dataclass

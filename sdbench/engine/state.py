@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from sdbench.config import SamplingConfig
+from sdbench.engine.tree import Tree
 from sdbench.padding import right_pad
 
 CAPACITY_SLACK = 2  # KV slots beyond one step's drafts: the bonus position and one spare
@@ -35,11 +36,15 @@ def admit(new: list[int], room: int, eos: frozenset[int]) -> tuple[list[int], bo
 
 @dataclass
 class Proposal:
-    """Drafted tokens for a verifier."""
+    """Drafted tokens for a verifier: a chain per row (the default and the fast path), or a token tree per row
+    (`trees`, engine/tree.py): then tokens[b, i] is node i's token, in the tree's order (parents first)."""
 
-    tokens: torch.Tensor  # [B, G] long: drafted tokens, host or device (entries past lengths[b] are padding)
-    lengths: torch.Tensor  # [B] long on the host: real drafted tokens per row, 0..G
-    probs: torch.Tensor | None = None  # [B, G, V] draft distribution p; None = deterministic (one-hot) draft
+    tokens: torch.Tensor  # [B, G] long: drafted tokens (tree: [B, N], one per node), host or device;
+    # entries past lengths[b] are padding
+    lengths: torch.Tensor  # [B] long on the host: real drafted tokens per row, 0..G (tree: its node count)
+    probs: torch.Tensor | None = None  # [B, G, V] draft distribution p (tree: [B, N, V], the one node i was
+    # drawn from); None = deterministic (one-hot) drafts
+    trees: tuple[Tree, ...] | None = None  # [B] per row the tree of its drafts; None = a chain
 
     @classmethod
     def empty(cls, batch: int) -> "Proposal":
@@ -51,8 +56,11 @@ class Proposal:
         return int(self.lengths.max()) if len(self.lengths) else 0
 
     def fit(self, limits: list[int]) -> "Proposal":
-        """At most limits[b] tokens in row b, and no column of padding only (nothing past the longest row is
-        verified); drafts stay where the drafter made them (a model's on its device: no wait here)."""
+        """At most limits[b] tokens in row b (a tree: its nodes of depth <= limits[b], renumbered), and no column
+        of padding only (nothing past the longest row is verified); drafts stay where the drafter made them (a
+        model's on its device: no wait here)."""
+        if self.trees is not None:
+            return self._fit_trees(limits)
         lengths = torch.minimum(self.lengths.cpu(), torch.tensor(limits, dtype=torch.long))
         width = int(lengths.max()) if len(lengths) else 0
         tokens, probs = self.tokens, self.probs
@@ -60,6 +68,22 @@ class Proposal:
             tokens = tokens[:, :width]
             probs = probs[:, :width] if probs is not None else None
         return Proposal(tokens, lengths, probs)
+
+    def _fit_trees(self, limits: list[int]) -> "Proposal":
+        cut = [t.to_depth(k) for t, k in zip(self.trees, limits)]
+        if all(len(kept) == len(t) for (_, kept), t in zip(cut, self.trees)) and \
+                self.tokens.shape[1] == max((len(t) for t in self.trees), default=0):
+            return self  # nothing beyond the limits: the usual case for a drafter that knows them
+        width = max((len(kept) for _, kept in cut), default=0)
+        index = torch.zeros(len(cut), width, dtype=torch.long)
+        for b, (_, kept) in enumerate(cut):
+            index[b, : len(kept)] = torch.tensor(kept, dtype=torch.long)
+        index = index.to(self.tokens.device)
+        tokens = self.tokens.gather(1, index)
+        probs = None if self.probs is None else self.probs.gather(
+            1, index.to(self.probs.device)[..., None].expand(-1, -1, self.probs.shape[-1]))
+        return Proposal(tokens, torch.tensor([len(kept) for _, kept in cut], dtype=torch.long), probs,
+                        tuple(t for t, _ in cut))
 
 
 class DecodeState:

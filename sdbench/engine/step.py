@@ -2,7 +2,8 @@
 
 Used by the decode loop (the target verifying a strategy's proposal), by every verifying level of a polybasic
 chain (a model verifying the level below it), and by DSI's ledger (a worker's logits judged at the committed
-frontier). The acceptance maths is `sampling.verify`; the commit rule (token budget, EOS) is `state.admit`,
+frontier). The acceptance maths is `sampling.verify` (a tree proposal: `sampling.verify_tree`, whose accepted
+path is then committed as a chain's accepted drafts are); the commit rule (token budget, EOS) is `state.admit`,
 applied by whatever holds the rows (`Rows`).
 """
 
@@ -15,8 +16,9 @@ import torch
 
 from sdbench.config import SamplingConfig
 from sdbench.engine.metrics import Marks
-from sdbench.engine.sampling import verify
+from sdbench.engine.sampling import verify, verify_tree
 from sdbench.engine.state import Proposal
+from sdbench.engine.tree import Tree, TreeBatch
 
 
 class Rows(Protocol):
@@ -41,10 +43,25 @@ class Round:
     draft_s: float = 0.0
     verify_s: float = 0.0
     verified_at: Any = None  # the loop's mark once the verification was queued (see verify_and_commit)
+    trees: tuple[Tree, ...] | None = None  # a tree proposal's trees, as verified
+    paths: list[list[int]] | None = None  # per row the accepted nodes of its tree, from the root's child down
 
     def rejected(self, b: int) -> bool:
-        """Whether the verifier rejected one of row b's drafts (a cut by EOS or the budget is not a rejection)."""
-        return self.accepted[b] < self.drafted[b]
+        """Whether the verifier rejected one of row b's drafts (a cut by EOS or the budget is not a rejection);
+        in a tree, whether the accepted path ends at a node with children (all of them rejected)."""
+        if self.trees is None:
+            return self.accepted[b] < self.drafted[b]
+        path = self.paths[b]
+        return self.active[b] and bool(self.trees[b].children_of(path[-1] if path else -1))
+
+    def tree_counts(self, b: int) -> dict:
+        """Row b's tree figures for `RowStats.add_step` ({} for a chain): the tree's depth, and how many of its
+        committed nodes were not their parent's first child."""
+        if self.trees is None:
+            return {}
+        rank = self.trees[b].rank
+        return {"depth": self.trees[b].max_depth,
+                "siblings": sum(rank[i] > 0 for i in self.paths[b][: self.committed[b]])}
 
 
 def accept(proposal: Proposal, logits: torch.Tensor, sampling: SamplingConfig,
@@ -82,8 +99,29 @@ def verify_and_commit(rows: Rows, proposal: Proposal, logits: torch.Tensor, samp
     """`accept`, then `commit_round`: the step every verifier runs. clock: marks the round's `verified_at` once
     the verification is queued, before the wait."""
     at = []
-    accepted, nxt = accept(proposal, logits, sampling, generator,
-                           None if clock is None else lambda: at.append(clock.mark()))
-    rnd = commit_round(rows, proposal.tokens.tolist(), proposal.lengths.tolist(), accepted, nxt, active)
+    queued = None if clock is None else lambda: at.append(clock.mark())
+    if proposal.trees is None:
+        accepted, nxt = accept(proposal, logits, sampling, generator, queued)
+        rnd = commit_round(rows, proposal.tokens.tolist(), proposal.lengths.tolist(), accepted, nxt, active)
+    else:
+        paths, accepted, nxt, drafts = accept_tree(proposal, logits, sampling, generator, queued)
+        rnd = commit_round(rows, drafts, proposal.lengths.tolist(), accepted, nxt, active)
+        rnd.trees, rnd.paths = proposal.trees, paths
     rnd.verified_at = at[0] if at else None
     return rnd
+
+
+def accept_tree(proposal: Proposal, logits: torch.Tensor, sampling: SamplingConfig,
+                generator: torch.Generator | None, queued=None):
+    """`accept` for a tree proposal. logits [B, N+1, V]: the verifier's at the root (the last committed token)
+    and after each node. -> per row (accepted path's nodes, accepted count, next token, the path's tokens)."""
+    dev = logits.device
+    tokens = proposal.tokens.to(dev)
+    verdict = verify_tree(TreeBatch.of(proposal.trees, dev), tokens, proposal.probs, logits, sampling, generator)
+    if queued is not None:
+        queued()
+    accepted = verdict.accepted.tolist()
+    path = verdict.path.tolist()
+    paths = [p[:a] for p, a in zip(path, accepted)]
+    drafts = tokens.gather(1, verdict.path.clamp(min=0)).tolist()
+    return paths, accepted, verdict.next_token.tolist(), [d[:a] for d, a in zip(drafts, accepted)]

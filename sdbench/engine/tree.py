@@ -192,6 +192,15 @@ class Tree:
         node sees the whole prefix, its ancestors and itself (for the chain: the causal mask)."""
         return torch.cat([torch.ones(len(self), prefix_len, dtype=torch.bool), self.ancestors], 1)
 
+    def to_depth(self, max_depth: int) -> tuple["Tree", tuple[int, ...]]:
+        """The nodes of depth <= max_depth, renumbered in their order (a parent still comes first, and every
+        kept node's ancestors are kept), and the kept nodes' indices in this tree."""
+        if self.max_depth <= max_depth:
+            return self, tuple(range(len(self)))
+        kept = tuple(i for i, d in enumerate(self.depth) if d <= max_depth)
+        new = {old: j for j, old in enumerate(kept)}
+        return Tree(tuple(new[self.parents[i]] if self.parents[i] >= 0 else -1 for i in kept)), kept
+
     def with_root(self) -> "Tree":
         """The tree of the verifying forward that also feeds the root: N + 1 nodes, node 0 the root, node
         i + 1 this tree's node i (so node j of it is row j of the target's q)."""

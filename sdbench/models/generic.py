@@ -275,19 +275,23 @@ class GenericRunner:
         logits = torch.stack(rows)
         return logits[:, 0] if at is not None and at.dim() == 1 else logits
 
-    def _tree_inputs(self, cache: GenericCache, tokens: torch.Tensor, start: list[int],
-                     tree: TreeBatch) -> list[dict]:
-        """Per row, the library's position_ids [1, T] and additive attention_mask [1, 1, T, start + T] of a
-        tree forward (the prefix, ancestors and self), or the refusal of a model they cannot place."""
-        tree.check_tokens(tokens)
+    def tree_refusal(self, cache=None) -> str | None:
+        """Why this model's tree forwards cannot be placed through the library, in one line, or None."""
         text = self.config.get_text_config()
         why = ("a rope rescaled per call" if self._rotary is not None else
                "sliding windows" if any(layer_windows(text)) else  # the library's masks would drop them
                "ALiBi" if getattr(text, "alibi", False) else  # biases from key offsets, not positions
                "no position_ids" if not self._positions else None)
+        return why and f"token trees are not supported on the generic runner for '{text.model_type}' ({why}) yet"
+
+    def _tree_inputs(self, cache: GenericCache, tokens: torch.Tensor, start: list[int],
+                     tree: TreeBatch) -> list[dict]:
+        """Per row, the library's position_ids [1, T] and additive attention_mask [1, 1, T, start + T] of a
+        tree forward (the prefix, ancestors and self), or the refusal of a model they cannot place."""
+        tree.check_tokens(tokens)
+        why = self.tree_refusal(cache)
         if why:
-            raise SdbenchError(f"token trees are not supported on the generic runner for '{text.model_type}' "
-                               f"({why}) yet")
+            raise SdbenchError(why)
         positions = tree.positions(torch.tensor(start)).to(self.device)  # [B, T]
         ancestors = tree.ancestors.to(self.device)  # [B, T, T]
         out = []

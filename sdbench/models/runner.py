@@ -29,6 +29,7 @@ from sdbench.padding import right_pad
 
 SUPPORTED = NATIVE  # kept for callers that name it
 PREFILL_TOKENS = 1024  # a prefill forward's tokens, over all its rows
+_ACROSS_ORIGINAL = "token trees are not supported across Phi-3's original context (its cache's recomputation) yet"
 
 
 def _pick(x: torch.Tensor, at: torch.Tensor) -> torch.Tensor:
@@ -296,14 +297,25 @@ class ModelRunner:
     def _tree_step(self, cache, tokens: torch.Tensor, start: list[int], tree: TreeBatch) -> TreeStep:
         """The step of a tree forward, or the one-line refusal of a path that cannot take a tree yet."""
         tree.check_tokens(tokens)
-        if self.static and cache.static_kv_len is not None:
-            raise SdbenchError("token trees are not supported on the static-shape (CUDA graph) forward yet")
-        if not isinstance(cache, DenseKVCache):
-            raise SdbenchError("token trees are not supported on sparse KV caches yet")
-        if recompute.switches(cache, self.recompute_at, start, tokens.shape[1]):
-            raise SdbenchError("token trees are not supported across Phi-3's original context "
-                               "(its cache's recomputation) yet")
+        why = self.tree_refusal(cache, ahead=False)
+        if why is None and recompute.switches(cache, self.recompute_at, start, tokens.shape[1]):
+            why = _ACROSS_ORIGINAL
+        if why:
+            raise SdbenchError(why)
         return TreeStep(start, tree, self.device)
+
+    def tree_refusal(self, cache, ahead: bool = True) -> str | None:
+        """Why tree forwards cannot run over this cache, in one line, or None. ahead (before a run): a cache
+        that may reach Phi-3's original context is refused whole, so that the run is refused before it starts,
+        not in the round that crosses it."""
+        if self.static and cache.static_kv_len is not None:
+            return "token trees are not supported on the static-shape (CUDA graph) forward yet"
+        if not isinstance(cache, DenseKVCache):
+            return "token trees are not supported on sparse KV caches yet"
+        if ahead and self.recompute_at is not None and getattr(cache, "ids", None) is not None \
+                and cache.capacity > self.recompute_at:
+            return _ACROSS_ORIGINAL
+        return None
 
     def _static_forward(self, cache, tokens: torch.Tensor, start: list[int], taps: Taps | None) -> torch.Tensor:
         B, T = tokens.shape

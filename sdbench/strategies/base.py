@@ -19,6 +19,8 @@ class Proposer:
     decoder = "sequential"  # the decoder the command runs it with (sdbench/decoders.py): the one loop, or "dsi"
     rows_join = False  # True: requests may join a running batch (serving under load): `begin_rows` is implemented
     hidden_layers: tuple[int, ...] = ()  # the target's hidden states it reads (engine/hidden.py); () : none kept
+    proposes_trees = False  # True: its proposals may be token trees (Proposal.trees), refused before a run on
+    # a runner or cache that cannot verify them (loop.check_trees)
 
     def __init__(self, gamma: int = 0):
         self.gamma = gamma

@@ -10,12 +10,21 @@ from sdbench.strategies.spec import Option, Strategy, need_gamma, register
 class NGram(FixedLookahead):
     name = "ngram"
 
-    def __init__(self, gamma: int, max_ngram: int = 3, min_ngram: int = 1):
-        super().__init__(NGramDrafter(max_ngram, min_ngram), gamma)
-        self.max_ngram, self.min_ngram = max_ngram, min_ngram
+    def __init__(self, gamma: int, max_ngram: int = 3, min_ngram: int = 1, tree: int = 0):
+        super().__init__(NGramDrafter(max_ngram, min_ngram, tree), gamma)
+        self.max_ngram, self.min_ngram, self.tree = max_ngram, min_ngram, tree
+
+    @property
+    def proposes_trees(self) -> bool:
+        return self.tree > 0
+
+    @property
+    def max_lookahead(self) -> int:
+        return self.gamma * max(self.tree, 1)  # a tree's nodes: up to `tree` branches of gamma tokens
 
     def params(self) -> dict:
-        return {"gamma": self.gamma, "max_ngram": self.max_ngram, "min_ngram": self.min_ngram}
+        params = {"gamma": self.gamma, "max_ngram": self.max_ngram, "min_ngram": self.min_ngram}
+        return params | ({"tree": self.tree} if self.tree else {})
 
 
 @register
@@ -26,13 +35,15 @@ class NGramStrategy(Strategy):
     options = (
         Option("max_ngram", 3, "longest suffix (tokens) to match"),
         Option("min_ngram", 1, "shortest suffix (tokens) to match"),
+        Option("tree", 0, "0: one continuation (a chain); K >= 1: a token tree of up to K distinct continuations "
+                          "(common prefixes merged), each up to --gamma deep"),
     )
     proposer = NGram
 
     @classmethod
     def validate(cls, gamma: int, options: dict, drafts: tuple[str, ...], sampling) -> None:
         need_gamma(cls.name, gamma)
-        check_ngram(cls.name, options["max_ngram"], options["min_ngram"])
+        check_ngram(cls.name, options["max_ngram"], options["min_ngram"], options["tree"])
 
     @classmethod
     def search_space(cls, trial, space) -> tuple[int, dict]:

@@ -1,0 +1,236 @@
+"""Token trees through the one decode loop, against transformers itself.
+
+The n-gram drafter's trees (`--strategy ngram --set tree=K`) on a tiny model with an 8-token vocabulary, whose
+contexts repeat so that lookups find several continuations: greedy decoding must give exactly the library's
+greedy `generate`, on the native and the generic runner, for a batch whose rows verify trees of different
+sizes, with branches really used (accepted nodes at depth >= 2, accepted nodes that were not their parent's
+first child). Breaking the tree's path on purpose (the cache not kept to the accepted path, or the nodes
+verified under the chain's mask) must change the tokens. Under sampling, every output position must follow
+the target's exact marginal (the library's forward, summed over every prefix; test_sampling_reference.py),
+and the same check must catch nodes verified under the chain's mask. Runs and caches that cannot verify trees are refused before anything is decoded.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from sdbench.config import SamplingConfig
+from sdbench.drafting.ngram import lookup, lookup_branches, trie
+from sdbench.engine.loop import generate
+from sdbench.engine.state import Proposal
+from sdbench.engine.tree import Tree
+from sdbench.errors import SdbenchError
+from sdbench.kv.cache import DenseKVCache
+from sdbench.models.generic import GenericCache, GenericRunner
+from sdbench.models.runner import ModelRunner
+from sdbench.strategies.ngram import NGram, NGramStrategy
+from tests.references import hf_generate, perturbed
+from tests.test_sampling_reference import chi_square, exact_marginals
+
+V = 8
+NEW = 40
+GREEDY = SamplingConfig()
+
+
+def _small(seed: int = 0):
+    """A tiny llama with an 8-token vocabulary (peaked logits: greedy choices far from ties)."""
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, initializer_range=0.3,
+                      max_position_embeddings=256, tie_word_embeddings=False)
+    return perturbed(LlamaForCausalLM(cfg).eval(), seed + 100)
+
+
+@pytest.fixture(scope="module")
+def small():
+    return _small()
+
+
+def _prompts() -> list[list[int]]:
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(0, V, (n,), generator=g).tolist() for n in (12, 7, 16)]
+
+
+class Spy(NGram):
+    """The n-gram tree proposer, keeping each round's tree sizes."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.sizes: list[list[int]] = []
+
+    def propose(self, state):
+        proposal = super().propose(state)
+        self.sizes.append([len(t) for t in proposal.trees])
+        return proposal
+
+
+# ---- the drafter on plain integer arrays ----------------------------------------------------------------------
+
+def test_branches_are_distinct_continuations_merged_into_one_trie():
+    seq = torch.tensor([1, 2, 3, 9, 1, 2, 4, 5, 1, 2, 3, 7, 6, 1, 2]).numpy()
+    found = lookup_branches(seq, 3, max_n=3, min_n=1, branches=4)
+    # "1 2" matched latest first: 3 7 6, then 4 5 1, then 3 9 1 (shares the 3 with the first)
+    assert [f.tolist() for f in found] == [[3, 7, 6], [4, 5, 1], [3, 9, 1]]
+    assert found[0].tolist() == lookup(seq, 3, 3, 1).tolist()  # the first branch is the chain's draft
+    tree, tokens = trie(found)
+    assert tree.parents == (-1, 0, 1, -1, 3, 4, 0, 6) and tokens == [3, 7, 6, 4, 5, 1, 9, 1]
+    assert [len(b) for b in lookup_branches(seq, 3, 3, 1, branches=1)] == [3]
+    # a continuation found again (here by two matches of "5") adds nothing: not a branch
+    assert [f.tolist() for f in lookup_branches(torch.tensor([5, 6, 7, 5, 6, 7, 5]).numpy(), 2, 2, 1, 3)] == [[6, 7]]
+
+
+def test_fit_keeps_the_nodes_within_each_rows_depth():
+    tree = Tree((-1, 0, 1, -1, 3, 0))  # depths 1 2 3 1 2 2
+    probs = torch.arange(2 * 6 * 3, dtype=torch.float).view(2, 6, 3)
+    p = Proposal(torch.tensor([[10, 11, 12, 13, 14, 15], [20, 21, 0, 0, 0, 0]]), torch.tensor([6, 2]), probs,
+                 (tree, Tree((-1, 0))))
+    cut = p.fit([2, 5])
+    assert cut.trees == (Tree((-1, 0, -1, 2, 0)), Tree((-1, 0)))
+    assert cut.tokens[0].tolist() == [10, 11, 13, 14, 15] and cut.tokens[1, :2].tolist() == [20, 21]
+    assert cut.lengths.tolist() == [5, 2]
+    assert torch.equal(cut.probs[0], probs[0, [0, 1, 3, 4, 5]])
+    assert p.fit([3, 3]) is p  # nothing beyond the limits
+
+
+# ---- greedy: the library's own generate ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kind", ["native", "generic"])
+def test_greedy_trees_give_the_librarys_greedy_tokens(small, kind):
+    prompts = _prompts()
+    ref = [hf_generate(small, p, NEW) for p in prompts]
+    runner = ModelRunner(small) if kind == "native" else GenericRunner(small)
+    spy = Spy(4, tree=4)
+    out = generate(runner, spy, prompts, max_new_tokens=NEW, sampling=GREEDY)
+    assert out.output_ids == ref
+    rows = out.rows
+    assert sum(sum(r.accepted_per_position[1:]) for r in rows) > 0  # accepted at depth >= 2
+    assert sum(r.sibling_accepts for r in rows) > 0  # a branch other than the first won
+    assert any(len({n for n in sizes if n}) > 1 for sizes in spy.sizes)  # rows with different trees, one forward
+    for r, extra in zip(rows, out.extras):  # counted by the definitions: nodes drafted, one accepted per depth
+        assert r.tree_steps == r.steps and r.tree_nodes == r.drafted
+        assert r.accepted == sum(r.accepted_per_position) and len(r.drafted_per_position) <= 4
+        assert extra == {"tree_steps": r.tree_steps, "tree_nodes": r.tree_nodes,
+                         "sibling_accepts": r.sibling_accepts}
+    assert out.new_tokens == sum(len(o) for o in ref)
+
+
+def test_a_one_branch_tree_is_the_chain(small):
+    prompts = _prompts()
+    chain = generate(ModelRunner(small), NGram(4), prompts, max_new_tokens=NEW, sampling=GREEDY)
+    tree = generate(ModelRunner(small), NGram(4, tree=1), prompts, max_new_tokens=NEW, sampling=GREEDY)
+    assert tree.output_ids == chain.output_ids
+    for c, t in zip(chain.rows, tree.rows):
+        assert (t.steps, t.drafted, t.accepted, t.accepted_per_position) == \
+               (c.steps, c.drafted, c.accepted, c.accepted_per_position)
+        assert t.sibling_accepts == 0 and t.tree_steps == t.steps and c.tree_steps == 0
+    assert chain.extras == [{}] * len(prompts)
+
+
+def _no_keep_path(monkeypatch):
+    monkeypatch.setattr(DenseKVCache, "keep_path", lambda self, b, start, nodes: None)
+    monkeypatch.setattr(GenericCache, "keep_path", lambda self, b, start, nodes: None)
+
+
+def _chain_mask(monkeypatch, runner_cls):
+    """The nodes verified in one forward as if they were a chain (no tree mask, consecutive positions)."""
+    forward = runner_cls.forward
+
+    def chained(self, cache, tokens, start, at=None, taps=None, tree=None):
+        return forward(self, cache, tokens, start, at=at, taps=taps)
+
+    monkeypatch.setattr(runner_cls, "forward", chained)
+
+
+BROKEN = {"no-keep-path": lambda mp: _no_keep_path(mp),
+          "chain-mask": lambda mp: _chain_mask(mp, ModelRunner)}
+
+
+@pytest.mark.parametrize("mistake", list(BROKEN))
+def test_greedy_catches_a_broken_tree_path(small, monkeypatch, mistake):
+    prompts = _prompts()
+    ref = [hf_generate(small, p, NEW) for p in prompts]
+    BROKEN[mistake](monkeypatch)
+    out = generate(ModelRunner(small), NGram(4, tree=4), prompts, max_new_tokens=NEW, sampling=GREEDY)
+    assert out.output_ids != ref
+
+
+# ---- sampling: the target's exact marginals ------------------------------------------------------------------
+
+S_PROMPT = [1, 5, 2, 6, 1, 5, 3, 1, 2, 5, 6, 2, 1]  # each token followed by several others: branches at once
+S_NEW = 6
+S_N = 3000
+
+
+@pytest.fixture(scope="module")
+def sampled():
+    """A tiny model for sampling (its distributions flat enough that many siblings are accepted), and the exact
+    marginals of its first S_NEW output tokens after S_PROMPT."""
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=2, num_key_value_heads=1, initializer_range=0.3,
+                      max_position_embeddings=64, tie_word_embeddings=False)
+    model = perturbed(LlamaForCausalLM(cfg).eval(), 100)
+    return model, exact_marginals(model, S_PROMPT, S_NEW)
+
+
+def _sampled_checks(model, marginals, seed: int = 0):
+    cfg = SamplingConfig(1.0, 1.0, seed)
+    g = torch.Generator().manual_seed(seed)
+    out = generate(ModelRunner(model), NGram(2, tree=4), [S_PROMPT] * S_N, max_new_tokens=S_NEW, sampling=cfg,
+                   generator=g)
+    tokens = torch.tensor(out.output_ids)  # [N, S_NEW]
+    checks = [(k, *chi_square(torch.bincount(tokens[:, k], minlength=V).double(), exact))
+              for k, exact in enumerate(marginals)]
+    return checks, out
+
+
+def test_sampled_trees_follow_the_targets_marginals(sampled):
+    checks, out = _sampled_checks(*sampled)
+    assert all(stat < bound for _, stat, bound in checks), checks
+    assert sum(r.sibling_accepts for r in out.rows) > S_N // 10  # the branches are really used
+    assert sum(sum(r.accepted_per_position[1:]) for r in out.rows) > 0
+
+
+def test_the_same_check_catches_nodes_verified_without_the_tree_mask(sampled, monkeypatch):
+    """(A cache not kept to the accepted path misplaces a token two or more back, which this tiny model's
+    marginals hardly feel: greedy decoding catches that one, test_greedy_catches_a_broken_tree_path.)"""
+    _chain_mask(monkeypatch, ModelRunner)
+    checks, _ = _sampled_checks(*sampled)
+    assert any(stat > bound for _, stat, bound in checks), checks
+
+
+# ---- refusals, before anything runs -------------------------------------------------------------------------
+
+def test_runs_that_cannot_verify_trees_are_refused_before_they_start(small, monkeypatch):
+    calls = []
+    static = ModelRunner(small, static=True)
+    monkeypatch.setattr(static, "prefill", lambda *a, **k: calls.append(1))
+    with pytest.raises(SdbenchError, match="static-shape"):
+        generate(static, NGram(2, tree=2), _prompts(), max_new_tokens=4, sampling=GREEDY)
+    native = ModelRunner(small)
+    monkeypatch.setattr(native, "new_cache", lambda b, c: native.new_sparse_cache(b, 2, torch.tensor([4] * b), 4))
+    monkeypatch.setattr(native, "prefill", lambda *a, **k: calls.append(1))
+    with pytest.raises(SdbenchError, match="sparse KV caches"):
+        generate(native, NGram(2, tree=2), _prompts(), max_new_tokens=4, sampling=GREEDY)
+    assert calls == []  # refused before the prefill
+    chain = generate(ModelRunner(small, static=True), NGram(2), _prompts(), max_new_tokens=4, sampling=GREEDY)
+    assert chain.output_ids == [hf_generate(small, p, 4) for p in _prompts()]  # the chain still runs there
+
+
+def test_a_head_that_reads_the_targets_states_is_refused_trees(small, monkeypatch):
+    proposer = NGram(2, tree=2)
+    monkeypatch.setattr(proposer, "hidden_layers", (1,), raising=False)
+    with pytest.raises(SdbenchError, match="hidden states"):
+        generate(ModelRunner(small), proposer, _prompts(), max_new_tokens=4, sampling=GREEDY)
+
+
+def test_the_option_is_declared_and_checked():
+    option = {o.name: o for o in NGramStrategy.options}["tree"]
+    assert option.default == 0 and option.help
+    assert NGramStrategy.settings({"tree": "3"}) == {"max_ngram": 3, "min_ngram": 1, "tree": 3}  # --set tree=3
+    with pytest.raises(SdbenchError, match="tree=K"):
+        NGramStrategy.validate(3, {"max_ngram": 3, "min_ngram": 1, "tree": -1}, (), GREEDY)
+    assert NGram(3).params() == {"gamma": 3, "max_ngram": 3, "min_ngram": 1}
+    assert NGram(3, tree=4).params()["tree"] == 4 and NGram(3, tree=4).max_lookahead == 12
