@@ -4,7 +4,7 @@ The n-gram drafter's trees (`--strategy ngram --set tree=K`) on a tiny model wit
 contexts repeat so that lookups find several continuations: greedy decoding must give exactly the library's
 greedy `generate`, on the native and the generic runner, for a batch whose rows verify trees of different
 sizes, with branches really used (accepted nodes at depth >= 2, accepted nodes that were not their parent's
-first child). Breaking the tree's path on purpose (the cache not kept to the accepted path, or the nodes
+first child); with an EOS, and with requests joining a running batch (serving under load). Breaking the tree's path on purpose (the cache not kept to the accepted path, or the nodes
 verified under the chain's mask) must change the tokens. Under sampling, every output position must follow
 the target's exact marginal (the library's forward, summed over every prefix; test_sampling_reference.py),
 and the same check must catch nodes verified under the chain's mask. Runs and caches that cannot verify trees are refused before anything is decoded.
@@ -18,7 +18,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from sdbench.config import SamplingConfig
 from sdbench.drafting.ngram import lookup, lookup_branches, trie
-from sdbench.engine.loop import generate
+from sdbench.engine.loop import generate, serve
+from sdbench.engine.scheduler import Request, Scheduler
 from sdbench.engine.state import Proposal
 from sdbench.engine.tree import Tree
 from sdbench.errors import SdbenchError
@@ -27,6 +28,7 @@ from sdbench.models.generic import GenericCache, GenericRunner
 from sdbench.models.runner import ModelRunner
 from sdbench.strategies.ngram import NGram, NGramStrategy
 from tests.references import hf_generate, perturbed
+from tests.test_families import tiny
 from tests.test_sampling_reference import chi_square, exact_marginals
 
 V = 8
@@ -114,6 +116,26 @@ def test_greedy_trees_give_the_librarys_greedy_tokens(small, kind):
         assert extra == {"tree_steps": r.tree_steps, "tree_nodes": r.tree_nodes,
                          "sibling_accepts": r.sibling_accepts}
     assert out.new_tokens == sum(len(o) for o in ref)
+
+
+def test_an_eos_on_an_accepted_path_ends_the_row_as_the_library_does(small):
+    prompts = _prompts()
+    ref = [hf_generate(small, p, NEW) for p in prompts]
+    eos = ref[0][NEW // 2]  # met midway by the first row, anywhere by the others
+    stopped = [hf_generate(small, p, NEW, (eos,)) for p in prompts]
+    out = generate(ModelRunner(small), NGram(4, tree=4), prompts, max_new_tokens=NEW, sampling=GREEDY,
+                   eos_ids=(eos,))
+    assert out.output_ids == stopped and len(stopped[0]) < NEW
+
+
+def test_requests_joining_a_running_batch_keep_their_own_trees(small):
+    """Serving under load: rows restart mid-run in slots whose caches earlier trees moved (the same rounds)."""
+    prompts = _prompts() + [p[::-1] for p in _prompts()]
+    budgets = [9, 20, 6, 14, 11, 7]
+    requests = [Request(i, p, 0.0, m) for i, (p, m) in enumerate(zip(prompts, budgets))]
+    done = serve(ModelRunner(small), NGram(3, tree=3), Scheduler(requests, 2), sampling=GREEDY)
+    assert [r.output_ids for r in done.requests] == [hf_generate(small, p, m) for p, m in zip(prompts, budgets)]
+    assert sum(r.stats.sibling_accepts for r in done.requests) > 0
 
 
 def test_a_one_branch_tree_is_the_chain(small):
@@ -217,6 +239,13 @@ def test_runs_that_cannot_verify_trees_are_refused_before_they_start(small, monk
     assert calls == []  # refused before the prefill
     chain = generate(ModelRunner(small, static=True), NGram(2), _prompts(), max_new_tokens=4, sampling=GREEDY)
     assert chain.output_ids == [hf_generate(small, p, 4) for p in _prompts()]  # the chain still runs there
+
+
+def test_the_generic_runner_refuses_models_it_cannot_place_before_they_start(monkeypatch):
+    generic = GenericRunner(tiny("gemma2", sliding_window=6))
+    monkeypatch.setattr(generic, "prefill", lambda *a, **k: pytest.fail("prefilled before the refusal"))
+    with pytest.raises(SdbenchError, match="sliding windows"):
+        generate(generic, NGram(2, tree=2), [[1, 2, 3]], max_new_tokens=4, sampling=GREEDY)
 
 
 def test_a_head_that_reads_the_targets_states_is_refused_trees(small, monkeypatch):
