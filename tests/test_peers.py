@@ -133,6 +133,17 @@ def test_bench_measures_trained_heads_beside_the_others_and_checks_their_outputs
     assert len(heads) == 2 and heads.same_output.all() and (heads.tokens == 24).all(), df.system.tolist()
 
 
+def test_bench_drafts_with_an_int8_copy_made_at_load_time(capsys, tiny_bench, tmp_path):
+    """--draft MODEL@int8, as `run` takes it: the quantised copy drafts for sdbench's SD and for transformers'
+    assisted generation alike, every output held to generate's tokens."""
+    draft = f"{tiny_bench[2]}@int8"
+    code, out, err = run_cli(capsys, *tiny_bench, "--draft", draft, "--out", str(tmp_path / "bench"))
+    assert code == 0, err
+    df = pd.read_parquet(tmp_path / "bench" / "bench.parquet")
+    assert len(df) == 8 and df.same_output.all() and (df.tokens == 24).all()
+    assert set(df.draft) == {draft}
+
+
 def test_bench_fails_naming_the_system_and_prompt_whose_output_differs(capsys, tiny_bench, monkeypatch):
     import sdbench.commands.bench as bench
 

@@ -28,6 +28,8 @@ from sdbench.errors import SdbenchError
 from sdbench.models.generic import GenericRunner, runner_kind
 from sdbench.models.loader import check_fit, check_same_tokenizer, eos_token_ids, load_model
 from sdbench.models.pair import pick_runner, resolve_device, resolve_dtype, say_note
+from sdbench.models.runner import ModelRunner
+from sdbench.models.variants import split_variant, variant_model
 from sdbench.reporting.results import env_fields
 from sdbench.strategies import strategy
 from sdbench.strategies.autoregressive import Autoregressive
@@ -258,7 +260,12 @@ def measure_peers(cfg: BenchConfig, console: Console) -> Peers:
     check_fit([target, draft], dev, dt)
     with console.status("loading models"):
         tgt = load_model(target, dev, dt)
-        drf = tgt if draft == target else load_model(draft, dev, dt)
+        if draft == target:
+            drf = tgt
+        elif split_variant(draft)[1] == "int8":  # a quantised copy made now, run by sdbench and by assisted generation
+            drf = variant_model(draft, target, tgt, dev, dt)
+        else:
+            drf = load_model(draft, dev, dt)
     for loaded in (tgt,) if drf is tgt else (tgt, drf):  # a @random model's stand-in tokenizer
         say_note(loaded, console)
     if drf is not tgt:
@@ -268,7 +275,8 @@ def measure_peers(cfg: BenchConfig, console: Console) -> Peers:
     plain_bytes = weight_bytes(tgt.model)  # before packing: a packed model's own weights are empty
     runner = pick_runner(tgt.model, target, True)
     graphs_asked = bool(getattr(runner, "graphs", False))
-    d_runner = runner if drf is tgt else pick_runner(drf.model, draft, True)
+    d_runner = (runner if drf is tgt else ModelRunner(drf.model, draft) if split_variant(draft)[1] == "int8"
+                else pick_runner(drf.model, draft, True))
     generic = GenericRunner(tgt.model, target) if runner_kind(runner) == "native" else None
 
     def weights(fast: bool) -> None:

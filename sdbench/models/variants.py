@@ -47,19 +47,25 @@ def quantise_int8(model) -> object:
     return copied.eval().requires_grad_(False)
 
 
-def variant_runner(name: str, target_name: str, target, device, dtype):
-    """The ModelRunner for a draft named MODEL@VARIANT. target: the loaded target (LoadedModel), whose
-    weights are copied when MODEL is the target itself rather than loaded a second time."""
-    from sdbench.models.runner import ModelRunner  # imports transformers (rotary): only an @int8 draft needs it
+def variant_model(name: str, target_name: str, target, device, dtype):
+    """The LoadedModel of MODEL@VARIANT: the quantised copy of MODEL (of the loaded target's weights when MODEL
+    is the target itself rather than loaded a second time), with MODEL's tokenizer."""
+    from dataclasses import replace
 
     base, variant = split_variant(name)
     if base == target_name:
-        model = target.model
+        loaded = target
     else:
         loaded = loader.load_model(base, device, dtype)
         loader.check_same_tokenizer(target.tokenizer, loaded.tokenizer, target_name, base)
-        model = loaded.model
-    if serving(model.config).runner != "native":
+    if serving(loaded.model.config).runner != "native":
         raise SdbenchError(f"model '{name}': @{variant} quantises the decoder layers the native runner computes, and "
                            f"'{base}' runs on the generic runner")
-    return ModelRunner(quantise_int8(model), name)
+    return replace(loaded, name=name, model=quantise_int8(loaded.model))
+
+
+def variant_runner(name: str, target_name: str, target, device, dtype):
+    """The ModelRunner for a draft named MODEL@VARIANT (`variant_model`)."""
+    from sdbench.models.runner import ModelRunner  # imports transformers (rotary): only an @int8 draft needs it
+
+    return ModelRunner(variant_model(name, target_name, target, device, dtype).model, name)
