@@ -2,7 +2,7 @@
 
 Against transformers itself: every node's token must be the draft model's own ranked choice after the node's
 path (the library's uncached forward), in the first round and in the next one, whose context runs over the
-slots the tree wrote (a drafter that took those slots for context drafts wrongly there, and the check says so).
+slots the tree wrote.
 Through the one loop, greedy decoding must give exactly the library's greedy `generate` for a batch of prompts
 of different lengths (llama and qwen3 targets; native and generic runners as drafts, a noisy copy of the target
 that disagrees often), with second siblings really accepted; `tree_topk=1` is the chain, token for token and
@@ -57,13 +57,14 @@ TARGETS = {
     "llama": lambda: _small(),  # 8 tokens
     "qwen3": lambda: perturbed_model(tiny_config("qwen3", head_dim=16)),  # 96 tokens
 }
+NOISE = {"llama": 0.12, "qwen3": 0.04}  # enough for the draft to miss often, second choices winning
 _made: dict = {}
 
 
 def _pair(family: str):
     if family not in _made:
         target = TARGETS[family]()
-        _made[family] = target, _noisy(target, 0.12)
+        _made[family] = target, _noisy(target, NOISE[family])
     return _made[family]
 
 
@@ -124,18 +125,6 @@ def test_each_node_is_the_drafts_ranked_token_after_its_path_round_after_round(k
                                    for t, tree in zip(second.tokens.tolist(), second.trees)])
     assert _wrong_nodes(model, drafter.draft(ctx, lengths, [3] * 3), ctx, lengths) == 0
     drafter.end()
-
-
-def test_the_check_catches_a_drafter_that_takes_the_trees_slots_for_context():
-    _, model = _pair("llama")
-    state = DecodeState.for_prompts(_prompts(V), 20, 64, sampling=GREEDY)
-    drafter = ModelDrafter(ModelRunner(model), tree=SHAPE)
-    drafter.begin(state)
-    ctx, lengths = state.tokens.clone(), list(state.lengths)
-    first = drafter.draft(ctx, lengths, [3] * 3)
-    drafter.prefix.wrote(first.tokens[:, :6], lengths)  # the mistake: every slot the last level fed
-    lengths = _grow(ctx, lengths, [t[:3] for t in first.tokens.tolist()])
-    assert _wrong_nodes(model, drafter.draft(ctx, lengths, [3] * 3), ctx, lengths) > 0
 
 
 # ---- greedy through the one loop: the library's own generate ----------------------------------------------------
