@@ -2,28 +2,39 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from sdbench.drafting.prefix import CachedPrefix
 from sdbench.engine.runner import Runner
 from sdbench.engine.sampling import choose
 from sdbench.engine.state import DecodeState, Proposal
+from sdbench.engine.tree import Tree, TreeBatch
+from sdbench.errors import SdbenchError
 from sdbench.kv.cache import set_prompt_lengths
 from sdbench.kv.sparse import SparseSpec, compress
+
+
+def feed_context(runner, cache, prefix: CachedPrefix, ctx: torch.Tensor, lens: list[int]) -> torch.Tensor:
+    """One forward over each row's context ctx[b, :lens[b]] that the cache has not seen (one token, or two after
+    a fully accepted step, or more after an idle spell): logits [B, V] after its last token, the first draft's."""
+    prefix.agree(ctx, lens)
+    feed, start, todo = prefix.unseen(ctx, lens)
+    logits = runner.forward(cache, feed, start, at=torch.tensor(todo) - 1)
+    prefix.wrote(feed, start)
+    return logits
 
 
 def draft_tokens(runner, cache, prefix: CachedPrefix, ctx: torch.Tensor, lens: list[int], gamma: int, sampling,
                  generator) -> tuple[torch.Tensor, torch.Tensor | None]:
     """gamma tokens per row continuing ctx[b, :lens[b]], drawn from the model one at a time.
 
-    One forward feeds each row's context the cache has not seen (one token, or two after a fully accepted
-    step, or more after an idle spell) and gives the first draft; then one forward per further draft.
-    Returns tokens [B, gamma] on the model's device and, under sampling, the draft distributions [B, gamma, V].
-    Nothing here waits for the device: the tokens the cache was fed are read back lazily (CachedPrefix)."""
-    prefix.agree(ctx, lens)
-    feed, start, todo = prefix.unseen(ctx, lens)
-    logits = runner.forward(cache, feed, start, at=torch.tensor(todo) - 1)
-    prefix.wrote(feed, start)
+    One forward feeds each row's unseen context and gives the first draft (`feed_context`); then one forward
+    per further draft. Returns tokens [B, gamma] on the model's device and, under sampling, the draft
+    distributions [B, gamma, V]. Nothing here waits for the device: the tokens the cache was fed are read back
+    lazily (CachedPrefix)."""
+    logits = feed_context(runner, cache, prefix, ctx, lens)
     drafted, probs = [], []
     for i in range(gamma):
         x, p = choose(logits, sampling, generator)
@@ -36,6 +47,57 @@ def draft_tokens(runner, cache, prefix: CachedPrefix, ctx: torch.Tensor, lens: l
     return tokens, None if sampling.greedy else torch.stack(probs, 1)
 
 
+def draft_tree(runner, cache, prefix: CachedPrefix, ctx: torch.Tensor, lens: list[int], shape: Tree) -> torch.Tensor:
+    """A token per node of `shape` below each row's context ctx[b, :lens[b]], grown level by level: the children
+    of a node, by rank, are the model's likeliest tokens after the node's path, in order (distinct and
+    deterministic: verified with p one-hot, `sampling.verify_tree`).
+
+    `feed_context` gives the root's children; each further level is one tree forward over the nodes grown so
+    far, placed after the context as the verifier places its tree (slot lens[b] + j, the position of the
+    node's depth), read at the last level's nodes: shape.max_depth forwards in all, as a chain that deep.
+    Returns tokens [B, N] on the model's device. The tree's slots are not context: the cache is told it holds
+    only the leading nodes that lie on one line from the root (a chain's drafts), each at its own position."""
+    logits = feed_context(runner, cache, prefix, ctx, lens)  # [B, V]
+    tokens = torch.zeros(len(lens), len(shape), dtype=torch.long, device=logits.device)
+    _children(tokens, shape, logits[:, None], (-1,))
+    fed: tuple[int, ...] = ()
+    for fed, grown, at, level in _levels(shape, len(lens)):
+        logits = runner.forward(cache, tokens[:, list(fed)], list(lens), at=at, tree=grown)  # [B, M, V]
+        _children(tokens, shape, logits, level)
+    line = 0  # leading fed nodes on one line: node i at depth i + 1, its keys those of plain decoding
+    while line < len(fed) and fed[line] == line and shape.depth[line] == line + 1:
+        line += 1
+    if line:
+        prefix.wrote(tokens[:, :line], list(lens))
+    return tokens
+
+
+@functools.lru_cache(maxsize=32)
+def _levels(shape: Tree, batch: int) -> tuple:
+    """The tree forwards that grow `shape` for `batch` rows, one per level d = 1 .. depth - 1: (the nodes of
+    depth <= d, fed in their order; their TreeBatch; at [B, M]: where the level-d nodes are among them; those
+    nodes), made once per shape and batch size."""
+    out = []
+    for d in range(1, shape.max_depth):
+        grown, fed = shape.to_depth(d)
+        where = [j for j, i in enumerate(fed) if shape.depth[i] == d]
+        out.append((fed, TreeBatch.of([grown] * batch), torch.tensor(where).repeat(batch, 1),
+                    tuple(fed[j] for j in where)))
+    return tuple(out)
+
+
+def _children(tokens: torch.Tensor, shape: Tree, logits: torch.Tensor, nodes: tuple[int, ...]) -> None:
+    """Fill in the children of `nodes` (-1: the root) in tokens [B, N]: the child of rank r gets the (r + 1)-th
+    likeliest token of logits [B, M, V] at its parent (M = len(nodes))."""
+    picks = [(c, m, r) for m, a in enumerate(nodes) for r, c in enumerate(shape.children_of(a))]
+    if not picks:
+        return
+    k = max(r for _, _, r in picks) + 1
+    top = logits.topk(k, -1).indices  # [B, M, k]
+    child, m, r = (list(x) for x in zip(*picks))
+    tokens[:, child] = top[:, m, r]
+
+
 class ModelDrafter:
     """Drafts autoregressively with its own KV cache, kept in step with the context by a `CachedPrefix`: each
     draft first feeds the context tokens the cache has not seen (one, or two when every draft was accepted),
@@ -44,11 +106,14 @@ class ModelDrafter:
 
     sparse: draft through a fixed-budget sparse view of the prompt's keys (StreamingLLM or SnapKV), sized for
     `lookahead` drafts per round; self_speculation: the runner is the target, whose prefilled cache is
-    compressed instead of prefilling again."""
+    compressed instead of prefilling again; tree: draft a token tree of this shape per row (`draft_tree`, dense
+    cache only), cut to each row's limit as a depth."""
 
-    def __init__(self, runner: Runner, sparse: SparseSpec | None = None, lookahead: int = 1, self_speculation: bool = False):
+    def __init__(self, runner: Runner, sparse: SparseSpec | None = None, lookahead: int = 1,
+                 self_speculation: bool = False, tree: Tree | None = None):
         self.runner, self.sparse, self.lookahead = runner, sparse, lookahead
         self.self_speculation = self_speculation
+        self.tree = tree
         self.name = getattr(runner, "name", "") or "model"
         self.cache = None
 
@@ -60,6 +125,8 @@ class ModelDrafter:
         if self.sparse is None:
             self.cache = self.runner.new_cache(state.batch, state.capacity)
             set_prompt_lengths(self.cache, fed)  # also where the first draft feeds a prompt instead
+            if self.tree is not None:
+                self._check_tree()
             if min(fed) > 0:  # else nothing to prefill for some row: the first draft feeds every row's context
                 self.runner.prefill(self.cache, prompts)
                 self.prefix.holds(state.tokens, fed)
@@ -73,6 +140,15 @@ class ModelDrafter:
         self.cache = compress(self.runner, full, fed, state.tokens, self.sparse, self.lookahead)
         if full is not state.target_cache:
             self.runner.release(full)
+
+    def _check_tree(self) -> None:
+        """Refuse, before the draft's prefill, a draft runner or cache that cannot grow the tree."""
+        why = self.runner.tree_refusal(self.cache)
+        widest = max(len(kids) for kids in self.tree.children)
+        if why is None and widest > self.runner.vocab_size:
+            why = f"a node has {widest} children, more than the draft's {self.runner.vocab_size} tokens"
+        if why:
+            raise SdbenchError(f"the draft model '{self.name}' cannot draft a token tree: {why}")
 
     def begin_rows(self, state: DecodeState, rows: list[int]) -> None:
         """Each joining row's prompt prefilled alone into its row of the (dense) draft cache."""
@@ -91,6 +167,11 @@ class ModelDrafter:
         k = max(limits, default=0)
         if k == 0:
             return Proposal.empty(len(lengths))
+        if self.tree is not None:
+            shape, _ = self.tree.to_depth(k)
+            tokens = draft_tree(self.runner, self.cache, self.prefix, ctx, lengths, shape)
+            return Proposal(tokens, torch.full((len(lengths),), len(shape), dtype=torch.long),
+                            trees=(shape,) * len(lengths)).fit(limits)
         tokens, probs = draft_tokens(self.runner, self.cache, self.prefix, ctx, lengths, k, self.sampling,
                                      self.generator)
         return Proposal(tokens, torch.tensor(limits, dtype=torch.long), probs)
