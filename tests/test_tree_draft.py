@@ -34,8 +34,9 @@ from sdbench.strategies.draft import DraftModel, DraftStrategy
 from sdbench.strategies.polybasic import PolybasicStrategy
 from tests.references import hf_generate, perturbed
 from tests.test_runner_fidelity import perturbed_model, tiny_config
-from tests.test_sampling_reference import chi_square, exact_marginals
-from tests.test_tree_loop import S_N, S_NEW, S_PROMPT, V, _small
+from tests.test_sampling_reference import exact_marginals
+from tests.test_tree_loop import (S_NEW, S_PROMPT, V, _small, assert_target_marginals_through_branches,
+                                  assert_tree_decodes_as_the_chain, sampled_checks)
 
 NEW = 30
 GREEDY = SamplingConfig()
@@ -166,12 +167,7 @@ def test_topk_one_is_the_chain():
                      sampling=GREEDY)
     tree = generate(ModelRunner(target), DraftModel(ModelRunner(draft), 4, tree_topk=1), prompts,
                     max_new_tokens=NEW, sampling=GREEDY)
-    assert tree.output_ids == chain.output_ids
-    for c, t in zip(chain.rows, tree.rows):
-        assert (t.steps, t.drafted, t.accepted, t.accepted_per_position) == \
-               (c.steps, c.drafted, c.accepted, c.accepted_per_position)
-        assert t.sibling_accepts == 0 and t.tree_steps == t.steps and c.tree_steps == 0
-    assert chain.extras == [{}] * len(prompts)
+    assert_tree_decodes_as_the_chain(chain, tree)
 
 
 # ---- sampling: the target's exact marginals --------------------------------------------------------------------
@@ -189,20 +185,11 @@ def sampled():
 
 
 def _sampled_checks(target, draft, marginals, seed: int = 0):
-    cfg = SamplingConfig(1.0, 1.0, seed)
-    out = generate(ModelRunner(target), DraftModel(ModelRunner(draft), 2, tree_topk=3), [S_PROMPT] * S_N,
-                   max_new_tokens=S_NEW, sampling=cfg, generator=torch.Generator().manual_seed(seed))
-    tokens = torch.tensor(out.output_ids)  # [S_N, S_NEW]
-    checks = [(k, *chi_square(torch.bincount(tokens[:, k], minlength=V).double(), exact))
-              for k, exact in enumerate(marginals)]
-    return checks, out
+    return sampled_checks(ModelRunner(target), DraftModel(ModelRunner(draft), 2, tree_topk=3), marginals, seed)
 
 
 def test_sampled_tree_drafts_follow_the_targets_marginals(sampled):
-    checks, out = _sampled_checks(*sampled)
-    assert all(stat < bound for _, stat, bound in checks), checks
-    assert sum(r.sibling_accepts for r in out.rows) > S_N // 10  # the branches are really used
-    assert sum(sum(r.accepted_per_position[1:]) for r in out.rows) > 0
+    assert_target_marginals_through_branches(*_sampled_checks(*sampled))
 
 
 def test_the_same_check_catches_top_k_children_verified_as_if_drawn_from_the_draft(sampled, monkeypatch):

@@ -142,12 +142,17 @@ def test_a_one_branch_tree_is_the_chain(small):
     prompts = _prompts()
     chain = generate(ModelRunner(small), NGram(4), prompts, max_new_tokens=NEW, sampling=GREEDY)
     tree = generate(ModelRunner(small), NGram(4, tree=1), prompts, max_new_tokens=NEW, sampling=GREEDY)
+    assert_tree_decodes_as_the_chain(chain, tree)
+
+
+def assert_tree_decodes_as_the_chain(chain, tree) -> None:
+    """A one-branch tree's decoding is the chain's: the same tokens and counts, every round a tree of one path."""
     assert tree.output_ids == chain.output_ids
     for c, t in zip(chain.rows, tree.rows):
         assert (t.steps, t.drafted, t.accepted, t.accepted_per_position) == \
                (c.steps, c.drafted, c.accepted, c.accepted_per_position)
         assert t.sibling_accepts == 0 and t.tree_steps == t.steps and c.tree_steps == 0
-    assert chain.extras == [{}] * len(prompts)
+    assert chain.extras == [{}] * len(chain.rows)
 
 
 def _no_keep_path(monkeypatch):
@@ -197,22 +202,31 @@ def sampled():
     return model, exact_marginals(model, S_PROMPT, S_NEW)
 
 
-def _sampled_checks(model, marginals, seed: int = 0):
+def sampled_checks(target, proposer, marginals, seed: int = 0):
+    """S_N continuations of S_PROMPT, S_NEW tokens each, sampled through the one loop with `proposer`: per
+    position k, (k, chi-square of its token counts against the exact marginal, the bound), and the result."""
     cfg = SamplingConfig(1.0, 1.0, seed)
-    g = torch.Generator().manual_seed(seed)
-    out = generate(ModelRunner(model), NGram(2, tree=4), [S_PROMPT] * S_N, max_new_tokens=S_NEW, sampling=cfg,
-                   generator=g)
+    out = generate(target, proposer, [S_PROMPT] * S_N, max_new_tokens=S_NEW, sampling=cfg,
+                   generator=torch.Generator().manual_seed(seed))
     tokens = torch.tensor(out.output_ids)  # [N, S_NEW]
     checks = [(k, *chi_square(torch.bincount(tokens[:, k], minlength=V).double(), exact))
               for k, exact in enumerate(marginals)]
     return checks, out
 
 
-def test_sampled_trees_follow_the_targets_marginals(sampled):
-    checks, out = _sampled_checks(*sampled)
+def assert_target_marginals_through_branches(checks, out) -> None:
+    """Every position follows the target's marginal, and the trees' branches were really used to get there."""
     assert all(stat < bound for _, stat, bound in checks), checks
-    assert sum(r.sibling_accepts for r in out.rows) > S_N // 10  # the branches are really used
-    assert sum(sum(r.accepted_per_position[1:]) for r in out.rows) > 0
+    assert sum(r.sibling_accepts for r in out.rows) > S_N // 10  # second (or later) siblings accepted
+    assert sum(sum(r.accepted_per_position[1:]) for r in out.rows) > 0  # and nodes below the first level
+
+
+def _sampled_checks(model, marginals, seed: int = 0):
+    return sampled_checks(ModelRunner(model), NGram(2, tree=4), marginals, seed)
+
+
+def test_sampled_trees_follow_the_targets_marginals(sampled):
+    assert_target_marginals_through_branches(*_sampled_checks(*sampled))
 
 
 def test_the_same_check_catches_nodes_verified_without_the_tree_mask(sampled, monkeypatch):
