@@ -12,7 +12,7 @@ def test_builtin_and_alias():
 def test_presets_resolve_with_their_settings():
     choice = resolve_strategy("ngram-code")
     assert (choice.base, choice.gamma, choice.options) == ("ngram", 6, {"max_ngram": 4, "min_ngram": 2})
-    assert strategy(choice.base).settings(choice.options) == {"max_ngram": 4, "min_ngram": 2}
+    assert strategy(choice.base).settings(choice.options) == {"max_ngram": 4, "min_ngram": 2, "tree": 0}
     assert resolve_strategy("self-draft").drafts == ("smollm2-135m",)
 
 

@@ -93,7 +93,7 @@ def test_phi3_equals_generate_with_a_prompt_past_the_original_context():
 def test_the_per_call_rule_would_not_be_lossless(name, monkeypatch):
     """The control: every token of a forward rotated for the forward's widest position (the library's per-call
     rule) makes speculative decoding differ from `generate` on these models, so the test above can fail."""
-    def per_call(self, start, width, prompt_len):
+    def per_call(self, start, width, prompt_len, positions=None):
         if not self.length_dependent:
             return None
         floor = 0 if prompt_len is None else int(prompt_len.max())
