@@ -92,6 +92,7 @@ class TuneConfig:
 
 HEAD_KINDS = ("eagle3", "medusa")
 DEFAULT_HEAD_DATA = ("sharegpt", "gsm8k", "humaneval")  # never MT-Bench: the prompts heads are measured on
+HEAD_ANSWERS = ("both", "target", "data")  # whose answers a head is fitted on (train-head --answers)
 
 
 @dataclass(frozen=True)
@@ -105,6 +106,7 @@ class TrainHeadConfig:
     minutes: float = 20.0  # the whole command's wall-clock budget: generating its data, then fitting
     prompts: int = 512  # training prompts at most (a share held out for acceptance)
     max_new_tokens: int = 128  # the target's answer to each
+    answers: str = "both"  # fit on the target's answers, the data sets' own replies (read in one forward), or both
     draft_vocab: int | None = None  # EAGLE-3's draft vocabulary; None: min(target's, 8192); 0: the target's
     steps: int | None = None  # EAGLE-3's unrolled steps (default 3) or Medusa's heads (default 4)
     device: str = "auto"

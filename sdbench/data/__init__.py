@@ -17,3 +17,4 @@ class Prompt:
     chat: bool = True  # apply the tokenizer's chat template when encoding
     answer: str | None = None  # retrieval tasks: the text a right answer contains
     depth: float | None = None  # retrieval tasks: where the answer is hidden, 0 = start of the text, 1 = end
+    reference: str | None = None  # the data set's own reply to the first turn (text a head can be fitted on)

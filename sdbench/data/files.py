@@ -21,6 +21,7 @@ SUFFIXES = (".jsonl", ".json", ".csv")
 PROMPT_GUESSES = ("turns", "prompt", "text", "question", "instruction")
 CATEGORY_GUESSES = ("category",)
 ID_GUESSES = ("question_id", "id", "prompt_id", "task_id")
+REPLY_GUESSES = ("reply", "response", "completion", "output")  # a reply of the file's own: `train-head` reads it
 FIELD_OPTIONS = {"prompt": "--prompt-field", "category": "--category-field", "id": "--id-field"}
 DEFAULT_CATEGORY = "general"
 FORMATS = (  # (name, what it holds): `sdbench list datasets` and the README show these
@@ -125,6 +126,7 @@ def _prompts(path: Path, records: list[Record], fields: dict) -> list[Prompt]:
         raise SdbenchError(f"{path}:{first_line}: no prompt field (looked for {', '.join(PROMPT_GUESSES)}; "
                            f"name one with --prompt-field)")
     cat_f, id_f = _pick(fields, first, "category", CATEGORY_GUESSES), _pick(fields, first, "id", ID_GUESSES)
+    reply_f = next((g for g in REPLY_GUESSES if g in first), None)
     prompts, seen = [], {}
     for line, record in records:
         turns = _turns(path, line, _field(path, line, record, text_f, FIELD_OPTIONS["prompt"]), text_f)
@@ -133,7 +135,9 @@ def _prompts(path: Path, records: list[Record], fields: dict) -> list[Prompt]:
         if rid in seen:
             raise SdbenchError(f"{path}:{line}: id '{rid}' repeats the record on line {seen[rid]}")
         seen[rid] = line
-        prompts.append(Prompt(id=f"{path.stem}/{rid}", category=category, turns=turns))
+        reply = record.get(reply_f) if reply_f else None
+        prompts.append(Prompt(id=f"{path.stem}/{rid}", category=category, turns=turns,
+                              reference=reply if isinstance(reply, str) and reply.strip() else None))
     return prompts
 
 

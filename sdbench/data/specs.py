@@ -42,12 +42,13 @@ class TaskSpec:
     description: str
     kind: str  # "prompts": a set of user requests; "book": long running text; "retrieval": built from a book
     sources: tuple[Source, ...]
-    fields: dict  # record field per prompt field (id, category, turns | text | conversation, ...)
+    fields: dict  # record field per prompt field (id, category, turns | text | conversation, reference, ...)
     aliases: tuple[str, ...] = ()
     label: str = ""  # the name recorded with results; the task name when empty
     default_category: str = "general"
     id_prefix: str | None = None  # "<name>/" when None
     template: str | None = None  # wraps the first turn: "... {text} ..."
+    reference_template: str | None = None  # wraps the data set's own reply: "... {text} ... {reference} ..."
     subset: dict | None = None  # size, seed, max_chars: sample and cache a big file once
     count: int | None = None  # documented size of the data set, for the tests
     excerpt_chars: int = 2000  # book passages when no prompt_len is given

@@ -35,7 +35,7 @@ __all__ = ["dataset_available", "dataset_label", "encode_prompt", "load_prompts"
 
 log = logging.getLogger(__name__)
 
-SUBSET_CACHE_VERSION = 1  # bump when the cached subset's layout or selection rule changes
+SUBSET_CACHE_VERSION = 2  # bump when the cached subset's layout or selection rule changes
 
 
 # --- where a task's records come from ----------------------------------------------------------------------
@@ -141,6 +141,31 @@ def _first_user_turn(messages: Any, fields: dict) -> tuple[str, ...]:
     return (str(first.get(fields.get("text_key", "content")) or ""),)
 
 
+def _reply(messages: Any, fields: dict) -> str | None:
+    """The conversation's second message when it answers the opening user message; else None."""
+    if not isinstance(messages, list) or len(messages) < 2 or not isinstance(messages[1], dict):
+        return None
+    second = messages[1]
+    if second.get(fields.get("role_key", "role")) not in fields.get("answer_roles", ["assistant", "gpt"]):
+        return None
+    return str(second.get(fields.get("text_key", "content")) or "") or None
+
+
+def _reference(spec: TaskSpec, fields: dict, record: dict, first_turn: str) -> str | None:
+    """The data set's own reply to the first turn, where its records carry one (a conversation's second
+    message, or the `reference` field), wrapped by the task's reference_template."""
+    if "conversation" in fields:
+        ref = _reply(record[fields["conversation"]], fields)
+    elif "reference" in fields:
+        ref = record.get(fields["reference"])
+        ref = str(ref) if ref not in (None, "") else None
+    else:
+        return None
+    if ref is not None and spec.reference_template:
+        ref = spec.reference_template.format(text=first_turn, reference=ref)
+    return ref
+
+
 def _to_prompt(spec: TaskSpec, fields: dict, record: dict, index: int) -> Prompt | None:
     """One record as a Prompt; None for a record without usable text."""
     if "conversation" in fields:
@@ -153,12 +178,13 @@ def _to_prompt(spec: TaskSpec, fields: dict, record: dict, index: int) -> Prompt
     turns = tuple(str(t) for t in turns)
     if not turns or not turns[0].strip():
         return None
+    reference = _reference(spec, fields, record, turns[0])
     if spec.template:
         turns = (spec.template.format(text=turns[0]), *turns[1:])
     rid = record[fields["id"]] if "id" in fields else index
     prefix = f"{spec.name}/" if spec.id_prefix is None else spec.id_prefix
     category = str(record[fields["category"]]) if "category" in fields else spec.default_category
-    return Prompt(id=f"{prefix}{rid}", category=category, turns=turns)
+    return Prompt(id=f"{prefix}{rid}", category=category, turns=turns, reference=reference)
 
 
 def _map_records(res: Resolved) -> list[Prompt]:
@@ -184,7 +210,7 @@ def _subset_path(res: Resolved) -> Path:
     except OSError:
         stamp = []  # a hub id
     key = json.dumps([SUBSET_CACHE_VERSION, res.location, stamp, res.spec.subset, res.spec.fields,
-                      res.source.fields, res.spec.template], sort_keys=True, default=str)
+                      res.source.fields, res.spec.template, res.spec.reference_template], sort_keys=True, default=str)
     digest = hashlib.sha1(key.encode()).hexdigest()[:12]
     return cache_dir("datasets") / f"{res.spec.name}-{digest}.json"
 
@@ -194,7 +220,8 @@ def _subset(res: Resolved) -> list[Prompt]:
     path = _subset_path(res)
     try:
         rows = json.loads(path.read_text(encoding="utf-8"))["prompts"]
-        return [Prompt(id=r["id"], category=r["category"], turns=tuple(r["turns"])) for r in rows]
+        return [Prompt(id=r["id"], category=r["category"], turns=tuple(r["turns"]), reference=r["reference"])
+                for r in rows]
     except (OSError, ValueError, KeyError, TypeError):
         pass  # missing or unreadable: rebuild
     sub = res.spec.subset or {}

@@ -2,6 +2,13 @@
 one forward over each prompt + answer keeps the hidden states the head reads and the target's own choice of
 the next token at every position (what verification will compare the head's drafts with).
 
+Where a data set carries its own reply to a prompt (ShareGPT's answers, GSM8K's solutions, HumanEval's
+canonical bodies: `Prompt.reference`), that text can stand in for the target's answer (`teacher_forced`): one
+forward over prompt + reply gives the states and, at every position, the target's own choice after that
+prefix — the labels are still the target's, only the context is the data set's text. It costs one forward
+instead of one decoding step per token, so a time budget buys far more positions (EAGLE's heads were fitted on
+fixed ShareGPT replies the same way).
+
 Shards land in OUT/data/ as they are made (`shard-NNNNN.pt`: one batch of sequences), so an interrupted
 train-head keeps what it generated; `Sequences.load` reads them back."""
 
@@ -30,6 +37,7 @@ class Sequence:
     states: torch.Tensor  # [T, k*H] the target states the head reads (stored in bfloat16 when the run is in float32)
     pred: torch.Tensor  # [T] the target's argmax after each position
     answer_from: int = 0  # the prompt's length: drafting starts from root answer_from - 1 (0: every position counts)
+    answered_by: str = "target"  # "target": its own greedy answer; "data": the data set's reply (teacher_forced)
 
 
 def training_prompts(datasets: tuple[str, ...], limit: int, seed: int, tokenizer,
@@ -62,19 +70,43 @@ def distil(runner, batch: list[tuple[str, Prompt, list[int]]], layers: tuple[int
     ids = [e for _, _, e in batch]
     result = generate(runner, Proposer(), ids, max_new_tokens=max_new_tokens, sampling=SamplingConfig(),
                       eos_ids=eos)
+    return [_read(runner, src, prompt.id, prompt_ids, answer, layers, "target")
+            for (src, prompt, prompt_ids), answer in zip(batch, result.output_ids)]
+
+
+def reference_ids(prompt: Prompt, tokenizer, max_tokens: int) -> list[int]:
+    """The data set's reply to the prompt as ids (its first max_tokens; [] when it has none)."""
+    if not prompt.reference:
+        return []
+    return list(tokenizer(prompt.reference, add_special_tokens=False)["input_ids"])[:max_tokens]
+
+
+@torch.inference_mode()
+def teacher_forced(runner, batch: list[tuple[str, Prompt, list[int]]], layers: tuple[int, ...], tokenizer,
+                   max_tokens: int) -> list[Sequence]:
+    """Each prompt followed by the data set's own reply (at most max_tokens of it), read in one forward: the
+    states there and the target's choice after every prefix. Prompts without a reply give nothing."""
     out = []
-    for (src, prompt, prompt_ids), answer in zip(batch, result.output_ids):
-        tokens = torch.tensor(prompt_ids + answer, dtype=torch.long)
-        taps = Taps(layers)
-        cache = runner.new_cache(1, len(tokens) + 1)
-        try:
-            logits = runner.forward(cache, tokens[None].to(runner.device), [0], taps=taps)
-        finally:
-            runner.release(cache)
-        states = taps.states()[0].float().cpu()
-        out.append(Sequence(src, prompt.id, tokens, states.to(torch.bfloat16), logits[0].argmax(-1).cpu(),
-                            len(prompt_ids)))
+    for src, prompt, prompt_ids in batch:
+        reply = reference_ids(prompt, tokenizer, max_tokens)
+        if reply:
+            out.append(_read(runner, src, prompt.id, prompt_ids, reply, layers, "data"))
     return out
+
+
+def _read(runner, src: str, pid: str, prompt_ids: list[int], answer: list[int], layers: tuple[int, ...],
+          answered_by: str) -> Sequence:
+    """One forward over prompt + answer: the states the head reads and the target's argmax at every position."""
+    tokens = torch.tensor(prompt_ids + list(answer), dtype=torch.long)
+    taps = Taps(layers)
+    cache = runner.new_cache(1, len(tokens) + 1)
+    try:
+        logits = runner.forward(cache, tokens[None].to(runner.device), [0], taps=taps)
+    finally:
+        runner.release(cache)
+    states = taps.states()[0].float().cpu()
+    return Sequence(src, pid, tokens, states.to(torch.bfloat16), logits[0].argmax(-1).cpu(), len(prompt_ids),
+                    answered_by)
 
 
 def save_shard(folder: Path, index: int, sequences: list[Sequence]) -> None:
