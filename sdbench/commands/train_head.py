@@ -34,7 +34,7 @@ from sdbench.training.heads import DEFAULT_STEPS, build, head_layers, rebuild, w
 STATE = "train_state.json"  # what the folder was made for and how far data and fit went
 CHECKPOINT = "checkpoint.pt"
 DATA_SHARE = 0.4  # of the budget, at most, for generating data (the rest fits)
-READ_SHARE = 0.5  # of the data's share, at most, for reading the data sets' replies when the target answers too
+READ_SHARE = 0.75  # of the data's share, at most, for reading the data sets' replies when the target answers too
 HELDOUT_EVERY = 16  # one training prompt in this many is held out for the acceptance it reports
 MAX_PROMPT = 512  # a longer training prompt keeps its last tokens
 MAX_REPLY = 512  # a data set's reply is read up to this many tokens
