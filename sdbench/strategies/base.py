@@ -47,7 +47,7 @@ class Proposer:
     def see_target(self, states: TargetStates) -> None:
         """Only for a proposer naming `hidden_layers`: the target's states of the tokens just committed to its
         cache (the prompts after the prefill; after each verification, the last committed token and the
-        accepted drafts), before `observe`."""
+        accepted drafts: a tree's accepted path, in order), before `observe`."""
 
     def observe(self, state: DecodeState, proposal: Proposal | None, rnd: Round) -> None:
         """Called after each verification: the proposal as verified (cut to what each row could commit) and
