@@ -99,3 +99,49 @@ def medusa_chain(target, w: dict, n_layers: int, ctx: list[int], gamma: int) -> 
                 h = h + F.silu(h @ w[f"{k}.{j}.linear.weight"].T + w[f"{k}.{j}.linear.bias"])
             out.append(int((h @ w[f"{k}.{n_layers}.weight"].T).argmax()))
     return out
+
+
+def eagle3_logits(target, w: dict, cfg: dict, ctx: list[int], path: list[int], layers) -> torch.Tensor:
+    """The EAGLE-3 head's logits over the target's vocabulary [V] (-inf outside the draft vocabulary) at the tree
+    node whose path from the root is `path` (tokens; [] : the root): the chain drafted along that path, each
+    token fed with the head's own last output, as `eagle3_chain` feeds its argmax."""
+    lw = {k[len("layers.0."):]: v for k, v in w.items() if k.startswith("layers.0.")}
+    emb = target.get_input_embeddings().weight
+    ids = torch.arange(len(w["d2t"])) + w["d2t"]
+    with torch.no_grad():
+        x = target_states(target, ctx, layers) @ w["fc.weight"].T
+        toks = list(ctx[1:])
+        for d in [*path, None]:
+            e = rms(emb[torch.tensor(toks)], lw["input_layernorm.weight"], cfg["rms_norm_eps"])
+            o = layer(lw, cfg, torch.cat((e, rms(x, lw["hidden_norm.weight"], cfg["rms_norm_eps"])), -1), x)
+            if d is None:
+                full = torch.full((target.config.vocab_size,), float("-inf"))
+                full[ids] = rms(o[-1], w["norm.weight"], cfg["rms_norm_eps"]) @ w["lm_head.weight"].T
+                return full
+            toks.append(d)
+            x = torch.cat((x, o[-1:]))
+
+
+def eagle1_logits(target, w: dict, cfg: dict, ctx: list[int], path: list[int]) -> torch.Tensor:
+    """`eagle3_logits` for an EAGLE-1 head: [V] through the target's own lm_head."""
+    lw = {k[len("layers.0."):]: v for k, v in w.items() if k.startswith("layers.0.")}
+    emb, head = target.get_input_embeddings().weight, target.get_output_embeddings().weight
+    with torch.no_grad():
+        f = target_states(target, ctx, [-1])
+        toks = list(ctx[1:])
+        for d in [*path, None]:
+            x = torch.cat((emb[torch.tensor(toks)], f), -1) @ w["fc.weight"].T + w["fc.bias"]
+            o = layer(lw, cfg, x, x)
+            if d is None:
+                return o[-1] @ head.T
+            toks.append(d)
+            f = torch.cat((f, o[-1:]))
+
+
+def medusa_logits(target, w: dict, n_layers: int, ctx: list[int], k: int) -> torch.Tensor:
+    """Medusa head k's logits [V] after the committed tokens ctx."""
+    with torch.no_grad():
+        h = target_states(target, ctx, [-1])[-1]
+        for j in range(n_layers):
+            h = h + F.silu(h @ w[f"{k}.{j}.linear.weight"].T + w[f"{k}.{j}.linear.bias"])
+        return h @ w[f"{k}.{n_layers}.weight"].T

@@ -262,13 +262,6 @@ def test_the_generic_runner_refuses_models_it_cannot_place_before_they_start(mon
         generate(generic, NGram(2, tree=2), [[1, 2, 3]], max_new_tokens=4, sampling=GREEDY)
 
 
-def test_a_head_that_reads_the_targets_states_is_refused_trees(small, monkeypatch):
-    proposer = NGram(2, tree=2)
-    monkeypatch.setattr(proposer, "hidden_layers", (1,), raising=False)
-    with pytest.raises(SdbenchError, match="hidden states"):
-        generate(ModelRunner(small), proposer, _prompts(), max_new_tokens=4, sampling=GREEDY)
-
-
 def test_the_option_is_declared_and_checked():
     option = {o.name: o for o in NGramStrategy.options}["tree"]
     assert option.default == 0 and option.help

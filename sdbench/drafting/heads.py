@@ -1,4 +1,5 @@
-"""Trained heads as drafters: chain drafting (one candidate per position) from the target's hidden states.
+"""Trained heads as drafters: a chain (one candidate per position) or a token tree from the target's hidden
+states.
 
 The loop hands the drafter the target's states of the tokens each verification committed to the target's
 cache (`see`, engine/hidden.py `TargetStates`); the next `draft` starts from them.
@@ -10,6 +11,16 @@ output at N - 2; each further draft feeds the drafted token with the head's own 
 
 Medusa (Cai et al., 2024): head k reads the target's final state of token N - 2 and proposes token N + k
 (the target's own head proposed token N - 1); the heads need no cache.
+
+Token trees (a `Tree` given, engine/tree.py): the children of a node, by rank, are the drafter's likeliest
+tokens there, in order (distinct and deterministic: verified with p one-hot, `sampling.verify_tree`). EAGLE
+grows the tree level by level: the feed's output at N - 2 gives the root's children; each further level is one
+head forward over the level's nodes, each fed its token with its parent's output (the root's: the feed's),
+placed after the head's context as the verifier places its tree (models/heads/eagle.py `TreeLevel`: node j at
+slot N - 1 + j, at the position of its depth), seeing the context and its ancestors only; its outputs give the
+next level's children. The tree's slots are not context: the next feed overwrites from N - 1 on, and a later
+tree's nodes never see a slot past its own context. Medusa's tree is the heads' top-k: a node of depth d and
+rank r takes head d - 1's (r + 1)-th likeliest token, whatever its parent (Medusa's own tree).
 """
 
 from __future__ import annotations
@@ -19,14 +30,37 @@ import torch
 from sdbench.engine.hidden import TargetStates
 from sdbench.engine.sampling import choose
 from sdbench.engine.state import DecodeState, Proposal
+from sdbench.engine.tree import Tree
+
+
+def top_children(tokens: torch.Tensor, tree: Tree, logits: torch.Tensor, nodes: tuple[int, ...]) -> None:
+    """Fill in the children of `nodes` (-1: the root) in tokens [B, N]: the child of rank r gets the (r + 1)-th
+    likeliest token of logits [B, M, V] at its parent (M = len(nodes))."""
+    picks = [(c, m, r) for m, a in enumerate(nodes) for r, c in enumerate(tree.children_of(a))]
+    if not picks:
+        return
+    top = logits.topk(max(r for _, _, r in picks) + 1, -1).indices  # [B, M, k]
+    child, m, r = (list(x) for x in zip(*picks))
+    tokens[:, child] = top[:, m, r].to(tokens.device)
+
+
+def levels(tree: Tree) -> list[tuple[int, ...]]:
+    """The nodes of each depth 1 .. max_depth, in index order."""
+    return [tuple(i for i, d in enumerate(tree.depth) if d == level) for level in range(1, tree.max_depth + 1)]
+
+
+def tree_proposal(tokens: torch.Tensor, tree: Tree, limits: list[int]) -> Proposal:
+    """A tree of drafted tokens [B, N], the same shape per row, cut to each row's limit as a depth."""
+    return Proposal(tokens, torch.full((len(limits),), len(tree), dtype=torch.long),
+                    trees=(tree,) * len(limits)).fit(limits)
 
 
 class EagleDrafter:
     """Drafts with an EAGLE head (models/heads/eagle.py: its forward, over a KV cache of its own kept in step
     with the target's). layers: the target states it reads (engine/hidden.py)."""
 
-    def __init__(self, head, name: str, layers: tuple[int, ...]):
-        self.head, self.name, self.layers = head, name, layers
+    def __init__(self, head, name: str, layers: tuple[int, ...], tree: Tree | None = None):
+        self.head, self.name, self.layers, self.tree = head, name, layers, tree
         self.cache, self.pending = None, None
 
     def begin(self, state: DecodeState) -> None:
@@ -55,6 +89,9 @@ class EagleDrafter:
         logits, out = self._feed(ctx)
         if k == 0:
             return Proposal.empty(len(lengths))
+        if self.tree is not None:
+            shape, _ = self.tree.to_depth(k)
+            return tree_proposal(self._grow(shape, logits, out, [n - 1 for n in lengths]), shape, limits)
         drafted, probs = [], []
         zero = torch.zeros(len(lengths), dtype=torch.long)
         for i in range(k):
@@ -68,6 +105,22 @@ class EagleDrafter:
         return Proposal(tokens, torch.tensor(limits, dtype=torch.long),
                         None if self.sampling.greedy else torch.stack(probs, 1))
 
+    def _grow(self, tree: Tree, logits: torch.Tensor, out: torch.Tensor, start: list[int]) -> torch.Tensor:
+        """tokens [B, N] of `tree` grown below the root, whose logits [B, V] and output [B, H] the feed gave; the
+        tree sits after each row's first start[b] slots of the head's cache."""
+        B = logits.shape[0]
+        tokens = torch.zeros(B, len(tree), dtype=torch.long, device=logits.device)
+        outs = out.new_zeros(B, len(tree), out.shape[-1])  # [B, N, H] the head's output at each node
+        top_children(tokens, tree, logits[:, None], (-1,))
+        parents = torch.tensor(tree.parents, device=out.device)
+        for nodes in levels(tree)[:-1]:  # the last level's nodes have no children to find
+            at = list(nodes)
+            above = parents[at]  # [M] each node's parent, -1: the root (whose output is the feed's)
+            fed = torch.where((above < 0)[None, :, None], out[:, None], outs[:, above.clamp(min=0)])  # [B, M, H]
+            logits, outs[:, at] = self.head.forward(self.cache, tokens[:, at], fed, start, None, tree, nodes)
+            top_children(tokens, tree, logits, nodes)
+        return tokens
+
     def end(self) -> None:
         self.cache = self.pending = None
 
@@ -75,8 +128,8 @@ class EagleDrafter:
 class MedusaDrafter:
     """Drafts with Medusa-1 heads (models/heads/medusa.py) over the target's final state."""
 
-    def __init__(self, head, name: str, layers: tuple[int, ...]):
-        self.head, self.name, self.layers = head, name, layers
+    def __init__(self, head, name: str, layers: tuple[int, ...], tree: Tree | None = None):
+        self.head, self.name, self.layers, self.tree = head, name, layers, tree
         self.last = None  # [B, H] each row's latest target state
 
     def begin(self, state: DecodeState) -> None:
@@ -95,6 +148,9 @@ class MedusaDrafter:
         k = max(limits, default=0)
         if k == 0:
             return Proposal.empty(len(lengths))
+        if self.tree is not None:
+            shape, _ = self.tree.to_depth(k)
+            return tree_proposal(self._tree_tokens(shape), shape, limits)
         drafted, probs = [], []
         for i in range(k):  # each head on its own: a chain whose positions are drawn independently
             x, p = choose(self.head.logits(i, self.last), self.sampling, self.generator)
@@ -102,6 +158,14 @@ class MedusaDrafter:
             probs.append(p)
         return Proposal(torch.stack(drafted, 1), torch.tensor(limits, dtype=torch.long),
                         None if self.sampling.greedy else torch.stack(probs, 1))
+
+    def _tree_tokens(self, tree: Tree) -> torch.Tensor:
+        """tokens [B, N]: each node of depth d the token of its rank in head d - 1's ranking."""
+        tokens = torch.zeros(self.last.shape[0], len(tree), dtype=torch.long, device=self.last.device)
+        parents = [(-1,)] + levels(tree)[:-1]
+        for d, above in enumerate(parents):  # every parent of a level ranks the same head's tokens
+            top_children(tokens, tree, self.head.logits(d, self.last)[:, None].expand(-1, len(above), -1), above)
+        return tokens
 
     def end(self) -> None:
         self.last = None

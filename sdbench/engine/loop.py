@@ -170,7 +170,8 @@ def _verify(target: Runner, proposer, state: DecodeState, proposal: Proposal, ma
 
     The target cache holds every committed token but the last; writing from there overwrites whatever a
     rejected draft left behind, which is the whole of rewinding. A tree proposal is one tree forward (the last
-    committed token as every tree's root), after which each row's cache keeps its accepted path in order.
+    committed token as every tree's root), after which each row's cache keeps its accepted path in order, and a
+    proposer reading the target's states is given those of the root and the accepted path, in order.
     """
     last = state.last_tokens()[:, None]
     start = [n - 1 for n in state.lengths]
@@ -184,8 +185,23 @@ def _verify(target: Runner, proposer, state: DecodeState, proposal: Proposal, ma
         _keep_paths(state.target_cache, start, rnd)
     if taps:
         count = [a + 1 if on else 0 for a, on in zip(rnd.accepted, rnd.active)]
-        proposer.see_target(TargetStates(taps["taps"].states(), start, count))
+        states = taps["taps"].states()  # [B, G+1, S] (a tree's: the root's, then each node's)
+        if proposal.trees is not None:
+            states = _path_states(states, rnd)
+        proposer.see_target(TargetStates(states, start, count))
     return rnd
+
+
+def _path_states(states: torch.Tensor, rnd: Round) -> torch.Tensor:
+    """The states [B, G+1, S] of a tree forward's nodes (the root first) -> those of each row's root and accepted
+    path, in order [B, T, S]: the committed tokens' states, as a chain's forward gives them (as `_keep_paths`
+    keeps their keys)."""
+    rows = [[0] + [i + 1 for i in path] for path in rnd.paths]
+    index = torch.zeros(len(rows), max(map(len, rows)), dtype=torch.long)
+    for b, row in enumerate(rows):
+        index[b, : len(row)] = torch.tensor(row)
+    index = index.to(states.device)[..., None].expand(-1, -1, states.shape[-1])
+    return states.gather(1, index)
 
 
 def _keep_paths(cache, start: list[int], rnd: Round) -> None:
@@ -197,13 +213,9 @@ def _keep_paths(cache, start: list[int], rnd: Round) -> None:
 
 
 def check_trees(target: Runner, proposer, cache) -> None:
-    """Refuse, before anything runs, a tree-proposing strategy on a path that cannot verify trees: a trained
-    head (it would need the states along the accepted path), or a runner or cache without tree forwards."""
+    """Refuse, before anything runs, a tree-proposing strategy on a runner or cache without tree forwards."""
     if not getattr(proposer, "proposes_trees", False):
         return
-    if _taps(proposer):
-        raise SdbenchError(f"strategy '{proposer.name}' reads the target's hidden states, which token trees do "
-                           "not give yet: propose a chain")
     why = target.tree_refusal(cache)
     if why:
         raise SdbenchError(why)

@@ -47,7 +47,7 @@ class Proposer:
     def see_target(self, states: TargetStates) -> None:
         """Only for a proposer naming `hidden_layers`: the target's states of the tokens just committed to its
         cache (the prompts after the prefill; after each verification, the last committed token and the
-        accepted drafts), before `observe`."""
+        accepted drafts: a tree's accepted path, in order), before `observe`."""
 
     def observe(self, state: DecodeState, proposal: Proposal | None, rnd: Round) -> None:
         """Called after each verification: the proposal as verified (cut to what each row could commit) and
@@ -98,17 +98,28 @@ class FixedLookahead(Proposer):
 
 class TrainedHead(FixedLookahead):
     """A fixed-k use of a trained head's drafter (EAGLE, Medusa): it reads the target's hidden states, which
-    the loop gives it after the prefill and each verification."""
+    the loop gives it after the prefill and each verification. A drafter with a `tree` proposes that token tree
+    (cut to each row's limit as a depth); tree_settings: the settings that asked for it, recorded."""
 
     rows_join = False  # a joining row's prompt states would come from its own prefill: not wired yet
 
-    def __init__(self, drafter, gamma: int, head: str):
+    def __init__(self, drafter, gamma: int, head: str, tree_settings: dict | None = None):
         super().__init__(drafter, gamma)
         self.head = head
         self.hidden_layers = tuple(drafter.layers)
+        self.tree = getattr(drafter, "tree", None)
+        self.tree_settings = dict(tree_settings or {}) if self.tree is not None else {}
+
+    @property
+    def proposes_trees(self) -> bool:
+        return self.tree is not None
+
+    @property
+    def max_lookahead(self) -> int:
+        return self.gamma if self.tree is None else len(self.tree)
 
     def see_target(self, states: TargetStates) -> None:
         self.drafter.see(states)
 
     def params(self) -> dict:
-        return {"gamma": self.gamma, "head": self.head}
+        return {"gamma": self.gamma, "head": self.head, **self.tree_settings}

@@ -9,6 +9,7 @@ from sdbench.errors import SdbenchError
 from sdbench.kv.sparse import SparseSpec
 from sdbench.strategies.base import FixedLookahead
 from sdbench.strategies.spec import BuildContext, Option, Strategy, need_gamma, register
+from sdbench.strategies.trees import TREE_OPTIONS, tree_params, tree_setting
 
 
 class DraftModel(FixedLookahead):
@@ -23,8 +24,7 @@ class DraftModel(FixedLookahead):
                  window: int = 32, tree_topk: int = 0, tree_nodes: int = 0, tree_shape: str = ""):
         sparse = sparse_spec(draft_kv, {"budget": budget, "sink": sink, "window": window})
         self.tree = tree_spec(gamma, draft_kv, tree_topk, tree_nodes, tree_shape)
-        self.tree_settings = {k: v for k, v in (("tree_topk", tree_topk), ("tree_nodes", tree_nodes),
-                                                ("tree_shape", tree_shape)) if v}
+        self.tree_settings = tree_params({"tree_topk": tree_topk, "tree_nodes": tree_nodes, "tree_shape": tree_shape})
         drafter = ModelDrafter(runner, sparse, gamma, self_speculation=self.self_speculation, tree=self.tree)
         super().__init__(drafter, gamma)
         self.runner, self.sparse = runner, sparse
@@ -60,36 +60,13 @@ SPARSE_OPTIONS = (
 )
 
 
-TREE_OPTIONS = (
-    Option("tree_topk", 0, "0: a chain of --gamma drafts; K >= 1: a token tree --gamma levels deep, each node's "
-                           "children the draft's K likeliest tokens (K = 1: the chain, as a tree)"),
-    Option("tree_nodes", 0, "most nodes of a tree_topk tree, kept in rank order (0: tree_topk x gamma)"),
-    Option("tree_shape", "", "a static tree in vLLM's notation, e.g. [(0,),(1,),(0,0)] (at most --gamma levels): "
-                             "a rank-r child is the draft's (r+1)-th likeliest token", str),
-)
-
-
 def tree_spec(gamma: int, draft_kv: str, tree_topk: int, tree_nodes: int, tree_shape: str) -> Tree | None:
     """The token tree these settings ask the draft model to grow each round (None: the chain); raises on
-    impossible ones."""
-    if tree_topk < 0 or tree_nodes < 0:
-        raise SdbenchError(f"draft: --set tree_topk and tree_nodes must be at least 0 (got tree_topk={tree_topk}, "
-                           f"tree_nodes={tree_nodes})")
-    if tree_nodes and not tree_topk:
-        raise SdbenchError("draft: --set tree_nodes is the node budget of a tree_topk tree: set tree_topk too")
-    if tree_topk and tree_shape:
-        raise SdbenchError("draft: --set tree_topk and tree_shape each give the tree: set one")
-    if not (tree_topk or tree_shape):
-        return None
-    if draft_kv != "dense":
+    impossible ones (strategies/trees.py, and a tree needs the dense draft cache)."""
+    tree = tree_setting("draft", gamma, tree_topk, tree_nodes, tree_shape)
+    if tree is not None and draft_kv != "dense":
         raise SdbenchError(f"draft: a token tree needs the dense draft cache, not --set draft_kv={draft_kv}")
-    if tree_shape:
-        tree = Tree.from_vllm(tree_shape)
-        if tree.max_depth > gamma:
-            raise SdbenchError(f"draft: --set tree_shape is {tree.max_depth} levels deep, deeper than --gamma "
-                               f"{gamma}")
-        return tree
-    return Tree.topk_depth(tree_topk, gamma, tree_nodes or tree_topk * gamma)
+    return tree
 
 
 def sparse_spec(selector: str, options: dict) -> SparseSpec | None:

@@ -1,13 +1,16 @@
-"""EAGLE (1 and 3): a trained head drafts gamma tokens per round from the target's hidden states (--head).
-`HeadStrategy` is what every trained-head strategy declares alike (medusa.py is the other)."""
+"""EAGLE (1 and 3): a trained head drafts gamma tokens per round (or a token tree gamma levels deep) from the
+target's hidden states (--head). `HeadStrategy` is what every trained-head strategy declares alike (medusa.py is
+the other)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+from sdbench.engine.tree import Tree
 from sdbench.errors import SdbenchError
 from sdbench.strategies.base import TrainedHead
 from sdbench.strategies.spec import BuildContext, Option, SearchContext, Strategy, need_gamma, register
+from sdbench.strategies.trees import TREE_OPTIONS, tree_params, tree_setting, widest
 
 MAX_TUNED_GAMMA = 8
 
@@ -15,13 +18,14 @@ MAX_TUNED_GAMMA = 8
 class HeadStrategy(Strategy):
     """A strategy drafting with a trained head of one of `head_kinds` (models/heads/load.py), read from --head."""
 
-    options = (Option("head", "", "the trained head: a folder or a hub id (also --head)", str),)
+    options = (Option("head", "", "the trained head: a folder or a hub id (also --head)", str), *TREE_OPTIONS)
 
     @classmethod
     def validate(cls, gamma: int, options: dict, drafts: tuple[str, ...], sampling) -> None:
         from sdbench.models.heads.load import looks_like_path  # light: no weights read
 
         need_gamma(cls.name, gamma)
+        cls.tree(gamma, options)
         head = options.get("head")
         if not head:
             raise SdbenchError(f"strategy '{cls.name}' needs --head PATH|HUB_ID (a trained head for the target)")
@@ -29,8 +33,15 @@ class HeadStrategy(Strategy):
             raise SdbenchError(f"--head {head}: no such folder, nor a hub id (owner/name)")
 
     @classmethod
-    def drafter(cls, head, target, gamma: int):
-        """The drafter over a loaded head (raises SdbenchError on settings the head cannot honour)."""
+    def tree(cls, gamma: int, options: dict) -> Tree | None:
+        """The token tree the head grows each round (None: a chain); raises on impossible settings."""
+        return tree_setting(cls.name, gamma, options.get("tree_topk", 0), options.get("tree_nodes", 0),
+                            options.get("tree_shape", ""))
+
+    @classmethod
+    def drafter(cls, head, target, gamma: int, tree: Tree | None = None):
+        """The drafter over a loaded head, drafting a chain or `tree` (raises SdbenchError on settings the head
+        cannot honour)."""
         raise NotImplementedError
 
     @classmethod
@@ -47,26 +58,29 @@ class HeadStrategy(Strategy):
         return trial.suggest_int("gamma", 1, cls.max_gamma(space.heads)), {"head": head}
 
     @classmethod
-    def proposer_for(cls, head, target, gamma: int) -> TrainedHead:
-        """The proposer drafting with a loaded head."""
-        return TrainedHead(cls.drafter(head, target, gamma), gamma, head.name)
+    def proposer_for(cls, head, target, gamma: int, options: dict | None = None) -> TrainedHead:
+        """The proposer drafting with a loaded head (options: the tree settings, if any)."""
+        options = options or {}
+        return TrainedHead(cls.drafter(head, target, gamma, cls.tree(gamma, options)), gamma, head.name,
+                           tree_params(options))
 
     @classmethod
     def build(cls, ctx: BuildContext) -> TrainedHead:
         from sdbench.models.heads.load import load_head  # reads weights: only a run that drafts with it
 
         return cls.proposer_for(load_head(ctx.options["head"], ctx.target, cls.head_kinds, cls.name), ctx.target,
-                                ctx.gamma)
+                                ctx.gamma, ctx.options)
 
 
 @register
 class EagleStrategy(HeadStrategy):
     name = "eagle"
-    help = "EAGLE-1/EAGLE-3 trained head (--head) drafting from the target's hidden states, fixed gamma"
+    help = ("EAGLE-1/EAGLE-3 trained head (--head) drafting from the target's hidden states, fixed gamma; "
+            "tree_topk=K or tree_shape=... grows a token tree")
     head_kinds = ("eagle3", "eagle1")
 
     @classmethod
-    def drafter(cls, head, target, gamma: int):
+    def drafter(cls, head, target, gamma: int, tree: Tree | None = None):
         from sdbench.drafting.heads import EagleDrafter
         from sdbench.models.heads.eagle import EagleHead
 
@@ -75,4 +89,12 @@ class EagleStrategy(HeadStrategy):
         except (ValueError, KeyError, TypeError) as err:  # the library refuses its layer's config
             line = (str(err).strip() or type(err).__name__).splitlines()[0]
             raise SdbenchError(f"--head {head.name}: its layer's config is not one sdbench reads ({line})") from None
-        return EagleDrafter(forward, head.name, head.layers)
+        check_width(head.name, tree, forward.vocab_size)
+        return EagleDrafter(forward, head.name, head.layers, tree)
+
+
+def check_width(head: str, tree: Tree | None, vocab: int) -> None:
+    """Refuse a tree with a node of more children than the head has tokens to rank."""
+    if tree is not None and widest(tree) > vocab:
+        raise SdbenchError(f"--head {head}: a tree node has {widest(tree)} children, more than the {vocab} tokens "
+                           "the head drafts")

@@ -17,8 +17,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from sdbench.engine.tree import Tree
 from sdbench.models.heads.load import EAGLE1, EAGLE3, Head
-from sdbench.kv.cache import DenseKVCache, StepIndex
+from sdbench.kv.cache import DenseKVCache, StepIndex, additive
 from sdbench.models.rotary import Rotary, rope
 
 
@@ -35,6 +36,37 @@ def _layer_config(head: Head):
     cfg = {k: v for k, v in head.config.items() if k not in ("architectures", "draft_vocab_size", "auto_map")}
     cfg["num_hidden_layers"] = 1
     return AutoConfig.for_model(cfg.pop("model_type", "llama"), **cfg)
+
+
+class TreeLevel(StepIndex):
+    """One level of a token tree fed to the head: nodes `nodes` of `tree` (the level's, M of them), each row's
+    tree placed after its first start[b] slots as the verifier places its own (node j at slot start[b] + j, rotated
+    at start[b] - 1 + depth[j]). A node sees the slots before start[b], its ancestors' slots (written by earlier
+    levels) and its own; no other tree slot, whatever an earlier round left there."""
+
+    def __init__(self, start: list[int], tree: Tree, nodes: tuple[int, ...], device: torch.device):
+        N, M = len(tree), len(nodes)
+        self.start, self.T, self.uniform = start, M, False  # slots start[b] + node: not one run from start[b]
+        self.kv_len = max(start) + N
+        first = torch.tensor(start, device=device)[:, None]  # [B, 1]
+        at = torch.tensor(nodes, device=device)
+        self.positions = first + at  # [B, M] the slots written
+        self._rotated = first - 1 + torch.tensor(tree.depth, device=device)[at]  # [B, M]
+        node = torch.arange(self.kv_len, device=device)[None] - first  # [B, S]: a slot's node, < 0 before the tree
+        sees = tree.ancestors.to(device)[at]  # [M, N]
+        inside = (node >= 0) & (node < N)
+        self.allowed = (node < 0)[:, None] | (inside[:, None] & sees[:, node.clamp(0, N - 1)].transpose(0, 1))
+        self._masks = {}
+
+    @property
+    def rotated(self) -> torch.Tensor:
+        return self._rotated
+
+    def causal_mask(self, dtype: torch.dtype, window: int | None = None) -> torch.Tensor:
+        """[B, 1, M, kv_len] additive (the head's one layer has no window)."""
+        if dtype not in self._masks:
+            self._masks[dtype] = additive(self.allowed[:, None], dtype)
+        return self._masks[dtype]
 
 
 class EagleHead:
@@ -54,6 +86,7 @@ class EagleHead:
         d2t = head.weights.get("d2t")
         # target id of each draft-vocabulary id (EAGLE-3 with a smaller vocabulary); None: the same ids
         self.to_target = None if d2t is None else (d2t.long() + torch.arange(len(d2t))).to(self.device)
+        self.vocab_size = target.vocab_size if d2t is None else len(d2t)  # the tokens it can draft
 
     def new_cache(self, batch: int, capacity: int) -> DenseKVCache:
         self.rotary.reserve(capacity)
@@ -68,10 +101,13 @@ class EagleHead:
 
     @torch.inference_mode()
     def forward(self, cache, tokens: torch.Tensor, states: torch.Tensor, start: list[int],
-                at: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                at: torch.Tensor | None, tree: Tree | None = None,
+                nodes: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor]:
         """tokens [B, T] at positions start[b] + t, each with the state it follows: states [B, T, S] (the
         target's, or the head's own output fed back). Returns, at in-chunk indices at [B], the logits over the
-        target's vocabulary [B, V] (float32) and the head's output [B, H] to feed back."""
+        target's vocabulary [B, V] (float32) and the head's output [B, H] to feed back; at None: at every token,
+        [B, T, V] and [B, T, H]. tree: the tokens are its nodes `nodes` (one level of it), the tree placed after
+        start[b] slots (`TreeLevel`), each seeing the context and its own ancestors only."""
         e = self.embed(tokens)
         states = states.to(self.dtype)
         if self.kind == EAGLE1:
@@ -82,9 +118,11 @@ class EagleHead:
             hn = rms_norm(x, self.w["hidden_norm.weight"], self.eps)
             attn_in = torch.cat((rms_norm(e, self.w["input_layernorm.weight"], self.eps), hn), -1)
             residual = hn if self.norm_before_residual else x
-        h = residual + self._attention(attn_in, cache, StepIndex(start, tokens.shape[1], self.device))
+        T = tokens.shape[1]
+        step = StepIndex(start, T, self.device) if tree is None else TreeLevel(start, tree, nodes, self.device)
+        h = residual + self._attention(attn_in, cache, step)
         h = h + self._mlp(rms_norm(h, self.w["post_attention_layernorm.weight"], self.eps))
-        out = h[torch.arange(h.shape[0], device=h.device), at.to(h.device)]  # [B, H]
+        out = h if at is None else h[torch.arange(h.shape[0], device=h.device), at.to(h.device)]  # [B, (T,) H]
         return self._logits(out), out
 
     def _attention(self, x: torch.Tensor, cache, step: StepIndex) -> torch.Tensor:
@@ -96,7 +134,7 @@ class EagleHead:
         if "self_attn.q_norm.weight" in self.w:  # a Qwen3 layer: per head, before the rotation
             q = rms_norm(q, self.w["self_attn.q_norm.weight"], self.eps)
             k = rms_norm(k, self.w["self_attn.k_norm.weight"], self.eps)
-        cos, sin = next(iter(self.rotary.for_forward(step.positions, step.kv_len).values()))
+        cos, sin = next(iter(self.rotary.for_forward(step.rotated, step.kv_len).values()))
         q, k = rope(q.transpose(1, 2), cos, sin), rope(k.transpose(1, 2), cos, sin)  # [B, H, T, D]
         keys, values, mask = cache.update(0, k, v, step)
         o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=Hq != Hk)
@@ -107,20 +145,20 @@ class EagleHead:
         return self._linear("mlp.down_proj", gate * self._linear("mlp.up_proj", x))
 
     def draft_logits(self, out: torch.Tensor) -> torch.Tensor:
-        """EAGLE-3: logits over the draft vocabulary [B, Vd] of the head's outputs [B, H]."""
+        """EAGLE-3: logits over the draft vocabulary [..., Vd] of the head's outputs [..., H]."""
         return F.linear(rms_norm(out, self.w["norm.weight"], self.eps), self.w["lm_head.weight"]).float()
 
     def _logits(self, out: torch.Tensor) -> torch.Tensor:
-        """Logits over the target's vocabulary [B, V]: a draft-vocabulary token i at target id i + d2t[i], every
+        """Logits over the target's vocabulary [..., V]: a draft-vocabulary token i at target id i + d2t[i], every
         target token outside the draft vocabulary at -inf (vLLM's `compute_logits`)."""
         if self.kind == EAGLE1:
             return self.target.logits(out)
         logits = self.draft_logits(out)
         if self.to_target is None:
             return logits
-        full = logits.new_full((logits.shape[0], self.target.vocab_size), float("-inf"))
-        full[:, self.to_target] = logits
+        full = logits.new_full((*logits.shape[:-1], self.target.vocab_size), float("-inf"))
+        full[..., self.to_target] = logits
         return full
 
 
-__all__ = ["EagleHead", "rms_norm", "EAGLE1", "EAGLE3"]
+__all__ = ["EagleHead", "TreeLevel", "rms_norm", "EAGLE1", "EAGLE3"]

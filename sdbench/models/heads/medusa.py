@@ -15,6 +15,7 @@ class MedusaHead:
         self.n_heads = int(head.config["medusa_num_heads"])
         self.depth = int(head.config.get("medusa_num_layers", 1))
         self.w = {k: v.to(target.device, target.dtype) for k, v in head.weights.items()}
+        self.vocab_size = self.w[f"0.{self.depth}.weight"].shape[0]
 
     @torch.inference_mode()
     def logits(self, k: int, h: torch.Tensor) -> torch.Tensor:

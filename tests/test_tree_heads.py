@@ -1,0 +1,268 @@
+"""Trained heads grow token trees (`--strategy eagle|medusa --set tree_topk=K` or `tree_shape=...`).
+
+Every node of every tree drafted in a real generation is checked against the hand references of
+tests/head_references.py (the papers' equations over the whole committed sequence, no cache): a node's children
+are the head's likeliest tokens at that node, which for EAGLE is the head's chain drafted along the node's path
+(its own output fed back), for Medusa head d's ranking at depth d. Rounds after branches other than the first
+were accepted check that the loop hands the head the target's states of the accepted path, in order, and that
+the head's tree slots never count as its context; the same check fails with the states taken in node order, and
+with nodes that see their cousins. Greedy decoding gives transformers' own `generate` (native and generic
+runners); `tree_topk=1` is the chain in tokens and counts; under sampling every output position follows the
+target's exact marginal through accepted branches. The loop's handoff itself is checked against transformers'
+hidden states for an n-gram tree proposer that reads them. Bad settings are refused in one line.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from sdbench.config import SamplingConfig
+from sdbench.engine import loop
+from sdbench.engine.hidden import FINAL, eagle3_layers
+from sdbench.engine.loop import generate
+from sdbench.engine.tree import Tree
+from sdbench.errors import SdbenchError
+from sdbench.kv.cache import additive
+from sdbench.models.generic import GenericRunner
+from sdbench.models.heads.eagle import TreeLevel
+from sdbench.models.runner import ModelRunner
+from sdbench.strategies import BuildContext, build_proposer
+from sdbench.strategies.eagle import EagleStrategy
+from sdbench.strategies.medusa import MedusaStrategy
+from sdbench.strategies.ngram import NGram
+from tests import head_references as ref
+from tests.heads import eagle1_dir, eagle3_dir, medusa_dir, one_thread, small_vocab_target  # noqa: F401
+from tests.references import hf_generate
+from tests.test_tree_loop import (_prompts, _small, assert_target_marginals_through_branches,
+                                  assert_tree_decodes_as_the_chain, sampled, sampled_checks)  # noqa: F401
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+GAMMA = 3
+NEW = 20
+PROMPTS = [[5, 6, 7, 1, 2, 4, 3], [1, 2, 3], [3, 3, 1, 0, 7, 7, 7, 1, 2, 6, 4]]
+GREEDY = SamplingConfig()
+SHAPE = "[(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 1, 0)]"  # three levels, uneven branching
+KINDS = ["eagle3", "eagle1", "medusa"]
+
+
+def _cfg(folder) -> dict:
+    import json
+
+    cfg = json.loads((folder / "config.json").read_text())
+    return cfg.get("transformer_layer_config", cfg)
+
+
+def _head(kind: str, folder, target):
+    """(strategy, head folder, reference: (committed tokens, path tokens, depth) -> the head's logits [V])."""
+    if kind == "eagle3":
+        folder = eagle3_dir(folder, target, draft_vocab=6, seed=1)
+        w, cfg = load_file(str(folder / "model.safetensors")), _cfg(folder)
+        layers = eagle3_layers(target.config.num_hidden_layers)
+        return "eagle", folder, lambda ctx, path, d: ref.eagle3_logits(target, w, cfg, ctx, path, layers)
+    if kind == "eagle1":
+        folder = eagle1_dir(folder, target)
+        w, cfg = torch.load(folder / "pytorch_model.bin", weights_only=True), _cfg(folder)
+        return "eagle", folder, lambda ctx, path, d: ref.eagle1_logits(target, w, cfg, ctx, path)
+    folder = medusa_dir(folder, target, heads=GAMMA, layers=2)
+    w = load_file(str(folder / "medusa_lm_head.safetensors"))
+    return "medusa", folder, lambda ctx, path, d: ref.medusa_logits(target, w, 2, ctx, d)
+
+
+def _proposer(runner, strategy: str, folder, gamma: int = GAMMA, **tree):
+    options = {"head": str(folder), **{k: str(v) for k, v in tree.items()}}
+    return build_proposer(strategy, BuildContext(runner, [], gamma, options))
+
+
+def _run(runner, proposer):
+    """(output, [(committed tokens, tree, its tokens)] of every row of every round that drafted a tree)."""
+    rounds, propose = [], proposer.propose
+
+    def spy(state):
+        p = propose(state)
+        for b in range(state.batch):
+            if int(p.lengths[b]) and p.trees is not None:
+                rounds.append((state.row(b).tolist(), p.trees[b], p.tokens[b, : len(p.trees[b])].tolist()))
+        return p
+
+    proposer.propose = spy
+    return generate(runner, proposer, PROMPTS, max_new_tokens=NEW, sampling=GREEDY), rounds
+
+
+def _wrong_nodes(rounds, reference) -> int:
+    """Nodes (the root included) whose children are not the reference's likeliest tokens, by rank."""
+    wrong = 0
+    for ctx, tree, tokens in rounds:
+        for node in (-1, *range(len(tree))):
+            kids = tree.children_of(node)
+            if kids:
+                path = [tokens[i] for i in tree.path_to(node)] if node >= 0 else []
+                top = reference(ctx, path, len(path)).topk(len(kids)).indices.tolist()
+                wrong += top != [tokens[c] for c in kids]
+    return wrong
+
+
+@pytest.fixture(scope="module")
+def target():
+    return small_vocab_target("llama")
+
+
+# ---- each node against the hand reference, greedy decoding against the library -----------------------------
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_each_node_is_the_heads_ranked_token_along_its_path(tmp_path, target, kind):
+    strategy, folder, reference = _head(kind, tmp_path / kind, target)
+    out, rounds = _run(ModelRunner(target), _proposer(ModelRunner(target), strategy, folder, tree_shape=SHAPE))
+    assert out.output_ids == [hf_generate(target, p, NEW) for p in PROMPTS]  # lossless
+    assert len(rounds) > 3 * len(PROMPTS) and 8 in {len(t) for _, t, _ in rounds}
+    assert sum(r.sibling_accepts for r in out.rows) > 0  # branches won: later rounds start after them
+    assert _wrong_nodes(rounds, reference) == 0
+
+
+def _states_in_node_order(states, rnd):
+    return states
+
+
+def _nodes_see_cousins(self, dtype, window=None):
+    """Every node sees the whole tree's slots, not only its ancestors'."""
+    allowed = self.allowed | (torch.arange(self.kv_len)[None, None] >= torch.tensor(self.start)[:, None, None])
+    return additive(allowed[:, None], dtype)
+
+
+@pytest.mark.parametrize("mistake", ["states in node order", "nodes see their cousins"])
+def test_the_check_catches_a_broken_head_tree(tmp_path, target, monkeypatch, mistake):
+    if mistake == "states in node order":
+        monkeypatch.setattr(loop, "_path_states", _states_in_node_order)
+    else:
+        monkeypatch.setattr(TreeLevel, "causal_mask", _nodes_see_cousins)
+    strategy, folder, reference = _head("eagle3", tmp_path / "eagle3", target)
+    _, rounds = _run(ModelRunner(target), _proposer(ModelRunner(target), strategy, folder, tree_shape=SHAPE))
+    assert _wrong_nodes(rounds, reference) > 0
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "medusa"])
+def test_the_generic_runner_verifies_head_trees_losslessly(tmp_path, target, kind):
+    strategy, folder, _ = _head(kind, tmp_path / kind, target)
+    runner = GenericRunner(target)
+    out, _ = _run(runner, _proposer(runner, strategy, folder, tree_topk=2))
+    assert out.output_ids == [hf_generate(target, p, NEW) for p in PROMPTS]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_topk_one_is_the_chain(tmp_path, target, kind):
+    strategy, folder, _ = _head(kind, tmp_path / kind, target)
+    chain, _ = _run(ModelRunner(target), _proposer(ModelRunner(target), strategy, folder))
+    tree, _ = _run(ModelRunner(target), _proposer(ModelRunner(target), strategy, folder, tree_topk=1))
+    assert_tree_decodes_as_the_chain(chain, tree)
+
+
+# ---- sampling: the target's exact marginals through the branches ---------------------------------------------
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_sampled_head_trees_follow_the_targets_marginals(tmp_path, sampled, kind):  # noqa: F811
+    model, marginals = sampled
+    folder = {"eagle3": lambda f: eagle3_dir(f, model, draft_vocab=6, layer_ids=(0, 1, 2)),
+              "eagle1": lambda f: eagle1_dir(f, model), "medusa": lambda f: medusa_dir(f, model, heads=2)}[kind]
+    runner = ModelRunner(model)
+    proposer = _proposer(runner, "medusa" if kind == "medusa" else "eagle", folder(tmp_path / kind), gamma=2,
+                         tree_topk=3)
+    assert_target_marginals_through_branches(*sampled_checks(runner, proposer, marginals))
+
+
+# ---- the loop's handoff: the target's states of the accepted path ---------------------------------------------
+
+class StateSpy(NGram):
+    """The n-gram tree proposer, reading the target's states at two layers and keeping every handoff."""
+
+    hidden_layers = (1, FINAL)
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.seen = []
+
+    def see_target(self, states):
+        self.seen.append((states.states.clone(), list(states.start), list(states.count)))
+
+
+def _handoff_errors(model, out, seen) -> tuple[float, int]:
+    """(largest gap between each handed state and the library's state of the committed token at its position,
+    states compared)."""
+    prompts = _prompts()
+    gap, compared = 0.0, 0
+    for b, prompt in enumerate(prompts):
+        seq = prompt + out.output_ids[b]
+        with torch.no_grad():
+            hs = model(torch.tensor([seq]), output_hidden_states=True).hidden_states
+        expected = torch.cat((hs[1][0], hs[-1][0]), -1)  # [len(seq), 2H] (layer 1's input, the final-norm state)
+        for states, start, count in seen:
+            for t in range(count[b]):
+                gap = max(gap, float((states[b, t] - expected[start[b] + t]).abs().max()))
+                compared += 1
+    return gap, compared
+
+
+def test_the_loop_hands_over_the_states_of_the_accepted_path(monkeypatch):
+    model = _small()
+    spy = StateSpy(4, tree=4)
+    out = generate(ModelRunner(model), spy, _prompts(), max_new_tokens=30, sampling=GREEDY)
+    assert sum(r.sibling_accepts for r in out.rows) > 0 and sum(sum(r.accepted_per_position[1:]) for r in out.rows)
+    gap, compared = _handoff_errors(model, out, spy.seen)
+    # every committed token's but the last (a round cut by the budget also hands its last token's)
+    assert compared >= sum(len(p) + len(o) - 1 for p, o in zip(_prompts(), out.output_ids)) and gap < 1e-4
+    monkeypatch.setattr(loop, "_path_states", _states_in_node_order)
+    spy = StateSpy(4, tree=4)
+    out = generate(ModelRunner(model), spy, _prompts(), max_new_tokens=30, sampling=GREEDY)
+    assert _handoff_errors(model, out, spy.seen)[0] > 1e-2  # the check sees states taken in node order
+
+
+# ---- settings and refusals -------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("declared", [EagleStrategy, MedusaStrategy])
+def test_the_tree_options_are_declared_and_recorded(tmp_path, target, declared):
+    names = {o.name for o in declared.options}
+    assert {"tree_topk", "tree_nodes", "tree_shape"} <= names
+    assert declared.settings({"head": "h", "tree_topk": "2"})["tree_topk"] == 2
+    strategy, folder, _ = _head("eagle1" if declared is EagleStrategy else "medusa", tmp_path / "h", target)
+    runner = ModelRunner(target)
+    chain = _proposer(runner, strategy, folder)
+    assert not chain.proposes_trees and chain.max_lookahead == GAMMA and "tree_topk" not in chain.params()
+    tree = _proposer(runner, strategy, folder, tree_topk=2, tree_nodes=5)
+    assert tree.proposes_trees and tree.max_lookahead == 5 and tree.tree == Tree.topk_depth(2, GAMMA, 5)
+    assert tree.params() == {"gamma": GAMMA, "head": str(folder), "tree_topk": 2, "tree_nodes": 5}
+
+
+@pytest.mark.parametrize("given, match", [
+    (dict(tree_nodes=4), "set tree_topk too"),
+    (dict(tree_topk=2, tree_shape="[(0,)]"), "set one"),
+    (dict(tree_topk=-1), "at least 0"),
+    (dict(tree_shape="[(0,), (0, 0), (0, 0, 0)]"), "deeper than --gamma 2"),
+    (dict(tree_shape="oak"), "not a list"),
+])
+@pytest.mark.parametrize("declared", [EagleStrategy, MedusaStrategy])
+def test_impossible_head_trees_are_refused_in_one_line(declared, given, match):
+    options = declared.settings({"head": "owner/name", **{k: str(v) for k, v in given.items()}})
+    with pytest.raises(SdbenchError, match=match) as caught:
+        declared.validate(2, options, (), GREEDY)
+    assert "\n" not in str(caught.value)
+
+
+def test_trees_a_head_cannot_draft_are_refused_when_it_loads(tmp_path, target):
+    runner = ModelRunner(target)
+    strategy, folder, _ = _head("eagle3", tmp_path / "e3", target)  # a draft vocabulary of 6 tokens
+    with pytest.raises(SdbenchError, match="7 children, more than the 6 tokens"):
+        _proposer(runner, strategy, folder, gamma=1, tree_topk=7)
+    strategy, folder, _ = _head("medusa", tmp_path / "m", target)  # one head per level
+    with pytest.raises(SdbenchError, match=f"has {GAMMA} Medusa heads"):
+        _proposer(runner, strategy, folder, gamma=GAMMA + 1, tree_topk=2)
+
+
+def test_a_static_shape_target_is_refused_before_its_prefill(tmp_path, target, monkeypatch):
+    strategy, folder, _ = _head("eagle1", tmp_path / "e1", target)
+    static = ModelRunner(target, static=True)
+    monkeypatch.setattr(static, "prefill", lambda *a, **k: pytest.fail("prefilled before the refusal"))
+    with pytest.raises(SdbenchError, match="static-shape"):
+        generate(static, _proposer(static, strategy, folder, tree_topk=2), PROMPTS, max_new_tokens=4,
+                 sampling=GREEDY)
+
