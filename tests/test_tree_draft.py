@@ -1,4 +1,6 @@
-"""The draft model grows a token tree (`--strategy draft --set tree_topk=K tree_nodes=N`, or `tree_shape=...`).
+"""The draft model grows a token tree (`--strategy draft --set tree_topk=K tree_nodes=N`, or `tree_shape=...`;
+`tree_dynamic=true`: EAGLE-2's dynamic tree, tested on its own in test_tree_dynamic.py; `tree_sample=true`:
+SpecInfer's sampled children).
 
 Against transformers itself: every node's token must be the draft model's own ranked choice after the node's
 path (the library's uncached forward), in the first round and in the next one, whose context runs over the
@@ -8,8 +10,13 @@ of different lengths (llama and qwen3 targets; native and generic runners as dra
 that disagrees often), with second siblings really accepted; `tree_topk=1` is the chain, token for token and
 count for count. Under sampling, every output position must follow the target's exact marginal, and the same
 check must fail when the top-k children are verified as if they had been drawn from the draft (p = the draft's
-distribution instead of one-hot). Impossible settings are refused in one line, a static-shape draft before its
-prefill.
+distribution instead of one-hot). So must a dynamic tree's, and a tree whose children are drawn from the draft
+(with replacement, verified with the draft's p by the residual rule), each child's p the draft's distribution at
+its parent; the same check must fail when a rejected sampled child does not update the residual. (Verifying
+sampled children as deterministic ones, p dropped, is no such mistake: accepting a token with q(x) and removing
+it from q is lossless for any children chosen without the target, only less often accepted.) Impossible
+settings are refused in one line, a static-shape draft and sampled children under greedy decoding before the
+draft's prefill.
 """
 
 from __future__ import annotations
@@ -22,7 +29,9 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from sdbench.config import SamplingConfig
 from sdbench.drafting import model as drafting
+from sdbench.drafting.dynamic import DynamicTree
 from sdbench.drafting.model import ModelDrafter
+from sdbench.engine import sampling as acceptance
 from sdbench.engine.loop import generate
 from sdbench.engine.state import DecodeState, Proposal
 from sdbench.engine.tree import Tree
@@ -184,8 +193,9 @@ def sampled():
     return model, _noisy(model, 0.12), exact_marginals(model, S_PROMPT, S_NEW)
 
 
-def _sampled_checks(target, draft, marginals, seed: int = 0):
-    return sampled_checks(ModelRunner(target), DraftModel(ModelRunner(draft), 2, tree_topk=3), marginals, seed)
+def _sampled_checks(target, draft, marginals, seed: int = 0, **tree):
+    tree = tree or {"tree_topk": 3}
+    return sampled_checks(ModelRunner(target), DraftModel(ModelRunner(draft), 2, **tree), marginals, seed)
 
 
 def test_sampled_tree_drafts_follow_the_targets_marginals(sampled):
@@ -196,7 +206,7 @@ def test_the_same_check_catches_top_k_children_verified_as_if_drawn_from_the_dra
     """p = the draft's distribution at the parent for each child: the rule for i.i.d.-sampled children (accept
     with min(1, q/p)) applied to children that were not sampled."""
     made: dict[str, torch.Tensor] = {}
-    children, draft = drafting._children, ModelDrafter.draft
+    children, draft = drafting.top_children, ModelDrafter.draft
 
     def with_p(tokens, shape, logits, nodes):
         children(tokens, shape, logits, nodes)
@@ -212,9 +222,47 @@ def test_the_same_check_catches_top_k_children_verified_as_if_drawn_from_the_dra
             full = Proposal(full.tokens, full.lengths, made["p"][:, : full.tokens.shape[1]], full.trees)
         return full.fit(limits)
 
-    monkeypatch.setattr(drafting, "_children", with_p)
+    monkeypatch.setattr(drafting, "top_children", with_p)
     monkeypatch.setattr(ModelDrafter, "draft", proposing_p)
     checks, _ = _sampled_checks(*sampled)
+    assert any(stat > bound for _, stat, bound in checks), checks
+
+
+def test_sampled_dynamic_trees_follow_the_targets_marginals(sampled):
+    assert_target_marginals_through_branches(*_sampled_checks(*sampled, tree_topk=3, tree_nodes=5,
+                                                              tree_dynamic=True))
+
+
+SAMPLED_CHILDREN = {"tree_topk": 3, "tree_sample": True}
+
+
+def test_a_sampled_childs_p_is_the_drafts_distribution_at_its_parent(sampled):
+    _, draft = sampled[:2]
+    sampling = SamplingConfig(1.0, 1.0, 0)
+    state = DecodeState.for_prompts([S_PROMPT] * 2, 8, 64, sampling=sampling,
+                                    generator=torch.Generator().manual_seed(0))
+    drafter = ModelDrafter(ModelRunner(draft), tree=Tree.topk_depth(3, 2, 6), sample_children=True)
+    drafter.begin(state)
+    proposal = drafter.draft(state.tokens, state.lengths, [2, 2])
+    drafter.end()
+    tree = proposal.trees[0]
+    for b in range(2):
+        tokens = proposal.tokens[b].tolist()
+        for i, a in enumerate(tree.parents):
+            path = S_PROMPT + [tokens[j] for j in (tree.path_to(a) if a >= 0 else ())]
+            expected = _library(draft, [path])[0].softmax(-1)
+            assert torch.allclose(proposal.probs[b, i], expected, atol=1e-5)
+
+
+def test_sampled_children_follow_the_targets_marginals(sampled):
+    checks, out = _sampled_checks(*sampled, **SAMPLED_CHILDREN)
+    assert_target_marginals_through_branches(checks, out)
+
+
+def test_the_same_check_catches_sampled_children_without_the_residual_update(sampled, monkeypatch):
+    """After a rejected child the next is tried against the same q: SpecInfer's rule without its residual."""
+    monkeypatch.setattr(acceptance, "_residual", lambda q, p, x, inside: q)
+    checks, _ = _sampled_checks(*sampled, **SAMPLED_CHILDREN)
     assert any(stat > bound for _, stat, bound in checks), checks
 
 
@@ -226,8 +274,10 @@ def _options(**given) -> dict:
 
 def test_the_options_are_declared_and_the_default_is_the_chain():
     declared = {o.name: o for o in DraftStrategy.options}
-    assert all(declared[n].help for n in ("tree_topk", "tree_nodes", "tree_shape"))
-    assert (declared["tree_topk"].default, declared["tree_nodes"].default, declared["tree_shape"].default) == (0, 0, "")
+    assert all(declared[n].help for n in ("tree_topk", "tree_nodes", "tree_shape", "tree_dynamic", "tree_sample"))
+    assert [declared[n].default for n in ("tree_topk", "tree_nodes", "tree_shape", "tree_dynamic", "tree_sample")] \
+        == [0, 0, "", False, False]
+    assert _options(tree_dynamic="true", tree_sample="no")["tree_dynamic"] is True
     runner = ModelRunner(_pair("llama")[1])
     chain = DraftModel(runner, 4)
     assert chain.tree is None and not chain.proposes_trees and chain.params() == {"gamma": 4}
@@ -239,6 +289,13 @@ def test_the_options_are_declared_and_the_default_is_the_chain():
     shaped = DraftModel(runner, 2, tree_shape="[(0,), (1,), (0, 0)]")
     assert shaped.tree == Tree((-1, -1, 0)) and shaped.max_lookahead == 3
     DraftStrategy.validate(4, _options(tree_topk=2, tree_nodes=6), ("d",), GREEDY)
+    dynamic = DraftModel(runner, 4, tree_topk=3, tree_dynamic=True)
+    assert dynamic.tree == DynamicTree(3, 4, 12) and dynamic.proposes_trees and dynamic.max_lookahead == 12
+    assert dynamic.params() == {"gamma": 4, "tree_topk": 3, "tree_dynamic": True}
+    assert DraftModel(runner, 5, tree_topk=4, tree_nodes=8, tree_dynamic=True).max_lookahead == 16  # 4 x 4 fed
+    sampled = DraftModel(runner, 2, tree_topk=2, tree_sample=True)
+    assert sampled.tree == Tree.topk_depth(2, 2, 4) and sampled.params()["tree_sample"] is True
+    DraftStrategy.validate(2, _options(tree_shape="[(0,), (1,)]", tree_sample=True), ("d",), SamplingConfig(1.0))
 
 
 @pytest.mark.parametrize("given, match", [
@@ -250,6 +307,13 @@ def test_the_options_are_declared_and_the_default_is_the_chain():
     (dict(tree_shape="[(0,), (0, 0), (0, 0, 0)]"), "deeper than --gamma 2"),
     (dict(tree_shape="[(1,)]"), "without a sibling"),
     (dict(tree_shape="oak"), "not a list"),
+    (dict(tree_dynamic=True), "set tree_topk too"),
+    (dict(tree_dynamic=True, tree_shape="[(0,)]"), "static one: set one"),
+    (dict(tree_dynamic=True, tree_topk=2, tree_nodes=-1), "at least 0"),
+    (dict(tree_dynamic="maybe"), "expected bool"),
+    (dict(tree_sample=True), "set tree_topk or tree_shape too"),
+    (dict(tree_sample=True, tree_topk=2, tree_dynamic=True), "no longer draws them from the draft: set one"),
+    (dict(tree_sample=True, tree_topk=2), "needs sampling: use --temperature above 0"),
 ])
 def test_impossible_trees_are_refused_in_one_line(given, match):
     with pytest.raises(SdbenchError, match=match) as caught:
@@ -262,10 +326,21 @@ def test_polybasic_takes_no_tree():
         PolybasicStrategy.settings({"tree_topk": "2"})
 
 
-def test_a_static_shape_draft_is_refused_before_its_prefill(monkeypatch):
+@pytest.mark.parametrize("tree", [dict(tree_topk=2), dict(tree_topk=2, tree_dynamic=True)])
+def test_a_static_shape_draft_is_refused_before_its_prefill(monkeypatch, tree):
     target, draft = _pair("llama")
     static = ModelRunner(draft, static=True)
     monkeypatch.setattr(static, "prefill", lambda *a, **k: pytest.fail("the draft prefilled before the refusal"))
     with pytest.raises(SdbenchError, match="draft model .* static-shape"):
-        generate(ModelRunner(target), DraftModel(static, 2, tree_topk=2), _prompts(V), max_new_tokens=4,
+        generate(ModelRunner(target), DraftModel(static, 2, **tree), _prompts(V), max_new_tokens=4,
                  sampling=GREEDY)
+
+
+def test_sampled_children_under_greedy_decoding_are_refused_before_the_drafts_prefill(monkeypatch):
+    target, draft = _pair("llama")
+    runner = ModelRunner(draft)
+    monkeypatch.setattr(runner, "prefill", lambda *a, **k: pytest.fail("the draft prefilled before the refusal"))
+    with pytest.raises(SdbenchError, match="sampled children need sampling") as caught:
+        generate(ModelRunner(target), DraftModel(runner, 2, tree_topk=2, tree_sample=True), _prompts(V),
+                 max_new_tokens=4, sampling=GREEDY)
+    assert "\n" not in str(caught.value)

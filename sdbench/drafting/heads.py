@@ -30,18 +30,7 @@ import torch
 from sdbench.engine.hidden import TargetStates
 from sdbench.engine.sampling import choose
 from sdbench.engine.state import DecodeState, Proposal
-from sdbench.engine.tree import Tree
-
-
-def top_children(tokens: torch.Tensor, tree: Tree, logits: torch.Tensor, nodes: tuple[int, ...]) -> None:
-    """Fill in the children of `nodes` (-1: the root) in tokens [B, N]: the child of rank r gets the (r + 1)-th
-    likeliest token of logits [B, M, V] at its parent (M = len(nodes))."""
-    picks = [(c, m, r) for m, a in enumerate(nodes) for r, c in enumerate(tree.children_of(a))]
-    if not picks:
-        return
-    top = logits.topk(max(r for _, _, r in picks) + 1, -1).indices  # [B, M, k]
-    child, m, r = (list(x) for x in zip(*picks))
-    tokens[:, child] = top[:, m, r].to(tokens.device)
+from sdbench.engine.tree import Tree, top_children
 
 
 def levels(tree: Tree) -> list[tuple[int, ...]]:

@@ -8,9 +8,10 @@ import torch
 
 from sdbench.drafting.prefix import CachedPrefix
 from sdbench.engine.runner import Runner
-from sdbench.engine.sampling import choose
+from sdbench.drafting.dynamic import DynamicTree, Expanded, grow
+from sdbench.engine.sampling import choose, probs_from_logits
 from sdbench.engine.state import DecodeState, Proposal
-from sdbench.engine.tree import Tree, TreeBatch
+from sdbench.engine.tree import Tree, TreeBatch, child_picks, top_children
 from sdbench.errors import SdbenchError
 from sdbench.kv.cache import set_prompt_lengths
 from sdbench.kv.sparse import SparseSpec, compress
@@ -47,29 +48,87 @@ def draft_tokens(runner, cache, prefix: CachedPrefix, ctx: torch.Tensor, lens: l
     return tokens, None if sampling.greedy else torch.stack(probs, 1)
 
 
-def draft_tree(runner, cache, prefix: CachedPrefix, ctx: torch.Tensor, lens: list[int], shape: Tree) -> torch.Tensor:
+def draft_tree(runner, cache, prefix: CachedPrefix, ctx: torch.Tensor, lens: list[int], shape: Tree,
+               sampling=None, generator=None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """A token per node of `shape` below each row's context ctx[b, :lens[b]], grown level by level: the children
     of a node, by rank, are the model's likeliest tokens after the node's path, in order (distinct and
-    deterministic: verified with p one-hot, `sampling.verify_tree`).
+    deterministic: verified with p one-hot, `sampling.verify_tree`); or, given `sampling` (SpecInfer's sampled
+    children), tokens drawn independently from the model's distribution after the node's path, with
+    replacement (siblings may repeat), that distribution carried per child as p.
 
     `feed_context` gives the root's children; each further level is one tree forward over the nodes grown so
     far, placed after the context as the verifier places its tree (slot lens[b] + j, the position of the
     node's depth), read at the last level's nodes: shape.max_depth forwards in all, as a chain that deep.
-    Returns tokens [B, N] on the model's device. The tree's slots are not context: the cache is told it holds
-    only the leading nodes that lie on one line from the root (a chain's drafts), each at its own position."""
+    Returns tokens [B, N] on the model's device and p [B, N, V] (None for ranked children). The tree's slots
+    are not context: the cache is told it holds only the leading nodes that lie on one line from the root (a
+    chain's drafts), each at its own position."""
     logits = feed_context(runner, cache, prefix, ctx, lens)  # [B, V]
     tokens = torch.zeros(len(lens), len(shape), dtype=torch.long, device=logits.device)
-    _children(tokens, shape, logits[:, None], (-1,))
+    p = None if sampling is None else torch.zeros(*tokens.shape, logits.shape[-1], device=logits.device)
+
+    def children(logits: torch.Tensor, nodes: tuple[int, ...]) -> None:
+        if p is None:
+            top_children(tokens, shape, logits, nodes)
+        else:
+            _sampled_children(tokens, p, shape, logits, nodes, sampling, generator)
+
+    children(logits[:, None], (-1,))
     fed: tuple[int, ...] = ()
+    grown = None
     for fed, grown, at, level in _levels(shape, len(lens)):
         logits = runner.forward(cache, tokens[:, list(fed)], list(lens), at=at, tree=grown)  # [B, M, V]
-        _children(tokens, shape, logits, level)
-    line = 0  # leading fed nodes on one line: node i at depth i + 1, its keys those of plain decoding
-    while line < len(fed) and fed[line] == line and shape.depth[line] == line + 1:
-        line += 1
+        children(logits, level)
+    if grown is not None:
+        _wrote_line(prefix, tokens[:, list(fed)], grown.trees[:1], lens)
+    return tokens, p
+
+
+def draft_dynamic_tree(runner, cache, prefix: CachedPrefix, ctx: torch.Tensor, lens: list[int],
+                       spec: DynamicTree, sampling) -> tuple[list[Tree], torch.Tensor]:
+    """EAGLE-2's dynamic tree (drafting/dynamic.py) below each row's context ctx[b, :lens[b]]: its scores are
+    the model's log-probabilities (of its sampling distribution; at temperature 1 under greedy decoding).
+
+    `feed_context` scores the root; each further level is one tree forward over the nodes expanded so far (K
+    per level, each row its own tree), placed as in `draft_tree`, read at the frontier: spec.depth forwards in
+    all, of at most K (depth - 1) tokens. Unlike a static shape, each level's tree is read back to the host to
+    build that forward. Returns each row's tree and its tokens [B, N] on the model's device."""
+    logits = feed_context(runner, cache, prefix, ctx, lens)  # [B, V]
+    last: list = []
+
+    def expand(nodes: Expanded) -> torch.Tensor:
+        trees, M = nodes.trees(), nodes.tokens.shape[1]
+        at = torch.arange(M - spec.topk, M).repeat(len(lens), 1)  # the frontier: the last K nodes
+        out = runner.forward(cache, nodes.tokens, list(lens), at=at, tree=TreeBatch.of(trees))  # [B, K, V]
+        last[:] = [nodes.tokens, trees]
+        return _log_probs(out, sampling)
+
+    trees, tokens = grow(spec, _log_probs(logits, sampling), expand)
+    if last:
+        _wrote_line(prefix, *last, lens)
+    return trees, tokens
+
+
+def _log_probs(logits: torch.Tensor, sampling) -> torch.Tensor:
+    """The model's log-probabilities [..., V] from logits: its sampling distribution's, or at temperature 1."""
+    if sampling.greedy:
+        return logits.float().log_softmax(-1)
+    return probs_from_logits(logits, sampling).log()
+
+
+def _wrote_line(prefix: CachedPrefix, fed: torch.Tensor, trees, lens: list[int]) -> None:
+    """After tree forwards over fed [B, M] (row b's tree trees[b], or trees[0] for every row), tell the cache's
+    bookkeeping it holds as context the leading nodes that lie on one line from the root in every row: node i
+    at depth i + 1, its key the one plain decoding would have written at that slot."""
+    line = min(_line(t) for t in trees)
     if line:
-        prefix.wrote(tokens[:, :line], list(lens))
-    return tokens
+        prefix.wrote(fed[:, :line], list(lens))
+
+
+def _line(tree: Tree) -> int:
+    line = 0
+    while line < len(tree) and tree.parents[line] == line - 1:
+        line += 1
+    return line
 
 
 @functools.lru_cache(maxsize=32)
@@ -86,16 +145,19 @@ def _levels(shape: Tree, batch: int) -> tuple:
     return tuple(out)
 
 
-def _children(tokens: torch.Tensor, shape: Tree, logits: torch.Tensor, nodes: tuple[int, ...]) -> None:
-    """Fill in the children of `nodes` (-1: the root) in tokens [B, N]: the child of rank r gets the (r + 1)-th
-    likeliest token of logits [B, M, V] at its parent (M = len(nodes))."""
-    picks = [(c, m, r) for m, a in enumerate(nodes) for r, c in enumerate(shape.children_of(a))]
-    if not picks:
+def _sampled_children(tokens: torch.Tensor, p: torch.Tensor, shape: Tree, logits: torch.Tensor,
+                      nodes: tuple[int, ...], sampling, generator) -> None:
+    """Fill in the children of `nodes` (-1: the root) in tokens [B, N] by independent draws, with replacement,
+    from the model's distribution at their parent (logits [B, M, V], M = len(nodes)), kept in p [B, N, V]."""
+    child, m, r = child_picks(shape, nodes)
+    if not child:
         return
-    k = max(r for _, _, r in picks) + 1
-    top = logits.topk(k, -1).indices  # [B, M, k]
-    child, m, r = (list(x) for x in zip(*picks))
-    tokens[:, child] = top[:, m, r]
+    probs = probs_from_logits(logits, sampling)  # [B, M, V]
+    B, M, V = probs.shape
+    drawn = torch.multinomial(probs.reshape(B * M, V), max(r) + 1, replacement=True,
+                              generator=generator).view(B, M, -1)
+    tokens[:, child] = drawn[:, m, r]
+    p[:, child] = probs[:, m]
 
 
 class ModelDrafter:
@@ -107,13 +169,15 @@ class ModelDrafter:
     sparse: draft through a fixed-budget sparse view of the prompt's keys (StreamingLLM or SnapKV), sized for
     `lookahead` drafts per round; self_speculation: the runner is the target, whose prefilled cache is
     compressed instead of prefilling again; tree: draft a token tree of this shape per row (`draft_tree`, dense
-    cache only), cut to each row's limit as a depth."""
+    cache only), or a dynamic tree (`draft_dynamic_tree`), cut to each row's limit as a depth; sample_children:
+    a static shape's children drawn from the model rather than ranked (under sampling only)."""
 
     def __init__(self, runner: Runner, sparse: SparseSpec | None = None, lookahead: int = 1,
-                 self_speculation: bool = False, tree: Tree | None = None):
+                 self_speculation: bool = False, tree: Tree | DynamicTree | None = None,
+                 sample_children: bool = False):
         self.runner, self.sparse, self.lookahead = runner, sparse, lookahead
         self.self_speculation = self_speculation
-        self.tree = tree
+        self.tree, self.sample_children = tree, sample_children
         self.name = getattr(runner, "name", "") or "model"
         self.cache = None
 
@@ -144,7 +208,10 @@ class ModelDrafter:
     def _check_tree(self) -> None:
         """Refuse, before the draft's prefill, a draft runner or cache that cannot grow the tree."""
         why = self.runner.tree_refusal(self.cache)
-        widest = max(len(kids) for kids in self.tree.children)
+        if why is None and self.sample_children and self.sampling.greedy:
+            why = "sampled children need sampling (a temperature above 0)"
+        tree = self.tree
+        widest = tree.widest if isinstance(tree, DynamicTree) else max(len(kids) for kids in tree.children)
         if why is None and widest > self.runner.vocab_size:
             why = f"a node has {widest} children, more than the draft's {self.runner.vocab_size} tokens"
         if why:
@@ -167,10 +234,15 @@ class ModelDrafter:
         k = max(limits, default=0)
         if k == 0:
             return Proposal.empty(len(lengths))
+        if isinstance(self.tree, DynamicTree):
+            trees, tokens = draft_dynamic_tree(self.runner, self.cache, self.prefix, ctx, lengths,
+                                               self.tree.to_depth(k), self.sampling)
+            return Proposal(tokens, torch.tensor([len(t) for t in trees]), trees=tuple(trees)).fit(limits)
         if self.tree is not None:
             shape, _ = self.tree.to_depth(k)
-            tokens = draft_tree(self.runner, self.cache, self.prefix, ctx, lengths, shape)
-            return Proposal(tokens, torch.full((len(lengths),), len(shape), dtype=torch.long),
+            sampled = (self.sampling, self.generator) if self.sample_children else ()
+            tokens, probs = draft_tree(self.runner, self.cache, self.prefix, ctx, lengths, shape, *sampled)
+            return Proposal(tokens, torch.full((len(lengths),), len(shape), dtype=torch.long), probs,
                             trees=(shape,) * len(lengths)).fit(limits)
         tokens, probs = draft_tokens(self.runner, self.cache, self.prefix, ctx, lengths, k, self.sampling,
                                      self.generator)

@@ -267,3 +267,20 @@ class TreeBatch:
         prefix_len (a position the row's next forward writes anyway)."""
         prefix_lens = prefix_lens.to(self.depth.device)[:, None]
         return torch.where(self.valid, prefix_lens - 1 + self.depth, prefix_lens)
+
+
+def child_picks(tree: Tree, nodes: tuple[int, ...]) -> tuple[list[int], list[int], list[int]]:
+    """The children of `nodes` (-1: the root) as (child index, position of its parent in `nodes`, its rank)."""
+    picks = [(c, m, r) for m, a in enumerate(nodes) for r, c in enumerate(tree.children_of(a))]
+    return tuple(list(x) for x in zip(*picks)) if picks else ([], [], [])
+
+
+def top_children(tokens: torch.Tensor, tree: Tree, logits: torch.Tensor, nodes: tuple[int, ...]) -> None:
+    """Fill in the children of `nodes` (-1: the root) in tokens [B, N]: the child of rank r gets the (r + 1)-th
+    likeliest token of logits [B, M, V] at its parent (M = len(nodes)). A drafter's deterministic children."""
+    child, m, r = child_picks(tree, nodes)
+    if not child:
+        return
+    top = logits.topk(max(r) + 1, -1).indices  # [B, M, k]
+    tokens[:, child] = top[:, m, r].to(tokens.device)
+

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from sdbench.drafting.dynamic import DynamicTree
 from sdbench.drafting.model import ModelDrafter
 from sdbench.drafting.ngram import DRAFT_NAME
 from sdbench.engine.tree import Tree
@@ -9,7 +10,7 @@ from sdbench.errors import SdbenchError
 from sdbench.kv.sparse import SparseSpec
 from sdbench.strategies.base import FixedLookahead
 from sdbench.strategies.spec import BuildContext, Option, Strategy, need_gamma, register
-from sdbench.strategies.trees import TREE_OPTIONS, tree_params, tree_setting
+from sdbench.strategies.trees import TREE_OPTIONS, tree_setting
 
 
 class DraftModel(FixedLookahead):
@@ -21,11 +22,15 @@ class DraftModel(FixedLookahead):
     self_speculation = False  # MagicDec: the drafter compresses the target's own prefilled cache
 
     def __init__(self, runner, gamma: int, draft_kv: str = "dense", budget: int = 256, sink: int = 16,
-                 window: int = 32, tree_topk: int = 0, tree_nodes: int = 0, tree_shape: str = ""):
+                 window: int = 32, tree_topk: int = 0, tree_nodes: int = 0, tree_shape: str = "",
+                 tree_dynamic: bool = False, tree_sample: bool = False):
         sparse = sparse_spec(draft_kv, {"budget": budget, "sink": sink, "window": window})
-        self.tree = tree_spec(gamma, draft_kv, tree_topk, tree_nodes, tree_shape)
-        self.tree_settings = tree_params({"tree_topk": tree_topk, "tree_nodes": tree_nodes, "tree_shape": tree_shape})
-        drafter = ModelDrafter(runner, sparse, gamma, self_speculation=self.self_speculation, tree=self.tree)
+        tree = {"tree_topk": tree_topk, "tree_nodes": tree_nodes, "tree_shape": tree_shape,
+                "tree_dynamic": tree_dynamic, "tree_sample": tree_sample}
+        self.tree = grown_tree(gamma, draft_kv, tree)
+        self.tree_settings = {k: v for k, v in tree.items() if v}
+        drafter = ModelDrafter(runner, sparse, gamma, self_speculation=self.self_speculation, tree=self.tree,
+                               sample_children=tree_sample)
         super().__init__(drafter, gamma)
         self.runner, self.sparse = runner, sparse
         self.rows_join = sparse is None  # a sparse view is compressed from a whole batch's prompts at once
@@ -36,6 +41,8 @@ class DraftModel(FixedLookahead):
 
     @property
     def max_lookahead(self) -> int:
+        if isinstance(self.tree, DynamicTree):
+            return self.tree.slots  # the drafter's last forward may feed more expanded nodes than it keeps
         return self.gamma if self.tree is None else len(self.tree)
 
     def params(self) -> dict:
@@ -69,6 +76,37 @@ def tree_spec(gamma: int, draft_kv: str, tree_topk: int, tree_nodes: int, tree_s
     return tree
 
 
+GROWTH_OPTIONS = (
+    Option("tree_dynamic", False, "EAGLE-2's dynamic tree: at each level expand the tree_topk nodes of highest "
+                                  "cumulative draft probability, then keep the best tree_nodes by it (not by "
+                                  "rank): a shape per row and round", bool),
+    Option("tree_sample", False, "SpecInfer's sampled children (under sampling): each node's children in the "
+                                 "tree_topk or tree_shape tree drawn from the draft's distribution, with "
+                                 "replacement", bool),
+)
+
+
+def grown_tree(gamma: int, draft_kv: str, options: dict) -> Tree | DynamicTree | None:
+    """The tree the draft model grows each round: `tree_spec`'s, or a DynamicTree (a shape chosen per row and
+    round) with tree_dynamic; tree_sample changes how its children are drawn, not its shape. Raises on
+    impossible settings."""
+    tree = tree_spec(gamma, draft_kv, options["tree_topk"], options["tree_nodes"], options["tree_shape"])
+    dynamic, sample = options.get("tree_dynamic", False), options.get("tree_sample", False)
+    if dynamic and options["tree_shape"]:
+        raise SdbenchError("draft: --set tree_dynamic grows a new shape every round, tree_shape is a static one: "
+                           "set one")
+    if dynamic and tree is None:
+        raise SdbenchError("draft: --set tree_dynamic expands tree_topk children per node: set tree_topk too")
+    if sample and dynamic:
+        raise SdbenchError("draft: --set tree_sample's children would be kept or dropped by their probability in "
+                           "a tree_dynamic tree, which no longer draws them from the draft: set one")
+    if sample and tree is None:
+        raise SdbenchError("draft: --set tree_sample draws a tree's children: set tree_topk or tree_shape too")
+    if dynamic:
+        return DynamicTree(options["tree_topk"], gamma, options["tree_nodes"] or options["tree_topk"] * gamma)
+    return tree
+
+
 def sparse_spec(selector: str, options: dict) -> SparseSpec | None:
     """The sparse draft cache these settings ask for (None: dense); raises on impossible ones."""
     if selector == "dense":
@@ -85,6 +123,7 @@ class DraftStrategy(Strategy):
         Option("draft_kv", "dense", "draft KV cache: dense, or a fixed-size sparse view: streamingllm, snapkv", str),
         *SPARSE_OPTIONS,
         *TREE_OPTIONS,
+        *GROWTH_OPTIONS,
     )
     needs_draft = model_draft = True
     proposer = DraftModel
@@ -93,7 +132,10 @@ class DraftStrategy(Strategy):
     def validate(cls, gamma: int, options: dict, drafts: tuple[str, ...], sampling) -> None:
         need_gamma(cls.name, gamma)
         sparse_spec(options["draft_kv"], options)
-        tree_spec(gamma, options["draft_kv"], options["tree_topk"], options["tree_nodes"], options["tree_shape"])
+        grown_tree(gamma, options["draft_kv"], options)
+        if options["tree_sample"] and sampling is not None and sampling.greedy:
+            raise SdbenchError("draft: --set tree_sample draws children from the draft's distribution, which "
+                               "needs sampling: use --temperature above 0")
 
     @classmethod
     def join_refusal(cls, options: dict) -> str | None:
