@@ -119,7 +119,7 @@ def test_greedy_trees_give_the_librarys_greedy_tokens(small, kind):
                (r.tree_steps, r.tree_nodes, r.sibling_accepts, r.verified_width)
         assert m.tried_per_depth_rank == r.tried_per_depth_rank and out.extras[b] == {}
         tried, accepted = r.tried_per_depth_rank, r.accepted_per_depth_rank
-        assert tried[0][0] == r.steps  # every round tries the root's first child
+        assert tried[0][0] == r.drafted_per_position[0]  # every round that drafted tried the root's first child
         assert sum(accepted[0][1:]) > 0  # and some accepted a later one
         # every committed node was accepted at its depth (the budget never cuts a path here: 40 new tokens, 4 deep)
         assert [sum(a) for a in accepted] == r.accepted_per_position + [0] * (len(accepted) - len(r.accepted_per_position))

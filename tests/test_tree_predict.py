@@ -44,8 +44,11 @@ def test_the_printed_trees_follow_the_runs_acceptance_and_the_profiled_costs(sma
     asked = []
 
     def spy(runner, batch, context, gammas, budgets, *args):
+        """The real profile runs (each width timed), then costs that checks can recompute: T(g + 1)/T(1) = 1 + g/10."""
         asked.append((batch, context, tuple(gammas), tuple(budgets)))
-        return costs.profile(runner, batch, context, gammas, budgets, reps=1, warmup=1)
+        timed = costs.profile(runner, batch, context, gammas, budgets, reps=1, warmup=1)
+        assert set(timed.verify_s) == set(gammas) and timed.target_s > 0
+        return costs.Profile(batch, context, 0.01, {g: 0.01 * (1 + g / 10) for g in gammas}, {})
 
     monkeypatch.setattr(predict_tree, "profile", spy)
     path = _results(tmp_path, _rows())
@@ -64,9 +67,11 @@ def test_the_printed_trees_follow_the_runs_acceptance_and_the_profiled_costs(sma
     for r in rows:
         tree = Tree.from_vllm(shapes[r[1]])
         assert (r[2], r[3]) == (str(len(tree)), str(tree.max_depth)) and len(tree) <= int(r[1])
-        assert float(r[4]) == pytest.approx(expected_accepted(tree, acc) + 1, abs=0.006)
-        predicted = float(r[4]) / (tree.max_depth * c + float(r[5]))
-        assert float(r[6].rstrip(" *x")) == pytest.approx(predicted, abs=0.02)
+        accepted_len = expected_accepted(tree, acc) + 1
+        assert float(r[4]) == pytest.approx(accepted_len, abs=0.006)
+        v = 1 + len(tree) / 10  # interpolated between profiled widths: the same line
+        assert float(r[5]) == pytest.approx(v, abs=0.006)
+        assert float(r[6].rstrip(" *x")) == pytest.approx(accepted_len / (tree.max_depth * c + v), abs=0.006)
     assert sum(r[6].endswith("*") for r in rows) == 1
 
 

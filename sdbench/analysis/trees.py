@@ -314,6 +314,12 @@ def run_tree(params: dict) -> Tree | None:
     return None
 
 
+def acceptance_text(tried, accepted) -> str:
+    """'d1 40/50 · d2 50 %': per depth, each rank's accepted share of its tries ('–' where never tried)."""
+    return " · ".join(f"d{d + 1} " + "/".join(f"{a / t:.0%}".rstrip("%") if t else "–" for t, a in zip(ts, accepted[d]))
+                      for d, ts in enumerate(tried)) + " %"
+
+
 def _ratio(num: float, den: float) -> float:
     return num / den if den and math.isfinite(num) and math.isfinite(den) else math.nan
 
@@ -341,15 +347,14 @@ def explain_trees(df) -> list[dict]:
         levels = sum(sum(int(x) for x in p) for p in group["drafted_per_position"] if p is not None)
         c = _ratio(_ratio(float(group["draft_s"].sum()), levels), step)
         v = _ratio(_ratio(float(group["verify_s"].sum()), steps), step)
-        acc = Acceptance.from_counts(summed_tables(group["tried_per_depth_rank"]),
-                                     summed_tables(group["accepted_per_depth_rank"]), by_depth=True)
+        tried, accepted = summed_tables(group["tried_per_depth_rank"]), summed_tables(group["accepted_per_depth_rank"])
+        acc = Acceptance.from_counts(tried, accepted, by_depth=True)
         size = float(group["tree_nodes"].sum()) / tree_steps
         own = run_tree(json.loads(params or "{}"))
         found = best_trees(acc, max(1, round(size)))[-1][1] if acc.depth else None
         row = {"run_id": run_id, "strategy": strategy, "tree_size": size,
                "width": _ratio(float(group["verified_width"].sum()), steps),
-               "acceptance": " · ".join(f"d{d + 1} " + "/".join(f"{x:.0%}".rstrip("%") for x in r)
-                                        for d, r in enumerate(acc.p)) + " %",
+               "acceptance": acceptance_text(tried, accepted),
                "acc_len": mean_accepted_length(float(group["new_tokens"].sum()), steps, len(group))}
         for key, tree in (("model", own), ("best", found)):
             row[f"{key}_nodes"] = len(tree) if tree is not None else math.nan
