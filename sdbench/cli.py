@@ -181,9 +181,10 @@ def report(
     print_report(df, console, by=tuple(by or ()))
     print_frontier(df, console)  # rows of a sweep: its best setting per point and where SD stops paying
     if explain:
+        from sdbench.analysis.trees import explain_trees
         from sdbench.reporting.explain import print_explain
 
-        print_explain(df, console)
+        print_explain(df, console, explain_trees(df))
     if plots or html:
         from sdbench.reporting.html import export
 
@@ -407,6 +408,31 @@ def predict_chain(
     run_chain_prediction(C.PredictChainConfig(target, tuple(draft or ()), candidate, at, gamma, mu, dataset, limit,
                                               max_new_tokens, profile_prompts, profile_tokens, device, dtype, seed,
                                               temperature), console)
+
+
+@predict_app.command("tree")
+def predict_tree(
+    results: Annotated[list[str], typer.Argument(help="a run's results (files or folders) that measured a tree")],
+    budget: Annotated[str, typer.Option(help="node budgets: the most drafted nodes a tree may have")] = "4,8,16,32",
+    batch: Annotated[Optional[str], typer.Option(help="batch sizes to profile [default: the run's]")] = None,
+    by_depth: Annotated[bool, typer.Option("--by-depth", help="acceptance per depth and rank (default: per rank, pooled over depths)")] = False,
+    draft_cost: Annotated[Optional[float], typer.Option(help="one draft level / one target step [default: measured by the run against its baseline]")] = None,
+    target: Annotated[Optional[str], typer.Option("--target", "-t", help="the model whose verification is profiled [default: the run's target]")] = None,
+    context: Annotated[Optional[int], typer.Option(help="context length the costs are profiled at [default: the run's mean prompt + half its new tokens]")] = None,
+    device: Device = "auto",
+    dtype: Annotated[Optional[str], typer.Option(help="float32, bfloat16 or float16 [default: the run's]")] = None,
+    fast: Fast = True,
+):
+    """The token tree with the most predicted tokens/s per batch size and node budget, from the run's acceptance by
+    depth and sibling rank and the cost of verifying N tokens profiled on this machine (Sequoia's programme)."""
+    from sdbench.commands.predict_tree import run_predict_tree
+
+    if draft_cost is not None and not draft_cost >= 0:
+        raise SdbenchError(f"--draft-cost {draft_cost}: expected 0 or more")
+    cfg = C.PredictTreeConfig(tuple(results), parse_gammas(budget, "--budget", 1),
+                              parse_gammas(batch, "--batch", 1) if batch else (), by_depth, draft_cost, target,
+                              context, device, dtype, fast)
+    run_predict_tree(cfg, console)
 
 
 simulate_app = typer.Typer(no_args_is_help=True, help="Simulated latency of decoding algorithms (no models run).")

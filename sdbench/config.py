@@ -183,6 +183,23 @@ class PredictMagicdecConfig:
 
 
 @dataclass(frozen=True)
+class PredictTreeConfig:
+    """`sdbench predict tree`: the best token tree per batch size and node budget, from a run's acceptance by
+    depth and rank and the verification costs profiled on this machine."""
+
+    results: tuple[str, ...]  # a run's results: files or folders
+    budgets: tuple[int, ...] = (4, 8, 16, 32)  # node budgets
+    batches: tuple[int, ...] = ()  # () : the run's batch sizes
+    by_depth: bool = False  # acceptance per depth and rank, not pooled over depths per rank
+    draft_cost: float | None = None  # c per draft level; None: measured by the run against its baseline
+    target: str | None = None  # the model to profile; None: the run's target
+    context: int | None = None  # None: the run's mean prompt plus half its mean new tokens
+    device: str = "auto"
+    dtype: str | None = None  # None: the run's
+    fast: bool = True
+
+
+@dataclass(frozen=True)
 class PredictChainConfig:
     """`sdbench predict chain`: insert `candidate` into a polybasic chain under level `at`; predict, then measure."""
 

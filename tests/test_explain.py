@@ -89,3 +89,39 @@ def test_report_plots_a_waterfall_per_configuration(tmp_path):
     paths = write_plots(synthetic().assign(target="t", dataset="d", params="{}", draft=""), tmp_path)
     waterfalls = [p for p in paths if p.name.startswith("speedup_waterfall")]
     assert len(waterfalls) == 1 and waterfalls[0].read_bytes().startswith(b"\x89PNG")
+
+
+def test_trees_are_explained_by_the_tree_cost_model_worked_out_by_hand():
+    """A static draft tree, [(0,), (1,), (0, 0)], verified in 10 rounds; acceptance by depth and rank, the draft
+    cost per level and the verification cost taken from the rows, the predictions by hand."""
+    from io import StringIO
+
+    from rich.console import Console
+
+    from sdbench.analysis.trees import explain_trees
+    from sdbench.reporting.explain import print_explain
+
+    common = dict(run_id="r", prompt_id="p0", batch_id=0, repeat=0, category="c", new_tokens=21, ttft_s=0.2,
+                  wall_s=1.0, draft="d")
+    df = pd.DataFrame([
+        dict(common, role="baseline", strategy="autoregressive", params="{}", steps=20, accepted=0, drafted=0,
+             verify_s=0.2, draft_s=0.0, drafted_per_position=[], tree_steps=0, tree_nodes=0, verified_width=20,
+             tried_per_depth_rank=[], accepted_per_depth_rank=[]),
+        dict(common, role="strategy", strategy="draft", params='{"gamma": 2, "tree_shape": "[(0,), (1,), (0, 0)]"}',
+             steps=10, accepted=10, drafted=30, verify_s=0.12, draft_s=0.014, drafted_per_position=[10, 4],
+             tree_steps=10, tree_nodes=30, verified_width=40, tried_per_depth_rank=[[10, 6], [4]],
+             accepted_per_depth_rank=[[4, 3], [2]]),
+    ])
+    [row] = explain_trees(df)
+    # p = 0.4, 0.5 at depth 1 and 0.5 at depth 2: (0,) 0.4, (1,) 0.6 * 0.5, (0, 0) 0.4 * 0.5
+    expected = 1 + 0.4 + 0.3 + 0.2
+    c, v = 0.014 / 14 / 0.01, 0.012 / 0.01  # drafting per level, a verification, over the baseline's step
+    assert (row["tree_size"], row["width"], row["acc_len"]) == (3.0, 4.0, 2.0)
+    assert row["acceptance"] == "d1 40/50 · d2 50 %"
+    assert row["model_acc_len"] == pytest.approx(expected)
+    assert row["model_speedup"] == pytest.approx(expected / (2 * c + v))
+    # the best 3-node tree for this acceptance is this one: (1, 0) would add 0.3 * 0.5 only
+    assert (row["best_nodes"], row["best_acc_len"]) == (3, pytest.approx(expected))
+    out = StringIO()
+    print_explain(df, Console(file=out, width=250), [row])
+    assert "Token trees" in out.getvalue() and "d1 40/50 · d2 50 %" in out.getvalue()

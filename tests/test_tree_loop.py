@@ -19,6 +19,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from sdbench.config import SamplingConfig
 from sdbench.drafting.ngram import lookup, lookup_branches, trie
 from sdbench.engine.loop import generate, serve
+from sdbench.engine.metrics import row_metrics
 from sdbench.engine.scheduler import Request, Scheduler
 from sdbench.engine.state import Proposal
 from sdbench.engine.tree import Tree
@@ -110,11 +111,19 @@ def test_greedy_trees_give_the_librarys_greedy_tokens(small, kind):
     assert sum(sum(r.accepted_per_position[1:]) for r in rows) > 0  # accepted at depth >= 2
     assert sum(r.sibling_accepts for r in rows) > 0  # a branch other than the first won
     assert any(len({n for n in sizes if n}) > 1 for sizes in spy.sizes)  # rows with different trees, one forward
-    for r, extra in zip(rows, out.extras):  # counted by the definitions: nodes drafted, one accepted per depth
+    for b, r in enumerate(rows):  # counted by the definitions: nodes drafted, one accepted per depth
         assert r.tree_steps == r.steps and r.tree_nodes == r.drafted
         assert r.accepted == sum(r.accepted_per_position) and len(r.drafted_per_position) <= 4
-        assert extra == {"tree_steps": r.tree_steps, "tree_nodes": r.tree_nodes,
-                         "sibling_accepts": r.sibling_accepts}
+        m = row_metrics(out, b)  # the tree counters reach the result row's columns, not the strategy's stats
+        assert (m.tree_steps, m.tree_nodes, m.sibling_accepts, m.verified_width) == \
+               (r.tree_steps, r.tree_nodes, r.sibling_accepts, r.verified_width)
+        assert m.tried_per_depth_rank == r.tried_per_depth_rank and out.extras[b] == {}
+        tried, accepted = r.tried_per_depth_rank, r.accepted_per_depth_rank
+        assert tried[0][0] == r.drafted_per_position[0]  # every round that drafted tried the root's first child
+        assert sum(accepted[0][1:]) > 0  # and some accepted a later one
+        # every committed node was accepted at its depth (the budget never cuts a path here: 40 new tokens, 4 deep)
+        assert [sum(a) for a in accepted] == r.accepted_per_position + [0] * (len(accepted) - len(r.accepted_per_position))
+        assert r.verified_width >= r.tree_nodes + r.steps  # per step the root, the nodes and any padding
     assert out.new_tokens == sum(len(o) for o in ref)
 
 
@@ -152,6 +161,10 @@ def assert_tree_decodes_as_the_chain(chain, tree) -> None:
         assert (t.steps, t.drafted, t.accepted, t.accepted_per_position) == \
                (c.steps, c.drafted, c.accepted, c.accepted_per_position)
         assert t.sibling_accepts == 0 and t.tree_steps == t.steps and c.tree_steps == 0
+        # a chain counts its tries by `chain_tries`, a tree by walking it: the same tables
+        assert (t.tried_per_depth_rank, t.accepted_per_depth_rank, t.verified_width) == \
+               (c.tried_per_depth_rank, c.accepted_per_depth_rank, c.verified_width)
+        assert all(len(row) == 1 for row in c.tried_per_depth_rank)  # rank 0 only
     assert chain.extras == [{}] * len(chain.rows)
 
 

@@ -70,7 +70,7 @@ def _run(target: Runner, proposer, state: DecodeState, prompts, rows: list[RowSt
     _rounds(target, proposer, state, rows)
     wall = now(dev) - t_start
     return BatchResult([state.generated(b) for b in range(state.batch)], state.prompt_lengths, rows, wall, ttft,
-                       [{**proposer.row_stats(b), **rows[b].tree_counts()} for b in range(state.batch)],
+                       [proposer.row_stats(b) for b in range(state.batch)],
                        setup_s=setup)
 
 
@@ -126,8 +126,7 @@ def _rounds(target: Runner, proposer, state: DecodeState, rows: list[RowStats], 
         at = admission.elapsed() if admission is not None else None
         for b in range(state.batch):
             if rnd.active[b]:
-                rows[b].add_step(rnd.drafted[b], rnd.committed[b], rnd.draft_s, rnd.verify_s,
-                                 rejected=rnd.rejected(b), **rnd.tree_counts(b))
+                rows[b].add_step(rnd.drafted[b], rnd.committed[b], rnd.draft_s, rnd.verify_s, **rnd.counts(b))
                 if admission is not None:
                     admission.running[b].committed(at, rnd.kept[b])
         proposer.observe(state, proposal, rnd)
@@ -181,6 +180,7 @@ def _verify(target: Runner, proposer, state: DecodeState, proposal: Proposal, ma
     tree = {} if proposal.trees is None else {"tree": TreeBatch.of([t.with_root() for t in proposal.trees])}
     logits = target.forward(state.target_cache, tokens, start, **taps, **tree)  # [B, G+1, V]
     rnd = verify_and_commit(state, proposal, logits, state.sampling, state.generator, clock=marks)
+    rnd.width = tokens.shape[1]
     if proposal.trees is not None:
         _keep_paths(state.target_cache, start, rnd)
     if taps:

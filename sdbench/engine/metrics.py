@@ -27,6 +27,17 @@ a tree step is rejected when its accepted path ends at a node with children. Bes
   tree_nodes       the nodes those steps drafted (mean tree size: tree_nodes / tree_steps)
   sibling_accepts  committed nodes that were not their parent's first child: what the branches won over the
                    tree's first path (0 for a chain)
+  verified_width   tokens per row of the steps' verifying forwards, summed (mean verification width:
+                   verified_width / steps): the last committed token plus the drafts, padded to the batch's
+                   widest proposal that round, as the forward runs it (plain decoding: 1 per step)
+Acceptance by depth and sibling rank (`tries`), for chains and trees alike (a chain is a tree of rank-0 nodes),
+by the verifier's verdict (an accepted node that an EOS or the budget then cut still counts as accepted):
+  tried_per_depth_rank[d][r]     steps in which the rank-r child of the accepted path's node at depth d (0:
+                   the root) was tried: that node was accepted (or is the root), it has a rank-r child, and
+                   its children of lower rank were all rejected
+  accepted_per_depth_rank[d][r]  of those, the steps in which that child was accepted
+  so accepted_per_depth_rank / tried_per_depth_rank is the conditional acceptance of a rank-r child at depth
+  d + 1 given that it was tried: what analysis/trees.py predicts a tree's accepted length from.
 Timed per batch (every row of a batch carries its batch's values):
   wall_s           from the start of the first prefill to the last committed token
   ttft_s           the time to first tokens: from the start of a prefill to that pass's first committed
@@ -77,6 +88,7 @@ import numpy as np
 import torch
 
 from sdbench.engine import iid_model
+from sdbench.engine.tree import Tree
 from sdbench.errors import SdbenchError
 
 
@@ -163,6 +175,37 @@ def rate(tokens: float, seconds: float) -> float:
     return tokens / seconds if seconds > 0 else math.nan
 
 
+def tries(tree: Tree, path) -> list[tuple[int, int, bool]]:
+    """(d, r, accepted) for every node one verification tried (module docstring: acceptance by depth and rank),
+    from the root down. tree: the step's tree; path: the nodes the verifier accepted, from the root's child down.
+    Verification tries a node's children in rank order until one is accepted, then goes on below it; after the
+    last accepted node it tries all of that node's children and accepts none."""
+    out: list[tuple[int, int, bool]] = []
+    at = -1
+    for d in range(len(path) + 1):
+        nxt = path[d] if d < len(path) else None
+        for r, child in enumerate(tree.children_of(at)):
+            out.append((d, r, child == nxt))
+            if child == nxt:
+                break
+        at = nxt
+    return out
+
+
+def chain_tries(drafted: int, accepted: int) -> list[tuple[int, int, bool]]:
+    """`tries` of a chain of `drafted` drafts of which the verifier accepted the first `accepted` (no tree built)."""
+    return [(d, 0, d < accepted) for d in range(min(accepted + 1, drafted))]
+
+
+def _count_try(tried: list[list[int]], accepted: list[list[int]], d: int, r: int, ok: bool) -> None:
+    """One try of (d, r) into the two [d][r] tables, kept the same shape."""
+    for table in (tried, accepted):
+        table.extend([] for _ in range(d + 1 - len(table)))
+        table[d].extend([0] * (r + 1 - len(table[d])))
+    tried[d][r] += 1
+    accepted[d][r] += ok
+
+
 @dataclass
 class RowStats:
     """One prompt's counters over a generation."""
@@ -178,34 +221,40 @@ class RowStats:
     tree_steps: int = 0  # token trees: see the module docstring
     tree_nodes: int = 0
     sibling_accepts: int = 0
+    verified_width: int = 0
+    tried_per_depth_rank: list[list[int]] = field(default_factory=list)  # [d][r], see the module docstring
+    accepted_per_depth_rank: list[list[int]] = field(default_factory=list)
 
     def add_step(self, drafted: int, accepted: int, draft_s: float, verify_s: float,
-                 rejected: bool | None = None, depth: int | None = None, siblings: int = 0) -> None:
-        """accepted: drafts committed (see the module docstring); rejected: the verifier rejected a draft
-        (default: fewer accepted than drafted, right whenever nothing was cut). A tree step: depth, the tree's
-        depth; siblings, its committed nodes that were not their parent's first child."""
+                 rejected: bool | None = None, *, verified: int | None = None, tree: Tree | None = None,
+                 path=None, width: int | None = None) -> None:
+        """accepted: drafts committed (see the module docstring); verified: drafts the verifier accepted
+        (default: accepted); rejected: the verifier rejected a draft (default: its last try failed, so for a
+        chain fewer verified than drafted); width: the verifying forward's tokens per row (default drafted + 1).
+        A tree step: tree, the step's tree, and path, the nodes the verifier accepted (the first `accepted`
+        of them committed)."""
+        if tree is not None:
+            rank = tree.rank
+            self.tree_steps += 1
+            self.tree_nodes += drafted
+            self.sibling_accepts += sum(rank[i] > 0 for i in path[:accepted])
+            found = tries(tree, path)
+        else:
+            found = chain_tries(drafted, accepted if verified is None else verified)
         self.steps += 1
         self.drafted += drafted
         self.accepted += accepted
-        self.rejections += (accepted < drafted) if rejected is None else bool(rejected)
+        self.rejections += (bool(found) and not found[-1][2]) if rejected is None else bool(rejected)
         self.draft_s += draft_s
         self.verify_s += verify_s
-        if depth is not None:
-            self.tree_steps += 1
-            self.tree_nodes += drafted
-            self.sibling_accepts += siblings
-        reached = drafted if depth is None else depth
+        self.verified_width += drafted + 1 if width is None else width
+        for d, r, ok in found:
+            _count_try(self.tried_per_depth_rank, self.accepted_per_depth_rank, d, r, ok)
+        reached = drafted if tree is None else tree.max_depth
         for counts, n in ((self.drafted_per_position, reached), (self.accepted_per_position, accepted)):
             counts.extend([0] * (n - len(counts)))
             for j in range(n):
                 counts[j] += 1
-
-    def tree_counts(self) -> dict:
-        """The tree counters, for the row's strategy_stats ({} for a row that verified no tree)."""
-        if not self.tree_steps:
-            return {}
-        return {"tree_steps": self.tree_steps, "tree_nodes": self.tree_nodes,
-                "sibling_accepts": self.sibling_accepts}
 
 
 @dataclass
@@ -264,6 +313,12 @@ class RowMetrics:
     setup_s: float
     strategy_stats: dict  # the proposer's own per-row figures (Proposer.row_stats)
     served: ServedLatencies | None = None
+    tree_steps: int = 0  # token trees and acceptance by depth and rank: see the module docstring
+    tree_nodes: int = 0
+    sibling_accepts: int = 0
+    verified_width: int = 0
+    tried_per_depth_rank: list[list[int]] = field(default_factory=list)
+    accepted_per_depth_rank: list[list[int]] = field(default_factory=list)
 
     @property
     def new_tokens(self) -> int:
@@ -282,7 +337,11 @@ def _counted(stats: RowStats) -> dict:
     """RowMetrics' counters of one prompt's RowStats."""
     return dict(steps=stats.steps, drafted=stats.drafted, accepted=stats.accepted,
                 accepted_per_position=list(stats.accepted_per_position),
-                drafted_per_position=list(stats.drafted_per_position), draft_s=stats.draft_s, verify_s=stats.verify_s)
+                drafted_per_position=list(stats.drafted_per_position), draft_s=stats.draft_s, verify_s=stats.verify_s,
+                tree_steps=stats.tree_steps, tree_nodes=stats.tree_nodes, sibling_accepts=stats.sibling_accepts,
+                verified_width=stats.verified_width,
+                tried_per_depth_rank=[list(r) for r in stats.tried_per_depth_rank],
+                accepted_per_depth_rank=[list(r) for r in stats.accepted_per_depth_rank])
 
 
 def row_metrics(result: BatchResult, b: int) -> RowMetrics:

@@ -45,6 +45,7 @@ class Round:
     verified_at: Any = None  # the loop's mark once the verification was queued (see verify_and_commit)
     trees: tuple[Tree, ...] | None = None  # a tree proposal's trees, as verified
     paths: list[list[int]] | None = None  # per row the accepted nodes of its tree, from the root's child down
+    width: int | None = None  # tokens per row of the verifying forward (the loop's; None: drafts + 1 per row)
 
     def rejected(self, b: int) -> bool:
         """Whether the verifier rejected one of row b's drafts (a cut by EOS or the budget is not a rejection);
@@ -54,14 +55,13 @@ class Round:
         path = self.paths[b]
         return self.active[b] and bool(self.trees[b].children_of(path[-1] if path else -1))
 
-    def tree_counts(self, b: int) -> dict:
-        """Row b's tree figures for `RowStats.add_step` ({} for a chain): the tree's depth, and how many of its
-        committed nodes were not their parent's first child."""
-        if self.trees is None:
-            return {}
-        rank = self.trees[b].rank
-        return {"depth": self.trees[b].max_depth,
-                "siblings": sum(rank[i] > 0 for i in self.paths[b][: self.committed[b]])}
+    def counts(self, b: int) -> dict:
+        """Row b's keyword arguments for `RowStats.add_step` beyond the counts: whether the verifier rejected a
+        draft, how many it accepted, the forward's width and, for a tree, the tree and its accepted path."""
+        out = {"rejected": self.rejected(b), "verified": self.accepted[b], "width": self.width}
+        if self.trees is not None:
+            out.update(tree=self.trees[b], path=self.paths[b])
+        return out
 
 
 def accept(proposal: Proposal, logits: torch.Tensor, sampling: SamplingConfig,

@@ -166,6 +166,10 @@ class Tree:
         """node's path in vLLM's notation (sibling ranks from the root)."""
         return tuple(self.rank[i] for i in self.path_to(node))
 
+    def to_vllm(self) -> str:
+        """This tree in vLLM's notation (`from_vllm` reads it back), nodes in this tree's order."""
+        return repr([self.rank_path(i) for i in range(len(self))])
+
     @property
     def leaves(self) -> tuple[int, ...]:
         return tuple(i for i in range(len(self)) if not self.children[i + 1])

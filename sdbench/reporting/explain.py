@@ -123,7 +123,29 @@ def definitions_table(defs: pd.DataFrame) -> Table:
     return table
 
 
-def print_explain(df: pd.DataFrame, console: Console) -> None:
+def trees_table(rows: list[dict]) -> Table:
+    """analysis/trees.py `explain_trees`: what trees were verified, how their nodes were accepted, and what the
+    tree cost model predicts from that."""
+    table = Table(title="Token trees: size, acceptance by depth and sibling rank, and what the tree cost model "
+                        "predicts (analysis/trees.py)",
+                  caption="acceptance: per depth, rank 0 / 1 / ... accepted when tried; model: the run's own tree "
+                          "(static shapes only); best: the dynamic programme's tree of the run's mean size; "
+                          "speedups at the run's measured draft cost per level and verification cost")
+    columns = (("run", "run_id", "{}"), ("strategy", "strategy", "{}"), ("nodes", "tree_size", "{:.1f}"),
+               ("width", "width", "{:.1f}"), ("acceptance", "acceptance", "{}"), ("acc.len", "acc_len", "{:.2f}"),
+               ("model acc.len", "model_acc_len", "{:.2f}"), ("model pred.", "model_speedup", "{:.2f}x"),
+               ("best nodes", "best_nodes", "{:.0f}"), ("best acc.len", "best_acc_len", "{:.2f}"),
+               ("best pred.", "best_speedup", "{:.2f}x"))
+    for name, _, _ in columns:
+        table.add_column(name, justify="left" if name in ("run", "strategy", "acceptance") else "right")
+    for row in rows:
+        table.add_row(*(Text(p.format(row[k]) if isinstance(row[k], str) else fmt(row[k], p)) for _, k, p in columns))
+    return table
+
+
+def print_explain(df: pd.DataFrame, console: Console, trees: list[dict] | None = None) -> None:
+    """The factors, the other tools' definitions and, given `trees` (analysis/trees.py explain_trees), the token
+    trees' table."""
     parts = breakdown(df)
     if parts.empty:
         console.print("nothing to explain: no configuration ran beside a baseline")
@@ -132,3 +154,5 @@ def print_explain(df: pd.DataFrame, console: Console) -> None:
     defs = definitions(df)
     if not defs.empty:
         console.print(definitions_table(defs))
+    if trees:
+        console.print(trees_table(trees))

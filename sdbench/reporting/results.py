@@ -114,6 +114,13 @@ SCHEMA = pa.schema([
     ("prompt_len", _I),  # --prompt-len: the token-exact prompts' length; null for prompts of their own lengths
     ("schedule_entry", _S),  # the tuned schedule's entry this run applied (sdbench/schedule.py), e.g. "batch 4"
     ("sweep", _S),  # the `sdbench sweep` this row's run is a point of (its id); null outside a sweep
+    # token trees and acceptance by depth and sibling rank, as engine/metrics.py defines them; null before them
+    ("tree_steps", _I),  # steps that verified a tree (0 for a chain)
+    ("tree_nodes", _I),  # nodes those steps drafted (mean tree size: tree_nodes / tree_steps)
+    ("sibling_accepts", _I),  # committed nodes that were not their parent's first child
+    ("verified_width", _I),  # tokens per row of the verifying forwards, summed (mean width: / steps)
+    ("tried_per_depth_rank", pa.list_(pa.list_(_I))),  # [d][r]: steps that tried the rank-r child at depth d + 1
+    ("accepted_per_depth_rank", pa.list_(pa.list_(_I))),  # [d][r]: of those, the steps that accepted it
 ])
 COLUMNS: tuple[str, ...] = tuple(SCHEMA.names)
 ENV_COLUMNS = ("device", "dtype", "torch_version", "transformers_version", "sdbench_version",
@@ -228,7 +235,10 @@ def result_row(run: RunFields, role: Described, place: Place, m: RowMetrics, jud
            "ttft_s": m.ttft_s, "tpot_s": m.tpot_s, "setup_s": m.setup_s,
            "strategy_stats": json.dumps(m.strategy_stats, sort_keys=True), "peak_mem_bytes": memory[0],
            "mem_kind": memory[1], "weights": weights, "predicted_speedup": judged.predicted_speedup,
-           "found": judged.found}
+           "found": judged.found, "tree_steps": m.tree_steps, "tree_nodes": m.tree_nodes,
+           "sibling_accepts": m.sibling_accepts, "verified_width": m.verified_width,
+           "tried_per_depth_rank": [list(r) for r in m.tried_per_depth_rank],
+           "accepted_per_depth_rank": [list(r) for r in m.accepted_per_depth_rank]}
     if m.served is not None:
         row.update(asdict(m.served))
     if judged.baseline is not None:
