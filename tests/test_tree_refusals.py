@@ -27,7 +27,8 @@ def tiny(tmp_path, monkeypatch, capsys):
 
 
 def test_the_strategies_that_grow_trees_are_read_from_their_declared_settings():
-    assert tree_growers() == {"draft": ("tree_topk", "tree_nodes", "tree_shape"), "ngram": ("tree",)}
+    topk = ("tree_topk", "tree_nodes", "tree_shape")
+    assert tree_growers() == {"draft": topk, "eagle": topk, "medusa": topk, "ngram": ("tree",)}
 
 
 @pytest.mark.parametrize("args, said", [

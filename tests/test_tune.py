@@ -658,9 +658,14 @@ def test_tune_trees_refusals(tmp_path, pair, target, small_draft):
     from sdbench.models.runner import ModelRunner
 
     with pytest.raises(SdbenchError, match="--trees: magicdec grows no token tree; the strategies that do are "
-                                           "draft, ngram"):
+                                           "draft, eagle, medusa, ngram"):
         tuner(tmp_path, pair, strategy="magicdec", trees=True)
     tuner(tmp_path, pair, strategies=("magicdec", "ngram"), trees=True)  # one of them grows trees: accepted
+    from tests.heads import eagle3_dir
+
+    head = str(eagle3_dir(tmp_path / "e", pair.target.model, layer_ids=(0, 1, 1)))
+    with pytest.raises(SdbenchError, match="--trees: the search space of eagle draws no tree shape yet"):
+        tuner(tmp_path, pair, strategy="eagle", drafts=(), heads=(head,), trees=True)  # it grows trees on `run`
     static = Pair(ModelRunner(target.model, "tiny-target", static=True), None, [small_draft], eos=[],
                   max_positions=1024)
     t = tuner(tmp_path, static, strategy="ngram", trees=True)

@@ -42,6 +42,7 @@ from sdbench.commands.trials import (best_table, best_trials, describe, doubts, 
                                      write_preset, write_trials)
 from sdbench.config import OBJECTIVES, TuneConfig
 from sdbench.data.prompts import encode_prompts
+from sdbench.engine.tree import is_tree_setting
 from sdbench.env import environment
 from sdbench.errors import Interrupted, SdbenchError
 from sdbench.models.pair import load_pair, resolve_device, resolve_dtype
@@ -206,8 +207,13 @@ class Tuner:
         optuna.logging.set_verbosity(optuna.logging.WARNING)
         # what the user got wrong fails now, before any model loads: a strategy with nothing to tune (its space
         # drawn once at the configured lengths; the trials draw at the prompts' own), then a storage URL
+        searching = []
         for base in bases:
-            draw_among((base,), optuna.create_study().ask(), self.spaces(run.prompt_len or 0))
+            trial = optuna.create_study().ask()
+            draw_among((base,), trial, self.spaces(run.prompt_len or 0))
+            searching += [base] if any(is_tree_setting(p) for p in trial.params) else []
+        if cfg.trees and not searching:  # trees declared, but the search space draws none
+            raise SdbenchError(f"--trees: the search space of {', '.join(bases)} draws no tree shape yet")
         self._storage = self._open_storage()
 
     def spaces(self, prompt_tokens: int) -> dict[str, SearchContext]:
