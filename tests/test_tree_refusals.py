@@ -28,7 +28,8 @@ def tiny(tmp_path, monkeypatch, capsys):
 
 def test_the_strategies_that_grow_trees_are_read_from_their_declared_settings():
     topk = ("tree_topk", "tree_nodes", "tree_shape")
-    assert tree_growers() == {"draft": topk, "eagle": topk, "medusa": topk, "ngram": ("tree",)}
+    assert tree_growers() == {"draft": (*topk, "tree_dynamic", "tree_sample"), "eagle": topk, "medusa": topk,
+                              "ngram": ("tree",)}
 
 
 @pytest.mark.parametrize("args, said", [
@@ -45,7 +46,8 @@ def test_the_strategies_that_grow_trees_are_read_from_their_declared_settings():
     (["--strategy", "dsi", "--draft", "MODEL", "--set", "tree=2"],
      f"error: strategy 'dsi' grows no token tree (--set tree): the strategies that do are {GROWERS}"),
     (["--strategy", "draft", "--draft", "MODEL", "--set", "tree=2"],
-     "error: strategy 'draft' has no setting 'tree': its token tree is set by tree_topk, tree_nodes, tree_shape"),
+     "error: strategy 'draft' has no setting 'tree': its token tree is set by tree_topk, tree_nodes, tree_shape, "
+     "tree_dynamic, tree_sample"),
     (["--strategy", "ngram", "--set", "tree_topk=2"],
      "error: strategy 'ngram' has no setting 'tree_topk': its token tree is set by tree "),
 ])
