@@ -210,10 +210,13 @@ def tune(
     preset: Annotated[Optional[str], typer.Option(help="preset for the best settings [default: tuned-STRATEGY-TARGET]")] = None,
     probe: Probe = "auto", no_probe: NoProbe = False,
     head: Annotated[Optional[list[str]], typer.Option("--head", help="trained-head candidate for --strategy eagle or medusa (repeatable; the tuner picks one per trial) [default: the target's heads that train-head recorded]")] = None,
+    trees: Annotated[bool, typer.Option("--trees", help="also search the token tree's shape where a strategy grows trees (draft: the chain or top-k 2-4 with 4-32 nodes; ngram: the chain or 2-4 branches); a study of its own")] = False,
+    fast: Fast = True,
 ):
     """Search a strategy's settings with Optuna on a fixed prompt subset; write the best as a preset (with
     several --batch sizes or --prompt-len lengths: the best per bucket, as a schedule preset; with several
-    --strategy: the best strategy and its settings, e.g. among draft models, trained heads and n-gram)."""
+    --strategy: the best strategy and its settings, e.g. among draft models, trained heads and n-gram; with
+    --trees: the token tree's shape too)."""
     from sdbench.commands.schedule import tune_schedule
     from sdbench.commands.tune import tune as run_tune
 
@@ -226,10 +229,10 @@ def tune(
     run_cfg = C.RunConfig(
         target=target, drafts=tuple(draft or ()), strategy=strategies[0], dataset=dataset, limit=limit,
         max_new_tokens=max_new_tokens, batch_size=batch_size, sampling=C.SamplingConfig(0.0, 1.0, seed),
-        device=device, dtype=dtype, repeats=repeats, out=out, probe=probe_mode(probe, no_probe),
+        device=device, dtype=dtype, repeats=repeats, out=out, probe=probe_mode(probe, no_probe), fast=fast,
     )
     cfg = C.TuneConfig(run_cfg, trials, timeout, objective, storage, study, preset, batches, lengths, tuple(head or ()),
-                       strategies)
+                       strategies, trees)
     (tune_schedule if len(batches) > 1 or len(lengths) > 1 else run_tune)(cfg, console)
 
 

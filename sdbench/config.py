@@ -88,6 +88,7 @@ class TuneConfig:
     prompt_lens: tuple[int, ...] = ()  # several: one study per prompt length too (MagicDec's budget per context)
     heads: tuple[str, ...] = ()  # trained-head candidates (eagle, medusa); none: the target's recorded heads
     strategies: tuple[str, ...] = ()  # several: one study chooses among them (each trial one); none: run.strategy
+    trees: bool = False  # also search the token tree's shape (the chain stays a choice) where a strategy grows trees
 
 
 HEAD_KINDS = ("eagle3", "medusa")

@@ -22,6 +22,7 @@ import json
 import math
 from dataclasses import dataclass, field
 
+from sdbench.engine.tree import tree_text
 from sdbench.errors import SdbenchError
 
 VLLM_METHODS = {"ngram": "ngram", "draft": "draft_model"}  # sdbench strategy -> vLLM speculative method
@@ -138,6 +139,10 @@ def vllm_config(strategy: str, entry: Entry, hub_id=lambda name: name) -> dict |
     method = VLLM_METHODS.get(strategy)
     if method is None or entry.gamma < 1:
         return None
+    tree = tree_text(entry.options)
+    if tree:
+        raise SdbenchError(f"the {entry.label} entry grows a token tree ({tree}), which vLLM's {method} method does "
+                           "not take: export this schedule as json")
     config = {"method": method, "num_speculative_tokens": entry.gamma}
     if strategy == "ngram":
         config["prompt_lookup_max"] = int(entry.options.get("max_ngram", 3))

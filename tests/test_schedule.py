@@ -133,3 +133,42 @@ def test_bad_schedules_are_one_line(capsys, tmp_path, monkeypatch, argv, said):
     code, _, err = run_cli(capsys, *argv)
     lines = [line for line in err.splitlines() if line.strip()]
     assert code == 2 and len(lines) == 1 and said in lines[0], err
+
+
+def test_a_schedule_holds_tree_settings_per_batch_size(capsys, tmp_path, tiny):
+    """`tune --trees --batch 1,2`: each bucket's trial (enqueued, so that the test knows which wins) becomes its
+    entry with its tree settings, and `run` grows that bucket's tree, or the chain, at each batch size."""
+    import optuna
+
+    model = tiny[1]
+    (tmp_path / "tune").mkdir()
+    url = f"sqlite:///{tmp_path / 'tune' / 'tune.db'}"
+    for bucket_, params in (("b1", {"gamma": 3, "tree_topk": 2, "tree_nodes": 4}), ("b2", {"gamma": 2, "tree_topk": 0})):
+        optuna.create_study(study_name=f"s-{bucket_}", storage=url, direction="maximize").enqueue_trial(params)
+    code, out, err = run_cli(capsys, "tune", *tiny, "--strategy", "draft", "--draft", model, "--trees", "--batch",
+                             "1,2", "--limit", "2", "--trials", "1", "--study", "s", "--preset", "mine",
+                             "--objective", "tokens", "--out", str(tmp_path / "tune"))
+    assert code == 0, err
+    spec = yaml.safe_load((tmp_path / "home" / "strategies" / "mine.yaml").read_text())
+    entries = spec["schedule"]["entries"]
+    assert [(e["batch"], e["gamma"], e["options"]) for e in entries] == [
+        (1, 3, {"tree_topk": 2, "tree_nodes": 4}), (2, 2, {})]
+    for size, label, gamma, tree in ((1, "batch 1", 3, {"tree_topk": 2, "tree_nodes": 4}), (2, "batch 2", 2, {}),
+                                     (3, "batch 2", 2, {})):
+        code, _, err = run_cli(capsys, "run", *tiny, "--strategy", "mine", "--batch-size", str(size), "--limit", "3",
+                               "--out", str(tmp_path / f"run{size}"))
+        assert code == 0, err
+        rows = ran(tmp_path / f"run{size}")
+        assert set(rows["schedule_entry"]) == {label} and rows["lossless"].all()
+        assert {json.dumps(json.loads(p), sort_keys=True) for p in rows["params"]} == {
+            json.dumps({"gamma": gamma, **tree}, sort_keys=True)}
+        steps = list(rows["tree_steps"])  # a result column
+        assert all(steps) if tree else not any(steps)  # batch 1 verified trees, the others chains
+    code, out, err = run_cli(capsys, "schedule", "show", "mine")
+    assert code == 0 and "tree_topk=2 tree_nodes=4" in out, err
+    code, _, err = run_cli(capsys, "schedule", "export", "mine", "--format", "vllm")
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code == 2 and len(lines) == 1, err
+    assert "the batch 1 entry grows a token tree (tree_topk=2 tree_nodes=4), which vLLM's draft_model method" in lines[0]
+    code, out, err = run_cli(capsys, "schedule", "export", "mine", "--format", "json")
+    assert code == 0 and json.loads(out)["entries"][0]["options"] == {"tree_topk": 2, "tree_nodes": 4}, err

@@ -561,3 +561,138 @@ def test_cli_takes_several_strategies(monkeypatch):
     monkeypatch.setattr(sdbench.commands.tune, "tune", lambda cfg, console: seen.setdefault("cfg", cfg))
     main(["tune", "--target", "m", "--strategy", "draft,eagle", "-s", "ngram", "--draft", "a"])
     assert seen["cfg"].strategies == ("draft", "eagle", "ngram") and seen["cfg"].run.strategy == "draft"
+
+
+# ---- tree shapes: `tune --trees` draws them where a strategy grows trees; the chain stays a choice ----------------
+
+
+def test_without_trees_the_search_spaces_are_the_chains_parameter_for_parameter():
+    """An existing study resumes: the same parameters, no tree drawn (a real study records what was asked)."""
+    study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0))
+    for base, names in (("draft", {"gamma"}), ("ngram", {"gamma", "max_ngram", "min_ngram"})):
+        for _ in range(12):
+            trial = study.ask()
+            assert draw(base, trial, SearchContext(("a",)))["options"].keys() <= {"max_ngram", "min_ngram"}
+            assert set(trial.params) == names
+
+
+@pytest.mark.parametrize("gamma, topk, budget, nodes", [
+    (4, 2, 8, 8), (2, 3, 32, 12), (1, 2, 4, 2), (3, 4, 16, 16), (2, 2, 16, 6)])  # full trees: 3+9, 2, 4+16+64, 2+4
+def test_trees_draw_a_topk_shape_capped_at_the_full_trees_size(gamma, topk, budget, nodes):
+    from sdbench.strategies.draft import tree_spec
+
+    space = SearchContext(("a",), trees=True)
+    got = draw("draft", FixedTrial({"gamma": gamma, "tree_topk": topk, "tree_nodes": budget}), space)
+    assert got["options"] == {"tree_topk": topk, "tree_nodes": nodes} and got["gamma"] == gamma
+    tree = tree_spec(gamma, "dense", topk, nodes, "")
+    assert len(tree) == nodes and tree.max_depth == min(gamma, nodes)  # the run grows exactly that many nodes
+    assert draw("draft", FixedTrial({"gamma": 3, "tree_topk": 0}), space)["options"] == {}  # the chain: no settings
+    ngram = FixedTrial({"gamma": 3, "max_ngram": 2, "min_ngram": 1, "tree": 3})
+    assert draw("ngram", ngram, space)["options"] == {"max_ngram": 2, "min_ngram": 1, "tree": 3}
+    chain = FixedTrial({"gamma": 3, "max_ngram": 2, "min_ngram": 1, "tree": 0})
+    assert draw("ngram", chain, space)["options"] == {"max_ngram": 2, "min_ngram": 1}
+
+
+def test_trees_keep_the_chain_a_choice_and_draw_a_budget_only_for_a_tree():
+    study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=1))
+    space = SearchContext(("a",), trees=True)
+    seen = set()
+    for _ in range(60):
+        trial = study.ask()
+        options = draw("draft", trial, space)["options"]
+        seen.add(trial.params["tree_topk"])
+        assert ("tree_nodes" in trial.params) == (trial.params["tree_topk"] != 0) == bool(options)
+    assert seen == {0, 2, 3, 4}
+    assert {t.params.get("tree_nodes") for t in study.trials} == {None, 4, 8, 16, 32}
+    for _ in range(30):
+        trial = study.ask()
+        options = draw("ngram", trial, space)["options"]
+        assert options.get("tree", 0) == trial.params["tree"] in (0, 2, 3, 4)
+
+
+def test_tune_trees_runs_the_tree_and_its_preset_reproduces_it(tmp_path, pair):
+    from rich.console import Console
+
+    from sdbench.commands.run import Bench
+
+    t = tuner(tmp_path, pair, strategy="draft", trials=2, trees=True, objective="tokens",
+              pruner=optuna.pruners.NopPruner())
+    assert "-draft-trees-" in t.study_name  # a study of its own: the chain-only one keeps its trials apart
+    study = optuna.create_study(study_name=t.study_name, storage=t.storage(), direction="maximize")
+    study.enqueue_trial({"gamma": 2, "tree_topk": 2, "tree_nodes": 8})  # capped: the full tree has 2 + 4 nodes
+    study.enqueue_trial({"gamma": 2, "tree_topk": 0})
+    study = t.tune()
+    tree, chain = study.trials
+    assert [tree.state, chain.state] == [TrialState.COMPLETE] * 2  # both checked token for token
+    assert tree.user_attrs["settings"]["options"] == {"tree_topk": 2, "tree_nodes": 6}
+    assert chain.user_attrs["settings"]["options"] == {}
+    for trial, stats in ((tree, {"tree_topk": 2, "tree_nodes": 6}), (chain, {})):
+        rows = read_results([trial.user_attrs["results"]])
+        mine = rows[rows["role"] != "baseline"]
+        assert {json.dumps(json.loads(p), sort_keys=True) for p in mine["params"]} == {
+            json.dumps({"gamma": trial.user_attrs["settings"]["gamma"], **stats}, sort_keys=True)}
+        steps = list(mine["tree_steps"])  # a result column
+        assert all(steps) if stats else not any(steps)  # the tree trial verified trees, the chain none
+    trials = pd.read_parquet(t.folder / "trials" / "trials.parquet")
+    assert list(trials["tree"]) == ["tree_topk=2 tree_nodes=6", ""]
+
+    best = max((tree, chain), key=lambda s: s.value)
+    choice = resolve_strategy(t.preset_name)  # what `run --strategy NAME` reads
+    assert (choice.gamma, choice.options) == (best.user_attrs["settings"]["gamma"],
+                                              best.user_attrs["settings"]["options"])
+    # the tree trial's settings as a preset run the same tree
+    from sdbench.commands.trials import write_preset
+
+    write_preset(t.preset_path.with_name("tree.yaml"), "tree", "draft", tree, study, t.cfg, t.run)
+    run = RunConfig(target="tiny", strategy="tree", drafts=("tiny-draft",), limit=2, max_new_tokens=8, device="cpu",
+                    out=str(tmp_path / "again"))
+    rows = read_results([Bench(run, Console(quiet=True), pair=pair).run()])
+    mine = rows[rows["role"] != "baseline"]
+    assert {json.dumps(json.loads(p), sort_keys=True) for p in mine["params"]} == {
+        json.dumps({"gamma": 2, "tree_topk": 2, "tree_nodes": 6}, sort_keys=True)}
+    assert mine["lossless"].all()
+
+
+def test_tune_trees_refusals(tmp_path, pair, target, small_draft):
+    from sdbench.models.runner import ModelRunner
+
+    with pytest.raises(SdbenchError, match="--trees: magicdec grows no token tree; the strategies that do are "
+                                           "draft, eagle, medusa, ngram"):
+        tuner(tmp_path, pair, strategy="magicdec", trees=True)
+    tuner(tmp_path, pair, strategies=("magicdec", "ngram"), trees=True)  # one of them grows trees: accepted
+    from tests.heads import eagle3_dir
+
+    head = str(eagle3_dir(tmp_path / "e", pair.target.model, layer_ids=(0, 1, 1)))
+    from sdbench.strategies.eagle import EagleStrategy
+
+    def no_tree(cls, trial, space):  # a strategy that grows trees on `run` but whose space draws none
+        return trial.suggest_int("gamma", 1, 4), {"head": space.heads[0]}
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(EagleStrategy, "search_space", classmethod(no_tree))
+        with pytest.raises(SdbenchError, match="--trees: the search space of eagle draws no tree shape yet"):
+            tuner(tmp_path, pair, strategy="eagle", drafts=(), heads=(head,), trees=True)
+    t = tuner(tmp_path, pair, strategy="eagle", drafts=(), heads=(head,), trees=True)  # heads draw trees now
+    static = Pair(ModelRunner(target.model, "tiny-target", static=True), None, [small_draft], eos=[],
+                  max_positions=1024)
+    t = tuner(tmp_path, static, strategy="ngram", trees=True)
+    with pytest.raises(SdbenchError, match=r"static-shape \(CUDA graph\) forward yet, whatever their node count: "
+                                           "tune them with --no-fast") as caught:
+        t.tune()
+    assert "\n" not in str(caught.value)
+    assert not (tmp_path / "results" / "tune.db").exists() or not optuna.get_all_study_names(t.storage())
+    # a study's search space is fixed when it starts: a session with or without --trees is refused
+    assert len(tuner(tmp_path, pair, strategy="ngram", trials=1, study="s").tune().trials) == 1
+    with pytest.raises(SdbenchError, match="study s was tuned with trees=False, not True"):
+        tuner(tmp_path, pair, strategy="ngram", trials=2, study="s", trees=True).tune()
+
+
+def test_cli_passes_trees_and_fast_to_the_tuner(monkeypatch):
+    import sdbench.commands.tune
+    from sdbench.cli import main
+
+    seen = []
+    monkeypatch.setattr(sdbench.commands.tune, "tune", lambda cfg, console: seen.append(cfg))
+    main(["tune", "--target", "m", "--strategy", "draft", "--draft", "a"])
+    main(["tune", "--target", "m", "--strategy", "draft", "--draft", "a", "--trees", "--no-fast"])
+    assert [(c.trees, c.run.fast) for c in seen] == [(False, True), (True, False)]

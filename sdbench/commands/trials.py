@@ -19,6 +19,7 @@ from sdbench.config import TuneConfig
 from sdbench.reporting.cells import fmt
 from sdbench.reporting.report import ALL, labelled, speedup_of, summarize
 from sdbench.reporting.stats import Interval, describe as describe_interval, doubt, speedup_interval
+from sdbench.engine.tree import tree_text
 
 
 def overall(rows: pd.DataFrame) -> pd.Series | None:
@@ -125,7 +126,8 @@ def trial_records(study: optuna.Study) -> pd.DataFrame:
         records.append({
             "study": study.study_name, "trial": t.number, "state": t.state.name, "value": t.value,
             "strategy": settings.get("strategy") or "+".join(study.user_attrs.get("strategies") or ()) or None,
-            "gamma": settings.get("gamma"), "options": json.dumps(settings.get("options", {}), sort_keys=True),
+            "gamma": settings.get("gamma"), "tree": tree_text(settings.get("options", {})),
+            "options": json.dumps(settings.get("options", {}), sort_keys=True),
             "drafts": ",".join(settings.get("drafts", [])), "params": json.dumps(t.params, sort_keys=True, default=str),
             "tokens_per_s": attrs.get("tokens_per_s"), "speedup": attrs.get("speedup"),
             "mean_accepted_len": attrs.get("mean_accepted_len"), "lossless": attrs.get("lossless"),

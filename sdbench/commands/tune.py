@@ -42,6 +42,7 @@ from sdbench.commands.trials import (best_table, best_trials, describe, doubts, 
                                      write_preset, write_trials)
 from sdbench.config import OBJECTIVES, TuneConfig
 from sdbench.data.prompts import encode_prompts
+from sdbench.engine.tree import is_tree_setting
 from sdbench.env import environment
 from sdbench.errors import Interrupted, SdbenchError
 from sdbench.models.pair import load_pair, resolve_device, resolve_dtype
@@ -49,11 +50,13 @@ from sdbench.paths import output_dir
 from sdbench.presets import shipped_dir, user_dir
 from sdbench.reporting.results import RunWriter
 from sdbench.strategies import heads_for, native_needed, strategy, strategy_registry
-from sdbench.strategies.spec import SearchContext
+from sdbench.strategies.spec import SearchContext, tree_growers
 
 # what must not change between sessions of one study, or its trials would not be comparable
 STUDY_SETTINGS = ("objective", "limit", "max_new_tokens", "batch_size", "seed", "prompt_len", "dtype", "repeats",
-                  "drafts", "heads")
+                  "drafts", "heads", "trees", "fast")
+# settings a study records only away from their default, so that studies begun before they existed still match
+UNRECORDED = {"trees": False, "fast": True}
 
 
 class Lossy(Exception):
@@ -187,11 +190,15 @@ class Tuner:
         self.strategy = "+".join(bases)  # one strategy's name, or the names of those chosen among
         self.heads_of = {choice.base: heads[a] for a, (_, choice) in zip(asked, self.runs)}
         self.heads = tuple(dict.fromkeys(h for hs in self.heads_of.values() for h in hs))
+        if cfg.trees:
+            self._check_trees()
         run = self.run
         self.device = resolve_device(run.device)
         self.dtype = resolve_dtype(run.dtype, self.device)
         self.hardware = environment(str(self.device), run.dtype)["hardware"]
-        self.study_name = cfg.study or "-".join(("sdbench", slug(run.target), self.strategy, slug(run.dataset),
+        # a search over tree shapes is a study of its own: the chain-only study keeps its trials apart
+        searched = self.strategy + ("-trees" if cfg.trees else "")
+        self.study_name = cfg.study or "-".join(("sdbench", slug(run.target), searched, slug(run.dataset),
                                                  slug(self.hardware)))
         self.folder = Path(run.out) / "tune" / slug(self.study_name)
         self.preset_name = cfg.preset or slug(f"tuned-{self.strategy}-{run.target}")
@@ -200,14 +207,35 @@ class Tuner:
         optuna.logging.set_verbosity(optuna.logging.WARNING)
         # what the user got wrong fails now, before any model loads: a strategy with nothing to tune (its space
         # drawn once at the configured lengths; the trials draw at the prompts' own), then a storage URL
+        searching = []
         for base in bases:
-            draw_among((base,), optuna.create_study().ask(), self.spaces(run.prompt_len or 0))
+            trial = optuna.create_study().ask()
+            draw_among((base,), trial, self.spaces(run.prompt_len or 0))
+            searching += [base] if any(is_tree_setting(p) for p in trial.params) else []
+        if cfg.trees and not searching:  # trees declared, but the search space draws none
+            raise SdbenchError(f"--trees: the search space of {', '.join(bases)} draws no tree shape yet")
         self._storage = self._open_storage()
 
     def spaces(self, prompt_tokens: int) -> dict[str, SearchContext]:
-        """Each strategy's search context: the draft candidates, the lengths, its own head candidates."""
-        return {b: SearchContext(tuple(self.run.drafts), prompt_tokens, self.run.max_new_tokens, self.heads_of[b])
+        """Each strategy's search context: the draft candidates, the lengths, its own head candidates, and
+        whether tree shapes are searched (`--trees`)."""
+        return {b: SearchContext(tuple(self.run.drafts), prompt_tokens, self.run.max_new_tokens, self.heads_of[b],
+                                 self.cfg.trees)
                 for b in self.strategies}
+
+    def _check_trees(self) -> None:
+        """--trees needs a strategy that grows token trees among those tuned."""
+        growers = tree_growers()
+        if not any(b in growers for b in self.strategies):
+            raise SdbenchError(f"--trees: {', '.join(self.strategies)} grow{'s' if len(self.strategies) == 1 else ''}"
+                               f" no token tree; the strategies that do are {', '.join(growers)}")
+
+    def _check_tree_runners(self, pair) -> None:
+        """--trees on runners whose forward cannot verify a tree: refused before any trial, not trial by trial."""
+        if self.cfg.trees and any(getattr(r, "static", False) for r in (pair.target, *pair.drafts)
+                                  if not isinstance(r, str)):
+            raise SdbenchError("--trees: token trees are not supported on the static-shape (CUDA graph) forward "
+                               "yet, whatever their node count: tune them with --no-fast (the eager forward)")
 
     def _check_preset(self) -> None:
         if self.preset_name in strategy_registry:
@@ -240,7 +268,8 @@ class Tuner:
         mine = {"objective": self.cfg.objective, "limit": run.limit, "max_new_tokens": run.max_new_tokens,
                 "batch_size": run.batch_size, "seed": run.sampling.seed, "prompt_len": run.prompt_len,
                 "dtype": run.dtype, "repeats": run.repeats, "drafts": list(run.drafts),
-                **({"heads": list(self.heads)} if self.heads else {})}  # absent: older studies still match
+                **({"heads": list(self.heads)} if self.heads else {}),  # absent: older studies still match
+                **{k: v for k, v in (("trees", self.cfg.trees), ("fast", run.fast)) if v != UNRECORDED[k]}}
         saved = study.user_attrs.get("settings")
         if saved is None:
             study.set_user_attr("settings", mine)
@@ -248,12 +277,14 @@ class Tuner:
             study.set_user_attr("strategies", list(self.strategies))
             return
         for key in STUDY_SETTINGS:
-            if saved.get(key) != mine.get(key):
-                raise SdbenchError(f"study {self.study_name} was tuned with {key}={saved.get(key)}, not "
-                                   f"{mine.get(key)}: resume it with the same settings, or name a new one with --study")
+            was, now = (saved.get(key, UNRECORDED.get(key)), mine.get(key, UNRECORDED.get(key)))
+            if was != now:
+                raise SdbenchError(f"study {self.study_name} was tuned with {key}={was}, not {now}: resume it with "
+                                   "the same settings, or name a new one with --study")
 
     def tune(self) -> optuna.Study:
         pair = self.pair or self.load()
+        self._check_tree_runners(pair)
         self.runners = dict(zip(self.run.drafts, pair.drafts))
         _, encoded = encode_prompts(self.run, pair)
         space = self.spaces(max(len(e) for e in encoded))

@@ -288,3 +288,15 @@ def top_children(tokens: torch.Tensor, tree: Tree, logits: torch.Tensor, nodes: 
     top = logits.topk(max(r) + 1, -1).indices  # [B, M, k]
     tokens[:, child] = top[:, m, r].to(tokens.device)
 
+
+# ---- a tree's settings, as strategies name them ----------------------------------------------------------------
+
+def is_tree_setting(name: str) -> bool:
+    """A strategy setting that shapes a token tree: by convention `tree` or `tree_*` (ngram's tree=K, a ranking
+    drafter's tree_topk, tree_nodes, tree_shape). What refusals, trial tables and schedule exports read."""
+    return name == "tree" or name.startswith("tree_")
+
+
+def tree_text(options: dict) -> str:
+    """The tree settings among a strategy's options, e.g. 'tree_topk=3 tree_nodes=8' or 'tree=2'; '' for a chain."""
+    return " ".join(f"{k}={v}" for k, v in options.items() if is_tree_setting(k) and v)

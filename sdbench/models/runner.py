@@ -309,7 +309,8 @@ class ModelRunner:
         that may reach Phi-3's original context is refused whole, so that the run is refused before it starts,
         not in the round that crosses it."""
         if self.static and cache.static_kv_len is not None:
-            return "token trees are not supported on the static-shape (CUDA graph) forward yet"
+            return ("token trees are not supported on the static-shape (CUDA graph) forward yet, whatever their "
+                    "node count: --no-fast runs the eager forward, which takes them")
         if not isinstance(cache, DenseKVCache):
             return "token trees are not supported on sparse KV caches yet"
         if ahead and self.recompute_at is not None and getattr(cache, "ids", None) is not None \

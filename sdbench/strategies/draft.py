@@ -153,3 +153,9 @@ class DraftStrategy(Strategy):
     @classmethod
     def build(cls, ctx: BuildContext) -> DraftModel:
         return DraftModel(ctx.drafts[0], ctx.gamma, **ctx.options)
+
+    @classmethod
+    def search_space(cls, trial, space) -> tuple:
+        """gamma; with `tune --trees`, the chain or a top-k tree gamma levels deep (SearchContext.topk_tree)."""
+        gamma = trial.suggest_int("gamma", 1, 8)
+        return gamma, space.topk_tree(trial, gamma)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from sdbench.drafting.ngram import NGramDrafter, check_ngram
 from sdbench.strategies.base import FixedLookahead
-from sdbench.strategies.spec import Option, Strategy, need_gamma, register
+from sdbench.strategies.spec import TREE_TOPKS, Option, SearchContext, Strategy, need_gamma, register
 
 
 class NGram(FixedLookahead):
@@ -46,7 +46,12 @@ class NGramStrategy(Strategy):
         check_ngram(cls.name, options["max_ngram"], options["min_ngram"], options["tree"])
 
     @classmethod
-    def search_space(cls, trial, space) -> tuple[int, dict]:
+    def search_space(cls, trial, space: SearchContext) -> tuple[int, dict]:
+        """gamma and the match lengths; with `tune --trees`, the chain (tree 0) or a tree of 2 to 4 branches
+        (tree=1 is the chain's draft verified as a tree: nothing to learn from it)."""
         gamma = trial.suggest_int("gamma", 1, 8)
         max_ngram = trial.suggest_int("max_ngram", 1, 5)
-        return gamma, {"max_ngram": max_ngram, "min_ngram": trial.suggest_int("min_ngram", 1, max_ngram)}
+        options = {"max_ngram": max_ngram, "min_ngram": trial.suggest_int("min_ngram", 1, max_ngram)}
+        if space.trees and (tree := trial.suggest_categorical("tree", [0, *TREE_TOPKS])):
+            options["tree"] = tree
+        return gamma, options

@@ -14,6 +14,7 @@ from typing import Any, ClassVar
 
 from sdbench.drafting.ngram import DRAFT_NAME
 from sdbench.engine.runner import Runner
+from sdbench.engine.tree import is_tree_setting
 from sdbench.errors import SdbenchError
 from sdbench.registry import Registry
 from sdbench.strategies.base import Proposer
@@ -43,6 +44,10 @@ class Option:
             raise SdbenchError(f"--set {self.name}={raw}: expected {self.kind.__name__}") from None
 
 
+TREE_TOPKS = (2, 3, 4)  # `tune --trees`: the top-k widths (ngram: branches) tried beside the chain
+TREE_NODE_BUDGETS = (4, 8, 16, 32)  # a top-k tree's node budgets, each capped at the full tree's size
+
+
 @dataclass(frozen=True)
 class SearchContext:
     """What a search space may depend on when tuning."""
@@ -51,11 +56,27 @@ class SearchContext:
     prompt_tokens: int = 0  # longest prompt of the tuning subset
     max_new_tokens: int = 0
     heads: tuple[str, ...] = ()  # the trained-head candidates (--head, or the target's recorded heads)
+    trees: bool = False  # `tune --trees`: a strategy that grows token trees draws their shape too (the chain
+    # stays a choice); off, its search space is the chain's, parameter for parameter
 
     @property
     def context_tokens(self) -> int:
         """Longest context a generation reaches (e.g. the ceiling for a KV budget)."""
         return self.prompt_tokens + self.max_new_tokens
+
+    def topk_tree(self, trial, gamma: int) -> dict:
+        """The tree settings of a strategy whose drafter ranks its candidates (tree_topk, tree_nodes): none
+        without `tune --trees` (no parameter drawn); with it, the chain (tree_topk 0: no settings) or a top-k
+        tree gamma levels deep with a node budget, capped at the k + k^2 + ... + k^gamma nodes of the full
+        tree (a larger budget would give the same tree)."""
+        if not self.trees:
+            return {}
+        topk = trial.suggest_categorical("tree_topk", [0, *TREE_TOPKS])
+        if not topk:
+            return {}
+        full = sum(topk**d for d in range(1, gamma + 1))
+        budget = trial.suggest_categorical("tree_nodes", list(TREE_NODE_BUDGETS))
+        return {"tree_topk": topk, "tree_nodes": min(budget, full)}
 
 
 @dataclass
@@ -96,11 +117,35 @@ def refuse_head(declared: type["Strategy"], asked: str) -> None:
         raise SdbenchError(f"--head needs --strategy eagle or medusa (a trained head drafts for them), not '{asked}'")
 
 
+def tree_settings(declared: type["Strategy"]) -> tuple[str, ...]:
+    """The tree settings a strategy declares; () for one that drafts only chains."""
+    return tuple(o.name for o in declared.options if is_tree_setting(o.name))
+
+
+def tree_growers() -> dict[str, tuple[str, ...]]:
+    """Registered strategy -> its tree settings, for those that grow token trees."""
+    return {name: found for name in strategy_registry.names() if (found := tree_settings(strategy(name)))}
+
+
+def _tree_refusal(strategy_name: str, setting: str) -> str:
+    """Why --set SETTING (a tree setting) does not apply to this strategy, naming the strategies that grow trees."""
+    growers = tree_growers()
+    listed = ", ".join(f"{name} ({', '.join(found)})" for name, found in growers.items())
+    if strategy_name in growers:
+        return f"strategy '{strategy_name}' has no setting '{setting}': its token tree is set by " \
+               f"{', '.join(growers[strategy_name])} (tree settings by strategy: {listed})"
+    return f"strategy '{strategy_name}' grows no token tree (--set {setting}): the strategies that do are {listed}"
+
+
 def take_options(declared: tuple[Option, ...], given: dict, strategy: str) -> dict:
-    """Declared defaults overridden by --set values; unknown keys are an error."""
+    """Declared defaults overridden by --set values; unknown keys are an error (a tree setting's names the
+    strategies that grow trees)."""
     known = {o.name: o for o in declared}
     unknown = sorted(set(given) - set(known))
     if unknown:
+        trees = [k for k in unknown if is_tree_setting(k)]
+        if trees:
+            raise SdbenchError(_tree_refusal(strategy, trees[0]))
         names = ", ".join(sorted(known)) or "none"
         raise SdbenchError(f"strategy '{strategy}' has no setting '{unknown[0]}' (settings: {names})")
     return {k: (o.parse(given[k]) if k in given else o.default) for k, o in known.items()}
