@@ -10,7 +10,6 @@ import random
 
 import numpy as np
 import pytest
-import torch
 
 from sdbench.config import SamplingConfig
 from sdbench.drafting.suffix import SEP, ResponseCache, grow, match, speculate_context
