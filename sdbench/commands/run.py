@@ -220,6 +220,7 @@ class Bench:
                               for idx in batches)
                 self._generate(pair, prop, warm, min(cfg.warmup_tokens, cfg.max_new_tokens), cfg.sampling.seed,
                                capacity=longest)
+                prop.warmed_up()
 
     def _turn(self, talk: Conversations, idx: list[int], at: Place, advance) -> list[dict]:
         """Decode one turn (at.turn) of the batch of prompts idx with every role; the answer carried into the next

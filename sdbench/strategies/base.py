@@ -57,6 +57,10 @@ class Proposer:
     def end(self) -> None:
         """Called once the generation is over (also after an error): give back caches for reuse."""
 
+    def warmed_up(self) -> None:
+        """The run's warm-up generation is over: forget what it taught that later generations would draft from
+        (a cache of earlier responses), so that the measured ones never see the warm-up's answers."""
+
     # ---- reporting -----------------------------------------------------------------------------------------
     def params(self) -> dict:
         """The settings recorded with every result row."""
