@@ -10,6 +10,14 @@ with nodes that see their cousins. Greedy decoding gives transformers' own `gene
 runners); `tree_topk=1` is the chain in tokens and counts; under sampling every output position follows the
 target's exact marginal through accepted branches. The loop's handoff itself is checked against transformers'
 hidden states for an n-gram tree proposer that reads them. Bad settings are refused in one line.
+
+EAGLE-2's dynamic tree over a head (`tree_dynamic=true`): every row's tree in every round of a real generation
+must be the one a plain Python rendering of EAGLE-2 (tests/test_tree_dynamic.py `reference`) keeps when scored
+by the hand reference's log-probabilities along each path (Medusa's: head d's at depth d), rows with shapes of
+their own in one round and shapes changing between rounds; the same check fails with nodes that see their
+cousins, and with Medusa's first head scoring every depth. Greedy decoding gives transformers' `generate`
+(native and generic runners) with second siblings accepted; under sampling every output position follows the
+target's marginal.
 """
 
 from __future__ import annotations
@@ -19,6 +27,8 @@ import torch
 from safetensors.torch import load_file
 
 from sdbench.config import SamplingConfig
+from sdbench.drafting.heads import MedusaDrafter
+from sdbench.drafting.dynamic import DynamicTree
 from sdbench.engine import loop
 from sdbench.engine.hidden import FINAL, eagle3_layers
 from sdbench.engine.loop import generate
@@ -35,6 +45,7 @@ from sdbench.strategies.ngram import NGram
 from tests import head_references as ref
 from tests.heads import eagle1_dir, eagle3_dir, medusa_dir, one_thread, small_vocab_target  # noqa: F401
 from tests.references import hf_generate
+from tests.test_tree_dynamic import reference as eagle2, token_paths
 from tests.test_tree_loop import (_prompts, _small, assert_target_marginals_through_branches,
                                   assert_tree_decodes_as_the_chain, sampled, sampled_checks)  # noqa: F401
 
@@ -158,6 +169,81 @@ def test_topk_one_is_the_chain(tmp_path, target, kind):
     assert_tree_decodes_as_the_chain(chain, tree)
 
 
+# ---- EAGLE-2's dynamic tree over the head ------------------------------------------------------------------------
+
+DYNAMIC = dict(tree_topk=2, tree_nodes=5, tree_dynamic=True)
+
+
+def _run_dynamic(runner, proposer):
+    """(output, per round that drafted, per row that drafted: (committed tokens, depth grown, the row's limit, its
+    tree, its tokens)), kept at the drafter (whose limits say how deep the round grew)."""
+    rounds, draft = [], proposer.drafter.draft
+
+    def spy(ctx, lengths, limits):
+        p = draft(ctx, lengths, limits)
+        rows = [(ctx[b, : lengths[b]].tolist(), max(limits), limits[b], tree, p.tokens[b, : len(tree)].tolist())
+                for b, tree in enumerate(p.trees or ()) if limits[b]]
+        if rows:
+            rounds.append(rows)
+        return p
+
+    proposer.drafter.draft = spy
+    return generate(runner, proposer, PROMPTS, max_new_tokens=NEW, sampling=GREEDY), rounds
+
+
+def _not_eagle2(rounds, reference) -> int:
+    """Trees whose token paths are not those EAGLE-2 keeps when scored by the reference head's log-probabilities
+    at temperature 1 (grown as deep as the round's deepest row, then cut to the row's limit)."""
+    wrong = 0
+    for ctx, depth, limit, tree, tokens in (row for rows in rounds for row in rows):
+        def logp_after(path, ctx=ctx):
+            return reference(ctx, list(path), len(path)).log_softmax(-1)
+
+        kept = eagle2(logp_after, DYNAMIC["tree_topk"], depth, DYNAMIC["tree_nodes"])
+        wrong += token_paths(tree, tokens) != {p for p in kept if len(p) <= limit}
+    return wrong
+
+
+def _shapes(rounds) -> list[set]:
+    return [{tree.parents for _, _, _, tree, _ in rows} for rows in rounds]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_dynamic_head_trees_are_what_eagle2_keeps_over_the_heads_scores(tmp_path, target, kind):
+    strategy, folder, reference = _head(kind, tmp_path / kind, target)
+    proposer = _proposer(ModelRunner(target), strategy, folder, **DYNAMIC)
+    assert proposer.tree == DynamicTree(2, GAMMA, 5) and proposer.max_lookahead == 5
+    out, rounds = _run_dynamic(ModelRunner(target), proposer)
+    assert out.output_ids == [hf_generate(target, p, NEW) for p in PROMPTS]  # lossless
+    assert sum(r.sibling_accepts for r in out.rows) > 0  # branches won: later rounds start after them
+    assert any(len(shapes) > 1 for shapes in _shapes(rounds))  # rows differ within a round
+    assert len(set.union(*_shapes(rounds))) > 2  # and shapes change between rounds
+    assert _not_eagle2(rounds, reference) == 0
+
+
+@pytest.mark.parametrize("mistake", ["nodes see their cousins", "medusa's first head at every depth"])
+def test_the_check_catches_a_broken_dynamic_tree(tmp_path, target, monkeypatch, mistake):
+    kind = "eagle3"
+    if mistake == "nodes see their cousins":
+        monkeypatch.setattr(TreeLevel, "causal_mask", _nodes_see_cousins)
+    else:
+        kind = "medusa"
+        monkeypatch.setattr(MedusaDrafter, "_log_probs", lambda self, d, scores=MedusaDrafter._log_probs:
+                            scores(self, 0))
+    strategy, folder, reference = _head(kind, tmp_path / kind, target)
+    _, rounds = _run_dynamic(ModelRunner(target), _proposer(ModelRunner(target), strategy, folder, **DYNAMIC))
+    assert _not_eagle2(rounds, reference) > 0
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_generic_runner_verifies_dynamic_head_trees_losslessly(tmp_path, target, kind):
+    strategy, folder, _ = _head(kind, tmp_path / kind, target)
+    runner = GenericRunner(target)
+    out, rounds = _run_dynamic(runner, _proposer(runner, strategy, folder, **DYNAMIC))
+    assert out.output_ids == [hf_generate(target, p, NEW) for p in PROMPTS]
+    assert sum(r.sibling_accepts for r in out.rows) > 0 and any(len(s) > 1 for s in _shapes(rounds))
+
+
 # ---- sampling: the target's exact marginals through the branches ---------------------------------------------
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -168,6 +254,18 @@ def test_sampled_head_trees_follow_the_targets_marginals(tmp_path, sampled, kind
     runner = ModelRunner(model)
     proposer = _proposer(runner, "medusa" if kind == "medusa" else "eagle", folder(tmp_path / kind), gamma=2,
                          tree_topk=3)
+    assert_target_marginals_through_branches(*sampled_checks(runner, proposer, marginals))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_sampled_dynamic_head_trees_follow_the_targets_marginals(tmp_path, sampled, kind):  # noqa: F811
+    """Scored by the run's sampling distribution; children still deterministic (p one-hot)."""
+    model, marginals = sampled
+    folder = {"eagle3": lambda f: eagle3_dir(f, model, draft_vocab=6, layer_ids=(0, 1, 2)),
+              "eagle1": lambda f: eagle1_dir(f, model), "medusa": lambda f: medusa_dir(f, model, heads=2)}[kind]
+    runner = ModelRunner(model)
+    proposer = _proposer(runner, "medusa" if kind == "medusa" else "eagle", folder(tmp_path / kind), gamma=2,
+                         tree_topk=3, tree_dynamic=True)
     assert_target_marginals_through_branches(*sampled_checks(runner, proposer, marginals))
 
 
@@ -231,6 +329,11 @@ def test_the_tree_options_are_declared_and_recorded(tmp_path, target, declared):
     tree = _proposer(runner, strategy, folder, tree_topk=2, tree_nodes=5)
     assert tree.proposes_trees and tree.max_lookahead == 5 and tree.tree == Tree.topk_depth(2, GAMMA, 5)
     assert tree.params() == {"gamma": GAMMA, "head": str(folder), "tree_topk": 2, "tree_nodes": 5}
+    assert "tree_dynamic" in names and "tree_sample" not in names  # sampled children: the draft model's only
+    # EAGLE's expansion's last forward feeds 3 x 2 nodes, more than the 4 it keeps (Medusa's the same bound)
+    dynamic = _proposer(runner, strategy, folder, tree_topk=3, tree_nodes=4, tree_dynamic=True)
+    assert dynamic.tree == DynamicTree(3, GAMMA, 4) and dynamic.max_lookahead == 6
+    assert dynamic.params()["tree_dynamic"] is True
 
 
 @pytest.mark.parametrize("given, match", [
@@ -248,11 +351,26 @@ def test_impossible_head_trees_are_refused_in_one_line(declared, given, match):
     assert "\n" not in str(caught.value)
 
 
+@pytest.mark.parametrize("given, match", [
+    (dict(tree_dynamic=True), "tree_dynamic expands tree_topk children per node: set tree_topk too"),
+    (dict(tree_dynamic=True, tree_shape="[(0,)]"), "tree_dynamic grows a new shape every round, tree_shape is a "
+                                                   "static one: set one"),
+])
+@pytest.mark.parametrize("declared", [EagleStrategy, MedusaStrategy])
+def test_impossible_dynamic_head_trees_are_refused_in_one_line(declared, given, match):
+    options = declared.settings({"head": "owner/name", **{k: str(v) for k, v in given.items()}})
+    with pytest.raises(SdbenchError, match=f"{declared.name}: --set {match}") as caught:
+        declared.validate(2, options, (), GREEDY)
+    assert "\n" not in str(caught.value)
+
+
 def test_trees_a_head_cannot_draft_are_refused_when_it_loads(tmp_path, target):
     runner = ModelRunner(target)
     strategy, folder, _ = _head("eagle3", tmp_path / "e3", target)  # a draft vocabulary of 6 tokens
     with pytest.raises(SdbenchError, match="7 children, more than the 6 tokens"):
         _proposer(runner, strategy, folder, gamma=1, tree_topk=7)
+    with pytest.raises(SdbenchError, match="7 children, more than the 6 tokens"):
+        _proposer(runner, strategy, folder, gamma=2, tree_topk=7, tree_dynamic=True)
     strategy, folder, _ = _head("medusa", tmp_path / "m", target)  # one head per level
     with pytest.raises(SdbenchError, match=f"has {GAMMA} Medusa heads"):
         _proposer(runner, strategy, folder, gamma=GAMMA + 1, tree_topk=2)

@@ -12,6 +12,8 @@ tokens on its path. Growing `depth` levels with `topk` = K:
              above its parent (a probability is at most 1), and ties go to the earlier candidate (a parent is
              always earlier than its child), so the kept nodes are ANCESTOR-CLOSED: a tree.
 Children are the drafter's top-K tokens, distinct and deterministic: verified with p one-hot (sampling.py).
+The log-probabilities are those of the run's sampling distribution, at temperature 1 under greedy decoding
+(`log_probs`), for every drafter alike.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from typing import Callable
 
 import torch
 
+from sdbench.engine.sampling import probs_from_logits
 from sdbench.engine.tree import Tree
 from sdbench.errors import SdbenchError
 
@@ -120,6 +123,14 @@ def keep_best(parents: torch.Tensor, score: torch.Tensor, tokens: torch.Tensor,
     up = parents.gather(1, kept)
     new_parents = torch.where(up >= 0, renumber.gather(1, up.clamp(min=0)), -1)
     return [Tree(tuple(r)) for r in new_parents.tolist()], tokens.gather(1, kept)
+
+
+def log_probs(logits: torch.Tensor, sampling) -> torch.Tensor:
+    """A drafter's scores [..., V] from its logits: the log-probabilities of its sampling distribution, or at
+    temperature 1 under greedy decoding."""
+    if sampling.greedy:
+        return logits.float().log_softmax(-1)
+    return probs_from_logits(logits, sampling).log()
 
 
 def _best(score: torch.Tensor, k: int) -> torch.Tensor:

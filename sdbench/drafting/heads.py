@@ -19,14 +19,24 @@ head forward over the level's nodes, each fed its token with its parent's output
 placed after the head's context as the verifier places its tree (models/heads/eagle.py `TreeLevel`: node j at
 slot N - 1 + j, at the position of its depth), seeing the context and its ancestors only; its outputs give the
 next level's children. The tree's slots are not context: the next feed overwrites from N - 1 on, and a later
-tree's nodes never see a slot past its own context. Medusa's tree is the heads' top-k: a node of depth d and
-rank r takes head d - 1's (r + 1)-th likeliest token, whatever its parent (Medusa's own tree).
+tree's nodes never see a slot past its own context.
+
+EAGLE-2's dynamic tree (a `DynamicTree` given, drafting/dynamic.py) is grown the same way, a shape of its own per
+row: the feed's output scores the root; each further level is one head forward over the K frontier nodes only
+(the nodes expanded before them are in the head's cache already), each fed its token with its parent's output,
+placed as above in its row's tree of the nodes expanded so far; their log-probabilities score the next level.
+
+Medusa's tree is the heads' top-k: a node of depth d and rank r takes head d - 1's (r + 1)-th likeliest token,
+whatever its parent (Medusa's own tree). Its dynamic tree scores a node of depth d by head d - 1's
+log-probabilities (every frontier node expanded by the same head's ranking, no forward), so the shape, per row,
+follows the heads' confidence at each depth.
 """
 
 from __future__ import annotations
 
 import torch
 
+from sdbench.drafting.dynamic import DynamicTree, Expanded, grow, log_probs
 from sdbench.engine.hidden import TargetStates
 from sdbench.engine.sampling import choose
 from sdbench.engine.state import DecodeState, Proposal
@@ -46,9 +56,10 @@ def tree_proposal(tokens: torch.Tensor, tree: Tree, limits: list[int]) -> Propos
 
 class EagleDrafter:
     """Drafts with an EAGLE head (models/heads/eagle.py: its forward, over a KV cache of its own kept in step
-    with the target's). layers: the target states it reads (engine/hidden.py)."""
+    with the target's). layers: the target states it reads (engine/hidden.py); tree: a static shape or an
+    EAGLE-2 dynamic tree to grow each round (cut to each row's limit as a depth), None: a chain."""
 
-    def __init__(self, head, name: str, layers: tuple[int, ...], tree: Tree | None = None):
+    def __init__(self, head, name: str, layers: tuple[int, ...], tree: Tree | DynamicTree | None = None):
         self.head, self.name, self.layers, self.tree = head, name, layers, tree
         self.cache, self.pending = None, None
 
@@ -78,6 +89,9 @@ class EagleDrafter:
         logits, out = self._feed(ctx)
         if k == 0:
             return Proposal.empty(len(lengths))
+        if isinstance(self.tree, DynamicTree):
+            trees, tokens = self._grow_dynamic(self.tree.to_depth(k), logits, out, [n - 1 for n in lengths])
+            return Proposal(tokens, torch.tensor([len(t) for t in trees]), trees=tuple(trees)).fit(limits)
         if self.tree is not None:
             shape, _ = self.tree.to_depth(k)
             return tree_proposal(self._grow(shape, logits, out, [n - 1 for n in lengths]), shape, limits)
@@ -110,6 +124,26 @@ class EagleDrafter:
             top_children(tokens, tree, logits, nodes)
         return tokens
 
+    def _grow_dynamic(self, spec: DynamicTree, logits: torch.Tensor, out: torch.Tensor,
+                      start: list[int]) -> tuple[list[Tree], torch.Tensor]:
+        """Each row's dynamic tree below the root, whose logits [B, V] and output [B, H] the feed gave, and its
+        tokens [B, N]: `grow` scoring the frontier with one head forward over it, the expanded nodes sitting
+        after each row's first start[b] slots of the head's cache."""
+        K = spec.topk
+        outs = [out[:, None]]  # [B, 1 + M, H] once joined: the root's output, then each expanded node's
+
+        def expand(nodes: Expanded) -> torch.Tensor:
+            M = nodes.tokens.shape[1]
+            up = nodes.parents[:, M - K:] + 1  # [B, K] each frontier node's parent in `outs` (0: the root)
+            above = torch.cat(outs, 1)
+            fed = above.gather(1, up[..., None].expand(-1, -1, above.shape[-1]))  # [B, K, H]
+            logits, new = self.head.forward(self.cache, nodes.tokens[:, M - K:], fed, start, None, nodes.trees(),
+                                            tuple(range(M - K, M)))
+            outs.append(new)
+            return log_probs(logits, self.sampling)  # [B, K, V]
+
+        return grow(spec, log_probs(logits, self.sampling), expand)
+
     def end(self) -> None:
         self.cache = self.pending = None
 
@@ -117,7 +151,7 @@ class EagleDrafter:
 class MedusaDrafter:
     """Drafts with Medusa-1 heads (models/heads/medusa.py) over the target's final state."""
 
-    def __init__(self, head, name: str, layers: tuple[int, ...], tree: Tree | None = None):
+    def __init__(self, head, name: str, layers: tuple[int, ...], tree: Tree | DynamicTree | None = None):
         self.head, self.name, self.layers, self.tree = head, name, layers, tree
         self.last = None  # [B, H] each row's latest target state
 
@@ -137,6 +171,14 @@ class MedusaDrafter:
         k = max(limits, default=0)
         if k == 0:
             return Proposal.empty(len(lengths))
+        if isinstance(self.tree, DynamicTree):
+            spec = self.tree.to_depth(k)
+
+            def expand(nodes: Expanded) -> torch.Tensor:  # the frontier, at depth d: head d's ranking, K times
+                return self._log_probs(nodes.tokens.shape[1] // spec.topk)[:, None].expand(-1, spec.topk, -1)
+
+            trees, tokens = grow(spec, self._log_probs(0), expand)
+            return Proposal(tokens, torch.tensor([len(t) for t in trees]), trees=tuple(trees)).fit(limits)
         if self.tree is not None:
             shape, _ = self.tree.to_depth(k)
             return tree_proposal(self._tree_tokens(shape), shape, limits)
@@ -147,6 +189,10 @@ class MedusaDrafter:
             probs.append(p)
         return Proposal(torch.stack(drafted, 1), torch.tensor(limits, dtype=torch.long),
                         None if self.sampling.greedy else torch.stack(probs, 1))
+
+    def _log_probs(self, d: int) -> torch.Tensor:
+        """[B, V] head d's scores (drafting/dynamic.py `log_probs`)."""
+        return log_probs(self.head.logits(d, self.last), self.sampling)
 
     def _tree_tokens(self, tree: Tree) -> torch.Tensor:
         """tokens [B, N]: each node of depth d the token of its rank in head d - 1's ranking."""

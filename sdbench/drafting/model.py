@@ -8,7 +8,7 @@ import torch
 
 from sdbench.drafting.prefix import CachedPrefix
 from sdbench.engine.runner import Runner
-from sdbench.drafting.dynamic import DynamicTree, Expanded, grow
+from sdbench.drafting.dynamic import DynamicTree, Expanded, grow, log_probs
 from sdbench.engine.sampling import choose, probs_from_logits
 from sdbench.engine.state import DecodeState, Proposal
 from sdbench.engine.tree import Tree, TreeBatch, child_picks, top_children
@@ -100,19 +100,12 @@ def draft_dynamic_tree(runner, cache, prefix: CachedPrefix, ctx: torch.Tensor, l
         at = torch.arange(M - spec.topk, M).repeat(len(lens), 1)  # the frontier: the last K nodes
         out = runner.forward(cache, nodes.tokens, list(lens), at=at, tree=TreeBatch.of(trees))  # [B, K, V]
         last[:] = [nodes.tokens, trees]
-        return _log_probs(out, sampling)
+        return log_probs(out, sampling)
 
-    trees, tokens = grow(spec, _log_probs(logits, sampling), expand)
+    trees, tokens = grow(spec, log_probs(logits, sampling), expand)
     if last:
         _wrote_line(prefix, *last, lens)
     return trees, tokens
-
-
-def _log_probs(logits: torch.Tensor, sampling) -> torch.Tensor:
-    """The model's log-probabilities [..., V] from logits: its sampling distribution's, or at temperature 1."""
-    if sampling.greedy:
-        return logits.float().log_softmax(-1)
-    return probs_from_logits(logits, sampling).log()
 
 
 def _wrote_line(prefix: CachedPrefix, fed: torch.Tensor, trees, lens: list[int]) -> None:

@@ -7,6 +7,7 @@ strategy's declaration (strategies/spec.py).
 
 from __future__ import annotations
 
+from sdbench.drafting.dynamic import DynamicTree
 from sdbench.engine.hidden import TargetStates
 from sdbench.engine.state import DecodeState, Proposal
 from sdbench.engine.step import Round
@@ -120,7 +121,11 @@ class TrainedHead(FixedLookahead):
 
     @property
     def max_lookahead(self) -> int:
-        return self.gamma if self.tree is None else len(self.tree)
+        if self.tree is None:
+            return self.gamma
+        if isinstance(self.tree, DynamicTree):
+            return self.tree.slots  # the head's last forward may feed more expanded nodes than it keeps
+        return len(self.tree)
 
     def see_target(self, states: TargetStates) -> None:
         self.drafter.see(states)

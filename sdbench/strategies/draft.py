@@ -67,19 +67,17 @@ SPARSE_OPTIONS = (
 )
 
 
-def tree_spec(gamma: int, draft_kv: str, tree_topk: int, tree_nodes: int, tree_shape: str) -> Tree | None:
+def tree_spec(gamma: int, draft_kv: str, tree_topk: int, tree_nodes: int, tree_shape: str,
+              tree_dynamic: bool = False) -> Tree | DynamicTree | None:
     """The token tree these settings ask the draft model to grow each round (None: the chain); raises on
     impossible ones (strategies/trees.py, and a tree needs the dense draft cache)."""
-    tree = tree_setting("draft", gamma, tree_topk, tree_nodes, tree_shape)
+    tree = tree_setting("draft", gamma, tree_topk, tree_nodes, tree_shape, tree_dynamic)
     if tree is not None and draft_kv != "dense":
         raise SdbenchError(f"draft: a token tree needs the dense draft cache, not --set draft_kv={draft_kv}")
     return tree
 
 
 GROWTH_OPTIONS = (
-    Option("tree_dynamic", False, "EAGLE-2's dynamic tree: at each level expand the tree_topk nodes of highest "
-                                  "cumulative draft probability, then keep the best tree_nodes by it (not by "
-                                  "rank): a shape per row and round", bool),
     Option("tree_sample", False, "SpecInfer's sampled children (under sampling): each node's children in the "
                                  "tree_topk or tree_shape tree drawn from the draft's distribution, with "
                                  "replacement", bool),
@@ -87,23 +85,16 @@ GROWTH_OPTIONS = (
 
 
 def grown_tree(gamma: int, draft_kv: str, options: dict) -> Tree | DynamicTree | None:
-    """The tree the draft model grows each round: `tree_spec`'s, or a DynamicTree (a shape chosen per row and
-    round) with tree_dynamic; tree_sample changes how its children are drawn, not its shape. Raises on
-    impossible settings."""
-    tree = tree_spec(gamma, draft_kv, options["tree_topk"], options["tree_nodes"], options["tree_shape"])
+    """The tree the draft model grows each round: `tree_spec`'s (a DynamicTree with tree_dynamic: a shape chosen
+    per row and round); tree_sample changes how its children are drawn, not its shape. Raises on impossible
+    settings."""
     dynamic, sample = options.get("tree_dynamic", False), options.get("tree_sample", False)
-    if dynamic and options["tree_shape"]:
-        raise SdbenchError("draft: --set tree_dynamic grows a new shape every round, tree_shape is a static one: "
-                           "set one")
-    if dynamic and tree is None:
-        raise SdbenchError("draft: --set tree_dynamic expands tree_topk children per node: set tree_topk too")
+    tree = tree_spec(gamma, draft_kv, options["tree_topk"], options["tree_nodes"], options["tree_shape"], dynamic)
     if sample and dynamic:
         raise SdbenchError("draft: --set tree_sample's children would be kept or dropped by their probability in "
                            "a tree_dynamic tree, which no longer draws them from the draft: set one")
     if sample and tree is None:
         raise SdbenchError("draft: --set tree_sample draws a tree's children: set tree_topk or tree_shape too")
-    if dynamic:
-        return DynamicTree(options["tree_topk"], gamma, options["tree_nodes"] or options["tree_topk"] * gamma)
     return tree
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from sdbench.drafting.dynamic import DynamicTree
 from sdbench.engine.tree import Tree
 from sdbench.errors import SdbenchError
 from sdbench.strategies.base import TrainedHead
@@ -33,13 +34,13 @@ class HeadStrategy(Strategy):
             raise SdbenchError(f"--head {head}: no such folder, nor a hub id (owner/name)")
 
     @classmethod
-    def tree(cls, gamma: int, options: dict) -> Tree | None:
+    def tree(cls, gamma: int, options: dict) -> Tree | DynamicTree | None:
         """The token tree the head grows each round (None: a chain); raises on impossible settings."""
         return tree_setting(cls.name, gamma, options.get("tree_topk", 0), options.get("tree_nodes", 0),
-                            options.get("tree_shape", ""))
+                            options.get("tree_shape", ""), options.get("tree_dynamic", False))
 
     @classmethod
-    def drafter(cls, head, target, gamma: int, tree: Tree | None = None):
+    def drafter(cls, head, target, gamma: int, tree: Tree | DynamicTree | None = None):
         """The drafter over a loaded head, drafting a chain or `tree` (raises SdbenchError on settings the head
         cannot honour)."""
         raise NotImplementedError
@@ -78,11 +79,11 @@ class HeadStrategy(Strategy):
 class EagleStrategy(HeadStrategy):
     name = "eagle"
     help = ("EAGLE-1/EAGLE-3 trained head (--head) drafting from the target's hidden states, fixed gamma; "
-            "tree_topk=K or tree_shape=... grows a token tree")
+            "tree_topk=K or tree_shape=... grows a token tree, tree_dynamic=true a shape per row and round (EAGLE-2)")
     head_kinds = ("eagle3", "eagle1")
 
     @classmethod
-    def drafter(cls, head, target, gamma: int, tree: Tree | None = None):
+    def drafter(cls, head, target, gamma: int, tree: Tree | DynamicTree | None = None):
         from sdbench.drafting.heads import EagleDrafter
         from sdbench.models.heads.eagle import EagleHead
 
@@ -95,7 +96,7 @@ class EagleStrategy(HeadStrategy):
         return EagleDrafter(forward, head.name, head.layers, tree)
 
 
-def check_width(head: str, tree: Tree | None, vocab: int) -> None:
+def check_width(head: str, tree: Tree | DynamicTree | None, vocab: int) -> None:
     """Refuse a tree with a node of more children than the head has tokens to rank."""
     if tree is not None and widest(tree) > vocab:
         raise SdbenchError(f"--head {head}: a tree node has {widest(tree)} children, more than the {vocab} tokens "

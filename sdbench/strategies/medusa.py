@@ -3,6 +3,7 @@ Medusa's token tree over the heads' top-k)."""
 
 from __future__ import annotations
 
+from sdbench.drafting.dynamic import DynamicTree
 from sdbench.engine.tree import Tree
 from sdbench.errors import SdbenchError
 from sdbench.strategies.eagle import MAX_TUNED_GAMMA, HeadStrategy, check_width
@@ -13,11 +14,12 @@ from sdbench.strategies.spec import register
 class MedusaStrategy(HeadStrategy):
     name = "medusa"
     help = ("Medusa-1 trained heads (--head) drafting a chain from the target's last hidden state, fixed gamma; "
-            "tree_topk=K or tree_shape=... drafts a tree over the heads' top-k")
+            "tree_topk=K or tree_shape=... drafts a tree over the heads' top-k, tree_dynamic=true a shape per row and "
+            "round (EAGLE-2's selection)")
     head_kinds = ("medusa",)
 
     @classmethod
-    def drafter(cls, head, target, gamma: int, tree: Tree | None = None):
+    def drafter(cls, head, target, gamma: int, tree: Tree | DynamicTree | None = None):
         from sdbench.drafting.heads import MedusaDrafter
         from sdbench.models.heads.medusa import MedusaHead
 

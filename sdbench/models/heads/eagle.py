@@ -14,6 +14,8 @@ whose token i is target token i + d2t[i].
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 import torch.nn.functional as F
 
@@ -39,23 +41,28 @@ def _layer_config(head: Head):
 
 
 class TreeLevel(StepIndex):
-    """One level of a token tree fed to the head: nodes `nodes` of `tree` (the level's, M of them), each row's
-    tree placed after its first start[b] slots as the verifier places its own (node j at slot start[b] + j, rotated
-    at start[b] - 1 + depth[j]). A node sees the slots before start[b], its ancestors' slots (written by earlier
+    """One level of a token tree fed to the head: nodes `nodes` of `tree` (the level's, M of them; or of each
+    row's own tree, trees of one size whose nodes `nodes` share a depth: a dynamic tree), each row's tree placed
+    after its first start[b] slots as the verifier places its own (node j at slot start[b] + j, rotated at
+    start[b] - 1 + depth[j]). A node sees the slots before start[b], its ancestors' slots (written by earlier
     levels) and its own; no other tree slot, whatever an earlier round left there."""
 
-    def __init__(self, start: list[int], tree: Tree, nodes: tuple[int, ...], device: torch.device):
-        N, M = len(tree), len(nodes)
+    def __init__(self, start: list[int], tree: Tree | Sequence[Tree], nodes: tuple[int, ...],
+                 device: torch.device):
+        trees = [tree] * len(start) if isinstance(tree, Tree) else list(tree)
+        N, M = len(trees[0]), len(nodes)
         self.start, self.T, self.uniform = start, M, False  # slots start[b] + node: not one run from start[b]
         self.kv_len = max(start) + N
         first = torch.tensor(start, device=device)[:, None]  # [B, 1]
         at = torch.tensor(nodes, device=device)
         self.positions = first + at  # [B, M] the slots written
-        self._rotated = first - 1 + torch.tensor(tree.depth, device=device)[at]  # [B, M]
+        depth = torch.tensor([t.depth for t in trees], device=device)  # [B, N]
+        self._rotated = first - 1 + depth[:, at]  # [B, M]
         node = torch.arange(self.kv_len, device=device)[None] - first  # [B, S]: a slot's node, < 0 before the tree
-        sees = tree.ancestors.to(device)[at]  # [M, N]
+        sees = torch.stack([t.ancestors for t in trees]).to(device)[:, at]  # [B, M, N]
         inside = (node >= 0) & (node < N)
-        self.allowed = (node < 0)[:, None] | (inside[:, None] & sees[:, node.clamp(0, N - 1)].transpose(0, 1))
+        seen = sees.gather(2, node.clamp(0, N - 1)[:, None].expand(-1, M, -1))  # [B, M, S]
+        self.allowed = (node < 0)[:, None] | (inside[:, None] & seen)
         self._masks = {}
 
     @property
@@ -101,13 +108,14 @@ class EagleHead:
 
     @torch.inference_mode()
     def forward(self, cache, tokens: torch.Tensor, states: torch.Tensor, start: list[int],
-                at: torch.Tensor | None, tree: Tree | None = None,
+                at: torch.Tensor | None, tree: Tree | Sequence[Tree] | None = None,
                 nodes: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor]:
         """tokens [B, T] at positions start[b] + t, each with the state it follows: states [B, T, S] (the
         target's, or the head's own output fed back). Returns, at in-chunk indices at [B], the logits over the
         target's vocabulary [B, V] (float32) and the head's output [B, H] to feed back; at None: at every token,
-        [B, T, V] and [B, T, H]. tree: the tokens are its nodes `nodes` (one level of it), the tree placed after
-        start[b] slots (`TreeLevel`), each seeing the context and its own ancestors only."""
+        [B, T, V] and [B, T, H]. tree: the tokens are its nodes `nodes` (one level of it; a sequence: row b's
+        tree is tree[b]), the tree placed after start[b] slots (`TreeLevel`), each seeing the context and its own
+        ancestors only."""
         e = self.embed(tokens)
         states = states.to(self.dtype)
         if self.kind == EAGLE1:
