@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from sdbench.drafting.retrieval import RetrievalDrafter, check_retrieval
 from sdbench.strategies.base import FixedLookahead
-from sdbench.strategies.spec import BuildContext, Option, SearchContext, Strategy, need_gamma, register
+from sdbench.strategies.spec import (TREE_NODE_BUDGETS, BuildContext, Option, SearchContext, Strategy, need_gamma,
+                                     register)
 
 
 class Rest(FixedLookahead):
@@ -68,7 +69,8 @@ class RestStrategy(Strategy):
 
     @classmethod
     def search_space(cls, trial, space: SearchContext) -> tuple:
-        """gamma (the tree's depth), the tree's size, and the datastore: one of those built (`datastore list`)."""
+        """gamma (the tree's depth), the tree's node budget (always: a retrieval tree is no chain, so `tune --trees`
+        adds nothing), and the datastore: one of those built (`datastore list`)."""
         from sdbench.drafting import datastore
         from sdbench.errors import SdbenchError
 
@@ -78,4 +80,4 @@ class RestStrategy(Strategy):
                                f"`{datastore.build_command('NAME', 'MODEL')}`")
         name = names[0] if len(names) == 1 else trial.suggest_categorical("datastore", names)
         return (trial.suggest_int("gamma", 1, 8),
-                {"datastore": name, "tree_nodes": trial.suggest_int("tree_nodes", 1, 64, log=True)})
+                {"datastore": name, "tree_nodes": trial.suggest_categorical("tree_nodes", list(TREE_NODE_BUDGETS))})
