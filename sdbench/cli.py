@@ -287,6 +287,31 @@ def schedule_export(
     export_schedule(name, format, out, console)
 
 
+datastore_app = typer.Typer(no_args_is_help=True, help="REST datastores (`run --strategy rest --set datastore=NAME`): build or list them.")
+app.add_typer(datastore_app, name="datastore")
+
+
+@datastore_app.command("build")
+def datastore_build(
+    name: Annotated[str, typer.Argument(help="the datastore's name (letters, digits, '.', '_', '-')")],
+    from_: Annotated[str, typer.Option("--from", help="the corpus: a data set (its prompts and their replies), a prompt file (.jsonl, .json, .csv) or a text file")],
+    target: Target = C.DEFAULT_TARGET,
+    limit: Annotated[Optional[int], typer.Option(help="prompts (or text-file documents) to take (default: all; a book data set: its default number of excerpts)")] = None,
+):
+    """Tokenize a corpus with the target's tokenizer and index it for suffix search, under the cache."""
+    from sdbench.commands.datastore import build
+
+    build(name, from_, target, limit, console)
+
+
+@datastore_app.command("list")
+def datastore_list():
+    """The datastores built: target, corpus, size, prompts held."""
+    from sdbench.commands.datastore import show
+
+    show(console)
+
+
 @app.command()
 def compare(
     baseline: Annotated[str, typer.Argument(help="baseline results: Parquet file or folder")],

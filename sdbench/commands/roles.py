@@ -41,7 +41,8 @@ def plan_roles(strategy: str, base: str, pair, gammas: tuple[int, ...], drafts: 
                options: dict) -> list[Role]:
     """The strategy's roles: one per --gamma value, then the configurations it brings for comparison, once
     each however many --gamma values bring them. strategy: the name rows record; base: the registered one."""
-    made = [v for g in gammas for v in build_configurations(base, BuildContext(pair.target, pair.drafts, g, dict(options)))]
+    made = [v for g in gammas for v in build_configurations(
+        base, BuildContext(pair.target, pair.drafts, g, dict(options), pair.tokenizer))]
     own = [v.proposer for v in made if not v.label]
     names = ["strategy"] if len(own) == 1 else [f"strategy-{i + 1}" for i in range(len(own))]
     roles = [Role(name, proposer, strategy, drafts) for name, proposer in zip(names, own)]

@@ -26,6 +26,7 @@ from sdbench.models.heads.registry import trained_on_note
 from sdbench.data.tasks import check_dataset, dataset_label
 from sdbench.data.turns import Conversations
 from sdbench.decoders import SEQUENTIAL, decoder_for
+from sdbench.drafting.datastore import held_note
 from sdbench.engine.state import needed_capacity
 from sdbench.env import environment
 from sdbench.errors import Interrupted, SdbenchError
@@ -139,9 +140,11 @@ class Bench:
         if cfg.turns is not None and cfg.turns > most:
             self.console.print(f"note: --turns {cfg.turns}: the prompts have at most {most} turn(s), so {most} "
                                f"{'is' if most == 1 else 'are'} run", style="yellow", highlight=False)
-        trained = trained_on_note(cfg.options.get("head", ""), [p.id for p in prompts])
-        if trained:
-            self.console.print(f"note: {trained}", style="yellow", highlight=False, soft_wrap=True)
+        ids = [p.id for p in prompts]
+        for seen in (trained_on_note(cfg.options.get("head", ""), ids),
+                     held_note(cfg.options.get("datastore", ""), ids)):
+            if seen:
+                self.console.print(f"note: {seen}", style="yellow", highlight=False, soft_wrap=True)
         context = max(len(e) for e in encoded) + cfg.max_new_tokens
         for note in dict.fromkeys(n for r in roles for n in r.proposer.notes(context)):
             self.console.print(f"note: {note}", highlight=False, soft_wrap=True)

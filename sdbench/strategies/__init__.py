@@ -18,7 +18,7 @@ from sdbench.strategies.spec import (BuildContext, Configuration, Strategy, refu
 
 # each module registers its strategy (`@register` on its declaration)
 from sdbench.strategies import (adaptive, autoregressive, draft, dsi, eagle, magicdec, medusa,  # noqa: E402,F401
-                                ngram, polybasic, suffix)
+                                ngram, polybasic, rest, suffix)
 
 
 @dataclass(frozen=True)

@@ -87,6 +87,7 @@ class BuildContext:
     drafts: list[Runner | str] = field(default_factory=list)  # a model-free draft by its name (ngram)
     gamma: int = 4
     options: dict = field(default_factory=dict)
+    tokenizer: Any = None  # the target's tokenizer, where the strategy's data must match it (a REST datastore)
 
     def draft_names(self) -> tuple[str, ...]:
         """The drafts as the user named them: a runner's model name, or the model-free draft's name."""
