@@ -246,26 +246,17 @@ def test_the_generic_runner_verifies_dynamic_head_trees_losslessly(tmp_path, tar
 
 # ---- sampling: the target's exact marginals through the branches ---------------------------------------------
 
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
 @pytest.mark.parametrize("kind", KINDS)
-def test_sampled_head_trees_follow_the_targets_marginals(tmp_path, sampled, kind):  # noqa: F811
+def test_sampled_head_trees_follow_the_targets_marginals(tmp_path, sampled, kind, dynamic):  # noqa: F811
+    """Static top-k trees, and dynamic ones scored by the run's sampling distribution; children deterministic
+    (p one-hot) in both."""
     model, marginals = sampled
     folder = {"eagle3": lambda f: eagle3_dir(f, model, draft_vocab=6, layer_ids=(0, 1, 2)),
               "eagle1": lambda f: eagle1_dir(f, model), "medusa": lambda f: medusa_dir(f, model, heads=2)}[kind]
     runner = ModelRunner(model)
     proposer = _proposer(runner, "medusa" if kind == "medusa" else "eagle", folder(tmp_path / kind), gamma=2,
-                         tree_topk=3)
-    assert_target_marginals_through_branches(*sampled_checks(runner, proposer, marginals))
-
-
-@pytest.mark.parametrize("kind", KINDS)
-def test_sampled_dynamic_head_trees_follow_the_targets_marginals(tmp_path, sampled, kind):  # noqa: F811
-    """Scored by the run's sampling distribution; children still deterministic (p one-hot)."""
-    model, marginals = sampled
-    folder = {"eagle3": lambda f: eagle3_dir(f, model, draft_vocab=6, layer_ids=(0, 1, 2)),
-              "eagle1": lambda f: eagle1_dir(f, model), "medusa": lambda f: medusa_dir(f, model, heads=2)}[kind]
-    runner = ModelRunner(model)
-    proposer = _proposer(runner, "medusa" if kind == "medusa" else "eagle", folder(tmp_path / kind), gamma=2,
-                         tree_topk=3, tree_dynamic=True)
+                         tree_topk=3, **({"tree_dynamic": True} if dynamic else {}))
     assert_target_marginals_through_branches(*sampled_checks(runner, proposer, marginals))
 
 

@@ -107,11 +107,7 @@ class NGramDrafter:
     def _draft_trees(self, ctx: torch.Tensor, lengths: list[int], limits: list[int]) -> Proposal:
         made = [trie(lookup_branches(ctx[b, :n].numpy(), k, self.max_ngram, self.min_ngram, self.tree))
                 if k > 0 else (Tree(()), []) for b, (n, k) in enumerate(zip(lengths, limits))]
-        tokens = torch.zeros(len(made), max((len(t) for t, _ in made), default=0), dtype=torch.long)
-        for b, (_, found) in enumerate(made):
-            tokens[b, : len(found)] = torch.tensor(found, dtype=torch.long)
-        return Proposal(tokens, torch.tensor([len(t) for t, _ in made], dtype=torch.long),
-                        trees=tuple(t for t, _ in made))
+        return Proposal.of_trees(made)
 
     def end(self) -> None:
         pass

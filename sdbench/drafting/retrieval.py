@@ -155,11 +155,7 @@ class RetrievalDrafter:
     def draft(self, ctx: torch.Tensor, lengths: list[int], limits: list[int]) -> Proposal:
         made = [self.tree_for(ctx[b, :n].numpy(), k) if k > 0 else (Tree(()), [])
                 for b, (n, k) in enumerate(zip(lengths, limits))]
-        tokens = torch.zeros(len(made), max((len(t) for t, _ in made), default=0), dtype=torch.long)
-        for b, (_, found) in enumerate(made):
-            tokens[b, : len(found)] = torch.tensor(found, dtype=torch.long)
-        return Proposal(tokens, torch.tensor([len(t) for t, _ in made], dtype=torch.long),
-                        trees=tuple(t for t, _ in made))
+        return Proposal.of_trees(made)
 
     def end(self) -> None:
         pass

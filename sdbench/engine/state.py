@@ -51,6 +51,15 @@ class Proposal:
         """Nothing drafted: a verification of the committed tokens alone (a plain step)."""
         return cls(torch.zeros(batch, 0, dtype=torch.long), torch.zeros(batch, dtype=torch.long))
 
+    @classmethod
+    def of_trees(cls, made) -> "Proposal":
+        """A tree per row from (tree, its nodes' tokens in the tree's order) pairs, padded to the largest."""
+        tokens = torch.zeros(len(made), max((len(t) for t, _ in made), default=0), dtype=torch.long)
+        for b, (_, found) in enumerate(made):
+            tokens[b, : len(found)] = torch.as_tensor(list(found), dtype=torch.long)
+        return cls(tokens, torch.tensor([len(t) for t, _ in made], dtype=torch.long),
+                   trees=tuple(t for t, _ in made))
+
     @property
     def width(self) -> int:
         return int(self.lengths.max()) if len(self.lengths) else 0

@@ -7,7 +7,6 @@ import re
 from pathlib import Path
 
 import numpy as np
-import torch
 
 from sdbench.drafting.suffix import NOTHING, ResponseCache, Speculation, prompt_key, speculate_context
 from sdbench.engine.state import DecodeState, Proposal
@@ -85,13 +84,10 @@ class Suffix(Proposer):
             spec, cached = self.speculation(state.row(b).numpy(), k) if k > 0 else (NOTHING, False)
             self._from_cache[b] += cached and bool(spec.tokens)
             made.append(spec)
-        tokens = torch.zeros(len(made), max((len(s.tokens) for s in made), default=0), dtype=torch.long)
-        for b, s in enumerate(made):
-            tokens[b, : len(s.tokens)] = torch.tensor(s.tokens, dtype=torch.long)
-        lengths = torch.tensor([len(s.tokens) for s in made], dtype=torch.long)
+        trees = Proposal.of_trees([(Tree(s.parents), s.tokens) for s in made])
         if all(s.is_chain for s in made):  # one branch everywhere: the chain's fast path
-            return Proposal(tokens, lengths)
-        return Proposal(tokens, lengths, trees=tuple(Tree(s.parents) for s in made))
+            return Proposal(trees.tokens, trees.lengths)
+        return trees
 
     def observe(self, state: DecodeState, proposal: Proposal | None, rnd) -> None:
         self._keep_finished(state)
