@@ -284,6 +284,10 @@ def measured_trees(df) -> MeasuredTrees:
                            "of one")
     tried, accepted = summed_tables(rows["tried_per_depth_rank"]), summed_tables(rows["accepted_per_depth_rank"])
     if max(len(r) for r in tried) < 2:
+        if "tree_steps" in rows and float(rows["tree_steps"].fillna(0).sum()) > 0:
+            raise SdbenchError(f"{configs[0]} drafted trees, but no sibling past the first was ever tried (each "
+                               "first child was accepted, or its parent was not), so a sibling's acceptance (rank "
+                               "> 0) is unmeasured: measure a tree with a drafter the target disagrees with")
         raise SdbenchError(f"{configs[0]} drafted chains only, so a sibling's acceptance (rank > 0) is unmeasured: "
                            "measure a tree first (ngram --set tree=K, or draft --set tree_topk=K tree_nodes=N)")
     base = df[(df["role"] == "baseline") & df["run_id"].isin(set(rows["run_id"]))]

@@ -101,10 +101,13 @@ def choice_table(choices: list[TreeChoice], target: str, device, context: int) -
 
 
 def print_settings(choices: list[TreeChoice], strategy: str, console) -> None:
-    """The settings that run each chosen tree (a draft model's static tree: `draft --gamma D --set tree_shape`)."""
-    if strategy != "draft":
-        console.print(f"note: the shapes are run by --strategy draft (a draft model's static tree); {strategy}'s "
-                      "trees are not given a shape", highlight=False)
+    """The settings that run each chosen tree (a static tree: `--gamma D --set tree_shape=...`)."""
+    from sdbench.strategies.spec import tree_growers
+
+    shaped = sorted(n for n, settings in tree_growers().items() if "tree_shape" in settings)
+    if strategy not in shaped:
+        console.print(f"note: the shapes are run by a strategy that takes a static tree ({', '.join(shaped)}); "
+                      f"{strategy} grows its trees from what it finds", highlight=False)
     for ch in choices:
         console.print(f"batch {ch.batch}, budget {ch.budget}: --gamma {ch.tree.max_depth} --set "
                       f"tree_shape=\"{ch.tree.to_vllm()}\"", highlight=False, soft_wrap=True)
