@@ -66,6 +66,7 @@ def run(
     turns: Turns = None, prompt_field: PromptField = None, category_field: CategoryField = None, id_field: IdField = None,
     depth: Depth = None, probe: Probe = "auto", no_probe: NoProbe = False, request_rate: RequestRate = None, concurrency: Concurrency = None,
     slo: Slo = None, head: Head = None,
+    compare: Annotated[Optional[list[str]], typer.Option("--compare", help="another strategy or preset measured beside --strategy in the same interleaved run, on the same prompts (repeatable, or ngram,suffix); its settings: --set NAME.key=value")] = None,
 ):
     """Run a strategy and the plain-decoding baseline on the same prompts; print tables, write Parquet."""
     from sdbench.commands.run import Bench, load_config
@@ -73,11 +74,12 @@ def run(
     from sdbench.reporting.report import print_report
     from sdbench.reporting.results import read_results
 
+    own, compared = compare_sets(strategy, compare or [], parse_sets(set_))
     cfg = C.RunConfig(
         target=target, drafts=tuple(draft or ()), strategy=strategy, dataset=dataset, limit=limit,
         max_new_tokens=max_new_tokens, batch_size=batch_size, sampling=C.SamplingConfig(temperature, top_p, seed),
         gammas=parse_gammas(gamma), prompt_len=prompt_len, device=device, dtype=dtype, repeats=repeats,
-        options={**parse_sets(set_), **({"head": head} if head else {})},
+        options={**own, **({"head": head} if head else {})}, compare=compared,
         out=out, baseline=baseline, resume=resume, fast=fast, turns=turns, depths=parse_depths(depth),
         fields={k: v for k, v in (("prompt", prompt_field), ("category", category_field), ("id", id_field)) if v},
         probe=probe_mode(probe, no_probe), request_rates=parse_rates(request_rate), concurrencies=parse_gammas(concurrency, "--concurrency", 1),
@@ -127,6 +129,18 @@ def sweep(
         repeats=repeats, options=shared, out=out, fast=fast, probe=probe_mode(probe, no_probe),
     )
     run_sweep(C.SweepConfig(run_cfg, strategies, axis, sizes, lengths, scoped, resume), console)
+
+
+def compare_sets(strategy: str, compare: list[str], options: dict) -> tuple[dict, dict]:
+    """`run`: the strategy's settings (--set key=value and STRATEGY.key=value) and, per --compare NAME in order,
+    its own (NAME.key=value); a NAME.key for neither is refused."""
+    names = list(dict.fromkeys(n.strip() for given in compare for n in given.split(",") if n.strip()))
+    shared, scoped = split_sets(options)
+    for name in scoped:
+        if name != strategy and name not in names:
+            raise SdbenchError(f"--set {name}.{next(iter(scoped[name]))}: '{name}' is neither --strategy nor a "
+                               f"--compare of this run")
+    return {**shared, **scoped.get(strategy, {})}, {n: scoped.get(n, {}) for n in names}
 
 
 def split_sets(options: dict) -> tuple[dict, dict]:

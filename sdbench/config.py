@@ -58,6 +58,9 @@ class RunConfig:
     request_rates: tuple[float, ...] = ()  # requests/s of Poisson arrivals; inf = all at once
     concurrencies: tuple[int, ...] = ()  # requests in flight at most (the running batch); empty: every request
     slo: dict = field(default_factory=dict)  # metric (ttft, tpot, e2el) -> bound in ms, for goodput
+    # --compare: other strategies or presets measured beside the strategy in the same run, name -> the run's own
+    # settings for it (--set NAME.key=value), in the order given
+    compare: dict = field(default_factory=dict)
 
     @property
     def under_load(self) -> bool:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
@@ -53,6 +54,11 @@ def one_line_error(code: int, err: str) -> str:
     (["predict", "magicdec", "--batch", "0"], "--batch 0: every value must be at least 1"),
     (["predict", "magicdec", "--context", "x"], "--context x: expected a whole number"),
     (["predict", "speedup", "--alpha", "0.5", "--gamma", "0"], "--gamma 0: every value must be at least 1"),
+    (["run", "--compare", "nope"], "unknown strategy 'nope'"),
+    (["run", "--compare", "ngram"], "--compare ngram: it is the run's --strategy already"),
+    (["run", "--compare", "suffix", "--set", "rest.datastore=x"], "'rest' is neither --strategy nor a --compare"),
+    (["run", "--compare", "suffix", "--set", "suffix.colour=blue"], "has no setting 'colour'"),
+    (["run", "--compare", "draft"], "needs --draft"),
 ])
 def test_bad_input_is_one_line(capsys, tmp_path, argv, expect):
     code, _, err = run_cli(capsys, *argv, *(["--out", str(tmp_path)] if argv[0] == "run" else []))
@@ -120,6 +126,12 @@ def test_run_passes_settings_to_the_engine(capsys, monkeypatch):
     assert (cfg.batch_size, cfg.prompt_len, cfg.dataset, cfg.baseline, cfg.repeats, cfg.dtype) == (
         2, 100, "kjv", False, 3, "bfloat16")
     assert (cfg.turns, cfg.fields, cfg.depths) == (1, {"prompt": "ask", "id": "key"}, (0.0, 0.5))
+    assert cfg.compare == {}
+    run_cli(capsys, "run", "--strategy", "ngram", "--compare", "suffix,rest", "--compare", "draft", "--set",
+            "max_ngram=2", "--set", "ngram.min_ngram=1", "--set", "rest.datastore=books", "--set", "suffix.tree=1")
+    cfg = seen["cfg"]
+    assert cfg.options == {"max_ngram": "2", "min_ngram": "1"}
+    assert list(cfg.compare.items()) == [("suffix", {"tree": "1"}), ("rest", {"datastore": "books"}), ("draft", {})]
 
 
 def test_list_commands(capsys):
@@ -152,6 +164,27 @@ def test_run_end_to_end_self_draft_both_turns(capsys, tmp_path):
     assert "ALL" in out and "lossless" in out
     code, out, _ = run_cli(capsys, "report", str(tmp_path))
     assert code == 0 and "draft" in out
+
+
+@pytest.mark.slow
+def test_run_compares_strategies_in_one_interleaved_run(capsys, tmp_path):
+    """--compare: every strategy decodes the same batches beside the baseline, each row naming its own strategy and
+    settings; all of them lossless against the baseline."""
+    code, out, err = run_cli(capsys, "run", "--strategy", "ngram", "--compare", "suffix", "--compare", "draft",
+                             "--draft", "smollm2-135m", "--set", "suffix.tree=1", "--gamma", "3", *SMALL, "--turns",
+                             "1", "--out", str(tmp_path))
+    assert code == 0, err
+    df = read_results([tmp_path])
+    assert set(df["role"]) == {"baseline", "strategy", "compare-suffix", "compare-draft"} and len(df) == 8
+    assert dict(zip(df["role"], df["strategy"])) == {"baseline": "autoregressive", "strategy": "ngram",
+                                                     "compare-suffix": "suffix", "compare-draft": "draft"}
+    assert df["lossless"].all() and (df.groupby("role")["prompt_id"].nunique() == 2).all()
+    suffix = df[df["role"] == "compare-suffix"]
+    assert (suffix["gamma"] == 3).all() and all(json.loads(p)["tree"] is True for p in suffix["params"])
+    draft = df[df["role"] == "compare-draft"]
+    assert (draft["accepted"] == draft["drafted"]).all()  # the target drafting for itself
+    for name in ("ngram", "suffix", "draft"):
+        assert re.search(rf"\b{name}\b", out)
 
 
 @pytest.mark.slow

@@ -54,6 +54,18 @@ def plan_roles(strategy: str, base: str, pair, gammas: tuple[int, ...], drafts: 
     return roles + list(compared.values())
 
 
+def compared_roles(compared, pair, drafts: tuple[str, ...]) -> list[Role]:
+    """The roles of the strategies `run --compare` measures beside the strategy: each one's own configuration
+    (not those it would bring for comparison), as role compare-NAME. compared: `commands.run.Compared`s."""
+    roles = []
+    for c in compared:
+        made = build_configurations(c.choice.base, BuildContext(pair.target, pair.drafts, c.gamma, dict(c.options),
+                                                                pair.tokenizer))
+        own = next(v.proposer for v in made if not v.label)
+        roles.append(Role(f"compare-{c.choice.name}", own, c.choice.name, drafts))
+    return roles
+
+
 @dataclass(frozen=True)
 class Measured(Generic[R]):
     """What one role's decode returned, and the peak memory it reached."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -19,7 +19,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from sdbench.config import DEFAULT_GAMMA, RunConfig, SamplingConfig
 from sdbench.commands.divergence import judge_rows
 from sdbench.commands.load import check_load, serve_points
-from sdbench.commands.roles import EveryRole, Measured, Role, baseline_role, plan_roles
+from sdbench.commands.roles import EveryRole, Measured, Role, baseline_role, compared_roles, plan_roles
 from sdbench.data.passkey import answer_found
 from sdbench.data.prompts import encode_prompts
 from sdbench.models.heads.registry import trained_on_note
@@ -35,7 +35,7 @@ from sdbench.models.names import weights_of
 from sdbench.models.pair import Pair, load_pair, resolve_device, resolve_dtype
 from sdbench.paths import output_dir
 from sdbench.reporting.results import Judged, Place, RunFields, RunWriter, new_run_id, result_row
-from sdbench.strategies import native_needed, resolve_strategy, strategy
+from sdbench.strategies import StrategyChoice, native_needed, resolve_strategy, strategy
 from sdbench.strategies.spec import refuse_head
 
 WARMUP_PROMPT_TOKENS = 256
@@ -67,6 +67,40 @@ def plan(cfg: RunConfig) -> tuple[RunConfig, object]:
         declared.check(gamma, options, cfg.drafts, cfg.sampling)
     check_dataset(cfg.dataset, cfg.fields, cfg.depths, cfg.prompt_len)  # an unknown data set or a bad file fails before models load
     return cfg, choice
+
+
+@dataclass(frozen=True)
+class Compared:
+    """A strategy `run --compare` measures beside the run's strategy: resolved (a preset's settings, a schedule's
+    entry for the run's batch), the lookahead it runs at and its settings (the preset's, then --set NAME.key=value)."""
+
+    choice: StrategyChoice
+    gamma: int
+    options: dict
+
+
+def plan_compared(cfg: RunConfig, choice: StrategyChoice) -> list[Compared]:
+    """Settle and check every --compare strategy before anything heavy loads (cfg as `plan` returned it). Each runs
+    at its preset's lookahead, else the run's first --gamma, and drafts with the run's --draft models."""
+    compared = []
+    for name, own in cfg.compare.items():
+        if name == choice.name:
+            raise SdbenchError(f"--compare {name}: it is the run's --strategy already")
+        c = resolve_strategy(name).at(max(cfg.concurrencies or (cfg.batch_size,)), cfg.prompt_len)
+        if c.drafts and tuple(c.drafts) != tuple(cfg.drafts):
+            raise SdbenchError(f"--compare {name}: it drafts with {', '.join(c.drafts)}, and this run loads "
+                               f"{', '.join(cfg.drafts) or 'no draft model'}: give --draft {' --draft '.join(c.drafts)}")
+        declared = strategy(c.base)
+        options = {**c.options, **own}
+        if "head" in own:
+            refuse_head(declared, name)
+        settings = declared.settings(options)
+        if cfg.under_load or cfg.slo:
+            check_load(cfg, c.base, settings)
+        gamma = capped_gammas((c.gamma or cfg.gammas[0],), cfg.max_new_tokens)[0]
+        declared.check(gamma, settings, cfg.drafts, cfg.sampling)
+        compared.append(Compared(c, gamma, options))
+    return compared
 
 
 def decode(target, proposer, prompts: list[list[int]], **kwargs) -> BatchResult:
@@ -102,6 +136,7 @@ class Bench:
         self._given_id = run_id
         self.run_id: str | None = None  # set when run() starts: the results it writes are RUN_ID.*
         self.cfg, self.choice = plan(cfg)
+        self.compared = plan_compared(self.cfg, self.choice)
         asked = cfg.gammas or (self.choice.gamma or DEFAULT_GAMMA,)
         note = gamma_note(asked, self.cfg.gammas, self.cfg.max_new_tokens)
         if note:
@@ -119,7 +154,8 @@ class Bench:
     def plan_roles(self, pair: Pair) -> list[Role]:
         """The strategy's roles (commands/roles.py); the baseline is added by `run`."""
         cfg = self.cfg
-        return plan_roles(self.choice.name, self.choice.base, pair, cfg.gammas, cfg.drafts, cfg.options)
+        return (plan_roles(self.choice.name, self.choice.base, pair, cfg.gammas, cfg.drafts, cfg.options)
+                + compared_roles(self.compared, pair, cfg.drafts))
 
     def _generate(self, pair: Pair, proposer, batch: list[list[int]], max_new: int, seed: int,
                   capacity: int = 0) -> BatchResult:
@@ -141,10 +177,10 @@ class Bench:
             self.console.print(f"note: --turns {cfg.turns}: the prompts have at most {most} turn(s), so {most} "
                                f"{'is' if most == 1 else 'are'} run", style="yellow", highlight=False)
         ids = [p.id for p in prompts]
-        for seen in (trained_on_note(cfg.options.get("head", ""), ids),
-                     held_note(cfg.options.get("datastore", ""), ids)):
-            if seen:
-                self.console.print(f"note: {seen}", style="yellow", highlight=False, soft_wrap=True)
+        for options in (cfg.options, *(c.options for c in self.compared)):
+            for seen in (trained_on_note(options.get("head", ""), ids), held_note(options.get("datastore", ""), ids)):
+                if seen:
+                    self.console.print(f"note: {seen}", style="yellow", highlight=False, soft_wrap=True)
         context = max(len(e) for e in encoded) + cfg.max_new_tokens
         for note in dict.fromkeys(n for r in roles for n in r.proposer.notes(context)):
             self.console.print(f"note: {note}", highlight=False, soft_wrap=True)

@@ -99,9 +99,13 @@ def heads_for(asked: tuple[str, ...], target: str, given: tuple[str, ...] = ()) 
 def native_needed(cfg) -> dict[str, str]:
     """For a RunConfig: model name -> what of its strategy needs that model on the native runner."""
     choice = resolve_strategy(cfg.strategy)
-    declared = strategy(choice.base)
-    options = declared.settings({**choice.options, **cfg.options})
-    return declared.needs_native(cfg.target, tuple(cfg.drafts or choice.drafts), options)
+    drafts = tuple(cfg.drafts or choice.drafts)
+    needed = {}
+    for c, own in ((choice, cfg.options), *((resolve_strategy(n), o) for n, o in cfg.compare.items())):
+        declared = strategy(c.base)
+        for model, why in declared.needs_native(cfg.target, drafts, declared.settings({**c.options, **own})).items():
+            needed.setdefault(model, why)
+    return needed
 
 
 def _checked(base: str, ctx: BuildContext) -> tuple[type[Strategy], BuildContext]:
