@@ -136,3 +136,26 @@ def test_predict_speedup_takes_its_costs_from_a_model_at_random(small, capsys): 
         assert low - 5e-3 <= s <= high + 5e-3, (r, c)
         speedups.append(s)
     assert rows[speedups.index(max(speedups))][0].endswith("*")  # the best gamma is marked
+
+
+def test_step_costs_are_timed_interleaved_so_a_burst_keeps_their_ratios(monkeypatch):
+    """Three calls costing 1, 2 and 5 units on a clock of our own, and a burst of other work that triples whatever
+    runs during the second to fourth repetitions: timed one after another, the burst would fall on one call's
+    median; interleaved, every median takes it and the ratios stay exact."""
+    from sdbench.analysis import costs
+
+    clock = {"t": 0.0, "calls": 0}
+    order = []
+
+    def call(key, cost):
+        def fn():
+            order.append(key)
+            clock["calls"] += 1
+            rep = (clock["calls"] - 1) // 3 - 2  # two warm-up rounds of the three calls, then the repetitions
+            clock["t"] += cost * (3 if 1 <= rep <= 3 else 1)
+        return fn
+
+    monkeypatch.setattr(costs, "now", lambda device=None: clock["t"])
+    t = costs.median_times({"a": call("a", 1.0), "b": call("b", 2.0), "c": call("c", 5.0)}, "cpu", reps=5, warmup=2)
+    assert order == ["a", "b", "c"] * 7
+    assert t == {"a": 3.0, "b": 6.0, "c": 15.0} and t["c"] / t["a"] == 5.0

@@ -47,15 +47,20 @@ class Profile:
     draft_s: dict  # budget -> T_D: one decode step through a sparse cache of that budget
 
 
-def median_time(fn, device, reps: int = 5, warmup: int = 2) -> float:
+def median_times(fns: dict, device, reps: int = 5, warmup: int = 2) -> dict:
+    """Each call's median time over `reps`, the calls interleaved (every one once per repetition, after `warmup`
+    rounds of them all): a burst of other work on the machine then slows every call it overlaps, not one, so
+    the ratios between them (what the cost models use) stay honest."""
     for _ in range(warmup):
-        fn()
-    times = []
+        for fn in fns.values():
+            fn()
+    times = {key: [] for key in fns}
     for _ in range(reps):
-        t0 = now(device)
-        fn()
-        times.append(now(device) - t0)
-    return statistics.median(times)
+        for key, fn in fns.items():
+            t0 = now(device)
+            fn()
+            times[key].append(now(device) - t0)
+    return {key: statistics.median(t) for key, t in times.items()}
 
 
 def profile(runner, batch: int, context: int, gammas, budgets, reps: int = 5, warmup: int = 2) -> Profile:
@@ -69,20 +74,18 @@ def profile(runner, batch: int, context: int, gammas, budgets, reps: int = 5, wa
         t.normal_(0, 0.1)
     start = [context] * batch
     one = torch.zeros(batch, 1, dtype=torch.long)
-    def timed(fn) -> float:
-        return median_time(fn, dev, reps, warmup)
-
-    target_s = timed(lambda: runner.forward(dense, one, start))
-    verify_s = {g: timed(lambda g=g: runner.forward(dense, torch.zeros(batch, g + 1, dtype=torch.long), start))
-                for g in gammas}
-    draft_s = {}
+    calls = {"target": lambda: runner.forward(dense, one, start)}
+    for g in gammas:
+        calls[("verify", g)] = lambda g=g: runner.forward(dense, torch.zeros(batch, g + 1, dtype=torch.long), start)
     for budget in budgets:
         if budget >= context:
             continue  # a budget at least the context is the full cache: no saving to model
         sink = min(16, budget // 2)
         sparse = filled_for_profile(runner, batch, context, sink, budget - sink, lookahead)
-        draft_s[budget] = timed(lambda s=sparse: runner.forward(s, one, start))
-    return Profile(batch, context, target_s, verify_s, draft_s)
+        calls[("draft", budget)] = lambda s=sparse: runner.forward(s, one, start)
+    t = median_times(calls, dev, reps, warmup)
+    return Profile(batch, context, t["target"], {g: t[("verify", g)] for g in gammas},
+                   {key[1]: v for key, v in t.items() if key[0] == "draft"})
 
 
 def predictions(p: Profile, alpha: float) -> list[dict]:
@@ -238,12 +241,14 @@ def measured_costs(target: str, draft: str, gammas, context: int, device: str, d
             say_note(loaded, console)
             runners[name] = ModelRunner(loaded.model, name, fast=True)
         prompt = torch.randint(0, runners[target].vocab_size, (context,), generator=torch.Generator().manual_seed(0))
-        one = {}
+        caches = {}
         for name, r in runners.items():
-            cache = r.new_cache(1, needed_capacity(context, 0, max(gammas)))
-            r.prefill(cache, [prompt.tolist()])
-            one[name] = median_time(lambda: r.forward(cache, prompt[None, -1:], [context]), r.device)
-            if name == target:
-                wide = {g: median_time(lambda g=g: r.forward(cache, prompt[None, -(g + 1):], [context]), r.device)
-                        for g in gammas}
-    return StepCosts(one[draft] / one[target], {g: t / one[target] for g, t in wide.items()}, one[target])
+            caches[name] = r.new_cache(1, needed_capacity(context, 0, max(gammas)))
+            r.prefill(caches[name], [prompt.tolist()])
+
+        def forward(name: str, width: int):
+            return lambda: runners[name].forward(caches[name], prompt[None, -width:], [context])
+        # the draft's step, the target's and its verifications interleaved: their ratios are what is used
+        t = median_times({draft: forward(draft, 1), target: forward(target, 1),
+                          **{("verify", g): forward(target, g + 1) for g in gammas}}, dev)
+    return StepCosts(t[draft] / t[target], {g: t[("verify", g)] / t[target] for g in gammas}, t[target])

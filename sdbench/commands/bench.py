@@ -15,7 +15,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from sdbench.analysis.costs import median_time
+from sdbench.analysis.costs import median_times
 from sdbench.commands.hf_generate import MODES, generator, kwargs_for, pick
 from sdbench.config import BenchConfig, SamplingConfig
 from sdbench.data.tasks import encode_prompt, load_prompts
@@ -131,16 +131,16 @@ def cost_ratios(runner, draft, prompts: list[list[int]], gamma: int) -> tuple[fl
     median over the prompts of forwards at the prompt's end, as a verification and a decode step see them."""
     verify, c = [], []
     for p in prompts:
-        times = []
-        for r in (runner, draft):
-            cache = r.new_cache(1, needed_capacity(len(p), 0, gamma))
-            r.prefill(cache, [p])
-            one = median_time(lambda: r.forward(cache, torch.tensor([p[-1:]]), [len(p)]), r.device)
-            times.append(one)
-            if r is runner:
-                wide = torch.tensor([(p * (gamma + 1))[: gamma + 1]])
-                verify.append(median_time(lambda: r.forward(cache, wide, [len(p)]), r.device) / one)
-        c.append(times[1] / times[0])
+        caches = {}
+        for name, r in (("target", runner), ("draft", draft)):
+            caches[name] = r.new_cache(1, needed_capacity(len(p), 0, gamma))
+            r.prefill(caches[name], [p])
+        one, wide = torch.tensor([p[-1:]]), torch.tensor([(p * (gamma + 1))[: gamma + 1]])
+        t = median_times({"target": lambda: runner.forward(caches["target"], one, [len(p)]),
+                          "draft": lambda: draft.forward(caches["draft"], one, [len(p)]),
+                          "verify": lambda: runner.forward(caches["target"], wide, [len(p)])}, runner.device)
+        verify.append(t["verify"] / t["target"])
+        c.append(t["draft"] / t["target"])
     return statistics.median(verify), statistics.median(c)
 
 
