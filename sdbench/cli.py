@@ -464,6 +464,7 @@ def predict_tree(
     device: Device = "auto",
     dtype: Annotated[Optional[str], typer.Option(help="float32, bfloat16 or float16 [default: the run's]")] = None,
     fast: Fast = True,
+    strategy: Annotated[Optional[str], typer.Option("--strategy", "-s", help="the rows of this strategy or preset only (a run with --compare holds several)")] = None,
 ):
     """The token tree with the most predicted tokens/s per batch size and node budget, from the run's acceptance by
     depth and sibling rank and the cost of verifying N tokens profiled on this machine (Sequoia's programme)."""
@@ -473,7 +474,7 @@ def predict_tree(
         raise SdbenchError(f"--draft-cost {draft_cost}: expected 0 or more")
     cfg = C.PredictTreeConfig(tuple(results), parse_gammas(budget, "--budget", 1),
                               parse_gammas(batch, "--batch", 1) if batch else (), by_depth, draft_cost, target,
-                              context, device, dtype, fast)
+                              context, device, dtype, fast, strategy)
     run_predict_tree(cfg, console)
 
 

@@ -201,6 +201,7 @@ class PredictTreeConfig:
     device: str = "auto"
     dtype: str | None = None  # None: the run's
     fast: bool = True
+    strategy: str | None = None  # only this strategy's (or preset's) rows: a run with --compare holds several
 
 
 @dataclass(frozen=True)

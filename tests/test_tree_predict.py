@@ -81,7 +81,25 @@ def test_the_printed_trees_follow_the_runs_acceptance_and_the_profiled_costs(sma
     (_rows(tried=(None, None), accepted=(None, None)), (), "no row of these results counted"),
     (_rows() + [{**r, "strategy": "ngram", "prompt_id": "n" + r["prompt_id"]} for r in _rows(baseline=False)], (),
      "several configurations"),
+    (_rows() + [{**r, "strategy": "ngram", "prompt_id": "n" + r["prompt_id"]} for r in _rows(baseline=False)],
+     ("--strategy", "suffix"), "--strategy suffix: these results hold no rows of it (they hold draft, ngram)"),
 ])
 def test_results_it_cannot_use_are_refused_in_one_line(tmp_path, capsys, rows, args, says):
     code, _, err = run_cli(capsys, "predict", "tree", _results(tmp_path, rows), *args, "--device", "cpu")
     assert code == 2 and err.count("\n") == 1 and says in err
+
+
+def test_strategy_picks_one_configuration_of_a_compared_run(tmp_path):
+    """A run with --compare holds several configurations: --strategy NAME reads that one's counts and its drafting
+    cost against the run's baseline, as if it had run alone."""
+    from sdbench.analysis.trees import measured_trees
+    from sdbench.reporting.results import read_results
+
+    other = _rows(tried=([[3, 1]], [[2]]), accepted=([[1, 0]], [[1]]), baseline=False, strategy="ngram")
+    mixed = read_results([_results(tmp_path, _rows() + [{**r, "prompt_id": "n" + r["prompt_id"]} for r in other])])
+    alone = read_results([_results(tmp_path, _rows(), name="alone")])
+    picked, single = measured_trees(mixed, "draft"), measured_trees(alone)
+    assert (picked.tried, picked.accepted) == (single.tried, single.accepted) == ([[20, 11, 3], [11, 3]],
+                                                                                  [[9, 5, 1], [6, 1]])
+    assert picked.draft_cost == pytest.approx(single.draft_cost) and picked.strategy == "draft"
+    assert measured_trees(mixed, "ngram").tried == [[5, 1]]  # its two rows, one depth each

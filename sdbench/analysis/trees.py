@@ -268,10 +268,17 @@ class MeasuredTrees:
     dtype: str | None
 
 
-def measured_trees(df) -> MeasuredTrees:
+def measured_trees(df, strategy: str | None = None) -> MeasuredTrees:
     """The acceptance by depth and rank of the results' one configuration (strategy, draft, target), pooled over
     its rows and parameters; refused in one line when no row counted it, when several configurations are mixed,
-    or when only chains were drafted (a sibling's acceptance is then unmeasured)."""
+    or when only chains were drafted (a sibling's acceptance is then unmeasured). strategy: only the rows of this
+    strategy or preset (a run with --compare holds several)."""
+    if strategy is not None:
+        held = sorted(set(df.loc[df["role"] != "baseline", "strategy"]))
+        if strategy not in held:
+            raise SdbenchError(f"--strategy {strategy}: these results hold no rows of it (they hold "
+                               f"{', '.join(held) or 'plain decoding only'})")
+        df = df[(df["role"] == "baseline") | (df["strategy"] == strategy)]
     rows = df[(df["role"] != "baseline") & df["tried_per_depth_rank"].notna()]
     rows = rows.loc[np.array([bool(summed_tables([t])) for t in rows["tried_per_depth_rank"]], dtype=bool)]
     if rows.empty:
@@ -281,7 +288,7 @@ def measured_trees(df) -> MeasuredTrees:
                       zip(rows["strategy"], rows["draft"].fillna(""), rows["target"])})
     if len(configs) > 1:
         raise SdbenchError(f"these results hold several configurations ({'; '.join(configs)}): give the results "
-                           "of one")
+                           "of one, or --strategy NAME")
     tried, accepted = summed_tables(rows["tried_per_depth_rank"]), summed_tables(rows["accepted_per_depth_rank"])
     if max(len(r) for r in tried) < 2:
         if "tree_steps" in rows and float(rows["tree_steps"].fillna(0).sum()) > 0:

@@ -48,7 +48,7 @@ def describe(measured, acc: Acceptance, by_depth: bool) -> str:
 def run_predict_tree(cfg: PredictTreeConfig, console) -> list[TreeChoice]:
     from sdbench.models.runner import ModelRunner  # loads transformers (slow): only profiling needs it
 
-    measured = measured_trees(results.read_results(list(cfg.results)))
+    measured = measured_trees(results.read_results(list(cfg.results)), cfg.strategy)
     acc = Acceptance.from_counts(measured.tried, measured.accepted, cfg.by_depth)
     c = cfg.draft_cost if cfg.draft_cost is not None else measured.draft_cost
     if c is None:
