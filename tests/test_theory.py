@@ -67,6 +67,26 @@ def test_predicted_batch_speedup_waits_for_the_slowest_row():
     assert predicted_batch_speedup([lucky, RowStats()], base, [10, 1]) == pytest.approx(3 / 1.6)
     assert math.isnan(predicted_batch_speedup([lucky], base, [10]))
 
+def test_a_tree_row_is_predicted_from_its_tokens_per_round_not_as_a_chain_of_its_nodes():
+    """A round verifying a 15-node tree that commits 3 drafts: the chain model with gamma = 15 and alpha fitted to
+    3-of-15 accepted lengths would count every node as a chain position; the prediction is the row's 4 tokens per
+    round over its round cost instead, by hand."""
+    from sdbench.engine.tree import Tree
+
+    base = RowStats()
+    for _ in range(8):
+        base.add_step(0, 0, 0.0, 0.01)
+    tree = Tree.from_vllm(str([(0,)] + [(0,) * d for d in range(2, 6)] + [(r,) for r in range(1, 11)]))
+    row, chain = RowStats(), RowStats()
+    for _ in range(2):  # each round: the first three nodes of the trunk accepted, then a rejection
+        row.add_step(15, 3, 0.01, 0.02, tree=tree, path=[0, 11, 12])
+        chain.add_step(15, 3, 0.01, 0.02)
+    assert row.tree_steps == 2
+    assert predicted_speedup(row, base) == pytest.approx(4 / 3)  # 4 tokens per round of 0.03 s = 3 target steps
+    assert predicted_batch_speedup([row], [base], [9]) == pytest.approx(8 / (2 * 3))
+    assert predicted_speedup(chain, base) != pytest.approx(predicted_speedup(row, base))  # the chain model differs
+
+
 def test_predict_speedup_command(capsys):
     from sdbench.cli import main
 

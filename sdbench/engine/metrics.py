@@ -366,16 +366,32 @@ def predicted_speedup(stats: RowStats, baseline: RowStats) -> float:
 
     alpha: fitted to the row's accepted lengths; gamma: mean drafted tokens per step; draft cost c: drafting
     time per drafted token over the baseline's time per target forward; verify cost v: time per
-    verification over the same. Whatever the model leaves out (bookkeeping, non-geometric acceptance, the
+    verification over the same. A row that verified token trees: its measured tokens per round over the same
+    round cost (`_tokens_per_step`). Whatever the model leaves out (bookkeeping, non-geometric acceptance, the
     budget cutting the last step short) shows as the gap to the measured speedup.
     """
     if not (stats.steps and baseline.steps and baseline.verify_s > 0):
         return math.nan
     target_forward = baseline.verify_s / baseline.steps
+    if stats.tree_steps:
+        return _tokens_per_step(stats) / ((stats.draft_s + stats.verify_s) / stats.steps / target_forward)
     gamma = stats.drafted / stats.steps
     c = stats.draft_s / stats.drafted / target_forward if stats.drafted else 0.0
     v = stats.verify_s / stats.steps / target_forward
     return iid_model.predicted_speedup(iid_model.fit_alpha(stats.accepted, stats.rejections), gamma, c, v)
+
+
+def _tokens_per_step(stats: RowStats) -> float:
+    """Tokens a round of this row is expected to commit, bonus included. A chain: Omega(gamma, alpha), alpha fitted
+    to its accepted lengths and gamma its mean drafted tokens per step. A row that verified token trees: its
+    measured tokens per round, since the chain's geometric model does not describe a tree (with gamma the tree's
+    node count it would count every node as a position of one chain); the tree cost model proper, from acceptance
+    by depth and rank, is `analysis/trees.py` (`report --explain`, `predict tree`)."""
+    if stats.tree_steps:
+        return 1.0 + stats.accepted / stats.steps
+    gamma = stats.drafted / stats.steps if stats.steps else 0.0
+    alpha = iid_model.fit_alpha(stats.accepted, stats.rejections) if gamma > 0 else 0.0
+    return math.nan if math.isnan(alpha) else iid_model.expected_tokens_per_step(alpha, gamma)
 
 
 def predicted_batch_speedup(rows: list[RowStats], baseline: list[RowStats], new_tokens: list[int]) -> float:
@@ -383,7 +399,8 @@ def predicted_batch_speedup(rows: list[RowStats], baseline: list[RowStats], new_
 
     A static batch runs until its slowest row is done: row b is expected to take (n_b - 1) / Omega(gamma_b,
     alpha_b) rounds for its n_b - 1 tokens after the first (alpha_b fitted to its accepted lengths, gamma_b its
-    mean drafted tokens per step), so the batch takes the most of these; plain decoding takes max_b(n_b - 1)
+    mean drafted tokens per step; a row that verified trees: its measured tokens per round, `_tokens_per_step`),
+    so the batch takes the most of these; plain decoding takes max_b(n_b - 1)
     target forwards. A round costs (gamma c + v) target forwards: its drafting and verification time, read from
     the row active in the most rounds, over the baseline's time per forward. With one row this is
     `predicted_speedup`; with rows whose acceptance differs (prompt lookup finding matches in some prompts and
@@ -399,11 +416,10 @@ def predicted_batch_speedup(rows: list[RowStats], baseline: list[RowStats], new_
     for stats, n in zip(rows, new_tokens):
         if n <= 1:
             continue
-        gamma = stats.drafted / stats.steps if stats.steps else 0.0
-        alpha = iid_model.fit_alpha(stats.accepted, stats.rejections) if gamma > 0 else 0.0
-        if math.isnan(alpha):
+        tokens = _tokens_per_step(stats)
+        if math.isnan(tokens):
             return math.nan
-        rounds = max(rounds, (n - 1) / iid_model.expected_tokens_per_step(alpha, gamma))
+        rounds = max(rounds, (n - 1) / tokens)
     round_cost = (longest.draft_s + longest.verify_s) / longest.steps / (base.verify_s / base.steps)
     plain = max(new_tokens) - 1
     return plain / (rounds * round_cost) if rounds > 0 and round_cost > 0 else math.nan
