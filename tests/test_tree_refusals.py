@@ -28,8 +28,8 @@ def tiny(tmp_path, monkeypatch, capsys):
 
 def test_the_strategies_that_grow_trees_are_read_from_their_declared_settings():
     topk = ("tree_topk", "tree_nodes", "tree_shape", "tree_dynamic")
-    assert tree_growers() == {"draft": (*topk, "tree_sample"), "eagle": topk, "medusa": topk,
-                              "ngram": ("tree",), "rest": ("tree_nodes",), "suffix": ("tree",)}
+    assert tree_growers() == {"draft": (*topk, "tree_sample"), "eagle": topk, "lookahead": ("window", "ngram", "pool"),
+                              "medusa": topk, "ngram": ("tree",), "rest": ("tree_nodes",), "suffix": ("tree",)}
 
 
 @pytest.mark.parametrize("args, said", [

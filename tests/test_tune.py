@@ -657,7 +657,7 @@ def test_tune_trees_refusals(tmp_path, pair, target, small_draft):
     from sdbench.models.runner import ModelRunner
 
     with pytest.raises(SdbenchError, match="--trees: magicdec grows no token tree; the strategies that do are "
-                                           "draft, eagle, medusa, ngram, rest, suffix"):
+                                           "draft, eagle, lookahead, medusa, ngram, rest, suffix"):
         tuner(tmp_path, pair, strategy="magicdec", trees=True)
     tuner(tmp_path, pair, strategies=("magicdec", "ngram"), trees=True)  # one of them grows trees: accepted
     from tests.heads import eagle3_dir

@@ -266,6 +266,18 @@ class MeasuredTrees:
     batches: tuple[int, ...]
     context: int  # mean prompt tokens plus half the mean new tokens: where a round's verification sits on average
     dtype: str | None
+    side: int = 0  # nodes each verifying forward also fed beside the tree (lookahead's window), mean over steps
+
+
+def side_nodes(strategy: str, params) -> int:
+    """Nodes a run's verifying forwards fed beside its drafted tree, from the strategy's declaration and the
+    settings a row recorded (JSON); 0 for a strategy that feeds none."""
+    from sdbench.strategies import strategy_registry
+
+    if strategy not in strategy_registry:
+        return 0
+    settings = json.loads(params) if isinstance(params, str) and params else {}  # a row without: null or NaN
+    return strategy_registry.get(strategy).side_nodes(settings)
 
 
 def measured_trees(df, strategy: str | None = None) -> MeasuredTrees:
@@ -304,11 +316,16 @@ def measured_trees(df, strategy: str | None = None) -> MeasuredTrees:
     if levels and base_steps and base_s > 0:
         cost = float(rows["draft_s"].sum()) / levels / (base_s / base_steps)
     dtypes = set(rows["dtype"].dropna()) if "dtype" in rows else set()
-    return MeasuredTrees(str(rows["strategy"].iloc[0]), str(rows["target"].iloc[0]), tried, accepted,
+    name = str(rows["strategy"].iloc[0])
+    params = rows["params"] if "params" in rows else [None] * len(rows)
+    side = [side_nodes(name, p) for p in params]
+    steps = [float(x) for x in rows["steps"]]
+    return MeasuredTrees(name, str(rows["target"].iloc[0]), tried, accepted,
                          tried[0][0],
                          cost, tuple(sorted({int(b) for b in rows["batch_size"].dropna()})) or (1,),
                          max(1, round(float(rows["prompt_tokens"].mean()) + float(rows["new_tokens"].mean()) / 2)),
-                         dtypes.pop() if len(dtypes) == 1 else None)
+                         dtypes.pop() if len(dtypes) == 1 else None,
+                         int(round(float(np.average(side, weights=steps)))) if sum(steps) else max(side, default=0))
 
 
 # ---- `report --explain` ----------------------------------------------------------------------------------------

@@ -20,12 +20,13 @@ from sdbench.models.pair import resolve_device, resolve_dtype, say_note
 from sdbench.reporting import results  # the module: tests replace results.read_results
 
 
-def profiled_widths(depth: int, budgets) -> list[int]:
+def profiled_widths(depth: int, budgets, side: int = 0) -> list[int]:
     """The drafted-token counts whose verification is timed: every chain up to the measured depth, each budget,
-    and the powers of two between (costs in between are interpolated)."""
+    and the powers of two between (costs in between are interpolated), each with the `side` nodes every
+    verification also feeds (lookahead's window)."""
     top = max(budgets)
     powers = [2**k for k in range(top.bit_length() + 1) if 2**k <= top]
-    return sorted({*range(1, depth + 1), *budgets, *powers})
+    return sorted({w + side for w in {*range(1, depth + 1), *budgets, *powers}})
 
 
 def _percent(row) -> str:
@@ -61,7 +62,8 @@ def run_predict_tree(cfg: PredictTreeConfig, console) -> list[TreeChoice]:
         raise SdbenchError(f"--context {context}: must be at least 1")
     dev = resolve_device(cfg.device)
     dt = resolve_dtype(cfg.dtype or measured.dtype or "float32", dev)
-    widths = profiled_widths(acc.depth, cfg.budgets)
+    side = measured.side
+    widths = profiled_widths(acc.depth, cfg.budgets, side)
     fits = fitting_points(target, dt, dev, batches, (context,), max(widths), console)
     console.print(describe(measured, acc, cfg.by_depth), highlight=False, soft_wrap=True)
     source = "--draft-cost" if cfg.draft_cost is not None else "the run's drafting time per level over its baseline's step"
@@ -75,7 +77,10 @@ def run_predict_tree(cfg: PredictTreeConfig, console) -> list[TreeChoice]:
         for b, s in fits:
             p = profile(runner, b, s, widths, ())
             costs[b] = interpolated({1: 1.0, **{g + 1: t / p.target_s for g, t in p.verify_s.items()}})
-    choices = hardware_trees(acc, lambda b, w: costs[b](w), c, sorted(costs), cfg.budgets)
+    if side:
+        console.print(f"each verification of {measured.strategy} also feeds {side} side nodes (its window): a tree "
+                      f"of n nodes is verified at n + {side + 1} tokens", highlight=False)
+    choices = hardware_trees(acc, lambda b, w: costs[b](w + side), c, sorted(costs), cfg.budgets)
     console.print(choice_table(choices, target, dev, context))
     print_settings(choices, measured.strategy, console)
     return choices

@@ -50,7 +50,7 @@ from sdbench.paths import output_dir
 from sdbench.presets import shipped_dir, user_dir
 from sdbench.reporting.results import RunWriter
 from sdbench.strategies import heads_for, native_needed, strategy, strategy_registry
-from sdbench.strategies.spec import SearchContext, tree_growers
+from sdbench.strategies.spec import SearchContext, tree_growers, tree_settings
 
 # what must not change between sessions of one study, or its trials would not be comparable
 STUDY_SETTINGS = ("objective", "limit", "max_new_tokens", "batch_size", "seed", "prompt_len", "dtype", "repeats",
@@ -211,7 +211,8 @@ class Tuner:
         for base in bases:
             trial = optuna.create_study().ask()
             draw_among((base,), trial, self.spaces(run.prompt_len or 0))
-            searching += [base] if any(is_tree_setting(p) for p in trial.params) else []
+            shaping = tree_settings(strategy(base))
+            searching += [base] if any(is_tree_setting(p) or p in shaping for p in trial.params) else []
         if cfg.trees and not searching:  # trees declared, but the search space draws none
             raise SdbenchError(f"--trees: the search space of {', '.join(bases)} draws no tree shape yet")
         self._storage = self._open_storage()

@@ -172,15 +172,18 @@ def _verify(target: Runner, proposer, state: DecodeState, proposal: Proposal, ma
     committed token as every tree's root), after which each row's cache keeps its accepted path in order, and a
     proposer reading the target's states is given those of the root and the accepted path, in order.
     """
-    last = state.last_tokens()[:, None]
     start = [n - 1 for n in state.lengths]
     taps = _taps(proposer)
-    tokens = torch.cat([last.to(proposal.tokens.device), proposal.tokens], 1)
+    tokens, trees = proposal.block(state.last_tokens())
     # a chain's call stays as it was (the fast path); a tree's forward takes each row's tree, with its root
-    tree = {} if proposal.trees is None else {"tree": TreeBatch.of([t.with_root() for t in proposal.trees])}
-    logits = target.forward(state.target_cache, tokens, start, **taps, **tree)  # [B, G+1, V]
-    rnd = verify_and_commit(state, proposal, logits, state.sampling, state.generator, clock=marks)
+    tree = {} if trees is None else {"tree": TreeBatch.of(trees)}
+    logits = target.forward(state.target_cache, tokens, start, **taps, **tree)  # [B, T, V]
+    # side nodes (after each row's drafts) are no candidates: verification reads the drafts' rows only
+    rnd = verify_and_commit(state, proposal, logits[:, : proposal.tokens.shape[1] + 1], state.sampling,
+                            state.generator, clock=marks)
     rnd.width = tokens.shape[1]
+    if proposal.side is not None:
+        rnd.side_argmax = _side_argmax(logits, proposal.side_columns())
     if proposal.trees is not None:
         _keep_paths(state.target_cache, start, rnd)
     if taps:
@@ -190,6 +193,17 @@ def _verify(target: Runner, proposer, state: DecodeState, proposal: Proposal, ma
             states = _path_states(states, rnd)
         proposer.see_target(TargetStates(states, start, count))
     return rnd
+
+
+def _side_argmax(logits: torch.Tensor, columns: list[list[int]]) -> list[list[int]]:
+    """The target's argmax [B][S_b] at each row's side-node columns of logits [B, T, V] (read after the verdict,
+    so no further wait)."""
+    width = max(map(len, columns), default=0)
+    if not width:
+        return [[] for _ in columns]
+    index = torch.tensor([c + [0] * (width - len(c)) for c in columns], dtype=torch.long, device=logits.device)
+    best = logits.gather(1, index[..., None].expand(-1, -1, logits.shape[-1])).argmax(-1).tolist()  # [B, S]
+    return [row[: len(c)] for row, c in zip(best, columns)]
 
 
 def _path_states(states: torch.Tensor, rnd: Round) -> torch.Tensor:

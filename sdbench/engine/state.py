@@ -34,10 +34,30 @@ def admit(new: list[int], room: int, eos: frozenset[int]) -> tuple[list[int], bo
     return new, len(new) >= room
 
 
+@dataclass(frozen=True)
+class Side:
+    """Nodes a row feeds to the verifying forward beside its drafted tree, never candidates for acceptance:
+    verification and the counters never see them, the target's cache drops them (they are on no accepted path),
+    and the proposer reads the target's argmax at each of them (`Round.side_argmax`). Lookahead decoding's
+    Jacobi window is one."""
+
+    tree: Tree  # parents: -1 for a child of the root (the last committed token), j for side node j
+    tokens: tuple[int, ...]  # [S] a token per side node
+
+    def __post_init__(self):
+        if len(self.tokens) != len(self.tree):
+            raise ValueError(f"side nodes: {len(self.tree)} nodes, {len(self.tokens)} tokens")
+
+
+NO_SIDE = Side(Tree(()), ())
+
+
 @dataclass
 class Proposal:
     """Drafted tokens for a verifier: a chain per row (the default and the fast path), or a token tree per row
-    (`trees`, engine/tree.py): then tokens[b, i] is node i's token, in the tree's order (parents first)."""
+    (`trees`, engine/tree.py): then tokens[b, i] is node i's token, in the tree's order (parents first). A tree
+    proposal may also feed side nodes (`side`) to the verifying forward: they follow the row's drafted nodes in
+    its block, so the drafted nodes keep their places and verification reads only them."""
 
     tokens: torch.Tensor  # [B, G] long: drafted tokens (tree: [B, N], one per node), host or device;
     # entries past lengths[b] are padding
@@ -45,6 +65,7 @@ class Proposal:
     probs: torch.Tensor | None = None  # [B, G, V] draft distribution p (tree: [B, N, V], the one node i was
     # drawn from); None = deterministic (one-hot) drafts
     trees: tuple[Tree, ...] | None = None  # [B] per row the tree of its drafts; None = a chain
+    side: tuple[Side, ...] | None = None  # [B] per row its side nodes (only with trees); None = none
 
     @classmethod
     def empty(cls, batch: int) -> "Proposal":
@@ -59,6 +80,29 @@ class Proposal:
             tokens[b, : len(found)] = torch.as_tensor(list(found), dtype=torch.long)
         return cls(tokens, torch.tensor([len(t) for t, _ in made], dtype=torch.long),
                    trees=tuple(t for t, _ in made))
+
+    def block(self, last: torch.Tensor) -> tuple[torch.Tensor, tuple[Tree, ...] | None]:
+        """The verifying forward's tokens [B, T] and its trees (None: a chain): per row the last committed token
+        (last [B], the root), the drafts, then the side nodes (each row's right after its own drafts, the rest
+        padding)."""
+        tokens = torch.cat([last[:, None].to(self.tokens.device), self.tokens], 1)
+        if self.trees is None:
+            return tokens, None
+        if self.side is None:
+            return tokens, tuple(t.with_root() for t in self.trees)
+        trees, rows = [], []
+        for b, (t, s) in enumerate(zip(self.trees, self.side)):
+            n = len(t)
+            parents = t.parents + tuple(a if a < 0 else n + a for a in s.tree.parents)
+            trees.append(Tree(parents).with_root())
+            rows.append(tokens[b, : n + 1].tolist() + list(s.tokens))
+        return right_pad(rows, max(map(len, rows))).to(self.tokens.device), tuple(trees)
+
+    def side_columns(self) -> list[list[int]]:
+        """Per row the columns of `block`'s tokens that hold its side nodes, in order."""
+        if self.side is None:
+            return [[] for _ in range(len(self.lengths))]
+        return [list(range(1 + len(t), 1 + len(t) + len(s.tree))) for t, s in zip(self.trees, self.side)]
 
     @property
     def width(self) -> int:
@@ -83,6 +127,7 @@ class Proposal:
         if all(len(kept) == len(t) for (_, kept), t in zip(cut, self.trees)) and \
                 self.tokens.shape[1] == max((len(t) for t in self.trees), default=0):
             return self  # nothing beyond the limits: the usual case for a drafter that knows them
+        # side nodes hang from the root or each other, never from a draft: a cut of the drafts leaves them whole
         width = max((len(kept) for _, kept in cut), default=0)
         index = torch.zeros(len(cut), width, dtype=torch.long)
         for b, (_, kept) in enumerate(cut):
@@ -92,7 +137,7 @@ class Proposal:
         probs = None if self.probs is None else self.probs.gather(
             1, index.to(self.probs.device)[..., None].expand(-1, -1, self.probs.shape[-1]))
         return Proposal(tokens, torch.tensor([len(kept) for _, kept in cut], dtype=torch.long), probs,
-                        tuple(t for t, _ in cut))
+                        tuple(t for t, _ in cut), self.side)
 
 
 class DecodeState:

@@ -46,6 +46,8 @@ class Round:
     trees: tuple[Tree, ...] | None = None  # a tree proposal's trees, as verified
     paths: list[list[int]] | None = None  # per row the accepted nodes of its tree, from the root's child down
     width: int | None = None  # tokens per row of the verifying forward (the loop's; None: drafts + 1 per row)
+    side_argmax: list[list[int]] | None = None  # per row the target's argmax at each of its side nodes
+    # (Proposal.side), whatever the sampling; None: the proposal fed none
 
     def rejected(self, b: int) -> bool:
         """Whether the verifier rejected one of row b's drafts (a cut by EOS or the budget is not a rejection);

@@ -17,8 +17,8 @@ from sdbench.strategies.spec import (BuildContext, Configuration, Strategy, refu
                                      strategy_registry)
 
 # each module registers its strategy (`@register` on its declaration)
-from sdbench.strategies import (adaptive, autoregressive, draft, dsi, eagle, magicdec, medusa,  # noqa: E402,F401
-                                ngram, polybasic, rest, suffix)
+from sdbench.strategies import (adaptive, autoregressive, draft, dsi, eagle, lookahead, magicdec,  # noqa: E402,F401
+                                medusa, ngram, polybasic, rest, suffix)
 
 
 @dataclass(frozen=True)

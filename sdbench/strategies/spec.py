@@ -119,8 +119,9 @@ def refuse_head(declared: type["Strategy"], asked: str) -> None:
 
 
 def tree_settings(declared: type["Strategy"]) -> tuple[str, ...]:
-    """The tree settings a strategy declares; () for one that drafts only chains."""
-    return tuple(o.name for o in declared.options if is_tree_setting(o.name))
+    """The tree settings a strategy declares (`tree`, `tree_*`, and its `tree_options`); () for one that drafts
+    only chains."""
+    return tuple(o.name for o in declared.options if is_tree_setting(o.name) or o.name in declared.tree_options)
 
 
 def tree_growers() -> dict[str, tuple[str, ...]]:
@@ -163,6 +164,8 @@ class Strategy:
     needs_draft: ClassVar[bool] = False  # refused without --draft
     model_draft: ClassVar[bool] = False  # the first --draft must be a model (not a model-free draft such as ngram)
     head_kinds: ClassVar[tuple[str, ...]] = ()  # the trained heads it drafts with (--head); () : it takes none
+    tree_options: ClassVar[tuple[str, ...]] = ()  # options not named tree* that shape the token tree it always
+    # grows (lookahead's window, ngram, pool): with the tree* ones, its tree settings (`tree_settings`)
     proposer: ClassVar[type[Proposer]] = Proposer  # what `build` makes (its decoder and rows_join say how it runs)
 
     @classmethod
@@ -197,6 +200,12 @@ class Strategy:
         """The configurations one setting of this strategy runs: itself, plus any it brings along to be
         compared with in the same run (adaptive strategies add fixed-gamma ones)."""
         return [Configuration(cls.build(ctx))]
+
+    @classmethod
+    def side_nodes(cls, params: dict) -> int:
+        """Nodes each verifying forward feeds beside the drafted tree (engine/state.py `Side`), from the settings a
+        run recorded (its proposer's `params`): what the tree cost model adds to a tree's width."""
+        return 0
 
     @classmethod
     def join_refusal(cls, options: dict) -> str | None:
