@@ -299,8 +299,6 @@ def test_the_options_are_declared_and_the_default_is_the_chain():
 
 
 @pytest.mark.parametrize("given, match", [
-    (dict(tree_topk=2, draft_kv="streamingllm"), "dense draft cache"),
-    (dict(tree_shape="[(0,)]", draft_kv="snapkv"), "dense draft cache"),
     (dict(tree_nodes=4), "set tree_topk too"),
     (dict(tree_topk=2, tree_shape="[(0,)]"), "set one"),
     (dict(tree_topk=-1), "at least 0"),

@@ -28,8 +28,8 @@ def tiny(tmp_path, monkeypatch, capsys):
 
 def test_the_strategies_that_grow_trees_are_read_from_their_declared_settings():
     topk = ("tree_topk", "tree_nodes", "tree_shape", "tree_dynamic")
-    assert tree_growers() == {"draft": (*topk, "tree_sample"), "eagle": topk, "medusa": topk,
-                              "ngram": ("tree",), "rest": ("tree_nodes",), "suffix": ("tree",)}
+    assert tree_growers() == {"draft": (*topk, "tree_sample"), "eagle": topk, "magicdec": (*topk, "tree_sample"),
+                              "medusa": topk, "ngram": ("tree",), "rest": ("tree_nodes",), "suffix": ("tree",)}
 
 
 @pytest.mark.parametrize("args, said", [
@@ -39,8 +39,9 @@ def test_the_strategies_that_grow_trees_are_read_from_their_declared_settings():
       "--gamma", "2"], "error: draft: --set tree_shape is 3 levels deep, deeper than --gamma 2"),
     (["--strategy", "draft", "--draft", "MODEL", "--set", "tree_topk=2", "--set", "tree_shape=[(0,)]"],
      "error: draft: --set tree_topk and tree_shape each give the tree: set one"),
-    (["--strategy", "magicdec", "--set", "tree_topk=2"],
-     f"error: strategy 'magicdec' grows no token tree (--set tree_topk): the strategies that do are {GROWERS}"),
+    (["--strategy", "autoregressive", "--set", "tree_topk=2"],
+     f"error: strategy 'autoregressive' grows no token tree (--set tree_topk): the strategies that do are "
+     f"{GROWERS}"),
     (["--strategy", "polybasic", "--draft", "MODEL", "--set", "tree_nodes=8"],
      f"error: strategy 'polybasic' grows no token tree (--set tree_nodes): the strategies that do are {GROWERS}"),
     (["--strategy", "dsi", "--draft", "MODEL", "--set", "tree=2"],
@@ -60,9 +61,10 @@ def test_impossible_tree_settings_are_one_line(capsys, tiny, args, said):
 
 
 def test_tune_trees_needs_a_strategy_that_grows_trees(capsys, tiny):
-    code, _, err = run_cli(capsys, "tune", *tiny, "--strategy", "magicdec", "--trees", "--trials", "1")
+    code, _, err = run_cli(capsys, "tune", *tiny, "--strategy", "polybasic", "--draft", tiny[1], "--trees",
+                           "--trials", "1")
     assert code == 2
-    assert one_line_error(code, err) == ("error: --trees: magicdec grows no token tree; the strategies that do are "
+    assert one_line_error(code, err) == ("error: --trees: polybasic grows no token tree; the strategies that do are "
                                          f"{', '.join(tree_growers())}")
 
 
@@ -100,7 +102,7 @@ def test_a_strategy_that_grows_no_tree_refuses_a_presets_tree_setting_too(tmp_pa
 
     monkeypatch.setenv("SDBENCH_CONFIG", str(tmp_path))
     (tmp_path / "strategies").mkdir()
-    (tmp_path / "strategies" / "odd.yaml").write_text("name: odd\nstrategy: magicdec\noptions: {tree_topk: 2}\n")
+    (tmp_path / "strategies" / "odd.yaml").write_text("name: odd\nstrategy: polybasic\noptions: {tree_topk: 2}\n")
     choice = resolve_strategy("odd")
-    with pytest.raises(SdbenchError, match="'magicdec' grows no token tree"):
+    with pytest.raises(SdbenchError, match="'polybasic' grows no token tree"):
         strategy(choice.base).settings(choice.options)

@@ -656,10 +656,10 @@ def test_tune_trees_runs_the_tree_and_its_preset_reproduces_it(tmp_path, pair):
 def test_tune_trees_refusals(tmp_path, pair, target, small_draft):
     from sdbench.models.runner import ModelRunner
 
-    with pytest.raises(SdbenchError, match="--trees: magicdec grows no token tree; the strategies that do are "
-                                           "draft, eagle, medusa, ngram, rest, suffix"):
-        tuner(tmp_path, pair, strategy="magicdec", trees=True)
-    tuner(tmp_path, pair, strategies=("magicdec", "ngram"), trees=True)  # one of them grows trees: accepted
+    with pytest.raises(SdbenchError, match="--trees: polybasic grows no token tree; the strategies that do are "
+                                           "draft, eagle, magicdec, medusa, ngram, rest, suffix"):
+        tuner(tmp_path, pair, strategy="polybasic", trees=True)
+    tuner(tmp_path, pair, strategies=("polybasic", "ngram"), trees=True)  # one of them grows trees: accepted
     from tests.heads import eagle3_dir
 
     head = str(eagle3_dir(tmp_path / "e", pair.target.model, layer_ids=(0, 1, 1)))

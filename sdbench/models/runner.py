@@ -311,8 +311,8 @@ class ModelRunner:
         if self.static and cache.static_kv_len is not None:
             return ("token trees are not supported on the static-shape (CUDA graph) forward yet, whatever their "
                     "node count: --no-fast runs the eager forward, which takes them")
-        if not isinstance(cache, DenseKVCache):
-            return "token trees are not supported on sparse KV caches yet"
+        if not isinstance(cache, (DenseKVCache, SparseKVCache)):  # the SnapKV scoring view: never a tree's
+            return "token trees need a dense or sparse KV cache"
         if ahead and self.recompute_at is not None and getattr(cache, "ids", None) is not None \
                 and cache.capacity > self.recompute_at:
             return _ACROSS_ORIGINAL
