@@ -1,8 +1,8 @@
 """Impossible tree settings through the CLI: each is one `error:` line and exit code 2, before any decoding: a
 malformed shape, a shape deeper than --gamma, a tree option given to a strategy that grows no tree (the line
 names those that do), `tune --trees` with none of them, and trees on the static-shape (CUDA graph) forward,
-which takes none whatever their node count (emulated on the CPU by the same static forward, which is what runs
-on CUDA with --fast)."""
+which take them up to the widest captured node count and refuse a larger node budget in one line (emulated on
+the CPU by the same static forward, which is what runs on CUDA with --fast)."""
 
 from __future__ import annotations
 
@@ -81,20 +81,28 @@ def static_when_fast(monkeypatch):
 @pytest.mark.parametrize("args", [
     ["run", "--strategy", "ngram", "--set", "tree=2"],
     ["run", "--strategy", "draft", "--draft", "MODEL", "--set", "tree_topk=4", "--set", "tree_nodes=32"],
+    ["run", "--strategy", "magicdec", "--set", "tree_topk=2", "--set", "budget=8", "--set", "sink=2"],
     ["tune", "--strategy", "draft", "--draft", "MODEL", "--trees", "--trials", "1"],
 ])
-def test_trees_on_the_static_shape_forward_are_refused_whatever_their_node_count(capsys, tiny, static_when_fast,
-                                                                                    args):
-    # --no-probe: the probe's caches, made under inference mode, would go back to the static runner's pool
-    args = [tiny[1] if a == "MODEL" else a for a in args] + ["--no-probe"]
+def test_trees_run_on_the_static_shape_forward(capsys, tiny, static_when_fast, args):
+    args = [tiny[1] if a == "MODEL" else a for a in args]
     code, out, err = run_cli(capsys, *args[:1], *tiny, *args[1:])
+    assert code == 0, err
+    assert ("results:" if args[0] == "run" else "trial 0") in out
+
+
+def test_a_node_budget_above_the_widest_tree_graph_is_one_line(capsys, tiny, static_when_fast):
+    from sdbench.models.graphs import TREE_WIDTHS
+
+    args = ["--strategy", "draft", "--draft", tiny[1], "--gamma", "8", "--set", "tree_topk=8", "--set",
+            f"tree_nodes={TREE_WIDTHS[-1]}"]
+    code, out, err = run_cli(capsys, "run", *tiny, *args)
     line = one_line_error(code, err)
-    assert "token trees are not supported on the static-shape (CUDA graph) forward yet, whatever their node " \
-           "count" in line and "--no-fast" in line, line
-    assert "trial 0" not in out and "results:" not in out
-    if args[0] == "run":  # the way out it names works
-        code, out, err = run_cli(capsys, *args[:1], *tiny, *args[1:], "--no-fast")
-        assert code == 0 and "results:" in out, err
+    assert f"{TREE_WIDTHS[-1] + 1} nodes (the root included) on the static-shape (CUDA graph) forward: a node " \
+           "budget above what a CUDA graph was captured for" in line and "--no-fast" in line, line
+    assert "results:" not in out
+    code, out, err = run_cli(capsys, "run", *tiny, *args, "--no-fast")  # the way out it names works
+    assert code == 0 and "results:" in out, err
 
 
 def test_a_strategy_that_grows_no_tree_refuses_a_presets_tree_setting_too(tmp_path, monkeypatch):

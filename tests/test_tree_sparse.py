@@ -8,7 +8,8 @@ the context (the window slides during the run) and second siblings really accept
 whose accepted paths are not the tree's first nodes, the sparse cache must hold what a chain fed the same accepted
 tokens holds: the same positions in the same slots (static slots, window, floor untouched), the same keys and
 values there, the same logits for the next token; and the check must fail when the accepted path is not moved into
-place. Under sampling, every output position must follow the target's exact marginal (chi-square per depth).
+place, and when the nodes attend as a chain's tokens would (no tree mask). Under sampling, every output position
+must follow the target's exact marginal (chi-square per depth).
 """
 
 from __future__ import annotations
@@ -160,15 +161,28 @@ def test_after_tree_rounds_the_sparse_cache_holds_what_a_chain_holds(kv):
     torch.testing.assert_close(logits, feed_context(runner, chain_cache, chain, ctx, lengths), atol=1e-4, rtol=1e-4)
 
 
-def test_the_same_check_catches_a_path_left_where_the_tree_wrote_it(monkeypatch):
-    """The bookkeeping told the path was kept while its keys stay at the tree's slots: the window then holds
-    the second child's sibling's keys, and the check above fails."""
-    monkeypatch.setattr(SparseKVCache, "keep_path", lambda self, b, start, nodes: None)
-    tree, chain, chain_cache, ctx, lengths = _tree_rounds(True, "streamingllm")
+def _differs(tree, chain_cache, lengths) -> bool:
     q = [n - 1 for n in lengths]
     seen, want = _visible(tree.cache, q), _visible(chain_cache, q)
-    assert any(not torch.allclose(seen[b][p][0], want[b][p][0], atol=1e-3)
-               for b in range(len(q)) for p in want[b] if p in seen[b])
+    return any(p not in seen[b] or not torch.allclose(seen[b][p][0], want[b][p][0], atol=1e-3)
+               for b in range(len(q)) for p in want[b])
+
+
+def test_the_same_check_catches_a_path_left_where_the_tree_wrote_it(monkeypatch):
+    """The bookkeeping told the path was kept while its keys stay at the tree's slots: the window then holds
+    the second child's sibling's keys."""
+    tree, _, chain_cache, _, lengths = _tree_rounds(True, "streamingllm")
+    assert not _differs(tree, chain_cache, lengths)  # unbroken, the same check passes
+    monkeypatch.setattr(SparseKVCache, "keep_path", lambda self, b, start, nodes: None)
+    tree, _, chain_cache, _, lengths = _tree_rounds(True, "streamingllm")
+    assert _differs(tree, chain_cache, lengths)
+
+
+def test_the_same_check_catches_nodes_that_see_their_cousins(monkeypatch):
+    """Tree nodes attending as a chain's tokens would (every node before them in the block, at slot positions)."""
+    monkeypatch.setattr(SparseKVCache, "_key_positions", lambda self, tree: (self.slot_pos, None))
+    tree, _, chain_cache, _, lengths = _tree_rounds(True, "snapkv")
+    assert _differs(tree, chain_cache, lengths)
 
 
 def test_a_path_not_kept_is_fed_again():

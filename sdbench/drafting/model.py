@@ -164,7 +164,7 @@ class ModelDrafter:
     compressed instead of prefilling again; tree: draft a token tree of this shape per row (`draft_tree`, over a
     dense or a sparse cache: `lookahead` is then the tree's nodes), or a dynamic tree (`draft_dynamic_tree`),
     cut to each row's limit as a depth; sample_children: a static shape's children drawn from the model rather
-    than ranked (under sampling only). After a static shape's verification (`keep_paths`), the accepted path's
+    than ranked (under sampling only). After a fixed shape's verification (`keep_paths`), the accepted path's
     keys that the tree forwards wrote are moved into place, as the target's are."""
 
     def __init__(self, runner: Runner, sparse: SparseSpec | None = None, lookahead: int = 1,
@@ -175,7 +175,7 @@ class ModelDrafter:
         self.tree, self.sample_children = tree, sample_children
         self.name = getattr(runner, "name", "") or "model"
         self.cache = None
-        self._grown: tuple[Tree, list[int]] | None = None  # the last static-shape tree drafted, and its lengths
+        self._grown: tuple[Tree, list[int]] | None = None  # the last fixed-shape tree drafted, and its lengths
 
     def begin(self, state: DecodeState) -> None:
         fed = [n - 1 for n in state.lengths]  # the prompts: the first generated token is fed by the first step
@@ -205,7 +205,7 @@ class ModelDrafter:
 
     def _check_tree(self) -> None:
         """Refuse, before the draft's prefill, a draft runner or cache that cannot grow the tree."""
-        why = self.runner.tree_refusal(self.cache)
+        why = self.runner.tree_refusal(self.cache, nodes=self.lookahead)  # a level's forward: at most every node
         if why is None and self.sample_children and self.sampling.greedy:
             why = "sampled children need sampling (a temperature above 0)"
         tree = self.tree
@@ -248,12 +248,14 @@ class ModelDrafter:
         return Proposal(tokens, torch.tensor(limits, dtype=torch.long), probs)
 
     def keep_paths(self, proposal: Proposal | None, rnd) -> None:
-        """After the verification of the static-shape tree drafted last: each taking-part row's cache keeps the
+        """After the verification of the fixed-shape tree drafted last: each taking-part row's cache keeps the
         accepted path's nodes that a tree forward fed (every level but the deepest) at the positions after the
         context (`keep_path`), and the bookkeeping says it holds them, so that the next round feeds only the
         tokens after them, as after a chain's accepted drafts."""
         grown, self._grown = self._grown, None
-        levels = () if grown is None or rnd.paths is None else _levels(grown[0], len(grown[1]))
+        if grown is None or proposal is None or rnd.paths is None:
+            return
+        levels = _levels(grown[0], len(grown[1]))
         if not levels:
             return
         shape, lens = grown

@@ -157,7 +157,7 @@ class SparseKVCache(KVCache):
         if tree is None:
             return pos, None
         B, T = tree.positions.shape
-        node = pos - torch.tensor(tree.start, device=pos.device)[:, None]  # [B, S]: index in the row's block
+        node = pos - tree.first[:, None]  # [B, S]: index in the row's block
         ring = torch.arange(pos.shape[1], device=pos.device) >= self.n_static
         inside = ring & (node >= 0) & (node < T)
         at = node.clamp(0, T - 1)

@@ -29,8 +29,8 @@ class DraftModel(FixedLookahead):
                 "tree_dynamic": tree_dynamic, "tree_sample": tree_sample}
         self.tree = grown_tree(gamma, draft_kv, tree)
         self.tree_settings = {k: v for k, v in tree.items() if v}
-        drafter = ModelDrafter(runner, sparse, _lookahead(gamma, self.tree), self_speculation=self.self_speculation, tree=self.tree,
-                               sample_children=tree_sample)
+        drafter = ModelDrafter(runner, sparse, _lookahead(gamma, self.tree), self_speculation=self.self_speculation,
+                               tree=self.tree, sample_children=tree_sample)
         super().__init__(drafter, gamma)
         self.runner, self.sparse = runner, sparse
         self.rows_join = sparse is None  # a sparse view is compressed from a whole batch's prompts at once
