@@ -368,10 +368,10 @@ def test_trees_a_head_cannot_draft_are_refused_when_it_loads(tmp_path, target):
 
 
 def test_a_static_shape_target_verifies_a_heads_tree_and_hands_it_the_paths_states(tmp_path, target):
-    strategy, folder, _ = _head("eagle1", tmp_path / "e1", target)
+    strategy, folder, reference = _head("eagle1", tmp_path / "e1", target)
     static = ModelRunner(target, static=True)  # its tree forwards padded to a captured width, states too
-    out = generate(static, _proposer(static, strategy, folder, tree_topk=2), PROMPTS, max_new_tokens=NEW,
-                   sampling=GREEDY)
+    out, rounds = _run(static, _proposer(static, strategy, folder, tree_shape=SHAPE))
     assert out.output_ids == [hf_generate(target, p, NEW) for p in PROMPTS]
     assert sum(r.sibling_accepts for r in out.rows) > 0
+    assert _wrong_nodes(rounds, reference) == 0  # the head read the accepted paths' states the static forward kept
 

@@ -36,6 +36,9 @@ POOL_MAX = 8  # caches a runner keeps for reuse
 REUSE_SPAN = 4  # a pooled dense cache serves requests down to a quarter of its length
 CHECK_ATOL = 2e-2  # capture self-check: logits of a replay vs the eager forward (bf16-safe)
 TREE_WIDTHS = (8, 16, 32, 64)  # the node counts (the root included) tree graphs are captured for
+# the most padding nodes a tree graph writes past a tree (a tree of 33 nodes in the 64-node graph): the slots a
+# static dense cache keeps past its length for them
+TREE_SPARE = max(width - low - 1 for low, width in zip((0, *TREE_WIDTHS), TREE_WIDTHS))
 
 
 def tree_width(nodes: int) -> int:

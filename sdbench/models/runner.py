@@ -22,7 +22,7 @@ from sdbench.models.families import NATIVE, family
 from sdbench.engine.hidden import FINAL, Taps
 from sdbench.engine.tree import TreeBatch
 from sdbench.engine.state import needed_capacity
-from sdbench.models.graphs import (CAPACITY_STEP, TREE_WIDTHS, CachePool, StaticForward, StaticTreeForward,
+from sdbench.models.graphs import (CAPACITY_STEP, TREE_SPARE, TREE_WIDTHS, CachePool, StaticForward, StaticTreeForward,
                                    tree_budget_refusal, tree_width)
 from sdbench.models.rotary import Rotary, rope
 from sdbench.models.windows import layer_windows
@@ -116,9 +116,9 @@ class ModelRunner:
     # ---- caches -----------------------------------------------------------------------------------------
     def new_cache(self, batch: int, capacity: int) -> DenseKVCache:
         """A dense cache; with static shapes, a pooled one (length rounded up) whose graphs are kept, with room
-        past the last position for the padding of the widest tree graph (`models/graphs.py`)."""
+        past the last position for the most padding a tree graph writes past a tree (`models/graphs.py`)."""
         if self.static:
-            capacity = -(-(capacity + TREE_WIDTHS[-1]) // CAPACITY_STEP) * CAPACITY_STEP
+            capacity = -(-(capacity + TREE_SPARE) // CAPACITY_STEP) * CAPACITY_STEP
         self.rotary.reserve(capacity)
         key = ("dense", batch)
         cache = self.pool.take(key, capacity) if self.static else None
