@@ -92,7 +92,7 @@ class Counting:
     def release(self, cache):
         pass
 
-    def tree_refusal(self, cache):
+    def tree_refusal(self, cache, nodes=None):
         return None
 
     def _logits(self, tokens):

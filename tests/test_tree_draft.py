@@ -299,8 +299,6 @@ def test_the_options_are_declared_and_the_default_is_the_chain():
 
 
 @pytest.mark.parametrize("given, match", [
-    (dict(tree_topk=2, draft_kv="streamingllm"), "dense draft cache"),
-    (dict(tree_shape="[(0,)]", draft_kv="snapkv"), "dense draft cache"),
     (dict(tree_nodes=4), "set tree_topk too"),
     (dict(tree_topk=2, tree_shape="[(0,)]"), "set one"),
     (dict(tree_topk=-1), "at least 0"),
@@ -326,13 +324,14 @@ def test_polybasic_takes_no_tree():
         PolybasicStrategy.settings({"tree_topk": "2"})
 
 
-@pytest.mark.parametrize("tree", [dict(tree_topk=2), dict(tree_topk=2, tree_dynamic=True)])
-def test_a_static_shape_draft_is_refused_before_its_prefill(monkeypatch, tree):
+@pytest.mark.parametrize("tree", [dict(tree_topk=8, tree_nodes=65),
+                                  dict(tree_topk=8, tree_nodes=65, tree_dynamic=True)])
+def test_a_static_shape_draft_beyond_its_widest_graph_is_refused_before_its_prefill(monkeypatch, tree):
     target, draft = _pair("llama")
     static = ModelRunner(draft, static=True)
     monkeypatch.setattr(static, "prefill", lambda *a, **k: pytest.fail("the draft prefilled before the refusal"))
-    with pytest.raises(SdbenchError, match="draft model .* static-shape"):
-        generate(ModelRunner(target), DraftModel(static, 2, **tree), _prompts(V), max_new_tokens=4,
+    with pytest.raises(SdbenchError, match="draft model .* a node budget above what a CUDA graph was captured for"):
+        generate(ModelRunner(target), DraftModel(static, 8, **tree), _prompts(V), max_new_tokens=4,
                  sampling=GREEDY)
 
 

@@ -367,11 +367,11 @@ def test_trees_a_head_cannot_draft_are_refused_when_it_loads(tmp_path, target):
         _proposer(runner, strategy, folder, gamma=GAMMA + 1, tree_topk=2)
 
 
-def test_a_static_shape_target_is_refused_before_its_prefill(tmp_path, target, monkeypatch):
-    strategy, folder, _ = _head("eagle1", tmp_path / "e1", target)
-    static = ModelRunner(target, static=True)
-    monkeypatch.setattr(static, "prefill", lambda *a, **k: pytest.fail("prefilled before the refusal"))
-    with pytest.raises(SdbenchError, match="static-shape"):
-        generate(static, _proposer(static, strategy, folder, tree_topk=2), PROMPTS, max_new_tokens=4,
-                 sampling=GREEDY)
+def test_a_static_shape_target_verifies_a_heads_tree_and_hands_it_the_paths_states(tmp_path, target):
+    strategy, folder, reference = _head("eagle1", tmp_path / "e1", target)
+    static = ModelRunner(target, static=True)  # its tree forwards padded to a captured width, states too
+    out, rounds = _run(static, _proposer(static, strategy, folder, tree_shape=SHAPE))
+    assert out.output_ids == [hf_generate(target, p, NEW) for p in PROMPTS]
+    assert sum(r.sibling_accepts for r in out.rows) > 0
+    assert _wrong_nodes(rounds, reference) == 0  # the head read the accepted paths' states the static forward kept
 

@@ -1,8 +1,8 @@
 """Impossible tree settings through the CLI: each is one `error:` line and exit code 2, before any decoding: a
 malformed shape, a shape deeper than --gamma, a tree option given to a strategy that grows no tree (the line
 names those that do), `tune --trees` with none of them, and trees on the static-shape (CUDA graph) forward,
-which takes none whatever their node count (emulated on the CPU by the same static forward, which is what runs
-on CUDA with --fast)."""
+which take them up to the widest captured node count and refuse a larger node budget in one line (emulated on
+the CPU by the same static forward, which is what runs on CUDA with --fast)."""
 
 from __future__ import annotations
 
@@ -29,6 +29,7 @@ def tiny(tmp_path, monkeypatch, capsys):
 def test_the_strategies_that_grow_trees_are_read_from_their_declared_settings():
     topk = ("tree_topk", "tree_nodes", "tree_shape", "tree_dynamic")
     assert tree_growers() == {"draft": (*topk, "tree_sample"), "eagle": topk, "lookahead": ("window", "ngram", "pool"),
+                              "magicdec": (*topk, "tree_sample"),
                               "medusa": topk, "ngram": ("tree",), "rest": ("tree_nodes",), "suffix": ("tree",)}
 
 
@@ -39,8 +40,9 @@ def test_the_strategies_that_grow_trees_are_read_from_their_declared_settings():
       "--gamma", "2"], "error: draft: --set tree_shape is 3 levels deep, deeper than --gamma 2"),
     (["--strategy", "draft", "--draft", "MODEL", "--set", "tree_topk=2", "--set", "tree_shape=[(0,)]"],
      "error: draft: --set tree_topk and tree_shape each give the tree: set one"),
-    (["--strategy", "magicdec", "--set", "tree_topk=2"],
-     f"error: strategy 'magicdec' grows no token tree (--set tree_topk): the strategies that do are {GROWERS}"),
+    (["--strategy", "autoregressive", "--set", "tree_topk=2"],
+     f"error: strategy 'autoregressive' grows no token tree (--set tree_topk): the strategies that do are "
+     f"{GROWERS}"),
     (["--strategy", "polybasic", "--draft", "MODEL", "--set", "tree_nodes=8"],
      f"error: strategy 'polybasic' grows no token tree (--set tree_nodes): the strategies that do are {GROWERS}"),
     (["--strategy", "dsi", "--draft", "MODEL", "--set", "tree=2"],
@@ -60,9 +62,10 @@ def test_impossible_tree_settings_are_one_line(capsys, tiny, args, said):
 
 
 def test_tune_trees_needs_a_strategy_that_grows_trees(capsys, tiny):
-    code, _, err = run_cli(capsys, "tune", *tiny, "--strategy", "magicdec", "--trees", "--trials", "1")
+    code, _, err = run_cli(capsys, "tune", *tiny, "--strategy", "polybasic", "--draft", tiny[1], "--trees",
+                           "--trials", "1")
     assert code == 2
-    assert one_line_error(code, err) == ("error: --trees: magicdec grows no token tree; the strategies that do are "
+    assert one_line_error(code, err) == ("error: --trees: polybasic grows no token tree; the strategies that do are "
                                          f"{', '.join(tree_growers())}")
 
 
@@ -79,20 +82,28 @@ def static_when_fast(monkeypatch):
 @pytest.mark.parametrize("args", [
     ["run", "--strategy", "ngram", "--set", "tree=2"],
     ["run", "--strategy", "draft", "--draft", "MODEL", "--set", "tree_topk=4", "--set", "tree_nodes=32"],
+    ["run", "--strategy", "magicdec", "--set", "tree_topk=2", "--set", "budget=8", "--set", "sink=2"],
     ["tune", "--strategy", "draft", "--draft", "MODEL", "--trees", "--trials", "1"],
 ])
-def test_trees_on_the_static_shape_forward_are_refused_whatever_their_node_count(capsys, tiny, static_when_fast,
-                                                                                    args):
-    # --no-probe: the probe's caches, made under inference mode, would go back to the static runner's pool
-    args = [tiny[1] if a == "MODEL" else a for a in args] + ["--no-probe"]
+def test_trees_run_on_the_static_shape_forward(capsys, tiny, static_when_fast, args):
+    args = [tiny[1] if a == "MODEL" else a for a in args]
     code, out, err = run_cli(capsys, *args[:1], *tiny, *args[1:])
+    assert code == 0, err
+    assert ("results:" if args[0] == "run" else "trial 0") in out
+
+
+def test_a_node_budget_above_the_widest_tree_graph_is_one_line(capsys, tiny, static_when_fast):
+    from sdbench.models.graphs import TREE_WIDTHS
+
+    args = ["--strategy", "draft", "--draft", tiny[1], "--gamma", "8", "--set", "tree_topk=8", "--set",
+            f"tree_nodes={TREE_WIDTHS[-1]}"]
+    code, out, err = run_cli(capsys, "run", *tiny, *args)
     line = one_line_error(code, err)
-    assert "token trees are not supported on the static-shape (CUDA graph) forward yet, whatever their node " \
-           "count" in line and "--no-fast" in line, line
-    assert "trial 0" not in out and "results:" not in out
-    if args[0] == "run":  # the way out it names works
-        code, out, err = run_cli(capsys, *args[:1], *tiny, *args[1:], "--no-fast")
-        assert code == 0 and "results:" in out, err
+    assert f"{TREE_WIDTHS[-1] + 1} nodes (the root included) on the static-shape (CUDA graph) forward: a node " \
+           "budget above what a CUDA graph was captured for" in line and "--no-fast" in line, line
+    assert "results:" not in out
+    code, out, err = run_cli(capsys, "run", *tiny, *args, "--no-fast")  # the way out it names works
+    assert code == 0 and "results:" in out, err
 
 
 def test_a_strategy_that_grows_no_tree_refuses_a_presets_tree_setting_too(tmp_path, monkeypatch):
@@ -100,7 +111,7 @@ def test_a_strategy_that_grows_no_tree_refuses_a_presets_tree_setting_too(tmp_pa
 
     monkeypatch.setenv("SDBENCH_CONFIG", str(tmp_path))
     (tmp_path / "strategies").mkdir()
-    (tmp_path / "strategies" / "odd.yaml").write_text("name: odd\nstrategy: magicdec\noptions: {tree_topk: 2}\n")
+    (tmp_path / "strategies" / "odd.yaml").write_text("name: odd\nstrategy: polybasic\noptions: {tree_topk: 2}\n")
     choice = resolve_strategy("odd")
-    with pytest.raises(SdbenchError, match="'magicdec' grows no token tree"):
+    with pytest.raises(SdbenchError, match="'polybasic' grows no token tree"):
         strategy(choice.base).settings(choice.options)

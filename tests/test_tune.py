@@ -656,10 +656,10 @@ def test_tune_trees_runs_the_tree_and_its_preset_reproduces_it(tmp_path, pair):
 def test_tune_trees_refusals(tmp_path, pair, target, small_draft):
     from sdbench.models.runner import ModelRunner
 
-    with pytest.raises(SdbenchError, match="--trees: magicdec grows no token tree; the strategies that do are "
-                                           "draft, eagle, lookahead, medusa, ngram, rest, suffix"):
-        tuner(tmp_path, pair, strategy="magicdec", trees=True)
-    tuner(tmp_path, pair, strategies=("magicdec", "ngram"), trees=True)  # one of them grows trees: accepted
+    with pytest.raises(SdbenchError, match="--trees: polybasic grows no token tree; the strategies that do are "
+                                           "draft, eagle, lookahead, magicdec, medusa, ngram, rest, suffix"):
+        tuner(tmp_path, pair, strategy="polybasic", trees=True)
+    tuner(tmp_path, pair, strategies=("polybasic", "ngram"), trees=True)  # one of them grows trees: accepted
     from tests.heads import eagle3_dir
 
     head = str(eagle3_dir(tmp_path / "e", pair.target.model, layer_ids=(0, 1, 1)))
@@ -675,12 +675,10 @@ def test_tune_trees_refusals(tmp_path, pair, target, small_draft):
     t = tuner(tmp_path, pair, strategy="eagle", drafts=(), heads=(head,), trees=True)  # heads draw trees now
     static = Pair(ModelRunner(target.model, "tiny-target", static=True), None, [small_draft], eos=[],
                   max_positions=1024)
-    t = tuner(tmp_path, static, strategy="ngram", trees=True)
-    with pytest.raises(SdbenchError, match=r"static-shape \(CUDA graph\) forward yet, whatever their node count: "
-                                           "tune them with --no-fast") as caught:
-        t.tune()
-    assert "\n" not in str(caught.value)
-    assert not (tmp_path / "results" / "tune.db").exists() or not optuna.get_all_study_names(t.storage())
+    study = tuner(tmp_path / "static", static, strategy="ngram", trees=True, trials=2).tune()  # trees take the
+    # static-shape forward too (models/graphs.py), lossless
+    done = [t for t in study.trials if t.state == TrialState.COMPLETE]
+    assert done and all(t.user_attrs["lossless"] is True for t in done)
     # a study's search space is fixed when it starts: a session with or without --trees is refused
     assert len(tuner(tmp_path, pair, strategy="ngram", trials=1, study="s").tune().trials) == 1
     with pytest.raises(SdbenchError, match="study s was tuned with trees=False, not True"):

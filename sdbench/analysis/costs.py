@@ -31,7 +31,7 @@ from sdbench.engine.state import needed_capacity
 from sdbench.errors import SdbenchError
 from sdbench.kv.sparse import filled_for_profile
 from sdbench.models import loader  # the module: tests replace loader.load_model
-from sdbench.models.graphs import CAPACITY_STEP
+from sdbench.models.graphs import CAPACITY_STEP, TREE_SPARE
 from sdbench.models.memory import plan, refuse_beyond_memory
 from sdbench.models.pair import resolve_device, resolve_dtype, say_note
 from sdbench.models.shapes import parameter_count
@@ -202,10 +202,11 @@ def memory_plan(target: str, dtype, device, batches, contexts, gamma: int):
     estimated from the config before anything is allocated; a model whose weights alone do not fit is refused."""
     config = loader.load_config(target)
     params = parameter_count(config, cached=True) or 0
-    step = CAPACITY_STEP if device.type == "cuda" else 1  # static-shape caches are rounded up
+    static = device.type == "cuda"  # static-shape caches keep room for a tree graph's padding, rounded up
+    step, spare = (CAPACITY_STEP, TREE_SPARE) if static else (1, 0)
 
     def capacity(context: int) -> int:
-        return -(-needed_capacity(context, 0, gamma) // step) * step
+        return -(-(needed_capacity(context, 0, gamma) + spare) // step) * step
 
     points = [(b, s) for b in batches for s in contexts]
     found = plan(config, params, dtype, device, points, capacity, gamma + 1)

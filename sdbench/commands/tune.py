@@ -231,13 +231,6 @@ class Tuner:
             raise SdbenchError(f"--trees: {', '.join(self.strategies)} grow{'s' if len(self.strategies) == 1 else ''}"
                                f" no token tree; the strategies that do are {', '.join(growers)}")
 
-    def _check_tree_runners(self, pair) -> None:
-        """--trees on runners whose forward cannot verify a tree: refused before any trial, not trial by trial."""
-        if self.cfg.trees and any(getattr(r, "static", False) for r in (pair.target, *pair.drafts)
-                                  if not isinstance(r, str)):
-            raise SdbenchError("--trees: token trees are not supported on the static-shape (CUDA graph) forward "
-                               "yet, whatever their node count: tune them with --no-fast (the eager forward)")
-
     def _check_preset(self) -> None:
         if self.preset_name in strategy_registry:
             raise SdbenchError(f"--preset {self.preset_name}: that is a strategy's name; choose another")
@@ -285,7 +278,6 @@ class Tuner:
 
     def tune(self) -> optuna.Study:
         pair = self.pair or self.load()
-        self._check_tree_runners(pair)
         self.runners = dict(zip(self.run.drafts, pair.drafts))
         _, encoded = encode_prompts(self.run, pair)
         space = self.spaces(max(len(e) for e in encoded))

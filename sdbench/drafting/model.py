@@ -161,9 +161,11 @@ class ModelDrafter:
 
     sparse: draft through a fixed-budget sparse view of the prompt's keys (StreamingLLM or SnapKV), sized for
     `lookahead` drafts per round; self_speculation: the runner is the target, whose prefilled cache is
-    compressed instead of prefilling again; tree: draft a token tree of this shape per row (`draft_tree`, dense
-    cache only), or a dynamic tree (`draft_dynamic_tree`), cut to each row's limit as a depth; sample_children:
-    a static shape's children drawn from the model rather than ranked (under sampling only)."""
+    compressed instead of prefilling again; tree: draft a token tree of this shape per row (`draft_tree`, over a
+    dense or a sparse cache: `lookahead` is then the tree's nodes), or a dynamic tree (`draft_dynamic_tree`),
+    cut to each row's limit as a depth; sample_children: a static shape's children drawn from the model rather
+    than ranked (under sampling only). After a fixed shape's verification (`keep_paths`), the accepted path's
+    keys that the tree forwards wrote are moved into place, as the target's are."""
 
     def __init__(self, runner: Runner, sparse: SparseSpec | None = None, lookahead: int = 1,
                  self_speculation: bool = False, tree: Tree | DynamicTree | None = None,
@@ -173,6 +175,7 @@ class ModelDrafter:
         self.tree, self.sample_children = tree, sample_children
         self.name = getattr(runner, "name", "") or "model"
         self.cache = None
+        self._grown: tuple[Tree, list[int]] | None = None  # the last fixed-shape tree drafted, and its lengths
 
     def begin(self, state: DecodeState) -> None:
         fed = [n - 1 for n in state.lengths]  # the prompts: the first generated token is fed by the first step
@@ -197,10 +200,12 @@ class ModelDrafter:
         self.cache = compress(self.runner, full, fed, state.tokens, self.sparse, self.lookahead)
         if full is not state.target_cache:
             self.runner.release(full)
+        if self.tree is not None:
+            self._check_tree()
 
     def _check_tree(self) -> None:
         """Refuse, before the draft's prefill, a draft runner or cache that cannot grow the tree."""
-        why = self.runner.tree_refusal(self.cache)
+        why = self.runner.tree_refusal(self.cache, nodes=self.lookahead)  # a level's forward: at most every node
         if why is None and self.sample_children and self.sampling.greedy:
             why = "sampled children need sampling (a temperature above 0)"
         tree = self.tree
@@ -235,11 +240,40 @@ class ModelDrafter:
             shape, _ = self.tree.to_depth(k)
             sampled = (self.sampling, self.generator) if self.sample_children else ()
             tokens, probs = draft_tree(self.runner, self.cache, self.prefix, ctx, lengths, shape, *sampled)
+            self._grown = shape, list(lengths)
             return Proposal(tokens, torch.full((len(lengths),), len(shape), dtype=torch.long), probs,
                             trees=(shape,) * len(lengths)).fit(limits)
         tokens, probs = draft_tokens(self.runner, self.cache, self.prefix, ctx, lengths, k, self.sampling,
                                      self.generator)
         return Proposal(tokens, torch.tensor(limits, dtype=torch.long), probs)
+
+    def keep_paths(self, proposal: Proposal | None, rnd) -> None:
+        """After the verification of the fixed-shape tree drafted last: each taking-part row's cache keeps the
+        accepted path's nodes that a tree forward fed (every level but the deepest) at the positions after the
+        context (`keep_path`), and the bookkeeping says it holds them, so that the next round feeds only the
+        tokens after them, as after a chain's accepted drafts."""
+        grown, self._grown = self._grown, None
+        if grown is None or proposal is None or rnd.paths is None:
+            return
+        levels = _levels(grown[0], len(grown[1]))
+        if not levels:
+            return
+        shape, lens = grown
+        block = {node: j for j, node in enumerate(levels[-1][0])}  # the last tree forward's nodes, in its order
+        node_of = {shape.rank_path(i): i for i in range(len(shape))}  # the verified trees are cut from `shape`
+        tokens = proposal.tokens.tolist()
+        for b, path in enumerate(rnd.paths):
+            if not rnd.active[b]:
+                continue
+            fed = []
+            for i in path:
+                j = block.get(node_of[rnd.trees[b].rank_path(i)])
+                if j is None:
+                    break
+                fed.append(j)
+            if fed and fed != list(range(len(fed))):  # the first nodes, in order, are already in place
+                self.cache.keep_path(b, lens[b] - 1, [j + 1 for j in fed])  # node 0 of that block is at lens[b]
+            self.prefix.kept(b, [tokens[b][i] for i in path[: len(fed)]], lens[b])
 
     def score(self, ctx: torch.Tensor, lengths: list[int], block: torch.Tensor) -> torch.Tensor:
         """For a model that also verifies (a middle level of a polybasic chain): one forward over each row's

@@ -45,6 +45,13 @@ class CachedPrefix:
         for b, s in enumerate(start):
             self.fed[b] = s + T
 
+    def kept(self, b: int, tokens: list[int], start: int) -> None:
+        """Row b's cache now holds keys for `tokens` from position start on, and none it can vouch for past
+        them (a tree's accepted path moved into place)."""
+        self._read_back()
+        self.seen[b, start : start + len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+        self.fed[b] = start + len(tokens)
+
     def _read_back(self) -> None:
         for tokens, start in self._pending:
             tokens = tokens.cpu()

@@ -230,6 +230,6 @@ def check_trees(target: Runner, proposer, cache) -> None:
     """Refuse, before anything runs, a tree-proposing strategy on a runner or cache without tree forwards."""
     if not getattr(proposer, "proposes_trees", False):
         return
-    why = target.tree_refusal(cache)
+    why = target.tree_refusal(cache, nodes=proposer.max_lookahead + 1)  # the verifying forward: drafts and root
     if why:
         raise SdbenchError(why)

@@ -48,9 +48,9 @@ class Runner(Protocol):
         node j in slot start[b] + j at position start[b] - 1 + depth, seeing the slots before start[b], its
         ancestors and itself; the cache's `keep_path(b, start, nodes)` then keeps the accepted path."""
 
-    def tree_refusal(self, cache: Any) -> str | None:
+    def tree_refusal(self, cache: Any, nodes: int | None = None) -> str | None:
         """Why tree forwards (`forward(..., tree=...)`) cannot run over this cache, in one line, or None: asked
-        before a tree-proposing run starts."""
+        before a tree-proposing run starts. nodes: the most nodes one tree forward will take."""
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         """The input embeddings [B, T, H] of tokens [B, T] (what a trained head reads beside the states)."""

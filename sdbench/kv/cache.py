@@ -123,6 +123,19 @@ class TreeStep(StepIndex):
         super().__init__(start, tree.valid.shape[1], device)
         self.ancestors = tree.ancestors.to(device)  # [B, T, T]
         self._rotated = tree.positions(torch.tensor(start)).to(device)  # [B, T]
+        self.first = self.positions[:, 0]  # [B] each row's first slot (start[b]), on the device
+
+    @classmethod
+    def fixed_tree(cls, positions: torch.Tensor, rotated: torch.Tensor, ancestors: torch.Tensor,
+                   kv_len: int) -> "TreeStep":
+        """A tree step with no host-side positions (a static-shape forward, `StepIndex.fixed`): slots
+        positions [B, T], rotated [B, T] and ancestors [B, T, T] are device buffers, the mask made from them on
+        the device over the first kv_len slots."""
+        step = cls.__new__(cls)
+        step.start, step.T, step.uniform, step.kv_len = None, positions.shape[1], False, kv_len
+        step.positions, step._masks = positions, {}
+        step.ancestors, step._rotated, step.first = ancestors, rotated, positions[:, 0]
+        return step
 
     @property
     def rotated(self) -> torch.Tensor:
@@ -135,7 +148,7 @@ class TreeStep(StepIndex):
             B, T = self.positions.shape
             device = self.positions.device
             slots = torch.arange(self.kv_len, device=device)[None]  # [1, S]
-            node = slots - torch.tensor(self.start, device=device)[:, None]  # [B, S]: index in the row's block
+            node = slots - self.first[:, None]  # [B, S]: index in the row's block
             inside = (node >= 0) & (node < T)
             at = node.clamp(0, T - 1)
             allowed = (node < 0)[:, None] | (inside[:, None] & self.ancestors.gather(2, at[:, None].expand(B, T, -1)))

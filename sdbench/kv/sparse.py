@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from sdbench.errors import SdbenchError
-from sdbench.kv.cache import DenseKVCache, KVCache, StepIndex, additive
+from sdbench.kv.cache import DenseKVCache, KVCache, StepIndex, TreeStep, additive, keep_path_index
 
 SELECTORS = ("streamingllm", "snapkv")
 
@@ -123,7 +123,9 @@ class SparseKVCache(KVCache):
 
     def _begin(self, step: StepIndex, dtype: torch.dtype) -> None:
         """Where this forward's keys go, shared by every layer: one run of slots for all rows when the rows
-        start at one position and the run does not wrap (a plain copy), else the slots [B, T] (a scatter)."""
+        start at one position and the run does not wrap (a plain copy), else the slots [B, T] (a scatter).
+        A tree's node j goes where a chain's token j would (`TreeStep.positions`), its slot recording that
+        position, so that what a tree leaves behind is stale exactly as a rejected chain draft is."""
         slots = self.ring_slots(step.positions)  # [B, T]
         self._at = slots
         if step.start is not None and step.uniform:
@@ -131,21 +133,55 @@ class SparseKVCache(KVCache):
             if first + step.T <= self.n_static + self.ring:
                 self._at = slice(first, first + step.T)
         self.slot_pos[self._rows, slots] = step.positions
-        self._masks, self._step = self._layer_masks(step.positions, dtype), step
+        tree = step if isinstance(step, TreeStep) else None
+        self._masks, self._step = self._layer_masks(step.rotated, dtype, tree), step
 
-    def _attend_mask(self, q: torch.Tensor) -> torch.Tensor:
+    @torch.inference_mode()
+    def keep_path(self, b: int, start: int, nodes) -> None:
+        """After a tree forward from `start`, row b keeps the accepted path (`DenseKVCache.keep_path`): the
+        keys and values of block nodes `nodes` (1-based, ascending) move to the ring slots of positions
+        start + 1, start + 2, ..., which record those positions. Static slots, the floor and the window are
+        untouched: a tree step writes ring slots only, as a chain step does."""
+        src, dst = keep_path_index(start, nodes, self.slot_pos.device)
+        src, dst = self.ring_slots(src), self.ring_slots(dst)
+        for kv in (self.k, self.v):
+            for x in kv:
+                x[b, :, dst] = x[b, :, src]
+        self.slot_pos[b, dst] = start + 1 + torch.arange(len(dst), device=dst.device)
+
+    def _key_positions(self, tree: TreeStep | None):
+        """Each slot's key position [B, S] (a tree node's is its rotated one, not its slot's) and, for a tree
+        forward, which keys each query may see beyond the window rule [B, T, S] (outside the tree's block:
+        all; inside: its ancestors and itself), else None."""
+        pos = self.slot_pos
+        if tree is None:
+            return pos, None
+        B, T = tree.positions.shape
+        node = pos - tree.first[:, None]  # [B, S]: index in the row's block
+        ring = torch.arange(pos.shape[1], device=pos.device) >= self.n_static
+        inside = ring & (node >= 0) & (node < T)
+        at = node.clamp(0, T - 1)
+        key_pos = torch.where(inside, tree.rotated.gather(1, at), pos)
+        seen = ~inside[:, None] | tree.ancestors.gather(2, at[:, None].expand(B, T, -1))
+        return key_pos, seen
+
+    def _attend_mask(self, q: torch.Tensor, key_pos: torch.Tensor, seen: torch.Tensor | None) -> torch.Tensor:
         """[B, 1, T, slots] bool for queries at positions q [B, T]."""
-        pos = self.slot_pos[:, None, :]  # [B, 1, S]
+        pos = key_pos[:, None, :]  # [B, 1, S]
         is_static = torch.arange(pos.shape[-1], device=pos.device) < self.n_static
-        static = is_static & (pos >= 0)
-        recent = (~is_static) & (pos >= self.floor[:, None, None]) & (pos <= q[..., None]) & (
+        static = is_static & (self.slot_pos[:, None, :] >= 0)
+        recent = (~is_static) & (self.slot_pos[:, None, :] >= self.floor[:, None, None]) & (pos <= q[..., None]) & (
             pos > q[..., None] - self.window[:, None, None])
-        return (static | recent)[:, None]
+        allowed = static | recent
+        if seen is not None:
+            allowed &= seen
+        return allowed[:, None]
 
-    def _layer_masks(self, q: torch.Tensor, dtype: torch.dtype) -> list:
+    def _layer_masks(self, q: torch.Tensor, dtype: torch.dtype, tree: TreeStep | None = None) -> list:
         """Each layer's additive mask for queries at q [B, T]: one shared by the layers without a window of
         their own, and for the others one batch per window (`_windowed`)."""
-        allowed = self._attend_mask(q)
+        key_pos, seen = self._key_positions(tree)
+        allowed = self._attend_mask(q, key_pos, seen)
         by_window: dict = {}
         for layer, w in enumerate(self.windows):
             by_window.setdefault(w, []).append(layer)
@@ -154,16 +190,17 @@ class SparseKVCache(KVCache):
             if w is None:
                 made = [additive(allowed, dtype)] * len(layers)
             else:
-                made = self._windowed(allowed, q, w, layers, dtype)
+                made = self._windowed(allowed, q, key_pos, w, layers, dtype)
             for layer, mask in zip(layers, made):
                 masks[layer] = mask
         return masks
 
-    def _windowed(self, allowed: torch.Tensor, q: torch.Tensor, w: int, layers: list[int], dtype) -> list:
+    def _windowed(self, allowed: torch.Tensor, q: torch.Tensor, key_pos: torch.Tensor, w: int, layers: list[int],
+                  dtype) -> list:
         """Masks of `layers` (window w): `allowed` [B, 1, T, S] less the keys at or below q - w; static slots by
         their true position per layer and KV head, so then a mask per layer, per query head [B, Hq, T, S]."""
         lo = q[:, None, :, None] - w  # [B, 1, T, 1]
-        recent = allowed[..., self.n_static :] & (self.slot_pos[:, None, None, self.n_static :] > lo)
+        recent = allowed[..., self.n_static :] & (key_pos[:, None, None, self.n_static :] > lo)
         if not self.n_static:
             return [additive(recent, dtype)] * len(layers)
         sp = self.static_pos[layers][:, :, :, None, :]  # [l, B, H, 1, n]

@@ -275,7 +275,7 @@ class GenericRunner:
         logits = torch.stack(rows)
         return logits[:, 0] if at is not None and at.dim() == 1 else logits
 
-    def tree_refusal(self, cache=None) -> str | None:
+    def tree_refusal(self, cache=None, nodes: int | None = None) -> str | None:
         """Why this model's tree forwards cannot be placed through the library, in one line, or None."""
         text = self.config.get_text_config()
         why = ("a rope rescaled per call" if self._rotary is not None else

@@ -10,7 +10,11 @@ and addresses and replay it as a CUDA graph:
 - attention always runs over the cache's full, pre-allocated length, with a mask built on the device from
   the positions (a dense cache: slot <= position; a sparse cache: its own static + ring mask), and the new
   keys/values are scattered to their positions, so no shape depends on how long the sequence is;
-- one graph per (cache, T): decode (T = 1), catch-up (T = 2) and each verification width (T = gamma + 1).
+- one graph per (cache, T): decode (T = 1), catch-up (T = 2) and each verification width (T = gamma + 1);
+- a token tree (`StaticTreeForward`) runs in a graph captured for a fixed node count, the smallest of
+  TREE_WIDTHS that holds it: the tree is padded to it with nodes that see the prefix and themselves only and
+  that no node sees, whose keys land in slots past the tree's (stale, as a rejected draft's, in the spare slots
+  a static cache keeps for them); a tree of more nodes than the widest is refused.
 
 Caches come from a per-runner pool (see `CachePool`) so that the next batch reuses both the storage and the
 graphs captured over it. A captured graph is checked once against the eager forward of the same inputs; a
@@ -24,12 +28,31 @@ from __future__ import annotations
 import torch
 
 from sdbench.engine.hidden import Taps
-from sdbench.kv.cache import StepIndex
+from sdbench.errors import SdbenchError
+from sdbench.kv.cache import StepIndex, TreeStep
 
 CAPACITY_STEP = 256  # pooled dense caches round their length up to a multiple of this
 POOL_MAX = 8  # caches a runner keeps for reuse
 REUSE_SPAN = 4  # a pooled dense cache serves requests down to a quarter of its length
 CHECK_ATOL = 2e-2  # capture self-check: logits of a replay vs the eager forward (bf16-safe)
+TREE_WIDTHS = (8, 16, 32, 64)  # the node counts (the root included) tree graphs are captured for
+# the most padding nodes a tree graph writes past a tree (a tree of 33 nodes in the 64-node graph): the slots a
+# static dense cache keeps past its length for them
+TREE_SPARE = max(width - low - 1 for low, width in zip((0, *TREE_WIDTHS), TREE_WIDTHS))
+
+
+def tree_width(nodes: int) -> int:
+    """The captured width a tree of `nodes` nodes is padded to; raises past the widest."""
+    for width in TREE_WIDTHS:
+        if nodes <= width:
+            return width
+    raise SdbenchError(tree_budget_refusal(nodes))
+
+
+def tree_budget_refusal(nodes: int) -> str:
+    return (f"token trees of {nodes} nodes (the root included) on the static-shape (CUDA graph) forward: a node "
+            f"budget above what a CUDA graph was captured for ({TREE_WIDTHS[-1]}); --no-fast runs the eager "
+            "forward, which takes them")
 
 
 class StaticForward:
@@ -67,6 +90,10 @@ class StaticForward:
         for t, (cos, sin) in rotary.for_forward(self.positions, max(start) + width, lengths).items():
             self.cos_sin[t][0].copy_(cos)
             self.cos_sin[t][1].copy_(sin)
+        return self._run()
+
+    def _run(self):
+        """The forward over the filled buffers: eagerly, by replaying the graph, or capturing it first."""
         if not self.runner.graphs:
             return self._eager()
         if self.graph is not None:
@@ -92,6 +119,42 @@ class StaticForward:
             return eager
         self.graph, self.out = graph, out
         return _clone(out)
+
+
+class StaticTreeForward(StaticForward):
+    """`StaticForward` over a token tree per row, padded to a fixed node count `width` (`tree_width`): its
+    buffers also hold each node's rotated position and the ancestor mask (`kv.cache.TreeStep.fixed_tree`).
+    Returns the logits of every node, padding included [B, width, V] (or with the states, as StaticForward)."""
+
+    def __init__(self, runner, cache, batch: int, width: int, layers: tuple[int, ...] | None = None):
+        super().__init__(runner, cache, batch, width, layers)
+        dev = runner.device
+        self.rotated = torch.zeros(batch, width, dtype=torch.long, device=dev)
+        self.ancestors = torch.eye(width, dtype=torch.bool, device=dev).repeat(batch, 1, 1)
+
+    def _step(self) -> StepIndex:
+        return TreeStep.fixed_tree(self.positions, self.rotated, self.ancestors, self.cache.static_kv_len)
+
+    def __call__(self, tokens: torch.Tensor, start: list[int], tree=None) -> torch.Tensor:
+        """tokens [B, N] one per node of `tree` (a TreeBatch), N <= width."""
+        B, N = tokens.shape
+        width = len(self.offsets)
+        rotated = torch.tensor(start, dtype=torch.long)[:, None].repeat(1, width)  # padding: its row's start
+        rotated[:, :N] = tree.positions(torch.tensor(start)).cpu()
+        ancestors = torch.eye(width, dtype=torch.bool).repeat(B, 1, 1)  # padding sees itself, and nobody it
+        ancestors[:, :N, :N] = tree.ancestors.cpu()
+        self.tokens[:, N:].zero_()
+        self.tokens[:, :N].copy_(tokens, non_blocking=True)  # drafts stay on the device: no wait for them
+        self.positions.copy_(torch.tensor(start, dtype=torch.long)[:, None] + self.offsets, non_blocking=True)
+        self.rotated.copy_(rotated, non_blocking=True)
+        self.ancestors.copy_(ancestors, non_blocking=True)
+        rotary = self.runner.rotary
+        lengths = rotary.scaling_lengths(start, width, self.runner.scaling_floor(self.cache), rotated)
+        for t, (cos, sin) in rotary.for_forward(rotated.to(self.rotated.device), max(start) + width,
+                                                 lengths).items():
+            self.cos_sin[t][0].copy_(cos)
+            self.cos_sin[t][1].copy_(sin)
+        return self._run()
 
 
 def _parts(out) -> tuple:

@@ -248,9 +248,10 @@ def _library(model, ids: torch.Tensor, last: int, keeps: bool, cache) -> torch.T
     return out.logits[0, -last:].float()
 
 
-@torch.inference_mode()
 def _run(runner, ids: torch.Tensor, prefix: int, vocab: int) -> list[tuple[str, torch.Tensor]]:
-    """(phase, logits [V]) at every position from prefix - 1 to the end of ids, through the runner."""
+    """(phase, logits [V]) at every position from prefix - 1 to the end of ids, through the runner (whose
+    forwards run in inference mode themselves). The cache is made outside inference mode: a static runner
+    takes it back into its pool, and a later generation prepares it outside that mode."""
     length = len(ids)
     cache = runner.new_cache(1, length)
     try:

@@ -22,7 +22,8 @@ from sdbench.models.families import NATIVE, family
 from sdbench.engine.hidden import FINAL, Taps
 from sdbench.engine.tree import TreeBatch
 from sdbench.engine.state import needed_capacity
-from sdbench.models.graphs import CAPACITY_STEP, CachePool, StaticForward
+from sdbench.models.graphs import (CAPACITY_STEP, TREE_SPARE, TREE_WIDTHS, CachePool, StaticForward, StaticTreeForward,
+                                   tree_budget_refusal, tree_width)
 from sdbench.models.rotary import Rotary, rope
 from sdbench.models.windows import layer_windows
 from sdbench.padding import right_pad
@@ -114,9 +115,10 @@ class ModelRunner:
 
     # ---- caches -----------------------------------------------------------------------------------------
     def new_cache(self, batch: int, capacity: int) -> DenseKVCache:
-        """A dense cache; with static shapes, a pooled one (length rounded up) whose graphs are kept."""
+        """A dense cache; with static shapes, a pooled one (length rounded up) whose graphs are kept, with room
+        past the last position for the most padding a tree graph writes past a tree (`models/graphs.py`)."""
         if self.static:
-            capacity = -(-capacity // CAPACITY_STEP) * CAPACITY_STEP
+            capacity = -(-(capacity + TREE_SPARE) // CAPACITY_STEP) * CAPACITY_STEP
         self.rotary.reserve(capacity)
         key = ("dense", batch)
         cache = self.pool.take(key, capacity) if self.static else None
@@ -130,7 +132,10 @@ class ModelRunner:
         return cache
 
     def new_sparse_cache(self, batch: int, n_static: int, window: torch.Tensor, lookahead: int) -> SparseKVCache:
-        """A sparse draft cache (see kv/sparse.py), emptied; pooled like dense caches."""
+        """A sparse draft cache (see kv/sparse.py), emptied; pooled like dense caches. With static shapes its
+        ring also holds a tree graph's padding (a tree of `lookahead` nodes padded to its captured width)."""
+        if self.static and lookahead <= TREE_WIDTHS[-1]:
+            lookahead = tree_width(lookahead)
         ring = needed_capacity(int(window.max()), 0, lookahead)  # the widest window and one step's drafts
         key = ("sparse", batch, n_static, ring)
         cache = self.pool.take(key) if self.static else None
@@ -281,7 +286,11 @@ class ModelRunner:
         """Logits [B, T, V] (float32), or only at in-chunk indices `at`: [B] -> [B, V], [B, K] -> [B, K, V]
         (eagerly, the vocabulary projection then runs only there: it costs as much as a few layers).
         taps: the hidden states to keep too, of every token (engine/hidden.py). tree: tokens [B, T] are a
-        token tree per row (`kv.cache.TreeStep`: slots start[b] + j, tree positions and mask), eagerly."""
+        token tree per row (`kv.cache.TreeStep`: slots start[b] + j, tree positions and mask); on the static-shape
+        path padded to the node count of a captured graph (`models/graphs.py` StaticTreeForward)."""
+        if tree is not None and self.static and cache.static_kv_len is not None:
+            logits = self._static_tree_forward(cache, tokens, start, taps, tree)
+            return logits if at is None else _pick(logits, at)
         if tree is not None:
             step = self._tree_step(cache, tokens, start, tree)
             h = self.hidden(cache, tokens, start, step=step, taps=taps)
@@ -304,19 +313,43 @@ class ModelRunner:
             raise SdbenchError(why)
         return TreeStep(start, tree, self.device)
 
-    def tree_refusal(self, cache, ahead: bool = True) -> str | None:
+    def tree_refusal(self, cache, ahead: bool = True, nodes: int | None = None) -> str | None:
         """Why tree forwards cannot run over this cache, in one line, or None. ahead (before a run): a cache
         that may reach Phi-3's original context is refused whole, so that the run is refused before it starts,
-        not in the round that crosses it."""
-        if self.static and cache.static_kv_len is not None:
-            return ("token trees are not supported on the static-shape (CUDA graph) forward yet, whatever their "
-                    "node count: --no-fast runs the eager forward, which takes them")
-        if not isinstance(cache, DenseKVCache):
-            return "token trees are not supported on sparse KV caches yet"
+        not in the round that crosses it. nodes: the most nodes of one tree forward (the root included), which
+        the static-shape forward takes up to the widest captured width (`models/graphs.py`)."""
+        if self.static and cache.static_kv_len is not None and nodes is not None and nodes > TREE_WIDTHS[-1]:
+            return tree_budget_refusal(nodes)
+        if not isinstance(cache, (DenseKVCache, SparseKVCache)):  # the SnapKV scoring view: never a tree's
+            return "token trees need a dense or sparse KV cache"
         if ahead and self.recompute_at is not None and getattr(cache, "ids", None) is not None \
                 and cache.capacity > self.recompute_at:
             return _ACROSS_ORIGINAL
         return None
+
+    def _static_tree_forward(self, cache, tokens: torch.Tensor, start: list[int], taps: Taps | None,
+                             tree: TreeBatch) -> torch.Tensor:
+        """A tree forward on the static-shape path: padded to the captured width (`StaticTreeForward`), the
+        padding's logits (and states) dropped."""
+        tree.check_tokens(tokens)
+        B, N = tokens.shape
+        width = tree_width(N)
+        if recompute.switches(cache, self.recompute_at, start, width):
+            raise SdbenchError(_ACROSS_ORIGINAL)
+        need = max(start) + width
+        if need > cache.capacity:
+            raise RuntimeError(f"KV cache overflow: need {need} slots, have {cache.capacity}")
+        key = ("tree", B, width) if taps is None else ("tree", B, width, taps.layers)
+        forward = cache.graphs.get(key)
+        if forward is None:
+            forward = cache.graphs[key] = StaticTreeForward(self, cache, B, width,
+                                                            None if taps is None else taps.layers)
+        out = forward(tokens, start, tree)
+        if taps is None:
+            return out[:, :N]
+        logits, states = out
+        taps.put_joined(states[:, :N])
+        return logits[:, :N]
 
     def _static_forward(self, cache, tokens: torch.Tensor, start: list[int], taps: Taps | None) -> torch.Tensor:
         B, T = tokens.shape

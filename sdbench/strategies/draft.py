@@ -29,8 +29,8 @@ class DraftModel(FixedLookahead):
                 "tree_dynamic": tree_dynamic, "tree_sample": tree_sample}
         self.tree = grown_tree(gamma, draft_kv, tree)
         self.tree_settings = {k: v for k, v in tree.items() if v}
-        drafter = ModelDrafter(runner, sparse, gamma, self_speculation=self.self_speculation, tree=self.tree,
-                               sample_children=tree_sample)
+        drafter = ModelDrafter(runner, sparse, _lookahead(gamma, self.tree), self_speculation=self.self_speculation,
+                               tree=self.tree, sample_children=tree_sample)
         super().__init__(drafter, gamma)
         self.runner, self.sparse = runner, sparse
         self.rows_join = sparse is None  # a sparse view is compressed from a whole batch's prompts at once
@@ -41,16 +41,18 @@ class DraftModel(FixedLookahead):
 
     @property
     def max_lookahead(self) -> int:
-        if isinstance(self.tree, DynamicTree):
-            return self.tree.slots  # the drafter's last forward may feed more expanded nodes than it keeps
-        return self.gamma if self.tree is None else len(self.tree)
+        return _lookahead(self.gamma, self.tree)
+
+    def observe(self, state, proposal, rnd) -> None:
+        self.drafter.keep_paths(proposal, rnd)
 
     def params(self) -> dict:
         if self.sparse is None:
             return {"gamma": self.gamma, **self.tree_settings}
         sp = self.sparse
         return {"gamma": self.gamma, "draft_kv": sp.selector, "budget": sp.budget,
-                **({"sink": sp.sink} if sp.selector == "streamingllm" else {"window": sp.window})}
+                **({"sink": sp.sink} if sp.selector == "streamingllm" else {"window": sp.window}),
+                **self.tree_settings}
 
     def notes(self, context_tokens: int) -> list[str]:
         sp = self.sparse
@@ -58,6 +60,14 @@ class DraftModel(FixedLookahead):
             return []
         return [f"{self.name}: --set budget={sp.budget} is at least the longest context ({context_tokens} tokens), so "
                 f"the sparse draft cache keeps every token: {self.full_budget}"]
+
+
+def _lookahead(gamma: int, tree: Tree | DynamicTree | None) -> int:
+    """Tokens one round may write past the context: the chain's gamma, a tree's nodes, or a dynamic tree's
+    slots (its last forward may feed more expanded nodes than it keeps)."""
+    if isinstance(tree, DynamicTree):
+        return tree.slots
+    return gamma if tree is None else len(tree)
 
 
 SPARSE_OPTIONS = (
@@ -69,12 +79,9 @@ SPARSE_OPTIONS = (
 
 def tree_spec(gamma: int, draft_kv: str, tree_topk: int, tree_nodes: int, tree_shape: str,
               tree_dynamic: bool = False) -> Tree | DynamicTree | None:
-    """The token tree these settings ask the draft model to grow each round (None: the chain); raises on
-    impossible ones (strategies/trees.py, and a tree needs the dense draft cache)."""
-    tree = tree_setting("draft", gamma, tree_topk, tree_nodes, tree_shape, tree_dynamic)
-    if tree is not None and draft_kv != "dense":
-        raise SdbenchError(f"draft: a token tree needs the dense draft cache, not --set draft_kv={draft_kv}")
-    return tree
+    """The token tree these settings ask the draft model to grow each round (None: the chain), over its dense
+    or sparse cache alike; raises on impossible ones (strategies/trees.py)."""
+    return tree_setting("draft", gamma, tree_topk, tree_nodes, tree_shape, tree_dynamic)
 
 
 GROWTH_OPTIONS = (

@@ -4,13 +4,18 @@ The target drafts for itself while attending to a fixed budget of keys (Streamin
 window, or SnapKV's selected prefix + window), then verifies with its full cache. At long context and
 large batch, decoding is bound by reading the KV cache, so a draft whose cache stays small keeps its cost
 flat as the context grows, while its acceptance stays high because it is the target itself.
+
+With `--set tree_topk=K [tree_nodes=N]` or `tree_shape=...` the sparse-cache draft grows a token tree, as a draft
+model does (drafting/model.py `draft_tree`), which the target verifies over its full cache.
 """
 
 from __future__ import annotations
 
+from sdbench.errors import SdbenchError
 from sdbench.kv.sparse import SparseSpec
-from sdbench.strategies.draft import SPARSE_OPTIONS, DraftModel
+from sdbench.strategies.draft import GROWTH_OPTIONS, SPARSE_OPTIONS, DraftModel, grown_tree
 from sdbench.strategies.spec import BuildContext, Option, Strategy, need_gamma, register
+from sdbench.strategies.trees import TREE_OPTIONS
 
 
 class MagicDec(DraftModel):
@@ -20,8 +25,8 @@ class MagicDec(DraftModel):
     rows_join = False
 
     def __init__(self, runner, gamma: int, kv: str = "streamingllm", budget: int = 256, sink: int = 16,
-                 window: int = 32):
-        super().__init__(runner, gamma, kv, budget, sink, window)
+                 window: int = 32, **tree):
+        super().__init__(runner, gamma, kv, budget, sink, window, **tree)
         self.rows_join = False
 
     def params(self) -> dict:
@@ -36,13 +41,18 @@ class MagicDecStrategy(Strategy):
     help = "self-speculation: the target drafts through a fixed-budget sparse KV cache (StreamingLLM or SnapKV)"
     aliases = ("self-spec", "sparse-kv")
     # the draft strategy's sparse-cache settings, with the selector named `kv` and never dense
-    options = (Option("kv", "streamingllm", "draft cache selector: streamingllm or snapkv", str), *SPARSE_OPTIONS)
+    options = (Option("kv", "streamingllm", "draft cache selector: streamingllm or snapkv", str), *SPARSE_OPTIONS,
+               *TREE_OPTIONS, *GROWTH_OPTIONS)
     proposer = MagicDec
 
     @classmethod
     def validate(cls, gamma: int, options: dict, drafts: tuple[str, ...], sampling) -> None:
         need_gamma(cls.name, gamma)
         SparseSpec(options["kv"], options["budget"], options["sink"], options["window"])  # never dense
+        grown_tree(gamma, options["kv"], options)
+        if options["tree_sample"] and sampling is not None and sampling.greedy:
+            raise SdbenchError("magicdec: --set tree_sample draws children from the draft's distribution, which "
+                               "needs sampling: use --temperature above 0")
 
     @classmethod
     def join_refusal(cls, options: dict) -> str | None:
@@ -56,7 +66,8 @@ class MagicDecStrategy(Strategy):
         options = {"kv": trial.suggest_categorical("kv", ["streamingllm", "snapkv"]),
                    "budget": trial.suggest_categorical("budget", grid)}
         options["window"] = min(32, options["budget"])
-        return trial.suggest_int("gamma", 1, 6), options
+        gamma = trial.suggest_int("gamma", 1, 6)
+        return gamma, {**options, **space.topk_tree(trial, gamma)}
 
     @classmethod
     def needs_native(cls, target: str, drafts: tuple[str, ...], options: dict) -> dict[str, str]:
