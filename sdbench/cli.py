@@ -454,27 +454,29 @@ def predict_chain(
 
 @predict_app.command("tree")
 def predict_tree(
-    results: Annotated[list[str], typer.Argument(help="a run's results (files or folders) that measured a tree")],
+    results: Annotated[Optional[list[str]], typer.Argument(help="a run's results (files or folders) that measured a tree")] = None,
+    acceptance: Annotated[Optional[str], typer.Option(help="a shipped acceptance table instead of results (needs --target and --draft-cost; an unknown NAME lists the known)")] = None,
     budget: Annotated[str, typer.Option(help="node budgets: the most drafted nodes a tree may have")] = "4,8,16,32",
-    batch: Annotated[Optional[str], typer.Option(help="batch sizes to profile [default: the run's]")] = None,
+    batch: Annotated[Optional[str], typer.Option(help="batch sizes to profile [default: the run's; with --acceptance 1]")] = None,
     by_depth: Annotated[bool, typer.Option("--by-depth", help="acceptance per depth and rank (default: per rank, pooled over depths)")] = False,
     draft_cost: Annotated[Optional[float], typer.Option(help="one draft level / one target step [default: measured by the run against its baseline]")] = None,
     target: Annotated[Optional[str], typer.Option("--target", "-t", help="the model whose verification is profiled [default: the run's target]")] = None,
-    context: Annotated[Optional[int], typer.Option(help="context length the costs are profiled at [default: the run's mean prompt + half its new tokens]")] = None,
+    context: Annotated[Optional[int], typer.Option(help="context length the costs are profiled at [default: the run's mean prompt + half its new tokens; with --acceptance 1024]")] = None,
     device: Device = "auto",
     dtype: Annotated[Optional[str], typer.Option(help="float32, bfloat16 or float16 [default: the run's]")] = None,
     fast: Fast = True,
     strategy: Annotated[Optional[str], typer.Option("--strategy", "-s", help="the rows of this strategy or preset only (a run with --compare holds several)")] = None,
 ):
     """The token tree with the most predicted tokens/s per batch size and node budget, from the run's acceptance by
-    depth and sibling rank and the cost of verifying N tokens profiled on this machine (Sequoia's programme)."""
+    depth and sibling rank (or a shipped table's) and the cost of verifying N tokens profiled on this machine
+    (Sequoia's programme)."""
     from sdbench.commands.predict_tree import run_predict_tree
 
     if draft_cost is not None and not draft_cost >= 0:
         raise SdbenchError(f"--draft-cost {draft_cost}: expected 0 or more")
-    cfg = C.PredictTreeConfig(tuple(results), parse_gammas(budget, "--budget", 1),
+    cfg = C.PredictTreeConfig(tuple(results or ()), parse_gammas(budget, "--budget", 1),
                               parse_gammas(batch, "--batch", 1) if batch else (), by_depth, draft_cost, target,
-                              context, device, dtype, fast, strategy)
+                              context, device, dtype, fast, strategy, acceptance)
     run_predict_tree(cfg, console)
 
 

@@ -189,9 +189,9 @@ class PredictMagicdecConfig:
 @dataclass(frozen=True)
 class PredictTreeConfig:
     """`sdbench predict tree`: the best token tree per batch size and node budget, from a run's acceptance by
-    depth and rank and the verification costs profiled on this machine."""
+    depth and rank (or a shipped table's) and the verification costs profiled on this machine."""
 
-    results: tuple[str, ...]  # a run's results: files or folders
+    results: tuple[str, ...]  # a run's results: files or folders; () with `acceptance`
     budgets: tuple[int, ...] = (4, 8, 16, 32)  # node budgets
     batches: tuple[int, ...] = ()  # () : the run's batch sizes
     by_depth: bool = False  # acceptance per depth and rank, not pooled over depths per rank
@@ -202,6 +202,7 @@ class PredictTreeConfig:
     dtype: str | None = None  # None: the run's
     fast: bool = True
     strategy: str | None = None  # only this strategy's (or preset's) rows: a run with --compare holds several
+    acceptance: str | None = None  # a shipped acceptance table (analysis/trees.shipped_tables) instead of results
 
 
 @dataclass(frozen=True)

@@ -4,20 +4,24 @@ line; the byte tokenizer a GPU machine with no model wheels decodes with."""
 
 from __future__ import annotations
 
+import ast
 import sys
 
+import numpy as np
 import pandas as pd
 import pytest
 import torch
 
+from sdbench.analysis.trees import Acceptance, hardware_trees, interpolated, shipped_tables
 from sdbench.commands.gpucheck import page as gpage
 from sdbench.commands.gpucheck import plan as gplan
 from sdbench.commands.gpucheck.sections import cuda_test_files
+from sdbench.engine.tree import Tree
 from sdbench.models import random_weights
 from tests.conftest import run_cli
 
 SECTIONS = {1: {"cuda-tests", "bench", "checks", "setup"},
-            2: {"bench", "step-costs", "predict", "checks", "setup"},
+            2: {"bench", "tree-costs", "trees", "step-costs", "predict", "checks", "setup"},
             3: {"magicdec", "dsi", "checks", "setup"}}
 PNGS = {1: {"bench"}, 2: {"bench", "step-costs", "predict"}, 3: {"magicdec", "dsi"}}
 # sdbench's dependencies a GPU machine's image lacks (the model and data wheels' modules too): none is imported
@@ -67,6 +71,9 @@ def test_the_whole_check_runs_on_a_cpu_with_tiny_shapes(no_tokenizer, capsys, tm
             assert set(costs["path"]) == {"static shapes, no capture"}
             assert set(costs["kind"]) == {"target", "verify", "draft"}
             assert (rows["predict"]["predicted_speedup"] > 0).all()
+            trees = rows["trees"]  # one row per shipped table x batch x budget (test_tree_costs_* checks them)
+            assert len(trees) == len(shipped_tables()) * len(gplan.TINY.tree_batches) * len(gplan.TINY.tree_budgets)
+            assert set(rows["tree-costs"]["kind"]) == {"target", "verify", "draft"}
         if part == 3:
             assert {"run: baseline", "run: strategy", "predicted: alpha given"} <= set(rows["magicdec"]["kind"])
             assert set(rows["dsi"]["workers"]) == set(gplan.TINY.dsi_workers)
@@ -84,6 +91,7 @@ def test_a_fall_back_to_the_eager_forward_fails_the_check(no_tokenizer, monkeypa
     from rich.console import Console
 
     from sdbench.commands.gpucheck import costs
+    from sdbench.commands.gpucheck import trees as gtrees
     from sdbench.models import graphs, runner
     from sdbench.models.forward_paths import CudaGraphs
 
@@ -109,6 +117,11 @@ def test_a_fall_back_to_the_eager_forward_fails_the_check(no_tokenizer, monkeypa
     with gplan.settings(tiny=True):
         ctx = gplan.Ctx(gplan.TINY, "cpu", Console(), tmp_path, float("inf"))
         sections = costs.step_costs(ctx)
+        tree_costs = gtrees.tree_costs(ctx)[0]  # the tree step records it the same way, per model and batch
+    assert tree_costs.frame["fell_back"].all() and set(tree_costs.frame["path"]) == {"eager (fell back)"}
+    assert set(tree_costs.frame["model"]) == {gplan.LLAMA_8B, gplan.LLAMA_1B}
+    assert tree_costs.failures and "tree costs: CUDA graphs fell back" in tree_costs.failures[0]
+    assert tree_costs.checks[0].verdict == "does not hold here"
     frame = sections[0].frame
     assert frame["fell_back"].all() and frame["fallback"].str.contains("differed from the eager forward").any()
     assert set(frame["path"]) == {"eager (fell back)"}
@@ -117,6 +130,65 @@ def test_a_fall_back_to_the_eager_forward_fails_the_check(no_tokenizer, monkeypa
     assert sections[0].checks[0].verdict == "does not hold here"
     gpage.write_part(tmp_path / "part-2", 2, sections, {"device": "cpu"}, [])
     assert pd.read_parquet(tmp_path / "part-2" / "part-2.parquet")["fell_back"].fillna(False).astype(bool).any()
+
+
+def test_tree_costs_choose_per_table_batch_and_budget_what_the_recorded_costs_favour(no_tokenizer, tmp_path):
+    """The tree step rehearsed: LLAMA_8B's verification of every width `predict tree` profiles, a LLAMA_1B step
+    beside it (c), and per shipped table, batch and budget a tree whose figures are recomputed here by hand from
+    the recorded v and c and the table's counts: E from the path products, v interpolated, the speedup, the best
+    chain; and hardware_trees on the recorded costs choosing the same trees."""
+    from rich.console import Console
+
+    from sdbench.commands.gpucheck import trees as gtrees
+
+    s = gplan.TINY
+    with gplan.settings(tiny=True):
+        ctx = gplan.Ctx(s, "cpu", Console(), tmp_path, float("inf"))
+        costs, chosen = gtrees.tree_costs(ctx)
+    profiled, rows = costs.frame, chosen.frame
+    assert not costs.failures and costs.checks[0].verdict == "cannot be tested here"  # no capture on a CPU
+    assert set(profiled["context"]) == {s.tree_context} and not profiled["fell_back"].astype(bool).any()
+    tables = {t.name: t for t in shipped_tables()}
+    for b in s.tree_batches:
+        at = profiled[profiled["batch"] == b]
+        # every chain up to depth 6 (the shipped table's), each budget, the powers of two: N drafted + the root
+        assert sorted(at[at["kind"] == "verify"]["tokens"]) == [2, 3, 4, 5, 6, 7, 9, 17, 33]
+        target = at[at["kind"] == "target"].iloc[0]
+        draft = at[at["kind"] == "draft"].iloc[0]
+        assert draft["model"] == gplan.LLAMA_1B and target["model"] == gplan.LLAMA_8B
+        c = draft["ms"] / target["ms"]
+        assert draft["c"] == pytest.approx(c)
+        widths = at[at["kind"] != "draft"].sort_values("tokens")
+        assert np.allclose(widths["v"], widths["ms"] / target["ms"])
+
+        def v(n, widths=widths):  # linear between the profiled widths
+            return float(np.interp(n, widths["tokens"], widths["v"]))
+
+        for name, table in tables.items():
+            # pooled per rank over the depths, by hand from the counts
+            p = [sum(a[r] for a in table.accepted if r < len(a)) / sum(t[r] for t in table.tried if r < len(t))
+                 for r in range(2)]
+            m = [p[0], (1 - p[0]) * p[1]]
+            chains = [sum(p[0] ** k for k in range(g + 1)) / (g * c + v(g + 1)) for g in range(1, 7)]
+            mine = rows[(rows["table"] == name) & (rows["batch"] == b)].sort_values("budget")
+            assert list(mine["budget"]) == list(s.tree_budgets) and mine["best"].sum() == 1
+            for r in mine.to_dict("records"):
+                tree = Tree.from_vllm(r["tree_shape"])
+                paths = [tuple(x) for x in ast.literal_eval(r["tree_shape"])]  # vLLM's list of rank paths
+                E = sum(np.prod([m[k] for k in path]) for path in paths)
+                assert (r["nodes"], r["depth"]) == (len(paths), max(map(len, paths))) and r["nodes"] <= r["budget"]
+                assert r["acc_len"] == pytest.approx(E + 1) and r["v"] == pytest.approx(v(len(paths) + 1))
+                assert r["predicted_speedup"] == pytest.approx((E + 1) / (r["depth"] * c + v(len(paths) + 1)))
+                assert r["chain_speedup"] == pytest.approx(max(chains))
+                assert r["chain_gamma"] == 1 + int(np.argmax(chains))
+                assert r["predicted_speedup"] >= r["chain_speedup"] - 1e-9  # a chain is a tree too
+                assert len(tree) == r["nodes"]
+            assert list(mine["predicted_speedup"]) == sorted(mine["predicted_speedup"])  # a larger budget may reuse
+            acc = Acceptance(((p[0], p[1]),) * 6)
+            again = hardware_trees(acc, lambda _, n: interpolated(dict(zip(widths["tokens"], widths["v"])))(n), c,
+                                   [b], s.tree_budgets)
+            assert [ch.tree.to_vllm() for ch in again] == list(mine["tree_shape"])
+    assert len(chosen.notes) == len(tables) * len(s.tree_batches)
 
 
 @pytest.mark.parametrize("args, said", [

@@ -103,3 +103,87 @@ def test_strategy_picks_one_configuration_of_a_compared_run(tmp_path):
                                                                                   [[9, 5, 1], [6, 1]])
     assert picked.draft_cost == pytest.approx(single.draft_cost) and picked.strategy == "draft"
     assert measured_trees(mixed, "ngram").tried == [[5, 1]]  # its two rows, one depth each
+
+
+def test_the_shipped_tables_parse_and_each_gives_an_acceptance():
+    from sdbench.analysis.trees import shipped_table, shipped_tables
+
+    tables = shipped_tables()
+    assert tables and len({t.name for t in tables}) == len(tables)
+    for t in tables:
+        assert t.source and [len(r) for r in t.tried] == [len(r) for r in t.accepted]
+        acc = t.acceptance()
+        assert acc.depth == len(t.tried) and acc.ranks >= 2  # siblings measured: a tree can be chosen
+        assert all(0 <= x <= 1 for row in t.acceptance(by_depth=True).p for x in row)
+    eagle = shipped_table("smollm2-eagle3-mtbench")
+    # pooled per rank, by hand: rank 0 accepted 103 of 473 tries over the six depths, rank 1 52 of 319
+    assert eagle.acceptance().p[0] == pytest.approx((103 / 473, 52 / 319))
+    assert eagle.acceptance(by_depth=True).p[1] == pytest.approx((23 / 114, 7 / 57))
+
+
+@pytest.mark.parametrize("entry, says", [
+    ({"name": "x", "source": "s", "tried": [[1, 2]], "accepted": [[2, 0]]}, "never more accepted than tried"),
+    ({"name": "x", "source": "s", "tried": [[1, 2]], "accepted": [[1]]}, "the same shape"),
+    ({"name": "x", "source": "s", "tried": [[1, -2]], "accepted": [[1, 0]]}, "lists of counts"),
+    ({"name": "x", "tried": [[1]], "accepted": [[1]]}, "needs a name and a source"),
+])
+def test_a_bad_table_is_refused_in_one_line(tmp_path, entry, says):
+    import json
+
+    from sdbench.analysis.trees import shipped_tables
+    from sdbench.errors import SdbenchError
+
+    path = tmp_path / "tables.json"
+    path.write_text(json.dumps([entry]))
+    with pytest.raises(SdbenchError, match=says):
+        shipped_tables(path)
+
+
+def test_a_shipped_table_predicts_at_any_target_with_the_given_draft_cost(small, capsys, monkeypatch):  # noqa: F811
+    from sdbench.analysis.trees import shipped_table
+
+    asked = []
+
+    def spy(runner, batch, context, gammas, budgets, *args):
+        asked.append((batch, context, tuple(gammas), tuple(budgets)))
+        timed = costs.profile(runner, batch, context, gammas, budgets, reps=1, warmup=1)
+        assert set(timed.verify_s) == set(gammas) and timed.target_s > 0
+        return costs.Profile(batch, context, 0.01, {g: 0.01 * (1 + g / 20) for g in gammas}, {})
+
+    monkeypatch.setattr(predict_tree, "profile", spy)
+    code, out, err = run_cli(capsys, "predict", "tree", "--acceptance", "smollm2-eagle3-mtbench", "--target", TARGET,
+                             "--draft-cost", "0.2", "--budget", "4,8", "--batch", "1,2", "--device", "cpu")
+    assert code == 0, err
+    # batch 1 and 2 at the default context 1024; the table's six depths, each budget, the powers of two
+    assert asked == [(b, 1024, (1, 2, 3, 4, 5, 6, 8), ()) for b in (1, 2)]
+    assert "the shipped table smollm2-eagle3-mtbench (measured 2026-11-26" in out
+    assert "draft cost c = 0.200 of a target step per level (--draft-cost)" in out
+    assert "note: the shapes are run by" not in out  # a table names no strategy that grows its own trees
+    acc = shipped_table("smollm2-eagle3-mtbench").acceptance()
+    shapes = re.findall(r"batch (\d), budget (\d+): --gamma \d+ --set tree_shape=\"(.+)\"", out)
+    rows = table_rows(out, 9)
+    assert len(rows) == len(shapes) == 4
+    for r, (b, n, shape) in zip(rows, shapes):
+        tree = Tree.from_vllm(shape)
+        assert (r[0], r[1]) == (b, n) and (r[2], r[3]) == (str(len(tree)), str(tree.max_depth))
+        accepted_len = expected_accepted(tree, acc) + 1
+        v = 1 + len(tree) / 20
+        assert float(r[4]) == pytest.approx(accepted_len, abs=0.006)
+        assert float(r[6].rstrip(" *x")) == pytest.approx(accepted_len / (tree.max_depth * 0.2 + v), abs=0.006)
+
+
+@pytest.mark.parametrize("args, says", [
+    (("RESULTS", "--acceptance", "smollm2-eagle3-mtbench", "-t", TARGET, "--draft-cost", "0.2"),
+     "give a run's results or --acceptance NAME, not both"),
+    ((), "give a run's results (RESULTS) or --acceptance NAME"),
+    (("--acceptance", "list"), "--acceptance list: no such shipped acceptance table (known: smollm2-eagle3-mtbench"),
+    (("--acceptance", "smollm2-eagle3-mtbench", "--draft-cost", "0.2"), "give --target MODEL (a shipped table"),
+    (("--acceptance", "smollm2-eagle3-mtbench", "-t", TARGET), "give --draft-cost C (a shipped table"),
+    (("--acceptance", "smollm2-eagle3-mtbench"), "give --target MODEL and --draft-cost C"),
+    (("--acceptance", "smollm2-eagle3-mtbench", "-t", TARGET, "--draft-cost", "0.2", "--strategy", "draft"),
+     "--strategy picks the rows of a run's results"),
+])
+def test_acceptance_asked_wrongly_is_refused_in_one_line(tmp_path, capsys, args, says):
+    args = tuple(_results(tmp_path, _rows()) if a == "RESULTS" else a for a in args)
+    code, _, err = run_cli(capsys, "predict", "tree", *args, "--device", "cpu")
+    assert code == 2 and err.count("\n") == 1 and says in err

@@ -253,6 +253,59 @@ def summed_tables(tables) -> list[list[int]]:
 
 
 @dataclass(frozen=True)
+class ShippedTable:
+    """An acceptance table measured by a run and shipped with sdbench (sdbench/data/tree_acceptance.json):
+    tried and accepted drafted nodes per depth and sibling rank, as `summed_tables` gives them from its rows."""
+
+    name: str
+    source: str  # what was measured: models, data set, prompts, tokens, date, machine
+    tried: list[list[int]]  # [d][r]
+    accepted: list[list[int]]  # [d][r]
+
+    def acceptance(self, by_depth: bool = False) -> Acceptance:
+        return Acceptance.from_counts(self.tried, self.accepted, by_depth)
+
+
+def _counts(name: str, key: str, table) -> list[list[int]]:
+    if not isinstance(table, list) or not all(isinstance(row, list) and all(isinstance(x, int) and x >= 0
+                                                                          for x in row) for row in table):
+        raise SdbenchError(f"acceptance table {name}: {key} must be a list of lists of counts (got {table!r})")
+    return table
+
+
+def shipped_tables(path=None) -> list[ShippedTable]:
+    """Every table of the shipped file (or `path`), checked: counts per depth and rank, never more accepted than
+    tried, and at least one drafted node tried."""
+    if path is None:
+        from importlib.resources import files
+
+        path = files("sdbench.data") / "tree_acceptance.json"
+    out = []
+    for entry in json.loads(path.read_text(encoding="utf-8")):
+        name = str(entry.get("name") or "")
+        tried, accepted = _counts(name, "tried", entry.get("tried")), _counts(name, "accepted", entry.get("accepted"))
+        if not name or not entry.get("source"):
+            raise SdbenchError(f"acceptance table {name or '(no name)'}: needs a name and a source")
+        if ([len(r) for r in tried] != [len(r) for r in accepted]
+                or any(a > t for ts, acc in zip(tried, accepted) for t, a in zip(ts, acc)) or not summed_tables([tried])
+                or not any(any(row) for row in tried)):
+            raise SdbenchError(f"acceptance table {name}: tried and accepted must have the same shape, some node "
+                               "tried, and never more accepted than tried")
+        out.append(ShippedTable(name, str(entry["source"]), tried, accepted))
+    return out
+
+
+def shipped_table(name: str) -> ShippedTable:
+    """The shipped table of that name; refused in one line naming the known ones."""
+    tables = shipped_tables()
+    for table in tables:
+        if table.name == name:
+            return table
+    raise SdbenchError(f"--acceptance {name}: no such shipped acceptance table (known: "
+                       f"{', '.join(t.name for t in tables) or 'none'})")
+
+
+@dataclass(frozen=True)
 class MeasuredTrees:
     """What `predict tree` reads from a run: its acceptance counts by depth and rank, pooled over its rows, and
     what it needs to profile the costs like the run."""

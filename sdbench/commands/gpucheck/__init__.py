@@ -7,8 +7,9 @@ DSI. The work is split into three parts, each meant to finish within 9 minutes o
 one folder of at most 8 files (`page.write_part`); `--merge` joins the parts' folders into one page.
 
   part 1: the CUDA tests; bench at Llama-3.2-1B's and Llama-3.2-3B's shapes
-  part 2: bench at Llama-3.1-8B's shape; its step costs over batch x context through the graphs (no point may
-          fall back to the eager forward), and MagicDec's predicted speedup on them
+  part 2: bench at Llama-3.1-8B's shape; the token tree its verification costs favour for each shipped acceptance
+          table (`trees.tree_costs`); its step costs over batch x context through the graphs (no point may fall
+          back to the eager forward), and MagicDec's predicted speedup on them
   part 3: one MagicDec run at Llama-3.1-8B's shape in the paper's regime with its prediction; DSI with 2 and
           4 workers on the one device at Llama-3.2-1B's shape
 
@@ -39,14 +40,15 @@ BUDGET_S = 510.0  # a part starts no new measurement after this: 8.5 minutes, un
 
 def steps(part: int):
     """(label, fn(ctx) -> Section or [Section]) of one part, in order."""
-    from sdbench.commands.gpucheck import costs, sections  # torch and pandas: after the preflight
+    from sdbench.commands.gpucheck import costs, sections, trees  # torch and pandas: after the preflight
 
     return {
         1: [("the CUDA tests", sections.cuda_tests),
             (f"bench at {LLAMA_1B}", lambda ctx: sections.bench_model(ctx, LLAMA_1B)),
             (f"bench at {LLAMA_3B}", lambda ctx: sections.bench_model(ctx, LLAMA_3B))],
         2: [(f"bench at {LLAMA_8B}", lambda ctx: sections.bench_model(ctx, LLAMA_8B)),
-            (f"step costs at {LLAMA_8B}", costs.step_costs)],
+            (f"tree costs at {LLAMA_8B}", trees.tree_costs),  # before the step costs: theirs is the grid that
+            (f"step costs at {LLAMA_8B}", costs.step_costs)],  # stops at the part's budget
         3: [(f"magicdec at {LLAMA_8B}", costs.magicdec_run),
             (f"dsi at {LLAMA_1B}", sections.dsi_runs)],
     }[part]

@@ -28,18 +28,26 @@ FALLBACK = "eager forward"  # what `ModelRunner.disable_graphs`' warning says
 PREDICTION_TOLERANCE = 0.25  # |predicted / measured - 1| within which the cost model is said to predict a run
 
 
-def timed_point(runner, batch: int, context: int, sizes, asked: bool) -> tuple[list[dict], object]:
-    """`costs.profile` at one point, and whether its forwards stayed on the graphs: a capture that fails or
-    disagrees turns the runner's graphs off with a RuntimeWarning, caught here and recorded on the point's rows.
-    Returns (rows: the target step, each verification width, each sparse budget; the Profile)."""
+def on_graphs(runner, asked: bool, fn) -> tuple[object, dict]:
+    """fn(), and whether `runner`'s forwards stayed on the graphs: a capture that fails or disagrees turns the
+    runner's graphs off with a RuntimeWarning, caught here. Returns (fn's result, the columns that record it:
+    path, graphs_asked, graphs, fell_back, fallback)."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", RuntimeWarning)
-        p = profile(runner, batch, context, sizes.gammas, sizes.budgets, reps=sizes.reps)
+        out = fn()
     reason = "; ".join(str(w.message) for w in caught if FALLBACK in str(w.message))
     held = bool(runner.graphs)
     path = "cuda graphs" if held else ("eager (fell back)" if asked else "static shapes, no capture")
-    common = {"batch": batch, "context": context, "path": path, "graphs_asked": asked, "graphs": held,
-              "fell_back": asked and not held, "fallback": reason}
+    return out, {"path": path, "graphs_asked": asked, "graphs": held, "fell_back": asked and not held,
+                 "fallback": reason}
+
+
+def timed_point(runner, batch: int, context: int, sizes, asked: bool) -> tuple[list[dict], object]:
+    """`costs.profile` at one point, and whether its forwards stayed on the graphs (`on_graphs`), recorded on the
+    point's rows. Returns (rows: the target step, each verification width, each sparse budget; the Profile)."""
+    p, graphs = on_graphs(runner, asked, lambda: profile(runner, batch, context, sizes.gammas, sizes.budgets,
+                                                         reps=sizes.reps))
+    common = {"batch": batch, "context": context, **graphs}
     rows = [dict(common, kind="target", ms=p.target_s * 1e3)]
     rows += [dict(common, kind="verify", gamma=g, ms=t * 1e3) for g, t in p.verify_s.items()]
     rows += [dict(common, kind="draft", budget=b, ms=t * 1e3) for b, t in p.draft_s.items()]
@@ -95,8 +103,8 @@ def _late_line(late) -> str | None:
             f"context {late[0][1]}")
 
 
-def _fallback_claim(frame, asked: bool) -> Claim:
-    claim = "no step-cost point fell back from the CUDA graphs to the eager forward"
+def _fallback_claim(frame, asked: bool, what: str = "step-cost") -> Claim:
+    claim = f"no {what} point fell back from the CUDA graphs to the eager forward"
     measured = frame[frame["kind"] != "not measured"]
     points = measured[["batch", "context"]].drop_duplicates()
     if measured.empty:

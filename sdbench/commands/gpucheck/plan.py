@@ -49,6 +49,10 @@ class Sizes:
     budgets: tuple[int, ...]
     reps: int  # each step time the median of this many calls
     alpha: float  # the acceptance rate predictions assume
+    # tree costs at LLAMA_8B's shape: verification of 1..max budget + 1 tokens, a LLAMA_1B draft step
+    tree_batches: tuple[int, ...]
+    tree_context: int
+    tree_budgets: tuple[int, ...]  # node budgets of the trees chosen per shipped acceptance table
     # one MagicDec run at LLAMA_8B's shape, then its prediction at the same point
     run_batch: int
     run_context: int
@@ -66,11 +70,13 @@ GPU = Sizes(dtype="bfloat16", tiny=False, bench_prompts=2, bench_prompt_chars=51
             bench_repeats=2, gamma=4, generate="fastest",
             batches=(1, 2, 4, 8, 16, 32, 64), contexts=(1024, 2048, 4096, 8192, 16384, 32768), gammas=(1, 2, 3, 4),
             budgets=(256, 512, 1024, 2048), reps=5, alpha=0.8,
+            tree_batches=(1, 4), tree_context=1024, tree_budgets=(4, 8, 16, 32),
             run_batch=32, run_context=8192, run_tokens=64, run_gamma=3, run_budget=512,
             dsi_workers=(2, 4), dsi_prompts=2, dsi_tokens=64, dsi_gamma=4)
 TINY = Sizes(dtype="float32", tiny=True, bench_prompts=1, bench_prompt_chars=32, bench_tokens=6, bench_repeats=1,
              gamma=4, generate="dynamic",
              batches=(1, 2), contexts=(32, 64), gammas=(1, 2), budgets=(16, 32), reps=1, alpha=0.8,
+             tree_batches=(1, 2), tree_context=32, tree_budgets=(4, 8, 16, 32),
              run_batch=2, run_context=64, run_tokens=6, run_gamma=2, run_budget=32,
              dsi_workers=(2, 4), dsi_prompts=1, dsi_tokens=4, dsi_gamma=2)
 
@@ -79,7 +85,7 @@ TINY = Sizes(dtype="float32", tiny=True, bench_prompts=1, bench_prompt_chars=32,
 class Section:
     """What one step measured: rows (one Parquet section), the checks it judged, and what must fail the call."""
 
-    name: str  # cuda-tests, bench, step-costs, predict, magicdec, dsi
+    name: str  # cuda-tests, bench, tree-costs, trees, step-costs, predict, magicdec, dsi
     frame: object  # pandas DataFrame
     checks: list = field(default_factory=list)  # reproduce.common.Claim
     failures: list[str] = field(default_factory=list)  # one line each; any fails the call (exit 1)
