@@ -187,3 +187,15 @@ def test_acceptance_asked_wrongly_is_refused_in_one_line(tmp_path, capsys, args,
     args = tuple(_results(tmp_path, _rows()) if a == "RESULTS" else a for a in args)
     code, _, err = run_cli(capsys, "predict", "tree", *args, "--device", "cpu")
     assert code == 2 and err.count("\n") == 1 and says in err
+
+
+def test_a_profile_where_a_wider_verification_ran_faster_than_one_token_is_told():
+    """No forward over 5 tokens takes 40 % of a forward over one: a profile saying so was disturbed, and is told
+    in one line naming the point; a plausible profile says nothing."""
+    from sdbench.commands.predict_tree import disturbed_note
+
+    fine = costs.Profile(1, 64, 0.01, {1: 0.011, 4: 0.013}, {})
+    assert disturbed_note({1: fine}) is None
+    bad = costs.Profile(4, 64, 0.01, {1: 0.0095, 4: 0.004}, {})
+    note = disturbed_note({1: fine, 4: bad})
+    assert note.startswith("note: at batch 4 verifying 5 tokens timed 0.40 of a one-token step") and "\n" not in note

@@ -41,6 +41,22 @@ def relative_verify(p) -> Callable[[int], float]:
     return interpolated({1: 1.0, **{g + 1: t / p.target_s for g, t in p.verify_s.items()}})
 
 
+FASTER_THAN_ONE = 0.9  # a wider verification timed below this share of a one-token step: the timing was disturbed
+
+
+def disturbed_note(profiles: dict) -> str | None:
+    """The one line saying that a wider verification was timed faster than a one-token step (batch -> Profile),
+    which no forward is: something else ran on the machine while it was profiled; None when none was."""
+    low = [(b, g + 1, t / p.target_s) for b, p in profiles.items() for g, t in p.verify_s.items()
+           if t / p.target_s < FASTER_THAN_ONE]
+    if not low:
+        return None
+    b, width, v = min(low, key=lambda x: x[2])
+    return (f"note: at batch {b} verifying {width} tokens timed {v:.2f} of a one-token step, faster than one token "
+            "can be: other work disturbed the profile, and the trees below rest on it; profile again on a quiet "
+            "machine")
+
+
 def _percent(row) -> str:
     return " / ".join(f"{x:.0%}" for x in row)
 
@@ -124,11 +140,14 @@ def run_predict_tree(cfg: PredictTreeConfig, console) -> list[TreeChoice]:
         loaded = loader.load_model(a.target, dev, dt)
         runner = ModelRunner(loaded.model, a.target, fast=cfg.fast)
     say_note(loaded, console)
-    costs = {}
+    costs, profiles = {}, {}
     with console.status("profiling verification"):
         for b, s in fits:
-            p = profile(runner, b, s, widths, ())
+            profiles[b] = p = profile(runner, b, s, widths, ())
             costs[b] = relative_verify(p)
+    note = disturbed_note(profiles)
+    if note:
+        console.print(note, style="yellow", highlight=False, soft_wrap=True)
     if a.side:
         console.print(f"each verification of {a.strategy} also feeds {a.side} side nodes (its window): a tree of n "
                       f"nodes is verified at n + {a.side + 1} tokens", highlight=False)
