@@ -35,10 +35,8 @@ CAPACITY_STEP = 256  # pooled dense caches round their length up to a multiple o
 POOL_MAX = 8  # caches a runner keeps for reuse
 REUSE_SPAN = 4  # a pooled dense cache serves requests down to a quarter of its length
 CHECK_ATOL = 2e-2  # capture self-check: logits of a replay vs the eager forward (bf16-safe)
-# the node counts (the root included) tree graphs are captured for: up to lookahead decoding's Spec-Bench setting
-# (window 5, n-grams of 7, pool 7: 73 nodes)
-TREE_WIDTHS = (8, 16, 32, 64, 128)
-# the most padding nodes a tree graph writes past a tree (a tree of 65 nodes in the 128-node graph): the slots a
+TREE_WIDTHS = (8, 16, 32, 64)  # the node counts (the root included) tree graphs are captured for
+# the most padding nodes a tree graph writes past a tree (a tree of 33 nodes in the 64-node graph): the slots a
 # static dense cache keeps past its length for them
 TREE_SPARE = max(width - low - 1 for low, width in zip((0, *TREE_WIDTHS), TREE_WIDTHS))
 
