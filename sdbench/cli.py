@@ -171,8 +171,8 @@ def check(
 
 
 @app.command("list")
-def list_(what: Annotated[str, typer.Argument(help="strategies, datasets or models")]):
-    """What is registered, and whether each model/dataset is available offline right now."""
+def list_(what: Annotated[str, typer.Argument(help="strategies, datasets, models or engines")]):
+    """What is registered, and whether each model/dataset/engine is available offline right now."""
     from sdbench.commands.listing import show
 
     show(what, console)
@@ -350,12 +350,21 @@ def bench(
     generate: Annotated[str, typer.Option(envvar="SDBENCH_GENERATE", help="transformers generate's configuration: "
                                           "fastest (tried and picked here), dynamic, static or compiled")] = "fastest",
     head: Annotated[Optional[list[str]], typer.Option("--head", help="a trained head (EAGLE or Medusa folder or hub id) measured beside the others (repeatable)")] = None,
+    engine: Annotated[str, typer.Option(help="also measure engines users deploy, each through its own server: "
+                                        "llama.cpp, vllm or both as llama.cpp,vllm (`sdbench list engines`); "
+                                        "sdbench: none")] = "sdbench",
+    engine_url: Annotated[Optional[str], typer.Option(help="the engine's server you already run (http://HOST:PORT), "
+                                                      "measured as it runs; else sdbench starts its own")] = None,
+    engine_port: Annotated[Optional[int], typer.Option(help="the first port of the servers sdbench starts "
+                                                       "[default: free ones]")] = None,
 ):
-    """Speed against peers in one process: transformers generate and assisted generation vs sdbench."""
+    """Speed against peers: transformers generate and assisted generation vs sdbench in one process, and with
+    --engine the same prompts through llama.cpp's or vLLM's own server."""
     from sdbench.commands.bench import run_peers
 
     run_peers(C.BenchConfig(target, (draft or [""])[0], dataset, limit, max_new_tokens, gamma, device, dtype, seed,
-                            repeats, out, generate, heads=tuple(head or ())), console)
+                            repeats, out, generate, heads=tuple(head or ()), engine=engine, engine_url=engine_url,
+                            engine_port=engine_port), console)
 
 
 @app.command("gpu-check")

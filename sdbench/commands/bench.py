@@ -6,6 +6,7 @@ are counted from the ids it returns, and outputs are compared token for token.
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,7 +31,12 @@ from sdbench.models.loader import check_fit, check_same_tokenizer, eos_token_ids
 from sdbench.models.pair import pick_runner, resolve_device, resolve_dtype, say_note
 from sdbench.models.runner import ModelRunner
 from sdbench.models.variants import split_variant, variant_model
+from sdbench.paths import cache_dir
 from sdbench.reporting.results import env_fields
+from sdbench.servers.client import EngineReplyError
+from sdbench.servers.engines import SDBENCH, EngineTotals, engine
+from sdbench.servers.process import EngineFailed
+from sdbench.servers.systems import engine_roles, engine_systems
 from sdbench.strategies import strategy
 from sdbench.strategies.autoregressive import Autoregressive
 from sdbench.strategies.base import TrainedHead
@@ -54,6 +60,8 @@ class Measured:
     tokens: list[int] = field(default_factory=list)  # per repeat, over all prompts
     seconds: list[float] = field(default_factory=list)
     outputs: list[list[int]] = field(default_factory=list)  # the first repeat's, per prompt
+    engine: EngineTotals | None = None  # an engine's system: its replies (timings, its own acceptance counters)
+    failed: str | None = None  # why the system stopped mid-measurement (an engine's server died): not measured
 
     def rates(self) -> list[float]:
         return [rate(t, s) for t, s in zip(self.tokens, self.seconds)]
@@ -67,12 +75,26 @@ def _measure(systems: list, prompts: list[list[int]], repeats: int, device, stat
     """Each prompt through every system in turn, `repeats` times: drift in the machine's speed then falls
     on all systems alike instead of on whichever ran last. weights(fast) readies the models' weights before
     a system's clock starts (the fast path's packed ones or plain ones); the systems on plain weights run
-    first for each prompt, so the weights change twice a prompt."""
-    results = [Measured(name, fast) for name, _, fast in systems]
+    first for each prompt, so the weights change twice a prompt.
+    An engine's system whose server fails is marked failed and left out from then on; the others go on.
+    """
+    results = [Measured(name, fast, engine=getattr(fn, "totals", None)) for name, fn, fast in systems]
     order = sorted(zip(results, systems), key=lambda pair: pair[0].fast)
+
+    def call(m: Measured, fn, prompt: list[int], budget: int | None) -> list[int] | None:
+        if m.failed:
+            return None
+        try:
+            return fn(prompt, budget)
+        except (EngineFailed, EngineReplyError) as err:
+            if m.engine is None:
+                raise
+            m.failed = str(err)
+            return None
+
     for m, (_, fn, _) in order:
         weights(m.fast)
-        fn(prompts[0], 4)  # warm-up, not counted
+        call(m, fn, prompts[0], 4)  # warm-up, not counted
     for r in range(repeats):
         for m in results:
             m.tokens.append(0)
@@ -82,7 +104,9 @@ def _measure(systems: list, prompts: list[list[int]], repeats: int, device, stat
             for m, (_, fn, _) in order:
                 weights(m.fast)
                 t0 = now(device)
-                out = fn(p, None)
+                out = call(m, fn, p, None)
+                if out is None:
+                    continue
                 m.seconds[-1] += now(device) - t0
                 m.tokens[-1] += len(out)
                 if r == 0:
@@ -224,6 +248,41 @@ def check_bench(cfg: BenchConfig) -> None:
     need_gamma("draft", cfg.gamma, "bench --gamma")
     if cfg.generate not in MODES:
         raise SdbenchError(f"--generate {cfg.generate}: use one of {', '.join(MODES)}")
+    names = engine_names(cfg.engine)
+    if not names:
+        if cfg.engine_url or cfg.engine_port:
+            raise SdbenchError("--engine-url and --engine-port go with --engine llama.cpp or --engine vllm")
+        return
+    if cfg.engine_url and len(names) > 1:
+        raise SdbenchError("--engine-url names one server: give one --engine with it")
+    for name in names:
+        eng = engine(name)
+        if cfg.engine_url is None:
+            eng.check_installed()
+            engine_roles(eng, cfg.gamma, cfg.draft_model, cfg.autoregressive_only, cfg.heads)
+
+
+def engine_names(spec: str) -> list[str]:
+    """--engine's value ("sdbench", one engine, or a comma list of them) as the engines to start, in order."""
+    names = [n.strip() for n in spec.split(",") if n.strip() and n.strip() != SDBENCH]
+    return list(dict.fromkeys(names))
+
+
+@contextlib.contextmanager
+def _engine_systems(cfg: BenchConfig, capacity: int, status):
+    """The engines' systems (none for --engine sdbench), their servers running until the block ends."""
+    logs = Path(cfg.out) / "engine-logs" if cfg.out else cache_dir("engines", "logs")
+    port = cfg.engine_port
+    with contextlib.ExitStack() as stack:
+        systems = []
+        for name in engine_names(cfg.engine):
+            eng = engine(name)
+            roles = engine_roles(eng, cfg.gamma, cfg.draft_model, cfg.autoregressive_only, cfg.heads)
+            systems += stack.enter_context(engine_systems(eng, roles, cfg.target, cfg.dtype, capacity,
+                                                          torch.get_num_threads(), cfg.max_new_tokens, logs,
+                                                          cfg.engine_url, port, status))
+            port = None if port is None else port + len(roles)
+        yield systems
 
 
 def run_peers(cfg: BenchConfig, console: Console) -> list[Measured]:
@@ -239,7 +298,8 @@ def run_peers(cfg: BenchConfig, console: Console) -> list[Measured]:
     console.print(f"verification cost T({gamma + 1} tokens) / T(1 token), {target}: {peers.verify_cost:.2f}; draft "
                   f"cost c = T_draft / T_target ({draft}): {peers.draft_cost:.2f} (fast path, medians over the "
                   "prompts)", highlight=False)
-    for line in (peers.picked.line(), peers.disagreement, peers.fast_line):
+    for line in (peers.picked.line(), peers.disagreement, peers.fast_line,
+                 *engine_lines(peers.results, peers.reference)):
         if line:
             console.print(line, highlight=False, soft_wrap=True)
     if cfg.out:
@@ -291,7 +351,8 @@ def measure_peers(cfg: BenchConfig, console: Console) -> Peers:
     systems = _systems(tgt, drf, runner, pick_runner(tgt.model, target, False), d_runner, max_new, eos, room, gamma,
                        generic, cfg.autoregressive_only)
     systems += _head_systems(runner, cfg.heads, max_new, eos, room, gamma)
-    with console.status("measuring") as status:
+    with console.status("measuring") as status, _engine_systems(cfg, room, status) as engines:
+        systems += [(s.name, s, False) for s in engines]
         picked = _pick_generate(tgt.model, prompts[0], eos, cfg.generate, dev, status, weights, room)
         systems[0] = (f"transformers generate ({picked.label})",
                       _hf(tgt.model, max_new, eos, **kwargs_for(picked.name, dev, room)), False)
@@ -365,12 +426,24 @@ def write_bench(results: list[Measured], out: str, common: dict):
     ref = results[0].outputs
     rows = [{"system": m.system, **common, "repeat": r, "tokens": m.tokens[r], "seconds": m.seconds[r],
              "tokens_per_s": m.rates()[r], "same_output": m.outputs == ref, "threads": torch.get_num_threads(),
-             **env}
+             **_engine_fields(m, ref), **env}
             for m in results for r in range(len(m.tokens))]
     path = Path(out)
     path.mkdir(parents=True, exist_ok=True)
     pd.DataFrame(rows).to_parquet(path / "bench.parquet", index=False)
     return path / "bench.parquet"
+
+
+def _engine_fields(m: Measured, reference: list[list[int]]) -> dict:
+    """An engine system's columns (None on sdbench's and transformers' rows): the engine's own counters over the
+    measurement, medians of its stream's timings, prompts with generate's tokens, why it failed."""
+    t = m.engine
+    if t is None:
+        return {"engine": None, "engine_drafted": None, "engine_accepted": None, "ttft_s": None, "tpot_s": None,
+                "itl_s": None, "same_prompts": None, "failed": None}
+    return {"engine": t.engine, "engine_drafted": t.drafted, "engine_accepted": t.accepted,
+            "ttft_s": t.ttft, "tpot_s": t.tpot, "itl_s": t.itl,
+            "same_prompts": sum(a == b for a, b in zip(m.outputs, reference)), "failed": m.failed}
 
 
 def _table(results: list[Measured], roofline: float, title: str) -> Table:
@@ -380,13 +453,22 @@ def _table(results: list[Measured], roofline: float, title: str) -> Table:
         table.add_column(col, justify="right" if col != "system" else "left")
     ref = results[0].outputs
     peer = None
+    plains = {}  # each engine's first row: its plain decoding
     for m in results:
+        if m.engine is not None:
+            plains.setdefault(m.engine.engine, m)
+    for m in results:
+        if m.failed:
+            table.add_row(m.system, "", "failed", "", "", "", "")
+            continue
         if m.system.startswith("transformers"):
             peer = m  # each sdbench row is compared with the transformers row above it
-        ratio = "" if m is peer else f"{m.tokens_per_s / peer.tokens_per_s:.2f}x"
+        mine = plains[m.engine.engine] if m.engine is not None else peer  # an engine's rows: with its own plain
+        ratio = "" if m is mine or not mine.tokens_per_s else f"{m.tokens_per_s / mine.tokens_per_s:.2f}x"
         rates = m.rates()
+        same = ("yes" if m.outputs == ref else "no") if m.engine is None else agreement(m.outputs, ref)[0]
         table.add_row(m.system, str(sum(m.tokens)), f"{m.tokens_per_s:.2f}", f"{min(rates):.2f}-{max(rates):.2f}",
-                      ratio, "yes" if m.outputs == ref else "no", f"{m.tokens_per_s / roofline:.0%}")
+                      ratio, same, f"{m.tokens_per_s / roofline:.0%}")
     plain = next((m for m in results if "no fast path" in m.system), None)
     fast = next((m for m in results if m is not plain and m.system.startswith("sdbench autoregressive")
                  and m.system != GENERIC_ROW), None)
@@ -397,4 +479,42 @@ def _table(results: list[Measured], roofline: float, title: str) -> Table:
     if plain and generic and generic.tokens_per_s:
         table.caption += (f"; native / generic runner (autoregressive, no fast path): "
                           f"{plain.tokens_per_s / generic.tokens_per_s:.2f}x")
+    for plain_engine in plains.values() if fast else ():
+        if not plain_engine.failed and plain_engine.tokens_per_s:
+            table.caption += (f"; {fast.system} / {plain_engine.system}: "
+                              f"{fast.tokens_per_s / plain_engine.tokens_per_s:.2f}x")
     return table
+
+
+def agreement(outputs: list[list[int]], reference: list[list[int]]) -> tuple[str, str | None]:
+    """(the share of prompts whose tokens equal the reference's, as "k/n"; where the first differing prompt first
+    differs, or None). An engine computes in its own arithmetic: it is reported, not failed."""
+    same = sum(a == b for a, b in zip(outputs, reference))
+    first = first_difference(outputs, reference)
+    where = None if first is None else f"prompt {first[0] + 1} first differs at new token {first[1] + 1}"
+    return f"{same}/{len(reference)}", where
+
+
+def engine_lines(results: list[Measured], reference: list[list[int]]) -> list[str]:
+    """One line per engine system: its own acceptance counters, its stream's timings, its agreement with
+    generate's tokens; or why it failed."""
+    lines = []
+    for m in results:
+        if m.engine is None:
+            continue
+        if m.failed:
+            lines.append(f"{m.system}: failed mid-measurement, left out: {m.failed}")
+            continue
+        t = m.engine
+        parts = []
+        if t.drafted is not None:
+            rate_ = f" ({t.acceptance:.0%})" if t.acceptance is not None else ""
+            parts.append(f"the engine's own counters: {t.accepted} of {t.drafted} drafted tokens accepted{rate_}")
+        timing = [f"{label} {value * 1000:.0f} ms" for label, value in (("TTFT", t.ttft), ("TPOT", t.tpot),
+                                                                        ("ITL", t.itl)) if value is not None]
+        if timing:
+            parts.append("median " + ", ".join(timing))
+        same, where = agreement(m.outputs, reference)
+        parts.append(f"same tokens as generate on {same} prompts" + (f" ({where})" if where else ""))
+        lines.append(f"{m.system}: " + "; ".join(parts))
+    return lines

@@ -19,7 +19,7 @@ from sdbench.models.shapes import parameter_count, size_label
 from sdbench.presets import read_presets
 from sdbench.strategies import strategy_registry
 
-KINDS = ("strategies", "datasets", "models")
+KINDS = ("strategies", "datasets", "models", "engines")
 
 
 def _mark(ok: bool) -> str:
@@ -34,8 +34,23 @@ def show(what: str, console: Console) -> None:
         console.print(_file_formats(_available("datasets", *_datasets())))
     elif kind == "model":
         console.print(_models())
+    elif kind == "engine":
+        console.print(_engines())
     else:
         raise SdbenchError(f"cannot list '{what}': choose one of {', '.join(KINDS)}")
+
+
+def _engines() -> Table:
+    """The engines `bench --engine` drives: installed here or not, where, how to install, what each runs."""
+    from sdbench.servers.engines import all_engines
+
+    table = Table(title="engines (bench --engine NAME; sdbench's own runner is --engine sdbench, the default)")
+    for col in ("name", "installed", "where", "install (in sdbench's checkout)", "runs (sdbench strategy: theirs)"):
+        table.add_column(col)
+    for e in all_engines():
+        runs = ", ".join(f"{mine}: {theirs}" for mine, theirs in e.own_names.items())
+        table.add_row(e.name, _mark(e.installed()), _home(str(e.executable())), e.install, runs)
+    return table
 
 
 def _strategies() -> Table:

@@ -76,6 +76,25 @@ def load_model(name: str, device: str | torch.device = "cpu", dtype: torch.dtype
     return LoadedModel(name=name, ref=ref, source=source, model=model.to(device), tokenizer=tokenizer)
 
 
+def model_files(name: str) -> tuple[str, str]:
+    """(kind, where) of a model's weights on this machine, for an engine that loads them in its own process:
+    ("gguf", the .gguf file) for an embedded alias or a .gguf path, ("folder", a safetensors folder) for a local
+    folder, ("hub", the repo id) otherwise. A @int8 or @random variant has no files: one line."""
+    base, variant = split_variant(name)
+    if variant is not None:
+        raise SdbenchError(f"model '{name}': a @{variant} model exists only inside sdbench; an engine loads files")
+    source, ref = _resolve(name)
+    if source in ("embedded", "gguf"):
+        return "gguf", ref
+    return ("folder", ref) if source == "local" else ("hub", ref)
+
+
+def safetensors_folder(name: str) -> str:
+    """The safetensors folder (or hub id) sdbench itself loads for `name`: a GGUF's de-quantised copy, made once."""
+    kind, where = model_files(name)
+    return str(_converted_gguf(Path(where))) if kind == "gguf" else where
+
+
 def check_fit(names: list[str], device: str | torch.device = "cpu", dtype: torch.dtype | str = torch.float32) -> None:
     """Refuse in one line, before any model is built, models whose weights together do not fit in the device's
     free memory (`memory.refuse_beyond_memory`, the check `predict` and `gpu-check` make). Counted from configs

@@ -1,0 +1,176 @@
+"""What sdbench asks of an engine and what comes back, the same for every engine: a role (plain decoding or one of
+the engine's own speculative decoders at a lookahead), one reply per prompt (its token ids, timings and the engine's
+own acceptance counters), and the registry of adapters."""
+
+from __future__ import annotations
+
+import os
+import statistics
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from sdbench.errors import SdbenchError
+from sdbench.paths import repo_root
+
+SDBENCH = "sdbench"  # --engine's default: sdbench's own runner, no engine started
+STRATEGIES = ("autoregressive", "ngram", "draft", "eagle")  # what an engine may map to its own decoding
+
+
+def engines_dir(*parts: str) -> Path:
+    """Where `make engines` installs each engine, in a folder of its own: $SDBENCH_ENGINES, else the checkout's
+    .engines/."""
+    env = os.environ.get("SDBENCH_ENGINES")
+    return (Path(env) if env else repo_root() / ".engines").joinpath(*parts)
+
+
+@dataclass(frozen=True)
+class EngineRole:
+    """One system an engine runs: `strategy` (one of STRATEGIES) at lookahead `gamma`, drafting with `draft` (a model
+    name, or a head's folder for eagle)."""
+
+    strategy: str
+    gamma: int = 0
+    draft: str | None = None
+
+    @property
+    def speculative(self) -> bool:
+        return self.strategy != "autoregressive"
+
+
+@dataclass
+class Reply:
+    """One prompt through an engine: the new token ids it returned, timed from the client's side."""
+
+    tokens: list[int]
+    seconds: float  # request sent -> stream ended (what sdbench's own rows time: prefill included)
+    ttft: float | None  # request sent -> the first event carrying a token
+    gaps: list[float]  # seconds between events carrying tokens (inter-token latency; an event may carry several)
+    drafted: int | None = None  # the engine's own counters for this request, None where it gives none
+    accepted: int | None = None
+    accepted_by_position: list[int] | None = None  # vLLM: accepted drafts per draft position
+
+
+@dataclass
+class EngineTotals:
+    """An engine system's replies over a measurement, summed the way sdbench's own rows are."""
+
+    engine: str = ""  # the engine's name
+    replies: list[Reply] = field(default_factory=list)
+
+    def add(self, reply: Reply) -> None:
+        self.replies.append(reply)
+
+    @property
+    def drafted(self) -> int | None:
+        known = [r.drafted for r in self.replies if r.drafted is not None]
+        return sum(known) if known else None
+
+    @property
+    def accepted(self) -> int | None:
+        known = [r.accepted for r in self.replies if r.accepted is not None]
+        return sum(known) if known else None
+
+    @property
+    def acceptance(self) -> float | None:
+        """The engine's own definition: accepted drafted tokens over drafted tokens."""
+        d, a = self.drafted, self.accepted
+        return a / d if d and a is not None else None
+
+    @property
+    def ttft(self) -> float | None:
+        known = [r.ttft for r in self.replies if r.ttft is not None]
+        return statistics.median(known) if known else None
+
+    @property
+    def tpot(self) -> float | None:
+        """Median over replies of (seconds after the first token) / (tokens after the first): time per output token."""
+        per = [(r.seconds - r.ttft) / (len(r.tokens) - 1) for r in self.replies
+               if r.ttft is not None and len(r.tokens) > 1]
+        return statistics.median(per) if per else None
+
+    @property
+    def itl(self) -> float | None:
+        gaps = [g for r in self.replies for g in r.gaps]
+        return statistics.median(gaps) if gaps else None
+
+
+class Engine:
+    """An engine's adapter. Subclasses name the engine, how it is installed, which strategies it runs, how its server
+    starts for a role, and how a request and its streamed reply look."""
+
+    name: str = ""
+    folder: str = ""  # under engines_dir()
+    install: str = ""  # the exact command, run in sdbench's checkout
+    own_names: dict[str, str] = {}  # sdbench strategy -> the engine's name for it
+
+    def executable(self) -> Path:
+        raise NotImplementedError
+
+    def installed(self) -> bool:
+        """Its executable is there and its install finished (`make` writes the stamp last)."""
+        return self.executable().is_file() and engines_dir(self.folder, ".installed").is_file()
+
+    def check_installed(self) -> None:
+        if not self.installed():
+            raise SdbenchError(f"engine '{self.name}' is not installed (looked for {self.executable()}): run "
+                               f"`{self.install}` in sdbench's checkout (`sdbench list engines` says what is "
+                               "installed)")
+
+    def refuse(self, role: EngineRole) -> str | None:
+        """Why this engine cannot run `role`, or None."""
+        if role.strategy not in self.own_names:
+            runs = ", ".join(self.own_names)
+            return f"{self.name} runs no '{role.strategy}' (it runs: {runs})"
+        return None
+
+    def label(self, role: EngineRole, dtype: str) -> str:
+        own = self.own_names[role.strategy]
+        if not role.speculative:
+            return f"{self.name} plain decoding ({dtype})"
+        return f"{self.name} {own} (γ={role.gamma}, {dtype})"
+
+    def command(self, target: str, role: EngineRole, dtype: str, capacity: int, threads: int) -> list[str]:
+        """The server's argv, `{port}` where its port goes; models converted for the engine here, once."""
+        raise NotImplementedError
+
+    def server_env(self, threads: int) -> dict[str, str]:
+        return {}
+
+    health: str = "/health"
+
+    def request(self, prompt: list[int], max_new: int) -> tuple[str, dict]:
+        """(path, JSON body) of one greedy, streamed generation from token ids."""
+        raise NotImplementedError
+
+    def reply(self, streamed, url: str, before: dict | None) -> Reply:
+        """A Reply from a streamed request; `before`: what counters() read before it."""
+        raise NotImplementedError
+
+    def counters(self, url: str) -> dict | None:
+        """Server-wide counters read before a request, where the engine keeps its acceptance there (vLLM)."""
+        return None
+
+
+def engine(name: str) -> Engine:
+    from sdbench.servers.llamacpp import LlamaCpp
+    from sdbench.servers.vllm import Vllm
+
+    known = {e.name: e for e in (LlamaCpp(), Vllm())}
+    if name not in known:
+        raise SdbenchError(f"unknown engine '{name}': choose one of {SDBENCH}, {', '.join(known)}")
+    return known[name]
+
+
+def all_engines() -> list[Engine]:
+    from sdbench.servers.llamacpp import LlamaCpp
+    from sdbench.servers.vllm import Vllm
+
+    return [LlamaCpp(), Vllm()]
+
+
+def token_gaps(times: list[float], counts: list[int]) -> tuple[float | None, list[float]]:
+    """(time of the first event carrying tokens, gaps between consecutive events carrying tokens)."""
+    stamps = [t for t, n in zip(times, counts) if n > 0]
+    if not stamps:
+        return None, []
+    return stamps[0], [b - a for a, b in zip(stamps, stamps[1:])]

@@ -1,0 +1,92 @@
+"""llama.cpp's `llama-server`, built from source by `make engine-llama.cpp`: GGUF weights (the shipped file
+re-typed by its own `llama-quantize` to the run's dtype, so both sides compute on the same values), its native
+`/completion` endpoint streaming token ids, and the per-request `draft_n` / `draft_n_accepted` counters."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+from sdbench.errors import SdbenchError
+from sdbench.models.loader import model_files
+from sdbench.paths import cache_dir
+from sdbench.servers.engines import Engine, EngineRole, Reply, engines_dir, token_gaps
+
+# sdbench's --dtype -> llama-quantize's type name
+GGUF_TYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
+NGRAM_SIZE = 3  # the lookup n-gram, as sdbench's ngram's longest suffix
+
+
+class LlamaCpp(Engine):
+    name = "llama.cpp"
+    folder = "llama.cpp"
+    install = "make engine-llama.cpp"
+    own_names = {"autoregressive": "plain", "ngram": "ngram-simple", "draft": "draft-simple"}
+
+    def executable(self) -> Path:
+        return engines_dir(self.folder, "build", "bin", "llama-server")
+
+    def refuse(self, role: EngineRole) -> str | None:
+        if role.strategy == "eagle":
+            return ("llama.cpp runs an EAGLE-3 head only as a GGUF written by its own convert_hf_to_gguf.py "
+                    "--target-model-dir; sdbench does not convert heads for it yet")
+        return super().refuse(role)
+
+    def label(self, role: EngineRole, dtype: str) -> str:
+        return super().label(role, GGUF_TYPES.get(dtype, dtype))
+
+    def gguf(self, model: str, dtype: str) -> Path:
+        """The model's GGUF with its weights re-typed to `dtype` (made once, in sdbench's cache)."""
+        kind, where = model_files(model)
+        if kind != "gguf":
+            raise SdbenchError(f"llama.cpp serves GGUF files; '{model}' is a {'hub model' if kind == 'hub' else kind}: "
+                               "convert it with llama.cpp's convert_hf_to_gguf.py and pass the .gguf")
+        if dtype not in GGUF_TYPES:
+            raise SdbenchError(f"llama.cpp: no GGUF type for --dtype {dtype} (use one of {', '.join(GGUF_TYPES)})")
+        source = Path(where)
+        out = cache_dir("engines", "gguf") / f"{source.stem}-{source.stat().st_size}-{GGUF_TYPES[dtype]}.gguf"
+        if not out.is_file():
+            quantize = engines_dir(self.folder, "build", "bin", "llama-quantize")
+            if not quantize.is_file():
+                raise SdbenchError(f"llama.cpp's llama-quantize is missing ({quantize}): run `{self.install}`")
+            part = out.with_suffix(".part")
+            done = subprocess.run([str(quantize), "--allow-requantize", str(source), str(part), GGUF_TYPES[dtype]],
+                                  capture_output=True, text=True)
+            if done.returncode != 0:
+                part.unlink(missing_ok=True)
+                said = (done.stderr or done.stdout).strip().splitlines()
+                raise SdbenchError(f"llama-quantize could not re-type {source.name} to {GGUF_TYPES[dtype]}: "
+                                   f"{said[-1] if said else done.returncode}")
+            part.rename(out)
+        return out
+
+    def command(self, target: str, role: EngineRole, dtype: str, capacity: int, threads: int) -> list[str]:
+        argv = [str(self.executable()), "-m", str(self.gguf(target, dtype)), "--host", "127.0.0.1",
+                "--port", "{port}", "-c", str(capacity), "-np", "1", "-t", str(threads), "-tb", str(threads),
+                "-cram", "0", "--no-webui"]
+        if role.strategy == "ngram":
+            argv += ["--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", str(NGRAM_SIZE),
+                     "--spec-ngram-simple-size-m", str(role.gamma), "--spec-draft-n-max", str(role.gamma)]
+        elif role.strategy == "draft":
+            argv += ["--spec-type", "draft-simple", "-md", str(self.gguf(role.draft, dtype)),
+                     "--spec-draft-n-max", str(role.gamma), "--spec-draft-n-min", "0", "--spec-draft-p-min", "0",
+                     "-td", str(threads)]
+        return argv
+
+    def request(self, prompt: list[int], max_new: int) -> tuple[str, dict]:
+        # greedy (temperature 0), from token ids, no prompt cache between requests: every request prefills its
+        # prompt, as sdbench's own rows do
+        return "/completion", {"prompt": prompt, "n_predict": max_new, "temperature": 0.0, "stream": True,
+                               "return_tokens": True, "cache_prompt": False, "seed": 0}
+
+    def reply(self, streamed, url: str, before: dict | None) -> Reply:
+        tokens, counts, timings = [], [], {}
+        for event in streamed.events:
+            got = [int(t) for t in event.get("tokens") or []]
+            tokens += got
+            counts.append(len(got))
+            if event.get("stop"):
+                timings = event.get("timings") or {}
+        ttft, gaps = token_gaps(streamed.times, counts)
+        # absent where the server drafted nothing (plain decoding, or no n-gram found)
+        return Reply(tokens, streamed.seconds, ttft, gaps, timings.get("draft_n"), timings.get("draft_n_accepted"))

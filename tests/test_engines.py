@@ -1,0 +1,253 @@
+"""The engines users deploy, driven through their servers: adapters against recorded replies of the real servers,
+a server's life (ready, never ready, taken port, death mid-run) on a stand-in server (tests/fake_engine.py: the
+OpenAI API over transformers' own greedy generate), bench --engine end to end on it, and the real engines where they
+are installed (`make engines`)."""
+
+from __future__ import annotations
+
+import json
+import socket
+import stat
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from sdbench.servers.client import Streamed
+from sdbench.servers.engines import EngineRole, EngineTotals, Reply, token_gaps
+from sdbench.servers.llamacpp import LlamaCpp
+from sdbench.servers.process import EngineFailed, Server
+from sdbench.servers.vllm import Vllm, parse_metrics
+from tests.conftest import run_cli
+from tests.references import tiny_model_dir
+
+FAKE = Path(__file__).with_name("fake_engine.py")
+RECORDED = Path(__file__).parent / "data" / "engines"
+
+
+def fake_vllm(root: Path) -> Path:
+    """An engines folder whose vLLM environment's python runs the stand-in server, installed."""
+    exe = root / "vllm" / "bin" / "python"
+    exe.parent.mkdir(parents=True)
+    exe.write_text(f"#!/bin/sh\nshift 2\nexec {sys.executable} {FAKE} \"$@\"\n")  # drops `-m MODULE`
+    exe.chmod(exe.stat().st_mode | stat.S_IEXEC)
+    (root / "vllm" / ".installed").touch()
+    return exe
+
+
+# --- adapters against recorded replies of the real servers ------------------------------------------------------
+
+
+def _recorded(name: str) -> Streamed:
+    data = json.loads((RECORDED / name).read_text())
+    return Streamed(data["events"], data["times"], data["seconds"])
+
+
+def test_llamacpp_reply_counts_token_ids_and_reads_its_draft_counters():
+    """A real llama-server's stream (draft-simple, γ=4, SmolLM2 drafting for itself): token ids in order from the
+    events, the draft counters from the last event's timings, TTFT at the first event carrying a token."""
+    data = json.loads((RECORDED / "llamacpp-draft.json").read_text())
+    reply = LlamaCpp().reply(_recorded("llamacpp-draft.json"), "http://x", None)
+    assert reply.tokens == data["expected_tokens"]
+    timings = data["events"][-1]["timings"]
+    assert (reply.drafted, reply.accepted) == (timings["draft_n"], timings["draft_n_accepted"])
+    first = next(t for e, t in zip(data["events"], data["times"]) if e.get("tokens"))
+    assert reply.ttft == first and reply.seconds == data["seconds"]
+
+
+def test_llamacpp_plain_reply_has_no_draft_counters():
+    reply = LlamaCpp().reply(_recorded("llamacpp-plain.json"), "http://x", None)
+    data = json.loads((RECORDED / "llamacpp-plain.json").read_text())
+    assert reply.tokens == data["expected_tokens"] and reply.drafted is None
+
+
+def test_vllm_metrics_parse_the_spec_decode_counters_of_a_real_server():
+    text = (RECORDED / "vllm-draft-metrics.txt").read_text()
+    found = parse_metrics(text)
+    # the figures as the recorded text states them, read by hand
+    expected = json.loads((RECORDED / "vllm-draft-metrics.expected.json").read_text())
+    assert found["draft_tokens"] == expected["draft_tokens"]
+    assert found["accepted_tokens"] == expected["accepted_tokens"]
+    assert found["per_position"] == {int(k): v for k, v in expected["per_position"].items()}
+    assert parse_metrics("# nothing about drafts\nvllm:num_requests_running 0.0\n")["draft_tokens"] == 0
+
+
+def test_vllm_reply_counts_token_ids_of_a_real_stream():
+    data = json.loads((RECORDED / "vllm-plain.json").read_text())
+    reply = Vllm().reply(_recorded("vllm-plain.json"), "http://x", None)
+    assert reply.tokens == data["expected_tokens"] and reply.drafted is None
+
+
+def test_token_gaps_and_totals_by_hand():
+    ttft, gaps = token_gaps([0.5, 0.7, 0.75, 1.0], [1, 0, 2, 1])
+    assert ttft == 0.5 and gaps == pytest.approx([0.25, 0.25])
+    totals = EngineTotals()
+    totals.add(Reply([1, 2, 3], 1.0, 0.2, [0.4, 0.4], 8, 2))
+    totals.add(Reply([4, 5], 0.9, 0.3, [0.6], 4, 4))
+    assert (totals.drafted, totals.accepted) == (12, 6) and totals.acceptance == pytest.approx(0.5)
+    # TPOT per reply: (1.0 - 0.2) / 2 = 0.4 and (0.9 - 0.3) / 1 = 0.6; median 0.5
+    assert totals.tpot == pytest.approx(0.5) and totals.ttft == pytest.approx(0.25)
+    assert totals.itl == pytest.approx(0.4)
+
+
+def test_llamacpp_commands_map_each_strategy_to_its_own_decoder(monkeypatch, tmp_path):
+    eng = LlamaCpp()
+    monkeypatch.setattr(LlamaCpp, "gguf", lambda self, model, dtype: Path(f"/m/{model}-{dtype}.gguf"))
+    plain = eng.command("t", EngineRole("autoregressive"), "float32", 512, 2)
+    assert plain[plain.index("-m") + 1] == "/m/t-float32.gguf" and "--spec-type" not in plain
+    assert plain[plain.index("-c") + 1] == "512" and plain[plain.index("-t") + 1] == "2"
+    ngram = eng.command("t", EngineRole("ngram", 5), "float32", 512, 2)
+    assert ngram[ngram.index("--spec-type") + 1] == "ngram-simple"
+    assert ngram[ngram.index("--spec-ngram-simple-size-m") + 1] == "5"
+    draft = eng.command("t", EngineRole("draft", 3, "d"), "float32", 512, 2)
+    assert draft[draft.index("--spec-type") + 1] == "draft-simple" and draft[draft.index("-md") + 1] == "/m/d-float32.gguf"
+    assert draft[draft.index("--spec-draft-n-max") + 1] == "3"
+    assert "EAGLE-3" in eng.refuse(EngineRole("eagle", 3, "h"))
+
+
+def test_vllm_commands_carry_the_speculative_config(tmp_path):
+    eng = Vllm()
+    folder = tmp_path / "m"
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    plain = eng.command(str(folder), EngineRole("autoregressive"), "float32", 512, 2)
+    assert plain[plain.index("--model") + 1] == str(folder.resolve()) and "--speculative-config" not in plain
+    ngram = eng.command(str(folder), EngineRole("ngram", 4), "float32", 512, 2)
+    spec = json.loads(ngram[ngram.index("--speculative-config") + 1])
+    assert spec["method"] == "ngram" and spec["num_speculative_tokens"] == 4
+    draft = eng.command(str(folder), EngineRole("draft", 4, str(folder)), "float32", 512, 2)
+    assert json.loads(draft[draft.index("--speculative-config") + 1])["method"] == "draft_model"
+
+
+# --- a server's life ------------------------------------------------------------------------------------------
+
+
+def _server(tmp_path, monkeypatch, mode: str, model: Path, **kw) -> Server:
+    monkeypatch.setenv("FAKE_ENGINE_MODE", mode)
+    return Server("fake", [sys.executable, str(FAKE), "--model", str(model), "--port", "{port}"],
+                  tmp_path / "fake.log", **kw)
+
+
+def test_a_server_that_never_becomes_ready_is_stopped_after_a_bounded_wait(tmp_path, monkeypatch, tiny_model_folder):
+    server = _server(tmp_path, monkeypatch, "never-ready", tiny_model_folder, ready_timeout=4)
+    with pytest.raises(EngineFailed, match="not ready after 4 s"):
+        server.start()
+    assert server.proc is None  # stopped
+
+
+def test_a_server_that_exits_on_a_taken_port_says_so(tmp_path, monkeypatch, tiny_model_folder):
+    with pytest.raises(EngineFailed, match="is taken"):
+        _server(tmp_path, monkeypatch, "exit", tiny_model_folder).start()
+
+
+def test_a_taken_port_is_refused_before_starting(tmp_path, monkeypatch, tiny_model_folder):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        with pytest.raises(EngineFailed, match=f"port {port} is taken"):
+            _server(tmp_path, monkeypatch, "ok", tiny_model_folder, port=port).start()
+
+
+def test_a_started_server_is_stopped_on_an_interrupt(tmp_path, monkeypatch, tiny_model_folder):
+    server = _server(tmp_path, monkeypatch, "ok", tiny_model_folder)
+    with pytest.raises(KeyboardInterrupt):
+        with server.start():
+            proc = server.proc
+            raise KeyboardInterrupt
+    assert proc.poll() is not None
+
+
+@pytest.fixture
+def tiny_model_folder(tmp_path):
+    return tiny_model_dir(tmp_path / "tiny")
+
+
+# --- bench --engine -------------------------------------------------------------------------------------------
+
+
+def test_bench_refuses_an_engine_in_one_line(capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("SDBENCH_ENGINES", str(tmp_path / "none"))
+    for args, said in ((["--engine", "tgi"], "unknown engine 'tgi'"),
+                       (["--engine", "llama.cpp"], "make engine-llama.cpp"),
+                       (["--engine", "vllm"], "make engine-vllm"),
+                       (["--engine-url", "http://127.0.0.1:1"], "--engine-url and --engine-port go with")):
+        code, _, err = run_cli(capsys, "bench", *args)
+        assert code != 0 and said in err and "Traceback" not in err, (args, err)
+
+
+def test_list_engines_says_what_is_installed_and_how(capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("SDBENCH_ENGINES", str(tmp_path / "engines"))
+    fake_vllm(tmp_path / "engines")
+    code, out, _ = run_cli(capsys, "list", "engines")
+    assert code == 0 and "make engine-llama.cpp" in out and "make engine-vllm" in out
+    rows = {line.split("│")[1].strip(): line for line in out.splitlines() if line.count("│") > 3}
+    assert "yes" in rows["vllm"] and "no" in rows["llama.cpp"]
+
+
+@pytest.fixture
+def tiny_engine_bench(tmp_path, monkeypatch):
+    monkeypatch.setenv("SDBENCH_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("SDBENCH_ENGINES", str(tmp_path / "engines"))
+    fake_vllm(tmp_path / "engines")
+    folder = tiny_model_dir(tmp_path / "tiny")
+    data = tmp_path / "prompts.csv"
+    data.write_text("prompt\n" + "".join(f"\"{' '.join(f'w{(k * i) % 90}' for i in range(9)) * 2}\"\n"
+                                         for k in (3, 7)))
+    return ["bench", "--target", str(folder), "--dataset", str(data), "--limit", "2", "--max-new-tokens", "12",
+            "--repeats", "1", "--engine", "vllm", "--out", str(tmp_path / "bench")]
+
+
+def test_bench_measures_an_engine_beside_the_others(capsys, tiny_engine_bench, tmp_path):
+    """Three engine rows (plain, n-gram, draft model) on the same prompts, counted from the token ids the server
+    streams, compared with generate's tokens, with the engine's own counters on its speculative rows."""
+    code, out, err = run_cli(capsys, *tiny_engine_bench)
+    assert code == 0, err
+    df = pd.read_parquet(tmp_path / "bench" / "bench.parquet")
+    engine = df[df.engine.notna()]
+    assert list(engine.system) == ["vllm plain decoding (float32)", "vllm ngram (γ=4, float32)",
+                                   "vllm draft_model (γ=4, float32)"]
+    assert (engine.tokens == 24).all() and (engine.same_prompts == 2).all() and engine.failed.isna().all()
+    # the stand-in counts 3 rounds of 4 drafts (2 accepted) per 12-token prompt
+    spec = engine[engine.system != "vllm plain decoding (float32)"]
+    assert (spec.engine_drafted == 24).all() and (spec.engine_accepted == 12).all()
+    assert engine.engine_drafted.isna().sum() == 1
+    assert "vllm ngram (γ=4, float32): the engine's own counters: 12 of 24 drafted tokens accepted (50%)" in out
+    assert (engine.ttft_s > 0).all() and (df[df.engine.isna()].same_output).all()
+
+
+def test_bench_keeps_every_other_row_when_an_engine_dies_mid_run(capsys, tiny_engine_bench, tmp_path, monkeypatch):
+    # each server answers its warm-up and the first prompt, then exits during the second
+    monkeypatch.setenv("FAKE_ENGINE_MODE", "die-after:2")
+    code, out, err = run_cli(capsys, *tiny_engine_bench)
+    assert code == 0, err
+    df = pd.read_parquet(tmp_path / "bench" / "bench.parquet")
+    engine = df[df.engine.notna()]
+    assert len(engine) == 3 and engine.failed.str.contains("exited mid-run").all()
+    assert (df[df.engine.isna()].tokens == 24).all()
+    assert "failed mid-measurement, left out" in out and "Traceback" not in err
+
+
+# --- the real engines, where installed ---------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(not LlamaCpp().installed(), reason="llama.cpp is not installed (make engine-llama.cpp)")
+def test_bench_through_the_real_llamacpp_server(capsys, tmp_path):
+    code, out, err = run_cli(capsys, "bench", "--limit", "1", "--max-new-tokens", "16", "--repeats", "1",
+                             "--engine", "llama.cpp", "--out", str(tmp_path / "b"))
+    assert code == 0, err
+    df = pd.read_parquet(tmp_path / "b" / "bench.parquet")
+    engine = df[df.engine == "llama.cpp"]
+    assert len(engine) == 3 and engine.failed.isna().all() and (engine.tokens > 0).all()
+    assert engine.engine_drafted.notna().sum() == 2
+
+
+@pytest.mark.skipif(not Vllm().installed(), reason="vLLM is not installed (make engine-vllm)")
+def test_bench_through_the_real_vllm_server(capsys, tmp_path):
+    code, out, err = run_cli(capsys, "bench", "--limit", "1", "--max-new-tokens", "16", "--repeats", "1",
+                             "--engine", "vllm", "--out", str(tmp_path / "b"))
+    assert code == 0, err
+    df = pd.read_parquet(tmp_path / "b" / "bench.parquet")
+    engine = df[df.engine == "vllm"]
+    assert len(engine) == 3 and engine.failed.isna().all() and (engine.tokens > 0).all()
