@@ -12,7 +12,8 @@ from pathlib import Path
 from sdbench.data.tasks import encode_prompt, load_prompts
 from sdbench.models.loader import load_tokenizer
 from sdbench.servers.client import get, post_stream
-from sdbench.servers.engines import EngineRole, engine
+from sdbench.servers.engines import EngineRole
+from sdbench.servers.known import engine
 from sdbench.servers.process import Server
 
 OUT = Path(__file__).parent / "data" / "engines"

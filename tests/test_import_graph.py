@@ -142,7 +142,7 @@ def test_top_level_folders_form_layers():
 
 # what sits below the commands: it is called by them and never calls them back
 BELOW_COMMANDS = ("analysis", "engine", "strategies", "drafting", "dsi", "models", "kv", "data", "reporting",
-                  "training")
+                  "training", "servers")
 
 
 def imports_of_commands(graph: dict[str, dict[str, int]]) -> dict[tuple[str, str], int]:

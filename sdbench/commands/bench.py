@@ -34,7 +34,8 @@ from sdbench.models.variants import split_variant, variant_model
 from sdbench.paths import cache_dir
 from sdbench.reporting.results import env_fields
 from sdbench.servers.client import EngineReplyError
-from sdbench.servers.engines import SDBENCH, EngineTotals, engine
+from sdbench.servers.engines import SDBENCH, EngineTotals
+from sdbench.servers.known import engine
 from sdbench.servers.process import EngineFailed
 from sdbench.servers.systems import engine_roles, engine_systems
 from sdbench.strategies import strategy

@@ -42,7 +42,7 @@ def show(what: str, console: Console) -> None:
 
 def _engines() -> Table:
     """The engines `bench --engine` drives: installed here or not, where, how to install, what each runs."""
-    from sdbench.servers.engines import all_engines
+    from sdbench.servers.known import all_engines
 
     table = Table(title="engines (bench --engine NAME; sdbench's own runner is --engine sdbench, the default)")
     for col in ("name", "installed", "where", "install (in sdbench's checkout)", "runs (sdbench strategy: theirs)"):

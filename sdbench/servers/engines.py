@@ -1,6 +1,6 @@
 """What sdbench asks of an engine and what comes back, the same for every engine: a role (plain decoding or one of
 the engine's own speculative decoders at a lookahead), one reply per prompt (its token ids, timings and the engine's
-own acceptance counters), and the registry of adapters."""
+own acceptance counters), and the adapters' protocol (each engine's in its own module; known.py lists them)."""
 
 from __future__ import annotations
 
@@ -149,23 +149,6 @@ class Engine:
     def counters(self, url: str) -> dict | None:
         """Server-wide counters read before a request, where the engine keeps its acceptance there (vLLM)."""
         return None
-
-
-def engine(name: str) -> Engine:
-    from sdbench.servers.llamacpp import LlamaCpp
-    from sdbench.servers.vllm import Vllm
-
-    known = {e.name: e for e in (LlamaCpp(), Vllm())}
-    if name not in known:
-        raise SdbenchError(f"unknown engine '{name}': choose one of {SDBENCH}, {', '.join(known)}")
-    return known[name]
-
-
-def all_engines() -> list[Engine]:
-    from sdbench.servers.llamacpp import LlamaCpp
-    from sdbench.servers.vllm import Vllm
-
-    return [LlamaCpp(), Vllm()]
 
 
 def token_gaps(times: list[float], counts: list[int]) -> tuple[float | None, list[float]]:
