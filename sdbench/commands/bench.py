@@ -15,6 +15,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from sdbench.analysis.bandwidth import Bandwidth, measure_bandwidth
 from sdbench.analysis.costs import median_times
 from sdbench.commands.hf_generate import MODES, generator, kwargs_for, pick
 from sdbench.config import BenchConfig, SamplingConfig
@@ -106,15 +107,9 @@ def _ours(runner, proposer_factory, max_new: int, eos: list[int], capacity: int)
     return fn
 
 
-def memory_bandwidth(device: torch.device, mib: int = 512) -> float:
-    """Bytes per second for streaming reads of a large buffer (best of a few passes)."""
-    x = torch.ones(mib * 1024 * 1024 // 4, dtype=torch.float32, device=device)
-    best = float("inf")
-    for _ in range(5):
-        t0 = now(device)
-        x.sum()
-        best = min(best, now(device) - t0)
-    return x.numel() * 4 / best
+def memory_bandwidth(device: torch.device) -> Bandwidth:
+    """The best streaming read this machine delivers (`analysis/bandwidth.py`)."""
+    return measure_bandwidth(device)
 
 
 def weight_bytes(model) -> int:
@@ -195,7 +190,7 @@ class Peers:
     """What `measure_peers` measured: the systems, and what the table's caption and the lines under it say."""
 
     results: list[Measured]
-    bandwidth: float  # bytes/s, streaming reads on the device
+    bandwidth: Bandwidth  # the best streaming read on the device
     weight_bytes: int  # the target's plain weights
     verify_cost: float  # T(gamma + 1 tokens) / T(1 token) of the target, fast path
     draft_cost: float  # c = T_draft / T_target, fast path
@@ -211,7 +206,7 @@ class Peers:
     @property
     def roofline(self) -> float:
         """Tokens/s if every token read the weights once at the measured bandwidth."""
-        return self.bandwidth / self.weight_bytes
+        return self.bandwidth.bytes_per_s / self.weight_bytes
 
 
 def check_bench(cfg: BenchConfig) -> None:
@@ -239,7 +234,8 @@ def run_peers(cfg: BenchConfig, console: Console) -> list[Measured]:
     console.print(f"verification cost T({gamma + 1} tokens) / T(1 token), {target}: {peers.verify_cost:.2f}; draft "
                   f"cost c = T_draft / T_target ({draft}): {peers.draft_cost:.2f} (fast path, medians over the "
                   "prompts)", highlight=False)
-    for line in (peers.picked.line(), peers.disagreement, peers.fast_line):
+    for line in (f"memory bandwidth: {peers.bandwidth.describe()}", peers.picked.line(), peers.disagreement,
+                 peers.fast_line):
         if line:
             console.print(line, highlight=False, soft_wrap=True)
     if cfg.out:
@@ -391,7 +387,8 @@ def _table(results: list[Measured], roofline: float, title: str) -> Table:
     fast = next((m for m in results if m is not plain and m.system.startswith("sdbench autoregressive")
                  and m.system != GENERIC_ROW), None)
     generic = next((m for m in results if m.system == GENERIC_ROW), None)
-    table.caption = f"roofline (weights read once per token at measured bandwidth): {roofline:.1f} tokens/s"
+    table.caption = (f"roofline (weights read once per token at the best streaming read measured): {roofline:.1f} "
+                     "tokens/s")
     if plain and fast and plain.tokens_per_s:
         table.caption += f"; fast path / no fast path (autoregressive): {fast.tokens_per_s / plain.tokens_per_s:.2f}x"
     if plain and generic and generic.tokens_per_s:
