@@ -34,7 +34,7 @@ def test_the_override_decides_without_measuring(monkeypatch, mode, packed):
 
 def test_a_bad_override_is_one_line(monkeypatch):
     monkeypatch.setenv(cpufast.FAST_ENV, "sometimes")
-    with pytest.raises(SdbenchError, match="SDBENCH_CPU_FAST=sometimes: use measure, packed or plain"):
+    with pytest.raises(SdbenchError, match="SDBENCH_CPU_FAST=sometimes: use measure, packed, plain or compiled"):
         cpufast.choose(tiny_model(0))
 
 

@@ -144,7 +144,7 @@ def _systems(tgt, drf, runner, plain, d_runner, max_new: int, eos: list[int], ro
     """(name, fn, on the fast path's weights) for every system, each transformers one before its sdbench peer.
     generic: the generic runner over the target, measured beside the native one (None: the target has only it).
     autoregressive_only: plain decoding alone (transformers, sdbench eager, sdbench fast, generic)."""
-    fast = (" (CUDA graphs)" if runner.graphs else " (fast)") if runner.fast else ""
+    fast = _fast_label(runner)
     on = runner.cpu_fast
     beside = [] if generic is None else [
         (GENERIC_ROW, _ours(generic, Autoregressive, max_new, eos, room), False)]
@@ -169,11 +169,18 @@ def _systems(tgt, drf, runner, plain, d_runner, max_new: int, eos: list[int], ro
     ]
 
 
+def _fast_label(runner) -> str:
+    """What a system's name says of the runner's fast path."""
+    if not runner.fast:
+        return ""
+    return " (CUDA graphs)" if runner.graphs else " (fast, compiled steps)" if runner.path.compiled else " (fast)"
+
+
 def _head_systems(runner, heads: tuple[str, ...], max_new: int, eos: list[int], room: int, gamma: int) -> list:
     """(name, fn, on the fast path's weights) for each trained head drafting for the fast runner."""
     from sdbench.models.heads.load import MEDUSA, load_head  # reads weights: only a bench given --head
 
-    fast = (" (CUDA graphs)" if runner.graphs else " (fast)") if runner.fast else ""
+    fast = _fast_label(runner)
     rows = []
     for source in heads:
         head = load_head(source, runner)
