@@ -11,7 +11,8 @@ cache under a mask, the new keys scattered to their positions) whose layers torc
   weight, so a step names each by handle: `cpufast.packed_linear`); the vocabulary head runs after the compiled
   layers, by the product measured fastest for its width, as eagerly;
 - one compiled step per (batch, width, cache length), each compiled at its first call: 30-45 s on the project's
-  2-core CPU at SmolLM2-135M's size, 5-10 s once torch keeps the generated code on disk;
+  2-core CPU at SmolLM2-135M's size, 5-10 s once torch keeps the generated code on disk (nothing compiles ahead:
+  a timed section that meets a new width or cache length times its compiling);
 - it is an override, not the measured default: on that CPU the products are most of a step, so compiling gained
   1.02x on SmolLM2-135M's decoding and 1.08x on its `ngram` verifications (docs/peers.md, "Where a CPU decode
   step's time goes"), less than the minutes of compiling a first run of each shape would cost;
