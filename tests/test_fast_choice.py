@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from sdbench.analysis.bandwidth import Bandwidth
 from sdbench.commands import hf_generate
 from sdbench.errors import SdbenchError
 from sdbench.models import cpufast
@@ -33,7 +34,7 @@ def test_the_override_decides_without_measuring(monkeypatch, mode, packed):
 
 def test_a_bad_override_is_one_line(monkeypatch):
     monkeypatch.setenv(cpufast.FAST_ENV, "sometimes")
-    with pytest.raises(SdbenchError, match="SDBENCH_CPU_FAST=sometimes: use measure, packed or plain"):
+    with pytest.raises(SdbenchError, match="SDBENCH_CPU_FAST=sometimes: use measure, packed, plain or compiled"):
         cpufast.choose(tiny_model(0))
 
 
@@ -175,7 +176,8 @@ def test_bench_on_an_alias_at_random_says_what_it_used(small, capsys, tmp_path, 
 
     import sdbench.commands.bench as bench
 
-    monkeypatch.setattr(bench, "memory_bandwidth", lambda device: 1e9)  # not what this test is about
+    fake = Bandwidth(1e9, "fake", {"fake": 1e9})
+    monkeypatch.setattr(bench, "memory_bandwidth", lambda device: fake)  # not what this test is about
     code, out, err = run_cli(capsys, "bench", "--target", "llama-1b@random", "--limit", "1", "--max-new-tokens", "6",
                              "--repeats", "1", "--gamma", "2", "--device", "cpu", "--generate", "static",
                              "--out", str(tmp_path))
@@ -184,6 +186,7 @@ def test_bench_on_an_alias_at_random_says_what_it_used(small, capsys, tmp_path, 
     assert "transformers generate: static cache, as --generate asked" in out
     assert "CPU fast path: packed (oneDNN) forward, set by SDBENCH_CPU_FAST" in out
     assert "verification cost T(3 tokens) / T(1 token), llama-1b@random" in out
+    assert "memory bandwidth: 1.0 GB/s (fake, the best of fake)" in out
     df = pd.read_parquet(tmp_path / "bench.parquet")
     assert "transformers generate (static cache)" in set(df["system"]) and df["same_output"].all()
 

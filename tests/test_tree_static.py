@@ -74,7 +74,7 @@ def test_padding_nodes_see_no_other_node_and_no_node_sees_them():
     forward = StaticTreeForward(runner, cache, 1, 8)
     tree = TreeBatch.of([TREES[0]])  # 4 real nodes, 4 padding
     forward(torch.zeros(1, 4, dtype=torch.long), [5], tree)
-    allowed = forward._step().causal_mask(torch.float32)[0, 0] == 0  # [8, kv]: who sees which slot
+    allowed = forward.step().causal_mask(torch.float32)[0, 0] == 0  # [8, kv]: who sees which slot
     block = allowed[:, 5:13]
     assert torch.equal(block[:4, :4], TREES[0].ancestors)  # real nodes: ancestors and self
     assert not block[:4, 4:].any()  # nobody sees the padding

@@ -16,6 +16,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from sdbench.analysis.bandwidth import Bandwidth, measure_bandwidth
 from sdbench.analysis.costs import median_times
 from sdbench.commands.hf_generate import MODES, generator, kwargs_for, pick
 from sdbench.config import BenchConfig, SamplingConfig
@@ -131,15 +132,9 @@ def _ours(runner, proposer_factory, max_new: int, eos: list[int], capacity: int)
     return fn
 
 
-def memory_bandwidth(device: torch.device, mib: int = 512) -> float:
-    """Bytes per second for streaming reads of a large buffer (best of a few passes)."""
-    x = torch.ones(mib * 1024 * 1024 // 4, dtype=torch.float32, device=device)
-    best = float("inf")
-    for _ in range(5):
-        t0 = now(device)
-        x.sum()
-        best = min(best, now(device) - t0)
-    return x.numel() * 4 / best
+def memory_bandwidth(device: torch.device) -> Bandwidth:
+    """The best streaming read this machine delivers (`analysis/bandwidth.py`)."""
+    return measure_bandwidth(device)
 
 
 def weight_bytes(model) -> int:
@@ -174,7 +169,7 @@ def _systems(tgt, drf, runner, plain, d_runner, max_new: int, eos: list[int], ro
     """(name, fn, on the fast path's weights) for every system, each transformers one before its sdbench peer.
     generic: the generic runner over the target, measured beside the native one (None: the target has only it).
     autoregressive_only: plain decoding alone (transformers, sdbench eager, sdbench fast, generic)."""
-    fast = (" (CUDA graphs)" if runner.graphs else " (fast)") if runner.fast else ""
+    fast = _fast_label(runner)
     on = runner.cpu_fast
     beside = [] if generic is None else [
         (GENERIC_ROW, _ours(generic, Autoregressive, max_new, eos, room), False)]
@@ -199,11 +194,18 @@ def _systems(tgt, drf, runner, plain, d_runner, max_new: int, eos: list[int], ro
     ]
 
 
+def _fast_label(runner) -> str:
+    """What a system's name says of the runner's fast path."""
+    if not runner.fast:
+        return ""
+    return " (CUDA graphs)" if runner.graphs else " (fast, compiled steps)" if runner.path.compiled else " (fast)"
+
+
 def _head_systems(runner, heads: tuple[str, ...], max_new: int, eos: list[int], room: int, gamma: int) -> list:
     """(name, fn, on the fast path's weights) for each trained head drafting for the fast runner."""
     from sdbench.models.heads.load import MEDUSA, load_head  # reads weights: only a bench given --head
 
-    fast = (" (CUDA graphs)" if runner.graphs else " (fast)") if runner.fast else ""
+    fast = _fast_label(runner)
     rows = []
     for source in heads:
         head = load_head(source, runner)
@@ -220,7 +222,7 @@ class Peers:
     """What `measure_peers` measured: the systems, and what the table's caption and the lines under it say."""
 
     results: list[Measured]
-    bandwidth: float  # bytes/s, streaming reads on the device
+    bandwidth: Bandwidth  # the best streaming read on the device
     weight_bytes: int  # the target's plain weights
     verify_cost: float  # T(gamma + 1 tokens) / T(1 token) of the target, fast path
     draft_cost: float  # c = T_draft / T_target, fast path
@@ -236,7 +238,7 @@ class Peers:
     @property
     def roofline(self) -> float:
         """Tokens/s if every token read the weights once at the measured bandwidth."""
-        return self.bandwidth / self.weight_bytes
+        return self.bandwidth.bytes_per_s / self.weight_bytes
 
 
 def check_bench(cfg: BenchConfig) -> None:
@@ -299,8 +301,8 @@ def run_peers(cfg: BenchConfig, console: Console) -> list[Measured]:
     console.print(f"verification cost T({gamma + 1} tokens) / T(1 token), {target}: {peers.verify_cost:.2f}; draft "
                   f"cost c = T_draft / T_target ({draft}): {peers.draft_cost:.2f} (fast path, medians over the "
                   "prompts)", highlight=False)
-    for line in (peers.picked.line(), peers.disagreement, peers.fast_line,
-                 *engine_lines(peers.results, peers.reference)):
+    for line in (f"memory bandwidth: {peers.bandwidth.describe()}", peers.picked.line(), peers.disagreement,
+                 peers.fast_line, *engine_lines(peers.results, peers.reference)):
         if line:
             console.print(line, highlight=False, soft_wrap=True)
     if cfg.out:
@@ -474,7 +476,8 @@ def _table(results: list[Measured], roofline: float, title: str) -> Table:
     fast = next((m for m in results if m is not plain and m.system.startswith("sdbench autoregressive")
                  and m.system != GENERIC_ROW), None)
     generic = next((m for m in results if m.system == GENERIC_ROW), None)
-    table.caption = f"roofline (weights read once per token at measured bandwidth): {roofline:.1f} tokens/s"
+    table.caption = (f"roofline (weights read once per token at the best streaming read measured): {roofline:.1f} "
+                     "tokens/s")
     if plain and fast and plain.tokens_per_s:
         table.caption += f"; fast path / no fast path (autoregressive): {fast.tokens_per_s / plain.tokens_per_s:.2f}x"
     if plain and generic and generic.tokens_per_s:

@@ -30,6 +30,7 @@ Whether to pack at all is measured per shape (`choose`): at some shapes the plai
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import os
 import time
@@ -68,12 +69,32 @@ def _share_rows(modules: list, attr: str, fused: torch.Tensor) -> None:
         row += n
 
 
+_by_handle: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # handle -> Packed, for compiled steps
+_handles = itertools.count()
+
+
+@torch.library.custom_op("sdbench::packed_linear", mutates_args=())
+def packed_linear(x: torch.Tensor, handle: int, out_features: int) -> torch.Tensor:
+    """A packed product inside a compiled step (`models/cpucompile.py`): the compiler cannot take an opaque
+    oneDNN weight as an input, so the step names its Packed by handle and the product runs as it does eagerly."""
+    p = _by_handle[handle]
+    return _linear(x, p.packed, p.bias)
+
+
+@packed_linear.register_fake
+def _(x: torch.Tensor, handle: int, out_features: int) -> torch.Tensor:
+    return x.new_empty(*x.shape[:-1], out_features)
+
+
 class Packed:
     """y = x W^T + b, W the modules' weights stacked by rows; while packed, the only copy of them."""
 
     def __init__(self, modules: list[torch.nn.Linear]):
         self.modules = modules
         self.packed = None  # opaque oneDNN tensor, or None while the modules hold plain weights
+        self.out_features = sum(m.out_features for m in modules)
+        self.handle = next(_handles)
+        _by_handle[self.handle] = self
         self.bias = None
         if modules[0].bias is not None:
             self.bias = torch.cat([m.bias.detach() for m in modules]).contiguous()
@@ -91,6 +112,8 @@ class Packed:
         self.packed = None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling():
+            return packed_linear(x, self.handle, self.out_features)
         return _linear(x, self.packed, self.bias)
 
 
@@ -154,7 +177,8 @@ def head_ways(weight: torch.Tensor, bias: torch.Tensor | None) -> dict:
         ways = {}
         for width in HEAD_WIDTHS:
             x = torch.randn(1, width, weight.shape[1], dtype=weight.dtype)
-            times = {name: _timed(lambda: fn(x, w, b), reps=2) for name, fn in HEAD_WAYS.items()}
+            # best of 5: best of 2 once took W x^T for SmolLM2's one row (9.6 ms) over oneDNN's (5.4 ms)
+            times = {name: _timed(lambda: fn(x, w, b), reps=5) for name, fn in HEAD_WAYS.items()}
             ways[width] = min(times, key=times.get)
         _head_ways[key] = ways
     return _head_ways[key]
@@ -308,7 +332,8 @@ def rms_norm(module, x: torch.Tensor) -> torch.Tensor:
 # (where the two are close, a measurement per run would flip between them, and with it every figure that
 # depends on the forward path, the fidelity probe's kept verdicts included). Delete the file to measure again.
 
-FAST_ENV = "SDBENCH_CPU_FAST"  # measure (default) | packed | plain: an override that skips the measurement
+FAST_ENV = "SDBENCH_CPU_FAST"  # measure (default) | packed | plain | compiled: an override of the measurement
+MODES = ("measure", "packed", "plain", "compiled")
 WIDTHS = (1, 2, PACK_HINT)  # decoding, a draft's catch-up, a verification of gamma = 4
 _STREAM_BYTES = 512 * 2**20  # the least weight each path is timed over (more than a large L3 holds)
 _chosen: dict = {}  # shape key -> Choice
@@ -320,9 +345,10 @@ class Choice:
     how: str  # "measured" or "override"
     ratio: float | None = None  # plain time / packed time, layers and head, summed over WIDTHS (> 1: packing wins)
     measured: str = ""  # when, where the measurement was kept from an earlier run on this machine ("": now)
+    compiled: bool = False  # steps compiled too (`models/cpucompile.py`; an override only)
 
     def describe(self) -> str:
-        path = "packed (oneDNN)" if self.packed else "plain"
+        path = ("packed (oneDNN), steps compiled," if self.compiled else "packed (oneDNN)") if self.packed else "plain"
         if self.ratio is None:
             return f"CPU fast path: {path} forward, set by {FAST_ENV}"
         when = f" on {self.measured} (kept: {_choices_file()})" if self.measured else ""
@@ -330,13 +356,20 @@ class Choice:
                 f"the speed of plain ones at widths {', '.join(map(str, WIDTHS))})")
 
 
+def fast_mode() -> str:
+    """FAST_ENV's value: measure (the default), plain, packed, or compiled (packed, steps compiled:
+    `models/cpucompile.py`)."""
+    mode = os.environ.get(FAST_ENV, "measure").strip().lower() or "measure"
+    if mode not in MODES:
+        raise SdbenchError(f"{FAST_ENV}={mode}: use {', '.join(MODES[:-1])} or {MODES[-1]}")
+    return mode
+
+
 def choose(model) -> Choice:
     """Whether the fast path packs this model: the override when set, else measured once per shape."""
-    mode = os.environ.get(FAST_ENV, "measure").strip().lower() or "measure"
-    if mode in ("packed", "plain"):
-        return Choice(mode == "packed", "override")
+    mode = fast_mode()
     if mode != "measure":
-        raise SdbenchError(f"{FAST_ENV}={mode}: use measure, packed or plain")
+        return Choice(mode != "plain", "override", compiled=mode == "compiled")
     key = (model.config.to_json_string(use_diff=False), model.lm_head.weight is model.get_input_embeddings().weight,
            torch.get_num_threads())
     if key not in _chosen:

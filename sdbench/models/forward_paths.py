@@ -1,5 +1,6 @@
 """The forward path a runner takes, chosen once at its construction: eager (the modules' own products),
-CPU-packed (fused projections in oneDNN's layout, `models/cpufast.py`) or CUDA graphs (static shapes replayed,
+CPU-packed (fused projections in oneDNN's layout, `models/cpufast.py`), CPU-compiled (the packed products in
+static-shape steps compiled whole, `models/cpucompile.py`) or CUDA graphs (static shapes replayed,
 `models/graphs.py`). One interface, read by the runner's layer loop:
 
   ready()        puts the weights in the layout this path's forward reads (packed, or the library's), before
@@ -17,7 +18,7 @@ import torch
 
 from sdbench.models import cpufast
 
-EAGER, CPU_PACKED, CUDA_GRAPHS = "eager", "cpu-packed", "cuda-graphs"
+EAGER, CPU_PACKED, CPU_COMPILED, CUDA_GRAPHS = "eager", "cpu-packed", "cpu-compiled", "cuda-graphs"
 
 
 class Eager:
@@ -25,7 +26,9 @@ class Eager:
     is still read by the product measured fastest per width (cpufast.HeadProduct, in place)."""
 
     kind = EAGER
-    graphs = False
+    graphs = False  # static steps are captured as CUDA graphs
+    compiled = False  # static steps run compiled (`models/cpucompile.py`)
+    static = False  # decode and verification steps take the static-shape forward (`models/graphs.py`)
 
     def __init__(self, model, cpu_head: bool = False):
         self.model = model
@@ -63,11 +66,22 @@ class CpuPacked(Eager):
         return cpufast.rms_norm(module, x) if self.one_op_norms else module(x)
 
 
+class CpuCompiled(CpuPacked):
+    """The packed products inside static-shape decode and verification steps that are compiled whole (norms,
+    rotation, attention and the cache writes fused into a few kernels between the products, no Python between
+    them); `SDBENCH_CPU_FAST=compiled`."""
+
+    kind = CPU_COMPILED
+    compiled = True
+    static = True
+
+
 class CudaGraphs(Eager):
     """Eager products inside static-shape forwards captured as CUDA graphs (the runner's static path)."""
 
     kind = CUDA_GRAPHS
     graphs = True
+    static = True
 
 
 def choose(model, fast: bool, device: torch.device, rms_norm: bool) -> Eager:
@@ -82,3 +96,8 @@ def choose(model, fast: bool, device: torch.device, rms_norm: bool) -> Eager:
     if cpu and cpufast.choose(model).packed:
         return CpuPacked(model, rms_norm)
     return Eager(model, cpu_head=cpu)
+
+
+def compiled(path: CpuPacked) -> CpuCompiled:
+    """The compiled form of a CPU-packed path (the runner takes it where `cpucompile.wanted()`)."""
+    return CpuCompiled(path.model, path.one_op_norms)

@@ -20,7 +20,8 @@ Caches come from a per-runner pool (see `CachePool`) so that the next batch reus
 graphs captured over it. A captured graph is checked once against the eager forward of the same inputs; a
 capture that fails or disagrees turns graphs off for that runner with a warning (the eager static path is
 still exact). On CPU the same static forward runs eagerly (`ModelRunner(static=True)`), which is how the
-tests check everything but the capture itself.
+tests check everything but the capture itself, or compiled (the CPU fast path's compiled steps,
+`models/cpucompile.py`).
 """
 
 from __future__ import annotations
@@ -73,13 +74,16 @@ class StaticForward:
         self.graph = None
         self.out = None
 
-    def _step(self) -> StepIndex:
+    def step(self) -> StepIndex:
         return StepIndex.fixed(self.positions, self.cache.static_kv_len)
 
     def _eager(self):
+        """The forward over the filled buffers, op by op or, on the CPU-compiled path, its layers compiled."""
         taps = None if self.layers is None else Taps(self.layers)
-        logits = self.runner.logits(self.runner.hidden(self.cache, self.tokens, None, step=self._step(),
-                                                       cos_sin=self.cos_sin, taps=taps))
+        h = self.runner.compiled_layers(self, taps) if self.runner.path.compiled else None
+        if h is None:
+            h = self.runner.hidden(self.cache, self.tokens, None, step=self.step(), cos_sin=self.cos_sin, taps=taps)
+        logits = self.runner.logits(h)
         return logits if taps is None else (logits, taps.states())
 
     def __call__(self, tokens: torch.Tensor, start: list[int]) -> torch.Tensor:
@@ -132,7 +136,7 @@ class StaticTreeForward(StaticForward):
         self.rotated = torch.zeros(batch, width, dtype=torch.long, device=dev)
         self.ancestors = torch.eye(width, dtype=torch.bool, device=dev).repeat(batch, 1, 1)
 
-    def _step(self) -> StepIndex:
+    def step(self) -> StepIndex:
         return TreeStep.fixed_tree(self.positions, self.rotated, self.ancestors, self.cache.static_kv_len)
 
     def __call__(self, tokens: torch.Tensor, start: list[int], tree=None) -> torch.Tensor:

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from sdbench.errors import SdbenchError
 from sdbench.kv.cache import DenseKVCache, KVCache, StepIndex, TreeStep, set_prompt_lengths
 from sdbench.kv.sparse import SparseKVCache
-from sdbench.models import cpufast, forward_paths, recompute
+from sdbench.models import cpucompile, cpufast, forward_paths, recompute
 from sdbench.models.families import NATIVE, family
 from sdbench.engine.hidden import FINAL, Taps
 from sdbench.engine.tree import TreeBatch
@@ -96,17 +96,20 @@ class ModelRunner:
         self.windows = layer_windows(cfg)  # per layer: its sliding window, or None
         self.path = forward_paths.choose(model, bool(fast), self.device, self.family.rms_norm)
         self.fast = self.path.kind != forward_paths.EAGER  # what result rows record (`fast`)
-        self.static = self.path.graphs if static is None else static
+        self.static = self.path.static if static is None else static
         self.pool = CachePool()
         self.graph_pool = None  # CUDA graphs' shared memory pool, made at the first capture
         # per layer: the norm modules (attention in, attention out, MLP in, MLP out), None where there is none
         self._norms = [tuple(name and getattr(layer, name) for name in self.family.norms) for layer in self.layers]
         self._scale = self.family.attn_scale or self.head_dim**-0.5  # soft-capped attention's
+        self._compiled = None  # cpucompile.CompiledLayers, made at the first compiled step
+        if self.path.kind == forward_paths.CPU_PACKED and static is None and cpucompile.wanted():
+            self.path, self.static = forward_paths.compiled(self.path), True
 
     @property
     def cpu_fast(self) -> bool:
         """The weights are packed for oneDNN while this runner runs (the CPU fast path, where it measured faster)."""
-        return self.path.kind == forward_paths.CPU_PACKED
+        return self.path.kind in (forward_paths.CPU_PACKED, forward_paths.CPU_COMPILED)
 
     @property
     def graphs(self) -> bool:
@@ -172,6 +175,13 @@ class ModelRunner:
             return None
         return cpufast.choose(self.model).describe()
 
+    def compiled_layers(self, forward, taps: Taps | None) -> torch.Tensor | None:
+        """A static forward's hidden states through the compiled layers (`models/cpucompile.py`), or None where
+        compiling failed (the path is then the eager packed one)."""
+        if self._compiled is None:
+            self._compiled = cpucompile.CompiledLayers(self)
+        return self._compiled(forward, taps)
+
     def disable_graphs(self, reason: str) -> None:
         self.path = forward_paths.Eager(self.model)
         warnings.warn(f"{self.name or 'model'}: {reason}; using the eager forward", RuntimeWarning, stacklevel=2)
@@ -191,9 +201,16 @@ class ModelRunner:
             lengths = self.rotary.scaling_lengths(start, tokens.shape[1], self.scaling_floor(cache),
                                                   step.rotated if isinstance(step, TreeStep) else None)
             cos_sin = self.rotary.for_forward(step.rotated, step.kv_len, lengths)
+        self.path.ready()
+        return self.run_layers(cache, tokens, step, cos_sin, taps)
+
+    def run_layers(self, cache: KVCache, tokens: torch.Tensor, step: StepIndex, cos_sin: dict,
+                   taps: Taps | None = None) -> torch.Tensor:
+        """`hidden` once its step and rotation are prepared and the weights are in this path's layout: tensor
+        work only, which a compiled step (`models/cpucompile.py`) traces whole (it is not decorated: a change of
+        inference mode inside a traced function fails to compile)."""
         if cache.ids is not None:
             cache.ids.scatter_(1, step.positions, tokens.to(self.device))
-        self.path.ready()
         h = self.decoder.embed_tokens(tokens.to(self.device))  # Gemma's sqrt(hidden) scale is the module's
         fam = self.family
         if fam.embed_scale is not None:

@@ -129,7 +129,8 @@ def bench_model(ctx: Ctx, model: str) -> Section:
              "tokens_per_s": m.tokens_per_s, "tokens_per_s_min": min(m.rates()), "tokens_per_s_max": max(m.rates()),
              "vs_transformers": m.tokens_per_s / ref.tokens_per_s, "of_roofline": m.tokens_per_s / peers.roofline,
              "same_output": m.outputs == ref.outputs, "roofline_tokens_per_s": peers.roofline,
-             "bandwidth_gb_s": peers.bandwidth / 1e9, "weight_gib": peers.weight_bytes / GIB, "gamma": s.gamma,
+             "bandwidth_gb_s": peers.bandwidth.bytes_per_s / 1e9, "weight_gib": peers.weight_bytes / GIB,
+             "gamma": s.gamma,
              "verify_cost": peers.verify_cost, "generate": peers.picked.line(), "graphs_asked": peers.graphs_asked,
              "graphs": peers.graphs, "fell_back": fell_back} for m in peers.results]
     frame = pd.DataFrame(rows)
