@@ -232,22 +232,17 @@ def test_bench_keeps_every_other_row_when_an_engine_dies_mid_run(capsys, tiny_en
 # --- the real engines, where installed ---------------------------------------------------------------------------
 
 
-@pytest.mark.skipif(not LlamaCpp().installed(), reason="llama.cpp is not installed (make engine-llama.cpp)")
-def test_bench_through_the_real_llamacpp_server(capsys, tmp_path):
+@pytest.mark.parametrize("eng", [
+    pytest.param(LlamaCpp(), marks=pytest.mark.skipif(not LlamaCpp().installed(), reason="make engine-llama.cpp")),
+    pytest.param(Vllm(), marks=pytest.mark.skipif(not Vllm().installed(), reason="make engine-vllm")),
+], ids=["llama.cpp", "vllm"])
+def test_bench_through_the_real_server(capsys, tmp_path, eng):
+    """The embedded SmolLM2 through the engine's real servers: three rows, tokens counted, the speculative rows
+    with the engine's own counters."""
     code, out, err = run_cli(capsys, "bench", "--limit", "1", "--max-new-tokens", "16", "--repeats", "1",
-                             "--engine", "llama.cpp", "--out", str(tmp_path / "b"))
+                             "--engine", eng.name, "--out", str(tmp_path / "b"))
     assert code == 0, err
     df = pd.read_parquet(tmp_path / "b" / "bench.parquet")
-    engine = df[df.engine == "llama.cpp"]
+    engine = df[df.engine == eng.name]
     assert len(engine) == 3 and engine.failed.isna().all() and (engine.tokens > 0).all()
     assert engine.engine_drafted.notna().sum() == 2
-
-
-@pytest.mark.skipif(not Vllm().installed(), reason="vLLM is not installed (make engine-vllm)")
-def test_bench_through_the_real_vllm_server(capsys, tmp_path):
-    code, out, err = run_cli(capsys, "bench", "--limit", "1", "--max-new-tokens", "16", "--repeats", "1",
-                             "--engine", "vllm", "--out", str(tmp_path / "b"))
-    assert code == 0, err
-    df = pd.read_parquet(tmp_path / "b" / "bench.parquet")
-    engine = df[df.engine == "vllm"]
-    assert len(engine) == 3 and engine.failed.isna().all() and (engine.tokens > 0).all()

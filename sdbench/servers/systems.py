@@ -33,7 +33,8 @@ class EngineSystem:
         if self.server is not None:
             self.server.check_alive()
         try:
-            before = self.engine.counters(self.url) if self.role.speculative else None
+            # the user's own server (--engine-url) may run any decoding: its counters are read whatever its role
+            before = self.engine.counters(self.url) if self.role.speculative or self.server is None else None
             path, body = self.engine.request(prompt, budget or self.max_new)
             reply = self.engine.reply(post_stream(self.url, path, body), self.url, before)
         except EngineReplyError as err:
