@@ -172,7 +172,9 @@ def test_bench_refuses_an_engine_in_one_line(capsys, tmp_path, monkeypatch):
     for args, said in ((["--engine", "tgi"], "unknown engine 'tgi'"),
                        (["--engine", "llama.cpp"], "make engine-llama.cpp"),
                        (["--engine", "vllm"], "make engine-vllm"),
-                       (["--engine-url", "http://127.0.0.1:1"], "--engine-url and --engine-port go with")):
+                       (["--engine-url", "http://127.0.0.1:1"], "--engine-url and --engine-port go with"),
+                       (["--engine", "vllm", "--engine-url", "http://127.0.0.1:1"], "no server answers GET /health"),
+                       (["--engine", "llama.cpp,vllm", "--engine-url", "http://127.0.0.1:1"], "give one --engine")):
         code, _, err = run_cli(capsys, "bench", *args)
         assert code != 0 and said in err and "Traceback" not in err, (args, err)
 
@@ -246,3 +248,18 @@ def test_bench_through_the_real_server(capsys, tmp_path, eng):
     engine = df[df.engine == eng.name]
     assert len(engine) == 3 and engine.failed.isna().all() and (engine.tokens > 0).all()
     assert engine.engine_drafted.notna().sum() == 2
+
+
+def test_bench_measures_a_server_the_user_runs_as_it_runs(capsys, tiny_engine_bench, tmp_path, monkeypatch):
+    """--engine-url: no server started, one row named by the URL, its counters read from its /metrics."""
+    monkeypatch.setenv("FAKE_ENGINE_MODE", "ok")
+    folder = tiny_engine_bench[2]
+    with Server("user's", [sys.executable, str(FAKE), "--model", folder, "--port", "{port}", "--speculative-config",
+                           '{"num_speculative_tokens": 3}'], tmp_path / "user.log").start() as server:
+        code, out, err = run_cli(capsys, *tiny_engine_bench, "--engine-url", server.url)
+    assert code == 0, err
+    df = pd.read_parquet(tmp_path / "bench" / "bench.parquet")
+    engine = df[df.engine.notna()]
+    assert list(engine.system) == [f"vllm at {server.url}"] and (engine.same_prompts == 2).all()
+    assert (engine.engine_drafted == 18).all()  # 3 rounds of 3 drafts per 12-token prompt, by the stand-in's rule
+    assert not list((tmp_path / "bench").glob("engine-logs/*.log"))

@@ -34,7 +34,7 @@ from sdbench.models.runner import ModelRunner
 from sdbench.models.variants import split_variant, variant_model
 from sdbench.paths import cache_dir
 from sdbench.reporting.results import env_fields
-from sdbench.servers.client import EngineReplyError
+from sdbench.servers.client import EngineReplyError, reachable
 from sdbench.servers.engines import SDBENCH, EngineTotals
 from sdbench.servers.known import engine
 from sdbench.servers.process import EngineFailed
@@ -263,6 +263,8 @@ def check_bench(cfg: BenchConfig) -> None:
         if cfg.engine_url is None:
             eng.check_installed()
             engine_roles(eng, cfg.gamma, cfg.draft_model, cfg.autoregressive_only, cfg.heads)
+        elif not reachable(cfg.engine_url, eng.health):
+            raise SdbenchError(f"--engine-url {cfg.engine_url}: no server answers GET {eng.health} there")
 
 
 def engine_names(spec: str) -> list[str]:
