@@ -16,7 +16,7 @@ CONSTRAINTS := constraints.txt
 SHELL := /bin/bash
 
 .PHONY: setup run test bench bench-qwen qwen peers gpu-check gpu-check-merge docs clean constraints upgrade \
-	engines engine-llama.cpp engine-vllm
+	engines engine-llama.cpp engine-vllm clean-engines
 
 setup: $(STAMP)
 
