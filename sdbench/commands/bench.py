@@ -448,7 +448,7 @@ def _engine_fields(m: Measured, reference: list[list[int]]) -> dict:
                 "itl_s": None, "same_prompts": None, "failed": None}
     return {"engine": t.engine, "engine_drafted": t.drafted, "engine_accepted": t.accepted,
             "ttft_s": t.ttft, "tpot_s": t.tpot, "itl_s": t.itl,
-            "same_prompts": sum(a == b for a, b in zip(m.outputs, reference)), "failed": m.failed}
+            "same_prompts": same_prompts(m.outputs, reference), "failed": m.failed}
 
 
 def _table(results: list[Measured], roofline: float, title: str) -> Table:
@@ -495,10 +495,14 @@ def _table(results: list[Measured], roofline: float, title: str) -> Table:
 def agreement(outputs: list[list[int]], reference: list[list[int]]) -> tuple[str, str | None]:
     """(the share of prompts whose tokens equal the reference's, as "k/n"; where the first differing prompt first
     differs, or None). An engine computes in its own arithmetic: it is reported, not failed."""
-    same = sum(a == b for a, b in zip(outputs, reference))
     first = first_difference(outputs, reference)
     where = None if first is None else f"prompt {first[0] + 1} first differs at new token {first[1] + 1}"
-    return f"{same}/{len(reference)}", where
+    return f"{same_prompts(outputs, reference)}/{len(reference)}", where
+
+
+def same_prompts(outputs: list[list[int]], reference: list[list[int]]) -> int:
+    """Prompts whose tokens equal the reference's."""
+    return sum(a == b for a, b in zip(outputs, reference))
 
 
 def engine_lines(results: list[Measured], reference: list[list[int]]) -> list[str]:

@@ -13,7 +13,6 @@ from sdbench.errors import SdbenchError
 from sdbench.paths import repo_root
 
 SDBENCH = "sdbench"  # --engine's default: sdbench's own runner, no engine started
-STRATEGIES = ("autoregressive", "ngram", "draft", "eagle")  # what an engine may map to its own decoding
 
 
 def engines_dir(*parts: str) -> Path:
@@ -25,8 +24,9 @@ def engines_dir(*parts: str) -> Path:
 
 @dataclass(frozen=True)
 class EngineRole:
-    """One system an engine runs: `strategy` (one of STRATEGIES) at lookahead `gamma`, drafting with `draft` (a model
-    name, or a head's folder for eagle)."""
+    """One system an engine runs: `strategy` (autoregressive, ngram, draft or eagle: the sdbench strategies an engine
+    may map to its own decoding, `Engine.own_names`) at lookahead `gamma`, drafting with `draft` (a model name, or a
+    head's folder for eagle)."""
 
     strategy: str
     gamma: int = 0
