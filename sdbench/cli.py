@@ -187,10 +187,17 @@ def report(
     explain: Annotated[bool, typer.Option("--explain", help="also break each speedup into the factors that multiply to it, and show other tools' definitions")] = False,
 ):
     """Print the tables of earlier runs; optionally PNG plots and an HTML page."""
+    from sdbench.reporting.carry import bench_files, print_bench
     from sdbench.reporting.report import marked_partial, print_report
     from sdbench.reporting.results import read_results
     from sdbench.reporting.sweep import print_frontier
 
+    benches = bench_files(paths)
+    for path in benches:  # `bench --out`'s files: their carry-over tables
+        print_bench(path, console)
+    paths = [p for p in paths if p not in benches]
+    if benches and not paths:
+        return
     df = marked_partial(read_results(paths))
     print_report(df, console, by=tuple(by or ()))
     print_frontier(df, console)  # rows of a sweep: its best setting per point and where SD stops paying

@@ -2,7 +2,12 @@
 transformers' own greedy `generate`, so its tokens are the reference's. Unknown arguments are ignored.
 
 FAKE_ENGINE_MODE: ok (default); never-ready (/health answers 503 for ever); exit (says a bind error and exits at
-once); die-after:N (the process exits during its N+1-th completion)."""
+once); die-after:N (the process exits during its N+1-th completion).
+
+With --enable-prefix-caching a request reuses the previous request's prompt of the same cache_salt up to their
+common prefix in whole blocks of BLOCK tokens, as vLLM's cache does; every request's prefill is counted in /metrics
+as vLLM counts it, with made-up seconds: STEP_S * (10 + tokens computed), so that a forward over k tokens costs
+(10 + k) / 11 of a one-token forward."""
 
 from __future__ import annotations
 
@@ -10,6 +15,18 @@ import json
 import os
 import sys
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+
+BLOCK = 16
+STEP_S = 0.01
+
+
+def _computed(prompt: list[int], previous: list[int] | None) -> int:
+    """Prompt tokens a prefix cache holding `previous` leaves to compute: at least the last one."""
+    if previous is None:
+        return len(prompt)
+    common = next((i for i, (a, b) in enumerate(zip(prompt, previous)) if a != b), min(len(prompt), len(previous)))
+    return max(len(prompt) - common // BLOCK * BLOCK, 1)
 
 
 def _arg(argv: list[str], name: str, default=None):
@@ -28,7 +45,9 @@ def main(argv: list[str]) -> None:
     model = AutoModelForCausalLM.from_pretrained(_arg(argv, "--model")).eval()
     speculative = "--speculative-config" in argv
     gamma = json.loads(_arg(argv, "--speculative-config", "{}")).get("num_speculative_tokens", 0)
-    state = {"completions": 0, "drafted": 0, "accepted": 0}
+    caching = "--enable-prefix-caching" in argv
+    state = {"completions": 0, "drafted": 0, "accepted": 0, "prefills": 0, "prefill_s": 0.0, "computed": 0,
+             "cached": {}}
     die_after = int(mode.split(":")[1]) if mode.startswith("die-after:") else None
 
     class Handler(BaseHTTPRequestHandler):
@@ -40,7 +59,10 @@ def main(argv: list[str]) -> None:
                 self.send_response(503 if mode == "never-ready" else 200)
                 self.end_headers()
             elif self.path == "/metrics":
-                body = "# HELP vllm:iteration_tokens_total\n"
+                body = ("# HELP vllm:iteration_tokens_total\n"
+                        f"vllm:request_prefill_time_seconds_sum{{engine=\"0\"}} {state['prefill_s']}\n"
+                        f"vllm:request_prefill_time_seconds_count{{engine=\"0\"}} {state['prefills']}.0\n"
+                        f"vllm:request_prefill_kv_computed_tokens_sum{{engine=\"0\"}} {state['computed']}.0\n")
                 if speculative:
                     body += (f"vllm:spec_decode_num_draft_tokens_total{{engine=\"0\"}} {state['drafted']}.0\n"
                              f"vllm:spec_decode_num_accepted_tokens_total{{engine=\"0\"}} {state['accepted']}.0\n"
@@ -58,6 +80,9 @@ def main(argv: list[str]) -> None:
             if die_after is not None and state["completions"] >= die_after:
                 os._exit(3)
             state["completions"] += 1
+            salt = body.get("cache_salt")
+            computed = _computed(body["prompt"], state["cached"].get(salt) if caching else None)
+            state["cached"][salt] = body["prompt"]
             ids = torch.tensor([body["prompt"]])
             with torch.no_grad():
                 out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=body["max_tokens"],
@@ -66,7 +91,16 @@ def main(argv: list[str]) -> None:
                 rounds = -(-len(out) // (gamma + 1))
                 state["drafted"] += rounds * gamma
                 state["accepted"] += rounds * gamma // 2
+            state["prefills"] += 1
+            state["prefill_s"] += STEP_S * (10 + computed)
+            state["computed"] += computed
             self.send_response(200)
+            if not body.get("stream"):
+                self.send_header("Content-Type", "application/json")
+                self.end_headers()
+                reply = {"choices": [{"index": 0, "text": "".join(f"<{t}>" for t in out), "token_ids": out}]}
+                self.wfile.write(json.dumps(reply).encode())
+                return
             self.send_header("Content-Type", "text/event-stream")
             self.end_headers()
             for t in out:

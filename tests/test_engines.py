@@ -219,6 +219,35 @@ def test_bench_measures_an_engine_beside_the_others(capsys, tiny_engine_bench, t
     assert (engine.ttft_s > 0).all() and (df[df.engine.isna()].same_output).all()
 
 
+def test_bench_carries_sdbench_acceptance_over_to_the_engine(capsys, tiny_engine_bench, tmp_path):
+    """The carry-over rows of the stand-in's speculative systems, by hand. Its plain server keeps a prefix cache and
+    says a forward over k tokens takes (10 + k) / 11 of one; per 12-token prompt it counts 3 rounds of 4 drafts
+    with 2 accepted. Over the 2 prompts' 11 tokens after the first: 12 accepted of 24 drafted in 22 - 12 = 10
+    rounds, so L = 2.2 and g = 2.4, and v(3.4) = 13.4 / 11. sdbench's own rows: its rounds with its own costs."""
+    code, out, err = run_cli(capsys, *tiny_engine_bench)
+    assert code == 0, err
+    df = pd.read_parquet(tmp_path / "bench" / "bench.parquet").groupby("system", sort=False).first()
+    v = 13.4 / 11
+    ngram, draft = df.loc["vllm ngram (γ=4, float32)"], df.loc["vllm draft_model (γ=4, float32)"]
+    for row, c in ((ngram, 0.0), (draft, 1.0)):
+        assert (row.tokens_per_round, row.drafts_per_round) == (pytest.approx(2.2), pytest.approx(2.4))
+        assert (row.step_verify_cost, row.step_draft_cost) == (pytest.approx(v), c)
+        assert row.own_predicted_speedup == pytest.approx(2.2 / (2.4 * c + v))
+    # carried: sdbench's own L and g of the same strategy with the engine's costs
+    for ours, row, c in (("sdbench ngram (γ=4) (fast)", ngram, 0.0), ("sdbench draft (γ=4) (fast)", draft, 1.0)):
+        mine = df.loc[ours]
+        g = mine.drafts_per_round
+        v_g = 1 + (g + 1 - 1) / 11  # (10 + k) / 11 at k = g + 1
+        assert row.carried_speedup == pytest.approx(mine.tokens_per_round / (g * c + v_g))
+        assert mine.decode_speedup > 0 and mine.carried_speedup == mine.own_predicted_speedup
+    plain = df.loc["vllm plain decoding (float32)"]
+    assert pd.isna(plain.carried_speedup) and pd.isna(df.iloc[0].decode_speedup)
+    assert "Does it carry over?" in out
+    code, out, err = run_cli(capsys, "report", str(tmp_path / "bench" / "bench.parquet"))
+    assert code == 0, err
+    assert "Does it carry over?" in out and "vllm draft_model" in out
+
+
 def test_bench_keeps_every_other_row_when_an_engine_dies_mid_run(capsys, tiny_engine_bench, tmp_path, monkeypatch):
     # each server answers its warm-up and the first prompt, then exits during the second
     monkeypatch.setenv("FAKE_ENGINE_MODE", "die-after:2")

@@ -17,7 +17,9 @@ from rich.console import Console
 from rich.table import Table
 
 from sdbench.analysis.bandwidth import Bandwidth, measure_bandwidth
+from sdbench.analysis.carry import Carried, Rounds
 from sdbench.analysis.costs import median_times
+from sdbench.commands.bench_carry import carry_over
 from sdbench.commands.hf_generate import MODES, generator, kwargs_for, pick
 from sdbench.config import BenchConfig, SamplingConfig
 from sdbench.data.tasks import encode_prompt, load_prompts
@@ -33,6 +35,8 @@ from sdbench.models.pair import pick_runner, resolve_device, resolve_dtype, say_
 from sdbench.models.runner import ModelRunner
 from sdbench.models.variants import split_variant, variant_model
 from sdbench.paths import cache_dir
+from sdbench.reporting.carry import carry_table
+from sdbench.reporting.carry import columns as carry_columns
 from sdbench.reporting.results import env_fields
 from sdbench.servers.client import EngineReplyError, reachable
 from sdbench.servers.engines import SDBENCH, EngineTotals
@@ -64,6 +68,19 @@ class Measured:
     outputs: list[list[int]] = field(default_factory=list)  # the first repeat's, per prompt
     engine: EngineTotals | None = None  # an engine's system: its replies (timings, its own acceptance counters)
     failed: str | None = None  # why the system stopped mid-measurement (an engine's server died): not measured
+    source: object = None  # the measured callable (sdbench's own: Ours; an engine's: EngineSystem)
+
+    @property
+    def key(self) -> tuple[str, str | None] | None:
+        """(strategy, drafter) of an sdbench or engine system, None for transformers'."""
+        return getattr(self.source, "key", None)
+
+    @property
+    def rounds(self) -> Rounds | None:
+        """Its decoding after each first token, in rounds (`analysis/carry.py`); None for transformers'."""
+        if self.engine is not None:
+            return self.engine.rounds()
+        return getattr(self.source, "rounds", None)
 
     def rates(self) -> list[float]:
         return [rate(t, s) for t, s in zip(self.tokens, self.seconds)]
@@ -80,7 +97,7 @@ def _measure(systems: list, prompts: list[list[int]], repeats: int, device, stat
     first for each prompt, so the weights change twice a prompt.
     An engine's system whose server fails is marked failed and left out from then on; the others go on.
     """
-    results = [Measured(name, fast, engine=getattr(fn, "totals", None)) for name, fn, fast in systems]
+    results = [Measured(name, fast, engine=getattr(fn, "totals", None), source=fn) for name, fn, fast in systems]
     order = sorted(zip(results, systems), key=lambda pair: pair[0].fast)
 
     def call(m: Measured, fn, prompt: list[int], budget: int | None) -> list[int] | None:
@@ -122,14 +139,31 @@ def _hf(model, max_new: int, eos: list[int], **kwargs):
     return lambda prompt, budget: run(prompt, budget or max_new)
 
 
-def _ours(runner, proposer_factory, max_new: int, eos: list[int], capacity: int):
-    """capacity: one KV length for every prompt, so that a static-shape (CUDA-graph) runner captures its
-    graphs during the warm-up and replays them for every measured prompt."""
-    def fn(prompt: list[int], budget: int | None) -> list[int]:
-        res = generate(runner, proposer_factory(), [prompt], max_new_tokens=budget or max_new,
-                       sampling=SamplingConfig(), eos_ids=eos, capacity=capacity)
-        return res.output_ids[0]
-    return fn
+@dataclass
+class Ours:
+    """fn(prompt ids, budget or None for max_new) -> new ids through sdbench's decode loop. Measured calls (budget
+    None) add their rounds after the first token to `rounds` (the carry-over's acceptance and decode time).
+    capacity: one KV length for every prompt, so that a static-shape (CUDA-graph) runner captures its graphs
+    during the warm-up and replays them for every measured prompt. key: (strategy, drafter) for the carry-over."""
+
+    runner: object
+    proposer_factory: object
+    max_new: int
+    eos: list[int]
+    capacity: int
+    key: tuple[str, str | None] = ("autoregressive", None)
+    rounds: Rounds = field(default_factory=Rounds)
+
+    def __call__(self, prompt: list[int], budget: int | None) -> list[int]:
+        res = generate(self.runner, self.proposer_factory(), [prompt], max_new_tokens=budget or self.max_new,
+                       sampling=SamplingConfig(), eos_ids=self.eos, capacity=self.capacity)
+        out, row = res.output_ids[0], res.rows[0]
+        if budget is None and len(out) > 1:
+            spec = self.key[0] != "autoregressive"
+            self.rounds.add(len(out) - 1, res.wall_s - res.ttft_s, row.steps if spec else len(out) - 1,
+                            row.drafted, row.accepted)
+        return out
+
 
 
 def memory_bandwidth(device: torch.device) -> Bandwidth:
@@ -165,18 +199,18 @@ def cost_ratios(runner, draft, prompts: list[list[int]], gamma: int) -> tuple[fl
 
 
 def _systems(tgt, drf, runner, plain, d_runner, max_new: int, eos: list[int], room: int, gamma: int,
-             generic=None, autoregressive_only: bool = False) -> list:
+             generic=None, autoregressive_only: bool = False, draft: str | None = None) -> list:
     """(name, fn, on the fast path's weights) for every system, each transformers one before its sdbench peer.
     generic: the generic runner over the target, measured beside the native one (None: the target has only it).
     autoregressive_only: plain decoding alone (transformers, sdbench eager, sdbench fast, generic)."""
     fast = _fast_label(runner)
     on = runner.cpu_fast
     beside = [] if generic is None else [
-        (GENERIC_ROW, _ours(generic, Autoregressive, max_new, eos, room), False)]
+        (GENERIC_ROW, Ours(generic, Autoregressive, max_new, eos, room), False)]
     plain_decoding = [
         ("transformers generate", _hf(tgt.model, max_new, eos), False),
-        ("sdbench autoregressive (no fast path)", _ours(plain, Autoregressive, max_new, eos, room), False),
-        (f"sdbench autoregressive{fast}", _ours(runner, Autoregressive, max_new, eos, room), on),
+        ("sdbench autoregressive (no fast path)", Ours(plain, Autoregressive, max_new, eos, room), False),
+        (f"sdbench autoregressive{fast}", Ours(runner, Autoregressive, max_new, eos, room), on),
         *beside,
     ]
     if autoregressive_only:
@@ -187,10 +221,11 @@ def _systems(tgt, drf, runner, plain, d_runner, max_new: int, eos: list[int], ro
          _hf(tgt.model, max_new, eos, assistant_model=drf.model, num_assistant_tokens=gamma,
              num_assistant_tokens_schedule="constant"), False),
         (f"sdbench draft (γ={gamma}){fast}",
-         _ours(runner, lambda: DraftModel(d_runner, gamma), max_new, eos, room), on),
+         Ours(runner, lambda: DraftModel(d_runner, gamma), max_new, eos, room, ("draft", draft)), on),
         (f"transformers prompt lookup (γ={gamma})", _hf(tgt.model, max_new, eos, prompt_lookup_num_tokens=gamma),
          False),
-        (f"sdbench ngram (γ={gamma}){fast}", _ours(runner, lambda: NGram(gamma), max_new, eos, room), on),
+        (f"sdbench ngram (γ={gamma}){fast}",
+         Ours(runner, lambda: NGram(gamma), max_new, eos, room, ("ngram", None)), on),
     ]
 
 
@@ -212,7 +247,8 @@ def _head_systems(runner, heads: tuple[str, ...], max_new: int, eos: list[int], 
         declared = strategy("medusa" if head.kind == MEDUSA else "eagle")
         drafter = declared.drafter(head, runner, gamma)  # reused: each generation begins it afresh
         rows.append((f"sdbench {declared.name} {head.kind} {Path(source).name} (γ={gamma}){fast}",
-                     _ours(runner, lambda d=drafter, src=source: TrainedHead(d, gamma, src), max_new, eos, room),
+                     Ours(runner, lambda d=drafter, src=source: TrainedHead(d, gamma, src), max_new, eos, room,
+                          ("eagle", source)),
                      runner.cpu_fast))
     return rows
 
@@ -234,6 +270,8 @@ class Peers:
     graphs: bool  # ... and still did at the end (False after a capture failed or disagreed: eager fallback)
     prompts: int  # prompts measured
     device: str
+    carried: list[Carried] = field(default_factory=list)  # the carry-over table's rows (bench_carry.py)
+    unknown: list[str] = field(default_factory=list)  # why a speculative system has no carry-over row
 
     @property
     def roofline(self) -> float:
@@ -282,7 +320,7 @@ def _engine_systems(cfg: BenchConfig, capacity: int, status):
         systems = []
         for name in engine_names(cfg.engine):
             eng = engine(name)
-            roles = engine_roles(eng, cfg.gamma, cfg.draft_model, cfg.autoregressive_only, cfg.heads)
+            roles = engine_roles(eng, cfg.gamma, cfg.draft_model, cfg.autoregressive_only, cfg.heads, cfg.target)
             systems += stack.enter_context(engine_systems(eng, roles, cfg.target, cfg.dtype, capacity,
                                                           torch.get_num_threads(), cfg.max_new_tokens, logs,
                                                           cfg.engine_url, port, status))
@@ -307,10 +345,15 @@ def run_peers(cfg: BenchConfig, console: Console) -> list[Measured]:
                  peers.fast_line, *engine_lines(peers.results, peers.reference)):
         if line:
             console.print(line, highlight=False, soft_wrap=True)
+    if peers.carried:
+        console.print(carry_table(peers.carried))
+    for line in peers.unknown:
+        console.print(line, highlight=False, soft_wrap=True)
     if cfg.out:
         path = write_bench(peers.results, cfg.out, dict(model=target, draft=draft, dataset=cfg.dataset,
                                                     device=peers.device, dtype=cfg.dtype,
-                                                    verify_cost=peers.verify_cost, draft_cost=peers.draft_cost))
+                                                    verify_cost=peers.verify_cost, draft_cost=peers.draft_cost),
+                           peers.carried)
         console.print(f"results: {path}", highlight=False)
     check_outputs(peers.results, peers.reference)
     return peers.results
@@ -354,10 +397,10 @@ def measure_peers(cfg: BenchConfig, console: Console) -> Peers:
 
     room = needed_capacity(max(len(p) for p in prompts), max_new, gamma)
     systems = _systems(tgt, drf, runner, pick_runner(tgt.model, target, False), d_runner, max_new, eos, room, gamma,
-                       generic, cfg.autoregressive_only)
+                       generic, cfg.autoregressive_only, draft)
     systems += _head_systems(runner, cfg.heads, max_new, eos, room, gamma)
     with console.status("measuring") as status, _engine_systems(cfg, room, status) as engines:
-        systems += [(s.name, s, False) for s in engines]
+        systems += [(s.name, s, False) for s in engines if s.measured]
         picked = _pick_generate(tgt.model, prompts[0], eos, cfg.generate, dev, status, weights, room)
         systems[0] = (f"transformers generate ({picked.label})",
                       _hf(tgt.model, max_new, eos, **kwargs_for(picked.name, dev, room)), False)
@@ -366,10 +409,11 @@ def measure_peers(cfg: BenchConfig, console: Console) -> Peers:
         status.update("measuring the verification and draft cost ratios")
         weights(True)
         ratios = cost_ratios(runner, d_runner, prompts, gamma)
-    weights(False)
+        weights(False)
+        carried, unknown = carry_over(results, engines, prompts, gamma, ratios, status)
     return Peers(results, memory_bandwidth(dev), plain_bytes, ratios[0], ratios[1], picked, reference, disagreement,
                  runner.fast_path_note(), graphs_asked, bool(getattr(runner, "graphs", False)), len(prompts),
-                 str(dev))
+                 str(dev), carried, unknown)
 
 
 def _pick_generate(model, prompt: list[int], eos: list[int], mode: str, device, status, weights, room: int):
@@ -425,13 +469,15 @@ def check_outputs(results: list[Measured], reference: list[list[int]] | None = N
                                 f"(first at new token {at + 1}: {ours[at:at + 1]} vs {theirs[at:at + 1]})")
 
 
-def write_bench(results: list[Measured], out: str, common: dict):
-    """<out>/bench.parquet: one row per system and repeat, with the environment columns `run` records."""
+def write_bench(results: list[Measured], out: str, common: dict, carried: list[Carried] = ()):
+    """<out>/bench.parquet: one row per system and repeat, with the environment columns `run` records and each
+    speculative system's carry-over row (`reporting/carry.py`)."""
     env = env_fields(environment(common["device"], common["dtype"]))
     ref = results[0].outputs
+    carry_of = {c.system: c for c in carried}
     rows = [{"system": m.system, **common, "repeat": r, "tokens": m.tokens[r], "seconds": m.seconds[r],
              "tokens_per_s": m.rates()[r], "same_output": m.outputs == ref, "threads": torch.get_num_threads(),
-             **_engine_fields(m, ref), **env}
+             **_engine_fields(m, ref), **carry_columns(carry_of.get(m.system)), **env}
             for m in results for r in range(len(m.tokens))]
     path = Path(out)
     path.mkdir(parents=True, exist_ok=True)

@@ -64,7 +64,15 @@ def tokens_per_second(alpha: float, gamma: float, draft_s: float, verify_s: floa
 
 def predicted_speedup(alpha: float, gamma: float, draft_cost: float, verify_cost: float) -> float:
     """Omega(gamma, alpha) / (gamma * c + v); c and v are in units of one plain target forward."""
-    denominator = gamma * draft_cost + verify_cost
-    if not denominator > 0 or math.isnan(alpha):
+    if math.isnan(alpha):
         return math.nan
-    return expected_tokens_per_step(alpha, gamma) / denominator
+    return round_speedup(expected_tokens_per_step(alpha, gamma), gamma, draft_cost, verify_cost)
+
+
+def round_speedup(tokens_per_round: float, gamma: float, draft_cost: float, verify_cost: float) -> float:
+    """Tokens a round commits over its cost in plain target forwards, gamma * c + v: the speedup of rounds that
+    commit `tokens_per_round` on average (Omega under the i.i.d. model, or as measured)."""
+    denominator = gamma * draft_cost + verify_cost
+    if not denominator > 0 or math.isnan(tokens_per_round):
+        return math.nan
+    return tokens_per_round / denominator

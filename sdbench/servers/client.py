@@ -1,5 +1,5 @@
 """An engine's HTTP API from the standard library: a streamed POST whose server-sent events are timed as they
-arrive, and plain GETs (health, metrics)."""
+arrive, a plain POST, and plain GETs (health, metrics)."""
 
 from __future__ import annotations
 
@@ -63,6 +63,23 @@ def get(url: str, path: str, timeout: float = 30.0) -> str:
     if resp.status != 200:
         raise EngineReplyError(f"GET {url}{path}: HTTP {resp.status}: {_error_text(body)}")
     return body
+
+
+def post_json(url: str, path: str, body: dict, timeout: float = 600.0) -> dict:
+    """POST body as JSON and return the reply's JSON object (a request that is not streamed)."""
+    try:
+        conn, base = _connection(url, timeout)
+        try:
+            conn.request("POST", base + path, body=json.dumps(body), headers={"Content-Type": "application/json"})
+            resp = conn.getresponse()
+            text = resp.read().decode("utf-8", errors="replace")
+        finally:
+            conn.close()
+    except (OSError, http.client.HTTPException) as err:
+        raise EngineReplyError(f"POST {url}{path}: the connection broke: {err or type(err).__name__}") from None
+    if resp.status != 200:
+        raise EngineReplyError(f"POST {url}{path}: HTTP {resp.status}: {_error_text(text)}")
+    return _json(text, url, path)
 
 
 def post_stream(url: str, path: str, body: dict, timeout: float = 600.0) -> Streamed:

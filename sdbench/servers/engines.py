@@ -9,6 +9,7 @@ import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from sdbench.analysis.carry import Rounds
 from sdbench.errors import SdbenchError
 from sdbench.paths import repo_root
 
@@ -35,6 +36,15 @@ class EngineRole:
     @property
     def speculative(self) -> bool:
         return self.strategy != "autoregressive"
+
+    @property
+    def costs_only(self) -> bool:
+        """Plain decoding of the draft model: a server started only to measure the draft's step cost."""
+        return not self.speculative and self.draft is not None
+
+    def model(self, target: str) -> str:
+        """The model the server loads (the draft model, for plain decoding of the draft)."""
+        return self.draft if self.costs_only else target
 
 
 @dataclass
@@ -93,6 +103,18 @@ class EngineTotals:
         gaps = [g for r in self.replies for g in r.gaps]
         return statistics.median(gaps) if gaps else None
 
+    def rounds(self) -> Rounds:
+        """The replies' decoding after each first token, in rounds (`analysis/carry.py`): each round commits its
+        accepted drafts and one token of the target's, so rounds = tokens - accepted."""
+        found = Rounds()
+        for r in self.replies:
+            n = len(r.tokens) - 1
+            if n < 1 or r.ttft is None:
+                continue
+            accepted = r.accepted or 0
+            found.add(n, r.seconds - r.ttft, n - accepted, r.drafted or 0, accepted)
+        return found
+
 
 class Engine:
     """An engine's adapter. Subclasses name the engine, how it is installed, which strategies it runs, how its server
@@ -125,6 +147,8 @@ class Engine:
 
     def label(self, role: EngineRole, dtype: str) -> str:
         own = self.own_names[role.strategy]
+        if role.costs_only:
+            return f"{self.name} plain decoding of the draft {role.draft} ({dtype})"
         if not role.speculative:
             return f"{self.name} plain decoding ({dtype})"
         return f"{self.name} {own} (γ={role.gamma}, {dtype})"
@@ -149,6 +173,12 @@ class Engine:
     def counters(self, url: str) -> dict | None:
         """Server-wide counters read before a request, where the engine keeps its acceptance there (vLLM)."""
         return None
+
+    def probe(self, url: str, prompt: list[int]) -> tuple[float, int]:
+        """(seconds the engine itself spent on the prompt's forward, prompt tokens it computed) for a one-token
+        generation over `prompt`, reusing what its cache holds of the prompt's prefix from the request before: a
+        forward over the prompt's new tokens alone, as a verification is (`servers/costs.py`)."""
+        raise NotImplementedError
 
 
 def token_gaps(times: list[float], counts: list[int]) -> tuple[float | None, list[float]]:

@@ -10,6 +10,7 @@ from pathlib import Path
 from sdbench.errors import SdbenchError
 from sdbench.models.loader import model_files
 from sdbench.paths import cache_dir
+from sdbench.servers.client import EngineReplyError, post_json
 from sdbench.servers.engines import Engine, EngineRole, Reply, engines_dir, token_gaps
 
 # sdbench's --dtype -> llama-quantize's type name
@@ -61,7 +62,7 @@ class LlamaCpp(Engine):
         return out
 
     def command(self, target: str, role: EngineRole, dtype: str, capacity: int, threads: int) -> list[str]:
-        argv = [str(self.executable()), "-m", str(self.gguf(target, dtype)), "--host", "127.0.0.1",
+        argv = [str(self.executable()), "-m", str(self.gguf(role.model(target), dtype)), "--host", "127.0.0.1",
                 "--port", "{port}", "-c", str(capacity), "-np", "1", "-t", str(threads), "-tb", str(threads),
                 "-cram", "0", "--no-webui"]
         if role.strategy == "ngram":
@@ -90,3 +91,12 @@ class LlamaCpp(Engine):
         ttft, gaps = token_gaps(streamed.times, counts)
         # absent where the server drafted nothing (plain decoding, or no n-gram found)
         return Reply(tokens, streamed.seconds, ttft, gaps, timings.get("draft_n"), timings.get("draft_n_accepted"))
+
+    def probe(self, url: str, prompt: list[int]) -> tuple[float, int]:
+        # the slot keeps the previous request's tokens: with cache_prompt it computes only what follows the common
+        # prefix, and its own timings say how long that took
+        body = {"prompt": prompt, "n_predict": 1, "temperature": 0.0, "cache_prompt": True, "stream": False}
+        timings = post_json(url, "/completion", body).get("timings") or {}
+        if "prompt_ms" not in timings or "prompt_n" not in timings:
+            raise EngineReplyError(f"{url}/completion: no prompt timings in the reply")
+        return float(timings["prompt_ms"]) / 1000.0, int(timings["prompt_n"])

@@ -29,6 +29,16 @@ class EngineSystem:
     def __post_init__(self) -> None:
         self.totals.engine = self.engine.name
 
+    @property
+    def measured(self) -> bool:
+        """A system `bench` times (not a server kept for its step costs alone)."""
+        return not self.role.costs_only
+
+    @property
+    def key(self) -> tuple[str, str | None]:
+        """(strategy, drafter) as sdbench's own system of the same decoding names it (`bench`'s carry-over)."""
+        return self.role.strategy, self.role.draft if self.role.strategy != "ngram" else None
+
     def __call__(self, prompt: list[int], budget: int | None) -> list[int]:
         if self.server is not None:
             self.server.check_alive()
@@ -49,9 +59,10 @@ class EngineSystem:
 
 
 def engine_roles(engine: Engine, gamma: int, draft: str | None, autoregressive_only: bool,
-                 heads: tuple[str, ...] = ()) -> list[EngineRole]:
+                 heads: tuple[str, ...] = (), target: str | None = None) -> list[EngineRole]:
     """The roles `bench` measures through an engine: plain decoding, then (unless autoregressive only) the engine's
-    n-gram and draft-model decoding at γ and each trained head; a role it cannot run is refused in one line."""
+    n-gram and draft-model decoding at γ and each trained head; a role it cannot run is refused in one line. Last,
+    where the draft model is not the target, plain decoding of the draft: a server for its step cost alone."""
     roles = [EngineRole("autoregressive")]
     if autoregressive_only:
         return roles
@@ -61,6 +72,8 @@ def engine_roles(engine: Engine, gamma: int, draft: str | None, autoregressive_o
         why = engine.refuse(role)
         if why is not None:
             raise SdbenchError(f"--engine {engine.name}: {why}")
+    if draft is not None and draft != target:
+        roles.append(EngineRole("autoregressive", 0, draft))
     return roles
 
 

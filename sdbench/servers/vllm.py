@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import json
 import re
+import time
+import uuid
 from pathlib import Path
 
 from sdbench.errors import SdbenchError
 from sdbench.models.loader import safetensors_folder
-from sdbench.servers.client import get
+from sdbench.servers.client import EngineReplyError, get, post_json
 from sdbench.servers.engines import Engine, EngineRole, Reply, engines_dir, token_gaps
 
 SERVED = "sdbench-target"  # the name requests give the served model
@@ -19,6 +21,9 @@ KV_SPACE_GIB = "2"  # the CPU build's KV cache (GiB): its default takes a share 
 _COUNTER = re.compile(r'^(vllm:spec_decode_num_(?:drafts|draft_tokens|accepted_tokens|accepted_tokens_per_pos))'
                       r'(?:_total)?(\{[^}]*\})?\s+([0-9.eE+-]+)$')
 _POSITION = re.compile(r'position="(\d+)"')
+_PREFILL = re.compile(r'^(vllm:request_prefill_(?:time_seconds_sum|time_seconds_count|kv_computed_tokens_sum))'
+                      r'(?:\{[^}]*\})?\s+([0-9.eE+-]+)$')
+PROBE_SALT = "sdbench-step-costs"  # the probes' shared prefix cache
 
 
 class Vllm(Engine):
@@ -47,10 +52,13 @@ class Vllm(Engine):
         return None
 
     def command(self, target: str, role: EngineRole, dtype: str, capacity: int, threads: int) -> list[str]:
+        # plain decoding keeps a prefix cache, for the step costs' probes (`probe`); every measured request
+        # carries a salt of its own, so no measured prompt reuses another's cache
+        caching = "--no-enable-prefix-caching" if role.speculative else "--enable-prefix-caching"
         argv = [str(self.executable()), "-m", "vllm.entrypoints.openai.api_server", "--model",
-                safetensors_folder(target), "--host", "127.0.0.1", "--port", "{port}", "--served-model-name", SERVED,
-                "--dtype", dtype, "--max-model-len", str(capacity), "--max-num-seqs", "1", "--seed", "0",
-                "--no-enable-prefix-caching", "--no-enable-log-requests"]
+                safetensors_folder(role.model(target)), "--host", "127.0.0.1", "--port", "{port}",
+                "--served-model-name", SERVED, "--dtype", dtype, "--max-model-len", str(capacity), "--max-num-seqs",
+                "1", "--seed", "0", caching, "--no-enable-log-requests"]
         spec = self.speculative_config(role)
         if spec is not None:
             argv += ["--speculative-config", json.dumps(spec)]
@@ -62,7 +70,8 @@ class Vllm(Engine):
 
     def request(self, prompt: list[int], max_new: int) -> tuple[str, dict]:
         return "/v1/completions", {"model": SERVED, "prompt": prompt, "max_tokens": max_new, "temperature": 0.0,
-                                   "stream": True, "return_token_ids": True, "seed": 0}
+                                   "stream": True, "return_token_ids": True, "seed": 0,
+                                   "cache_salt": uuid.uuid4().hex}
 
     def counters(self, url: str) -> dict | None:
         return parse_metrics(get(url, "/metrics"))
@@ -84,6 +93,35 @@ class Vllm(Engine):
         positions = sorted(set(after["per_position"]) | set(before["per_position"]))
         by_pos = [int(after["per_position"].get(p, 0) - before["per_position"].get(p, 0)) for p in positions]
         return Reply(tokens, streamed.seconds, ttft, gaps, drafted, accepted, by_pos or None)
+
+
+    def probe(self, url: str, prompt: list[int]) -> tuple[float, int]:
+        # the server's own account of the request's prefill (queueing excluded) and of the prompt tokens it
+        # computed, from its /metrics before and after; the probes share one salt, so each reuses the prefix the
+        # previous one left in the cache
+        before = prefill_totals(get(url, "/metrics"))
+        post_json(url, "/v1/completions", {"model": SERVED, "prompt": prompt, "max_tokens": 1, "temperature": 0.0,
+                                           "cache_salt": PROBE_SALT})
+        for _ in range(20):  # the server records a request's metrics as it finishes it: at most a moment later
+            after = prefill_totals(get(url, "/metrics"))
+            if after[2] > before[2]:
+                break
+            time.sleep(0.05)
+        else:
+            raise EngineReplyError(f"{url}/metrics: the probe's prefill was never recorded")
+        return after[0] - before[0], int(after[1] - before[1])
+
+
+def prefill_totals(text: str) -> tuple[float, float, float]:
+    """(seconds, computed prompt tokens, requests) of the prefills vLLM's Prometheus text has counted so far."""
+    found = {}
+    for line in text.splitlines():
+        m = _PREFILL.match(line.strip())
+        if m:
+            found[m.group(1)] = found.get(m.group(1), 0.0) + float(m.group(2))
+    return (found.get("vllm:request_prefill_time_seconds_sum", 0.0),
+            found.get("vllm:request_prefill_kv_computed_tokens_sum", 0.0),
+            found.get("vllm:request_prefill_time_seconds_count", 0.0))
 
 
 def parse_metrics(text: str) -> dict:

@@ -1,0 +1,136 @@
+"""Does a speedup carry over to an engine? The decode speedup of speculative decoding predicted from acceptance
+measured in one place and step costs measured in another, beside the speedup each engine measures for itself.
+
+A system's decoding is counted in rounds (one target verification each) over the tokens after each prompt's first
+(the first comes from the prefill, which speculative decoding leaves alike). Each round commits its accepted drafts
+plus one token of the target's, so
+
+    tokens per round  L = tokens / rounds = 1 + accepted / rounds
+    drafts per round  g = drafted / rounds
+
+and with the step costs of the engine that runs it, c (one draft step over one target step) and v(k) (a target
+forward over k tokens over one of 1 token, read at k = g + 1 between the widths measured), the predicted decode
+speedup over the engine's own plain decoding is L / (g c + v(g + 1)) (`iid_model.round_speedup`).
+
+Three numbers per engine system:
+  carried    L and g from sdbench's own run of the same strategy on the same prompts, c and v the engine's:
+             what a user who measured acceptance with sdbench would predict for that engine
+  own        L and g from the engine's own counters (its accepted and drafted tokens), c and v the engine's:
+             the cost model with the engine's acceptance, so that measured / own is the cost model's error alone
+  measured   the engine's decode speedup: tokens after the first over the time after the first token, each summed
+             over the prompts, over the same of the engine's plain decoding
+
+and the gap measured / carried factors exactly into acceptance (own / carried: the engine accepts more or less
+than sdbench: another drafting rule, arithmetic) times the rest (measured / own: overheads the cost model leaves
+out, costs that differ in the engine's speculative loop from its plain forwards).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from sdbench.engine.iid_model import round_speedup
+
+
+@dataclass
+class Rounds:
+    """A system's decoding over a measurement, summed over its prompts."""
+
+    tokens: int = 0  # new tokens after each prompt's first
+    seconds: float = 0.0  # time after each prompt's first token
+    rounds: int = 0  # target verifications (plain decoding: one per token)
+    drafted: int = 0
+    accepted: int = 0
+
+    def add(self, tokens: int, seconds: float, rounds: int, drafted: int = 0, accepted: int = 0) -> None:
+        self.tokens += tokens
+        self.seconds += seconds
+        self.rounds += rounds
+        self.drafted += drafted
+        self.accepted += accepted
+
+    @property
+    def tokens_per_round(self) -> float:
+        return 1.0 + self.accepted / self.rounds if self.rounds else math.nan
+
+    @property
+    def drafts_per_round(self) -> float:
+        return self.drafted / self.rounds if self.rounds else math.nan
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else math.nan
+
+
+@dataclass(frozen=True)
+class EngineCosts:
+    """An engine's costs in units of its target's forward over one token: verify[k] a forward over k tokens (k = 1
+    is 1.0), draft one draft step (0 for a lookup drafter); `step_s` the target's one-token forward in seconds."""
+
+    verify: dict[int, float]
+    draft: float
+    step_s: float = math.nan
+
+    def verify_at(self, width: float) -> float:
+        """v(width), linear between the widths measured (held at the ends)."""
+        ks = sorted(self.verify)
+        if not ks or math.isnan(width):
+            return math.nan
+        if width <= ks[0]:
+            return self.verify[ks[0]]
+        for lo, hi in zip(ks, ks[1:]):
+            if width <= hi:
+                return self.verify[lo] + (self.verify[hi] - self.verify[lo]) * (width - lo) / (hi - lo)
+        return self.verify[ks[-1]]
+
+
+def predicted(rounds: Rounds, costs: EngineCosts) -> float:
+    """L / (g c + v(g + 1)) with L and g from `rounds`, c and v from `costs`."""
+    g = rounds.drafts_per_round
+    return round_speedup(rounds.tokens_per_round, g, costs.draft, costs.verify_at(g + 1.0))
+
+
+def decode_speedup(rounds: Rounds, plain: Rounds) -> float:
+    a, b = rounds.tokens_per_s, plain.tokens_per_s
+    return a / b if b and math.isfinite(a) and math.isfinite(b) else math.nan
+
+
+@dataclass(frozen=True)
+class Carried:
+    """One speculative system's row of the carry-over table (see the module docstring)."""
+
+    system: str
+    engine: str  # "sdbench" for sdbench's own rows (carried = own: its acceptance measured where it runs)
+    tokens_per_round: float  # the system's own L
+    drafts_per_round: float
+    verify: float  # v(g + 1) of the system's own g, in its engine
+    draft: float  # c in its engine
+    carried: float
+    own: float
+    measured: float
+
+    @property
+    def acceptance(self) -> float:
+        return _ratio(self.own, self.carried)
+
+    @property
+    def rest(self) -> float:
+        return _ratio(self.measured, self.own)
+
+    @property
+    def gap(self) -> float:
+        """carried / measured - 1: how far the prediction from sdbench's acceptance lands from the engine."""
+        return _ratio(self.carried, self.measured) - 1.0
+
+
+def carry(system: str, engine: str, own: Rounds, plain: Rounds, costs: EngineCosts, reference: Rounds) -> Carried:
+    """The carry-over row of a speculative system: `own` its rounds, `plain` its engine's plain decoding's, `costs`
+    its engine's, `reference` sdbench's rounds of the same strategy on the same prompts."""
+    g = own.drafts_per_round
+    return Carried(system, engine, own.tokens_per_round, g, costs.verify_at(g + 1.0), costs.draft,
+                   predicted(reference, costs), predicted(own, costs), decode_speedup(own, plain))
+
+
+def _ratio(a: float, b: float) -> float:
+    return a / b if b and math.isfinite(a) and math.isfinite(b) else math.nan

@@ -1,0 +1,60 @@
+"""`bench`'s carry-over: for every speculative system, sdbench's and each engine's, the decode speedup predicted from
+sdbench's acceptance on the same prompts and the system's own engine's step costs, beside the one it measured
+(`analysis/carry.py` defines the three numbers; `servers/costs.py` measures an engine's costs)."""
+
+from __future__ import annotations
+
+from sdbench.analysis.carry import Carried, EngineCosts, carry
+from sdbench.servers.client import EngineReplyError
+from sdbench.servers.costs import CostsUnknown, draft_cost, target_costs
+from sdbench.servers.engines import SDBENCH
+from sdbench.servers.process import EngineFailed
+
+LOOKUP = "ngram"  # the strategy whose drafter is a lookup: c = 0
+
+
+def carry_over(results: list, engines: list, prompts: list[list[int]], gamma: int, ratios: tuple[float, float],
+               status=None) -> tuple[list[Carried], list[str]]:
+    """(the carry-over rows, a line for each speculative system left without one). results: `bench`'s Measured
+    systems; engines: every EngineSystem started (the draft's cost-only servers too); ratios: sdbench's own
+    (T(gamma + 1) / T(1), c) from `cost_ratios`."""
+    ours = {m.key: m for m in results if m.engine is None and m.key is not None and not m.failed}
+    plain = next((m for m in results if m.engine is None and m.key == ("autoregressive", None) and m.fast), None)
+    rows, unknown = [], []
+    for key, m in ours.items():
+        if key[0] == "autoregressive" or plain is None:
+            continue
+        costs = EngineCosts({1: 1.0, gamma + 1: ratios[0]}, _draft_cost(key[0], ratios[1]))
+        rows.append(carry(m.system, SDBENCH, m.rounds, plain.rounds, costs, m.rounds))
+    for name in dict.fromkeys(s.engine.name for s in engines):
+        mine = [s for s in engines if s.engine.name == name]
+        found = {id(m.source): m for m in results if m.engine is not None}
+        measured = [(s, found[id(s)]) for s in mine if s.measured and id(s) in found]
+        base = next((m for s, m in measured if not s.role.speculative and not m.failed), None)
+        speculative = [(s, m) for s, m in measured if s.role.speculative and not m.failed]
+        if base is None or not speculative:
+            continue
+        if status is not None:
+            status.update(f"measuring {name}'s step costs through its server")
+        try:
+            verify, one = target_costs(base.source.engine, base.source.url, prompts, gamma)
+            draft_server = next((s for s in mine if s.role.costs_only), None)
+            c_draft = (1.0 if draft_server is None else
+                       draft_cost(draft_server.engine, draft_server.url, prompts, one))
+        except (CostsUnknown, EngineReplyError, EngineFailed) as err:
+            unknown.append(f"{name}: its step costs were not measured, so its systems have no carry-over row: {err}")
+            continue
+        for s, m in speculative:
+            reference = ours.get(s.key)
+            if reference is None:
+                unknown.append(f"{m.system}: sdbench measured no {s.key[0]} with the same drafter to carry over")
+                continue
+            costs = EngineCosts(verify, _draft_cost(s.role.strategy, c_draft), one)
+            rows.append(carry(m.system, name, m.rounds, base.rounds, costs, reference.rounds))
+    return rows, unknown
+
+
+def _draft_cost(strategy: str, model_c: float) -> float:
+    """c of a strategy's drafter: 0 for a lookup, the draft model's measured c, unknown (NaN) for a trained head,
+    whose step neither side measures alone."""
+    return 0.0 if strategy == LOOKUP else model_c if strategy == "draft" else float("nan")

@@ -1,0 +1,93 @@
+"""The carry-over table (`bench`, and `report` of a bench.parquet): per speculative system, the decode speedup
+predicted from sdbench's acceptance and its own engine's step costs beside the one it measured, and the gap's two
+factors (`analysis/carry.py` defines them); plus the bench.parquet columns that hold one row of it."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pandas as pd
+import pyarrow.parquet as pq
+from rich.console import Console
+from rich.table import Table
+
+from sdbench.analysis.carry import Carried
+from sdbench.reporting.cells import fmt
+
+# Carried's fields as bench.parquet's columns
+COLUMNS = {"tokens_per_round": "tokens_per_round", "drafts_per_round": "drafts_per_round", "verify": "step_verify_cost",
+           "draft": "step_draft_cost", "carried": "carried_speedup", "own": "own_predicted_speedup",
+           "measured": "decode_speedup"}
+TITLE = "Does it carry over? Decode speedup of each speculative system over its own engine's plain decoding"
+CAPTION = ("L tokens per round and g drafts per round: the system's own; v = T(g + 1) / T(1) and c: its engine's "
+           "step costs; predicted = L / (g c + v) with L and g from sdbench's run of the same strategy (carried) or "
+           "from the engine's own counters (own); measured: tokens after the first over the time after the first "
+           "token. measured / carried = acceptance (own / carried) x rest (measured / own)")
+
+
+def columns(row: Carried | None) -> dict:
+    """One bench.parquet row's carry-over columns (None where the system has no carry-over row)."""
+    return {col: None if row is None else getattr(row, field) for field, col in COLUMNS.items()}
+
+
+def from_frame(df: pd.DataFrame) -> list[Carried]:
+    """The carry-over rows a bench.parquet holds: one per system that has them (its first repeat's row)."""
+    if "carried_speedup" not in df:
+        return []
+    rows = []
+    for system, group in df.groupby("system", sort=False):
+        first = group.iloc[0]
+        if pd.isna(first.get("decode_speedup")) and pd.isna(first.get("carried_speedup")):
+            continue
+        values = {field: _float(first.get(col)) for field, col in COLUMNS.items()}
+        rows.append(Carried(str(system), str(first.get("engine") or "sdbench"), **values))
+    return rows
+
+
+def _float(value) -> float:
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return math.nan
+
+
+def carry_table(rows: list[Carried]) -> Table:
+    table = Table(title=TITLE, caption=CAPTION)
+    for col in ("system", "L", "g", "v(g+1)", "c", "predicted (carried)", "predicted (own)", "measured",
+                "carried / measured", "acceptance", "rest"):
+        table.add_column(col, justify="left" if col == "system" else "right")
+    for r in rows:
+        gap = r.gap
+        table.add_row(r.system, fmt(r.tokens_per_round, "{:.2f}"), fmt(r.drafts_per_round, "{:.2f}"),
+                      fmt(r.verify, "{:.2f}"), fmt(r.draft, "{:.2f}"), fmt(r.carried, "{:.2f}x"),
+                      fmt(r.own, "{:.2f}x"), fmt(r.measured, "{:.2f}x"), fmt(gap, "{:+.0%}"),
+                      fmt(r.acceptance, "{:.2f}"), fmt(r.rest, "{:.2f}"))
+    return table
+
+
+def bench_files(paths: list[str]) -> list[str]:
+    """The paths that are `bench --out` files (bench.parquet: a `system` column, no `run_id`)."""
+    found = []
+    for p in paths:
+        path = Path(p)
+        if path.is_file() and path.suffix == ".parquet":
+            try:
+                names = pq.read_schema(path).names
+            except Exception:  # not Parquet: read_results says so
+                continue
+            if "system" in names and "run_id" not in names:
+                found.append(p)
+    return found
+
+
+def print_bench(path: str, console: Console) -> None:
+    """A bench.parquet's carry-over table, or one line where it has none (a run without speculative systems, or
+    written before bench measured them)."""
+    rows = from_frame(pd.read_parquet(path))
+    if not rows:
+        console.print(f"{path}: a bench file without carry-over rows", highlight=False)
+        return
+    table = carry_table(rows)
+    table.title = f"{path}: {TITLE}"
+    console.print(table)

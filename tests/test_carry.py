@@ -1,0 +1,91 @@
+"""The carry-over prediction (analysis/carry.py) by hand, and the probes that measure an engine's step costs
+(servers/costs.py) against a stand-in engine whose cache and times are known."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from sdbench.analysis.carry import Carried, EngineCosts, Rounds, carry, decode_speedup, predicted
+from sdbench.engine.iid_model import expected_tokens_per_step, predicted_speedup, round_speedup
+from sdbench.servers.costs import PREFIX, CostsUnknown, draft_cost, forward_seconds, prefix_from, target_costs
+
+
+def test_rounds_count_tokens_per_round_and_drafts_per_round():
+    r = Rounds()
+    r.add(11, 0.5, 5, 12, 6)  # 11 tokens after the first in 5 rounds: 6 accepted drafts, 5 target tokens
+    r.add(11, 0.6, 5, 12, 6)
+    assert (r.tokens, r.rounds, r.drafted, r.accepted) == (22, 10, 24, 12)
+    assert r.tokens_per_round == pytest.approx(2.2) and r.drafts_per_round == pytest.approx(2.4)
+    assert r.tokens_per_s == pytest.approx(22 / 1.1)
+    assert math.isnan(Rounds().tokens_per_round) and math.isnan(Rounds().tokens_per_s)
+
+
+def test_verify_cost_is_linear_between_the_widths_measured_and_held_at_the_ends():
+    costs = EngineCosts({1: 1.0, 3: 1.2, 5: 2.0}, 0.5)
+    assert costs.verify_at(1) == 1.0 and costs.verify_at(2) == pytest.approx(1.1)
+    assert costs.verify_at(4.5) == pytest.approx(1.8) and costs.verify_at(9) == 2.0 and costs.verify_at(0.2) == 1.0
+
+
+def test_the_predicted_speedup_by_hand():
+    """L = 3 tokens per round, g = 4 drafts at c = 0.1, v(5) = 1.4: 3 / (0.4 + 1.4)."""
+    r = Rounds(tokens=30, seconds=1.0, rounds=10, drafted=40, accepted=20)
+    assert predicted(r, EngineCosts({1: 1.0, 5: 1.4}, 0.1)) == pytest.approx(3 / 1.8)
+    # the i.i.d. model's prediction is the same formula with Omega for L
+    assert predicted_speedup(0.6, 4, 0.1, 1.4) == pytest.approx(expected_tokens_per_step(0.6, 4) / 1.8)
+    assert round_speedup(3.0, 4, 0.1, 1.4) == pytest.approx(3 / 1.8)
+    assert math.isnan(round_speedup(3.0, 0, 0.0, 0.0))
+
+
+def test_the_gap_factors_exactly_into_acceptance_and_the_rest():
+    plain = Rounds(tokens=100, seconds=2.0, rounds=100)
+    engine = Rounds(tokens=100, seconds=1.25, rounds=50, drafted=100, accepted=50)  # L 2, g 2
+    sdbench = Rounds(tokens=100, seconds=1.0, rounds=40, drafted=80, accepted=60)  # L 2.5, g 2
+    costs = EngineCosts({1: 1.0, 3: 1.5}, 0.25)
+    row = carry("engine ngram", "llama.cpp", engine, plain, costs, sdbench)
+    assert row.own == pytest.approx(2 / (2 * 0.25 + 1.5)) and row.carried == pytest.approx(2.5 / 2.0)
+    assert row.measured == pytest.approx(decode_speedup(engine, plain)) == pytest.approx(1.6)
+    assert row.measured / row.carried == pytest.approx(row.acceptance * row.rest)
+    assert row.gap == pytest.approx(row.carried / row.measured - 1)
+    assert math.isnan(Carried("x", "y", 1, 1, 1, 1, math.nan, 1, 1).gap)
+
+
+class StandIn:
+    """An engine whose cache holds the previous prompt and whose forward over k tokens takes 10 + k (or what
+    `costs` says), computing the prompt from the first token it differs from the previous one."""
+
+    name = "stand-in"
+
+    def __init__(self, step=lambda k: 10.0 + k, cache: bool = True):
+        self.previous, self.step, self.cache, self.seen = None, step, cache, []
+
+    def probe(self, url, prompt):
+        old = self.previous if self.cache else None
+        common = 0 if old is None else next((i for i, (a, b) in enumerate(zip(prompt, old)) if a != b), len(old))
+        self.previous = prompt
+        k = len(prompt) - common
+        self.seen.append((url, k))
+        return self.step(k), k
+
+
+def test_probes_compute_only_their_own_tokens_after_the_cached_prefix():
+    prompts = [[5, 6, 7, 8], [9, 10]]
+    prefix = prefix_from(prompts)
+    assert len(prefix) == PREFIX and prefix[:7] == [5, 6, 7, 8, 9, 10, 5]
+    eng = StandIn()
+    got = forward_seconds(eng, "u", prefix, [1, 3, 5], repeats=3)
+    assert got == {1: 11.0, 3: 13.0, 5: 15.0}
+    # the prefix once, each width once unmeasured, then three interleaved rounds: every probe after the first
+    # computed exactly its own width
+    assert [k for _, k in eng.seen] == [PREFIX + 1] + [1, 3, 5] * 4
+    verify, one = target_costs(StandIn(), "u", prompts, 4)
+    assert one == 11.0 and verify == {k: pytest.approx((10 + k) / 11) for k in range(1, 6)}
+    assert draft_cost(StandIn(step=lambda k: 2.2 * k), "d", prompts, one) == pytest.approx(0.2)
+
+
+def test_an_engine_that_recomputes_the_prefix_is_refused():
+    with pytest.raises(CostsUnknown, match="did not hold the prefix"):
+        forward_seconds(StandIn(cache=False), "u", prefix_from([[1, 2, 3]]), [1, 2])
+    with pytest.raises(CostsUnknown, match="fewer than two distinct"):
+        forward_seconds(StandIn(), "u", prefix_from([[4, 4]]), [1])
