@@ -91,6 +91,18 @@ def test_token_gaps_and_totals_by_hand():
     assert totals.itl == pytest.approx(0.4)
 
 
+def test_engine_rounds_by_hand_with_drafts_accepted_past_the_budget():
+    """22 tokens after the first at γ = 4: at least ceil(22 / 5) = 5 rounds, so of the 20 accepted drafts the engine
+    counted (its last round's past the budget included) at most 17 were returned; 10 tokens with 2 accepted: 8
+    rounds as counted."""
+    totals = EngineTotals(gamma=4)
+    totals.add(Reply(list(range(23)), 3.0, 0.8, [], 20, 20))
+    totals.add(Reply(list(range(11)), 1.5, 0.5, [], 8, 2))
+    r = totals.rounds()
+    assert (r.tokens, r.rounds, r.accepted, r.drafted) == (32, 5 + 8, 17 + 2, 28)
+    assert r.seconds == pytest.approx(2.2 + 1.0) and r.tokens_per_round == pytest.approx(1 + 19 / 13)
+
+
 def test_llamacpp_commands_map_each_strategy_to_its_own_decoder(monkeypatch, tmp_path):
     eng = LlamaCpp()
     monkeypatch.setattr(LlamaCpp, "gguf", lambda self, model, dtype: Path(f"/m/{model}-{dtype}.gguf"))

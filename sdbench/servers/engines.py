@@ -4,6 +4,7 @@ own acceptance counters), and the adapters' protocol (each engine's in its own m
 
 from __future__ import annotations
 
+import math
 import os
 import statistics
 from dataclasses import dataclass, field
@@ -66,6 +67,7 @@ class EngineTotals:
 
     engine: str = ""  # the engine's name
     replies: list[Reply] = field(default_factory=list)
+    gamma: int = 0  # the role's lookahead: the most drafts a round verifies
 
     def add(self, reply: Reply) -> None:
         self.replies.append(reply)
@@ -105,13 +107,15 @@ class EngineTotals:
 
     def rounds(self) -> Rounds:
         """The replies' decoding after each first token, in rounds (`analysis/carry.py`): each round commits its
-        accepted drafts and one token of the target's, so rounds = tokens - accepted."""
+        accepted drafts and one token of the target's, so rounds = tokens - accepted. An engine counts the drafts
+        its last round accepted past the token budget too, which the reply then cuts: accepted is held to what
+        the fewest rounds that can return the tokens, one per γ + 1 tokens, leave."""
         found = Rounds()
         for r in self.replies:
             n = len(r.tokens) - 1
             if n < 1 or r.ttft is None:
                 continue
-            accepted = r.accepted or 0
+            accepted = min(r.accepted or 0, n - math.ceil(n / (self.gamma + 1)))
             found.add(n, r.seconds - r.ttft, n - accepted, r.drafted or 0, accepted)
         return found
 

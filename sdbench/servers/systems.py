@@ -27,7 +27,7 @@ class EngineSystem:
     totals: EngineTotals = field(default_factory=EngineTotals)
 
     def __post_init__(self) -> None:
-        self.totals.engine = self.engine.name
+        self.totals.engine, self.totals.gamma = self.engine.name, self.role.gamma
 
     @property
     def measured(self) -> bool:
