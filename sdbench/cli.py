@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import signal
 import sys
+import threading
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -547,8 +549,18 @@ def reproduce(
     run_paper(paper, ReproduceConfig(target, draft, quick, out, device, dtype), console)
 
 
+INTERRUPTED = 130  # the exit status of an interrupted command (128 + SIGINT)
+
+
+def _terminated(signum, frame) -> None:
+    """SIGTERM (a `timeout`, a CI job cancelled) as Ctrl-C: finished results kept, servers sdbench started stopped."""
+    raise KeyboardInterrupt
+
+
 def main(argv: list[str] | None = None) -> None:
     err = Console(stderr=True)
+    main_thread = threading.current_thread() is threading.main_thread()  # only there can a handler be set
+    previous = signal.signal(signal.SIGTERM, _terminated) if main_thread else None
     try:
         code = typer.main.get_command(app).main(args=argv, prog_name="sdbench", standalone_mode=False)
     except SdbenchError as e:  # escaped: a message may hold brackets, e.g. pip install 'sdbench[ray]'
@@ -556,7 +568,7 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(e.exit_code)
     except (typer.Abort, KeyboardInterrupt):
         err.print("[red]error:[/red] interrupted", highlight=False)
-        sys.exit(130)
+        sys.exit(INTERRUPTED)
     except typer.Exit as e:
         sys.exit(e.exit_code)
     except typer.TyperException as e:  # usage errors: unknown option, bad value, missing argument
@@ -564,5 +576,10 @@ def main(argv: list[str] | None = None) -> None:
         if message:  # empty when help was shown for a bare command
             err.print(f"[red]error:[/red] {escape(message)}", highlight=False, soft_wrap=True)
         sys.exit(getattr(e, "exit_code", 2) or 2)
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+    if code == INTERRUPTED:  # Ctrl-C (or SIGTERM) in a command: typer answers it with a silent Exit(130)
+        err.print("[red]error:[/red] interrupted", highlight=False)
     if isinstance(code, int) and code:  # a command's typer.Exit(code) comes back as the return value here
         sys.exit(code)

@@ -7,9 +7,10 @@ import math
 
 import pytest
 
-from sdbench.analysis.carry import Carried, EngineCosts, Rounds, carry, decode_speedup, predicted
+from sdbench.analysis.carry import (CHAIN, MIRROR, WIDE_FIRST, Carried, EngineCosts, Rounds, carry, decode_speedup,
+                                    predicted)
 from sdbench.engine.iid_model import expected_tokens_per_step, predicted_speedup, round_speedup
-from sdbench.servers.costs import PREFIX, CostsUnknown, draft_cost, forward_seconds, prefix_from, target_costs
+from sdbench.servers.costs import PREFIX, CostsUnknown, draft_costs, forward_seconds, prefix_from, target_costs
 
 
 def test_rounds_count_tokens_per_round_and_drafts_per_round():
@@ -38,6 +39,18 @@ def test_the_predicted_speedup_by_hand():
     assert math.isnan(round_speedup(3.0, 0, 0.0, 0.0))
 
 
+def test_a_drafter_that_runs_the_verification_batch_too_costs_its_wide_forward_by_hand():
+    """g = 4 drafts, L = 5, c = 0.5, v(5) = 1.5, the draft's own w(5) = 2: a chain drafts in 4 forwards, llama.cpp's
+    mirror in w(5) + 4 = 6, vLLM's wide first forward in w(5) + 3 = 5; without the draft's own widths, the
+    target's."""
+    r = Rounds(tokens=50, seconds=1.0, rounds=10, drafted=40, accepted=40)
+    widths = {1: 1.0, 5: 1.5}
+    for kind, steps in ((CHAIN, 4), (MIRROR, 6), (WIDE_FIRST, 5)):
+        costs = EngineCosts(widths, 0.5, draft_verify={1: 1.0, 5: 2.0}, round=kind)
+        assert costs.draft_steps(4) == steps and predicted(r, costs) == pytest.approx(5 / (steps * 0.5 + 1.5))
+    assert EngineCosts(widths, 0.5, round=MIRROR).draft_steps(4) == pytest.approx(5.5)
+
+
 def test_the_gap_factors_exactly_into_acceptance_and_the_rest():
     plain = Rounds(tokens=100, seconds=2.0, rounds=100)
     engine = Rounds(tokens=100, seconds=1.25, rounds=50, drafted=100, accepted=50)  # L 2, g 2
@@ -48,7 +61,7 @@ def test_the_gap_factors_exactly_into_acceptance_and_the_rest():
     assert row.measured == pytest.approx(decode_speedup(engine, plain)) == pytest.approx(1.6)
     assert row.measured / row.carried == pytest.approx(row.acceptance * row.rest)
     assert row.gap == pytest.approx(row.carried / row.measured - 1)
-    assert math.isnan(Carried("x", "y", 1, 1, 1, 1, math.nan, 1, 1).gap)
+    assert math.isnan(Carried("x", "y", 1, 1, 1, 1, 1, math.nan, 1, 1).gap)
 
 
 class StandIn:
@@ -81,7 +94,8 @@ def test_probes_compute_only_their_own_tokens_after_the_cached_prefix():
     assert [k for _, k in eng.seen] == [PREFIX + 1] + [1, 3, 5] * 4
     verify, one = target_costs(StandIn(), "u", prompts, 4)
     assert one == 11.0 and verify == {k: pytest.approx((10 + k) / 11) for k in range(1, 6)}
-    assert draft_cost(StandIn(step=lambda k: 2.2 * k), "d", prompts, one) == pytest.approx(0.2)
+    c, draft_verify = draft_costs(StandIn(step=lambda k: 2.2 * k), "d", prompts, 4, one)
+    assert c == pytest.approx(0.2) and draft_verify == {k: pytest.approx(k) for k in range(1, 6)}
 
 
 def test_an_engine_that_recomputes_the_prefix_is_refused():

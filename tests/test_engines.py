@@ -235,22 +235,26 @@ def test_bench_carries_sdbench_acceptance_over_to_the_engine(capsys, tiny_engine
     """The carry-over rows of the stand-in's speculative systems, by hand. Its plain server keeps a prefix cache and
     says a forward over k tokens takes (10 + k) / 11 of one; per 12-token prompt it counts 3 rounds of 4 drafts
     with 2 accepted. Over the 2 prompts' 11 tokens after the first: 12 accepted of 24 drafted in 22 - 12 = 10
-    rounds, so L = 2.2 and g = 2.4, and v(3.4) = 13.4 / 11. sdbench's own rows: its rounds with its own costs."""
+    rounds, so L = 2.2 and g = 2.4, and v(3.4) = 13.4 / 11. The draft model is the target (c = 1, its widths the
+    target's), and vLLM's first draft forward runs over the verification batch: drafting costs v(3.4) + 2.4 - 1.
+    sdbench's own rows: its rounds with its own costs."""
     code, out, err = run_cli(capsys, *tiny_engine_bench)
     assert code == 0, err
     df = pd.read_parquet(tmp_path / "bench" / "bench.parquet").groupby("system", sort=False).first()
     v = 13.4 / 11
     ngram, draft = df.loc["vllm ngram (γ=4, float32)"], df.loc["vllm draft_model (γ=4, float32)"]
-    for row, c in ((ngram, 0.0), (draft, 1.0)):
+    for row, c, drafting in ((ngram, 0.0, 0.0), (draft, 1.0, v + 1.4)):
         assert (row.tokens_per_round, row.drafts_per_round) == (pytest.approx(2.2), pytest.approx(2.4))
         assert (row.step_verify_cost, row.step_draft_cost) == (pytest.approx(v), c)
-        assert row.own_predicted_speedup == pytest.approx(2.2 / (2.4 * c + v))
+        assert row.round_draft_cost == pytest.approx(drafting)
+        assert row.own_predicted_speedup == pytest.approx(2.2 / (drafting + v))
     # carried: sdbench's own L and g of the same strategy with the engine's costs
-    for ours, row, c in (("sdbench ngram (γ=4) (fast)", ngram, 0.0), ("sdbench draft (γ=4) (fast)", draft, 1.0)):
+    for ours, row in (("sdbench ngram (γ=4) (fast)", ngram), ("sdbench draft (γ=4) (fast)", draft)):
         mine = df.loc[ours]
         g = mine.drafts_per_round
-        v_g = 1 + (g + 1 - 1) / 11  # (10 + k) / 11 at k = g + 1
-        assert row.carried_speedup == pytest.approx(mine.tokens_per_round / (g * c + v_g))
+        v_g = (10 + g + 1) / 11  # at k = g + 1
+        drafting = 0.0 if row is ngram else v_g + g - 1
+        assert row.carried_speedup == pytest.approx(mine.tokens_per_round / (drafting + v_g))
         assert mine.decode_speedup > 0 and mine.carried_speedup == mine.own_predicted_speedup
     plain = df.loc["vllm plain decoding (float32)"]
     assert pd.isna(plain.carried_speedup) and pd.isna(df.iloc[0].decode_speedup)
@@ -304,3 +308,29 @@ def test_bench_measures_a_server_the_user_runs_as_it_runs(capsys, tiny_engine_be
     assert list(engine.system) == [f"vllm at {server.url}"] and (engine.same_prompts == 2).all()
     assert (engine.engine_drafted == 18).all()  # 3 rounds of 3 drafts per 12-token prompt, by the stand-in's rule
     assert not list((tmp_path / "bench").glob("engine-logs/*.log"))
+
+
+def test_sigterm_is_an_interrupt_that_stops_the_servers_started(capsys, tmp_path, monkeypatch, tiny_model_folder):
+    """A `timeout` or a cancelled job sends SIGTERM: sdbench takes it as Ctrl-C, so the servers it started stop (their
+    context's exit runs) and the command ends with "interrupted"; the handler before is back afterwards."""
+    import os
+    import signal
+    import time
+
+    from sdbench.commands import listing
+
+    started = {}
+
+    def show(what, console):
+        with Server("stand-in", [sys.executable, str(FAKE), "--model", str(tiny_model_folder), "--port", "{port}"],
+                    tmp_path / "s.log").start() as server:
+            started["proc"] = server.proc
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(30)  # never reached: the signal interrupts the sleep
+
+    monkeypatch.setattr(listing, "show", show)
+    before = signal.getsignal(signal.SIGTERM)
+    code, out, err = run_cli(capsys, "list", "engines")
+    assert code == 130 and "interrupted" in err
+    assert started["proc"].poll() is not None  # stopped
+    assert signal.getsignal(signal.SIGTERM) is before

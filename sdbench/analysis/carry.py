@@ -5,12 +5,14 @@ A system's decoding is counted in rounds (one target verification each) over the
 (the first comes from the prefill, which speculative decoding leaves alike). Each round commits its accepted drafts
 plus one token of the target's, so
 
-    tokens per round  L = tokens / rounds = 1 + accepted / rounds
+    tokens per round  L = tokens / rounds = 1 + accepted / rounds (sdbench's mean accepted length)
     drafts per round  g = drafted / rounds
 
 and with the step costs of the engine that runs it, c (one draft step over one target step) and v(k) (a target
 forward over k tokens over one of 1 token, read at k = g + 1 between the widths measured), the predicted decode
-speedup over the engine's own plain decoding is L / (g c + v(g + 1)) (`iid_model.round_speedup`).
+speedup over the engine's own plain decoding is L / (g c + v(g + 1)) (`iid_model.round_speedup`). Where an
+engine's drafter also runs the round's verification batch through the draft (`EngineCosts.round`), g c becomes the
+draft forwards that round costs (`EngineCosts.draft_steps`) times c.
 
 Three numbers per engine system:
   carried    L and g from sdbench's own run of the same strategy on the same prompts, c and v the engine's:
@@ -28,9 +30,10 @@ out, costs that differ in the engine's speculative loop from its plain forwards)
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from sdbench.engine.iid_model import round_speedup
+from sdbench.engine.metrics import mean_accepted_length
 
 
 @dataclass
@@ -52,7 +55,8 @@ class Rounds:
 
     @property
     def tokens_per_round(self) -> float:
-        return 1.0 + self.accepted / self.rounds if self.rounds else math.nan
+        """sdbench's mean accepted length (its tokens are already those after each first)."""
+        return mean_accepted_length(self.tokens, self.rounds, rows=0)
 
     @property
     def drafts_per_round(self) -> float:
@@ -63,32 +67,56 @@ class Rounds:
         return self.tokens / self.seconds if self.seconds > 0 else math.nan
 
 
+# How a drafter's round spends its draft forwards, in one-token draft forwards, g the round's drafts and w(k) the
+# draft's own forward over k tokens over its one-token forward:
+CHAIN = "chain"  # g forwards of one token (sdbench's draft model; a lookup drafts with no forward)
+MIRROR = "mirror"  # the draft also runs the round's verification batch, then g forwards: w(g + 1) + g (llama.cpp)
+WIDE_FIRST = "wide-first"  # the first of its g forwards runs over the verification batch: w(g + 1) + g - 1 (vLLM)
+
+
+def interpolate(table: dict[int, float], width: float) -> float:
+    """table[width], linear between the widths it holds (held at the ends)."""
+    ks = sorted(table)
+    if not ks or math.isnan(width):
+        return math.nan
+    if width <= ks[0]:
+        return table[ks[0]]
+    for lo, hi in zip(ks, ks[1:]):
+        if width <= hi:
+            return table[lo] + (table[hi] - table[lo]) * (width - lo) / (hi - lo)
+    return table[ks[-1]]
+
+
 @dataclass(frozen=True)
 class EngineCosts:
     """An engine's costs in units of its target's forward over one token: verify[k] a forward over k tokens (k = 1
-    is 1.0), draft one draft step (0 for a lookup drafter); `step_s` the target's one-token forward in seconds."""
+    is 1.0), draft one draft step (0 for a lookup drafter), draft_verify[k] the draft's forward over k tokens over
+    its own one-token forward (empty: as the target's), round how the drafter spends a round (CHAIN, MIRROR or
+    WIDE_FIRST); `step_s` the target's one-token forward in seconds."""
 
     verify: dict[int, float]
     draft: float
     step_s: float = math.nan
+    draft_verify: dict[int, float] = field(default_factory=dict)
+    round: str = CHAIN
 
     def verify_at(self, width: float) -> float:
-        """v(width), linear between the widths measured (held at the ends)."""
-        ks = sorted(self.verify)
-        if not ks or math.isnan(width):
-            return math.nan
-        if width <= ks[0]:
-            return self.verify[ks[0]]
-        for lo, hi in zip(ks, ks[1:]):
-            if width <= hi:
-                return self.verify[lo] + (self.verify[hi] - self.verify[lo]) * (width - lo) / (hi - lo)
-        return self.verify[ks[-1]]
+        """v(width)."""
+        return interpolate(self.verify, width)
+
+    def draft_steps(self, g: float) -> float:
+        """One-token draft forwards a round of g drafts costs (see CHAIN, MIRROR, WIDE_FIRST)."""
+        if self.round == CHAIN:
+            return g
+        wide = interpolate(self.draft_verify or self.verify, g + 1.0)
+        return wide + g if self.round == MIRROR else wide + g - 1.0
 
 
 def predicted(rounds: Rounds, costs: EngineCosts) -> float:
-    """L / (g c + v(g + 1)) with L and g from `rounds`, c and v from `costs`."""
+    """L / (d c + v(g + 1)) with L and g from `rounds`, d = costs.draft_steps(g) (g for a chain), c and v from
+    `costs`."""
     g = rounds.drafts_per_round
-    return round_speedup(rounds.tokens_per_round, g, costs.draft, costs.verify_at(g + 1.0))
+    return round_speedup(rounds.tokens_per_round, costs.draft_steps(g), costs.draft, costs.verify_at(g + 1.0))
 
 
 def decode_speedup(rounds: Rounds, plain: Rounds) -> float:
@@ -106,6 +134,7 @@ class Carried:
     drafts_per_round: float
     verify: float  # v(g + 1) of the system's own g, in its engine
     draft: float  # c in its engine
+    draft_round: float  # target forwards the round's drafting costs: draft_steps(g) c
     carried: float
     own: float
     measured: float
@@ -129,7 +158,8 @@ def carry(system: str, engine: str, own: Rounds, plain: Rounds, costs: EngineCos
     its engine's, `reference` sdbench's rounds of the same strategy on the same prompts."""
     g = own.drafts_per_round
     return Carried(system, engine, own.tokens_per_round, g, costs.verify_at(g + 1.0), costs.draft,
-                   predicted(reference, costs), predicted(own, costs), decode_speedup(own, plain))
+                   costs.draft_steps(g) * costs.draft, predicted(reference, costs), predicted(own, costs),
+                   decode_speedup(own, plain))
 
 
 def _ratio(a: float, b: float) -> float:

@@ -4,9 +4,9 @@ sdbench's acceptance on the same prompts and the system's own engine's step cost
 
 from __future__ import annotations
 
-from sdbench.analysis.carry import Carried, EngineCosts, carry
+from sdbench.analysis.carry import CHAIN, Carried, EngineCosts, carry
 from sdbench.servers.client import EngineReplyError
-from sdbench.servers.costs import CostsUnknown, draft_cost, target_costs
+from sdbench.servers.costs import CostsUnknown, draft_costs, target_costs
 from sdbench.servers.engines import SDBENCH
 from sdbench.servers.process import EngineFailed
 
@@ -39,8 +39,9 @@ def carry_over(results: list, engines: list, prompts: list[list[int]], gamma: in
         try:
             verify, one = target_costs(base.source.engine, base.source.url, prompts, gamma)
             draft_server = next((s for s in mine if s.role.costs_only), None)
-            c_draft = (1.0 if draft_server is None else
-                       draft_cost(draft_server.engine, draft_server.url, prompts, one))
+            # no draft server: the target drafts for itself, at its own costs
+            c_draft, draft_verify = ((1.0, {}) if draft_server is None else
+                                     draft_costs(draft_server.engine, draft_server.url, prompts, gamma, one))
         except (CostsUnknown, EngineReplyError, EngineFailed) as err:
             unknown.append(f"{name}: its step costs were not measured, so its systems have no carry-over row: {err}")
             continue
@@ -49,7 +50,9 @@ def carry_over(results: list, engines: list, prompts: list[list[int]], gamma: in
             if reference is None:
                 unknown.append(f"{m.system}: sdbench measured no {s.key[0]} with the same drafter to carry over")
                 continue
-            costs = EngineCosts(verify, _draft_cost(s.role.strategy, c_draft), one)
+            model = s.role.strategy == "draft"
+            costs = EngineCosts(verify, _draft_cost(s.role.strategy, c_draft), one, draft_verify if model else {},
+                                s.engine.draft_round if model else CHAIN)
             rows.append(carry(m.system, name, m.rounds, base.rounds, costs, reference.rounds))
     return rows, unknown
 

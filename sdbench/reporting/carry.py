@@ -17,11 +17,13 @@ from sdbench.reporting.cells import fmt
 
 # Carried's fields as bench.parquet's columns
 COLUMNS = {"tokens_per_round": "tokens_per_round", "drafts_per_round": "drafts_per_round", "verify": "step_verify_cost",
-           "draft": "step_draft_cost", "carried": "carried_speedup", "own": "own_predicted_speedup",
+           "draft": "step_draft_cost", "draft_round": "round_draft_cost", "carried": "carried_speedup", "own": "own_predicted_speedup",
            "measured": "decode_speedup"}
 TITLE = "Does it carry over? Decode speedup of each speculative system over its own engine's plain decoding"
 CAPTION = ("L tokens per round and g drafts per round: the system's own; v = T(g + 1) / T(1) and c: its engine's "
-           "step costs; predicted = L / (g c + v) with L and g from sdbench's run of the same strategy (carried) or "
+           "step costs; drafting: the round's draft forwards in target forwards (g c, or more where the engine's "
+           "drafter also runs the verification batch); predicted = L / (drafting + v) with L and g from sdbench's "
+           "run of the same strategy (carried) or "
            "from the engine's own counters (own); measured: tokens after the first over the time after the first "
            "token. measured / carried = acceptance (own / carried) x rest (measured / own)")
 
@@ -54,13 +56,14 @@ def _float(value) -> float:
 
 def carry_table(rows: list[Carried]) -> Table:
     table = Table(title=TITLE, caption=CAPTION)
-    for col in ("system", "L", "g", "v(g+1)", "c", "predicted (carried)", "predicted (own)", "measured",
+    for col in ("system", "L", "g", "v(g+1)", "c", "drafting", "predicted (carried)", "predicted (own)", "measured",
                 "carried / measured", "acceptance", "rest"):
         table.add_column(col, justify="left" if col == "system" else "right")
     for r in rows:
         gap = r.gap
         table.add_row(r.system, fmt(r.tokens_per_round, "{:.2f}"), fmt(r.drafts_per_round, "{:.2f}"),
-                      fmt(r.verify, "{:.2f}"), fmt(r.draft, "{:.2f}"), fmt(r.carried, "{:.2f}x"),
+                      fmt(r.verify, "{:.2f}"), fmt(r.draft, "{:.2f}"), fmt(r.draft_round, "{:.2f}"),
+                      fmt(r.carried, "{:.2f}x"),
                       fmt(r.own, "{:.2f}x"), fmt(r.measured, "{:.2f}x"), fmt(gap, "{:+.0%}"),
                       fmt(r.acceptance, "{:.2f}"), fmt(r.rest, "{:.2f}"))
     return table

@@ -48,38 +48,34 @@ def reachable(url: str, path: str, timeout: float = 2.0) -> bool:
         return False
 
 
-def get(url: str, path: str, timeout: float = 30.0) -> str:
-    """GET url+path's body as text; EngineReplyError on a failure."""
+def _request(method: str, url: str, path: str, body: dict | None, timeout: float) -> str:
+    """One request's reply body as text, read whole; EngineReplyError on a failure or a status other than 200."""
     try:
         conn, base = _connection(url, timeout)
         try:
-            conn.request("GET", base + path)
-            resp = conn.getresponse()
-            body = resp.read().decode("utf-8", errors="replace")
-        finally:
-            conn.close()
-    except (OSError, http.client.HTTPException) as err:
-        raise EngineReplyError(f"GET {url}{path}: {err or type(err).__name__}") from None
-    if resp.status != 200:
-        raise EngineReplyError(f"GET {url}{path}: HTTP {resp.status}: {_error_text(body)}")
-    return body
-
-
-def post_json(url: str, path: str, body: dict, timeout: float = 600.0) -> dict:
-    """POST body as JSON and return the reply's JSON object (a request that is not streamed)."""
-    try:
-        conn, base = _connection(url, timeout)
-        try:
-            conn.request("POST", base + path, body=json.dumps(body), headers={"Content-Type": "application/json"})
+            if body is None:
+                conn.request(method, base + path)
+            else:
+                conn.request(method, base + path, body=json.dumps(body), headers={"Content-Type": "application/json"})
             resp = conn.getresponse()
             text = resp.read().decode("utf-8", errors="replace")
         finally:
             conn.close()
     except (OSError, http.client.HTTPException) as err:
-        raise EngineReplyError(f"POST {url}{path}: the connection broke: {err or type(err).__name__}") from None
+        raise EngineReplyError(f"{method} {url}{path}: the connection broke: {err or type(err).__name__}") from None
     if resp.status != 200:
-        raise EngineReplyError(f"POST {url}{path}: HTTP {resp.status}: {_error_text(text)}")
-    return _json(text, url, path)
+        raise EngineReplyError(f"{method} {url}{path}: HTTP {resp.status}: {_error_text(text)}")
+    return text
+
+
+def get(url: str, path: str, timeout: float = 30.0) -> str:
+    """GET url+path's body as text; EngineReplyError on a failure."""
+    return _request("GET", url, path, None, timeout)
+
+
+def post_json(url: str, path: str, body: dict, timeout: float = 600.0) -> dict:
+    """POST body as JSON and return the reply's JSON object (a request that is not streamed)."""
+    return _json(_request("POST", url, path, body, timeout), url, path)
 
 
 def post_stream(url: str, path: str, body: dict, timeout: float = 600.0) -> Streamed:

@@ -1,6 +1,6 @@
 """An engine's own step costs, measured through its server: the time of a forward over k new tokens after a cached
 prefix (what a verification of k - 1 drafts is), by the engine's own account (`Engine.probe`), for k = 1 .. γ + 1;
-and the draft model's one-token forward in its own plain server. Their ratios are the costs of the carry-over
+and the same of the draft model in its own plain server. Their ratios are the costs of the carry-over
 prediction (`analysis/carry.py`)."""
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ def forward_seconds(engine, url: str, prefix: list[int], widths, repeats: int = 
 
 
 def target_costs(engine, url: str, prompts: list[list[int]], gamma: int) -> tuple[dict[int, float], float]:
-    """({k: T(k) / T(1)} for k = 1 .. gamma + 1, T(1) in seconds) of the target's server at `url`."""
+    """({k: T(k) / T(1)} for k = 1 .. gamma + 1, T(1) in seconds) of the model the server at `url` serves."""
     target = forward_seconds(engine, url, prefix_from(prompts), range(1, gamma + 2))
     one = target[1]
     if not one > 0:
@@ -64,6 +64,9 @@ def target_costs(engine, url: str, prompts: list[list[int]], gamma: int) -> tupl
     return {k: t / one for k, t in target.items()}, one
 
 
-def draft_cost(engine, draft_url: str, prompts: list[list[int]], target_one: float) -> float:
-    """c: the draft's one-token forward on its own plain server at `draft_url` over the target's (`target_one` s)."""
-    return forward_seconds(engine, draft_url, prefix_from(prompts), [1])[1] / target_one
+def draft_costs(engine, draft_url: str, prompts: list[list[int]], gamma: int,
+                target_one: float) -> tuple[float, dict[int, float]]:
+    """(c: the draft's one-token forward over the target's (`target_one` s), {k: the draft's forward over k tokens
+    over its own one-token forward} for k = 1 .. gamma + 1), on the draft's own plain server at `draft_url`."""
+    verify, one = target_costs(engine, draft_url, prompts, gamma)
+    return one / target_one, verify

@@ -10,7 +10,7 @@ import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from sdbench.analysis.carry import Rounds
+from sdbench.analysis.carry import CHAIN, Rounds
 from sdbench.errors import SdbenchError
 from sdbench.paths import repo_root
 
@@ -128,6 +128,7 @@ class Engine:
     folder: str = ""  # under engines_dir()
     install: str = ""  # the exact command, run in sdbench's checkout
     own_names: dict[str, str] = {}  # sdbench strategy -> the engine's name for it
+    draft_round: str = CHAIN  # how its draft model spends a round's forwards (`analysis/carry.py`)
 
     def executable(self) -> Path:
         raise NotImplementedError

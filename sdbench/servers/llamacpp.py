@@ -7,6 +7,7 @@ from __future__ import annotations
 import subprocess
 from pathlib import Path
 
+from sdbench.analysis.carry import MIRROR
 from sdbench.errors import SdbenchError
 from sdbench.models.loader import model_files
 from sdbench.paths import cache_dir
@@ -23,6 +24,9 @@ class LlamaCpp(Engine):
     folder = "llama.cpp"
     install = "make engine-llama.cpp"
     own_names = {"autoregressive": "plain", "ngram": "ngram-simple", "draft": "draft-simple"}
+    # draft-simple runs the target's verification batch through the draft too (its `process`), then one forward
+    # per draft: the sampled token's and each draft's but the last
+    draft_round = MIRROR
 
     def executable(self) -> Path:
         return engines_dir(self.folder, "build", "bin", "llama-server")

