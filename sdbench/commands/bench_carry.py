@@ -26,9 +26,9 @@ def carry_over(results: list, engines: list, prompts: list[list[int]], gamma: in
             continue
         costs = EngineCosts({1: 1.0, gamma + 1: ratios[0]}, _draft_cost(key[0], ratios[1]))
         rows.append(carry(m.system, SDBENCH, m.rounds, plain.rounds, costs, m.rounds))
+    found = {id(m.source): m for m in results if m.engine is not None}  # an engine system's measurement
     for name in dict.fromkeys(s.engine.name for s in engines):
         mine = [s for s in engines if s.engine.name == name]
-        found = {id(m.source): m for m in results if m.engine is not None}
         measured = [(s, found[id(s)]) for s in mine if s.measured and id(s) in found]
         base = next((m for s, m in measured if not s.role.speculative and not m.failed), None)
         speculative = [(s, m) for s, m in measured if s.role.speculative and not m.failed]
