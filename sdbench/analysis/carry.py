@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 
 from sdbench.engine.iid_model import round_speedup
 from sdbench.engine.metrics import mean_accepted_length
+from sdbench.reporting.carry import Carried
 
 
 @dataclass
@@ -124,35 +125,6 @@ def decode_speedup(rounds: Rounds, plain: Rounds) -> float:
     return a / b if b and math.isfinite(a) and math.isfinite(b) else math.nan
 
 
-@dataclass(frozen=True)
-class Carried:
-    """One speculative system's row of the carry-over table (see the module docstring)."""
-
-    system: str
-    engine: str  # "sdbench" for sdbench's own rows (carried = own: its acceptance measured where it runs)
-    tokens_per_round: float  # the system's own L
-    drafts_per_round: float
-    verify: float  # v(g + 1) of the system's own g, in its engine
-    draft: float  # c in its engine
-    draft_round: float  # target forwards the round's drafting costs: draft_steps(g) c
-    carried: float
-    own: float
-    measured: float
-
-    @property
-    def acceptance(self) -> float:
-        return _ratio(self.own, self.carried)
-
-    @property
-    def rest(self) -> float:
-        return _ratio(self.measured, self.own)
-
-    @property
-    def gap(self) -> float:
-        """carried / measured - 1: how far the prediction from sdbench's acceptance lands from the engine."""
-        return _ratio(self.carried, self.measured) - 1.0
-
-
 def carry(system: str, engine: str, own: Rounds, plain: Rounds, costs: EngineCosts, reference: Rounds) -> Carried:
     """The carry-over row of a speculative system: `own` its rounds, `plain` its engine's plain decoding's, `costs`
     its engine's, `reference` sdbench's rounds of the same strategy on the same prompts."""
@@ -160,7 +132,3 @@ def carry(system: str, engine: str, own: Rounds, plain: Rounds, costs: EngineCos
     return Carried(system, engine, own.tokens_per_round, g, costs.verify_at(g + 1.0), costs.draft,
                    costs.draft_steps(g) * costs.draft, predicted(reference, costs), predicted(own, costs),
                    decode_speedup(own, plain))
-
-
-def _ratio(a: float, b: float) -> float:
-    return a / b if b and math.isfinite(a) and math.isfinite(b) else math.nan

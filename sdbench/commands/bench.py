@@ -17,7 +17,7 @@ from rich.console import Console
 from rich.table import Table
 
 from sdbench.analysis.bandwidth import Bandwidth, measure_bandwidth
-from sdbench.analysis.carry import Carried, Rounds
+from sdbench.analysis.carry import Rounds
 from sdbench.analysis.costs import median_times
 from sdbench.commands.bench_carry import carry_over
 from sdbench.commands.hf_generate import MODES, generator, kwargs_for, pick
@@ -35,7 +35,7 @@ from sdbench.models.pair import pick_runner, resolve_device, resolve_dtype, say_
 from sdbench.models.runner import ModelRunner
 from sdbench.models.variants import split_variant, variant_model
 from sdbench.paths import cache_dir
-from sdbench.reporting.carry import carry_table
+from sdbench.reporting.carry import Carried, carry_table
 from sdbench.reporting.carry import columns as carry_columns
 from sdbench.reporting.results import env_fields
 from sdbench.servers.client import EngineReplyError, reachable

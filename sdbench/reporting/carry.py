@@ -1,10 +1,12 @@
 """The carry-over table (`bench`, and `report` of a bench.parquet): per speculative system, the decode speedup
 predicted from sdbench's acceptance and its own engine's step costs beside the one it measured, and the gap's two
-factors (`analysis/carry.py` defines them); plus the bench.parquet columns that hold one row of it."""
+factors (`analysis/carry.py` defines them and computes the rows); plus the bench.parquet columns that hold one row
+of it."""
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from pathlib import Path
 
 import pandas as pd
@@ -12,13 +14,46 @@ import pyarrow.parquet as pq
 from rich.console import Console
 from rich.table import Table
 
-from sdbench.analysis.carry import Carried
 from sdbench.reporting.cells import fmt
 
+
+@dataclass(frozen=True)
+class Carried:
+    """One speculative system's row of the carry-over table (`analysis/carry.py` defines its numbers)."""
+
+    system: str
+    engine: str  # "sdbench" for sdbench's own rows (carried = own: its acceptance measured where it runs)
+    tokens_per_round: float  # the system's own L
+    drafts_per_round: float
+    verify: float  # v(g + 1) of the system's own g, in its engine
+    draft: float  # c in its engine
+    draft_round: float  # target forwards the round's drafting costs: draft_steps(g) c
+    carried: float
+    own: float
+    measured: float
+
+    @property
+    def acceptance(self) -> float:
+        return _ratio(self.own, self.carried)
+
+    @property
+    def rest(self) -> float:
+        return _ratio(self.measured, self.own)
+
+    @property
+    def gap(self) -> float:
+        """carried / measured - 1: how far the prediction from sdbench's acceptance lands from the engine."""
+        return _ratio(self.carried, self.measured) - 1.0
+
+
+def _ratio(a: float, b: float) -> float:
+    return a / b if b and math.isfinite(a) and math.isfinite(b) else math.nan
+
+
 # Carried's fields as bench.parquet's columns
-COLUMNS = {"tokens_per_round": "tokens_per_round", "drafts_per_round": "drafts_per_round", "verify": "step_verify_cost",
-           "draft": "step_draft_cost", "draft_round": "round_draft_cost", "carried": "carried_speedup", "own": "own_predicted_speedup",
-           "measured": "decode_speedup"}
+COLUMNS = {"tokens_per_round": "tokens_per_round", "drafts_per_round": "drafts_per_round",
+           "verify": "step_verify_cost", "draft": "step_draft_cost", "draft_round": "round_draft_cost",
+           "carried": "carried_speedup", "own": "own_predicted_speedup", "measured": "decode_speedup"}
 TITLE = "Does it carry over? Decode speedup of each speculative system over its own engine's plain decoding"
 CAPTION = ("L tokens per round and g drafts per round: the system's own; v = T(g + 1) / T(1) and c: its engine's "
            "step costs; drafting: the round's draft forwards in target forwards (g c, or more where the engine's "
