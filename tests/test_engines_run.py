@@ -119,7 +119,7 @@ def test_run_through_an_engine_writes_its_rows_as_any_run(capsys, tiny_engine_ru
     assert '"decoding": "ngram"' in spec.params.iloc[0] and (spec.gamma == 4).all() and spec.runner.isna().all()
     assert "Traceback" not in err
     code, out, err = run_cli(capsys, "report", str(tmp_path / "r"))
-    assert code == 0 and "ngram" in out, err
+    assert code == 0 and "ngram" in out and "through vllm's server" in " ".join(out.split()), err
     logs = sorted((tmp_path / "r" / "engine-logs").glob("*.log"))
     assert [p.name for p in logs] == ["vllm-0-autoregressive.log", "vllm-1-ngram.log"]
 
@@ -204,13 +204,14 @@ def test_an_engine_dying_mid_run_keeps_the_finished_prompts_and_says_so(capsys, 
 
 @pytest.mark.skipif(not LlamaCpp().installed(), reason="make engine-llama.cpp")
 def test_run_through_the_real_llamacpp(capsys, tmp_path):
-    """The embedded SmolLM2 through llama-server: plain decoding and ngram-simple, one prompt, a few tokens, its
-    own draft counters on the strategy's row."""
+    """The embedded SmolLM2 through llama-server: plain decoding and ngram-simple, one MT-Bench question (both its
+    turns, the second carrying the baseline's answer), a few tokens, its own draft counters on the strategy's
+    rows."""
     code, out, err = run_cli(capsys, "run", "--engine", "llama.cpp", "--strategy", "ngram", "--limit", "1",
                              "--max-new-tokens", "16", "--out", str(tmp_path / "r"))
     assert code == 0, err
     df = _results(tmp_path)
-    assert sorted(df.role) == ["baseline", "strategy"] and (df.engine == "llama.cpp").all()
-    assert df.new_tokens.between(1, 16).all()
-    spec = df[df.role == "strategy"].iloc[0]
-    assert spec.drafted >= spec.accepted >= 0 and spec.steps == spec.new_tokens - 1 - spec.accepted
+    assert sorted(zip(df.role, df.turn)) == [("baseline", 1), ("baseline", 2), ("strategy", 1), ("strategy", 2)]
+    assert (df.engine == "llama.cpp").all() and df.new_tokens.between(1, 16).all()
+    for spec in df[df.role == "strategy"].itertuples():
+        assert spec.drafted >= spec.accepted >= 0 and spec.steps == spec.new_tokens - 1 - spec.accepted
