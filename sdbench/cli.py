@@ -69,6 +69,9 @@ def run(
     depth: Depth = None, probe: Probe = "auto", no_probe: NoProbe = False, request_rate: RequestRate = None, concurrency: Concurrency = None,
     slo: Slo = None, head: Head = None,
     compare: Annotated[Optional[list[str]], typer.Option("--compare", help="another strategy or preset measured beside --strategy in the same interleaved run, on the same prompts (repeatable, or ngram,suffix); its settings: --set NAME.key=value")] = None,
+    engine: Annotated[str, typer.Option(help="decode every role through this engine's own server instead of sdbench's loop: llama.cpp or vllm (`sdbench list engines`); sdbench: its own loop")] = "sdbench",
+    engine_url: Annotated[Optional[str], typer.Option(help="the engine's server you already run (http://HOST:PORT): the run's one role, decoding as it was started; else sdbench starts one per role")] = None,
+    engine_port: Annotated[Optional[int], typer.Option(help="the first port of the servers sdbench starts [default: free ones]")] = None,
 ):
     """Run a strategy and the plain-decoding baseline on the same prompts; print tables, write Parquet."""
     from sdbench.commands.run import Bench, load_config
@@ -85,7 +88,7 @@ def run(
         out=out, baseline=baseline, resume=resume, fast=fast, turns=turns, depths=parse_depths(depth),
         fields={k: v for k, v in (("prompt", prompt_field), ("category", category_field), ("id", id_field)) if v},
         probe=probe_mode(probe, no_probe), request_rates=parse_rates(request_rate), concurrencies=parse_gammas(concurrency, "--concurrency", 1),
-        slo=parse_slo(slo) if slo is not None else {},
+        slo=parse_slo(slo) if slo is not None else {}, engine=engine, engine_url=engine_url, engine_port=engine_port,
     )
     if resume:
         cfg = load_config(out, resume)

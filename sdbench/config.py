@@ -61,6 +61,10 @@ class RunConfig:
     # --compare: other strategies or presets measured beside the strategy in the same run, name -> the run's own
     # settings for it (--set NAME.key=value), in the order given
     compare: dict = field(default_factory=dict)
+    # `run --engine` (commands/run_engine.py): the engine whose own server decodes every role, "sdbench": its loop
+    engine: str = "sdbench"
+    engine_url: str | None = None  # that engine's server the user already runs (decoding as it was started)
+    engine_port: int | None = None  # the first port of the servers sdbench starts (None: free ones)
 
     @property
     def under_load(self) -> bool:

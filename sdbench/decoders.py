@@ -1,4 +1,5 @@
-"""Which decoder runs a proposer: the one decode loop (engine/loop.py), or DSI's (dsi/decoder.py).
+"""Which decoder runs a proposer: the one decode loop (engine/loop.py), DSI's (dsi/decoder.py), or an engine's
+server (`run --engine`: servers/runs.py).
 
 A strategy declares it (`Proposer.decoder`); the command asks here and calls the decoder, so the loop never
 hands control back to a strategy. Every decoder takes engine.loop.generate's arguments and returns its
@@ -11,7 +12,7 @@ from sdbench.dsi.decoder import generate as dsi_generate
 from sdbench.engine.loop import generate
 
 SEQUENTIAL = "sequential"
-DECODERS = (SEQUENTIAL, "dsi")
+DECODERS = (SEQUENTIAL, "dsi", "engine")
 
 
 def decoder_for(proposer):
@@ -20,4 +21,8 @@ def decoder_for(proposer):
         return generate
     if proposer.decoder == "dsi":
         return dsi_generate
+    if proposer.decoder == "engine":
+        from sdbench.servers.runs import generate as engine_generate  # the HTTP client: only a run --engine
+
+        return engine_generate
     raise ValueError(f"unknown decoder {proposer.decoder!r} (known: {', '.join(DECODERS)})")

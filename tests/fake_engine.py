@@ -1,5 +1,7 @@
 """A stand-in for an engine's server in tests: the vLLM-style OpenAI API (`--model MODEL --port P ...`) over
-transformers' own greedy `generate`, so its tokens are the reference's. Unknown arguments are ignored.
+transformers' own greedy `generate`, so its tokens are the reference's. Unknown arguments are ignored. A request
+with a temperature above 0 samples: `sample` (transformers' generate with do_sample, top-k off, after
+torch.manual_seed of the request's seed).
 
 FAKE_ENGINE_MODE: ok (default); never-ready (/health answers 503 for ever); exit (says a bind error and exits at
 once); die-after:N (the process exits during its N+1-th completion).
@@ -31,6 +33,18 @@ def _computed(prompt: list[int], previous: list[int] | None) -> int:
 
 def _arg(argv: list[str], name: str, default=None):
     return argv[argv.index(name) + 1] if name in argv else default
+
+
+def sample(model, prompt: list[int], max_new: int, temperature: float, top_p: float, seed: int) -> list[int]:
+    """A sampled request's new tokens: temperature and top-p alone, as vLLM samples unless asked for more."""
+    import torch
+
+    torch.manual_seed(seed)
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new, do_sample=True,
+                             temperature=temperature, top_p=top_p, top_k=0)
+    return out[0, ids.shape[1]:].tolist()
 
 
 def main(argv: list[str]) -> None:
@@ -84,9 +98,13 @@ def main(argv: list[str]) -> None:
             computed = _computed(body["prompt"], state["cached"].get(salt) if caching else None)
             state["cached"][salt] = body["prompt"]
             ids = torch.tensor([body["prompt"]])
-            with torch.no_grad():
-                out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=body["max_tokens"],
-                                     do_sample=False)[0, ids.shape[1]:].tolist()
+            if body.get("temperature", 0.0) > 0:
+                out = sample(model, body["prompt"], body["max_tokens"], body["temperature"], body.get("top_p", 1.0),
+                             body["seed"])
+            else:
+                with torch.no_grad():
+                    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=body["max_tokens"],
+                                         do_sample=False)[0, ids.shape[1]:].tolist()
             if speculative:  # made-up counters, one round per gamma + 1 tokens, half the drafts accepted
                 rounds = -(-len(out) // (gamma + 1))
                 state["drafted"] += rounds * gamma

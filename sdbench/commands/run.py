@@ -7,6 +7,7 @@ batch finishes.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 from dataclasses import asdict, dataclass, replace
@@ -20,8 +21,9 @@ from sdbench.config import DEFAULT_GAMMA, RunConfig, SamplingConfig
 from sdbench.commands.divergence import judge_rows
 from sdbench.commands.load import check_load, serve_points
 from sdbench.commands.roles import EveryRole, Measured, Role, baseline_role, compared_roles, plan_roles
+from sdbench.commands.run_engine import check_engine_run, engine_pair, engine_servers, run_engine, run_roles
 from sdbench.data.passkey import answer_found
-from sdbench.data.prompts import encode_prompts
+from sdbench.data.prompts import encode_prompts, run_positions
 from sdbench.models.heads.registry import trained_on_note
 from sdbench.data.tasks import check_dataset, dataset_label
 from sdbench.data.turns import Conversations
@@ -35,6 +37,7 @@ from sdbench.models.names import weights_of
 from sdbench.models.pair import Pair, load_pair, resolve_device, resolve_dtype
 from sdbench.paths import output_dir
 from sdbench.reporting.results import Judged, Place, RunFields, RunWriter, new_run_id, result_row
+from sdbench.servers.process import EngineFailed
 from sdbench.strategies import StrategyChoice, native_needed, resolve_strategy, strategy
 from sdbench.strategies.spec import refuse_head
 
@@ -56,6 +59,7 @@ def plan(cfg: RunConfig) -> tuple[RunConfig, object]:
         raise SdbenchError("--temperature must be >= 0 and --top-p in (0, 1]")
     if cfg.prompt_len is not None and cfg.prompt_len < 1:
         raise SdbenchError(f"--prompt-len must be at least 1 (got {cfg.prompt_len})")
+    check_engine_run(cfg, choice.base)  # what the engine cannot run, before the strategy's own checks
     declared = strategy(choice.base)
     if "head" in cfg.options:
         refuse_head(declared, cfg.strategy)
@@ -143,6 +147,7 @@ class Bench:
             self.console.print(note, style="yellow", highlight=False)
         if self.choice.entry is not None:
             self.console.print(f"schedule '{self.choice.name}': the {self.choice.entry.label} entry", highlight=False)
+        self.engine = run_engine(self.cfg)  # None: sdbench's own loop decodes every role
         self.device = resolve_device(self.cfg.device)
         self.dtype = resolve_dtype(self.cfg.dtype, self.device)
         output_dir(self.cfg.out)  # a bad --out fails now, not after the models have loaded
@@ -150,6 +155,26 @@ class Bench:
         self.loaded: Pair | None = None
         self.every: EveryRole | None = None
         self.fields: RunFields | None = None
+
+    def _load(self) -> Pair:
+        """The pair to decode with: the models, or through an engine the target's tokenizer and config alone."""
+        if self.pair is not None:
+            return self.pair
+        if self.engine is not None:
+            return engine_pair(self.cfg, self.console)
+        return load_pair(self.cfg, self.device, self.dtype, self.console, native_needed(self.cfg))
+
+    def _roles(self, pair: Pair) -> list[Role]:
+        """Every role of the run, the baseline first when one runs."""
+        if self.engine is not None:
+            return run_roles(self.cfg, self.engine, self.choice.base, self.console)
+        return [baseline_role()] * self.cfg.baseline + self.plan_roles(pair)
+
+    def _servers(self, roles: list[Role], pair: Pair, lookahead: int):
+        """The engine's servers for the roles, running until the block ends (nothing without an engine)."""
+        if self.engine is None:
+            return contextlib.nullcontext()
+        return engine_servers(self.cfg, roles, run_positions(self.cfg, pair, lookahead), self.console)
 
     def plan_roles(self, pair: Pair) -> list[Role]:
         """The strategy's roles (commands/roles.py); the baseline is added by `run`."""
@@ -165,9 +190,10 @@ class Bench:
 
     def run(self) -> Path:
         cfg = self.cfg
-        pair = self.pair or load_pair(cfg, self.device, self.dtype, self.console, native_needed(cfg))
-        roles = [baseline_role()] * cfg.baseline + self.plan_roles(pair)
-        prompts, encoded = encode_prompts(cfg, pair, max(r.proposer.max_lookahead for r in roles))
+        pair = self._load()
+        roles = self._roles(pair)
+        lookahead = max(r.proposer.max_lookahead for r in roles)
+        prompts, encoded = encode_prompts(cfg, pair, lookahead)
         if not cfg.under_load and cfg.batch_size > len(prompts):  # rows record the batch that was run
             self.console.print(f"note: --batch-size {cfg.batch_size} with {len(prompts)} prompt(s): batches of "
                                f"{len(prompts)} are run and recorded", style="yellow", highlight=False)
@@ -192,6 +218,15 @@ class Bench:
         done = writer.done_keys() if cfg.resume else set()
         if cfg.resume and not writer.exists():
             raise SdbenchError(f"--resume {run_id}: no such run under {cfg.out}")
+        with self._servers(roles, pair, lookahead):
+            self._measure(pair, roles, prompts, encoded, batches, writer, done)
+        writer.mark_finished()
+        return writer.final_path
+
+    def _measure(self, pair: Pair, roles: list[Role], prompts, encoded, batches, writer: RunWriter, done: set) -> None:
+        """Warm up, then every batch with every role, rows written as each batch finishes; an interrupt or an
+        engine's failure keeps the finished rows and says how to continue."""
+        cfg, run_id = self.cfg, self.run_id
         try:
             self._warm_up(pair, roles, encoded, batches)
         except KeyboardInterrupt:  # nothing is on disk yet: no run to resume
@@ -215,8 +250,15 @@ class Bench:
                 raise Interrupted(f"interrupted: finished load points are saved in {writer.final_path}") from None
             raise Interrupted(f"interrupted: finished prompts are saved in {writer.final_path}; continue with "
                                f"`sdbench run --resume {run_id} --out {cfg.out}`") from None
-        writer.mark_finished()
-        return writer.final_path
+        except EngineFailed as err:  # the engine's server died or refused a request: the finished rows stay
+            if not writer.exists():
+                self._config_path(run_id).unlink(missing_ok=True)
+                writer.mark_finished()
+                raise EngineFailed(f"{err}; no prompt had finished: nothing was saved") from None
+            writer.finalize()
+            writer.mark_unfinished(f"the engine failed: {err}")
+            raise EngineFailed(f"{err}; finished prompts are saved in {writer.final_path}; continue with "
+                               f"`sdbench run --resume {run_id} --out {cfg.out}`") from None
 
     def _batches(self, talk: Conversations, batches: list[list[int]], done: set, writer: RunWriter, progress) -> None:
         """Every batch (and turn) with every role, a part written per batch; batches `done` are skipped."""
@@ -273,7 +315,8 @@ class Bench:
             lambda role: self._generate(pair, role.proposer, batch, self.cfg.max_new_tokens, seed), done=advance)
         talk.record(members, at.turn - 1, measured[0].result.output_ids)
         rows = self._rows(measured, [talk.prompts[i] for i in members], at, pair.tokenizer)
-        judge_rows(pair.target, rows, {talk.prompts[i].id: ids for i, ids in zip(members, batch)})
+        if pair.target is not None:  # through an engine no weights are loaded to judge a difference with
+            judge_rows(pair.target, rows, {talk.prompts[i].id: ids for i, ids in zip(members, batch)})
         return rows
 
     def _progress(self) -> Progress:
@@ -294,7 +337,8 @@ class Bench:
             target=cfg.target, dataset=_label(cfg), batch_size=cfg.batch_size, temperature=cfg.sampling.temperature,
             top_p=cfg.sampling.top_p, seed=cfg.sampling.seed, fast=bool(getattr(pair.target, "fast", False)),
             max_new_tokens=cfg.max_new_tokens, prompt_len=cfg.prompt_len,
-            schedule_entry=self.choice.entry.label if self.choice.entry is not None else None, **pair.fidelity())
+            schedule_entry=self.choice.entry.label if self.choice.entry is not None else None,
+            engine=self.engine.name if self.engine is not None else None, **pair.fidelity())
 
     def _rows(self, measured: list[Measured[BatchResult]], prompts, at: Place, tokenizer) -> list[dict]:
         """The rows of one decoded batch: one per role and prompt (prompts: the batch's, in row order)."""
@@ -311,7 +355,8 @@ class Bench:
                 judged = Judged(base_rows[b] if base_rows is not None else None, self.cfg.sampling.greedy,
                                 predicted, answer_found(p, res.output_ids[b], tokenizer))
                 place = replace(at, category=p.category, prompt_id=p.id, depth=p.depth)
-                rows.append(result_row(self.fields, m.role, place, row_metrics(res, b), judged, m.memory, weights))
+                memory = m.memory if self.engine is None else (None, "engine_server")  # not this process's
+                rows.append(result_row(self.fields, m.role, place, row_metrics(res, b), judged, memory, weights))
         return rows
 
 

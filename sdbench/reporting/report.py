@@ -408,10 +408,11 @@ def environment_lines(df: pd.DataFrame) -> list[str]:
 
 def _title(df: pd.DataFrame) -> str:
     parts = []
-    for column in ("target", "dataset", "run_id"):
+    for column in ("target", "engine", "dataset", "run_id"):
         if column in df:
             values = [str(v) for v in dict.fromkeys(df[column].dropna())]
-            parts.append(", ".join(values))
+            label = ", ".join(values)
+            parts.append(f"through {label}'s server" if column == "engine" and label else label)
     return " · ".join(p for p in parts if p)
 
 

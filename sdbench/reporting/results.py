@@ -121,6 +121,7 @@ SCHEMA = pa.schema([
     ("verified_width", _I),  # tokens per row of the verifying forwards, summed (mean width: / steps)
     ("tried_per_depth_rank", pa.list_(pa.list_(_I))),  # [d][r]: steps that tried the rank-r child at depth d + 1
     ("accepted_per_depth_rank", pa.list_(pa.list_(_I))),  # [d][r]: of those, the steps that accepted it
+    ("engine", _S),  # `run --engine`: the engine whose server decoded the row (llama.cpp, vllm); null: sdbench's loop
 ])
 COLUMNS: tuple[str, ...] = tuple(SCHEMA.names)
 ENV_COLUMNS = ("device", "dtype", "torch_version", "transformers_version", "sdbench_version",
@@ -186,6 +187,7 @@ class RunFields:
     request_rate: float | None = None  # under load
     concurrency: int | None = None  # under load
     slo: str | None = None  # under load, with --slo
+    engine: str | None = None  # `run --engine`: the engine whose server decodes every role; None: sdbench's loop
 
 
 @dataclass(frozen=True)

@@ -4,6 +4,7 @@ own acceptance counters), and the adapters' protocol (each engine's in its own m
 
 from __future__ import annotations
 
+import hashlib
 import math
 import os
 import statistics
@@ -11,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from sdbench.analysis.carry import CHAIN, Rounds
+from sdbench.config import SamplingConfig
 from sdbench.errors import SdbenchError
 from sdbench.paths import repo_root
 
@@ -167,8 +169,9 @@ class Engine:
 
     health: str = "/health"
 
-    def request(self, prompt: list[int], max_new: int) -> tuple[str, dict]:
-        """(path, JSON body) of one greedy, streamed generation from token ids."""
+    def request(self, prompt: list[int], max_new: int, sampling: SamplingConfig | None = None) -> tuple[str, dict]:
+        """(path, JSON body) of one streamed generation from token ids: greedy, or sampled at `sampling`'s
+        temperature and top-p with its seed (the request's own: `request_seed`)."""
         raise NotImplementedError
 
     def reply(self, streamed, url: str, before: dict | None) -> Reply:
@@ -184,6 +187,13 @@ class Engine:
         generation over `prompt`, reusing what its cache holds of the prompt's prefix from the request before: a
         forward over the prompt's new tokens alone, as a verification is (`servers/costs.py`)."""
         raise NotImplementedError
+
+
+def request_seed(seed: int, prompt: list[int]) -> int:
+    """A sampled request's seed, from `seed` (the run's, its repeat and batch folded in by the caller) and the
+    prompt's token ids: another prompt or repeat samples afresh, the same run again samples the same tokens."""
+    digest = hashlib.sha256(f"{seed}:{','.join(map(str, prompt))}".encode()).digest()
+    return int.from_bytes(digest[:4], "big") & 0x7FFFFFFF
 
 
 def token_gaps(times: list[float], counts: list[int]) -> tuple[float | None, list[float]]:

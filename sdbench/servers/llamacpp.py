@@ -8,6 +8,7 @@ import subprocess
 from pathlib import Path
 
 from sdbench.analysis.carry import MIRROR
+from sdbench.config import SamplingConfig
 from sdbench.errors import SdbenchError
 from sdbench.models.loader import model_files
 from sdbench.paths import cache_dir
@@ -78,11 +79,16 @@ class LlamaCpp(Engine):
                      "-td", str(threads)]
         return argv
 
-    def request(self, prompt: list[int], max_new: int) -> tuple[str, dict]:
-        # greedy (temperature 0), from token ids, no prompt cache between requests: every request prefills its
-        # prompt, as sdbench's own rows do
-        return "/completion", {"prompt": prompt, "n_predict": max_new, "temperature": 0.0, "stream": True,
-                               "return_tokens": True, "cache_prompt": False, "seed": 0}
+    def request(self, prompt: list[int], max_new: int, sampling: SamplingConfig | None = None) -> tuple[str, dict]:
+        # from token ids, no prompt cache between requests: every request prefills its prompt, as sdbench's own rows
+        # do. Greedy is temperature 0; sampled, top-k and min-p are switched off (their defaults are 40 and 0.05),
+        # so that its chain is temperature and top-p alone, as sdbench's sampler is
+        body = {"prompt": prompt, "n_predict": max_new, "temperature": 0.0, "stream": True, "return_tokens": True,
+                "cache_prompt": False, "seed": 0}
+        if sampling is not None and not sampling.greedy:
+            body.update(temperature=sampling.temperature, top_p=sampling.top_p, seed=sampling.seed, top_k=0,
+                        min_p=0.0)
+        return "/completion", body
 
     def reply(self, streamed, url: str, before: dict | None) -> Reply:
         tokens, counts, timings = [], [], {}

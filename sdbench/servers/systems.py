@@ -7,9 +7,10 @@ import contextlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from sdbench.config import SamplingConfig
 from sdbench.errors import SdbenchError
 from sdbench.servers.client import EngineReplyError, post_stream
-from sdbench.servers.engines import Engine, EngineRole, EngineTotals
+from sdbench.servers.engines import Engine, EngineRole, EngineTotals, Reply
 from sdbench.servers.process import EngineFailed, Server
 
 
@@ -40,12 +41,20 @@ class EngineSystem:
         return self.role.strategy, self.role.draft if self.role.strategy != "ngram" else None
 
     def __call__(self, prompt: list[int], budget: int | None) -> list[int]:
+        reply = self.ask(prompt, budget or self.max_new)
+        if budget is None:
+            self.totals.add(reply)
+        return reply.tokens
+
+    def ask(self, prompt: list[int], max_new: int, sampling: SamplingConfig | None = None) -> Reply:
+        """One request: the engine's reply, its counters 0 where a speculative server drafted nothing; EngineFailed
+        (with the server's last words where it died) when it fails."""
         if self.server is not None:
             self.server.check_alive()
         try:
             # the user's own server (--engine-url) may run any decoding: its counters are read whatever its role
             before = self.engine.counters(self.url) if self.role.speculative or self.server is None else None
-            path, body = self.engine.request(prompt, budget or self.max_new)
+            path, body = self.engine.request(prompt, max_new, sampling)
             reply = self.engine.reply(post_stream(self.url, path, body), self.url, before)
         except EngineReplyError as err:
             if self.server is not None:
@@ -53,9 +62,7 @@ class EngineSystem:
             raise EngineFailed(f"{self.name}: {err}") from None
         if self.role.speculative and reply.drafted is None:
             reply.drafted, reply.accepted = 0, 0  # a speculative server that drafted nothing for this prompt
-        if budget is None:
-            self.totals.add(reply)
-        return reply.tokens
+        return reply
 
 
 def engine_roles(engine: Engine, gamma: int, draft: str | None, autoregressive_only: bool,

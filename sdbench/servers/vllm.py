@@ -11,6 +11,7 @@ import uuid
 from pathlib import Path
 
 from sdbench.analysis.carry import WIDE_FIRST
+from sdbench.config import SamplingConfig
 from sdbench.errors import SdbenchError
 from sdbench.models.loader import safetensors_folder
 from sdbench.servers.client import EngineReplyError, get, post_json
@@ -72,10 +73,12 @@ class Vllm(Engine):
         return {"VLLM_CPU_KVCACHE_SPACE": KV_SPACE_GIB, "OMP_NUM_THREADS": str(threads),
                 "VLLM_CPU_OMP_THREADS_BIND": "auto"}
 
-    def request(self, prompt: list[int], max_new: int) -> tuple[str, dict]:
-        return "/v1/completions", {"model": SERVED, "prompt": prompt, "max_tokens": max_new, "temperature": 0.0,
-                                   "stream": True, "return_token_ids": True, "seed": 0,
-                                   "cache_salt": uuid.uuid4().hex}
+    def request(self, prompt: list[int], max_new: int, sampling: SamplingConfig | None = None) -> tuple[str, dict]:
+        body = {"model": SERVED, "prompt": prompt, "max_tokens": max_new, "temperature": 0.0, "stream": True,
+                "return_token_ids": True, "seed": 0, "cache_salt": uuid.uuid4().hex}
+        if sampling is not None and not sampling.greedy:  # its top-k and min-p are off unless asked for
+            body.update(temperature=sampling.temperature, top_p=sampling.top_p, seed=sampling.seed)
+        return "/v1/completions", body
 
     def counters(self, url: str) -> dict | None:
         return parse_metrics(get(url, "/metrics"))
