@@ -67,6 +67,10 @@ def test_a_replys_counters_as_a_rows():
     plain = row_stats(Reply(list(range(12)), 1.0, 0.1, []), counted=False)
     assert (plain.steps, plain.drafted, plain.accepted) == (11, 0, 0)
     assert row_stats(Reply([], 1.0, None, [], 0, 0), counted=True).steps == 0
+    # at γ = 4 the 11 tokens need at least ceil(11 / 5) = 3 rounds: of 10 drafts the engine counted as accepted (its
+    # last round's past the budget included), at most 8 were returned
+    held = row_stats(Reply(list(range(12)), 1.0, 0.1, [], 12, 10), counted=True, gamma=4)
+    assert (held.steps, held.drafted, held.accepted) == (3, 12, 8)
 
 
 # --- run --engine end to end on the stand-in server -----------------------------------------------------------

@@ -108,18 +108,25 @@ class EngineTotals:
         return statistics.median(gaps) if gaps else None
 
     def rounds(self) -> Rounds:
-        """The replies' decoding after each first token, in rounds (`analysis/carry.py`): each round commits its
-        accepted drafts and one token of the target's, so rounds = tokens - accepted. An engine counts the drafts
-        its last round accepted past the token budget too, which the reply then cuts: accepted is held to what
-        the fewest rounds that can return the tokens, one per γ + 1 tokens, leave."""
+        """The replies' decoding after each first token, in rounds (`analysis/carry.py`, `reply_rounds`)."""
         found = Rounds()
         for r in self.replies:
-            n = len(r.tokens) - 1
-            if n < 1 or r.ttft is None:
+            if len(r.tokens) < 2 or r.ttft is None:
                 continue
-            accepted = min(r.accepted or 0, n - math.ceil(n / (self.gamma + 1)))
-            found.add(n, r.seconds - r.ttft, n - accepted, r.drafted or 0, accepted)
+            found.add(len(r.tokens) - 1, r.seconds - r.ttft, *reply_rounds(r, self.gamma))
         return found
+
+
+def reply_rounds(reply: Reply, gamma: int | None) -> tuple[int, int, int]:
+    """(rounds, drafted, accepted) of a reply's tokens after its first, from the engine's counters. Each round commits
+    its accepted drafts and one token of the target's, so rounds = tokens - accepted. An engine counts the drafts
+    its last round accepted past the token budget too, which the reply then cuts: accepted is held to what the
+    fewest rounds that can return the tokens, one per γ + 1, leave (γ None, a user's server: as counted)."""
+    n = max(len(reply.tokens) - 1, 0)
+    accepted = min(reply.accepted or 0, n)
+    if gamma:
+        accepted = min(accepted, n - math.ceil(n / (gamma + 1)))
+    return n - accepted, reply.drafted or 0, accepted
 
 
 class Engine:

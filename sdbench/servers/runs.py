@@ -9,7 +9,7 @@ from dataclasses import replace
 
 from sdbench.config import SamplingConfig
 from sdbench.engine.metrics import BatchResult, RowStats
-from sdbench.servers.engines import Engine, EngineRole, Reply, request_seed
+from sdbench.servers.engines import Engine, EngineRole, Reply, reply_rounds, request_seed
 from sdbench.strategies.base import Proposer
 
 ENGINE_DECODER = "engine"  # sdbench/decoders.py: the server decodes, not the loop
@@ -43,14 +43,14 @@ class EngineDecoding(Proposer):
         return params
 
 
-def row_stats(reply: Reply, counted: bool) -> RowStats:
+def row_stats(reply: Reply, counted: bool, gamma: int | None = None) -> RowStats:
     """A reply's counters as a row's: every token after the first is an accepted draft or a target step's own, so
-    steps = (new tokens - 1) - accepted; without counters, one step per token after the first."""
-    after_first = max(len(reply.tokens) - 1, 0)
+    steps = (new tokens - 1) - accepted (`reply_rounds`, γ the role's); without counters, one step per token after
+    the first."""
     if not counted or reply.drafted is None:
-        return RowStats(steps=after_first)
-    accepted = reply.accepted or 0
-    return RowStats(steps=max(after_first - accepted, 0), drafted=reply.drafted, accepted=accepted)
+        return RowStats(steps=max(len(reply.tokens) - 1, 0))
+    steps, drafted, accepted = reply_rounds(reply, gamma)
+    return RowStats(steps=steps, drafted=drafted, accepted=accepted)
 
 
 def generate(target, proposer: EngineDecoding, prompts: list[list[int]], *, max_new_tokens: int,
@@ -68,7 +68,7 @@ def generate(target, proposer: EngineDecoding, prompts: list[list[int]], *, max_
             asked = replace(sampling, seed=request_seed(base, prompt))
         reply = proposer.system.ask(prompt, max_new_tokens, asked)
         outputs.append(reply.tokens)
-        rows.append(row_stats(reply, proposer.counted))
+        rows.append(row_stats(reply, proposer.counted, None if proposer.url is not None else proposer.role.gamma))
         extras.append({"engine_accepted_per_position": reply.accepted_by_position}
                       if reply.accepted_by_position else {})
         wall += reply.seconds
