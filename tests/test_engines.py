@@ -293,6 +293,10 @@ def test_bench_through_the_real_server(capsys, tmp_path, eng):
     engine = df[df.engine == eng.name]
     assert len(engine) == 3 and engine.failed.isna().all() and (engine.tokens > 0).all()
     assert engine.engine_drafted.notna().sum() == 2
+    # the engine's step costs measured through its plain server (whose context the probes' prefix must fit) and
+    # both speculative rows carried over
+    spec = engine[engine.engine_drafted.notna()]
+    assert spec.carried_speedup.notna().all() and (spec.step_verify_cost > 1).all(), out
 
 
 def test_bench_measures_a_server_the_user_runs_as_it_runs(capsys, tiny_engine_bench, tmp_path, monkeypatch):

@@ -39,6 +39,7 @@ from sdbench.reporting.carry import Carried, carry_table
 from sdbench.reporting.carry import columns as carry_columns
 from sdbench.reporting.results import env_fields
 from sdbench.servers.client import EngineReplyError, reachable
+from sdbench.servers.costs import probe_capacity
 from sdbench.servers.engines import SDBENCH, EngineTotals
 from sdbench.servers.known import engine
 from sdbench.servers.process import EngineFailed
@@ -399,7 +400,9 @@ def measure_peers(cfg: BenchConfig, console: Console) -> Peers:
     systems = _systems(tgt, drf, runner, pick_runner(tgt.model, target, False), d_runner, max_new, eos, room, gamma,
                        generic, cfg.autoregressive_only, draft)
     systems += _head_systems(runner, cfg.heads, max_new, eos, room, gamma)
-    with console.status("measuring") as status, _engine_systems(cfg, room, status) as engines:
+    # the engines' servers hold the step costs' probes too: a cached prefix and γ + 1 tokens after it
+    served = max(room, probe_capacity(gamma))
+    with console.status("measuring") as status, _engine_systems(cfg, served, status) as engines:
         systems += [(s.name, s, False) for s in engines if s.measured]
         picked = _pick_generate(tgt.model, prompts[0], eos, cfg.generate, dev, status, weights, room)
         systems[0] = (f"transformers generate ({picked.label})",

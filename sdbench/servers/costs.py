@@ -13,6 +13,11 @@ PREFIX = 256  # tokens of the cached prefix: whole blocks of any prefix cache wh
 REPEATS = 5  # probes per width, interleaved over the widths; the median is kept
 
 
+def probe_capacity(gamma: int) -> int:
+    """The context a server needs for the probes: the prefix, γ + 1 new tokens and the one it generates."""
+    return PREFIX + gamma + 2
+
+
 class CostsUnknown(SdbenchError):
     """The engine's step costs could not be measured (its prefix cache recomputed the prefix, say)."""
 
