@@ -296,7 +296,7 @@ def test_bench_through_the_real_server(capsys, tmp_path, eng):
     # the engine's step costs measured through its plain server (whose context the probes' prefix must fit) and
     # both speculative rows carried over
     spec = engine[engine.engine_drafted.notna()]
-    assert spec.carried_speedup.notna().all() and (spec.step_verify_cost > 1).all(), out
+    assert spec.carried_speedup.notna().all() and (spec.step_verify_cost > 0).all(), out
 
 
 def test_bench_measures_a_server_the_user_runs_as_it_runs(capsys, tiny_engine_bench, tmp_path, monkeypatch):
