@@ -200,8 +200,9 @@ def test_list_engines_says_what_is_installed_and_how(capsys, tmp_path, monkeypat
     assert "yes" in rows["vllm"] and "no" in rows["llama.cpp"]
 
 
-@pytest.fixture
-def tiny_engine_bench(tmp_path, monkeypatch):
+def stand_in(tmp_path, monkeypatch) -> tuple[Path, Path]:
+    """(a tiny model's folder, a file of two prompts), with the stand-in vLLM installed as the only engine and a
+    cache of the test's own."""
     monkeypatch.setenv("SDBENCH_CACHE", str(tmp_path / "cache"))
     monkeypatch.setenv("SDBENCH_ENGINES", str(tmp_path / "engines"))
     fake_vllm(tmp_path / "engines")
@@ -209,6 +210,12 @@ def tiny_engine_bench(tmp_path, monkeypatch):
     data = tmp_path / "prompts.csv"
     data.write_text("prompt\n" + "".join(f"\"{' '.join(f'w{(k * i) % 90}' for i in range(9)) * 2}\"\n"
                                          for k in (3, 7)))
+    return folder, data
+
+
+@pytest.fixture
+def tiny_engine_bench(tmp_path, monkeypatch):
+    folder, data = stand_in(tmp_path, monkeypatch)
     return ["bench", "--target", str(folder), "--dataset", str(data), "--limit", "2", "--max-new-tokens", "12",
             "--repeats", "1", "--engine", "vllm", "--out", str(tmp_path / "bench")]
 

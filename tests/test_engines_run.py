@@ -21,8 +21,8 @@ from sdbench.servers.llamacpp import LlamaCpp
 from sdbench.servers.runs import row_stats
 from sdbench.servers.vllm import Vllm
 from tests.conftest import run_cli
-from tests.references import hf_generate, tiny_model_dir
-from tests.test_engines import fake_vllm
+from tests.references import hf_generate
+from tests.test_engines import stand_in
 
 NEW = 12
 PROMPT = [5, 9, 13, 5, 9]
@@ -79,13 +79,7 @@ def test_a_replys_counters_as_a_rows():
 @pytest.fixture
 def tiny_engine_run(tmp_path, monkeypatch):
     """(run arguments through the stand-in vLLM on a tiny model, the model folder, the prompts' file)."""
-    monkeypatch.setenv("SDBENCH_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setenv("SDBENCH_ENGINES", str(tmp_path / "engines"))
-    fake_vllm(tmp_path / "engines")
-    folder = tiny_model_dir(tmp_path / "tiny")
-    data = tmp_path / "prompts.csv"
-    data.write_text("prompt\n" + "".join(f"\"{' '.join(f'w{(k * i) % 90}' for i in range(9)) * 2}\"\n"
-                                         for k in (3, 7)))
+    folder, data = stand_in(tmp_path, monkeypatch)
     args = ["run", "--target", str(folder), "--dataset", str(data), "--limit", "2", "--max-new-tokens", str(NEW),
             "--strategy", "ngram", "--gamma", "4", "--device", "cpu", "--engine", "vllm", "--out", str(tmp_path / "r")]
     return args, folder, data
