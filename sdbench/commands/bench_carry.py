@@ -14,13 +14,13 @@ from sdbench.servers.process import EngineFailed
 LOOKUP = "ngram"  # the strategy whose drafter is a lookup: c = 0
 
 
-def carry_over(results: list, engines: list, prompts: list[list[int]], gamma: int, ratios: tuple[float, float],
-               status=None) -> tuple[list[Carried], list[str]]:
+def carry_over(results: list, plain, engines: list, prompts: list[list[int]], gamma: int,
+               ratios: tuple[float, float], status=None) -> tuple[list[Carried], list[str]]:
     """(the carry-over rows, a line for each speculative system left without one). results: `bench`'s Measured
-    systems; engines: every EngineSystem started (the draft's cost-only servers too); ratios: sdbench's own
-    (T(gamma + 1) / T(1), c) from `cost_ratios`."""
+    systems; plain: sdbench's own plain decoding on its fastest path among them; engines: every EngineSystem
+    started (the draft's cost-only servers too); ratios: sdbench's own (T(gamma + 1) / T(1), c) from
+    `cost_ratios`."""
     ours = {m.key: m for m in results if m.engine is None and m.key is not None and not m.failed}
-    plain = next((m for m in results if m.engine is None and m.key == ("autoregressive", None) and m.fast), None)
     rows, unknown = [], []
     for key, m in ours.items():
         if key[0] == "autoregressive" or plain is None:
