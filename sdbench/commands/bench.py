@@ -38,12 +38,12 @@ from sdbench.paths import cache_dir
 from sdbench.reporting.carry import Carried, carry_table
 from sdbench.reporting.carry import columns as carry_columns
 from sdbench.reporting.results import env_fields
-from sdbench.servers.client import EngineReplyError, reachable
+from sdbench.servers.client import EngineReplyError
 from sdbench.servers.costs import probe_capacity
 from sdbench.servers.engines import SDBENCH, EngineTotals
 from sdbench.servers.known import engine
 from sdbench.servers.process import EngineFailed
-from sdbench.servers.systems import engine_roles, engine_systems
+from sdbench.servers.systems import check_engine_options, engine_roles, engine_systems
 from sdbench.strategies import strategy
 from sdbench.strategies.autoregressive import Autoregressive
 from sdbench.strategies.base import TrainedHead
@@ -292,18 +292,16 @@ def check_bench(cfg: BenchConfig) -> None:
         raise SdbenchError(f"--generate {cfg.generate}: use one of {', '.join(MODES)}")
     names = engine_names(cfg.engine)
     if not names:
-        if cfg.engine_url or cfg.engine_port:
-            raise SdbenchError("--engine-url and --engine-port go with --engine llama.cpp or --engine vllm")
+        check_engine_options(None, cfg.engine_url, cfg.engine_port)
         return
     if cfg.engine_url and len(names) > 1:
         raise SdbenchError("--engine-url names one server: give one --engine with it")
     for name in names:
         eng = engine(name)
+        check_engine_options(eng, cfg.engine_url, cfg.engine_port)
         if cfg.engine_url is None:
             eng.check_installed()
             engine_roles(eng, cfg.gamma, cfg.draft_model, cfg.autoregressive_only, cfg.heads)
-        elif not reachable(cfg.engine_url, eng.health):
-            raise SdbenchError(f"--engine-url {cfg.engine_url}: no server answers GET {eng.health} there")
 
 
 def engine_names(spec: str) -> list[str]:

@@ -16,11 +16,10 @@ from sdbench.config import RunConfig
 from sdbench.errors import SdbenchError
 from sdbench.models import loader
 from sdbench.models.pair import Pair
-from sdbench.servers.client import reachable
 from sdbench.servers.engines import SDBENCH, Engine, EngineRole
 from sdbench.servers.known import engine
 from sdbench.servers.runs import EngineDecoding
-from sdbench.servers.systems import engine_systems
+from sdbench.servers.systems import check_engine_options, engine_systems
 
 TREE_KEYS = ("tree",)  # --set keys that grow token trees (tree=K, tree_topk, tree_shape, ...)
 
@@ -38,8 +37,7 @@ def check_engine_run(cfg: RunConfig, base: str) -> None:
         raise SdbenchError(f"run --engine {cfg.engine}: a run decodes through one engine (bench compares several)")
     eng = run_engine(cfg)
     if eng is None:
-        if cfg.engine_url or cfg.engine_port:
-            raise SdbenchError("--engine-url and --engine-port go with --engine llama.cpp or --engine vllm")
+        check_engine_options(None, cfg.engine_url, cfg.engine_port)
         return
     said = f"--engine {eng.name}"
     if cfg.batch_size > 1:
@@ -55,8 +53,7 @@ def check_engine_run(cfg: RunConfig, base: str) -> None:
         raise SdbenchError(f"{said}: the engine verifies chains; token trees (--set {trees[0]}=...) run in sdbench's "
                            "own loop only")
     if cfg.engine_url is not None:
-        if not reachable(cfg.engine_url, eng.health):
-            raise SdbenchError(f"--engine-url {cfg.engine_url}: no server answers GET {eng.health} there")
+        check_engine_options(eng, cfg.engine_url, cfg.engine_port)
         return
     engine_roles_of(eng, base, cfg)
     eng.check_installed()
@@ -99,12 +96,8 @@ def engine_pair(cfg: RunConfig, console: Console) -> EnginePair:
     with console.status(f"loading the tokenizer of {cfg.target}"):
         tokenizer = loader.load_tokenizer(cfg.target)
         config = loader.load_config(cfg.target)
-    eos = config.eos_token_id
-    ids = {eos} if isinstance(eos, int) else set(eos or ())
-    if tokenizer.eos_token_id is not None:
-        ids.add(int(tokenizer.eos_token_id))
     limit = getattr(config, "max_position_embeddings", None) or 1 << 30
-    return EnginePair(None, tokenizer, [], sorted(ids), limit)
+    return EnginePair(None, tokenizer, [], loader.end_ids(config.eos_token_id, tokenizer), limit)
 
 
 def run_roles(cfg: RunConfig, eng: Engine, base: str, console: Console) -> list[Role]:

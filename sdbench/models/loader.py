@@ -182,14 +182,18 @@ def check_same_tokenizer(a: Any, b: Any, a_name: str, b_name: str) -> None:
 
 def eos_token_ids(loaded: LoadedModel) -> list[int]:
     """Every id that ends generation: the generation config's eos (int or list) and the tokenizer's."""
+    return end_ids(getattr(getattr(loaded.model, "generation_config", None), "eos_token_id", None), loaded.tokenizer)
+
+
+def end_ids(configured, tokenizer) -> list[int]:
+    """A configured eos (an int, a list, or None) with the tokenizer's own, sorted."""
     ids: set[int] = set()
-    configured = getattr(getattr(loaded.model, "generation_config", None), "eos_token_id", None)
     if isinstance(configured, int):
         ids.add(configured)
     elif configured is not None:
         ids.update(int(i) for i in configured)
-    if loaded.tokenizer.eos_token_id is not None:
-        ids.add(int(loaded.tokenizer.eos_token_id))
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
     return sorted(ids)
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from sdbench.config import SamplingConfig
 from sdbench.errors import SdbenchError
-from sdbench.servers.client import EngineReplyError, post_stream
+from sdbench.servers.client import EngineReplyError, post_stream, reachable
 from sdbench.servers.engines import Engine, EngineRole, EngineTotals, Reply
 from sdbench.servers.process import EngineFailed, Server
 
@@ -63,6 +63,16 @@ class EngineSystem:
         if self.role.speculative and reply.drafted is None:
             reply.drafted, reply.accepted = 0, 0  # a speculative server that drafted nothing for this prompt
         return reply
+
+
+def check_engine_options(engine_: Engine | None, url: str | None, port: int | None) -> None:
+    """--engine-url and --engine-port, refused in one line without an engine; a URL where no server answers."""
+    if engine_ is None:
+        if url or port:
+            raise SdbenchError("--engine-url and --engine-port go with --engine llama.cpp or --engine vllm")
+        return
+    if url is not None and not reachable(url, engine_.health):
+        raise SdbenchError(f"--engine-url {url}: no server answers GET {engine_.health} there")
 
 
 def engine_roles(engine: Engine, gamma: int, draft: str | None, autoregressive_only: bool,
