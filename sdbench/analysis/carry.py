@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from sdbench.engine.iid_model import round_speedup
 from sdbench.engine.metrics import mean_accepted_length
 from sdbench.reporting.carry import Carried
+from sdbench.reporting.cells import ratio
 
 
 @dataclass
@@ -121,8 +122,7 @@ def predicted(rounds: Rounds, costs: EngineCosts) -> float:
 
 
 def decode_speedup(rounds: Rounds, plain: Rounds) -> float:
-    a, b = rounds.tokens_per_s, plain.tokens_per_s
-    return a / b if b and math.isfinite(a) and math.isfinite(b) else math.nan
+    return ratio(rounds.tokens_per_s, plain.tokens_per_s)
 
 
 def carry(system: str, engine: str, own: Rounds, plain: Rounds, costs: EngineCosts, reference: Rounds) -> Carried:

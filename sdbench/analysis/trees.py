@@ -401,17 +401,14 @@ def acceptance_text(tried, accepted) -> str:
                       for d, ts in enumerate(tried)) + " %"
 
 
-def _ratio(num: float, den: float) -> float:
-    return num / den if den and math.isfinite(num) and math.isfinite(den) else math.nan
-
-
 def explain_trees(df) -> list[dict]:
     """Per configuration that verified token trees (its rows' `tree_steps`): the mean tree size and verification
     width, acceptance by depth and rank, the measured mean accepted length; what the cost model predicts from
     that acceptance (per depth and rank) for the run's own tree when it is static, and for the DP's best tree of
     the run's mean size; each speedup at the run's measured costs (c: drafting per level, v: a verification over
     the baseline's step)."""
-    from sdbench.reporting.report import labelled  # pandas: only a report needs it
+    from sdbench.reporting.cells import ratio  # pandas: only a report needs these
+    from sdbench.reporting.report import labelled
 
     data = labelled(df)
     if "tree_steps" not in data:
@@ -423,18 +420,18 @@ def explain_trees(df) -> list[dict]:
         if not tree_steps:
             continue
         base = data[(data["role"] == "baseline") & (data["run_id"] == run_id)]
-        step = _ratio(float(base["verify_s"].sum()), float(base["steps"].sum()))
+        step = ratio(float(base["verify_s"].sum()), float(base["steps"].sum()))
         steps = float(group["steps"].sum())
         levels = sum(sum(int(x) for x in p) for p in group["drafted_per_position"] if p is not None)
-        c = _ratio(_ratio(float(group["draft_s"].sum()), levels), step)
-        v = _ratio(_ratio(float(group["verify_s"].sum()), steps), step)
+        c = ratio(ratio(float(group["draft_s"].sum()), levels), step)
+        v = ratio(ratio(float(group["verify_s"].sum()), steps), step)
         tried, accepted = summed_tables(group["tried_per_depth_rank"]), summed_tables(group["accepted_per_depth_rank"])
         acc = Acceptance.from_counts(tried, accepted, by_depth=True)
         size = float(group["tree_nodes"].sum()) / tree_steps
         own = run_tree(json.loads(params or "{}"))
         found = best_trees(acc, max(1, round(size)))[-1][1] if acc.depth else None
         row = {"run_id": run_id, "strategy": strategy, "tree_size": size,
-               "width": _ratio(float(group["verified_width"].sum()), steps),
+               "width": ratio(float(group["verified_width"].sum()), steps),
                "acceptance": acceptance_text(tried, accepted),
                "acc_len": mean_accepted_length(float(group["new_tokens"].sum()), steps, len(group))}
         for key, tree in (("model", own), ("best", found)):

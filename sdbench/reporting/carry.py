@@ -14,7 +14,7 @@ import pyarrow.parquet as pq
 from rich.console import Console
 from rich.table import Table
 
-from sdbench.reporting.cells import fmt
+from sdbench.reporting.cells import fmt, ratio
 
 
 @dataclass(frozen=True)
@@ -34,20 +34,16 @@ class Carried:
 
     @property
     def acceptance(self) -> float:
-        return _ratio(self.own, self.carried)
+        return ratio(self.own, self.carried)
 
     @property
     def rest(self) -> float:
-        return _ratio(self.measured, self.own)
+        return ratio(self.measured, self.own)
 
     @property
     def gap(self) -> float:
         """carried / measured - 1: how far the prediction from sdbench's acceptance lands from the engine."""
-        return _ratio(self.carried, self.measured) - 1.0
-
-
-def _ratio(a: float, b: float) -> float:
-    return a / b if b and math.isfinite(a) and math.isfinite(b) else math.nan
+        return ratio(self.carried, self.measured) - 1.0
 
 
 # Carried's fields as bench.parquet's columns

@@ -1,4 +1,4 @@
-"""The two helpers every table and plot shares: a number as a table cell, a column as floats."""
+"""The helpers every table and plot shares: a number as a table cell, a column as floats, a ratio of two numbers."""
 
 from __future__ import annotations
 
@@ -20,3 +20,8 @@ def fmt(value, pattern: str) -> str:
 def numeric(series: pd.Series) -> np.ndarray:
     """A column as float64, anything unparseable as NaN."""
     return pd.to_numeric(series, errors="coerce").astype("float64").to_numpy()
+
+
+def ratio(a: float, b: float) -> float:
+    """a / b, or NaN where either is not a finite number or b is 0."""
+    return a / b if b and math.isfinite(a) and math.isfinite(b) else math.nan

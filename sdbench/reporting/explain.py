@@ -30,14 +30,10 @@ from rich.text import Text
 
 from sdbench.engine.metrics import (acceptance_rate, mean_accepted_length, specbench_mean_accepted_tokens,
                              vllm_draft_acceptance_rate, vllm_mean_acceptance_length)
-from sdbench.reporting.cells import fmt, numeric
+from sdbench.reporting.cells import fmt, numeric, ratio
 from sdbench.reporting.report import ALL, _padded_sum, labelled, summarize
 
 FACTORS = ("ideal", "verification", "draft", "overhead", "prefill")
-
-
-def _div(a: float, b: float) -> float:
-    return a / b if b and math.isfinite(a) and math.isfinite(b) else math.nan
 
 
 def factors(strategy: pd.Series, baseline: pd.Series) -> dict[str, float]:
@@ -45,11 +41,11 @@ def factors(strategy: pd.Series, baseline: pd.Series) -> dict[str, float]:
     s, b = strategy, baseline
     busy_s = s["verify_s"] + s["draft_s"]
     return {
-        "ideal": _div(s["mean_accepted_len"], b["mean_accepted_len"]),
-        "verification": _div(_div(b["verify_s"], b["steps"]), _div(s["verify_s"], s["steps"])),
-        "draft": _div(s["verify_s"], busy_s),
-        "overhead": _div(_div(busy_s, s["decode_s"]), _div(b["verify_s"], b["decode_s"])),
-        "prefill": _div(s["speedup"], s["decode_speedup"]),
+        "ideal": ratio(s["mean_accepted_len"], b["mean_accepted_len"]),
+        "verification": ratio(ratio(b["verify_s"], b["steps"]), ratio(s["verify_s"], s["steps"])),
+        "draft": ratio(s["verify_s"], busy_s),
+        "overhead": ratio(ratio(busy_s, s["decode_s"]), ratio(b["verify_s"], b["decode_s"])),
+        "prefill": ratio(s["speedup"], s["decode_speedup"]),
     }
 
 
@@ -67,7 +63,7 @@ def breakdown(df: pd.DataFrame) -> pd.DataFrame:
             parts = factors(row, base.iloc[0])
             records.append({"run_id": run_id, "strategy": row["strategy"], "speedup": row["speedup"], **parts,
                             "product": float(np.prod([parts[f] for f in FACTORS])),
-                            "verify_cost": _div(1.0, parts["verification"]),
+                            "verify_cost": ratio(1.0, parts["verification"]),
                             "predicted": row["predicted_speedup"]})
     return pd.DataFrame(records, columns=["run_id", "strategy", "speedup", *FACTORS, "product", "verify_cost",
                                           "predicted"])
