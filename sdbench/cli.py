@@ -44,7 +44,7 @@ Sets = Annotated[Optional[list[str]], typer.Option("--set", help="strategy setti
 Head = Annotated[Optional[str], typer.Option("--head", help="trained head for --strategy eagle or medusa: a folder or a hub id")]
 Out = Annotated[str, typer.Option(help="folder for the Parquet results")]
 Baseline = Annotated[bool, typer.Option("--baseline/--no-baseline", help="also run plain decoding on the same prompts")]
-Fast = Annotated[bool, typer.Option("--fast/--no-fast", help="the runner's fast path (CPU: oneDNN-packed projections)")]
+Fast = Annotated[bool, typer.Option("--fast/--no-fast", help="the runner's fast path (CPU: packed projections)")]
 Probe = Annotated[str, typer.Option("--probe", help="compare each model's logits with the library's own forward before running (refuse, or fall back to the generic runner, past the tolerance): auto reuses the verdict kept for the same weights, dtype, device and code within the context it covered; always probes again; never skips it")]
 NoProbe = Annotated[bool, typer.Option("--no-probe", help="the same as --probe never")]
 Resume = Annotated[Optional[str], typer.Option(help="continue an interrupted run: its RUN_ID")]

@@ -46,7 +46,7 @@ class RunConfig:
     baseline: bool = True
     resume: str | None = None
     warmup_tokens: int = 8
-    fast: bool = True  # the runner's fast path where one is measured to help (CPU: oneDNN-packed projections)
+    fast: bool = True  # the runner's fast path where one is measured to help (CPU: packed projections)
     turns: int | None = None  # turns of each conversation to decode; None: all of them (MT-Bench: 2)
     fields: dict = field(default_factory=dict)  # --dataset FILE: prompt / category / id -> the file's field
     depths: tuple[float, ...] = ()  # retrieval tasks: where the answer hides (0 = start, 1 = end); empty: spread

@@ -166,13 +166,15 @@ def reproduce_quick(capsys, paper: str, out, files: tuple[str, ...], figures: in
 
 @pytest.fixture(scope="session", autouse=True)
 def packed_fast_path():
-    """The CPU fast path packs every float32 model in tests (as it did before the choice was measured per shape):
-    a measured choice would make which path a test exercises depend on the machine's speed. tests/test_fast_choice.py
-    measures."""
+    """The CPU fast path packs every float32 model in tests, for sdbench's own products where they build here (what
+    the measured choice takes on this project's machines), else for oneDNN's: a measured choice would make which path
+    a test exercises depend on the machine's speed. tests/test_fast_choice.py measures; the tests of oneDNN's layout
+    ask for it (`SDBENCH_CPU_FAST=packed`)."""
+    from sdbench.models import cpukernel
     from sdbench.models.cpufast import FAST_ENV
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setenv(FAST_ENV, "packed")
+        mp.setenv(FAST_ENV, "kernel" if cpukernel.available() else "packed")
         yield
 
 

@@ -7,9 +7,9 @@ few generated kernels per layer and the Python between them goes. A runner on th
 verification steps as static-shape forwards (`models/graphs.py`: fixed buffers, attention over the whole pooled
 cache under a mask, the new keys scattered to their positions) whose layers torch.compile compiled:
 
-- the products stay oneDNN's packed ones, the same calls as eagerly (the compiler cannot take an opaque packed
-  weight, so a step names each by handle: `cpufast.packed_linear`); the vocabulary head runs after the compiled
-  layers, by the product measured fastest for its width, as eagerly;
+- the products stay the packed ones (sdbench's or oneDNN's), the same calls as eagerly (the compiler cannot
+  take a packed weight, so a step names each by handle: `cpufast.packed_linear`); the vocabulary head runs
+  after the compiled layers, by the product measured fastest for its width, as eagerly;
 - one compiled step per (batch, width, cache length), each compiled at its first call: 30-45 s on the project's
   2-core CPU at SmolLM2-135M's size, 5-10 s once torch keeps the generated code on disk (nothing compiles ahead:
   a timed section that meets a new width or cache length times its compiling);

@@ -1,19 +1,21 @@
-"""The CPU fast path (float32): fused projections packed for oneDNN, one copy of the weights.
+"""The CPU fast path (float32): fused projections packed for a faster product, one copy of the weights.
 
 The stock product (MKL) runs near memory speed for one row but is several times slower for the 2-9 rows a
-draft's catch-up and a verification use; oneDNN's product on its own packed layout is not (the README's CPU
-fast path section gives the measurements). So:
+draft's catch-up and a verification use; oneDNN's product on its own packed layout is not, and sdbench's own
+products (`models/cpukernel.py`, on a layout of blocks of 8 outputs) read the weights faster still at every width
+(docs/peers.md gives the measurements). So:
 
 - q/k/v are fused into one product and gate/up into another (7 products per layer become 4; Phi-3's are
   fused already, StarCoder2's plain MLP packs its two products, a mixture of experts stays the library's
   own module);
-- every fused projection is packed once into oneDNN's layout, which then is the only copy: the modules'
-  own weights are emptied while packed, and `unpack` gives them back exactly (a reorder moves values, it
-  does not round them). A model is packed by the first fast forward and unpacked by the first plain one
-  (the stock runner, or `plain(model)` around a library call), so both can share one model;
+- every fused projection is packed once into the chosen layout (`LAYOUT_NAMES`: sdbench's blocked one, or
+  oneDNN's), which then is the only copy: the modules' own weights are emptied while packed, and `unpack`
+  gives them back exactly (a reorder moves values, it does not round them). A model is packed by the first
+  fast forward and unpacked by the first plain one (the stock runner, or `plain(model)` around a library
+  call), so both can share one model;
 - a vocabulary head tied to the embedding table stays plain, since the lookup needs that table, and is read
-  by the product measured fastest for the forward's width (`HeadProduct`; also the plain forward's head); an
-  untied head is packed like the rest;
+  by the product measured fastest for the forward's width (`HeadProduct`; also the plain forward's head: the
+  library's, oneDNN's, W x^T or sdbench's in place); an untied head is packed like the rest;
 - Llama's RMSNorm runs as one op (`F.rms_norm`) instead of the module's five (the runner decides from the
   family: Gemma's (1 + w) norm and StarCoder2's LayerNorm stay modules);
 - the first packing also copies the weights it does not pack (embeddings, norms) into the process's own
@@ -21,10 +23,11 @@ fast path section gives the measurements). So:
   goes, and the process's resident size is the packed weights alone (without this, the embedding alone kept
   the whole file mapped and its pages resident beside the packed copy: 2x the weights in RSS).
 
-Packed tensors are opaque (they cannot be pickled or shared between processes): a process that receives a
-model's plain weights builds its own fast path with `enable(model)`.
+oneDNN's packed tensors are opaque (they cannot be pickled or shared between processes): a process that
+receives a model's plain weights builds its own fast path with `enable(model)`.
 
-Whether to pack at all is measured per shape (`choose`): at some shapes the plain products win.
+Whether to pack at all, and into which layout, is measured per shape (`choose`): at some shapes the plain
+products win.
 """
 
 from __future__ import annotations
@@ -44,9 +47,11 @@ import torch.nn.functional as F
 
 from sdbench.env import cpu_name
 from sdbench.errors import SdbenchError
+from sdbench.models import cpukernel
 from sdbench.paths import cache_dir
 
-PACK_HINT = 5  # rows the packed layout is tuned for: a verification of gamma = 4 (also best at 1-9 rows)
+ONEDNN, KERNEL = "onednn", "kernel"  # the packed layouts: oneDNN's, and sdbench's blocks of 8 (`cpukernel`)
+PACK_HINT = 5  # rows oneDNN's packed layout is tuned for: a verification of gamma = 4 (also best at 1-9 rows)
 _EMPTY = torch.empty(0)  # what a packed module's own weight holds
 _state: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> FastModel; not pickled with it
 
@@ -77,8 +82,7 @@ _handles = itertools.count()
 def packed_linear(x: torch.Tensor, handle: int, out_features: int) -> torch.Tensor:
     """A packed product inside a compiled step (`models/cpucompile.py`): the compiler cannot take an opaque
     oneDNN weight as an input, so the step names its Packed by handle and the product runs as it does eagerly."""
-    p = _by_handle[handle]
-    return _linear(x, p.packed, p.bias)
+    return _by_handle[handle].product(x)
 
 
 @packed_linear.register_fake
@@ -91,8 +95,10 @@ class Packed:
 
     def __init__(self, modules: list[torch.nn.Linear]):
         self.modules = modules
-        self.packed = None  # opaque oneDNN tensor, or None while the modules hold plain weights
+        self.packed = None  # the packed weight (`layout`), or None while the modules hold plain weights
+        self.layout = None
         self.out_features = sum(m.out_features for m in modules)
+        self.in_features = modules[0].in_features
         self.handle = next(_handles)
         _by_handle[self.handle] = self
         self.bias = None
@@ -100,33 +106,52 @@ class Packed:
             self.bias = torch.cat([m.bias.detach() for m in modules]).contiguous()
             _share_rows(modules, "bias", self.bias)
 
-    def pack(self) -> None:
+    def pack(self, layout: str = ONEDNN) -> None:
         weights = [m.weight.detach() for m in self.modules]
-        plain = weights[0] if len(weights) == 1 else torch.cat(weights)
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(plain.contiguous(), PACK_HINT)
+        plain = (weights[0] if len(weights) == 1 else torch.cat(weights)).contiguous()
+        self.packed = _packed(plain, layout)
+        self.layout = layout
         for m in self.modules:
             m.weight.data = _EMPTY
 
     def unpack(self) -> None:
-        _share_rows(self.modules, "weight", self.packed.to_dense())
-        self.packed = None
+        if self.layout == KERNEL:
+            plain = cpukernel.unpack(self.packed, self.out_features, self.in_features)
+        else:
+            plain = self.packed.to_dense()
+        _share_rows(self.modules, "weight", plain)
+        self.packed = self.layout = None
+
+    def product(self, x: torch.Tensor) -> torch.Tensor:
+        if self.layout == KERNEL:
+            return cpukernel.linear(x, self.packed, self.bias, self.out_features)
+        return _linear(x, self.packed, self.bias)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling():
             return packed_linear(x, self.handle, self.out_features)
-        return _linear(x, self.packed, self.bias)
+        return self.product(x)
+
+
+def _packed(plain: torch.Tensor, layout: str) -> torch.Tensor:
+    """A contiguous [out, in] weight in a packed layout: sdbench's blocks of 8 outputs, or oneDNN's."""
+    if layout == KERNEL:
+        return cpukernel.pack(plain)
+    return torch.ops.mkldnn._reorder_linear_weight(plain, PACK_HINT)
 
 
 # --- the vocabulary head's product, chosen per width -------------------------------------------------------------
 # The head is read in place (tied to the embedding table, or the plain weight of a model the fast path leaves
 # unpacked), and no one product is fastest for it at every width: the library's is near memory speed for one row
-# and up to 2x slower for 2-9, oneDNN's on the plain layout is the reverse at 2 rows, W x^T sits between.
+# and up to 2x slower for 2-9, oneDNN's on the plain layout is the reverse at 2 rows, W x^T sits between;
+# sdbench's own (`cpukernel.linear_plain`, where it builds) reads it in one stream per output row.
 
 HEAD_WIDTHS = (1, 2, PACK_HINT, 8)  # the widths measured; a product of r <= 2 * 8 rows takes the nearest one's way
 HEAD_WAYS = {
     "library": lambda x, w, b: F.linear(x, w, b),
     "onednn": lambda x, w, b: _linear(x, w, b),
     "transposed": lambda x, w, b: _transposed(x, w, b),
+    KERNEL: lambda x, w, b: cpukernel.linear_plain(x, w, b),
 }
 _head_ways: dict = {}  # (V, H, bias, threads) -> {width: way}
 
@@ -152,10 +177,11 @@ class HeadProduct:
         self.lm_head = lm_head
         self.ways = head_ways(lm_head.weight, lm_head.bias)
 
-    def pack(self) -> None:
+    def pack(self, layout: str = ONEDNN) -> None:
         pass
 
-    unpack = pack
+    def unpack(self) -> None:
+        pass
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # x [..., H] -> [..., V]
         way = self.ways.get(_nearest_width(x.numel() // x.shape[-1]), "library")
@@ -164,10 +190,13 @@ class HeadProduct:
 
 def head_ways(weight: torch.Tensor, bias: torch.Tensor | None) -> dict:
     """{width: way} for a [V, H] head, measured once per shape and thread count (the override `packed` keeps the
-    fixed choice the fast path made before measuring: oneDNN for one row, W x^T for more; `plain` the library's)."""
+    fixed choice the fast path made before measuring: oneDNN for one row, W x^T for more; `kernel` sdbench's
+    product at every width; `plain` the library's). sdbench's product is among those measured where it builds."""
     mode = os.environ.get(FAST_ENV, "measure").strip().lower()
     if mode == "packed":
         return {w: "onednn" if w == 1 else "transposed" for w in HEAD_WIDTHS}
+    if mode == KERNEL and cpukernel.available():
+        return dict.fromkeys(HEAD_WIDTHS, KERNEL)
     if mode == "plain" or not weight.numel():  # (an untied head emptied while packed: nothing to time)
         return dict.fromkeys(HEAD_WIDTHS, "library")
     key = (*weight.shape, bias is not None, torch.get_num_threads())
@@ -175,10 +204,11 @@ def head_ways(weight: torch.Tensor, bias: torch.Tensor | None) -> dict:
         rows = _streamed_rows(weight)
         w, b = weight.detach()[:rows], None if bias is None else bias.detach()[:rows]
         ways = {}
+        candidates = {name: fn for name, fn in HEAD_WAYS.items() if name != KERNEL or cpukernel.available()}
         for width in HEAD_WIDTHS:
             x = torch.randn(1, width, weight.shape[1], dtype=weight.dtype)
             # best of 5: best of 2 once took W x^T for SmolLM2's one row (9.6 ms) over oneDNN's (5.4 ms)
-            times = {name: _timed(lambda: fn(x, w, b), reps=5) for name, fn in HEAD_WAYS.items()}
+            times = {name: _timed(lambda: fn(x, w, b), reps=5) for name, fn in candidates.items()}
             ways[width] = min(times, key=times.get)
         _head_ways[key] = ways
     return _head_ways[key]
@@ -236,9 +266,10 @@ class FastLayer:
 
 
 class FastModel:
-    """A model's fast path: its layers' projections and its head, packed or not as a whole."""
+    """A model's fast path: its layers' projections and its head, packed or not as a whole, in one layout."""
 
     def __init__(self, model):
+        self.layout = ONEDNN  # the layout `pack` uses (`use`)
         self.layers = [FastLayer(layer) for layer in model.model.layers]
         head, embed = model.lm_head, model.model.get_input_embeddings()
         self.head = HeadProduct(head) if head.weight is embed.weight else Packed([head])
@@ -251,10 +282,16 @@ class FastModel:
     def _projections(self) -> list:
         return [p for layer in self.layers for p in layer.projections()] + [self.head]
 
+    def use(self, layout: str) -> None:
+        """Pack into `layout` from now on (a model packed in another is unpacked now, packed again when next used)."""
+        if layout != self.layout:
+            self.unpack()
+            self.layout = layout
+
     def pack(self) -> None:
         if not self.packed:
             for p in self._projections():
-                p.pack()
+                p.pack(self.layout)
             self.packed = True
         if not self.owned:
             for p in self.rest:  # [V, H] embeddings, [H] norms: a small share of the weights
@@ -290,11 +327,14 @@ def fast_model(model) -> FastModel:
 
 
 def enable(model) -> FastModel | None:
-    """Pack the model for the fast path now (None where it does not apply). A process that received the
-    plain weights (a DSI worker) calls this to build its own."""
+    """Pack the model for the fast path now, in the layout chosen at its shape (None where it does not apply). A
+    process that received the plain weights (a DSI worker) calls this to build its own."""
     if not (available() and supports(model)):
         return None
     found = fast_model(model)
+    choice = choose(model)
+    if choice.packed:
+        found.use(choice.layout)
     found.pack()
     return found
 
@@ -332,11 +372,15 @@ def rms_norm(module, x: torch.Tensor) -> torch.Tensor:
 # (where the two are close, a measurement per run would flip between them, and with it every figure that
 # depends on the forward path, the fidelity probe's kept verdicts included). Delete the file to measure again.
 
-FAST_ENV = "SDBENCH_CPU_FAST"  # measure (default) | packed | plain | compiled: an override of the measurement
-MODES = ("measure", "packed", "plain", "compiled")
+FAST_ENV = "SDBENCH_CPU_FAST"  # measure (default) | kernel | packed | plain | compiled: an override of the measurement
+MODES = ("measure", KERNEL, "packed", "plain", "compiled")
+KEPT_VERSION = 2  # choices kept before sdbench's own products were among the measured ones are measured again
 WIDTHS = (1, 2, PACK_HINT)  # decoding, a draft's catch-up, a verification of gamma = 4
 _STREAM_BYTES = 512 * 2**20  # the least weight each path is timed over (more than a large L3 holds)
 _chosen: dict = {}  # shape key -> Choice
+
+
+LAYOUT_NAMES = {ONEDNN: "packed (oneDNN)", KERNEL: "packed (sdbench's products)"}
 
 
 @dataclass(frozen=True)
@@ -346,19 +390,30 @@ class Choice:
     ratio: float | None = None  # plain time / packed time, layers and head, summed over WIDTHS (> 1: packing wins)
     measured: str = ""  # when, where the measurement was kept from an earlier run on this machine ("": now)
     compiled: bool = False  # steps compiled too (`models/cpucompile.py`; an override only)
+    layout: str = ONEDNN  # the packed layout (LAYOUTS), where packed
 
     def describe(self) -> str:
-        path = ("packed (oneDNN), steps compiled," if self.compiled else "packed (oneDNN)") if self.packed else "plain"
+        path = LAYOUT_NAMES[self.layout] + (", steps compiled," if self.compiled else "") if self.packed else "plain"
         if self.ratio is None:
             return f"CPU fast path: {path} forward, set by {FAST_ENV}"
         when = f" on {self.measured} (kept: {_choices_file()})" if self.measured else ""
+        missing = f"; sdbench's products: {cpukernel.why_not()}" if cpukernel.why_not() else ""
         return (f"CPU fast path: {path} forward, measured at this shape{when} (packed products {self.ratio:.2f}x "
-                f"the speed of plain ones at widths {', '.join(map(str, WIDTHS))})")
+                f"the speed of plain ones at widths {', '.join(map(str, WIDTHS))}{missing})")
+
+
+def _override_layout(mode: str) -> str:
+    """The layout an override packs into: `kernel` sdbench's products (refused in one line where they do not
+    build), `packed` oneDNN's, `compiled` sdbench's where they build, else oneDNN's."""
+    if mode == KERNEL and not cpukernel.available():
+        raise SdbenchError(f"{FAST_ENV}={KERNEL}: sdbench's CPU products are not available here "
+                           f"({cpukernel.why_not()}); use {FAST_ENV}=packed")
+    return KERNEL if mode == KERNEL or (mode == "compiled" and cpukernel.available()) else ONEDNN
 
 
 def fast_mode() -> str:
-    """FAST_ENV's value: measure (the default), plain, packed, or compiled (packed, steps compiled:
-    `models/cpucompile.py`)."""
+    """FAST_ENV's value: measure (the default), plain, kernel (sdbench's products), packed (oneDNN's), or compiled
+    (packed, steps compiled: `models/cpucompile.py`)."""
     mode = os.environ.get(FAST_ENV, "measure").strip().lower() or "measure"
     if mode not in MODES:
         raise SdbenchError(f"{FAST_ENV}={mode}: use {', '.join(MODES[:-1])} or {MODES[-1]}")
@@ -369,20 +424,30 @@ def choose(model) -> Choice:
     """Whether the fast path packs this model: the override when set, else measured once per shape."""
     mode = fast_mode()
     if mode != "measure":
-        return Choice(mode != "plain", "override", compiled=mode == "compiled")
+        layout = _override_layout(mode) if mode != "plain" else ONEDNN
+        return Choice(mode != "plain", "override", compiled=mode == "compiled", layout=layout)
     key = (model.config.to_json_string(use_diff=False), model.lm_head.weight is model.get_input_embeddings().weight,
-           torch.get_num_threads())
+           torch.get_num_threads(), cpukernel.available())
     if key not in _chosen:
-        digest = hashlib.sha256(json.dumps([*key, cpu_name(), torch.__version__]).encode()).hexdigest()[:24]
+        digest = hashlib.sha256(json.dumps([*key, cpu_name(), torch.__version__, KEPT_VERSION]).encode()).hexdigest()
+        digest = digest[:24]
         kept = _kept_choices().get(digest)
         if kept is not None:
-            _chosen[key] = Choice(kept["packed"], "measured", kept["ratio"], kept["measured"])
+            _chosen[key] = Choice(kept["packed"], "measured", kept["ratio"], kept["measured"],
+                                  layout=kept.get("layout", ONEDNN))
         else:
             with plain(model):  # the plain weights to time and to pack a copy of
-                plain_s, packed_s = _timed_paths(fast_model(model))
-            _chosen[key] = Choice(packed_s < plain_s, "measured", plain_s / packed_s)
+                plain_s, *packed_s = _timed_paths(fast_model(model))
+            best = min(range(len(packed_s)), key=packed_s.__getitem__)  # timed in LAYOUTS' order
+            _chosen[key] = Choice(packed_s[best] < plain_s, "measured", plain_s / packed_s[best],
+                                  layout=_measured_layouts()[best])
             _keep_choice(digest, _chosen[key])
     return _chosen[key]
+
+
+def _measured_layouts() -> tuple:
+    """The packed layouts a measurement times, in order: oneDNN's, and sdbench's where its products build."""
+    return (ONEDNN, KERNEL) if cpukernel.available() else (ONEDNN,)
 
 
 def _choices_file() -> Path:
@@ -400,7 +465,7 @@ def _keep_choice(digest: str, choice: Choice) -> None:
     """Keep a measured choice for later runs on this machine (whole file replaced at once)."""
     try:
         kept = _kept_choices()
-        kept[digest] = {"packed": choice.packed, "ratio": choice.ratio,
+        kept[digest] = {"packed": choice.packed, "ratio": choice.ratio, "layout": choice.layout,
                         "measured": time.strftime("%Y-%m-%d %H:%M")}
         path = _choices_file()
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
@@ -410,8 +475,9 @@ def _keep_choice(digest: str, choice: Choice) -> None:
         pass  # an unwritable cache: the next run measures again
 
 
-def _timed_paths(fast: FastModel) -> tuple[float, float]:
-    """(plain, packed) seconds of one forward's products, summed over WIDTHS: a pass over the first layers that
+def _timed_paths(fast: FastModel) -> tuple:
+    """(plain, packed in each of `_measured_layouts()`...) seconds of one forward's products, summed over WIDTHS:
+    a pass over the first layers that
     hold _STREAM_BYTES (one layer timed again and again would sit in a large L3 and time the cache, not the
     memory a forward streams from), scaled to all layers, plus an untied head's (a tied one is the same product
     on either path)."""
@@ -421,35 +487,40 @@ def _timed_paths(fast: FastModel) -> tuple[float, float]:
         size += sum(m.weight.numel() * m.weight.element_size() for p in layers[-1] for m in p.modules)
         if size >= _STREAM_BYTES:
             break
-    plain_s, packed_s = _timed_products([p for projections in layers for p in projections])
+    times = _timed_products([p for projections in layers for p in projections])
     scale = len(fast.layers) / len(layers)
-    plain_s, packed_s = plain_s * scale, packed_s * scale
+    times = [t * scale for t in times]
     if isinstance(fast.head, HeadProduct):
-        return plain_s, packed_s
+        return tuple(times)
     head = fast.head.modules[0]
     rows = _streamed_rows(head.weight)
-    a, b = _timed_products([fast.head], rows)
     scale = head.weight.shape[0] / rows
-    return plain_s + a * scale, packed_s + b * scale
+    return tuple(t + h * scale for t, h in zip(times, _timed_products([fast.head], rows)))
 
 
-def _timed_products(products: list, rows: int | None = None) -> tuple[float, float]:
-    """(plain, packed) seconds over WIDTHS of y = x W^T for every product in turn: its modules' own products one
-    by one, against their fused weight packed (a copy). rows: only the first rows of each W."""
-    plain, packed = [], []
+def _timed_products(products: list, rows: int | None = None) -> list:
+    """[plain, packed in each of `_measured_layouts()`...] seconds over WIDTHS of y = x W^T for every product in
+    turn: its modules' own products one by one, against their fused weight packed (a copy). rows: only the first
+    rows of each W."""
+    layouts = _measured_layouts()
+    plain, packed = [], {layout: [] for layout in layouts}
     for p in products:
         weights = [m.weight.detach()[:rows] for m in p.modules]
         fused = (weights[0] if len(weights) == 1 else torch.cat(weights)).contiguous()
         bias = None if p.bias is None or rows is not None else p.bias
         plain.append([(w, m.bias if rows is None else None) for w, m in zip(weights, p.modules)])
-        packed.append((torch.ops.mkldnn._reorder_linear_weight(fused, PACK_HINT), bias))
-    plain_s = packed_s = 0.0
+        for layout in layouts:
+            packed[layout].append((_packed(fused, layout), bias, fused.shape[0]))
+    ways = {ONEDNN: lambda x, w, b, out: _linear(x, w, b), KERNEL: cpukernel.linear}
+    times = [0.0] * (1 + len(layouts))
     for width in WIDTHS:
         xs = {n: torch.randn(1, width, n) for n in {pw[0][0].shape[1] for pw in plain}}
-        plain_s += _timed(lambda: [F.linear(xs[w.shape[1]], w, b) for pw in plain for w, b in pw], reps=3)
-        packed_s += _timed(lambda: [_linear(xs[pw[0][0].shape[1]], w, b) for pw, (w, b) in zip(plain, packed)],
-                           reps=3)
-    return plain_s, packed_s
+        times[0] += _timed(lambda: [F.linear(xs[w.shape[1]], w, b) for pw in plain for w, b in pw], reps=3)
+        for k, layout in enumerate(layouts, 1):
+            way = ways[layout]
+            times[k] += _timed(lambda: [way(xs[pw[0][0].shape[1]], w, b, out)
+                                        for pw, (w, b, out) in zip(plain, packed[layout])], reps=3)
+    return times
 
 
 def _timed(fn, reps: int = 5) -> float:

@@ -1,5 +1,5 @@
 """The forward path a runner takes, chosen once at its construction: eager (the modules' own products),
-CPU-packed (fused projections in oneDNN's layout, `models/cpufast.py`), CPU-compiled (the packed products in
+CPU-packed (fused projections in a packed layout, `models/cpufast.py`), CPU-compiled (the packed products in
 static-shape steps compiled whole, `models/cpucompile.py`) or CUDA graphs (static shapes replayed,
 `models/graphs.py`). One interface, read by the runner's layer loop:
 
@@ -45,14 +45,15 @@ class Eager:
 
 
 class CpuPacked(Eager):
-    """Fused q/k/v and gate/up products packed for oneDNN (the model's only copy of those weights while packed)
-    and one-op RMSNorm for the families that use Llama's."""
+    """Fused q/k/v and gate/up products packed for sdbench's products or oneDNN's (`cpufast.LAYOUT_NAMES`; the
+    model's only copy of those weights while packed) and one-op RMSNorm for the families that use Llama's."""
 
     kind = CPU_PACKED
 
-    def __init__(self, model, one_op_norms: bool):
+    def __init__(self, model, one_op_norms: bool, layout: str = cpufast.ONEDNN):
         super().__init__(model)
         self.fast = cpufast.fast_model(model)
+        self.fast.use(layout)
         self.head = self.fast.head
         self.one_op_norms = one_op_norms
 
@@ -93,11 +94,12 @@ def choose(model, fast: bool, device: torch.device, rms_norm: bool) -> Eager:
     if device.type == "cuda":
         return CudaGraphs(model)
     cpu = device.type == "cpu" and cpufast.available() and cpufast.supports(model)
-    if cpu and cpufast.choose(model).packed:
-        return CpuPacked(model, rms_norm)
+    choice = cpufast.choose(model) if cpu else None
+    if choice is not None and choice.packed:
+        return CpuPacked(model, rms_norm, choice.layout)
     return Eager(model, cpu_head=cpu)
 
 
 def compiled(path: CpuPacked) -> CpuCompiled:
     """The compiled form of a CPU-packed path (the runner takes it where `cpucompile.wanted()`)."""
-    return CpuCompiled(path.model, path.one_op_norms)
+    return CpuCompiled(path.model, path.one_op_norms, path.fast.layout)

@@ -59,10 +59,10 @@ class ModelRunner:
     Llama's layer loop with the family's differences read once, here).
 
     fast: take the fast forward path for the device (`models/forward_paths.py`, chosen here once): on CPU in
-    float32, fused projections packed for oneDNN (one copy of the weights) and one-op norms where a short
-    measurement at this shape finds them faster: the model is packed by this runner's first forward and
-    unpacked by the first forward of a plain runner on it; a head left plain (tied, or the model unpacked) is
-    read by the product measured fastest per width; on CUDA, decode and verification steps replayed as CUDA
+    float32, fused projections packed for sdbench's products or oneDNN's (one copy of the weights) and one-op
+    norms where a short measurement at this shape finds them faster: the model is packed by this runner's first
+    forward and unpacked by the first forward of a plain runner on it; a head left plain (tied, or the model
+    unpacked) is read by the product measured fastest per width; on CUDA, decode and verification steps replayed as CUDA
     graphs over static shapes (`models/graphs.py`).
     static: use the static-shape forward (pooled caches, attention over the full cache) without capturing
     graphs; defaults to on exactly when graphs are. Tests turn it on to check the graph path's maths on CPU.
@@ -108,7 +108,8 @@ class ModelRunner:
 
     @property
     def cpu_fast(self) -> bool:
-        """The weights are packed for oneDNN while this runner runs (the CPU fast path, where it measured faster)."""
+        """The weights are packed (`cpufast.LAYOUT_NAMES`) while this runner runs (the CPU fast path, where it
+        measured faster)."""
         return self.path.kind in (forward_paths.CPU_PACKED, forward_paths.CPU_COMPILED)
 
     @property

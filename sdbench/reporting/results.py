@@ -79,7 +79,7 @@ SCHEMA = pa.schema([
     ("gpu", _S),
     ("output_ids", pa.list_(pa.int32())),
     ("strategy_stats", _S),  # JSON: the proposer's own per-row figures (Proposer.row_stats)
-    ("fast", pa.bool_()),  # the runner's fast path was on (CPU: oneDNN-packed projections)
+    ("fast", pa.bool_()),  # the runner's fast path was on (CPU: packed projections)
     ("max_new_tokens", _I),  # the token budget per prompt (--max-new-tokens)
     ("divergence", _S),  # lossless false: "tie" (the target's top logits within rounding where the outputs
     # first differ) or "real"; null otherwise (see sdbench.commands.divergence)

@@ -1,0 +1,142 @@
+"""sdbench's own CPU products for float32 (`kernels/products.c`), built at first use with the machine's C compiler.
+
+One decode step of a model on a CPU is its weights streamed once through matrix-vector products, and the stock
+products read them well below the machine's bandwidth at the widths decoding uses (1 row; 2-9 for a draft's
+catch-up or a verification): docs/peers.md "Where a CPU decode step's time goes". These read every weight once per
+call in one sequential stream per block of 8 outputs (the blocked layout, `pack`), any number of rows, and a weight
+in place ([out, n], `linear_plain`, at most 8 rows a pass: a vocabulary head tied to the embedding table).
+
+The library is compiled once per source, compiler and CPU into sdbench's cache (`-O3 -march=native -fopenmp`,
+about a second) and loaded with ctypes; its parallel loops run on the OpenMP runtime torch has already loaded
+(the same `libgomp.so.1`), with torch's thread count. Where there is no compiler, no AVX2/FMA or the build fails,
+`available()` is False, `why_not()` says why, and the fast path uses oneDNN's products as before.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+from importlib import resources
+from pathlib import Path
+
+import torch
+
+from sdbench.env import cpu_name
+from sdbench.paths import cache_dir
+
+SOURCE = "products.c"
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
+PLAIN_ROWS = 8  # rows of x per pass of `linear_plain`
+_lib = None
+_why: str | None = None  # why the library is not available (None: not tried yet, or loaded)
+
+
+def _compiler() -> str | None:
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+
+
+def _cpu_flags() -> set:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def _build() -> ctypes.CDLL:
+    """The compiled library, from the cache or built now; raises RuntimeError with the reason."""
+    if not {"avx2", "fma"} <= _cpu_flags():
+        raise RuntimeError("the CPU lacks AVX2 or FMA")
+    cc = _compiler()
+    if cc is None:
+        raise RuntimeError("no C compiler (cc or gcc; or set CC)")
+    source = resources.files("sdbench.models").joinpath("kernels", SOURCE).read_bytes()
+    try:
+        version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError) as e:
+        raise RuntimeError(f"{cc} does not run: {e}") from e
+    digest = hashlib.sha256(b"\0".join([source, " ".join(FLAGS).encode(), version.encode(),
+                                        cpu_name().encode()])).hexdigest()[:16]
+    folder = cache_dir("cpukernel")
+    lib = folder / f"products-{digest}.so"
+    if not lib.exists():
+        src = folder / f"products-{digest}.c"
+        src.write_bytes(source)
+        tmp = lib.with_suffix(f".{os.getpid()}.tmp")
+        done = subprocess.run([cc, *FLAGS, "-o", str(tmp), str(src)], capture_output=True, text=True, timeout=300)
+        if done.returncode != 0:
+            tmp.unlink(missing_ok=True)
+            last = (done.stderr.strip().splitlines() or ["no message"])[-1]
+            raise RuntimeError(f"{cc} failed to build {SOURCE}: {last}")
+        tmp.replace(lib)  # whole, or not there: a concurrent build lands the same file
+    found = ctypes.CDLL(str(lib))
+    ptr, n = ctypes.c_void_p, ctypes.c_long
+    found.sd_pack.argtypes = found.sd_unpack.argtypes = [ptr, ptr, n, n]
+    found.sd_linear_blocked.argtypes = found.sd_linear_plain.argtypes = [ptr, ptr, ptr, ptr, n, n, n]
+    found.sd_linear_plain.restype = ctypes.c_int
+    return found
+
+
+def library() -> ctypes.CDLL | None:
+    global _lib, _why
+    if _lib is None and _why is None:
+        try:
+            _lib = _build()
+        except (RuntimeError, OSError, subprocess.SubprocessError) as e:
+            _why = str(e) or type(e).__name__
+    return _lib
+
+
+def available() -> bool:
+    return library() is not None
+
+
+def why_not() -> str | None:
+    """Why the products are not available here (None where they are)."""
+    library()
+    return _why
+
+
+def pack(weight: torch.Tensor) -> torch.Tensor:
+    """The blocked copy of a float32 [out, n] weight: (out rounded up to 8) * n values, padded with zeros."""
+    w = weight.detach().contiguous()
+    out, n = w.shape
+    blocked = torch.empty(-(-out // 8) * 8 * n, dtype=torch.float32)
+    library().sd_pack(w.data_ptr(), blocked.data_ptr(), out, n)
+    return blocked
+
+
+def unpack(blocked: torch.Tensor, out: int, n: int) -> torch.Tensor:
+    """The [out, n] weight back from its blocked copy (exactly: values are moved, not rounded)."""
+    w = torch.empty(out, n, dtype=torch.float32)
+    library().sd_unpack(blocked.data_ptr(), w.data_ptr(), out, n)
+    return w
+
+
+def linear(x: torch.Tensor, blocked: torch.Tensor, bias: torch.Tensor | None, out: int) -> torch.Tensor:
+    """x [..., n] W^T (+ bias) -> [..., out], W blocked (`pack`), any number of rows."""
+    x = x.contiguous()
+    n = x.shape[-1]
+    y = x.new_empty(*x.shape[:-1], out)
+    library().sd_linear_blocked(x.data_ptr(), blocked.data_ptr(), None if bias is None else bias.data_ptr(),
+                                y.data_ptr(), x.numel() // n, n, out)
+    return y
+
+
+def linear_plain(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [..., n] W^T (+ bias) -> [..., out], W plain [out, n] read in place, PLAIN_ROWS rows a pass."""
+    x = x.contiguous()
+    w = weight.detach().contiguous()
+    out, n = w.shape
+    y = x.new_empty(*x.shape[:-1], out)
+    rows = x.numel() // n
+    lib, b = library(), None if bias is None else bias.data_ptr()
+    for r in range(0, rows, PLAIN_ROWS):
+        k = min(PLAIN_ROWS, rows - r)
+        lib.sd_linear_plain(x.data_ptr() + r * n * 4, w.data_ptr(), b, y.data_ptr() + r * out * 4, k, n, out)
+    return y
