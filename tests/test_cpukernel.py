@@ -99,3 +99,88 @@ def test_without_a_compiler_the_products_say_why(monkeypatch, tmp_path):
     monkeypatch.setattr(cpukernel, "_why", None)
     assert not cpukernel.available()
     assert "does not run" in cpukernel.why_not()
+
+
+# --- the fused decoder layer (`models/cpulayer.py`) ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("rotated", [8, 4])  # every dimension rotated, and a partial rotation
+def test_attend_equals_rotation_cache_writes_and_sdpa(rotated):
+    from sdbench.models.rotary import rope
+
+    g = torch.Generator().manual_seed(rotated)
+    B, T, Hq, Hk, D, cap, start = 2, 3, 4, 2, 8, 16, 5
+    qkv = torch.randn(B, T, (Hq + 2 * Hk) * D, generator=g)
+    cos, sin = torch.randn(1, 1, T, rotated, generator=g), torch.randn(1, 1, T, rotated, generator=g)
+    keys, values = torch.randn(B, Hk, cap, D, generator=g), torch.randn(B, Hk, cap, D, generator=g)
+    want_k, want_v = keys.clone(), values.clone()
+    q, k, v = qkv.view(B, T, Hq + 2 * Hk, D).transpose(1, 2).split([Hq, Hk, Hk], dim=1)
+    q, k = rope(q, cos, sin), rope(k, cos, sin)
+    want_k[:, :, start:start + T], want_v[:, :, start:start + T] = k, v
+    mask = torch.arange(start + T)[None, :] <= (start + torch.arange(T))[:, None]  # causal from slot `start`
+    want = F.scaled_dot_product_attention(q, want_k[:, :, :start + T], want_v[:, :, :start + T], attn_mask=mask,
+                                          scale=0.3, enable_gqa=True).transpose(1, 2).reshape(B, T, Hq * D)
+    got = cpukernel.attend(qkv, cos, sin, keys, values, start, Hq, 0.3)
+    _close(got, want)
+    _close(keys, want_k)
+    assert torch.equal(values, want_v)
+
+
+def test_the_norm_and_the_activation_equal_torchs():
+    g = torch.Generator().manual_seed(0)
+    x, w, gu = torch.randn(3, 37, generator=g), torch.randn(37, generator=g), torch.randn(2, 1, 26, generator=g)
+    _close(cpukernel.rms_norm(x, w, 1e-5), F.rms_norm(x, (37,), w, 1e-5))
+    _close(cpukernel.silu_mul(gu), F.silu(gu[..., :13]) * gu[..., 13:])
+
+
+@pytest.fixture
+def fused_calls(monkeypatch):
+    from sdbench.models import cpulayer
+
+    monkeypatch.setenv(cpufast.FAST_ENV, "kernel")
+    calls = []
+    real = cpulayer.layer
+    monkeypatch.setattr(cpulayer, "layer", lambda *a: calls.append(a[1]) or real(*a))
+    return calls
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # Qwen2: q/k/v biases
+def test_the_fused_layers_decode_as_generate(fused_calls, arch):
+    from tests.test_runner_fidelity import library_greedy, perturbed_model, runner_greedy, tiny_config
+
+    model = perturbed_model(tiny_config(arch, num_attention_heads=4, num_key_value_heads=2))
+    runner = ModelRunner(model, "tiny", fast=True)
+    for prompt in ([3, 9, 4, 1, 7], [5] * 11):
+        assert runner_greedy(runner, prompt, 12) == library_greedy(model, prompt, 12)
+    assert fused_calls.count(0) >= 2 * 11  # every decode step's first layer, fused
+
+
+def test_a_broken_fused_layer_is_caught(fused_calls, monkeypatch):
+    """The check above fails when the fused attention ignores its scale (the test can fail)."""
+    from tests.test_runner_fidelity import library_greedy, perturbed_model, runner_greedy, tiny_config
+
+    real = cpukernel.attend
+    monkeypatch.setattr(cpukernel, "attend", lambda *a: real(*a[:-1], 3.0))
+    model = perturbed_model(tiny_config("llama"))
+    runner = ModelRunner(model, "tiny", fast=True)
+    assert runner_greedy(runner, [3, 9, 4, 1, 7], 12) != library_greedy(model, [3, 9, 4, 1, 7], 12)
+
+
+def test_the_fused_layers_are_not_taken_where_they_do_not_compute_the_layer(fused_calls):
+    from tests.test_runner_fidelity import perturbed_model, tiny_config
+
+    qwen3 = ModelRunner(perturbed_model(tiny_config("qwen3")), "q3", fast=True)  # q/k norms
+    windowed = ModelRunner(perturbed_model(tiny_config("mistral", sliding_window=4)), "m", fast=True)
+    llama = ModelRunner(perturbed_model(tiny_config("llama")), "l", fast=True)
+    for runner in (qwen3, windowed):
+        cache = runner.new_cache(1, 32)
+        runner.prefill(cache, [[3, 5, 7]])
+        runner.forward(cache, torch.tensor([[4]]), [3])
+    sparse = llama.new_sparse_cache(1, 2, torch.tensor([4]), 4)
+    llama.prefill(sparse, [[3, 5, 7, 9, 11, 2]])
+    llama.forward(sparse, torch.tensor([[4]]), [6])
+    assert fused_calls == []
+    cache = llama.new_cache(1, 32)
+    llama.prefill(cache, [[3, 5, 7]])
+    llama.forward(cache, torch.tensor([[4, 6]]), [3])
+    assert fused_calls == [0, 1, 0, 1]  # a short prefill and a 2-token step, both layers

@@ -1,4 +1,5 @@
-"""sdbench's own CPU products for float32 (`kernels/products.c`), built at first use with the machine's C compiler.
+"""sdbench's own CPU products for float32 (`kernels/products.c`), built at first use with the machine's C compiler,
+and the rest of a Llama layer's decode step around them (`models/cpulayer.py`).
 
 One decode step of a model on a CPU is its weights streamed once through matrix-vector products, and the stock
 products read them well below the machine's bandwidth at the widths decoding uses (1 row; 2-9 for a draft's
@@ -68,7 +69,8 @@ def _build() -> ctypes.CDLL:
         src = folder / f"products-{digest}.c"
         src.write_bytes(source)
         tmp = lib.with_suffix(f".{os.getpid()}.tmp")
-        done = subprocess.run([cc, *FLAGS, "-o", str(tmp), str(src)], capture_output=True, text=True, timeout=300)
+        done = subprocess.run([cc, *FLAGS, "-o", str(tmp), str(src), "-lm"], capture_output=True, text=True,
+                              timeout=300)
         if done.returncode != 0:
             tmp.unlink(missing_ok=True)
             last = (done.stderr.strip().splitlines() or ["no message"])[-1]
@@ -79,6 +81,9 @@ def _build() -> ctypes.CDLL:
     found.sd_pack.argtypes = found.sd_unpack.argtypes = [ptr, ptr, n, n]
     found.sd_linear_blocked.argtypes = found.sd_linear_plain.argtypes = [ptr, ptr, ptr, ptr, n, n, n]
     found.sd_linear_plain.restype = ctypes.c_int
+    found.sd_rms_norm.argtypes = [ptr, ptr, ptr, n, n, ctypes.c_float]
+    found.sd_silu_mul.argtypes = [ptr, ptr, n, n]
+    found.sd_attend.argtypes = [ptr] * 6 + [n] * 8 + [ctypes.c_float]
     return found
 
 
@@ -140,3 +145,37 @@ def linear_plain(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
         k = min(PLAIN_ROWS, rows - r)
         lib.sd_linear_plain(x.data_ptr() + r * n * 4, w.data_ptr(), b, y.data_ptr() + r * out * 4, k, n, out)
     return y
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Llama's RMSNorm over the last dimension of a float32 x."""
+    x = x.contiguous()
+    n = x.shape[-1]
+    y = torch.empty_like(x)
+    library().sd_rms_norm(x.data_ptr(), weight.detach().contiguous().data_ptr(), y.data_ptr(), x.numel() // n, n, eps)
+    return y
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up of [..., 2 I] holding gate then up: [..., I]."""
+    gate_up = gate_up.contiguous()
+    inter = gate_up.shape[-1] // 2
+    y = gate_up.new_empty(*gate_up.shape[:-1], inter)
+    library().sd_silu_mul(gate_up.data_ptr(), y.data_ptr(), gate_up.numel() // (2 * inter), inter)
+    return y
+
+
+def attend(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+           start: int, n_heads: int, scale: float) -> torch.Tensor:
+    """Causal attention of T new tokens per row at positions start..start+T-1 over a dense cache, their keys
+    rotated and written with their values into it first: qkv [B, T, (Hq + 2 Hk) D], cos/sin' [B or 1, 1, T, Dr]
+    (the rotary tables), keys/values [B, Hk, capacity, D] (contiguous) -> [B, T, Hq D]."""
+    B, T, _ = qkv.shape
+    _, n_kv, cap, D = keys.shape
+    cos = cos.expand(B, 1, T, cos.shape[-1]).contiguous()
+    sin = sin.expand(B, 1, T, sin.shape[-1]).contiguous()
+    qkv = qkv.contiguous()
+    out = qkv.new_empty(B, T, n_heads * D)
+    library().sd_attend(qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), keys.data_ptr(), values.data_ptr(),
+                        out.data_ptr(), B, T, n_heads, n_kv, D, cos.shape[-1], start, cap, scale)
+    return out

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from sdbench.errors import SdbenchError
 from sdbench.kv.cache import DenseKVCache, KVCache, StepIndex, TreeStep, set_prompt_lengths
 from sdbench.kv.sparse import SparseKVCache
-from sdbench.models import cpucompile, cpufast, forward_paths, recompute
+from sdbench.models import cpucompile, cpufast, cpulayer, forward_paths, recompute
 from sdbench.models.families import NATIVE, family
 from sdbench.engine.hidden import FINAL, Taps
 from sdbench.engine.tree import TreeBatch
@@ -217,11 +217,15 @@ class ModelRunner:
         if fam.embed_scale is not None:
             h = h * fam.embed_scale
         r = fam.residual_scale
+        fused = self.cpu_fast and cpulayer.wanted(self, cache, step)  # a Llama layer's step in a few calls
         for i, layer in enumerate(self.layers):
             if taps is not None:
                 taps.put(i, h)
-            fast = self.path.layer(i)
             cos, sin = cos_sin[self.rotary.layer_types[i]]
+            if fused:
+                h = cpulayer.layer(self, i, h, cache, step, cos, sin)
+                continue
+            fast = self.path.layer(i)
             attn_in, attn_out, mlp_in, mlp_out = self._norms[i]  # Llama: (input, None, post_attention, None)
             x = h if attn_in is None else self.path.norm(attn_in, h)
             a = self._attention(layer.self_attn, fast, x, cache, i, step, cos, sin)

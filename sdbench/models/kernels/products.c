@@ -13,7 +13,9 @@
  * The sums run in another order than the library's product (as oneDNN's and MKL's differ from each other).
  */
 #include <immintrin.h>
+#include <math.h>
 #include <stddef.h>
+#include <stdlib.h>
 
 #if !defined(__AVX2__) || !defined(__FMA__)
 #error "sdbench's CPU products need AVX2 and FMA"
@@ -83,7 +85,40 @@ ALWAYS __m256 load8(const float *y, long o, long out) {
     }                                                                                                           \
     R_##R(OUT1)                                                                                                 \
   }
-BLOCK1(1) BLOCK1(2) BLOCK1(3) BLOCK1(4) BLOCK1(5) BLOCK1(6) BLOCK1(7) BLOCK1(8)
+BLOCK1(5) BLOCK1(6) BLOCK1(7) BLOCK1(8)
+
+/* 2-4 rows: two sums per row over alternate inputs, so that each row's chain of dependent FMAs is not what
+ * limits the stream (a single chain waits an FMA's latency per 32 bytes of weights) */
+#define FMA1D(r) d##r = _mm256_fmadd_ps(wb, _mm256_broadcast_ss(x + r * n + i + 1), d##r);
+#define SUM2(r) c##r = _mm256_add_ps(c##r, d##r);
+#define BLOCK1U2(R)                                                                                             \
+  static void block1_##R(const float *x, long n, const float *wp, const float *b, float *y, long out, long o) { \
+    R_##R(ZERO2) long i = 0;                                                                                    \
+    for (; i + 2 <= n; i += 2) {                                                                                \
+      __m256 wa = _mm256_load_ps(wp + i * 8), wb = _mm256_load_ps(wp + i * 8 + 8);                              \
+      R_##R(FMA1) R_##R(FMA1D)                                                                                  \
+    }                                                                                                           \
+    for (; i < n; i++) {                                                                                        \
+      __m256 wa = _mm256_load_ps(wp + i * 8);                                                                   \
+      R_##R(FMA1)                                                                                               \
+    }                                                                                                           \
+    R_##R(SUM2) R_##R(OUT1)                                                                                     \
+  }
+BLOCK1U2(2) BLOCK1U2(3) BLOCK1U2(4)
+
+/* one row (decoding): four sums over inputs i mod 4 */
+static void block1_1(const float *x, long n, const float *wp, const float *b, float *y, long out, long o) {
+  __m256 s0 = _mm256_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
+  long i = 0;
+  for (; i + 4 <= n; i += 4) {
+    s0 = _mm256_fmadd_ps(_mm256_load_ps(wp + i * 8), _mm256_broadcast_ss(x + i), s0);
+    s1 = _mm256_fmadd_ps(_mm256_load_ps(wp + i * 8 + 8), _mm256_broadcast_ss(x + i + 1), s1);
+    s2 = _mm256_fmadd_ps(_mm256_load_ps(wp + i * 8 + 16), _mm256_broadcast_ss(x + i + 2), s2);
+    s3 = _mm256_fmadd_ps(_mm256_load_ps(wp + i * 8 + 24), _mm256_broadcast_ss(x + i + 3), s3);
+  }
+  for (; i < n; i++) s0 = _mm256_fmadd_ps(_mm256_load_ps(wp + i * 8), _mm256_broadcast_ss(x + i), s0);
+  store8(y, o, out, _mm256_add_ps(_mm256_add_ps(s0, s1), _mm256_add_ps(s2, s3)), b);
+}
 
 /* R (<= 6) rows against two output blocks over the inputs [i0, i1): the 6x16 tile of a wide product (a
  * prefill). The inputs come in chunks that keep both blocks' weights and the rows' inputs in L1 while every
@@ -192,4 +227,87 @@ int sd_linear_plain(const float *x, const float *w, const float *b, float *y, lo
   if (rows < 1 || rows > 8) return 1;
   plains[rows](x, w, b, y, n, out);
   return 0;
+}
+
+/* ---- the rest of a decoder layer's step (Llama's): the fast path's fused layer, models/cpulayer.py ---- */
+
+/* y [rows, n] = w * (x * 1/sqrt(mean(x^2) + eps)), as Llama's RMSNorm computes it in float32 */
+void sd_rms_norm(const float *x, const float *w, float *y, long rows, long n, float eps) {
+  for (long r = 0; r < rows; r++) {
+    const float *xr = x + r * n;
+    float *yr = y + r * n;
+    double ss = 0.0;
+    for (long i = 0; i < n; i++) ss += (double)xr[i] * xr[i];
+    float inv = 1.0f / sqrtf((float)(ss / n) + eps);
+    for (long i = 0; i < n; i++) yr[i] = w[i] * (xr[i] * inv);
+  }
+}
+
+/* y [rows, inter] = silu(gate) * up, gu [rows, 2 * inter] holding gate then up */
+void sd_silu_mul(const float *gu, float *y, long rows, long inter) {
+  for (long r = 0; r < rows; r++) {
+    const float *g = gu + r * 2 * inter, *u = g + inter;
+    float *yr = y + r * inter;
+    for (long j = 0; j < inter; j++) yr[j] = g[j] / (1.0f + expf(-g[j])) * u[j];
+  }
+}
+
+/* x [D] rotated by (cos, sin') [Dr] into out [D]: the first Dr dims as x*cos + roll(x, Dr/2)*sin' (sin' holds
+ * sin with its first half negated, as the rotary tables do), the rest copied */
+static void rotate(const float *x, const float *cos, const float *sin, float *out, long D, long Dr) {
+  long half = Dr / 2;
+  for (long d = 0; d < Dr; d++) out[d] = x[d] * cos[d] + x[d < half ? d + half : d - half] * sin[d];
+  for (long d = Dr; d < D; d++) out[d] = x[d];
+}
+
+static float dot(const float *a, const float *b, long n) {
+  __m256 s = _mm256_setzero_ps();
+  long i = 0;
+  for (; i + 8 <= n; i += 8) s = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), s);
+  float t = hsum(s);
+  for (; i < n; i++) t += a[i] * b[i];
+  return t;
+}
+
+/* One step of causal attention over a dense cache for T new tokens per row at positions start..start+T-1:
+ * qkv [B, T, (Hq + 2 Hk) D] (queries, keys, values side by side), cos/sin [B, T, Dr]; the rotated keys and the
+ * values are written to kc/vc [B, Hk, cap, D] at their positions, and out [B, T, Hq D] gets each query's
+ * softmax(q k^T * scale) v over the slots up to its own (query head h reads key/value head h / (Hq / Hk)). */
+void sd_attend(const float *qkv, const float *cos, const float *sin, float *kc, float *vc, float *out, long B,
+               long T, long Hq, long Hk, long D, long Dr, long start, long cap, float scale) {
+  long width = (Hq + 2 * Hk) * D, group = Hq / Hk;
+#pragma omp parallel for collapse(2) schedule(static)
+  for (long b = 0; b < B; b++)
+    for (long g = 0; g < Hk; g++)
+      for (long t = 0; t < T; t++) {
+        const float *row = qkv + (b * T + t) * width;
+        long slot = ((b * Hk + g) * cap + start + t) * D;
+        rotate(row + (Hq + g) * D, cos + (b * T + t) * Dr, sin + (b * T + t) * Dr, kc + slot, D, Dr);
+        for (long d = 0; d < D; d++) vc[slot + d] = row[(Hq + Hk + g) * D + d];
+      }
+#pragma omp parallel for collapse(2) schedule(static)
+  for (long b = 0; b < B; b++)
+    for (long h = 0; h < Hq; h++) {
+      long g = h / group, seen = start + T;
+      const float *keys = kc + (b * Hk + g) * cap * D, *values = vc + (b * Hk + g) * cap * D;
+      float *q = malloc((D + seen) * sizeof(float)), *s = q + D;
+      for (long t = 0; t < T; t++) {
+        rotate(qkv + (b * T + t) * width + h * D, cos + (b * T + t) * Dr, sin + (b * T + t) * Dr, q, D, Dr);
+        long n = start + t + 1;
+        float top = -INFINITY, total = 0.0f;
+        for (long j = 0; j < n; j++) {
+          s[j] = dot(q, keys + j * D, D) * scale;
+          if (s[j] > top) top = s[j];
+        }
+        for (long j = 0; j < n; j++) total += (s[j] = expf(s[j] - top));
+        float *o = out + (b * T + t) * Hq * D + h * D;
+        for (long d = 0; d < D; d++) o[d] = 0.0f;
+        for (long j = 0; j < n; j++) {
+          float p = s[j] / total;
+          const float *v = values + j * D;
+          for (long d = 0; d < D; d++) o[d] += p * v[d];
+        }
+      }
+      free(q);
+    }
 }

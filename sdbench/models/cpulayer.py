@@ -1,0 +1,66 @@
+"""The CPU fast path's fused decoder layer: a Llama-style layer's step over a few tokens in five calls into sdbench's
+own kernels (`models/cpukernel.py`) and its four products, where the library's layer takes ~30 small torch ops.
+
+On a small model the products are not all of a CPU decode step: SmolLM2-135M's 30 layers spent ~16 ms a step in
+norms, rotation, cache writes, attention, activation and the Python between them, beside ~25 ms in its products
+(docs/peers.md "Where a CPU decode step's time goes"). Here each layer is
+
+    x = rms_norm(h); o = attend(qkv(x)); h = h + o_proj(o); x = rms_norm(h); h = h + down(silu(gate) * up)
+
+with `attend` rotating the new keys into the dense cache and attending causally over it in one call.
+
+It is taken per forward where it computes what the layer loop computes: the packed path on sdbench's products, a
+family with Llama's layer (RMSNorm before attention and MLP, no q/k norms, no soft-capping, no residual scale, a
+SiLU-gated MLP, fused q/k/v), no sliding window, a dense cache (not a sparse or scoring one) at one start position
+for every row, a chain of at most FUSED_TOKENS tokens (not a tree), eagerly. Any other forward runs the loop.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from sdbench.kv.cache import DenseKVCache, StepIndex
+from sdbench.models import cpufast, cpukernel, forward_paths
+
+FUSED_TOKENS = 16  # the widest forward (tokens per row) taken: decoding, a draft's catch-up, verifications
+SILU = ("SiLU", "SiLUActivation")  # torch's module, and the library's own (`transformers.activations`)
+
+
+def _layer_fits(runner, i: int) -> bool:
+    attn_in, attn_out, mlp_in, mlp_out = runner._norms[i]
+    fast = runner.path.fast.layers[i]
+    width = (runner.n_heads + 2 * runner.n_kv_heads) * runner.head_dim
+    return (attn_out is None and mlp_out is None
+            and all(hasattr(m, "variance_epsilon") and m.weight is not None for m in (attn_in, mlp_in))
+            and fast.gated and type(fast.act).__name__ in SILU and fast.qkv.out_features == width)
+
+
+def fits(runner) -> bool:
+    """Whether the runner's layers can run fused at all (its path and family; decided once per runner)."""
+    found = getattr(runner, "_fused_layers", None)
+    if found is None:
+        path, fam = runner.path, runner.family
+        found = (type(path) is forward_paths.CpuPacked and path.one_op_norms and path.fast.layout == cpufast.KERNEL
+                 and fam.qk_norm is None and fam.attn_softcap is None and fam.residual_scale is None
+                 and all(w is None for w in runner.windows) and runner.dtype == torch.float32
+                 and all(_layer_fits(runner, i) for i in range(len(runner.layers))))
+        runner._fused_layers = found
+    return found
+
+
+def wanted(runner, cache, step) -> bool:
+    """Whether this forward's layers run fused (`fits`, and a chain over a dense cache the layers can take)."""
+    return (type(step) is StepIndex and step.uniform and step.T <= FUSED_TOKENS and type(cache) is DenseKVCache
+            and step.kv_len <= cache.capacity and cache.k[0].is_contiguous() and fits(runner))
+
+
+def layer(runner, i: int, h: torch.Tensor, cache: DenseKVCache, step: StepIndex, cos: torch.Tensor,
+          sin: torch.Tensor) -> torch.Tensor:
+    """Layer i's step: hidden states [B, T, H] in, out."""
+    attn_in, _, mlp_in, _ = runner._norms[i]
+    fast = runner.path.fast.layers[i]
+    x = cpukernel.rms_norm(h, attn_in.weight, attn_in.variance_epsilon)
+    o = cpukernel.attend(fast.qkv(x), cos, sin, cache.k[i], cache.v[i], step.start[0], runner.n_heads, runner._scale)
+    h = h + fast.o(o)
+    x = cpukernel.rms_norm(h, mlp_in.weight, mlp_in.variance_epsilon)
+    return h + fast.down(cpukernel.silu_mul(fast.up(x)))
