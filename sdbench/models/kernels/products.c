@@ -175,7 +175,7 @@ static void wide(const float *x, long rows, long n, const float *pa, const float
 /* y [rows, out] = x [rows, n] W^T (+ b), W blocked (sd_pack); x and y contiguous, wp 32-byte aligned */
 void sd_linear_blocked(const float *x, const float *wp, const float *b, float *y, long rows, long n, long out) {
   long blocks = (out + 7) / 8;
-  if (rows <= 8) {
+  if (rows == 1) { /* decoding: one block at a time; two or more rows meet two blocks per broadcast (fewer loads) */
 #pragma omp parallel for schedule(static)
     for (long k = 0; k < blocks; k++) narrow(x, rows, n, wp + k * n * 8, b, y, out, 8 * k);
     return;
