@@ -105,9 +105,14 @@ def tiny_bench(tmp_path, monkeypatch):
             "--repeats", "1"]
 
 
-def test_bench_runs_every_system_and_passes_when_outputs_equal_generate(capsys, tiny_bench, tmp_path):
+def test_bench_runs_every_system_and_passes_when_outputs_equal_generate(capsys, tiny_bench, tmp_path, monkeypatch):
+    from sdbench.servers.llamacpp import LlamaCpp
+
+    monkeypatch.setattr(LlamaCpp, "installed", lambda self: False)  # what a fresh checkout has
     code, out, err = run_cli(capsys, *tiny_bench, "--out", str(tmp_path / "bench"))
     assert code == 0, err
+    assert ("llama.cpp at the same weights and dtype beside these: `make engine-llama.cpp` in sdbench's checkout "
+            "installs it, then add --engine llama.cpp") in out
     df = pd.read_parquet(tmp_path / "bench" / "bench.parquet")
     # 8 systems (the generic runner too), 2 prompts x 12 tokens; generate in the configuration the suite sets
     assert len(df) == 8 and df.same_output.all() and (df.tokens == 24).all()

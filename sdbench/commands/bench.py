@@ -341,7 +341,7 @@ def run_peers(cfg: BenchConfig, console: Console) -> list[Measured]:
                   f"cost c = T_draft / T_target ({draft}): {peers.draft_cost:.2f} (fast path, medians over the "
                   "prompts)", highlight=False)
     for line in (f"memory bandwidth: {peers.bandwidth.describe()}", peers.picked.line(), peers.disagreement,
-                 peers.fast_line, *engine_lines(peers.results, peers.reference)):
+                 peers.fast_line, *engine_lines(peers.results, peers.reference), engine_hint(cfg, peers.device)):
         if line:
             console.print(line, highlight=False, soft_wrap=True)
     if peers.carried:
@@ -555,6 +555,18 @@ def agreement(outputs: list[list[int]], reference: list[list[int]]) -> tuple[str
 def same_prompts(outputs: list[list[int]], reference: list[list[int]]) -> int:
     """Prompts whose tokens equal the reference's."""
     return sum(a == b for a, b in zip(outputs, reference))
+
+
+def engine_hint(cfg: BenchConfig, device: str) -> str | None:
+    """On a CPU run with no engine: how to put llama.cpp (the engine CPU users run) beside sdbench at the same
+    weights, and whether it is installed."""
+    if cfg.engine != SDBENCH or not str(device).startswith("cpu"):
+        return None
+    eng = engine("llama.cpp")
+    if eng.installed():
+        return "llama.cpp at the same weights and dtype beside these: add --engine llama.cpp (installed)"
+    return (f"llama.cpp at the same weights and dtype beside these: `{eng.install}` in sdbench's checkout installs "
+            "it, then add --engine llama.cpp")
 
 
 def engine_lines(results: list[Measured], reference: list[list[int]]) -> list[str]:
