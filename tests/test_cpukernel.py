@@ -184,3 +184,13 @@ def test_the_fused_layers_are_not_taken_where_they_do_not_compute_the_layer(fuse
     llama.prefill(cache, [[3, 5, 7]])
     llama.forward(cache, torch.tensor([[4, 6]]), [3])
     assert fused_calls == [0, 1, 0, 1]  # a short prefill and a 2-token step, both layers
+
+
+def test_a_failed_build_says_why(monkeypatch, tmp_path):
+    monkeypatch.setenv("SDBENCH_CACHE", str(tmp_path))
+    monkeypatch.setenv("CC", "false")  # runs, builds nothing
+    monkeypatch.setattr(cpukernel, "_lib", None)
+    monkeypatch.setattr(cpukernel, "_why", None)
+    assert not cpukernel.available()
+    assert cpukernel.why_not() == "false failed to build products.c: no message"
+    assert not list(tmp_path.rglob("products-*"))  # neither the copy of the source nor a part-built library left

@@ -65,12 +65,15 @@ def _build() -> ctypes.CDLL:
                                         cpu_name().encode()])).hexdigest()[:16]
     folder = cache_dir("cpukernel")
     lib = folder / f"products-{digest}.so"
-    if not lib.exists():
-        src = folder / f"products-{digest}.c"
+    if not lib.exists():  # each process builds from its own copy into its own file, then moves it in place
+        src = folder / f"products-{digest}.{os.getpid()}.c"
         src.write_bytes(source)
         tmp = lib.with_suffix(f".{os.getpid()}.tmp")
-        done = subprocess.run([cc, *FLAGS, "-o", str(tmp), str(src), "-lm"], capture_output=True, text=True,
-                              timeout=300)
+        try:
+            done = subprocess.run([cc, *FLAGS, "-o", str(tmp), str(src), "-lm"], capture_output=True, text=True,
+                                  timeout=300)
+        finally:
+            src.unlink(missing_ok=True)
         if done.returncode != 0:
             tmp.unlink(missing_ok=True)
             last = (done.stderr.strip().splitlines() or ["no message"])[-1]
