@@ -8,9 +8,11 @@ import torch
 import torch.nn.functional as F
 
 from sdbench.errors import SdbenchError
-from sdbench.models import cpufast, cpukernel
+from sdbench.models import cpufast, cpukernel, cpulayer
+from sdbench.models.rotary import rope
 from sdbench.models.runner import ModelRunner
 from tests.conftest import skip_unless_ci, tiny_model
+from tests.test_runner_fidelity import library_greedy, perturbed_model, runner_greedy, tiny_config
 
 
 @pytest.fixture(autouse=True)
@@ -111,8 +113,6 @@ def test_without_a_compiler_the_products_say_why(monkeypatch, tmp_path):
 
 @pytest.mark.parametrize("rotated", [8, 4])  # every dimension rotated, and a partial rotation
 def test_attend_equals_rotation_cache_writes_and_sdpa(rotated):
-    from sdbench.models.rotary import rope
-
     g = torch.Generator().manual_seed(rotated)
     B, T, Hq, Hk, D, cap, start = 2, 3, 4, 2, 8, 16, 5
     qkv = torch.randn(B, T, (Hq + 2 * Hk) * D, generator=g)
@@ -125,7 +125,8 @@ def test_attend_equals_rotation_cache_writes_and_sdpa(rotated):
     mask = torch.arange(start + T)[None, :] <= (start + torch.arange(T))[:, None]  # causal from slot `start`
     want = F.scaled_dot_product_attention(q, want_k[:, :, :start + T], want_v[:, :, :start + T], attn_mask=mask,
                                           scale=0.3, enable_gqa=True).transpose(1, 2).reshape(B, T, Hq * D)
-    got = cpukernel.attend(qkv, cos, sin, keys, values, start, Hq, 0.3)
+    tables = cpulayer.tables({None: (cos, sin)}, B)[None]  # the layout the fused layer hands over: one per row
+    got = cpukernel.attend(qkv, *tables, keys, values, start, Hq, 0.3)
     _close(got, want)
     _close(keys, want_k)
     assert torch.equal(values, want_v)
@@ -140,8 +141,6 @@ def test_the_norm_and_the_activation_equal_torchs():
 
 @pytest.fixture
 def fused_calls(monkeypatch):
-    from sdbench.models import cpulayer
-
     monkeypatch.setenv(cpufast.FAST_ENV, "kernel")
     calls = []
     real = cpulayer.layer
@@ -151,8 +150,6 @@ def fused_calls(monkeypatch):
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])  # Qwen2: q/k/v biases
 def test_the_fused_layers_decode_as_generate(fused_calls, arch):
-    from tests.test_runner_fidelity import library_greedy, perturbed_model, runner_greedy, tiny_config
-
     model = perturbed_model(tiny_config(arch, num_attention_heads=4, num_key_value_heads=2))
     runner = ModelRunner(model, "tiny", fast=True)
     for prompt in ([3, 9, 4, 1, 7], [5] * 11):
@@ -162,8 +159,6 @@ def test_the_fused_layers_decode_as_generate(fused_calls, arch):
 
 def test_a_broken_fused_layer_is_caught(fused_calls, monkeypatch):
     """The check above fails when the fused attention ignores its scale (the test can fail)."""
-    from tests.test_runner_fidelity import library_greedy, perturbed_model, runner_greedy, tiny_config
-
     real = cpukernel.attend
     monkeypatch.setattr(cpukernel, "attend", lambda *a: real(*a[:-1], 3.0))
     model = perturbed_model(tiny_config("llama"))
@@ -172,8 +167,6 @@ def test_a_broken_fused_layer_is_caught(fused_calls, monkeypatch):
 
 
 def test_the_fused_layers_are_not_taken_where_they_do_not_compute_the_layer(fused_calls):
-    from tests.test_runner_fidelity import perturbed_model, tiny_config
-
     qwen3 = ModelRunner(perturbed_model(tiny_config("qwen3")), "q3", fast=True)  # q/k norms
     windowed = ModelRunner(perturbed_model(tiny_config("mistral", sliding_window=4)), "m", fast=True)
     llama = ModelRunner(perturbed_model(tiny_config("llama")), "l", fast=True)

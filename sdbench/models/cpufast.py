@@ -123,9 +123,7 @@ class Packed:
         self.packed = self.layout = None
 
     def product(self, x: torch.Tensor) -> torch.Tensor:
-        if self.layout == KERNEL:
-            return cpukernel.linear(x, self.packed, self.bias, self.out_features)
-        return _linear(x, self.packed, self.bias)
+        return _product(x, self.packed, self.bias, self.out_features, self.layout)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling():
@@ -138,6 +136,14 @@ def _packed(plain: torch.Tensor, layout: str) -> torch.Tensor:
     if layout == KERNEL:
         return cpukernel.pack(plain)
     return torch.ops.mkldnn._reorder_linear_weight(plain, PACK_HINT)
+
+
+def _product(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int,
+             layout: str) -> torch.Tensor:
+    """x W^T + b, W packed in `layout` (`_packed`)."""
+    if layout == KERNEL:
+        return cpukernel.linear(x, packed, bias, out_features)
+    return _linear(x, packed, bias)
 
 
 # --- the vocabulary head's product, chosen per width -------------------------------------------------------------
@@ -511,14 +517,12 @@ def _timed_products(products: list, rows: int | None = None) -> list:
         plain.append([(w, m.bias if rows is None else None) for w, m in zip(weights, p.modules)])
         for layout in layouts:
             packed[layout].append((_packed(fused, layout), bias, fused.shape[0]))
-    ways = {ONEDNN: lambda x, w, b, out: _linear(x, w, b), KERNEL: cpukernel.linear}
     times = [0.0] * (1 + len(layouts))
     for width in WIDTHS:
         xs = {n: torch.randn(1, width, n) for n in {pw[0][0].shape[1] for pw in plain}}
         times[0] += _timed(lambda: [F.linear(xs[w.shape[1]], w, b) for pw in plain for w, b in pw], reps=3)
         for k, layout in enumerate(layouts, 1):
-            way = ways[layout]
-            times[k] += _timed(lambda: [way(xs[pw[0][0].shape[1]], w, b, out)
+            times[k] += _timed(lambda: [_product(xs[pw[0][0].shape[1]], w, b, out, layout)
                                         for pw, (w, b, out) in zip(plain, packed[layout])], reps=3)
     return times
 

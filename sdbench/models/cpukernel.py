@@ -171,12 +171,11 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 def attend(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
            start: int, n_heads: int, scale: float) -> torch.Tensor:
     """Causal attention of T new tokens per row at positions start..start+T-1 over a dense cache, their keys
-    rotated and written with their values into it first: qkv [B, T, (Hq + 2 Hk) D], cos/sin' [B or 1, 1, T, Dr]
-    (the rotary tables), keys/values [B, Hk, capacity, D] (contiguous) -> [B, T, Hq D]."""
+    rotated and written with their values into it first: qkv [B, T, (Hq + 2 Hk) D], cos/sin' [B, 1, T, Dr]
+    contiguous (the rotary tables, as `cpulayer.tables` makes them), keys/values [B, Hk, capacity, D] (contiguous)
+    -> [B, T, Hq D]."""
     B, T, _ = qkv.shape
     _, n_kv, cap, D = keys.shape
-    cos = cos.expand(B, 1, T, cos.shape[-1]).contiguous()
-    sin = sin.expand(B, 1, T, sin.shape[-1]).contiguous()
     qkv = qkv.contiguous()
     out = qkv.new_empty(B, T, n_heads * D)
     library().sd_attend(qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), keys.data_ptr(), values.data_ptr(),

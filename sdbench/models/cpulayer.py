@@ -36,27 +36,29 @@ def _layer_fits(runner, i: int) -> bool:
 
 
 def fits(runner) -> bool:
-    """Whether the runner's layers can run fused at all (its path and family; decided once per runner)."""
-    found = getattr(runner, "_fused_layers", None)
-    if found is None:
-        path, fam = runner.path, runner.family
-        found = (type(path) is forward_paths.CpuPacked and path.one_op_norms and path.fast.layout == cpufast.KERNEL
-                 and fam.qk_norm is None and fam.attn_softcap is None and fam.residual_scale is None
-                 and all(w is None for w in runner.windows) and runner.dtype == torch.float32
-                 and all(_layer_fits(runner, i) for i in range(len(runner.layers))))
-        runner._fused_layers = found
-    return found
+    """Whether the runner's layers can run fused at all: its path and family (the runner asks once, when made)."""
+    path, fam = runner.path, runner.family
+    return (type(path) is forward_paths.CpuPacked and path.one_op_norms and path.fast.layout == cpufast.KERNEL
+            and fam.qk_norm is None and fam.attn_softcap is None and fam.residual_scale is None
+            and all(w is None for w in runner.windows) and runner.dtype == torch.float32
+            and all(_layer_fits(runner, i) for i in range(len(runner.layers))))
 
 
-def wanted(runner, cache, step) -> bool:
-    """Whether this forward's layers run fused (`fits`, and a chain over a dense cache the layers can take)."""
+def wanted(cache, step) -> bool:
+    """Whether a forward of a runner that `fits` runs fused: a chain over a dense cache the layers can take."""
     return (type(step) is StepIndex and step.uniform and step.T <= FUSED_TOKENS and type(cache) is DenseKVCache
-            and step.kv_len <= cache.capacity and cache.k[0].is_contiguous() and fits(runner))
+            and step.kv_len <= cache.capacity and cache.k[0].is_contiguous())
+
+
+def tables(cos_sin: dict, batch: int) -> dict:
+    """The forward's rotary tables as `cpukernel.attend` reads them, [B, 1, T, Dr] each in its own memory: made
+    once per forward, shared by every layer of a type."""
+    return {t: tuple(x.expand(batch, *x.shape[1:]).contiguous() for x in pair) for t, pair in cos_sin.items()}
 
 
 def layer(runner, i: int, h: torch.Tensor, cache: DenseKVCache, step: StepIndex, cos: torch.Tensor,
           sin: torch.Tensor) -> torch.Tensor:
-    """Layer i's step: hidden states [B, T, H] in, out."""
+    """Layer i's step: hidden states [B, T, H] in, out; cos/sin from `tables`."""
     attn_in, _, mlp_in, _ = runner._norms[i]
     fast = runner.path.fast.layers[i]
     x = cpukernel.rms_norm(h, attn_in.weight, attn_in.variance_epsilon)

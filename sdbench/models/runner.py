@@ -105,6 +105,7 @@ class ModelRunner:
         self._compiled = None  # cpucompile.CompiledLayers, made at the first compiled step
         if self.path.kind == forward_paths.CPU_PACKED and static is None and cpucompile.wanted():
             self.path, self.static = forward_paths.compiled(self.path), True
+        self.fused_layers = cpulayer.fits(self)  # its layers' steps may run fused (`models/cpulayer.py`)
 
     @property
     def cpu_fast(self) -> bool:
@@ -217,7 +218,9 @@ class ModelRunner:
         if fam.embed_scale is not None:
             h = h * fam.embed_scale
         r = fam.residual_scale
-        fused = self.cpu_fast and cpulayer.wanted(self, cache, step)  # a Llama layer's step in a few calls
+        fused = self.fused_layers and cpulayer.wanted(cache, step)  # a Llama layer's step in a few calls
+        if fused:
+            cos_sin = cpulayer.tables(cos_sin, tokens.shape[0])
         for i, layer in enumerate(self.layers):
             if taps is not None:
                 taps.put(i, h)
