@@ -67,6 +67,7 @@ def test_a_step_that_fails_to_compile_falls_back_to_the_eager_step(compiled_env,
     model = tiny_model(0)
     reference = [hf_generate(model, prompts[0], 6)]
     runner = ModelRunner(model, "tiny", fast=True)
+    layout = runner.path.fast.layout
 
     def broken(fn, **kwargs):
         def call(*args):
@@ -76,4 +77,5 @@ def test_a_step_that_fails_to_compile_falls_back_to_the_eager_step(compiled_env,
     with pytest.warns(RuntimeWarning, match=r"compiling a step failed \(no compiler here\); using the eager packed"):
         ours = generate(runner, Autoregressive(), prompts[:1], max_new_tokens=6, sampling=SamplingConfig())
     assert runner.path.kind == forward_paths.CPU_PACKED
+    assert runner.path.fast.layout == layout  # the eager step keeps the layout the model was packed in
     assert ours.output_ids == reference

@@ -53,7 +53,7 @@ class CompiledLayers:
             with torch.inference_mode(), torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
                 return self.fn(forward.cache, forward.tokens, forward.step(), forward.cos_sin, taps)
         except Exception as exc:  # noqa: BLE001 - whatever the compiler raises, the eager step is exact
-            runner.path = forward_paths.CpuPacked(runner.model, runner.path.one_op_norms)
+            runner.path = forward_paths.CpuPacked(runner.model, runner.path.one_op_norms, runner.path.fast.layout)
             warnings.warn(f"{runner.name or 'model'}: compiling a step failed ({str(exc).splitlines()[0]}); "
                           "using the eager packed step", RuntimeWarning, stacklevel=2)
             return None
