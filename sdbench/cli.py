@@ -14,7 +14,7 @@ from rich.markup import escape
 
 from sdbench import config as C
 from sdbench.errors import SdbenchError
-from sdbench.options import parse_depths, parse_gammas, parse_rates, parse_sets, probe_mode
+from sdbench.options import parse_depths, parse_gammas, parse_rates, parse_sets, probe_mode, split_list
 
 # Each command imports its command module (and what else it runs) inside its own function: those modules load
 # torch, transformers or pandas, which `sdbench --help` and a light command (`predict speedup`) need not load.
@@ -139,7 +139,7 @@ def sweep(
 def compare_sets(strategy: str, compare: list[str], options: dict) -> tuple[dict, dict]:
     """`run`: the strategy's settings (--set key=value and STRATEGY.key=value) and, per --compare NAME in order,
     its own (NAME.key=value); a NAME.key for neither is refused."""
-    names = list(dict.fromkeys(n.strip() for given in compare for n in given.split(",") if n.strip()))
+    names = list(dict.fromkeys(n for given in compare for n in split_list(given, "--compare")))
     shared, scoped = split_sets(options)
     for name in scoped:
         if name != strategy and name not in names:
@@ -249,7 +249,7 @@ def tune(
     batches, lengths = parse_gammas(batch, "--batch", 1), parse_gammas(prompt_len, "--prompt-len", 1)
     if batches and batch_size != 1:
         raise SdbenchError("give either --batch (sizes to tune a schedule over) or --batch-size, not both")
-    strategies = tuple(n.strip() for given in strategy or (C.DEFAULT_STRATEGY,) for n in given.split(",") if n.strip())
+    strategies = tuple(n for given in strategy or (C.DEFAULT_STRATEGY,) for n in split_list(given, "--strategy"))
     if not strategies:
         raise SdbenchError("--strategy: name a strategy or preset (see `sdbench list strategies`)")
     run_cfg = C.RunConfig(

@@ -34,6 +34,7 @@ from sdbench.models.loader import check_fit, check_same_tokenizer, eos_token_ids
 from sdbench.models.pair import pick_runner, resolve_device, resolve_dtype, say_note
 from sdbench.models.runner import ModelRunner
 from sdbench.models.variants import split_variant, variant_model
+from sdbench.options import split_list
 from sdbench.paths import cache_dir
 from sdbench.reporting.carry import Carried, carry_table
 from sdbench.reporting.carry import columns as carry_columns
@@ -298,15 +299,17 @@ def check_bench(cfg: BenchConfig) -> None:
         raise SdbenchError("--engine-url names one server: give one --engine with it")
     for name in names:
         eng = engine(name)
-        check_engine_options(eng, cfg.engine_url, cfg.engine_port)
-        if cfg.engine_url is None:
-            eng.check_installed()
-            engine_roles(eng, cfg.gamma, cfg.draft_model, cfg.autoregressive_only, cfg.heads)
+        if cfg.engine_url is not None:
+            check_engine_options(eng, cfg.engine_url, cfg.engine_port)
+            continue
+        roles = engine_roles(eng, cfg.gamma, cfg.draft_model, cfg.autoregressive_only, cfg.heads, cfg.target)
+        check_engine_options(eng, None, cfg.engine_port, len(roles))
+        eng.check_installed()
 
 
 def engine_names(spec: str) -> list[str]:
     """--engine's value ("sdbench", one engine, or a comma list of them) as the engines to start, in order."""
-    names = [n.strip() for n in spec.split(",") if n.strip() and n.strip() != SDBENCH]
+    names = [n for n in split_list(spec, "--engine") if n != SDBENCH]
     return list(dict.fromkeys(names))
 
 

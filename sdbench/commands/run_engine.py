@@ -55,7 +55,7 @@ def check_engine_run(cfg: RunConfig, base: str) -> None:
     if cfg.engine_url is not None:
         check_engine_options(eng, cfg.engine_url, cfg.engine_port)
         return
-    engine_roles_of(eng, base, cfg)
+    check_engine_options(eng, None, cfg.engine_port, len(engine_roles_of(eng, base, cfg)))
     eng.check_installed()
 
 

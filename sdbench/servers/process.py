@@ -1,12 +1,15 @@
 """An engine's server as a child process: started on a free loopback port, waited for within a bound, and always
-stopped (at the end of a run, on an error, on Ctrl-C)."""
+stopped (at the end of a run, on an error, on Ctrl-C); on Linux it also dies with sdbench, whatever kills sdbench
+(SIGKILL, the out-of-memory killer), through the parent-death signal."""
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import socket
 import subprocess
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,6 +25,23 @@ class EngineFailed(SdbenchError):
     """An engine's server never became ready, exited, or answered with an error."""
 
     exit_code = 1
+
+
+PR_SET_PDEATHSIG = 1  # prctl(2): the signal a process gets when its parent dies
+
+
+def die_with(parent: int):
+    """A child's pre-exec step: SIGTERM to it when the process that started it dies (Linux; elsewhere nothing),
+    and an exit at once if that process is already gone (it died between the fork and this call)."""
+    if not sys.platform.startswith("linux"):
+        return None
+
+    def arm() -> None:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+        if os.getppid() != parent:
+            os._exit(1)
+
+    return arm
 
 
 def free_port() -> int:
@@ -79,7 +99,8 @@ class Server:
         with open(self.log, "wb") as out:
             try:
                 self.proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                             env={**os.environ, **self.env}, start_new_session=True)
+                                             env={**os.environ, **self.env}, start_new_session=True,
+                                             preexec_fn=die_with(os.getpid()))
             except OSError as err:
                 raise EngineFailed(f"{self.name}: cannot start {argv[0]}: {err.strerror}") from None
         t0 = time.monotonic()

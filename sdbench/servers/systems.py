@@ -65,12 +65,20 @@ class EngineSystem:
         return reply
 
 
-def check_engine_options(engine_: Engine | None, url: str | None, port: int | None) -> None:
-    """--engine-url and --engine-port, refused in one line without an engine; a URL where no server answers."""
+LAST_PORT = 65535
+
+
+def check_engine_options(engine_: Engine | None, url: str | None, port: int | None, servers: int = 1) -> None:
+    """--engine-url and --engine-port, refused in one line without an engine; a URL where no server answers; a
+    first port whose `servers` ports (port, port + 1, …) are not all real ones."""
     if engine_ is None:
-        if url or port:
+        if url or port is not None:
             raise SdbenchError("--engine-url and --engine-port go with --engine llama.cpp or --engine vllm")
         return
+    if port is not None and not 1 <= port <= LAST_PORT + 1 - servers:
+        more = f" ({servers} servers start there, one port each)" if servers > 1 else ""
+        raise SdbenchError(f"--engine-port {port}: give a port from 1 to {LAST_PORT + 1 - servers}{more}, or leave "
+                           "it out for free ones")
     if url is not None and not reachable(url, engine_.health):
         raise SdbenchError(f"--engine-url {url}: no server answers GET {engine_.health} there")
 

@@ -34,6 +34,7 @@ from sdbench.engine.metrics import Spans
 from sdbench.engine.state import DecodeState, Proposal
 from sdbench.engine.step import Round
 from sdbench.errors import SdbenchError
+from sdbench.options import split_list
 from sdbench.stats_record import StatsRecord
 from sdbench.strategies.adaptive_online import (PRIOR_TRIALS, AlphaPrior, GammaPolicy, StepSchedule,
                                                 prompt_features, select_drafters)
@@ -61,7 +62,7 @@ def make_drafters(drafts: list, max_ngram: int, min_ngram: int) -> list:
 
 def parse_compare(text: str, strategy: str = "adaptive") -> tuple[int, ...]:
     try:
-        values = tuple(sorted({int(x) for x in str(text).split(",") if x.strip()}))
+        values = tuple(sorted({int(x) for x in split_list(str(text), "--set compare")}))
     except ValueError:
         raise SdbenchError(f"--set compare={text}: expected gammas like 1,2,4,6,8") from None
     for v in values:
