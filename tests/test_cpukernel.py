@@ -3,13 +3,16 @@ fast path on them against the library's forward and `generate`."""
 
 from __future__ import annotations
 
+from importlib import resources
+
 import pytest
 import torch
 import torch.nn.functional as F
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
+from sdbench.engine.tree import Tree, TreeBatch
 from sdbench.errors import SdbenchError
 from sdbench.models import cpufast, cpukernel, cpulayer
-from sdbench.models.rotary import rope
 from sdbench.models.runner import ModelRunner
 from tests.conftest import skip_unless_ci, tiny_model
 from tests.test_runner_fidelity import library_greedy, perturbed_model, runner_greedy, tiny_config
@@ -111,25 +114,74 @@ def test_without_a_compiler_the_products_say_why(monkeypatch, tmp_path):
 # --- the fused decoder layer (`models/cpulayer.py`) ---------------------------------------------------------------
 
 
-@pytest.mark.parametrize("rotated", [8, 4])  # every dimension rotated, and a partial rotation
-def test_attend_equals_rotation_cache_writes_and_sdpa(rotated):
-    g = torch.Generator().manual_seed(rotated)
-    B, T, Hq, Hk, D, cap, start = 2, 3, 4, 2, 8, 16, 5
+# (head size, dimensions rotated): real models' head sizes (64, 80, 96, 128), two not a multiple of 8 (`dot`'s
+# scalar tail: 36, 68), every dimension rotated and partial rotations (Phi-2's 32 of 80, a half, a third)
+HEADS = [(8, 8), (8, 4), (36, 36), (36, 12), (64, 64), (64, 32), (68, 68), (80, 80), (80, 32), (96, 96), (128, 128)]
+
+
+def _attend_checked(D: int, rotated: int, group: int) -> None:
+    """`cpukernel.attend` for 3 tokens per row of 2 rows at slot 5 of a 16-slot cache, 2 KV heads of `group` query
+    heads each, against the library's rotation (`apply_rotary_pos_emb` on the first `rotated` dimensions), the
+    cache written by slicing and torch's SDPA with GQA."""
+    g = torch.Generator().manual_seed(1000 * D + 10 * rotated + group)
+    B, T, Hk, cap, start, scale = 2, 3, 2, 16, 5, D**-0.5
+    Hq = Hk * group
     qkv = torch.randn(B, T, (Hq + 2 * Hk) * D, generator=g)
-    cos, sin = torch.randn(1, 1, T, rotated, generator=g), torch.randn(1, 1, T, rotated, generator=g)
+    cos, sin = torch.randn(1, T, rotated, generator=g), torch.randn(1, T, rotated, generator=g)  # the library's
     keys, values = torch.randn(B, Hk, cap, D, generator=g), torch.randn(B, Hk, cap, D, generator=g)
     want_k, want_v = keys.clone(), values.clone()
     q, k, v = qkv.view(B, T, Hq + 2 * Hk, D).transpose(1, 2).split([Hq, Hk, Hk], dim=1)
-    q, k = rope(q, cos, sin), rope(k, cos, sin)
+    q_rot, k_rot = apply_rotary_pos_emb(q[..., :rotated], k[..., :rotated], cos, sin)
+    q, k = torch.cat((q_rot, q[..., rotated:]), -1), torch.cat((k_rot, k[..., rotated:]), -1)
     want_k[:, :, start:start + T], want_v[:, :, start:start + T] = k, v
     mask = torch.arange(start + T)[None, :] <= (start + torch.arange(T))[:, None]  # causal from slot `start`
     want = F.scaled_dot_product_attention(q, want_k[:, :, :start + T], want_v[:, :, :start + T], attn_mask=mask,
-                                          scale=0.3, enable_gqa=True).transpose(1, 2).reshape(B, T, Hq * D)
-    tables = cpulayer.tables({None: (cos, sin)}, B)[None]  # the layout the fused layer hands over: one per row
-    got = cpukernel.attend(qkv, *tables, keys, values, start, Hq, 0.3)
+                                          scale=scale, enable_gqa=True).transpose(1, 2).reshape(B, T, Hq * D)
+    half = rotated // 2
+    signed = torch.cat((-sin[..., :half], sin[..., half:]), -1)  # sdbench's tables hold sin' (`rotary.rope`)
+    tables = cpulayer.tables({None: (cos[:, None], signed[:, None])}, B)[None]  # as the fused layer hands them over
+    got = cpukernel.attend(qkv, *tables, keys, values, start, Hq, scale)
     _close(got, want)
     _close(keys, want_k)
     assert torch.equal(values, want_v)
+
+
+@pytest.mark.parametrize("group", [1, 2, 4, 8])  # query heads per KV head
+@pytest.mark.parametrize(("D", "rotated"), HEADS)
+def test_attend_equals_rotation_cache_writes_and_sdpa(D, rotated, group):
+    _attend_checked(D, rotated, group)
+
+
+class _ChangedSource:
+    """`importlib.resources` as `cpukernel` reads products.c, handing back the source with one change."""
+
+    def __init__(self, old: str, new: str):
+        text = resources.files("sdbench.models").joinpath("kernels", cpukernel.SOURCE).read_text()
+        assert text.count(old) == 1, old  # the change still names one place
+        self.source = text.replace(old, new).encode()
+
+    def files(self, package: str):
+        return self
+
+    def joinpath(self, *parts: str):
+        return self
+
+    def read_bytes(self) -> bytes:
+        return self.source
+
+
+def test_a_dot_product_without_its_scalar_tail_is_caught(monkeypatch, tmp_path):
+    """The attention check fails on products.c built with `dot` dropping the dimensions past the last multiple of 8
+    (the test can fail), at the head sizes that have them, and only there."""
+    monkeypatch.setenv("SDBENCH_CACHE", str(tmp_path))
+    monkeypatch.setattr(cpukernel, "resources", _ChangedSource("for (; i < n; i++) t += a[i] * b[i];", ""))
+    monkeypatch.setattr(cpukernel, "_lib", None)
+    monkeypatch.setattr(cpukernel, "_why", None)
+    assert cpukernel.available(), cpukernel.why_not()
+    for D in (36, 68):
+        with pytest.raises(AssertionError):
+            _attend_checked(D, D, 2)
+    _attend_checked(64, 64, 2)
 
 
 def test_the_norm_and_the_activation_equal_torchs():
@@ -178,6 +230,9 @@ def test_the_fused_layers_are_not_taken_where_they_do_not_compute_the_layer(fuse
     llama.prefill(sparse, [[3, 5, 7, 9, 11, 2]])
     llama.forward(sparse, torch.tensor([[4]]), [6])
     assert fused_calls == []
+    tree = TreeBatch.of([Tree.from_vllm("[(0,), (1,)]").with_root()])  # two siblings: not a causal block
+    llama.forward(llama.new_cache(1, 32), torch.tensor([[4, 6, 8]]), [0], tree=tree)
+    assert fused_calls == []  # tests/test_tree_forward.py checks its logits, and that a fused tree step fails them
     cache = llama.new_cache(1, 32)
     llama.prefill(cache, [[3, 5, 7]])
     llama.forward(cache, torch.tensor([[4, 6]]), [3])

@@ -4,7 +4,8 @@ A tree forward (`forward(..., tree=TreeBatch)`, the verifying forward's `with_ro
 row b in slot start[b] + j at position start[b] - 1 + depth, seeing the prefix, its ancestors and itself. Its
 logits at each node must be the library's own uncached forward at the last token of prefix + the root-to-node
 path (float32, tiny random models with perturbed norms and biases: llama, qwen3, gemma2 with a window that
-binds on the native runner, eager and packed for oneDNN; llama and GPT-2 on the generic runner). After
+binds on the native runner, eager and packed for oneDNN's products and for sdbench's; llama and GPT-2 on the generic
+runner). A tree step on sdbench's products runs the layer loop, not the fused layer (which attends causally). After
 `keep_path`, the next plain forward must be the library's over prefix + that path + the next token, for a
 batch of two rows with different trees and prompt lengths. The chain as a tree is today's chain forward.
 """
@@ -18,12 +19,12 @@ import torch
 
 from sdbench.engine.tree import Tree, TreeBatch
 from sdbench.errors import SdbenchError
-from sdbench.kv.cache import DenseKVCache
+from sdbench.kv.cache import DenseKVCache, TreeStep
 from sdbench.kv.sparse import ScoringView
-from sdbench.models import cpufast
+from sdbench.models import cpufast, cpukernel, cpulayer
 from sdbench.models.generic import GenericCache, GenericRunner
 from sdbench.models.runner import ModelRunner
-from tests.conftest import VOCAB
+from tests.conftest import VOCAB, skip_unless_ci
 from tests.test_families import tiny
 from tests.test_generic import tiny_generic
 from tests.test_rope_lossless import CASES
@@ -41,11 +42,13 @@ MODELS = {
     "gemma2-window": lambda: tiny("gemma2", sliding_window=6),  # local layer 0: binds past 6 positions
     "gpt2": lambda: tiny_generic("gpt2"),
 }
-RUNNERS = {  # label -> (model, runner kind)
-    "llama": ("llama", "native"), "llama-packed": ("llama", "packed"), "qwen3": ("qwen3", "native"),
-    "gemma2-window": ("gemma2-window", "native"), "llama-generic": ("llama", "generic"),
-    "gpt2-generic": ("gpt2", "generic"),
+RUNNERS = {  # label -> (model, runner kind: native, generic, or the fast path packed as FAST_ENV names it)
+    "llama": ("llama", "native"), "llama-packed": ("llama", "packed"), "llama-kernel": ("llama", "kernel"),
+    "qwen3": ("qwen3", "native"), "gemma2-window": ("gemma2-window", "native"),
+    "llama-generic": ("llama", "generic"), "gpt2-generic": ("gpt2", "generic"),
 }
+
+LAYOUTS = {"packed": cpufast.ONEDNN, "kernel": cpufast.KERNEL}  # FAST_ENV's override -> the layout it packs
 
 
 @functools.cache
@@ -60,12 +63,15 @@ def _runner(label: str):
         return GenericRunner(model, name)
     if kind == "native":
         return ModelRunner(model, name)
-    with pytest.MonkeyPatch.context() as mp:  # the CPU fast path, packed whatever a measurement would choose
-        mp.setenv(cpufast.FAST_ENV, "packed")
+    if kind == "kernel" and not cpukernel.available():
+        skip_unless_ci(f"needs sdbench's CPU products ({cpukernel.why_not()})")
+    with pytest.MonkeyPatch.context() as mp:  # the CPU fast path in this layout, whatever a measurement would choose
+        mp.setenv(cpufast.FAST_ENV, kind)
         mp.setattr(cpufast, "_chosen", {})
         runner = ModelRunner(model, name, fast=True)
     if not runner.cpu_fast:
-        pytest.skip("no oneDNN packing on this CPU")
+        skip_unless_ci("needs oneDNN's packing")
+    assert runner.path.fast.layout == LAYOUTS[kind]
     return runner
 
 
@@ -114,6 +120,44 @@ def test_each_node_sees_the_prefix_and_its_own_path(label):
     torch.testing.assert_close(at, logits[:, [2, 7]], atol=1e-5, rtol=1e-5)
 
 
+def _fused_layers_run(monkeypatch) -> list[int]:
+    """The layers run by the fused layer (`cpulayer.layer`) from now on, in call order."""
+    calls, real = [], cpulayer.layer
+    monkeypatch.setattr(cpulayer, "layer", lambda *a: calls.append(a[1]) or real(*a))
+    return calls
+
+
+def test_a_tree_step_on_sdbench_products_runs_the_layer_loop_and_gives_the_librarys_logits(monkeypatch):
+    """The fused layer attends causally over the new slots, and `TreeStep` is a `StepIndex`: a tree step must run
+    the layer loop (which reads the tree mask) on a runner whose chain steps run fused."""
+    runner = _runner("llama-kernel")
+    assert runner.fused_layers
+    fused = _fused_layers_run(monkeypatch)
+    prompts = [_prompt(6, 1)]
+    cache, tokens, batch, start, logits = _tree_forward(runner, prompts, [TREE])
+    assert fused == [0, 1]  # the prefill's two layers; none for the tree step
+    _check_nodes(runner, prompts, batch, tokens, logits)
+
+
+def test_a_tree_step_let_through_to_the_fused_layer_is_caught(monkeypatch):
+    """The check above fails when the gate admits a tree step: its nodes then see every earlier node of the
+    block, so the root and the first child (whose earlier nodes are their ancestors) stay right, and every later
+    node, each after a node off its path (node 2, the root's second child, sees its sibling), is wrong."""
+    runner = _runner("llama-kernel")
+    fused = _fused_layers_run(monkeypatch)
+    real = cpulayer.wanted
+    monkeypatch.setattr(cpulayer, "wanted", lambda cache, step: isinstance(step, TreeStep) or real(cache, step))
+    prompts = [_prompt(6, 1)]
+    cache, tokens, batch, start, logits = _tree_forward(runner, prompts, [TREE])
+    assert fused == [0, 1, 0, 1]  # the prefill, then the tree step
+    with pytest.raises(AssertionError):
+        _check_nodes(runner, prompts, batch, tokens, logits)
+    row, tree = tokens[0].tolist(), batch.trees[0]
+    want = _library(runner.model, [prompts[0][:-1] + _along(tree, row, j) for j in range(len(tree))])
+    error = (logits[0, : len(tree)] - want).abs().amax(-1)
+    assert error[:2].max() < 1e-4 and error[2:].min() > 1e-2, error
+
+
 @pytest.mark.parametrize("name", ["llama-dynamic", "llama-longrope"])
 def test_a_rope_rescaled_per_token_rotates_each_node_for_its_depth(name):
     """Past the rope's original context (16) each node is rotated as plain decoding of its path rotates it
@@ -129,7 +173,7 @@ def test_a_rope_rescaled_per_token_rotates_each_node_for_its_depth(name):
         torch.testing.assert_close(logits[0, j], want, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("label", ["llama", "llama-packed", "llama-generic"])
+@pytest.mark.parametrize("label", ["llama", "llama-packed", "llama-kernel", "llama-generic"])
 def test_the_chain_as_a_tree_is_the_chain_forward(label):
     runner = _runner(label)
     prompt = _prompt(7, 2)
@@ -140,10 +184,11 @@ def test_the_chain_as_a_tree_is_the_chain_forward(label):
         runner.prefill(cache, [prompt[:-1]])
         logits = runner.forward(cache, draft, [6], tree=tree)
         out.append((logits, runner.forward(cache, draft[:, 3:4], [9])))  # reads the first two drafts' keys
-    torch.testing.assert_close(out[1], out[0], atol=1e-6, rtol=1e-6)
+    tol = 1e-4 if label == "llama-kernel" else 1e-6  # there the chain's steps run fused, the tree's the layer loop
+    torch.testing.assert_close(out[1], out[0], atol=tol, rtol=tol)
 
 
-@pytest.mark.parametrize("label", ["llama", "gemma2-window", "llama-generic", "gpt2-generic"])
+@pytest.mark.parametrize("label", ["llama", "llama-kernel", "gemma2-window", "llama-generic", "gpt2-generic"])
 def test_the_kept_path_is_the_cache_of_its_tokens_in_a_ragged_batch(label):
     runner = _runner(label)
     prompts, trees = [_prompt(5, 4), _prompt(8, 5)], [TREE, SMALL]
