@@ -167,3 +167,38 @@ def test_head_options_of_tune_and_check_are_one_line(tmp_path, monkeypatch, caps
     code, out, err = run_cli(capsys, "check", args[1], "--device", "cpu", "--context", "16", "--tokens", "4",
                              "--head", str(tmp_path / "nowhere"))
     assert code == 1 and "no such folder" in one_line_error(code, err) and "sdbench check" in out
+
+
+def _no_config(folder, target):
+    eagle3_dir(folder, target, layer_ids=(0, 1, 1))
+    (folder / "config.json").unlink()
+    return folder
+
+
+def _bad_json(folder, target):
+    eagle3_dir(folder, target, layer_ids=(0, 1, 1))
+    (folder / "config.json").write_text("{not json")
+    return folder
+
+
+@pytest.mark.parametrize("make, words", [(_no_config, "no config.json in"), (_bad_json, "config.json is not JSON"),
+                                         (_no_weights, "no weights in")])
+@pytest.mark.parametrize("command", ["run", "bench"])
+def test_a_folder_that_holds_no_head_is_refused_before_the_target_loads(tmp_path, monkeypatch, capsys, make, words,
+                                                                         command):
+    """A head folder is checked before any model loads: the target's load (seconds to a minute on a real model)
+    must not happen first."""
+    from sdbench.models import loader
+    from tests.test_cli import one_line_error
+
+    args = [*tiny_cli_files(tmp_path, monkeypatch, ["w1 w2 w3"]), "--max-new-tokens", "8"]
+    head = make(tmp_path / "head", tiny_model(0))
+    capsys.readouterr()
+
+    def load_model(*a, **k):
+        raise AssertionError("the target loaded before the head folder was checked")
+
+    monkeypatch.setattr(loader, "load_model", load_model)
+    strategy = ["--strategy", "eagle", "--out", str(tmp_path)] if command == "run" else []
+    code, _, err = run_cli(capsys, command, *args, *strategy, "--head", str(head), "--device", "cpu")
+    assert code == 2 and words in one_line_error(code, err), err

@@ -1,13 +1,16 @@
 """`sdbench bench`: sdbench's decoding against transformers in one process, on the same prompts.
 
 Peers are measured back to back with the same greedy settings and token budget; every system's tokens
-are counted from the ids it returns, and outputs are compared token for token.
+are counted from the ids it returns, and outputs are compared token for token. One loop times every call, of every
+system alike: its start, when its first new token was available and its end (`reporting/latency.py`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 import statistics
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -30,6 +33,7 @@ from sdbench.engine.state import needed_capacity
 from sdbench.env import environment
 from sdbench.errors import SdbenchError
 from sdbench.models.generic import GenericRunner, runner_kind
+from sdbench.models.heads.load import check_folder
 from sdbench.models.loader import check_fit, check_same_tokenizer, eos_token_ids, load_model
 from sdbench.models.pair import pick_runner, resolve_device, resolve_dtype, say_note
 from sdbench.models.runner import ModelRunner
@@ -38,6 +42,9 @@ from sdbench.options import split_list
 from sdbench.paths import cache_dir
 from sdbench.reporting.carry import Carried, carry_table
 from sdbench.reporting.carry import columns as carry_columns
+from sdbench.reporting.latency import Call, Latency, Timed, latencies, latency_table, over_repeats, repeat_tpot, \
+    repeat_ttft
+from sdbench.reporting.latency import columns as latency_columns
 from sdbench.reporting.results import env_fields
 from sdbench.servers.client import EngineReplyError
 from sdbench.servers.costs import probe_capacity
@@ -70,12 +77,18 @@ class Measured:
     outputs: list[list[int]] = field(default_factory=list)  # the first repeat's, per prompt
     engine: EngineTotals | None = None  # an engine's system: its replies (timings, its own acceptance counters)
     failed: str | None = None  # why the system stopped mid-measurement (an engine's server died): not measured
-    source: object = None  # the measured callable (sdbench's own: Ours; an engine's: EngineSystem)
+    source: object = None  # the measured callable (sdbench's own: Ours; transformers': Hf; an engine's: EngineSystem)
+    calls: list[Call] = field(default_factory=list)  # every measured call, timed by `_measure`
 
     @property
     def key(self) -> tuple[str, str | None] | None:
         """(strategy, drafter) of an sdbench or engine system, None for transformers'."""
         return getattr(self.source, "key", None)
+
+    @property
+    def decoding(self) -> tuple[str, str | None] | None:
+        """(strategy, drafter) of every system, transformers' too: what an engine's row of the same decoding is."""
+        return self.key if self.key is not None else getattr(self.source, "decoding", None)
 
     @property
     def rounds(self) -> Rounds | None:
@@ -90,6 +103,17 @@ class Measured:
     @property
     def tokens_per_s(self) -> float:
         return statistics.median(self.rates())
+
+    def repeat_calls(self, r: int) -> list[Call]:
+        return [c for c in self.calls if c.repeat == r]
+
+    def timed(self) -> Timed:
+        """Its latency figures (`reporting/latency.py`): per repeat, then their medians."""
+        repeats = range(len(self.tokens))
+        return Timed(self.system, None if self.engine is None else self.engine.engine, self.decoding,
+                     self.tokens_per_s if self.tokens else math.nan,
+                     over_repeats([repeat_ttft(self.repeat_calls(r)) for r in repeats]),
+                     over_repeats([repeat_tpot(self.repeat_calls(r)) for r in repeats]), bool(self.failed))
 
 
 def _measure(systems: list, prompts: list[list[int]], repeats: int, device, status, weights) -> list[Measured]:
@@ -128,17 +152,67 @@ def _measure(systems: list, prompts: list[list[int]], repeats: int, device, stat
                 out = call(m, fn, p, None)
                 if out is None:
                     continue
-                m.seconds[-1] += now(device) - t0
+                t1 = now(device)
+                m.seconds[-1] += t1 - t0
                 m.tokens[-1] += len(out)
+                m.calls.append(Call(r, t0, t1 - _after_first(fn), t1, len(out)))
                 if r == 0:
                     m.outputs.append(out)
     return results
 
 
-def _hf(model, max_new: int, eos: list[int], **kwargs):
-    """fn(prompt ids, budget or None for max_new) -> the new ids, through transformers' greedy generate."""
-    run = generator(model, eos, kwargs)
-    return lambda prompt, budget: run(prompt, budget or max_new)
+def _after_first(fn) -> float:
+    """Seconds a system's last measured call ran after its first new token, by the clock that saw that token: an
+    engine's stream (its last reply), else the system's own `after_first` (sdbench's decode loop, transformers'
+    streamer); NaN for a system that keeps none."""
+    totals = getattr(fn, "totals", None)
+    if totals is not None:
+        reply = totals.replies[-1] if totals.replies else None
+        return math.nan if reply is None or reply.ttft is None else reply.seconds - reply.ttft
+    return getattr(fn, "after_first", math.nan)
+
+
+class _Stamps:
+    """A streamer for transformers' generate: when each batch of tokens it puts reached the host (tokens come to a
+    streamer as CPU tensors, so on a GPU after the device finished them). generate puts the prompt first."""
+
+    def __init__(self):
+        self.times: list[float] = []
+
+    def put(self, value) -> None:
+        self.times.append(time.perf_counter())
+
+    def end(self) -> None:
+        pass
+
+    def after_first(self) -> float:
+        """Seconds from the first new tokens put to the last (NaN before any)."""
+        new = self.times
+        return new[-1] - new[0] if new else math.nan
+
+
+@dataclass
+class Hf:
+    """fn(prompt ids, budget or None for max_new) -> the new ids, through transformers' greedy generate with
+    `kwargs`. after_first: seconds its last call ran after its first new token (its streamer's stamps); decoding:
+    (strategy, drafter), as sdbench names the same decoding."""
+
+    model: object
+    max_new: int
+    eos: list[int]
+    kwargs: dict = field(default_factory=dict)
+    decoding: tuple[str, str | None] = ("autoregressive", None)
+    after_first: float = field(default=math.nan, init=False)
+
+    def __post_init__(self) -> None:
+        self._stamps = _Stamps()
+        self._run = generator(self.model, self.eos, {**self.kwargs, "streamer": self._stamps})
+
+    def __call__(self, prompt: list[int], budget: int | None) -> list[int]:
+        self._stamps.times.clear()
+        out = self._run(prompt, budget or self.max_new)
+        self.after_first = self._stamps.after_first()
+        return out
 
 
 @dataclass
@@ -155,11 +229,13 @@ class Ours:
     capacity: int
     key: tuple[str, str | None] = ("autoregressive", None)
     rounds: Rounds = field(default_factory=Rounds)
+    after_first: float = field(default=math.nan, init=False)  # seconds its last call ran after its first token
 
     def __call__(self, prompt: list[int], budget: int | None) -> list[int]:
         res = generate(self.runner, self.proposer_factory(), [prompt], max_new_tokens=budget or self.max_new,
                        sampling=SamplingConfig(), eos_ids=self.eos, capacity=self.capacity)
         out, row = res.output_ids[0], res.rows[0]
+        self.after_first = res.wall_s - res.ttft_s
         if budget is None and len(out) > 1:
             spec = self.key[0] != "autoregressive"
             self.rounds.add(len(out) - 1, res.wall_s - res.ttft_s, row.steps if spec else len(out) - 1,
@@ -210,7 +286,7 @@ def _systems(tgt, drf, runner, plain, d_runner, max_new: int, eos: list[int], ro
     beside = [] if generic is None else [
         (GENERIC_ROW, Ours(generic, Autoregressive, max_new, eos, room), False)]
     plain_decoding = [
-        ("transformers generate", _hf(tgt.model, max_new, eos), False),
+        ("transformers generate", Hf(tgt.model, max_new, eos), False),
         ("sdbench autoregressive (no fast path)", Ours(plain, Autoregressive, max_new, eos, room), False),
         (f"sdbench autoregressive{fast}", Ours(runner, Autoregressive, max_new, eos, room), on),
         *beside,
@@ -220,12 +296,12 @@ def _systems(tgt, drf, runner, plain, d_runner, max_new: int, eos: list[int], ro
     return [
         *plain_decoding,
         (f"transformers assisted (γ={gamma})",
-         _hf(tgt.model, max_new, eos, assistant_model=drf.model, num_assistant_tokens=gamma,
-             num_assistant_tokens_schedule="constant"), False),
+         Hf(tgt.model, max_new, eos, dict(assistant_model=drf.model, num_assistant_tokens=gamma,
+                                          num_assistant_tokens_schedule="constant"), ("draft", draft)), False),
         (f"sdbench draft (γ={gamma}){fast}",
          Ours(runner, lambda: DraftModel(d_runner, gamma), max_new, eos, room, ("draft", draft)), on),
-        (f"transformers prompt lookup (γ={gamma})", _hf(tgt.model, max_new, eos, prompt_lookup_num_tokens=gamma),
-         False),
+        (f"transformers prompt lookup (γ={gamma})",
+         Hf(tgt.model, max_new, eos, dict(prompt_lookup_num_tokens=gamma), ("ngram", None)), False),
         (f"sdbench ngram (γ={gamma}){fast}",
          Ours(runner, lambda: NGram(gamma), max_new, eos, room, ("ngram", None)), on),
     ]
@@ -291,6 +367,8 @@ def check_bench(cfg: BenchConfig) -> None:
     need_gamma("draft", cfg.gamma, "bench --gamma")
     if cfg.generate not in MODES:
         raise SdbenchError(f"--generate {cfg.generate}: use one of {', '.join(MODES)}")
+    for head in cfg.heads:
+        check_folder(head)
     names = engine_names(cfg.engine)
     if not names:
         check_engine_options(None, cfg.engine_url, cfg.engine_port)
@@ -351,6 +429,7 @@ def run_peers(cfg: BenchConfig, console: Console) -> list[Measured]:
         console.print(carry_table(peers.carried))
     for line in peers.unknown:
         console.print(line, highlight=False, soft_wrap=True)
+    console.print(latency_table(latencies([m.timed() for m in peers.results])))
     if cfg.out:
         path = write_bench(peers.results, cfg.out, dict(model=target, draft=draft, dataset=cfg.dataset,
                                                     device=peers.device, dtype=cfg.dtype,
@@ -407,7 +486,7 @@ def measure_peers(cfg: BenchConfig, console: Console) -> Peers:
         systems += [(s.name, s, False) for s in engines if s.measured]
         picked = _pick_generate(tgt.model, prompts[0], eos, cfg.generate, dev, status, weights, room)
         systems[0] = (f"transformers generate ({picked.label})",
-                      _hf(tgt.model, max_new, eos, **kwargs_for(picked.name, dev, room)), False)
+                      Hf(tgt.model, max_new, eos, kwargs_for(picked.name, dev, room)), False)
         results = _measure(systems, prompts, cfg.repeats, dev, status, weights)
         reference, disagreement = _reference(tgt.model, prompts, eos, max_new, picked, results[0], status, weights)
         status.update("measuring the verification and draft cost ratios")
@@ -474,14 +553,18 @@ def check_outputs(results: list[Measured], reference: list[list[int]] | None = N
 
 
 def write_bench(results: list[Measured], out: str, common: dict, carried: list[Carried] = ()):
-    """<out>/bench.parquet: one row per system and repeat, with the environment columns `run` records and each
-    speculative system's carry-over row (`reporting/carry.py`)."""
+    """<out>/bench.parquet: one row per system and repeat, with the environment columns `run` records, the repeat's
+    TTFT and TPOT and the system's ratios over each engine (`reporting/latency.py`), and each speculative system's
+    carry-over row (`reporting/carry.py`)."""
     env = env_fields(environment(common["device"], common["dtype"]))
     ref = results[0].outputs
     carry_of = {c.system: c for c in carried}
+    latency_of: dict[str, Latency] = {row.system: row for row in latencies([m.timed() for m in results])}
     rows = [{"system": m.system, **common, "repeat": r, "tokens": m.tokens[r], "seconds": m.seconds[r],
              "tokens_per_s": m.rates()[r], "same_output": m.outputs == ref, "threads": torch.get_num_threads(),
-             **_engine_fields(m, ref), **carry_columns(carry_of.get(m.system)), **env}
+             "ttft_s": repeat_ttft(m.repeat_calls(r)), "tpot_s": repeat_tpot(m.repeat_calls(r)),
+             **latency_columns(latency_of.get(m.system)), **_engine_fields(m, ref),
+             **carry_columns(carry_of.get(m.system)), **env}
             for m in results for r in range(len(m.tokens))]
     path = Path(out)
     path.mkdir(parents=True, exist_ok=True)
@@ -491,13 +574,13 @@ def write_bench(results: list[Measured], out: str, common: dict, carried: list[C
 
 def _engine_fields(m: Measured, reference: list[list[int]]) -> dict:
     """An engine system's columns (None on sdbench's and transformers' rows): the engine's own counters over the
-    measurement, medians of its stream's timings, prompts with generate's tokens, why it failed."""
+    measurement, the median gap between its stream's events carrying tokens, prompts with generate's tokens, why it
+    failed."""
     t = m.engine
     if t is None:
-        return {"engine": None, "engine_drafted": None, "engine_accepted": None, "ttft_s": None, "tpot_s": None,
-                "itl_s": None, "same_prompts": None, "failed": None}
-    return {"engine": t.engine, "engine_drafted": t.drafted, "engine_accepted": t.accepted,
-            "ttft_s": t.ttft, "tpot_s": t.tpot, "itl_s": t.itl,
+        return {"engine": None, "engine_drafted": None, "engine_accepted": None, "itl_s": None,
+                "same_prompts": None, "failed": None}
+    return {"engine": t.engine, "engine_drafted": t.drafted, "engine_accepted": t.accepted, "itl_s": t.itl,
             "same_prompts": same_prompts(m.outputs, reference), "failed": m.failed}
 
 
@@ -573,8 +656,9 @@ def engine_hint(cfg: BenchConfig, device: str) -> str | None:
 
 
 def engine_lines(results: list[Measured], reference: list[list[int]]) -> list[str]:
-    """One line per engine system: its own acceptance counters, its stream's timings, its agreement with
-    generate's tokens; or why it failed."""
+    """One line per engine system: its own acceptance counters, the median gap between its stream's events (its
+    TTFT and TPOT are in the latency table, timed as every system's), its agreement with generate's tokens; or why
+    it failed."""
     lines = []
     for m in results:
         if m.engine is None:
@@ -587,10 +671,8 @@ def engine_lines(results: list[Measured], reference: list[list[int]]) -> list[st
         if t.drafted is not None:
             rate_ = f" ({t.acceptance:.0%})" if t.acceptance is not None else ""
             parts.append(f"the engine's own counters: {t.accepted} of {t.drafted} drafted tokens accepted{rate_}")
-        timing = [f"{label} {value * 1000:.0f} ms" for label, value in (("TTFT", t.ttft), ("TPOT", t.tpot),
-                                                                        ("ITL", t.itl)) if value is not None]
-        if timing:
-            parts.append("median " + ", ".join(timing))
+        if t.itl is not None:
+            parts.append(f"median ITL {t.itl * 1000:.1f} ms")
         same, where = agreement(m.outputs, reference)
         parts.append(f"same tokens as generate on {same} prompts" + (f" ({where})" if where else ""))
         lines.append(f"{m.system}: " + "; ".join(parts))

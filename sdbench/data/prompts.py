@@ -41,8 +41,14 @@ def _load(cfg: RunConfig, pair: Pair):
 
 def _positions(cfg: RunConfig, pair: Pair, prompts, lookahead: int | None) -> int:
     context = Conversations(prompts, pair.tokenizer, cfg.turns).longest(cfg.max_new_tokens)
-    longest = needed_capacity(context, cfg.max_new_tokens, lookahead or cfg.gamma)
+    ahead = lookahead or cfg.gamma
+    longest = needed_capacity(context, cfg.max_new_tokens, ahead)
     if longest > pair.max_positions:
+        if needed_capacity(context, cfg.max_new_tokens, 1) <= pair.max_positions:  # the round's drafts are too many
+            raise SdbenchError(f"a round drafts up to {ahead} tokens (--gamma, or a token tree's nodes: tree_nodes, "
+                               f"else tree_topk x --gamma), so prompt plus --max-new-tokens plus one round need "
+                               f"{longest} positions, but {cfg.target} supports {pair.max_positions}: lower --gamma "
+                               "or the tree's size")
         raise SdbenchError(f"prompt plus --max-new-tokens needs {longest} positions, but {cfg.target} supports "
                            f"{pair.max_positions}: lower --prompt-len or --max-new-tokens")
     return longest

@@ -4,7 +4,6 @@ the other)."""
 
 from __future__ import annotations
 
-from pathlib import Path
 
 from sdbench.drafting.dynamic import DynamicTree
 from sdbench.engine.tree import Tree
@@ -23,15 +22,14 @@ class HeadStrategy(Strategy):
 
     @classmethod
     def validate(cls, gamma: int, options: dict, drafts: tuple[str, ...], sampling) -> None:
-        from sdbench.models.heads.load import looks_like_path  # light: no weights read
+        from sdbench.models.heads.load import check_folder  # light: no weights read
 
         need_gamma(cls.name, gamma)
         cls.tree(gamma, options)
         head = options.get("head")
         if not head:
             raise SdbenchError(f"strategy '{cls.name}' needs --head PATH|HUB_ID (a trained head for the target)")
-        if looks_like_path(head) and not Path(head).expanduser().is_dir():  # a typo fails before the target loads
-            raise SdbenchError(f"--head {head}: no such folder, nor a hub id (owner/name)")
+        check_folder(head)  # a typo, or a folder that holds no head, fails before the target loads
 
     @classmethod
     def tree(cls, gamma: int, options: dict) -> Tree | DynamicTree | None:

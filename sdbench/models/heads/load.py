@@ -75,6 +75,22 @@ def _folder(source: str) -> Path:
     return hub_snapshot(source)
 
 
+def check_folder(source: str) -> None:
+    """A head named as a local folder, checked before any model loads: the folder, a config.json that parses and
+    weight files in it (their contents are read with the head); a hub id is left to its download."""
+    path = Path(source).expanduser()
+    if not path.exists() and not looks_like_path(source):
+        return
+    folder = _folder(source)
+    _read_config(folder, source)
+    if not _weight_files(folder):
+        raise SdbenchError(f"--head {source}: no weights in {folder} (*.safetensors, *.bin or *.pt)")
+
+
+def _weight_files(folder: Path) -> list[Path]:
+    return sorted(folder.glob("*.safetensors")) or sorted(folder.glob("*.bin")) + sorted(folder.glob("*.pt"))
+
+
 def medusa_heads(source: str) -> int | None:
     """A Medusa head's number of heads, from its config alone (None: not a Medusa config, or not readable)."""
     try:
@@ -95,7 +111,7 @@ def _read_config(folder: Path, source: str) -> dict:
 
 
 def _read_weights(folder: Path, source: str) -> dict[str, torch.Tensor]:
-    files = sorted(folder.glob("*.safetensors")) or sorted(folder.glob("*.bin")) + sorted(folder.glob("*.pt"))
+    files = _weight_files(folder)
     if not files:
         raise SdbenchError(f"--head {source}: no weights in {folder} (*.safetensors, *.bin or *.pt)")
     weights = {}
