@@ -144,3 +144,15 @@ def test_an_empty_list_item_is_refused(capsys, monkeypatch, argv):
     monkeypatch.setattr(loader, "load_tokenizer", lambda *a, **k: pytest.fail("the command went on"))
     code, _, err = run_cli(capsys, *argv)
     assert one_line_error(code, err).endswith("an empty item in the list (two commas in a row, or one at an end)")
+
+
+def test_a_tree_too_large_for_the_context_names_the_trees_size(capsys, tmp_path, monkeypatch):
+    """A round's lookahead (here 100000 x 4 tree nodes) past the target's positions names --gamma and the tree,
+    not --prompt-len and --max-new-tokens, which fit."""
+    args = tiny_cli_files(tmp_path, monkeypatch, ["w1 w2 w3 w1 w2"])
+    capsys.readouterr()
+    code, _, err = run_cli(capsys, "run", *args, "--strategy", "draft", "--draft", args[1], "--set", "tree_topk=100000",
+                           "--limit", "1", "--max-new-tokens", "8", "--no-probe", "--out", str(tmp_path / "out"))
+    line = one_line_error(code, err)
+    assert "a round drafts up to 400000 tokens" in line and "lower --gamma or the tree's size" in line, line
+    assert "--prompt-len" not in line

@@ -93,18 +93,3 @@ def test_a_server_dies_with_sdbench_even_when_sdbench_is_killed(tmp_path):
         if server_pid is not None and not _gone(server_pid):
             os.kill(server_pid, signal.SIGKILL)
 
-
-def test_a_tree_too_large_for_the_context_names_the_trees_size(capsys, tmp_path, monkeypatch):
-    """A round's lookahead (here 100000 x 4 tree nodes) past the target's positions names --gamma and the tree,
-    not --prompt-len and --max-new-tokens, which fit."""
-    from tests.references import tiny_cli_files
-    from tests.test_cli import one_line_error
-
-    args = tiny_cli_files(tmp_path, monkeypatch, ["w1 w2 w3 w1 w2"])
-    capsys.readouterr()
-    code, _, err = run_cli(capsys, "run", *args, "--strategy", "draft", "--draft", args[1], "--set", "tree_topk=100000",
-                           "--limit", "1",
-                           "--max-new-tokens", "8", "--no-probe", "--out", str(tmp_path / "out"))
-    line = one_line_error(code, err)
-    assert "a round drafts up to 400000 tokens" in line and "lower --gamma or the tree's size" in line, line
-    assert "--prompt-len" not in line
