@@ -51,16 +51,23 @@ def test_a_drafter_that_runs_the_verification_batch_too_costs_its_wide_forward_b
     assert EngineCosts(widths, 0.5, round=MIRROR).draft_steps(4) == pytest.approx(5.5)
 
 
-def test_the_gap_factors_exactly_into_acceptance_and_the_rest():
+def test_the_gap_and_its_two_factors_by_hand():
+    """The engine: 100 tokens after the first in 50 rounds of 2 drafts (L 2, g 2) in 1.25 s against its plain
+    decoding's 2 s; sdbench on the same prompts: L 2.5, g 2. With c = 0.25 and v(3) = 1.5 a round costs 2 target
+    forwards: own = 2 / 2 = 1, carried = 2.5 / 2 = 1.25, measured = 2 / 1.25 = 1.6. Acceptance = own / carried =
+    0.8 (the engine accepts less than sdbench), rest = measured / own = 1.6 (it beats its cost model), and the
+    prediction from sdbench's acceptance lands 1.25 / 1.6 - 1 = -21.875 % from the engine."""
     plain = Rounds(tokens=100, seconds=2.0, rounds=100)
-    engine = Rounds(tokens=100, seconds=1.25, rounds=50, drafted=100, accepted=50)  # L 2, g 2
-    sdbench = Rounds(tokens=100, seconds=1.0, rounds=40, drafted=80, accepted=60)  # L 2.5, g 2
+    engine = Rounds(tokens=100, seconds=1.25, rounds=50, drafted=100, accepted=50)
+    sdbench = Rounds(tokens=100, seconds=1.0, rounds=40, drafted=80, accepted=60)
     costs = EngineCosts({1: 1.0, 3: 1.5}, 0.25)
     row = carry("engine ngram", "llama.cpp", engine, plain, costs, sdbench)
-    assert row.own == pytest.approx(2 / (2 * 0.25 + 1.5)) and row.carried == pytest.approx(2.5 / 2.0)
-    assert row.measured == pytest.approx(decode_speedup(engine, plain)) == pytest.approx(1.6)
-    assert row.measured / row.carried == pytest.approx(row.acceptance * row.rest)
-    assert row.gap == pytest.approx(row.carried / row.measured - 1)
+    assert (row.tokens_per_round, row.drafts_per_round) == (2.0, 2.0)
+    assert (row.verify, row.draft, row.draft_round) == (1.5, 0.25, 0.5)
+    assert (row.own, row.carried, row.measured) == (pytest.approx(1.0), pytest.approx(1.25), pytest.approx(1.6))
+    assert decode_speedup(engine, plain) == pytest.approx(1.6)
+    assert (row.acceptance, row.rest) == (pytest.approx(0.8), pytest.approx(1.6))
+    assert row.gap == pytest.approx(-0.21875)
     assert math.isnan(Carried("x", "y", 1, 1, 1, 1, 1, math.nan, 1, 1).gap)
 
 

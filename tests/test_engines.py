@@ -238,23 +238,60 @@ def test_bench_measures_an_engine_beside_the_others(capsys, tiny_engine_bench, t
     assert (engine.ttft_s > 0).all() and (df[df.engine.isna()].same_output).all()
 
 
-def test_bench_carries_sdbench_acceptance_over_to_the_engine(capsys, tiny_engine_bench, tmp_path):
+FAST_PLAIN = "sdbench autoregressive (fast)"
+SDBENCH_SPECULATIVE = {"sdbench ngram (γ=4) (fast)": "ngram", "sdbench draft (γ=4) (fast)": "draft"}
+CARRY_COLUMNS = ["tokens_per_round", "drafts_per_round", "step_verify_cost", "step_draft_cost", "round_draft_cost",
+                 "carried_speedup", "own_predicted_speedup", "decode_speedup"]
+
+
+def check_sdbench_carry_by_hand(df: pd.DataFrame, gamma: int = 4) -> None:
+    """sdbench's own carry-over rows from the run's measured ratios, by the formula docs/engines.md gives: its
+    verification cost V = T(γ + 1) / T(1) (`verify_cost`) read at the row's g + 1 on the straight line from width 1
+    (cost 1) to γ + 1, c the draft's measured cost (`draft_cost`; 0 for the n-gram lookup), drafting g c, and
+    predicted = L / (g c + v(g + 1)) with the row's own L and g (sdbench's acceptance is its own, carried or not);
+    measured: the decode rates' ratio, the fast plain row's TPOT over the row's (tokens after the first over the
+    time after it, both)."""
+    plain = df.loc[FAST_PLAIN]
+    for system, strategy in SDBENCH_SPECULATIVE.items():
+        row = df.loc[system]
+        big_l, g = row.tokens_per_round, row.drafts_per_round
+        v = 1.0 + (row.verify_cost - 1.0) * g / gamma
+        c = 0.0 if strategy == "ngram" else row.draft_cost
+        assert (row.step_verify_cost, row.step_draft_cost) == (pytest.approx(v), pytest.approx(c)), system
+        assert row.round_draft_cost == pytest.approx(g * c), system
+        assert row.carried_speedup == pytest.approx(big_l / (g * c + v)), system
+        assert row.own_predicted_speedup == pytest.approx(big_l / (g * c + v)), system
+        assert row.decode_speedup == pytest.approx(plain.tpot_s / row.tpot_s), system
+
+
+def test_bench_carries_sdbench_acceptance_over_to_the_engine(capsys, tiny_engine_bench, tmp_path, monkeypatch):
     """The carry-over rows of the stand-in's speculative systems, by hand. Its plain server keeps a prefix cache and
     says a forward over k tokens takes (10 + k) / 11 of one; per 12-token prompt it counts 3 rounds of 4 drafts
     with 2 accepted. Over the 2 prompts' 11 tokens after the first: 12 accepted of 24 drafted in 22 - 12 = 10
     rounds, so L = 2.2 and g = 2.4, and v(3.4) = 13.4 / 11. The draft model is the target (c = 1, its widths the
     target's), and vLLM's first draft forward runs over the verification batch: drafting costs v(3.4) + 2.4 - 1.
-    sdbench's own rows: its rounds with its own costs."""
+    sdbench's own rows from its measured cost ratios (`check_sdbench_carry_by_hand`), whose check fails with v read
+    at g instead of g + 1 or with the draft's cost dropped."""
+    import sdbench.commands.bench as bench
+    from sdbench.analysis.carry import EngineCosts, interpolate
+    from sdbench.commands import bench_carry
+    from sdbench.reporting.carry import columns
+
+    seen = {}
+    real_carry = bench.carry_over
+    monkeypatch.setattr(bench, "carry_over", lambda *a, **k: (seen.setdefault("args", a), real_carry(*a, **k))[1])
     code, out, err = run_cli(capsys, *tiny_engine_bench)
     assert code == 0, err
     df = pd.read_parquet(tmp_path / "bench" / "bench.parquet").groupby("system", sort=False).first()
     v = 13.4 / 11
     ngram, draft = df.loc["vllm ngram (γ=4, float32)"], df.loc["vllm draft_model (γ=4, float32)"]
+    plain = df.loc["vllm plain decoding (float32)"]
     for row, c, drafting in ((ngram, 0.0, 0.0), (draft, 1.0, v + 1.4)):
         assert (row.tokens_per_round, row.drafts_per_round) == (pytest.approx(2.2), pytest.approx(2.4))
         assert (row.step_verify_cost, row.step_draft_cost) == (pytest.approx(v), c)
         assert row.round_draft_cost == pytest.approx(drafting)
         assert row.own_predicted_speedup == pytest.approx(2.2 / (drafting + v))
+        assert row.decode_speedup == pytest.approx(plain.tpot_s / row.tpot_s)  # its decode rate over the plain's
     # carried: sdbench's own L and g of the same strategy with the engine's costs
     for ours, row in (("sdbench ngram (γ=4) (fast)", ngram), ("sdbench draft (γ=4) (fast)", draft)):
         mine = df.loc[ours]
@@ -262,13 +299,104 @@ def test_bench_carries_sdbench_acceptance_over_to_the_engine(capsys, tiny_engine
         v_g = (10 + g + 1) / 11  # at k = g + 1
         drafting = 0.0 if row is ngram else v_g + g - 1
         assert row.carried_speedup == pytest.approx(mine.tokens_per_round / (drafting + v_g))
-        assert mine.decode_speedup > 0 and mine.carried_speedup == mine.own_predicted_speedup
-    plain = df.loc["vllm plain decoding (float32)"]
+    # the target drafting for itself has every draft accepted: per prompt rounds of 4 drafts + 1, 4 + 1, then one
+    # draft for the last token (a round drafts no more than the budget has room for), so L = 11 / 3 and g = 9 / 3
+    mine = df.loc["sdbench draft (γ=4) (fast)"]
+    assert (mine.tokens_per_round, mine.drafts_per_round) == (pytest.approx(11 / 3), pytest.approx(3.0))
+    check_sdbench_carry_by_hand(df)
     assert pd.isna(plain.carried_speedup) and pd.isna(df.iloc[0].decode_speedup)
     assert "Does it carry over?" in out
     code, out, err = run_cli(capsys, "report", str(tmp_path / "bench" / "bench.parquet"))
     assert code == 0, err
-    assert "Does it carry over?" in out and "vllm draft_model" in out
+    assert "Does it carry over?" in out and "vllm draft_model" in out and "Time to first token" in out
+
+    # the same check on sdbench's rows made again from the same measurement with one ingredient wrong
+    results, fast, _, prompts, gamma, ratios = seen["args"][:6]
+
+    def remade() -> pd.DataFrame:
+        rows, _ = real_carry(results, fast, [], prompts, gamma, ratios)
+        wrong = df.copy()
+        for row in rows:
+            wrong.loc[row.system, CARRY_COLUMNS] = [columns(row)[col] for col in CARRY_COLUMNS]
+        return wrong
+
+    check_sdbench_carry_by_hand(remade())  # unchanged, it holds
+    with monkeypatch.context() as m:
+        m.setattr(EngineCosts, "verify_at", lambda self, width: interpolate(self.verify, width - 1.0))
+        with pytest.raises(AssertionError):
+            check_sdbench_carry_by_hand(remade())
+    with monkeypatch.context() as m:
+        m.setattr(bench_carry, "_draft_cost", lambda strategy, model_c: 0.0)
+        with pytest.raises(AssertionError):
+            check_sdbench_carry_by_hand(remade())
+
+
+SAME_DECODING = {  # each row's engine row of the same decoding
+    "vllm plain decoding (float32)": ["transformers generate (dynamic cache)", "sdbench autoregressive (no fast path)",
+                                      FAST_PLAIN, "sdbench autoregressive, generic runner (the library's forward)"],
+    "vllm ngram (γ=4, float32)": ["transformers prompt lookup (γ=4)", "sdbench ngram (γ=4) (fast)"],
+    "vllm draft_model (γ=4, float32)": ["transformers assisted (γ=4)", "sdbench draft (γ=4) (fast)"],
+}
+
+
+def test_bench_times_every_system_alike(capsys, tiny_engine_bench, tmp_path, monkeypatch):
+    """Every row has a time to first token and per output token, taken by the same loop: by hand from the times it
+    recorded of each call (start, first token, end; tokens from the ids), and the ratios over the engine's row of
+    the same decoding by hand from those. Where each first token falls, against what is known to come before it:
+    sdbench's and transformers' prefills are made DELAY slower, which each row's TTFT must hold; the stand-in
+    engine computes its whole answer before it streams the first token, so its TTFT is most of each call."""
+    import functools
+    import statistics
+    import time
+
+    from transformers import LlamaForCausalLM
+
+    import sdbench.commands.bench as bench
+    from sdbench.engine.state import DecodeState
+
+    delay = 0.05
+    for_prompts, forward = DecodeState.for_prompts, LlamaForCausalLM.forward
+
+    def slow_state(cls, *args, **kwargs):  # sdbench's decode loop, before its prefill
+        time.sleep(delay)
+        return for_prompts(*args, **kwargs)
+
+    @functools.wraps(forward)
+    def slow_forward(self, *args, **kwargs):  # the library's forward over an empty cache: a prefill
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        if cache is None or cache.get_seq_length() == 0:
+            time.sleep(delay)
+        return forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(DecodeState, "for_prompts", classmethod(slow_state))
+    monkeypatch.setattr(LlamaForCausalLM, "forward", slow_forward)
+    seen = {}
+    real_measure = bench._measure
+    monkeypatch.setattr(bench, "_measure", lambda *a: seen.setdefault("results", real_measure(*a)))
+    code, out, err = run_cli(capsys, *tiny_engine_bench)
+    assert code == 0, err
+    df = pd.read_parquet(tmp_path / "bench" / "bench.parquet").set_index("system")
+    results = {m.system: m for m in seen["results"]}
+    assert set(results) == set(df.index) and len(df) == 11  # 8 of sdbench's and transformers', 3 of the engine's
+    assert ((df.ttft_s > 0) & (df.tpot_s > 0)).all()  # finite, every row
+    for system, m in results.items():
+        assert [c.tokens for c in m.calls] == [12, 12]  # one repeat of two prompts, counted from the ids
+        for c in m.calls:
+            if m.engine is None:
+                assert c.first - c.start >= delay, system
+            else:
+                assert c.first - c.start > 0.5 * (c.end - c.start), system
+        ttft = statistics.median(c.first - c.start for c in m.calls)
+        tpot = sum(c.end - c.first for c in m.calls) / sum(c.tokens - 1 for c in m.calls)
+        assert (df.loc[system, "ttft_s"], df.loc[system, "tpot_s"]) == (pytest.approx(ttft), pytest.approx(tpot))
+    for engine_row, systems in SAME_DECODING.items():
+        theirs = df.loc[engine_row]
+        for system in systems:
+            row = df.loc[system]
+            assert row.vs_vllm_end_to_end == pytest.approx(row.tokens_per_s / theirs.tokens_per_s), system
+            assert row.vs_vllm_decode == pytest.approx(theirs.tpot_s / row.tpot_s), system
+        assert pd.isna(theirs.vs_vllm_end_to_end) and pd.isna(theirs.vs_vllm_decode)
+    assert "Time to first token and per output token" in out and "vs vllm" in out
 
 
 def test_bench_keeps_every_other_row_when_an_engine_dies_mid_run(capsys, tiny_engine_bench, tmp_path, monkeypatch):

@@ -187,7 +187,7 @@ class _Stamps:
 
     def after_first(self) -> float:
         """Seconds from the first new tokens put to the last (NaN before any)."""
-        new = self.times
+        new = self.times[1:]
         return new[-1] - new[0] if new else math.nan
 
 

@@ -45,7 +45,7 @@ Timed per batch (every row of a batch carries its batch's values):
                    a strategy that decodes a batch one prompt after another, such as DSI)
   decode time      wall_s - ttft_s: the time spent committing every token after each row's first; the
                    decode-phase rate is (new_tokens - 1 per row) / decode time
-  tpot_s           decode time / (new_tokens - 1)
+  tpot_s           decode time / (new_tokens - 1) (`time_per_output_token`)
   setup_s          the proposer's setup inside the decode time (a draft model's own prefill of the prompts, a
                    sparse cache's compression), also counted in draft_s; 0 for plain decoding
   draft_s, verify_s      the batch's proposing and verifying time over the steps the row was active
@@ -63,6 +63,14 @@ as offsets from the start of serving; the names are vLLM's benchmark_serving's w
   queue_ms         the wait for a slot: scheduled - arrival (not in vLLM's client-side view)
   prefill_ms       the request's own prefill and first token; the draft's own prefill of it is in draft_s
   new_tokens       counted from token ids, as above (vLLM counts what the server reports, or re-tokenises)
+Timed per call in `bench` (`commands/bench._measure`, one loop for sdbench's systems, transformers' and each
+engine's), as perf_counter times: start (the call made), first (its first new token available: the call's end less
+the time the system itself saw after its first token, from its decode loop, transformers' streamer or the engine's
+stream) and end (the call returned):
+  ttft             first - start; over several calls their median (`reporting/latency.py`)
+  tpot             `time_per_output_token`: (end - first) / (new_tokens - 1), NaN for a one-token answer; over
+                   several calls (`decode_time_per_token`) the times after the first token over the tokens after
+                   it, each summed over the calls of two tokens or more: the reciprocal of their decode rate
 Per run (one role at one load point; `serving_summary`):
   duration_s       from the first arrival (time 0) to the last committed token
   request_throughput     completed requests / duration_s
@@ -173,6 +181,21 @@ def vllm_draft_acceptance_rate(accepted: float, drafted: float) -> float:
 
 def rate(tokens: float, seconds: float) -> float:
     return tokens / seconds if seconds > 0 else math.nan
+
+
+def time_per_output_token(after_first: float, new_tokens: int) -> float:
+    """The time after an answer's first token over the tokens after it (in after_first's unit); NaN for an
+    answer of one token, which has no token after its first to time (vLLM records 0 there)."""
+    return after_first / (new_tokens - 1) if new_tokens > 1 else math.nan
+
+
+def decode_time_per_token(answers) -> float:
+    """`time_per_output_token` over (after_first, new_tokens) pairs: their times after the first token over their
+    tokens after it, each summed over the answers of two tokens or more; NaN where there is none."""
+    timed = [(s, n) for s, n in answers if n > 1]
+    if not timed:
+        return math.nan
+    return time_per_output_token(sum(s for s, _ in timed), 1 + sum(n - 1 for _, n in timed))
 
 
 def tries(tree: Tree, path) -> list[tuple[int, int, bool]]:
@@ -351,7 +374,7 @@ def row_metrics(result: BatchResult, b: int) -> RowMetrics:
         output_ids=list(result.output_ids[b]), prompt_tokens=result.prompt_tokens[b], **_counted(result.rows[b]),
         wall_s=result.wall_s, tokens_per_s=rate(n, result.wall_s),
         batch_tokens_per_s=rate(result.new_tokens, result.wall_s), ttft_s=result.ttft_s,
-        tpot_s=(result.wall_s - result.ttft_s) / (n - 1) if n > 1 else math.nan, setup_s=result.setup_s,
+        tpot_s=time_per_output_token(result.wall_s - result.ttft_s, n), setup_s=result.setup_s,
         strategy_stats=result.extras[b] if b < len(result.extras) else {},
     )
 
@@ -461,7 +484,7 @@ def request_metrics(req, slo: dict[str, float], duration_s: float) -> ServedLate
     t, n = req.token_s, sum(req.chunk_tokens)
     ttft = (t[0] - req.arrival_s) * 1e3 if t else math.nan
     e2el = (t[-1] - req.arrival_s) * 1e3 if t else math.nan
-    tpot = (e2el - ttft) / (n - 1) if n > 1 else math.nan
+    tpot = time_per_output_token(e2el - ttft, n)
     met = meets_slo({"ttft_ms": ttft, "tpot_ms": tpot, "e2el_ms": e2el}, slo)
     return ServedLatencies(arrival_s=req.arrival_s, scheduled_s=req.scheduled_s, token_s=list(t),
                            chunk_tokens=list(req.chunk_tokens), ttft_ms=ttft, e2el_ms=e2el,

@@ -5,7 +5,6 @@ of it."""
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -14,7 +13,8 @@ import pyarrow.parquet as pq
 from rich.console import Console
 from rich.table import Table
 
-from sdbench.reporting.cells import fmt, ratio
+from sdbench.reporting import latency
+from sdbench.reporting.cells import fmt, number, ratio
 
 
 @dataclass(frozen=True)
@@ -73,16 +73,9 @@ def from_frame(df: pd.DataFrame) -> list[Carried]:
         first = group.iloc[0]
         if pd.isna(first.get("decode_speedup")) and pd.isna(first.get("carried_speedup")):
             continue
-        values = {field: _float(first.get(col)) for field, col in COLUMNS.items()}
+        values = {field: number(first.get(col)) for field, col in COLUMNS.items()}
         rows.append(Carried(str(system), str(first.get("engine") or "sdbench"), **values))
     return rows
-
-
-def _float(value) -> float:
-    try:
-        return float(value)
-    except (TypeError, ValueError):
-        return math.nan
 
 
 def carry_table(rows: list[Carried]) -> Table:
@@ -117,11 +110,17 @@ def bench_files(paths: list[str]) -> list[str]:
 
 def print_bench(path: str, console: Console) -> None:
     """A bench.parquet's carry-over table, or one line where it has none (a run without speculative systems, or
-    written before bench measured them)."""
-    rows = from_frame(pd.read_parquet(path))
-    if not rows:
+    written before bench measured them); then its latency table (`reporting/latency.py`) where it has one."""
+    df = pd.read_parquet(path)
+    rows = from_frame(df)
+    if rows:
+        table = carry_table(rows)
+        table.title = f"{path}: {TITLE}"
+        console.print(table)
+    else:
         console.print(f"{path}: a bench file without carry-over rows", highlight=False)
-        return
-    table = carry_table(rows)
-    table.title = f"{path}: {TITLE}"
-    console.print(table)
+    timed = latency.from_frame(df)
+    if timed:
+        table = latency.latency_table(timed)
+        table.title = f"{path}: {latency.TITLE}"
+        console.print(table)

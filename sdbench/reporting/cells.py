@@ -1,4 +1,5 @@
-"""The helpers every table and plot shares: a number as a table cell, a column as floats, a ratio of two numbers."""
+"""The helpers every table and plot shares: a number as a table cell, a cell or a column as floats, a ratio of two
+numbers."""
 
 from __future__ import annotations
 
@@ -15,6 +16,14 @@ def fmt(value, pattern: str) -> str:
     except (TypeError, ValueError):
         return "–"
     return pattern.format(number) if math.isfinite(number) else "–"
+
+
+def number(value) -> float:
+    """A cell as a float, NaN where it holds none (None, text)."""
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return math.nan
 
 
 def numeric(series: pd.Series) -> np.ndarray:
