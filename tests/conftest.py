@@ -89,6 +89,17 @@ def skip_unless_ci(reason: str):
 
 
 @pytest.fixture(scope="session")
+def llamacpp():
+    """llama.cpp's real build, which `make test` makes where missing (once per machine): in CI a missing one fails."""
+    from sdbench.servers.llamacpp import LlamaCpp
+
+    engine = LlamaCpp()
+    if not engine.installed():
+        skip_unless_ci(f"needs llama.cpp's build ({engine.install}; `make test` makes it)")
+    return engine
+
+
+@pytest.fixture(scope="session")
 def ray_cluster():
     """Ray's local cluster, started once for the whole test session (starting one takes seconds). CI installs
     the `ray` extra, so there a missing Ray fails instead of skipping."""

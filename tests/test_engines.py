@@ -411,16 +411,14 @@ def test_bench_keeps_every_other_row_when_an_engine_dies_mid_run(capsys, tiny_en
     assert "failed mid-measurement, left out" in out and "Traceback" not in err
 
 
-# --- the real engines, where installed ---------------------------------------------------------------------------
+# --- the real vLLM, where installed ------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("eng", [
-    pytest.param(LlamaCpp(), marks=pytest.mark.skipif(not LlamaCpp().installed(), reason="make engine-llama.cpp")),
-    pytest.param(Vllm(), marks=pytest.mark.skipif(not Vllm().installed(), reason="make engine-vllm")),
-], ids=["llama.cpp", "vllm"])
-def test_bench_through_the_real_server(capsys, tmp_path, eng):
-    """The embedded SmolLM2 through the engine's real servers: three rows, tokens counted, the speculative rows
-    with the engine's own counters."""
+@pytest.mark.skipif(not Vllm().installed(), reason="make engine-vllm")
+def test_bench_through_the_real_vllm(capsys, tmp_path):
+    """The embedded SmolLM2 through vLLM's real servers: three rows, tokens counted, the speculative rows with the
+    engine's own counters. llama.cpp's, which CI builds: tests/test_llamacpp_real.py."""
+    eng = Vllm()
     code, out, err = run_cli(capsys, "bench", "--limit", "1", "--max-new-tokens", "16", "--repeats", "1",
                              "--engine", eng.name, "--out", str(tmp_path / "b"))
     assert code == 0, err

@@ -200,8 +200,7 @@ def test_an_engine_dying_mid_run_keeps_the_finished_prompts_and_says_so(capsys, 
 # --- the real engine, where installed ------------------------------------------------------------------------------
 
 
-@pytest.mark.skipif(not LlamaCpp().installed(), reason="make engine-llama.cpp")
-def test_run_through_the_real_llamacpp(capsys, tmp_path):
+def test_run_through_the_real_llamacpp(capsys, tmp_path, llamacpp):
     """The embedded SmolLM2 through llama-server: plain decoding and ngram-simple, one MT-Bench question (both its
     turns, the second carrying the baseline's answer), a few tokens, its own draft counters on the strategy's
     rows."""

@@ -1,0 +1,65 @@
+"""The real llama.cpp (built by `make test` where missing; in CI a missing build fails): its server's own account
+of a forward after a cached prefix (`LlamaCpp.probe`), and `bench --engine llama.cpp` with a draft model named
+apart from the target, so that the draft's own plain server measures the draft's costs, with every carry-over
+ingredient of its rows checked by hand against the engine's own counters (llama.cpp's draft-simple mirrors the
+verification batch through the draft: `analysis/carry.py` MIRROR)."""
+
+from __future__ import annotations
+
+import pandas as pd
+import pytest
+
+from sdbench.models.loader import model_files
+from sdbench.servers.engines import EngineRole
+from sdbench.servers.process import Server
+from tests.conftest import run_cli
+
+SMOL = "smollm2-135m"
+
+
+def test_the_servers_probe_counts_only_what_follows_its_cached_prefix(llamacpp, tmp_path):
+    """After a prompt, a second one sharing its first 64 tokens computes only the rest (its own prompt_n), and one
+    sharing nothing computes all of it: the count the step costs rely on is the server's real one."""
+    argv = llamacpp.command(SMOL, EngineRole("autoregressive"), "float32", 256, 2)
+    prefix = list(range(1000, 1064))
+    with Server("llama.cpp", argv, tmp_path / "server.log", llamacpp.health).start() as server:
+        seconds, computed = llamacpp.probe(server.url, prefix + [7])
+        assert computed == 65 and seconds > 0
+        for k in (1, 3, 5):
+            seconds, computed = llamacpp.probe(server.url, prefix + list(range(2000 + k, 2000 + 2 * k)))
+            assert computed == k and seconds > 0, (k, computed)
+        _, computed = llamacpp.probe(server.url, list(range(3000, 3040)))
+        assert computed == 40
+
+
+def test_bench_with_a_draft_server_carries_over_by_the_engines_own_counts(llamacpp, capsys, tmp_path):
+    """SmolLM2 drafting for itself, the draft named by its file: four servers (plain, n-gram, draft-simple, and
+    the draft's own plain server). By hand from each row's counters: L = decoded / rounds and g = drafted / rounds,
+    rounds = decoded - accepted (one verification per round, each committing its accepted drafts and one more);
+    the draft's one-token cost c from its own server; llama.cpp's drafting round costs c (w(g + 1) + g), w the
+    draft's forward over g + 1 tokens over its own one-token forward (at least a one-token forward); the own
+    prediction L / (drafting + v(g + 1)). Bounds, not values, where a noisy machine's timings enter."""
+    _, gguf = model_files(SMOL)
+    code, out, err = run_cli(capsys, "bench", "--draft", str(gguf), "--limit", "1", "--max-new-tokens", "24",
+                             "--repeats", "1", "--engine", "llama.cpp", "--out", str(tmp_path / "b"))
+    assert code == 0, err
+    df = pd.read_parquet(tmp_path / "b" / "bench.parquet")
+    engine = df[df.engine == "llama.cpp"].set_index("system")
+    assert len(engine) == 3 and engine.failed.isna().all() and (engine.tokens > 0).all(), engine.T
+    assert len(list((tmp_path / "b").glob("engine-logs/llama.cpp-3-autoregressive.log"))) == 1  # the draft's server
+    ngram, draft = (engine[engine.index.str.contains(name)].iloc[0] for name in ("ngram-simple", "draft-simple"))
+    for row, drafting in ((ngram, 0.0), (draft, None)):
+        decoded = row.tokens - 1  # after the first token
+        rounds = decoded - row.engine_accepted
+        assert row.engine_drafted >= row.engine_accepted >= 0
+        assert row.tokens_per_round == pytest.approx(decoded / rounds)
+        assert row.drafts_per_round == pytest.approx(row.engine_drafted / rounds)
+        assert row.step_verify_cost > 0
+        if drafting is not None:
+            assert row.step_draft_cost == 0 and row.round_draft_cost == drafting
+    c, g, v = draft.step_draft_cost, draft.drafts_per_round, draft.step_verify_cost
+    assert 0 < c < 100 and c != 1.0, c  # measured on the draft's own server (1.0 is a self-draft's given cost)
+    w = draft.round_draft_cost / c - g  # MIRROR: the round's verification batch through the draft, then g steps
+    assert w >= 0.5, (w, v)  # a chain's drafting (g alone) leaves w = 0, vLLM's wide first step w - 1 below 0.5
+    assert draft.own_predicted_speedup == pytest.approx(draft.tokens_per_round / (draft.round_draft_cost + v))
+    assert "Traceback" not in err
