@@ -91,18 +91,6 @@ class EngineTotals:
         return a / d if d and a is not None else None
 
     @property
-    def ttft(self) -> float | None:
-        known = [r.ttft for r in self.replies if r.ttft is not None]
-        return statistics.median(known) if known else None
-
-    @property
-    def tpot(self) -> float | None:
-        """Median over replies of (seconds after the first token) / (tokens after the first): time per output token."""
-        per = [(r.seconds - r.ttft) / (len(r.tokens) - 1) for r in self.replies
-               if r.ttft is not None and len(r.tokens) > 1]
-        return statistics.median(per) if per else None
-
-    @property
     def itl(self) -> float | None:
         gaps = [g for r in self.replies for g in r.gaps]
         return statistics.median(gaps) if gaps else None
