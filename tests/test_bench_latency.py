@@ -10,7 +10,8 @@ import pandas as pd
 import pytest
 
 import sdbench.commands.bench as bench
-from sdbench.commands.bench import Measured, _measure, write_bench
+from sdbench.commands.bench import _measure
+from sdbench.commands.bench_table import Measured, write_bench
 from sdbench.reporting.latency import Call, from_frame, latencies, repeat_tpot
 from sdbench.servers.engines import EngineTotals, Reply
 

@@ -4,7 +4,8 @@ import pandas as pd
 import pytest
 
 from sdbench.models.runner import ModelRunner
-from sdbench.commands.bench import Measured, _measure, _table, cost_ratios, write_bench
+from sdbench.commands.bench import _measure, cost_ratios
+from sdbench.commands.bench_table import Measured, _table, write_bench
 from tests.conftest import run_cli, skip_unless_ci, tiny_model
 from tests.references import tiny_model_dir
 
@@ -208,6 +209,7 @@ def test_outputs_are_compared_with_generates_dynamic_cache_when_the_timed_config
     is. Where the two disagree, one line says so, and an sdbench system equal to the timed configuration but not
     to the dynamic cache fails."""
     import sdbench.commands.bench as bench
+    import sdbench.commands.bench_table as bench_table
     from sdbench.commands.hf_generate import Picked
 
     dynamic = {(1, 2): [5, 6, 7, 8], (3, 4): [9, 9, 9, 9]}
@@ -220,8 +222,8 @@ def test_outputs_are_compared_with_generates_dynamic_cache_when_the_timed_config
     assert ref == [[5, 6, 7, 8], [9, 9, 9, 9]]
     assert "disagree" in line and "prompt 2" in line and "new token 3" in line and "dynamic cache" in line
     ours = Measured("sdbench ngram (γ=4)", True, [8], [1.0], [[5, 6, 7, 8], [9, 9, 1, 9]])
-    with pytest.raises(bench.OutputDiffers, match="prompt 2 .first at new token 3"):
-        bench.check_outputs([timed, ours], ref)
+    with pytest.raises(bench_table.OutputDiffers, match="prompt 2 .first at new token 3"):
+        bench_table.check_outputs([timed, ours], ref)
     agree = Measured(timed.system, False, [8], [1.0], [list(r) for r in ref])
     assert bench._reference(None, [[1, 2], [3, 4]], [0], 4, Picked("compiled"), agree, _Status(),
                             lambda fast: None) == (ref, None)

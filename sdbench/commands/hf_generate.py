@@ -12,6 +12,8 @@ new compilation inside the measured time.
 
 from __future__ import annotations
 
+import math
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -94,3 +96,46 @@ def generator(model, eos: list[int], kwargs: dict):
                                  eos_token_id=eos, pad_token_id=eos[0], **kwargs)
         return out[0, len(prompt):].tolist()
     return fn
+
+
+class _Stamps:
+    """A streamer for transformers' generate: when each batch of tokens it puts reached the host (tokens come to a
+    streamer as CPU tensors, so on a GPU after the device finished them). generate puts the prompt first."""
+
+    def __init__(self):
+        self.times: list[float] = []
+
+    def put(self, value) -> None:
+        self.times.append(time.perf_counter())
+
+    def end(self) -> None:
+        pass
+
+    def after_first(self) -> float:
+        """Seconds from the first new tokens put to the last (NaN before any)."""
+        new = self.times[1:]
+        return new[-1] - new[0] if new else math.nan
+
+
+@dataclass
+class Hf:
+    """fn(prompt ids, budget or None for max_new) -> the new ids, through transformers' greedy generate with
+    `kwargs`. after_first: seconds its last call ran after its first new token (its streamer's stamps); decoding:
+    (strategy, drafter), as sdbench names the same decoding."""
+
+    model: object
+    max_new: int
+    eos: list[int]
+    kwargs: dict = field(default_factory=dict)
+    decoding: tuple[str, str | None] = ("autoregressive", None)
+    after_first: float = field(default=math.nan, init=False)
+
+    def __post_init__(self) -> None:
+        self._stamps = _Stamps()
+        self._run = generator(self.model, self.eos, {**self.kwargs, "streamer": self._stamps})
+
+    def __call__(self, prompt: list[int], budget: int | None) -> list[int]:
+        self._stamps.times.clear()
+        out = self._run(prompt, budget or self.max_new)
+        self.after_first = self._stamps.after_first()
+        return out
