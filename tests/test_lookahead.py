@@ -1,7 +1,7 @@
 """Lookahead decoding (`--strategy lookahead`): the window's tree, its n-grams and the pool against hand
 computations (a stub target whose argmax is the token after the node's own), its decoding against transformers'
-`generate` and the target's exact sampled marginals, the window doing what it is for (its n-grams are accepted),
-the refusals, the CLI and the registry.
+`generate` and the target's exact sampled marginals (at T = 1 and at T = 0.6, top-p = 0.8), the window doing what
+it is for (its n-grams are accepted), the refusals, the CLI and the registry.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from tests.conftest import run_cli
 from tests.references import hf_generate, tiny_cli_files
 from tests.test_cli import one_line_error
 from tests.test_tree_loop import NEW, _chain_mask, _prompts, sampled, sampled_checks, small  # noqa: F401
-from tests.test_tree_loop import assert_target_marginals_through_branches
+from tests.test_tree_loop import POINTS, assert_target_marginals_through_branches, warped_checks
 from tests.test_random_weights import small as small_random  # noqa: F401 (fixture)
 
 GREEDY = SamplingConfig()
@@ -174,6 +174,11 @@ def _sampled(sampled):  # noqa: F811
 
 def test_sampled_lookahead_follows_the_targets_marginals(sampled):  # noqa: F811
     assert_target_marginals_through_branches(*_sampled(sampled))
+
+
+def test_sampled_lookahead_follows_the_targets_marginals_at_temperature_and_top_p(sampled):  # noqa: F811
+    model, _ = sampled
+    assert_target_marginals_through_branches(*warped_checks(ModelRunner(model), Lookahead(2, 3, 3), model, POINTS[0]))
 
 
 def test_the_same_check_catches_lookahead_verified_without_the_tree_mask(sampled, monkeypatch):  # noqa: F811

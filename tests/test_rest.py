@@ -1,6 +1,7 @@
 """Retrieval drafting (REST, `--strategy rest`): the suffix array and its search against brute force, the counted
 trie against a hand computation, decoding against transformers' greedy `generate` and the target's exact sampled
-marginals, the datastore's build-save-load round trip, and the command line's refusals and notes."""
+marginals (at T = 1 and at T = 0.6, top-p = 0.8), the datastore's build-save-load round trip, and the command
+line's refusals and notes."""
 
 from __future__ import annotations
 
@@ -19,8 +20,8 @@ from sdbench.strategies import strategy
 from sdbench.strategies.rest import Rest
 from tests.references import hf_generate, tiny_cli_files, tiny_model_dir, tiny_text_model_dir
 from tests.test_cli import one_line_error, run_cli
-from tests.test_tree_loop import (NEW, V, _prompts, _small, assert_target_marginals_through_branches,  # noqa: F401
-                                  sampled, sampled_checks)
+from tests.test_tree_loop import (NEW, POINTS, V, _prompts, _small,  # noqa: F401
+                                  assert_target_marginals_through_branches, sampled, sampled_checks, warped_checks)
 
 GREEDY = SamplingConfig()
 
@@ -139,12 +140,20 @@ def test_greedy_rest_gives_the_librarys_greedy_tokens(kind):
     assert sum(sum(r.accepted_per_position[1:]) for r in out.rows) > 0  # and nodes below the first level
 
 
-def test_sampled_rest_follows_the_targets_marginals(sampled):  # noqa: F811
-    model, marginals = sampled
+def _sampled_rest() -> Rest:
     rng = np.random.default_rng(3)
     tokens, sa = D.index([rng.integers(0, V, 60).tolist() for _ in range(8)])
-    rest = Rest(RetrievalDrafter(tokens, sa, tree_nodes=8, min_suffix=1), 3, "test")
-    assert_target_marginals_through_branches(*sampled_checks(ModelRunner(model), rest, marginals))
+    return Rest(RetrievalDrafter(tokens, sa, tree_nodes=8, min_suffix=1), 3, "test")
+
+
+def test_sampled_rest_follows_the_targets_marginals(sampled):  # noqa: F811
+    model, marginals = sampled
+    assert_target_marginals_through_branches(*sampled_checks(ModelRunner(model), _sampled_rest(), marginals))
+
+
+def test_sampled_rest_follows_the_targets_marginals_at_temperature_and_top_p(sampled):  # noqa: F811
+    model, _ = sampled
+    assert_target_marginals_through_branches(*warped_checks(ModelRunner(model), _sampled_rest(), model, POINTS[0]))
 
 
 # ---- the datastore on disk and the command line ---------------------------------------------------------------

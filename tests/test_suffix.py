@@ -1,5 +1,6 @@
-"""Suffix decoding (`--strategy suffix`): its index against a brute-force scan, its trees against hand computations,
-its decoding against transformers' `generate` and the target's exact sampled marginals, and the cache of earlier
+"""Suffix decoding (`--strategy suffix`): its index and the nodes it keeps (the best-scoring ones, when the budget
+binds too) against a brute-force scan, its trees against hand computations, its decoding against transformers'
+`generate` and the target's exact sampled marginals (at T = 1 and at T = 1.3), and the cache of earlier
 responses doing what it is for (a second prompt answered with the first's words drafts from it; a prompt decoded
 again never drafts from its own answer; kept across runs with persist=1).
 """
@@ -24,7 +25,7 @@ from tests.conftest import run_cli
 from tests.references import hf_generate, tiny_cli_files
 from tests.test_cli import one_line_error
 from tests.test_tree_loop import NEW, _prompts, assert_target_marginals_through_branches, sampled  # noqa: F401
-from tests.test_tree_loop import _chain_mask, sampled_checks, small  # noqa: F401
+from tests.test_tree_loop import POINTS, _chain_mask, sampled_checks, small, warped_checks  # noqa: F401
 
 GREEDY = SamplingConfig()
 DEFAULTS = SuffixStrategy.settings({})
@@ -61,9 +62,34 @@ def brute_match(docs, context: list[int], max_depth: int, ends_before=None) -> i
     return 0
 
 
-def check_against_brute_force(spec, docs, context, max_depth, ends_before=None, min_prob=0.0, budget=None):
-    """Each node's score is count(suffix + its path) / count(suffix) by the scan; every extension the scan finds
-    below a kept node (or the root) and left out scores no more than the nodes kept, or below min_prob."""
+def brute_scores(count, vocab, below: int, depth: int) -> list[float]:
+    """The score count(path) / below of every continuation path the scan finds (count > 0), up to `depth`
+    tokens: each path tried token by token over `vocab`, kept while the scan still finds it."""
+    found, frontier = [], [[]]
+    for _ in range(depth):
+        grown = []
+        for path in frontier:
+            for t in vocab:
+                if n := count(path + [t]):
+                    found.append(n / below)
+                    grown.append(path + [t])
+        frontier = grown
+    return found
+
+
+def assert_best_kept(scores, found: list[float], budget: int, min_prob: float) -> bool:
+    """The nodes kept (their scores, each already checked against the scan) are the best the scan finds: as many
+    as the budget allows of those scoring at least min_prob, with the best scores (the ranking by hand; which
+    of equal scores is kept is the hand-built cases' business). -> whether the budget held the tree back, so
+    that the ranking decided what was left out."""
+    ranked = sorted((x for x in found if x >= min_prob), reverse=True)
+    assert sorted(scores, reverse=True) == pytest.approx(ranked[:budget]), ranked
+    return len(ranked) > budget
+
+
+def check_against_brute_force(spec, docs, context, max_depth, budget: int, ends_before=None, min_prob=0.0) -> bool:
+    """Each node's score is count(suffix + its path) / count(suffix) by the scan, and the nodes kept are the best
+    ones (`assert_best_kept`, whose verdict it returns)."""
     m = brute_match(docs, context, max_depth, ends_before)
     assert spec.match_len == m
     suffix = context[-m:] if m else []
@@ -73,19 +99,18 @@ def check_against_brute_force(spec, docs, context, max_depth, ends_before=None, 
         paths.append((paths[a] if a >= 0 else []) + [t])
         # a continuation must start before the end of the first document's allowed part: count whole patterns
         assert spec.scores[i] == pytest.approx(brute_count(docs, suffix + paths[i]) / below), (i, paths[i])
-    kept = {tuple(p) for p in paths}
-    floor = min(spec.scores, default=1.0)
-    vocab = {t for doc in docs for t in doc}
-    for p in [[]] + paths:
-        for t in vocab:
-            if tuple(p + [t]) not in kept:
-                score = brute_count(docs, suffix + p + [t]) / below if below else 0.0
-                assert score < min_prob or score <= floor + 1e-12 or (budget is not None and len(kept) == budget)
+    assert len({tuple(p) for p in paths}) == len(paths)  # no path twice
+    vocab = sorted({t for doc in docs for t in doc})
+    return assert_best_kept(spec.scores, brute_scores(lambda path: brute_count(docs, suffix + path), vocab, below,
+                                                      budget), budget, min_prob)
 
 
 @pytest.mark.parametrize("seed", range(6))
 def test_the_cache_matches_and_counts_as_a_scan_of_its_responses(seed):
+    """Matches and scores as a scan of the live responses finds them, and keeps the best-scoring nodes, in trees
+    the budget holds back too (where only the ranking decides what is left out)."""
     rng = random.Random(seed)
+    held_back = 0
     cache = ResponseCache(capacity=5)
     held: dict[str, list[int]] = {}
     for i in range(12):  # adds past the capacity (the oldest go), drops, replacements: compaction on the way
@@ -112,7 +137,9 @@ def test_the_cache_matches_and_counts_as_a_scan_of_its_responses(seed):
                 m = brute_match(docs, context, 4)
                 assert m == 0 or all(not brute_count(docs, context[-m:] + [t]) for t in range(4))
                 continue
-            check_against_brute_force(spec, list(held.values()), context, 4, budget=min(6, 3 * spec.match_len))
+            held_back += check_against_brute_force(spec, list(held.values()), context, 4,
+                                                   budget=min(6, 3 * spec.match_len))
+    assert held_back > 0  # the ranking decided what was left out
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -126,11 +153,16 @@ def test_the_rows_own_context_matches_as_a_scan_of_its_earlier_tokens(seed):
         # below the match, the scan counts occurrences ending before the last token, continuing anywhere
         n, suffix = len(row), row[-m:]
         ends = [j for j in range(m - 1, n - 1) if row[j - m + 1 : j + 1] == suffix]
+
+        def hits(path: list[int]) -> int:
+            return sum(row[j + 1 : j + 1 + len(path)] == path for j in ends)
+
         paths = []
         for i, (a, t) in enumerate(zip(spec.parents, spec.tokens)):
             paths.append((paths[a] if a >= 0 else []) + [t])
-            hits = sum(row[j + 1 : j + 1 + len(paths[i])] == paths[i] for j in ends)
-            assert spec.scores[i] == pytest.approx(hits / len(ends))
+            assert spec.scores[i] == pytest.approx(hits(paths[i]) / len(ends))
+        budget = min(8, int(2.0 * m))
+        assert_best_kept(spec.scores, brute_scores(hits, range(3), len(ends), budget), budget, 0.05)
 
 
 def test_match_stops_at_separators_and_the_depth():
@@ -207,14 +239,20 @@ def test_requests_joining_a_running_batch(small):  # noqa: F811
     assert len(proposer.cache) == len(set(map(tuple, prompts)))  # every finished request's answer kept
 
 
-def _sampled(sampled):  # noqa: F811
+def _sampled(sampled, point=None):  # noqa: F811
     model, marginals = sampled
     proposer = Suffix(3, max_spec_factor=3.0, min_token_prob=0.0, tree=True)
+    if point is not None:
+        return warped_checks(ModelRunner(model), proposer, model, point)
     return sampled_checks(ModelRunner(model), proposer, marginals)
 
 
 def test_sampled_suffix_trees_follow_the_targets_marginals(sampled):  # noqa: F811
     assert_target_marginals_through_branches(*_sampled(sampled))
+
+
+def test_sampled_suffix_trees_follow_the_targets_marginals_at_temperature(sampled):  # noqa: F811
+    assert_target_marginals_through_branches(*_sampled(sampled, POINTS[1]))
 
 
 def test_the_same_check_catches_suffix_trees_verified_without_the_tree_mask(sampled, monkeypatch):  # noqa: F811

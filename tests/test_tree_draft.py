@@ -14,7 +14,10 @@ distribution instead of one-hot). So must a dynamic tree's, and a tree whose chi
 (with replacement, verified with the draft's p by the residual rule), each child's p the draft's distribution at
 its parent; the same check must fail when a rejected sampled child does not update the residual. (Verifying
 sampled children as deterministic ones, p dropped, is no such mistake: accepting a token with q(x) and removing
-it from q is lossless for any children chosen without the target, only less often accepted.) Impossible
+it from q is lossless for any children chosen without the target, only less often accepted.) Away from T = 1,
+top-p = 1 (test_tree_loop.py POINTS, the library's warpers), top-k, dynamic and sampled children's trees follow
+the target's marginals there too, a sampled child's p is the draft's warped distribution, and sampled children
+verified with the draft's plain softmax as their p fail the check. Impossible
 settings are refused in one line, a static-shape draft and sampled children under greedy decoding before the
 draft's prefill.
 """
@@ -25,7 +28,6 @@ import copy
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from sdbench.config import SamplingConfig
 from sdbench.drafting import model as drafting
@@ -34,18 +36,19 @@ from sdbench.drafting.model import ModelDrafter
 from sdbench.engine import sampling as acceptance
 from sdbench.engine.loop import generate
 from sdbench.engine.state import DecodeState, Proposal
-from sdbench.engine.tree import Tree
+from sdbench.engine.tree import Tree, child_picks
 from sdbench.errors import SdbenchError
 from sdbench.models import cpufast
 from sdbench.models.generic import GenericRunner
 from sdbench.models.runner import ModelRunner
 from sdbench.strategies.draft import DraftModel, DraftStrategy
 from sdbench.strategies.polybasic import PolybasicStrategy
-from tests.references import hf_generate, perturbed
+from tests.references import hf_generate
 from tests.test_runner_fidelity import perturbed_model, tiny_config
-from tests.test_sampling_reference import exact_marginals
-from tests.test_tree_loop import (S_NEW, S_PROMPT, V, _small, assert_target_marginals_through_branches,
-                                  assert_tree_decodes_as_the_chain, sampled_checks)
+from tests.test_sampling_reference import library_probs
+from tests.test_tree_loop import (POINTS, S_PROMPT, V, _small, assert_target_marginals_through_branches,
+                                  assert_tree_decodes_as_the_chain, sampled_checks, sampling_model, target_marginals,
+                                  warped_checks)
 
 NEW = 30
 GREEDY = SamplingConfig()
@@ -185,12 +188,8 @@ def test_topk_one_is_the_chain():
 def sampled():
     """The tree-loop tests' flat tiny model, a noisy copy of it as the draft, and the target's exact marginals
     of its first S_NEW output tokens after S_PROMPT."""
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=2, num_key_value_heads=1, initializer_range=0.3,
-                      max_position_embeddings=64, tie_word_embeddings=False)
-    model = perturbed(LlamaForCausalLM(cfg).eval(), 100)
-    return model, _noisy(model, 0.12), exact_marginals(model, S_PROMPT, S_NEW)
+    model = sampling_model()
+    return model, _noisy(model, 0.12), target_marginals(model)
 
 
 def _sampled_checks(target, draft, marginals, seed: int = 0, **tree):
@@ -236,9 +235,12 @@ def test_sampled_dynamic_trees_follow_the_targets_marginals(sampled):
 SAMPLED_CHILDREN = {"tree_topk": 3, "tree_sample": True}
 
 
-def test_a_sampled_childs_p_is_the_drafts_distribution_at_its_parent(sampled):
+@pytest.mark.parametrize("point", [(1.0, 1.0)] + POINTS, ids=lambda p: f"T={p[0]},top_p={p[1]}")
+def test_a_sampled_childs_p_is_the_drafts_distribution_at_its_parent(sampled, point):
+    """p: the library's forward of the draft after the node's parent, through the library's own temperature and
+    top-p warpers."""
     _, draft = sampled[:2]
-    sampling = SamplingConfig(1.0, 1.0, 0)
+    sampling = SamplingConfig(*point, 0)
     state = DecodeState.for_prompts([S_PROMPT] * 2, 8, 64, sampling=sampling,
                                     generator=torch.Generator().manual_seed(0))
     drafter = ModelDrafter(ModelRunner(draft), tree=Tree.topk_depth(3, 2, 6), sample_children=True)
@@ -250,7 +252,8 @@ def test_a_sampled_childs_p_is_the_drafts_distribution_at_its_parent(sampled):
         tokens = proposal.tokens[b].tolist()
         for i, a in enumerate(tree.parents):
             path = S_PROMPT + [tokens[j] for j in (tree.path_to(a) if a >= 0 else ())]
-            expected = _library(draft, [path])[0].softmax(-1)
+            with cpufast.plain(draft):
+                expected = library_probs(draft, torch.tensor([path]), *point)[0].float()
             assert torch.allclose(proposal.probs[b, i], expected, atol=1e-5)
 
 
@@ -264,6 +267,41 @@ def test_the_same_check_catches_sampled_children_without_the_residual_update(sam
     monkeypatch.setattr(acceptance, "_residual", lambda q, p, x, inside: q)
     checks, _ = _sampled_checks(*sampled, **SAMPLED_CHILDREN)
     assert any(stat > bound for _, stat, bound in checks), checks
+
+
+# ---- sampling away from T = 1, top-p = 1 -------------------------------------------------------------------------
+
+WARPED_TREES = {"top-k": {"tree_topk": 3}, "dynamic": {"tree_topk": 3, "tree_nodes": 5, "tree_dynamic": True},
+                "sampled children": SAMPLED_CHILDREN}
+WARPED_CASES = [("top-k", POINTS[1]), ("dynamic", POINTS[0]), ("sampled children", POINTS[0]),
+                ("sampled children", POINTS[1])]
+
+
+@pytest.mark.parametrize("tree, point", WARPED_CASES, ids=[f"{k} at T={t},top_p={p}" for k, (t, p) in WARPED_CASES])
+def test_sampled_tree_drafts_follow_the_targets_marginals_at_temperature_and_top_p(sampled, tree, point):
+    """The target's q under the run's settings; a dynamic tree scored by the draft's warped distribution (tokens
+    outside its nucleus score -inf); sampled children drawn from it, and verified with it as their p."""
+    target, draft, _ = sampled
+    proposer = DraftModel(ModelRunner(draft), 2, **WARPED_TREES[tree])
+    assert_target_marginals_through_branches(*warped_checks(ModelRunner(target), proposer, target, point))
+
+
+def test_the_same_check_catches_sampled_children_verified_with_the_drafts_plain_softmax(sampled, monkeypatch):
+    """Children drawn at the run's temperature and top-p, verified with min(1, q / p) and max(0, q - p) for p the
+    draft's plain softmax at their parent: the p they were not drawn from (the same thing at T = 1, top-p = 1)."""
+    children = drafting._sampled_children
+
+    def plain_p(tokens, p, shape, logits, nodes, sampling, generator):
+        children(tokens, p, shape, logits, nodes, sampling, generator)
+        child, m, _ = child_picks(shape, nodes)
+        if child:
+            p[:, child] = logits.float().softmax(-1)[:, m].to(p.dtype)
+
+    monkeypatch.setattr(drafting, "_sampled_children", plain_p)
+    target, draft, _ = sampled
+    checks, _ = warped_checks(ModelRunner(target), DraftModel(ModelRunner(draft), 2, **SAMPLED_CHILDREN), target,
+                              POINTS[0])
+    assert any(stat > bound for _, stat, bound in checks[1:]), checks
 
 
 # ---- settings and refusals ---------------------------------------------------------------------------------------

@@ -8,8 +8,9 @@ were accepted check that the loop hands the head the target's states of the acce
 the head's tree slots never count as its context; the same check fails with the states taken in node order, and
 with nodes that see their cousins. Greedy decoding gives transformers' own `generate` (native and generic
 runners); `tree_topk=1` is the chain in tokens and counts; under sampling every output position follows the
-target's exact marginal through accepted branches. The loop's handoff itself is checked against transformers'
-hidden states for an n-gram tree proposer that reads them. Bad settings are refused in one line.
+target's exact marginal through accepted branches, at T = 1 and away from it (T = 0.6, top-p = 0.8 or T = 1.3).
+The loop's handoff itself is checked against transformers' hidden states for an n-gram tree proposer that reads
+them. Bad settings are refused in one line.
 
 EAGLE-2's dynamic tree over a head (`tree_dynamic=true`): every row's tree in every round of a real generation
 must be the one a plain Python rendering of EAGLE-2 (tests/test_tree_dynamic.py `reference`) keeps when scored
@@ -46,8 +47,8 @@ from tests import head_references as ref
 from tests.heads import eagle1_dir, eagle3_dir, medusa_dir, one_thread, small_vocab_target  # noqa: F401
 from tests.references import hf_generate
 from tests.test_tree_dynamic import reference as eagle2, token_paths
-from tests.test_tree_loop import (_prompts, _small, assert_target_marginals_through_branches,
-                                  assert_tree_decodes_as_the_chain, sampled, sampled_checks)  # noqa: F401
+from tests.test_tree_loop import (POINTS, _prompts, _small, assert_target_marginals_through_branches,  # noqa: F401
+                                  assert_tree_decodes_as_the_chain, sampled, sampled_checks, warped_checks)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -252,12 +253,33 @@ def test_sampled_head_trees_follow_the_targets_marginals(tmp_path, sampled, kind
     """Static top-k trees, and dynamic ones scored by the run's sampling distribution; children deterministic
     (p one-hot) in both."""
     model, marginals = sampled
+    runner = ModelRunner(model)
+    assert_target_marginals_through_branches(*sampled_checks(runner, _sampled_proposer(runner, tmp_path, kind,
+                                                                                       dynamic), marginals))
+
+
+def _sampled_proposer(runner, tmp_path, kind: str, dynamic: bool):
+    model = runner.model
     folder = {"eagle3": lambda f: eagle3_dir(f, model, draft_vocab=6, layer_ids=(0, 1, 2)),
               "eagle1": lambda f: eagle1_dir(f, model), "medusa": lambda f: medusa_dir(f, model, heads=2)}[kind]
+    return _proposer(runner, "medusa" if kind == "medusa" else "eagle", folder(tmp_path / kind), gamma=2,
+                     tree_topk=3, **({"tree_dynamic": True} if dynamic else {}))
+
+
+# static and dynamic trees each at both points, every kind among them (a dynamic tree scores by the run's warped
+# distribution, -inf outside its nucleus)
+WARPED = [("eagle3", True, POINTS[0]), ("eagle1", False, POINTS[1]), ("medusa", False, POINTS[0]),
+          ("medusa", True, POINTS[1])]
+
+
+@pytest.mark.parametrize("kind, dynamic, point", WARPED,
+                         ids=[f"{k} {'dynamic' if d else 'static'} at T={t},top_p={p}" for k, d, (t, p) in WARPED])
+def test_sampled_head_trees_follow_the_targets_marginals_at_temperature_and_top_p(tmp_path, sampled, kind,  # noqa: F811
+                                                                                 dynamic, point):
+    model, _ = sampled
     runner = ModelRunner(model)
-    proposer = _proposer(runner, "medusa" if kind == "medusa" else "eagle", folder(tmp_path / kind), gamma=2,
-                         tree_topk=3, **({"tree_dynamic": True} if dynamic else {}))
-    assert_target_marginals_through_branches(*sampled_checks(runner, proposer, marginals))
+    proposer = _sampled_proposer(runner, tmp_path, kind, dynamic)
+    assert_target_marginals_through_branches(*warped_checks(runner, proposer, model, point))
 
 
 # ---- the loop's handoff: the target's states of the accepted path ---------------------------------------------

@@ -6,18 +6,27 @@ greedy `generate`, on the native and the generic runner, for a batch whose rows 
 sizes, with branches really used (accepted nodes at depth >= 2, accepted nodes that were not their parent's
 first child); with an EOS, and with requests joining a running batch (serving under load). Breaking the tree's path on purpose (the cache not kept to the accepted path, or the nodes
 verified under the chain's mask) must change the tokens. Under sampling, every output position must follow
-the target's exact marginal (the library's forward, summed over every prefix; test_sampling_reference.py),
-and the same check must catch nodes verified under the chain's mask. Runs and caches that cannot verify trees are refused before anything is decoded.
+the target's exact marginal (the library's forward, summed over every prefix; test_sampling_reference.py), at
+T = 1 and over the grid T in {0.6, 1.3} x top-p in {0.8, 1} (the library's own temperature and top-p warpers),
+and the same check must catch nodes verified under the chain's mask, and a tree verifier whose target
+distribution ignores the temperature or top-p (at every point of the grid). Runs and caches that cannot verify
+trees are refused before anything is decoded.
 """
 
 from __future__ import annotations
 
+import hashlib
+from dataclasses import replace
+
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import (LlamaConfig, LlamaForCausalLM, LogitsProcessorList, TemperatureLogitsWarper,
+                          TopPLogitsWarper)
 
 from sdbench.config import SamplingConfig
 from sdbench.drafting.ngram import lookup, lookup_branches, trie
+from sdbench.engine import sampling as acceptance
+from sdbench.engine import step
 from sdbench.engine.loop import generate, serve
 from sdbench.engine.metrics import row_metrics
 from sdbench.engine.scheduler import Request, Scheduler
@@ -25,6 +34,7 @@ from sdbench.engine.state import Proposal
 from sdbench.engine.tree import Tree
 from sdbench.errors import SdbenchError
 from sdbench.kv.cache import DenseKVCache
+from sdbench.models import cpufast
 from sdbench.models.generic import GenericCache, GenericRunner
 from sdbench.models.runner import ModelRunner
 from sdbench.strategies.ngram import NGram, NGramStrategy
@@ -203,22 +213,63 @@ S_NEW = 6
 S_N = 3000
 
 
-@pytest.fixture(scope="module")
-def sampled():
-    """A tiny model for sampling (its distributions flat enough that many siblings are accepted), and the exact
-    marginals of its first S_NEW output tokens after S_PROMPT."""
+# (temperature, top-p) away from T = 1, top-p = 1, where a verifier that took the target's plain softmax would
+# pass: the full grid for the n-gram tree below; each other tree drafter's tests take POINTS (both settings
+# away from 1, and the temperature alone), one or both
+GRID = [(t, p) for t in (0.6, 1.3) for p in (0.8, 1.0)]
+POINTS = [(0.6, 0.8), (1.3, 1.0)]
+_PREFIX_LOGITS: dict[bytes, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+
+
+def _prefix_logits(model) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per output position k, (every context S_PROMPT + a k-token prefix [V^k, S], the library's next-token
+    logits after each [V^k, V]), in exact_marginals' product order; computed once per set of weights."""
+    with cpufast.plain(model), torch.no_grad():  # the library's own weights and forward, whatever a runner packed
+        key = hashlib.sha256(b"".join(t.contiguous().numpy().tobytes() for t in model.state_dict().values()))
+        if key.digest() not in _PREFIX_LOGITS:
+            levels, prefixes = [], [()]
+            for _ in range(S_NEW):
+                ctx = torch.tensor([S_PROMPT + list(p) for p in prefixes])
+                levels.append((ctx, torch.cat([model(part).logits[:, -1] for part in ctx.split(4096)])))
+                prefixes = [p + (t,) for p in prefixes for t in range(V)]
+            _PREFIX_LOGITS[key.digest()] = levels
+    return _PREFIX_LOGITS[key.digest()]
+
+
+def target_marginals(model, temperature: float = 1.0, top_p: float = 1.0) -> list[torch.Tensor]:
+    """exact_marginals(model, S_PROMPT, S_NEW, temperature, top_p) (test_sampling_reference.py): [V] per output
+    position, the sum over every prefix of P(prefix) q(. | prompt + prefix), q the library's forward then its own
+    temperature and top-p warpers; the forwards shared by every setting (a grid costs one set of them)."""
+    warpers = LogitsProcessorList([TemperatureLogitsWarper(temperature), TopPLogitsWarper(top_p)])
+    out, joint = [], torch.ones(1, dtype=torch.float64)
+    for ctx, scores in _prefix_logits(model):
+        q = warpers(ctx, scores.clone()).double().softmax(-1)  # [V^k, V]
+        out.append(joint @ q)
+        joint = (joint[:, None] * q).flatten()
+    return out
+
+
+def sampling_model():
+    """A tiny model for sampling, its distributions flat enough that many siblings are accepted."""
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                       num_attention_heads=2, num_key_value_heads=1, initializer_range=0.3,
                       max_position_embeddings=64, tie_word_embeddings=False)
-    model = perturbed(LlamaForCausalLM(cfg).eval(), 100)
-    return model, exact_marginals(model, S_PROMPT, S_NEW)
+    return perturbed(LlamaForCausalLM(cfg).eval(), 100)
 
 
-def sampled_checks(target, proposer, marginals, seed: int = 0):
-    """S_N continuations of S_PROMPT, S_NEW tokens each, sampled through the one loop with `proposer`: per
-    position k, (k, chi-square of its token counts against the exact marginal, the bound), and the result."""
-    cfg = SamplingConfig(1.0, 1.0, seed)
+@pytest.fixture(scope="module")
+def sampled():
+    """sampling_model(), and the exact marginals of its first S_NEW output tokens after S_PROMPT (T = 1)."""
+    model = sampling_model()
+    return model, target_marginals(model)
+
+
+def sampled_checks(target, proposer, marginals, seed: int = 0, point: tuple[float, float] = (1.0, 1.0)):
+    """S_N continuations of S_PROMPT, S_NEW tokens each, sampled through the one loop with `proposer` at
+    point = (temperature, top-p): per position k, (k, chi-square of its token counts against the exact
+    marginal, the bound), and the result."""
+    cfg = SamplingConfig(*point, seed)
     out = generate(target, proposer, [S_PROMPT] * S_N, max_new_tokens=S_NEW, sampling=cfg,
                    generator=torch.Generator().manual_seed(seed))
     tokens = torch.tensor(out.output_ids)  # [N, S_NEW]
@@ -248,6 +299,69 @@ def test_the_same_check_catches_nodes_verified_without_the_tree_mask(sampled, mo
     _chain_mask(monkeypatch, ModelRunner)
     checks, _ = _sampled_checks(*sampled)
     assert any(stat > bound for _, stat, bound in checks), checks
+
+
+def warped_checks(target, proposer, model, point: tuple[float, float], seed: int = 0):
+    """sampled_checks at point = (temperature, top-p), against the exact marginals there of `model` (the target's
+    weights)."""
+    return sampled_checks(target, proposer, target_marginals(model, *point), seed, point)
+
+
+def test_the_marginals_are_the_librarys_at_every_setting(sampled):
+    """The shared forwards give exact_marginals' own figures (checked over the first three positions, where
+    exact_marginals is cheap), and the grid's settings really move them: top-p 0.8 drops tokens, and the
+    temperature moves the marginals off the plain softmax's."""
+    model, plain = sampled
+    for t, p in GRID + [(1.0, 1.0)]:
+        warped = target_marginals(model, t, p)
+        with cpufast.plain(model):  # the library's own forward, whatever an earlier test's runner packed
+            exact = exact_marginals(model, S_PROMPT, 3, t, p)
+        for got, want in zip(warped, exact):
+            torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
+        assert all(float(m.sum()) == pytest.approx(1.0) for m in warped)
+        assert sum(int((m == 0).sum()) for m in warped) > 0 if p < 1 else all((m > 0).all() for m in warped)
+        if t != 1.0:
+            assert max(float((w - m).abs().max()) for w, m in zip(warped, plain)) > 0.03
+
+
+@pytest.mark.parametrize("point", GRID, ids=[f"T={t},top_p={p}" for t, p in GRID])
+def test_sampled_trees_follow_the_targets_marginals_at_temperature_and_top_p(sampled, point):
+    model, _ = sampled
+    assert_target_marginals_through_branches(*warped_checks(ModelRunner(model), NGram(2, tree=4), model, point))
+
+
+def tree_target_ignoring(monkeypatch, temperature: bool = True, top_p: bool = True) -> None:
+    """The tree verifier (step.verify_tree, what every tree proposal goes through) with the target's q taken at
+    T = 1 and/or top-p = 1 whatever the run's settings: temperature and top_p both True, the plain softmax of
+    the logits. The first token (the prefill's) and chain rounds are left right."""
+
+    def verify_tree(trees, draft, draft_probs, target_logits, cfg, generator):
+        wrong = replace(cfg, temperature=1.0 if temperature else cfg.temperature, top_p=1.0 if top_p else cfg.top_p)
+        return acceptance.verify_tree(trees, draft, draft_probs, target_logits, wrong, generator)
+
+    monkeypatch.setattr(step, "verify_tree", verify_tree)
+
+
+# per point of the grid, a verifier that drops its settings: at (1.3, 0.8) the flatter temperature and the
+# nucleus pull against each other and the plain softmax lands near the target (the chi-square's bound exceeded
+# by 2x at most), so top-p alone is dropped there; at (0.6, 0.8) the temperature alone too
+IGNORED = {"plain softmax at T=0.6,top_p=0.8": ({}, (0.6, 0.8)),
+           "temperature ignored at T=0.6,top_p=0.8": ({"top_p": False}, (0.6, 0.8)),
+           "plain softmax at T=0.6,top_p=1": ({}, (0.6, 1.0)),
+           "plain softmax at T=1.3,top_p=1": ({}, (1.3, 1.0)),
+           "top-p ignored at T=1.3,top_p=0.8": ({"temperature": False}, (1.3, 0.8))}
+
+
+@pytest.mark.parametrize("ignoring, point", list(IGNORED.values()), ids=list(IGNORED))
+def test_the_same_check_catches_a_tree_verifier_that_ignores_the_settings(sampled, monkeypatch, ignoring, point):
+    """At each point of the grid a target distribution without the run's temperature or top-p is told apart
+    from the target's, after the first token (the prefill's, which is right)."""
+    model, _ = sampled
+    tree_target_ignoring(monkeypatch, **ignoring)
+    checks, out = warped_checks(ModelRunner(model), NGram(2, tree=4), model, point)
+    assert sum(r.tree_steps for r in out.rows) > S_N  # the mistake's path was taken
+    assert checks[0][1] < checks[0][2]  # the prefill's token does not go through the verifier
+    assert any(stat > bound for _, stat, bound in checks[1:]), checks
 
 
 # ---- refusals, before anything runs -------------------------------------------------------------------------

@@ -9,7 +9,8 @@ whose accepted paths are not the tree's first nodes, the sparse cache must hold 
 tokens holds: the same positions in the same slots (static slots, window, floor untouched), the same keys and
 values there, the same logits for the next token; and the check must fail when the accepted path is not moved into
 place, and when the nodes attend as a chain's tokens would (no tree mask). Under sampling, every output position
-must follow the target's exact marginal (chi-square per depth).
+must follow the target's exact marginal (chi-square per depth), at T = 1 and away from it (T = 0.6 with top-p 0.8
+over StreamingLLM, T = 1.3 with sampled children over SnapKV).
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ from sdbench.strategies.draft import DraftModel, DraftStrategy
 from sdbench.strategies.magicdec import MagicDec, MagicDecStrategy
 from tests.references import hf_generate
 from tests.test_tree_draft import _pair, _prompts
-from tests.test_tree_loop import V, assert_target_marginals_through_branches, sampled, sampled_checks  # noqa: F401
+from tests.test_tree_loop import (POINTS, V, assert_target_marginals_through_branches, sampled,  # noqa: F401
+                                  sampled_checks, warped_checks)
 
 GREEDY = SamplingConfig()
 NEW = 24
@@ -201,3 +203,14 @@ def test_sampled_magicdec_trees_follow_the_targets_marginals(sampled, kv):  # no
     model, marginals = sampled
     proposer = MagicDec(ModelRunner(model), 2, kv, budget=6, sink=2, window=3, tree_topk=3)
     assert_target_marginals_through_branches(*sampled_checks(ModelRunner(model), proposer, marginals))
+
+
+WARPED = [("streamingllm", {}, POINTS[0]), ("snapkv", {"tree_sample": True}, POINTS[1])]
+
+
+@pytest.mark.parametrize("kv, sample, point", WARPED, ids=["streamingllm top-k", "snapkv sampled children"])
+def test_sampled_magicdec_trees_follow_the_targets_marginals_at_temperature_and_top_p(sampled, kv, sample,  # noqa: F811
+                                                                                    point):
+    model, _ = sampled
+    proposer = MagicDec(ModelRunner(model), 2, kv, budget=6, sink=2, window=3, tree_topk=3, **sample)
+    assert_target_marginals_through_branches(*warped_checks(ModelRunner(model), proposer, model, point))

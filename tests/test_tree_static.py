@@ -6,9 +6,9 @@ and the keys it leaves for its real nodes must equal the eager tree forward's, f
 sizes; the padding nodes see no other node and no node sees them (the mask, read directly). Greedy decoding must
 give exactly the library's greedy `generate` (batch 1 and a ragged batch) for a draft model's tree (the draft's
 own level forwards static too), n-gram trees and MagicDec's sparse-cache trees; under sampling every output
-position must follow the target's exact marginal. Trees of different sizes up to one width share one capture.
-A node budget above the widest captured width is refused in one line before anything runs. On CUDA (skipped
-elsewhere) a real capture must replay the eager tree forward's tokens.
+position must follow the target's exact marginal, at T = 1 and at T = 0.6, top-p = 0.8. Trees of different sizes
+up to one width share one capture. A node budget above the widest captured width is refused in one line before
+anything runs. On CUDA (skipped elsewhere) a real capture must replay the eager tree forward's tokens.
 """
 
 from __future__ import annotations
@@ -28,7 +28,8 @@ from sdbench.strategies.ngram import NGram
 from tests.references import hf_generate
 from tests.test_static import fake_graphs  # noqa: F401
 from tests.test_tree_draft import _pair, _prompts
-from tests.test_tree_loop import V, assert_target_marginals_through_branches, sampled, sampled_checks  # noqa: F401
+from tests.test_tree_loop import (POINTS, V, assert_target_marginals_through_branches, sampled,  # noqa: F401
+                                  sampled_checks, warped_checks)
 
 GREEDY = SamplingConfig()
 NEW = 24
@@ -137,6 +138,12 @@ def test_sampled_static_trees_follow_the_targets_marginals(sampled):  # noqa: F8
     model, marginals = sampled
     runner = ModelRunner(model, static=True)
     assert_target_marginals_through_branches(*sampled_checks(runner, NGram(2, tree=4), marginals))
+
+
+def test_sampled_static_trees_follow_the_targets_marginals_at_temperature_and_top_p(sampled):  # noqa: F811
+    model, _ = sampled
+    runner = ModelRunner(model, static=True)
+    assert_target_marginals_through_branches(*warped_checks(runner, NGram(2, tree=4), model, POINTS[0]))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="a CUDA graph needs CUDA")
