@@ -25,6 +25,11 @@ class SamplingConfig:
     def greedy(self) -> bool:
         return self.temperature <= 0.0
 
+    def group_seed(self, repeat: int, group: int) -> int:
+        """The generator seed of one measured group (a batch of `run`, a load point of `run --request-rate`) in one
+        repeat: distinct per (seed, repeat, group), the same for every role measured on it."""
+        return self.seed * 1_000_003 + repeat * 10_007 + group
+
 
 @dataclass(frozen=True)
 class RunConfig:

@@ -88,7 +88,7 @@ def serve_points(bench, prompts, encoded, writer, progress) -> None:
 def _serve(bench, pair, proposer, encoded, arrivals, slots: int, repeat: int, point_id: int) -> Scheduler:
     cfg = bench.cfg
     requests = [Request(i, ids, at, cfg.max_new_tokens) for i, (ids, at) in enumerate(zip(encoded, arrivals))]
-    seed = cfg.sampling.seed * 1_000_003 + repeat * 10_007 + point_id
+    seed = cfg.sampling.group_seed(repeat, point_id)
     gen = torch.Generator(bench.device).manual_seed(seed)
     return serve(pair.target, proposer, Scheduler(requests, slots), sampling=cfg.sampling, eos_ids=pair.eos,
                  generator=gen)

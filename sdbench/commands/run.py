@@ -309,7 +309,7 @@ class Bench:
         pair = self.loaded
         members = talk.members(idx, at.turn - 1)
         at = replace(at, batch_id=at.batch_id * talk.most + at.turn - 1)
-        seed = self.cfg.sampling.seed * 1_000_003 + at.repeat * 10_007 + at.batch_id
+        seed = self.cfg.sampling.group_seed(at.repeat, at.batch_id)
         batch = [talk.encode(i, at.turn - 1) for i in members]
         measured = self.every.measure(
             lambda role: self._generate(pair, role.proposer, batch, self.cfg.max_new_tokens, seed), done=advance)

@@ -13,6 +13,7 @@ from rich.console import Console
 
 from sdbench.commands.roles import BASELINE, Role
 from sdbench.config import RunConfig
+from sdbench.engine.tree import is_tree_setting
 from sdbench.errors import SdbenchError
 from sdbench.models import loader
 from sdbench.models.pair import Pair
@@ -20,9 +21,6 @@ from sdbench.servers.engines import SDBENCH, Engine, EngineRole
 from sdbench.servers.known import engine
 from sdbench.servers.runs import EngineDecoding
 from sdbench.servers.systems import check_engine_options, engine_systems
-
-TREE_KEYS = ("tree",)  # --set keys that grow token trees (tree=K, tree_topk, tree_shape, ...)
-
 
 def run_engine(cfg: RunConfig) -> Engine | None:
     """The engine that decodes the run, None for sdbench's own loop."""
@@ -48,7 +46,7 @@ def check_engine_run(cfg: RunConfig, base: str) -> None:
                            "loop only")
     if cfg.compare:
         raise SdbenchError(f"{said}: --compare runs in sdbench's own loop only; give each strategy a run of its own")
-    trees = sorted(k for k in cfg.options if k.startswith(TREE_KEYS))
+    trees = sorted(k for k in cfg.options if is_tree_setting(k))
     if trees:
         raise SdbenchError(f"{said}: the engine verifies chains; token trees (--set {trees[0]}=...) run in sdbench's "
                            "own loop only")

@@ -105,6 +105,14 @@ def grown_tree(gamma: int, draft_kv: str, options: dict) -> Tree | DynamicTree |
     return tree
 
 
+def check_growth(name: str, gamma: int, draft_kv: str, options: dict, sampling) -> None:
+    """Strategy `name`'s tree settings (`grown_tree`), and sampled children refused under greedy decoding."""
+    grown_tree(gamma, draft_kv, options)
+    if options["tree_sample"] and sampling is not None and sampling.greedy:
+        raise SdbenchError(f"{name}: --set tree_sample draws children from the draft's distribution, which needs "
+                           "sampling: use --temperature above 0")
+
+
 def sparse_spec(selector: str, options: dict) -> SparseSpec | None:
     """The sparse draft cache these settings ask for (None: dense); raises on impossible ones."""
     if selector == "dense":
@@ -130,10 +138,7 @@ class DraftStrategy(Strategy):
     def validate(cls, gamma: int, options: dict, drafts: tuple[str, ...], sampling) -> None:
         need_gamma(cls.name, gamma)
         sparse_spec(options["draft_kv"], options)
-        grown_tree(gamma, options["draft_kv"], options)
-        if options["tree_sample"] and sampling is not None and sampling.greedy:
-            raise SdbenchError("draft: --set tree_sample draws children from the draft's distribution, which "
-                               "needs sampling: use --temperature above 0")
+        check_growth(cls.name, gamma, options["draft_kv"], options, sampling)
 
     @classmethod
     def join_refusal(cls, options: dict) -> str | None:

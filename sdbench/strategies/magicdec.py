@@ -11,9 +11,8 @@ model does (drafting/model.py `draft_tree`), which the target verifies over its 
 
 from __future__ import annotations
 
-from sdbench.errors import SdbenchError
 from sdbench.kv.sparse import SparseSpec
-from sdbench.strategies.draft import GROWTH_OPTIONS, SPARSE_OPTIONS, DraftModel, grown_tree
+from sdbench.strategies.draft import GROWTH_OPTIONS, SPARSE_OPTIONS, DraftModel, check_growth
 from sdbench.strategies.spec import BuildContext, Option, Strategy, need_gamma, register
 from sdbench.strategies.trees import TREE_OPTIONS
 
@@ -49,10 +48,7 @@ class MagicDecStrategy(Strategy):
     def validate(cls, gamma: int, options: dict, drafts: tuple[str, ...], sampling) -> None:
         need_gamma(cls.name, gamma)
         SparseSpec(options["kv"], options["budget"], options["sink"], options["window"])  # never dense
-        grown_tree(gamma, options["kv"], options)
-        if options["tree_sample"] and sampling is not None and sampling.greedy:
-            raise SdbenchError("magicdec: --set tree_sample draws children from the draft's distribution, which "
-                               "needs sampling: use --temperature above 0")
+        check_growth(cls.name, gamma, options["kv"], options, sampling)
 
     @classmethod
     def join_refusal(cls, options: dict) -> str | None:
