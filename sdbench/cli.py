@@ -75,7 +75,7 @@ def run(
 ):
     """Run a strategy and the plain-decoding baseline on the same prompts; print tables, write Parquet."""
     from sdbench.commands.run import Bench, load_config
-    from sdbench.engine.metrics import parse_slo
+    from sdbench.engine.serving import parse_slo
     from sdbench.reporting.report import print_report
     from sdbench.reporting.results import read_results
 

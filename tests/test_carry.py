@@ -7,7 +7,8 @@ import math
 
 import pytest
 
-from sdbench.analysis.carry import CHAIN, MIRROR, WIDE_FIRST, EngineCosts, Rounds, carry, decode_speedup, predicted
+from sdbench.analysis.carry import EngineCosts, carry, decode_speedup, predicted
+from sdbench.engine.counters import CHAIN, MIRROR, Rounds, WIDE_FIRST
 from sdbench.engine.iid_model import expected_tokens_per_step, predicted_speedup, round_speedup
 from sdbench.reporting.carry import Carried
 from sdbench.servers.costs import PREFIX, CostsUnknown, draft_costs, forward_seconds, prefix_from, target_costs

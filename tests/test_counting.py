@@ -9,15 +9,16 @@ import pytest
 import torch
 
 from sdbench.commands import run as benchmark
-from sdbench.config import SamplingConfig
-from sdbench.engine.loop import generate
 from sdbench.commands.divergence import first_difference, judge, tie_tolerance
-from sdbench.engine.metrics import RowStats, row_metrics
+from sdbench.config import SamplingConfig
+from sdbench.engine.counters import RowStats
+from sdbench.engine.loop import generate
+from sdbench.engine.metrics import row_metrics
 from sdbench.reporting.results import read_results
 from sdbench.strategies.adaptive import AdaptiveFSM
+from sdbench.strategies.adaptive import make_drafters
 from sdbench.strategies.autoregressive import Autoregressive
 from sdbench.strategies.draft import DraftModel
-from sdbench.strategies.adaptive import make_drafters
 from sdbench.strategies.ngram import NGram
 from sdbench.strategies.polybasic import Polybasic
 from tests.conftest import run_cli

@@ -8,8 +8,8 @@ import numpy as np
 import pandas as pd
 import pytest
 
+from sdbench.engine.formulas import specbench_mean_accepted_tokens, vllm_mean_acceptance_length
 from sdbench.reporting.explain import FACTORS, breakdown, definitions
-from sdbench.engine.metrics import specbench_mean_accepted_tokens, vllm_mean_acceptance_length
 
 
 def synthetic() -> pd.DataFrame:

@@ -18,8 +18,8 @@ import torch
 
 from sdbench.config import SamplingConfig
 from sdbench.engine.loop import generate, serve
-from sdbench.engine.metrics import parse_slo, serving_summary
 from sdbench.engine.scheduler import Request, Scheduler, arrival_times
+from sdbench.engine.serving import parse_slo, serving_summary
 from sdbench.reporting.results import read_results
 from sdbench.strategies.autoregressive import Autoregressive
 from sdbench.strategies.draft import DraftModel
@@ -259,7 +259,7 @@ def test_latencies_and_their_percentiles_by_hand_on_an_injected_clock(target, jo
     r0 10, 24, 38; r1 20, 24; r2 34, 38, 42; r3 110, 114."""
     from rich.console import Console
 
-    from sdbench.engine.metrics import served_row_metrics
+    from sdbench.engine.serving import served_row_metrics
     from sdbench.reporting.load import latency_table, summarize_load
 
     clock = FakeClock()

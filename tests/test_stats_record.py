@@ -4,7 +4,7 @@ and a file written before a field existed (or with keys no field knows) still re
 import json
 
 from sdbench.dsi.orchestrator import DSIRowStats
-from sdbench.strategies.adaptive import AdaptiveRowStats
+from sdbench.engine.counters import AdaptiveRowStats
 from sdbench.strategies.chain_levels import LevelRecord
 from sdbench.strategies.polybasic import PolybasicRowStats
 

@@ -3,8 +3,9 @@ import random
 
 import pytest
 
-from sdbench.engine.metrics import RowStats, predicted_batch_speedup, predicted_speedup
+from sdbench.engine.counters import RowStats
 from sdbench.engine.iid_model import expected_tokens_per_step, fit_alpha, predicted_speedup as formula
+from sdbench.engine.metrics import predicted_batch_speedup, predicted_speedup
 
 
 def test_expected_tokens_per_step():

@@ -18,7 +18,7 @@ import torch
 from sdbench.analysis.trees import (Acceptance, best_trees, expected_accepted, hardware_trees, interpolated,
                                     predicted_speedup, reach)
 from sdbench.engine import iid_model
-from sdbench.engine.metrics import RowStats
+from sdbench.engine.counters import RowStats
 from sdbench.engine.sampling import verify_tree_sampling
 from sdbench.engine.tree import Tree, TreeBatch
 from sdbench.errors import SdbenchError

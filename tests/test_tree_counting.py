@@ -4,7 +4,7 @@ and come back from it."""
 
 from __future__ import annotations
 
-from sdbench.engine.metrics import RowStats, chain_tries, tries
+from sdbench.engine.counters import RowStats, chain_tries, tries
 from sdbench.engine.tree import Tree
 
 # root children (0,) (1,) (2,); below (0,): (0, 0) (0, 1); below (1,): (1, 0)
@@ -62,7 +62,8 @@ def test_chains_and_plain_steps_count_rank_zero_only():
 def test_the_counters_reach_the_results_file_and_come_back(tmp_path):
     """Through the one row builder (`result_row`) into Parquet, and read back as `predict tree` reads them."""
     from sdbench.analysis.trees import summed_tables
-    from sdbench.engine.metrics import BatchResult, row_metrics
+    from sdbench.engine.counters import BatchResult
+    from sdbench.engine.metrics import row_metrics
     from sdbench.reporting.results import Judged, Place, RunFields, RunWriter, read_results, result_row
 
     row = RowStats()

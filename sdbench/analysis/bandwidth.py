@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from sdbench.engine.metrics import now
+from sdbench.engine.clock import now
 
 COLUMNS = 4096  # a matrix-vector read views the buffer as [rows, COLUMNS]
 

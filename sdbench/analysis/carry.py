@@ -32,48 +32,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from sdbench.engine.counters import CHAIN, MIRROR, Rounds
 from sdbench.engine.iid_model import round_speedup
-from sdbench.engine.metrics import mean_accepted_length
 from sdbench.reporting.carry import Carried
 from sdbench.reporting.cells import ratio
-
-
-@dataclass
-class Rounds:
-    """A system's decoding over a measurement, summed over its prompts."""
-
-    tokens: int = 0  # new tokens after each prompt's first
-    seconds: float = 0.0  # time after each prompt's first token
-    rounds: int = 0  # target verifications (plain decoding: one per token)
-    drafted: int = 0
-    accepted: int = 0
-
-    def add(self, tokens: int, seconds: float, rounds: int, drafted: int = 0, accepted: int = 0) -> None:
-        self.tokens += tokens
-        self.seconds += seconds
-        self.rounds += rounds
-        self.drafted += drafted
-        self.accepted += accepted
-
-    @property
-    def tokens_per_round(self) -> float:
-        """sdbench's mean accepted length (its tokens are already those after each first)."""
-        return mean_accepted_length(self.tokens, self.rounds, rows=0)
-
-    @property
-    def drafts_per_round(self) -> float:
-        return self.drafted / self.rounds if self.rounds else math.nan
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.tokens / self.seconds if self.seconds > 0 else math.nan
-
-
-# How a drafter's round spends its draft forwards, in one-token draft forwards, g the round's drafts and w(k) the
-# draft's own forward over k tokens over its one-token forward:
-CHAIN = "chain"  # g forwards of one token (sdbench's draft model; a lookup drafts with no forward)
-MIRROR = "mirror"  # the draft also runs the round's verification batch, then g forwards: w(g + 1) + g (llama.cpp)
-WIDE_FIRST = "wide-first"  # the first of its g forwards runs over the verification batch: w(g + 1) + g - 1 (vLLM)
 
 
 def interpolate(table: dict[int, float], width: float) -> float:

@@ -25,8 +25,8 @@ from rich.console import Console
 from sdbench.analysis.theory import (ChainCosts, accepted_length_variance, alpha_from_tokens_per_step,
                                      insertion_times, paper_bottom_insertion_times, paper_insertion_times)
 from sdbench.config import RunConfig, SamplingConfig
+from sdbench.engine.counters import BatchResult
 from sdbench.engine.loop import generate
-from sdbench.engine.metrics import BatchResult
 from sdbench.errors import SdbenchError
 from sdbench.models import pair as pair_module  # the module: tests replace pair.load_pair
 from sdbench.strategies.autoregressive import Autoregressive

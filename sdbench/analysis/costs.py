@@ -25,8 +25,9 @@ from dataclasses import dataclass
 import torch
 
 from sdbench.analysis.theory import alpha_from_tokens_per_step
+from sdbench.engine.clock import now
+from sdbench.engine.formulas import mean_accepted_length
 from sdbench.engine.iid_model import predicted_speedup
-from sdbench.engine.metrics import mean_accepted_length, now
 from sdbench.engine.state import needed_capacity
 from sdbench.errors import SdbenchError
 from sdbench.kv.sparse import filled_for_profile

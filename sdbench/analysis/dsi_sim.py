@@ -29,8 +29,8 @@ from sdbench.analysis.theory import (alpha_from_tokens_per_step, dsi_latency_per
                                      si_latency_per_token)
 from sdbench.dsi.ledger import Ledger
 from sdbench.dsi.orchestrator import DSIRowStats
+from sdbench.engine.formulas import specbench_mean_accepted_tokens
 from sdbench.engine.iid_model import fit_alpha
-from sdbench.engine.metrics import specbench_mean_accepted_tokens
 from sdbench.errors import SdbenchError
 from sdbench.reporting import results  # the module: tests replace results.read_results
 

@@ -38,7 +38,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from sdbench.engine.metrics import mean_accepted_length
+from sdbench.engine.formulas import mean_accepted_length
 from sdbench.engine.tree import Tree
 from sdbench.errors import SdbenchError
 

@@ -17,7 +17,6 @@ import torch
 from rich.console import Console
 
 from sdbench.analysis.bandwidth import Bandwidth, measure_bandwidth
-from sdbench.analysis.carry import Rounds
 from sdbench.analysis.costs import median_times
 from sdbench.commands.bench_carry import carry_over
 from sdbench.commands.bench_table import (GENERIC_ROW, Measured, _table, check_outputs, engine_lines, fast_row,
@@ -26,8 +25,9 @@ from sdbench.commands.hf_generate import MODES, Hf, generator, kwargs_for, pick
 from sdbench.config import BenchConfig, SamplingConfig
 from sdbench.data.tasks import encode_prompt, load_prompts
 from sdbench.drafting.ngram import DRAFT_NAME
+from sdbench.engine.clock import now
+from sdbench.engine.counters import Rounds
 from sdbench.engine.loop import generate
-from sdbench.engine.metrics import now
 from sdbench.engine.state import needed_capacity
 from sdbench.errors import SdbenchError
 from sdbench.models.generic import GenericRunner, runner_kind

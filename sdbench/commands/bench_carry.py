@@ -4,7 +4,8 @@ sdbench's acceptance on the same prompts and the system's own engine's step cost
 
 from __future__ import annotations
 
-from sdbench.analysis.carry import CHAIN, EngineCosts, carry
+from sdbench.analysis.carry import EngineCosts, carry
+from sdbench.engine.counters import CHAIN
 from sdbench.reporting.carry import Carried
 from sdbench.servers.client import EngineReplyError
 from sdbench.servers.costs import CostsUnknown, draft_costs, target_costs

@@ -13,8 +13,8 @@ import pandas as pd
 import torch
 from rich.table import Table
 
-from sdbench.analysis.carry import Rounds
-from sdbench.engine.metrics import rate
+from sdbench.engine.counters import Rounds
+from sdbench.engine.formulas import rate
 from sdbench.env import environment
 from sdbench.errors import SdbenchError
 from sdbench.reporting.carry import Carried
@@ -57,7 +57,7 @@ class Measured:
 
     @property
     def rounds(self) -> Rounds | None:
-        """Its decoding after each first token, in rounds (`analysis/carry.py`); None for transformers'."""
+        """Its decoding after each first token, in rounds (`engine/counters.py` `Rounds`); None for transformers'."""
         if self.engine is not None:
             return self.engine.rounds()
         return getattr(self.source, "rounds", None)

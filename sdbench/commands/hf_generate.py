@@ -18,7 +18,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from sdbench.engine.metrics import now, rate
+from sdbench.engine.clock import now
+from sdbench.engine.formulas import rate
 from sdbench.errors import SdbenchError
 from sdbench.models.shapes import quiet_library
 

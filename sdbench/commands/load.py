@@ -18,9 +18,11 @@ import torch
 from sdbench.commands.divergence import judge_rows
 from sdbench.commands.roles import BASELINE, EveryRole, Measured
 from sdbench.config import RunConfig
+from sdbench.engine.formulas import rate
 from sdbench.engine.loop import serve
-from sdbench.engine.metrics import RowMetrics, format_slo, predicted_speedup, rate, served_row_metrics
+from sdbench.engine.metrics import RowMetrics, predicted_speedup
 from sdbench.engine.scheduler import Request, Scheduler, arrival_times
+from sdbench.engine.serving import format_slo, served_row_metrics
 from sdbench.errors import SdbenchError
 from sdbench.models.names import weights_of
 from sdbench.reporting.results import Judged, Place, RunFields, result_row

@@ -17,22 +17,23 @@ import torch
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from sdbench.config import DEFAULT_GAMMA, RunConfig, SamplingConfig
 from sdbench.commands.divergence import judge_rows
 from sdbench.commands.load import check_load, serve_points
 from sdbench.commands.roles import EveryRole, Measured, Role, baseline_role, compared_roles, plan_roles
 from sdbench.commands.run_engine import check_engine_run, engine_pair, engine_servers, run_engine, run_roles
+from sdbench.config import DEFAULT_GAMMA, RunConfig, SamplingConfig
 from sdbench.data.passkey import answer_found
 from sdbench.data.prompts import encode_prompts, run_positions
-from sdbench.models.heads.registry import trained_on_note
 from sdbench.data.tasks import check_dataset, dataset_label
 from sdbench.data.turns import Conversations
 from sdbench.decoders import SEQUENTIAL, decoder_for
 from sdbench.drafting.datastore import held_note
+from sdbench.engine.counters import BatchResult
+from sdbench.engine.metrics import predicted_batch_speedup, row_metrics
 from sdbench.engine.state import needed_capacity
 from sdbench.env import environment
 from sdbench.errors import Interrupted, SdbenchError
-from sdbench.engine.metrics import BatchResult, predicted_batch_speedup, row_metrics
+from sdbench.models.heads.registry import trained_on_note
 from sdbench.models.names import weights_of
 from sdbench.models.pair import Pair, load_pair, resolve_device, resolve_dtype
 from sdbench.paths import output_dir

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from sdbench.dsi.orchestrator import RowDecode, torch_threads
 from sdbench.dsi.pools import default_threads, discard_pool, get_pool
-from sdbench.engine.metrics import BatchResult
+from sdbench.engine.counters import BatchResult
 from sdbench.errors import SdbenchError
 
 

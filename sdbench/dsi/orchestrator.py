@@ -25,11 +25,12 @@ from dataclasses import dataclass, field
 import torch
 
 from sdbench.config import SamplingConfig
+from sdbench.drafting.model import ModelDrafter
 from sdbench.dsi.ledger import Job, Ledger
 from sdbench.dsi.pools import WorkerFailed
 from sdbench.dsi.worker import Task
-from sdbench.drafting.model import ModelDrafter
-from sdbench.engine.metrics import RowStats, now
+from sdbench.engine.clock import now
+from sdbench.engine.counters import RowStats
 from sdbench.engine.state import DecodeState, Proposal, needed_capacity
 from sdbench.engine.step import accept
 from sdbench.stats_record import StatsRecord

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from sdbench.engine.metrics import now
+from sdbench.engine.clock import now
 from sdbench.kv.cache import set_prompt_lengths
 from sdbench.models.generic import make_runner
 

@@ -15,14 +15,15 @@ from __future__ import annotations
 import torch
 
 from sdbench.config import SamplingConfig
+from sdbench.engine.clock import Marks, now
+from sdbench.engine.counters import BatchResult, RowStats
 from sdbench.engine.hidden import Taps, TargetStates
-from sdbench.engine.metrics import BatchResult, Marks, RowStats, now
 from sdbench.engine.runner import Runner
-from sdbench.engine.scheduler import Scheduler
 from sdbench.engine.sampling import choose
+from sdbench.engine.scheduler import Scheduler
 from sdbench.engine.state import DecodeState, Proposal, needed_capacity
-from sdbench.engine.tree import TreeBatch
 from sdbench.engine.step import Round, verify_and_commit
+from sdbench.engine.tree import TreeBatch
 from sdbench.errors import SdbenchError
 
 

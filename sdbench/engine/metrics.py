@@ -1,4 +1,7 @@
-"""Every metric formula, defined once; every strategy (DSI included) counts by these definitions.
+"""Every metric, defined once here; every strategy (DSI included) counts by these definitions. This module holds a
+row's figures (`RowMetrics`, `row_metrics`) and the cost model's predicted speedups from them; the formulas over
+plain numbers are in engine/formulas.py, the counters a decoding keeps (`RowStats`, `BatchResult`, `tries`,
+`Rounds`) in engine/counters.py, the clocks in engine/clock.py, serving under load in engine/serving.py.
 
 Counted per prompt (row), from token ids, for the baseline and every strategy alike:
   committed        the tokens a row committed after its prompt (the `new_tokens` column): the first comes
@@ -88,213 +91,11 @@ costs what a round of the full batch costs.
 from __future__ import annotations
 
 import math
-import re
-import time
 from dataclasses import dataclass, field
 
-import numpy as np
-import torch
-
 from sdbench.engine import iid_model
-from sdbench.engine.tree import Tree
-from sdbench.errors import SdbenchError
-
-
-def now(device: torch.device | str | None = None) -> float:
-    """perf_counter after the device has finished its queued work."""
-    if device is not None and torch.device(device).type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter()
-
-
-class Marks:
-    """Phase timestamps that need no wait of their own: CUDA events on a GPU, read once the round's results
-    have reached the host anyway (the one wait per round), perf_counter elsewhere. The time between two
-    marks is then the device's time from one to the other, as a synchronised clock would measure it."""
-
-    def __init__(self, device: torch.device | str | None = None):
-        self.cuda = device is not None and torch.device(device).type == "cuda"
-
-    def mark(self):
-        if not self.cuda:
-            return time.perf_counter()
-        event = torch.cuda.Event(enable_timing=True)
-        event.record()
-        return event
-
-    def seconds(self, a, b) -> float:
-        """Time from mark a to mark b; on a GPU, only after the work before b has finished."""
-        return a.elapsed_time(b) / 1e3 if self.cuda else b - a
-
-
-class Spans:
-    """A sum of durations taken without waiting for the device: each span is a pair of `Marks`, read only when
-    `settle` is called after the work has reached the host anyway (the decode loop's one wait per round)."""
-
-    def __init__(self, device: torch.device | str | None = None):
-        self.marks = Marks(device)
-        self.pending: list = []
-
-    def start(self):
-        return self.marks.mark()
-
-    def stop(self, start) -> None:
-        self.pending.append((start, self.marks.mark()))
-
-    def settle(self) -> float:
-        """Seconds of the spans stopped since the last settle."""
-        seconds = sum(self.marks.seconds(a, b) for a, b in self.pending)
-        self.pending.clear()
-        return seconds
-
-
-def mean_accepted_length(new_tokens: float, steps: float, rows: int = 1) -> float:
-    """Tokens committed per step: every token but each row's first (the prefill's) comes from a step. Over
-    several rows, their new tokens and steps summed."""
-    return (new_tokens - rows) / steps if steps else math.nan
-
-
-def acceptance_rate(accepted: int, drafted: int) -> float:
-    return accepted / drafted if drafted else math.nan
-
-
-def specbench_mean_accepted_tokens(accepted: float, steps: float) -> float:
-    """Spec-Bench's "#Mean accepted tokens" (evaluation/speed.py): the mean over every step of all prompts of
-    the step's accepted drafts + 1. From sdbench's counts: (accepted + steps) / steps. It equals sdbench's
-    mean accepted length unless an EOS or the budget cut a step; Spec-Bench also counts a step's accepted
-    drafts past the cut, which sdbench does not record, so on such runs Spec-Bench itself would print a little
-    more."""
-    return (accepted + steps) / steps if steps else math.nan
-
-
-def vllm_mean_acceptance_length(accepted: float, drafts: float) -> float:
-    """vLLM's "Mean acceptance length" (v1 spec-decode metrics): 1 + accepted / num_drafts, where num_drafts
-    counts only the steps that proposed at least one token (drafted_per_position[0] here). A step with no
-    draft (a prompt-lookup miss) is left out, where sdbench's mean accepted length counts it as 1 token."""
-    return 1.0 + accepted / drafts if drafts else math.nan
-
-
-def vllm_draft_acceptance_rate(accepted: float, drafted: float) -> float:
-    """vLLM's "Draft acceptance rate": accepted / drafted tokens, the same ratio as sdbench's acceptance rate."""
-    return acceptance_rate(accepted, drafted)
-
-
-def rate(tokens: float, seconds: float) -> float:
-    return tokens / seconds if seconds > 0 else math.nan
-
-
-def time_per_output_token(after_first: float, new_tokens: int) -> float:
-    """The time after an answer's first token over the tokens after it (in after_first's unit); NaN for an
-    answer of one token, which has no token after its first to time (vLLM records 0 there)."""
-    return after_first / (new_tokens - 1) if new_tokens > 1 else math.nan
-
-
-def decode_time_per_token(answers) -> float:
-    """`time_per_output_token` over (after_first, new_tokens) pairs: their times after the first token over their
-    tokens after it, each summed over the answers of two tokens or more; NaN where there is none."""
-    timed = [(s, n) for s, n in answers if n > 1]
-    if not timed:
-        return math.nan
-    return time_per_output_token(sum(s for s, _ in timed), 1 + sum(n - 1 for _, n in timed))
-
-
-def tries(tree: Tree, path) -> list[tuple[int, int, bool]]:
-    """(d, r, accepted) for every node one verification tried (module docstring: acceptance by depth and rank),
-    from the root down. tree: the step's tree; path: the nodes the verifier accepted, from the root's child down.
-    Verification tries a node's children in rank order until one is accepted, then goes on below it; after the
-    last accepted node it tries all of that node's children and accepts none."""
-    out: list[tuple[int, int, bool]] = []
-    at = -1
-    for d in range(len(path) + 1):
-        nxt = path[d] if d < len(path) else None
-        for r, child in enumerate(tree.children_of(at)):
-            out.append((d, r, child == nxt))
-            if child == nxt:
-                break
-        at = nxt
-    return out
-
-
-def chain_tries(drafted: int, accepted: int) -> list[tuple[int, int, bool]]:
-    """`tries` of a chain of `drafted` drafts of which the verifier accepted the first `accepted` (no tree built)."""
-    return [(d, 0, d < accepted) for d in range(min(accepted + 1, drafted))]
-
-
-def _count_try(tried: list[list[int]], accepted: list[list[int]], d: int, r: int, ok: bool) -> None:
-    """One try of (d, r) into the two [d][r] tables, kept the same shape."""
-    for table in (tried, accepted):
-        table.extend([] for _ in range(d + 1 - len(table)))
-        table[d].extend([0] * (r + 1 - len(table[d])))
-    tried[d][r] += 1
-    accepted[d][r] += ok
-
-
-@dataclass
-class RowStats:
-    """One prompt's counters over a generation."""
-
-    steps: int = 0
-    drafted: int = 0
-    accepted: int = 0
-    rejections: int = 0  # steps whose verifier rejected one of their drafted tokens
-    accepted_per_position: list[int] = field(default_factory=list)  # [j]: steps whose draft j was committed
-    drafted_per_position: list[int] = field(default_factory=list)  # [j]: steps that drafted a token at j
-    draft_s: float = 0.0  # the batch's drafting time over the steps this row was active
-    verify_s: float = 0.0
-    tree_steps: int = 0  # token trees: see the module docstring
-    tree_nodes: int = 0
-    sibling_accepts: int = 0
-    verified_width: int = 0
-    tried_per_depth_rank: list[list[int]] = field(default_factory=list)  # [d][r], see the module docstring
-    accepted_per_depth_rank: list[list[int]] = field(default_factory=list)
-
-    def add_step(self, drafted: int, accepted: int, draft_s: float, verify_s: float,
-                 rejected: bool | None = None, *, verified: int | None = None, tree: Tree | None = None,
-                 path=None, width: int | None = None) -> None:
-        """accepted: drafts committed (see the module docstring); verified: drafts the verifier accepted
-        (default: accepted); rejected: the verifier rejected a draft (default: its last try failed, so for a
-        chain fewer verified than drafted); width: the verifying forward's tokens per row (default drafted + 1).
-        A tree step: tree, the step's tree, and path, the nodes the verifier accepted (the first `accepted`
-        of them committed)."""
-        if tree is not None:
-            rank = tree.rank
-            self.tree_steps += 1
-            self.tree_nodes += drafted
-            self.sibling_accepts += sum(rank[i] > 0 for i in path[:accepted])
-            found = tries(tree, path)
-        else:
-            found = chain_tries(drafted, accepted if verified is None else verified)
-        self.steps += 1
-        self.drafted += drafted
-        self.accepted += accepted
-        self.rejections += (bool(found) and not found[-1][2]) if rejected is None else bool(rejected)
-        self.draft_s += draft_s
-        self.verify_s += verify_s
-        self.verified_width += drafted + 1 if width is None else width
-        for d, r, ok in found:
-            _count_try(self.tried_per_depth_rank, self.accepted_per_depth_rank, d, r, ok)
-        reached = drafted if tree is None else tree.max_depth
-        for counts, n in ((self.drafted_per_position, reached), (self.accepted_per_position, accepted)):
-            counts.extend([0] * (n - len(counts)))
-            for j in range(n):
-                counts[j] += 1
-
-
-@dataclass
-class BatchResult:
-    """The outcome of decoding one batch of prompts."""
-
-    output_ids: list[list[int]]  # new tokens per row (prompt excluded)
-    prompt_tokens: list[int]
-    rows: list[RowStats]
-    wall_s: float  # prefill to last token, the whole batch
-    ttft_s: float  # prefill to first token, summed over the passes (see the module docstring)
-    extras: list[dict] = field(default_factory=list)  # per row: the proposer's row_stats()
-    setup_s: float = 0.0  # the proposer's begin(), inside the decode time (see the module docstring)
-
-    @property
-    def new_tokens(self) -> int:
-        return sum(len(o) for o in self.output_ids)
+from sdbench.engine.counters import BatchResult, RowStats
+from sdbench.engine.formulas import acceptance_rate, mean_accepted_length, rate, time_per_output_token
 
 
 @dataclass(frozen=True)
@@ -356,7 +157,7 @@ class RowMetrics:
         return acceptance_rate(self.accepted, self.drafted)
 
 
-def _counted(stats: RowStats) -> dict:
+def counted_fields(stats: RowStats) -> dict:
     """RowMetrics' counters of one prompt's RowStats."""
     return dict(steps=stats.steps, drafted=stats.drafted, accepted=stats.accepted,
                 accepted_per_position=list(stats.accepted_per_position),
@@ -371,7 +172,7 @@ def row_metrics(result: BatchResult, b: int) -> RowMetrics:
     """Row b of a decoded batch."""
     n = len(result.output_ids[b])
     return RowMetrics(
-        output_ids=list(result.output_ids[b]), prompt_tokens=result.prompt_tokens[b], **_counted(result.rows[b]),
+        output_ids=list(result.output_ids[b]), prompt_tokens=result.prompt_tokens[b], **counted_fields(result.rows[b]),
         wall_s=result.wall_s, tokens_per_s=rate(n, result.wall_s),
         batch_tokens_per_s=rate(result.new_tokens, result.wall_s), ttft_s=result.ttft_s,
         tpot_s=time_per_output_token(result.wall_s - result.ttft_s, n), setup_s=result.setup_s,
@@ -446,87 +247,3 @@ def predicted_batch_speedup(rows: list[RowStats], baseline: list[RowStats], new_
     round_cost = (longest.draft_s + longest.verify_s) / longest.steps / (base.verify_s / base.steps)
     plain = max(new_tokens) - 1
     return plain / (rounds * round_cost) if rounds > 0 and round_cost > 0 else math.nan
-
-
-# ---- served under load ---------------------------------------------------------------------------------------
-LATENCIES = ("ttft_ms", "tpot_ms", "itl_ms", "e2el_ms")
-PERCENTILES = (50, 90, 99)
-SLO_METRICS = ("ttft", "tpot", "e2el")  # the latencies an SLO may bound (vLLM's --goodput keys)
-_SLO_ITEM = re.compile(r"^(\w+):(\d+(?:\.\d*)?|\.\d+)(ms|s)?$")
-
-
-def parse_slo(text: str | None) -> dict[str, float]:
-    """'ttft:500ms,tpot:50ms' -> {"ttft": 500.0, "tpot": 50.0} (milliseconds; a bare number is ms, as vLLM's)."""
-    slo: dict[str, float] = {}
-    for item in (text or "").replace(" ", "").split(","):
-        m = _SLO_ITEM.match(item)
-        if not m or m.group(1) not in SLO_METRICS or m.group(1) in slo:
-            raise SdbenchError(f"--slo {text}: expected distinct METRIC:VALUE[ms|s] items joined by commas, METRIC "
-                               f"one of {', '.join(SLO_METRICS)} (e.g. ttft:500ms,tpot:50ms)")
-        slo[m.group(1)] = float(m.group(2)) * (1000.0 if m.group(3) == "s" else 1.0)
-    return slo
-
-
-def format_slo(slo: dict[str, float]) -> str:
-    return ",".join(f"{k}:{v:g}ms" for k, v in slo.items())
-
-
-def meets_slo(latencies: dict, slo: dict[str, float]) -> bool | None:
-    """Whether a request kept every bound (None without an SLO). A one-token answer has no TPOT: it keeps a
-    TPOT bound (vLLM counts its TPOT as 0)."""
-    if not slo:
-        return None
-    return all(not latencies[f"{k}_ms"] > bound for k, bound in slo.items())  # NaN TPOT passes
-
-
-def request_metrics(req, slo: dict[str, float], duration_s: float) -> ServedLatencies:
-    """The latencies of a request served under load (engine/scheduler.py's Request)."""
-    t, n = req.token_s, sum(req.chunk_tokens)
-    ttft = (t[0] - req.arrival_s) * 1e3 if t else math.nan
-    e2el = (t[-1] - req.arrival_s) * 1e3 if t else math.nan
-    tpot = time_per_output_token(e2el - ttft, n)
-    met = meets_slo({"ttft_ms": ttft, "tpot_ms": tpot, "e2el_ms": e2el}, slo)
-    return ServedLatencies(arrival_s=req.arrival_s, scheduled_s=req.scheduled_s, token_s=list(t),
-                           chunk_tokens=list(req.chunk_tokens), ttft_ms=ttft, e2el_ms=e2el,
-                           itl_ms=[(b - a) * 1e3 for a, b in zip(t, t[1:])], tpot_ms=tpot,
-                           queue_ms=(req.scheduled_s - req.arrival_s) * 1e3, prefill_ms=req.prefill_s * 1e3,
-                           slo_met=met, duration_s=duration_s)
-
-
-def _spread(values: list[float], name: str) -> dict:
-    v = np.asarray([x for x in values if not math.isnan(x)], dtype=float)
-    stats = {f"mean_{name}": float(v.mean()) if len(v) else math.nan}
-    for q in PERCENTILES:
-        stats[f"p{q}_{name}"] = float(np.percentile(v, q)) if len(v) else math.nan
-    return stats
-
-
-def serving_summary(requests: list[dict], duration_s: float) -> dict:
-    """The run-level figures of one role at one load point, from its requests' rows (request_metrics' columns
-    plus prompt_tokens and new_tokens). Names as vLLM's benchmark_serving result (see the module docstring)."""
-    out_tokens = sum(r["new_tokens"] for r in requests)
-    good = [r["slo_met"] for r in requests]
-    summary = {
-        "completed": len(requests), "duration_s": duration_s,
-        "request_throughput": rate(len(requests), duration_s),
-        "output_throughput": rate(out_tokens, duration_s),
-        "total_token_throughput": rate(out_tokens + sum(r["prompt_tokens"] for r in requests), duration_s),
-        "request_goodput": math.nan if any(g is None for g in good) else rate(sum(map(bool, good)), duration_s),
-    }
-    for name in LATENCIES:
-        values = [x for r in requests for x in r[name]] if name == "itl_ms" else [r[name] for r in requests]
-        summary.update(_spread(values, name))
-    return summary
-
-
-def served_row_metrics(req, duration_s: float, slo: dict[str, float], throughput: float) -> RowMetrics:
-    """A request served under load. The batch figures take the request's view: wall_s is the whole serving
-    time (the role's "batch"), tokens_per_s the request's own tokens over its e2el, ttft_s and tpot_s its TTFT
-    and TPOT in seconds; throughput: the role's output tokens/s at this load point (batch_tokens_per_s)."""
-    served = request_metrics(req, slo, duration_s)
-    return RowMetrics(
-        output_ids=list(req.output_ids), prompt_tokens=len(req.prompt), **_counted(req.stats), wall_s=duration_s,
-        tokens_per_s=rate(len(req.output_ids), served.e2el_ms / 1e3), batch_tokens_per_s=throughput,
-        ttft_s=served.ttft_ms / 1e3, tpot_s=served.tpot_ms / 1e3, setup_s=0.0, strategy_stats=req.extras,
-        served=served,
-    )

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from sdbench.engine.metrics import RowStats
+from sdbench.engine.counters import RowStats
 
 
 def arrival_times(n: int, rate: float, seed: int) -> list[float]:

@@ -15,7 +15,7 @@ from typing import Any, Protocol
 import torch
 
 from sdbench.config import SamplingConfig
-from sdbench.engine.metrics import Marks
+from sdbench.engine.clock import Marks
 from sdbench.engine.sampling import verify, verify_tree
 from sdbench.engine.state import Proposal
 from sdbench.engine.tree import Tree, TreeBatch

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import pandas as pd
 from rich.table import Table
 
-from sdbench.engine.metrics import decode_time_per_token
+from sdbench.engine.formulas import decode_time_per_token
 from sdbench.reporting.cells import fmt, number, ratio
 
 END_TO_END, DECODE = "end_to_end", "decode"

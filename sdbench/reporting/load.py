@@ -1,6 +1,6 @@
 """Tables of runs served under load: each strategy against the baseline at each load point.
 
-The figures are engine/metrics.py's `serving_summary` (vLLM benchmark_serving's names), computed per role,
+The figures are engine/serving.py's `serving_summary` (vLLM benchmark_serving's names), computed per role,
 load point and repeat from the request rows, then averaged over repeats.
 """
 
@@ -11,7 +11,7 @@ import math
 import pandas as pd
 from rich.table import Table
 
-from sdbench.engine.metrics import LATENCIES, PERCENTILES, serving_summary
+from sdbench.engine.serving import LATENCIES, PERCENTILES, serving_summary
 from sdbench.reporting.cells import fmt
 
 POINT = ["request_rate", "concurrency"]

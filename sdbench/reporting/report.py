@@ -36,13 +36,14 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from sdbench.engine.counters import AdaptiveRowStats
+from sdbench.engine.formulas import acceptance_rate, mean_accepted_length, rate
+from sdbench.engine.metrics import speedup
 from sdbench.errors import SdbenchError
-from sdbench.engine.metrics import acceptance_rate, mean_accepted_length, rate, speedup
 from sdbench.reporting.cells import fmt, numeric
 from sdbench.reporting.load import load_rows, load_tables
 from sdbench.reporting.results import parse_stats
 from sdbench.reporting.stats import Interval, describe, repeat_spread, speedup_interval
-from sdbench.strategies.adaptive import AdaptiveRowStats
 
 ALL = "ALL"
 _BATCH = ["run_id", "role", "batch_id", "repeat"]

@@ -11,8 +11,8 @@ import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from sdbench.analysis.carry import CHAIN, Rounds
 from sdbench.config import SamplingConfig
+from sdbench.engine.counters import CHAIN, Rounds
 from sdbench.errors import SdbenchError
 from sdbench.paths import repo_root
 
@@ -125,7 +125,7 @@ class Engine:
     folder: str = ""  # under engines_dir()
     install: str = ""  # the exact command, run in sdbench's checkout
     own_names: dict[str, str] = {}  # sdbench strategy -> the engine's name for it
-    draft_round: str = CHAIN  # how its draft model spends a round's forwards (`analysis/carry.py`)
+    draft_round: str = CHAIN  # how its draft model spends a round's forwards (`engine/counters.py`)
 
     def executable(self) -> Path:
         raise NotImplementedError

@@ -7,8 +7,8 @@ from __future__ import annotations
 import subprocess
 from pathlib import Path
 
-from sdbench.analysis.carry import MIRROR
 from sdbench.config import SamplingConfig
+from sdbench.engine.counters import MIRROR
 from sdbench.errors import SdbenchError
 from sdbench.models.loader import model_files
 from sdbench.paths import cache_dir

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from sdbench.config import SamplingConfig
-from sdbench.engine.metrics import BatchResult, RowStats
+from sdbench.engine.counters import BatchResult, RowStats
 from sdbench.servers.engines import Engine, EngineRole, Reply, reply_rounds, request_seed
 from sdbench.strategies.base import Proposer
 

@@ -10,8 +10,8 @@ import time
 import uuid
 from pathlib import Path
 
-from sdbench.analysis.carry import WIDE_FIRST
 from sdbench.config import SamplingConfig
+from sdbench.engine.counters import WIDE_FIRST
 from sdbench.errors import SdbenchError
 from sdbench.models.loader import safetensors_folder
 from sdbench.servers.client import EngineReplyError, get, post_json

@@ -22,26 +22,26 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
 
 from sdbench.drafting.model import ModelDrafter
 from sdbench.drafting.ngram import DRAFT_NAME, NGramDrafter, check_ngram
+from sdbench.engine.clock import Spans
+from sdbench.engine.counters import AdaptiveRowStats
 from sdbench.engine.iid_model import fit_alpha
-from sdbench.engine.metrics import Spans
 from sdbench.engine.state import DecodeState, Proposal
 from sdbench.engine.step import Round
 from sdbench.errors import SdbenchError
 from sdbench.options import split_list
-from sdbench.stats_record import StatsRecord
 from sdbench.strategies.adaptive_online import (PRIOR_TRIALS, AlphaPrior, GammaPolicy, StepSchedule,
                                                 prompt_features, select_drafters)
 from sdbench.strategies.base import Proposer
-from sdbench.strategies.spec import BuildContext, Option, Strategy, Configuration, need_gamma, register
 from sdbench.strategies.draft import DraftModel
 from sdbench.strategies.ngram import NGram
+from sdbench.strategies.spec import BuildContext, Option, Strategy, Configuration, need_gamma, register
 
 COMMON = (
     Option("gamma_max", 8, "largest lookahead the adaptation may choose"),
@@ -90,29 +90,6 @@ def merge_proposals(parts: list[Proposal]) -> Proposal:
             probs[rows, :g] = (p.probs.to(device)[rows] if p.probs is not None
                                else F.one_hot(part, probs.shape[-1]).to(probs.dtype))
     return Proposal(tokens, lengths, probs)
-
-
-@dataclass(frozen=True)
-class AdaptiveRowStats(StatsRecord):
-    """One row's strategy_stats under an adaptive strategy (gamma 0 = a plain step)."""
-
-    OPTIONAL = ("selected", "exploring")  # select=prompt only
-
-    gamma_mean: float | None = None  # over the row's rounds; None without a round
-    gamma_hist: dict[int, int] = field(default_factory=dict)  # rounds at each gamma asked of the drafter
-    drafts: dict[str, int] = field(default_factory=dict)  # rounds drafted per candidate
-    switches: int = 0  # rounds whose candidate differs from the previous drafting round's
-    alpha: dict[str, float] = field(default_factory=dict)  # per candidate that drafted: its fitted alpha
-    selected: str | None = None  # select=prompt: the drafter the prompt used
-    exploring: bool | None = None  # select=prompt: a candidate whose cost was not measured yet, not the model's pick
-
-    def to_dict(self) -> dict:
-        return {**super().to_dict(), "gamma_hist": {str(g): n for g, n in sorted(self.gamma_hist.items())}}
-
-    @classmethod
-    def from_dict(cls, data) -> "AdaptiveRowStats":
-        stats = super().from_dict(data)  # JSON keys are strings: gamma_hist's are gammas
-        return replace(stats, gamma_hist={int(g): int(n) for g, n in stats.gamma_hist.items()})
 
 
 class RowTrace:

@@ -12,7 +12,7 @@ its own height. Whatever lies beyond a level's lens is scratch for it.
 The bottom is a drafter (drafting/), and a verifying level drafts through the same model drafter: its KV cache
 is kept in step with the context it is asked about, whatever the levels above accepted, corrected or rewound.
 A verifying level's rounds are the one verify-and-commit step (engine/step.py), as the target's are.
-Forward times are taken without waiting for the device (engine/metrics.Spans) and settled by `settle` once
+Forward times are taken without waiting for the device (engine/clock.Spans) and settled by `settle` once
 the decode loop's round has reached the host.
 """
 
@@ -25,7 +25,8 @@ import torch
 
 from sdbench.drafting.model import ModelDrafter
 from sdbench.drafting.ngram import NGramDrafter
-from sdbench.engine.metrics import Spans, acceptance_rate, mean_accepted_length
+from sdbench.engine.clock import Spans
+from sdbench.engine.formulas import acceptance_rate, mean_accepted_length
 from sdbench.engine.sampling import probs_from_logits
 from sdbench.engine.state import DecodeState, Proposal
 from sdbench.engine.step import verify_and_commit

@@ -17,7 +17,7 @@ from sdbench.commands.gpucheck.plan import LLAMA_8B, Ctx, Section, free, prompts
 from sdbench.commands.gpucheck.sections import _lossless_claim
 from sdbench.commands.reproduce.common import FAILS, HOLDS, UNTESTABLE, Claim
 from sdbench.config import RunConfig
-from sdbench.engine.metrics import mean_accepted_length
+from sdbench.engine.formulas import mean_accepted_length
 from sdbench.models import loader  # the module: tests replace loader.load_model
 from sdbench.models import pair as pair_module  # the module: tests replace pair.load_pair
 from sdbench.models.memory import GIB

@@ -31,11 +31,11 @@ from sdbench.commands.reproduce.common import (Figure, Report, ReproduceConfig, 
                                                grouped_bars, pyplot)
 from sdbench.config import RunConfig
 from sdbench.drafting.ngram import DRAFT_NAME as NGRAM
+from sdbench.engine.counters import AdaptiveRowStats
 from sdbench.errors import SdbenchError
 from sdbench.models import pair as pair_module  # the module: tests replace pair.load_pair
 from sdbench.reporting import results  # the module: tests replace results.read_results
 from sdbench.reporting.report import ALL, summarize
-from sdbench.strategies.adaptive import AdaptiveRowStats
 
 TITLE = ("A Drop-In Solution for On-the-Fly Adaptation of Speculative Decoding in Large Language Models "
          "(Jiesong Liu, Brian Park, Xipeng Shen, ACL 2025)")

@@ -32,7 +32,7 @@ from sdbench.commands.reproduce.common import (Figure, Report, ReproduceConfig, 
                                                pyplot)
 from sdbench.commands.reproduce.magicdec_claims import judge, kv_share, self_spec_best
 from sdbench.config import RunConfig
-from sdbench.engine.metrics import mean_accepted_length
+from sdbench.engine.formulas import mean_accepted_length
 from sdbench.engine.state import needed_capacity
 from sdbench.models import pair as pair_module  # the module: tests replace pair.load_pair
 from sdbench.reporting import results  # the module: tests replace results.read_results
