@@ -11,7 +11,7 @@ import pytest
 
 import sdbench.commands.bench as bench
 from sdbench.commands.bench import _measure
-from sdbench.commands.bench_table import Measured, write_bench
+from sdbench.commands.bench_table import SystemMeasurement, write_bench
 from sdbench.reporting.latency import Call, from_frame, latencies, repeat_tpot
 from sdbench.servers.engines import EngineTotals, Reply
 
@@ -119,4 +119,4 @@ def test_tpot_counts_the_tokens_after_the_first_over_several_answers():
     assert repeat_tpot(calls) == pytest.approx(5.0 / 5)
     assert math.isnan(repeat_tpot(calls[2:])) and math.isnan(repeat_tpot([]))
     # a system that keeps no time after its first token has none either
-    assert math.isnan(Measured("x", False, [5], [1.0], [[1]], calls=[Call(0, 0.0, math.nan, 1.0, 5)]).timed().tpot)
+    assert math.isnan(SystemMeasurement("x", False, [5], [1.0], [[1]], calls=[Call(0, 0.0, math.nan, 1.0, 5)]).timed().tpot)

@@ -5,7 +5,7 @@ import pytest
 
 from sdbench.models.runner import ModelRunner
 from sdbench.commands.bench import _measure, cost_ratios
-from sdbench.commands.bench_table import Measured, _table, write_bench
+from sdbench.commands.bench_table import SystemMeasurement, _table, write_bench
 from tests.conftest import run_cli, skip_unless_ci, tiny_model
 from tests.references import tiny_model_dir
 
@@ -37,8 +37,8 @@ def test_measure_readies_weights_before_each_clock_and_keeps_repeats():
 
 
 def test_write_bench_has_one_row_per_system_and_repeat(tmp_path):
-    results = [Measured("transformers generate", False, [10, 12], [1.0, 2.0], [[1]]),
-               Measured("sdbench autoregressive (fast)", True, [10, 12], [0.5, 1.0], [[2]])]
+    results = [SystemMeasurement("transformers generate", False, [10, 12], [1.0, 2.0], [[1]]),
+               SystemMeasurement("sdbench autoregressive (fast)", True, [10, 12], [0.5, 1.0], [[2]])]
     path = write_bench(results, str(tmp_path), {"model": "m", "draft": "d", "dataset": "x", "device": "cpu",
                                                 "dtype": "float32", "verify_cost": 1.2, "draft_cost": 0.3})
     df = pd.read_parquet(path)
@@ -215,16 +215,16 @@ def test_outputs_are_compared_with_generates_dynamic_cache_when_the_timed_config
     dynamic = {(1, 2): [5, 6, 7, 8], (3, 4): [9, 9, 9, 9]}
     monkeypatch.setattr(bench, "generator", lambda model, eos, kwargs: (
         lambda prompt, n: (pytest.fail("not the dynamic cache") if kwargs else dynamic[tuple(prompt)][:n])))
-    timed = Measured("transformers generate (static cache, torch.compile)", False, [8], [1.0],
+    timed = SystemMeasurement("transformers generate (static cache, torch.compile)", False, [8], [1.0],
                      [[5, 6, 7, 8], [9, 9, 1, 9]])
     ref, line = bench._reference(None, [[1, 2], [3, 4]], [0], 4, Picked("compiled"), timed, _Status(),
                                  lambda fast: None)
     assert ref == [[5, 6, 7, 8], [9, 9, 9, 9]]
     assert "disagree" in line and "prompt 2" in line and "new token 3" in line and "dynamic cache" in line
-    ours = Measured("sdbench ngram (γ=4)", True, [8], [1.0], [[5, 6, 7, 8], [9, 9, 1, 9]])
+    ours = SystemMeasurement("sdbench ngram (γ=4)", True, [8], [1.0], [[5, 6, 7, 8], [9, 9, 1, 9]])
     with pytest.raises(bench_table.OutputDiffers, match="prompt 2 .first at new token 3"):
         bench_table.check_outputs([timed, ours], ref)
-    agree = Measured(timed.system, False, [8], [1.0], [list(r) for r in ref])
+    agree = SystemMeasurement(timed.system, False, [8], [1.0], [list(r) for r in ref])
     assert bench._reference(None, [[1, 2], [3, 4]], [0], 4, Picked("compiled"), agree, _Status(),
                             lambda fast: None) == (ref, None)
     assert bench._reference(None, [], [0], 4, Picked("dynamic"), timed, _Status(), None) == (timed.outputs, None)

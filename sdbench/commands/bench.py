@@ -19,9 +19,9 @@ from rich.console import Console
 from sdbench.analysis.bandwidth import Bandwidth, measure_bandwidth
 from sdbench.analysis.costs import median_times
 from sdbench.commands.bench_carry import carry_over
-from sdbench.commands.bench_table import (GENERIC_ROW, Measured, _table, check_outputs, engine_lines, fast_row,
+from sdbench.commands.bench_table import (GENERIC_ROW, SystemMeasurement, _table, check_outputs, engine_lines, fast_row,
                                           first_difference, write_bench)
-from sdbench.commands.hf_generate import MODES, Hf, generator, kwargs_for, pick
+from sdbench.commands.hf_generate import MODES, TransformersSystem, generator, kwargs_for, pick
 from sdbench.config import BenchConfig, SamplingConfig
 from sdbench.data.tasks import encode_prompt, load_prompts
 from sdbench.drafting.ngram import DRAFT_NAME
@@ -55,17 +55,17 @@ from sdbench.strategies.spec import need_gamma
 
 
 
-def _measure(systems: list, prompts: list[list[int]], repeats: int, device, status, weights) -> list[Measured]:
+def _measure(systems: list, prompts: list[list[int]], repeats: int, device, status, weights) -> list[SystemMeasurement]:
     """Each prompt through every system in turn, `repeats` times: drift in the machine's speed then falls
     on all systems alike instead of on whichever ran last. weights(fast) readies the models' weights before
     a system's clock starts (the fast path's packed ones or plain ones); the systems on plain weights run
     first for each prompt, so the weights change twice a prompt.
     An engine's system whose server fails is marked failed and left out from then on; the others go on.
     """
-    results = [Measured(name, fast, engine=getattr(fn, "totals", None), source=fn) for name, fn, fast in systems]
+    results = [SystemMeasurement(name, fast, engine=getattr(fn, "totals", None), source=fn) for name, fn, fast in systems]
     order = sorted(zip(results, systems), key=lambda pair: pair[0].fast)
 
-    def call(m: Measured, fn, prompt: list[int], budget: int | None) -> list[int] | None:
+    def call(m: SystemMeasurement, fn, prompt: list[int], budget: int | None) -> list[int] | None:
         if m.failed:
             return None
         try:
@@ -112,8 +112,8 @@ def _after_first(fn) -> float:
 
 
 @dataclass
-class Ours:
-    """fn(prompt ids, budget or None for max_new) -> new ids through sdbench's decode loop. Measured calls (budget
+class SdbenchSystem:
+    """fn(prompt ids, budget or None for max_new) -> new ids through sdbench's decode loop. SystemMeasurement calls (budget
     None) add their rounds after the first token to `rounds` (the carry-over's acceptance and decode time).
     capacity: one KV length for every prompt, so that a static-shape (CUDA-graph) runner captures its graphs
     during the warm-up and replays them for every measured prompt. key: (strategy, drafter) for the carry-over."""
@@ -180,11 +180,11 @@ def _systems(tgt, drf, runner, plain, d_runner, max_new: int, eos: list[int], ro
     fast = _fast_label(runner)
     on = runner.cpu_fast
     beside = [] if generic is None else [
-        (GENERIC_ROW, Ours(generic, Autoregressive, max_new, eos, room), False)]
+        (GENERIC_ROW, SdbenchSystem(generic, Autoregressive, max_new, eos, room), False)]
     plain_decoding = [
-        ("transformers generate", Hf(tgt.model, max_new, eos), False),
-        ("sdbench autoregressive (no fast path)", Ours(plain, Autoregressive, max_new, eos, room), False),
-        (f"sdbench autoregressive{fast}", Ours(runner, Autoregressive, max_new, eos, room), on),
+        ("transformers generate", TransformersSystem(tgt.model, max_new, eos), False),
+        ("sdbench autoregressive (no fast path)", SdbenchSystem(plain, Autoregressive, max_new, eos, room), False),
+        (f"sdbench autoregressive{fast}", SdbenchSystem(runner, Autoregressive, max_new, eos, room), on),
         *beside,
     ]
     if autoregressive_only:
@@ -192,14 +192,14 @@ def _systems(tgt, drf, runner, plain, d_runner, max_new: int, eos: list[int], ro
     return [
         *plain_decoding,
         (f"transformers assisted (γ={gamma})",
-         Hf(tgt.model, max_new, eos, dict(assistant_model=drf.model, num_assistant_tokens=gamma,
+         TransformersSystem(tgt.model, max_new, eos, dict(assistant_model=drf.model, num_assistant_tokens=gamma,
                                           num_assistant_tokens_schedule="constant"), ("draft", draft)), False),
         (f"sdbench draft (γ={gamma}){fast}",
-         Ours(runner, lambda: DraftModel(d_runner, gamma), max_new, eos, room, ("draft", draft)), on),
+         SdbenchSystem(runner, lambda: DraftModel(d_runner, gamma), max_new, eos, room, ("draft", draft)), on),
         (f"transformers prompt lookup (γ={gamma})",
-         Hf(tgt.model, max_new, eos, dict(prompt_lookup_num_tokens=gamma), ("ngram", None)), False),
+         TransformersSystem(tgt.model, max_new, eos, dict(prompt_lookup_num_tokens=gamma), ("ngram", None)), False),
         (f"sdbench ngram (γ={gamma}){fast}",
-         Ours(runner, lambda: NGram(gamma), max_new, eos, room, ("ngram", None)), on),
+         SdbenchSystem(runner, lambda: NGram(gamma), max_new, eos, room, ("ngram", None)), on),
     ]
 
 
@@ -221,7 +221,7 @@ def _head_systems(runner, heads: tuple[str, ...], max_new: int, eos: list[int], 
         declared = strategy("medusa" if head.kind == MEDUSA else "eagle")
         drafter = declared.drafter(head, runner, gamma)  # reused: each generation begins it afresh
         rows.append((f"sdbench {declared.name} {head.kind} {Path(source).name} (γ={gamma}){fast}",
-                     Ours(runner, lambda d=drafter, src=source: TrainedHead(d, gamma, src), max_new, eos, room,
+                     SdbenchSystem(runner, lambda d=drafter, src=source: TrainedHead(d, gamma, src), max_new, eos, room,
                           ("eagle", source)),
                      runner.cpu_fast))
     return rows
@@ -231,7 +231,7 @@ def _head_systems(runner, heads: tuple[str, ...], max_new: int, eos: list[int], 
 class Peers:
     """What `measure_peers` measured: the systems, and what the table's caption and the lines under it say."""
 
-    results: list[Measured]
+    results: list[SystemMeasurement]
     bandwidth: Bandwidth  # the best streaming read on the device
     weight_bytes: int  # the target's plain weights
     verify_cost: float  # T(gamma + 1 tokens) / T(1 token) of the target, fast path
@@ -304,7 +304,7 @@ def _engine_systems(cfg: BenchConfig, capacity: int, status):
         yield systems
 
 
-def run_peers(cfg: BenchConfig, console: Console) -> list[Measured]:
+def run_peers(cfg: BenchConfig, console: Console) -> list[SystemMeasurement]:
     """Measure, print the table and the cost ratios, write OUT/bench.parquet when asked, then fail if an sdbench
     system's output differs from transformers generate's."""
     check_bench(cfg)
@@ -382,7 +382,7 @@ def measure_peers(cfg: BenchConfig, console: Console) -> Peers:
         systems += [(s.name, s, False) for s in engines if s.measured]
         picked = _pick_generate(tgt.model, prompts[0], eos, cfg.generate, dev, status, weights, room)
         systems[0] = (f"transformers generate ({picked.label})",
-                      Hf(tgt.model, max_new, eos, kwargs_for(picked.name, dev, room)), False)
+                      TransformersSystem(tgt.model, max_new, eos, kwargs_for(picked.name, dev, room)), False)
         results = _measure(systems, prompts, cfg.repeats, dev, status, weights)
         reference, disagreement = _reference(tgt.model, prompts, eos, max_new, picked, results[0], status, weights)
         status.update("measuring the verification and draft cost ratios")
@@ -402,7 +402,7 @@ def _pick_generate(model, prompt: list[int], eos: list[int], mode: str, device, 
     return pick(model, prompt, eos, mode, device, room)
 
 
-def _reference(model, prompts, eos, max_new: int, picked, measured: Measured, status, weights):
+def _reference(model, prompts, eos, max_new: int, picked, measured: SystemMeasurement, status, weights):
     """(generate's tokens per prompt with its dynamic cache, a line where the measured configuration's differ).
 
     The dynamic cache is the library's own step-by-step decoding, the model the user named; a static or

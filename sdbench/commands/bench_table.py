@@ -1,4 +1,4 @@
-"""bench's results as they leave it: each system's measurement (`Measured`), sdbench's outputs checked against
+"""bench's results as they leave it: each system's measurement (`SystemMeasurement`), sdbench's outputs checked against
 transformers' `generate`, an engine's agreement reported, the speed table, the engines' lines and bench.parquet's
 rows."""
 
@@ -34,7 +34,7 @@ class OutputDiffers(SdbenchError):
 
 
 @dataclass
-class Measured:
+class SystemMeasurement:
     system: str
     fast: bool  # runs on the packed (fast-path) weights; the others on plain ones
     tokens: list[int] = field(default_factory=list)  # per repeat, over all prompts
@@ -42,7 +42,7 @@ class Measured:
     outputs: list[list[int]] = field(default_factory=list)  # the first repeat's, per prompt
     engine: EngineTotals | None = None  # an engine's system: its replies (timings, its own acceptance counters)
     failed: str | None = None  # why the system stopped mid-measurement (an engine's server died): not measured
-    source: object = None  # the measured callable (sdbench's own: Ours; transformers': Hf; an engine's: EngineSystem)
+    source: object = None  # the measured callable (sdbench's own: SdbenchSystem; transformers': TransformersSystem; an engine's: EngineSystem)
     calls: list[Call] = field(default_factory=list)  # every measured call, timed by `_measure`
 
     @property
@@ -90,7 +90,7 @@ def first_difference(outputs: list[list[int]], reference: list[list[int]]) -> tu
     return None
 
 
-def check_outputs(results: list[Measured], reference: list[list[int]] | None = None) -> None:
+def check_outputs(results: list[SystemMeasurement], reference: list[list[int]] | None = None) -> None:
     """Raise OutputDiffers naming the first sdbench system and prompt whose tokens differ from `generate`'s
     with its dynamic cache (`reference`; default results[0]'s); the table and the Parquet rows are already out
     by then."""
@@ -106,7 +106,7 @@ def check_outputs(results: list[Measured], reference: list[list[int]] | None = N
                                 f"(first at new token {at + 1}: {ours[at:at + 1]} vs {theirs[at:at + 1]})")
 
 
-def write_bench(results: list[Measured], out: str, common: dict, carried: list[Carried] = ()):
+def write_bench(results: list[SystemMeasurement], out: str, common: dict, carried: list[Carried] = ()):
     """<out>/bench.parquet: one row per system and repeat, with the environment columns `run` records, the repeat's
     TTFT and TPOT and the system's ratios over each engine (`reporting/latency.py`), and each speculative system's
     carry-over row (`reporting/carry.py`)."""
@@ -126,7 +126,7 @@ def write_bench(results: list[Measured], out: str, common: dict, carried: list[C
     return path / "bench.parquet"
 
 
-def _engine_fields(m: Measured, reference: list[list[int]]) -> dict:
+def _engine_fields(m: SystemMeasurement, reference: list[list[int]]) -> dict:
     """An engine system's columns (None on sdbench's and transformers' rows): the engine's own counters over the
     measurement, the median gap between its stream's events carrying tokens, prompts with generate's tokens, why it
     failed."""
@@ -138,7 +138,7 @@ def _engine_fields(m: Measured, reference: list[list[int]]) -> dict:
             "same_prompts": same_prompts(m.outputs, reference), "failed": m.failed}
 
 
-def _table(results: list[Measured], roofline: float, title: str) -> Table:
+def _table(results: list[SystemMeasurement], roofline: float, title: str) -> Table:
     table = Table(title=title)
     for col in ("system", "tokens", "tokens/s (median)", "spread (min-max)", "vs peer", "same output as generate",
                 "of roofline"):
@@ -178,7 +178,7 @@ def _table(results: list[Measured], roofline: float, title: str) -> Table:
     return table
 
 
-def fast_row(results: list[Measured]) -> Measured | None:
+def fast_row(results: list[SystemMeasurement]) -> SystemMeasurement | None:
     """sdbench's own plain decoding on its fastest path: the row every sdbench strategy is measured against."""
     return next((m for m in results if m.system.startswith("sdbench autoregressive")
                  and "no fast path" not in m.system and m.system != GENERIC_ROW), None)
@@ -197,7 +197,7 @@ def same_prompts(outputs: list[list[int]], reference: list[list[int]]) -> int:
     return sum(a == b for a, b in zip(outputs, reference))
 
 
-def engine_lines(results: list[Measured], reference: list[list[int]]) -> list[str]:
+def engine_lines(results: list[SystemMeasurement], reference: list[list[int]]) -> list[str]:
     """One line per engine system: its own acceptance counters, the median gap between its stream's events (its
     TTFT and TPOT are in the latency table, timed as every system's), its agreement with generate's tokens; or why
     it failed."""

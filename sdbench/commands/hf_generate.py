@@ -119,7 +119,7 @@ class _Stamps:
 
 
 @dataclass
-class Hf:
+class TransformersSystem:
     """fn(prompt ids, budget or None for max_new) -> the new ids, through transformers' greedy generate with
     `kwargs`. after_first: seconds its last call ran after its first new token (its streamer's stamps); decoding:
     (strategy, drafter), as sdbench names the same decoding."""

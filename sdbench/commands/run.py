@@ -379,10 +379,10 @@ def run_config(raw: dict) -> RunConfig:
     raw["sampling"] = SamplingConfig(**raw["sampling"])
     raw["drafts"] = tuple(raw["drafts"])
     raw["depths"] = tuple(raw.get("depths", ()))
-    raw.setdefault("turns", 1)  # saved before runs had turns: first turns only
+    raw.setdefault("turns", 1)  # a config of an older sdbench, with no turns: first turns only
     for key in ("request_rates", "concurrencies"):
         raw[key] = tuple(raw.get(key, ()))
     raw["gammas"] = tuple(raw.get("gammas", ()))
-    if isinstance(raw.get("probe"), bool):  # saved before the probe kept its verdicts: on or off
+    if isinstance(raw.get("probe"), bool):  # a config of an older sdbench, whose probe was on or off
         raw["probe"] = "auto" if raw["probe"] else "never"
     return RunConfig(**raw)

@@ -1,9 +1,9 @@
 """The one drafting protocol. A drafter proposes tokens continuing each row of a context; it never verifies.
 
-Implemented once for a model (dense or sparse KV cache: drafting/model.py) and once for prompt lookup
-(drafting/ngram.py). Fixed-lookahead strategies (draft, ngram, magicdec) call one drafter every round, the
-adaptive strategies choose among several, the bottom of a polybasic chain is one, and DSI's drafter thread
-drafts through one.
+Implemented for a model (dense or sparse KV cache: drafting/model.py), prompt lookup (drafting/ngram.py), a
+retrieval datastore (drafting/retrieval.py) and trained heads (drafting/heads.py: EAGLE, Medusa). Fixed-lookahead
+strategies call one drafter every round, the adaptive strategies choose among several, the bottom of a polybasic
+chain is one, and DSI's drafter thread drafts through one.
 """
 
 from __future__ import annotations

@@ -213,7 +213,7 @@ def head_ways(weight: torch.Tensor, bias: torch.Tensor | None) -> dict:
         candidates = {name: fn for name, fn in HEAD_WAYS.items() if name != KERNEL or cpukernel.available()}
         for width in HEAD_WIDTHS:
             x = torch.randn(1, width, weight.shape[1], dtype=weight.dtype)
-            # best of 5: best of 2 once took W x^T for SmolLM2's one row (9.6 ms) over oneDNN's (5.4 ms)
+            # best of 5: best of 2 can pick a way that is not the fastest (docs/peers.md)
             times = {name: _timed(lambda: fn(x, w, b), reps=5) for name, fn in candidates.items()}
             ways[width] = min(times, key=times.get)
         _head_ways[key] = ways

@@ -1,9 +1,9 @@
 """The CPU fast path's fused decoder layer: a Llama-style layer's step over a few tokens in five calls into sdbench's
 own kernels (`models/cpukernel.py`) and its four products, where the library's layer takes ~30 small torch ops.
 
-On a small model the products are not all of a CPU decode step: SmolLM2-135M's 30 layers spent ~16 ms a step in
-norms, rotation, cache writes, attention, activation and the Python between them, beside ~25 ms in its products
-(docs/peers.md "Where a CPU decode step's time goes"). Here each layer is
+On a small model the products are not all of a CPU decode step: the norms, rotation, cache writes, attention,
+activation and the Python between them take a large share of it (docs/peers.md "Where a CPU decode step's time
+goes" has the measurements). Here each layer is
 
     x = rms_norm(h); o = attend(qkv(x)); h = h + o_proj(o); x = rms_norm(h); h = h + down(silu(gate) * up)
 
