@@ -273,7 +273,7 @@ def test_train_head_learns_runs_lossless_and_says_when_measured_on_its_training_
     assert config["speculators_model_type"] == "eagle3" and config["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3]
     folder = (fitted / "target").resolve()  # the verifier: the user's own folder, its weights' files recorded
     assert config["speculators_config"]["verifier"]["name_or_path"] == str(folder)
-    assert record["target_weights"] == {"source": "local", "folder": str(folder),
+    assert record["target_weights"] == {"source": "local", "folder": "target",
                                         "files": {"model.safetensors": (folder / "model.safetensors").stat().st_size}}
     # run on the same prompts: one note says so; the output equals plain decoding
     code, text, err = run_cli(capsys, "run", "--target", str(fitted / "target"), "--strategy", "eagle", "--head",

@@ -120,8 +120,8 @@ def verifier_name(loaded) -> str | None:
 
 
 def target_weights(loaded) -> dict:
-    """The exact weights a head is fitted on, for its record: a GGUF's file name, size and sha256; a folder's
-    weight files and their sizes; a hub model's id and revision; a @random model's name."""
+    """The exact weights a head is fitted on, for its record: a GGUF's file name, size and sha256; a folder's name
+    and its weight files and their sizes; a hub model's id and revision; a @random model's name."""
     if loaded.source in ("embedded", "gguf"):
         path = Path(loaded.ref)
         digest = hashlib.sha256()
@@ -132,7 +132,7 @@ def target_weights(loaded) -> dict:
     if loaded.source == "local":
         files = {p.name: p.stat().st_size for p in sorted(Path(loaded.ref).iterdir())
                  if p.suffix in (".safetensors", ".bin", ".pt")}
-        return {"source": "local", "folder": loaded.ref, "files": files}
+        return {"source": "local", "folder": Path(loaded.ref).name, "files": files}  # its name: no path of this machine
     if loaded.source == "hub":
         return {"source": "hub", "repo_id": loaded.ref, "revision": getattr(loaded.model.config, "_commit_hash", None)}
     return {"source": loaded.source, "name": loaded.name}
