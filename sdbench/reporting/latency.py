@@ -1,7 +1,8 @@
 """`bench`'s latency table: every system's time to first token (TTFT) and time per output token after it (TPOT),
 sdbench's, transformers' and each engine's, from the calls the one measuring loop timed (`commands/bench._measure`;
-`engine/metrics.py` defines the per-call figures); each system beside every engine's row of the same decoding, end
-to end and after the first token; and the bench.parquet columns that hold them.
+`engine/metrics.py` defines the per-call figures, `engine/formulas.py` computes them); each system beside every
+engine's row of the same decoding, end to end and after the first token; and the bench.parquet columns that hold
+them.
 
 Per repeat: TTFT the median over its calls, TPOT the calls' times after their first tokens over their tokens after
 them (`decode_time_per_token`). Per system, as its tokens/s: the medians over the repeats.
