@@ -35,9 +35,10 @@ def die_with(parent: int):
     and an exit at once if that process is already gone (it died between the fork and this call)."""
     if not sys.platform.startswith("linux"):
         return None
+    prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up here: the child only calls it
 
     def arm() -> None:
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+        prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
         if os.getppid() != parent:
             os._exit(1)
 
