@@ -119,4 +119,5 @@ def test_tpot_counts_the_tokens_after_the_first_over_several_answers():
     assert repeat_tpot(calls) == pytest.approx(5.0 / 5)
     assert math.isnan(repeat_tpot(calls[2:])) and math.isnan(repeat_tpot([]))
     # a system that keeps no time after its first token has none either
-    assert math.isnan(SystemMeasurement("x", False, [5], [1.0], [[1]], calls=[Call(0, 0.0, math.nan, 1.0, 5)]).timed().tpot)
+    one = SystemMeasurement("x", False, [5], [1.0], [[1]], calls=[Call(0, 0.0, math.nan, 1.0, 5)])
+    assert math.isnan(one.timed().tpot)

@@ -62,7 +62,8 @@ def _measure(systems: list, prompts: list[list[int]], repeats: int, device, stat
     first for each prompt, so the weights change twice a prompt.
     An engine's system whose server fails is marked failed and left out from then on; the others go on.
     """
-    results = [SystemMeasurement(name, fast, engine=getattr(fn, "totals", None), source=fn) for name, fn, fast in systems]
+    results = [SystemMeasurement(name, fast, engine=getattr(fn, "totals", None), source=fn)
+               for name, fn, fast in systems]
     order = sorted(zip(results, systems), key=lambda pair: pair[0].fast)
 
     def call(m: SystemMeasurement, fn, prompt: list[int], budget: int | None) -> list[int] | None:
@@ -113,7 +114,7 @@ def _after_first(fn) -> float:
 
 @dataclass
 class SdbenchSystem:
-    """fn(prompt ids, budget or None for max_new) -> new ids through sdbench's decode loop. SystemMeasurement calls (budget
+    """fn(prompt ids, budget or None for max_new) -> new ids through sdbench's decode loop. Measured calls (budget
     None) add their rounds after the first token to `rounds` (the carry-over's acceptance and decode time).
     capacity: one KV length for every prompt, so that a static-shape (CUDA-graph) runner captures its graphs
     during the warm-up and replays them for every measured prompt. key: (strategy, drafter) for the carry-over."""

@@ -17,7 +17,7 @@ LOOKUP = "ngram"  # the strategy whose drafter is a lookup: c = 0
 
 def carry_over(results: list, plain, engines: list, prompts: list[list[int]], gamma: int,
                ratios: tuple[float, float], status=None) -> tuple[list[Carried], list[str]]:
-    """(the carry-over rows, a line for each speculative system left without one). results: `bench`'s SystemMeasurement
+    """(the carry-over rows, a line for each speculative system left without one). results: `bench`'s measurements
     systems; plain: sdbench's own plain decoding on its fastest path among them; engines: every EngineSystem
     started (the draft's cost-only servers too); ratios: sdbench's own (T(gamma + 1) / T(1), c) from
     `cost_ratios`."""

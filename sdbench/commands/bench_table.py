@@ -42,7 +42,8 @@ class SystemMeasurement:
     outputs: list[list[int]] = field(default_factory=list)  # the first repeat's, per prompt
     engine: EngineTotals | None = None  # an engine's system: its replies (timings, its own acceptance counters)
     failed: str | None = None  # why the system stopped mid-measurement (an engine's server died): not measured
-    source: object = None  # the measured callable (sdbench's own: SdbenchSystem; transformers': TransformersSystem; an engine's: EngineSystem)
+    # the measured callable: sdbench's own (SdbenchSystem), transformers' (TransformersSystem), an engine's (EngineSystem)
+    source: object = None
     calls: list[Call] = field(default_factory=list)  # every measured call, timed by `_measure`
 
     @property

@@ -11,11 +11,8 @@ import pandas as pd
 
 def fmt(value, pattern: str) -> str:
     """`pattern.format(value)`, or "–" where there is no number to show (None, NaN, ±inf, not a number)."""
-    try:
-        number = float(value)
-    except (TypeError, ValueError):
-        return "–"
-    return pattern.format(number) if math.isfinite(number) else "–"
+    value = number(value)
+    return pattern.format(value) if math.isfinite(value) else "–"
 
 
 def number(value) -> float:

@@ -28,7 +28,8 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from sdbench.engine.formulas import (acceptance_rate, mean_accepted_length, specbench_mean_accepted_tokens, vllm_draft_acceptance_rate, vllm_mean_acceptance_length)
+from sdbench.engine.formulas import (acceptance_rate, mean_accepted_length, specbench_mean_accepted_tokens,
+                                     vllm_draft_acceptance_rate, vllm_mean_acceptance_length)
 from sdbench.reporting.cells import fmt, numeric, ratio
 from sdbench.reporting.report import ALL, _padded_sum, labelled, summarize
 
