@@ -55,8 +55,8 @@ class RunConfig:
     turns: int | None = None  # turns of each conversation to decode; None: all of them (MT-Bench: 2)
     fields: dict = field(default_factory=dict)  # --dataset FILE: prompt / category / id -> the file's field
     depths: tuple[float, ...] = ()  # retrieval tasks: where the answer hides (0 = start, 1 = end); empty: spread
-    # compare every runner's logits with the library's forward before running (models/probe.py): "auto" reuses a
-    # verdict kept for the same weights, dtype, device, path and code (models/probe_cache.py), "always" probes
+    # compare every runner's logits with the library's forward before running (models/probing/probe.py): "auto" reuses a
+    # verdict kept for the same weights, dtype, device, path and code (models/probing/probe_cache.py), "always" probes
     # again, "never" skips it
     probe: str = "auto"
     # serving under load (commands/load.py): each (rate, concurrency) pair a load point; empty both: batches

@@ -10,7 +10,7 @@ import torch
 from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config,
                           Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 
-from sdbench.models.runner import ModelRunner
+from sdbench.models.forward.runner import ModelRunner
 
 VOCAB = 96
 
@@ -62,7 +62,7 @@ def user_config(tmp_path_factory):
 
 @pytest.fixture(autouse=True)
 def probe_verdicts(tmp_path_factory, monkeypatch):
-    """Each test starts with no kept fidelity-probe verdicts (models/probe_cache.py): a verdict kept by another
+    """Each test starts with no kept fidelity-probe verdicts (models/probing/probe_cache.py): a verdict kept by another
     test on the same tiny weights would stand in for the probe a test means to run (a runner broken on
     purpose). A test of the reuse runs both commands within itself."""
     folder = tmp_path_factory.mktemp("probes")
@@ -181,8 +181,8 @@ def packed_fast_path():
     the measured choice takes on this project's machines), else for oneDNN's: a measured choice would make which path
     a test exercises depend on the machine's speed. tests/test_fast_choice.py measures; the tests of oneDNN's layout
     ask for it (`SDBENCH_CPU_FAST=packed`)."""
-    from sdbench.models import cpukernel
-    from sdbench.models.cpufast import FAST_ENV
+    from sdbench.models.forward import cpukernel
+    from sdbench.models.forward.cpufast import FAST_ENV
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv(FAST_ENV, "kernel" if cpukernel.available() else "packed")

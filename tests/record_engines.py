@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 from sdbench.data.tasks import encode_prompt, load_prompts
-from sdbench.models.loader import load_tokenizer
+from sdbench.models.loading.loader import load_tokenizer
 from sdbench.servers.client import get, post_stream
 from sdbench.servers.engines import EngineRole
 from sdbench.servers.known import engine

@@ -50,7 +50,7 @@ def test_check_keeps_its_table_and_says_its_failure_on_stderr(capsys, tmp_path, 
     ["tune", "--target", "smollm2-135m@random", "--limit", "1", "--trials", "1"],
 ])
 def test_a_model_that_cannot_fit_is_refused_before_anything_is_built(capsys, tmp_path, monkeypatch, argv):
-    from sdbench.models import memory, random_weights
+    from sdbench.models.loading import memory, random_weights
 
     monkeypatch.setattr(memory, "free_bytes", lambda device: 64 << 20)
     monkeypatch.setattr(random_weights, "seeded_model", lambda *a: pytest.fail("a model was built"))
@@ -67,7 +67,7 @@ def test_a_model_that_cannot_fit_is_refused_before_anything_is_built(capsys, tmp
 ])
 def test_tune_refuses_a_bad_storage_or_strategy_before_loading(capsys, tmp_path, monkeypatch, tiny_folder, argv,
                                                                expect):
-    from sdbench.models import loader
+    from sdbench.models.loading import loader
 
     monkeypatch.setattr(loader, "load_model", lambda *a, **k: pytest.fail("a model was loaded"))
     monkeypatch.setattr(loader, "load_tokenizer", lambda *a, **k: pytest.fail("a tokenizer was loaded"))
@@ -137,7 +137,7 @@ def test_a_batch_larger_than_the_prompts_and_turns_beyond_them_are_said_and_reco
     ["predict", "magicdec", "--batch", "1,,4"],
 ])
 def test_an_empty_list_item_is_refused(capsys, monkeypatch, argv):
-    from sdbench.models import loader
+    from sdbench.models.loading import loader
 
     monkeypatch.setattr(loader, "load_config", lambda *a, **k: pytest.fail("the command went on"))
     monkeypatch.setattr(loader, "load_model", lambda *a, **k: pytest.fail("the command went on"))

@@ -8,7 +8,7 @@ import re
 import pytest
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from sdbench.models.generic import GenericRunner
+from sdbench.models.forward.generic import GenericRunner
 from tests.conftest import run_cli
 from tests.test_generic import perturbed
 from tests.test_models_loading import tiny_tokenizer

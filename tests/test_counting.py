@@ -159,7 +159,7 @@ def test_a_tie_is_told_from_a_real_divergence():
     (["--strategy", "polybasic", "--draft", "ngram", "--draft", "smollm2-135m"], "can only be the last"),
 ])
 def test_settings_are_checked_before_any_model_loads(capsys, monkeypatch, tmp_path, argv, expect):
-    from sdbench.models import loader
+    from sdbench.models.loading import loader
 
     def no_loading(*a, **k):
         raise AssertionError("a model or tokenizer was loaded before the settings were checked")
@@ -172,7 +172,7 @@ def test_settings_are_checked_before_any_model_loads(capsys, monkeypatch, tmp_pa
 
 
 def test_tokenizers_are_compared_before_any_weights_load(capsys, monkeypatch, tmp_path):
-    from sdbench.models import loader
+    from sdbench.models.loading import loader
 
     class Tok:
         eos_token_id = bos_token_id = 0
@@ -281,7 +281,7 @@ def tied_model(tmp_path, monkeypatch):
 def _nudged(monkeypatch, token: int, by: float | None):
     """Verification forwards (more than one token) round token's logit up: by one unit in the last place (None),
     as a forward of another shape may, or by `by`."""
-    from sdbench.models.runner import ModelRunner
+    from sdbench.models.forward.runner import ModelRunner
 
     real = ModelRunner.forward
 

@@ -1,4 +1,4 @@
-"""The CPU fast path's compiled steps (models/cpucompile.py): the same tokens as transformers' generate, taken only
+"""The CPU fast path's compiled steps (models/forward/cpucompile.py): the same tokens as transformers' generate, taken only
 where asked for, a failed compilation falling back to the eager step."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import torch
 
 from sdbench.config import SamplingConfig
 from sdbench.engine.loop import generate
-from sdbench.models import cpufast, forward_paths
-from sdbench.models.runner import ModelRunner
+from sdbench.models.forward import cpufast, forward_paths
+from sdbench.models.forward.runner import ModelRunner
 from sdbench.strategies.autoregressive import Autoregressive
 from sdbench.strategies.draft import DraftModel
 from tests.conftest import tiny_model

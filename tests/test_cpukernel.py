@@ -1,4 +1,4 @@
-"""sdbench's own CPU products (`models/cpukernel.py`, `models/kernels/products.c`) against torch's product, and the
+"""sdbench's own CPU products (`models/forward/cpukernel.py`, `models/forward/kernels/products.c`) against torch's product, and the
 fast path on them against the library's forward and `generate`."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from sdbench.engine.tree import Tree, TreeBatch
 from sdbench.errors import SdbenchError
-from sdbench.models import cpufast, cpukernel, cpulayer
-from sdbench.models.runner import ModelRunner
+from sdbench.models.forward import cpufast, cpukernel, cpulayer
+from sdbench.models.forward.runner import ModelRunner
 from tests.conftest import skip_unless_ci, tiny_model
 from tests.test_runner_fidelity import library_greedy, perturbed_model, runner_greedy, tiny_config
 
@@ -111,7 +111,7 @@ def test_without_a_compiler_the_products_say_why(monkeypatch, tmp_path):
     assert "does not run" in cpukernel.why_not()
 
 
-# --- the fused decoder layer (`models/cpulayer.py`) ---------------------------------------------------------------
+# --- the fused decoder layer (`models/forward/cpulayer.py`) ---------------------------------------------------------------
 
 
 # (head size, dimensions rotated): real models' head sizes (64, 80, 96, 128), two not a multiple of 8 (`dot`'s
@@ -156,7 +156,7 @@ class _ChangedSource:
     """`importlib.resources` as `cpukernel` reads products.c, handing back the source with one change."""
 
     def __init__(self, old: str, new: str):
-        text = resources.files("sdbench.models").joinpath("kernels", cpukernel.SOURCE).read_text()
+        text = resources.files("sdbench.models.forward").joinpath("kernels", cpukernel.SOURCE).read_text()
         assert text.count(old) == 1, old  # the change still names one place
         self.source = text.replace(old, new).encode()
 

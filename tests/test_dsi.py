@@ -282,8 +282,8 @@ def test_only_the_drafter_thread_waits_for_the_device(pools, target, small_draft
 
 def test_dsi_matches_greedy_with_the_cpu_fast_path(pools, target, small_draft, prompts):
     """Workers of a fast-path target receive its plain weights and build the fast path themselves."""
-    from sdbench.models import cpufast
-    from sdbench.models.runner import ModelRunner
+    from sdbench.models.forward import cpufast
+    from sdbench.models.forward.runner import ModelRunner
 
     fast_target = ModelRunner(tiny_model(0), "tiny-fast", fast=True)
     if not fast_target.cpu_fast:
@@ -362,7 +362,7 @@ def test_a_failure_is_raised_and_the_pool_replaced(pools, target, small_draft, p
     token is one only the drafter knows (a larger vocabulary), so the drafter runs and only the target fails."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from sdbench.models.runner import ModelRunner
+    from sdbench.models.forward.runner import ModelRunner
 
     torch.manual_seed(0)
     wide = ModelRunner(LlamaForCausalLM(LlamaConfig(vocab_size=200, hidden_size=32, intermediate_size=64,

@@ -1,6 +1,6 @@
 """Every native family against the library's own forward and `generate`, on tiny random configs.
 
-Each family differs from Llama in a few named places (`models/families.py`); these tests build a tiny model of
+Each family differs from Llama in a few named places (`models/forward/families.py`); these tests build a tiny model of
 each (hidden 64, 2 layers, every 1-D weight perturbed so that norms and biases matter, MoE with 4 experts and
 top-2), in float32, and check the runner's logits against the model's uncached forward at prefill, at
 single-token steps and at a verification after a cached prefix; 32 greedy tokens against `generate` with the
@@ -19,8 +19,8 @@ import torch
 
 from sdbench.config import SamplingConfig
 from sdbench.engine.loop import generate
-from sdbench.models import cpufast, families
-from sdbench.models.runner import ModelRunner
+from sdbench.models.forward import cpufast, families
+from sdbench.models.forward.runner import ModelRunner
 from sdbench.strategies.autoregressive import Autoregressive
 from sdbench.strategies.draft import DraftModel
 from tests.conftest import VOCAB, skip_unless_ci
@@ -164,7 +164,7 @@ def test_each_difference_of_a_family_matters(name, field, monkeypatch):
     real = families.family
     llama = dataclasses.fields(families.Family)
     default = next(f.default for f in llama if f.name == field)
-    monkeypatch.setattr("sdbench.models.runner.family", lambda c: dataclasses.replace(real(c), **{field: default}))
+    monkeypatch.setattr("sdbench.models.forward.runner.family", lambda c: dataclasses.replace(real(c), **{field: default}))
     if (name, field) in NAMES_ONLY:  # Llama's module is not there at all: the runner cannot be built without it
         attention = model.model.layers[0].self_attn
         assert not hasattr(attention, NAMES_ONLY[name, field])

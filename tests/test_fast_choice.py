@@ -9,8 +9,8 @@ import torch
 from sdbench.analysis.bandwidth import Bandwidth
 from sdbench.commands import hf_generate
 from sdbench.errors import SdbenchError
-from sdbench.models import cpufast
-from sdbench.models.runner import ModelRunner
+from sdbench.models.forward import cpufast
+from sdbench.models.forward.runner import ModelRunner
 from tests.conftest import run_cli, tiny_model
 from tests.test_random_weights import small  # noqa: F401 (fixture)
 

@@ -14,8 +14,8 @@ from transformers import (FalconConfig, FalconForCausalLM, GPT2Config, GPT2LMHea
 from sdbench.config import SamplingConfig
 from sdbench.engine.loop import generate
 from sdbench.errors import SdbenchError
-from sdbench.models.generic import GenericRunner
-from sdbench.models.probe import probe
+from sdbench.models.forward.generic import GenericRunner
+from sdbench.models.probing.probe import probe
 from sdbench.strategies import BuildContext, build_proposer
 from sdbench.strategies.autoregressive import Autoregressive
 from tests.conftest import VOCAB
@@ -157,7 +157,7 @@ def test_bench_measures_the_generic_runner_beside_the_native_one():
     from types import SimpleNamespace
 
     from sdbench.commands.bench import GENERIC_ROW, _systems
-    from sdbench.models.runner import ModelRunner
+    from sdbench.models.forward.runner import ModelRunner
     from tests.conftest import tiny_model
 
     model = perturbed(tiny_model(0), 0)

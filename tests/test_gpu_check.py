@@ -17,7 +17,7 @@ from sdbench.commands.gpucheck import page as gpage
 from sdbench.commands.gpucheck import plan as gplan
 from sdbench.commands.gpucheck.sections import cuda_test_files
 from sdbench.engine.tree import Tree
-from sdbench.models import random_weights
+from sdbench.models.loading import random_weights
 from tests.conftest import run_cli
 
 SECTIONS = {1: {"cuda-tests", "bench", "checks", "setup"},
@@ -92,8 +92,8 @@ def test_a_fall_back_to_the_eager_forward_fails_the_check(no_tokenizer, monkeypa
 
     from sdbench.commands.gpucheck import costs
     from sdbench.commands.gpucheck import trees as gtrees
-    from sdbench.models import graphs, runner
-    from sdbench.models.forward_paths import CudaGraphs
+    from sdbench.models.forward import graphs, runner
+    from sdbench.models.forward.forward_paths import CudaGraphs
 
     class Replayed:
         def __init__(self, fn, out):

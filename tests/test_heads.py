@@ -13,8 +13,8 @@ from safetensors.torch import load_file
 from sdbench.config import SamplingConfig
 from sdbench.engine.hidden import eagle3_layers
 from sdbench.engine.loop import generate
-from sdbench.models.generic import GenericRunner
-from sdbench.models.runner import ModelRunner
+from sdbench.models.forward.generic import GenericRunner
+from sdbench.models.forward.runner import ModelRunner
 from sdbench.strategies import BuildContext, build_proposer
 from tests import head_references as ref
 from tests.heads import eagle1_dir, eagle3_dir, medusa_dir, one_thread, small_vocab_target  # noqa: F401

@@ -8,7 +8,7 @@ import pytest
 
 from sdbench.models.heads.load import load_head
 from sdbench.errors import SdbenchError
-from sdbench.models.runner import ModelRunner
+from sdbench.models.forward.runner import ModelRunner
 from tests.conftest import run_cli, tiny_model
 from tests.heads import eagle1_dir, eagle3_dir, medusa_dir, small_vocab_target
 from tests.references import tiny_cli_files
@@ -188,7 +188,7 @@ def test_a_folder_that_holds_no_head_is_refused_before_the_target_loads(tmp_path
                                                                          command):
     """A head folder is checked before any model loads: the target's load (seconds to a minute on a real model)
     must not happen first."""
-    from sdbench.models import loader
+    from sdbench.models.loading import loader
     from tests.test_cli import one_line_error
 
     args = [*tiny_cli_files(tmp_path, monkeypatch, ["w1 w2 w3"]), "--max-new-tokens", "8"]

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from sdbench.models.runner import ModelRunner
+from sdbench.models.forward.runner import ModelRunner
 from sdbench.strategies import BuildContext, build_proposer
 from tests.heads import eagle1_dir, eagle3_dir, medusa_dir, one_thread  # noqa: F401
 from tests.test_sampling_reference import GAMMA, _model, position_checks

@@ -20,7 +20,7 @@ from transformers import LlamaConfig  # noqa: E402
 
 from sdbench.models.heads.eagle import EagleHead  # noqa: E402
 from sdbench.models.heads.load import load_head  # noqa: E402
-from sdbench.models.runner import ModelRunner  # noqa: E402
+from sdbench.models.forward.runner import ModelRunner  # noqa: E402
 from tests.heads import small_vocab_target  # noqa: E402
 
 S = 7

@@ -10,8 +10,8 @@ import torch
 from sdbench.config import SamplingConfig
 from sdbench.engine.hidden import FINAL, Taps
 from sdbench.engine.loop import generate
-from sdbench.models.generic import GenericRunner
-from sdbench.models.runner import ModelRunner
+from sdbench.models.forward.generic import GenericRunner
+from sdbench.models.forward.runner import ModelRunner
 from sdbench.strategies.ngram import NGram
 from tests.conftest import tiny_model
 from tests.references import perturbed

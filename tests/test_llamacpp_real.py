@@ -9,7 +9,7 @@ from __future__ import annotations
 import pandas as pd
 import pytest
 
-from sdbench.models.loader import model_files
+from sdbench.models.loading.loader import model_files
 from sdbench.servers.engines import EngineRole
 from sdbench.servers.process import Server
 from tests.conftest import run_cli

@@ -69,7 +69,7 @@ def test_requests_joining_a_running_batch_decode_as_each_alone(target, small_dra
 
 
 def test_requests_join_on_the_generic_runner(target, joining_prompts):
-    from sdbench.models.generic import GenericRunner
+    from sdbench.models.forward.generic import GenericRunner
 
     generic = GenericRunner(target.model, "generic")
     done = serve(generic, NGram(3), Scheduler(_requests(joining_prompts), 2), sampling=GREEDY)

@@ -16,8 +16,8 @@ from sdbench.engine.scheduler import Request, Scheduler
 from sdbench.engine.state import Proposal, Side
 from sdbench.engine.tree import Tree, TreeBatch
 from sdbench.errors import SdbenchError
-from sdbench.models.generic import GenericRunner
-from sdbench.models.runner import ModelRunner
+from sdbench.models.forward.generic import GenericRunner
+from sdbench.models.forward.runner import ModelRunner
 from sdbench.strategies import strategy
 from sdbench.strategies.lookahead import Lookahead, LookaheadStrategy
 from tests.conftest import run_cli

@@ -13,10 +13,11 @@ import torch
 from transformers import AutoConfig, LlamaConfig, LlamaForCausalLM, T5Config
 
 from sdbench.errors import SdbenchError
-from sdbench.models import loader, model_registry
-from sdbench.models.aliases import CONFIG_DIR, drafts_of, shipped_config
-from sdbench.models.families import serving
-from sdbench.models.shapes import config_from_dict, meta_model, parameter_count, size_label
+from sdbench.models.loading import loader
+from sdbench.models import model_registry
+from sdbench.models.loading.aliases import CONFIG_DIR, drafts_of, shipped_config
+from sdbench.models.forward.families import serving
+from sdbench.models.loading.shapes import config_from_dict, meta_model, parameter_count, size_label
 
 ALIASES = model_registry.names()
 ROOT = Path(__file__).resolve().parent.parent
@@ -41,10 +42,10 @@ def test_shipped_config_builds_on_meta_at_the_published_size(name):
 
 
 def test_every_shipped_file_belongs_to_an_alias_and_ships_in_the_wheel():
-    files = {p.stem for p in (ROOT / "sdbench" / "models" / CONFIG_DIR).glob("*.json")}
+    files = {p.stem for p in (ROOT / "sdbench" / "models" / "loading" / CONFIG_DIR).glob("*.json")}
     assert files == set(ALIASES)
     data = tomllib.loads((ROOT / "pyproject.toml").read_text())
-    assert f"{CONFIG_DIR}/*.json" in data["tool"]["setuptools"]["package-data"]["sdbench.models"]
+    assert f"{CONFIG_DIR}/*.json" in data["tool"]["setuptools"]["package-data"]["sdbench.models.loading"]
 
 
 def test_shipped_configs_keep_rope_windows_and_soft_caps():
@@ -92,7 +93,7 @@ def test_size_labels():
 def test_parameter_counts_are_cached_per_config(monkeypatch):
     config = loader.load_config("pythia-70m")
     n = parameter_count(config, cached=True)
-    monkeypatch.setattr("sdbench.models.shapes.meta_model", lambda c: pytest.fail("built again"))
+    monkeypatch.setattr("sdbench.models.loading.shapes.meta_model", lambda c: pytest.fail("built again"))
     assert parameter_count(config, cached=True) == n == 70_426_624
     config.num_hidden_layers = 5  # another config: counted afresh
     with pytest.raises(pytest.fail.Exception):
@@ -183,7 +184,7 @@ SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_att
 def test_random_model_is_made_on_the_device_in_dtype_with_the_library_buffers(name):
     from transformers import AutoModelForCausalLM
 
-    from sdbench.models.shapes import random_model
+    from sdbench.models.loading.shapes import random_model
 
     data = shipped_config(name)
     data.update({k: v for k, v in {**SMALL, "head_dim": 16}.items() if k in data})

@@ -13,9 +13,10 @@ from tokenizers.pre_tokenizers import Whitespace
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from sdbench.errors import MissingPackageError, SdbenchError
-from sdbench.models import embedded, loader, model_registry
-from sdbench.models.aliases import EmbeddedModel
-from sdbench.models.loader import (
+from sdbench.models.loading import embedded, loader
+from sdbench.models import model_registry
+from sdbench.models.loading.aliases import EmbeddedModel
+from sdbench.models.loading.loader import (
     LoadedModel,
     check_same_tokenizer,
     eos_token_ids,

@@ -3,7 +3,7 @@
 import pandas as pd
 import pytest
 
-from sdbench.models.runner import ModelRunner
+from sdbench.models.forward.runner import ModelRunner
 from sdbench.commands.bench import _measure, cost_ratios
 from sdbench.commands.bench_table import SystemMeasurement, _table, write_bench
 from tests.conftest import run_cli, skip_unless_ci, tiny_model
@@ -189,8 +189,8 @@ def test_bench_on_smollm2_through_the_cli(capsys, tmp_path, monkeypatch):
     """The default bench (SmolLM2-135M drafting for itself, MT-Bench), cut short: every sdbench system's
     output equals `generate`'s, or the command fails."""
     import sdbench.commands.bench as bench
-    from sdbench.models import embedded
-    from sdbench.models.aliases import model_registry
+    from sdbench.models.loading import embedded
+    from sdbench.models.loading.aliases import model_registry
 
     spec = model_registry.get("smollm2-135m")
     if embedded.missing_packages(spec):

@@ -11,8 +11,8 @@ import torch
 from sdbench.config import SamplingConfig
 from sdbench.engine.loop import generate
 from sdbench.errors import SdbenchError
-from sdbench.models.runner import ModelRunner
-from sdbench.models.variants import quantise_int8, split_variant
+from sdbench.models.forward.runner import ModelRunner
+from sdbench.models.loading.variants import quantise_int8, split_variant
 from sdbench.engine.sampling import probs_from_logits
 from sdbench.strategies import BuildContext, build_proposer
 from sdbench.strategies.autoregressive import Autoregressive

@@ -9,9 +9,9 @@ import torch
 
 from sdbench.analysis.costs import alphas_from_results
 from sdbench.errors import SdbenchError
-from sdbench.models import memory
-from sdbench.models.loader import load_config
-from sdbench.models.shapes import parameter_count, shrink
+from sdbench.models.loading import memory
+from sdbench.models.loading.loader import load_config
+from sdbench.models.loading.shapes import parameter_count, shrink
 from sdbench.reporting.results import RunWriter
 from tests.conftest import run_cli
 from tests.test_random_weights import SMALL_VOCAB, small  # noqa: F401 (fixture)
@@ -85,7 +85,7 @@ def test_predict_at_random_profiles_what_fits_and_says_what_does_not(small, caps
 
 
 def test_weights_that_do_not_fit_are_refused_before_loading(small, capsys, monkeypatch):  # noqa: F811
-    import sdbench.models.loader as loader
+    import sdbench.models.loading.loader as loader
 
     monkeypatch.setattr(memory, "free_bytes", lambda device: 1000)
     monkeypatch.setattr(loader, "load_model", lambda *a: pytest.fail("loaded a model that cannot fit"))

@@ -8,13 +8,14 @@ import torch
 from rich.console import Console
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
-import sdbench.models.runner as native_module
+import sdbench.models.forward.runner as native_module
 from sdbench.errors import SdbenchError
-from sdbench.models import cpufast, probe as probe_module
-from sdbench.models.generic import GenericRunner
-from sdbench.models.pair import Pair
-from sdbench.models.probe import PHASES, probe, probe_pair, reference
-from sdbench.models.runner import ModelRunner
+from sdbench.models.forward import cpufast
+from sdbench.models.probing import probe as probe_module
+from sdbench.models.forward.generic import GenericRunner
+from sdbench.models.loading.pair import Pair
+from sdbench.models.probing.probe import PHASES, probe, probe_pair, reference
+from sdbench.models.forward.runner import ModelRunner
 from sdbench.reporting.results import read_results
 from tests.conftest import run_cli, skip_unless_ci, tiny_model
 from tests.test_cli import one_line_error
@@ -117,7 +118,7 @@ def test_a_runner_that_crashes_is_one_line(llama, monkeypatch):
 
 
 def test_a_quantised_copy_is_not_probed_and_says_so(llama, capsys):
-    from sdbench.models.variants import quantise_int8
+    from sdbench.models.loading.variants import quantise_int8
 
     target = ModelRunner(llama, "tiny")
     pair = Pair(target, None, [ModelRunner(quantise_int8(llama), "tiny@int8")], [], 1024)
@@ -213,7 +214,7 @@ def test_no_probe_is_said_on_every_row(folders, tmp_path, monkeypatch, capsys):
 @pytest.mark.parametrize("argv", [["--strategy", "magicdec", "--target", "GPT2"],
                                   ["--strategy", "draft", "--draft", "GPT2", "--set", "draft_kv=snapkv"]])
 def test_sparse_caches_on_a_generic_model_are_refused_before_loading(folders, tmp_path, monkeypatch, capsys, argv):
-    from sdbench.models import loader
+    from sdbench.models.loading import loader
 
     monkeypatch.setattr(loader, "load_model", lambda *a, **k: pytest.fail("loaded weights"))
     argv = [folders["gpt2"] if a == "GPT2" else a for a in argv]

@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sdbench.models import probe as probe_module
-from sdbench.models.probe_cache import ProbeCache, runner_key, weights_fingerprint
-from sdbench.models.runner import ModelRunner
+from sdbench.models.probing import probe as probe_module
+from sdbench.models.probing.probe_cache import ProbeCache, runner_key, weights_fingerprint
+from sdbench.models.forward.runner import ModelRunner
 from sdbench.reporting.results import read_results
 from tests.conftest import run_cli
 from tests.test_probe import RUN, tiny_llama_folder
@@ -95,7 +95,7 @@ def test_the_fingerprint_follows_the_weight_files(tmp_path):
 
 
 def test_a_model_built_in_memory_is_fingerprinted_by_its_values():
-    from sdbench.models.probe_cache import values_fingerprint
+    from sdbench.models.probing.probe_cache import values_fingerprint
     from tests.conftest import tiny_model
 
     a, b = tiny_model(0), tiny_model(0)
@@ -119,7 +119,7 @@ def test_a_random_model_is_fingerprinted_by_its_name_and_config():
 def test_the_key_names_dtype_path_and_runner(tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from sdbench.models.generic import GenericRunner
+    from sdbench.models.forward.generic import GenericRunner
 
     model = AutoModelForCausalLM.from_pretrained(tiny_llama_folder(tmp_path / "x"))
     plain, fast, generic = ModelRunner(model), ModelRunner(model, fast=True), GenericRunner(model)

@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from sdbench.errors import SdbenchError
-from sdbench.models import random_weights
-from sdbench.models.aliases import shipped_config
-from sdbench.models.loader import load_config, load_model, load_tokenizer, model_available
-from sdbench.models.names import split_variant, tokenizer_name, weights_of
-from sdbench.models.shapes import shrink
+from sdbench.models.loading import random_weights
+from sdbench.models.loading.aliases import shipped_config
+from sdbench.models.loading.loader import load_config, load_model, load_tokenizer, model_available
+from sdbench.models.loading.names import split_variant, tokenizer_name, weights_of
+from sdbench.models.loading.shapes import shrink
 from sdbench.reporting.report import say_nothing
 from tests.conftest import run_cli
 from tests.test_compare import rows as compare_rows
@@ -132,7 +132,7 @@ def test_a_random_draft_beside_a_random_target_is_loaded_not_quantised(small):
     from rich.console import Console
 
     from sdbench.config import RunConfig
-    from sdbench.models.pair import load_pair
+    from sdbench.models.loading.pair import load_pair
 
     cfg = RunConfig(target="llama-8b@random", drafts=("llama-1b@random", "llama-8b@random"), strategy="draft")
     pair = load_pair(cfg, torch.device("cpu"), torch.float32, Console())
@@ -143,7 +143,7 @@ def test_a_random_draft_beside_a_random_target_is_loaded_not_quantised(small):
 
 
 def _alias_names() -> list[str]:
-    from sdbench.models.aliases import model_registry
+    from sdbench.models.loading.aliases import model_registry
 
     return [e.name for e in model_registry]
 
@@ -154,10 +154,10 @@ def test_every_shipped_alias_at_random_decodes_as_transformers_generate(small, n
     one) decodes greedily what transformers' own `generate` decodes from the same weights."""
     from sdbench.config import SamplingConfig
     from sdbench.engine.loop import generate
-    from sdbench.models.pair import pick_runner
+    from sdbench.models.loading.pair import pick_runner
     from sdbench.strategies.autoregressive import Autoregressive
 
-    from sdbench.models.loader import eos_token_ids
+    from sdbench.models.loading.loader import eos_token_ids
 
     loaded = load_model(f"{name}@random", "cpu", torch.float32)
     eos = eos_token_ids(loaded)

@@ -13,7 +13,7 @@ import torch
 
 from sdbench.config import SamplingConfig
 from sdbench.engine.loop import generate
-from sdbench.models.runner import ModelRunner
+from sdbench.models.forward.runner import ModelRunner
 from sdbench.strategies.autoregressive import Autoregressive
 from sdbench.strategies.draft import DraftModel
 from sdbench.strategies.ngram import NGram
@@ -116,9 +116,9 @@ def test_the_cpu_fast_path_equals_generate(family):
 @pytest.fixture(scope="module")
 def smollm2():
     from sdbench.data.tasks import encode_prompt, load_prompts
-    from sdbench.models import embedded
-    from sdbench.models.aliases import model_registry
-    from sdbench.models.loader import eos_token_ids, load_model
+    from sdbench.models.loading import embedded
+    from sdbench.models.loading.aliases import model_registry
+    from sdbench.models.loading.loader import eos_token_ids, load_model
 
     spec = model_registry.get("smollm2-135m")
     if embedded.missing_packages(spec):
@@ -130,7 +130,7 @@ def smollm2():
 
 @pytest.mark.slow
 def test_smollm2_plain_draft_ngram_and_batch_equal_transformers(smollm2):
-    from sdbench.models import cpufast
+    from sdbench.models.forward import cpufast
 
     loaded, prompts, eos = smollm2
     model, new = loaded.model, 32

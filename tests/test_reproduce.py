@@ -156,7 +156,7 @@ def test_the_real_runs_use_the_papers_lookahead_rule(monkeypatch, tmp_path):
             return tmp_path / f"{self.cfg.strategy}.parquet"
 
     monkeypatch.setattr(run_module, "Bench", FakeBench)
-    monkeypatch.setattr("sdbench.models.pair.load_pair", lambda *a: "the pair")
+    monkeypatch.setattr("sdbench.models.loading.pair.load_pair", lambda *a: "the pair")
     for c, k in ((0.1, 5), (1.0, 1), (0.06, 10), (0.01, 10)):
         ran.clear()
         monkeypatch.setattr(dsi_paper, "drafter_ratio", lambda pair, c=c: c)

@@ -205,7 +205,7 @@ def test_the_model_candidate_cannot_be_prompt_lookup(capsys, tmp_path):
 
 def test_the_run_plan(monkeypatch, tmp_path):
     from sdbench.commands import run as run_module
-    from sdbench.models.pair import Pair
+    from sdbench.models.loading.pair import Pair
 
     made, ran, loads = [], [], []
     winners = {"gsm8k": "ngram", "humaneval": M}  # the sweep's fastest candidate differs between data sets
@@ -229,7 +229,7 @@ def test_the_run_plan(monkeypatch, tmp_path):
         return Pair("target", None, ["int8 runner", "ngram"], [], 1 << 20)
 
     monkeypatch.setattr(run_module, "Bench", FakeBench)
-    monkeypatch.setattr("sdbench.models.pair.load_pair", load_pair)
+    monkeypatch.setattr("sdbench.models.loading.pair.load_pair", load_pair)
     done = paper.real_runs(ReproduceConfig(draft=M), TINY, tmp_path, console=_Quiet())
     assert loads == [BOTH]  # one loaded pair for every run
     assert done["fsm_draft"] == winners and done["candidates"] == BOTH

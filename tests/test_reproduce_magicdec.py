@@ -240,7 +240,7 @@ def test_the_real_runs_ask_bench_for_the_plan_on_one_loaded_pair(monkeypatch, tm
 
     pair = Pair()
     monkeypatch.setattr(run_module, "Bench", FakeBench)
-    monkeypatch.setattr("sdbench.models.pair.load_pair", lambda cfg, *a: (profiled.update(loaded=cfg), pair)[1])
+    monkeypatch.setattr("sdbench.models.loading.pair.load_pair", lambda cfg, *a: (profiled.update(loaded=cfg), pair)[1])
     monkeypatch.setattr(paper, "profile_grid", lambda p, plan, contexts, console: profiled.update(
         pair=p, contexts=contexts) or synthetic_profiles(kv=0.0))
     plan = TINY

@@ -14,8 +14,8 @@ from sdbench.drafting import datastore as D
 from sdbench.drafting.retrieval import SEP, RetrievalDrafter, continuations, counted_trie, occurrences, suffix_array
 from sdbench.engine.loop import generate
 from sdbench.errors import SdbenchError
-from sdbench.models.generic import GenericRunner
-from sdbench.models.runner import ModelRunner
+from sdbench.models.forward.generic import GenericRunner
+from sdbench.models.forward.runner import ModelRunner
 from sdbench.strategies import strategy
 from sdbench.strategies.rest import Rest
 from tests.references import hf_generate, tiny_cli_files, tiny_model_dir, tiny_text_model_dir

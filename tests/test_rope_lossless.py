@@ -1,13 +1,13 @@
 """Speculative decoding gives transformers `generate`'s tokens (its dynamic cache: step-by-step decoding) for
 every rope type the library has, past the original context, including the types the library rescales per
 call (dynamic; longrope, Llama's and Phi-3's with its partial rotary). For those this holds only because each
-token is rotated as plain decoding rotates it (models/rotary.py): with the library's own per-call rule, a
+token is rotated as plain decoding rotates it (models/forward/rotary.py): with the library's own per-call rule, a
 5-token verification that crosses the original context differs from `generate`
 (`test_the_per_call_rule_would_not_be_lossless`, the control). `sdbench bench`, the command a user checks this
 with, is run on the rescaled types: its sdbench rows (plain, fast, generic runner, `draft`, `ngram`) equal
 `generate`. transformers' own assisted generation and prompt lookup do not, on the dynamic rope: the library's
 k-token verification rescales per call. Phi-3's `generate` also computes the whole sequence again with the
-long factors when it first passes the original context (models/recompute.py): the Phi-3 case crosses there
+long factors when it first passes the original context (models/forward/recompute.py): the Phi-3 case crosses there
 inside verifications, and rejected ones rewind below it."""
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ import torch
 
 from sdbench.config import SamplingConfig
 from sdbench.engine.loop import generate
-from sdbench.models import cpufast
-from sdbench.models.generic import GenericRunner
-from sdbench.models.rotary import Rotary
-from sdbench.models.runner import ModelRunner
+from sdbench.models.forward import cpufast
+from sdbench.models.forward.generic import GenericRunner
+from sdbench.models.forward.rotary import Rotary
+from sdbench.models.forward.runner import ModelRunner
 from sdbench.strategies.draft import DraftModel
 from sdbench.strategies.ngram import NGram
 from tests.conftest import VOCAB, run_cli
@@ -123,7 +123,7 @@ def test_bench_equals_generate_on_the_rescaled_ropes(name, tmp_path, monkeypatch
 def test_phi3_without_its_recomputation_would_not_be_lossless(monkeypatch):
     """The control for Phi-3: rotating each token right but keeping the short-rope keys past the crossing (no
     recomputation) differs from its `generate`."""
-    from sdbench.models import recompute
+    from sdbench.models.forward import recompute
 
     model = _model("phi3-longrope")
     want = [library_greedy(model, p, NEW) for p in _prompts()]
@@ -135,7 +135,7 @@ def test_phi3_without_its_recomputation_would_not_be_lossless(monkeypatch):
 def test_phi3_rewound_below_the_crossing_equals_generate(kind, monkeypatch):
     """A draft of other weights is rejected across the crossing, so rows cross, rewind below it (their keys
     computed again with the short factors) and cross again; the output stays generate's."""
-    from sdbench.models import generic, recompute
+    from sdbench.models.forward import generic, recompute
 
     model, other = _model("phi3-longrope"), perturbed_model(CASES["phi3-longrope"](), seed=11)
     switched = []
@@ -162,7 +162,8 @@ def test_phi3_rewound_below_the_crossing_equals_generate(kind, monkeypatch):
 
 @pytest.mark.parametrize("original", [26, 30])  # the probe's 32 positions cross there in its steps / verification
 def test_the_probe_holds_phi3_to_its_generate_across_the_crossing(original, monkeypatch):
-    from sdbench.models import probe as probe_module, recompute
+    from sdbench.models.probing import probe as probe_module
+    from sdbench.models.forward import recompute
 
     config = family_config("phi3", max_position_embeddings=64, original_max_position_embeddings=original,
                            rope_parameters=dict(PHI3, original_max_position_embeddings=original))

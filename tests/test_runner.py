@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from sdbench.errors import SdbenchError
-from sdbench.models.runner import ModelRunner
+from sdbench.models.forward.runner import ModelRunner
 from tests.conftest import VOCAB, skip_unless_ci, tiny_model
 
 
@@ -76,7 +76,7 @@ def _snapshot(model) -> dict:
 @pytest.mark.parametrize("arch,tied", [("llama", False), ("llama", True), ("qwen2", True), ("qwen3", False),
                                        ("mistral", False)])
 def test_fast_path_matches_stock_forward_at_every_width(arch, tied):
-    from sdbench.models import cpufast
+    from sdbench.models.forward import cpufast
 
     model = tiny_model(6, arch=arch)
     model = _tied(model) if tied else model
@@ -111,7 +111,7 @@ def test_fast_path_keeps_one_copy_of_the_weights():
     """Packed, the modules' own weights are empty and the process holds no more than 1.1x the plain weights."""
     import os
 
-    from sdbench.models import cpufast
+    from sdbench.models.forward import cpufast
 
     if not os.path.exists("/proc/self/statm"):
         skip_unless_ci("reads the resident size from /proc (Linux, glibc)")
@@ -138,7 +138,7 @@ def test_fast_path_lets_go_of_memory_mapped_weights(tmp_path):
 
     from transformers import AutoModelForCausalLM
 
-    from sdbench.models import cpufast
+    from sdbench.models.forward import cpufast
 
     if not os.path.exists("/proc/self/maps"):
         skip_unless_ci("reads the process's mappings from /proc (Linux)")
@@ -159,7 +159,7 @@ def test_fast_path_model_pickles_with_plain_weights():
     """What a DSI worker receives: plain weights, no opaque tensors; the worker packs its own."""
     import pickle
 
-    from sdbench.models import cpufast
+    from sdbench.models.forward import cpufast
 
     model = tiny_model(9)
     if cpufast.enable(model) is None:
@@ -192,7 +192,7 @@ def test_fast_path_is_lossless_and_only_for_cpu_float32(prompts):
 def test_fast_path_on_copies_and_quantised_models():
     import copy
 
-    from sdbench.models.variants import quantise_int8
+    from sdbench.models.loading.variants import quantise_int8
 
     model = tiny_model(7)
     fast = ModelRunner(model, fast=True)

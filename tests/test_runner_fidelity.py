@@ -25,11 +25,11 @@ from sdbench.config import SamplingConfig
 from sdbench.engine.loop import generate
 from sdbench.kv.cache import DenseKVCache, set_prompt_lengths
 from sdbench.kv.sparse import SparseSpec, compress
-from sdbench.models import cpufast
-from sdbench.models.generic import cache_keyword
-from sdbench.models.rotary import length_dependent_type, reset_library_rotary
-from sdbench.models.runner import ModelRunner
-from sdbench.models.windows import layer_windows
+from sdbench.models.forward import cpufast
+from sdbench.models.forward.generic import cache_keyword
+from sdbench.models.forward.rotary import length_dependent_type, reset_library_rotary
+from sdbench.models.forward.runner import ModelRunner
+from sdbench.models.forward.windows import layer_windows
 from sdbench.strategies.autoregressive import Autoregressive
 from tests.conftest import VOCAB
 
@@ -284,7 +284,7 @@ def test_rope_per_layer_type_equals_the_library_module():
     library module's for that type (sin' = sin with its first half negated)."""
     from transformers.models.gemma3.modeling_gemma3 import Gemma3RotaryEmbedding
 
-    from sdbench.models.rotary import Rotary
+    from sdbench.models.forward.rotary import Rotary
 
     cfg = tiny_config("gemma3_text", num_hidden_layers=6, head_dim=16, rope_parameters={
         "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
@@ -300,7 +300,7 @@ def test_rope_per_layer_type_equals_the_library_module():
 
 
 def test_partial_rotary_leaves_the_other_dimensions():
-    from sdbench.models.rotary import rope
+    from sdbench.models.forward.rotary import rope
 
     x, angle = torch.randn(2, 3, 5, 16), torch.randn(5, 4)
     emb = torch.cat((angle, angle), -1)

@@ -28,7 +28,7 @@ from sdbench.config import SamplingConfig
 from sdbench.engine import sampling
 from sdbench.engine.loop import generate
 from sdbench.engine.sampling import Verdict, sample
-from sdbench.models.runner import ModelRunner
+from sdbench.models.forward.runner import ModelRunner
 from sdbench.strategies.draft import DraftModel
 from sdbench.strategies.magicdec import MagicDec
 from sdbench.strategies.ngram import NGram

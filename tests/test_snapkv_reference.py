@@ -17,7 +17,7 @@ import torch
 
 from sdbench.kv.cache import DenseKVCache
 from sdbench.kv.sparse import SparseSpec, compress
-from sdbench.models.runner import ModelRunner
+from sdbench.models.forward.runner import ModelRunner
 from sdbench.padding import right_pad
 from tests.conftest import VOCAB, tiny_model
 from tests.references import perturbed

@@ -11,10 +11,10 @@ import torch
 from sdbench.config import SamplingConfig
 from sdbench.engine.loop import generate
 from sdbench.kv.sparse import SparseSpec, compress
-from sdbench.models.graphs import CAPACITY_STEP
-from sdbench.models.probe import TOLERANCE
-from sdbench.models.forward_paths import CudaGraphs
-from sdbench.models.runner import ModelRunner
+from sdbench.models.forward.graphs import CAPACITY_STEP
+from sdbench.models.probing.probe import TOLERANCE
+from sdbench.models.forward.forward_paths import CudaGraphs
+from sdbench.models.forward.runner import ModelRunner
 from sdbench.padding import right_pad
 from sdbench.strategies.autoregressive import Autoregressive
 from sdbench.strategies.draft import DraftModel
@@ -143,7 +143,7 @@ class _ReplayedGraph:
 @pytest.fixture()
 def fake_graphs(monkeypatch):
     """Graph mode on CPU: capture and replay stand-ins, so the recording logic runs without a GPU."""
-    from sdbench.models import graphs
+    from sdbench.models.forward import graphs
 
     log = []
 
@@ -186,7 +186,7 @@ def test_rotary_growth_needs_no_recapture(prompts, fake_graphs):
 
 
 def test_failed_or_wrong_capture_falls_back_to_eager(target, prompts, fake_graphs, monkeypatch):
-    from sdbench.models import graphs
+    from sdbench.models.forward import graphs
 
     runner, _ = fake_graphs
     reference = _ids(target, Autoregressive(), prompts)

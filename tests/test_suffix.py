@@ -17,8 +17,8 @@ from sdbench.drafting.suffix import SEP, ResponseCache, grow, match, speculate_c
 from sdbench.engine.loop import generate, serve
 from sdbench.engine.scheduler import Request, Scheduler
 from sdbench.errors import SdbenchError
-from sdbench.models.generic import GenericRunner
-from sdbench.models.runner import ModelRunner
+from sdbench.models.forward.generic import GenericRunner
+from sdbench.models.forward.runner import ModelRunner
 from sdbench.strategies import BuildContext, build_proposer, strategy
 from sdbench.strategies.suffix import Suffix, SuffixStrategy, cache_file
 from tests.conftest import run_cli

@@ -14,7 +14,7 @@ import torch
 from sdbench.models.heads.eagle import EagleHead
 from sdbench.models.heads.load import load_head
 from sdbench.models.heads.medusa import MedusaHead
-from sdbench.models.runner import ModelRunner
+from sdbench.models.forward.runner import ModelRunner
 from sdbench.training.data import Sequence
 from sdbench.training.fit import chain_acceptance
 from sdbench.training.heads import build, draft_vocabulary, verifier_name, write_head
@@ -77,7 +77,7 @@ def test_the_training_forward_is_the_drafting_forward(tmp_path):
 def _verifier_for(source: str, target, tmp_path, monkeypatch) -> str:
     """The name train-head writes for a target loaded from a model folder, or from the embedded SmolLM2's GGUF,
     whose hub id then resolves offline to this tiny target (a hub cache holding it under that id)."""
-    from sdbench.models.loader import LoadedModel
+    from sdbench.models.loading.loader import LoadedModel
 
     if source == "folder":
         target.save_pretrained(tmp_path / "target")
@@ -208,8 +208,8 @@ def test_a_fit_learns_what_decoding_accepts(fitted, kind, tmp_path):
     from sdbench.data import Prompt
     from sdbench.engine.loop import generate
     from sdbench.config import SamplingConfig
-    from sdbench.models.loader import load_model
-    from sdbench.models.pair import pick_runner
+    from sdbench.models.loading.loader import load_model
+    from sdbench.models.loading.pair import pick_runner
     from sdbench.strategies import strategy
     from sdbench.training.data import distil
     from sdbench.training.fit import Plan, Progress, fit
@@ -301,7 +301,7 @@ def _heldout_tau_by_hand(fitted, out, trained: list[str], n: int = 3) -> float:
     """The mean accepted length of the head written in `out`, drafting through its own files (models/heads) a
     greedy chain of n from every root of the held-out answers (the sequences not in `trained`) whose chain lies
     in the answer, each draft accepted while it and those before it equal the target's own choices."""
-    from sdbench.models.loader import load_model
+    from sdbench.models.loading.loader import load_model
     from sdbench.training.data import load_shards
 
     runner = ModelRunner(load_model(str(fitted / "target")).model)
@@ -386,7 +386,7 @@ def test_a_draft_vocabulary_beyond_the_targets_is_capped_in_one_note(fitted, cap
 def test_every_embedded_model_names_its_hub_model():
     """A head fitted on an embedded GGUF names the hub model the GGUF quantises (engines load that): each
     embedded alias carries one, the name of its file's model."""
-    from sdbench.models.aliases import EmbeddedModel, model_registry
+    from sdbench.models.loading.aliases import EmbeddedModel, model_registry
 
     embedded = {e.name: e.target for e in model_registry if isinstance(e.target, EmbeddedModel)}
     assert {n: t.repo_id for n, t in embedded.items()} == {
@@ -405,7 +405,7 @@ def test_a_head_fitted_on_a_gguf_names_no_file_and_records_the_weights(fitted, c
     from dataclasses import replace
 
     import sdbench.commands.train_head as command
-    from sdbench.models import loader
+    from sdbench.models.loading import loader
     from sdbench.models.heads.registry import read_record
 
     gguf = fitted / "SmolLM2-135M-Instruct.Q4_1.gguf"

@@ -21,7 +21,7 @@ def test_the_readmes_train_head_writes_a_head_speculators_loads(tmp_path, capsys
         skip_unless_ci("the speculators package is not installed (make setup installs it)")
     import huggingface_hub.constants
 
-    from sdbench.models.loader import load_model
+    from sdbench.models.loading.loader import load_model
 
     out = tmp_path / "heads" / "smollm2-eagle3"
     code, text, err = run_cli(capsys, "train-head", "--target", "smollm2-135m", "--kind", "eagle3", "--minutes",

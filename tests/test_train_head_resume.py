@@ -89,8 +89,8 @@ def test_the_loss_counts_the_answer_only_as_a_masked_cross_entropy_by_hand(fitte
     label lies within the sequence, labelled with the target's own choice of token root + k + 2; it is the
     mean over steps of each step's mean cross-entropy over those roots, computed here position by position."""
     from sdbench.data import Prompt
-    from sdbench.models.loader import load_model
-    from sdbench.models.pair import pick_runner
+    from sdbench.models.loading.loader import load_model
+    from sdbench.models.loading.pair import pick_runner
     from sdbench.training import data as D
     from sdbench.training.fit import step_losses
     from sdbench.training.heads import build, head_layers
@@ -133,7 +133,7 @@ def test_the_held_out_acceptance_recorded_is_the_written_heads_and_beats_an_untr
     recorded is the one drafting through the written head's files gives on the held-out answer (counted by hand
     in tests/test_train_head.py), and it is far above an untrained head's on the same answer."""
     import sdbench.commands.train_head as command
-    from sdbench.models.loader import load_model
+    from sdbench.models.loading.loader import load_model
     from sdbench.training.data import load_shards
     from sdbench.training.heads import build, write_head
     from tests.test_train_head import _heldout_tau_by_hand

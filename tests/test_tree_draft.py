@@ -38,9 +38,9 @@ from sdbench.engine.loop import generate
 from sdbench.engine.state import DecodeState, Proposal
 from sdbench.engine.tree import Tree, child_picks
 from sdbench.errors import SdbenchError
-from sdbench.models import cpufast
-from sdbench.models.generic import GenericRunner
-from sdbench.models.runner import ModelRunner
+from sdbench.models.forward import cpufast
+from sdbench.models.forward.generic import GenericRunner
+from sdbench.models.forward.runner import ModelRunner
 from sdbench.strategies.draft import DraftModel, DraftStrategy
 from sdbench.strategies.polybasic import PolybasicStrategy
 from tests.references import hf_generate

@@ -20,7 +20,7 @@ from sdbench.drafting.model import ModelDrafter
 from sdbench.engine.loop import generate
 from sdbench.engine.state import DecodeState
 from sdbench.errors import SdbenchError
-from sdbench.models.runner import ModelRunner
+from sdbench.models.forward.runner import ModelRunner
 from sdbench.strategies.draft import DraftModel
 from tests.references import hf_generate
 from tests.test_tree_draft import _grow, _library, _pair, _prompts, _runner

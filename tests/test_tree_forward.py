@@ -21,9 +21,9 @@ from sdbench.engine.tree import Tree, TreeBatch
 from sdbench.errors import SdbenchError
 from sdbench.kv.cache import DenseKVCache, TreeStep
 from sdbench.kv.sparse import ScoringView
-from sdbench.models import cpufast, cpukernel, cpulayer
-from sdbench.models.generic import GenericCache, GenericRunner
-from sdbench.models.runner import ModelRunner
+from sdbench.models.forward import cpufast, cpukernel, cpulayer
+from sdbench.models.forward.generic import GenericCache, GenericRunner
+from sdbench.models.forward.runner import ModelRunner
 from tests.conftest import VOCAB, skip_unless_ci
 from tests.test_families import tiny
 from tests.test_generic import tiny_generic

@@ -36,9 +36,9 @@ from sdbench.engine.loop import generate
 from sdbench.engine.tree import Tree
 from sdbench.errors import SdbenchError
 from sdbench.kv.cache import additive
-from sdbench.models.generic import GenericRunner
+from sdbench.models.forward.generic import GenericRunner
 from sdbench.models.heads.eagle import TreeLevel
-from sdbench.models.runner import ModelRunner
+from sdbench.models.forward.runner import ModelRunner
 from sdbench.strategies import BuildContext, build_proposer
 from sdbench.strategies.eagle import EagleStrategy
 from sdbench.strategies.medusa import MedusaStrategy

@@ -34,9 +34,9 @@ from sdbench.engine.state import Proposal
 from sdbench.engine.tree import Tree
 from sdbench.errors import SdbenchError
 from sdbench.kv.cache import DenseKVCache
-from sdbench.models import cpufast
-from sdbench.models.generic import GenericCache, GenericRunner
-from sdbench.models.runner import ModelRunner
+from sdbench.models.forward import cpufast
+from sdbench.models.forward.generic import GenericCache, GenericRunner
+from sdbench.models.forward.runner import ModelRunner
 from sdbench.strategies.ngram import NGram, NGramStrategy
 from tests.references import hf_generate, perturbed
 from tests.test_families import tiny

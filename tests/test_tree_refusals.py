@@ -73,8 +73,8 @@ def test_tune_trees_needs_a_strategy_that_grows_trees(capsys, tiny):
 def static_when_fast(monkeypatch):
     """Runners as CUDA builds them: the static-shape forward with --fast (the default), the eager one with
     --no-fast; on the CPU the static forward runs uncaptured, refusing trees as the captured one does."""
-    from sdbench.models import pair
-    from sdbench.models.runner import ModelRunner
+    from sdbench.models.loading import pair
+    from sdbench.models.forward.runner import ModelRunner
 
     monkeypatch.setattr(pair, "make_runner", lambda model, name, kind, fast: ModelRunner(model, name, static=fast))
 
@@ -93,7 +93,7 @@ def test_trees_run_on_the_static_shape_forward(capsys, tiny, static_when_fast, a
 
 
 def test_a_node_budget_above_the_widest_tree_graph_is_one_line(capsys, tiny, static_when_fast):
-    from sdbench.models.graphs import TREE_WIDTHS
+    from sdbench.models.forward.graphs import TREE_WIDTHS
 
     args = ["--strategy", "draft", "--draft", tiny[1], "--gamma", "8", "--set", "tree_topk=8", "--set",
             f"tree_nodes={TREE_WIDTHS[-1]}"]

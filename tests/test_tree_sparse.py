@@ -25,7 +25,7 @@ from sdbench.engine.loop import generate
 from sdbench.engine.state import DecodeState
 from sdbench.engine.tree import Tree
 from sdbench.kv.sparse import SparseKVCache, SparseSpec, compress
-from sdbench.models.runner import ModelRunner
+from sdbench.models.forward.runner import ModelRunner
 from sdbench.strategies.draft import DraftModel, DraftStrategy
 from sdbench.strategies.magicdec import MagicDec, MagicDecStrategy
 from tests.references import hf_generate

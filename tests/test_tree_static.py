@@ -1,7 +1,7 @@
 """Token trees on the static-shape forward behind CUDA graphs (`ModelRunner(static=True)`, which is what runs on
 CUDA with --fast; on the CPU it runs uncaptured, and graph mode runs with capture and replay stand-ins).
 
-A tree runs in a graph captured for a fixed node count (models/graphs.py TREE_WIDTHS), padded to it. Its logits
+A tree runs in a graph captured for a fixed node count (models/forward/graphs.py TREE_WIDTHS), padded to it. Its logits
 and the keys it leaves for its real nodes must equal the eager tree forward's, for rows with trees of different
 sizes; the padding nodes see no other node and no node sees them (the mask, read directly). Greedy decoding must
 give exactly the library's greedy `generate` (batch 1 and a ragged batch) for a draft model's tree (the draft's
@@ -20,8 +20,8 @@ from sdbench.config import SamplingConfig
 from sdbench.engine.loop import generate
 from sdbench.engine.tree import Tree, TreeBatch
 from sdbench.errors import SdbenchError
-from sdbench.models.graphs import TREE_WIDTHS, StaticTreeForward
-from sdbench.models.runner import ModelRunner
+from sdbench.models.forward.graphs import TREE_WIDTHS, StaticTreeForward
+from sdbench.models.forward.runner import ModelRunner
 from sdbench.strategies.draft import DraftModel
 from sdbench.strategies.magicdec import MagicDec
 from sdbench.strategies.ngram import NGram

@@ -15,7 +15,7 @@ from optuna.trial import FixedTrial, TrialState
 
 from sdbench.engine import loop
 from sdbench.data import tasks
-from sdbench.models.pair import Pair
+from sdbench.models.loading.pair import Pair
 from sdbench.config import RunConfig, TuneConfig
 from sdbench.data import Prompt
 from sdbench.errors import SdbenchError
@@ -654,7 +654,7 @@ def test_tune_trees_runs_the_tree_and_its_preset_reproduces_it(tmp_path, pair):
 
 
 def test_tune_trees_refusals(tmp_path, pair, target, small_draft):
-    from sdbench.models.runner import ModelRunner
+    from sdbench.models.forward.runner import ModelRunner
 
     with pytest.raises(SdbenchError, match="--trees: polybasic grows no token tree; the strategies that do are "
                                            "draft, eagle, lookahead, magicdec, medusa, ngram, rest, suffix"):
@@ -676,7 +676,7 @@ def test_tune_trees_refusals(tmp_path, pair, target, small_draft):
     static = Pair(ModelRunner(target.model, "tiny-target", static=True), None, [small_draft], eos=[],
                   max_positions=1024)
     study = tuner(tmp_path / "static", static, strategy="ngram", trees=True, trials=2).tune()  # trees take the
-    # static-shape forward too (models/graphs.py), lossless
+    # static-shape forward too (models/forward/graphs.py), lossless
     done = [t for t in study.trials if t.state == TrialState.COMPLETE]
     assert done and all(t.user_attrs["lossless"] is True for t in done)
     # a study's search space is fixed when it starts: a session with or without --trees is refused

@@ -28,7 +28,7 @@ from sdbench.config import RunConfig, SamplingConfig
 from sdbench.engine.counters import BatchResult
 from sdbench.engine.loop import generate
 from sdbench.errors import SdbenchError
-from sdbench.models import pair as pair_module  # the module: tests replace pair.load_pair
+from sdbench.models.loading import pair as pair_module  # the module: tests replace pair.load_pair
 from sdbench.strategies.autoregressive import Autoregressive
 from sdbench.strategies.chain_levels import LevelRecord, length_variance
 from sdbench.strategies.polybasic import NGRAM, Polybasic, PolybasicRowStats, check_chain

@@ -31,11 +31,11 @@ from sdbench.engine.iid_model import predicted_speedup
 from sdbench.engine.state import needed_capacity
 from sdbench.errors import SdbenchError
 from sdbench.kv.sparse import filled_for_profile
-from sdbench.models import loader  # the module: tests replace loader.load_model
-from sdbench.models.graphs import CAPACITY_STEP, TREE_SPARE
-from sdbench.models.memory import plan, refuse_beyond_memory
-from sdbench.models.pair import resolve_device, resolve_dtype, say_note
-from sdbench.models.shapes import parameter_count
+from sdbench.models.loading import loader  # the module: tests replace loader.load_model
+from sdbench.models.forward.graphs import CAPACITY_STEP, TREE_SPARE
+from sdbench.models.loading.memory import plan, refuse_beyond_memory
+from sdbench.models.loading.pair import resolve_device, resolve_dtype, say_note
+from sdbench.models.loading.shapes import parameter_count
 from sdbench.reporting import results  # the module: tests replace results.read_results
 
 
@@ -229,7 +229,7 @@ def measured_costs(target: str, draft: str, gammas, context: int, device: str, d
     """Step costs for `predict speedup` and `simulate dsi`, measured at the models' shapes (MODEL@random works):
     each the median of a few forwards at the end of a `context`-token prompt of random ids, through the fast
     path."""
-    from sdbench.models.runner import ModelRunner  # loads transformers (slow): only measuring needs it
+    from sdbench.models.forward.runner import ModelRunner  # loads transformers (slow): only measuring needs it
 
     if context < 1:
         raise SdbenchError(f"--context {context}: must be at least 1")

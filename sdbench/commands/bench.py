@@ -30,12 +30,12 @@ from sdbench.engine.counters import Rounds
 from sdbench.engine.loop import generate
 from sdbench.engine.state import needed_capacity
 from sdbench.errors import SdbenchError
-from sdbench.models.generic import GenericRunner, runner_kind
+from sdbench.models.forward.generic import GenericRunner, runner_kind
 from sdbench.models.heads.load import check_folder
-from sdbench.models.loader import check_fit, check_same_tokenizer, eos_token_ids, load_model
-from sdbench.models.pair import pick_runner, resolve_device, resolve_dtype, say_note
-from sdbench.models.runner import ModelRunner
-from sdbench.models.variants import split_variant, variant_model
+from sdbench.models.loading.loader import check_fit, check_same_tokenizer, eos_token_ids, load_model
+from sdbench.models.loading.pair import pick_runner, resolve_device, resolve_dtype, say_note
+from sdbench.models.forward.runner import ModelRunner
+from sdbench.models.loading.variants import split_variant, variant_model
 from sdbench.options import split_list
 from sdbench.paths import cache_dir
 from sdbench.reporting.carry import Carried, carry_table

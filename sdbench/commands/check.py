@@ -2,7 +2,7 @@
 non-zero exit on any failure, so that a CI job can run it before a benchmark.
 
 Per model: the runner that serves it (native, generic, or generic after the native one failed), the fidelity
-probe's largest gap per phase (`models/probe.py`), the draft's tokenizer against the target's, the weights'
+probe's largest gap per phase (`models/probing/probe.py`), the draft's tokenizer against the target's, the weights'
 memory, and a short greedy run: the target's plain decoding against the library's own `generate`, and each
 draft's speculative decoding against the target's plain decoding. A trained head (`--head`) gets a row too: the
 target's hidden states it reads, through the runner, against the library's `output_hidden_states` (its gaps),
@@ -22,11 +22,11 @@ from sdbench.config import SamplingConfig
 from sdbench.drafting.ngram import DRAFT_NAME
 from sdbench.engine.loop import generate
 from sdbench.errors import CheckFailed, SdbenchError
-from sdbench.models.loader import check_fit, check_same_tokenizer, eos_token_ids, load_model, load_tokenizer
-from sdbench.models.pair import pick_runner, resolve_device, resolve_dtype
-from sdbench.models.probe import PHASES, TOLERANCE, probe_runner
-from sdbench.models.probe_cache import ProbeCache
-from sdbench.models.variants import split_variant, variant_runner
+from sdbench.models.loading.loader import check_fit, check_same_tokenizer, eos_token_ids, load_model, load_tokenizer
+from sdbench.models.loading.pair import pick_runner, resolve_device, resolve_dtype
+from sdbench.models.probing.probe import PHASES, TOLERANCE, probe_runner
+from sdbench.models.probing.probe_cache import ProbeCache
+from sdbench.models.loading.variants import split_variant, variant_runner
 from sdbench.strategies.autoregressive import Autoregressive
 from sdbench.strategies.draft import DraftModel
 from sdbench.strategies.ngram import NGram

@@ -21,7 +21,7 @@ from sdbench.data.specs import task_registry
 from sdbench.data.tasks import load_prompts
 from sdbench.drafting import datastore as D
 from sdbench.errors import SdbenchError
-from sdbench.models import loader
+from sdbench.models.loading import loader
 
 TEXT_CHUNK = 4000  # characters: a text file is read as documents of about this size, cut between paragraphs
 

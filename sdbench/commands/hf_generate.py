@@ -21,7 +21,7 @@ import torch
 from sdbench.engine.clock import now
 from sdbench.engine.formulas import rate
 from sdbench.errors import SdbenchError
-from sdbench.models.shapes import quiet_library
+from sdbench.models.loading.shapes import quiet_library
 
 CONFIGS = ("dynamic", "static", "compiled")
 MODES = ("fastest", *CONFIGS)

@@ -11,11 +11,11 @@ from sdbench.data.files import FORMATS
 from sdbench.data.specs import task_registry
 from sdbench.data.tasks import dataset_available
 from sdbench.errors import SdbenchError
-from sdbench.models.aliases import drafts_of
-from sdbench.models.families import serving
+from sdbench.models.loading.aliases import drafts_of
+from sdbench.models.forward.families import serving
 from sdbench.models.heads.registry import known_heads, same_model
-from sdbench.models.loader import load_config, model_available, model_registry
-from sdbench.models.shapes import parameter_count, size_label
+from sdbench.models.loading.loader import load_config, model_available, model_registry
+from sdbench.models.loading.shapes import parameter_count, size_label
 from sdbench.presets import read_presets
 from sdbench.strategies import strategy_registry
 

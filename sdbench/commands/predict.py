@@ -14,9 +14,9 @@ from sdbench.analysis.costs import (alphas_from_results, critical_lengths, cross
                                     predictions, profile, with_alphas)
 from sdbench.config import PredictMagicdecConfig
 from sdbench.errors import SdbenchError
-from sdbench.models import loader  # the module: tests replace loader.load_model
-from sdbench.models.names import is_random
-from sdbench.models.pair import resolve_device, resolve_dtype, say_note
+from sdbench.models.loading import loader  # the module: tests replace loader.load_model
+from sdbench.models.loading.names import is_random
+from sdbench.models.loading.pair import resolve_device, resolve_dtype, say_note
 from sdbench.paths import output_dir
 
 
@@ -61,7 +61,7 @@ def run_predict(cfg: PredictMagicdecConfig, console) -> list[dict]:
 
     The steps are timed through the runner decoding would use (`fast`: CUDA graphs on a GPU), since on a GPU
     an eager step of a small model is launch-bound and would hide what the cache sizes cost."""
-    from sdbench.models.runner import ModelRunner  # loads transformers (slow): only profiling needs it
+    from sdbench.models.forward.runner import ModelRunner  # loads transformers (slow): only profiling needs it
 
     dev = resolve_device(cfg.device)
     dt = resolve_dtype(cfg.dtype, dev)

@@ -21,8 +21,8 @@ from sdbench.analysis.trees import (Acceptance, TreeChoice, hardware_trees, inte
 from sdbench.commands.predict import fitting_points
 from sdbench.config import PredictTreeConfig
 from sdbench.errors import SdbenchError
-from sdbench.models import loader  # the module: tests replace loader.load_model
-from sdbench.models.pair import resolve_device, resolve_dtype, say_note
+from sdbench.models.loading import loader  # the module: tests replace loader.load_model
+from sdbench.models.loading.pair import resolve_device, resolve_dtype, say_note
 from sdbench.reporting import results  # the module: tests replace results.read_results
 
 
@@ -125,7 +125,7 @@ def asked(cfg: PredictTreeConfig) -> Asked:
 
 
 def run_predict_tree(cfg: PredictTreeConfig, console) -> list[TreeChoice]:
-    from sdbench.models.runner import ModelRunner  # loads transformers (slow): only profiling needs it
+    from sdbench.models.forward.runner import ModelRunner  # loads transformers (slow): only profiling needs it
 
     a = asked(cfg)
     if a.context < 1:

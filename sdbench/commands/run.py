@@ -34,8 +34,8 @@ from sdbench.engine.state import needed_capacity
 from sdbench.env import environment
 from sdbench.errors import Interrupted, SdbenchError
 from sdbench.models.heads.registry import trained_on_note
-from sdbench.models.names import weights_of
-from sdbench.models.pair import Pair, load_pair, resolve_device, resolve_dtype
+from sdbench.models.loading.names import weights_of
+from sdbench.models.loading.pair import Pair, load_pair, resolve_device, resolve_dtype
 from sdbench.paths import output_dir
 from sdbench.reporting.results import Judged, Place, RunFields, RunWriter, new_run_id, result_row
 from sdbench.servers.process import EngineFailed

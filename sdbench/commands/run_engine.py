@@ -15,8 +15,8 @@ from sdbench.commands.roles import BASELINE, Role
 from sdbench.config import RunConfig
 from sdbench.engine.tree import is_tree_setting
 from sdbench.errors import SdbenchError
-from sdbench.models import loader
-from sdbench.models.pair import Pair
+from sdbench.models.loading import loader
+from sdbench.models.loading.pair import Pair
 from sdbench.servers.engines import SDBENCH, Engine, EngineRole
 from sdbench.servers.known import engine
 from sdbench.servers.runs import EngineDecoding

@@ -19,7 +19,7 @@ from sdbench.commands.trials import best_trials, write_whole
 from sdbench.commands.tune import Tuner, slug
 from sdbench.config import TuneConfig
 from sdbench.errors import SdbenchError
-from sdbench.models.aliases import HubModel, model_registry
+from sdbench.models.loading.aliases import HubModel, model_registry
 from sdbench.presets import read_presets
 from sdbench.reporting.cells import fmt
 from sdbench.schedule import Entry, Schedule, export, pick

@@ -25,7 +25,7 @@ from sdbench.commands.run import Bench, run_config
 from sdbench.config import SWEEP_AXES, RunConfig, SweepConfig
 from sdbench.data.prompts import run_positions
 from sdbench.errors import Interrupted, SdbenchError
-from sdbench.models.pair import load_pair
+from sdbench.models.loading.pair import load_pair
 from sdbench.reporting.plots import sweep_plots
 from sdbench.reporting.results import RunFields, RunWriter, new_run_id, read_results
 from sdbench.reporting.sweep import best_points, frontier, print_frontier

@@ -66,10 +66,10 @@ def validate(cfg: TrainHeadConfig) -> None:
 
 def train_head(cfg: TrainHeadConfig, console: Console) -> Path:
     validate(cfg)
-    from sdbench.models import loader  # transformers: only once the settings are known to be sound
-    from sdbench.models.pair import Pair, pick_runner, resolve_device, resolve_dtype
-    from sdbench.models.probe import probe_pair
-    from sdbench.models.probe_cache import ProbeCache
+    from sdbench.models.loading import loader  # transformers: only once the settings are known to be sound
+    from sdbench.models.loading.pair import Pair, pick_runner, resolve_device, resolve_dtype
+    from sdbench.models.probing.probe import probe_pair
+    from sdbench.models.probing.probe_cache import ProbeCache
 
     device = resolve_device(cfg.device)
     dtype_name = cfg.dtype if cfg.dtype != "auto" else ("bfloat16" if device.type == "cuda" else "float32")

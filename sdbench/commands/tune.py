@@ -45,7 +45,7 @@ from sdbench.data.prompts import encode_prompts
 from sdbench.engine.tree import is_tree_setting
 from sdbench.env import environment
 from sdbench.errors import Interrupted, SdbenchError
-from sdbench.models.pair import load_pair, resolve_device, resolve_dtype
+from sdbench.models.loading.pair import load_pair, resolve_device, resolve_dtype
 from sdbench.paths import output_dir
 from sdbench.presets import shipped_dir, user_dir
 from sdbench.reporting.results import RunWriter

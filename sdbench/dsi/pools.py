@@ -28,7 +28,7 @@ import traceback
 
 from sdbench.dsi.worker import Answer, Task, TargetWorker, worker_device
 from sdbench.errors import MissingPackageError, SdbenchError
-from sdbench.models.generic import runner_kind
+from sdbench.models.forward.generic import runner_kind
 
 START_TIMEOUT_S = 600.0
 
@@ -107,7 +107,7 @@ class ProcessPool:
         self.runner = runner  # the replicas' runner kind: "native" or "generic"
         if "forkserver" in mp.get_all_start_methods():
             # takes effect when the server starts (the first pool); the model's own module comes along
-            mp.set_forkserver_preload(["sdbench.dsi.worker", "sdbench.models.runner", "transformers.modeling_utils",
+            mp.set_forkserver_preload(["sdbench.dsi.worker", "sdbench.models.forward.runner", "transformers.modeling_utils",
                                        type(model).__module__])
             self.ctx = mp.get_context("forkserver")
         else:

@@ -15,7 +15,7 @@ import torch
 
 from sdbench.engine.clock import now
 from sdbench.kv.cache import set_prompt_lengths
-from sdbench.models.generic import make_runner
+from sdbench.models.forward.generic import make_runner
 
 
 @dataclass

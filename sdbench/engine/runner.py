@@ -1,5 +1,5 @@
-"""What decoding needs of a model: the `Runner` protocol. models/runner.py's ModelRunner (sdbench's own
-forward) and models/generic.py's GenericRunner (the library's forward and cache) implement it; the engine,
+"""What decoding needs of a model: the `Runner` protocol. models/forward/runner.py's ModelRunner (sdbench's own
+forward) and models/forward/generic.py's GenericRunner (the library's forward and cache) implement it; the engine,
 drafters and strategies know a model only through it (a cache is the runner's own: kv/ for the native runner).
 """
 

@@ -6,7 +6,7 @@ slots ``<= p`` for a query at position ``p``. Rewinding after a rejected draft i
 caller simply starts the next forward at the shorter length, and the stale slots beyond it are either
 overwritten or masked out. Storage is allocated once for the whole generation.
 
-A layer with a sliding window W (`models/windows.py`) attends to slots in (p - W, p] only; its storage stays
+A layer with a sliding window W (`models/forward/windows.py`) attends to slots in (p - W, p] only; its storage stays
 full-length all the same (a ring of W slots per windowed layer would save memory, a later optimisation).
 """
 
@@ -27,9 +27,9 @@ class KVCache(Protocol):
     graphs: dict  # (B, T) -> StaticForward captured over this cache's storage
     pool_key: tuple | None  # the runner's pool key (static shapes); None: never pooled
     prompt_len: torch.Tensor  # [B] on the host: each row's prompt length (set by a prefill), which decides the
-    # rotation of the rope types the library rescales per call (`models/rotary.py`)
+    # rotation of the rope types the library rescales per call (`models/forward/rotary.py`)
     ids: torch.Tensor | None  # [B, capacity] the token at each position, kept only for a model whose keys may
-    # have to be computed again (`models/recompute.py`); None otherwise
+    # have to be computed again (`models/forward/recompute.py`); None otherwise
     crossed: torch.Tensor | None  # [B] bool on the host, beside `ids`: the row's keys are its long-rope ones
 
     def update(

@@ -13,7 +13,7 @@ prompt leaves static slots unused gives them to its window, so a budget at least
 attends to everything, exactly like the full cache.
 Keys are stored already rotated at their true positions.
 
-A layer with its own sliding window W (`models/windows.py`) also drops every key at or below q - W, ring or
+A layer with its own sliding window W (`models/forward/windows.py`) also drops every key at or below q - W, ring or
 static: static slots record their true positions per layer and KV head (`static_pos`; SnapKV picks them per
 layer and head), so such a layer's mask is per KV head, made for all the layers of one window at once.
 """
@@ -91,7 +91,7 @@ class SparseKVCache(KVCache):
         self.graphs: dict = {}  # (B, T) -> StaticForward captured over this cache's storage
         self.pool_key = None
         self.prompt_len = torch.zeros(batch, dtype=torch.long)
-        self.ids = self.crossed = None  # no recomputation (models/recompute.py): a sparse cache only drafts, and a
+        self.ids = self.crossed = None  # no recomputation (models/forward/recompute.py): a sparse cache only drafts, and a
         # draft's stale keys cost acceptance, never the output
 
     def reset(self, window: torch.Tensor) -> None:

@@ -8,10 +8,10 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from sdbench.models.aliases import EmbeddedModel, HubModel, model_registry
+from sdbench.models.loading.aliases import EmbeddedModel, HubModel, model_registry
 
 if TYPE_CHECKING:
-    from sdbench.models.loader import (
+    from sdbench.models.loading.loader import (
         LoadedModel,
         check_same_tokenizer,
         eos_token_ids,
@@ -34,5 +34,5 @@ __all__ = ["EmbeddedModel", "HubModel", "model_registry", *sorted(_LOADER_NAMES)
 
 def __getattr__(name: str) -> Any:
     if name in _LOADER_NAMES:
-        return getattr(importlib.import_module("sdbench.models.loader"), name)
+        return getattr(importlib.import_module("sdbench.models.loading.loader"), name)
     raise AttributeError(f"module 'sdbench.models' has no attribute '{name}'")

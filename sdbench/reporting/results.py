@@ -88,11 +88,11 @@ SCHEMA = pa.schema([
     ("depth", _F),  # retrieval tasks: where the answer was hidden, 0 = start of the text, 1 = end
     ("found", pa.bool_()),  # retrieval tasks: the output holds the answer; null for other tasks
     ("runner", _S),  # the target's runner: "native" (sdbench's forward) or "generic" (the library's forward)
-    ("probe", _S),  # the fidelity probe (models/probe.py): "passed", "fallback" (a native runner failed it and
+    ("probe", _S),  # the fidelity probe (models/probing/probe.py): "passed", "fallback" (a native runner failed it and
     # the generic one passed) or "skipped" (--no-probe); null in files from before the probe
     ("probe_gap", _F),  # the probe's largest gap over the run's models, relative to the logits' scale
     ("probe_reused", pa.bool_()),  # the gap is a kept verdict of an earlier probe of the same weights, dtype,
-    # device, forward path and code over at least this run's context (models/probe_cache.py); null: not probed
+    # device, forward path and code over at least this run's context (models/probing/probe_cache.py); null: not probed
     ("weights", _S),  # "random" when the row's target or draft is MODEL@random, else "real"; null (real) before it
     # served under load (`run --request-rate/--concurrency`): one row per request; null for batch runs.
     # Latencies as engine/metrics.py defines them (vLLM benchmark_serving's names); times in s from serving's start

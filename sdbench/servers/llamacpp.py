@@ -10,7 +10,7 @@ from pathlib import Path
 from sdbench.config import SamplingConfig
 from sdbench.engine.counters import MIRROR
 from sdbench.errors import SdbenchError
-from sdbench.models.loader import model_files
+from sdbench.models.loading.loader import model_files
 from sdbench.paths import cache_dir
 from sdbench.servers.client import EngineReplyError, post_json
 from sdbench.servers.engines import Engine, EngineRole, Reply, engines_dir, token_gaps

@@ -13,7 +13,7 @@ from pathlib import Path
 from sdbench.config import SamplingConfig
 from sdbench.engine.counters import WIDE_FIRST
 from sdbench.errors import SdbenchError
-from sdbench.models.loader import safetensors_folder
+from sdbench.models.loading.loader import safetensors_folder
 from sdbench.servers.client import EngineReplyError, get, post_json
 from sdbench.servers.engines import Engine, EngineRole, Reply, engines_dir, token_gaps
 

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from sdbench.models.heads.eagle import rms_norm
-from sdbench.models.rotary import Rotary, rope
+from sdbench.models.forward.rotary import Rotary, rope
 
 
 class Eagle3Trainee(nn.Module):

@@ -12,8 +12,8 @@ from pathlib import Path
 import torch
 
 from sdbench.engine.hidden import FINAL, eagle3_layers
-from sdbench.models.aliases import model_registry
-from sdbench.models.names import split_variant
+from sdbench.models.loading.aliases import model_registry
+from sdbench.models.loading.names import split_variant
 from sdbench.training.data import Sequence
 from sdbench.training.eagle3 import Eagle3Trainee
 from sdbench.training.medusa import MedusaTrainee

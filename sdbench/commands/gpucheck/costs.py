@@ -18,9 +18,9 @@ from sdbench.commands.gpucheck.sections import _lossless_claim
 from sdbench.commands.reproduce.common import FAILS, HOLDS, UNTESTABLE, Claim
 from sdbench.config import RunConfig
 from sdbench.engine.formulas import mean_accepted_length
-from sdbench.models import loader  # the module: tests replace loader.load_model
-from sdbench.models import pair as pair_module  # the module: tests replace pair.load_pair
-from sdbench.models.memory import GIB
+from sdbench.models.loading import loader  # the module: tests replace loader.load_model
+from sdbench.models.loading import pair as pair_module  # the module: tests replace pair.load_pair
+from sdbench.models.loading.memory import GIB
 from sdbench.reporting import results  # the module: tests replace results.read_results
 from sdbench.strategies import native_needed
 
@@ -58,7 +58,7 @@ def step_costs(ctx: Ctx) -> list[Section]:
     """Step costs at LLAMA_8B's shape over the sizes' batch x context grid, smallest first, dense and sparse,
     through the graphs; the points that do not fit (or find no time left) recorded as not measured, with why.
     Then the cost model's predicted speedup at every measured point with the sizes' alpha."""
-    from sdbench.models.runner import ModelRunner  # loads transformers (slow): only this step needs it
+    from sdbench.models.forward.runner import ModelRunner  # loads transformers (slow): only this step needs it
 
     s, dev, dt = ctx.sizes, ctx.torch_device, ctx.torch_dtype
     found = memory_plan(LLAMA_8B, dt, dev, s.batches, s.contexts, max(s.gammas))

@@ -107,13 +107,13 @@ class Ctx:
 
     @property
     def torch_device(self):
-        from sdbench.models.pair import resolve_device  # loads torch: not before the preflight
+        from sdbench.models.loading.pair import resolve_device  # loads torch: not before the preflight
 
         return resolve_device(self.device)
 
     @property
     def torch_dtype(self):
-        from sdbench.models.pair import resolve_dtype  # loads torch: not before the preflight
+        from sdbench.models.loading.pair import resolve_dtype  # loads torch: not before the preflight
 
         return resolve_dtype(self.sizes.dtype, self.torch_device)
 
@@ -144,7 +144,7 @@ def write_prompts(path: Path, count: int, chars: int, seed: int = 0) -> Path:
 def prompts_of_tokens(path: Path, model: str, count: int, tokens: int) -> Path:
     """A prompt file whose texts encode to about `tokens` tokens with `model`'s tokenizer (its characters per
     token measured on a sample first; the byte tokenizer's is exact: one id per byte, after the BOS)."""
-    from sdbench.models.loader import load_tokenizer  # loads torch: not before the preflight
+    from sdbench.models.loading.loader import load_tokenizer  # loads torch: not before the preflight
 
     tokenizer = load_tokenizer(model)
     sample = write_prompts(path, 1, 4096).read_text(encoding="utf-8")
@@ -165,7 +165,7 @@ def preflight(parts, device: str) -> None:
     if missing:
         raise SdbenchError(f"gpu-check needs {', '.join(missing)}, not installed here: bring the wheel(s) and "
                            "install them with `pip install --no-index --no-deps WHEELS` (docs/gpu.md)")
-    from sdbench.models.pair import resolve_device  # loads torch: only once the check has passed
+    from sdbench.models.loading.pair import resolve_device  # loads torch: only once the check has passed
 
     resolve_device(device)
 
@@ -174,8 +174,8 @@ def preflight(parts, device: str) -> None:
 def settings(tiny: bool) -> Iterator[None]:
     """For one call: no hub is ever asked (HF_HUB_OFFLINE; every model is MODEL@random), and with `tiny` the
     @random models shrunk to two layers of 64 with TINY_VOCAB ids. Both restored afterwards."""
-    from sdbench.models import random_weights  # these load torch: not before the preflight
-    from sdbench.models.shapes import shrink
+    from sdbench.models.loading import random_weights  # these load torch: not before the preflight
+    from sdbench.models.loading.shapes import shrink
 
     before = os.environ.get("HF_HUB_OFFLINE"), random_weights.RESHAPE
     os.environ["HF_HUB_OFFLINE"] = "1"

@@ -18,8 +18,8 @@ from sdbench.commands.reproduce.common import FAILS, HOLDS, UNTESTABLE, Claim
 from sdbench.config import BenchConfig, RunConfig
 from sdbench.dsi.orchestrator import DSIRowStats
 from sdbench.dsi.pools import shutdown_pools
-from sdbench.models import pair as pair_module  # the module: tests replace pair.load_pair
-from sdbench.models.memory import GIB
+from sdbench.models.loading import pair as pair_module  # the module: tests replace pair.load_pair
+from sdbench.models.loading.memory import GIB
 from sdbench.reporting import results  # the module: tests replace results.read_results
 
 REPO = Path(__file__).resolve().parents[3]  # the checkout holding sdbench/ and tests/

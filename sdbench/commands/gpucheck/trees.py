@@ -14,8 +14,8 @@ from sdbench.analysis.trees import hardware_trees, shipped_tables
 from sdbench.commands.gpucheck.costs import _fallback_claim, on_graphs
 from sdbench.commands.gpucheck.plan import LLAMA_1B, LLAMA_8B, Ctx, Section, free
 from sdbench.commands.predict_tree import profiled_widths, relative_verify
-from sdbench.models import loader  # the module: tests replace loader.load_model
-from sdbench.models import pair as pair_module
+from sdbench.models.loading import loader  # the module: tests replace loader.load_model
+from sdbench.models.loading import pair as pair_module
 
 
 def tree_costs(ctx: Ctx) -> list[Section]:
@@ -23,7 +23,7 @@ def tree_costs(ctx: Ctx) -> list[Section]:
     the draft step and its c; each recording whether it fell back from the graphs) and `trees` (one row per
     table x batch x budget: the chosen tree, its expected accepted length, v, predicted speedup, the best chain's
     and the ratio)."""
-    from sdbench.models.runner import ModelRunner  # loads transformers (slow): only the steps need it
+    from sdbench.models.forward.runner import ModelRunner  # loads transformers (slow): only the steps need it
 
     s, dev, dt = ctx.sizes, ctx.torch_device, ctx.torch_dtype
     tables = shipped_tables()

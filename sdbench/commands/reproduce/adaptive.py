@@ -33,7 +33,7 @@ from sdbench.config import RunConfig
 from sdbench.drafting.ngram import DRAFT_NAME as NGRAM
 from sdbench.engine.counters import AdaptiveRowStats
 from sdbench.errors import SdbenchError
-from sdbench.models import pair as pair_module  # the module: tests replace pair.load_pair
+from sdbench.models.loading import pair as pair_module  # the module: tests replace pair.load_pair
 from sdbench.reporting import results  # the module: tests replace results.read_results
 from sdbench.reporting.report import ALL, summarize
 

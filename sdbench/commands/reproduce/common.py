@@ -49,8 +49,8 @@ class ReproduceConfig:
     def small_draft(self) -> str:
         """--draft, else the target's int8 copy where one can be made (float32 on a CPU), else the target: the
         cheaper model that magicdec's small draft, adaptive's model candidate and polybasic's middle level use."""
-        from sdbench.models.pair import resolve_device  # not at import: see the module's docstring
-        from sdbench.models.variants import split_variant
+        from sdbench.models.loading.pair import resolve_device  # not at import: see the module's docstring
+        from sdbench.models.loading.variants import split_variant
 
         if self.draft:
             return self.draft
@@ -107,7 +107,7 @@ ENVIRONMENT_KEYS = ("device", "dtype", "cpu", "cpu_count", "gpu", "torch_version
 def environment_facts(cfg: ReproduceConfig) -> dict:
     """The machine and software a reproduction ran on (the first rows of every report's setup)."""
     from sdbench.env import environment  # not at import: see the module's docstring
-    from sdbench.models.pair import resolve_device
+    from sdbench.models.loading.pair import resolve_device
 
     env = environment(str(resolve_device(cfg.device)), cfg.dtype)
     return {key: env.get(key) for key in ENVIRONMENT_KEYS}

@@ -32,7 +32,7 @@ from sdbench.commands.reproduce.common import (FAILS, HOLDS, UNTESTABLE, Claim, 
                                                environment_facts, figure_png, grouped_bars, pyplot, verdict)
 from sdbench.config import RunConfig
 from sdbench.errors import SdbenchError
-from sdbench.models import pair as pair_module  # the module: tests replace pair.load_pair
+from sdbench.models.loading import pair as pair_module  # the module: tests replace pair.load_pair
 from sdbench.reporting import results  # the module: tests replace results.read_results
 
 TITLE = ("Distributed Speculative Inference (DSI): Speculation Parallelism for Provably Faster Lossless Language "

@@ -34,7 +34,7 @@ from sdbench.commands.reproduce.magicdec_claims import judge, kv_share, self_spe
 from sdbench.config import RunConfig
 from sdbench.engine.formulas import mean_accepted_length
 from sdbench.engine.state import needed_capacity
-from sdbench.models import pair as pair_module  # the module: tests replace pair.load_pair
+from sdbench.models.loading import pair as pair_module  # the module: tests replace pair.load_pair
 from sdbench.reporting import results  # the module: tests replace results.read_results
 from sdbench.strategies import native_needed
 

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from sdbench.engine.tree import Tree
 from sdbench.models.heads.load import EAGLE1, EAGLE3, Head
 from sdbench.kv.cache import DenseKVCache, StepIndex, additive
-from sdbench.models.rotary import Rotary, rope
+from sdbench.models.forward.rotary import Rotary, rope
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

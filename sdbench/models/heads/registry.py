@@ -11,7 +11,7 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from sdbench.models.aliases import model_registry
+from sdbench.models.loading.aliases import model_registry
 from sdbench.paths import config_dir
 
 RECORD = "sdbench_head.json"

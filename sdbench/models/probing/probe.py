@@ -16,7 +16,7 @@ vocabulary head computed only at the compared positions (`logits_to_keep`). So t
 what decoding its tokens one by one gives, which is what makes speculative decoding lossless.
 
 A verdict does not change between runs of the same weights, dtype, device, forward path and code: it is kept
-(`models/probe_cache.py`) and reused by a run whose context it covers (`--probe auto`, the default; rows
+(`models/probing/probe_cache.py`) and reused by a run whose context it covers (`--probe auto`, the default; rows
 record `probe_reused`), re-measured by `--probe always` and by `sdbench check`.
 
 A gap is measured relative to the logits' scale: max |runner - library| / max(1, max |library|) at a
@@ -37,10 +37,10 @@ from dataclasses import dataclass, field
 import torch
 
 from sdbench.errors import SdbenchError
-from sdbench.models import cpufast
-from sdbench.models.generic import GenericRunner, cache_keyword, runner_kind
-from sdbench.models.recompute import recompute_threshold
-from sdbench.models.variants import split_variant
+from sdbench.models.forward import cpufast
+from sdbench.models.forward.generic import GenericRunner, cache_keyword, runner_kind
+from sdbench.models.forward.recompute import recompute_threshold
+from sdbench.models.loading.variants import split_variant
 
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 1e-1, torch.float16: 2e-2}
 STEPS = 2  # single-token forwards after the prefill
@@ -65,7 +65,7 @@ class ProbeResult:
     error: str = ""  # the runner failed to run the probe at all (one line)
     skipped: str = ""  # why this model was not probed (then it passes, with no gaps)
     fallback: bool = False  # the model's native runner failed the probe and this generic one replaced it
-    reused: str = ""  # when the kept verdict reused here was measured (models/probe_cache.py); "": measured now
+    reused: str = ""  # when the kept verdict reused here was measured (models/probing/probe_cache.py); "": measured now
 
     @property
     def tolerance(self) -> float:
@@ -178,8 +178,8 @@ def probe_length(model, length: int) -> int:
 
 
 def _rescaled(config) -> bool:
-    """A rope the library rescales per call (`models/rotary.py`)."""
-    from sdbench.models.rotary import config_length_dependent  # imports transformers
+    """A rope the library rescales per call (`models/forward/rotary.py`)."""
+    from sdbench.models.forward.rotary import config_length_dependent  # imports transformers
 
     return config_length_dependent(config)
 
@@ -220,7 +220,7 @@ def reference(model, ids: torch.Tensor, prefix: int, device) -> torch.Tensor:
     # transformers (and rotary, which imports it): slow to import, and only the reference forward needs them
     from transformers import DynamicCache
 
-    from sdbench.models.rotary import reset_library_rotary
+    from sdbench.models.forward.rotary import reset_library_rotary
 
     keeps = "logits_to_keep" in inspect.signature(model.forward).parameters
     config = _text_config(model)

@@ -14,15 +14,15 @@ from sdbench.data.prompts import run_positions
 from sdbench.drafting.ngram import DRAFT_NAME as NGRAM_DRAFT
 from sdbench.engine.runner import Runner
 from sdbench.errors import SdbenchError
-from sdbench.models import loader  # the module, not its names: tests replace loader.load_model and load_tokenizer
-from sdbench.models.aliases import shipped_config
-from sdbench.models.families import serving
-from sdbench.models.generic import make_runner, runner_kind
-from sdbench.models.names import tokenizer_name
-from sdbench.models.probe import probe_pair
-from sdbench.models.probe_cache import ProbeCache
-from sdbench.models.shapes import config_from_dict
-from sdbench.models.variants import split_variant, variant_runner
+from sdbench.models.loading import loader  # the module, not its names: tests replace loader.load_model and load_tokenizer
+from sdbench.models.loading.aliases import shipped_config
+from sdbench.models.forward.families import serving
+from sdbench.models.forward.generic import make_runner, runner_kind
+from sdbench.models.loading.names import tokenizer_name
+from sdbench.models.probing.probe import probe_pair
+from sdbench.models.probing.probe_cache import ProbeCache
+from sdbench.models.loading.shapes import config_from_dict
+from sdbench.models.loading.variants import split_variant, variant_runner
 
 if TYPE_CHECKING:  # transformers' tokenizer base is a slow import, and only a type here
     from transformers import PreTrainedTokenizerBase

@@ -30,12 +30,12 @@ import torch
 
 import sdbench
 from sdbench.env import _gpu, _version, cpu_name
-from sdbench.models import cpufast
-from sdbench.models.names import RANDOM, split_variant
+from sdbench.models.forward import cpufast
+from sdbench.models.loading.names import RANDOM, split_variant
 from sdbench.paths import cache_dir
 
 EDGE = 64  # values of each tensor's start and end that enter the fingerprint as they are
-CODE = ("models", "kv")  # sdbench's folders whose code computes the model (the runner, the probe, the caches)
+CODE = ("models/forward", "models/probing", "kv")  # sdbench's folders whose code computes the model (the runner, the probe, the caches)
 
 
 def weights_fingerprint(model, name: str = "") -> str:

@@ -109,7 +109,7 @@ _EMBEDDED = [
 ]
 
 # name, hub id, description, drafts (aliases that pair with it), parameters on the model card, other names.
-# Every alias ships its config.json as sdbench/models/configs/<name>.json (shapes without the hub); a draft pairs
+# Every alias ships its config.json as sdbench/models/loading/configs/<name>.json (shapes without the hub); a draft pairs
 # with a target when their tokenizers are the same, which `check_tokenizers` still checks at load time.
 _HUB = [
     ("llama-8b", "meta-llama/Llama-3.1-8B-Instruct", "Llama 3.1 8B Instruct", ("llama-1b", "llama-3b"), 8.03e9,

@@ -13,7 +13,7 @@ import tempfile
 from pathlib import Path
 
 from sdbench.errors import MissingPackageError, SdbenchError
-from sdbench.models.aliases import EmbeddedModel
+from sdbench.models.loading.aliases import EmbeddedModel
 from sdbench.paths import cache_dir
 
 _COPY_BLOCK = 16 << 20

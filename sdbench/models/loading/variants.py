@@ -8,7 +8,7 @@ projection and the embeddings stay in float32: the runner reads the head's weigh
 what the acceptance test compares. The copy is a different model from the original (its greedy choices can
 differ), so as a draft or a middle level of a chain its acceptance is high but not 100%.
 
-`random`: random weights at the model's shape, made by the loader (`models/random_weights.py`), not here.
+`random`: random weights at the model's shape, made by the loader (`models/loading/random_weights.py`), not here.
 """
 
 from __future__ import annotations
@@ -19,9 +19,10 @@ import warnings
 import torch
 
 from sdbench.errors import SdbenchError
-from sdbench.models import cpufast, loader  # loader as a module: tests replace loader.load_model
-from sdbench.models.families import serving
-from sdbench.models.names import RANDOM, VARIANTS, split_variant, weights_of  # noqa: F401 (re-exported)
+from sdbench.models.forward import cpufast  # loader as a module: tests replace loader.load_model
+from sdbench.models.loading import loader
+from sdbench.models.forward.families import serving
+from sdbench.models.loading.names import RANDOM, VARIANTS, split_variant, weights_of  # noqa: F401 (re-exported)
 
 
 def quantise_int8(model) -> object:
@@ -66,6 +67,6 @@ def variant_model(name: str, target_name: str, target, device, dtype):
 
 def variant_runner(name: str, target_name: str, target, device, dtype):
     """The ModelRunner for a draft named MODEL@VARIANT (`variant_model`)."""
-    from sdbench.models.runner import ModelRunner  # imports transformers (rotary): only an @int8 draft needs it
+    from sdbench.models.forward.runner import ModelRunner  # imports transformers (rotary): only an @int8 draft needs it
 
     return ModelRunner(variant_model(name, target_name, target, device, dtype).model, name)

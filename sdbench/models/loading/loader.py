@@ -3,7 +3,7 @@
 GGUF files are de-quantised once (26-78 s) and kept as safetensors in the cache (reload ~1 s).
 The hub is never waited on: the local HF cache is tried first, and the network only after a short probe.
 A model's config is read before anything else, and what no runner serves is refused before any weight loads.
-`MODEL@random` reads the config alone and builds random weights at its shape (`models/random_weights.py`).
+`MODEL@random` reads the config alone and builds random weights at its shape (`models/loading/random_weights.py`).
 """
 
 from __future__ import annotations
@@ -27,11 +27,11 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from sdbench.errors import MissingPackageError, SdbenchError
-from sdbench.models import embedded, memory, random_weights
-from sdbench.models.aliases import EmbeddedModel, HubModel, model_registry, shipped_config
-from sdbench.models.families import serving
-from sdbench.models.names import RANDOM, is_random, split_variant
-from sdbench.models.shapes import config_from_dict, parameter_count
+from sdbench.models.loading import embedded, memory, random_weights
+from sdbench.models.loading.aliases import EmbeddedModel, HubModel, model_registry, shipped_config
+from sdbench.models.forward.families import serving
+from sdbench.models.loading.names import RANDOM, is_random, split_variant
+from sdbench.models.loading.shapes import config_from_dict, parameter_count
 from sdbench.paths import cache_dir
 
 if TYPE_CHECKING:

@@ -21,7 +21,7 @@ graphs captured over it. A captured graph is checked once against the eager forw
 capture that fails or disagrees turns graphs off for that runner with a warning (the eager static path is
 still exact). On CPU the same static forward runs eagerly (`ModelRunner(static=True)`), which is how the
 tests check everything but the capture itself, or compiled (the CPU fast path's compiled steps,
-`models/cpucompile.py`).
+`models/forward/cpucompile.py`).
 """
 
 from __future__ import annotations

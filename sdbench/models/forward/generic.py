@@ -1,8 +1,8 @@
 """The generic runner: the library's own forward and KV cache behind the runner's interface.
 
-For every causal LM the native runner (`models/runner.py`) does not compute (GPT-2, GPT-NeoX/Pythia, OPT,
+For every causal LM the native runner (`models/forward/runner.py`) does not compute (GPT-2, GPT-NeoX/Pythia, OPT,
 Falcon, ...), and as the fallback for a native family whose runner fails the fidelity probe
-(`models/probe.py`). Each row of a batch keeps its own library cache (`DynamicCache`), since rows sit at
+(`models/probing/probe.py`). Each row of a batch keeps its own library cache (`DynamicCache`), since rows sit at
 different positions and the library's cache has one length for the whole batch; a forward runs row by row.
 A forward that starts a row before the end of what its cache holds rewinds by cropping the cache there, so
 the runner offers the same position-indexed contract as the native one: `forward(cache, tokens, start, at)`.
@@ -21,9 +21,9 @@ from sdbench.engine.hidden import FINAL, Taps
 from sdbench.engine.tree import TreeBatch
 from sdbench.errors import SdbenchError
 from sdbench.kv.cache import additive, keep_path_index
-from sdbench.models import cpufast
-from sdbench.models.recompute import recompute_threshold
-from sdbench.models.windows import layer_windows
+from sdbench.models.forward import cpufast
+from sdbench.models.forward.recompute import recompute_threshold
+from sdbench.models.forward.windows import layer_windows
 
 SPARSE_REFUSAL = "sparse KV caches (MagicDec, --set draft_kv) need the native runner"
 
@@ -37,7 +37,7 @@ def make_runner(model, name: str, kind: str = "native", fast: bool = False):
     """The runner of a kind over a loaded model (a DSI worker builds the kind its target was probed with)."""
     if kind == "generic":
         return GenericRunner(model, name)
-    from sdbench.models.runner import ModelRunner  # imports transformers (rotary): only a native runner needs it
+    from sdbench.models.forward.runner import ModelRunner  # imports transformers (rotary): only a native runner needs it
 
     return ModelRunner(model, name, fast=fast)
 
@@ -59,7 +59,7 @@ class GenericCache:
         self.batch = batch
         self.graphs: dict = {}
         self.prompt_len = torch.zeros(batch, dtype=torch.long)  # [B] host (see kv/cache.py)
-        self.ids = [[] for _ in range(batch)]  # per row, the tokens its library cache holds (models/recompute.py)
+        self.ids = [[] for _ in range(batch)]  # per row, the tokens its library cache holds (models/forward/recompute.py)
         self.crossed = torch.zeros(batch, dtype=torch.bool)  # per row: its keys are the long-rope ones
 
     def row(self, b: int) -> "GenericCache":
@@ -117,10 +117,10 @@ class GenericRunner:
         self._cache_kw = cache_keyword(model)
         self._positions = "position_ids" in inspect.signature(model.forward).parameters  # a tree needs them
         self._taps: Taps | None = None  # the hidden states the current call keeps (engine/hidden.py)
-        # a rope the library rescales per call from the call's largest position (models/rotary.py): each
+        # a rope the library rescales per call from the call's largest position (models/forward/rotary.py): each
         # decoded token then runs in a call of its own, the rotary modules put back before every call, so
         # that it is rotated as plain decoding rotates it; the prompt keeps one call
-        from sdbench.models.rotary import config_length_dependent, library_rotary_modules  # imports transformers
+        from sdbench.models.forward.rotary import config_length_dependent, library_rotary_modules  # imports transformers
 
         text = model.config.get_text_config()
         self._rotary = library_rotary_modules(model) if config_length_dependent(text) else None
@@ -157,7 +157,7 @@ class GenericRunner:
         placed: the tokens' position_ids and 4-D attention_mask (a token tree, `_tree_inputs`)."""
         cache.rewind(b, start)
         if self._rotary is not None:
-            from sdbench.models.rotary import reset_library_rotary  # loaded already (see __init__)
+            from sdbench.models.forward.rotary import reset_library_rotary  # loaded already (see __init__)
 
             reset_library_rotary(self._rotary)
         kwargs = {"logits_to_keep": keep} if self._keeps and keep is not None else {}
@@ -198,7 +198,7 @@ class GenericRunner:
 
     def _switch(self, cache: GenericCache, b: int, start: int, width: int) -> list[int]:
         """For a model whose generate computes the whole sequence again when it first passes O
-        (models/recompute.py), before a call of `width` tokens from `start`: where the call's queries lie past
+        (models/forward/recompute.py), before a call of `width` tokens from `start`: where the call's queries lie past
         O and the row's keys are the short-rope ones, the row's earlier tokens, to go first in that call (one
         call up to the first position past O, as generate makes it), its cache emptied; where they lie below O
         and the keys are the long-rope ones (a rewind), the short-rope keys computed again. [] otherwise."""

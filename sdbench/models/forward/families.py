@@ -1,7 +1,7 @@
 """Which runner serves a model, and how a native family's decoder differs from Llama's, from its config alone
 (before any weight loads).
 
-- native: sdbench's own forward (`models/runner.py`), position-indexed caches, sparse caches, CUDA graphs;
+- native: sdbench's own forward (`models/forward/runner.py`), position-indexed caches, sparse caches, CUDA graphs;
 - generic: the library's own forward and cache behind the runner's interface (every other causal LM);
 - refused: what neither can run (not a decoder-only causal LM), with the reason.
 

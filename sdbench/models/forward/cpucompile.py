@@ -4,7 +4,7 @@ whole, around the packed products.
 Between its products an eager step runs some twenty small ops per layer (norms, the rotation, the cache writes,
 attention, the residual adds), each with Python and dispatch time around it. Compiled, the small ops fuse into a
 few generated kernels per layer and the Python between them goes. A runner on this path runs its decode and
-verification steps as static-shape forwards (`models/graphs.py`: fixed buffers, attention over the whole pooled
+verification steps as static-shape forwards (`models/forward/graphs.py`: fixed buffers, attention over the whole pooled
 cache under a mask, the new keys scattered to their positions) whose layers torch.compile compiled:
 
 - the products stay the packed ones (sdbench's or oneDNN's), the same calls as eagerly (the compiler cannot
@@ -26,7 +26,7 @@ import warnings
 
 import torch
 
-from sdbench.models import cpufast, forward_paths
+from sdbench.models.forward import cpufast, forward_paths
 
 RECOMPILE_LIMIT = 64  # compiled steps per runner: (batch, width, cache length) each, trees' widths included
 

@@ -1,6 +1,6 @@
 /* sdbench's CPU products for float32 decoding and verification: y [rows, out] = x [rows, n] W^T (+ b).
  *
- * Built at first use by models/cpukernel.py with the machine's C compiler (-O3 -march=native -fopenmp, AVX2
+ * Built at first use by models/forward/cpukernel.py with the machine's C compiler (-O3 -march=native -fopenmp, AVX2
  * and FMA required) and called through ctypes; the parallel loops run on the OpenMP runtime torch has loaded.
  *
  * Two layouts of W:
@@ -229,7 +229,7 @@ int sd_linear_plain(const float *x, const float *w, const float *b, float *y, lo
   return 0;
 }
 
-/* ---- the rest of a decoder layer's step (Llama's): the fast path's fused layer, models/cpulayer.py ---- */
+/* ---- the rest of a decoder layer's step (Llama's): the fast path's fused layer, models/forward/cpulayer.py ---- */
 
 /* y [rows, n] = w * (x * 1/sqrt(mean(x^2) + eps)), as Llama's RMSNorm computes it in float32 */
 void sd_rms_norm(const float *x, const float *w, float *y, long rows, long n, float eps) {

@@ -2,7 +2,7 @@
 
 Phi-3 (and PhiMoE, Phi-4-multimodal) use longrope: the short factors while a sequence is within
 `original_max_position_embeddings` (O), the long ones past it. Their `generate` does more than rotate new
-tokens with the long factors (models/rotary.py): when a sequence first reaches O + 1 tokens with a cache of
+tokens with the long factors (models/forward/rotary.py): when a sequence first reaches O + 1 tokens with a cache of
 at most O, it drops the cache and computes the whole sequence again in one forward (their
 `prepare_inputs_for_generation`), so every key and value of every layer is then the long-rope one. Plain
 decoding of such a model is therefore two models: the logits at a position q < O come from the sequence with
@@ -14,7 +14,7 @@ part at q >= O a row that has not crossed computes positions [0, start) again wi
 before a part at q < O a row that had crossed (a rejected verification rewound it below O) computes them
 again with the short ones. A prompt longer than O is long-rope from the start and never switches. Rows that
 switch run one by one (eagerly); every other forward is untouched. The generic runner (the library's forward)
-does the same with its own calls (`models/generic.py`): the sequence up to the first position past O in one
+does the same with its own calls (`models/forward/generic.py`): the sequence up to the first position past O in one
 call, as `generate` makes it.
 """
 
@@ -27,7 +27,7 @@ RECOMPUTING = ("phi3", "phimoe", "phi4_multimodal")  # model types whose generat
 
 def recompute_threshold(config, rescaled: bool) -> int | None:
     """O for a model whose generate recomputes its cache when a sequence passes O and whose rope is rescaled
-    there (`rescaled`: models/rotary.py), else None."""
+    there (`rescaled`: models/forward/rotary.py), else None."""
     limit = getattr(config, "original_max_position_embeddings", None)
     if config.model_type not in RECOMPUTING or limit is None or not rescaled:
         return None

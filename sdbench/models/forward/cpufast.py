@@ -2,7 +2,7 @@
 
 The stock product (MKL) runs near memory speed for one row but is several times slower for the 2-9 rows a
 draft's catch-up and a verification use; oneDNN's product on its own packed layout is not, and sdbench's own
-products (`models/cpukernel.py`, on a layout of blocks of 8 outputs) read the weights faster still at every width
+products (`models/forward/cpukernel.py`, on a layout of blocks of 8 outputs) read the weights faster still at every width
 (docs/peers.md gives the measurements). So:
 
 - q/k/v are fused into one product and gate/up into another (7 products per layer become 4; Phi-3's are
@@ -47,7 +47,7 @@ import torch.nn.functional as F
 
 from sdbench.env import cpu_name
 from sdbench.errors import SdbenchError
-from sdbench.models import cpukernel
+from sdbench.models.forward import cpukernel
 from sdbench.paths import cache_dir
 
 ONEDNN, KERNEL = "onednn", "kernel"  # the packed layouts: oneDNN's, and sdbench's blocks of 8 (`cpukernel`)
@@ -80,7 +80,7 @@ _handles = itertools.count()
 
 @torch.library.custom_op("sdbench::packed_linear", mutates_args=())
 def packed_linear(x: torch.Tensor, handle: int, out_features: int) -> torch.Tensor:
-    """A packed product inside a compiled step (`models/cpucompile.py`): the compiler cannot take an opaque
+    """A packed product inside a compiled step (`models/forward/cpucompile.py`): the compiler cannot take an opaque
     oneDNN weight as an input, so the step names its Packed by handle and the product runs as it does eagerly."""
     return _by_handle[handle].product(x)
 
@@ -395,7 +395,7 @@ class Choice:
     how: str  # "measured" or "override"
     ratio: float | None = None  # plain time / packed time, layers and head, summed over WIDTHS (> 1: packing wins)
     measured: str = ""  # when, where the measurement was kept from an earlier run on this machine ("": now)
-    compiled: bool = False  # steps compiled too (`models/cpucompile.py`; an override only)
+    compiled: bool = False  # steps compiled too (`models/forward/cpucompile.py`; an override only)
     layout: str = ONEDNN  # the packed layout (LAYOUTS), where packed
 
     def describe(self) -> str:
@@ -419,7 +419,7 @@ def _override_layout(mode: str) -> str:
 
 def fast_mode() -> str:
     """FAST_ENV's value: measure (the default), plain, kernel (sdbench's products), packed (oneDNN's), or compiled
-    (packed, steps compiled: `models/cpucompile.py`)."""
+    (packed, steps compiled: `models/forward/cpucompile.py`)."""
     mode = os.environ.get(FAST_ENV, "measure").strip().lower() or "measure"
     if mode not in MODES:
         raise SdbenchError(f"{FAST_ENV}={mode}: use {', '.join(MODES[:-1])} or {MODES[-1]}")

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 
 from sdbench.errors import SdbenchError
-from sdbench.models.shapes import random_model
+from sdbench.models.loading.shapes import random_model
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedModel

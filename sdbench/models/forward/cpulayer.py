@@ -1,5 +1,5 @@
 """The CPU fast path's fused decoder layer: a Llama-style layer's step over a few tokens in five calls into sdbench's
-own kernels (`models/cpukernel.py`) and its four products, where the library's layer takes ~30 small torch ops.
+own kernels (`models/forward/cpukernel.py`) and its four products, where the library's layer takes ~30 small torch ops.
 
 On a small model the products are not all of a CPU decode step: the norms, rotation, cache writes, attention,
 activation and the Python between them take a large share of it (docs/peers.md "Where a CPU decode step's time
@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from sdbench.kv.cache import DenseKVCache, StepIndex
-from sdbench.models import cpufast, cpukernel, forward_paths
+from sdbench.models.forward import cpufast, cpukernel, forward_paths
 
 FUSED_TOKENS = 16  # the widest forward (tokens per row) taken: decoding, a draft's catch-up, verifications
 SILU = ("SiLU", "SiLUActivation")  # torch's module, and the library's own (`transformers.activations`)

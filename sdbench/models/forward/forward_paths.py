@@ -1,7 +1,7 @@
 """The forward path a runner takes, chosen once at its construction: eager (the modules' own products),
-CPU-packed (fused projections in a packed layout, `models/cpufast.py`), CPU-compiled (the packed products in
-static-shape steps compiled whole, `models/cpucompile.py`) or CUDA graphs (static shapes replayed,
-`models/graphs.py`). One interface, read by the runner's layer loop:
+CPU-packed (fused projections in a packed layout, `models/forward/cpufast.py`), CPU-compiled (the packed products in
+static-shape steps compiled whole, `models/forward/cpucompile.py`) or CUDA graphs (static shapes replayed,
+`models/forward/graphs.py`). One interface, read by the runner's layer loop:
 
   ready()        puts the weights in the layout this path's forward reads (packed, or the library's), before
                  a forward or a timed section; a model shared by runners of both kinds is moved between the two
@@ -9,14 +9,14 @@ static-shape steps compiled whole, `models/cpucompile.py`) or CUDA graphs (stati
   head(h)        the vocabulary projection, [..., H] -> [..., V]
   norm(m, x)     a norm module applied (one op for Llama's RMSNorm when packed)
 
-Only the runner (models/runner.py) holds a path; nothing outside models/ changes the weights' layout.
+Only the runner (models/forward/runner.py) holds a path; nothing outside models/ changes the weights' layout.
 """
 
 from __future__ import annotations
 
 import torch
 
-from sdbench.models import cpufast
+from sdbench.models.forward import cpufast
 
 EAGER, CPU_PACKED, CPU_COMPILED, CUDA_GRAPHS = "eager", "cpu-packed", "cpu-compiled", "cuda-graphs"
 
@@ -27,8 +27,8 @@ class Eager:
 
     kind = EAGER
     graphs = False  # static steps are captured as CUDA graphs
-    compiled = False  # static steps run compiled (`models/cpucompile.py`)
-    static = False  # decode and verification steps take the static-shape forward (`models/graphs.py`)
+    compiled = False  # static steps run compiled (`models/forward/cpucompile.py`)
+    static = False  # decode and verification steps take the static-shape forward (`models/forward/graphs.py`)
 
     def __init__(self, model, cpu_head: bool = False):
         self.model = model

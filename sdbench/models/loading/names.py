@@ -1,5 +1,5 @@
-"""The MODEL@VARIANT grammar, on names alone (nothing loads here): `@int8` copies (`models/variants.py`) and
-`@random` weights at a model's shape (`models/random_weights.py`)."""
+"""The MODEL@VARIANT grammar, on names alone (nothing loads here): `@int8` copies (`models/loading/variants.py`) and
+`@random` weights at a model's shape (`models/loading/random_weights.py`)."""
 
 from __future__ import annotations
 

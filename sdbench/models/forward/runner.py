@@ -1,7 +1,7 @@
 """ModelRunner: sdbench's own forward pass over a Hugging Face decoder's weights.
 
 The runner borrows the loaded model's modules (embeddings, projections, MLPs, norms) and owns attention (with
-sliding windows, `models/windows.py`), the rotary embedding (`models/rotary.py`: computed from the config; the
+sliding windows, `models/forward/windows.py`), the rotary embedding (`models/forward/rotary.py`: computed from the config; the
 library's module is never called) and the KV cache, so that every strategy sees the same position-indexed
 cache: several new tokens per row, each row at its own position, rewind by starting the next forward earlier.
 Logits match the library's own forward (tests/test_runner_fidelity.py checks this on random tiny models).
@@ -17,15 +17,15 @@ import torch.nn.functional as F
 from sdbench.errors import SdbenchError
 from sdbench.kv.cache import DenseKVCache, KVCache, StepIndex, TreeStep, set_prompt_lengths
 from sdbench.kv.sparse import SparseKVCache
-from sdbench.models import cpucompile, cpufast, cpulayer, forward_paths, recompute
-from sdbench.models.families import NATIVE, family
+from sdbench.models.forward import cpucompile, cpufast, cpulayer, forward_paths, recompute
+from sdbench.models.forward.families import NATIVE, family
 from sdbench.engine.hidden import FINAL, Taps
 from sdbench.engine.tree import TreeBatch
 from sdbench.engine.state import needed_capacity
-from sdbench.models.graphs import (CAPACITY_STEP, TREE_SPARE, TREE_WIDTHS, CachePool, StaticForward, StaticTreeForward,
+from sdbench.models.forward.graphs import (CAPACITY_STEP, TREE_SPARE, TREE_WIDTHS, CachePool, StaticForward, StaticTreeForward,
                                    tree_budget_refusal, tree_width)
-from sdbench.models.rotary import Rotary, rope
-from sdbench.models.windows import layer_windows
+from sdbench.models.forward.rotary import Rotary, rope
+from sdbench.models.forward.windows import layer_windows
 from sdbench.padding import right_pad
 
 SUPPORTED = NATIVE  # kept for callers that name it
@@ -55,15 +55,15 @@ def _capped_attention(q, keys, values, mask, scale: float, cap: float) -> torch.
 
 
 class ModelRunner:
-    """Forward over new tokens at given positions, for a decoder of a native family (`models/families.py`:
+    """Forward over new tokens at given positions, for a decoder of a native family (`models/forward/families.py`:
     Llama's layer loop with the family's differences read once, here).
 
-    fast: take the fast forward path for the device (`models/forward_paths.py`, chosen here once): on CPU in
+    fast: take the fast forward path for the device (`models/forward/forward_paths.py`, chosen here once): on CPU in
     float32, fused projections packed for sdbench's products or oneDNN's (one copy of the weights) and one-op
     norms where a short measurement at this shape finds them faster: the model is packed by this runner's first
     forward and unpacked by the first forward of a plain runner on it; a head left plain (tied, or the model
     unpacked) is read by the product measured fastest per width; on CUDA, decode and verification steps replayed as CUDA
-    graphs over static shapes (`models/graphs.py`).
+    graphs over static shapes (`models/forward/graphs.py`).
     static: use the static-shape forward (pooled caches, attention over the full cache) without capturing
     graphs; defaults to on exactly when graphs are. Tests turn it on to check the graph path's maths on CPU.
     """
@@ -105,7 +105,7 @@ class ModelRunner:
         self._compiled = None  # cpucompile.CompiledLayers, made at the first compiled step
         if self.path.kind == forward_paths.CPU_PACKED and static is None and cpucompile.wanted():
             self.path, self.static = forward_paths.compiled(self.path), True
-        self.fused_layers = cpulayer.fits(self)  # its layers' steps may run fused (`models/cpulayer.py`)
+        self.fused_layers = cpulayer.fits(self)  # its layers' steps may run fused (`models/forward/cpulayer.py`)
 
     @property
     def cpu_fast(self) -> bool:
@@ -121,7 +121,7 @@ class ModelRunner:
     # ---- caches -----------------------------------------------------------------------------------------
     def new_cache(self, batch: int, capacity: int) -> DenseKVCache:
         """A dense cache; with static shapes, a pooled one (length rounded up) whose graphs are kept, with room
-        past the last position for the most padding a tree graph writes past a tree (`models/graphs.py`)."""
+        past the last position for the most padding a tree graph writes past a tree (`models/forward/graphs.py`)."""
         if self.static:
             capacity = -(-(capacity + TREE_SPARE) // CAPACITY_STEP) * CAPACITY_STEP
         self.rotary.reserve(capacity)
@@ -178,7 +178,7 @@ class ModelRunner:
         return cpufast.choose(self.model).describe()
 
     def compiled_layers(self, forward, taps: Taps | None) -> torch.Tensor | None:
-        """A static forward's hidden states through the compiled layers (`models/cpucompile.py`), or None where
+        """A static forward's hidden states through the compiled layers (`models/forward/cpucompile.py`), or None where
         compiling failed (the path is then the eager packed one)."""
         if self._compiled is None:
             self._compiled = cpucompile.CompiledLayers(self)
@@ -209,7 +209,7 @@ class ModelRunner:
     def run_layers(self, cache: KVCache, tokens: torch.Tensor, step: StepIndex, cos_sin: dict,
                    taps: Taps | None = None) -> torch.Tensor:
         """`hidden` once its step and rotation are prepared and the weights are in this path's layout: tensor
-        work only, which a compiled step (`models/cpucompile.py`) traces whole (it is not decorated: a change of
+        work only, which a compiled step (`models/forward/cpucompile.py`) traces whole (it is not decorated: a change of
         inference mode inside a traced function fails to compile)."""
         if cache.ids is not None:
             cache.ids.scatter_(1, step.positions, tokens.to(self.device))
@@ -249,7 +249,7 @@ class ModelRunner:
 
     def scaling_floor(self, cache) -> torch.Tensor | None:
         """The rows' floors of the rope's scaling length (`Rotary.scaling_lengths`): their prompt lengths, and
-        past Phi-3's O for rows whose keys are the long-rope ones (`models/recompute.py`)."""
+        past Phi-3's O for rows whose keys are the long-rope ones (`models/forward/recompute.py`)."""
         return recompute.scaling_floor(cache, self.recompute_at)
 
     def _project(self, attn, fast, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -312,7 +312,7 @@ class ModelRunner:
         (eagerly, the vocabulary projection then runs only there: it costs as much as a few layers).
         taps: the hidden states to keep too, of every token (engine/hidden.py). tree: tokens [B, T] are a
         token tree per row (`kv.cache.TreeStep`: slots start[b] + j, tree positions and mask); on the static-shape
-        path padded to the node count of a captured graph (`models/graphs.py` StaticTreeForward)."""
+        path padded to the node count of a captured graph (`models/forward/graphs.py` StaticTreeForward)."""
         if tree is not None and self.static and cache.static_kv_len is not None:
             logits = self._static_tree_forward(cache, tokens, start, taps, tree)
             return logits if at is None else _pick(logits, at)
@@ -342,7 +342,7 @@ class ModelRunner:
         """Why tree forwards cannot run over this cache, in one line, or None. ahead (before a run): a cache
         that may reach Phi-3's original context is refused whole, so that the run is refused before it starts,
         not in the round that crosses it. nodes: the most nodes of one tree forward (the root included), which
-        the static-shape forward takes up to the widest captured width (`models/graphs.py`)."""
+        the static-shape forward takes up to the widest captured width (`models/forward/graphs.py`)."""
         if self.static and cache.static_kv_len is not None and nodes is not None and nodes > TREE_WIDTHS[-1]:
             return tree_budget_refusal(nodes)
         if not isinstance(cache, (DenseKVCache, SparseKVCache)):  # the SnapKV scoring view: never a tree's

@@ -1,5 +1,5 @@
 """sdbench's own CPU products for float32 (`kernels/products.c`), built at first use with the machine's C compiler,
-and the rest of a Llama layer's decode step around them (`models/cpulayer.py`).
+and the rest of a Llama layer's decode step around them (`models/forward/cpulayer.py`).
 
 One decode step of a model on a CPU is its weights streamed once through matrix-vector products, and the stock
 products read them well below the machine's bandwidth at the widths decoding uses (1 row; 2-9 for a draft's
@@ -56,7 +56,7 @@ def _build() -> ctypes.CDLL:
     cc = _compiler()
     if cc is None:
         raise RuntimeError("no C compiler (cc or gcc; or set CC)")
-    source = resources.files("sdbench.models").joinpath("kernels", SOURCE).read_bytes()
+    source = resources.files(__package__).joinpath("kernels", SOURCE).read_bytes()
     try:
         version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError) as e:
