@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from sdbench.forward_step import Step
 from sdbench.config import SamplingConfig
 from sdbench.engine.loop import generate
 from sdbench.models.forward import cpufast, forward_paths
@@ -45,7 +46,7 @@ def test_compiled_steps_give_generates_tokens_and_a_verification_the_eager_logit
     for r in (runner, eager):
         cache = r.new_cache(1, 32)
         r.prefill(cache, [prompts[0]])
-        out.append(r.forward(cache, tokens, [len(prompts[0])]))
+        out.append(r.run(cache, Step(tokens, [len(prompts[0])])))
     torch.testing.assert_close(out[0], out[1], atol=1e-4, rtol=1e-4)
 
 

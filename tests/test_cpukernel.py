@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
+from sdbench.forward_step import Step
 from sdbench.engine.tree import Tree, TreeBatch
 from sdbench.errors import SdbenchError
 from sdbench.models.forward import cpufast, cpukernel, cpulayer
@@ -84,7 +85,7 @@ def test_the_kernel_path_gives_the_librarys_logits_and_weights_back(monkeypatch)
     assert "packed (sdbench's products)" in runner.fast_path_note()
     cache = runner.new_cache(1, 16)
     got = runner.prefill(cache, [[3, 5, 7, 9]])
-    steps = [runner.forward(cache, ids[:, 4:5], [4]), runner.forward(cache, ids[:, 5:6], [5])]
+    steps = [runner.run(cache, Step(ids[:, 4:5], [4])), runner.run(cache, Step(ids[:, 5:6], [5]))]
     _close(got, want[:, 3])
     _close(steps[0][:, -1], want[:, 4])
     _close(steps[1][:, -1], want[:, 5])
@@ -225,17 +226,17 @@ def test_the_fused_layers_are_not_taken_where_they_do_not_compute_the_layer(fuse
     for runner in (qwen3, windowed):
         cache = runner.new_cache(1, 32)
         runner.prefill(cache, [[3, 5, 7]])
-        runner.forward(cache, torch.tensor([[4]]), [3])
+        runner.run(cache, Step(torch.tensor([[4]]), [3]))
     sparse = llama.new_sparse_cache(1, 2, torch.tensor([4]), 4)
     llama.prefill(sparse, [[3, 5, 7, 9, 11, 2]])
-    llama.forward(sparse, torch.tensor([[4]]), [6])
+    llama.run(sparse, Step(torch.tensor([[4]]), [6]))
     assert fused_calls == []
     tree = TreeBatch.of([Tree.from_vllm("[(0,), (1,)]").with_root()])  # two siblings: not a causal block
-    llama.forward(llama.new_cache(1, 32), torch.tensor([[4, 6, 8]]), [0], tree=tree)
+    llama.run(llama.new_cache(1, 32), Step(torch.tensor([[4, 6, 8]]), [0], tree=tree))
     assert fused_calls == []  # tests/test_tree_forward.py checks its logits, and that a fused tree step fails them
     cache = llama.new_cache(1, 32)
     llama.prefill(cache, [[3, 5, 7]])
-    llama.forward(cache, torch.tensor([[4, 6]]), [3])
+    llama.run(cache, Step(torch.tensor([[4, 6]]), [3]))
     assert fused_calls == [0, 1, 0, 1]  # a short prefill and a 2-token step, both layers
 
 

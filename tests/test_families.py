@@ -17,6 +17,7 @@ import weakref
 import pytest
 import torch
 
+from sdbench.forward_step import Step
 from sdbench.config import SamplingConfig
 from sdbench.engine.loop import generate
 from sdbench.models.forward import cpufast, families
@@ -85,9 +86,9 @@ def test_logits_match_the_library_at_prefill_decode_and_verify(model, fast):
     first = runner.prefill(cache, [ids[0, :12].tolist(), ids[1, :9].tolist()], chunk=5)
     torch.testing.assert_close(first, torch.stack([ref[0, 11], ref[1, 8]]), atol=1e-4, rtol=1e-4)
     for t in range(3):  # single-token steps, rows at their own positions
-        step = runner.forward(cache, torch.stack([ids[0, 12 + t : 13 + t], ids[1, 9 + t : 10 + t]]), [12 + t, 9 + t])
+        step = runner.run(cache, Step(torch.stack([ids[0, 12 + t : 13 + t], ids[1, 9 + t : 10 + t]]), [12 + t, 9 + t]))
         torch.testing.assert_close(step[:, 0], torch.stack([ref[0, 12 + t], ref[1, 9 + t]]), atol=1e-4, rtol=1e-4)
-    verify = runner.forward(cache, torch.stack([ids[0, 15:20], ids[1, 12:17]]), [15, 12])  # 5 tokens at once
+    verify = runner.run(cache, Step(torch.stack([ids[0, 15:20], ids[1, 12:17]]), [15, 12]))  # 5 tokens at once
     torch.testing.assert_close(verify, torch.stack([ref[0, 15:20], ref[1, 12:17]]), atol=1e-4, rtol=1e-4)
 
 
@@ -170,13 +171,13 @@ def test_each_difference_of_a_family_matters(name, field, monkeypatch):
         assert not hasattr(attention, NAMES_ONLY[name, field])
         with pytest.raises(AttributeError, match=NAMES_ONLY[name, field]):
             runner = ModelRunner(model)
-            runner.forward(runner.new_cache(1, 16), ids, [0])
+            runner.run(runner.new_cache(1, 16), Step(ids, [0]))
         return
     if (name, field) == ("olmo2", "norms"):  # post-norms only: Llama's pre-norm, a copy of the family's own
         for layer in model.model.layers:
             layer.input_layernorm = copy.deepcopy(layer.post_attention_layernorm)
     runner = ModelRunner(model)
-    got = runner.forward(runner.new_cache(1, 16), ids, [0])
+    got = runner.run(runner.new_cache(1, 16), Step(ids, [0]))
     assert (got - ref).abs().max() > 1e-2
 
 
@@ -224,9 +225,9 @@ def test_sliding_windows_that_bind(name):
         cache = runner.new_cache(2, 40)
         first = runner.prefill(cache, [ids[0, :14].tolist(), ids[1, :10].tolist()], chunk=4)
         torch.testing.assert_close(first, torch.stack([ref[0, 13], ref[1, 9]]), atol=1e-4, rtol=1e-4)
-        step = runner.forward(cache, torch.stack([ids[0, 14:15], ids[1, 10:11]]), [14, 10])
+        step = runner.run(cache, Step(torch.stack([ids[0, 14:15], ids[1, 10:11]]), [14, 10]))
         torch.testing.assert_close(step[:, 0], torch.stack([ref[0, 14], ref[1, 10]]), atol=1e-4, rtol=1e-4)
-        verify = runner.forward(cache, torch.stack([ids[0, 15:20], ids[1, 11:16]]), [15, 11])
+        verify = runner.run(cache, Step(torch.stack([ids[0, 15:20], ids[1, 11:16]]), [15, 11]))
         torch.testing.assert_close(verify, torch.stack([ref[0, 15:20], ref[1, 11:16]]), atol=1e-4, rtol=1e-4)
         prompts = _prompts(6)
         out = generate(runner, Autoregressive(), prompts, max_new_tokens=NEW, sampling=GREEDY).output_ids

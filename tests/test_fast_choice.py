@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from sdbench.forward_step import Step
 from sdbench.analysis.bandwidth import Bandwidth
 from sdbench.commands import hf_generate
 from sdbench.errors import SdbenchError
@@ -123,7 +124,7 @@ def test_a_measured_head_gives_the_librarys_logits_on_a_tied_model(measuring, mo
     prompt = [3, 5, 7, 9, 11, 2]
     cache = runner.new_cache(1, 16)
     ours = torch.cat([runner.prefill(cache, [prompt[:3]]).unsqueeze(1),
-                      runner.forward(cache, torch.tensor([prompt[3:]]), [3])], dim=1)[0]
+                      runner.run(cache, Step(torch.tensor([prompt[3:]]), [3]))], dim=1)[0]
     with cpufast.plain(model), torch.inference_mode():
         ref = model(torch.tensor([prompt])).logits[0, 2:]
     torch.testing.assert_close(ours, ref.float(), rtol=1e-4, atol=1e-4)

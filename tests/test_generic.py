@@ -11,6 +11,7 @@ import torch
 from transformers import (FalconConfig, FalconForCausalLM, GPT2Config, GPT2LMHeadModel, GPTNeoXConfig,
                           GPTNeoXForCausalLM, OPTConfig, OPTForCausalLM)
 
+from sdbench.forward_step import Step
 from sdbench.config import SamplingConfig
 from sdbench.engine.loop import generate
 from sdbench.errors import SdbenchError
@@ -82,18 +83,17 @@ def test_logits_match_the_library_per_row_position_with_rewinds(generic):
     cache = generic.new_cache(2, 64)
     first = generic.prefill(cache, [ids[0, :20].tolist(), ids[1, :25].tolist()])
     torch.testing.assert_close(first, torch.stack([ref[0, 19], ref[1, 24]]), atol=1e-4, rtol=0)
-    step = generic.forward(cache, torch.stack([ids[0, 20:21], ids[1, 25:26]]), [20, 25])
+    step = generic.run(cache, Step(torch.stack([ids[0, 20:21], ids[1, 25:26]]), [20, 25]))
     torch.testing.assert_close(step, torch.stack([ref[0, 20:21], ref[1, 25:26]]), atol=1e-4, rtol=0)
-    generic.forward(cache, torch.randint(0, VOCAB, (2, 5)), [21, 26])  # drafts the verifier rejects
-    wide = generic.forward(cache, torch.stack([ids[0, 21:26], ids[1, 26:31]]), [21, 26])
+    generic.run(cache, Step(torch.randint(0, VOCAB, (2, 5)), [21, 26]))  # drafts the verifier rejects
+    wide = generic.run(cache, Step(torch.stack([ids[0, 21:26], ids[1, 26:31]]), [21, 26]))
     torch.testing.assert_close(wide, torch.stack([ref[0, 21:26], ref[1, 26:31]]), atol=1e-4, rtol=0)
-    at = generic.forward(cache, torch.stack([ids[0, 26:30], ids[1, 31:35]]), [26, 31],
-                         at=torch.tensor([[0, 3], [1, 2]]))
+    at = generic.run(cache, Step(torch.stack([ids[0, 26:30], ids[1, 31:35]]), [26, 31], at=torch.tensor([[0, 3], [1, 2]])))
     torch.testing.assert_close(at, torch.stack([ref[0, [26, 29]], ref[1, [32, 33]]]), atol=1e-4, rtol=0)
-    last = generic.forward(cache, torch.stack([ids[0, 30:31], ids[1, 35:36]]), [30, 35], at=torch.tensor([0, 0]))
+    last = generic.run(cache, Step(torch.stack([ids[0, 30:31], ids[1, 35:36]]), [30, 35], at=torch.tensor([0, 0])))
     torch.testing.assert_close(last, torch.stack([ref[0, 30], ref[1, 35]]), atol=1e-4, rtol=0)  # at [B]: [B, V]
     with pytest.raises(RuntimeError, match="cannot start at"):  # a hole in a row's positions is a bug
-        generic.forward(cache, ids[:, :1], [38, 38])
+        generic.run(cache, Step(ids[:, :1], [38, 38]))
 
 
 def test_the_probe_passes_on_the_generic_runner(generic):

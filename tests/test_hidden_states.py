@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from sdbench.forward_step import Step
 from sdbench.config import SamplingConfig
 from sdbench.engine.hidden import FINAL, Taps
 from sdbench.engine.loop import generate
@@ -49,7 +50,7 @@ def test_prefill_and_forward_keep_the_library_states(target, path):
             torch.testing.assert_close(kept[b, : len(p)], _library(target, p), atol=1e-4, rtol=1e-4)
     more = torch.tensor([[60, 61, 62], [70, 71, 72]])  # rows at different positions, as a verification is
     taps = Taps(LAYERS)
-    logits = runner.forward(cache, more, [len(p) for p in PROMPTS], taps=taps)
+    logits = runner.run(cache, Step(more, [len(p) for p in PROMPTS], taps=taps))
     with runner.plain(), torch.no_grad():
         for b, p in enumerate(PROMPTS):
             ids = p + more[b].tolist()
@@ -73,12 +74,12 @@ def test_nothing_is_asked_for_when_the_proposer_reads_no_states(target):
     class Watched(ModelRunner):
         calls: list = []
 
-        def forward(self, cache, tokens, start, at=None, **kw):
-            self.calls.append(kw)
-            return super().forward(cache, tokens, start, at, **kw)
+        def run(self, cache, step):
+            self.calls.append({k: v for k, v in (("taps", step.taps), ("tree", step.tree)) if v is not None})
+            return super().run(cache, step)
 
         def prefill(self, cache, prompts, chunk=None, **kw):
-            self.calls.append(kw)
+            self.calls.append({k: v for k, v in kw.items() if v is not None})
             return super().prefill(cache, prompts, chunk, **kw)
 
     runner = Watched(target)

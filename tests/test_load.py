@@ -246,9 +246,9 @@ class Timed:
         self.clock.sleep(PREFILL_S)
         return self.runner.prefill(*args, **kwargs)
 
-    def forward(self, *args, **kwargs):
+    def run(self, *args, **kwargs):
         self.clock.sleep(STEP_S)
-        return self.runner.forward(*args, **kwargs)
+        return self.runner.run(*args, **kwargs)
 
 
 def test_latencies_and_their_percentiles_by_hand_on_an_injected_clock(target, joining_prompts):

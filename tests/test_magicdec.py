@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from sdbench.forward_step import Step
 from sdbench.config import SamplingConfig
 from sdbench.engine.loop import generate
 from sdbench.errors import SdbenchError
@@ -90,7 +91,7 @@ def test_streamingllm_attention_equals_sink_plus_window(target):
     nxt = torch.randint(0, VOCAB, (1, 5), generator=torch.Generator().manual_seed(3))
     # two tokens at once, then one, then a rewind to an earlier position: both caches agree throughout
     for tokens, start in ((nxt[:, :2], 30), (nxt[:, 2:3], 32), (nxt[:, 3:5], 31)):
-        torch.testing.assert_close(target.forward(sparse, tokens, [start]), target.forward(ref, tokens, [start]),
+        torch.testing.assert_close(target.run(sparse, Step(tokens, [start])), target.run(ref, Step(tokens, [start])),
                                    atol=1e-4, rtol=1e-4)
 
 
@@ -113,8 +114,8 @@ def test_sparse_writes_across_the_ring_end_and_rewinds_equal_the_reference(targe
              (2, [ring_end + 3, ring_end + 2])]
     kinds = []
     for width, start in steps:
-        torch.testing.assert_close(target.forward(sparse, nxt[:, :width], start),
-                                   target.forward(ref, nxt[:, :width], start), atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(target.run(sparse, Step(nxt[:, :width], start)),
+                                   target.run(ref, Step(nxt[:, :width], start)), atol=1e-4, rtol=1e-4)
         kinds.append(isinstance(sparse._at, slice))
         top = max(start) + width  # every slot holds the latest position written there
         for b in range(2):

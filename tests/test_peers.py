@@ -3,6 +3,7 @@
 import pandas as pd
 import pytest
 
+from sdbench.forward_step import Step
 from sdbench.models.forward.runner import ModelRunner
 from sdbench.commands.bench import _measure, cost_ratios
 from sdbench.commands.bench_table import SystemMeasurement, _table, write_bench
@@ -68,10 +69,10 @@ class _Timed:
         self.filled[id(cache)] = len(prompts[0])
         return self.runner.prefill(cache, prompts)
 
-    def forward(self, cache, tokens, start):
-        assert start == [self.filled[id(cache)]]  # right after the prompt, as a decode step or verification
-        self.clock[0] += self.cost[tokens.shape[1]]
-        return self.runner.forward(cache, tokens, start)
+    def run(self, cache, step):
+        assert step.start == [self.filled[id(cache)]]  # right after the prompt, as a decode step or verification
+        self.clock[0] += self.cost[step.width]
+        return self.runner.run(cache, step)
 
 
 def test_cost_ratios_are_the_forwards_time_ratios(monkeypatch):

@@ -4,6 +4,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from sdbench.forward_step import Step
 from sdbench.errors import SdbenchError
 from sdbench.models.forward.runner import ModelRunner
 from tests.conftest import VOCAB, skip_unless_ci, tiny_model
@@ -21,7 +22,7 @@ def test_forward_matches_library_logits(arch):
     torch.testing.assert_close(first[0], ref[0, 14], atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(first[1], ref[1, 12 - 1], atol=1e-4, rtol=1e-4)
     # rows continue from different positions in one forward
-    more = runner.forward(cache, torch.stack([ids[0, 15:20], ids[1, 12:17]]), [15, 12])
+    more = runner.run(cache, Step(torch.stack([ids[0, 15:20], ids[1, 12:17]]), [15, 12]))
     torch.testing.assert_close(more[0], ref[0, 15:20], atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(more[1], ref[1, 12:17], atol=1e-4, rtol=1e-4)
 
@@ -32,11 +33,11 @@ def test_rewind_is_restarting_earlier():
     cache = runner.new_cache(1, 32)
     runner.prefill(cache, [ids[0, :6].tolist()])
     wrong = torch.randint(0, VOCAB, (1, 4), generator=torch.Generator().manual_seed(2))
-    runner.forward(cache, wrong, [6])  # a rejected draft leaves stale slots 6..9
-    again = runner.forward(cache, ids[:, 6:12], [6])
+    runner.run(cache, Step(wrong, [6]))  # a rejected draft leaves stale slots 6..9
+    again = runner.run(cache, Step(ids[:, 6:12], [6]))
     fresh = runner.new_cache(1, 32)
     runner.prefill(fresh, [ids[0, :6].tolist()])
-    torch.testing.assert_close(again, runner.forward(fresh, ids[:, 6:12], [6]))
+    torch.testing.assert_close(again, runner.run(fresh, Step(ids[:, 6:12], [6])))
 
 
 def test_overflow_and_unsupported():
@@ -95,9 +96,9 @@ def test_fast_path_matches_stock_forward_at_every_width(arch, tied):
         pos = 9
         for width in range(1, 10):  # decode, a draft's catch-up, verifications up to gamma = 8
             chunk = ids[:rows, pos : pos + width]
-            want = stock.forward(a, chunk, [pos] * rows)
+            want = stock.run(a, Step(chunk, [pos] * rows))
             assert not fast.path.fast.packed  # the stock forward runs on plain weights
-            got = fast.forward(b, chunk, [pos] * rows)
+            got = fast.run(b, Step(chunk, [pos] * rows))
             assert fast.path.fast.packed
             torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
             assert torch.equal(got.argmax(-1), want.argmax(-1))

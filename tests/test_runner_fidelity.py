@@ -21,6 +21,7 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 
+from sdbench.forward_step import Step
 from sdbench.config import SamplingConfig
 from sdbench.engine.loop import generate
 from sdbench.kv.cache import DenseKVCache, set_prompt_lengths
@@ -119,7 +120,7 @@ def runner_calls(runner, ids: torch.Tensor, widths, capacity: int = 64) -> list[
     cache, out, at = runner.new_cache(ids.shape[0], capacity), [], 0
     set_prompt_lengths(cache, [widths[0]] * ids.shape[0])
     for w in widths:
-        out.append(runner.forward(cache, ids[:, at : at + w], [at] * ids.shape[0]))
+        out.append(runner.run(cache, Step(ids[:, at : at + w], [at] * ids.shape[0])))
         at += w
     runner.release(cache)
     return out
@@ -225,7 +226,7 @@ def test_windowed_rows_at_different_positions(arch):
         runner.prefill(cache, [ids[0, :20].tolist(), ids[1, :13].tolist()])
         start = [20, 13]
         for w in (1, 5, 1, 2):
-            got = runner.forward(cache, torch.stack([ids[b, s : s + w] for b, s in enumerate(start)]), start)
+            got = runner.run(cache, Step(torch.stack([ids[b, s : s + w] for b, s in enumerate(start)]), start))
             for b, s in enumerate(start):
                 torch.testing.assert_close(got[b], ref[b, s : s + w], **TOL, msg=lambda m: f"{kind} row {b}: {m}")
             start = [s + w for s in start]
@@ -272,8 +273,8 @@ def test_a_windowed_layer_in_a_sparse_cache_sees_only_its_window(selector, sink)
         ref.sparse = sparse
         nxt = _ids(8, 6, rows=2)
         for width, start in ((2, lens), (1, [32, 28]), (3, [31, 27]), (1, [33, 29])):
-            torch.testing.assert_close(runner.forward(sparse, nxt[:, :width], start),
-                                       runner.forward(ref, nxt[:, :width], start), **TOL,
+            torch.testing.assert_close(runner.run(sparse, Step(nxt[:, :width], start)),
+                                       runner.run(ref, Step(nxt[:, :width], start)), **TOL,
                                        msg=lambda m: f"{selector} {kind}: {m}")
     cpufast.disable(model)
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from sdbench.forward_step import Step
 from sdbench.kv.cache import DenseKVCache
 from sdbench.kv.sparse import SparseSpec, compress
 from sdbench.models.forward.runner import ModelRunner
@@ -142,5 +143,5 @@ def test_sparse_forward_equals_dense_attention_restricted_to_the_kept_positions(
     steps = ((nxt[:, :3], start), (nxt[:, 3:4], [s + 3 for s in start]), (nxt[:, 4:6], [s + 1 for s in start]),
              (nxt[:, :4], [s + 3 for s in start]), (nxt[:, 4:5], [s + 7 for s in start]))
     for tokens, at in steps:
-        torch.testing.assert_close(runner.forward(sparse, tokens, at), runner.forward(ref, tokens, at),
+        torch.testing.assert_close(runner.run(sparse, Step(tokens, at)), runner.run(ref, Step(tokens, at)),
                                    atol=1e-4, rtol=1e-4)

@@ -8,6 +8,7 @@ pooled caches reused across generations. Capture itself is checked by the CUDA t
 import pytest
 import torch
 
+from sdbench.forward_step import Step
 from sdbench.config import SamplingConfig
 from sdbench.engine.loop import generate
 from sdbench.kv.sparse import SparseSpec, compress
@@ -47,15 +48,15 @@ def test_static_forward_equals_eager(target, static_target, prompts, width):
     g = torch.Generator().manual_seed(width)
     tokens = torch.randint(0, VOCAB, (len(prompts), width), generator=g)
     start = [len(p) for p in prompts]  # rows at different positions
-    eager = target.forward(_prefilled(target, prompts), tokens, start)
+    eager = target.run(_prefilled(target, prompts), Step(tokens, start))
     cache = _prefilled(static_target, prompts)  # pooled: may hold graphs of earlier tests' batches of this size
     before = set(cache.graphs)
     assert cache.capacity % CAPACITY_STEP == 0 and cache.capacity >= 64
-    static = static_target.forward(cache, tokens, start)
+    static = static_target.run(cache, Step(tokens, start))
     torch.testing.assert_close(static, eager, atol=1e-4, rtol=1e-4)
     # the same buffers again, at other positions (a rewind): the mask and scatter follow the new inputs
-    eager2 = target.forward(_prefilled(target, prompts), tokens.flip(1), [s - 1 for s in start])
-    static2 = static_target.forward(cache, tokens.flip(1), [s - 1 for s in start])
+    eager2 = target.run(_prefilled(target, prompts), Step(tokens.flip(1), [s - 1 for s in start]))
+    static2 = static_target.run(cache, Step(tokens.flip(1), [s - 1 for s in start]))
     torch.testing.assert_close(static2, eager2, atol=1e-4, rtol=1e-4)
     assert (len(prompts), width) in cache.graphs and set(cache.graphs) - before <= {(len(prompts), width)}
 
@@ -69,14 +70,14 @@ def test_static_forward_on_a_sparse_cache_equals_eager(target, static_target):
     for runner in (target, static_target):
         sparse = compress(runner, _prefilled(runner, prompts), lens, tokens, spec, lookahead=4)
         step = torch.randint(0, VOCAB, (2, 3), generator=torch.Generator().manual_seed(1))
-        out.append(runner.forward(sparse, step, lens))
+        out.append(runner.run(sparse, Step(step, lens)))
     torch.testing.assert_close(out[1], out[0], atol=1e-4, rtol=1e-4)
 
 
 def test_overflow_is_an_error_not_an_out_of_bounds_write(static_target):
     cache = static_target.new_cache(1, 10)
     with pytest.raises(RuntimeError, match="overflow"):
-        static_target.forward(cache, torch.zeros(1, 3, dtype=torch.long), [cache.capacity - 2])
+        static_target.run(cache, Step(torch.zeros(1, 3, dtype=torch.long), [cache.capacity - 2]))
 
 
 def _ids(runner, proposer, prompts, new=24):
@@ -177,11 +178,11 @@ def test_rotary_growth_needs_no_recapture(prompts, fake_graphs):
     cache = runner.new_cache(1, 40)
     runner.prefill(cache, [prompts[0]])
     x = torch.zeros(1, 1, dtype=torch.long)
-    first = runner.forward(cache, x, [len(prompts[0])])
-    runner.forward(cache, x, [len(prompts[0])])
+    first = runner.run(cache, Step(x, [len(prompts[0])]))
+    runner.run(cache, Step(x, [len(prompts[0])]))
     assert log.count("capture") == 1
     runner.rotary.reserve(5000)  # re-allocated
-    torch.testing.assert_close(runner.forward(cache, x, [len(prompts[0])]), first)
+    torch.testing.assert_close(runner.run(cache, Step(x, [len(prompts[0])])), first)
     assert log.count("capture") == 1
 
 
@@ -331,9 +332,9 @@ def test_static_forward_in_bfloat16_equals_eager_and_the_library(bf16_model, pro
     tokens = torch.randint(0, VOCAB, (len(prompts), width), generator=torch.Generator().manual_seed(width))
     start = [len(p) for p in prompts]  # rows at different positions
     cache = _prefilled(static, prompts)
-    got = static.forward(cache, tokens, start)
+    got = static.run(cache, Step(tokens, start))
     assert set(cache.graphs) == {(len(prompts), width)}  # it ran the static forward
-    want = eager.forward(_prefilled(eager, prompts), tokens, start)
+    want = eager.run(_prefilled(eager, prompts), Step(tokens, start))
     assert _gap(got, want) <= BF16_TOL
     with torch.no_grad():
         library = [bf16_model(torch.tensor([p + t])).logits[0, -width:] for p, t in zip(prompts, tokens.tolist())]

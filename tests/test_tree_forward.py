@@ -17,6 +17,7 @@ import functools
 import pytest
 import torch
 
+from sdbench.forward_step import Step
 from sdbench.engine.tree import Tree, TreeBatch
 from sdbench.errors import SdbenchError
 from sdbench.kv.cache import DenseKVCache, TreeStep
@@ -94,7 +95,7 @@ def _tree_forward(runner, prompts: list[list[int]], trees: list[Tree], seed: int
     tokens = torch.randint(0, VOCAB, batch.valid.shape, generator=torch.Generator().manual_seed(seed))
     tokens[:, 0] = torch.tensor([p[-1] for p in prompts])
     start = [len(p) - 1 for p in prompts]
-    return cache, tokens, batch, start, runner.forward(cache, tokens, start, tree=batch)
+    return cache, tokens, batch, start, runner.run(cache, Step(tokens, start, tree=batch))
 
 
 def _along(tree: Tree, tokens: list[int], node: int) -> list[int]:
@@ -116,7 +117,7 @@ def test_each_node_sees_the_prefix_and_its_own_path(label):
     cache, tokens, batch, start, logits = _tree_forward(runner, prompts, [TREE])
     assert logits.shape == (1, len(TREE) + 1, VOCAB)
     _check_nodes(runner, prompts, batch, tokens, logits)
-    at = runner.forward(cache, tokens, start, at=torch.tensor([[2, 7]]), tree=batch)  # the vocabulary at two
+    at = runner.run(cache, Step(tokens, start, at=torch.tensor([[2, 7]]), tree=batch))  # the vocabulary at two
     torch.testing.assert_close(at, logits[:, [2, 7]], atol=1e-5, rtol=1e-5)
 
 
@@ -182,8 +183,8 @@ def test_the_chain_as_a_tree_is_the_chain_forward(label):
     for tree in (None, TreeBatch.of([Tree.chain(4).with_root()])):
         cache = runner.new_cache(1, 32)
         runner.prefill(cache, [prompt[:-1]])
-        logits = runner.forward(cache, draft, [6], tree=tree)
-        out.append((logits, runner.forward(cache, draft[:, 3:4], [9])))  # reads the first two drafts' keys
+        logits = runner.run(cache, Step(draft, [6], tree=tree))
+        out.append((logits, runner.run(cache, Step(draft[:, 3:4], [9]))))  # reads the first two drafts' keys
     tol = 1e-4 if label == "llama-kernel" else 1e-6  # there the chain's steps run fused, the tree's the layer loop
     torch.testing.assert_close(out[1], out[0], atol=tol, rtol=tol)
 
@@ -199,7 +200,7 @@ def test_the_kept_path_is_the_cache_of_its_tokens_in_a_ragged_batch(label):
         path = tuple(j + 1 for j in tree.path_to(LEAVES[tree]))  # node i of the tree is node i + 1 of the block
         cache.keep_path(b, start[b], path)
         kept.append(prompts[b] + [int(tokens[b, j]) for j in path])
-    after = runner.forward(cache, torch.tensor(nxt)[:, None], [len(k) for k in kept])[:, 0]
+    after = runner.run(cache, Step(torch.tensor(nxt)[:, None], [len(k) for k in kept]))[:, 0]
     torch.testing.assert_close(after, _library(runner.model, [k + [n] for k, n in zip(kept, nxt)]),
                                atol=1e-4, rtol=1e-4)
 
@@ -220,7 +221,7 @@ def test_keep_path_moves_the_kept_token_ids():
 def _refused(runner, cache, match: str, start=(3,), T: int = 3) -> None:
     batch = TreeBatch.of([Tree.chain(T - 1).with_root()] * len(start))
     with pytest.raises(SdbenchError, match=match):
-        runner.forward(cache, torch.zeros(len(start), T, dtype=torch.long), list(start), tree=batch)
+        runner.run(cache, Step(torch.zeros(len(start), T, dtype=torch.long), list(start), tree=batch))
 
 
 def test_paths_that_cannot_take_a_tree_refuse_it_in_one_line():
@@ -230,8 +231,7 @@ def test_paths_that_cannot_take_a_tree_refuse_it_in_one_line():
     native = ModelRunner(llama)
     _refused(native, ScoringView(native.new_cache(1, 16)), "dense or sparse KV cache")
     with pytest.raises(SdbenchError, match="one token per node"):  # 2 tokens for 8 nodes
-        native.forward(native.new_cache(1, 16), torch.zeros(1, 2, dtype=torch.long), [0],
-                       tree=TreeBatch.of([TREE.with_root()]))
+        native.run(native.new_cache(1, 16), Step(torch.zeros(1, 2, dtype=torch.long), [0], tree=TreeBatch.of([TREE.with_root()])))
     phi = ModelRunner(perturbed_model(CASES["phi3-longrope"]()))  # original context: 16 positions
     cache = phi.new_cache(1, 32)
     phi.prefill(cache, [_prompt(14, 7)])

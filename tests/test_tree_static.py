@@ -16,6 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from sdbench.forward_step import Step
 from sdbench.config import SamplingConfig
 from sdbench.engine.loop import generate
 from sdbench.engine.tree import Tree, TreeBatch
@@ -54,8 +55,8 @@ def test_a_padded_tree_forward_equals_the_eager_one():
     tokens[:, 0] = torch.tensor([p[-1] for p in prompts])
     start = [len(p) - 1 for p in prompts]
     caches = [_prefilled(r, prompts) for r in (eager, static)]
-    want = eager.forward(caches[0], tokens, start, tree=batch)
-    got = static.forward(caches[1], tokens, start, tree=batch)
+    want = eager.run(caches[0], Step(tokens, start, tree=batch))
+    got = static.run(caches[1], Step(tokens, start, tree=batch))
     assert got.shape == want.shape == (3, 7, V)
     for b, tree in enumerate(TREES):
         n = len(tree)
@@ -64,8 +65,8 @@ def test_a_padded_tree_forward_equals_the_eager_one():
             torch.testing.assert_close(y[b, :, : start[b] + n], x[b, :, : start[b] + n], atol=1e-5, rtol=1e-5)
     assert set(caches[1].graphs) == {("tree", 3, 8)}  # 7 nodes, padded to 8
     at = torch.tensor([[0, 1]] * 3)
-    torch.testing.assert_close(static.forward(caches[1], tokens, start, at=at, tree=batch),
-                               eager.forward(caches[0], tokens, start, at=at, tree=batch), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(static.run(caches[1], Step(tokens, start, at=at, tree=batch)),
+                               eager.run(caches[0], Step(tokens, start, at=at, tree=batch)), atol=1e-4, rtol=1e-4)
 
 
 def test_padding_nodes_see_no_other_node_and_no_node_sees_them():
@@ -74,7 +75,7 @@ def test_padding_nodes_see_no_other_node_and_no_node_sees_them():
     cache = runner.new_cache(1, 32)
     forward = StaticTreeForward(runner, cache, 1, 8)
     tree = TreeBatch.of([TREES[0]])  # 4 real nodes, 4 padding
-    forward(torch.zeros(1, 4, dtype=torch.long), [5], tree)
+    forward(Step(torch.zeros(1, 4, dtype=torch.long), [5], tree=tree))
     allowed = forward.step().causal_mask(torch.float32)[0, 0] == 0  # [8, kv]: who sees which slot
     block = allowed[:, 5:13]
     assert torch.equal(block[:4, :4], TREES[0].ancestors)  # real nodes: ancestors and self
@@ -128,7 +129,7 @@ def test_a_node_budget_above_the_widest_graph_is_refused_before_anything_runs(mo
     cache = runner.new_cache(1, 200)
     big = TreeBatch.of([Tree.chain(widest + 1)])
     with pytest.raises(SdbenchError, match="a node budget above what a CUDA graph was captured for"):
-        runner.forward(cache, torch.zeros(1, widest + 1, dtype=torch.long), [3], tree=big)
+        runner.run(cache, Step(torch.zeros(1, widest + 1, dtype=torch.long), [3], tree=big))
     generate(ModelRunner(target, static=True), DraftModel(ModelRunner(draft, static=True), 8, tree_topk=8,
                                                           tree_nodes=widest - 1), _prompts(V)[:1],
              max_new_tokens=4, sampling=GREEDY)  # the widest graph's own budget runs

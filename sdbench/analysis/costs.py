@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from sdbench.forward_step import Step
 from sdbench.analysis.theory import alpha_from_tokens_per_step
 from sdbench.engine.clock import now
 from sdbench.engine.formulas import mean_accepted_length
@@ -75,15 +76,15 @@ def profile(runner, batch: int, context: int, gammas, budgets, reps: int = 5, wa
         t.normal_(0, 0.1)
     start = [context] * batch
     one = torch.zeros(batch, 1, dtype=torch.long)
-    calls = {"target": lambda: runner.forward(dense, one, start)}
+    calls = {"target": lambda: runner.run(dense, Step(one, start))}
     for g in gammas:
-        calls[("verify", g)] = lambda g=g: runner.forward(dense, torch.zeros(batch, g + 1, dtype=torch.long), start)
+        calls[("verify", g)] = lambda g=g: runner.run(dense, Step(torch.zeros(batch, g + 1, dtype=torch.long), start))
     for budget in budgets:
         if budget >= context:
             continue  # a budget at least the context is the full cache: no saving to model
         sink = min(16, budget // 2)
         sparse = filled_for_profile(runner, batch, context, sink, budget - sink, lookahead)
-        calls[("draft", budget)] = lambda s=sparse: runner.forward(s, one, start)
+        calls[("draft", budget)] = lambda s=sparse: runner.run(s, Step(one, start))
     t = median_times(calls, dev, reps, warmup)
     return Profile(batch, context, t["target"], {g: t[("verify", g)] for g in gammas},
                    {key[1]: v for key, v in t.items() if key[0] == "draft"})
@@ -249,7 +250,7 @@ def measured_costs(target: str, draft: str, gammas, context: int, device: str, d
             r.prefill(caches[name], [prompt.tolist()])
 
         def forward(name: str, width: int):
-            return lambda: runners[name].forward(caches[name], prompt[None, -width:], [context])
+            return lambda: runners[name].run(caches[name], Step(prompt[None, -width:], [context]))
         # the draft's step, the target's and its verifications interleaved: their ratios are what is used
         t = median_times({draft: forward(draft, 1), target: forward(target, 1),
                           **{("verify", g): forward(target, g + 1) for g in gammas}}, dev)

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 from rich.console import Console
 
+from sdbench.forward_step import Step
 from sdbench.analysis.bandwidth import Bandwidth, measure_bandwidth
 from sdbench.analysis.costs import median_times
 from sdbench.commands.bench_carry import carry_over
@@ -165,9 +166,9 @@ def cost_ratios(runner, draft, prompts: list[list[int]], gamma: int) -> tuple[fl
             caches[name] = r.new_cache(1, needed_capacity(len(p), 0, gamma))
             r.prefill(caches[name], [p])
         one, wide = torch.tensor([p[-1:]]), torch.tensor([(p * (gamma + 1))[: gamma + 1]])
-        t = median_times({"target": lambda: runner.forward(caches["target"], one, [len(p)]),
-                          "draft": lambda: draft.forward(caches["draft"], one, [len(p)]),
-                          "verify": lambda: runner.forward(caches["target"], wide, [len(p)])}, runner.device)
+        t = median_times({"target": lambda: runner.run(caches["target"], Step(one, [len(p)])),
+                          "draft": lambda: draft.run(caches["draft"], Step(one, [len(p)])),
+                          "verify": lambda: runner.run(caches["target"], Step(wide, [len(p)]))}, runner.device)
         verify.append(t["verify"] / t["target"])
         c.append(t["draft"] / t["target"])
     return statistics.median(verify), statistics.median(c)

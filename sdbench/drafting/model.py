@@ -6,6 +6,7 @@ import functools
 
 import torch
 
+from sdbench.forward_step import Step
 from sdbench.drafting.prefix import CachedPrefix
 from sdbench.engine.runner import Runner
 from sdbench.drafting.dynamic import DynamicTree, Expanded, grow, log_probs
@@ -22,7 +23,7 @@ def feed_context(runner, cache, prefix: CachedPrefix, ctx: torch.Tensor, lens: l
     a fully accepted step, or more after an idle spell): logits [B, V] after its last token, the first draft's."""
     prefix.agree(ctx, lens)
     feed, start, todo = prefix.unseen(ctx, lens)
-    logits = runner.forward(cache, feed, start, at=torch.tensor(todo) - 1)
+    logits = runner.run(cache, Step(feed, start, at=torch.tensor(todo) - 1))
     prefix.wrote(feed, start)
     return logits
 
@@ -42,7 +43,7 @@ def draft_tokens(runner, cache, prefix: CachedPrefix, ctx: torch.Tensor, lens: l
         drafted.append(x)
         probs.append(p)
         if i + 1 < gamma:
-            logits = runner.forward(cache, x[:, None], [n + i for n in lens])[:, 0]
+            logits = runner.run(cache, Step(x[:, None], [n + i for n in lens]))[:, 0]
     tokens = torch.stack(drafted, 1)  # left on the device: drafting never waits for it
     prefix.wrote(tokens[:, : gamma - 1], list(lens))  # the last draft is not fed: it has no successor yet
     return tokens, None if sampling.greedy else torch.stack(probs, 1)
@@ -76,7 +77,7 @@ def draft_tree(runner, cache, prefix: CachedPrefix, ctx: torch.Tensor, lens: lis
     fed: tuple[int, ...] = ()
     grown = None
     for fed, grown, at, level in _levels(shape, len(lens)):
-        logits = runner.forward(cache, tokens[:, list(fed)], list(lens), at=at, tree=grown)  # [B, M, V]
+        logits = runner.run(cache, Step(tokens[:, list(fed)], list(lens), at=at, tree=grown))  # [B, M, V]
         children(logits, level)
     if grown is not None:
         _wrote_line(prefix, tokens[:, list(fed)], grown.trees[:1], lens)
@@ -98,7 +99,7 @@ def draft_dynamic_tree(runner, cache, prefix: CachedPrefix, ctx: torch.Tensor, l
     def expand(nodes: Expanded) -> torch.Tensor:
         trees, M = nodes.trees(), nodes.tokens.shape[1]
         at = torch.arange(M - spec.topk, M).repeat(len(lens), 1)  # the frontier: the last K nodes
-        out = runner.forward(cache, nodes.tokens, list(lens), at=at, tree=TreeBatch.of(trees))  # [B, K, V]
+        out = runner.run(cache, Step(nodes.tokens, list(lens), at=at, tree=TreeBatch.of(trees)))  # [B, K, V]
         last[:] = [nodes.tokens, trees]
         return log_probs(out, sampling)
 
@@ -282,7 +283,7 @@ class ModelDrafter:
         self.prefix.agree(ctx, lengths)
         tokens, start, todo = self.prefix.unseen(ctx, lengths, block)
         at = (torch.tensor(todo) - 1)[:, None] + torch.arange(block.shape[1] + 1)  # [B, G+1]
-        logits = self.runner.forward(self.cache, tokens, start, at=at)
+        logits = self.runner.run(self.cache, Step(tokens, start, at=at))
         self.prefix.wrote(tokens, start)
         return logits
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from sdbench.forward_step import Step
 from sdbench.engine.clock import now
 from sdbench.kv.cache import set_prompt_lengths
 from sdbench.models.forward.generic import make_runner
@@ -79,7 +80,7 @@ class TargetWorker:
         # keys for tokens[:start - 1] must be in the cache; the forward then runs from the first missing one
         keep = common_prefix(self.cached, task.tokens, task.start - 1)
         feed = torch.tensor([task.tokens[keep:]], dtype=torch.long)
-        logits = self.runner.forward(self.cache, feed, [keep])[0, task.start - 1 - keep :]
+        logits = self.runner.run(self.cache, Step(feed, [keep]))[0, task.start - 1 - keep :]
         self.cached = list(task.tokens)
         logits = logits.float().cpu()
         return Answer(task.seq, task.job, self.index, logits, now() - t0)

@@ -25,6 +25,7 @@ from sdbench.engine.state import DecodeState, Proposal, needed_capacity
 from sdbench.engine.step import Round, verify_and_commit
 from sdbench.engine.tree import TreeBatch
 from sdbench.errors import SdbenchError
+from sdbench.forward_step import Step
 
 
 def generate(target: Runner, proposer, prompts: list[list[int]], *, max_new_tokens: int, sampling: SamplingConfig,
@@ -56,14 +57,14 @@ def generate(target: Runner, proposer, prompts: list[list[int]], *, max_new_toke
 def _run(target: Runner, proposer, state: DecodeState, prompts, rows: list[RowStats], t_start: float) -> BatchResult:
     dev = state.device
     taps = _taps(proposer)
-    first, _ = choose(target.prefill(state.target_cache, prompts, **taps), state.sampling, state.generator)
+    first, _ = choose(target.prefill(state.target_cache, prompts, taps=taps), state.sampling, state.generator)
     for b, t in enumerate(first.tolist()):
         state.commit(b, [t])
     ttft = now(dev) - t_start
     t0 = now(dev)
     proposer.begin(state)
-    if taps:  # the prompts' states: a head drafts from them
-        proposer.see_target(TargetStates(taps["taps"].states(), [0] * state.batch, [len(p) for p in prompts]))
+    if taps is not None:  # the prompts' states: a head drafts from them
+        proposer.see_target(TargetStates(taps.states(), [0] * state.batch, [len(p) for p in prompts]))
     setup = now(dev) - t0
     for r in rows:  # the draft's own prefill (or cache compression) is drafting cost too
         r.draft_s += setup
@@ -157,10 +158,10 @@ def _admit(target: Runner, proposer, state: DecodeState, rows: list[RowStats], s
             req.stats.draft_s += setup
 
 
-def _taps(proposer) -> dict:
-    """{"taps": Taps} when the proposer reads the target's hidden states, else {} (nothing is kept)."""
+def _taps(proposer) -> Taps | None:
+    """The target's states to keep when the proposer reads them, else None (nothing is kept)."""
     layers = getattr(proposer, "hidden_layers", ())
-    return {"taps": Taps(layers)} if layers else {}
+    return Taps(layers) if layers else None
 
 
 def _verify(target: Runner, proposer, state: DecodeState, proposal: Proposal, marks: Marks) -> Round:
@@ -176,9 +177,9 @@ def _verify(target: Runner, proposer, state: DecodeState, proposal: Proposal, ma
     start = [n - 1 for n in state.lengths]
     taps = _taps(proposer)
     tokens, trees = proposal.block(state.last_tokens())
-    # a chain's call stays as it was (the fast path); a tree's forward takes each row's tree, with its root
-    tree = {} if trees is None else {"tree": TreeBatch.of(trees)}
-    logits = target.forward(state.target_cache, tokens, start, **taps, **tree)  # [B, T, V]
+    # a tree's forward takes each row's tree, with its root
+    step = Step(tokens, start, taps=taps, tree=None if trees is None else TreeBatch.of(trees))
+    logits = target.run(state.target_cache, step)  # [B, T, V]
     # side nodes (after each row's drafts) are no candidates: verification reads the drafts' rows only
     rnd = verify_and_commit(state, proposal, logits[:, : proposal.tokens.shape[1] + 1], state.sampling,
                             state.generator, clock=marks)
@@ -187,9 +188,9 @@ def _verify(target: Runner, proposer, state: DecodeState, proposal: Proposal, ma
         rnd.side_argmax = _side_argmax(logits, proposal.side_columns())
     if proposal.trees is not None:
         _keep_paths(state.target_cache, start, rnd)
-    if taps:
+    if taps is not None:
         count = [a + 1 if on else 0 for a, on in zip(rnd.accepted, rnd.active)]
-        states = taps["taps"].states()  # [B, G+1, S] (a tree's: the root's, then each node's)
+        states = taps.states()  # [B, G+1, S] (a tree's: the root's, then each node's)
         if proposal.trees is not None:
             states = _path_states(states, rnd)
         proposer.see_target(TargetStates(states, start, count))

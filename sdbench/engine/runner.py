@@ -11,7 +11,7 @@ from typing import Any, Protocol
 import torch
 
 from sdbench.engine.hidden import Taps
-from sdbench.engine.tree import TreeBatch
+from sdbench.forward_step import Step
 
 
 class Runner(Protocol):
@@ -39,17 +39,15 @@ class Runner(Protocol):
         """Write every prompt from position 0; logits [B, V] (float32) after each prompt's last token.
         taps: also keep the hidden states it names, of every prompt position (engine/hidden.py)."""
 
-    def forward(self, cache: Any, tokens: torch.Tensor, start: list[int],
-                at: torch.Tensor | None = None, taps: Taps | None = None,
-                tree: TreeBatch | None = None) -> torch.Tensor:
-        """Logits [B, T, V] (float32) for tokens [B, T] placed at start[b] + t; only at `at` when given.
-        taps: also keep the hidden states it names, of every token (nothing is kept without one).
-        tree: tokens are a token tree per row (engine/tree.py, the verifying forward's `with_root()` trees):
-        node j in slot start[b] + j at position start[b] - 1 + depth, seeing the slots before start[b], its
-        ancestors and itself; the cache's `keep_path(b, start, nodes)` then keeps the accepted path."""
+    def run(self, cache: Any, step: Step) -> torch.Tensor:
+        """Logits [B, T, V] (float32) of one forward call (`forward_step.Step`: tokens [B, T] placed at
+        start[b] + t, and whatever else the call asks for), only at its `at` when it has one. A tree step's
+        trees (engine/tree.py, the verifying forward's `with_root()` trees) place node j in slot start[b] + j at
+        position start[b] - 1 + depth, seeing the slots before start[b], its ancestors and itself; the cache's
+        `keep_path(b, start, nodes)` then keeps the accepted path."""
 
     def tree_refusal(self, cache: Any, nodes: int | None = None) -> str | None:
-        """Why tree forwards (`forward(..., tree=...)`) cannot run over this cache, in one line, or None: asked
+        """Why tree forwards (a `Step` with a tree) cannot run over this cache, in one line, or None: asked
         before a tree-proposing run starts. nodes: the most nodes one tree forward will take."""
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:

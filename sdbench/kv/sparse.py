@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from sdbench.errors import SdbenchError
+from sdbench.forward_step import Step
 from sdbench.kv.cache import DenseKVCache, KVCache, StepIndex, TreeStep, additive, keep_path_index
 
 SELECTORS = ("streamingllm", "snapkv")
@@ -295,7 +296,7 @@ def _snapkv_scores(runner, dense, lengths, tokens, window) -> dict[int, torch.Te
     start = [n - obs for n in lengths]
     chunk = torch.stack([tokens[b, s : s + obs] for b, s in enumerate(start)])
     view = ScoringView(dense)
-    runner.hidden(view, chunk, start)
+    runner.hidden(view, Step(chunk, start))
     return view.scores
 
 

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from sdbench.forward_step import Step
 from sdbench.config import SamplingConfig
 from sdbench.data import Prompt
 from sdbench.data.tasks import encode_prompt, load_prompts
@@ -101,7 +102,7 @@ def _read(runner, src: str, pid: str, prompt_ids: list[int], answer: list[int], 
     taps = Taps(layers)
     cache = runner.new_cache(1, len(tokens) + 1)
     try:
-        logits = runner.forward(cache, tokens[None].to(runner.device), [0], taps=taps)
+        logits = runner.run(cache, Step(tokens[None].to(runner.device), [0], taps=taps))
     finally:
         runner.release(cache)
     states = taps.states()[0].float().cpu()

@@ -20,6 +20,7 @@ import torch
 from sdbench.engine.hidden import FINAL, Taps
 from sdbench.engine.tree import TreeBatch
 from sdbench.errors import SdbenchError
+from sdbench.forward_step import Step
 from sdbench.kv.cache import additive, keep_path_index
 from sdbench.models.forward import cpufast
 from sdbench.models.forward.recompute import recompute_threshold
@@ -254,24 +255,22 @@ class GenericRunner:
         return None
 
     @torch.inference_mode()
-    def forward(self, cache: GenericCache, tokens: torch.Tensor, start: list[int],
-                at: torch.Tensor | None = None, taps: Taps | None = None,
-                tree: TreeBatch | None = None) -> torch.Tensor:
-        """Logits [B, T, V] (float32) for tokens [B, T] placed at positions start[b] + t, or only at in-chunk
-        indices `at`: [B] -> [B, V], [B, K] -> [B, K, V]. taps: the hidden states to keep too. tree: tokens
-        are a token tree per row, placed as the native runner places them (`kv.cache.TreeStep`)."""
+    def run(self, cache: GenericCache, step: Step) -> torch.Tensor:
+        """Logits [B, T, V] (float32) of one forward call (`forward_step.py`), or at its `at` only: row by row
+        through the library's forward; a tree step's trees placed as the native runner places them."""
         cpufast.disable(self.model)  # a model a native runner packed before falling back here
-        rows, kept = [], None if taps is None else []
-        self._taps = taps
-        placed = None if tree is None else self._tree_inputs(cache, tokens, start, tree)
-        for b in range(tokens.shape[0]):
+        rows, kept = [], None if step.taps is None else []
+        self._taps = step.taps
+        tokens, start, at = step.tokens, step.start, step.at
+        placed = None if step.tree is None else self._tree_inputs(cache, tokens, start, step.tree)
+        for b in range(step.batch):
             keep = None if at is None else at[b].reshape(-1).to(self.device)
             if placed is None:
                 rows.append(self._row(cache, b, tokens[b], start[b], keep, kept))
             else:
                 rows.append(self._call(cache, b, tokens[b], start[b], keep, kept, placed[b]))
-        if taps is not None:
-            taps.put_joined(torch.stack(kept))
+        if step.taps is not None:
+            step.taps.put_joined(torch.stack(kept))
         logits = torch.stack(rows)
         return logits[:, 0] if at is not None and at.dim() == 1 else logits
 
@@ -288,7 +287,6 @@ class GenericRunner:
                      tree: TreeBatch) -> list[dict]:
         """Per row, the library's position_ids [1, T] and additive attention_mask [1, 1, T, start + T] of a
         tree forward (the prefix, ancestors and self), or the refusal of a model they cannot place."""
-        tree.check_tokens(tokens)
         why = self.tree_refusal(cache)
         if why:
             raise SdbenchError(why)

@@ -29,6 +29,7 @@ from __future__ import annotations
 import torch
 
 from sdbench.engine.hidden import Taps
+from sdbench.forward_step import Step
 from sdbench.errors import SdbenchError
 from sdbench.kv.cache import StepIndex, TreeStep
 
@@ -82,11 +83,14 @@ class StaticForward:
         taps = None if self.layers is None else Taps(self.layers)
         h = self.runner.compiled_layers(self, taps) if self.runner.path.compiled else None
         if h is None:
-            h = self.runner.hidden(self.cache, self.tokens, None, step=self.step(), cos_sin=self.cos_sin, taps=taps)
+            self.runner.path.ready()
+            h = self.runner.run_layers(self.cache, self.tokens, self.step(), self.cos_sin, taps)
         logits = self.runner.logits(h)
         return logits if taps is None else (logits, taps.states())
 
-    def __call__(self, tokens: torch.Tensor, start: list[int]) -> torch.Tensor:
+    def __call__(self, step: Step) -> torch.Tensor:
+        """The forward of a step (`forward_step.py`) of this batch and width: its inputs copied into the buffers."""
+        tokens, start = step.tokens, step.start
         self.tokens.copy_(tokens, non_blocking=True)
         self.positions.copy_(torch.tensor(start, dtype=torch.long)[:, None] + self.offsets, non_blocking=True)
         rotary, width = self.runner.rotary, len(self.offsets)
@@ -139,8 +143,9 @@ class StaticTreeForward(StaticForward):
     def step(self) -> StepIndex:
         return TreeStep.fixed_tree(self.positions, self.rotated, self.ancestors, self.cache.static_kv_len)
 
-    def __call__(self, tokens: torch.Tensor, start: list[int], tree=None) -> torch.Tensor:
-        """tokens [B, N] one per node of `tree` (a TreeBatch), N <= width."""
+    def __call__(self, step: Step) -> torch.Tensor:
+        """A tree step's forward: tokens [B, N] one per node of its trees, N <= width."""
+        tokens, start, tree = step.tokens, step.start, step.tree
         B, N = tokens.shape
         width = len(self.offsets)
         rotated = torch.tensor(start, dtype=torch.long)[:, None].repeat(1, width)  # padding: its row's start

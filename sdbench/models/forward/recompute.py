@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import torch
 
+from sdbench.forward_step import Step
+
 RECOMPUTING = ("phi3", "phimoe", "phi4_multimodal")  # model types whose generate recomputes at O + 1 tokens
 
 
@@ -57,41 +59,37 @@ def switches(cache, limit: int | None, start: list[int], width: int) -> bool:
     return False
 
 
-def forward_switching(runner, cache, tokens: torch.Tensor, start: list[int], at: torch.Tensor | None,
-                      limit: int, taps=None) -> torch.Tensor:
-    """The runner's logits (as `ModelRunner.forward` returns them) for a forward where some row switches:
-    every row on its own, each split at O. taps: the hidden states to keep too (engine/hidden.py)."""
+def forward_switching(runner, cache, step, limit: int) -> torch.Tensor:
+    """The runner's logits of a step (`forward_step.py`; as `ModelRunner.run` returns them) where some row
+    switches: every row on its own, each split at O; the states its taps name kept row by row, then joined."""
     out, kept = [], []
-    for b in range(tokens.shape[0]):
-        row_taps = None if taps is None else type(taps)(taps.layers)
-        h = _row_hidden(runner, cache.row(b), tokens[b : b + 1], start[b], limit, row_taps)
-        if row_taps is not None:
-            kept.append(row_taps.states())
-        if at is not None:
-            rows = torch.zeros(1, dtype=torch.long, device=h.device)
-            h = h[rows if at.dim() == 1 else rows[:, None], at[b : b + 1].to(h.device)]
-        out.append(runner.logits(h))
-    if taps is not None:
-        taps.put_joined(torch.cat(kept))
+    for b in range(step.batch):
+        row = step.row(b, None if step.taps is None else type(step.taps)(step.taps.layers))
+        h = _row_hidden(runner, cache.row(b), row, limit)
+        if row.taps is not None:
+            kept.append(row.taps.states())
+        out.append(runner.logits(row.pick(h)))
+    if step.taps is not None:
+        step.taps.put_joined(torch.cat(kept))
     return torch.cat(out)
 
 
-def _row_hidden(runner, view, tokens: torch.Tensor, start: int, limit: int, taps=None) -> torch.Tensor:
-    """Hidden states [1, T, H] of one row's tokens from `start`, the part before O with the short-rope keys,
-    the part from O on with the long-rope ones."""
-    width = tokens.shape[1]
+def _row_hidden(runner, view, step, limit: int) -> torch.Tensor:
+    """Hidden states [1, T, H] of one row's step, the part before O with the short-rope keys, the part from O
+    on with the long-rope ones."""
+    start, width = step.start[0], step.width
     if int(view.prompt_len[0]) > limit:
-        return runner.hidden(view, tokens, [start], taps=taps)
+        return runner.hidden(view, step)
     cut = min(max(limit - start, 0), width)
     parts = []
     if cut:
         if bool(view.crossed[0]):
             _recompute(runner, view, start, crossed=False)
-        parts.append(runner.hidden(view, tokens[:, :cut], [start], taps=taps))
+        parts.append(runner.hidden(view, step.part(0, cut, [start], step.taps)))
     if cut < width:
         if not bool(view.crossed[0]):
             _recompute(runner, view, start + cut, crossed=True)
-        parts.append(runner.hidden(view, tokens[:, cut:], [start + cut], taps=taps))
+        parts.append(runner.hidden(view, step.part(cut, width, [start + cut], step.taps)))
     return torch.cat(parts, 1)
 
 
@@ -100,6 +98,6 @@ def _recompute(runner, view, upto: int, crossed: bool) -> None:
     or the short ones, in prefill-sized pieces."""
     view.crossed[0] = crossed
     ids = view.ids[:, :upto].clone()  # the forward writes the same tokens back there
-    step = max(1, runner.prefill_tokens)
-    for c0 in range(0, upto, step):
-        runner.hidden(view, ids[:, c0 : c0 + step], [c0])
+    chunk = max(1, runner.prefill_tokens)
+    for c0 in range(0, upto, chunk):
+        runner.hidden(view, Step(ids[:, c0 : c0 + chunk], [c0]))

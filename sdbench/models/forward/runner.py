@@ -20,7 +20,7 @@ from sdbench.kv.sparse import SparseKVCache
 from sdbench.models.forward import cpucompile, cpufast, cpulayer, forward_paths, recompute
 from sdbench.models.forward.families import NATIVE, family
 from sdbench.engine.hidden import FINAL, Taps
-from sdbench.engine.tree import TreeBatch
+from sdbench.forward_step import Step
 from sdbench.engine.state import needed_capacity
 from sdbench.models.forward.graphs import (CAPACITY_STEP, TREE_SPARE, TREE_WIDTHS, CachePool, StaticForward, StaticTreeForward,
                                    tree_budget_refusal, tree_width)
@@ -31,12 +31,6 @@ from sdbench.padding import right_pad
 SUPPORTED = NATIVE  # kept for callers that name it
 PREFILL_TOKENS = 1024  # a prefill forward's tokens, over all its rows
 _ACROSS_ORIGINAL = "token trees are not supported across Phi-3's original context (its cache's recomputation) yet"
-
-
-def _pick(x: torch.Tensor, at: torch.Tensor) -> torch.Tensor:
-    """x[b, at[b]] for at [B], or x[b, at[b, k]] for at [B, K]."""
-    rows = torch.arange(x.shape[0], device=x.device)
-    return x[rows if at.dim() == 1 else rows[:, None], at.to(x.device)]
 
 
 def _capped_attention(q, keys, values, mask, scale: float, cap: float) -> torch.Tensor:
@@ -190,25 +184,21 @@ class ModelRunner:
 
     # ---- forward ----------------------------------------------------------------------------------------
     @torch.inference_mode()
-    def hidden(self, cache: KVCache, tokens: torch.Tensor, start: list[int] | None,
-               step: StepIndex | None = None, cos_sin: dict | None = None, taps: Taps | None = None) -> torch.Tensor:
-        """Final-norm hidden states [B, T, H] for tokens [B, T] placed at positions start[b] + t.
-
-        step, cos_sin: a prepared (static) StepIndex instead of `start`, with its cos/sin per layer type
-        (`Rotary.for_forward`). Each token is rotated as plain decoding rotates it, for the prompt lengths the
-        cache records (`Rotary.scaling_lengths`). taps: the layers' states to keep as well (engine/hidden.py)."""
-        if step is None:
-            step = StepIndex(start, tokens.shape[1], self.device)
-        if cos_sin is None:
-            lengths = self.rotary.scaling_lengths(start, tokens.shape[1], self.scaling_floor(cache),
-                                                  step.rotated if isinstance(step, TreeStep) else None)
-            cos_sin = self.rotary.for_forward(step.rotated, step.kv_len, lengths)
+    def hidden(self, cache: KVCache, step: Step) -> torch.Tensor:
+        """Final-norm hidden states [B, T, H] of a step's tokens (its `at` is the caller's to apply), each token
+        rotated as plain decoding rotates it, for the prompt lengths the cache records (`Rotary.scaling_lengths`).
+        A tree step is placed by its `kv.cache.TreeStep`, or refused in one line where this path cannot take it."""
+        index = self._tree_index(cache, step) if step.tree is not None else \
+            StepIndex(step.start, step.width, self.device)
+        lengths = self.rotary.scaling_lengths(step.start, step.width, self.scaling_floor(cache),
+                                              index.rotated if step.tree is not None else None)
+        cos_sin = self.rotary.for_forward(index.rotated, index.kv_len, lengths)
         self.path.ready()
-        return self.run_layers(cache, tokens, step, cos_sin, taps)
+        return self.run_layers(cache, step.tokens, index, cos_sin, step.taps)
 
     def run_layers(self, cache: KVCache, tokens: torch.Tensor, step: StepIndex, cos_sin: dict,
                    taps: Taps | None = None) -> torch.Tensor:
-        """`hidden` once its step and rotation are prepared and the weights are in this path's layout: tensor
+        """`hidden` once its positions (`step`) and rotation are prepared and the weights are in this path's layout: tensor
         work only, which a compiled step (`models/forward/cpucompile.py`) traces whole (it is not decorated: a change of
         inference mode inside a traced function fails to compile)."""
         if cache.ids is not None:
@@ -305,38 +295,26 @@ class ModelRunner:
         return out.float()
 
     @torch.inference_mode()
-    def forward(self, cache: KVCache, tokens: torch.Tensor, start: list[int],
-                at: torch.Tensor | None = None, taps: Taps | None = None,
-                tree: TreeBatch | None = None) -> torch.Tensor:
-        """Logits [B, T, V] (float32), or only at in-chunk indices `at`: [B] -> [B, V], [B, K] -> [B, K, V]
-        (eagerly, the vocabulary projection then runs only there: it costs as much as a few layers).
-        taps: the hidden states to keep too, of every token (engine/hidden.py). tree: tokens [B, T] are a
-        token tree per row (`kv.cache.TreeStep`: slots start[b] + j, tree positions and mask); on the static-shape
-        path padded to the node count of a captured graph (`models/forward/graphs.py` StaticTreeForward)."""
-        if tree is not None and self.static and cache.static_kv_len is not None:
-            logits = self._static_tree_forward(cache, tokens, start, taps, tree)
-            return logits if at is None else _pick(logits, at)
-        if tree is not None:
-            step = self._tree_step(cache, tokens, start, tree)
-            h = self.hidden(cache, tokens, start, step=step, taps=taps)
-            return self.logits(h if at is None else _pick(h, at))
-        if recompute.switches(cache, self.recompute_at, start, tokens.shape[1]):
-            return recompute.forward_switching(self, cache, tokens, start, at, self.recompute_at, taps)
+    def run(self, cache: KVCache, step: Step) -> torch.Tensor:
+        """Logits [B, T, V] (float32) of one forward call (`forward_step.py`), or at its `at` only (eagerly, the
+        vocabulary projection then runs only there: it costs as much as a few layers). The path: a static-shape
+        forward (`models/forward/graphs.py`: replayed as a CUDA graph, compiled or eager) over a pooled cache;
+        the row-by-row forward of a call that crosses Phi-3's original context; else the eager layer loop."""
         if self.static and cache.static_kv_len is not None:
-            logits = self._static_forward(cache, tokens, start, taps)
-            return logits if at is None else _pick(logits, at)
-        h = self.hidden(cache, tokens, start, taps=taps)
-        return self.logits(h if at is None else _pick(h, at))
+            return step.pick(self._static(cache, step))
+        if step.tree is None and recompute.switches(cache, self.recompute_at, step.start, step.width):
+            return recompute.forward_switching(self, cache, step, self.recompute_at)
+        h = self.hidden(cache, step)
+        return self.logits(step.pick(h))
 
-    def _tree_step(self, cache, tokens: torch.Tensor, start: list[int], tree: TreeBatch) -> TreeStep:
-        """The step of a tree forward, or the one-line refusal of a path that cannot take a tree yet."""
-        tree.check_tokens(tokens)
+    def _tree_index(self, cache, step: Step) -> TreeStep:
+        """The positions and mask of a tree step, or the one-line refusal of a path that cannot take a tree yet."""
         why = self.tree_refusal(cache, ahead=False)
-        if why is None and recompute.switches(cache, self.recompute_at, start, tokens.shape[1]):
+        if why is None and recompute.switches(cache, self.recompute_at, step.start, step.width):
             why = _ACROSS_ORIGINAL
         if why:
             raise SdbenchError(why)
-        return TreeStep(start, tree, self.device)
+        return TreeStep(step.start, step.tree, self.device)
 
     def tree_refusal(self, cache, ahead: bool = True, nodes: int | None = None) -> str | None:
         """Why tree forwards cannot run over this cache, in one line, or None. ahead (before a run): a cache
@@ -352,44 +330,30 @@ class ModelRunner:
             return _ACROSS_ORIGINAL
         return None
 
-    def _static_tree_forward(self, cache, tokens: torch.Tensor, start: list[int], taps: Taps | None,
-                             tree: TreeBatch) -> torch.Tensor:
-        """A tree forward on the static-shape path: padded to the captured width (`StaticTreeForward`), the
-        padding's logits (and states) dropped."""
-        tree.check_tokens(tokens)
-        B, N = tokens.shape
-        width = tree_width(N)
-        if recompute.switches(cache, self.recompute_at, start, width):
+    def _static(self, cache, step: Step) -> torch.Tensor:
+        """Logits of every token of a step on the static-shape path, through the forward captured for its
+        (batch, width, kept states) over this cache; a tree's padded to the captured node count
+        (`StaticTreeForward`), the padding's logits (and states) dropped."""
+        B, T = step.tokens.shape
+        width = T if step.tree is None else tree_width(T)
+        if step.tree is not None and recompute.switches(cache, self.recompute_at, step.start, width):
             raise SdbenchError(_ACROSS_ORIGINAL)
-        need = max(start) + width
+        need = max(step.start) + width
         if need > cache.capacity:
             raise RuntimeError(f"KV cache overflow: need {need} slots, have {cache.capacity}")
-        key = ("tree", B, width) if taps is None else ("tree", B, width, taps.layers)
+        layers = None if step.taps is None else step.taps.layers
+        key = (B, width) if step.tree is None else ("tree", B, width)
+        key = key if layers is None else (*key, layers)  # a forward keeping states is a graph of its own
         forward = cache.graphs.get(key)
         if forward is None:
-            forward = cache.graphs[key] = StaticTreeForward(self, cache, B, width,
-                                                            None if taps is None else taps.layers)
-        out = forward(tokens, start, tree)
-        if taps is None:
-            return out[:, :N]
+            kind = StaticForward if step.tree is None else StaticTreeForward
+            forward = cache.graphs[key] = kind(self, cache, B, width, layers)
+        out = forward(step)
+        if layers is None:
+            return out[:, :T]
         logits, states = out
-        taps.put_joined(states[:, :N])
-        return logits[:, :N]
-
-    def _static_forward(self, cache, tokens: torch.Tensor, start: list[int], taps: Taps | None) -> torch.Tensor:
-        B, T = tokens.shape
-        need = max(start) + T
-        if need > cache.capacity:
-            raise RuntimeError(f"KV cache overflow: need {need} slots, have {cache.capacity}")
-        key = (B, T) if taps is None else (B, T, taps.layers)  # a forward keeping states is a graph of its own
-        forward = cache.graphs.get(key)
-        if forward is None:
-            forward = cache.graphs[key] = StaticForward(self, cache, B, T, None if taps is None else taps.layers)
-        if taps is None:
-            return forward(tokens, start)
-        logits, states = forward(tokens, start)
-        taps.put_joined(states)
-        return logits
+        step.taps.put_joined(states[:, :T])
+        return logits[:, :T]
 
     @torch.inference_mode()
     def prefill(self, cache: KVCache, prompts: list[list[int]], chunk: int | None = None,
@@ -414,7 +378,7 @@ class ModelRunner:
         final = torch.empty(len(prompts), self.hidden_size, dtype=self.dtype, device=self.device)
         for c0 in range(0, width, chunk):
             c1 = min(c0 + chunk, width)
-            h = self.hidden(cache, tokens[:, c0:c1], [c0] * len(prompts), taps=taps)
+            h = self.hidden(cache, Step(tokens[:, c0:c1], [c0] * len(prompts), taps=taps))
             rows = ((last >= c0) & (last < c1)).nonzero().flatten()
             if len(rows):
                 final[rows.to(self.device)] = h[rows.to(self.device), (last[rows] - c0).to(self.device)]

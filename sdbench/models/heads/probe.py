@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from sdbench.forward_step import Step
 from sdbench.engine.hidden import FINAL, Taps
 
 
@@ -26,7 +27,7 @@ def tap_gaps(runner, model, layers: tuple[int, ...], prompt: list[int], verify: 
         for phase, at, count in (("step", n, 1), ("verify", n + 1, verify)):
             kept[phase] = Taps(layers)
             tokens = torch.tensor([ids[at: at + count]], device=runner.device)
-            runner.forward(cache, tokens, [at], taps=kept[phase])
+            runner.run(cache, Step(tokens, [at], taps=kept[phase]))
     finally:
         runner.release(cache)
     with runner.plain(), torch.inference_mode():

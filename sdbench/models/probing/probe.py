@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from sdbench.forward_step import Step
 from sdbench.errors import SdbenchError
 from sdbench.models.forward import cpufast
 from sdbench.models.forward.generic import GenericRunner, cache_keyword, runner_kind
@@ -257,11 +258,11 @@ def _run(runner, ids: torch.Tensor, prefix: int, vocab: int) -> list[tuple[str, 
     try:
         out = [("prefill", runner.prefill(cache, [ids[:prefix].tolist()])[0])]
         for p in range(prefix, prefix + STEPS):
-            out.append(("step", runner.forward(cache, ids[None, p : p + 1], [p])[0, 0]))
+            out.append(("step", runner.run(cache, Step(ids[None, p : p + 1], [p]))[0, 0]))
         at = prefix + STEPS
         rejected = (ids[None, at:] + 1) % vocab  # other tokens first, then the rewind to the true ones
-        runner.forward(cache, rejected, [at])
-        out += [("verify", row) for row in runner.forward(cache, ids[None, at:], [at])[0]]
+        runner.run(cache, Step(rejected, [at]))
+        out += [("verify", row) for row in runner.run(cache, Step(ids[None, at:], [at]))[0]]
     finally:
         runner.release(cache)
     return out
