@@ -80,8 +80,8 @@ def test_check_fails_on_a_runner_that_fails_the_probe(folders, capsys, monkeypat
     broken_rotary(monkeypatch)
     code, out, _ = run_cli(capsys, "check", folders["llama"], *CHECK)
     assert code == 0 and "generic (fallback)" in out and "running it on the generic runner" in out
-    real = GenericRunner.forward
-    monkeypatch.setattr(GenericRunner, "forward", lambda self, *a, **k: real(self, *a, **k) + 0.01)
+    real = GenericRunner.run
+    monkeypatch.setattr(GenericRunner, "run", lambda self, *a, **k: real(self, *a, **k) + 0.01)
     code, out, _ = run_cli(capsys, "check", folders["llama"], *CHECK)
     assert code == 1 and "failed" in out
     assert f"model '{folders['llama']}' on the native runner does not compute the library's model" in out

@@ -283,15 +283,15 @@ def _nudged(monkeypatch, token: int, by: float | None):
     as a forward of another shape may, or by `by`."""
     from sdbench.models.forward.runner import ModelRunner
 
-    real = ModelRunner.forward
+    real = ModelRunner.run
 
-    def forward(self, cache, tokens, start, at=None):
-        out = real(self, cache, tokens, start, at).clone()
-        if tokens.shape[1] > 1:
+    def run(self, cache, step):
+        out = real(self, cache, step).clone()
+        if step.width > 1:
             col = out[..., token]
             out[..., token] = torch.nextafter(col, torch.full_like(col, math.inf)) if by is None else col + by
         return out
-    monkeypatch.setattr(ModelRunner, "forward", forward)
+    monkeypatch.setattr(ModelRunner, "run", run)
 
 
 def test_a_forced_tie_is_recorded_as_a_tie_and_passes_the_gate(capsys, tmp_path, monkeypatch, tied_model):

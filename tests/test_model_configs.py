@@ -13,7 +13,7 @@ import torch
 from transformers import AutoConfig, LlamaConfig, LlamaForCausalLM, T5Config
 
 from sdbench.errors import SdbenchError
-from sdbench.models.loading import loader
+from sdbench.models.loading import hub, library, loader
 from sdbench.models import model_registry
 from sdbench.models.loading.aliases import CONFIG_DIR, drafts_of, shipped_config
 from sdbench.models.forward.families import serving
@@ -119,14 +119,14 @@ def _tiny_llama(folder: Path) -> Path:
 
 def test_load_config_of_a_folder_reads_no_weights(tmp_path, monkeypatch):
     folder = _tiny_llama(tmp_path / "tiny")
-    monkeypatch.setattr(loader, "_auto_model", lambda *a, **k: pytest.fail("weights read"))
+    monkeypatch.setattr(library, "auto_model", lambda *a, **k: pytest.fail("weights read"))
     config = loader.load_config(str(folder))
     assert (config.model_type, config.hidden_size) == ("llama", 32)
 
 
 def test_load_config_of_an_alias_needs_no_hub(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setattr(loader, "_from_hub", lambda *a, **k: pytest.fail("hub asked"))
+    monkeypatch.setattr(hub, "from_hub", lambda *a, **k: pytest.fail("hub asked"))
     assert loader.load_config("qwen3-8b").num_hidden_layers == 36
 
 
@@ -143,8 +143,8 @@ def test_an_encoder_decoder_folder_is_refused_before_any_weight_loads(tmp_path, 
     folder.mkdir()
     T5Config(vocab_size=64, d_model=32, d_ff=64, num_layers=1, num_heads=2).save_pretrained(folder)
     (folder / "model.safetensors").write_bytes(b"not a safetensors file")
-    for attr in ("_auto_model", "_auto_tokenizer"):
-        monkeypatch.setattr(loader, attr, lambda *a, **k: pytest.fail("loaded past the gate"))
+    for attr in ("auto_model", "auto_tokenizer"):
+        monkeypatch.setattr(library, attr, lambda *a, **k: pytest.fail("loaded past the gate"))
     with pytest.raises(SdbenchError) as err:
         loader.load_model(str(folder))
     assert "encoder-decoder" in str(err.value) and str(folder) in str(err.value)

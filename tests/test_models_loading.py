@@ -13,7 +13,7 @@ from tokenizers.pre_tokenizers import Whitespace
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from sdbench.errors import MissingPackageError, SdbenchError
-from sdbench.models.loading import embedded, loader
+from sdbench.models.loading import embedded, gguf_cache, hub
 from sdbench.models import model_registry
 from sdbench.models.loading.aliases import EmbeddedModel
 from sdbench.models.loading.loader import (
@@ -121,7 +121,7 @@ def test_a_file_that_is_not_gguf_is_refused(tmp_path):
 def _hub_calls(monkeypatch) -> dict:
     """What the hub path ran: each load's local_files_only, and each endpoint probed (the probe itself runs)."""
     calls = {"loads": [], "probes": []}
-    real_from_hub, real_probe = loader._from_hub, loader._hub_reachable
+    real_from_hub, real_probe = hub.from_hub, hub.reachable
 
     def from_hub(name, repo_id, load):
         return real_from_hub(name, repo_id, lambda local: calls["loads"].append(local) or load(local))
@@ -129,8 +129,8 @@ def _hub_calls(monkeypatch) -> dict:
     def probe(endpoint):
         calls["probes"].append(endpoint)
         return real_probe(endpoint)
-    monkeypatch.setattr(loader, "_from_hub", from_hub)
-    monkeypatch.setattr(loader, "_hub_reachable", probe)
+    monkeypatch.setattr(hub, "from_hub", from_hub)
+    monkeypatch.setattr(hub, "reachable", probe)
     return calls
 
 
@@ -152,12 +152,12 @@ def test_unreachable_hub_is_probed_once_and_never_downloaded_from(monkeypatch):
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     monkeypatch.delenv("TRANSFORMERS_OFFLINE", raising=False)
     monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # discard port: refused at once
-    loader._hub_reachable.cache_clear()
+    hub.reachable.cache_clear()
     calls = _hub_calls(monkeypatch)
     with pytest.raises(SdbenchError, match="the hub is unreachable"):
         load_tokenizer("sdbench-nobody/no-such-model")
     assert calls == {"loads": [True], "probes": ["http://127.0.0.1:9"]}
-    assert loader._HUB_PROBE_TIMEOUT_S <= 5  # the probe's own bound
+    assert hub.PROBE_TIMEOUT_S <= 5  # the probe's own bound
 
 
 def test_hub_alias_message_names_alias_and_repo(monkeypatch):
@@ -255,14 +255,14 @@ def test_chunks_are_assembled_in_order_and_checked(tmp_path, monkeypatch):
 def test_interrupted_cache_write_leaves_nothing(tmp_path):
     final = tmp_path / "entry"
     with pytest.raises(RuntimeError):
-        with loader._atomic_dir(final) as tmp:
+        with gguf_cache.atomic_dir(final) as tmp:
             (tmp / "config.json").write_text("{}")
             raise RuntimeError("killed mid-save")
     assert list(tmp_path.iterdir()) == []
-    with loader._atomic_dir(final) as tmp:
+    with gguf_cache.atomic_dir(final) as tmp:
         (tmp / "config.json").write_text("{}")
-        (tmp / loader._COMPLETE).write_text("{}")
-    assert loader._is_complete(final) and len(list(tmp_path.iterdir())) == 1
+        (tmp / gguf_cache.COMPLETE).write_text("{}")
+    assert gguf_cache.is_complete(final) and len(list(tmp_path.iterdir())) == 1
 
 
 # --- the real embedded model (slow: de-quantises a GGUF once) --------------------------------------------------
@@ -276,12 +276,12 @@ def test_smollm2_gguf_then_cached_alias_give_identical_logits(monkeypatch, tmp_p
     gguf = embedded.gguf_path("smollm2-135m", spec)
 
     monkeypatch.setenv("SDBENCH_CACHE", str(tmp_path))  # an empty cache: the first load must de-quantise
-    converted, convert = [], loader._convert_gguf
+    converted, convert = [], gguf_cache.convert
 
     def counted(path, out):
         converted.append(path)
         convert(path, out)
-    monkeypatch.setattr(loader, "_convert_gguf", counted)
+    monkeypatch.setattr(gguf_cache, "convert", counted)
 
     first = load_model(str(gguf))  # by file path: de-quantises and fills the cache
     assert converted == [gguf]
@@ -292,7 +292,7 @@ def test_smollm2_gguf_then_cached_alias_give_identical_logits(monkeypatch, tmp_p
     prompt = "The capital of France is"
     assert torch.equal(_logits(first, prompt), _logits(second, prompt))
 
-    cached = loader._gguf_cache_dir(gguf)
+    cached = gguf_cache.cache_folder(gguf)
     assert "quantization_config" not in json.loads((cached / "config.json").read_text())
     assert second.tokenizer.chat_template and "<|im_start|>" in second.tokenizer.chat_template
     im_end = second.tokenizer.convert_tokens_to_ids("<|im_end|>")

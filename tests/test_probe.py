@@ -100,8 +100,8 @@ def test_no_fallback_where_the_run_needs_the_native_runner(llama, monkeypatch):
 
 def test_refused_when_the_generic_runner_fails_too(llama, monkeypatch):
     broken_rotary(monkeypatch)
-    real = GenericRunner.forward
-    monkeypatch.setattr(GenericRunner, "forward", lambda self, *a, **k: real(self, *a, **k) + 0.01)
+    real = GenericRunner.run
+    monkeypatch.setattr(GenericRunner, "run", lambda self, *a, **k: real(self, *a, **k) + 0.01)
     pair = Pair(ModelRunner(llama, "tiny-llama"), None, [], [], 1024)
     with pytest.raises(SdbenchError, match="^model 'tiny-llama' on the native runner does not compute"):
         probe_pair(pair, 64, {}, QUIET)

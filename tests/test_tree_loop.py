@@ -185,12 +185,12 @@ def _no_keep_path(monkeypatch):
 
 def _chain_mask(monkeypatch, runner_cls):
     """The nodes verified in one forward as if they were a chain (no tree mask, consecutive positions)."""
-    forward = runner_cls.forward
+    run = runner_cls.run
 
-    def chained(self, cache, tokens, start, at=None, taps=None, tree=None):
-        return forward(self, cache, tokens, start, at=at, taps=taps)
+    def chained(self, cache, step):
+        return run(self, cache, replace(step, tree=None))
 
-    monkeypatch.setattr(runner_cls, "forward", chained)
+    monkeypatch.setattr(runner_cls, "run", chained)
 
 
 BROKEN = {"no-keep-path": lambda mp: _no_keep_path(mp),

@@ -24,18 +24,18 @@ from dataclasses import dataclass
 
 import torch
 
-from sdbench.forward_step import Step
 from sdbench.analysis.theory import alpha_from_tokens_per_step
 from sdbench.engine.clock import now
 from sdbench.engine.formulas import mean_accepted_length
 from sdbench.engine.iid_model import predicted_speedup
 from sdbench.engine.state import needed_capacity
 from sdbench.errors import SdbenchError
+from sdbench.forward_step import Step
 from sdbench.kv.sparse import filled_for_profile
-from sdbench.models.loading import loader  # the module: tests replace loader.load_model
+from sdbench.models.loading import loader
 from sdbench.models.forward.graphs import CAPACITY_STEP, TREE_SPARE
 from sdbench.models.loading.memory import plan, refuse_beyond_memory
-from sdbench.models.loading.pair import resolve_device, resolve_dtype, say_note
+from sdbench.models.loading.pair import device_and_dtype, load_models
 from sdbench.models.loading.shapes import parameter_count
 from sdbench.reporting import results  # the module: tests replace results.read_results
 
@@ -230,19 +230,13 @@ def measured_costs(target: str, draft: str, gammas, context: int, device: str, d
     """Step costs for `predict speedup` and `simulate dsi`, measured at the models' shapes (MODEL@random works):
     each the median of a few forwards at the end of a `context`-token prompt of random ids, through the fast
     path."""
-    from sdbench.models.forward.runner import ModelRunner  # loads transformers (slow): only measuring needs it
-
     if context < 1:
         raise SdbenchError(f"--context {context}: must be at least 1")
-    dev = resolve_device(device)
-    dt = resolve_dtype(dtype, dev)
-    runners = {}
-    loader.check_fit([target, draft], dev, dt)
-    with console.status("loading and timing"):
-        for name in dict.fromkeys((target, draft)):
-            loaded = loader.load_model(name, dev, dt)
-            say_note(loaded, console)
-            runners[name] = ModelRunner(loaded.model, name, fast=True)
+    dev, dt = device_and_dtype(device, dtype)
+    needs = "timing the step costs"
+    models = load_models([target, draft], dev, dt, console, native={target: needs, draft: needs})
+    runners = {name: got.runner for name, got in models.items()}
+    with console.status("timing"):
         prompt = torch.randint(0, runners[target].vocab_size, (context,), generator=torch.Generator().manual_seed(0))
         caches = {}
         for name, r in runners.items():

@@ -16,7 +16,6 @@ from pathlib import Path
 import torch
 from rich.console import Console
 
-from sdbench.forward_step import Step
 from sdbench.analysis.bandwidth import Bandwidth, measure_bandwidth
 from sdbench.analysis.costs import median_times
 from sdbench.commands.bench_carry import carry_over
@@ -31,12 +30,11 @@ from sdbench.engine.counters import Rounds
 from sdbench.engine.loop import generate
 from sdbench.engine.state import needed_capacity
 from sdbench.errors import SdbenchError
+from sdbench.forward_step import Step
 from sdbench.models.forward.generic import GenericRunner, runner_kind
 from sdbench.models.heads.load import check_folder
-from sdbench.models.loading.loader import check_fit, check_same_tokenizer, eos_token_ids, load_model
-from sdbench.models.loading.pair import pick_runner, resolve_device, resolve_dtype, say_note
-from sdbench.models.forward.runner import ModelRunner
-from sdbench.models.loading.variants import split_variant, variant_model
+from sdbench.models.loading.loader import check_same_tokenizer, eos_token_ids
+from sdbench.models.loading.pair import device_and_dtype, load_models, pick_runner
 from sdbench.options import split_list
 from sdbench.paths import cache_dir
 from sdbench.reporting.carry import Carried, carry_table
@@ -145,15 +143,6 @@ class SdbenchSystem:
 def memory_bandwidth(device: torch.device) -> Bandwidth:
     """The best streaming read this machine delivers (`analysis/bandwidth.py`)."""
     return measure_bandwidth(device)
-
-
-def weight_bytes(model) -> int:
-    seen, total = set(), 0
-    for p in model.parameters():
-        if p.data_ptr() not in seen:
-            seen.add(p.data_ptr())
-            total += p.numel() * p.element_size()
-    return total
 
 
 def cost_ratios(runner, draft, prompts: list[list[int]], gamma: int) -> tuple[float, float]:
@@ -342,28 +331,16 @@ def measure_peers(cfg: BenchConfig, console: Console) -> Peers:
     """Load the models, measure every system (`_systems`) on the same prompts, then the cost ratios and the
     memory bandwidth; prints nothing but progress and a @random model's note."""
     target, draft, max_new, gamma = cfg.target, cfg.draft_model, cfg.max_new_tokens, cfg.gamma
-    dev = resolve_device(cfg.device)
-    dt = resolve_dtype(cfg.dtype, dev)
-    check_fit([target, draft], dev, dt)
-    with console.status("loading models"):
-        tgt = load_model(target, dev, dt)
-        if draft == target:
-            drf = tgt
-        elif split_variant(draft)[1] == "int8":  # a quantised copy made now, run by sdbench and by assisted generation
-            drf = variant_model(draft, target, tgt, dev, dt)
-        else:
-            drf = load_model(draft, dev, dt)
-    for loaded in (tgt,) if drf is tgt else (tgt, drf):  # a @random model's stand-in tokenizer
-        say_note(loaded, console)
+    dev, dt = device_and_dtype(cfg.device, cfg.dtype)
+    models = load_models([target, draft], dev, dt, console)  # an @int8 draft: run by sdbench and by assisted generation
+    tgt, drf = models[target].loaded, models[draft].loaded
     if drf is not tgt:
         check_same_tokenizer(tgt.tokenizer, drf.tokenizer, target, draft)
     eos = eos_token_ids(tgt)
     prompts = [encode_prompt(p, tgt.tokenizer) for p in load_prompts(cfg.dataset, limit=cfg.limit, seed=cfg.seed)]
-    plain_bytes = weight_bytes(tgt.model)  # before packing: a packed model's own weights are empty
-    runner = pick_runner(tgt.model, target, True)
+    plain_bytes = models[target].weight_bytes
+    runner, d_runner = models[target].runner, models[draft].runner
     graphs_asked = bool(getattr(runner, "graphs", False))
-    d_runner = (runner if drf is tgt else ModelRunner(drf.model, draft) if split_variant(draft)[1] == "int8"
-                else pick_runner(drf.model, draft, True))
     generic = GenericRunner(tgt.model, target) if runner_kind(runner) == "native" else None
 
     def weights(fast: bool) -> None:

@@ -17,13 +17,12 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from sdbench.commands.bench import weight_bytes
 from sdbench.config import SamplingConfig
 from sdbench.drafting.ngram import DRAFT_NAME
 from sdbench.engine.loop import generate
 from sdbench.errors import CheckFailed, SdbenchError
-from sdbench.models.loading.loader import check_fit, check_same_tokenizer, eos_token_ids, load_model, load_tokenizer
-from sdbench.models.loading.pair import pick_runner, resolve_device, resolve_dtype
+from sdbench.models.loading.loader import check_fit, check_same_tokenizer, eos_token_ids, load_tokenizer
+from sdbench.models.loading.pair import device_and_dtype, load_models
 from sdbench.models.probing.probe import PHASES, TOLERANCE, probe_runner
 from sdbench.models.probing.probe_cache import ProbeCache
 from sdbench.models.loading.variants import split_variant, variant_runner
@@ -62,8 +61,7 @@ def run_check(target: str, drafts: list[str], device: str, dtype: str, fast: boo
     failure."""
     if context < 1 or tokens < 1:
         raise SdbenchError("check: --context and --tokens must be at least 1")
-    dev = resolve_device(device)
-    dt = resolve_dtype(dtype, dev)
+    dev, dt = device_and_dtype(device, dtype)
     check_fit([n for n in (target, *drafts) if n != DRAFT_NAME], dev, dt)
     rows = [Checked(target, "target")]
     loaded, runner = _model(rows[0], target, dev, dt, fast, context, console)
@@ -104,14 +102,12 @@ def run_check(target: str, drafts: list[str], device: str, dtype: str, fast: boo
 def _model(row: Checked, name: str, dev, dt, fast: bool, context: int, console, tokenizer=None):
     """(LoadedModel, runner) with row filled in; (loaded or None, None) on a failure recorded in the row."""
     try:
-        with console.status(f"loading {name}"):
-            loaded = load_model(name, dev, dt)
-        row.weights = weight_bytes(loaded.model)  # before any packing empties the modules' own weights
-        runner = pick_runner(loaded.model, name, fast)
+        got = load_models([name], dev, dt, console, fast=fast, fit=False)[name]  # every fit checked already
     except SdbenchError as e:
         row.problems.append(str(e))
         return None, None
-    return loaded, _probed(row, runner, context, tokenizer or loaded.tokenizer, console)
+    row.weights = got.weight_bytes
+    return got.loaded, _probed(row, got.runner, context, tokenizer or got.loaded.tokenizer, console)
 
 
 def _probed(row: Checked, runner, context: int, tokenizer, console):

@@ -14,10 +14,11 @@ from sdbench.analysis.costs import (alphas_from_results, critical_lengths, cross
                                     predictions, profile, with_alphas)
 from sdbench.config import PredictMagicdecConfig
 from sdbench.errors import SdbenchError
-from sdbench.models.loading import loader  # the module: tests replace loader.load_model
 from sdbench.models.loading.names import is_random
-from sdbench.models.loading.pair import resolve_device, resolve_dtype, say_note
+from sdbench.models.loading.pair import device_and_dtype, load_models
 from sdbench.paths import output_dir
+
+NATIVE_NEEDED = "profiling step costs over dense and sparse caches"  # why predict refuses the generic runner
 
 
 def fitting_points(target: str, dtype, device, batches, contexts, gamma: int, console) -> list[tuple[int, int]]:
@@ -61,16 +62,12 @@ def run_predict(cfg: PredictMagicdecConfig, console) -> list[dict]:
 
     The steps are timed through the runner decoding would use (`fast`: CUDA graphs on a GPU), since on a GPU
     an eager step of a small model is launch-bound and would hide what the cache sizes cost."""
-    from sdbench.models.forward.runner import ModelRunner  # loads transformers (slow): only profiling needs it
-
-    dev = resolve_device(cfg.device)
-    dt = resolve_dtype(cfg.dtype, dev)
+    dev, dt = device_and_dtype(cfg.device, cfg.dtype)
     measured = alphas_from_results(list(cfg.from_results), console=console) if cfg.from_results else {}
     fits = fitting_points(cfg.target, dt, dev, cfg.batches, cfg.contexts, max(cfg.gammas), console)
-    with console.status(f"loading {cfg.target}"):
-        loaded = loader.load_model(cfg.target, dev, dt)
-        runner = ModelRunner(loaded.model, cfg.target, fast=cfg.fast)
-    say_note(loaded, console)
+    got = load_models([cfg.target], dev, dt, console, fast=cfg.fast, native={cfg.target: NATIVE_NEEDED},
+                      fit=False)[cfg.target]  # fitting_points checked the fit, point by point
+    loaded, runner = got.loaded, got.runner
     rows = []
     with Progress(console=console, transient=True) as progress:
         task = progress.add_task("profiling", total=len(fits))

@@ -16,13 +16,12 @@ from typing import Callable
 from rich.table import Table
 
 from sdbench.analysis.costs import profile
-from sdbench.analysis.trees import (Acceptance, TreeChoice, hardware_trees, interpolated, measured_trees,
-                                    shipped_table)
-from sdbench.commands.predict import fitting_points
+from sdbench.analysis.tree_acceptance import measured_trees, shipped_table
+from sdbench.analysis.trees import Acceptance, TreeChoice, hardware_trees, interpolated
+from sdbench.commands.predict import NATIVE_NEEDED, fitting_points
 from sdbench.config import PredictTreeConfig
 from sdbench.errors import SdbenchError
-from sdbench.models.loading import loader  # the module: tests replace loader.load_model
-from sdbench.models.loading.pair import resolve_device, resolve_dtype, say_note
+from sdbench.models.loading.pair import device_and_dtype, load_models
 from sdbench.reporting import results  # the module: tests replace results.read_results
 
 
@@ -125,21 +124,16 @@ def asked(cfg: PredictTreeConfig) -> Asked:
 
 
 def run_predict_tree(cfg: PredictTreeConfig, console) -> list[TreeChoice]:
-    from sdbench.models.forward.runner import ModelRunner  # loads transformers (slow): only profiling needs it
-
     a = asked(cfg)
     if a.context < 1:
         raise SdbenchError(f"--context {a.context}: must be at least 1")
-    dev = resolve_device(cfg.device)
-    dt = resolve_dtype(a.dtype, dev)
+    dev, dt = device_and_dtype(cfg.device, a.dtype)
     widths = profiled_widths(a.acc.depth, cfg.budgets, a.side)
     fits = fitting_points(a.target, dt, dev, a.batches, (a.context,), max(widths), console)
     console.print(describe(a.said, a.acc, cfg.by_depth), highlight=False, soft_wrap=True)
     console.print(f"draft cost c = {a.c:.3f} of a target step per level ({a.c_source})", highlight=False)
-    with console.status(f"loading {a.target}"):
-        loaded = loader.load_model(a.target, dev, dt)
-        runner = ModelRunner(loaded.model, a.target, fast=cfg.fast)
-    say_note(loaded, console)
+    runner = load_models([a.target], dev, dt, console, fast=cfg.fast, native={a.target: NATIVE_NEEDED},
+                         fit=False)[a.target].runner  # fitting_points checked the fit, point by point
     costs, profiles = {}, {}
     with console.status("profiling verification"):
         for b, s in fits:

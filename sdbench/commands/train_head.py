@@ -67,7 +67,7 @@ def validate(cfg: TrainHeadConfig) -> None:
 def train_head(cfg: TrainHeadConfig, console: Console) -> Path:
     validate(cfg)
     from sdbench.models.loading import loader  # transformers: only once the settings are known to be sound
-    from sdbench.models.loading.pair import Pair, pick_runner, resolve_device, resolve_dtype
+    from sdbench.models.loading.pair import Pair, load_models, resolve_device, resolve_dtype
     from sdbench.models.probing.probe import probe_pair
     from sdbench.models.probing.probe_cache import ProbeCache
 
@@ -78,10 +78,8 @@ def train_head(cfg: TrainHeadConfig, console: Console) -> Path:
     out = output_dir(cfg.out)
     state = _state(out, cfg)
     t_start = time.perf_counter()
-    loader.check_fit([cfg.target], device, dtype)
-    with console.status(f"loading target {cfg.target}"):
-        loaded = loader.load_model(cfg.target, device, dtype)
-        runner = pick_runner(loaded.model, cfg.target, fast=True)
+    got = load_models([cfg.target], device, dtype, console)[cfg.target]
+    loaded, runner = got.loaded, got.runner
     steps = cfg.steps or DEFAULT_STEPS[cfg.kind]
     layers = head_layers(cfg.kind, loaded.model.config)
     verifier = verifier_name(loaded)

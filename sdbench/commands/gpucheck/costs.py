@@ -15,10 +15,10 @@ from sdbench.analysis.theory import alpha_from_tokens_per_step
 from sdbench.commands import run as run_module  # the module: tests replace run.Bench
 from sdbench.commands.gpucheck.plan import LLAMA_8B, Ctx, Section, free, prompts_of_tokens
 from sdbench.commands.gpucheck.sections import _lossless_claim
+from sdbench.commands.predict import NATIVE_NEEDED
 from sdbench.commands.reproduce.common import FAILS, HOLDS, UNTESTABLE, Claim
 from sdbench.config import RunConfig
 from sdbench.engine.formulas import mean_accepted_length
-from sdbench.models.loading import loader  # the module: tests replace loader.load_model
 from sdbench.models.loading import pair as pair_module  # the module: tests replace pair.load_pair
 from sdbench.models.loading.memory import GIB
 from sdbench.reporting import results  # the module: tests replace results.read_results
@@ -58,14 +58,11 @@ def step_costs(ctx: Ctx) -> list[Section]:
     """Step costs at LLAMA_8B's shape over the sizes' batch x context grid, smallest first, dense and sparse,
     through the graphs; the points that do not fit (or find no time left) recorded as not measured, with why.
     Then the cost model's predicted speedup at every measured point with the sizes' alpha."""
-    from sdbench.models.forward.runner import ModelRunner  # loads transformers (slow): only this step needs it
-
     s, dev, dt = ctx.sizes, ctx.torch_device, ctx.torch_dtype
     found = memory_plan(LLAMA_8B, dt, dev, s.batches, s.contexts, max(s.gammas))
-    with ctx.console.status(f"loading {LLAMA_8B}"):
-        loaded = loader.load_model(LLAMA_8B, dev, dt)
-        runner = ModelRunner(loaded.model, LLAMA_8B, fast=True, static=True)  # static: the graphs' maths on a CPU
-    pair_module.say_note(loaded, ctx.console)
+    # static: the graphs' maths on a CPU; the fit is memory_plan's, point by point
+    runner = pair_module.load_models([LLAMA_8B], dev, dt, ctx.console, native={LLAMA_8B: NATIVE_NEEDED},
+                                     static=True, fit=False)[LLAMA_8B].runner
     asked = bool(runner.graphs)
     points = sorted(found.fits, key=lambda p: (p[0] * p[1], p))
     rows, predicted, late = [], [], []
@@ -79,7 +76,7 @@ def step_costs(ctx: Ctx) -> list[Section]:
         free(dev)
         ctx.console.print(f"  step costs {i}/{len(points)}: batch {b}, context {c}: target {point[0]['ms']:.2f} ms, "
                           f"{point[0]['path']}", highlight=False)
-    del runner, loaded
+    del runner
     free(dev)
     rows += [{"batch": b, "context": c, "kind": "not measured", "fallback": "",
               "why": f"does not fit: {need / GIB:.1f} GiB of KV cache and buffers beside the weights"}

@@ -10,11 +10,12 @@ from __future__ import annotations
 import pandas as pd
 
 from sdbench.analysis.costs import memory_plan, profile
-from sdbench.analysis.trees import hardware_trees, shipped_tables
+from sdbench.analysis.tree_acceptance import shipped_tables
+from sdbench.analysis.trees import hardware_trees
 from sdbench.commands.gpucheck.costs import _fallback_claim, on_graphs
 from sdbench.commands.gpucheck.plan import LLAMA_1B, LLAMA_8B, Ctx, Section, free
+from sdbench.commands.predict import NATIVE_NEEDED
 from sdbench.commands.predict_tree import profiled_widths, relative_verify
-from sdbench.models.loading import loader  # the module: tests replace loader.load_model
 from sdbench.models.loading import pair as pair_module
 
 
@@ -23,8 +24,6 @@ def tree_costs(ctx: Ctx) -> list[Section]:
     the draft step and its c; each recording whether it fell back from the graphs) and `trees` (one row per
     table x batch x budget: the chosen tree, its expected accepted length, v, predicted speedup, the best chain's
     and the ratio)."""
-    from sdbench.models.forward.runner import ModelRunner  # loads transformers (slow): only the steps need it
-
     s, dev, dt = ctx.sizes, ctx.torch_device, ctx.torch_dtype
     tables = shipped_tables()
     widths = profiled_widths(max(t.acceptance().depth for t in tables), s.tree_budgets)  # drafted tokens
@@ -33,12 +32,9 @@ def tree_costs(ctx: Ctx) -> list[Section]:
     if not batches:
         return [Section("tree-costs", pd.DataFrame([{"kind": "not measured", "why": found.line()}]),
                         notes=[f"tree costs not measured: {found.line()}"])]
-    runners = {}
-    with ctx.console.status(f"loading {LLAMA_8B} and {LLAMA_1B}"):
-        for name in (LLAMA_8B, LLAMA_1B):
-            loaded = loader.load_model(name, dev, dt)
-            pair_module.say_note(loaded, ctx.console)
-            runners[name] = ModelRunner(loaded.model, name, fast=True, static=True)  # as the step costs run
+    models = pair_module.load_models([LLAMA_8B, LLAMA_1B], dev, dt, ctx.console, static=True, fit=False,
+                                     native=dict.fromkeys((LLAMA_8B, LLAMA_1B), NATIVE_NEEDED))  # as the step costs run
+    runners = {name: got.runner for name, got in models.items()}
     asked = {name: bool(r.graphs) for name, r in runners.items()}
     rows, v, c = [], {}, {}
     target, draft = runners[LLAMA_8B], runners[LLAMA_1B]
@@ -56,7 +52,7 @@ def tree_costs(ctx: Ctx) -> list[Section]:
         ctx.console.print(f"  tree costs: batch {b}, context {s.tree_context}: v({max(widths) + 1}) = "
                           f"{v[b](max(widths) + 1):.2f}, "
                           f"c = {c[b]:.3f} ({graphs['path']})", highlight=False)
-    del runners, target, draft, loaded
+    del runners, target, draft, models
     free(dev)
     rows += [{"batch": b, "context": n, "kind": "not measured", "fallback": "",
               "why": "does not fit beside the weights"} for (b, n) in sorted(found.too_big)]

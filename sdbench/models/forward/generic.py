@@ -34,13 +34,14 @@ def runner_kind(runner) -> str:
     return getattr(runner, "kind", "native")
 
 
-def make_runner(model, name: str, kind: str = "native", fast: bool = False):
-    """The runner of a kind over a loaded model (a DSI worker builds the kind its target was probed with)."""
+def make_runner(model, name: str, kind: str = "native", fast: bool = False, static: bool | None = None):
+    """The runner of a kind over a loaded model (a DSI worker builds the kind its target was probed with);
+    static: the native runner's static-shape forward without graphs (`ModelRunner`)."""
     if kind == "generic":
         return GenericRunner(model, name)
     from sdbench.models.forward.runner import ModelRunner  # imports transformers (rotary): only a native runner needs it
 
-    return ModelRunner(model, name, fast=fast)
+    return ModelRunner(model, name, fast=fast, static=static)
 
 
 class GenericCache:

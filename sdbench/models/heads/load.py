@@ -70,9 +70,9 @@ def _folder(source: str) -> Path:
         raise SdbenchError(f"--head {source}: not a folder (a head is a folder of config.json and weights)")
     if looks_like_path(source):
         raise SdbenchError(f"--head {source}: no such folder, nor a hub id (owner/name)")
-    from sdbench.models.loading.loader import hub_snapshot  # huggingface_hub: slow to import; only a hub head needs it
+    from sdbench.models.loading.hub import snapshot  # huggingface_hub: slow to import; only a hub head needs it
 
-    return hub_snapshot(source)
+    return snapshot(source)
 
 
 def check_folder(source: str) -> None:

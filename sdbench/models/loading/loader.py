@@ -1,45 +1,28 @@
 """Load a model and its tokenizer from an alias, a local folder, a .gguf file or a hub id.
 
-GGUF files are de-quantised once (26-78 s) and kept as safetensors in the cache (reload ~1 s).
-The hub is never waited on: the local HF cache is tried first, and the network only after a short probe.
+GGUF files are de-quantised once and kept as safetensors in the cache (`gguf_cache.py`); the hub is never waited
+on (`hub.py`); the library's calls and their errors are `library.py`.
 A model's config is read before anything else, and what no runner serves is refused before any weight loads.
 `MODEL@random` reads the config alone and builds random weights at its shape (`models/loading/random_weights.py`).
 """
 
 from __future__ import annotations
 
-import contextlib
-import difflib
-import functools
-import hashlib
-import importlib.util
-import json
-import os
-import shutil
-import tempfile
-import urllib.error
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any
 
 import torch
-from safetensors import SafetensorError, safe_open
 
-from sdbench.errors import MissingPackageError, SdbenchError
-from sdbench.models.loading import embedded, memory, random_weights
-from sdbench.models.loading.aliases import EmbeddedModel, HubModel, model_registry, shipped_config
+from sdbench.errors import SdbenchError
 from sdbench.models.forward.families import serving
+from sdbench.models.loading import embedded, gguf_cache, hub, library, memory, random_weights
+from sdbench.models.loading.aliases import EmbeddedModel, model_registry, shipped_config
 from sdbench.models.loading.names import RANDOM, is_random, split_variant
 from sdbench.models.loading.shapes import config_from_dict, parameter_count
-from sdbench.paths import cache_dir
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
-
-_HUB_PROBE_TIMEOUT_S = 3.0
-_COMPLETE = "sdbench-complete.json"  # written last into a cache folder; a folder without it is not trusted
-_KEY_SPAN = 1 << 20
 
 
 @dataclass
@@ -65,13 +48,13 @@ def load_model(name: str, device: str | torch.device = "cpu", dtype: torch.dtype
     source, ref = _resolve(name)
     _refuse_unserved(name, _config(name, source, ref))
     if source == "hub":
-        tokenizer = _from_hub(name, ref, lambda local: _auto_tokenizer(ref, local_files_only=local))
-        model = _from_hub(name, ref, lambda local: _auto_model(ref, dtype, local_files_only=local))
+        tokenizer = hub.from_hub(name, ref, lambda local: library.auto_tokenizer(ref, local_files_only=local))
+        model = hub.from_hub(name, ref, lambda local: library.auto_model(ref, dtype, local_files_only=local))
     else:
-        folder = _converted_gguf(Path(ref)) if source in ("embedded", "gguf") else Path(ref)
-        with _as_user_error(name, folder):
-            tokenizer = _auto_tokenizer(str(folder))
-            model = _auto_model(str(folder), dtype)
+        folder = gguf_cache.converted(Path(ref)) if source in ("embedded", "gguf") else Path(ref)
+        with library.as_user_error(name, folder):
+            tokenizer = library.auto_tokenizer(str(folder))
+            model = library.auto_model(str(folder), dtype)
     model.eval().requires_grad_(False)
     return LoadedModel(name=name, ref=ref, source=source, model=model.to(device), tokenizer=tokenizer)
 
@@ -92,7 +75,7 @@ def model_files(name: str) -> tuple[str, str]:
 def safetensors_folder(name: str) -> str:
     """The safetensors folder (or hub id) sdbench itself loads for `name`: a GGUF's de-quantised copy, made once."""
     kind, where = model_files(name)
-    return str(_converted_gguf(Path(where))) if kind == "gguf" else where
+    return str(gguf_cache.converted(Path(where))) if kind == "gguf" else where
 
 
 def check_fit(names: list[str], device: str | torch.device = "cpu", dtype: torch.dtype | str = torch.float32) -> None:
@@ -133,12 +116,12 @@ def load_tokenizer(name: str) -> "PreTrainedTokenizerBase":
         return _random_tokenizer(name, base, _random_config(base).vocab_size)[0]
     source, ref = _resolve(name)
     if source == "hub":
-        return _from_hub(name, ref, lambda local: _auto_tokenizer(ref, local_files_only=local))
-    with _as_user_error(name):
+        return hub.from_hub(name, ref, lambda local: library.auto_tokenizer(ref, local_files_only=local))
+    with library.as_user_error(name):
         if source == "local":
-            return _auto_tokenizer(ref)
-        cached = _gguf_cache_dir(Path(ref))
-        return _auto_tokenizer(str(cached)) if _is_complete(cached) else _gguf_tokenizer(Path(ref))
+            return library.auto_tokenizer(ref)
+        cached = gguf_cache.cache_folder(Path(ref))
+        return library.auto_tokenizer(str(cached)) if gguf_cache.is_complete(cached) else gguf_cache.gguf_tokenizer(Path(ref))
 
 
 def model_available(name: str) -> tuple[bool, str]:
@@ -154,7 +137,7 @@ def model_available(name: str) -> tuple[bool, str]:
         spec = model_registry.get(name)
         if isinstance(spec, EmbeddedModel):
             return _embedded_available(model_registry.entry(name).name, spec)
-        return _hub_available(spec.repo_id)
+        return hub.available(spec.repo_id)
     path = Path(name).expanduser()
     if path.is_dir():
         ok = (path / "config.json").is_file()
@@ -164,7 +147,7 @@ def model_available(name: str) -> tuple[bool, str]:
         return ok, f"GGUF file {path}" if ok else f"{path} is not a .gguf file"
     if _looks_like_path(name):
         return False, f"no such file or folder: {path}"
-    return _hub_available(name)
+    return hub.available(name)
 
 
 def check_same_tokenizer(a: Any, b: Any, a_name: str, b_name: str) -> None:
@@ -216,8 +199,8 @@ def _config_at_hand(name: str) -> "PretrainedConfig | None":
         return config_from_dict(shipped)
     folder = Path(name).expanduser()
     if (folder / "config.json").is_file():
-        with _as_user_error(name):
-            return _auto_config(str(folder))
+        with library.as_user_error(name):
+            return library.auto_config(str(folder))
     return None
 
 
@@ -262,14 +245,14 @@ def _config(name: str, source: str, ref: str) -> "PretrainedConfig":
     if shipped is not None:
         return config_from_dict(shipped)
     if source == "hub":
-        return _from_hub(name, ref, lambda local: _auto_config(ref, local_files_only=local))
-    with _as_user_error(name):
+        return hub.from_hub(name, ref, lambda local: library.auto_config(ref, local_files_only=local))
+    with library.as_user_error(name):
         if source == "local":
-            return _auto_config(ref)
-        cached = _gguf_cache_dir(Path(ref))
-        if _is_complete(cached):
-            return _auto_config(str(cached))
-        return _auto_config(str(Path(ref).parent), gguf_file=Path(ref).name)  # reads the metadata, not the tensors
+            return library.auto_config(ref)
+        cached = gguf_cache.cache_folder(Path(ref))
+        if gguf_cache.is_complete(cached):
+            return library.auto_config(str(cached))
+        return library.auto_config(str(Path(ref).parent), gguf_file=Path(ref).name)  # reads the metadata, not the tensors
 
 
 def _refuse_unserved(name: str, config: "PretrainedConfig") -> None:
@@ -300,257 +283,13 @@ def _as_device(device: str | torch.device) -> torch.device:
     return torch.device(device)
 
 
-@contextlib.contextmanager
-def _as_user_error(name: str, folder: Path | None = None) -> Iterator[None]:
-    """transformers reports unreadable checkpoints as OSError/ValueError/KeyError, and safetensors a corrupt
-    weights file as its own SafetensorError (which names no file); make each one user line."""
-    try:
-        yield
-    except SafetensorError as err:
-        bad = _unreadable_safetensors(folder) if folder is not None else None
-        what = f"{bad} is not a readable safetensors file" if bad else "a safetensors file is unreadable"
-        raise SdbenchError(f"model '{name}' could not be loaded: {what} ({_first_line(err)})") from err
-    except (OSError, ValueError, KeyError) as err:
-        raise SdbenchError(f"model '{name}' could not be loaded: {_first_line(err)}") from err
-
-
-def _unreadable_safetensors(folder: Path) -> Path | None:
-    """The first of the folder's safetensors files whose header does not parse (reads headers only)."""
-    for path in sorted(folder.glob("*.safetensors")):
-        try:
-            with safe_open(str(path), framework="pt"):
-                pass
-        except (SafetensorError, OSError):
-            return path
-    return None
-
-
-def _first_line(err: BaseException) -> str:
-    text = str(err).strip() or type(err).__name__
-    return text.splitlines()[0]
-
-
-# --- transformers calls -------------------------------------------------------------------------------------
-
-
-def _auto_tokenizer(ref: str, **kwargs) -> "PreTrainedTokenizerBase":
-    from transformers import AutoTokenizer  # transformers: slow to import, and only loading needs it
-
-    return AutoTokenizer.from_pretrained(ref, **kwargs)
-
-
-def _auto_config(ref: str, **kwargs) -> "PretrainedConfig":
-    from transformers import AutoConfig  # transformers: slow to import, and only loading needs it
-
-    return AutoConfig.from_pretrained(ref, **kwargs)
-
-
-def _auto_model(ref: str, dtype: torch.dtype, **kwargs) -> "PreTrainedModel":
-    # transformers: slow to import, and only loading needs it
-    from transformers import AutoModelForCausalLM
-    from transformers.utils import logging as hf_logging
-
-    # sdbench shows its own status while loading; the library's per-tensor bars would interleave with it
-    hf_logging.disable_progress_bar()
-    return AutoModelForCausalLM.from_pretrained(ref, dtype=dtype, **kwargs)
-
-
-# --- GGUF -> safetensors cache ------------------------------------------------------------------------------
-
-
-def _gguf_cache_dir(gguf: Path) -> Path:
-    """Cache folder for one GGUF file: named by stem, size and a hash of its first and last MiB.
-
-    Content rather than mtime, so that reinstalling the same wheel keeps the cache valid.
-    """
-    size = gguf.stat().st_size
-    digest = hashlib.sha256()
-    with open(gguf, "rb") as f:
-        digest.update(f.read(_KEY_SPAN))
-        f.seek(max(0, size - _KEY_SPAN))
-        digest.update(f.read(_KEY_SPAN))
-    return cache_dir("models") / f"{gguf.stem}-{size}-{digest.hexdigest()[:12]}"
-
-
-def _is_complete(folder: Path) -> bool:
-    return (folder / _COMPLETE).is_file() and (folder / "config.json").is_file()
-
-
-def _converted_gguf(gguf: Path) -> Path:
-    """The de-quantised safetensors copy of `gguf`, made on first use."""
-    folder = _gguf_cache_dir(gguf)
-    if not _is_complete(folder):
-        with _atomic_dir(folder) as tmp:
-            _convert_gguf(gguf, tmp)
-    return folder
-
-
-@contextlib.contextmanager
-def _atomic_dir(final: Path) -> Iterator[Path]:
-    """Build a folder under a temporary name and rename it into place, so an interrupted build leaves no cache."""
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".tmp", dir=final.parent))
-    try:
-        yield tmp
-        if final.exists() and not _is_complete(final):
-            shutil.rmtree(final)
-        try:
-            os.rename(tmp, final)
-        except OSError:
-            if not _is_complete(final):  # lost a race only if the winner finished
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-
-
-def _convert_gguf(gguf: Path, out: Path) -> None:
-    """De-quantise to float32 (lossless for every later dtype) and save model + tokenizer as a plain HF folder."""
-    from transformers import AutoModelForCausalLM  # transformers: slow to import, and only loading needs it
-
-    for package in ("gguf", "accelerate"):  # transformers needs both to read a GGUF
-        if importlib.util.find_spec(package) is None:
-            raise MissingPackageError(package, f"reading the GGUF file {gguf.name}")
-    kwargs: dict[str, Any] = {}
-    with contextlib.suppress(ImportError):
-        from transformers import GgufConfig  # transformers: slow to import, and older versions lack it
-
-        # Explicit: with the `kernels` package present, transformers would otherwise keep weights packed.
-        kwargs["quantization_config"] = GgufConfig(dequantize=True)
-    with _as_user_error(str(gguf)):
-        tokenizer = _gguf_tokenizer(gguf)
-        model = AutoModelForCausalLM.from_pretrained(
-            str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32, **kwargs
-        )
-    _drop_quantizer_marker(model)
-    model.save_pretrained(out)
-    tokenizer.save_pretrained(out)
-    record = {"gguf": str(gguf), "size": gguf.stat().st_size, "transformers": _transformers_version()}
-    (out / _COMPLETE).write_text(json.dumps(record, indent=1))
-
-
-def _drop_quantizer_marker(model: "PreTrainedModel") -> None:
-    """The weights are already dense; without this, save_pretrained refuses ('quantized with gguf').
-
-    transformers clears these itself only when asked for `GgufConfig(dequantize=True)`; its fallback to
-    de-quantising (no `kernels` package) keeps them.
-    """
-    for attr in ("hf_quantizer", "quantization_method"):
-        model.__dict__.pop(attr, None)
-    for module in model.modules():
-        config = getattr(module, "config", None)
-        if config is not None:
-            config.__dict__.pop("quantization_config", None)
-            config.__dict__.pop("_is_quantized", None)
-    model.is_quantized = False
-
-
-def _gguf_tokenizer(gguf: Path) -> "PreTrainedTokenizerBase":
-    tokenizer = _auto_tokenizer(str(gguf.parent), gguf_file=gguf.name)
-    if not getattr(tokenizer, "chat_template", None):
-        tokenizer.chat_template = _gguf_chat_template(gguf)
-    return tokenizer
-
-
-def _gguf_chat_template(gguf: Path) -> str | None:
-    from gguf import GGUFReader  # gguf: only a GGUF file's chat template needs it
-
-    field = GGUFReader(str(gguf)).fields.get("tokenizer.chat_template")
-    return field.contents() if field is not None else None
-
-
-def _transformers_version() -> str:
-    import transformers  # slow to import, and only a GGUF conversion needs it
-
-    return transformers.__version__
-
-
-# --- hub ------------------------------------------------------------------------------------------------------
-
-
-def _from_hub(name: str, repo_id: str, load: Callable[[bool], Any]) -> Any:
-    """`load(local_files_only)`: the local HF cache first, the network only if allowed and reachable."""
-    label = f"'{name}'" if name == repo_id else f"'{name}' ({repo_id})"
-    try:
-        return load(True)
-    except OSError:
-        pass  # not in the local cache
-    except (ValueError, KeyError, SafetensorError) as err:
-        raise SdbenchError(f"model {label} could not be loaded: {_first_line(err)}") from err
-    if _hub_offline():
-        _raise_unavailable(name, label, repo_id, "HF_HUB_OFFLINE is set")
-    if not _hub_reachable(_hub_endpoint()):
-        _raise_unavailable(name, label, repo_id, "the hub is unreachable")
-    try:
-        return load(False)
-    except (OSError, ValueError, KeyError, SafetensorError) as err:
-        raise SdbenchError(f"model {label} could not be fetched from the hub: {_first_line(err)}") from err
-
-
-def hub_snapshot(repo_id: str) -> Path:
-    """The folder of a hub repository's newest snapshot (a trained head's): the local cache first."""
-    from huggingface_hub import snapshot_download  # slow to import; only a hub head needs it
-
-    return Path(_from_hub(repo_id, repo_id, lambda local: snapshot_download(repo_id, local_files_only=local)))
-
-
-def _raise_unavailable(name: str, label: str, repo_id: str, why: str) -> None:
-    hint = ""
-    if name not in model_registry and "/" not in name:
-        close = _close_alias(name)
-        hint = f" (did you mean '{close}'?)" if close else ""
-    raise SdbenchError(
-        f"model {label} is not available{hint}: not in the local Hugging Face cache and {why}; "
-        f"on a machine with access run `hf download {repo_id}`, or pass a local folder"
-    )
-
-
-def _close_alias(name: str) -> str | None:
-    close = difflib.get_close_matches(name.lower(), model_registry.names(), n=1)
-    return close[0] if close else None
-
-
-def _hub_offline() -> bool:
-    # Read at call time: huggingface_hub reads HF_HUB_OFFLINE once, at import.
-    flags = (os.environ.get("HF_HUB_OFFLINE", ""), os.environ.get("TRANSFORMERS_OFFLINE", ""))
-    return any(f.strip().lower() in ("1", "true", "yes", "on") for f in flags)
-
-
-def _hub_endpoint() -> str:
-    from huggingface_hub import constants  # huggingface_hub: slow to import, and only the hub path needs it
-
-    return os.environ.get("HF_ENDPOINT") or constants.ENDPOINT
-
-
-@functools.lru_cache(maxsize=8)
-def _hub_reachable(endpoint: str) -> bool:
-    """One short probe: a failing hub download otherwise retries for ~25-45 s before giving up."""
-    request = urllib.request.Request(endpoint, method="HEAD")
-    try:
-        with urllib.request.urlopen(request, timeout=_HUB_PROBE_TIMEOUT_S):
-            return True
-    except urllib.error.HTTPError:
-        return True  # it answered
-    except (OSError, ValueError):
-        return False
-
-
-def _hub_available(repo_id: str) -> tuple[bool, str]:
-    from huggingface_hub import try_to_load_from_cache  # huggingface_hub: slow to import; only a hub model needs it
-
-    config = try_to_load_from_cache(repo_id, "config.json")
-    if isinstance(config, str):
-        snapshot = Path(config).parent
-        if any(snapshot.glob("*.safetensors")) or any(snapshot.glob("*.bin")):
-            return True, f"in the Hugging Face cache ({repo_id})"
-    return False, f"not in the Hugging Face cache: `hf download {repo_id}`"
-
-
 def _embedded_available(name: str, spec: EmbeddedModel) -> tuple[bool, str]:
     missing = embedded.missing_packages(spec)
     if missing:
         hint = spec.install_hint() if len(missing) == len(spec.packages) else spec.install_command(missing)
         return False, f"not installed: `{hint}`"
     gguf = embedded.existing_gguf(name, spec)
-    if gguf is not None and _is_complete(_gguf_cache_dir(gguf)):
+    if gguf is not None and gguf_cache.is_complete(gguf_cache.cache_folder(gguf)):
         return True, "embedded, cached as safetensors"
     return True, "embedded; the first load de-quantises the GGUF once (slow)"
 

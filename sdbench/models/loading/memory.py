@@ -90,3 +90,13 @@ def plan(config, params: int, dtype: torch.dtype, device: torch.device, points, 
         else:
             result.too_big[(b, s)] = need
     return result
+
+
+def weight_bytes(model) -> int:
+    """The bytes of a loaded model's parameters, each tensor counted once (tied weights share one)."""
+    seen, total = set(), 0
+    for p in model.parameters():
+        if p.data_ptr() not in seen:
+            seen.add(p.data_ptr())
+            total += p.numel() * p.element_size()
+    return total

@@ -21,8 +21,9 @@ from sdbench.models.forward.generic import make_runner, runner_kind
 from sdbench.models.loading.names import tokenizer_name
 from sdbench.models.probing.probe import probe_pair
 from sdbench.models.probing.probe_cache import ProbeCache
+from sdbench.models.loading.memory import weight_bytes
 from sdbench.models.loading.shapes import config_from_dict
-from sdbench.models.loading.variants import split_variant, variant_runner
+from sdbench.models.loading.variants import split_variant, variant_model
 
 if TYPE_CHECKING:  # transformers' tokenizer base is a slow import, and only a type here
     from transformers import PreTrainedTokenizerBase
@@ -76,38 +77,65 @@ class Pair:
                 "probe_reused": reused}
 
 
+def device_and_dtype(device: str, dtype: str) -> tuple[torch.device, torch.dtype]:
+    """The torch device and dtype a run's --device and --dtype name, refused in one line where unusable."""
+    dev = resolve_device(device)
+    return dev, resolve_dtype(dtype, dev)
+
+
+@dataclass(frozen=True)
+class Loaded:
+    """One model as the load sequence gives it: the library's model with its tokenizer, the runner its config
+    calls for, and the bytes of its weights as loaded (a packing runner later empties the modules' own)."""
+
+    loaded: loader.LoadedModel
+    runner: Runner
+    weight_bytes: int
+
+
+def load_models(names: list[str], device: torch.device, dtype: torch.dtype, console: Console, *,
+                fast: bool = True, native: dict[str, str] | None = None, static: bool | None = None,
+                fit: bool = True) -> dict[str, Loaded]:
+    """The one load sequence: every model's fit checked from its config before anything loads (`fit`), then each
+    distinct model loaded (progress shown), given the runner its config calls for (`pick_runner`; refused in one
+    line where `native` says what needs the native runner), and its note said. MODEL@int8 is the quantised copy
+    of MODEL (`variants.py`), made of the first model's weights when MODEL is the first (the target)."""
+    native = native or {}
+    if fit:
+        loader.check_fit(list(names), device, dtype)
+    out: dict[str, Loaded] = {}
+    for name in dict.fromkeys(names):
+        with console.status(f"loading {name}"):
+            if split_variant(name)[1] == "int8":
+                first = out.get(names[0])
+                loaded = variant_model(name, names[0], first and first.loaded, device, dtype)
+                weights = weight_bytes(loaded.model)
+                runner = make_runner(loaded.model, name)  # a quantised copy: the modules' own products
+            else:
+                loaded = loader.load_model(name, device, dtype)
+                weights = weight_bytes(loaded.model)
+                runner = pick_runner(loaded.model, name, fast, native.get(name), static)
+        say_note(loaded, console)
+        out[name] = Loaded(loaded, runner, weights)
+    return out
+
+
 def load_pair(cfg: RunConfig, device: torch.device, dtype: torch.dtype, console: Console,
               native: dict[str, str] | None = None) -> Pair:
-    """Load the target and drafts, each on the runner its config calls for, then probe every runner against
-    the library's forward (unless cfg.probe is off), falling back to the generic runner where a native one
-    fails and the run allows it. native: model name -> what of the run needs it on the native runner
-    (`strategies.native_needed(cfg)`; a model the generic runner serves is then refused before loading)."""
+    """Load the target and drafts (`load_models`), then probe every runner against the library's forward
+    (unless cfg.probe is off), falling back to the generic runner where a native one fails and the run allows
+    it. native: model name -> what of the run needs it on the native runner (`strategies.native_needed(cfg)`; a
+    model the generic runner serves is then refused before loading)."""
     native = native or {}
     refuse_early(cfg, native)
-    loader.check_fit([n for n in (cfg.target, *cfg.drafts) if n != NGRAM_DRAFT], device, dtype)
     check_tokenizers(cfg)
-    with console.status(f"loading target {cfg.target}"):
-        target = loader.load_model(cfg.target, device, dtype)
-        runner = pick_runner(target.model, cfg.target, cfg.fast, native.get(cfg.target))
-    say_note(target, console)
-    drafts = []
-    for name in cfg.drafts:
-        if name == NGRAM_DRAFT:  # prompt lookup as a draft candidate: no model, no tokenizer to check
-            drafts.append(name)
-            continue
-        if name == cfg.target:
-            drafts.append(runner)  # drafting with the target itself: same weights, its own cache
-            continue
-        if split_variant(name)[1] == "int8":  # MODEL@int8: a quantised copy made now (of the target's weights if MODEL is it)
-            with console.status(f"making draft {name}"):
-                drafts.append(variant_runner(name, cfg.target, target, device, dtype))
-            continue
-        with console.status(f"loading draft {name}"):
-            draft = loader.load_model(name, device, dtype)
-        say_note(draft, console)
-        drafts.append(pick_runner(draft.model, name, cfg.fast, native.get(name)))
-    limit = getattr(target.model.config, "max_position_embeddings", None) or 1 << 30
-    pair = Pair(runner, target.tokenizer, drafts, loader.eos_token_ids(target), limit)
+    models = load_models([cfg.target, *(n for n in cfg.drafts if n != NGRAM_DRAFT)], device, dtype, console,
+                         fast=cfg.fast, native=native)
+    target = models[cfg.target]
+    # prompt lookup as a draft candidate: no model; the target drafting for itself: its runner, its own cache
+    drafts = [name if name == NGRAM_DRAFT else models[name].runner for name in cfg.drafts]
+    limit = getattr(target.loaded.model.config, "max_position_embeddings", None) or 1 << 30
+    pair = Pair(target.runner, target.loaded.tokenizer, drafts, loader.eos_token_ids(target.loaded), limit)
     if cfg.probe == "never":
         console.print("note: --probe never: the runners' logits are not compared with the library's forward "
                       "(rows record the probe as skipped)", style="yellow", highlight=False)
@@ -116,11 +144,11 @@ def load_pair(cfg: RunConfig, device: torch.device, dtype: torch.dtype, console:
     return pair
 
 
-def pick_runner(model, name: str, fast: bool, needs_native: str | None = None):
+def pick_runner(model, name: str, fast: bool, needs_native: str | None = None, static: bool | None = None):
     """The runner `serving(config)` names for a loaded model; refused in one line where it cannot serve."""
     serves = serving(model.config)
     _refuse(name, serves, needs_native)
-    return make_runner(model, name, serves.runner, fast)
+    return make_runner(model, name, serves.runner, fast, static)
 
 
 def refuse_early(cfg: RunConfig, native: dict[str, str]) -> None:

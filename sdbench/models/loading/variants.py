@@ -50,15 +50,17 @@ def quantise_int8(model) -> object:
 
 def variant_model(name: str, target_name: str, target, device, dtype):
     """The LoadedModel of MODEL@VARIANT: the quantised copy of MODEL (of the loaded target's weights when MODEL
-    is the target itself rather than loaded a second time), with MODEL's tokenizer."""
+    is the target itself rather than loaded a second time), with MODEL's tokenizer. target: the loaded target,
+    or None when the variant is loaded first."""
     from dataclasses import replace
 
     base, variant = split_variant(name)
-    if base == target_name:
+    if target is not None and base == target_name:
         loaded = target
     else:
         loaded = loader.load_model(base, device, dtype)
-        loader.check_same_tokenizer(target.tokenizer, loaded.tokenizer, target_name, base)
+        if target is not None:
+            loader.check_same_tokenizer(target.tokenizer, loaded.tokenizer, target_name, base)
     if serving(loaded.model.config).runner != "native":
         raise SdbenchError(f"model '{name}': @{variant} quantises the decoder layers the native runner computes, and "
                            f"'{base}' runs on the generic runner")
