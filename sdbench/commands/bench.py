@@ -22,6 +22,7 @@ from sdbench.commands.bench_carry import carry_over
 from sdbench.commands.bench_table import (GENERIC_ROW, SystemMeasurement, _table, check_outputs, engine_lines, fast_row,
                                           first_difference, write_bench)
 from sdbench.commands.hf_generate import MODES, TransformersSystem, generator, kwargs_for, pick
+from sdbench.commands.roles import EveryRole
 from sdbench.config import BenchConfig, SamplingConfig
 from sdbench.data.tasks import encode_prompt, load_prompts
 from sdbench.drafting.ngram import DRAFT_NAME
@@ -55,49 +56,48 @@ from sdbench.strategies.spec import need_gamma
 
 
 def _measure(systems: list, prompts: list[list[int]], repeats: int, device, status, weights) -> list[SystemMeasurement]:
-    """Each prompt through every system in turn, `repeats` times: drift in the machine's speed then falls
-    on all systems alike instead of on whichever ran last. weights(fast) readies the models' weights before
-    a system's clock starts (the fast path's packed ones or plain ones); the systems on plain weights run
-    first for each prompt, so the weights change twice a prompt.
+    """Each prompt through every system in turn (`EveryRole`, as `run` measures its roles), `repeats` times:
+    drift in the machine's speed then falls on all systems alike instead of on whichever ran last. weights(fast)
+    readies the models' weights before a system's clock starts (the fast path's packed ones or plain ones); the
+    systems on plain weights run first for each prompt, so the weights change twice a prompt.
     An engine's system whose server fails is marked failed and left out from then on; the others go on.
     """
     results = [SystemMeasurement(name, fast, engine=getattr(fn, "totals", None), source=fn)
                for name, fn, fast in systems]
-    order = sorted(zip(results, systems), key=lambda pair: pair[0].fast)
-
-    def call(m: SystemMeasurement, fn, prompt: list[int], budget: int | None) -> list[int] | None:
-        if m.failed:
-            return None
-        try:
-            return fn(prompt, budget)
-        except (EngineFailed, EngineReplyError) as err:
-            if m.engine is None:
-                raise
-            m.failed = str(err)
-            return None
-
-    for m, (_, fn, _) in order:
-        weights(m.fast)
-        call(m, fn, prompts[0], 4)  # warm-up, not counted
+    every = EveryRole(sorted(results, key=lambda m: m.fast), str(device))
+    ready = lambda m: weights(m.fast)  # noqa: E731 - the same readying before every system's call
+    every.measure(lambda m: _call(m, prompts[0], 4, device), started=ready)  # warm-up, not counted
     for r in range(repeats):
         for m in results:
             m.tokens.append(0)
             m.seconds.append(0.0)
         for i, p in enumerate(prompts):
             status.update(f"measuring: repeat {r + 1}/{repeats}, prompt {i + 1}/{len(prompts)}")
-            for m, (_, fn, _) in order:
-                weights(m.fast)
-                t0 = now(device)
-                out = call(m, fn, p, None)
-                if out is None:
+            for got in every.measure(lambda m: _call(m, p, None, device), started=ready):
+                if got.result is None:
                     continue
-                t1 = now(device)
+                m, (t0, t1, out) = got.role, got.result
                 m.seconds[-1] += t1 - t0
                 m.tokens[-1] += len(out)
-                m.calls.append(Call(r, t0, t1 - _after_first(fn), t1, len(out)))
+                m.calls.append(Call(r, t0, t1 - _after_first(m.source), t1, len(out)))
                 if r == 0:
                     m.outputs.append(out)
     return results
+
+
+def _call(m: SystemMeasurement, prompt: list[int], budget: int | None, device) -> tuple | None:
+    """(start, end, output ids) of one system's call on a prompt, or None once its engine has failed."""
+    if m.failed:
+        return None
+    t0 = now(device)
+    try:
+        out = m.source(prompt, budget)
+    except (EngineFailed, EngineReplyError) as err:
+        if m.engine is None:
+            raise
+        m.failed = str(err)
+        return None
+    return t0, now(device), out
 
 
 def _after_first(fn) -> float:

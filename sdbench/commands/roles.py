@@ -6,7 +6,7 @@ batch, or serves a load point, with every role in turn.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Generic, TypeVar
+from typing import Any, Callable, Generic, TypeVar
 
 from sdbench.env import peak_memory, reset_peak_memory
 from sdbench.strategies import BuildContext, Proposer, build_configurations
@@ -14,6 +14,7 @@ from sdbench.strategies.autoregressive import Autoregressive
 
 BASELINE = "baseline"
 R = TypeVar("R")
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -70,20 +71,23 @@ def compared_roles(compared, pair, drafts: tuple[str, ...]) -> list[Role]:
 class Measured(Generic[R]):
     """What one role's decode returned, and the peak memory it reached."""
 
-    role: Role
+    role: Any  # a run's Role, or bench's system
     result: R
     memory: tuple[int | None, str]  # (bytes, kind) as sdbench.env.peak_memory
 
 
-class EveryRole:
-    """Decodes one batch (or serves one load point) with every role in turn, measuring each one's peak memory
-    on its own. The first role is the baseline when one runs: its answers are what later turns continue."""
+class EveryRole(Generic[T]):
+    """The one interleaved measurement: one batch decoded (or one load point served) with every role in turn, each
+    one's peak memory measured on its own. The roles are a run's (`Role`: its baseline first when one runs, whose
+    answers are what later turns continue) or `bench`'s systems, one prompt at a time."""
 
-    def __init__(self, roles: list[Role], device: str):
+    def __init__(self, roles: list[T], device: str):
         self.roles, self.device = roles, device
 
-    def measure(self, decode: Callable[[Role], R], started: Callable[[Role], None] = lambda role: None,
-                done: Callable[[Role], None] = lambda role: None) -> list[Measured[R]]:
+    def measure(self, decode: Callable[[T], R], started: Callable[[T], None] = lambda role: None,
+                done: Callable[[T], None] = lambda role: None) -> list[Measured[R]]:
+        """decode(role) for every role in order, started(role) before its peak-memory window opens and done(role)
+        after it closes."""
         measured = []
         for role in self.roles:
             started(role)
