@@ -207,7 +207,7 @@ def report(
     print_report(df, console, by=tuple(by or ()))
     print_frontier(df, console)  # rows of a sweep: its best setting per point and where SD stops paying
     if explain:
-        from sdbench.analysis.trees import explain_trees
+        from sdbench.analysis.tree_explain import explain_trees
         from sdbench.reporting.explain import print_explain
 
         print_explain(df, console, explain_trees(df))

@@ -214,7 +214,7 @@ class PredictTreeConfig:
     dtype: str | None = None  # None: the run's
     fast: bool = True
     strategy: str | None = None  # only this strategy's (or preset's) rows: a run with --compare holds several
-    acceptance: str | None = None  # a shipped acceptance table (analysis/trees.shipped_tables) instead of results
+    acceptance: str | None = None  # a shipped acceptance table (analysis/tree_acceptance.py) instead of results
 
 
 @dataclass(frozen=True)

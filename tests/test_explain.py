@@ -98,7 +98,7 @@ def test_trees_are_explained_by_the_tree_cost_model_worked_out_by_hand():
 
     from rich.console import Console
 
-    from sdbench.analysis.trees import explain_trees
+    from sdbench.analysis.tree_explain import explain_trees
     from sdbench.reporting.explain import print_explain
 
     common = dict(run_id="r", prompt_id="p0", batch_id=0, repeat=0, category="c", new_tokens=21, ttft_s=0.2,

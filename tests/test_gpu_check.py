@@ -12,7 +12,8 @@ import pandas as pd
 import pytest
 import torch
 
-from sdbench.analysis.trees import Acceptance, hardware_trees, interpolated, shipped_tables
+from sdbench.analysis.tree_acceptance import shipped_tables
+from sdbench.analysis.trees import Acceptance, hardware_trees, interpolated
 from sdbench.commands.gpucheck import page as gpage
 from sdbench.commands.gpucheck import plan as gplan
 from sdbench.commands.gpucheck.sections import cuda_test_files

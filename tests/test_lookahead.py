@@ -265,7 +265,8 @@ def test_predict_tree_verifies_each_tree_with_the_runs_window(small_random, tmp_
     import re
 
     from sdbench.analysis import costs
-    from sdbench.analysis.trees import Acceptance, expected_accepted, measured_trees
+    from sdbench.analysis.tree_acceptance import measured_trees
+    from sdbench.analysis.trees import Acceptance, expected_accepted
     from sdbench.commands import predict_tree
     from sdbench.reporting.results import read_results
     from tests.test_predict_scale import table_rows

@@ -61,7 +61,7 @@ def test_chains_and_plain_steps_count_rank_zero_only():
 
 def test_the_counters_reach_the_results_file_and_come_back(tmp_path):
     """Through the one row builder (`result_row`) into Parquet, and read back as `predict tree` reads them."""
-    from sdbench.analysis.trees import summed_tables
+    from sdbench.analysis.tree_acceptance import summed_tables
     from sdbench.engine.counters import BatchResult
     from sdbench.engine.metrics import row_metrics
     from sdbench.reporting.results import Judged, Place, RunFields, RunWriter, read_results, result_row

@@ -92,7 +92,7 @@ def test_results_it_cannot_use_are_refused_in_one_line(tmp_path, capsys, rows, a
 def test_strategy_picks_one_configuration_of_a_compared_run(tmp_path):
     """A run with --compare holds several configurations: --strategy NAME reads that one's counts and its drafting
     cost against the run's baseline, as if it had run alone."""
-    from sdbench.analysis.trees import measured_trees
+    from sdbench.analysis.tree_acceptance import measured_trees
     from sdbench.reporting.results import read_results
 
     other = _rows(tried=([[3, 1]], [[2]]), accepted=([[1, 0]], [[1]]), baseline=False, strategy="ngram")
@@ -106,7 +106,7 @@ def test_strategy_picks_one_configuration_of_a_compared_run(tmp_path):
 
 
 def test_the_shipped_tables_parse_and_each_gives_an_acceptance():
-    from sdbench.analysis.trees import shipped_table, shipped_tables
+    from sdbench.analysis.tree_acceptance import shipped_table, shipped_tables
 
     tables = shipped_tables()
     assert tables and len({t.name for t in tables}) == len(tables)
@@ -130,7 +130,7 @@ def test_the_shipped_tables_parse_and_each_gives_an_acceptance():
 def test_a_bad_table_is_refused_in_one_line(tmp_path, entry, says):
     import json
 
-    from sdbench.analysis.trees import shipped_tables
+    from sdbench.analysis.tree_acceptance import shipped_tables
     from sdbench.errors import SdbenchError
 
     path = tmp_path / "tables.json"
@@ -140,7 +140,7 @@ def test_a_bad_table_is_refused_in_one_line(tmp_path, entry, says):
 
 
 def test_a_shipped_table_predicts_at_any_target_with_the_given_draft_cost(small, capsys, monkeypatch):  # noqa: F811
-    from sdbench.analysis.trees import shipped_table
+    from sdbench.analysis.tree_acceptance import shipped_table
 
     asked = []
 

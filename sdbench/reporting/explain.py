@@ -120,8 +120,8 @@ def definitions_table(defs: pd.DataFrame) -> Table:
 
 
 def trees_table(rows: list[dict]) -> Table:
-    """analysis/trees.py `explain_trees`: what trees were verified, how their nodes were accepted, and what the
-    tree cost model predicts from that."""
+    """analysis/tree_explain.py `explain_trees`: what trees were verified, how their nodes were accepted, and what
+    the tree cost model predicts from that."""
     table = Table(title="Token trees: size, acceptance by depth and sibling rank, and what the tree cost model "
                         "predicts (analysis/trees.py)",
                   caption="acceptance: per depth, rank 0 / 1 / ... accepted when tried; model: the run's own tree "
@@ -140,8 +140,8 @@ def trees_table(rows: list[dict]) -> Table:
 
 
 def print_explain(df: pd.DataFrame, console: Console, trees: list[dict] | None = None) -> None:
-    """The factors, the other tools' definitions and, given `trees` (analysis/trees.py explain_trees), the token
-    trees' table."""
+    """The factors, the other tools' definitions and, given `trees` (analysis/tree_explain.py explain_trees), the
+    token trees' table."""
     parts = breakdown(df)
     if parts.empty:
         console.print("nothing to explain: no configuration ran beside a baseline")
