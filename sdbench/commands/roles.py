@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Generic, TypeVar
 
 from sdbench.env import peak_memory, reset_peak_memory
-from sdbench.strategies import BuildContext, Proposer, build_configurations
+from sdbench.strategies import BuildContext, Proposer
 from sdbench.strategies.autoregressive import Autoregressive
 
 BASELINE = "baseline"
@@ -38,15 +38,14 @@ def baseline_role() -> Role:
     return Role(BASELINE, Autoregressive(), "autoregressive")
 
 
-def plan_roles(strategy: str, base: str, pair, gammas: tuple[int, ...], drafts: tuple[str, ...],
-               options: dict) -> list[Role]:
-    """The strategy's roles: one per --gamma value, then the configurations it brings for comparison, once
-    each however many --gamma values bring them. strategy: the name rows record; base: the registered one."""
-    made = [v for g in gammas for v in build_configurations(
-        base, BuildContext(pair.target, pair.drafts, g, dict(options), pair.tokenizer))]
+def plan_roles(planned, pair, drafts: tuple[str, ...]) -> list[Role]:
+    """The strategy's roles: one per lookahead it runs at, then the configurations it brings for comparison,
+    once each however many lookaheads bring them. planned: the run's `commands.plan.Planned` strategy (its
+    settings checked once, by the plan)."""
+    made = [v for g in planned.gammas for v in _configurations(planned, pair, g)]
     own = [v.proposer for v in made if not v.label]
     names = ["strategy"] if len(own) == 1 else [f"strategy-{i + 1}" for i in range(len(own))]
-    roles = [Role(name, proposer, strategy, drafts) for name, proposer in zip(names, own)]
+    roles = [Role(name, proposer, planned.choice.name, drafts) for name, proposer in zip(names, own)]
     compared: dict[str, Role] = {}
     for v in made:
         if v.label:
@@ -57,14 +56,18 @@ def plan_roles(strategy: str, base: str, pair, gammas: tuple[int, ...], drafts: 
 
 def compared_roles(compared, pair, drafts: tuple[str, ...]) -> list[Role]:
     """The roles of the strategies `run --compare` measures beside the strategy: each one's own configuration
-    (not those it would bring for comparison), as role compare-NAME. compared: `commands.run.Compared`s."""
+    (not those it would bring for comparison), as role compare-NAME. compared: `commands.plan.Planned`s."""
     roles = []
     for c in compared:
-        made = build_configurations(c.choice.base, BuildContext(pair.target, pair.drafts, c.gamma, dict(c.options),
-                                                                pair.tokenizer))
-        own = next(v.proposer for v in made if not v.label)
+        own = next(v.proposer for v in _configurations(c, pair, c.gammas[0]) if not v.label)
         roles.append(Role(f"compare-{c.choice.name}", own, c.choice.name, drafts))
     return roles
+
+
+def _configurations(planned, pair, gamma: int) -> list:
+    """A planned strategy's configurations at one lookahead, built from its checked settings."""
+    return planned.declared.configurations(BuildContext(pair.target, pair.drafts, gamma, dict(planned.settings),
+                                                        pair.tokenizer))
 
 
 @dataclass(frozen=True)

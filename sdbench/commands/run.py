@@ -7,24 +7,24 @@ batch finishes.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from sdbench.commands.backends import backend_for
 from sdbench.commands.divergence import judge_rows
-from sdbench.commands.load import check_load, serve_points
-from sdbench.commands.roles import EveryRole, Measured, Role, baseline_role, compared_roles, plan_roles
-from sdbench.commands.run_engine import check_engine_run, engine_pair, engine_servers, run_engine, run_roles
-from sdbench.config import DEFAULT_GAMMA, RunConfig, SamplingConfig
+from sdbench.commands.load import serve_points
+from sdbench.commands.plan import plan
+from sdbench.commands.roles import EveryRole, Measured, Role, compared_roles, plan_roles
+from sdbench.config import RunConfig, SamplingConfig
 from sdbench.data.passkey import answer_found
-from sdbench.data.prompts import encode_prompts, run_positions
-from sdbench.data.tasks import check_dataset, dataset_label
+from sdbench.data.prompts import encode_prompts
+from sdbench.data.tasks import dataset_label
 from sdbench.data.turns import Conversations
 from sdbench.decoders import SEQUENTIAL, decoder_for
 from sdbench.drafting.datastore import held_note
@@ -35,97 +35,18 @@ from sdbench.env import environment
 from sdbench.errors import Interrupted, SdbenchError
 from sdbench.models.heads.registry import trained_on_note
 from sdbench.models.loading.names import weights_of
-from sdbench.models.loading.pair import Pair, load_pair, resolve_device, resolve_dtype
+from sdbench.models.loading.pair import Pair, resolve_device, resolve_dtype
 from sdbench.paths import output_dir
-from sdbench.reporting.results import Judged, Place, RunFields, RunWriter, new_run_id, result_row
+from sdbench.reporting.rows import Judged, Place, RunFields, result_row
+from sdbench.reporting.writer import RunWriter, new_run_id
 from sdbench.servers.process import EngineFailed
-from sdbench.strategies import StrategyChoice, native_needed, resolve_strategy, strategy
-from sdbench.strategies.spec import refuse_head
 
 WARMUP_PROMPT_TOKENS = 256
-
-
-def plan(cfg: RunConfig) -> tuple[RunConfig, object]:
-    """Settle the strategy (presets included) and check the settings before anything heavy loads."""
-    choice = resolve_strategy(cfg.strategy).at(max(cfg.concurrencies or (cfg.batch_size,)), cfg.prompt_len)
-    gammas = cfg.gammas or (choice.gamma or DEFAULT_GAMMA,)
-    drafts = cfg.drafts or choice.drafts
-    cfg = replace(cfg, gammas=tuple(gammas), drafts=tuple(drafts), options={**choice.options, **cfg.options})
-    for name, value, low in (("--limit", cfg.limit, 1), ("--max-new-tokens", cfg.max_new_tokens, 1),
-                             ("--batch-size", cfg.batch_size, 1), ("--repeats", cfg.repeats, 1), ("--turns", cfg.turns, 1),
-                             ("--gamma", min(cfg.gammas), 0)):
-        if value is not None and value < low:
-            raise SdbenchError(f"{name} must be at least {low} (got {value})")
-    if cfg.sampling.temperature < 0 or not 0 < cfg.sampling.top_p <= 1:
-        raise SdbenchError("--temperature must be >= 0 and --top-p in (0, 1]")
-    if cfg.prompt_len is not None and cfg.prompt_len < 1:
-        raise SdbenchError(f"--prompt-len must be at least 1 (got {cfg.prompt_len})")
-    check_engine_run(cfg, choice.base)  # what the engine cannot run, before the strategy's own checks
-    declared = strategy(choice.base)
-    if "head" in cfg.options:
-        refuse_head(declared, cfg.strategy)
-    options = declared.settings(cfg.options)
-    if cfg.under_load or cfg.slo:
-        check_load(cfg, choice.base, options)
-    cfg = replace(cfg, gammas=capped_gammas(cfg.gammas, cfg.max_new_tokens))
-    for gamma in cfg.gammas:
-        declared.check(gamma, options, cfg.drafts, cfg.sampling)
-    check_dataset(cfg.dataset, cfg.fields, cfg.depths, cfg.prompt_len)  # an unknown data set or a bad file fails before models load
-    return cfg, choice
-
-
-@dataclass(frozen=True)
-class Compared:
-    """A strategy `run --compare` measures beside the run's strategy: resolved (a preset's settings, a schedule's
-    entry for the run's batch), the lookahead it runs at and its settings (the preset's, then --set NAME.key=value)."""
-
-    choice: StrategyChoice
-    gamma: int
-    options: dict
-
-
-def plan_compared(cfg: RunConfig, choice: StrategyChoice) -> list[Compared]:
-    """Settle and check every --compare strategy before anything heavy loads (cfg as `plan` returned it). Each runs
-    at its preset's lookahead, else the run's first --gamma, and drafts with the run's --draft models."""
-    compared = []
-    for name, own in cfg.compare.items():
-        if name == choice.name:
-            raise SdbenchError(f"--compare {name}: it is the run's --strategy already")
-        c = resolve_strategy(name).at(max(cfg.concurrencies or (cfg.batch_size,)), cfg.prompt_len)
-        if c.drafts and tuple(c.drafts) != tuple(cfg.drafts):
-            raise SdbenchError(f"--compare {name}: it drafts with {', '.join(c.drafts)}, and this run loads "
-                               f"{', '.join(cfg.drafts) or 'no draft model'}: give --draft {' --draft '.join(c.drafts)}")
-        declared = strategy(c.base)
-        options = {**c.options, **own}
-        if "head" in own:
-            refuse_head(declared, name)
-        settings = declared.settings(options)
-        if cfg.under_load or cfg.slo:
-            check_load(cfg, c.base, settings)
-        gamma = capped_gammas((c.gamma or cfg.gammas[0],), cfg.max_new_tokens)[0]
-        declared.check(gamma, settings, cfg.drafts, cfg.sampling)
-        compared.append(Compared(c, gamma, options))
-    return compared
 
 
 def decode(target, proposer, prompts: list[list[int]], **kwargs) -> BatchResult:
     """One batch with the decoder this proposer runs on (sdbench/decoders.py): every generation of a run."""
     return decoder_for(proposer)(target, proposer, prompts, **kwargs)
-
-
-def capped_gammas(gammas: tuple[int, ...], max_new_tokens: int) -> tuple[int, ...]:
-    """Each lookahead capped to the most tokens a step can still commit (every token after the prefill's first),
-    so that what a row records is the lookahead actually used; duplicates the cap makes are dropped."""
-    cap = max(1, max_new_tokens - 1)
-    return tuple(dict.fromkeys(min(g, cap) for g in gammas))
-
-
-def gamma_note(asked: tuple[int, ...], used: tuple[int, ...], max_new_tokens: int) -> str | None:
-    """The one line that says the lookahead was capped, or None when it was not."""
-    if tuple(asked) == tuple(used):
-        return None
-    return (f"note: --gamma {','.join(map(str, asked))} capped to {','.join(map(str, used))}: a step can commit "
-            f"at most {max(1, max_new_tokens - 1)} token(s) with --max-new-tokens {max_new_tokens}")
 
 
 class Bench:
@@ -140,15 +61,14 @@ class Bench:
         self.pair, self.on_batch = pair, on_batch
         self._given_id = run_id
         self.run_id: str | None = None  # set when run() starts: the results it writes are RUN_ID.*
-        self.cfg, self.choice = plan(cfg)
-        self.compared = plan_compared(self.cfg, self.choice)
-        asked = cfg.gammas or (self.choice.gamma or DEFAULT_GAMMA,)
-        note = gamma_note(asked, self.cfg.gammas, self.cfg.max_new_tokens)
+        self.plan = plan(cfg)
+        self.cfg, self.choice, self.compared = self.plan.cfg, self.plan.choice, self.plan.compared
+        note = self.plan.gamma_note()
         if note:
             self.console.print(note, style="yellow", highlight=False)
         if self.choice.entry is not None:
             self.console.print(f"schedule '{self.choice.name}': the {self.choice.entry.label} entry", highlight=False)
-        self.engine = run_engine(self.cfg)  # None: sdbench's own loop decodes every role
+        self.backend = backend_for(self.cfg)  # sdbench's own loop, or an engine's server
         self.device = resolve_device(self.cfg.device)
         self.dtype = resolve_dtype(self.cfg.dtype, self.device)
         output_dir(self.cfg.out)  # a bad --out fails now, not after the models have loaded
@@ -158,30 +78,13 @@ class Bench:
         self.fields: RunFields | None = None
 
     def _load(self) -> Pair:
-        """The pair to decode with: the models, or through an engine the target's tokenizer and config alone."""
-        if self.pair is not None:
-            return self.pair
-        if self.engine is not None:
-            return engine_pair(self.cfg, self.console)
-        return load_pair(self.cfg, self.device, self.dtype, self.console, native_needed(self.cfg))
-
-    def _roles(self, pair: Pair) -> list[Role]:
-        """Every role of the run, the baseline first when one runs."""
-        if self.engine is not None:
-            return run_roles(self.cfg, self.engine, self.choice.base, self.console)
-        return [baseline_role()] * self.cfg.baseline + self.plan_roles(pair)
-
-    def _servers(self, roles: list[Role], pair: Pair, lookahead: int):
-        """The engine's servers for the roles, running until the block ends (nothing without an engine)."""
-        if self.engine is None:
-            return contextlib.nullcontext()
-        return engine_servers(self.cfg, roles, run_positions(self.cfg, pair, lookahead), self.console)
+        """The pair to decode with: the one given, else the backend's."""
+        return self.pair if self.pair is not None else self.backend.load(self)
 
     def plan_roles(self, pair: Pair) -> list[Role]:
-        """The strategy's roles (commands/roles.py); the baseline is added by `run`."""
-        cfg = self.cfg
-        return (plan_roles(self.choice.name, self.choice.base, pair, cfg.gammas, cfg.drafts, cfg.options)
-                + compared_roles(self.compared, pair, cfg.drafts))
+        """The strategy's roles (commands/roles.py); the baseline is added by the backend."""
+        return plan_roles(self.plan.strategy, pair, self.cfg.drafts) + compared_roles(self.compared, pair,
+                                                                                       self.cfg.drafts)
 
     def _generate(self, pair: Pair, proposer, batch: list[list[int]], max_new: int, seed: int,
                   capacity: int = 0) -> BatchResult:
@@ -192,7 +95,7 @@ class Bench:
     def run(self) -> Path:
         cfg = self.cfg
         pair = self._load()
-        roles = self._roles(pair)
+        roles = self.backend.roles(self, pair)
         lookahead = max(r.proposer.max_lookahead for r in roles)
         prompts, encoded = encode_prompts(cfg, pair, lookahead)
         if not cfg.under_load and cfg.batch_size > len(prompts):  # rows record the batch that was run
@@ -219,7 +122,7 @@ class Bench:
         done = writer.done_keys() if cfg.resume else set()
         if cfg.resume and not writer.exists():
             raise SdbenchError(f"--resume {run_id}: no such run under {cfg.out}")
-        with self._servers(roles, pair, lookahead):
+        with self.backend.servers(self, roles, pair, lookahead):
             self._measure(pair, roles, prompts, encoded, batches, writer, done)
         writer.mark_finished()
         return writer.final_path
@@ -339,7 +242,7 @@ class Bench:
             top_p=cfg.sampling.top_p, seed=cfg.sampling.seed, fast=bool(getattr(pair.target, "fast", False)),
             max_new_tokens=cfg.max_new_tokens, prompt_len=cfg.prompt_len,
             schedule_entry=self.choice.entry.label if self.choice.entry is not None else None,
-            engine=self.engine.name if self.engine is not None else None, **pair.fidelity())
+            engine=getattr(self.backend.engine, "name", None), **pair.fidelity())
 
     def _rows(self, measured: list[Measured[BatchResult]], prompts, at: Place, tokenizer) -> list[dict]:
         """The rows of one decoded batch: one per role and prompt (prompts: the batch's, in row order)."""
@@ -356,8 +259,8 @@ class Bench:
                 judged = Judged(base_rows[b] if base_rows is not None else None, self.cfg.sampling.greedy,
                                 predicted, answer_found(p, res.output_ids[b], tokenizer))
                 place = replace(at, category=p.category, prompt_id=p.id, depth=p.depth)
-                memory = m.memory if self.engine is None else (None, "engine_server")  # not this process's
-                rows.append(result_row(self.fields, m.role, place, row_metrics(res, b), judged, memory, weights))
+                rows.append(result_row(self.fields, m.role, place, row_metrics(res, b), judged,
+                                       self.backend.memory(m), weights))
         return rows
 
 

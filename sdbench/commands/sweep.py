@@ -27,9 +27,11 @@ from sdbench.data.prompts import run_positions
 from sdbench.errors import Interrupted, SdbenchError
 from sdbench.models.loading.pair import load_pair
 from sdbench.reporting.plots import sweep_plots
-from sdbench.reporting.results import RunFields, RunWriter, new_run_id, read_results
+from sdbench.reporting.results import read_results
+from sdbench.reporting.rows import RunFields
 from sdbench.reporting.sweep import best_points, frontier, print_frontier
-from sdbench.strategies import native_needed, resolve_strategy, strategy
+from sdbench.reporting.writer import RunWriter, new_run_id
+from sdbench.strategies import resolve_strategy, strategy
 
 SETTINGS, DONE = "sweep.json", "done.json"
 
@@ -165,7 +167,7 @@ class Sweep:
         drafts = tuple(dict.fromkeys(d for b in benches for d in b.cfg.drafts))
         widest = max(benches, key=lambda b: (b.cfg.prompt_len, b.cfg.limit))
         cfg = replace(widest.cfg, drafts=drafts, gammas=(max(g for b in benches for g in b.cfg.gammas),))
-        native = {name: why for b in benches for name, why in native_needed(b.cfg).items()}
+        native = {name: why for b in benches for name, why in b.plan.native().items()}
         pair = load_pair(cfg, widest.device, widest.dtype, self.console, native)
         run_positions(cfg, pair)
         return pair, dict(zip(drafts, pair.drafts))

@@ -96,18 +96,6 @@ def heads_for(asked: tuple[str, ...], target: str, given: tuple[str, ...] = ()) 
     return found
 
 
-def native_needed(cfg) -> dict[str, str]:
-    """For a RunConfig: model name -> what of its strategy needs that model on the native runner."""
-    choice = resolve_strategy(cfg.strategy)
-    drafts = tuple(cfg.drafts or choice.drafts)
-    needed = {}
-    for c, own in ((choice, cfg.options), *((resolve_strategy(n), o) for n, o in cfg.compare.items())):
-        declared = strategy(c.base)
-        for model, why in declared.needs_native(cfg.target, drafts, declared.settings({**c.options, **own})).items():
-            needed.setdefault(model, why)
-    return needed
-
-
 def _checked(base: str, ctx: BuildContext) -> tuple[type[Strategy], BuildContext]:
     """The declaration and the context with its settings checked (defaults filled), as `run` checked them
     before loading (the sampling rules excepted: a build does not know the sampling)."""
@@ -129,5 +117,5 @@ def build_configurations(base: str, ctx: BuildContext) -> list[Configuration]:
 
 
 __all__ = ["BuildContext", "Proposal", "Proposer", "Strategy", "StrategyChoice", "Configuration", "build_proposer",
-           "build_configurations", "head_candidates", "heads_for", "native_needed", "register", "resolve_strategy", "strategy",
+           "build_configurations", "head_candidates", "heads_for", "register", "resolve_strategy", "strategy",
            "strategy_registry"]

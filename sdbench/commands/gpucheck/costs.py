@@ -22,7 +22,6 @@ from sdbench.engine.formulas import mean_accepted_length
 from sdbench.models.loading import pair as pair_module  # the module: tests replace pair.load_pair
 from sdbench.models.loading.memory import GIB
 from sdbench.reporting import results  # the module: tests replace results.read_results
-from sdbench.strategies import native_needed
 
 FALLBACK = "eager forward"  # what `ModelRunner.disable_graphs`' warning says
 PREDICTION_TOLERANCE = 0.25  # |predicted / measured - 1| within which the cost model is said to predict a run
@@ -156,7 +155,7 @@ def magicdec_run(ctx: Ctx) -> Section:
     bench = run_module.Bench(cfg, ctx.console)
     ctx.console.print(f"magicdec at {LLAMA_8B}: batch {s.run_batch}, ~{s.run_context}-token prompts, budget "
                       f"{s.run_budget}, gamma {s.run_gamma}, {s.run_tokens} new tokens", highlight=False)
-    pair = pair_module.load_pair(bench.cfg, bench.device, bench.dtype, ctx.console, native_needed(bench.cfg))
+    pair = pair_module.load_pair(bench.cfg, bench.device, bench.dtype, ctx.console, bench.plan.native())
     try:
         df = results.read_results([str(run_module.Bench(cfg, ctx.console, pair=pair).run())])
         asked = bench.device.type == "cuda" and bool(getattr(pair.target, "fast", False))

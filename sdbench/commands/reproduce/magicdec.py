@@ -36,7 +36,6 @@ from sdbench.engine.formulas import mean_accepted_length
 from sdbench.engine.state import needed_capacity
 from sdbench.models.loading import pair as pair_module  # the module: tests replace pair.load_pair
 from sdbench.reporting import results  # the module: tests replace results.read_results
-from sdbench.strategies import native_needed
 
 TITLE = ("MagicDec: Breaking the Latency-Throughput Tradeoff for Long Context Generation with Speculative Decoding "
          "(Sadhukhan, Chen et al., arXiv 2408.11049, ICLR 2025)")
@@ -119,7 +118,7 @@ def measure(cfg: ReproduceConfig, plan: Plan, draft: str, out, console) -> tuple
     # every setting is checked before the models load
     checked = [run_module.Bench(run, console) for _, run in run_configs(cfg, plan, draft, out)]
     loader = next(b for b in checked if b.cfg.strategy == "draft")  # its pair holds the small draft
-    native = {name: why for b in checked for name, why in native_needed(b.cfg).items()}  # MagicDec's runs too
+    native = {name: why for b in checked for name, why in b.plan.native().items()}  # MagicDec's runs too
     pair = pair_module.load_pair(loader.cfg, loader.device, loader.dtype, console, native)
     t0 = time.perf_counter()
     profiles = profile_grid(pair, plan, grid_contexts(plan, pair.max_positions), console)

@@ -124,7 +124,7 @@ def load_pair(cfg: RunConfig, device: torch.device, dtype: torch.dtype, console:
               native: dict[str, str] | None = None) -> Pair:
     """Load the target and drafts (`load_models`), then probe every runner against the library's forward
     (unless cfg.probe is off), falling back to the generic runner where a native one fails and the run allows
-    it. native: model name -> what of the run needs it on the native runner (`strategies.native_needed(cfg)`; a
+    it. native: model name -> what of the run needs it on the native runner (`commands.plan.RunPlan.native()`; a
     model the generic runner serves is then refused before loading)."""
     native = native or {}
     refuse_early(cfg, native)
