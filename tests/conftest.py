@@ -182,7 +182,7 @@ def packed_fast_path():
     a test exercises depend on the machine's speed. tests/test_fast_choice.py measures; the tests of oneDNN's layout
     ask for it (`SDBENCH_CPU_FAST=packed`)."""
     from sdbench.models.forward import cpukernel
-    from sdbench.models.forward.cpufast import FAST_ENV
+    from sdbench.models.forward.cpumeasure import FAST_ENV
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv(FAST_ENV, "kernel" if cpukernel.available() else "packed")

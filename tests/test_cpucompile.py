@@ -9,7 +9,7 @@ import torch
 from sdbench.forward_step import Step
 from sdbench.config import SamplingConfig
 from sdbench.engine.loop import generate
-from sdbench.models.forward import cpufast, forward_paths
+from sdbench.models.forward import cpuchoice, cpufast, cpumeasure, forward_paths
 from sdbench.models.forward.runner import ModelRunner
 from sdbench.strategies.autoregressive import Autoregressive
 from sdbench.strategies.draft import DraftModel
@@ -19,7 +19,7 @@ from tests.references import hf_generate, perturbed
 
 @pytest.fixture
 def compiled_env(monkeypatch):
-    monkeypatch.setenv(cpufast.FAST_ENV, "compiled")
+    monkeypatch.setenv(cpumeasure.FAST_ENV, "compiled")
 
 
 def test_compiled_steps_give_generates_tokens_and_a_verification_the_eager_logits(compiled_env, prompts):
@@ -38,7 +38,7 @@ def test_compiled_steps_give_generates_tokens_and_a_verification_the_eager_logit
     assert runner._compiled is not None and draft._compiled is not None  # the steps did run compiled
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setenv(cpufast.FAST_ENV, "packed")
+        mp.setenv(cpumeasure.FAST_ENV, "packed")
         eager = ModelRunner(model, "eager", fast=True)
     assert eager.path.kind == forward_paths.CPU_PACKED and not eager.static
     tokens = torch.tensor([[3, 1, 4, 1]])
@@ -54,13 +54,13 @@ def test_only_the_override_compiles(monkeypatch, tmp_path):
     monkeypatch.setenv("SDBENCH_CACHE", str(tmp_path / "cache"))  # no packing choice kept from elsewhere
     for mode, kind in (("packed", forward_paths.CPU_PACKED), ("measure", forward_paths.CPU_PACKED),
                        ("compiled", forward_paths.CPU_COMPILED)):
-        monkeypatch.setenv(cpufast.FAST_ENV, mode)
-        monkeypatch.setattr(cpufast, "_timed_paths", lambda fast: (2.0, 1.0))  # packing pays
+        monkeypatch.setenv(cpumeasure.FAST_ENV, mode)
+        monkeypatch.setattr(cpuchoice, "timed_paths", lambda fast: (2.0, 1.0))  # packing pays
         monkeypatch.setattr(cpufast, "_chosen", {})
         runner = ModelRunner(tiny_model(0), "a", fast=True)
         assert runner.path.kind == kind and runner.static is (mode == "compiled") and runner.cpu_fast
         assert ModelRunner(tiny_model(0), "b", fast=True, static=False).path.kind == forward_paths.CPU_PACKED
-    monkeypatch.setenv(cpufast.FAST_ENV, "plain")
+    monkeypatch.setenv(cpumeasure.FAST_ENV, "plain")
     assert ModelRunner(tiny_model(0), "c", fast=True).path.kind == forward_paths.EAGER
 
 

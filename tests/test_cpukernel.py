@@ -13,7 +13,7 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 from sdbench.forward_step import Step
 from sdbench.engine.tree import Tree, TreeBatch
 from sdbench.errors import SdbenchError
-from sdbench.models.forward import cpufast, cpukernel, cpulayer
+from sdbench.models.forward import cpufast, cpukernel, cpulayer, cpumeasure, cpupacked
 from sdbench.models.forward.runner import ModelRunner
 from tests.conftest import skip_unless_ci, tiny_model
 from tests.test_runner_fidelity import library_greedy, perturbed_model, runner_greedy, tiny_config
@@ -74,14 +74,14 @@ def test_a_broken_product_is_caught(monkeypatch):
 
 
 def test_the_kernel_path_gives_the_librarys_logits_and_weights_back(monkeypatch):
-    monkeypatch.setenv(cpufast.FAST_ENV, "kernel")
+    monkeypatch.setenv(cpumeasure.FAST_ENV, "kernel")
     model = tiny_model(0)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     with torch.no_grad():
         ids = torch.tensor([[3, 5, 7, 9, 11, 2]])
         want = model(ids).logits
     runner = ModelRunner(model, "tiny", fast=True)
-    assert runner.cpu_fast and runner.path.fast.layout == cpufast.KERNEL
+    assert runner.cpu_fast and runner.path.fast.layout == cpupacked.KERNEL
     assert "packed (sdbench's products)" in runner.fast_path_note()
     cache = runner.new_cache(1, 16)
     got = runner.prefill(cache, [[3, 5, 7, 9]])
@@ -95,7 +95,7 @@ def test_the_kernel_path_gives_the_librarys_logits_and_weights_back(monkeypatch)
 
 
 def test_the_kernel_override_is_refused_in_one_line_where_it_does_not_build(monkeypatch):
-    monkeypatch.setenv(cpufast.FAST_ENV, "kernel")
+    monkeypatch.setenv(cpumeasure.FAST_ENV, "kernel")
     monkeypatch.setattr(cpukernel, "_lib", None)
     monkeypatch.setattr(cpukernel, "_why", "no C compiler (cc or gcc; or set CC)")
     with pytest.raises(SdbenchError, match="SDBENCH_CPU_FAST=kernel: sdbench's CPU products are not available here "
@@ -194,7 +194,7 @@ def test_the_norm_and_the_activation_equal_torchs():
 
 @pytest.fixture
 def fused_calls(monkeypatch):
-    monkeypatch.setenv(cpufast.FAST_ENV, "kernel")
+    monkeypatch.setenv(cpumeasure.FAST_ENV, "kernel")
     calls = []
     real = cpulayer.layer
     monkeypatch.setattr(cpulayer, "layer", lambda *a: calls.append(a[1]) or real(*a))

@@ -10,7 +10,7 @@ from sdbench.forward_step import Step
 from sdbench.analysis.bandwidth import Bandwidth
 from sdbench.commands import hf_generate
 from sdbench.errors import SdbenchError
-from sdbench.models.forward import cpufast
+from sdbench.models.forward import cpuchoice, cpufast, cpuhead, cpumeasure, cpupacked
 from sdbench.models.forward.runner import ModelRunner
 from tests.conftest import run_cli, tiny_model
 from tests.test_random_weights import small  # noqa: F401 (fixture)
@@ -19,22 +19,22 @@ from tests.test_random_weights import small  # noqa: F401 (fixture)
 @pytest.fixture
 def measuring(monkeypatch, tmp_path):
     """The measured choice, with no choice remembered from earlier tests (in this process or kept on disk)."""
-    monkeypatch.setenv(cpufast.FAST_ENV, "measure")
+    monkeypatch.setenv(cpumeasure.FAST_ENV, "measure")
     monkeypatch.setenv("SDBENCH_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(cpufast, "_chosen", {})
 
 
 @pytest.mark.parametrize("mode, packed", [("packed", True), ("plain", False)])
 def test_the_override_decides_without_measuring(monkeypatch, mode, packed):
-    monkeypatch.setenv(cpufast.FAST_ENV, mode)
-    monkeypatch.setattr(cpufast, "_timed_paths", lambda fast: pytest.fail("measured despite the override"))
+    monkeypatch.setenv(cpumeasure.FAST_ENV, mode)
+    monkeypatch.setattr(cpuchoice, "timed_paths", lambda fast: pytest.fail("measured despite the override"))
     runner = ModelRunner(tiny_model(0), "tiny", fast=True)
     assert runner.cpu_fast is packed and runner.fast is packed
     assert cpufast.choose(runner.model).how == "override"
 
 
 def test_a_bad_override_is_one_line(monkeypatch):
-    monkeypatch.setenv(cpufast.FAST_ENV, "sometimes")
+    monkeypatch.setenv(cpumeasure.FAST_ENV, "sometimes")
     with pytest.raises(SdbenchError, match="SDBENCH_CPU_FAST=sometimes: use measure, kernel, packed, plain or compiled"):
         cpufast.choose(tiny_model(0))
 
@@ -42,7 +42,7 @@ def test_a_bad_override_is_one_line(monkeypatch):
 @pytest.mark.parametrize("plain_s, packed_s, packed", [(2.0, 1.0, True), (1.0, 1.15, False)])
 def test_the_measured_choice_follows_the_times_once_per_shape(measuring, monkeypatch, plain_s, packed_s, packed):
     calls = []
-    monkeypatch.setattr(cpufast, "_timed_paths", lambda fast: calls.append(fast) or (plain_s, packed_s))
+    monkeypatch.setattr(cpuchoice, "timed_paths", lambda fast: calls.append(fast) or (plain_s, packed_s))
     model = tiny_model(0)
     assert ModelRunner(model, "a", fast=True).cpu_fast is packed
     assert ModelRunner(tiny_model(1), "b", fast=True).cpu_fast is packed  # same shape: remembered, not measured
@@ -67,7 +67,7 @@ def test_measuring_times_both_paths_and_leaves_the_weights_as_they_were(measurin
 
 def test_a_runner_that_chose_plain_gives_the_plain_runners_logits(monkeypatch):
     model = tiny_model(0)
-    monkeypatch.setenv(cpufast.FAST_ENV, "plain")
+    monkeypatch.setenv(cpumeasure.FAST_ENV, "plain")
     chose_plain = ModelRunner(model, "x", fast=True)
     plain = ModelRunner(model, "y", fast=False)
     outs = []
@@ -88,7 +88,7 @@ def test_every_head_way_computes_the_librarys_product(bias):
     for rows in (1, 2, 3, 5, 8, 17, 40):
         x = torch.randn(1, rows, 48)
         want = torch.nn.functional.linear(x, w, b)
-        for name, way in cpufast.HEAD_WAYS.items():
+        for name, way in cpuhead.HEAD_WAYS.items():
             got = way(x, w, b)
             assert got.shape == want.shape, name
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=name)
@@ -101,10 +101,10 @@ def test_the_head_reads_by_the_way_measured_fastest_at_the_nearest_width(measuri
     ran = []
     fakes = {name: (lambda x, w, b, name=name: ran.append((name, x.shape[1])) or torch.zeros(*x.shape[:-1], w.shape[0]))
              for name in cost}
-    monkeypatch.setattr(cpufast, "HEAD_WAYS", fakes)
-    monkeypatch.setattr(cpufast, "_head_ways", {})
-    monkeypatch.setattr(cpufast, "_timed", lambda fn, reps=5: [fn(), cost[ran[-1][0]][ran[-1][1]]][1])
-    head = cpufast.HeadProduct(torch.nn.Linear(16, 40, bias=False))
+    monkeypatch.setattr(cpuhead, "HEAD_WAYS", fakes)
+    monkeypatch.setattr(cpuhead, "_head_ways", {})
+    monkeypatch.setattr(cpumeasure, "timed", lambda fn, reps=5: [fn(), cost[ran[-1][0]][ran[-1][1]]][1])
+    head = cpuhead.HeadProduct(torch.nn.Linear(16, 40, bias=False))
     assert head.ways == {1: "library", 2: "transposed", 5: "onednn", 8: "transposed"}
     expect = {1: "library", 2: "transposed", 3: "transposed", 4: "onednn", 6: "onednn", 7: "transposed",
               16: "transposed", 17: "library", 64: "library"}  # past 16 rows (a prefill): the library's
@@ -112,12 +112,12 @@ def test_the_head_reads_by_the_way_measured_fastest_at_the_nearest_width(measuri
         ran.clear()
         assert head(torch.zeros(1, rows, 16)).shape == (1, rows, 40)
         assert ran == [(way, rows)], rows
-    cpufast.HeadProduct(torch.nn.Linear(16, 40, bias=False))
+    cpuhead.HeadProduct(torch.nn.Linear(16, 40, bias=False))
     assert len(ran) == 1  # the same shape again: remembered, not measured
 
 
 def test_a_measured_head_gives_the_librarys_logits_on_a_tied_model(measuring, monkeypatch):
-    monkeypatch.setattr(cpufast, "_head_ways", {})
+    monkeypatch.setattr(cpuhead, "_head_ways", {})
     model = tiny_model(0)
     model.lm_head.weight = model.model.get_input_embeddings().weight
     runner = ModelRunner(model, "tied", fast=True)
@@ -186,7 +186,7 @@ def test_bench_on_an_alias_at_random_says_what_it_used(small, capsys, tmp_path, 
     assert "note: llama-1b@random: random weights" in out
     assert "transformers generate: static cache, as --generate asked" in out
     layout = cpufast.choose(ModelRunner(tiny_model(0), "t").model).layout  # the tests' override: kernel or packed
-    assert f"CPU fast path: {cpufast.LAYOUT_NAMES[layout]} forward, set by SDBENCH_CPU_FAST" in out
+    assert f"CPU fast path: {cpupacked.LAYOUT_NAMES[layout]} forward, set by SDBENCH_CPU_FAST" in out
     assert "verification cost T(3 tokens) / T(1 token), llama-1b@random" in out
     assert "memory bandwidth: 1.0 GB/s (fake, the best of fake)" in out
     df = pd.read_parquet(tmp_path / "bench.parquet")
@@ -197,11 +197,11 @@ def test_the_measured_choice_is_kept_for_later_runs_on_this_machine(measuring, m
     """A second process (here: the in-process memory emptied) takes the kept choice without measuring, and says
     when it was measured; the opposite of what a new measurement would say proves it was not measured again."""
     model = tiny_model(0)
-    monkeypatch.setattr(cpufast, "_timed_paths", lambda fast: (2.0, 1.0))  # packing measured 2x faster
+    monkeypatch.setattr(cpuchoice, "timed_paths", lambda fast: (2.0, 1.0))  # packing measured 2x faster
     first = cpufast.choose(model)
     assert first.packed and first.ratio == 2.0 and not first.measured
     monkeypatch.setattr(cpufast, "_chosen", {})
-    monkeypatch.setattr(cpufast, "_timed_paths", lambda fast: (1.0, 2.0))  # would now choose plain
+    monkeypatch.setattr(cpuchoice, "timed_paths", lambda fast: (1.0, 2.0))  # would now choose plain
     again = cpufast.choose(model)
     assert again.packed and again.ratio == 2.0 and again.measured and "kept" in again.describe()
     other = tiny_model(1, layers=1)  # another shape: measured, not taken from the first

@@ -22,7 +22,7 @@ from sdbench.engine.tree import Tree, TreeBatch
 from sdbench.errors import SdbenchError
 from sdbench.kv.cache import DenseKVCache, TreeStep
 from sdbench.kv.sparse import ScoringView
-from sdbench.models.forward import cpufast, cpukernel, cpulayer
+from sdbench.models.forward import cpufast, cpukernel, cpulayer, cpumeasure, cpupacked
 from sdbench.models.forward.generic import GenericCache, GenericRunner
 from sdbench.models.forward.runner import ModelRunner
 from tests.conftest import VOCAB, skip_unless_ci
@@ -49,7 +49,7 @@ RUNNERS = {  # label -> (model, runner kind: native, generic, or the fast path p
     "llama-generic": ("llama", "generic"), "gpt2-generic": ("gpt2", "generic"),
 }
 
-LAYOUTS = {"packed": cpufast.ONEDNN, "kernel": cpufast.KERNEL}  # FAST_ENV's override -> the layout it packs
+LAYOUTS = {"packed": cpupacked.ONEDNN, "kernel": cpupacked.KERNEL}  # FAST_ENV's override -> the layout it packs
 
 
 @functools.cache
@@ -67,7 +67,7 @@ def _runner(label: str):
     if kind == "kernel" and not cpukernel.available():
         skip_unless_ci(f"needs sdbench's CPU products ({cpukernel.why_not()})")
     with pytest.MonkeyPatch.context() as mp:  # the CPU fast path in this layout, whatever a measurement would choose
-        mp.setenv(cpufast.FAST_ENV, kind)
+        mp.setenv(cpumeasure.FAST_ENV, kind)
         mp.setattr(cpufast, "_chosen", {})
         runner = ModelRunner(model, name, fast=True)
     if not runner.cpu_fast:

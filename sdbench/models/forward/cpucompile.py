@@ -8,7 +8,7 @@ verification steps as static-shape forwards (`models/forward/graphs.py`: fixed b
 cache under a mask, the new keys scattered to their positions) whose layers torch.compile compiled:
 
 - the products stay the packed ones (sdbench's or oneDNN's), the same calls as eagerly (the compiler cannot
-  take a packed weight, so a step names each by handle: `cpufast.packed_linear`); the vocabulary head runs
+  take a packed weight, so a step names each by handle: `cpupacked.packed_linear`); the vocabulary head runs
   after the compiled layers, by the product measured fastest for its width, as eagerly;
 - one compiled step per (batch, width, cache length), each compiled at its first call: 30-45 s on the project's
   2-core CPU at SmolLM2-135M's size, 5-10 s once torch keeps the generated code on disk (nothing compiles ahead:
@@ -26,14 +26,14 @@ import warnings
 
 import torch
 
-from sdbench.models.forward import cpufast, forward_paths
+from sdbench.models.forward import cpumeasure, forward_paths
 
 RECOMPILE_LIMIT = 64  # compiled steps per runner: (batch, width, cache length) each, trees' widths included
 
 
 def wanted() -> bool:
     """Whether a runner on the packed path compiles its steps (`SDBENCH_CPU_FAST=compiled`)."""
-    return cpufast.fast_mode() == "compiled"
+    return cpumeasure.fast_mode() == "compiled"
 
 
 class CompiledLayers:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from sdbench.kv.cache import DenseKVCache, StepIndex
-from sdbench.models.forward import cpufast, cpukernel, forward_paths
+from sdbench.models.forward import cpukernel, cpupacked, forward_paths
 
 FUSED_TOKENS = 16  # the widest forward (tokens per row) taken: decoding, a draft's catch-up, verifications
 SILU = ("SiLU", "SiLUActivation")  # torch's module, and the library's own (`transformers.activations`)
@@ -38,7 +38,7 @@ def _layer_fits(runner, i: int) -> bool:
 def fits(runner) -> bool:
     """Whether the runner's layers can run fused at all: its path and family (the runner asks once, when made)."""
     path, fam = runner.path, runner.family
-    return (type(path) is forward_paths.CpuPacked and path.one_op_norms and path.fast.layout == cpufast.KERNEL
+    return (type(path) is forward_paths.CpuPacked and path.one_op_norms and path.fast.layout == cpupacked.KERNEL
             and fam.qk_norm is None and fam.attn_softcap is None and fam.residual_scale is None
             and all(w is None for w in runner.windows) and runner.dtype == torch.float32
             and all(_layer_fits(runner, i) for i in range(len(runner.layers))))

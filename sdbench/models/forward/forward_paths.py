@@ -1,11 +1,11 @@
 """The forward path a runner takes, chosen once at its construction: eager (the modules' own products),
-CPU-packed (fused projections in a packed layout, `models/forward/cpufast.py`), CPU-compiled (the packed products in
+CPU-packed (fused projections in a packed layout, `models/forward/cpupacked.py`), CPU-compiled (the packed products in
 static-shape steps compiled whole, `models/forward/cpucompile.py`) or CUDA graphs (static shapes replayed,
 `models/forward/graphs.py`). One interface, read by the runner's layer loop:
 
   ready()        puts the weights in the layout this path's forward reads (packed, or the library's), before
                  a forward or a timed section; a model shared by runners of both kinds is moved between the two
-  layer(i)       layer i's fused projections (cpufast.FastLayer), or None for the modules' own
+  layer(i)       layer i's fused projections (cpupacked.FastLayer), or None for the modules' own
   head(h)        the vocabulary projection, [..., H] -> [..., V]
   norm(m, x)     a norm module applied (one op for Llama's RMSNorm when packed)
 
@@ -16,14 +16,14 @@ from __future__ import annotations
 
 import torch
 
-from sdbench.models.forward import cpufast
+from sdbench.models.forward import cpufast, cpuhead, cpupacked
 
 EAGER, CPU_PACKED, CPU_COMPILED, CUDA_GRAPHS = "eager", "cpu-packed", "cpu-compiled", "cuda-graphs"
 
 
 class Eager:
     """The modules' own products. With the fast path asked for on a CPU where packing measured slower, the head
-    is still read by the product measured fastest per width (cpufast.HeadProduct, in place)."""
+    is still read by the product measured fastest per width (cpuhead.HeadProduct, in place)."""
 
     kind = EAGER
     graphs = False  # static steps are captured as CUDA graphs
@@ -32,7 +32,7 @@ class Eager:
 
     def __init__(self, model, cpu_head: bool = False):
         self.model = model
-        self.head = cpufast.HeadProduct(model.lm_head) if cpu_head else model.lm_head
+        self.head = cpuhead.HeadProduct(model.lm_head) if cpu_head else model.lm_head
 
     def ready(self) -> None:
         cpufast.disable(self.model)  # a model another runner packed goes back to the library's layout
@@ -45,12 +45,12 @@ class Eager:
 
 
 class CpuPacked(Eager):
-    """Fused q/k/v and gate/up products packed for sdbench's products or oneDNN's (`cpufast.LAYOUT_NAMES`; the
+    """Fused q/k/v and gate/up products packed for sdbench's products or oneDNN's (`cpupacked.LAYOUT_NAMES`; the
     model's only copy of those weights while packed) and one-op RMSNorm for the families that use Llama's."""
 
     kind = CPU_PACKED
 
-    def __init__(self, model, one_op_norms: bool, layout: str = cpufast.ONEDNN):
+    def __init__(self, model, one_op_norms: bool, layout: str = cpupacked.ONEDNN):
         super().__init__(model)
         self.fast = cpufast.fast_model(model)
         self.fast.use(layout)
