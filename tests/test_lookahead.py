@@ -245,7 +245,7 @@ def test_a_run_through_the_cli_is_lossless_and_listed(capsys, tmp_path, monkeypa
 def test_declared_once_and_searchable():
     from optuna.trial import FixedTrial
 
-    from sdbench.commands.tune import draw
+    from sdbench.commands.tune_space import draw
     from sdbench.strategies.spec import SearchContext, tree_growers
 
     assert strategy("lookahead-decoding") is LookaheadStrategy and strategy("jacobi") is LookaheadStrategy

@@ -24,7 +24,10 @@ from sdbench.reporting.results import read_results
 from sdbench.strategies import resolve_strategy, strategy_registry
 from sdbench.strategies.base import Proposer
 from sdbench.strategies.spec import SearchContext, Strategy
-from sdbench.commands.tune import ClearlyWorse, Tuner, draw, objective_value
+from sdbench.commands.trials import objective_value
+from sdbench.commands.tune import Tuner
+from sdbench.commands.tune_space import draw
+from sdbench.commands.tune_trial import ClearlyWorse
 
 PROMPTS = [[5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6], [10, 11, 12, 10, 11, 12, 10, 11], [1, 2, 3, 4, 1, 2, 3]]
 
@@ -226,17 +229,17 @@ def test_cli_tunes_smollm2_end_to_end(tmp_path, monkeypatch, capsys):
 
 
 def test_an_interrupted_tune_resumes(tmp_path, pair, monkeypatch):
-    from sdbench.commands import tune as tune_module
+    from sdbench.commands import tune_trial
 
-    real = tune_module._Feed.__call__
+    real = tune_trial.Feed.__call__
 
     def interrupt(self, rows):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(tune_module._Feed, "__call__", interrupt)
+    monkeypatch.setattr(tune_trial.Feed, "__call__", interrupt)
     with pytest.raises(SdbenchError, match="interrupted: .* run the same command again to resume it \\(0/2 done\\)"):
         tuner(tmp_path, pair, trials=2).tune()
-    monkeypatch.setattr(tune_module._Feed, "__call__", real)
+    monkeypatch.setattr(tune_trial.Feed, "__call__", real)
     study = tuner(tmp_path, pair, trials=2).tune()
     states = [(t.state, t.user_attrs.get("reason")) for t in study.trials]
     assert states[0] == (TrialState.FAIL, "interrupted") and len(states) == 3

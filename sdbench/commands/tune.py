@@ -5,11 +5,11 @@ trial draws a strategy, then that strategy's own settings (named `STRATEGY.NAME`
 two parameters) — the draft choice among draft models, trained heads and n-gram lookup, measured alike.
 
 Each trial is one `Bench` run over the same seeded prompt subset, with the settings the strategy's
-`search_space` draws; the model pair is loaded once and shared by every trial. The objective is the speedup
-over plain decoding measured beside the trial on the same prompts, or the strategy's tokens/s. Losslessness
-is a constraint, not a score: a trial whose output differs from plain greedy decoding fails, so it can never
-be best. The running objective after each batch feeds a pruner that stops trials starting clearly worse
-than the finished ones.
+`search_space` draws (commands/tune_space.py); the model pair is loaded once and shared by every trial. The
+objective is the speedup over plain decoding measured beside the trial on the same prompts, or the strategy's
+tokens/s. Losslessness is a constraint, not a score: a trial whose output differs from plain greedy decoding
+fails, so it can never be best. The running objective after each batch feeds a pruner that stops trials starting
+clearly worse than the finished ones (commands/tune_trial.py).
 
 Studies live in Optuna storage (SQLite under the output folder by default, any Optuna URL otherwise), named
 after target, strategy, data set and hardware fingerprint: an interrupted tune resumes, several machines
@@ -27,9 +27,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Iterator
 
-import numpy as np
 import optuna
-import pandas as pd
 import yaml
 from optuna.trial import TrialState
 from rich.console import Console
@@ -40,6 +38,8 @@ from sdbench.commands.studies import INTERRUPTED, counted, heartbeat, next_trial
 from sdbench.commands.studies import storage as study_storage
 from sdbench.commands.trials import (best_table, best_trials, describe, doubts, objective_value, record_trial,
                                      write_preset, write_trials)
+from sdbench.commands.tune_space import draw_among
+from sdbench.commands.tune_trial import ClearlyWorse, Feed, Lossy, NoPrune
 from sdbench.config import OBJECTIVES, TuneConfig
 from sdbench.data.prompts import encode_prompts
 from sdbench.engine.tree import is_tree_setting
@@ -59,106 +59,8 @@ STUDY_SETTINGS = ("objective", "limit", "max_new_tokens", "batch_size", "seed", 
 UNRECORDED = {"trees": False, "fast": True}
 
 
-class Lossy(Exception):
-    """A trial's output differed from plain greedy decoding."""
-
-
-class ClearlyWorse(optuna.pruners.BasePruner):
-    """Prunes a trial whose running objective after a number of batches is below (1 - margin) times the
-    median of the finished trials after as many batches. Every trial sees the same prompts in the same
-    order, so the comparison is fair; the margin keeps per-prompt timing noise from pruning good trials."""
-
-    def __init__(self, margin: float = 0.1, min_trials: int = 2):
-        self.margin, self.min_trials = margin, min_trials
-
-    def prune(self, study: optuna.Study, trial: optuna.trial.FrozenTrial) -> bool:
-        step = trial.last_step
-        if step is None:
-            return False
-        done = [t.intermediate_values[step] for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
-                if step in t.intermediate_values]
-        if len(done) < self.min_trials:
-            return False
-        return trial.intermediate_values[step] < (1.0 - self.margin) * float(np.median(done))
-
-
 def slug(text: str) -> str:
     return re.sub(r"[^a-z0-9.]+", "-", text.lower()).strip("-")
-
-
-def draw(base: str, trial, space: SearchContext) -> dict:
-    """One trial's settings from the strategy's search space: gamma, checked options, drafts."""
-    declared = strategy(base)
-    drawn = declared.search_space(trial, space)
-    if not isinstance(drawn, tuple) or len(drawn) not in (2, 3):
-        raise SdbenchError(f"strategy '{base}': search_space must return (gamma, options[, drafts])")
-    gamma, options, drafts = (*drawn, None)[:3]
-    if drafts is None:  # one candidate per trial for a draft-model strategy; none for the others
-        drafts = space.drafts if declared.needs_draft else ()
-        if len(drafts) > 1:
-            drafts = (trial.suggest_categorical("draft", list(drafts)),)
-    unknown = sorted(set(drafts) - set(space.drafts))
-    if unknown:
-        raise SdbenchError(f"strategy '{base}' chose draft '{unknown[0]}', which is not a --draft candidate")
-    if options.get("head") and options["head"] not in space.heads:
-        raise SdbenchError(f"strategy '{base}' chose head '{options['head']}', which is not a --head candidate")
-    declared.settings(dict(options))
-    return {"gamma": int(gamma), "options": dict(options), "drafts": list(drafts)}
-
-
-class Within:
-    """A trial as one of several strategies tuned together sees it: the parameters it suggests are named
-    STRATEGY.NAME, so that each strategy's search space is its own (TPE models each apart)."""
-
-    def __init__(self, trial, strategy: str):
-        self.trial, self.prefix = trial, f"{strategy}."
-
-    def suggest_int(self, name: str, *args, **kwargs):
-        return self.trial.suggest_int(self.prefix + name, *args, **kwargs)
-
-    def suggest_float(self, name: str, *args, **kwargs):
-        return self.trial.suggest_float(self.prefix + name, *args, **kwargs)
-
-    def suggest_categorical(self, name: str, *args, **kwargs):
-        return self.trial.suggest_categorical(self.prefix + name, *args, **kwargs)
-
-
-def draw_among(bases: tuple[str, ...], trial, spaces: dict[str, SearchContext]) -> dict:
-    """One trial's settings: with one strategy, its own draw (parameters as the strategy names them); with
-    several, the strategy first (a categorical), then its settings, and the settings record which it is."""
-    if len(bases) == 1:
-        return draw(bases[0], trial, spaces[bases[0]])
-    base = trial.suggest_categorical("strategy", list(bases))
-    return {"strategy": base, **draw(base, Within(trial, base), spaces[base])}
-
-
-class _Feed:
-    """Bench's on_batch callback: checks losslessness, reports the running objective, prunes."""
-
-    def __init__(self, trial, objective: str, reference: dict | None):
-        self.trial, self.objective, self.reference = trial, objective, reference
-        self.rows: list[dict] = []
-        self.batches = 0
-
-    def __call__(self, rows: list[dict]) -> None:
-        self.rows.extend(rows)
-        self.batches += 1
-        for row in rows:
-            if row["role"] == "baseline":
-                continue
-            same = row.get("lossless")
-            if self.reference is not None and same is None:
-                same = list(row["output_ids"]) == self.reference.get((row["prompt_id"], row.get("turn", 1)))
-            if same is False and row.get("divergence") != "tie":  # a low-precision tie is not a loss
-                raise Lossy(f"lossless broke: output differs from plain decoding on {row['prompt_id']}")
-        value = objective_value(self.frame(), self.objective)
-        if math.isfinite(value):
-            self.trial.report(value, self.batches)
-            if self.trial.should_prune():
-                raise optuna.TrialPruned(f"pruned after {self.batches} batch(es) at {value:.3g}")
-
-    def frame(self) -> pd.DataFrame:
-        return pd.DataFrame(self.rows)
 
 
 class Tuner:
@@ -171,25 +73,7 @@ class Tuner:
         if cfg.trials < 1:
             raise SdbenchError(f"--trials must be at least 1 (got {cfg.trials})")
         self.cfg, self.console, self.pair, self.pruner, self.write = cfg, console or Console(), pair, pruner, write
-        asked = cfg.strategies or (cfg.run.strategy,)
-        twice = [a for i, a in enumerate(asked) if a in asked[:i]]
-        if twice:
-            raise SdbenchError(f"--strategy {twice[0]} is given twice")
-        heads = heads_for(tuple(asked), cfg.run.target, cfg.heads)
-        # each strategy's run planned (and checked) on its own; the study's run is the first's, with every draft
-        self.runs = [plan(replace(cfg.run, strategy=a, gammas=(1,), options={"head": heads[a][0]} if heads[a] else {}))
-                     for a in asked]
-        if not self.runs[0][0].sampling.greedy:
-            raise SdbenchError("sdbench tune decodes greedily: losslessness is checked token for token")
-        bases = tuple(choice.base for _, choice in self.runs)
-        same = [b for i, b in enumerate(bases) if b in bases[:i]]
-        if same:
-            raise SdbenchError(f"--strategy: two of {', '.join(asked)} are strategy '{same[0]}'; tune it once")
-        drafts = tuple(dict.fromkeys(d for run, _ in self.runs for d in run.drafts))
-        self.run, self.strategies = replace(self.runs[0][0], drafts=drafts, options={}), bases
-        self.strategy = "+".join(bases)  # one strategy's name, or the names of those chosen among
-        self.heads_of = {choice.base: heads[a] for a, (_, choice) in zip(asked, self.runs)}
-        self.heads = tuple(dict.fromkeys(h for hs in self.heads_of.values() for h in hs))
+        self._plan_strategies()
         if cfg.trees:
             self._check_trees()
         run = self.run
@@ -205,17 +89,45 @@ class Tuner:
         self.preset_path = user_dir() / f"{self.preset_name}.yaml"  # never the shipped folder
         self._check_preset()
         optuna.logging.set_verbosity(optuna.logging.WARNING)
-        # what the user got wrong fails now, before any model loads: a strategy with nothing to tune (its space
-        # drawn once at the configured lengths; the trials draw at the prompts' own), then a storage URL
+        # what the user got wrong fails now, before any model loads: a strategy with nothing to tune, then a
+        # storage URL
+        self._check_spaces()
+        self._storage = self._open_storage()
+
+    def _plan_strategies(self) -> None:
+        """Each strategy asked for planned (and checked) on its own; the study's run is the first's, with every
+        strategy's drafts."""
+        cfg = self.cfg
+        asked = cfg.strategies or (cfg.run.strategy,)
+        twice = [a for i, a in enumerate(asked) if a in asked[:i]]
+        if twice:
+            raise SdbenchError(f"--strategy {twice[0]} is given twice")
+        heads = heads_for(tuple(asked), cfg.run.target, cfg.heads)
+        self.runs = [plan(replace(cfg.run, strategy=a, gammas=(1,), options={"head": heads[a][0]} if heads[a] else {}))
+                     for a in asked]
+        if not self.runs[0][0].sampling.greedy:
+            raise SdbenchError("sdbench tune decodes greedily: losslessness is checked token for token")
+        bases = tuple(choice.base for _, choice in self.runs)
+        same = [b for i, b in enumerate(bases) if b in bases[:i]]
+        if same:
+            raise SdbenchError(f"--strategy: two of {', '.join(asked)} are strategy '{same[0]}'; tune it once")
+        drafts = tuple(dict.fromkeys(d for run, _ in self.runs for d in run.drafts))
+        self.run, self.strategies = replace(self.runs[0][0], drafts=drafts, options={}), bases
+        self.strategy = "+".join(bases)  # one strategy's name, or the names of those chosen among
+        self.heads_of = {choice.base: heads[a] for a, (_, choice) in zip(asked, self.runs)}
+        self.heads = tuple(dict.fromkeys(h for hs in self.heads_of.values() for h in hs))
+
+    def _check_spaces(self) -> None:
+        """Each strategy's search space drawn once (at the configured lengths; the trials draw at the prompts'
+        own): one that fails to draw fails now, and so does --trees where no space draws a tree shape."""
         searching = []
-        for base in bases:
+        for base in self.strategies:
             trial = optuna.create_study().ask()
-            draw_among((base,), trial, self.spaces(run.prompt_len or 0))
+            draw_among((base,), trial, self.spaces(self.run.prompt_len or 0))
             shaping = tree_settings(strategy(base))
             searching += [base] if any(is_tree_setting(p) or p in shaping for p in trial.params) else []
-        if cfg.trees and not searching:  # trees declared, but the search space draws none
-            raise SdbenchError(f"--trees: the search space of {', '.join(bases)} draws no tree shape yet")
-        self._storage = self._open_storage()
+        if self.cfg.trees and not searching:  # trees declared, but the search space draws none
+            raise SdbenchError(f"--trees: the search space of {', '.join(self.strategies)} draws no tree shape yet")
 
     def spaces(self, prompt_tokens: int) -> dict[str, SearchContext]:
         """Each strategy's search context: the draft candidates, the lengths, its own head candidates, and
@@ -312,7 +224,7 @@ class Tuner:
         cfg = replace(self.run, strategy="autoregressive", gammas=(0,), drafts=(), options={}, baseline=False,
                       out=str(self.folder / "reference"))
         with self.console.status("plain decoding for the lossless check"):
-            feed = _Feed(_NoPrune(), "tokens", None)
+            feed = Feed(NoPrune(), "tokens", None)
             Bench(cfg, Console(quiet=True), pair=replace(pair, drafts=[]), on_batch=feed).run()
         return {(r["prompt_id"], r["turn"]): list(r["output_ids"]) for r in feed.rows if r["repeat"] == 0}
 
@@ -326,7 +238,7 @@ class Tuner:
         cfg = replace(self.run, strategy=settings.get("strategy", self.strategies[0]), drafts=tuple(settings["drafts"]),
                       gammas=(settings["gamma"],),
                       options=settings["options"], out=str(self.folder), baseline=self.cfg.objective == "speedup")
-        feed = _Feed(trial, self.cfg.objective, reference)
+        feed = Feed(trial, self.cfg.objective, reference)
         quiet = Console(quiet=True)
         label = f"trial {trial.number}: {describe(settings)}"
         bench = None
@@ -358,7 +270,7 @@ class Tuner:
         raise Interrupted(f"interrupted: the study keeps its finished trials; run the same command again to "
                            f"resume it ({counted(study)}/{self.cfg.trials} done)")
 
-    def _finish(self, study, trial, state, feed: _Feed | None = None, value: float | None = None, reason: str = "",
+    def _finish(self, study, trial, state, feed: Feed | None = None, value: float | None = None, reason: str = "",
                 label: str = "", aborted: Bench | None = None) -> None:
         # an aborted run leaves unmerged parts: merge its own (not any other: a process sharing the study may be
         # writing its trial beside it) so its rows read as one file
@@ -386,16 +298,6 @@ class Tuner:
         said = "best settings" if not found else f"trial {best[0].number}'s settings (no claim: see above)"
         self.console.print(f"{said} → {self.preset_path} (run them with `sdbench run --strategy "
                            f"{self.preset_name}`)", highlight=False)
-
-
-class _NoPrune:
-    """Stands in for a trial where nothing is being tuned."""
-
-    def report(self, value, step) -> None:
-        pass
-
-    def should_prune(self) -> bool:
-        return False
 
 
 @contextmanager
