@@ -33,7 +33,8 @@ from optuna.trial import TrialState
 from rich.console import Console
 from rich.text import Text
 
-from sdbench.commands.run import Bench, plan
+from sdbench.commands.plan import plan
+from sdbench.commands.run import Bench
 from sdbench.commands.studies import INTERRUPTED, counted, heartbeat, next_trial
 from sdbench.commands.studies import storage as study_storage
 from sdbench.commands.trials import (best_table, best_trials, describe, doubts, objective_value, record_trial,
@@ -48,8 +49,8 @@ from sdbench.errors import Interrupted, SdbenchError
 from sdbench.models.loading.pair import load_pair, resolve_device, resolve_dtype
 from sdbench.paths import output_dir
 from sdbench.presets import shipped_dir, user_dir
-from sdbench.reporting.results import RunWriter
-from sdbench.strategies import heads_for, native_needed, strategy, strategy_registry
+from sdbench.reporting.writer import RunWriter
+from sdbench.strategies import heads_for, strategy, strategy_registry
 from sdbench.strategies.spec import SearchContext, tree_growers, tree_settings
 
 # what must not change between sessions of one study, or its trials would not be comparable
@@ -105,16 +106,16 @@ class Tuner:
         heads = heads_for(tuple(asked), cfg.run.target, cfg.heads)
         self.runs = [plan(replace(cfg.run, strategy=a, gammas=(1,), options={"head": heads[a][0]} if heads[a] else {}))
                      for a in asked]
-        if not self.runs[0][0].sampling.greedy:
+        if not self.runs[0].cfg.sampling.greedy:
             raise SdbenchError("sdbench tune decodes greedily: losslessness is checked token for token")
-        bases = tuple(choice.base for _, choice in self.runs)
+        bases = tuple(p.choice.base for p in self.runs)
         same = [b for i, b in enumerate(bases) if b in bases[:i]]
         if same:
             raise SdbenchError(f"--strategy: two of {', '.join(asked)} are strategy '{same[0]}'; tune it once")
-        drafts = tuple(dict.fromkeys(d for run, _ in self.runs for d in run.drafts))
-        self.run, self.strategies = replace(self.runs[0][0], drafts=drafts, options={}), bases
+        drafts = tuple(dict.fromkeys(d for p in self.runs for d in p.cfg.drafts))
+        self.run, self.strategies = replace(self.runs[0].cfg, drafts=drafts, options={}), bases
         self.strategy = "+".join(bases)  # one strategy's name, or the names of those chosen among
-        self.heads_of = {choice.base: heads[a] for a, (_, choice) in zip(asked, self.runs)}
+        self.heads_of = {p.choice.base: heads[a] for a, p in zip(asked, self.runs)}
         self.heads = tuple(dict.fromkeys(h for hs in self.heads_of.values() for h in hs))
 
     def _check_spaces(self) -> None:
@@ -216,7 +217,7 @@ class Tuner:
 
     def load(self):
         """The pair this study's runs decode with (on the native runner where any strategy needs it)."""
-        needed = {model: why for run, _ in self.runs for model, why in native_needed(run).items()}
+        needed = {model: why for p in self.runs for model, why in p.native().items()}
         return load_pair(self.run, self.device, self.dtype, self.console, needed)
 
     def _reference(self, pair) -> dict:
