@@ -101,11 +101,12 @@ class Counting:
     def prefill(self, cache, prompts, chunk=None, taps=None):
         return self._logits(torch.tensor([p[-1] for p in prompts]))
 
-    def forward(self, cache, tokens, start, at=None, taps=None, tree: TreeBatch | None = None):
-        positions = tree.positions(torch.tensor(start)) if tree is not None else None  # as TreeStep places them
-        self.calls.append((tokens.tolist(), list(start), None if tree is None else tree.trees,
+    def run(self, cache, step):
+        tree = step.tree
+        positions = tree.positions(torch.tensor(step.start)) if tree is not None else None  # as TreeStep places them
+        self.calls.append((step.tokens.tolist(), list(step.start), None if tree is None else tree.trees,
                            None if positions is None else positions.tolist()))
-        return self._logits(tokens)
+        return self._logits(step.tokens)
 
 
 def test_each_step_feeds_the_candidates_then_the_window_and_grows_the_pool():
