@@ -14,7 +14,7 @@ from sdbench.drafting.lookahead import Pool, Window, candidates, window_tree
 from sdbench.engine.loop import generate, serve
 from sdbench.engine.scheduler import Request, Scheduler
 from sdbench.engine.state import Proposal, Side
-from sdbench.engine.tree import Tree, TreeBatch
+from sdbench.engine.tree import Tree
 from sdbench.errors import SdbenchError
 from sdbench.models.forward.generic import GenericRunner
 from sdbench.models.forward.runner import ModelRunner
