@@ -103,7 +103,7 @@ class ModelRunner:
 
     @property
     def cpu_fast(self) -> bool:
-        """The weights are packed (`cpufast.LAYOUT_NAMES`) while this runner runs (the CPU fast path, where it
+        """The weights are packed (`cpupacked.LAYOUT_NAMES`) while this runner runs (the CPU fast path, where it
         measured faster)."""
         return self.path.kind in (forward_paths.CPU_PACKED, forward_paths.CPU_COMPILED)
 
