@@ -26,7 +26,7 @@ def _numbers(text: str, kind, what: str) -> tuple:
         raise SdbenchError(f"{text}: expected {what}, or a comma-separated list") from None
 
 
-def parse_gammas(text: str | None, option: str = "--gamma", low: int | None = None) -> tuple[int, ...]:
+def parse_counts(text: str | None, option: str = "--gamma", low: int | None = None) -> tuple[int, ...]:
     """Whole numbers from '4' or '1,2,4', distinct, each at least `low` when given; errors name `option`, the
     option the user typed."""
     if text is None:

@@ -14,7 +14,7 @@ from sdbench.cli.params import (
     Strategy, Target, Temperature, TopP, Turns, console,
 )
 from sdbench.errors import SdbenchError
-from sdbench.options import parse_depths, parse_gammas, parse_rates, parse_sets, probe_mode, split_list
+from sdbench.options import parse_depths, parse_counts, parse_rates, parse_sets, probe_mode, split_list
 
 
 def run(
@@ -41,11 +41,11 @@ def run(
     cfg = C.RunConfig(
         target=target, drafts=tuple(draft or ()), strategy=strategy, dataset=dataset, limit=limit,
         max_new_tokens=max_new_tokens, batch_size=batch_size, sampling=C.SamplingConfig(temperature, top_p, seed),
-        gammas=parse_gammas(gamma), prompt_len=prompt_len, device=device, dtype=dtype, repeats=repeats,
+        gammas=parse_counts(gamma), prompt_len=prompt_len, device=device, dtype=dtype, repeats=repeats,
         options={**own, **({"head": head} if head else {})}, compare=compared,
         out=out, baseline=baseline, resume=resume, fast=fast, turns=turns, depths=parse_depths(depth),
         fields={k: v for k, v in (("prompt", prompt_field), ("category", category_field), ("id", id_field)) if v},
-        probe=probe_mode(probe, no_probe), request_rates=parse_rates(request_rate), concurrencies=parse_gammas(concurrency, "--concurrency", 1),
+        probe=probe_mode(probe, no_probe), request_rates=parse_rates(request_rate), concurrencies=parse_counts(concurrency, "--concurrency", 1),
         slo=parse_slo(slo) if slo is not None else {}, engine=engine, engine_url=engine_url, engine_port=engine_port,
     )
     if resume:
@@ -80,14 +80,14 @@ def sweep(
         raise SdbenchError("--batch and --concurrency are two axes: give one of them")
     strategies = tuple(strategy or (C.DEFAULT_STRATEGY,))
     axis = "concurrency" if concurrency is not None else "batch"
-    sizes = parse_gammas(concurrency if concurrency is not None else batch, f"--{axis}", 1) or (
+    sizes = parse_counts(concurrency if concurrency is not None else batch, f"--{axis}", 1) or (
         C.QUICK_SWEEP_SIZES if quick else C.DEFAULT_SWEEP_SIZES)
-    lengths = parse_gammas(prompt_len, "--prompt-len", 1) or (C.QUICK_SWEEP_PROMPT_LENS if quick else C.DEFAULT_SWEEP_PROMPT_LENS)
+    lengths = parse_counts(prompt_len, "--prompt-len", 1) or (C.QUICK_SWEEP_PROMPT_LENS if quick else C.DEFAULT_SWEEP_PROMPT_LENS)
     shared, scoped = split_sets(parse_sets(set_))
     new = max_new_tokens if max_new_tokens is not None else (C.QUICK_SWEEP_MAX_NEW_TOKENS if quick else C.DEFAULT_MAX_NEW_TOKENS)
     run_cfg = C.RunConfig(
         target=target, drafts=tuple(draft or ()), dataset=dataset, limit=limit, max_new_tokens=new,
-        sampling=C.SamplingConfig(temperature, 1.0, seed), gammas=parse_gammas(gamma), device=device, dtype=dtype,
+        sampling=C.SamplingConfig(temperature, 1.0, seed), gammas=parse_counts(gamma), device=device, dtype=dtype,
         repeats=repeats, options=shared, out=out, fast=fast, probe=probe_mode(probe, no_probe),
     )
     run_sweep(C.SweepConfig(run_cfg, strategies, axis, sizes, lengths, scoped, resume), console)
@@ -144,7 +144,7 @@ def tune(
     from sdbench.commands.schedule import tune_schedule
     from sdbench.commands.tune import tune as run_tune
 
-    batches, lengths = parse_gammas(batch, "--batch", 1), parse_gammas(prompt_len, "--prompt-len", 1)
+    batches, lengths = parse_counts(batch, "--batch", 1), parse_counts(prompt_len, "--prompt-len", 1)
     if batches and batch_size != 1:
         raise SdbenchError("give either --batch (sizes to tune a schedule over) or --batch-size, not both")
     strategies = tuple(n for given in strategy or (C.DEFAULT_STRATEGY,) for n in split_list(given, "--strategy"))

@@ -9,7 +9,7 @@ import typer
 from sdbench import config as C
 from sdbench.cli.params import Dataset, Device, Dtype, Fast, Limit, MaxNew, Seed, Target, console
 from sdbench.errors import SdbenchError
-from sdbench.options import parse_gammas
+from sdbench.options import parse_counts
 
 
 predict_app = typer.Typer(no_args_is_help=True, help="What the cost models predict, from given or profiled costs.")
@@ -30,7 +30,7 @@ def predict_speedup(
     """Expected tokens per step and speedup of draft-model SD under the i.i.d. acceptance model."""
     from sdbench.commands.predict_speedup import run_speedup
 
-    run_speedup(alpha, parse_gammas(gamma, low=1), draft_cost, verify_cost, console, target=target, draft=draft,
+    run_speedup(alpha, parse_counts(gamma, low=1), draft_cost, verify_cost, console, target=target, draft=draft,
                 context=context, device=device, dtype=dtype)
 
 
@@ -53,8 +53,8 @@ def predict_magicdec(
 
     if not 0.0 <= alpha <= 1.0:
         raise SdbenchError(f"--alpha {alpha}: expected a rate between 0 and 1")
-    cfg = C.PredictMagicdecConfig(target, parse_gammas(batch, "--batch", 1), parse_gammas(context, "--context", 1),
-                                  parse_gammas(gamma, low=1), parse_gammas(budget, "--budget", 1), alpha,
+    cfg = C.PredictMagicdecConfig(target, parse_counts(batch, "--batch", 1), parse_counts(context, "--context", 1),
+                                  parse_counts(gamma, low=1), parse_counts(budget, "--budget", 1), alpha,
                                   tuple(from_results or ()), device, dtype, out, fast)
     run_predict(cfg, console)
 
@@ -105,8 +105,8 @@ def predict_tree(
 
     if draft_cost is not None and not draft_cost >= 0:
         raise SdbenchError(f"--draft-cost {draft_cost}: expected 0 or more")
-    cfg = C.PredictTreeConfig(tuple(results or ()), parse_gammas(budget, "--budget", 1),
-                              parse_gammas(batch, "--batch", 1) if batch else (), by_depth, draft_cost, target,
+    cfg = C.PredictTreeConfig(tuple(results or ()), parse_counts(budget, "--budget", 1),
+                              parse_counts(batch, "--batch", 1) if batch else (), by_depth, draft_cost, target,
                               context, device, dtype, fast, strategy, acceptance)
     run_predict_tree(cfg, console)
 
