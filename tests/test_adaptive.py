@@ -324,7 +324,7 @@ def test_adaptive_row_stats_add_up(target, small_draft, prompts):
 
 @pytest.mark.slow
 def test_cli_adaptive_with_ngram_draft_and_comparison(tmp_path):
-    from sdbench.reporting.report import adaptive_table
+    from sdbench.reporting.tables import adaptive_table
 
     cfg = RunConfig(drafts=("ngram",), strategy="adaptive", dataset="humaneval", limit=1, max_new_tokens=12,
                     options={"compare": "2"}, out=str(tmp_path))

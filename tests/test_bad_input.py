@@ -82,7 +82,7 @@ class Killed(BaseException):
 
 
 def test_a_run_stopped_mid_way_reads_as_partial_until_resumed(capsys, tmp_path, monkeypatch):
-    from sdbench.reporting.results import RunWriter
+    from sdbench.reporting.writer import RunWriter
 
     args = tiny_cli_files(tmp_path, monkeypatch, ["w1 w2 w3 w1 w2", "w4 w5 w6 w4 w5"])
     out = tmp_path / "out"

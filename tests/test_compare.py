@@ -6,7 +6,8 @@ import pytest
 
 from sdbench.cli import main
 from sdbench.reporting.compare import compare_frames
-from sdbench.reporting.results import RunWriter, read_results
+from sdbench.reporting.results import read_results
+from sdbench.reporting.writer import RunWriter
 from tests.conftest import run_cli
 
 PROMPTS = ("mt-bench/81", "mt-bench/82", "mt-bench/83")

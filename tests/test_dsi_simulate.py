@@ -11,7 +11,7 @@ from sdbench.cli import main
 from sdbench.errors import SdbenchError
 from sdbench.analysis.dsi_heatmap import heatmap
 from sdbench.analysis.dsi_sim import Setting, offline, online, profile_from_results, simulate_dsi, simulate_si
-from sdbench.reporting.results import rows_to_table
+from sdbench.reporting.schema import rows_to_table
 from tests.test_random_weights import small  # noqa: F401 (fixture)
 from sdbench.analysis.theory import (alpha_from_tokens_per_step, dsi_latency_per_token, dsi_workers_needed,
                                      si_latency_per_token)

@@ -15,7 +15,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from sdbench.config import SamplingConfig
 from sdbench.data.tasks import encode_prompt, load_prompts
-from sdbench.reporting.results import read_results, unfinished_path
+from sdbench.reporting.results import read_results
+from sdbench.reporting.writer import unfinished_path
 from sdbench.servers.engines import Reply, request_seed
 from sdbench.servers.llamacpp import LlamaCpp
 from sdbench.servers.runs import row_stats

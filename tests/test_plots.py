@@ -9,7 +9,7 @@ import pytest
 
 from sdbench.cli import main
 from sdbench.errors import MissingPackageError
-from sdbench.reporting.results import RunWriter
+from sdbench.reporting.writer import RunWriter
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

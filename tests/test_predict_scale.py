@@ -12,7 +12,7 @@ from sdbench.errors import SdbenchError
 from sdbench.models.loading import memory
 from sdbench.models.loading.loader import load_config
 from sdbench.models.loading.shapes import parameter_count, shrink
-from sdbench.reporting.results import RunWriter
+from sdbench.reporting.writer import RunWriter
 from tests.conftest import run_cli
 from tests.test_random_weights import SMALL_VOCAB, small  # noqa: F401 (fixture)
 

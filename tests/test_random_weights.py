@@ -15,7 +15,7 @@ from sdbench.models.loading.aliases import shipped_config
 from sdbench.models.loading.loader import load_config, load_model, load_tokenizer, model_available
 from sdbench.models.loading.names import split_variant, tokenizer_name, weights_of
 from sdbench.models.loading.shapes import shrink
-from sdbench.reporting.report import say_nothing
+from sdbench.reporting.labels import say_nothing
 from tests.conftest import run_cli
 from tests.test_compare import rows as compare_rows
 from tests.test_compare import write

@@ -13,7 +13,7 @@ from sdbench.commands.reproduce import dsi as dsi_paper
 from sdbench.commands.reproduce import papers
 from sdbench.commands.reproduce.common import (FAILS, HOLDS, UNTESTABLE, Claim, Figure, Report, claims_frame,
                                                render_page, write_report)
-from sdbench.reporting.results import rows_to_table
+from sdbench.reporting.schema import rows_to_table
 from tests.conftest import reproduce_quick, run_cli
 
 TINY = dsi_paper.Plan(limit=1, max_new_tokens=8, workers=2, repeats=2, tokens=60, grid=4, kmax=12)

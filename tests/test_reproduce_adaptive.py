@@ -13,7 +13,7 @@ import pytest
 from sdbench.commands.reproduce import adaptive as paper
 from sdbench.commands.reproduce.adaptive_claims import claim_picks_faster, judge
 from sdbench.commands.reproduce.common import FAILS, HOLDS, UNTESTABLE, ReproduceConfig
-from sdbench.reporting.results import rows_to_table
+from sdbench.reporting.schema import rows_to_table
 from tests.conftest import reproduce_quick, run_cli
 from tests.test_reproduce import _Quiet, one_line
 

@@ -16,7 +16,7 @@ from sdbench.analysis.costs import Profile
 from sdbench.commands.reproduce import magicdec as paper
 from sdbench.commands.reproduce import magicdec_claims as claims
 from sdbench.commands.reproduce.common import FAILS, HOLDS, UNTESTABLE, ReproduceConfig
-from sdbench.reporting.results import rows_to_table
+from sdbench.reporting.schema import rows_to_table
 from tests.conftest import reproduce_quick
 
 BATCHES, CONTEXTS, BUDGETS, GAMMAS = (1, 2, 4, 8), (256, 1024, 1536, 4096), (64, 256), (1, 2, 3, 4)

@@ -17,8 +17,12 @@ from rich.console import Console
 
 from sdbench import env as envmod
 from sdbench.errors import SdbenchError
-from sdbench.reporting.report import per_position_rates, print_report, summarize, summary_table
-from sdbench.reporting.results import COLUMNS, RunWriter, new_run_id, read_results
+from sdbench.reporting.report import print_report
+from sdbench.reporting.results import read_results
+from sdbench.reporting.schema import COLUMNS
+from sdbench.reporting.summary import per_position_rates, summarize
+from sdbench.reporting.tables import summary_table
+from sdbench.reporting.writer import RunWriter, new_run_id
 from tests.conftest import skip_unless_ci
 
 

@@ -9,8 +9,9 @@ import pandas as pd
 import pytest
 from rich.console import Console
 
-from sdbench.reporting.report import summarize, summary_table
 from sdbench.reporting.stats import Interval, bootstrap_ratio, describe, prompts_needed, repeat_spread, speedup_interval
+from sdbench.reporting.summary import summarize
+from sdbench.reporting.tables import summary_table
 
 
 def rows(base_rates, strat_rates, repeats=1, tokens=32) -> pd.DataFrame:

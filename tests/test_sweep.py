@@ -13,8 +13,9 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from sdbench.reporting.results import RunWriter, read_results
+from sdbench.reporting.results import read_results
 from sdbench.reporting.sweep import best_points, frontier, frontier_line
+from sdbench.reporting.writer import RunWriter
 from tests.conftest import run_cli
 from tests.references import tiny_model_dir
 from tests.test_cli import one_line_error

@@ -64,7 +64,9 @@ def test_the_counters_reach_the_results_file_and_come_back(tmp_path):
     from sdbench.analysis.tree_acceptance import summed_tables
     from sdbench.engine.counters import BatchResult
     from sdbench.engine.metrics import row_metrics
-    from sdbench.reporting.results import Judged, Place, RunFields, RunWriter, read_results, result_row
+    from sdbench.reporting.results import read_results
+    from sdbench.reporting.rows import Judged, Place, RunFields, result_row
+    from sdbench.reporting.writer import RunWriter
 
     row = RowStats()
     for path in ([], [1], [0, 4], [1, 5]):

@@ -12,7 +12,7 @@ from sdbench.analysis import costs
 from sdbench.analysis.trees import Acceptance, expected_accepted
 from sdbench.commands import predict_tree
 from sdbench.engine.tree import Tree
-from sdbench.reporting.results import RunWriter
+from sdbench.reporting.writer import RunWriter
 from tests.conftest import run_cli
 from tests.test_predict_scale import table_rows
 from tests.test_random_weights import small  # noqa: F401 (fixture)

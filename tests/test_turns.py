@@ -9,8 +9,11 @@ from rich.console import Console
 from sdbench.data import Prompt
 from sdbench.data.passkey import INTRO, NEEDLE, QUESTION, answer_found, passkey_prompts, spread_depths
 from sdbench.errors import SdbenchError
-from sdbench.reporting.report import print_report, summarize
-from sdbench.reporting.results import COLUMNS, RunWriter, read_results
+from sdbench.reporting.report import print_report
+from sdbench.reporting.results import read_results
+from sdbench.reporting.schema import COLUMNS
+from sdbench.reporting.summary import summarize
+from sdbench.reporting.writer import RunWriter
 from sdbench.data.records import book_pool
 from sdbench.data.sources import resolve
 from sdbench.data.tasks import dataset_available, dataset_label, encode_prompt, load_prompts

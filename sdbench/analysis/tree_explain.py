@@ -40,7 +40,7 @@ def explain_trees(df) -> list[dict]:
     the run's mean size; each speedup at the run's measured costs (c: drafting per level, v: a verification over
     the baseline's step)."""
     from sdbench.reporting.cells import ratio  # pandas: only a report needs these
-    from sdbench.reporting.report import labelled
+    from sdbench.reporting.labels import labelled
 
     data = labelled(df)
     if "tree_steps" not in data:

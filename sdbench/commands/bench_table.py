@@ -21,7 +21,7 @@ from sdbench.reporting.carry import Carried
 from sdbench.reporting.carry import columns as carry_columns
 from sdbench.reporting.latency import Call, Latency, Timed, latencies, over_repeats, repeat_tpot, repeat_ttft
 from sdbench.reporting.latency import columns as latency_columns
-from sdbench.reporting.results import env_fields
+from sdbench.reporting.schema import env_fields
 from sdbench.servers.engines import EngineTotals
 
 GENERIC_ROW = "sdbench autoregressive, generic runner (the library's forward)"

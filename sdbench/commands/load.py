@@ -25,7 +25,7 @@ from sdbench.engine.scheduler import Request, Scheduler, arrival_times
 from sdbench.engine.serving import format_slo, served_row_metrics
 from sdbench.errors import SdbenchError
 from sdbench.models.loading.names import weights_of
-from sdbench.reporting.results import Judged, Place, RunFields, result_row
+from sdbench.reporting.rows import Judged, Place, RunFields, result_row
 from sdbench.strategies import strategy, strategy_registry
 
 

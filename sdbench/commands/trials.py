@@ -17,7 +17,8 @@ from rich.table import Table
 from sdbench.commands.studies import NOT_NEEDED, reason as trial_reason
 from sdbench.config import TuneConfig
 from sdbench.reporting.cells import fmt
-from sdbench.reporting.report import ALL, labelled, speedup_of, summarize
+from sdbench.reporting.labels import labelled
+from sdbench.reporting.summary import ALL, speedup_of, summarize
 from sdbench.reporting.stats import Interval, describe as describe_interval, doubt, speedup_interval
 from sdbench.engine.tree import tree_text
 

@@ -31,7 +31,8 @@ from rich.text import Text
 from sdbench.engine.formulas import (acceptance_rate, mean_accepted_length, specbench_mean_accepted_tokens,
                                      vllm_draft_acceptance_rate, vllm_mean_acceptance_length)
 from sdbench.reporting.cells import fmt, numeric, ratio
-from sdbench.reporting.report import ALL, _padded_sum, labelled, summarize
+from sdbench.reporting.labels import labelled
+from sdbench.reporting.summary import ALL, _padded_sum, summarize
 
 FACTORS = ("ideal", "verification", "draft", "overhead", "prefill")
 

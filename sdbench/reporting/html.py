@@ -13,8 +13,10 @@ from rich.console import Console
 
 from sdbench.paths import output_dir
 from sdbench.reporting.plots import render, write_plots
-from sdbench.reporting.report import print_report, summarize, summary_table
+from sdbench.reporting.report import print_report
+from sdbench.reporting.summary import summarize
 from sdbench.reporting.sweep import print_frontier
+from sdbench.reporting.tables import summary_table
 
 STYLE = """
 body { font-family: system-ui, sans-serif; margin: 2rem auto; max-width: 1200px; color: #222; }

@@ -27,7 +27,7 @@ def load_rows(df: pd.DataFrame) -> pd.Series:
 def summarize_load(df: pd.DataFrame) -> pd.DataFrame:
     """One row per (load point, strategy label): serving_summary averaged over repeats, the output-throughput
     ratio to the baseline at the same point and run, and lossless requests. df: rows labelled as the tables
-    show them (reporting.report.labelled)."""
+    show them (reporting.labels.labelled)."""
     data = df
     out = []
     for (run, rate, conc, label), group in data.groupby(["run_id", *POINT, "strategy"], sort=False, dropna=False):

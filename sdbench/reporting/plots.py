@@ -1,7 +1,7 @@
 """PNG plots of result rows (matplotlib, Agg backend): `sdbench report --plots DIR` and the HTML page.
 
 Each plot is drawn only when the rows hold its data: a sweep plot needs its setting to take several values,
-predicted vs measured needs predicted speedups. Labels are the tables' labels (report.labelled).
+predicted vs measured needs predicted speedups. Labels are the tables' labels (labels.labelled).
 """
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ from sdbench.errors import MissingPackageError, SdbenchError
 from sdbench.paths import output_dir
 from sdbench.reporting.cells import numeric
 from sdbench.reporting.explain import FACTORS, breakdown
-from sdbench.reporting.report import ALL, labelled, per_position_rates, summarize
+from sdbench.reporting.labels import labelled
+from sdbench.reporting.summary import ALL, per_position_rates, summarize
 from sdbench.reporting.sweep_plots import sweep_figures
 
 # settings a sweep may vary, and where each is found: a result column or a key of the params JSON

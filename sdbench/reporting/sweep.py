@@ -4,7 +4,7 @@ frontier, measured and predicted.
 A sweep (`sdbench sweep`, commands/sweep.py) is one run per grid point, its rows marked with the sweep's id
 (`sweep`), the point's size (`batch_size`, or `concurrency` under load) and prompt length (`prompt_len`). Per
 point and strategy configuration:
-  speedup    static batches: tokens/s over the baseline's on the same batches (reporting.report.summarize, as
+  speedup    static batches: tokens/s over the baseline's on the same batches (reporting.summary.summarize, as
              `run`'s table shows it); under load: output throughput over the baseline's on the same arrivals
              (reporting.load.summarize_load, the "vs baseline" column)
   predicted  the cost model's predicted speedup (the rows' `predicted_speedup`, engine/metrics.py), its mean
@@ -31,8 +31,9 @@ from rich.table import Table
 from rich.text import Text
 
 from sdbench.reporting.cells import fmt
+from sdbench.reporting.labels import labelled
 from sdbench.reporting.load import load_rows, summarize_load
-from sdbench.reporting.report import ALL, labelled, summarize
+from sdbench.reporting.summary import ALL, summarize
 
 ANY = "any"
 SPEEDUPS = ["run_id", "family", "setting", "speedup", "speedup_low", "speedup_high", "decode_speedup", "predicted"]

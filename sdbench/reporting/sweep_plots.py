@@ -7,8 +7,8 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
+from sdbench.reporting.labels import labelled
 from sdbench.reporting.load import load_rows, summarize_load
-from sdbench.reporting.report import labelled
 from sdbench.reporting.sweep import axis_noun, best_points, frontier
 
 

@@ -35,7 +35,7 @@ from sdbench.engine.counters import AdaptiveRowStats
 from sdbench.errors import SdbenchError
 from sdbench.models.loading import pair as pair_module  # the module: tests replace pair.load_pair
 from sdbench.reporting import results  # the module: tests replace results.read_results
-from sdbench.reporting.report import ALL, summarize
+from sdbench.reporting.summary import ALL, summarize
 
 TITLE = ("A Drop-In Solution for On-the-Fly Adaptation of Speculative Decoding in Large Language Models "
          "(Jiesong Liu, Brian Park, Xipeng Shen, ACL 2025)")

@@ -1,0 +1,178 @@
+"""Aggregates over result rows, each defined once, and acceptance by draft position from element-wise sums.
+
+The aggregates are the project's contract (tokens/s, speedups, mean accepted length and acceptance rate
+are sdbench.engine.metrics functions of the sums):
+  tokens_per_s       sum(new_tokens) / sum(wall_s over unique (run_id, role, batch_id, repeat)):
+                     rows of one batch share its wall time, which must be counted once
+  speedup            strategy tokens_per_s / baseline tokens_per_s of the same run and group
+  decode_speedup     the same ratio for the decode phase alone: (new_tokens - one first token per row) /
+                     sum(wall_s - ttft_s over unique batches); at long context the shared prefill no longer
+                     dilutes what the strategy does
+  mean_accepted_len  (sum(new_tokens) - one first token per row) / sum(steps): tokens committed per step, the
+                     target's own token included, 1.0 = plain decoding (sdbench.engine.metrics defines each count)
+  acceptance_rate    sum(accepted) / sum(drafted)
+  lossless           all of the known values, a row whose output differs only from a tie on (divergence
+                     "tie", see sdbench.commands.divergence) counting as lossless; null when none is known
+  ties               rows whose output differs from the baseline's only from such a tie
+  speedup_low/high   the 95 % bootstrap interval of speedup (and decode_speedup_low/high of decode_speedup),
+                     paired with the baseline of the same batch and repeat (sdbench.reporting.stats)
+  predicted_speedup  mean of the computed values
+  draft_share        draft_s / (draft_s + verify_s), each summed over unique batches of the batch's value
+                     (the max over its rows: a row records the batch's time while the row was active)
+  weights_say_nothing  rows with random weights (MODEL@random), whose acceptance and speedups depend on values
+                     the weights do not have; the tables show them as n/m (a model drafting for itself with a
+                     dense cache is exempt: it accepts every draft whatever its weights)
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pandas as pd
+
+from sdbench.engine.formulas import acceptance_rate, mean_accepted_length, rate
+from sdbench.engine.metrics import speedup
+from sdbench.reporting.cells import numeric
+from sdbench.reporting.labels import labelled, prepared
+from sdbench.reporting.stats import Interval, speedup_interval
+
+ALL = "ALL"
+BATCH = ["run_id", "role", "batch_id", "repeat"]
+
+
+def summarize(df: pd.DataFrame, by: tuple[str, ...] | list[str] = ("category",)) -> pd.DataFrame:
+    """One row per (run, role/strategy, group), plus one per (run, role/strategy) with every `by` = "ALL"."""
+    by = list(by)
+    data = prepared(df, by)
+    keys = ["run_id", "role", "strategy"]
+    records = []
+    for key, group in data.groupby(keys + by, sort=False, dropna=False):
+        records.append({**dict(zip(keys + by, key)), **_aggregate(group)})
+    for key, group in data.groupby(keys, sort=False, dropna=False):
+        records.append({**dict(zip(keys, key)), **{b: ALL for b in by}, **_aggregate(group)})
+    summary = pd.DataFrame(records, columns=keys + by + list(_aggregate(data.iloc[:0])))
+    summary["speedup"] = _speedups(summary, by, "tokens_per_s")
+    summary["decode_speedup"] = _speedups(summary, by, "decode_tokens_per_s")
+    summary = summary.join(_intervals(data, summary, by))
+    summary.attrs["by"] = tuple(by)
+    return summary
+
+
+def _intervals(data: pd.DataFrame, summary: pd.DataFrame, by: list[str]) -> pd.DataFrame:
+    """Per summary row, the bootstrap interval of its speedup and decode speedup over the baseline rows of the
+    same run and group; NaN for the baseline itself and where nothing can be resampled."""
+    columns = ["speedup_low", "speedup_high", "decode_speedup_low", "decode_speedup_high"]
+    out = pd.DataFrame(np.nan, index=summary.index, columns=columns)
+    for i, row in summary.iterrows():
+        if row["role"] == "baseline" or not np.isfinite(row["speedup"]):
+            continue
+        mask = data["run_id"].eq(row["run_id"])
+        for b in by:
+            if row[b] != ALL:
+                mask &= data[b].eq(row[b])
+        mine = data[mask & data["role"].eq(row["role"]) & data["strategy"].eq(row["strategy"])]
+        base = data[mask & data["role"].eq("baseline")]
+        for prefix, decode in (("speedup", False), ("decode_speedup", True)):
+            interval = speedup_interval(mine, base, decode)
+            out.loc[i, [f"{prefix}_low", f"{prefix}_high"]] = [interval.low, interval.high]
+    return out
+
+
+def speedup_of(row, prefix: str = "speedup") -> Interval:
+    """A summary row's speedup (or decode_speedup) with its interval."""
+    return Interval(float(row[prefix]), float(row.get(f"{prefix}_low", np.nan)),
+                    float(row.get(f"{prefix}_high", np.nan)))
+
+
+def _ratio(num: float, den: float) -> float:
+    return num / den if den and not math.isnan(den) and not math.isnan(num) else math.nan
+
+
+def _per_batch(group: pd.DataFrame, column: str) -> float:
+    """Sum over unique batches of a batch-level time (its max over the batch's rows).
+
+    A row without batch_id is its own batch, so missing ids can never hide wall time.
+    """
+    keys = group[BATCH].astype(object)
+    loose = keys["batch_id"].isna()
+    keys.loc[loose, "batch_id"] = [f"row-{i}" for i in range(int(loose.sum()))]
+    values = pd.Series(numeric(group[column]), index=group.index)
+    per_batch = values.groupby([keys[k] for k in BATCH], dropna=False).max()
+    return float(per_batch.sum(min_count=1)) if len(per_batch) else math.nan
+
+
+def _aggregate(group: pd.DataFrame) -> dict:
+    new_tokens = np.nansum(numeric(group["new_tokens"]))
+    steps, accepted = np.nansum(numeric(group["steps"])), np.nansum(numeric(group["accepted"]))
+    wall = _per_batch(group, "wall_s")
+    decode = _per_batch(group.assign(decode_s=numeric(group["wall_s"]) - numeric(group["ttft_s"])), "decode_s")
+    draft_s, verify_s = _per_batch(group, "draft_s"), _per_batch(group, "verify_s")
+    predicted = numeric(group["predicted_speedup"])
+    peak = numeric(group["peak_mem_bytes"])
+    ties = group["divergence"].eq("tie").fillna(False).astype(bool)
+    return {
+        "n_prompts": int(group["prompt_id"].nunique()),
+        "n_rows": len(group),
+        "new_tokens": int(new_tokens),
+        "wall_s": wall,
+        "tokens_per_s": rate(new_tokens, wall),
+        "speedup": math.nan,
+        "decode_tokens_per_s": rate(new_tokens - len(group), decode),
+        "decode_speedup": math.nan,
+        "mean_accepted_len": mean_accepted_length(new_tokens, steps, len(group)),
+        "acceptance_rate": acceptance_rate(accepted, np.nansum(numeric(group["drafted"]))),
+        "steps": float(steps),
+        "decode_s": decode,
+        "draft_s": draft_s,
+        "verify_s": verify_s,
+        "draft_share": _ratio(draft_s, np.nansum([draft_s, verify_s])),
+        "lossless": _all_known(group["lossless"].astype(object).where(~ties, True)),
+        "ties": int(ties.sum()),
+        "predicted_speedup": float(np.nanmean(predicted)) if np.isfinite(predicted).any() else math.nan,
+        "peak_mem_bytes": float(np.nanmax(peak)) if np.isfinite(peak).any() else math.nan,
+        "weights_say_nothing": bool(group["weights_say_nothing"].any()),
+    }
+
+
+def _all_known(values: pd.Series) -> bool | None:
+    known = [bool(v) for v in values if not pd.isna(v)]
+    return all(known) if known else None
+
+
+def _speedups(summary: pd.DataFrame, by: list[str], column: str) -> pd.Series:
+    keys = ["run_id"] + by
+    base = summary.loc[summary["role"] == "baseline"].groupby(keys, dropna=False)[column].first()
+    joined = summary.join(base.rename("_base"), on=keys)
+    return pd.Series([speedup(a, b) for a, b in zip(joined[column], joined["_base"])], index=joined.index,
+                     dtype="float64")
+
+
+def per_position_rates(df: pd.DataFrame) -> list[tuple[str, str, list[float]]]:
+    """(run_id, strategy, acceptance rate per draft position) from element-wise sums; NaN = never drafted."""
+    if "accepted_per_position" not in df or "drafted_per_position" not in df:
+        return []
+    data = labelled(df)
+    out = []
+    for (run_id, strategy), group in data[data["role"] != "baseline"].groupby(["run_id", "strategy"], sort=False):
+        accepted = _padded_sum(group["accepted_per_position"])
+        drafted = _padded_sum(group["drafted_per_position"])
+        width = max(len(accepted), len(drafted))
+        if width == 0:
+            continue
+        accepted, drafted = np.pad(accepted, (0, width - len(accepted))), np.pad(drafted, (0, width - len(drafted)))
+        rates = [acceptance_rate(a, d) for a, d in zip(accepted, drafted)]
+        out.append((run_id, strategy, rates))
+    return out
+
+
+def _padded_sum(lists: pd.Series) -> np.ndarray:
+    total = np.zeros(0, dtype=np.int64)
+    for value in lists:
+        if value is None or (not hasattr(value, "__len__") and pd.isna(value)):
+            continue
+        array = np.asarray(value, dtype=np.int64)
+        if len(array) > len(total):
+            total = np.pad(total, (0, len(array) - len(total)))
+        total[: len(array)] += array
+    return total
