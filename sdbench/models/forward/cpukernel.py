@@ -10,7 +10,7 @@ in place ([out, n], `linear_plain`, at most 8 rows a pass: a vocabulary head tie
 The library is compiled once per source, compiler and CPU into sdbench's cache (`-O3 -march=native -fopenmp`,
 about a second) and loaded with ctypes; its parallel loops run on the OpenMP runtime torch has already loaded
 (the same `libgomp.so.1`), with torch's thread count. Where there is no compiler, no AVX2/FMA or the build fails,
-`available()` is False, `why_not()` says why, and the fast path uses oneDNN's products as before.
+`available()` is False, `why_not()` says why, and the fast path uses oneDNN's products instead.
 """
 
 from __future__ import annotations
