@@ -8,6 +8,7 @@ import re
 import pytest
 import torch
 
+from sdbench.commands import backends
 from sdbench.commands import run as benchmark
 from sdbench.cli import main
 from sdbench.reporting.results import read_results
@@ -66,7 +67,7 @@ def test_bad_input_is_one_line(capsys, tmp_path, argv, expect):
 
 
 def test_a_malformed_prompt_file_is_one_line_before_any_model_loads(capsys, tmp_path, monkeypatch):
-    monkeypatch.setattr(benchmark, "load_pair", lambda *a: pytest.fail("loaded models for a bad file"))
+    monkeypatch.setattr(backends, "load_pair", lambda *a: pytest.fail("loaded models for a bad file"))
     path = tmp_path / "mine.csv"
     path.write_text("prompt,category\nhello,chat\nbye,chat,extra\n")
     code, _, err = run_cli(capsys, "run", "--dataset", str(path), "--out", str(tmp_path))
