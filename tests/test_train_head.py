@@ -212,7 +212,7 @@ def test_a_fit_learns_what_decoding_accepts(fitted, kind, tmp_path):
     from sdbench.models.loading.pair import pick_runner
     from sdbench.strategies import strategy
     from sdbench.training.data import distil
-    from sdbench.training.fit import Plan, Progress, fit
+    from sdbench.training.fit import FitPlan, Progress, fit
     from sdbench.training.heads import head_layers
 
     loaded = load_model(str(fitted / "target"))
@@ -232,7 +232,7 @@ def test_a_fit_learns_what_decoding_accepts(fitted, kind, tmp_path):
     torch.manual_seed(0)
     head = build(kind, loaded.model, seqs, 3, 0)
     before, reported = accepted(head), chain_acceptance(head, seqs, 3, "cpu", 2048)
-    plan = Plan(steps=3, lr=3e-3, batch_tokens=512, eval_every_s=1e9, max_steps=200)
+    plan = FitPlan(steps=3, lr=3e-3, batch_tokens=512, eval_every_s=1e9, max_steps=200)
     done = fit(head, torch.optim.AdamW(head.parameters(), lr=1e-3, weight_decay=0.0), seqs, seqs, plan, Progress(),
                1e9, "cpu", lambda p: None)
     assert done.step == 200

@@ -200,7 +200,7 @@ def crossing_lengths(rows: list[dict]) -> dict[int, tuple[str, float | None]]:
 
 
 def memory_plan(target: str, dtype, device, batches, contexts, gamma: int):
-    """Which (batch, context) points' caches fit beside the model's weights in the free memory (`memory.Plan`),
+    """Which (batch, context) points' caches fit beside the model's weights in the free memory (`memory.MemoryPlan`),
     estimated from the config before anything is allocated; a model whose weights alone do not fit is refused."""
     config = loader.load_config(target)
     params = parameter_count(config, cached=True) or 0

@@ -28,7 +28,7 @@ from sdbench.errors import Interrupted, SdbenchError
 from sdbench.models.heads.registry import HeadRecord, write_record
 from sdbench.paths import output_dir
 from sdbench.training import data as D
-from sdbench.training.fit import Plan, Progress, fit
+from sdbench.training.fit import FitPlan, Progress, fit
 from sdbench.training.heads import (DEFAULT_STEPS, build, draft_vocab_note, head_layers, rebuild, target_weights,
                                     text_config, verifier_name, write_head)
 
@@ -100,7 +100,7 @@ def train_head(cfg: TrainHeadConfig, console: Console) -> Path:
     budget = cfg.minutes * 60 - state["data_seconds"]
     runner.share_plain()  # the fit reads the target's embedding and head in the library's layout (no forward follows)
     model, optimizer, progress = _trainee(out, cfg, loaded.model, train, steps, device)
-    plan = Plan(steps=steps, lr=1e-3,
+    plan = FitPlan(steps=steps, lr=1e-3,
                 batch_tokens=16384 if device.type == "cuda" else 2048,
                 eval_every_s=max(30.0, budget / 10), seed=cfg.seed)
     save_dtype = dtype  # the head in the target's dtype (vLLM loads both in the serving dtype)

@@ -16,7 +16,7 @@ from sdbench.training.data import Sequence, first_roots, pad_batch
 
 
 @dataclass
-class Plan:
+class FitPlan:
     """How the head is fitted: the unrolled steps (EAGLE-3's training-time test; Medusa: its heads), the
     learning rate and batch size in tokens, and when to evaluate."""
 
@@ -109,7 +109,7 @@ def lr_at(step: int, base: float, warmup: int = 10) -> float:
     return base * min(1.0, (step + 1) / warmup)
 
 
-def fit(model, optimizer, train: list[Sequence], heldout: list[Sequence], plan: Plan, progress: Progress,
+def fit(model, optimizer, train: list[Sequence], heldout: list[Sequence], plan: FitPlan, progress: Progress,
         budget_s: float, device, on_eval, on_step=None) -> Progress:
     """Train until budget_s seconds of training (over every resumed run: progress.seconds counts them) have
     passed, or plan.max_steps steps; evaluate on `heldout` every plan.eval_every_s and at the end, calling

@@ -58,7 +58,7 @@ def refuse_beyond_memory(names: list[str], weights: int, free: int | None, dtype
 
 
 @dataclass
-class Plan:
+class MemoryPlan:
     """Which (batch, context) points fit beside the weights in `free` bytes."""
 
     weights: int
@@ -79,10 +79,10 @@ class Plan:
                 f"the weights' {self.weights / GIB:.1f} GiB: {said}")
 
 
-def plan(config, params: int, dtype: torch.dtype, device: torch.device, points, capacity_of, width: int) -> Plan:
+def plan(config, params: int, dtype: torch.dtype, device: torch.device, points, capacity_of, width: int) -> MemoryPlan:
     """points: (batch, context) pairs; capacity_of(context): the KV positions a point's caches hold (its sparse
     draft caches are small beside the dense one and ride in the headroom); width: the widest forward's tokens."""
-    result = Plan(params * element_bytes(dtype), free_bytes(device))
+    result = MemoryPlan(params * element_bytes(dtype), free_bytes(device))
     for b, s in points:
         need = kv_bytes(config, b, capacity_of(s), dtype) + working_bytes(config, b, s, width)
         if result.free is None or result.weights + need <= HEADROOM * result.free:
