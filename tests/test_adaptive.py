@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from sdbench.commands.run import Bench
+from sdbench.commands.run import RunHarness
 from sdbench.config import RunConfig, SamplingConfig
 from sdbench.engine.loop import generate
 from sdbench.errors import SdbenchError
@@ -328,7 +328,7 @@ def test_cli_adaptive_with_ngram_draft_and_comparison(tmp_path):
 
     cfg = RunConfig(drafts=("ngram",), strategy="adaptive", dataset="humaneval", limit=1, max_new_tokens=12,
                     options={"compare": "2"}, out=str(tmp_path))
-    df = read_results([Bench(cfg).run()])
+    df = read_results([RunHarness(cfg).run()])
     assert set(df["role"]) == {"baseline", "strategy", "compare-ngram-g2", "compare-ngram-g4"}
     assert dict(zip(df["role"], df["strategy"]))["compare-ngram-g2"] == "ngram"
     assert df["lossless"].all()

@@ -108,14 +108,14 @@ def test_unknown_model_is_one_line(capsys, monkeypatch, tmp_path):
 def test_run_passes_settings_to_the_engine(capsys, monkeypatch):
     seen = {}
 
-    class FakeBench:
+    class FakeHarness:
         def __init__(self, cfg, console):
             seen["cfg"] = cfg
 
         def run(self):
             raise SystemExit(0)
 
-    monkeypatch.setattr(benchmark, "Bench", FakeBench)
+    monkeypatch.setattr(benchmark, "RunHarness", FakeHarness)
     run_cli(capsys, "run", "--target", "m", "--draft", "d1", "--draft", "d2", "--strategy", "ngram", "--gamma", "3",
             "--set", "max_ngram=2", "--temperature", "0.5", "--top-p", "0.9", "--seed", "4", "--batch-size", "2",
             "--prompt-len", "100", "--dataset", "kjv", "--no-baseline", "--repeats", "3", "--dtype", "bfloat16",

@@ -147,7 +147,7 @@ def test_the_real_runs_use_the_papers_lookahead_rule(monkeypatch, tmp_path):
 
     ran = []
 
-    class FakeBench:
+    class FakeHarness:
         def __init__(self, cfg, console=None, pair=None):
             self.cfg, self.pair, self.device, self.dtype = cfg, pair, "cpu", "float32"
 
@@ -155,7 +155,7 @@ def test_the_real_runs_use_the_papers_lookahead_rule(monkeypatch, tmp_path):
             ran.append((self.cfg, self.pair))
             return tmp_path / f"{self.cfg.strategy}.parquet"
 
-    monkeypatch.setattr(run_module, "Bench", FakeBench)
+    monkeypatch.setattr(run_module, "RunHarness", FakeHarness)
     monkeypatch.setattr("sdbench.models.loading.pair.load_pair", lambda *a: "the pair")
     for c, k in ((0.1, 5), (1.0, 1), (0.06, 10), (0.01, 10)):
         ran.clear()

@@ -1,5 +1,5 @@
 """`sdbench reproduce adaptive`: the claims on synthetic result rows, the report folder with the real runs
-replaced by synthetic Parquet files, and what the run plan asks Bench for."""
+replaced by synthetic Parquet files, and what the run plan asks RunHarness for."""
 
 from __future__ import annotations
 
@@ -210,7 +210,7 @@ def test_the_run_plan(monkeypatch, tmp_path):
     made, ran, loads = [], [], []
     winners = {"gsm8k": "ngram", "humaneval": M}  # the sweep's fastest candidate differs between data sets
 
-    class FakeBench:
+    class FakeHarness:
         def __init__(self, cfg, console=None, pair=None):
             self.cfg, self.pair, self.device, self.dtype = cfg, pair, "cpu", "float32"
             made.append(cfg)
@@ -228,7 +228,7 @@ def test_the_run_plan(monkeypatch, tmp_path):
         loads.append(cfg.drafts)
         return Pair("target", None, ["int8 runner", "ngram"], [], 1 << 20)
 
-    monkeypatch.setattr(run_module, "Bench", FakeBench)
+    monkeypatch.setattr(run_module, "RunHarness", FakeHarness)
     monkeypatch.setattr("sdbench.models.loading.pair.load_pair", load_pair)
     done = paper.real_runs(ReproduceConfig(draft=M), TINY, tmp_path, console=_Quiet())
     assert loads == [BOTH]  # one loaded pair for every run

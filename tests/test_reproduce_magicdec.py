@@ -1,6 +1,6 @@
 """`sdbench reproduce magicdec`: the claims on synthetic profiles and runs (a KV-bound regime where they hold, a
 compute-bound one where they fail or lose their premise), the report folder with the measurements replaced by
-synthetic ones, and what the real runs ask of Bench."""
+synthetic ones, and what the real runs ask of RunHarness."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import pytest
 from rich.console import Console
 
 from sdbench.analysis.costs import Profile
+from sdbench.commands.plan import plan as run_plan
 from sdbench.commands.reproduce import magicdec as paper
 from sdbench.commands.reproduce import magicdec_claims as claims
 from sdbench.commands.reproduce.common import FAILS, HOLDS, UNTESTABLE, ReproduceConfig
@@ -226,9 +227,10 @@ def test_the_real_runs_ask_bench_for_the_plan_on_one_loaded_pair(monkeypatch, tm
 
     made, ran, profiled = [], [], {}
 
-    class FakeBench:
+    class FakeHarness:
         def __init__(self, cfg, console=None, pair=None):
             self.cfg, self.pair, self.device, self.dtype = cfg, pair, "cpu", "float32"
+            self.plan = run_plan(cfg)  # what the real harness plans, native runner needs included
             made.append(self)
 
         def run(self):
@@ -239,7 +241,7 @@ def test_the_real_runs_ask_bench_for_the_plan_on_one_loaded_pair(monkeypatch, tm
         max_positions = 2048
 
     pair = Pair()
-    monkeypatch.setattr(run_module, "Bench", FakeBench)
+    monkeypatch.setattr(run_module, "RunHarness", FakeHarness)
     monkeypatch.setattr("sdbench.models.loading.pair.load_pair", lambda cfg, *a: (profiled.update(loaded=cfg), pair)[1])
     monkeypatch.setattr(paper, "profile_grid", lambda p, plan, contexts, console: profiled.update(
         pair=p, contexts=contexts) or synthetic_profiles(kv=0.0))

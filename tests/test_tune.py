@@ -616,7 +616,7 @@ def test_trees_keep_the_chain_a_choice_and_draw_a_budget_only_for_a_tree():
 def test_tune_trees_runs_the_tree_and_its_preset_reproduces_it(tmp_path, pair):
     from rich.console import Console
 
-    from sdbench.commands.run import Bench
+    from sdbench.commands.run import RunHarness
 
     t = tuner(tmp_path, pair, strategy="draft", trials=2, trees=True, objective="tokens",
               pruner=optuna.pruners.NopPruner())
@@ -649,7 +649,7 @@ def test_tune_trees_runs_the_tree_and_its_preset_reproduces_it(tmp_path, pair):
     write_preset(t.preset_path.with_name("tree.yaml"), "tree", "draft", tree, study, t.cfg, t.run)
     run = RunConfig(target="tiny", strategy="tree", drafts=("tiny-draft",), limit=2, max_new_tokens=8, device="cpu",
                     out=str(tmp_path / "again"))
-    rows = read_results([Bench(run, Console(quiet=True), pair=pair).run()])
+    rows = read_results([RunHarness(run, Console(quiet=True), pair=pair).run()])
     mine = rows[rows["role"] != "baseline"]
     assert {json.dumps(json.loads(p), sort_keys=True) for p in mine["params"]} == {
         json.dumps({"gamma": 2, "tree_topk": 2, "tree_nodes": 6}, sort_keys=True)}

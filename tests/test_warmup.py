@@ -7,7 +7,7 @@ import torch
 from rich.console import Console
 
 from sdbench.commands.roles import Role, baseline_role
-from sdbench.commands.run import WARMUP_PROMPT_TOKENS, Bench
+from sdbench.commands.run import WARMUP_PROMPT_TOKENS, RunHarness
 from sdbench.config import RunConfig
 from sdbench.strategies.autoregressive import Autoregressive
 
@@ -17,7 +17,7 @@ from sdbench.strategies.autoregressive import Autoregressive
     ("cuda", [[20, 900]] * 2),  # the batch holding the longest prompt, whole
 ])
 def test_warm_up_prompts(device, expected):
-    bench = object.__new__(Bench)  # only what _warm_up reads: no models, no device
+    bench = object.__new__(RunHarness)  # only what _warm_up reads: no models, no device
     bench.cfg, bench.console, bench.device = RunConfig(max_new_tokens=8), Console(quiet=True), torch.device(device)
     seen = []
     bench._generate = lambda pair, prop, batch, *args, **kwargs: seen.append([len(p) for p in batch])

@@ -32,7 +32,7 @@ def run(
     engine_port: Annotated[Optional[int], typer.Option(help="the first port of the servers sdbench starts [default: free ones]")] = None,
 ):
     """Run a strategy and the plain-decoding baseline on the same prompts; print tables, write Parquet."""
-    from sdbench.commands.run import Bench, load_config
+    from sdbench.commands.run import RunHarness, load_config
     from sdbench.engine.serving import parse_slo
     from sdbench.reporting.report import print_report
     from sdbench.reporting.results import read_results
@@ -50,7 +50,7 @@ def run(
     )
     if resume:
         cfg = load_config(out, resume)
-    path = Bench(cfg, console).run()
+    path = RunHarness(cfg, console).run()
     print_report(read_results([path]), console)
     console.print(f"results: {path}")
 

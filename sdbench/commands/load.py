@@ -67,7 +67,7 @@ def check_load(cfg: RunConfig, base: str, options: dict) -> None:
 
 def serve_points(bench, prompts, encoded, writer, progress) -> None:
     """Every load point and repeat, every role on the same arrivals; a part written per point and repeat.
-    bench: the run's Bench, its pair loaded (`loaded`, `every`, `fields`)."""
+    bench: the run's RunHarness, its pair loaded (`loaded`, `every`, `fields`)."""
     cfg, pair, every = bench.cfg, bench.loaded, bench.every
     points = load_points(cfg, len(encoded))
     task = progress.add_task(bench.choice.name, total=cfg.repeats * len(points) * len(every.roles))

@@ -49,7 +49,7 @@ def decode(target, proposer, prompts: list[list[int]], **kwargs) -> BatchResult:
     return decoder_for(proposer)(target, proposer, prompts, **kwargs)
 
 
-class Bench:
+class RunHarness:
     """Runs one configured benchmark; `run` returns the path of the Parquet file it wrote."""
 
     def __init__(self, cfg: RunConfig, console: Console | None = None, pair: Pair | None = None,

@@ -1,6 +1,6 @@
 """`sdbench sweep`: where speculative decoding stops paying, over batch size (or concurrency) x prompt length.
 
-Each grid point is one `run` (commands/run.py's Bench, on one pair loaded once for the whole sweep): its
+Each grid point is one `run` (commands/run.py's RunHarness, on one pair loaded once for the whole sweep): its
 baseline and every strategy's configurations decode the same batches one after another, as `run` interleaves
 them, through the one decode loop (under load: serve the same arrivals, commands/load.py). A point's rows are
 written as its batches finish and merged into one Parquet file, SWEEP_ID-POINT.parquet, when it is done; the
@@ -21,7 +21,7 @@ from pathlib import Path
 from rich.console import Console
 
 from sdbench.commands.roles import Role
-from sdbench.commands.run import Bench, run_config
+from sdbench.commands.run import RunHarness, run_config
 from sdbench.config import SWEEP_AXES, RunConfig, SweepConfig
 from sdbench.data.prompts import run_positions
 from sdbench.errors import Interrupted, SdbenchError
@@ -87,15 +87,15 @@ def member_config(cfg: SweepConfig, name: str, point: Point) -> RunConfig:
     return replace(run, batch_size=1, request_rates=(), concurrencies=(point.size,))
 
 
-class PointBench(Bench):
+class PointHarness(RunHarness):
     """One point: the baseline once, then every strategy's configurations, on the same batches (or arrivals),
-    as one `run`. Each strategy is planned by its own Bench; the roles are theirs, named per strategy when the
+    as one `run`. Each strategy is planned by its own RunHarness; the roles are theirs, named per strategy when the
     sweep has several (`strategy:ngram`)."""
 
     def __init__(self, cfgs: list[RunConfig], console: Console, pair, runners: dict, sweep_id: str, run_id: str):
         super().__init__(cfgs[0], Console(quiet=True), pair=pair, run_id=run_id)  # its notes: said by members
         self.console = console
-        self.members = [Bench(c, console, pair=pair) for c in cfgs]
+        self.members = [RunHarness(c, console, pair=pair) for c in cfgs]
         self.runners, self.sweep_id = runners, sweep_id
 
     def plan_roles(self, pair) -> list[Role]:
@@ -125,7 +125,7 @@ class Sweep:
         self.folder = Path(cfg.run.out) / self.sweep_id
         self.points = grid(cfg)
         quiet = Console(quiet=True)
-        self.planned = {(p, s): Bench(member_config(cfg, s, p), quiet)
+        self.planned = {(p, s): RunHarness(member_config(cfg, s, p), quiet)
                         for p in self.points for s in cfg.strategies}  # bad settings fail here, before loading
 
     def run(self) -> Path:
@@ -158,7 +158,7 @@ class Sweep:
             else:
                 self._forget(run_id)  # a load point serves every request again: arrivals are not resumable
         cfgs = [replace(self.planned[point, s].cfg, resume=resume, out=str(self.folder)) for s in self.cfg.strategies]
-        return PointBench(cfgs, self.console, pair, runners, self.sweep_id, run_id).run()
+        return PointHarness(cfgs, self.console, pair, runners, self.sweep_id, run_id).run()
 
     def _load(self):
         """The pair for every point: the drafts every strategy needs, probed over the longest point's context

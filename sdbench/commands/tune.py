@@ -4,7 +4,7 @@ With several strategies (`--strategy draft --strategy eagle --strategy ngram`) o
 trial draws a strategy, then that strategy's own settings (named `STRATEGY.NAME`, so two strategies' `gamma` stay
 two parameters) — the draft choice among draft models, trained heads and n-gram lookup, measured alike.
 
-Each trial is one `Bench` run over the same seeded prompt subset, with the settings the strategy's
+Each trial is one `RunHarness` run over the same seeded prompt subset, with the settings the strategy's
 `search_space` draws (commands/tune_space.py); the model pair is loaded once and shared by every trial. The
 objective is the speedup over plain decoding measured beside the trial on the same prompts, or the strategy's
 tokens/s. Losslessness is a constraint, not a score: a trial whose output differs from plain greedy decoding
@@ -34,7 +34,7 @@ from rich.console import Console
 from rich.text import Text
 
 from sdbench.commands.plan import plan
-from sdbench.commands.run import Bench
+from sdbench.commands.run import RunHarness
 from sdbench.commands.studies import INTERRUPTED, counted, heartbeat, next_trial
 from sdbench.commands.studies import storage as study_storage
 from sdbench.commands.trials import (best_table, best_trials, describe, doubts, objective_value, record_trial,
@@ -226,7 +226,7 @@ class Tuner:
                       out=str(self.folder / "reference"))
         with self.console.status("plain decoding for the lossless check"):
             feed = Feed(NoPrune(), "tokens", None)
-            Bench(cfg, Console(quiet=True), pair=replace(pair, drafts=[]), on_batch=feed).run()
+            RunHarness(cfg, Console(quiet=True), pair=replace(pair, drafts=[]), on_batch=feed).run()
         return {(r["prompt_id"], r["turn"]): list(r["output_ids"]) for r in feed.rows if r["repeat"] == 0}
 
     def _trial(self, study: optuna.Study, trial, pair, space: dict[str, SearchContext], reference: dict | None) -> None:
@@ -244,7 +244,7 @@ class Tuner:
         label = f"trial {trial.number}: {describe(settings)}"
         bench = None
         try:
-            bench = Bench(cfg, quiet, pair=replace(pair, drafts=[self.runners[d] for d in settings["drafts"]]),
+            bench = RunHarness(cfg, quiet, pair=replace(pair, drafts=[self.runners[d] for d in settings["drafts"]]),
                           on_batch=feed)
             with self.console.status(label), heartbeat(study, trial):
                 path = bench.run()
@@ -272,7 +272,7 @@ class Tuner:
                            f"resume it ({counted(study)}/{self.cfg.trials} done)")
 
     def _finish(self, study, trial, state, feed: Feed | None = None, value: float | None = None, reason: str = "",
-                label: str = "", aborted: Bench | None = None) -> None:
+                label: str = "", aborted: RunHarness | None = None) -> None:
         # an aborted run leaves unmerged parts: merge its own (not any other: a process sharing the study may be
         # writing its trial beside it) so its rows read as one file
         if aborted is not None and aborted.run_id is not None and (self.folder / f"{aborted.run_id}.parts").is_dir():

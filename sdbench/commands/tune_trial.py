@@ -41,7 +41,7 @@ class ClearlyWorse(optuna.pruners.BasePruner):
 
 
 class Feed:
-    """Bench's on_batch callback: checks losslessness, reports the running objective, prunes."""
+    """RunHarness's on_batch callback: checks losslessness, reports the running objective, prunes."""
 
     def __init__(self, trial, objective: str, reference: dict | None):
         self.trial, self.objective, self.reference = trial, objective, reference

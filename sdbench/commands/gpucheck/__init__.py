@@ -2,7 +2,7 @@
 
 Every model is `MODEL@random` (nothing is downloaded; with no tokenizer at hand a byte tokenizer stands in)
 and every measurement is an existing command's code: the CUDA tests, `bench` (`commands/bench.measure_peers`),
-`predict magicdec`'s profile and cost model (`analysis/costs`), `run` (`commands/run.Bench`) for MagicDec and
+`predict magicdec`'s profile and cost model (`analysis/costs`), `run` (`commands/run.RunHarness`) for MagicDec and
 DSI. The work is split into three parts, each meant to finish within 9 minutes on one H100, and each writes
 one folder of at most 8 files (`page.write_part`); `--merge` joins the parts' folders into one page.
 

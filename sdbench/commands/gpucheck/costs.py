@@ -1,6 +1,6 @@
 """The check's steps on MagicDec's costs at LLAMA_8B's shape: step costs over batch x context through the graphs
 (`analysis/costs.profile`, each point checked for a fall back to the eager forward), the cost model on them
-(`costs.predictions`), and one real MagicDec run in the paper's regime (`commands/run.Bench`) beside its
+(`costs.predictions`), and one real MagicDec run in the paper's regime (`commands/run.RunHarness`) beside its
 prediction at the same point."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import pandas as pd
 
 from sdbench.analysis.costs import crossing_lengths, memory_plan, predictions, profile
 from sdbench.analysis.theory import alpha_from_tokens_per_step
-from sdbench.commands import run as run_module  # the module: tests replace run.Bench
+from sdbench.commands import run as run_module  # the module: tests replace run.RunHarness
 from sdbench.commands.gpucheck.plan import LLAMA_8B, Ctx, Section, free, prompts_of_tokens
 from sdbench.commands.gpucheck.sections import _lossless_claim
 from sdbench.commands.predict import NATIVE_NEEDED
@@ -152,12 +152,12 @@ def magicdec_run(ctx: Ctx) -> Section:
     cfg = RunConfig(target=LLAMA_8B, strategy="magicdec", dataset=str(prompts), limit=s.run_batch,
                     batch_size=s.run_batch, max_new_tokens=s.run_tokens, gammas=(s.run_gamma,),
                     options={"budget": str(s.run_budget)}, device=ctx.device, dtype=s.dtype, out=str(ctx.work / "runs"))
-    bench = run_module.Bench(cfg, ctx.console)
+    bench = run_module.RunHarness(cfg, ctx.console)
     ctx.console.print(f"magicdec at {LLAMA_8B}: batch {s.run_batch}, ~{s.run_context}-token prompts, budget "
                       f"{s.run_budget}, gamma {s.run_gamma}, {s.run_tokens} new tokens", highlight=False)
     pair = pair_module.load_pair(bench.cfg, bench.device, bench.dtype, ctx.console, bench.plan.native())
     try:
-        df = results.read_results([str(run_module.Bench(cfg, ctx.console, pair=pair).run())])
+        df = results.read_results([str(run_module.RunHarness(cfg, ctx.console, pair=pair).run())])
         asked = bench.device.type == "cuda" and bool(getattr(pair.target, "fast", False))
         held = bool(getattr(pair.target, "graphs", False))
         context = int(round(df["prompt_tokens"].mean()))

@@ -1,5 +1,5 @@
 """The check's steps that run existing commands as they are: the CUDA tests (pytest), `bench` per model
-(`commands/bench.measure_peers`) and DSI runs (`commands/run.Bench`). Each returns a `plan.Section`."""
+(`commands/bench.measure_peers`) and DSI runs (`commands/run.RunHarness`). Each returns a `plan.Section`."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from sdbench.commands import run as run_module  # the module: tests replace run.Bench
+from sdbench.commands import run as run_module  # the module: tests replace run.RunHarness
 from sdbench.commands.bench import GENERIC_ROW, measure_peers
 from sdbench.commands.gpucheck.plan import LLAMA_1B, LLAMA_8B, Ctx, Section, free, write_prompts
 from sdbench.commands.reproduce.common import FAILS, HOLDS, UNTESTABLE, Claim
@@ -164,7 +164,7 @@ def dsi_runs(ctx: Ctx) -> Section:
                      max_new_tokens=s.dsi_tokens, gammas=(s.dsi_gamma,), device=ctx.device, dtype=s.dtype,
                      out=str(ctx.work / "runs"))
     configs = [replace(base, options={"workers": str(w)}) for w in s.dsi_workers]
-    first = run_module.Bench(configs[0], ctx.console)
+    first = run_module.RunHarness(configs[0], ctx.console)
     pair = pair_module.load_pair(first.cfg, first.device, first.dtype, ctx.console)
     rows, checks, skipped = [], [], []
     try:
@@ -174,7 +174,7 @@ def dsi_runs(ctx: Ctx) -> Section:
                 continue
             ctx.console.print(f"dsi at {LLAMA_1B}: {workers} workers on one {first.device.type} device",
                               highlight=False)
-            df = results.read_results([str(run_module.Bench(cfg, ctx.console, pair=pair).run())])
+            df = results.read_results([str(run_module.RunHarness(cfg, ctx.console, pair=pair).run())])
             rows += _dsi_rows(df, workers)
             checks.append(_lossless_claim(f"dsi, {workers} workers", df))
     finally:

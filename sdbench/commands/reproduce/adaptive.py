@@ -25,7 +25,7 @@ from dataclasses import dataclass, replace
 
 import pandas as pd
 
-from sdbench.commands import run as run_module  # the module: tests replace run.Bench
+from sdbench.commands import run as run_module  # the module: tests replace run.RunHarness
 from sdbench.commands.reproduce.adaptive_claims import GUESSED, MARGIN, TUNING_GAP, judge
 from sdbench.commands.reproduce.common import (Figure, Report, ReproduceConfig, environment_facts, figure_png,
                                                grouped_bars, pyplot)
@@ -103,20 +103,20 @@ def real_runs(cfg: ReproduceConfig, plan: Plan, out, console) -> dict:
     """Every run of the plan on one loaded pair. Returns {"runs": {dataset: {run: Parquet path}},
     "fsm_draft": {dataset: candidate}, "candidates": (model, ngram)}."""
     both = candidates(cfg)
-    checked = [run_module.Bench(c, console)  # every setting before the models load
+    checked = [run_module.RunHarness(c, console)  # every setting before the models load
                for d in plan.datasets for fsm in both
                for name, c in run_configs(cfg, plan, d, out, fsm).items() if fsm == both[0] or name.startswith("fsm")]
     pair = pair_module.load_pair(checked[0].cfg, checked[0].device, checked[0].dtype, console)
     runs, fsm_drafts = {}, {}
     for dataset in plan.datasets:
         sweep = run_configs(cfg, plan, dataset, out, both[0])["sweep"]
-        paths = {"sweep": run_module.Bench(sweep, console, pair=pair).run()}
+        paths = {"sweep": run_module.RunHarness(sweep, console, pair=pair).run()}
         fsm_drafts[dataset] = sweep_winner(paths["sweep"], both)
         console.print(f"{dataset}: the FSM schedules draft with {fsm_drafts[dataset]}, the candidate fastest at its "
                       "best fixed γ in the sweep", highlight=False)
         for name, config in run_configs(cfg, plan, dataset, out, fsm_drafts[dataset]).items():
             if name != "sweep":
-                paths[name] = run_module.Bench(config, console, pair=sub_pair(pair, both, config.drafts)).run()
+                paths[name] = run_module.RunHarness(config, console, pair=sub_pair(pair, both, config.drafts)).run()
         runs[dataset] = paths
     return {"runs": runs, "fsm_draft": fsm_drafts, "candidates": both}
 

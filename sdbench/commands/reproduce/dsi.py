@@ -27,7 +27,7 @@ from sdbench.analysis.costs import profile
 from sdbench.analysis.dsi_heatmap import KMAX, PAPER_WORKERS, heatmap, plot_heatmap, table_lookahead
 from sdbench.analysis.dsi_sim import Setting, offline, online, profile_from_results, workers_warning
 from sdbench.analysis.theory import dsi_latency_per_token, dsi_workers_needed, si_latency_per_token
-from sdbench.commands import run as run_module  # the module: tests replace run.Bench
+from sdbench.commands import run as run_module  # the module: tests replace run.RunHarness
 from sdbench.commands.reproduce.common import (FAILS, HOLDS, UNTESTABLE, Claim, Figure, Report, ReproduceConfig,
                                                environment_facts, figure_png, grouped_bars, pyplot, verdict)
 from sdbench.config import RunConfig
@@ -100,8 +100,8 @@ def real_runs(cfg: ReproduceConfig, plan: Plan, out, console) -> dict:
                      max_new_tokens=plan.max_new_tokens, device=cfg.device, dtype=cfg.dtype, out=str(out),
                      gammas=(1,))
     dsi_cfg = replace(base, strategy="dsi", options={"workers": str(plan.workers)})
-    first = run_module.Bench(base, console)
-    run_module.Bench(dsi_cfg, console)  # every setting is checked before the models load
+    first = run_module.RunHarness(base, console)
+    run_module.RunHarness(dsi_cfg, console)  # every setting is checked before the models load
     pair = pair_module.load_pair(first.cfg, first.device, first.dtype, console)
     with console.status("timing one forward of each model"):
         c_timed = drafter_ratio(pair)
@@ -110,8 +110,8 @@ def real_runs(cfg: ReproduceConfig, plan: Plan, out, console) -> dict:
         "no lookahead of 1, 5, 10 meets the worker bound, so k = 10 (the nearest)")
     k = k or 10
     console.print(f"c = {c_timed:.3g} timed here; {rule} for {plan.workers} workers", highlight=False)
-    si = run_module.Bench(replace(base, gammas=(k,)), console, pair=pair).run()
-    dsi = run_module.Bench(replace(dsi_cfg, gammas=(k,)), console, pair=pair).run()
+    si = run_module.RunHarness(replace(base, gammas=(k,)), console, pair=pair).run()
+    dsi = run_module.RunHarness(replace(dsi_cfg, gammas=(k,)), console, pair=pair).run()
     return {"si": si, "dsi": dsi, "k": k, "c_timed": c_timed}
 
 

@@ -27,7 +27,7 @@ from rich.progress import Progress
 
 from sdbench.analysis.costs import (alphas_from_results, critical_lengths, crossing_lengths, predictions, profile,
                                     with_alphas)
-from sdbench.commands import run as run_module  # the module: tests replace run.Bench
+from sdbench.commands import run as run_module  # the module: tests replace run.RunHarness
 from sdbench.commands.reproduce.common import Report, ReproduceConfig, environment_facts
 from sdbench.commands.reproduce.magicdec_claims import judge, kv_share
 from sdbench.commands.reproduce.magicdec_figures import cost_figure, speedup_figure, tradeoff_figure
@@ -116,7 +116,7 @@ def measure(cfg: ReproduceConfig, plan: Plan, draft: str, out, console) -> tuple
     """Load the pair once, profile it, pick the runs' lookahead on the profile, then every real run on the
     same pair; returns (profiles, runs, wall seconds of the profile and of the runs)."""
     # every setting is checked before the models load
-    checked = [run_module.Bench(run, console) for _, run in run_configs(cfg, plan, draft, out)]
+    checked = [run_module.RunHarness(run, console) for _, run in run_configs(cfg, plan, draft, out)]
     loader = next(b for b in checked if b.cfg.strategy == "draft")  # its pair holds the small draft
     native = {name: why for b in checked for name, why in b.plan.native().items()}  # MagicDec's runs too
     pair = pair_module.load_pair(loader.cfg, loader.device, loader.dtype, console, native)
@@ -131,7 +131,7 @@ def measure(cfg: ReproduceConfig, plan: Plan, draft: str, out, console) -> tuple
     for i, ((strategy, selector, batch, length), run) in enumerate(planned):
         console.print(f"run {i + 1}/{len(planned)}: {strategy} ({selector}, budget {plan.budget}), batch {batch}, "
                       f"{length}-token prompts", highlight=False)
-        runs.append(Run(strategy, selector, batch, length, str(run_module.Bench(run, console, pair=pair).run())))
+        runs.append(Run(strategy, selector, batch, length, str(run_module.RunHarness(run, console, pair=pair).run())))
     return profiles, runs, {"profile": t1 - t0, "runs": time.perf_counter() - t1}
 
 
