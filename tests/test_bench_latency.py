@@ -10,7 +10,8 @@ import pandas as pd
 import pytest
 
 import sdbench.commands.bench as bench
-from sdbench.commands.bench import _measure
+from sdbench.commands import bench_measure
+from sdbench.commands.bench_measure import measure_systems
 from sdbench.commands.bench_table import SystemMeasurement, write_bench
 from sdbench.reporting.latency import Call, from_frame, latencies, repeat_tpot
 from sdbench.servers.engines import EngineTotals, Reply
@@ -65,7 +66,7 @@ class Served:
 
 def test_ttft_tpot_and_the_ratios_over_an_engine_by_hand(monkeypatch, tmp_path):
     clock = Clock()
-    monkeypatch.setattr(bench, "now", clock)
+    monkeypatch.setattr(bench_measure, "now", clock)
     plain = ("autoregressive", None)
     ours = InProcess(clock, [0.30, 0.50], [0.20, 0.44], 12, plain)  # 11 tokens after the first per prompt
     one = InProcess(clock, [0.10, 0.12], [0.0, 0.0], 1, ("ngram", None))  # one token per answer
@@ -73,7 +74,7 @@ def test_ttft_tpot_and_the_ratios_over_an_engine_by_hand(monkeypatch, tmp_path):
     other = Served(clock, [(0.02, 0.10), (0.02, 0.10)], 12, ("draft", "d"))  # no sdbench row of its decoding
     systems = [("sdbench autoregressive", ours, False), ("sdbench ngram", one, False), ("eng plain", theirs, False),
                ("eng draft", other, False)]
-    results = _measure(systems, [[5, 6], [7, 8]], 1, "cpu", _Status(), lambda fast: None)
+    results = measure_systems(systems, [[5, 6], [7, 8]], 1, "cpu", _Status(), lambda fast: None)
     by = {m.system: m for m in results}
 
     # the loop's own times: each call from its start to its end, its first token `after` before the end; the

@@ -369,8 +369,8 @@ def test_bench_times_every_system_alike(capsys, tiny_engine_bench, tmp_path, mon
     monkeypatch.setattr(DecodeState, "for_prompts", classmethod(slow_state))
     monkeypatch.setattr(LlamaForCausalLM, "forward", slow_forward)
     seen = {}
-    real_measure = bench._measure
-    monkeypatch.setattr(bench, "_measure", lambda *a: seen.setdefault("results", real_measure(*a)))
+    real_measure = bench.measure_systems
+    monkeypatch.setattr(bench, "measure_systems", lambda *a: seen.setdefault("results", real_measure(*a)))
     code, out, err = run_cli(capsys, *tiny_engine_bench)
     assert code == 0, err
     df = pd.read_parquet(tmp_path / "bench" / "bench.parquet").set_index("system")

@@ -3,9 +3,9 @@
 import pandas as pd
 import pytest
 
-from sdbench.forward_step import Step
 from sdbench.models.forward.runner import ModelRunner
-from sdbench.commands.bench import _measure, cost_ratios
+from sdbench.commands.bench import cost_ratios
+from sdbench.commands.bench_measure import measure_systems
 from sdbench.commands.bench_table import SystemMeasurement, _table, write_bench
 from tests.conftest import run_cli, skip_unless_ci, tiny_model
 from tests.references import tiny_model_dir
@@ -28,7 +28,7 @@ def test_measure_readies_weights_before_each_clock_and_keeps_repeats():
     weights = []
     systems = [("transformers a", system("a"), False), ("sdbench b", system("b"), True),
                ("transformers c", system("c"), False)]
-    results = _measure(systems, [[1, 2, 3, 4], [5, 6, 7]], 2, "cpu", _Status(), weights.append)
+    results = measure_systems(systems, [[1, 2, 3, 4], [5, 6, 7]], 2, "cpu", _Status(), weights.append)
     assert [len(m.tokens) for m in results] == [2, 2, 2] and results[1].tokens == [6, 6]
     # per prompt the plain-weight systems run first: the weights change twice a prompt, not per system
     assert calls[3:6] == ["a", "c", "b"] and weights[3:6] == [False, False, True]
@@ -169,8 +169,8 @@ def test_bench_fails_naming_the_system_and_prompt_whose_output_differs(capsys, t
         return systems
 
     prompts_seen = []
-    real_measure = bench._measure
-    monkeypatch.setattr(bench, "_measure", lambda systems, prompts, *a: (prompts_seen.extend(prompts),
+    real_measure = bench.measure_systems
+    monkeypatch.setattr(bench, "measure_systems", lambda systems, prompts, *a: (prompts_seen.extend(prompts),
                                                                         real_measure(systems, prompts, *a))[1])
     monkeypatch.setattr(bench, "_systems", one_token_off)
     monkeypatch.setattr(bench, "cost_ratios", lambda *a: (1.0, 1.0))  # not what this test is about

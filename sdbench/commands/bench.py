@@ -19,14 +19,13 @@ from rich.console import Console
 from sdbench.analysis.bandwidth import Bandwidth, measure_bandwidth
 from sdbench.analysis.costs import median_times
 from sdbench.commands.bench_carry import carry_over
+from sdbench.commands.bench_measure import measure_systems
 from sdbench.commands.bench_table import (GENERIC_ROW, SystemMeasurement, _table, check_outputs, engine_lines, fast_row,
                                           first_difference, write_bench)
 from sdbench.commands.hf_generate import MODES, TransformersSystem, generator, kwargs_for, pick
-from sdbench.commands.roles import EveryRole
 from sdbench.config import BenchConfig, SamplingConfig
 from sdbench.data.tasks import encode_prompt, load_prompts
 from sdbench.drafting.ngram import DRAFT_NAME
-from sdbench.engine.clock import now
 from sdbench.engine.counters import Rounds
 from sdbench.engine.loop import generate
 from sdbench.engine.state import needed_capacity
@@ -39,12 +38,10 @@ from sdbench.models.loading.pair import device_and_dtype, load_models, pick_runn
 from sdbench.options import split_list
 from sdbench.paths import cache_dir
 from sdbench.reporting.carry import Carried, carry_table
-from sdbench.reporting.latency import Call, latencies, latency_table
-from sdbench.servers.client import EngineReplyError
+from sdbench.reporting.latency import latencies, latency_table
 from sdbench.servers.costs import probe_capacity
 from sdbench.servers.engines import SDBENCH
 from sdbench.servers.known import engine
-from sdbench.servers.process import EngineFailed
 from sdbench.servers.systems import check_engine_options, engine_roles, engine_systems
 from sdbench.strategies import strategy
 from sdbench.strategies.autoregressive import Autoregressive
@@ -53,62 +50,6 @@ from sdbench.strategies.draft import DraftModel
 from sdbench.strategies.ngram import NGram
 from sdbench.strategies.spec import need_gamma
 
-
-
-def _measure(systems: list, prompts: list[list[int]], repeats: int, device, status, weights) -> list[SystemMeasurement]:
-    """Each prompt through every system in turn (`EveryRole`, as `run` measures its roles), `repeats` times:
-    drift in the machine's speed then falls on all systems alike instead of on whichever ran last. weights(fast)
-    readies the models' weights before a system's clock starts (the fast path's packed ones or plain ones); the
-    systems on plain weights run first for each prompt, so the weights change twice a prompt.
-    An engine's system whose server fails is marked failed and left out from then on; the others go on.
-    """
-    results = [SystemMeasurement(name, fast, engine=getattr(fn, "totals", None), source=fn)
-               for name, fn, fast in systems]
-    every = EveryRole(sorted(results, key=lambda m: m.fast), str(device))
-    ready = lambda m: weights(m.fast)  # noqa: E731 - the same readying before every system's call
-    every.measure(lambda m: _call(m, prompts[0], 4, device), started=ready)  # warm-up, not counted
-    for r in range(repeats):
-        for m in results:
-            m.tokens.append(0)
-            m.seconds.append(0.0)
-        for i, p in enumerate(prompts):
-            status.update(f"measuring: repeat {r + 1}/{repeats}, prompt {i + 1}/{len(prompts)}")
-            for got in every.measure(lambda m: _call(m, p, None, device), started=ready):
-                if got.result is None:
-                    continue
-                m, (t0, t1, out) = got.role, got.result
-                m.seconds[-1] += t1 - t0
-                m.tokens[-1] += len(out)
-                m.calls.append(Call(r, t0, t1 - _after_first(m.source), t1, len(out)))
-                if r == 0:
-                    m.outputs.append(out)
-    return results
-
-
-def _call(m: SystemMeasurement, prompt: list[int], budget: int | None, device) -> tuple | None:
-    """(start, end, output ids) of one system's call on a prompt, or None once its engine has failed."""
-    if m.failed:
-        return None
-    t0 = now(device)
-    try:
-        out = m.source(prompt, budget)
-    except (EngineFailed, EngineReplyError) as err:
-        if m.engine is None:
-            raise
-        m.failed = str(err)
-        return None
-    return t0, now(device), out
-
-
-def _after_first(fn) -> float:
-    """Seconds a system's last measured call ran after its first new token, by the clock that saw that token: an
-    engine's stream (its last reply), else the system's own `after_first` (sdbench's decode loop, transformers'
-    streamer); NaN for a system that keeps none."""
-    totals = getattr(fn, "totals", None)
-    if totals is not None:
-        reply = totals.replies[-1] if totals.replies else None
-        return math.nan if reply is None or reply.ttft is None else reply.seconds - reply.ttft
-    return getattr(fn, "after_first", math.nan)
 
 
 @dataclass
@@ -362,7 +303,7 @@ def measure_peers(cfg: BenchConfig, console: Console) -> Peers:
         picked = _pick_generate(tgt.model, prompts[0], eos, cfg.generate, dev, status, weights, room)
         systems[0] = (f"transformers generate ({picked.label})",
                       TransformersSystem(tgt.model, max_new, eos, kwargs_for(picked.name, dev, room)), False)
-        results = _measure(systems, prompts, cfg.repeats, dev, status, weights)
+        results = measure_systems(systems, prompts, cfg.repeats, dev, status, weights)
         reference, disagreement = _reference(tgt.model, prompts, eos, max_new, picked, results[0], status, weights)
         status.update("measuring the verification and draft cost ratios")
         weights(True)

@@ -66,7 +66,7 @@ as offsets from the start of serving; the names are vLLM's benchmark_serving's w
   queue_ms         the wait for a slot: scheduled - arrival (not in vLLM's client-side view)
   prefill_ms       the request's own prefill and first token; the draft's own prefill of it is in draft_s
   new_tokens       counted from token ids, as above (vLLM counts what the server reports, or re-tokenises)
-Timed per call in `bench` (`commands/bench._measure`, one loop for sdbench's systems, transformers' and each
+Timed per call in `bench` (`commands/bench.measure_systems`, one loop for sdbench's systems, transformers' and each
 engine's), as perf_counter times: start (the call made), first (its first new token available: the call's end less
 the time the system itself saw after its first token, from its decode loop, transformers' streamer or the engine's
 stream) and end (the call returned):

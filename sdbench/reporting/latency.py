@@ -1,5 +1,5 @@
 """`bench`'s latency table: every system's time to first token (TTFT) and time per output token after it (TPOT),
-sdbench's, transformers' and each engine's, from the calls the one measuring loop timed (`commands/bench._measure`;
+sdbench's, transformers' and each engine's, from the calls the one measuring loop timed (`commands/bench.measure_systems`;
 `engine/metrics.py` defines the per-call figures, `engine/formulas.py` computes them); each system beside every
 engine's row of the same decoding, end to end and after the first token; and the bench.parquet columns that hold
 them.

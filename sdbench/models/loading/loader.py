@@ -121,7 +121,9 @@ def load_tokenizer(name: str) -> "PreTrainedTokenizerBase":
         if source == "local":
             return library.auto_tokenizer(ref)
         cached = gguf_cache.cache_folder(Path(ref))
-        return library.auto_tokenizer(str(cached)) if gguf_cache.is_complete(cached) else gguf_cache.gguf_tokenizer(Path(ref))
+        if gguf_cache.is_complete(cached):
+            return library.auto_tokenizer(str(cached))
+        return gguf_cache.gguf_tokenizer(Path(ref))
 
 
 def model_available(name: str) -> tuple[bool, str]:
