@@ -9,7 +9,6 @@ import math
 import pandas as pd
 import pytest
 
-import sdbench.commands.bench as bench
 from sdbench.commands import bench_measure
 from sdbench.commands.bench_measure import measure_systems
 from sdbench.commands.bench_table import SystemMeasurement, write_bench
