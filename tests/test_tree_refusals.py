@@ -76,7 +76,7 @@ def static_when_fast(monkeypatch):
     from sdbench.models.loading import pair
     from sdbench.models.forward.runner import ModelRunner
 
-    monkeypatch.setattr(pair, "make_runner", lambda model, name, kind, fast: ModelRunner(model, name, static=fast))
+    monkeypatch.setattr(pair, "make_runner", lambda model, name, kind, fast, static=None: ModelRunner(model, name, static=fast))
 
 
 @pytest.mark.parametrize("args", [

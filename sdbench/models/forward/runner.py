@@ -297,13 +297,13 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, cache: KVCache, step: Step) -> torch.Tensor:
         """Logits [B, T, V] (float32) of one forward call (`forward_step.py`), or at its `at` only (eagerly, the
-        vocabulary projection then runs only there: it costs as much as a few layers). The path: a static-shape
-        forward (`models/forward/graphs.py`: replayed as a CUDA graph, compiled or eager) over a pooled cache;
-        the row-by-row forward of a call that crosses Phi-3's original context; else the eager layer loop."""
-        if self.static and cache.static_kv_len is not None:
-            return step.pick(self._static(cache, step))
+        vocabulary projection then runs only there: it costs as much as a few layers). The path: the row-by-row
+        forward of a call that crosses Phi-3's original context; a static-shape forward (`models/forward/graphs.py`:
+        replayed as a CUDA graph, compiled or eager) over a pooled cache; else the eager layer loop."""
         if step.tree is None and recompute.switches(cache, self.recompute_at, step.start, step.width):
             return recompute.forward_switching(self, cache, step, self.recompute_at)
+        if self.static and cache.static_kv_len is not None:
+            return step.pick(self._static(cache, step))
         h = self.hidden(cache, step)
         return self.logits(step.pick(h))
 
