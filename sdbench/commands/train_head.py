@@ -10,6 +10,7 @@ from, and no held-out prompt is read as training text."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from functools import partial
@@ -66,10 +67,7 @@ def validate(cfg: TrainHeadConfig) -> None:
 
 def train_head(cfg: TrainHeadConfig, console: Console) -> Path:
     validate(cfg)
-    from sdbench.models.loading import loader  # transformers: only once the settings are known to be sound
-    from sdbench.models.loading.pair import Pair, load_models, resolve_device, resolve_dtype
-    from sdbench.models.probing.probe import probe_pair
-    from sdbench.models.probing.probe_cache import ProbeCache
+    from sdbench.models.loading.pair import resolve_device, resolve_dtype  # transformers: once the settings are sound
 
     device = resolve_device(cfg.device)
     dtype_name = cfg.dtype if cfg.dtype != "auto" else ("bfloat16" if device.type == "cuda" else "float32")
@@ -78,23 +76,13 @@ def train_head(cfg: TrainHeadConfig, console: Console) -> Path:
     out = output_dir(cfg.out)
     state = _state(out, cfg)
     t_start = time.perf_counter()
-    got = load_models([cfg.target], device, dtype, console)[cfg.target]
-    loaded, runner = got.loaded, got.runner
+    loaded, runner, eos, verifier = _target(cfg, device, dtype, console)
     steps = cfg.steps or DEFAULT_STEPS[cfg.kind]
     layers = head_layers(cfg.kind, loaded.model.config)
-    verifier = verifier_name(loaded)
-    _notes(console, cfg, loaded, verifier)
-    eos = loader.eos_token_ids(loaded)
-    if cfg.probe != "never":  # the states the head learns from come from a runner equal to the library's
-        pair = Pair(runner, loaded.tokenizer, [], eos, 1 << 30)
-        probe_pair(pair, MAX_PROMPT + cfg.max_new_tokens, {}, console, ProbeCache(cfg.probe))
-        runner = pair.target
     prompts = D.training_prompts(cfg.data, cfg.prompts, cfg.seed, loaded.tokenizer)
     heldout_ids = {(src, p.id) for i, (src, p) in enumerate(prompts) if i % HELDOUT_EVERY == HELDOUT_EVERY - 1}
     seqs = _make_data(out, cfg, state, runner, loaded.tokenizer, prompts, heldout_ids, layers, eos, device, console)
-    train = [s for s in seqs if (s.source, s.id) not in heldout_ids]
-    heldout = ([s for s in seqs if (s.source, s.id) in heldout_ids]
-               or [s for s in train if s.answered_by == "target"][-1:] or train[-1:])
+    train, heldout = _held_out(seqs, heldout_ids)
     if not train:
         raise SdbenchError("no training data was made within --minutes: give more minutes")
     budget = cfg.minutes * 60 - state["data_seconds"]
@@ -115,16 +103,7 @@ def train_head(cfg: TrainHeadConfig, console: Console) -> Path:
         record.created = datetime.now(timezone.utc).isoformat(timespec="seconds")
         write_record(out, record)
 
-    columns = (TextColumn("[bold]fitting {task.description}"), BarColumn(), TextColumn("{task.fields[info]}"),
-               TimeElapsedColumn())
-    with Bar(*columns, console=console, transient=True) as bar:
-        task = bar.add_task(cfg.kind, total=budget, completed=progress.seconds, info="")
-
-        def on_step(p: Progress) -> None:
-            tau = (p.heldout or {}).get("tau")
-            info = f"step {p.step}  loss {p.loss:.3f}" + (f"  held-out τ {tau:.2f}" if tau else "")
-            bar.update(task, completed=min(p.seconds, budget), info=info)
-
+    with _bar(console, cfg.kind, budget, progress.seconds) as on_step:
         try:
             fit(model, optimizer, train, heldout, plan, progress, budget, device, on_eval, on_step)
         except KeyboardInterrupt:
@@ -133,6 +112,51 @@ def train_head(cfg: TrainHeadConfig, console: Console) -> Path:
                               "resumes the fit") from None
     _summary(console, cfg, out, progress, len(train), len(heldout), seqs, time.perf_counter() - t_start)
     return out
+
+
+@contextlib.contextmanager
+def _bar(console: Console, kind: str, budget: float, done: float):
+    """A progress bar over the fit's time budget; yields the fit's per-step callback, which moves it."""
+    columns = (TextColumn("[bold]fitting {task.description}"), BarColumn(), TextColumn("{task.fields[info]}"),
+               TimeElapsedColumn())
+    with Bar(*columns, console=console, transient=True) as bar:
+        task = bar.add_task(kind, total=budget, completed=done, info="")
+
+        def on_step(p: Progress) -> None:
+            tau = (p.heldout or {}).get("tau")
+            info = f"step {p.step}  loss {p.loss:.3f}" + (f"  held-out τ {tau:.2f}" if tau else "")
+            bar.update(task, completed=min(p.seconds, budget), info=info)
+
+        yield on_step
+
+
+def _target(cfg: TrainHeadConfig, device, dtype, console: Console):
+    """The target loaded (`load_models`), its notes said and its runner probed unless --probe never (the states
+    the head learns from come from a runner equal to the library's): (loaded, runner, eos ids, verifier)."""
+    from sdbench.models.loading import loader
+    from sdbench.models.loading.pair import Pair, load_models
+    from sdbench.models.probing.probe import probe_pair
+    from sdbench.models.probing.probe_cache import ProbeCache
+
+    got = load_models([cfg.target], device, dtype, console)[cfg.target]
+    loaded, runner = got.loaded, got.runner
+    verifier = verifier_name(loaded)
+    _notes(console, cfg, loaded, verifier)
+    eos = loader.eos_token_ids(loaded)
+    if cfg.probe != "never":
+        pair = Pair(runner, loaded.tokenizer, [], eos, 1 << 30)
+        probe_pair(pair, MAX_PROMPT + cfg.max_new_tokens, {}, console, ProbeCache(cfg.probe))
+        runner = pair.target
+    return loaded, runner, eos, verifier
+
+
+def _held_out(seqs: list, heldout_ids: set) -> tuple[list, list]:
+    """(training, held-out) sequences; with none held out, the last the target answered (else the last) is
+    evaluated on."""
+    train = [s for s in seqs if (s.source, s.id) not in heldout_ids]
+    heldout = ([s for s in seqs if (s.source, s.id) in heldout_ids]
+               or [s for s in train if s.answered_by == "target"][-1:] or train[-1:])
+    return train, heldout
 
 
 def _notes(console: Console, cfg: TrainHeadConfig, loaded, verifier: str | None) -> None:

@@ -62,6 +62,13 @@ def tree_costs(ctx: Ctx) -> list[Section]:
         first = frame[frame["fell_back"].fillna(False).astype(bool)].iloc[0]
         costs.failures.append(f"tree costs: CUDA graphs fell back to the eager forward for {first['model']} at batch "
                               f"{first['batch']} ({first['fallback'] or 'graphs off'})")
+    choices, notes = _picked_trees(tables, batches, v, c, s)
+    return [costs, Section("trees", pd.DataFrame(choices), notes=notes)]
+
+
+def _picked_trees(tables, batches: list[int], v: dict, c: dict, s) -> tuple[list[dict], list[str]]:
+    """The `trees` section's rows (every budget's tree per acceptance table and batch, from the measured v and c)
+    and one note per table and batch on the best of them against the best chain."""
     choices, notes = [], []
     for table in tables:
         acc = table.acceptance()
@@ -76,4 +83,4 @@ def tree_costs(ctx: Ctx) -> list[Section]:
             notes.append(f"trees for {table.name} at {LLAMA_8B}, batch {b}: best budget {top.budget} ({len(top.tree)} "
                          f"nodes, depth {top.tree.max_depth}) {top.speedup:.2f}x predicted, best chain (gamma "
                          f"{top.chain_gamma}) {top.chain_speedup:.2f}x")
-    return [costs, Section("trees", pd.DataFrame(choices), notes=notes)]
+    return choices, notes

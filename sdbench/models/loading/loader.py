@@ -115,15 +115,7 @@ def load_tokenizer(name: str) -> "PreTrainedTokenizerBase":
     if variant == RANDOM:
         return _random_tokenizer(name, base, _random_config(base).vocab_size)[0]
     source, ref = _resolve(name)
-    if source == "hub":
-        return hub.from_hub(name, ref, lambda local: library.auto_tokenizer(ref, local_files_only=local))
-    with library.as_user_error(name):
-        if source == "local":
-            return library.auto_tokenizer(ref)
-        cached = gguf_cache.cache_folder(Path(ref))
-        if gguf_cache.is_complete(cached):
-            return library.auto_tokenizer(str(cached))
-        return gguf_cache.gguf_tokenizer(Path(ref))
+    return _read(name, source, ref, library.auto_tokenizer, gguf_cache.gguf_tokenizer)
 
 
 def model_available(name: str) -> tuple[bool, str]:
@@ -246,15 +238,21 @@ def _config(name: str, source: str, ref: str) -> "PretrainedConfig":
     shipped = shipped_config(name)
     if shipped is not None:
         return config_from_dict(shipped)
+    # a GGUF not yet cached: its metadata read, not its tensors
+    return _read(name, source, ref, library.auto_config, lambda gguf: library.auto_config(str(gguf.parent),
+                                                                                          gguf_file=gguf.name))
+
+
+def _read(name: str, source: str, ref: str, auto, from_gguf):
+    """What a library Auto call (`auto`: a config's or a tokenizer's) reads of a resolved model: through the hub,
+    from a local folder or a GGUF file's cached copy, else from the GGUF file itself (`from_gguf(path)`)."""
     if source == "hub":
-        return hub.from_hub(name, ref, lambda local: library.auto_config(ref, local_files_only=local))
+        return hub.from_hub(name, ref, lambda local: auto(ref, local_files_only=local))
     with library.as_user_error(name):
         if source == "local":
-            return library.auto_config(ref)
+            return auto(ref)
         cached = gguf_cache.cache_folder(Path(ref))
-        if gguf_cache.is_complete(cached):
-            return library.auto_config(str(cached))
-        return library.auto_config(str(Path(ref).parent), gguf_file=Path(ref).name)  # reads the metadata, not the tensors
+        return auto(str(cached)) if gguf_cache.is_complete(cached) else from_gguf(Path(ref))
 
 
 def _refuse_unserved(name: str, config: "PretrainedConfig") -> None:
