@@ -207,8 +207,7 @@ def chain_config(target: str, chains: list[list[str]], dataset: str, limit: int,
 
 def load_chains(cfg: RunConfig, console: Console) -> tuple[object, dict]:
     """The loaded pair, and the runner (or "ngram") of each draft name."""
-    dev = pair_module.resolve_device(cfg.device)
-    pair = pair_module.load_pair(cfg, dev, pair_module.resolve_dtype(cfg.dtype, dev), console)
+    pair = pair_module.load_pair(cfg, *pair_module.device_and_dtype(cfg.device, cfg.dtype), console)
     return pair, dict(zip(cfg.drafts, pair.drafts))
 
 

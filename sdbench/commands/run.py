@@ -35,7 +35,7 @@ from sdbench.env import environment
 from sdbench.errors import Interrupted, SdbenchError
 from sdbench.models.heads.registry import trained_on_note
 from sdbench.models.loading.names import weights_of
-from sdbench.models.loading.pair import Pair, resolve_device, resolve_dtype
+from sdbench.models.loading.pair import Pair, device_and_dtype
 from sdbench.paths import output_dir
 from sdbench.reporting.rows import Judged, Place, RunFields, result_row
 from sdbench.reporting.writer import RunWriter, new_run_id
@@ -69,8 +69,7 @@ class RunHarness:
         if self.choice.entry is not None:
             self.console.print(f"schedule '{self.choice.name}': the {self.choice.entry.label} entry", highlight=False)
         self.backend = backend_for(self.cfg)  # sdbench's own loop, or an engine's server
-        self.device = resolve_device(self.cfg.device)
-        self.dtype = resolve_dtype(self.cfg.dtype, self.device)
+        self.device, self.dtype = device_and_dtype(self.cfg.device, self.cfg.dtype)
         output_dir(self.cfg.out)  # a bad --out fails now, not after the models have loaded
         # set by run() once the models are loaded: the pair, its roles and what every row records of the run
         self.loaded: Pair | None = None

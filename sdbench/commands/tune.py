@@ -46,7 +46,7 @@ from sdbench.data.prompts import encode_prompts
 from sdbench.engine.tree import is_tree_setting
 from sdbench.env import environment
 from sdbench.errors import Interrupted, SdbenchError
-from sdbench.models.loading.pair import load_pair, resolve_device, resolve_dtype
+from sdbench.models.loading.pair import device_and_dtype, load_pair
 from sdbench.paths import output_dir
 from sdbench.presets import shipped_dir, user_dir
 from sdbench.reporting.writer import RunWriter
@@ -78,8 +78,7 @@ class Tuner:
         if cfg.trees:
             self._check_trees()
         run = self.run
-        self.device = resolve_device(run.device)
-        self.dtype = resolve_dtype(run.dtype, self.device)
+        self.device, self.dtype = device_and_dtype(run.device, run.dtype)
         self.hardware = environment(str(self.device), run.dtype)["hardware"]
         # a search over tree shapes is a study of its own: the chain-only study keeps its trials apart
         searched = self.strategy + ("-trees" if cfg.trees else "")
