@@ -23,8 +23,8 @@ from sdbench.strategies.lookahead import Lookahead, LookaheadStrategy
 from tests.conftest import run_cli
 from tests.references import hf_generate, tiny_cli_files
 from tests.test_cli import one_line_error
-from tests.test_tree_loop import NEW, _chain_mask, _prompts, sampled, sampled_checks, small  # noqa: F401
-from tests.test_tree_loop import POINTS, assert_target_marginals_through_branches, warped_checks
+from tests.test_tree_loop import (NEW, POINTS, _chain_mask, _prompts, assert_target_marginals_through_branches,  # noqa: F401
+                                    sampled, sampled_checks, small, warped_checks)
 from tests.test_random_weights import small as small_random  # noqa: F401 (fixture)
 
 GREEDY = SamplingConfig()

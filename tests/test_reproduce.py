@@ -16,7 +16,7 @@ from sdbench.commands.reproduce.common import (FAILS, HOLDS, UNTESTABLE, Claim, 
 from sdbench.reporting.schema import rows_to_table
 from tests.conftest import reproduce_quick, run_cli
 
-TINY = dsi_paper.Plan(limit=1, max_new_tokens=8, workers=2, repeats=2, tokens=60, grid=4, kmax=12)
+TINY = dsi_paper.DsiPlan(limit=1, max_new_tokens=8, workers=2, repeats=2, tokens=60, grid=4, kmax=12)
 
 
 def one_line(err: str) -> str:

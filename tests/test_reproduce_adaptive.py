@@ -21,7 +21,7 @@ M = "tiny@int8"
 BOTH = (M, "ngram")
 GAMMAS = (1, 4, 6)  # a shorter sweep than the real one keeps the summaries fast
 PLAIN = 20.0  # tokens/s of plain decoding in every run
-TINY = paper.Plan(("gsm8k", "humaneval"), limit=2, max_new_tokens=16)
+TINY = paper.AdaptivePlan(("gsm8k", "humaneval"), limit=2, max_new_tokens=16)
 
 
 @dataclass

@@ -22,7 +22,7 @@ from tests.conftest import reproduce_quick
 
 BATCHES, CONTEXTS, BUDGETS, GAMMAS = (1, 2, 4, 8), (256, 1024, 1536, 4096), (64, 256), (1, 2, 3, 4)
 KV = 1e-5  # seconds per key read per row: at 1536 keys a batch-1 step spends more on its cache than on weights
-TINY = paper.Plan(BATCHES, (256, 1024, 4096), BUDGETS, GAMMAS, (1, 4), (256, 1536), 16, 64, 2, 1)
+TINY = paper.MagicDecPlan(BATCHES, (256, 1024, 4096), BUDGETS, GAMMAS, (1, 4), (256, 1536), 16, 64, 2, 1)
 
 
 def step(batch: int, tokens: int, context: int, kv: float) -> float:
@@ -265,7 +265,7 @@ def test_the_real_runs_ask_bench_for_the_plan_on_one_loaded_pair(monkeypatch, tm
 def test_the_profile_grid_times_the_target_and_the_small_draft(target, small_draft):
     from types import SimpleNamespace
 
-    plan = paper.Plan((1, 2), (16, 48), (8, 32), (1, 2), (1,), (16,), 4, 8, 1, 1)
+    plan = paper.MagicDecPlan((1, 2), (16, 48), (8, 32), (1, 2), (1,), (16,), 4, 8, 1, 1)
     quiet = Console(file=io.StringIO())
     found = paper.profile_grid(SimpleNamespace(target=target, drafts=[small_draft]), plan, (16, 48), quiet)
     assert [(p.batch, p.context) for p in found["target"]] == [(1, 16), (1, 48), (2, 16), (2, 48)]

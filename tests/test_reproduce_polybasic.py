@@ -165,7 +165,7 @@ def test_reproduce_polybasic_end_to_end_on_a_tiny_model(capsys, tmp_path, monkey
     LlamaForCausalLM(cfg).eval().save_pretrained(folder)
     tiny_tokenizer().save_pretrained(folder)
     monkeypatch.setenv("SDBENCH_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setattr(poly, "QUICK", poly.Plan(("mt-bench",), limit=2, max_new_tokens=10, profile_prompts=1,
+    monkeypatch.setattr(poly, "QUICK", poly.PolybasicPlan(("mt-bench",), limit=2, max_new_tokens=10, profile_prompts=1,
                                                  profile_tokens=8, gamma=2))
     out = tmp_path / "report"
     code, stdout, err = run_cli(capsys, "reproduce", "polybasic", "--quick", "--target", str(folder), "--device",

@@ -25,11 +25,11 @@ from tests.conftest import reproduce_quick
 from tests.references import hf_generate, tiny_text_model_dir
 
 EOS = [2]  # the folders' end of sequence (generation config and tokenizer)
-DSI_PLAN = dsi_paper.Plan(limit=1, max_new_tokens=8, workers=2, repeats=2, tokens=60, grid=4, kmax=12)
+DSI_PLAN = dsi_paper.DsiPlan(limit=1, max_new_tokens=8, workers=2, repeats=2, tokens=60, grid=4, kmax=12)
 # runs at batch 2 only (the profile has batch 1 too): each configuration decodes a real batch
-MAGICDEC_PLAN = magicdec_paper.Plan(batches=(1, 2), contexts=(96,), budgets=(32,), gammas=(1, 2), run_batches=(2,),
-                                    prompt_lens=(64,), max_new_tokens=6, budget=32, gamma=2, reps=1)
-ADAPTIVE_PLAN = adaptive_paper.Plan(("gsm8k",), limit=2, max_new_tokens=8, compare=(1,))
+MAGICDEC_PLAN = magicdec_paper.MagicDecPlan(batches=(1, 2), contexts=(96,), budgets=(32,), gammas=(1, 2),
+                                            run_batches=(2,), prompt_lens=(64,), max_new_tokens=6, budget=32, gamma=2, reps=1)
+ADAPTIVE_PLAN = adaptive_paper.AdaptivePlan(("gsm8k",), limit=2, max_new_tokens=8, compare=(1,))
 
 
 @pytest.fixture(scope="module")

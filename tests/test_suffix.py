@@ -24,8 +24,8 @@ from sdbench.strategies.suffix import Suffix, SuffixStrategy, cache_file
 from tests.conftest import run_cli
 from tests.references import hf_generate, tiny_cli_files
 from tests.test_cli import one_line_error
-from tests.test_tree_loop import NEW, _prompts, assert_target_marginals_through_branches, sampled  # noqa: F401
-from tests.test_tree_loop import POINTS, _chain_mask, sampled_checks, small, warped_checks  # noqa: F401
+from tests.test_tree_loop import (NEW, POINTS, _chain_mask, _prompts, assert_target_marginals_through_branches,  # noqa: F401
+                                    sampled, sampled_checks, small, warped_checks)
 
 GREEDY = SamplingConfig()
 DEFAULTS = SuffixStrategy.settings({})

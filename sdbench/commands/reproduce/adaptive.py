@@ -45,7 +45,7 @@ SCHEDULES = ("step", "heuristic")
 
 
 @dataclass(frozen=True)
-class Plan:
+class AdaptivePlan:
     datasets: tuple[str, ...]
     limit: int  # prompts per run
     max_new_tokens: int
@@ -53,8 +53,8 @@ class Plan:
     compare: tuple[int, ...] = (1, 2, 4, 6, 8)  # the fixed-gamma sweep
 
 
-QUICK = Plan(DATASETS, limit=2, max_new_tokens=48)
-FULL = Plan(DATASETS, limit=4, max_new_tokens=64)
+QUICK = AdaptivePlan(DATASETS, limit=2, max_new_tokens=48)
+FULL = AdaptivePlan(DATASETS, limit=4, max_new_tokens=64)
 
 
 def reproduce(cfg: ReproduceConfig, folder, console) -> Report:
@@ -83,7 +83,7 @@ def candidates(cfg: ReproduceConfig) -> tuple[str, str]:
     return model, NGRAM
 
 
-def run_configs(cfg: ReproduceConfig, plan: Plan, dataset: str, out, fsm_draft: str) -> dict:
+def run_configs(cfg: ReproduceConfig, plan: AdaptivePlan, dataset: str, out, fsm_draft: str) -> dict:
     """Run name -> RunConfig for one data set, the sweep first."""
     both = candidates(cfg)
     base = RunConfig(target=cfg.target, drafts=both, strategy="adaptive", dataset=dataset, limit=plan.limit,
@@ -99,7 +99,7 @@ def run_configs(cfg: ReproduceConfig, plan: Plan, dataset: str, out, fsm_draft: 
     return configs
 
 
-def real_runs(cfg: ReproduceConfig, plan: Plan, out, console) -> dict:
+def real_runs(cfg: ReproduceConfig, plan: AdaptivePlan, out, console) -> dict:
     """Every run of the plan on one loaded pair. Returns {"runs": {dataset: {run: Parquet path}},
     "fsm_draft": {dataset: candidate}, "candidates": (model, ngram)}."""
     both = candidates(cfg)
@@ -323,7 +323,7 @@ def gamma_figure(gammas, fsm_drafts: dict) -> Figure:
                   "state machines, same draft (rows record γ counts, not their order)", figure_png(fig))
 
 
-def setup_facts(cfg: ReproduceConfig, plan: Plan, done: dict, seconds: float, folder) -> dict:
+def setup_facts(cfg: ReproduceConfig, plan: AdaptivePlan, done: dict, seconds: float, folder) -> dict:
     facts = environment_facts(cfg)
     facts.update({
         "target": cfg.target, "draft candidates": ", ".join(done["candidates"]), "quick": cfg.quick,

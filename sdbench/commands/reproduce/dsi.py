@@ -43,7 +43,7 @@ SLOWED = 1.25  # a worker's forward this much slower than plain decoding's break
 
 
 @dataclass(frozen=True)
-class Plan:
+class DsiPlan:
     limit: int  # prompts per real run
     max_new_tokens: int
     workers: int  # DSI workers in the real run
@@ -53,8 +53,8 @@ class Plan:
     kmax: int  # heat-map: lookaheads 1 .. kmax
 
 
-QUICK = Plan(limit=2, max_new_tokens=24, workers=2, repeats=8, tokens=300, grid=20, kmax=KMAX)
-FULL = Plan(limit=6, max_new_tokens=64, workers=2, repeats=30, tokens=1000, grid=20, kmax=KMAX)
+QUICK = DsiPlan(limit=2, max_new_tokens=24, workers=2, repeats=8, tokens=300, grid=20, kmax=KMAX)
+FULL = DsiPlan(limit=6, max_new_tokens=64, workers=2, repeats=30, tokens=1000, grid=20, kmax=KMAX)
 
 
 def reproduce(cfg: ReproduceConfig, folder, console) -> Report:
@@ -93,7 +93,7 @@ def reproduce(cfg: ReproduceConfig, folder, console) -> Report:
 # ---- the real runs ---------------------------------------------------------------------------------------
 
 
-def real_runs(cfg: ReproduceConfig, plan: Plan, out, console) -> dict:
+def real_runs(cfg: ReproduceConfig, plan: DsiPlan, out, console) -> dict:
     """SI and DSI on the same prompts, each beside plain decoding, on one loaded pair; returns the Parquet
     paths ("si", "dsi") and the lookahead the paper's rule chose ("k") from c timed here ("c_timed")."""
     base = RunConfig(target=cfg.target, drafts=(cfg.drafter,), strategy="draft", limit=plan.limit,
@@ -175,7 +175,7 @@ def latency_table(c: float, a: float, workers_options) -> "object":
     return pd.DataFrame(rows)
 
 
-def worker_sweep(plan: Plan):
+def worker_sweep(plan: DsiPlan):
     """Latency per token against the worker count at SWEEP: the worker-limited offline count, the online
     simulation in its preemptive idealisation (what the count models) and as sdbench runs it."""
     rows = []
@@ -342,7 +342,7 @@ def sweep_figure(sweep) -> Figure:
                   "against the online simulation", figure_png(fig))
 
 
-def setup_facts(cfg: ReproduceConfig, plan: Plan, runs: dict, s_si: Setting, s_dsi: Setting, folder) -> dict:
+def setup_facts(cfg: ReproduceConfig, plan: DsiPlan, runs: dict, s_si: Setting, s_dsi: Setting, folder) -> dict:
     facts = environment_facts(cfg)
     facts.update({
         "target": cfg.target, "draft": cfg.drafter, "quick": cfg.quick, "prompts per run": plan.limit,

@@ -46,7 +46,7 @@ PROVISIONAL_ALPHA = 0.7  # the runs' lookahead is picked on the profile before a
 
 
 @dataclass(frozen=True)
-class Plan:
+class MagicDecPlan:
     batches: tuple[int, ...]  # profile: batch sizes
     contexts: tuple[int, ...]  # profile: context lengths (the runs' prompt lengths are profiled too)
     budgets: tuple[int, ...]  # profile: sparse-cache budgets of self-speculation
@@ -59,8 +59,8 @@ class Plan:
     reps: int  # profile: each step time the median of this many calls (after one warm-up call)
 
 
-QUICK = Plan((1, 2, 4, 8), (256, 1024, 2048, 4096), (64, 256), (1, 2, 3, 4), (1, 4), (256, 1536), 12, 64, 2, 4)
-FULL = Plan((1, 2, 4, 8, 16), (256, 512, 1024, 2048, 4096, 8192), (64, 128, 256, 512), (1, 2, 3, 4), (1, 4, 8),
+QUICK = MagicDecPlan((1, 2, 4, 8), (256, 1024, 2048, 4096), (64, 256), (1, 2, 3, 4), (1, 4), (256, 1536), 12, 64, 2, 4)
+FULL = MagicDecPlan((1, 2, 4, 8, 16), (256, 512, 1024, 2048, 4096, 8192), (64, 128, 256, 512), (1, 2, 3, 4), (1, 4, 8),
             (256, 1024, 2048), 24, 128, 2, 5)
 
 
@@ -93,7 +93,7 @@ def reproduce(cfg: ReproduceConfig, folder, console) -> Report:
 # ---- the measurements ------------------------------------------------------------------------------------
 
 
-def run_configs(cfg: ReproduceConfig, plan: Plan, draft: str, out, gamma: int | None = None) -> list[tuple]:
+def run_configs(cfg: ReproduceConfig, plan: MagicDecPlan, draft: str, out, gamma: int | None = None) -> list[tuple]:
     """((strategy, selector, batch, prompt length), RunConfig) for every real run, the three configurations of
     one (batch, prompt length) one after another; at lookahead `gamma` (default the plan's)."""
     planned = []
@@ -112,7 +112,7 @@ def run_configs(cfg: ReproduceConfig, plan: Plan, draft: str, out, gamma: int | 
     return planned
 
 
-def measure(cfg: ReproduceConfig, plan: Plan, draft: str, out, console) -> tuple[dict, list[Run], dict]:
+def measure(cfg: ReproduceConfig, plan: MagicDecPlan, draft: str, out, console) -> tuple[dict, list[Run], dict]:
     """Load the pair once, profile it, pick the runs' lookahead on the profile, then every real run on the
     same pair; returns (profiles, runs, wall seconds of the profile and of the runs)."""
     # every setting is checked before the models load
@@ -135,7 +135,7 @@ def measure(cfg: ReproduceConfig, plan: Plan, draft: str, out, console) -> tuple
     return profiles, runs, {"profile": t1 - t0, "runs": time.perf_counter() - t1}
 
 
-def pick_gamma(profiles: dict, plan: Plan) -> int:
+def pick_gamma(profiles: dict, plan: MagicDecPlan) -> int:
     """The lookahead of the best predicted self-speculation at the runs' budget, largest batch and longest
     prompt, with a provisional alpha; the plan's when the profile has no such point."""
     batch, context = max(plan.run_batches), max(plan.prompt_lens)
@@ -144,13 +144,13 @@ def pick_gamma(profiles: dict, plan: Plan) -> int:
     return max(rows, key=lambda r: r["predicted_speedup"])["gamma"] if rows else plan.gamma
 
 
-def grid_contexts(plan: Plan, max_positions: int) -> tuple[int, ...]:
+def grid_contexts(plan: MagicDecPlan, max_positions: int) -> tuple[int, ...]:
     """The profiled contexts with the runs' prompt lengths, each within the model's positions."""
     room = max_positions - (needed_capacity(0, 0, max(plan.gammas)))
     return tuple(sorted({min(s, room) for s in (*plan.contexts, *plan.prompt_lens)}))
 
 
-def profile_grid(pair, plan: Plan, contexts, console) -> dict:
+def profile_grid(pair, plan: MagicDecPlan, contexts, console) -> dict:
     """{"target": [Profile], "draft": [Profile]}: the target's T_T, T_V, T_D per budget, and the small draft's
     dense step (its `target_s`) and compressed step at the runs' budget (its `draft_s`), at every grid point."""
     draft = pair.drafts[0]
@@ -272,7 +272,7 @@ def _frame(rows: list[dict]):
 # ---- notes and setup ------------------------------------------------------------------------------------
 
 
-def notes(cfg: ReproduceConfig, draft: str, profiles: dict, plan: Plan) -> list[str]:
+def notes(cfg: ReproduceConfig, draft: str, profiles: dict, plan: MagicDecPlan) -> list[str]:
     out = ["Latency per token and throughput are of the decode phase without the drafter's one-off setup (the "
            "small draft's own prefill of the prompt, the sparse cache's compression, SnapKV's scoring pass; column "
            f"setup_ms), as the paper counts a draft's prefill with the prefill: over {plan.max_new_tokens - 1} tokens "
@@ -296,7 +296,7 @@ def notes(cfg: ReproduceConfig, draft: str, profiles: dict, plan: Plan) -> list[
     return out
 
 
-def setup_facts(cfg: ReproduceConfig, plan: Plan, draft: str, summary, seconds: dict, folder) -> dict:
+def setup_facts(cfg: ReproduceConfig, plan: MagicDecPlan, draft: str, summary, seconds: dict, folder) -> dict:
     facts = environment_facts(cfg)
     facts.update({
         "target": cfg.target, "small draft": draft, "quick": cfg.quick,

@@ -39,7 +39,7 @@ SEED = 0
 
 
 @dataclass(frozen=True)
-class Plan:
+class PolybasicPlan:
     datasets: tuple[str, ...]
     limit: int  # prompts per dataset in the measured pass
     max_new_tokens: int
@@ -49,8 +49,9 @@ class Plan:
     mu: str = ""  # the middle level's threshold ("" = 2 * gamma)
 
 
-QUICK = Plan(("mt-bench",), limit=3, max_new_tokens=48, profile_prompts=2, profile_tokens=32)
-FULL = Plan(("mt-bench", "gsm8k", "humaneval"), limit=5, max_new_tokens=96, profile_prompts=1, profile_tokens=64)
+QUICK = PolybasicPlan(("mt-bench",), limit=3, max_new_tokens=48, profile_prompts=2, profile_tokens=32)
+FULL = PolybasicPlan(("mt-bench", "gsm8k", "humaneval"), limit=5, max_new_tokens=96, profile_prompts=1,
+                     profile_tokens=64)
 
 
 @dataclass(frozen=True)
@@ -89,7 +90,7 @@ def reproduce(cfg: ReproduceConfig, folder, console) -> Report:
 # ---- the measurements ------------------------------------------------------------------------------------
 
 
-def measure_systems(cfg: ReproduceConfig, plan: Plan, console) -> tuple[dict[str, ChainRun], dict[str, int]]:
+def measure_systems(cfg: ReproduceConfig, plan: PolybasicPlan, console) -> tuple[dict[str, ChainRun], dict[str, int]]:
     """Profile and measure the four systems (`systems`) on one loaded target; returns the runs by key and the
     prompts measured per dataset."""
     chains = systems(cfg)
@@ -314,7 +315,7 @@ def spread_figure(spread) -> Figure:
                   "greedy and sampling (black: independent acceptances at the same mean)", figure_png(fig))
 
 
-def setup_facts(cfg: ReproduceConfig, plan: Plan, prompts: dict[str, int], folder) -> dict:
+def setup_facts(cfg: ReproduceConfig, plan: PolybasicPlan, prompts: dict[str, int], folder) -> dict:
     chains = systems(cfg)
     facts = environment_facts(cfg)
     facts.update({
