@@ -54,12 +54,9 @@ def judge(target, prompt: list[int], expected: list[int], got: list[int]) -> tup
     return ("tie" if gap <= tie_tolerance(top, target.dtype) else "real"), gap
 
 
-def judge_rows(target, rows: list[dict], prompts: dict) -> None:
-    """Tell a tie from a real divergence on every result row whose greedy output differs from the baseline's
-    (rows: `run`'s, of one batch or one load point; the baseline's row of a prompt is the one compared with).
-    prompts: prompt id -> its token ids."""
-    base = {r["prompt_id"]: r["output_ids"] for r in rows if r["role"] == "baseline"}
-    for row in rows:
-        if row.get("lossless") is False:
-            pid = row["prompt_id"]
-            row["divergence"], row["divergence_gap"] = judge(target, prompts[pid], base[pid], row["output_ids"])
+def judged_output(target, prompt: list[int], expected: list[int] | None, got: list[int], greedy: bool):
+    """judge() where it applies: under greedy decoding, with the baseline's output known and the target's weights
+    loaded here (through an engine none are); else None."""
+    if not greedy or expected is None or target is None:
+        return None
+    return judge(target, prompt, expected, got)

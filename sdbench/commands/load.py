@@ -15,8 +15,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from sdbench.commands.divergence import judge_rows
-from sdbench.commands.roles import BASELINE, EveryRole, Measured
+from sdbench.commands.divergence import judged_output
+from sdbench.commands.roles import BASELINE, EveryRole, Measured, Measuring
 from sdbench.config import RunConfig
 from sdbench.engine.formulas import rate
 from sdbench.engine.loop import serve
@@ -65,10 +65,10 @@ def check_load(cfg: RunConfig, base: str, options: dict) -> None:
                            f"(--request-rate/--concurrency): {reason}; strategies that can: {', '.join(able)}")
 
 
-def serve_points(bench, prompts, encoded, writer, progress) -> None:
+def serve_points(bench, on: Measuring, prompts, encoded, writer, progress) -> None:
     """Every load point and repeat, every role on the same arrivals; a part written per point and repeat.
-    bench: the run's RunHarness, its pair loaded (`loaded`, `every`, `fields`)."""
-    cfg, pair, every = bench.cfg, bench.loaded, bench.every
+    bench: the run's RunHarness; on: its loaded pair, roles and row fields."""
+    cfg, pair, every = bench.cfg, on.pair, on.every
     points = load_points(cfg, len(encoded))
     task = progress.add_task(bench.choice.name, total=cfg.repeats * len(points) * len(every.roles))
     for repeat in range(cfg.repeats):
@@ -78,10 +78,9 @@ def serve_points(bench, prompts, encoded, writer, progress) -> None:
                 lambda role: _serve(bench, pair, role.proposer, encoded, arrivals, point.slots, repeat, point_id),
                 started=lambda role: progress.update(task, description=f"{role.name}: {point.label}"),
                 done=lambda role: progress.advance(task))
-            at = replace(bench.fields, batch_size=point.slots, request_rate=point.rate, concurrency=point.slots,
+            at = replace(on.fields, batch_size=point.slots, request_rate=point.rate, concurrency=point.slots,
                          slo=format_slo(cfg.slo) or None)
-            rows = _rows(bench, measured, prompts, at, Place("", "", repeat, point_id))
-            judge_rows(pair.target, rows, {p.id: ids for p, ids in zip(prompts, encoded)})
+            rows = _rows(bench, pair, measured, prompts, encoded, at, Place("", "", repeat, point_id))
             writer.append(rows)
             if bench.on_batch is not None:
                 bench.on_batch(rows)
@@ -96,9 +95,11 @@ def _serve(bench, pair, proposer, encoded, arrivals, slots: int, repeat: int, po
                  generator=gen)
 
 
-def _rows(bench, measured: list[Measured[Scheduler]], prompts, fields: RunFields, at: Place) -> list[dict]:
-    """One row per request and role; speedup and lossless against the baseline's row for the same request."""
-    cfg = bench.cfg
+def _rows(bench, pair, measured: list[Measured[Scheduler]], prompts, encoded, fields: RunFields,
+          at: Place) -> list[dict]:
+    """One row per request and role; speedup, lossless and a divergence judged against the baseline's row for the
+    same request before the row is made (encoded: the prompts' token ids)."""
+    cfg, greedy = bench.cfg, bench.cfg.sampling.greedy
     served = {m.role.name: _served(m.result, cfg.slo) for m in measured}
     base = EveryRole.baseline(measured)
     base_requests = {req.index: req for req in base.requests} if base is not None else {}
@@ -106,11 +107,13 @@ def _rows(bench, measured: list[Measured[Scheduler]], prompts, fields: RunFields
     for m in measured:
         weights = weights_of([cfg.target, *m.role.drafts])
         for req in m.result.requests:
-            p, judged = prompts[req.index], Judged(None, cfg.sampling.greedy)
+            p, judged = prompts[req.index], Judged(None, greedy)
             breq = base_requests.get(req.index)
-            if breq is not None:
+            if breq is not None:  # DSI is never served
                 predicted = math.nan if m.role.is_baseline else predicted_speedup(req.stats, breq.stats)
-                judged = Judged(served[BASELINE][req.index], cfg.sampling.greedy, predicted)  # DSI is never served
+                divergence = judged_output(pair.target, encoded[req.index], breq.output_ids, req.output_ids,
+                                           greedy)
+                judged = Judged(served[BASELINE][req.index], greedy, predicted, divergence=divergence)
             place = replace(at, category=p.category, prompt_id=p.id, depth=p.depth)
             rows.append(result_row(fields, m.role, place, served[m.role.name][req.index], judged, m.memory, weights))
     return rows

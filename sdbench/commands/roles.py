@@ -103,3 +103,13 @@ class EveryRole(Generic[T]):
     @staticmethod
     def baseline(measured: list[Measured[R]]) -> R | None:
         return next((m.result for m in measured if m.role.is_baseline), None)
+
+
+@dataclass(frozen=True)
+class Measuring:
+    """What a run measures with once its models are loaded: the pair, every role over it, and what every row
+    of the run records alike (reporting.rows.RunFields)."""
+
+    pair: Any  # models.loading.pair.Pair
+    every: EveryRole
+    fields: Any  # reporting.rows.RunFields

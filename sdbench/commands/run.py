@@ -17,10 +17,10 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from sdbench.commands.backends import backend_for
-from sdbench.commands.divergence import judge_rows
+from sdbench.commands.divergence import judged_output
 from sdbench.commands.load import serve_points
 from sdbench.commands.plan import plan
-from sdbench.commands.roles import EveryRole, Measured, Role, compared_roles, plan_roles
+from sdbench.commands.roles import EveryRole, Measured, Measuring, Role, compared_roles, plan_roles
 from sdbench.config import RunConfig, SamplingConfig
 from sdbench.data.passkey import answer_found
 from sdbench.data.prompts import encode_prompts
@@ -71,10 +71,6 @@ class RunHarness:
         self.backend = backend_for(self.cfg)  # sdbench's own loop, or an engine's server
         self.device, self.dtype = device_and_dtype(self.cfg.device, self.cfg.dtype)
         output_dir(self.cfg.out)  # a bad --out fails now, not after the models have loaded
-        # set by run() once the models are loaded: the pair, its roles and what every row records of the run
-        self.loaded: Pair | None = None
-        self.every: EveryRole | None = None
-        self.fields: RunFields | None = None
 
     def _load(self) -> Pair:
         """The pair to decode with: the one given, else the backend's."""
@@ -136,13 +132,14 @@ class RunHarness:
             raise Interrupted("interrupted during warm-up: nothing was saved") from None
         self._save_config(run_id)  # only now: a run that never measured leaves nothing behind
         writer.mark_unfinished()  # until the last batch: a run stopped before it reads as partial
-        self.loaded, self.every, self.fields = pair, EveryRole(roles, str(self.device)), self.run_fields(pair)
+        on = Measuring(pair, EveryRole(roles, str(self.device)), self.run_fields(pair))
         try:
             with writer, self._progress() as progress:
                 if cfg.under_load:
-                    serve_points(self, prompts, encoded, writer, progress)
+                    serve_points(self, on, prompts, encoded, writer, progress)
                 else:
-                    self._batches(Conversations(prompts, pair.tokenizer, cfg.turns), batches, done, writer, progress)
+                    talk = Conversations(prompts, pair.tokenizer, cfg.turns)
+                    self._batches(on, talk, batches, done, writer, progress)
         except KeyboardInterrupt:
             if not writer.exists():  # no batch finished: forget the run instead of pointing at it
                 self._config_path(run_id).unlink(missing_ok=True)
@@ -163,9 +160,10 @@ class RunHarness:
             raise EngineFailed(f"{err}; finished prompts are saved in {writer.final_path}; continue with "
                                f"`sdbench run --resume {run_id} --out {cfg.out}`") from None
 
-    def _batches(self, talk: Conversations, batches: list[list[int]], done: set, writer: RunWriter, progress) -> None:
+    def _batches(self, on: Measuring, talk: Conversations, batches: list[list[int]], done: set, writer: RunWriter,
+                 progress) -> None:
         """Every batch (and turn) with every role, a part written per batch; batches `done` are skipped."""
-        prompts, roles = talk.prompts, self.every.roles
+        prompts, roles = talk.prompts, on.every.roles
         total = self.cfg.repeats * sum(talk.turns_of(idx) for idx in batches) * len(roles)
         task = progress.add_task(self.choice.name, total=total)
         for repeat in range(self.cfg.repeats):
@@ -176,7 +174,7 @@ class RunHarness:
                     continue
                 rows = []  # every turn of a batch goes into one part: a resumed run redoes whole batches
                 for turn in range(talk.turns_of(idx)):
-                    rows += self._turn(talk, idx, Place("", "", repeat, batch_id, turn + 1),
+                    rows += self._turn(on, talk, idx, Place("", "", repeat, batch_id, turn + 1),
                                        lambda role: progress.update(task, advance=1, description=(
                                            f"{role.name}: batch {batch_id + 1}/{len(batches)}")))
                 writer.append(rows)
@@ -206,21 +204,18 @@ class RunHarness:
                                capacity=longest)
                 prop.warmed_up()
 
-    def _turn(self, talk: Conversations, idx: list[int], at: Place, advance) -> list[dict]:
+    def _turn(self, on: Measuring, talk: Conversations, idx: list[int], at: Place, advance) -> list[dict]:
         """Decode one turn (at.turn) of the batch of prompts idx with every role; the answer carried into the next
         turn is the first role's (the baseline's, when it runs). A turn past the first is its own batch (batch_id)."""
-        pair = self.loaded
+        pair = on.pair
         members = talk.members(idx, at.turn - 1)
         at = replace(at, batch_id=at.batch_id * talk.most + at.turn - 1)
         seed = self.cfg.sampling.group_seed(at.repeat, at.batch_id)
         batch = [talk.encode(i, at.turn - 1) for i in members]
-        measured = self.every.measure(
+        measured = on.every.measure(
             lambda role: self._generate(pair, role.proposer, batch, self.cfg.max_new_tokens, seed), done=advance)
         talk.record(members, at.turn - 1, measured[0].result.output_ids)
-        rows = self._rows(measured, [talk.prompts[i] for i in members], at, pair.tokenizer)
-        if pair.target is not None:  # through an engine no weights are loaded to judge a difference with
-            judge_rows(pair.target, rows, {talk.prompts[i].id: ids for i, ids in zip(members, batch)})
-        return rows
+        return self._rows(on, measured, [talk.prompts[i] for i in members], batch, at)
 
     def _progress(self) -> Progress:
         return Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
@@ -243,9 +238,11 @@ class RunHarness:
             schedule_entry=self.choice.entry.label if self.choice.entry is not None else None,
             engine=getattr(self.backend.engine, "name", None), **pair.fidelity())
 
-    def _rows(self, measured: list[Measured[BatchResult]], prompts, at: Place, tokenizer) -> list[dict]:
-        """The rows of one decoded batch: one per role and prompt (prompts: the batch's, in row order)."""
-        rows = []
+    def _rows(self, on: Measuring, measured: list[Measured[BatchResult]], prompts, encoded: list[list[int]],
+              at: Place) -> list[dict]:
+        """The rows of one decoded batch: one per role and prompt (prompts: the batch's, in row order; encoded:
+        their token ids), each judged against the baseline's row of its prompt before it is made."""
+        rows, pair, greedy = [], on.pair, self.cfg.sampling.greedy
         base = EveryRole.baseline(measured)
         base_rows = [row_metrics(base, b) for b in range(len(prompts))] if base is not None else None
         for m in measured:
@@ -255,11 +252,13 @@ class RunHarness:
                 predicted = predicted_batch_speedup(res.rows, base.rows, [len(o) for o in res.output_ids])
             weights = weights_of([self.cfg.target, *m.role.drafts])  # a @random model: "random"
             for b, p in enumerate(prompts):
-                judged = Judged(base_rows[b] if base_rows is not None else None, self.cfg.sampling.greedy,
-                                predicted, answer_found(p, res.output_ids[b], tokenizer))
+                mine, base_row = row_metrics(res, b), base_rows[b] if base_rows is not None else None
+                expected = base_row.output_ids if base_row is not None else None
+                divergence = judged_output(pair.target, encoded[b], expected, mine.output_ids, greedy)
+                judged = Judged(base_row, greedy, predicted, answer_found(p, mine.output_ids, pair.tokenizer),
+                                divergence)
                 place = replace(at, category=p.category, prompt_id=p.id, depth=p.depth)
-                rows.append(result_row(self.fields, m.role, place, row_metrics(res, b), judged,
-                                       self.backend.memory(m), weights))
+                rows.append(result_row(on.fields, m.role, place, mine, judged, self.backend.memory(m), weights))
         return rows
 
 

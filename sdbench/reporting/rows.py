@@ -68,6 +68,7 @@ class Judged:
     greedy: bool  # outputs are compared token for token only under greedy decoding
     predicted_speedup: float = math.nan
     found: bool | None = None  # retrieval tasks: the output holds the answer
+    divergence: tuple[str, float] | None = None  # greedy output unlike the baseline's: ("tie" | "real", logit gap)
 
 
 def result_row(run: RunFields, role: Described, place: Place, m: RowMetrics, judged: Judged,
@@ -95,4 +96,6 @@ def result_row(run: RunFields, role: Described, place: Place, m: RowMetrics, jud
         row["speedup"] = speedup(m.tokens_per_s, judged.baseline.tokens_per_s)
         if judged.greedy:
             row["lossless"] = m.output_ids == judged.baseline.output_ids
+    if judged.divergence is not None:
+        row["divergence"], row["divergence_gap"] = judged.divergence
     return row
