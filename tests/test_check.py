@@ -163,3 +163,21 @@ def test_check_fails_when_speculative_decoding_changes_the_output(folders, capsy
 
     library = hf_generate(AutoModelForCausalLM.from_pretrained(folders["llama"]), plain[1][0], 8)
     assert plain[3] == [library]  # what the draft's run was compared with is the library's greedy output
+
+
+def test_check_makes_an_int8_draft_of_the_loaded_target(folders, capsys, monkeypatch):
+    """MODEL@int8 as a draft of MODEL: made of the target's loaded weights (no second load from the folder), not
+    probed (no one forward is its reference), decoding losslessly; the weights column counts the int8 copy."""
+    import sdbench.models.loading.loader as loader
+
+    seen, loads, real = _recorded(monkeypatch), [], loader.load_model
+    monkeypatch.setattr(loader, "load_model", lambda name, *a, **k: loads.append(name) or real(name, *a, **k))
+    name = f"{folders['llama']}@int8"
+    code, out, err = run_cli(capsys, "check", folders["llama"], "--draft", name, *CHECK)
+    assert code == 0, err + out
+    assert loads == [folders["llama"]]
+    (draft,) = [line for line in rows(out, name) if "│" in line]
+    assert f"{name} is not probed" in out and "native" in draft and "same" in draft and "✓" in draft and "ok" in draft
+    assert _mib(folders["llama"]) not in draft  # int8 weights: fewer bytes than the float copy
+    (_, _, _, (plain,)), (kind, _, _, (spec,)) = seen
+    assert kind == "DraftModel" and spec == plain

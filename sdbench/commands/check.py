@@ -25,7 +25,7 @@ from sdbench.models.loading.loader import check_fit, check_same_tokenizer, eos_t
 from sdbench.models.loading.pair import device_and_dtype, load_models
 from sdbench.models.probing.probe import PHASES, TOLERANCE, probe_runner
 from sdbench.models.probing.probe_cache import ProbeCache
-from sdbench.models.loading.variants import split_variant, variant_runner
+from sdbench.models.loading.variants import split_variant
 from sdbench.strategies.autoregressive import Autoregressive
 from sdbench.strategies.draft import DraftModel
 from sdbench.strategies.ngram import NGram
@@ -64,7 +64,8 @@ def run_check(target: str, drafts: list[str], device: str, dtype: str, fast: boo
     dev, dt = device_and_dtype(device, dtype)
     check_fit([n for n in (target, *drafts) if n != DRAFT_NAME], dev, dt)
     rows = [Checked(target, "target")]
-    loaded, runner = _model(rows[0], target, dev, dt, fast, context, console)
+    got, runner = _model(rows[0], target, dev, dt, fast, context, console)
+    loaded = got.loaded if got is not None else None
     prompt = None
     if runner is not None:
         prompt = _prompt(loaded.tokenizer, runner)
@@ -78,7 +79,7 @@ def run_check(target: str, drafts: list[str], device: str, dtype: str, fast: boo
             row.tokenizer = "same model"
             draft = runner
         else:
-            draft = _draft(row, name, target, loaded, dev, dt, fast, context, console)
+            draft = _draft(row, name, target, got, dev, dt, fast, context, console)
         if draft is not None and runner is not None:
             with console.status(f"speculative decoding with {name} against plain decoding"):
                 _lossless(row, runner, draft, prompt, tokens, plain, loaded)
@@ -99,15 +100,17 @@ def run_check(target: str, drafts: list[str], device: str, dtype: str, fast: boo
         raise CheckFailed(f"check failed: {problems[0]}{more}")
 
 
-def _model(row: Checked, name: str, dev, dt, fast: bool, context: int, console, tokenizer=None):
-    """(LoadedModel, runner) with row filled in; (loaded or None, None) on a failure recorded in the row."""
+def _model(row: Checked, name: str, dev, dt, fast: bool, context: int, console, tokenizer=None, given=None):
+    """(pair.Loaded, runner) with row filled in; (loaded or None, None) on a failure recorded in the row. The
+    variant MODEL@int8 is made of the target's weights (given: {target: its Loaded})."""
     try:
-        got = load_models([name], dev, dt, console, fast=fast, fit=False)[name]  # every fit checked already
+        names = [*given, name] if given else [name]
+        got = load_models(names, dev, dt, console, fast=fast, fit=False, given=given)[name]  # fits checked already
     except SdbenchError as e:
         row.problems.append(str(e))
         return None, None
     row.weights = got.weight_bytes
-    return got.loaded, _probed(row, got.runner, context, tokenizer or got.loaded.tokenizer, console)
+    return got, _probed(row, got.runner, context, tokenizer or got.loaded.tokenizer, console)
 
 
 def _probed(row: Checked, runner, context: int, tokenizer, console):
@@ -126,8 +129,10 @@ def _probed(row: Checked, runner, context: int, tokenizer, console):
     return runner
 
 
-def _draft(row: Checked, name: str, target: str, loaded, dev, dt, fast: bool, context: int, console):
-    """The draft's runner (None for a failure recorded in the row, or for prompt lookup, which needs none)."""
+def _draft(row: Checked, name: str, target: str, got, dev, dt, fast: bool, context: int, console):
+    """The draft's runner (None for a failure recorded in the row, or for prompt lookup, which needs none).
+    got: the target as loaded (pair.Loaded), None where it failed."""
+    loaded = got.loaded if got is not None else None
     if name == DRAFT_NAME:
         row.runner, row.tokenizer = "none (prompt lookup)", "–"
         return name
@@ -136,18 +141,14 @@ def _draft(row: Checked, name: str, target: str, loaded, dev, dt, fast: bool, co
         if loaded is not None:
             check_same_tokenizer(loaded.tokenizer, load_tokenizer(base), target, base)
             row.tokenizer = "same"
-        if split_variant(name)[1]:
-            if loaded is None:
-                raise SdbenchError(f"model '{name}': a variant is made from loaded weights, and '{target}' "
-                                   "did not load")
-            with console.status(f"making {name}"):
-                runner = variant_runner(name, target, loaded, dev, dt)
-            return _probed(row, runner, context, loaded.tokenizer, console)
+        if split_variant(name)[1] and loaded is None:
+            raise SdbenchError(f"model '{name}': a variant is made from loaded weights, and '{target}' did not load")
     except SdbenchError as e:
         row.tokenizer = "differs" if "share a tokenizer" in str(e) else row.tokenizer
         row.problems.append(str(e))
         return None
-    return _model(row, name, dev, dt, fast, context, console, loaded.tokenizer if loaded else None)[1]
+    given = {target: got} if split_variant(name)[1] else None
+    return _model(row, name, dev, dt, fast, context, console, loaded.tokenizer if loaded else None, given)[1]
 
 
 def _prompt(tokenizer, runner) -> list[int]:

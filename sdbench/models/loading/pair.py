@@ -95,16 +95,17 @@ class Loaded:
 
 def load_models(names: list[str], device: torch.device, dtype: torch.dtype, console: Console, *,
                 fast: bool = True, native: dict[str, str] | None = None, static: bool | None = None,
-                fit: bool = True) -> dict[str, Loaded]:
+                fit: bool = True, given: dict[str, Loaded] | None = None) -> dict[str, Loaded]:
     """The one load sequence: every model's fit checked from its config before anything loads (`fit`), then each
     distinct model loaded (progress shown), given the runner its config calls for (`pick_runner`; refused in one
     line where `native` says what needs the native runner), and its note said. MODEL@int8 is the quantised copy
-    of MODEL (`variants.py`), made of the first model's weights when MODEL is the first (the target)."""
+    of MODEL (`variants.py`), made of the first model's weights when MODEL is the first (the target). given: models
+    already loaded by this sequence, used as they are."""
     native = native or {}
     if fit:
         loader.check_fit(list(names), device, dtype)
-    out: dict[str, Loaded] = {}
-    for name in dict.fromkeys(names):
+    out: dict[str, Loaded] = dict(given or {})
+    for name in (n for n in dict.fromkeys(names) if n not in out):
         with console.status(f"loading {name}"):
             if split_variant(name)[1] == "int8":
                 first = out.get(names[0])

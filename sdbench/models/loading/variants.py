@@ -65,10 +65,3 @@ def variant_model(name: str, target_name: str, target, device, dtype):
         raise SdbenchError(f"model '{name}': @{variant} quantises the decoder layers the native runner computes, and "
                            f"'{base}' runs on the generic runner")
     return replace(loaded, name=name, model=quantise_int8(loaded.model))
-
-
-def variant_runner(name: str, target_name: str, target, device, dtype):
-    """The ModelRunner for a draft named MODEL@VARIANT (`variant_model`)."""
-    from sdbench.models.forward.runner import ModelRunner  # imports transformers (rotary): only an @int8 draft needs it
-
-    return ModelRunner(variant_model(name, target_name, target, device, dtype).model, name)
