@@ -1,5 +1,5 @@
 """Tiny random trained heads written as the formats they are read from (tests only): EAGLE-3 in the
-speculators and the EAGLE repository's layouts, EAGLE-1, Medusa-1."""
+speculators and the EAGLE repository's layouts, EAGLE-1, Medusa-1, DFlash in the speculators and z-lab layouts."""
 
 from __future__ import annotations
 
@@ -103,6 +103,38 @@ def medusa_dir(folder, target, heads: int = 3, layers: int = 1, seed: int = 0) -
     (folder / "config.json").write_text(json.dumps({"medusa_num_heads": heads, "medusa_num_layers": layers,
                                                     "base_model_name_or_path": "tiny"}))
     save_file(w, str(folder / "medusa_lm_head.safetensors"))
+    return folder
+
+
+def dflash_dir(folder, target, fmt: str = "speculators", seed: int = 0, block: int = 4, layers: int = 2,
+               layer_ids=(1, 3), mask: int | None = None, anchor: bool = False, drop=()) -> Path:
+    """A DFlash head of `layers` Qwen3 layers reading the target states `layer_ids` (engine/hidden.py's numbering),
+    its blocks `block` tokens long, the target's last token as the mask token unless `mask` is given."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    g = torch.Generator().manual_seed(seed)
+    lc = {**_layer_config(target), "model_type": "qwen3", "num_hidden_layers": layers}
+    H, n, kv, D = lc["hidden_size"], lc["num_attention_heads"], lc["num_key_value_heads"], lc["head_dim"]
+    w = {"fc.weight": _rand(g, H, len(layer_ids) * H, scale=0.15), "hidden_norm.weight": 1 + _rand(g, H, scale=0.2),
+         "norm.weight": 1 + _rand(g, H, scale=0.2)}
+    for i in range(layers):
+        layer = _layer(g, H, H, n, kv, lc["intermediate_size"])
+        layer.update({"self_attn.q_norm.weight": 1 + _rand(g, D, scale=0.2),
+                      "self_attn.k_norm.weight": 1 + _rand(g, D, scale=0.2)})
+        w.update({f"layers.{i}.{k}": v for k, v in layer.items()})
+    mask = lc["vocab_size"] - 1 if mask is None else mask
+    if fmt == "speculators":
+        cfg = {"speculators_model_type": "dflash", "architectures": ["DFlashSpeculator"], "transformer_layer_config": lc,
+               "draft_vocab_size": lc["vocab_size"], "block_size": block, "aux_hidden_state_layer_ids": list(layer_ids),
+               "mask_token_id": mask, "sample_from_anchor": anchor}
+    else:  # z-lab's: its layer ids count from the first layer's output
+        cfg = {**lc, "architectures": ["DFlashDraftModel"], "block_size": block,
+               "num_target_layers": target.config.num_hidden_layers,
+               "dflash_config": {"target_layer_ids": [i - 1 for i in layer_ids], "mask_token_id": mask}}
+    for k in drop:
+        w.pop(k)
+    (folder / "config.json").write_text(json.dumps(cfg))
+    save_file({k: v.contiguous() for k, v in w.items()}, str(folder / "model.safetensors"))
     return folder
 
 

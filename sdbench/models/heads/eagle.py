@@ -31,12 +31,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
-def _layer_config(head: Head):
-    """The head layer's library config (for its rotary embedding): Llama unless it names another type."""
+def layer_config(head: Head, layers: int = 1):
+    """The head's decoder layers' library config (for their rotary embedding): Llama unless it names another
+    type."""
     from transformers import AutoConfig  # slow to import; only a head needs it here
 
     cfg = {k: v for k, v in head.config.items() if k not in ("architectures", "draft_vocab_size", "auto_map")}
-    cfg["num_hidden_layers"] = 1
+    cfg["num_hidden_layers"] = layers
     return AutoConfig.for_model(cfg.pop("model_type", "llama"), **cfg)
 
 
@@ -82,7 +83,7 @@ class EagleHead:
     def __init__(self, head: Head, target):
         self.kind, self.target = head.kind, target
         self.device, self.dtype = target.device, target.dtype
-        cfg = _layer_config(head)
+        cfg = layer_config(head)
         self.eps = cfg.rms_norm_eps
         self.n_heads, self.n_kv = cfg.num_attention_heads, cfg.num_key_value_heads or cfg.num_attention_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.n_heads

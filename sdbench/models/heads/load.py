@@ -9,7 +9,8 @@ Formats read:
 - EAGLE-1 (the EAGLE repository, vLLM's `EAGLEModel`): a Llama config of one layer, `fc` over
   cat(embedding, hidden state) with a bias, `layers.0.*` without an input norm; the target's head;
 - Medusa-1: `medusa_num_heads`, `medusa_num_layers`; weights `{k}.{j}.linear.*` (residual blocks) and
-  `{k}.{layers}.weight` (head k's vocabulary projection).
+  `{k}.{layers}.weight` (head k's vocabulary projection);
+- the block drafters' formats (block_load.py: DFlash).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import torch
 
 from sdbench.engine.hidden import FINAL, eagle3_layers
 from sdbench.errors import SdbenchError
+from sdbench.models.heads.block_load import BLOCK_KINDS, check_block, parse_block
 
 EAGLE3, EAGLE1, MEDUSA = "eagle3", "eagle1", "medusa"
 # EAGLE-3 variants of the speculators format that this forward does not compute (one line each, refused)
@@ -34,11 +36,14 @@ class Head:
     (the decoder layer's without prefix: `q_proj.weight`, `hidden_norm.weight`, ...)."""
 
     name: str
-    kind: str  # EAGLE3, EAGLE1 or MEDUSA
+    kind: str  # EAGLE3, EAGLE1, MEDUSA or a block drafter's (block_load.py)
     layers: tuple[int, ...]  # the target states it reads (engine/hidden.py)
-    config: dict  # the decoder layer's (EAGLE) or the heads' (Medusa) settings
+    config: dict  # the decoder layer's (EAGLE, a block drafter) or the heads' (Medusa) settings
     weights: dict[str, torch.Tensor] = field(default_factory=dict)
     norm_before_residual: bool = False
+    block_size: int = 0  # a block drafter: the tokens of its one forward (the anchor, then mask tokens)
+    mask_token_id: int | None = None  # a block drafter: the token its drafted positions hold
+    anchor_drafts: bool = False  # a block drafter: the anchor's slot drafts too (speculators' sample_from_anchor)
 
 
 def load_head(source: str, target, kinds: tuple[str, ...] = (EAGLE3, EAGLE1, MEDUSA), strategy: str = "") -> Head:
@@ -50,7 +55,7 @@ def load_head(source: str, target, kinds: tuple[str, ...] = (EAGLE3, EAGLE1, MED
     weights = _read_weights(folder, source)
     head = _parse(source, config, weights, target)
     if head.kind not in kinds:
-        other = "medusa" if head.kind == MEDUSA else "eagle"
+        other = head.kind if head.kind in (MEDUSA, *BLOCK_KINDS) else "eagle"
         raise SdbenchError(f"--head {source} is a {head.kind} head, which --strategy {strategy or kinds[0]} does not "
                            f"draft with: use --strategy {other}")
     check_against(head, target)
@@ -89,6 +94,32 @@ def check_folder(source: str) -> None:
 
 def _weight_files(folder: Path) -> list[Path]:
     return sorted(folder.glob("*.safetensors")) or sorted(folder.glob("*.bin")) + sorted(folder.glob("*.pt"))
+
+
+def config_kind(source: str) -> str | None:
+    """What a head folder holds, from its config alone: MEDUSA, a block drafter's kind, else None (an EAGLE head,
+    or a config not readable)."""
+    try:
+        config = _read_config(_folder(source), source)
+    except SdbenchError:
+        return None
+    if "medusa_num_heads" in config:
+        return MEDUSA
+    try:
+        block = parse_block(source, config, {}, 1, Head)
+    except SdbenchError:
+        return None
+    return block.kind if block is not None else None
+
+
+def block_drafts(source: str) -> int | None:
+    """The tokens one block of a block drafter drafts, from its config alone (None: not a block drafter, or not
+    readable)."""
+    try:
+        block = parse_block(source, _read_config(_folder(source), source), {}, 1, Head)
+    except SdbenchError:
+        return None
+    return None if block is None else block.block_size - (0 if block.anchor_drafts else 1)
 
 
 def medusa_heads(source: str) -> int | None:
@@ -134,6 +165,9 @@ def _read_weights(folder: Path, source: str) -> dict[str, torch.Tensor]:
 
 def _parse(source: str, config: dict, weights: dict, target) -> Head:
     n_layers = _text(target.config).num_hidden_layers
+    block = parse_block(source, config, weights, n_layers, Head)
+    if block is not None:
+        return block
     if "medusa_num_heads" in config:
         return Head(source, MEDUSA, (FINAL,), dict(config), _strip(weights, "medusa_head."))
     if config.get("speculators_model_type") == "eagle3":
@@ -151,7 +185,7 @@ def _parse(source: str, config: dict, weights: dict, target) -> Head:
     if "fc.weight" in weights and any(k.startswith("layers.0.") for k in weights):
         return Head(source, EAGLE1, (FINAL,), dict(config), _strip(weights, "layers.0."))
     raise SdbenchError(f"--head {source}: not a head sdbench reads (EAGLE-3 in the speculators or EAGLE format, "
-                       "EAGLE-1, Medusa-1)")
+                       "EAGLE-1, Medusa-1, DFlash in the speculators or z-lab format)")
 
 
 def _layer_ids(source: str, config: dict) -> list | None:
@@ -183,6 +217,11 @@ def check_against(head: Head, target) -> None:
         raise SdbenchError(f"{where} reads target layer {bad[0]}, but the target has {L} layers (0 to {L})")
     if head.kind == MEDUSA:
         return _check_medusa(head, H, V)
+    if head.kind in BLOCK_KINDS:
+        check_block(head, H, V, _check_shapes, _count)
+        if "lm_head.weight" in head.weights:
+            _check_vocab(head, V)
+        return
     need = len(head.layers) * H
     fc = head.weights.get("fc.weight")
     if fc is None:

@@ -1,0 +1,110 @@
+"""Block drafters read from a folder: the formats engines load, parsed into a `Head` and checked against the
+target before any drafting.
+
+DFlash (block diffusion: a block of `block_size` tokens filled in one non-causal forward), as
+- the `speculators` package writes it (and vLLM loads): config `speculators_model_type: dflash` with
+  `transformer_layer_config` (a Qwen3 decoder's), `aux_hidden_state_layer_ids` (engine/hidden.py's numbering:
+  i < L the input of layer i), `block_size`, `mask_token_id`, `draft_vocab_size`, `sample_from_anchor`;
+  weights `layers.{i}.*`, `fc`, `hidden_norm`, `norm`, and `lm_head`, `d2t` for a draft vocabulary smaller than
+  the target's (the embedding and a full-vocabulary head are the target's);
+- z-lab's own folders (`DFlashDraftModel`): a Qwen3 config with `dflash_config` (`target_layer_ids`, counted
+  from the first layer's output, so one less than engine/hidden.py's; `mask_token_id`), `block_size`,
+  `num_target_layers`; the same weight names.
+"""
+
+from __future__ import annotations
+
+from sdbench.errors import SdbenchError
+
+DFLASH = "dflash"
+BLOCK_KINDS = (DFLASH,)
+# config keys of a z-lab folder that are not the draft decoder's own
+_ZLAB_KEYS = ("architectures", "auto_map", "block_size", "dflash_config", "num_target_layers")
+
+
+def zlab_layers(n_target_layers: int, n_draft_layers: int) -> list[int]:
+    """The target layers z-lab's DFlash reads unless its config names them (its `build_target_layer_ids`),
+    counted from the first layer's output."""
+    if n_draft_layers == 1:
+        return [n_target_layers // 2]
+    span = n_target_layers - 4
+    return [round(1 + i * span / (n_draft_layers - 1)) for i in range(n_draft_layers)]
+
+
+def parse_block(source: str, config: dict, weights: dict, n_layers: int, head_type):
+    """The block drafter a folder holds, as a `head_type` (load.Head); None when it holds none."""
+    kind = config.get("speculators_model_type")
+    if kind in ("dflash2", "dspark"):
+        raise SdbenchError(f"--head {source}: a {kind} head is not supported yet (DFlash is)")
+    if kind == DFLASH:
+        layer = dict(config.get("transformer_layer_config") or {})
+        ids = config.get("aux_hidden_state_layer_ids")
+        ids = _id_list(source, "aux_hidden_state_layer_ids", ids) if ids is not None else [2, n_layers // 2,
+                                                                                            n_layers - 3]
+        block, mask, anchor = config.get("block_size", 8), config.get("mask_token_id"), config.get(
+            "sample_from_anchor", False)
+    elif "DFlashDraftModel" in (config.get("architectures") or []) or "dflash_config" in config:
+        if "DFlash2DraftModel" in (config.get("architectures") or []):
+            raise SdbenchError(f"--head {source}: a DFlash 2 head is not supported yet (DFlash is)")
+        extra = config.get("dflash_config") or {}
+        layer = {k: v for k, v in config.items() if k not in _ZLAB_KEYS}
+        drafted = extra.get("target_layer_ids", config.get("target_layer_ids"))
+        if drafted is None:
+            drafted = zlab_layers(config.get("num_target_layers", n_layers), layer.get("num_hidden_layers", 1))
+        ids = [i + 1 for i in _id_list(source, "target_layer_ids", drafted)]
+        block = config.get("block_size") or extra.get("block_size", 16)
+        mask, anchor = extra.get("mask_token_id", config.get("mask_token_id")), False
+    else:
+        return None
+    layer.setdefault("model_type", "qwen3")
+    layer["draft_vocab_size"] = config.get("draft_vocab_size", layer.get("vocab_size"))
+    if isinstance(block, bool) or not isinstance(block, int) or block < 2:
+        raise SdbenchError(f"--head {source}: block_size in its config.json is {block!r}, not a whole number of "
+                           "at least 2")
+    if isinstance(mask, bool) or not isinstance(mask, int):
+        raise SdbenchError(f"--head {source}: its config.json names no mask_token_id (the token a block's drafted "
+                           "positions hold)")
+    return head_type(source, DFLASH, tuple(ids), layer, dict(weights), block_size=block, mask_token_id=mask,
+                     anchor_drafts=bool(anchor))
+
+
+def _id_list(source: str, key: str, ids) -> list:
+    if not isinstance(ids, list):
+        raise SdbenchError(f"--head {source}: {key} in its config.json is {ids!r}, not a list of layer ids")
+    return ids
+
+
+def check_block(head, H: int, V: int, check_shapes, count) -> None:
+    """A block drafter's weights against its config and the target (hidden size H, V tokens): one line on the
+    first misfit. check_shapes, count: load.py's `_check_shapes` and `_count`."""
+    where = f"--head {head.name}"
+    hidden = head.config.get("hidden_size", H)
+    if hidden != H:
+        raise SdbenchError(f"{where} has hidden size {hidden}, but the target's is {H} (a DFlash head shares the "
+                           "target's embedding and head)")
+    if head.config.get("vocab_size", V) != V:
+        raise SdbenchError(f"{where} was made for a vocabulary of {head.config['vocab_size']} tokens, but the "
+                           f"target has {V}")
+    if not 0 <= head.mask_token_id < V:
+        raise SdbenchError(f"{where}: mask_token_id {head.mask_token_id} is not one of the target's {V} tokens")
+    if any(t == "sliding_attention" for t in head.config.get("layer_types") or []):
+        raise SdbenchError(f"{where}: sliding-window draft layers are not supported yet")
+    n, layers = count(head, "num_attention_heads"), count(head, "num_hidden_layers")
+    kv, D = count(head, "num_key_value_heads", n), count(head, "head_dim", H // n)
+    inter = count(head, "intermediate_size")
+    need = {"fc.weight": (H, len(head.layers) * H), "hidden_norm.weight": (H,), "norm.weight": (H,)}
+    optional = {}
+    for i in range(layers):
+        p = f"layers.{i}."
+        need.update({p + "self_attn.q_proj.weight": (n * D, H), p + "self_attn.k_proj.weight": (kv * D, H),
+                     p + "self_attn.v_proj.weight": (kv * D, H), p + "self_attn.o_proj.weight": (H, n * D),
+                     p + "self_attn.q_norm.weight": (D,), p + "self_attn.k_norm.weight": (D,),
+                     p + "input_layernorm.weight": (H,), p + "post_attention_layernorm.weight": (H,),
+                     p + "mlp.gate_proj.weight": (inter, H), p + "mlp.up_proj.weight": (inter, H),
+                     p + "mlp.down_proj.weight": (H, inter)})
+        optional.update({p + f"self_attn.{x}_proj.bias": (w,) for x, w in
+                         (("q", n * D), ("k", kv * D), ("v", kv * D), ("o", H))})
+    lm = head.weights.get("lm_head.weight")
+    if lm is not None:  # a draft vocabulary of its own (checked with its d2t by load.py)
+        optional["lm_head.weight"] = (lm.shape[0], H)
+    check_shapes(head, need, optional)

@@ -1,0 +1,70 @@
+"""DFlash: a block drafter (--head, in the speculators or z-lab format) fills a block of mask tokens after the
+last committed token in one non-causal forward, conditioned on several target layers' hidden states; the first
+gamma of the block's drafts are verified each round (at most block_size - 1)."""
+
+from __future__ import annotations
+
+from sdbench.errors import SdbenchError
+from sdbench.strategies.base import TrainedHead
+from sdbench.strategies.eagle import HeadStrategy
+from sdbench.strategies.spec import Option, SearchContext, need_gamma, register
+
+
+@register
+class DFlashStrategy(HeadStrategy):
+    name = "dflash"
+    help = ("DFlash block drafter (--head, speculators or z-lab format): one non-causal forward drafts a whole "
+            "block from the target's hidden states; gamma: the block's drafts verified per round")
+    head_kinds = ("dflash",)
+    options = (Option("head", "", "the DFlash head: a folder or a hub id (also --head)", str),)
+
+    @classmethod
+    def validate(cls, gamma: int, options: dict, drafts: tuple[str, ...], sampling) -> None:
+        from sdbench.models.heads.load import block_drafts, check_folder  # light: config.json only
+
+        need_gamma(cls.name, gamma)
+        head = options.get("head")
+        if not head:
+            raise SdbenchError(f"strategy '{cls.name}' needs --head PATH|HUB_ID (a DFlash head for the target)")
+        check_folder(head)
+        most = block_drafts(head)
+        if most is not None and gamma > most:
+            raise SdbenchError(f"--gamma {gamma}: --head {head} drafts {most} tokens per block")
+
+    @classmethod
+    def tree(cls, gamma: int, options: dict):
+        return None
+
+    @classmethod
+    def drafter(cls, head, target, gamma: int, tree=None):
+        from sdbench.drafting.block import BlockDrafter
+        from sdbench.models.heads.dflash import DFlashHead
+
+        try:
+            forward = DFlashHead(head, target)
+        except (ValueError, KeyError, TypeError) as err:  # the library refuses its layers' config
+            line = (str(err).strip() or type(err).__name__).splitlines()[0]
+            raise SdbenchError(f"--head {head.name}: its layers' config is not one sdbench reads ({line})") from None
+        return BlockDrafter(forward, head.name, head.layers)
+
+    @classmethod
+    def proposer_for(cls, head, target, gamma: int, options: dict | None = None) -> TrainedHead:
+        drafter = cls.drafter(head, target, gamma)
+        most = drafter.head.most_drafts
+        if gamma > most:
+            raise SdbenchError(f"--gamma {gamma}: --head {head.name} drafts {most} tokens per block")
+        return TrainedHead(drafter, gamma, head.name)
+
+    @classmethod
+    def max_gamma(cls, heads: tuple[str, ...]) -> int:
+        """Every lookahead up to the fewest drafts per block among the candidates."""
+        from sdbench.models.heads.load import block_drafts
+
+        return min(n for n in map(block_drafts, heads) if n) if any(map(block_drafts, heads)) else 1
+
+    @classmethod
+    def search_space(cls, trial, space: SearchContext) -> tuple:
+        if not space.heads:
+            raise SdbenchError(f"strategy '{cls.name}' needs a trained head to tune with: give --head PATH|HUB_ID")
+        head = space.heads[0] if len(space.heads) == 1 else trial.suggest_categorical("head", list(space.heads))
+        return trial.suggest_int("gamma", 1, cls.max_gamma((head,))), {"head": head}
