@@ -94,3 +94,25 @@ def test_predict_speedup_command(capsys):
     main(["predict", "speedup", "--alpha", "0.8", "--gamma", "2,4", "--draft-cost", "0.0", "--verify-cost", "1.0"])
     out = capsys.readouterr().out
     assert "2.44" in out and "3.36x" in out and "4 *" in out  # Omega(2, .8) = 2.44; Omega(4, .8) = 3.36, best
+
+
+def test_predict_speedup_of_a_block_drafter(capsys):
+    """A block drafter pays its draft forward once per round: at alpha 0.8, c = 0.3, v = 1, Omega(8) = 4.33 over
+    1.3 forwards is 3.33x and gamma 8 is best, where a drafter of one token per forward gets 4.33 / 3.4 = 1.27x
+    there and does best at gamma 3 (2.95 / 1.9 = 1.55x)."""
+    from sdbench.cli import main
+
+    args = ["predict", "speedup", "--alpha", "0.8", "--gamma", "3,8", "--draft-cost", "0.3", "--verify-cost", "1.0"]
+    main([*args, "--block"])
+    out = capsys.readouterr().out
+    assert "3.33x" in out and "8 *" in out and "a block drafter" in out
+    main(args)
+    out = capsys.readouterr().out
+    assert "1.27x" in out and "1.55x" in out and "3 *" in out
+
+
+def test_block_with_a_measured_target_is_one_line(capsys):
+    from tests.conftest import run_cli
+
+    code, _, err = run_cli(capsys, "predict", "speedup", "--alpha", "0.8", "--block", "--target", "smollm2-135m")
+    assert code == 2 and "--block with --target" in err and "Traceback" not in err

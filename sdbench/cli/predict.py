@@ -26,12 +26,14 @@ def predict_speedup(
     draft: Annotated[Optional[str], typer.Option("--draft", "-d", help="with --target: the draft model [default: the target]")] = None,
     context: Annotated[int, typer.Option(help="with --target: the prompt length the costs are measured at")] = 256,
     device: Device = "auto", dtype: Dtype = "float32",
+    block: Annotated[bool, typer.Option("--block", help="a block drafter (DFlash): one draft forward per round "
+                                        "drafts all gamma tokens, --draft-cost is that forward's")] = False,
 ):
     """Expected tokens per step and speedup of draft-model SD under the i.i.d. acceptance model."""
     from sdbench.commands.predict_speedup import run_speedup
 
     run_speedup(alpha, parse_counts(gamma, low=1), draft_cost, verify_cost, console, target=target, draft=draft,
-                context=context, device=device, dtype=dtype)
+                context=context, device=device, dtype=dtype, block=block)
 
 
 @predict_app.command("magicdec")

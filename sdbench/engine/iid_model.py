@@ -8,7 +8,10 @@ probability alpha, commits per target verification
 tokens on average (bonus token included). With a draft forward costing c target forwards and a verification
 of gamma + 1 tokens costing v target forwards, the expected speedup over plain decoding is
 
-    Omega(gamma, alpha) / (gamma * c + v).
+    Omega(gamma, alpha) / (gamma * c + v),
+
+or Omega(gamma, alpha) / (c + v) for a block drafter (DFlash), whose one forward drafts the whole block
+(`draft_forwards`): its best gamma is the longest its acceptance still pays a wider verification for.
 
 These few formulas sit in the engine because the metrics (a run's predicted speedup) and the adaptive
 strategies (their choice of gamma and drafter) use them while decoding; the analysis built on them (polybasic
@@ -62,16 +65,26 @@ def tokens_per_second(alpha: float, gamma: float, draft_s: float, verify_s: floa
     return (1.0 + hit * (expected_tokens_per_step(alpha, gamma) - 1.0)) / seconds
 
 
-def predicted_speedup(alpha: float, gamma: float, draft_cost: float, verify_cost: float) -> float:
-    """Omega(gamma, alpha) / (gamma * c + v); c and v are in units of one plain target forward."""
+def draft_forwards(gamma: float, block: bool = False) -> float:
+    """The draft forwards of a round of lookahead gamma: gamma, one per drafted token, or one for a block
+    drafter."""
+    return min(gamma, 1.0) if block else gamma
+
+
+def predicted_speedup(alpha: float, gamma: float, draft_cost: float, verify_cost: float,
+                      block: bool = False) -> float:
+    """Omega(gamma, alpha) / (f * c + v) with f = `draft_forwards(gamma, block)`; c and v are in units of one
+    plain target forward."""
     if math.isnan(alpha):
         return math.nan
-    return round_speedup(expected_tokens_per_step(alpha, gamma), gamma, draft_cost, verify_cost)
+    return round_speedup(expected_tokens_per_step(alpha, gamma), draft_forwards(gamma, block), draft_cost,
+                         verify_cost)
 
 
 def round_speedup(tokens_per_round: float, gamma: float, draft_cost: float, verify_cost: float) -> float:
-    """Tokens a round commits over its cost in plain target forwards, gamma * c + v: the speedup of rounds that
-    commit `tokens_per_round` on average (Omega under the i.i.d. model, or as measured)."""
+    """Tokens a round commits over its cost in plain target forwards, gamma * c + v (gamma: the round's draft
+    forwards): the speedup of rounds that commit `tokens_per_round` on average (Omega under the i.i.d. model, or
+    as measured)."""
     denominator = gamma * draft_cost + verify_cost
     if not denominator > 0 or math.isnan(tokens_per_round):
         return math.nan
