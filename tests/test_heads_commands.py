@@ -11,7 +11,7 @@ import pytest
 from rich.console import Console
 
 from tests.conftest import run_cli
-from tests.heads import eagle1_dir, eagle3_dir, medusa_dir, small_vocab_target
+from tests.heads import dflash_dir, eagle1_dir, eagle3_dir, medusa_dir, small_vocab_target
 from tests.references import tiny_model_dir
 
 CHECK = ["--device", "cpu", "--context", "32", "--tokens", "12"]
@@ -28,6 +28,7 @@ def folders(tmp_path_factory):
             "eagle3": str(eagle3_dir(root / "eagle3", model, draft_vocab=6, seed=1)),
             "eagle1": str(eagle1_dir(root / "eagle1", model)),
             "medusa": str(medusa_dir(root / "medusa", model, heads=3)),
+            "dflash": str(dflash_dir(root / "dflash", model, block=4, layer_ids=(1, 3))),
             "other": str(medusa_dir(root / "other", small_vocab_target("llama", vocab=8)))}
 
 
@@ -52,16 +53,17 @@ def _spied(monkeypatch) -> list:
 
 def test_check_reports_each_head(folders, capsys, monkeypatch):
     seen = _spied(monkeypatch)
-    heads = [folders[k] for k in ("eagle3", "eagle1", "medusa")]
+    kinds = ("eagle3", "eagle1", "medusa", "dflash")
+    heads = [folders[k] for k in kinds]
     code, out, err = run_cli(capsys, "check", folders["target"], *[a for h in heads for a in ("--head", h)], *CHECK)
     assert code == 0, err + out
-    for kind in ("eagle3", "eagle1", "medusa"):
+    for kind in kinds:
         row = _row(out, folders[kind])
         assert f"{kind} head" in row and "✓" in row and "ok" in row
         gaps = [float(g) for g in re.findall(r"\d\.\de[+-]\d\d", row)]
         assert len(gaps) == 3 and max(gaps) < 1e-4  # the three phases' hidden-state gaps, within the tolerance
     (plain, *spec) = seen
-    assert plain[0] == "Autoregressive" and [s[0] for s in spec] == ["TrainedHead"] * 3
+    assert plain[0] == "Autoregressive" and [s[0] for s in spec] == ["TrainedHead"] * 4
     assert all(s[1] == plain[1] for s in spec)  # each head's decoding gave the plain tokens
     assert len(plain[1]) == 12 and all(s[2] > 0 for s in spec)  # over 12 tokens, each head drafting
 

@@ -123,21 +123,23 @@ def test_bench_runs_every_system_and_passes_when_outputs_equal_generate(capsys, 
 
 
 def test_bench_measures_trained_heads_beside_the_others_and_checks_their_outputs(capsys, tiny_bench, tmp_path):
-    """--head adds one sdbench row per head (EAGLE-3 and Medusa here), interleaved with the others and held to
-    generate's tokens like every sdbench row."""
+    """--head adds one sdbench row per head (EAGLE-3, Medusa and DFlash here), interleaved with the others and
+    held to generate's tokens like every sdbench row; a DFlash block of 4 drafts 3 tokens, so its gamma is 3."""
     from transformers import AutoModelForCausalLM
 
-    from tests.heads import eagle3_dir, medusa_dir
+    from tests.heads import dflash_dir, eagle3_dir, medusa_dir
 
     target = AutoModelForCausalLM.from_pretrained(tiny_bench[2])
     eagle3_dir(tmp_path / "e3", target, draft_vocab=48, layer_ids=[0, 1, 2])
     medusa_dir(tmp_path / "md", target, heads=4)
+    dflash_dir(tmp_path / "df", target, block=4, layer_ids=(1, 2))
     code, out, err = run_cli(capsys, *tiny_bench, "--head", str(tmp_path / "e3"), "--head", str(tmp_path / "md"),
-                             "--out", str(tmp_path / "bench"))
+                             "--head", str(tmp_path / "df"), "--out", str(tmp_path / "bench"))
     assert code == 0, err
     df = pd.read_parquet(tmp_path / "bench" / "bench.parquet")
-    heads = df[df.system.str.startswith("sdbench eagle eagle3 e3") | df.system.str.startswith("sdbench medusa medusa md")]
-    assert len(heads) == 2 and heads.same_output.all() and (heads.tokens == 24).all(), df.system.tolist()
+    names = ("sdbench eagle eagle3 e3 (γ=4)", "sdbench medusa medusa md (γ=4)", "sdbench dflash dflash df (γ=3)")
+    heads = df[df.system.str.startswith(names)]
+    assert len(heads) == 3 and heads.same_output.all() and (heads.tokens == 24).all(), df.system.tolist()
 
 
 def test_bench_drafts_with_an_int8_copy_made_at_load_time(capsys, tiny_bench, tmp_path):

@@ -43,12 +43,11 @@ from sdbench.servers.costs import probe_capacity
 from sdbench.servers.engines import SDBENCH
 from sdbench.servers.known import engine
 from sdbench.servers.systems import check_engine_options, engine_roles, engine_systems
-from sdbench.strategies import strategy
 from sdbench.strategies.autoregressive import Autoregressive
 from sdbench.strategies.base import TrainedHead
 from sdbench.strategies.draft import DraftModel
 from sdbench.strategies.ngram import NGram
-from sdbench.strategies.spec import need_gamma
+from sdbench.strategies.spec import head_strategy, need_gamma
 
 
 
@@ -144,17 +143,18 @@ def _fast_label(runner) -> str:
 
 def _head_systems(runner, heads: tuple[str, ...], max_new: int, eos: list[int], room: int, gamma: int) -> list:
     """(name, fn, on the fast path's weights) for each trained head drafting for the fast runner."""
-    from sdbench.models.heads.load import MEDUSA, load_head  # reads weights: only a bench given --head
+    from sdbench.models.heads.load import load_head  # reads weights: only a bench given --head
 
     fast = _fast_label(runner)
     rows = []
     for source in heads:
         head = load_head(source, runner)
-        declared = strategy("medusa" if head.kind == MEDUSA else "eagle")
-        drafter = declared.drafter(head, runner, gamma)  # reused: each generation begins it afresh
-        rows.append((f"sdbench {declared.name} {head.kind} {Path(source).name} (γ={gamma}){fast}",
-                     SdbenchSystem(runner, lambda d=drafter, src=source: TrainedHead(d, gamma, src), max_new, eos, room,
-                          ("eagle", source)),
+        declared = head_strategy(head.kind)
+        g = min(gamma, declared.max_gamma((source,)))  # a Medusa head or a block: no more drafts than it has
+        drafter = declared.drafter(head, runner, g)  # reused: each generation begins it afresh
+        rows.append((f"sdbench {declared.name} {head.kind} {Path(source).name} (γ={g}){fast}",
+                     SdbenchSystem(runner, lambda d=drafter, src=source, g=g: TrainedHead(d, g, src), max_new, eos,
+                                   room, (declared.name, source)),
                      runner.cpu_fast))
     return rows
 

@@ -190,15 +190,14 @@ def _lossless(row: Checked, target, draft, prompt: list[int], tokens: int, plain
 def _head(row: Checked, runner, loaded, prompt: list[int], tokens: int, plain: list[int]) -> None:
     """A trained head: it loads and fits the target; the runner's states at its layers equal the library's;
     greedy speculative decoding with it gives the target's plain tokens."""
-    from sdbench.models.heads.load import MEDUSA, load_head  # reads weights: only a check with --head
+    from sdbench.models.heads.load import load_head  # reads weights: only a check with --head
     from sdbench.models.heads.probe import tap_gaps
-    from sdbench.strategies import strategy
+    from sdbench.strategies.spec import head_strategy
 
     try:
         head = load_head(row.model, runner)
-        declared = strategy("medusa" if head.kind == MEDUSA else "eagle")
-        gamma = min(GAMMA, int(head.config["medusa_num_heads"])) if head.kind == MEDUSA else GAMMA
-        proposer = declared.proposer_for(head, runner, gamma)
+        declared = head_strategy(head.kind)
+        proposer = declared.proposer_for(head, runner, min(GAMMA, declared.max_gamma((row.model,))))
     except SdbenchError as e:
         row.problems.append(str(e))
         return

@@ -115,7 +115,8 @@ def need_gamma(strategy: str, gamma: int, option: str = "--gamma") -> None:
 def refuse_head(declared: type["Strategy"], asked: str) -> None:
     """--head given to a strategy that drafts with no trained head: one line. asked: the strategy as named."""
     if not declared.head_kinds:
-        raise SdbenchError(f"--head needs --strategy eagle or medusa (a trained head drafts for them), not '{asked}'")
+        raise SdbenchError(f"--head needs --strategy eagle, medusa or dflash (a trained head drafts for them), not "
+                           f"'{asked}'")
 
 
 def tree_settings(declared: type["Strategy"]) -> tuple[str, ...]:
@@ -250,3 +251,8 @@ def register(cls: type[Strategy]) -> type[Strategy]:
 def strategy(name: str) -> type[Strategy]:
     """The declaration registered under a name or alias (a one-line error with a suggestion otherwise)."""
     return strategy_registry.get(name)
+
+
+def head_strategy(kind: str) -> type[Strategy]:
+    """The strategy that drafts with a trained head of this kind (models/heads/load.py: eagle3, medusa, ...)."""
+    return next(strategy(n) for n in strategy_registry.names() if kind in strategy(n).head_kinds)

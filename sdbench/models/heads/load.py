@@ -46,7 +46,8 @@ class Head:
     anchor_drafts: bool = False  # a block drafter: the anchor's slot drafts too (speculators' sample_from_anchor)
 
 
-def load_head(source: str, target, kinds: tuple[str, ...] = (EAGLE3, EAGLE1, MEDUSA), strategy: str = "") -> Head:
+def load_head(source: str, target, kinds: tuple[str, ...] = (EAGLE3, EAGLE1, MEDUSA, *BLOCK_KINDS),
+              strategy: str = "") -> Head:
     """The head at `source` (a folder, else a hub id), for the target runner `target`; raises SdbenchError on a
     folder that is not a head this reads, a head of another kind than `kinds` (what `strategy` drafts with),
     or a head made for another target."""
