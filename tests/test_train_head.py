@@ -199,7 +199,7 @@ def test_chain_acceptance_counts_the_leading_run_of_accepted_drafts():
     assert got["positions"] == 2 and got["per_step"] == pytest.approx([1 / 2, 0.0])
 
 
-@pytest.mark.parametrize("kind", ["eagle3", "medusa"])
+@pytest.mark.parametrize("kind", ["eagle3", "medusa", "dflash"])
 def test_a_fit_learns_what_decoding_accepts(fitted, kind, tmp_path):
     """Fitted for a fixed number of steps on a tiny target's answers, a head's drafts are accepted by the real
     decode loop (the target verifying, the head fed the loop's states) far more often than before the fit, and
@@ -210,7 +210,7 @@ def test_a_fit_learns_what_decoding_accepts(fitted, kind, tmp_path):
     from sdbench.config import SamplingConfig
     from sdbench.models.loading.loader import load_model
     from sdbench.models.loading.pair import pick_runner
-    from sdbench.strategies import strategy
+    from sdbench.strategies.spec import head_strategy
     from sdbench.training.data import distil
     from sdbench.training.fit import FitPlan, Progress, fit
     from sdbench.training.heads import head_layers
@@ -223,7 +223,7 @@ def test_a_fit_learns_what_decoding_accepts(fitted, kind, tmp_path):
 
     def accepted(head) -> float:
         write_head(tmp_path / kind, kind, head, loaded.model, "tiny", torch.float32)
-        declared = strategy("medusa" if kind == "medusa" else "eagle")
+        declared = head_strategy(kind)
         proposer = declared.proposer_for(load_head(str(tmp_path / kind), runner), runner, 3)
         res = generate(runner, proposer, [e for _, _, e in prompts], max_new_tokens=32, sampling=SamplingConfig())
         assert [list(s.tokens[len(e):]) for s, (_, _, e) in zip(seqs, prompts)] == res.output_ids  # lossless

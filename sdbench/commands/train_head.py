@@ -28,6 +28,7 @@ from sdbench.env import environment
 from sdbench.errors import Interrupted, SdbenchError
 from sdbench.models.heads.registry import HeadRecord, write_record
 from sdbench.paths import output_dir
+from sdbench.strategies.spec import head_strategy
 from sdbench.training import data as D
 from sdbench.training.fit import FitPlan, Progress, fit
 from sdbench.training.heads import (DEFAULT_STEPS, build, draft_vocab_note, head_layers, rebuild, target_weights,
@@ -59,8 +60,8 @@ def validate(cfg: TrainHeadConfig) -> None:
         raise SdbenchError(f"--max-new-tokens {cfg.max_new_tokens}: at least 4 (the head learns from the answers)")
     if cfg.draft_vocab is not None and cfg.draft_vocab < 0:
         raise SdbenchError(f"--draft-vocab {cfg.draft_vocab}: a number of tokens, or 0 for the target's vocabulary")
-    if cfg.draft_vocab and cfg.kind != "eagle3":
-        raise SdbenchError("--draft-vocab is for --kind eagle3 (Medusa drafts over the target's vocabulary)")
+    if cfg.draft_vocab and cfg.kind == "medusa":
+        raise SdbenchError("--draft-vocab is for --kind eagle3 or dflash (Medusa drafts over the target's vocabulary)")
     if cfg.steps is not None and not 1 <= cfg.steps <= 16:
         raise SdbenchError(f"--steps {cfg.steps}: between 1 and 16")
 
@@ -303,5 +304,5 @@ def _summary(console: Console, cfg: TrainHeadConfig, out: Path, progress: Progre
                   f"{progress.loss:.3f}", f"{held.get('tau', float('nan')):.2f}",
                   " ".join(f"{r:.2f}" for r in reach), f"{wall / 60:.1f} min")
     console.print(table)
-    console.print(f"head written to {out} (run it: --strategy {'medusa' if cfg.kind == 'medusa' else 'eagle'} "
-                  f"--head {out})", highlight=False)
+    console.print(f"head written to {out} (run it: --strategy {head_strategy(cfg.kind).name} --head {out})",
+                  highlight=False)

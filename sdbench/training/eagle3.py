@@ -54,9 +54,7 @@ class Eagle3Trainee(nn.Module):
         self.register_buffer("embedding", embedding.detach(), persistent=False)
         self.register_buffer("draft_ids", draft_ids.long(), persistent=False)
         self.rotary = Rotary(layer, torch.device("cpu"), torch.float32)
-        to_draft = torch.full((embedding.shape[0],), -100, dtype=torch.long)
-        to_draft[draft_ids.long()] = torch.arange(len(draft_ids))
-        self.register_buffer("to_draft", to_draft, persistent=False)  # target id -> draft id (-100: none)
+        self.register_buffer("to_draft", draft_map(draft_ids, embedding.shape[0]), persistent=False)
 
     def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """x [B, h, T, D] rotated at positions [B, T]."""
@@ -110,16 +108,8 @@ class Eagle3Trainee(nn.Module):
         return out
 
     def labels(self, pred: torch.Tensor, n_steps: int, lengths: torch.Tensor) -> list[torch.Tensor]:
-        """Each step's labels [B, T] in draft ids (-100: ignored): the target's choice of token q + k + 2, i.e.
-        its prediction at position q + k + 1 (pred [B, T], the target's argmax per position)."""
-        B, T = pred.shape
-        roots = torch.arange(T, device=pred.device)[None, :]
-        out = []
-        for step in range(n_steps):
-            at = roots + step + 1
-            lab = self.to_draft[F.pad(pred[:, step + 1:], (0, step + 1))]
-            out.append(lab.masked_fill(at >= lengths[:, None], -100))
-        return out
+        """Each step's labels [B, T] in draft ids (-100: ignored): `chain_labels`."""
+        return chain_labels(self.to_draft, pred, n_steps, lengths)
 
     def weights(self) -> dict[str, torch.Tensor]:
         """The parameters under the speculators format's names (with d2t and t2d)."""
@@ -136,3 +126,24 @@ class Eagle3Trainee(nn.Module):
         w["d2t"] = ids - torch.arange(len(ids))
         w["t2d"] = torch.zeros(self.embedding.shape[0], dtype=torch.bool).index_fill_(0, ids, True)
         return w
+
+
+def draft_map(draft_ids: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[vocab] each target id's draft id (-100: not in the draft vocabulary)."""
+    to_draft = torch.full((vocab,), -100, dtype=torch.long)
+    to_draft[draft_ids.long()] = torch.arange(len(draft_ids))
+    return to_draft
+
+
+def chain_labels(to_draft: torch.Tensor, pred: torch.Tensor, n_steps: int, lengths: torch.Tensor) -> list[torch.Tensor]:
+    """Each step's labels [B, T] in draft ids (-100: ignored) for chains rooted at every position q: step k's is
+    the target's choice of token q + k + 2, i.e. its prediction at position q + k + 1 (pred [B, T], the target's
+    argmax per position); to_draft: `draft_map`."""
+    B, T = pred.shape
+    roots = torch.arange(T, device=pred.device)[None, :]
+    out = []
+    for step in range(n_steps):
+        at = roots + step + 1
+        lab = to_draft[F.pad(pred[:, step + 1:], (0, step + 1))]
+        out.append(lab.masked_fill(at >= lengths[:, None], -100))
+    return out

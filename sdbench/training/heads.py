@@ -1,6 +1,6 @@
-"""What each head kind needs to be fitted and written: its trainee (eagle3.py, medusa.py) built from the target,
-and its files in the format engines load (EAGLE-3: the speculators format vLLM reads; Medusa-1: the Medusa
-repository's `config.json` + `medusa_lm_head.safetensors`)."""
+"""What each head kind needs to be fitted and written: its trainee (eagle3.py, medusa.py, dflash.py) built from
+the target, and its files in the format engines load (EAGLE-3 and DFlash: the speculators format vLLM reads;
+Medusa-1: the Medusa repository's `config.json` + `medusa_lm_head.safetensors`)."""
 
 from __future__ import annotations
 
@@ -15,11 +15,13 @@ from sdbench.engine.hidden import FINAL, eagle3_layers
 from sdbench.models.loading.aliases import model_registry
 from sdbench.models.loading.names import split_variant
 from sdbench.training.data import Sequence
+from sdbench.training.dflash import DFlashTrainee
 from sdbench.training.eagle3 import Eagle3Trainee
 from sdbench.training.medusa import MedusaTrainee
 
-DEFAULT_STEPS = {"eagle3": 3, "medusa": 4}  # EAGLE-3's unrolled steps; Medusa's heads
+DEFAULT_STEPS = {"eagle3": 3, "medusa": 4, "dflash": 7}  # EAGLE-3's unrolled steps; Medusa's heads; a block's drafts
 DEFAULT_DRAFT_VOCAB = 8192
+DFLASH_LAYERS = 2  # the draft decoder layers of a DFlash head fitted here
 
 
 def text_config(config):
@@ -29,7 +31,7 @@ def text_config(config):
 def head_layers(kind: str, config) -> tuple[int, ...]:
     """The target states the head reads (engine/hidden.py numbering): EAGLE-3's usual three where they are
     distinct (vLLM and speculators refuse repeated ones), else three distinct ones spread over a shallow target."""
-    if kind != "eagle3":
+    if kind not in ("eagle3", "dflash"):  # DFlash reads speculators' default layers, as EAGLE-3 does
         return (FINAL,)
     L = text_config(config).num_hidden_layers
     usual = eagle3_layers(L)
@@ -40,21 +42,23 @@ def head_layers(kind: str, config) -> tuple[int, ...]:
     return tuple(sorted(spread))
 
 
-def layer_config(config):
-    """The EAGLE-3 decoder layer's config: a Llama layer at the target's attention shape and rope."""
-    from transformers import LlamaConfig  # slow to import: only a fit builds one
+def layer_config(config, kind: str = "eagle3"):
+    """The head's decoder layers' config at the target's attention shape and rope: EAGLE-3's one Llama layer,
+    DFlash's DFLASH_LAYERS Qwen3 layers."""
+    from transformers import LlamaConfig, Qwen3Config  # slow to import: only a fit builds one
 
     tc = text_config(config)
     rope = dict(getattr(tc, "rope_parameters", None) or {})
     if "rope_type" not in rope:  # keyed per layer type (sliding/full): the full-attention layers' rope
         rope = dict(rope.get("full_attention") or {"rope_type": "default", "rope_theta": 10000.0})
     head_dim = getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads
-    return LlamaConfig(vocab_size=tc.vocab_size, hidden_size=tc.hidden_size, intermediate_size=tc.intermediate_size,
-                       num_hidden_layers=1, num_attention_heads=tc.num_attention_heads,
-                       num_key_value_heads=tc.num_key_value_heads or tc.num_attention_heads, head_dim=head_dim,
-                       rms_norm_eps=getattr(tc, "rms_norm_eps", 1e-6),
-                       max_position_embeddings=tc.max_position_embeddings, rope_parameters=rope,
-                       tie_word_embeddings=False, initializer_range=0.02)
+    cls, layers = (Qwen3Config, DFLASH_LAYERS) if kind == "dflash" else (LlamaConfig, 1)
+    return cls(vocab_size=tc.vocab_size, hidden_size=tc.hidden_size, intermediate_size=tc.intermediate_size,
+               num_hidden_layers=layers, num_attention_heads=tc.num_attention_heads,
+               num_key_value_heads=tc.num_key_value_heads or tc.num_attention_heads, head_dim=head_dim,
+               rms_norm_eps=getattr(tc, "rms_norm_eps", 1e-6),
+               max_position_embeddings=tc.max_position_embeddings, rope_parameters=rope,
+               tie_word_embeddings=False, initializer_range=0.02)
 
 
 def draft_size(asked: int | None, vocab: int) -> int:
@@ -103,8 +107,11 @@ def rebuild(kind: str, model, steps: int, draft_ids: torch.Tensor | None):
     if kind == "medusa":  # inference tensors
         return MedusaTrainee(out, steps)
     emb = model.get_input_embeddings().weight.detach().float().cpu().clone()
-    return Eagle3Trainee(layer_config(model.config), emb, draft_ids, out[draft_ids],
-                         n_states=len(head_layers(kind, model.config)))
+    n_states = len(head_layers(kind, model.config))
+    if kind == "dflash":
+        return DFlashTrainee(layer_config(model.config, kind), emb, draft_ids, out[draft_ids], n_states,
+                             mask_token_id=emb.shape[0] - 1, block_size=steps + 1)
+    return Eagle3Trainee(layer_config(model.config), emb, draft_ids, out[draft_ids], n_states=n_states)
 
 
 def verifier_name(loaded) -> str | None:
@@ -150,6 +157,9 @@ def write_head(folder: Path, kind: str, trainee, model, verifier: str | None, dt
                   "hidden_size": tc.hidden_size, "vocab_size": tc.vocab_size,
                   "base_model_name_or_path": verifier, "architectures": ["MedusaModel"]}
         name = "medusa_lm_head.safetensors"
+    elif kind == "dflash":
+        config = dflash_config(trainee, model, verifier, dtype, head_layers(kind, model.config))
+        name = "model.safetensors"
     else:
         weights["embed_tokens.weight"] = model.get_input_embeddings().weight.detach().to(dtype).cpu().contiguous()
         layer = trainee.layer_config.to_dict()
@@ -172,3 +182,22 @@ def write_head(folder: Path, kind: str, trainee, model, verifier: str | None, dt
     tmp.replace(folder / name)
     (folder / "config.json").write_text(json.dumps(config, indent=1))
     return [folder / "config.json", folder / name]
+
+
+def dflash_config(trainee, model, verifier: str | None, dtype: torch.dtype, layers: tuple[int, ...]) -> dict:
+    """A DFlash head's config.json in the speculators format (the embedding and head are the target's, so not
+    written; its draft vocabulary's head and d2t are)."""
+    layer = trainee.layer_config.to_dict()
+    layer.pop("transformers_version", None)
+    return {"architectures": ["DFlashSpeculator"], "speculators_model_type": "dflash",
+            "draft_vocab_size": int(len(trainee.draft_ids)), "block_size": trainee.block_size,
+            "aux_hidden_state_layer_ids": list(layers), "mask_token_id": trainee.mask_token_id,
+            "sample_from_anchor": False, "sliding_window_non_causal": False, "target_hidden_size": None,
+            "tie_word_embeddings": False, "transformer_layer_config": layer,
+            "speculators_config": {"algorithm": "dflash", "default_proposal_method": "greedy",
+                                   "proposal_methods": [{"proposal_type": "greedy",
+                                                         "speculative_tokens": trainee.block_size - 1,
+                                                         "accept_tolerance": 0.0, "verifier_accept_k": 1}],
+                                   "verifier": {"name_or_path": verifier,
+                                                "architectures": list(model.config.architectures or [])}},
+            "dtype": str(dtype).removeprefix("torch.")}
