@@ -47,6 +47,11 @@ def test_the_training_forward_is_the_drafting_forward(tmp_path):
     tokens, states = _inputs()
     with torch.no_grad():
         steps = trainee.steps(tokens, states, DRAFTS)
+    roots = torch.tensor([[0, 2], [1, 5], [1, 0]])  # a fit's sample of roots: the same blocks
+    with torch.no_grad():
+        sampled = trainee.steps(tokens, states, DRAFTS, roots)
+    for k in range(DRAFTS):
+        torch.testing.assert_close(sampled[k], steps[k][roots[:, 0], roots[:, 1]], atol=1e-5, rtol=1e-5)
     for b in range(2):
         for q in range(S - 1):
             cache = head.new_cache(1, 32)

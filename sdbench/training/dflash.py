@@ -6,8 +6,8 @@ position whose target state the head has), the block is anchored at q + 1: slot 
 1..n hold the mask token, slot s sits at position q + 1 + s. Every slot attends to the context (the projected
 target states of positions 0..q) and to its own block, in no order; slot s predicts token q + 1 + s, so step
 k = s - 1 predicts token q + k + 2, as EAGLE-3's step k does, and is labelled the same way (the target's own
-choice there, eagle3.py `chain_labels`). Every root's block is computed (speculators samples a subset of
-anchors; here the batch's size bounds the cost).
+choice there, eagle3.py `chain_labels`). A fit computes the blocks of a sample of each batch's roots
+(`roots_per_batch`, as speculators samples anchors); an evaluation computes every root's.
 """
 
 from __future__ import annotations
@@ -19,6 +19,8 @@ from torch import nn
 from sdbench.models.forward.rotary import Rotary, rope
 from sdbench.models.heads.eagle import rms_norm
 from sdbench.training.eagle3 import chain_labels, draft_map
+
+ROOTS_PER_BATCH = 256  # the blocks a fitting step computes: a sample of its batch's labelled roots
 
 
 class _Layer(nn.Module):
@@ -55,6 +57,7 @@ class DFlashTrainee(nn.Module):
         H = layer.hidden_size
         self.layer_config, self.eps, self.mask_token_id = layer, layer.rms_norm_eps, mask_token_id
         self.block_size = block_size
+        self.roots_per_batch = ROOTS_PER_BATCH
         self.n_heads, self.n_kv = layer.num_attention_heads, layer.num_key_value_heads
         self.head_dim = getattr(layer, "head_dim", None) or H // self.n_heads
         self.fc = nn.Linear(n_states * H, H, bias=False)
@@ -82,45 +85,58 @@ class DFlashTrainee(nn.Module):
         """proj(x) [..., T, n*D] as [..., n, T, D]."""
         return proj(x).unflatten(-1, (n, self.head_dim)).transpose(-2, -3)
 
-    def steps(self, tokens: torch.Tensor, states: torch.Tensor, n_steps: int) -> list[torch.Tensor]:
-        """Draft-vocabulary logits [B, T, Vd] of block slot k + 1 (step k) for every chain root; tokens [B, T]
-        (padding past a row's length), states [B, T, n_states * H] the target's."""
+    def steps(self, tokens: torch.Tensor, states: torch.Tensor, n_steps: int,
+              roots: torch.Tensor | None = None) -> list[torch.Tensor]:
+        """Draft-vocabulary logits of block slot k + 1 (step k) for every chain root, [B, T, Vd] each; or, given
+        roots [R, 2] (row, position) pairs, for those alone, [R, Vd] each. tokens [B, T] (padding past a row's
+        length), states [B, T, n_states * H] the target's."""
         B, T = tokens.shape
+        every = roots is None
+        if every:
+            roots = torch.stack(torch.meshgrid(torch.arange(B), torch.arange(T), indexing="ij"), -1).flatten(0, 1)
+        roots = roots.to(tokens.device)
+        row, q = roots.unbind(1)
         S = n_steps + 1  # the block: the anchor and n_steps mask tokens
         c = rms_norm(self.fc(states), self.hidden_norm, self.eps)  # [B, T, H] the context
+        block = torch.full((len(q), S), self.mask_token_id, dtype=torch.long, device=tokens.device)
+        block[:, 0] = F.pad(tokens[:, 1:], (0, 1))[row, q]  # root q's anchor: token q + 1
+        h = F.embedding(block, self.embedding).to(c.dtype)  # [R, S, H]
+        at = q[:, None] + 1 + torch.arange(S, device=tokens.device)  # [R, S] the slots' positions
         base = torch.arange(T, device=tokens.device)
-        block = torch.full((B, T, S), self.mask_token_id, dtype=torch.long, device=tokens.device)
-        block[:, :, 0] = F.pad(tokens[:, 1:], (0, 1))  # root q's anchor: token q + 1
-        h = F.embedding(block, self.embedding).to(c.dtype)  # [B, T, S, H]
-        at = (base[:, None] + 1 + torch.arange(S, device=tokens.device)).expand(B, T, S)  # slot positions
-        sees = (base[None, :] <= base[:, None])[None, None, :, None, :]  # [1, 1, root, 1, key]: key <= root
         for layer in self.layers:
             kc = self._rope(rms_norm(self._heads(layer.k_proj, c, self.n_kv), layer.k_norm, self.eps),
                             base.expand(B, T))  # [B, Hk, T, D]
             vc = self._heads(layer.v_proj, c, self.n_kv)
-            h = h + self._attention(layer, rms_norm(h, layer.input_layernorm, self.eps), kc, vc, at, sees)
+            h = h + self._attention(layer, rms_norm(h, layer.input_layernorm, self.eps), kc, vc, row, q, at)
             g = rms_norm(h, layer.post_attention_layernorm, self.eps)
             h = h + layer.down_proj(F.silu(layer.gate_proj(g)) * layer.up_proj(g))
-        out = F.linear(rms_norm(h[:, :, 1:], self.norm, self.eps), self.lm_head)  # [B, T, S - 1, Vd]
-        return list(out.unbind(2))
+        out = F.linear(rms_norm(h[:, 1:], self.norm, self.eps), self.lm_head)  # [R, S - 1, Vd]
+        if every:
+            out = out.unflatten(0, (B, T))
+        return list(out.unbind(-2))
 
-    def _attention(self, layer: _Layer, x: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, at: torch.Tensor,
-                   sees: torch.Tensor) -> torch.Tensor:
-        """x [B, T, S, H] the blocks' normed states; kc, vc [B, Hk, T, D] the context's keys and values."""
-        group = self.n_heads // self.n_kv
+    def _attention(self, layer: _Layer, x: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, row: torch.Tensor,
+                   q_at: torch.Tensor, at: torch.Tensor) -> torch.Tensor:
+        """x [R, S, H] the roots' blocks, normed; kc, vc [B, Hk, T, D] the context's keys and values; row, q_at [R]
+        each root's row and position, at [R, S] its slots' positions. Each row's roots attend to its context up to
+        their position and to their own block."""
+        group, scale = self.n_heads // self.n_kv, self.head_dim ** -0.5
         q = self._rope(rms_norm(self._heads(layer.q_proj, x, self.n_heads), layer.q_norm, self.eps), at)
         kb = self._rope(rms_norm(self._heads(layer.k_proj, x, self.n_kv), layer.k_norm, self.eps), at)
-        vb = self._heads(layer.v_proj, x, self.n_kv)  # q [B, T, Hq, S, D]; kb, vb [B, T, Hk, S, D]
-        kb, vb = kb.repeat_interleave(group, 2), vb.repeat_interleave(group, 2)
-        kc, vc = kc.repeat_interleave(group, 1), vc.repeat_interleave(group, 1)  # [B, Hq, T, D]
-        scale = self.head_dim ** -0.5
-        to_ctx = torch.einsum("bthsd,bhjd->bhtsj", q, kc) * scale  # [B, Hq, T, S, T]
-        to_ctx = to_ctx.masked_fill(~sees, float("-inf"))
-        to_block = torch.einsum("bthsd,bthrd->bhtsr", q, kb) * scale  # [B, Hq, T, S, S]
-        p = torch.cat((to_ctx, to_block), -1).float().softmax(-1).to(q.dtype)
+        vb = self._heads(layer.v_proj, x, self.n_kv)  # q [R, Hq, S, D]; kb, vb [R, Hk, S, D]
+        kb, vb = kb.repeat_interleave(group, 1), vb.repeat_interleave(group, 1)
         T = kc.shape[2]
-        o = torch.einsum("bhtsj,bhjd->bthsd", p[..., :T], vc) + torch.einsum("bhtsr,bthrd->bthsd", p[..., T:], vb)
-        return layer.o_proj(o.transpose(2, 3).flatten(-2))  # [B, T, S, H]
+        o = torch.empty_like(q)
+        for b in row.unique().tolist():  # a row's roots share its context
+            mine = (row == b).nonzero().squeeze(1)
+            ck, cv = kc[b].repeat_interleave(group, 0), vc[b].repeat_interleave(group, 0)  # [Hq, T, D]
+            to_ctx = torch.einsum("rhsd,hjd->rhsj", q[mine], ck) * scale  # [R_b, Hq, S, T]
+            sees = torch.arange(T, device=q.device)[None, :] <= q_at[mine][:, None]  # key j <= root
+            to_ctx = to_ctx.masked_fill(~sees[:, None, None, :], float("-inf"))
+            to_block = q[mine] @ kb[mine].transpose(-1, -2) * scale  # [R_b, Hq, S, S]
+            p = torch.cat((to_ctx, to_block), -1).float().softmax(-1).to(q.dtype)
+            o[mine] = torch.einsum("rhsj,hjd->rhsd", p[..., :T], cv) + p[..., T:] @ vb[mine]
+        return layer.o_proj(o.transpose(1, 2).flatten(-2))  # [R, S, H]
 
     def labels(self, pred: torch.Tensor, n_steps: int, lengths: torch.Tensor) -> list[torch.Tensor]:
         """Each step's labels [B, T] in draft ids (-100: ignored), as EAGLE-3's (`chain_labels`)."""

@@ -54,14 +54,22 @@ def batches(seqs: list[Sequence], batch_tokens: int, rng: random.Random):
         yield from groups
 
 
-def step_losses(model, seqs: list[Sequence], n_steps: int, device) -> tuple[torch.Tensor, list[torch.Tensor],
-                                                                               list[torch.Tensor]]:
-    """The mean cross-entropy over every step's labelled positions, each step's logits and labels."""
+def step_losses(model, seqs: list[Sequence], n_steps: int, device, sample: torch.Generator | None = None):
+    """The mean cross-entropy over every step's labelled positions, each step's logits and labels. sample: for a
+    trainee with `roots_per_batch` (a block drafter, whose every root costs a block), the roots fitted are that
+    many of the batch's labelled ones, drawn from this generator (logits and labels [R, ...] then)."""
     tokens, states, pred, lengths = (t.to(device) for t in pad_batch(seqs))
-    logits = model.steps(tokens, states, n_steps)
     before = torch.arange(tokens.shape[1], device=device)[None, :] < first_roots(seqs).to(device)[:, None]
-    labels = [lab.masked_fill(before, -100) for lab in model.labels(pred, len(logits), lengths)]  # answers only
-    losses = [F.cross_entropy(lg.flatten(0, 1).float(), lb.flatten(), ignore_index=-100)
+    labels = [lab.masked_fill(before, -100) for lab in model.labels(pred, n_steps, lengths)]  # answers only
+    many = getattr(model, "roots_per_batch", 0)
+    if sample is not None and many:
+        found = (labels[0] != -100).nonzero()  # [N, 2] (row, position)
+        roots = found[torch.randperm(len(found), generator=sample)[:many].sort().values.to(found.device)]
+        logits = model.steps(tokens, states, n_steps, roots)
+        labels = [lab[roots[:, 0], roots[:, 1]] for lab in labels]
+    else:
+        logits = model.steps(tokens, states, n_steps)
+    losses = [F.cross_entropy(lg.reshape(-1, lg.shape[-1]).float(), lb.reshape(-1), ignore_index=-100)
               for lg, lb in zip(logits, labels) if bool((lb != -100).any())]
     return torch.stack(losses).mean(), logits, labels
 
@@ -125,7 +133,8 @@ def fit(model, optimizer, train: list[Sequence], heldout: list[Sequence], plan: 
         t0 = time.perf_counter()
         for g in optimizer.param_groups:
             g["lr"] = lr_at(progress.step, plan.lr)
-        loss, _, _ = step_losses(model, next(stream), plan.steps, device)
+        sample = torch.Generator().manual_seed(plan.seed * 1_000_003 + progress.step)  # the same on a resumed fit
+        loss, _, _ = step_losses(model, next(stream), plan.steps, device, sample)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
