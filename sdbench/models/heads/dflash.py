@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from sdbench.kv.cache import DenseKVCache, StepIndex, additive
 from sdbench.models.forward.rotary import Rotary, rope
-from sdbench.models.heads.eagle import layer_config, rms_norm
+from sdbench.models.heads.eagle import layer_config, on_target_vocab, rms_norm, target_ids
 
 
 class BlockStep(StepIndex):
@@ -51,9 +51,8 @@ class DFlashHead:
         self.scale = float(head.config.get("input_embedding_scale", 1.0))
         self.w = {k: v.to(self.device, self.dtype) for k, v in head.weights.items() if k not in ("d2t", "t2d")}
         self.rotary = Rotary(cfg, self.device, self.dtype)
-        d2t = head.weights.get("d2t")
-        self.to_target = None if d2t is None else (d2t.long() + torch.arange(len(d2t))).to(self.device)
-        self.vocab_size = target.vocab_size if d2t is None else len(d2t)
+        self.to_target = target_ids(head, self.device)
+        self.vocab_size = target.vocab_size if self.to_target is None else len(self.to_target)
 
     @property
     def most_drafts(self) -> int:
@@ -128,11 +127,5 @@ class DFlashHead:
         return F.linear(out, self.w["lm_head.weight"]).float()
 
     def logits(self, out: torch.Tensor) -> torch.Tensor:
-        """Logits over the target's vocabulary [..., V]: a draft-vocabulary token i at target id i + d2t[i], the
-        rest at -inf."""
-        logits = self.draft_logits(out)
-        if self.to_target is None:
-            return logits
-        full = logits.new_full((*logits.shape[:-1], self.target.vocab_size), float("-inf"))
-        full[..., self.to_target] = logits
-        return full
+        """Logits over the target's vocabulary [..., V] (eagle.py `on_target_vocab`)."""
+        return on_target_vocab(self.draft_logits(out), self.to_target, self.target.vocab_size)

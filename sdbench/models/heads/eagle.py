@@ -91,10 +91,8 @@ class EagleHead:
         self.w = {k: v.to(self.device, self.dtype) for k, v in head.weights.items() if k not in ("d2t", "t2d")}
         self.rotary = Rotary(cfg, self.device, self.dtype)
         self.norm_before_residual = head.norm_before_residual
-        d2t = head.weights.get("d2t")
-        # target id of each draft-vocabulary id (EAGLE-3 with a smaller vocabulary); None: the same ids
-        self.to_target = None if d2t is None else (d2t.long() + torch.arange(len(d2t))).to(self.device)
-        self.vocab_size = target.vocab_size if d2t is None else len(d2t)  # the tokens it can draft
+        self.to_target = target_ids(head, self.device)
+        self.vocab_size = target.vocab_size if self.to_target is None else len(self.to_target)  # the tokens it drafts
 
     def new_cache(self, batch: int, capacity: int) -> DenseKVCache:
         self.rotary.reserve(capacity)
@@ -162,12 +160,24 @@ class EagleHead:
         target token outside the draft vocabulary at -inf (vLLM's `compute_logits`)."""
         if self.kind == EAGLE1:
             return self.target.logits(out)
-        logits = self.draft_logits(out)
-        if self.to_target is None:
-            return logits
-        full = logits.new_full((*logits.shape[:-1], self.target.vocab_size), float("-inf"))
-        full[..., self.to_target] = logits
-        return full
+        return on_target_vocab(self.draft_logits(out), self.to_target, self.target.vocab_size)
 
 
-__all__ = ["EagleHead", "TreeLevel", "rms_norm", "EAGLE1", "EAGLE3"]
+def target_ids(head: Head, device: torch.device) -> torch.Tensor | None:
+    """The target id of each token of a head's draft vocabulary (token i is target token i + d2t[i]); None: the
+    head drafts over the target's own ids."""
+    d2t = head.weights.get("d2t")
+    return None if d2t is None else (d2t.long() + torch.arange(len(d2t))).to(device)
+
+
+def on_target_vocab(logits: torch.Tensor, to_target: torch.Tensor | None, vocab: int) -> torch.Tensor:
+    """Draft-vocabulary logits [..., Vd] placed at their target ids [..., V] (`target_ids`), every target token
+    outside the draft vocabulary at -inf (vLLM's `compute_logits`); as they are without a draft vocabulary."""
+    if to_target is None:
+        return logits
+    full = logits.new_full((*logits.shape[:-1], vocab), float("-inf"))
+    full[..., to_target] = logits
+    return full
+
+
+__all__ = ["EagleHead", "TreeLevel", "rms_norm", "on_target_vocab", "target_ids", "EAGLE1", "EAGLE3"]
