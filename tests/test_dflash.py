@@ -49,8 +49,9 @@ def _randomise(model, seed: int) -> None:
 
 
 def _layer(vocab: int = V) -> Qwen3Config:
-    return Qwen3Config(vocab_size=vocab, hidden_size=H, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-                       num_key_value_heads=1, head_dim=16, rms_norm_eps=1e-6, max_position_embeddings=256)
+    return Qwen3Config(vocab_size=vocab, hidden_size=H, intermediate_size=64, num_hidden_layers=2,
+                       num_attention_heads=2, num_key_value_heads=1, head_dim=16, rms_norm_eps=1e-6,
+                       max_position_embeddings=256)
 
 
 def _speculators_head(target, folder, draft_vocab: int | None, anchor: bool):
@@ -215,7 +216,7 @@ def test_sampled_dflash_follows_the_warped_marginals(sampled, tmp_path, point): 
     assert all(stat < bound for _, stat, bound in checks), checks
 
 
-def test_the_same_check_catches_drafts_verified_with_the_wrong_distribution(sampled, tmp_path, monkeypatch):  # noqa: F811
+def test_the_check_catches_drafts_verified_with_the_wrong_distribution(sampled, tmp_path, monkeypatch):  # noqa: F811
     """Drafts drawn from one block slot but verified against the next slot's distribution: the chi-square fails."""
     from sdbench.drafting.block import BlockDrafter
 
