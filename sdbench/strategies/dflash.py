@@ -60,7 +60,7 @@ class DFlashStrategy(HeadStrategy):
         """Every lookahead up to the fewest drafts per block among the candidates."""
         from sdbench.models.heads.load import block_drafts
 
-        return min(n for n in map(block_drafts, heads) if n) if any(map(block_drafts, heads)) else 1
+        return min((n for n in map(block_drafts, heads) if n), default=1)
 
     @classmethod
     def search_space(cls, trial, space: SearchContext) -> tuple:

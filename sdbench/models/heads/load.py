@@ -100,27 +100,25 @@ def _weight_files(folder: Path) -> list[Path]:
 def config_kind(source: str) -> str | None:
     """What a head folder holds, from its config alone: MEDUSA, a block drafter's kind, else None (an EAGLE head,
     or a config not readable)."""
-    try:
-        config = _read_config(_folder(source), source)
-    except SdbenchError:
-        return None
-    if "medusa_num_heads" in config:
+    if medusa_heads(source) is not None:
         return MEDUSA
-    try:
-        block = parse_block(source, config, {}, 1, Head)
-    except SdbenchError:
-        return None
-    return block.kind if block is not None else None
+    block = _block_of(source)
+    return None if block is None else block.kind
 
 
 def block_drafts(source: str) -> int | None:
     """The tokens one block of a block drafter drafts, from its config alone (None: not a block drafter, or not
     readable)."""
+    block = _block_of(source)
+    return None if block is None else block.block_size - (0 if block.anchor_drafts else 1)
+
+
+def _block_of(source: str) -> Head | None:
+    """The block drafter a folder's config describes (no weights read); None: none, or not readable."""
     try:
-        block = parse_block(source, _read_config(_folder(source), source), {}, 1, Head)
+        return parse_block(source, _read_config(_folder(source), source), {}, 1, Head)
     except SdbenchError:
         return None
-    return None if block is None else block.block_size - (0 if block.anchor_drafts else 1)
 
 
 def medusa_heads(source: str) -> int | None:
