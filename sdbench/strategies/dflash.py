@@ -5,9 +5,8 @@ gamma of the block's drafts are verified each round (at most block_size - 1)."""
 from __future__ import annotations
 
 from sdbench.errors import SdbenchError
-from sdbench.strategies.base import TrainedHead
 from sdbench.strategies.eagle import HeadStrategy
-from sdbench.strategies.spec import Option, SearchContext, need_gamma, register
+from sdbench.strategies.spec import Option, SearchContext, register
 
 
 @register
@@ -20,16 +19,13 @@ class DFlashStrategy(HeadStrategy):
 
     @classmethod
     def validate(cls, gamma: int, options: dict, drafts: tuple[str, ...], sampling) -> None:
-        from sdbench.models.heads.load import block_drafts, check_folder  # light: config.json only
+        """A trained head's checks, then gamma within the block (its config read; no weights)."""
+        from sdbench.models.heads.load import block_drafts
 
-        need_gamma(cls.name, gamma)
-        head = options.get("head")
-        if not head:
-            raise SdbenchError(f"strategy '{cls.name}' needs --head PATH|HUB_ID (a DFlash head for the target)")
-        check_folder(head)
-        most = block_drafts(head)
+        super().validate(gamma, options, drafts, sampling)
+        most = block_drafts(options["head"])
         if most is not None and gamma > most:
-            raise SdbenchError(f"--gamma {gamma}: --head {head} drafts {most} tokens per block")
+            raise SdbenchError(f"--gamma {gamma}: --head {options['head']} drafts {most} tokens per block")
 
     @classmethod
     def tree(cls, gamma: int, options: dict):
@@ -46,14 +42,6 @@ class DFlashStrategy(HeadStrategy):
             line = (str(err).strip() or type(err).__name__).splitlines()[0]
             raise SdbenchError(f"--head {head.name}: its layers' config is not one sdbench reads ({line})") from None
         return BlockDrafter(forward, head.name, head.layers)
-
-    @classmethod
-    def proposer_for(cls, head, target, gamma: int, options: dict | None = None) -> TrainedHead:
-        drafter = cls.drafter(head, target, gamma)
-        most = drafter.head.most_drafts
-        if gamma > most:
-            raise SdbenchError(f"--gamma {gamma}: --head {head.name} drafts {most} tokens per block")
-        return TrainedHead(drafter, gamma, head.name)
 
     @classmethod
     def max_gamma(cls, heads: tuple[str, ...]) -> int:

@@ -18,7 +18,7 @@ from torch import nn
 
 from sdbench.models.forward.rotary import Rotary, rope
 from sdbench.models.heads.eagle import rms_norm
-from sdbench.training.eagle3 import chain_labels, draft_map
+from sdbench.training.eagle3 import chain_labels, draft_map, vocab_maps
 
 ROOTS_PER_BATCH = 256  # the blocks a fitting step computes: a sample of its batch's labelled roots
 
@@ -149,7 +149,4 @@ class DFlashTrainee(nn.Module):
         for i, layer in enumerate(self.layers):
             w.update({f"layers.{i}.{k}": v for k, v in layer.named().items()})
         w = {k: v.detach().clone().contiguous() for k, v in w.items()}
-        ids = self.draft_ids.cpu()
-        w["d2t"] = ids - torch.arange(len(ids))
-        w["t2d"] = torch.zeros(self.embedding.shape[0], dtype=torch.bool).index_fill_(0, ids, True)
-        return w
+        return {**w, **vocab_maps(self.draft_ids, self.embedding.shape[0])}

@@ -122,10 +122,7 @@ class Eagle3Trainee(nn.Module):
                  "post_attention_layernorm.weight": self.post_attention_layernorm}
         w.update({f"layers.0.{k}": v for k, v in layer.items()})
         w = {k: v.detach().clone().contiguous() for k, v in w.items()}
-        ids = self.draft_ids.cpu()
-        w["d2t"] = ids - torch.arange(len(ids))
-        w["t2d"] = torch.zeros(self.embedding.shape[0], dtype=torch.bool).index_fill_(0, ids, True)
-        return w
+        return {**w, **vocab_maps(self.draft_ids, self.embedding.shape[0])}
 
 
 def draft_map(draft_ids: torch.Tensor, vocab: int) -> torch.Tensor:
@@ -147,3 +144,10 @@ def chain_labels(to_draft: torch.Tensor, pred: torch.Tensor, n_steps: int, lengt
         lab = to_draft[F.pad(pred[:, step + 1:], (0, step + 1))]
         out.append(lab.masked_fill(at >= lengths[:, None], -100))
     return out
+
+
+def vocab_maps(draft_ids: torch.Tensor, vocab: int) -> dict[str, torch.Tensor]:
+    """The speculators format's maps of a draft vocabulary: d2t (draft token i is target token i + d2t[i]) and t2d
+    (which of the target's `vocab` tokens are drafted)."""
+    ids = draft_ids.cpu()
+    return {"d2t": ids - torch.arange(len(ids)), "t2d": torch.zeros(vocab, dtype=torch.bool).index_fill_(0, ids, True)}

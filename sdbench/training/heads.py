@@ -161,24 +161,18 @@ def write_head(folder: Path, kind: str, trainee, model, verifier: str | None, dt
                   "hidden_size": tc.hidden_size, "vocab_size": tc.vocab_size,
                   "base_model_name_or_path": verifier, "architectures": ["MedusaModel"]}
         name = "medusa_lm_head.safetensors"
-    elif kind == "dflash":
-        config = dflash_config(trainee, model, verifier, dtype, head_layers(kind, model.config))
-        name = "model.safetensors"
     else:
-        weights["embed_tokens.weight"] = model.get_input_embeddings().weight.detach().to(dtype).cpu().contiguous()
-        layer = trainee.layer_config.to_dict()
-        layer.pop("transformers_version", None)
-        config = {"architectures": ["Eagle3DraftModel"], "speculators_model_type": "eagle3",
-                  "draft_vocab_size": int(len(trainee.draft_ids)), "norm_before_residual": False,
-                  "norm_before_fc": False, "fc_norm": False, "norm_output": False, "embed_requires_grad": False,
-                  "eagle_aux_hidden_state_layer_ids": list(head_layers(kind, model.config)),
-                  "target_hidden_size": None, "tie_word_embeddings": False, "transformer_layer_config": layer,
-                  "speculators_config": {"algorithm": "eagle3", "default_proposal_method": "greedy",
-                                         "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": 3,
-                                                               "accept_tolerance": 0.0, "verifier_accept_k": 1}],
-                                         "verifier": {"name_or_path": verifier,
-                                                      "architectures": list(model.config.architectures or [])}},
-                  "dtype": str(dtype).removeprefix("torch.")}
+        layers = list(head_layers(kind, model.config))
+        config = speculators_config(kind, trainee, model, verifier, dtype)
+        if kind == "dflash":  # the embedding and a full-vocabulary head are the target's: not written
+            config.update({"architectures": ["DFlashSpeculator"], "block_size": trainee.block_size,
+                           "aux_hidden_state_layer_ids": layers, "mask_token_id": trainee.mask_token_id,
+                           "sample_from_anchor": False, "sliding_window_non_causal": False})
+        else:
+            weights["embed_tokens.weight"] = model.get_input_embeddings().weight.detach().to(dtype).cpu().contiguous()
+            config.update({"architectures": ["Eagle3DraftModel"], "norm_before_residual": False,
+                           "norm_before_fc": False, "fc_norm": False, "norm_output": False,
+                           "embed_requires_grad": False, "eagle_aux_hidden_state_layer_ids": layers})
         name = "model.safetensors"
     folder.mkdir(parents=True, exist_ok=True)
     tmp = folder / (name + ".tmp")
@@ -188,19 +182,16 @@ def write_head(folder: Path, kind: str, trainee, model, verifier: str | None, dt
     return [folder / "config.json", folder / name]
 
 
-def dflash_config(trainee, model, verifier: str | None, dtype: torch.dtype, layers: tuple[int, ...]) -> dict:
-    """A DFlash head's config.json in the speculators format (the embedding and head are the target's, so not
-    written; its draft vocabulary's head and d2t are)."""
+def speculators_config(kind: str, trainee, model, verifier: str | None, dtype: torch.dtype) -> dict:
+    """What every head in the speculators format records alike (its kind adds its own keys): the layers' config,
+    the draft vocabulary's size, the proposal (EAGLE-3: 3 tokens; DFlash: a block's drafts) and the verifier."""
     layer = trainee.layer_config.to_dict()
     layer.pop("transformers_version", None)
-    return {"architectures": ["DFlashSpeculator"], "speculators_model_type": "dflash",
-            "draft_vocab_size": int(len(trainee.draft_ids)), "block_size": trainee.block_size,
-            "aux_hidden_state_layer_ids": list(layers), "mask_token_id": trainee.mask_token_id,
-            "sample_from_anchor": False, "sliding_window_non_causal": False, "target_hidden_size": None,
-            "tie_word_embeddings": False, "transformer_layer_config": layer,
-            "speculators_config": {"algorithm": "dflash", "default_proposal_method": "greedy",
-                                   "proposal_methods": [{"proposal_type": "greedy",
-                                                         "speculative_tokens": trainee.block_size - 1,
+    drafts = trainee.block_size - 1 if kind == "dflash" else DEFAULT_STEPS[kind]
+    return {"speculators_model_type": kind, "draft_vocab_size": int(len(trainee.draft_ids)),
+            "target_hidden_size": None, "tie_word_embeddings": False, "transformer_layer_config": layer,
+            "speculators_config": {"algorithm": kind, "default_proposal_method": "greedy",
+                                   "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": drafts,
                                                          "accept_tolerance": 0.0, "verifier_accept_k": 1}],
                                    "verifier": {"name_or_path": verifier,
                                                 "architectures": list(model.config.architectures or [])}},

@@ -52,7 +52,6 @@ class DFlashHead:
         self.w = {k: v.to(self.device, self.dtype) for k, v in head.weights.items() if k not in ("d2t", "t2d")}
         self.rotary = Rotary(cfg, self.device, self.dtype)
         self.to_target = target_ids(head, self.device)
-        self.vocab_size = target.vocab_size if self.to_target is None else len(self.to_target)
 
     @property
     def most_drafts(self) -> int:
