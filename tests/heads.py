@@ -107,9 +107,12 @@ def medusa_dir(folder, target, heads: int = 3, layers: int = 1, seed: int = 0) -
 
 
 def dflash_dir(folder, target, fmt: str = "speculators", seed: int = 0, block: int = 4, layers: int = 2,
-               layer_ids=(1, 3), mask: int | None = None, anchor: bool = False, drop=()) -> Path:
+               layer_ids=(1, 3), mask: int | None = None, anchor: bool = False, drop=(), dspark: dict | None = None
+               ) -> Path:
     """A DFlash head of `layers` Qwen3 layers reading the target states `layer_ids` (engine/hidden.py's numbering),
-    its blocks `block` tokens long, the target's last token as the mask token unless `mask` is given."""
+    its blocks `block` tokens long, the target's last token as the mask token unless `mask` is given; with
+    `dspark` (rank, type, confidence: speculators' markov_rank, markov_head_type, enable_confidence_head), a
+    DSpark head (speculators format) with those Markov and confidence heads."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     g = torch.Generator().manual_seed(seed)
@@ -131,11 +134,32 @@ def dflash_dir(folder, target, fmt: str = "speculators", seed: int = 0, block: i
         cfg = {**lc, "architectures": ["DFlashDraftModel"], "block_size": block,
                "num_target_layers": target.config.num_hidden_layers,
                "dflash_config": {"target_layer_ids": [i - 1 for i in layer_ids], "mask_token_id": mask}}
+    if dspark is not None:
+        cfg.update(_dspark(g, w, dspark, H, lc["vocab_size"]))
     for k in drop:
         w.pop(k)
     (folder / "config.json").write_text(json.dumps(cfg))
     save_file({k: v.contiguous() for k, v in w.items()}, str(folder / "model.safetensors"))
     return folder
+
+
+def _dspark(g, w: dict, dspark: dict, H: int, V: int) -> dict:
+    """DSpark's config keys, its Markov and confidence weights added to w."""
+    r, kind, sure = dspark.get("rank", 4), dspark.get("type", "vanilla"), dspark.get("confidence", True)
+    if r:
+        w.update({"markov_head.markov_w1.weight": _rand(g, V, r, scale=0.8),
+                  "markov_head.markov_w2.weight": _rand(g, V, r, scale=0.8)})
+    if r and kind == "gated":
+        w.update({"markov_head.gate_proj.weight": _rand(g, r, H + r, scale=0.3),
+                  "markov_head.gate_proj.bias": _rand(g, r, scale=0.3)})
+    if r and kind == "rnn":
+        w.update({"markov_head.joint_proj.weight": _rand(g, 3 * r, 2 * r + H, scale=0.3),
+                  "markov_head.joint_proj.bias": _rand(g, 3 * r, scale=0.3)})
+    if sure:
+        w.update({"confidence_head.proj.weight": _rand(g, 1, H + r, scale=0.3),
+                  "confidence_head.proj.bias": torch.ones(1)})
+    return {"speculators_model_type": "dspark", "architectures": ["DSparkSpeculator"], "markov_rank": r,
+            "markov_head_type": kind, "enable_confidence_head": sure, "confidence_head_with_markov": True}
 
 
 def small_vocab_target(arch: str, vocab: int = 8, layers: int = 4, seed: int = 0):

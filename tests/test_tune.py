@@ -505,7 +505,7 @@ def test_one_study_chooses_between_an_eagle_and_a_dflash_head(tmp_path, pair, us
 def test_tune_head_refusals(tmp_path, pair):
     with pytest.raises(SdbenchError, match="'eagle' needs a trained head to tune with: give --head"):
         tuner(tmp_path, pair, strategy="eagle", drafts=())
-    with pytest.raises(SdbenchError, match="--head needs --strategy eagle, medusa or dflash .* not 'ngram'"):
+    with pytest.raises(SdbenchError, match="--head needs --strategy eagle, medusa, dflash or dspark .* not 'ngram'"):
         tuner(tmp_path, pair, strategy="ngram", heads=("x",))
     with pytest.raises(SdbenchError, match="--head /nonexistent: no such folder"):
         tuner(tmp_path, pair, strategy="eagle", drafts=(), heads=("/nonexistent",))

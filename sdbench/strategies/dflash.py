@@ -32,16 +32,22 @@ class DFlashStrategy(HeadStrategy):
         return None
 
     @classmethod
-    def drafter(cls, head, target, gamma: int, tree=None):
-        from sdbench.drafting.block import BlockDrafter
+    def drafter(cls, head, target, gamma: int, tree=None, options: dict | None = None):
         from sdbench.models.heads.dflash import DFlashHead
 
+        return cls.block_drafter(DFlashHead, head, target)
+
+    @staticmethod
+    def block_drafter(forward_type, head, target, confidence: float = 0.0):
+        """The BlockDrafter over a loaded head's forward (`forward_type`: DFlashHead or one like it)."""
+        from sdbench.drafting.block import BlockDrafter
+
         try:
-            forward = DFlashHead(head, target)
+            forward = forward_type(head, target)
         except (ValueError, KeyError, TypeError) as err:  # the library refuses its layers' config
             line = (str(err).strip() or type(err).__name__).splitlines()[0]
             raise SdbenchError(f"--head {head.name}: its layers' config is not one sdbench reads ({line})") from None
-        return BlockDrafter(forward, head.name, head.layers)
+        return BlockDrafter(forward, head.name, head.layers, confidence)
 
     @classmethod
     def max_gamma(cls, heads: tuple[str, ...]) -> int:

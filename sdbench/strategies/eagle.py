@@ -38,9 +38,9 @@ class HeadStrategy(Strategy):
                             options.get("tree_shape", ""), options.get("tree_dynamic", False))
 
     @classmethod
-    def drafter(cls, head, target, gamma: int, tree: Tree | DynamicTree | None = None):
-        """The drafter over a loaded head, drafting a chain or `tree` (raises SdbenchError on settings the head
-        cannot honour)."""
+    def drafter(cls, head, target, gamma: int, tree: Tree | DynamicTree | None = None, options: dict | None = None):
+        """The drafter over a loaded head, drafting a chain or `tree` with the strategy's settings `options`
+        (raises SdbenchError on settings the head cannot honour)."""
         raise NotImplementedError
 
     @classmethod
@@ -62,7 +62,7 @@ class HeadStrategy(Strategy):
     def proposer_for(cls, head, target, gamma: int, options: dict | None = None) -> TrainedHead:
         """The proposer drafting with a loaded head (options: the tree settings, if any)."""
         options = options or {}
-        return TrainedHead(cls.drafter(head, target, gamma, cls.tree(gamma, options)), gamma, head.name,
+        return TrainedHead(cls.drafter(head, target, gamma, cls.tree(gamma, options), options), gamma, head.name,
                            tree_params(options))
 
     @classmethod
@@ -81,7 +81,7 @@ class EagleStrategy(HeadStrategy):
     head_kinds = ("eagle3", "eagle1")
 
     @classmethod
-    def drafter(cls, head, target, gamma: int, tree: Tree | DynamicTree | None = None):
+    def drafter(cls, head, target, gamma: int, tree: Tree | DynamicTree | None = None, options: dict | None = None):
         from sdbench.drafting.heads import EagleDrafter
         from sdbench.models.heads.eagle import EagleHead
 

@@ -19,7 +19,7 @@ class MedusaStrategy(HeadStrategy):
     head_kinds = ("medusa",)
 
     @classmethod
-    def drafter(cls, head, target, gamma: int, tree: Tree | DynamicTree | None = None):
+    def drafter(cls, head, target, gamma: int, tree: Tree | DynamicTree | None = None, options: dict | None = None):
         from sdbench.drafting.heads import MedusaDrafter
         from sdbench.models.heads.medusa import MedusaHead
 

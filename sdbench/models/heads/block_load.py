@@ -10,14 +10,21 @@ DFlash (block diffusion: a block of `block_size` tokens filled in one non-causal
 - z-lab's own folders (`DFlashDraftModel`): a Qwen3 config with `dflash_config` (`target_layer_ids`, counted
   from the first layer's output, so one less than engine/hidden.py's; `mask_token_id`), `block_size`,
   `num_target_layers`; the same weight names.
+
+DSpark (DFlash plus a Markov head and a confidence head), as the `speculators` package writes it: a DFlash config
+with `speculators_model_type: dspark`, `markov_rank` (0: no Markov head), `markov_head_type` (vanilla, gated or
+rnn), `enable_confidence_head`, `confidence_head_with_markov`, and `sample_from_anchor` true unless it says
+otherwise; weights `markov_head.markov_w1` (target vocabulary x rank), `markov_head.markov_w2` (rank -> draft
+vocabulary), `markov_head.gate_proj` (gated) or `markov_head.joint_proj` (rnn), `confidence_head.proj`.
 """
 
 from __future__ import annotations
 
 from sdbench.errors import SdbenchError
 
-DFLASH = "dflash"
-BLOCK_KINDS = (DFLASH,)
+DFLASH, DSPARK = "dflash", "dspark"
+BLOCK_KINDS = (DFLASH, DSPARK)
+MARKOV_TYPES = ("vanilla", "gated", "rnn")
 # config keys of a z-lab folder that are not the draft decoder's own
 _ZLAB_KEYS = ("architectures", "auto_map", "block_size", "dflash_config", "num_target_layers")
 
@@ -33,16 +40,18 @@ def zlab_layers(n_target_layers: int, n_draft_layers: int) -> list[int]:
 
 def parse_block(source: str, config: dict, weights: dict, n_layers: int, head_type):
     """The block drafter a folder holds, as a `head_type` (load.Head); None when it holds none."""
-    kind = config.get("speculators_model_type")
-    if kind in ("dflash2", "dspark"):
-        raise SdbenchError(f"--head {source}: a {kind} head is not supported yet (DFlash is)")
-    if kind == DFLASH:
+    kind, markov = config.get("speculators_model_type"), {}
+    if kind == "dflash2":
+        raise SdbenchError(f"--head {source}: a {kind} head is not supported yet (DFlash and DSpark are)")
+    if kind in BLOCK_KINDS:
         layer = dict(config.get("transformer_layer_config") or {})
         ids = config.get("aux_hidden_state_layer_ids")
         ids = _id_list(source, "aux_hidden_state_layer_ids", ids) if ids is not None else [2, n_layers // 2,
                                                                                             n_layers - 3]
         block, mask, anchor = config.get("block_size", 8), config.get("mask_token_id"), config.get(
-            "sample_from_anchor", False)
+            "sample_from_anchor", kind == DSPARK)
+        if kind == DSPARK:
+            markov = _markov(source, config)
     elif "DFlashDraftModel" in (config.get("architectures") or []) or "dflash_config" in config:
         if "DFlash2DraftModel" in (config.get("architectures") or []):
             raise SdbenchError(f"--head {source}: a DFlash 2 head is not supported yet (DFlash is)")
@@ -64,8 +73,24 @@ def parse_block(source: str, config: dict, weights: dict, n_layers: int, head_ty
     if isinstance(mask, bool) or not isinstance(mask, int):
         raise SdbenchError(f"--head {source}: its config.json names no mask_token_id (the token a block's drafted "
                            "positions hold)")
-    return head_type(source, DFLASH, tuple(ids), layer, dict(weights), block_size=block, mask_token_id=mask,
-                     anchor_drafts=bool(anchor))
+    return head_type(source, kind if kind in BLOCK_KINDS else DFLASH, tuple(ids), layer, dict(weights),
+                     block_size=block, mask_token_id=mask, anchor_drafts=bool(anchor), markov=markov)
+
+
+def _markov(source: str, config: dict) -> dict:
+    """A DSpark config's Markov and confidence settings, checked (speculators' defaults where it names none)."""
+    got = {"rank": config.get("markov_rank", 256), "type": config.get("markov_head_type", "vanilla"),
+           "confidence": config.get("enable_confidence_head", True),
+           "with_markov": config.get("confidence_head_with_markov", True)}
+    rank = got["rank"]
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
+        raise SdbenchError(f"--head {source}: markov_rank in its config.json is {rank!r}, not a whole number >= 0")
+    if got["type"] not in MARKOV_TYPES:
+        raise SdbenchError(f"--head {source}: markov_head_type {got['type']!r} is not one of {', '.join(MARKOV_TYPES)}")
+    if got["confidence"] and got["with_markov"] and not rank:
+        raise SdbenchError(f"--head {source}: its confidence head reads the Markov head's embedding, but markov_rank "
+                           "is 0")
+    return got
 
 
 def _id_list(source: str, key: str, ids) -> list:
@@ -80,8 +105,8 @@ def check_block(head, H: int, V: int, check_shapes, count) -> None:
     where = f"--head {head.name}"
     hidden = head.config.get("hidden_size", H)
     if hidden != H:
-        raise SdbenchError(f"{where} has hidden size {hidden}, but the target's is {H} (a DFlash head shares the "
-                           "target's embedding and head)")
+        raise SdbenchError(f"{where} has hidden size {hidden}, but the target's is {H} (a {head.kind} head "
+                           "shares the target's embedding and head)")
     if head.config.get("vocab_size", V) != V:
         raise SdbenchError(f"{where} was made for a vocabulary of {head.config['vocab_size']} tokens, but the "
                            f"target has {V}")
@@ -107,4 +132,20 @@ def check_block(head, H: int, V: int, check_shapes, count) -> None:
     lm = head.weights.get("lm_head.weight")
     if lm is not None:  # a draft vocabulary of its own (checked with its d2t by load.py)
         optional["lm_head.weight"] = (lm.shape[0], H)
+    if head.markov:
+        _markov_shapes(head.markov, H, V, V if lm is None else lm.shape[0], need)
     check_shapes(head, need, optional)
+
+
+def _markov_shapes(markov: dict, H: int, V: int, Vd: int, need: dict) -> None:
+    """A DSpark head's Markov and confidence weights, added to `need`: name -> shape."""
+    r, p = markov["rank"], "markov_head."
+    if r:
+        need.update({p + "markov_w1.weight": (V, r), p + "markov_w2.weight": (Vd, r)})
+    if r and markov["type"] == "gated":
+        need.update({p + "gate_proj.weight": (r, H + r), p + "gate_proj.bias": (r,)})
+    if r and markov["type"] == "rnn":
+        need.update({p + "joint_proj.weight": (3 * r, 2 * r + H), p + "joint_proj.bias": (3 * r,)})
+    if markov["confidence"]:
+        width = H + (r if markov["with_markov"] else 0)
+        need.update({"confidence_head.proj.weight": (1, width), "confidence_head.proj.bias": (1,)})

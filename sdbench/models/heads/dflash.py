@@ -119,6 +119,15 @@ class DFlashHead:
         o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=self.n_heads != self.n_kv)
         return self._linear(p + "o_proj", o.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
 
+    @torch.inference_mode()
+    def chain(self, out: torch.Tensor, anchors: torch.Tensor, k: int, pick):
+        """The drafts of the block's first k drafting slots, from its outputs out [B, block, H] (anchors [B]: the
+        rows' anchors), each picked by `pick` (logits [B, V] -> tokens [B], probs [B, V] or None) from its own
+        slot's logits alone: the tokens and the probs per slot, and each slot's confidence [B, k] (DFlash has
+        none: None)."""
+        tokens, probs = zip(*(pick(self.logits(out[:, self.first + i])) for i in range(k)))
+        return list(tokens), list(probs), None
+
     def draft_logits(self, out: torch.Tensor) -> torch.Tensor:
         """Logits [..., Vd] of block outputs [..., H]: the target's head, or the head's own draft vocabulary."""
         if "lm_head.weight" not in self.w:

@@ -44,6 +44,7 @@ class Head:
     block_size: int = 0  # a block drafter: the tokens of its one forward (the anchor, then mask tokens)
     mask_token_id: int | None = None  # a block drafter: the token its drafted positions hold
     anchor_drafts: bool = False  # a block drafter: the anchor's slot drafts too (speculators' sample_from_anchor)
+    markov: dict = field(default_factory=dict)  # DSpark: its Markov and confidence heads' settings (block_load.py)
 
 
 def load_head(source: str, target, kinds: tuple[str, ...] = (EAGLE3, EAGLE1, MEDUSA, *BLOCK_KINDS),
@@ -184,7 +185,8 @@ def _parse(source: str, config: dict, weights: dict, target) -> Head:
     if "fc.weight" in weights and any(k.startswith("layers.0.") for k in weights):
         return Head(source, EAGLE1, (FINAL,), dict(config), _strip(weights, "layers.0."))
     raise SdbenchError(f"--head {source}: not a head sdbench reads (EAGLE-3 in the speculators or EAGLE format, "
-                       "EAGLE-1, Medusa-1, DFlash in the speculators or z-lab format)")
+                       "EAGLE-1, Medusa-1, DFlash in the speculators or z-lab format, DSpark in the speculators "
+                       "format)")
 
 
 def _layer_ids(source: str, config: dict) -> list | None:
