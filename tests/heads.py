@@ -60,11 +60,16 @@ def eagle3_dir(folder, target, fmt: str = "speculators", seed: int = 0, draft_vo
     w = eagle3_weights(target, seed, draft_vocab, len(layer_ids) if layer_ids else 3)
     lc = _layer_config(target)
     Vd = w["lm_head.weight"].shape[0]
-    if fmt == "speculators":
+    if fmt in ("speculators", "peagle"):
         cfg = {"speculators_model_type": "eagle3", "architectures": ["Eagle3Speculator"],
                "transformer_layer_config": lc, "draft_vocab_size": Vd, "norm_before_residual": norm_before_residual}
         if layer_ids is not None:
             cfg["eagle_aux_hidden_state_layer_ids"] = list(layer_ids)
+        if fmt == "peagle":  # P-EAGLE: the mask token and the state its parallel positions hold
+            cfg.update({"speculators_model_type": "peagle", "architectures": ["PEagleSpeculator"],
+                        "mask_token_id": target.config.vocab_size - 1})
+            width = w["fc.weight"].shape[1]
+            w["mask_hidden"] = torch.randn(1, 1, width, generator=torch.Generator().manual_seed(seed + 7))
     else:  # the EAGLE repository's
         cfg = {**lc, "architectures": ["LlamaForCausalLMEagle3"], "draft_vocab_size": Vd}
         w = {k.replace("layers.0.", "midlayer."): v for k, v in w.items()}

@@ -29,6 +29,7 @@ def folders(tmp_path_factory):
             "eagle1": str(eagle1_dir(root / "eagle1", model)),
             "medusa": str(medusa_dir(root / "medusa", model, heads=3)),
             "dflash": str(dflash_dir(root / "dflash", model, block=4, layer_ids=(1, 3))),
+            "dspark": str(dflash_dir(root / "dspark", model, block=4, layer_ids=(1, 3), dspark={"type": "gated"})),
             "other": str(medusa_dir(root / "other", small_vocab_target("llama", vocab=8)))}
 
 
@@ -53,7 +54,7 @@ def _spied(monkeypatch) -> list:
 
 def test_check_reports_each_head(folders, capsys, monkeypatch):
     seen = _spied(monkeypatch)
-    kinds = ("eagle3", "eagle1", "medusa", "dflash")
+    kinds = ("eagle3", "eagle1", "medusa", "dflash", "dspark")
     heads = [folders[k] for k in kinds]
     code, out, err = run_cli(capsys, "check", folders["target"], *[a for h in heads for a in ("--head", h)], *CHECK)
     assert code == 0, err + out
@@ -63,7 +64,7 @@ def test_check_reports_each_head(folders, capsys, monkeypatch):
         gaps = [float(g) for g in re.findall(r"\d\.\de[+-]\d\d", row)]
         assert len(gaps) == 3 and max(gaps) < 1e-4  # the three phases' hidden-state gaps, within the tolerance
     (plain, *spec) = seen
-    assert plain[0] == "Autoregressive" and [s[0] for s in spec] == ["TrainedHead"] * 4
+    assert plain[0] == "Autoregressive" and [s[0] for s in spec] == ["TrainedHead"] * 5
     assert all(s[1] == plain[1] for s in spec)  # each head's decoding gave the plain tokens
     assert len(plain[1]) == 12 and all(s[2] > 0 for s in spec)  # over 12 tokens, each head drafting
 

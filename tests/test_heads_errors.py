@@ -47,7 +47,7 @@ def test_head_options_on_the_command_line(tmp_path, monkeypatch, capsys):
     args = [*tiny_cli_files(tmp_path, monkeypatch, ["w1 w2 w3"]), "--max-new-tokens", "4", "--out", str(tmp_path)]
     eagle3_dir(tmp_path / "head", tiny_model(0, layers=4), draft_vocab=6)
     capsys.readouterr()  # the tiny model's saving
-    for extra, words in ((["--strategy", "draft", "--head", "x"], "--head needs --strategy eagle, medusa, dflash or dspark"),
+    for extra, words in ((["--strategy", "draft", "--head", "x"], "--head needs --strategy eagle, peagle, medusa"),
                          (["--strategy", "eagle"], "needs --head"),
                          (["--strategy", "medusa", "--head", str(tmp_path / "head")], "use --strategy eagle")):
         code, _, err = run_cli(capsys, "run", *args, *extra)
@@ -138,7 +138,7 @@ BAD_HEADS = {  # name: (strategy and options, how the head is made for the CLI's
     "corrupt weights": (["--strategy", "eagle"], _corrupt, "model.safetensors is not a readable weights file"),
     "medusa gamma": (["--strategy", "medusa", "--gamma", "4"], lambda f, t: medusa_dir(f, t, heads=3),
                      "--gamma 4: --head"),
-    "ngram": (["--strategy", "ngram"], lambda f, t: medusa_dir(f, t), "--head needs --strategy eagle, medusa, dflash or dspark"),
+    "ngram": (["--strategy", "ngram"], lambda f, t: medusa_dir(f, t), "--head needs --strategy eagle, peagle, medusa"),
 }
 
 
@@ -159,7 +159,7 @@ def test_head_options_of_tune_and_check_are_one_line(tmp_path, monkeypatch, caps
 
     args = [*tiny_cli_files(tmp_path, monkeypatch, ["w1 w2 w3"]), "--out", str(tmp_path), "--device", "cpu"]
     capsys.readouterr()
-    for extra, words in ((["--strategy", "ngram", "--head", "x"], "--head needs --strategy eagle, medusa, dflash or dspark"),
+    for extra, words in ((["--strategy", "ngram", "--head", "x"], "--head needs --strategy eagle, peagle, medusa"),
                          (["--strategy", "eagle"], "'eagle' needs a trained head to tune with: give --head"),
                          (["--strategy", "medusa", "--head", "./nowhere"], "--head ./nowhere: no such folder")):
         code, _, err = run_cli(capsys, "tune", *args, *extra)

@@ -1,7 +1,8 @@
-"""`sdbench train-head --kind dflash`: the training forward against the drafting forward (every root's block, read
-back from the folder train-head writes) and against the `speculators` package's own DFlash model, which loads that
-folder as vLLM does; then the command end to end on a tiny model: the head is written in speculators' format,
-runs lossless under `run --strategy dflash`, and a second run with more minutes resumes the fit."""
+"""`sdbench train-head --kind dflash` and `--kind dspark`: the training forward against the drafting forward (every
+root's block, read back from the folder train-head writes) and against the `speculators` package's own model, which
+loads that folder as vLLM does; then the command end to end on a tiny model (and `--kind peagle`'s): the head is
+written in speculators' format, runs lossless under its strategy, and a second run with more minutes resumes the
+fit."""
 
 from __future__ import annotations
 
@@ -114,3 +115,91 @@ def test_train_head_dflash_writes_a_head_that_runs_lossless_and_resumes(fitted, 
     code, text, err = _train(capsys, fitted, out, "0.6", "--kind", "dflash", "--steps", "3")
     assert code == 0, err
     assert json.loads((out / "sdbench_head.json").read_text())["steps"] > record["steps"]
+
+
+def _dspark_slots(head, states, tokens, b: int, q: int):
+    """The drafting head's slots of root q of row b, each fed the data's previous token: (logits, confidence)."""
+    from sdbench.models.heads.dspark import DSparkHead
+
+    assert isinstance(head, DSparkHead)
+    cache = head.new_cache(1, 32)
+    head.context(cache, states[b:b + 1, :q + 1], [0])
+    out = head.block(cache, tokens[b:b + 1, q + 1], [q + 1])[0]
+    rows = [head.slot(out[s:s + 1], tokens[b, q + s:q + s + 1], None) for s in range(1, DRAFTS + 1)]
+    return torch.stack([r[0][0] for r in rows]), torch.stack([r[1][0] for r in rows])
+
+
+def test_dspark_training_is_drafting_and_speculators_loads_it(tmp_path, monkeypatch):
+    """train-head's DSpark (a DFlash block, the Markov head's bias from the data's previous token and the
+    confidence head) against the drafting forward on the folder it writes, root by root; then speculators'
+    DSparkDraftModel loads that folder and gives the same biased logits and confidences."""
+    from sdbench.models.heads.dspark import DSparkHead
+
+    target = small_vocab_target("llama")
+    seq = Sequence("x", "x/0", torch.arange(8), torch.zeros(8, 96), torch.tensor([0, 1, 1, 3, 3, 3, 5, 6]))
+    trainee = _perturb(build("dspark", target, [seq], DRAFTS, 6)).eval()
+    with torch.no_grad():
+        trainee.markov_w1.weight.normal_(0, 0.5)  # off its near-zero start, so that the bias shows
+    write_head(tmp_path / "head", "dspark", trainee, target, None, torch.float32)
+    runner = ModelRunner(target)
+    head = DSparkHead(load_head(str(tmp_path / "head"), runner, ("dspark",)), runner)
+    tokens, states = _inputs(batch=1)
+    with torch.no_grad():
+        steps = trainee.steps(tokens, states, DRAFTS)
+    sure = trainee.confidence_logits
+    for q in (0, 2, 3):
+        logits, confidence = _dspark_slots(head, states, tokens, 0, q)
+        torch.testing.assert_close(logits, torch.stack([s[0, q] for s in steps]), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(confidence, torch.stack([s[0, q] for s in sure]).sigmoid(), atol=1e-5, rtol=1e-5)
+    try:
+        import speculators.models.dflash.core as core
+        from speculators.models.dspark import DSparkDraftModel, DSparkSpeculatorConfig
+    except ImportError:
+        skip_unless_ci("the speculators package is not installed (make setup installs it)")
+    config = DSparkSpeculatorConfig.from_pretrained(str(tmp_path / "head"))
+    config.transformer_layer_config._attn_implementation = "eager"
+    theirs = DSparkDraftModel.from_pretrained(str(tmp_path / "head"), config=config).eval()
+    with torch.no_grad():
+        theirs.embed_tokens.weight.copy_(target.get_input_embeddings().weight)
+    for q in (0, 2, 3):
+        monkeypatch.setattr(core, "select_anchors", lambda mask, n, bs, a=q + 1: (torch.tensor([a]),
+                                                                                   torch.tensor([True])))
+        with torch.no_grad():
+            hidden, logits, *_ = theirs._backbone_forward(states, tokens, torch.ones(1, S), torch.randn(1, S, 32),
+                                                          torch.zeros(1, S, dtype=torch.long), max_anchors=1)
+            block = tokens[:, q + 1:q + 1 + DRAFTS + 1]
+            prev = torch.cat((block[:, :1], block[:, :-1]), 1)  # not sampling from the anchor: shifted
+            emb = theirs.markov_head.prev_embeddings(prev)
+            biased = logits + theirs.markov_head.block_bias(prev_token_ids=prev, hidden_states=hidden, prev_emb=emb)
+            conf = theirs.confidence_head(torch.cat((hidden, emb), -1)).sigmoid()
+        ours, ours_sure = _dspark_slots(head, states, tokens, 0, q)
+        torch.testing.assert_close(biased[0, 1:], ours, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(conf[0, 1:], ours_sure, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["dspark", "peagle"])
+def test_train_head_writes_a_dspark_or_peagle_head_that_runs_lossless(fitted, capsys, kind):  # noqa: F811
+    out = fitted / kind
+    code, text, err = _train(capsys, fitted, out, "0.3", "--kind", kind, "--steps", "3")
+    assert code == 0, err
+    assert f"run it: --strategy {kind} --head {out}" in text.replace("\n", "")
+    config = json.loads((out / "config.json").read_text())
+    vocab = config["transformer_layer_config"]["vocab_size"]
+    assert config["speculators_model_type"] == kind and config["mask_token_id"] == vocab - 1
+    if kind == "dspark":
+        assert config["block_size"] == 4 and config["markov_rank"] == 256 and config["enable_confidence_head"]
+    else:
+        from safetensors.torch import load_file
+
+        mask = load_file(str(out / "model.safetensors"))["mask_hidden"]
+        assert config["architectures"] == ["PEagleSpeculator"] and mask.shape == (1, 1, 3 * config[
+            "transformer_layer_config"]["hidden_size"])
+    code, text, err = run_cli(capsys, "run", "--target", str(fitted / "target"), "--strategy", kind, "--head",
+                              str(out), "--gamma", "3", "--dataset", str(fitted / "p.csv"), "--limit", "3",
+                              "--max-new-tokens", "8", "--device", "cpu", "--out", str(fitted / f"{kind}-runs"))
+    assert code == 0, err
+    from sdbench.reporting.results import read_results
+
+    rows = read_results([str(fitted / f"{kind}-runs")])
+    mine = rows[rows["strategy"] == kind]
+    assert len(mine) == 3 and bool(mine["lossless"].all())

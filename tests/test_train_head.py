@@ -199,7 +199,7 @@ def test_chain_acceptance_counts_the_leading_run_of_accepted_drafts():
     assert got["positions"] == 2 and got["per_step"] == pytest.approx([1 / 2, 0.0])
 
 
-@pytest.mark.parametrize("kind", ["eagle3", "medusa", "dflash"])
+@pytest.mark.parametrize("kind", ["eagle3", "medusa", "peagle", "dflash", "dspark"])
 def test_a_fit_learns_what_decoding_accepts(fitted, kind, tmp_path):
     """Fitted for a fixed number of steps on a tiny target's answers, a head's drafts are accepted by the real
     decode loop (the target verifying, the head fed the loop's states) far more often than before the fit, and

@@ -483,29 +483,35 @@ def test_tune_medusa_draws_no_more_drafts_than_heads(tmp_path, pair):
     assert {s.params["gamma"] for s in study.trials} <= {1, 2} and "head" not in study.trials[0].params
 
 
-def test_one_study_chooses_between_an_eagle_and_a_dflash_head(tmp_path, pair, user_presets):
+def test_one_study_chooses_between_an_eagle_a_dflash_and_a_dspark_head(tmp_path, pair, user_presets):
     """Each --head goes to the strategy drafting with its kind; DFlash's gamma is drawn up to its block's drafts
-    (a block of 3: 1 or 2), each trial checked token for token against plain decoding."""
+    (a block of 3: 1 or 2), DSpark's with its confidence cut too, each trial checked token for token against
+    plain decoding."""
+    from sdbench.strategies.dspark import CONFIDENCES
     from tests.heads import dflash_dir, eagle3_dir
 
     eagle = str(eagle3_dir(tmp_path / "e", pair.target.model, layer_ids=(0, 1, 1), seed=1))
     block = str(dflash_dir(tmp_path / "d", pair.target.model, block=3, layer_ids=(1, 2)))
-    t = tuner(tmp_path, pair, strategy="eagle", strategies=("eagle", "dflash"), heads=(eagle, block), trials=6,
-              objective="tokens", pruner=optuna.pruners.NopPruner())
-    assert t.heads_of == {"eagle": (eagle,), "dflash": (block,)}
+    spark = str(dflash_dir(tmp_path / "s", pair.target.model, block=3, layer_ids=(1, 2), anchor=True, dspark={}))
+    t = tuner(tmp_path, pair, strategy="eagle", strategies=("eagle", "dflash", "dspark"), heads=(eagle, block, spark),
+              trials=8, objective="tokens", pruner=optuna.pruners.NopPruner())
+    assert t.heads_of == {"eagle": (eagle,), "dflash": (block,), "dspark": (spark,)}
     done = [s for s in t.tune().trials if s.state == TrialState.COMPLETE]
-    assert len(done) == 6 and {s.params["strategy"] for s in done} == {"eagle", "dflash"}
+    assert len(done) == 8 and {s.params["strategy"] for s in done} == {"eagle", "dflash", "dspark"}
     drawn = [s.params["dflash.gamma"] for s in done if s.params["strategy"] == "dflash"]
     assert set(drawn) <= {1, 2}
     for s in done:
         if s.params["strategy"] == "dflash":
             assert s.user_attrs["settings"]["options"] == {"head": block}
+        if s.params["strategy"] == "dspark":
+            assert s.params["dspark.gamma"] <= 3 and s.params["dspark.confidence"] in CONFIDENCES
+            assert s.user_attrs["settings"]["options"] == {"head": spark, "confidence": s.params["dspark.confidence"]}
 
 
 def test_tune_head_refusals(tmp_path, pair):
     with pytest.raises(SdbenchError, match="'eagle' needs a trained head to tune with: give --head"):
         tuner(tmp_path, pair, strategy="eagle", drafts=())
-    with pytest.raises(SdbenchError, match="--head needs --strategy eagle, medusa, dflash or dspark .* not 'ngram'"):
+    with pytest.raises(SdbenchError, match="--head needs --strategy eagle, peagle, medusa.* not 'ngram'"):
         tuner(tmp_path, pair, strategy="ngram", heads=("x",))
     with pytest.raises(SdbenchError, match="--head /nonexistent: no such folder"):
         tuner(tmp_path, pair, strategy="eagle", drafts=(), heads=("/nonexistent",))

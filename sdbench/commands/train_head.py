@@ -61,7 +61,8 @@ def validate(cfg: TrainHeadConfig) -> None:
     if cfg.draft_vocab is not None and cfg.draft_vocab < 0:
         raise SdbenchError(f"--draft-vocab {cfg.draft_vocab}: a number of tokens, or 0 for the target's vocabulary")
     if cfg.draft_vocab and cfg.kind == "medusa":
-        raise SdbenchError("--draft-vocab is for --kind eagle3 or dflash (Medusa drafts over the target's vocabulary)")
+        raise SdbenchError("--draft-vocab is for --kind eagle3, peagle, dflash or dspark (Medusa drafts over the "
+                           "target's vocabulary)")
     if cfg.steps is not None and not 1 <= cfg.steps <= 16:
         raise SdbenchError(f"--steps {cfg.steps}: between 1 and 16")
 

@@ -83,15 +83,21 @@ class EagleStrategy(HeadStrategy):
     @classmethod
     def drafter(cls, head, target, gamma: int, tree: Tree | DynamicTree | None = None, options: dict | None = None):
         from sdbench.drafting.heads import EagleDrafter
-        from sdbench.models.heads.eagle import EagleHead
 
-        try:
-            forward = EagleHead(head, target)
-        except (ValueError, KeyError, TypeError) as err:  # the library refuses its layer's config
-            line = (str(err).strip() or type(err).__name__).splitlines()[0]
-            raise SdbenchError(f"--head {head.name}: its layer's config is not one sdbench reads ({line})") from None
+        forward = eagle_head(head, target)
         check_width(head.name, tree, forward.vocab_size)
         return EagleDrafter(forward, head.name, head.layers, tree)
+
+
+def eagle_head(head, target):
+    """EAGLE's forward over a loaded head (one line where the library refuses its layer's config)."""
+    from sdbench.models.heads.eagle import EagleHead
+
+    try:
+        return EagleHead(head, target)
+    except (ValueError, KeyError, TypeError) as err:
+        line = (str(err).strip() or type(err).__name__).splitlines()[0]
+        raise SdbenchError(f"--head {head.name}: its layer's config is not one sdbench reads ({line})") from None
 
 
 def check_width(head: str, tree: Tree | DynamicTree | None, vocab: int) -> None:

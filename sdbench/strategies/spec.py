@@ -115,8 +115,8 @@ def need_gamma(strategy: str, gamma: int, option: str = "--gamma") -> None:
 def refuse_head(declared: type["Strategy"], asked: str) -> None:
     """--head given to a strategy that drafts with no trained head: one line. asked: the strategy as named."""
     if not declared.head_kinds:
-        raise SdbenchError(f"--head needs --strategy eagle, medusa, dflash or dspark (a trained head drafts for "
-                           f"them), not '{asked}'")
+        raise SdbenchError(f"--head needs --strategy eagle, peagle, medusa, dflash or dspark (a trained head "
+                           f"drafts for them), not '{asked}'")
 
 
 def tree_settings(declared: type["Strategy"]) -> tuple[str, ...]:

@@ -95,6 +95,18 @@ class DFlashTrainee(nn.Module):
         if every:
             roots = torch.stack(torch.meshgrid(torch.arange(B), torch.arange(T), indexing="ij"), -1).flatten(0, 1)
         roots = roots.to(tokens.device)
+        out = self.read(self.blocks(tokens, states, n_steps, roots), tokens, roots)  # [R, S - 1, Vd]
+        if every:
+            out = out.unflatten(0, (B, T))
+        return list(out.unbind(-2))
+
+    def read(self, hidden: torch.Tensor, tokens: torch.Tensor, roots: torch.Tensor) -> torch.Tensor:
+        """The draft-vocabulary logits [R, n, Vd] of the roots' drafting slots' final-norm outputs hidden [R, n, H]."""
+        return F.linear(hidden, self.lm_head)
+
+    def blocks(self, tokens: torch.Tensor, states: torch.Tensor, n_steps: int, roots: torch.Tensor) -> torch.Tensor:
+        """The final-norm outputs [R, n_steps, H] of the drafting slots of each root's block (roots [R, 2])."""
+        B, T = tokens.shape
         row, q = roots.unbind(1)
         S = n_steps + 1  # the block: the anchor and n_steps mask tokens
         c = rms_norm(self.fc(states), self.hidden_norm, self.eps)  # [B, T, H] the context
@@ -110,10 +122,7 @@ class DFlashTrainee(nn.Module):
             h = h + self._attention(layer, rms_norm(h, layer.input_layernorm, self.eps), kc, vc, row, q, at)
             g = rms_norm(h, layer.post_attention_layernorm, self.eps)
             h = h + layer.down_proj(F.silu(layer.gate_proj(g)) * layer.up_proj(g))
-        out = F.linear(rms_norm(h[:, 1:], self.norm, self.eps), self.lm_head)  # [R, S - 1, Vd]
-        if every:
-            out = out.unflatten(0, (B, T))
-        return list(out.unbind(-2))
+        return rms_norm(h[:, 1:], self.norm, self.eps)
 
     def _attention(self, layer: _Layer, x: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, row: torch.Tensor,
                    q_at: torch.Tensor, at: torch.Tensor) -> torch.Tensor:

@@ -84,8 +84,7 @@ class Eagle3Trainee(nn.Module):
         keys0 = values0 = None
         chain_k, chain_v, out = [], [], []
         for step in range(n_steps):
-            nxt = F.pad(tokens[:, step + 1:], (0, step + 1))  # token q + step + 1 (0 past the end)
-            e = F.embedding(nxt, self.embedding).to(x.dtype)
+            e, x = self.inputs(step, tokens, x)
             q, k, v, residual = self._qkv(x, e, (base + step).expand(B, T))
             if step == 0:
                 keys0, values0 = k, v
@@ -106,6 +105,12 @@ class Eagle3Trainee(nn.Module):
             out.append(F.linear(rms_norm(h, self.norm, self.eps), self.lm_head))
             x = h  # the next step feeds the head's own output back
         return out
+
+    def inputs(self, step: int, tokens: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Step `step`'s embedded tokens and states [B, T, H] at every root: token q + step + 1 (0 past the end)
+        with x, the projected target states (step 0) or the step before's output."""
+        nxt = F.pad(tokens[:, step + 1:], (0, step + 1))
+        return F.embedding(nxt, self.embedding).to(x.dtype), x
 
     def labels(self, pred: torch.Tensor, n_steps: int, lengths: torch.Tensor) -> list[torch.Tensor]:
         """Each step's labels [B, T] in draft ids (-100: ignored): `chain_labels`."""

@@ -55,7 +55,8 @@ def batches(seqs: list[Sequence], batch_tokens: int, rng: random.Random):
 
 
 def step_losses(model, seqs: list[Sequence], n_steps: int, device, sample: torch.Generator | None = None):
-    """The mean cross-entropy over every step's labelled positions, each step's logits and labels. sample: for a
+    """The mean cross-entropy over every step's labelled positions (plus the trainee's `aux_loss` where it has one),
+    each step's logits and labels. sample: for a
     trainee with `roots_per_batch` (a block drafter, whose every root costs a block), the roots fitted are that
     many of the batch's labelled ones, drawn from this generator (logits and labels [R, ...] then)."""
     tokens, states, pred, lengths = (t.to(device) for t in pad_batch(seqs))
@@ -71,7 +72,10 @@ def step_losses(model, seqs: list[Sequence], n_steps: int, device, sample: torch
         logits = model.steps(tokens, states, n_steps)
     losses = [F.cross_entropy(lg.reshape(-1, lg.shape[-1]).float(), lb.reshape(-1), ignore_index=-100)
               for lg, lb in zip(logits, labels) if bool((lb != -100).any())]
-    return torch.stack(losses).mean(), logits, labels
+    loss = torch.stack(losses).mean()
+    if hasattr(model, "aux_loss"):  # a head with a part fitted to its own target (DSpark's confidence head)
+        loss = loss + model.aux_loss(logits, labels)
+    return loss, logits, labels
 
 
 @torch.no_grad()

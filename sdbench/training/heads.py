@@ -1,5 +1,6 @@
-"""What each head kind needs to be fitted and written: its trainee (eagle3.py, medusa.py, dflash.py) built from
-the target, and its files in the format engines load (EAGLE-3 and DFlash: the speculators format vLLM reads;
+"""What each head kind needs to be fitted and written: its trainee (eagle3.py, medusa.py, dflash.py, dspark.py)
+built from the target, and its files in the format engines load (EAGLE-3, DFlash, DSpark: the speculators format
+vLLM reads;
 Medusa-1: the Medusa repository's `config.json` + `medusa_lm_head.safetensors`)."""
 
 from __future__ import annotations
@@ -16,10 +17,15 @@ from sdbench.models.loading.aliases import model_registry
 from sdbench.models.loading.names import split_variant
 from sdbench.training.data import Sequence
 from sdbench.training.dflash import DFlashTrainee
+from sdbench.training.dspark import DSparkTrainee
 from sdbench.training.eagle3 import Eagle3Trainee
 from sdbench.training.medusa import MedusaTrainee
+from sdbench.training.peagle import PEagleTrainee
 
-DEFAULT_STEPS = {"eagle3": 3, "medusa": 4, "dflash": 7}  # EAGLE-3's unrolled steps; Medusa's heads; a block's drafts
+# EAGLE-3's unrolled steps; Medusa's heads; P-EAGLE's parallel positions; a block's drafts
+DEFAULT_STEPS = {"eagle3": 3, "medusa": 4, "peagle": 7, "dflash": 7, "dspark": 7}
+ARCHITECTURES = {"eagle3": "Eagle3DraftModel", "peagle": "PEagleSpeculator"}
+BLOCKS = ("dflash", "dspark")  # the block drafters fitted here (DFlash's layers and block; DSpark's heads on them)
 DEFAULT_DRAFT_VOCAB = 8192
 DFLASH_LAYERS = 2  # the draft decoder layers of a DFlash head fitted here
 # A DFlash block's drafted slots start as the mask token's embedding, whose own logit dominates under tied
@@ -35,7 +41,7 @@ def text_config(config):
 def head_layers(kind: str, config) -> tuple[int, ...]:
     """The target states the head reads (engine/hidden.py numbering): EAGLE-3's usual three where they are
     distinct (vLLM and speculators refuse repeated ones), else three distinct ones spread over a shallow target."""
-    if kind not in ("eagle3", "dflash"):  # DFlash reads speculators' default layers, as EAGLE-3 does
+    if kind == "medusa":  # the others read speculators' default layers, as EAGLE-3 does
         return (FINAL,)
     L = text_config(config).num_hidden_layers
     usual = eagle3_layers(L)
@@ -56,7 +62,7 @@ def layer_config(config, kind: str = "eagle3"):
     if "rope_type" not in rope:  # keyed per layer type (sliding/full): the full-attention layers' rope
         rope = dict(rope.get("full_attention") or {"rope_type": "default", "rope_theta": 10000.0})
     head_dim = getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads
-    cls, layers = (Qwen3Config, DFLASH_LAYERS) if kind == "dflash" else (LlamaConfig, 1)
+    cls, layers = (Qwen3Config, DFLASH_LAYERS) if kind in BLOCKS else (LlamaConfig, 1)
     return cls(vocab_size=tc.vocab_size, hidden_size=tc.hidden_size, intermediate_size=tc.intermediate_size,
                num_hidden_layers=layers, num_attention_heads=tc.num_attention_heads,
                num_key_value_heads=tc.num_key_value_heads or tc.num_attention_heads, head_dim=head_dim,
@@ -101,7 +107,7 @@ def build(kind: str, model, seqs: list[Sequence], steps: int, draft_vocab: int |
     norm = getattr(model.get_decoder(), "norm", None)
     if norm is not None and getattr(norm, "weight", None) is not None and norm.weight.shape == trainee.norm.shape:
         with torch.no_grad():  # its lm_head starts as the target's over the target's final norm
-            trainee.norm.copy_(norm.weight.detach().float().cpu() * (DFLASH_NORM_START if kind == "dflash" else 1))
+            trainee.norm.copy_(norm.weight.detach().float().cpu() * (DFLASH_NORM_START if kind in BLOCKS else 1))
     return trainee
 
 
@@ -112,9 +118,13 @@ def rebuild(kind: str, model, steps: int, draft_ids: torch.Tensor | None):
         return MedusaTrainee(out, steps)
     emb = model.get_input_embeddings().weight.detach().float().cpu().clone()
     n_states = len(head_layers(kind, model.config))
-    if kind == "dflash":
-        return DFlashTrainee(layer_config(model.config, kind), emb, draft_ids, out[draft_ids], n_states,
-                             mask_token_id=emb.shape[0] - 1, block_size=steps + 1)
+    if kind in BLOCKS:
+        trainee = DSparkTrainee if kind == "dspark" else DFlashTrainee
+        return trainee(layer_config(model.config, kind), emb, draft_ids, out[draft_ids], n_states,
+                       mask_token_id=emb.shape[0] - 1, block_size=steps + 1)
+    if kind == "peagle":
+        return PEagleTrainee(layer_config(model.config), emb, draft_ids, out[draft_ids], n_states=n_states,
+                             mask_token_id=emb.shape[0] - 1)
     return Eagle3Trainee(layer_config(model.config), emb, draft_ids, out[draft_ids], n_states=n_states)
 
 
@@ -164,15 +174,21 @@ def write_head(folder: Path, kind: str, trainee, model, verifier: str | None, dt
     else:
         layers = list(head_layers(kind, model.config))
         config = speculators_config(kind, trainee, model, verifier, dtype)
-        if kind == "dflash":  # the embedding and a full-vocabulary head are the target's: not written
-            config.update({"architectures": ["DFlashSpeculator"], "block_size": trainee.block_size,
-                           "aux_hidden_state_layer_ids": layers, "mask_token_id": trainee.mask_token_id,
-                           "sample_from_anchor": False, "sliding_window_non_causal": False})
+        if kind in BLOCKS:  # the embedding and a full-vocabulary head are the target's: not written
+            config.update({"architectures": ["DSparkSpeculator" if kind == "dspark" else "DFlashSpeculator"],
+                           "block_size": trainee.block_size, "aux_hidden_state_layer_ids": layers,
+                           "mask_token_id": trainee.mask_token_id, "sample_from_anchor": False,
+                           "sliding_window_non_causal": False})
         else:
             weights["embed_tokens.weight"] = model.get_input_embeddings().weight.detach().to(dtype).cpu().contiguous()
-            config.update({"architectures": ["Eagle3DraftModel"], "norm_before_residual": False,
+            config.update({"architectures": [ARCHITECTURES[kind]], "norm_before_residual": False,
                            "norm_before_fc": False, "fc_norm": False, "norm_output": False,
                            "embed_requires_grad": False, "eagle_aux_hidden_state_layer_ids": layers})
+        if kind == "dspark":
+            config.update({"markov_rank": trainee.rank, "markov_head_type": "vanilla", "enable_confidence_head": True,
+                           "confidence_head_with_markov": True})
+        if kind == "peagle":
+            config["mask_token_id"] = trainee.mask_token_id
         name = "model.safetensors"
     folder.mkdir(parents=True, exist_ok=True)
     tmp = folder / (name + ".tmp")
@@ -184,10 +200,11 @@ def write_head(folder: Path, kind: str, trainee, model, verifier: str | None, dt
 
 def speculators_config(kind: str, trainee, model, verifier: str | None, dtype: torch.dtype) -> dict:
     """What every head in the speculators format records alike (its kind adds its own keys): the layers' config,
-    the draft vocabulary's size, the proposal (EAGLE-3: 3 tokens; DFlash: a block's drafts) and the verifier."""
+    the draft vocabulary's size, the proposal (EAGLE-3: 3 tokens; a block drafter: a block's drafts) and the
+    verifier."""
     layer = trainee.layer_config.to_dict()
     layer.pop("transformers_version", None)
-    drafts = trainee.block_size - 1 if kind == "dflash" else DEFAULT_STEPS[kind]
+    drafts = trainee.block_size - 1 if kind in BLOCKS else DEFAULT_STEPS[kind]
     return {"speculators_model_type": kind, "draft_vocab_size": int(len(trainee.draft_ids)),
             "target_hidden_size": None, "tie_word_embeddings": False, "transformer_layer_config": layer,
             "speculators_config": {"algorithm": kind, "default_proposal_method": "greedy",

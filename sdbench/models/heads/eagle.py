@@ -111,10 +111,10 @@ class EagleHead:
                 nodes: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor]:
         """tokens [B, T] at positions start[b] + t, each with the state it follows: states [B, T, S] (the
         target's, or the head's own output fed back). Returns, at in-chunk indices at [B], the logits over the
-        target's vocabulary [B, V] (float32) and the head's output [B, H] to feed back; at None: at every token,
-        [B, T, V] and [B, T, H]. tree: the tokens are its nodes `nodes` (one level of it; a sequence: row b's
-        tree is tree[b]), the tree placed after start[b] slots (`TreeLevel`), each seeing the context and its own
-        ancestors only."""
+        target's vocabulary [B, V] (float32) and the head's output [B, H] to feed back (at [B, k]: [B, k, V] and
+        [B, k, H]); at None: at every token, [B, T, V] and [B, T, H]. tree: the tokens are its nodes `nodes` (one
+        level of it; a sequence: row b's tree is tree[b]), the tree placed after start[b] slots (`TreeLevel`), each
+        seeing the context and its own ancestors only."""
         e = self.embed(tokens)
         states = states.to(self.dtype)
         if self.kind == EAGLE1:
@@ -129,7 +129,8 @@ class EagleHead:
         step = StepIndex(start, T, self.device) if tree is None else TreeLevel(start, tree, nodes, self.device)
         h = residual + self._attention(attn_in, cache, step)
         h = h + self._mlp(rms_norm(h, self.w["post_attention_layernorm.weight"], self.eps))
-        out = h if at is None else h[torch.arange(h.shape[0], device=h.device), at.to(h.device)]  # [B, (T,) H]
+        rows = torch.arange(h.shape[0], device=h.device)
+        out = h if at is None else h[rows if at.dim() == 1 else rows[:, None], at.to(h.device)]  # [B, (T,) H]
         return self._logits(out), out
 
     def _attention(self, x: torch.Tensor, cache, step: StepIndex) -> torch.Tensor:

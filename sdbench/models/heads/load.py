@@ -25,7 +25,8 @@ from sdbench.engine.hidden import FINAL, eagle3_layers
 from sdbench.errors import SdbenchError
 from sdbench.models.heads.block_load import BLOCK_KINDS, check_block, parse_block
 
-EAGLE3, EAGLE1, MEDUSA = "eagle3", "eagle1", "medusa"
+EAGLE3, EAGLE1, MEDUSA, PEAGLE = "eagle3", "eagle1", "medusa", "peagle"
+EAGLE3_LIKE = (EAGLE3, PEAGLE)  # P-EAGLE: EAGLE-3's layer, drafting several positions in one forward
 # EAGLE-3 variants of the speculators format that this forward does not compute (one line each, refused)
 UNSUPPORTED_FLAGS = ("norm_before_fc", "fc_norm", "norm_output")
 
@@ -36,18 +37,18 @@ class Head:
     (the decoder layer's without prefix: `q_proj.weight`, `hidden_norm.weight`, ...)."""
 
     name: str
-    kind: str  # EAGLE3, EAGLE1, MEDUSA or a block drafter's (block_load.py)
+    kind: str  # EAGLE3, EAGLE1, MEDUSA, PEAGLE or a block drafter's (block_load.py)
     layers: tuple[int, ...]  # the target states it reads (engine/hidden.py)
     config: dict  # the decoder layer's (EAGLE, a block drafter) or the heads' (Medusa) settings
     weights: dict[str, torch.Tensor] = field(default_factory=dict)
     norm_before_residual: bool = False
     block_size: int = 0  # a block drafter: the tokens of its one forward (the anchor, then mask tokens)
-    mask_token_id: int | None = None  # a block drafter: the token its drafted positions hold
+    mask_token_id: int | None = None  # a block drafter, P-EAGLE: the token its drafted positions hold
     anchor_drafts: bool = False  # a block drafter: the anchor's slot drafts too (speculators' sample_from_anchor)
     markov: dict = field(default_factory=dict)  # DSpark: its Markov and confidence heads' settings (block_load.py)
 
 
-def load_head(source: str, target, kinds: tuple[str, ...] = (EAGLE3, EAGLE1, MEDUSA, *BLOCK_KINDS),
+def load_head(source: str, target, kinds: tuple[str, ...] = (EAGLE3, EAGLE1, MEDUSA, PEAGLE, *BLOCK_KINDS),
               strategy: str = "") -> Head:
     """The head at `source` (a folder, else a hub id), for the target runner `target`; raises SdbenchError on a
     folder that is not a head this reads, a head of another kind than `kinds` (what `strategy` drafts with),
@@ -57,7 +58,7 @@ def load_head(source: str, target, kinds: tuple[str, ...] = (EAGLE3, EAGLE1, MED
     weights = _read_weights(folder, source)
     head = _parse(source, config, weights, target)
     if head.kind not in kinds:
-        other = head.kind if head.kind in (MEDUSA, *BLOCK_KINDS) else "eagle"
+        other = head.kind if head.kind in (MEDUSA, PEAGLE, *BLOCK_KINDS) else "eagle"
         raise SdbenchError(f"--head {source} is a {head.kind} head, which --strategy {strategy or kinds[0]} does not "
                            f"draft with: use --strategy {other}")
     check_against(head, target)
@@ -99,12 +100,17 @@ def _weight_files(folder: Path) -> list[Path]:
 
 
 def config_kind(source: str) -> str | None:
-    """What a head folder holds, from its config alone: MEDUSA, a block drafter's kind, else None (an EAGLE head,
-    or a config not readable)."""
+    """What a head folder holds, from its config alone: MEDUSA, PEAGLE, a block drafter's kind, else None (an
+    EAGLE head, or a config not readable)."""
     if medusa_heads(source) is not None:
         return MEDUSA
     block = _block_of(source)
-    return None if block is None else block.kind
+    if block is not None:
+        return block.kind
+    try:
+        return PEAGLE if _read_config(_folder(source), source).get("speculators_model_type") == PEAGLE else None
+    except SdbenchError:
+        return None
 
 
 def block_drafts(source: str) -> int | None:
@@ -170,23 +176,32 @@ def _parse(source: str, config: dict, weights: dict, target) -> Head:
         return block
     if "medusa_num_heads" in config:
         return Head(source, MEDUSA, (FINAL,), dict(config), _strip(weights, "medusa_head."))
-    if config.get("speculators_model_type") == "eagle3":
+    kind = config.get("speculators_model_type")
+    if kind in EAGLE3_LIKE:
+        name = "EAGLE-3" if kind == EAGLE3 else "P-EAGLE"
         bad = [f for f in UNSUPPORTED_FLAGS if config.get(f)]
         if bad:
-            raise SdbenchError(f"--head {source}: EAGLE-3 with {bad[0]} is not supported yet")
+            raise SdbenchError(f"--head {source}: {name} with {bad[0]} is not supported yet")
         layer = dict(config.get("transformer_layer_config") or {})
+        if layer.get("num_hidden_layers", 1) != 1:
+            raise SdbenchError(f"--head {source}: {name} with {layer['num_hidden_layers']} decoder layers is not "
+                               "supported yet (one is)")
         layer["draft_vocab_size"] = config.get("draft_vocab_size", layer.get("vocab_size"))
         ids = _layer_ids(source, config) or eagle3_layers(n_layers)
-        return Head(source, EAGLE3, tuple(ids), layer, _strip(weights, "layers.0."),
-                    bool(config.get("norm_before_residual", False)))
+        mask = config.get("mask_token_id")
+        if kind == PEAGLE and (isinstance(mask, bool) or not isinstance(mask, int)):
+            raise SdbenchError(f"--head {source}: its config.json names no mask_token_id (the token P-EAGLE's "
+                               "parallel positions hold)")
+        return Head(source, kind, tuple(ids), layer, _strip(weights, "layers.0."),
+                    bool(config.get("norm_before_residual", False)), mask_token_id=mask)
     if "LlamaForCausalLMEagle3" in (config.get("architectures") or []) or any(k.startswith("midlayer.") for k in weights):
         ids = _layer_ids(source, config) or eagle3_layers(n_layers)
         return Head(source, EAGLE3, tuple(ids), dict(config), _strip(weights, "midlayer."))
     if "fc.weight" in weights and any(k.startswith("layers.0.") for k in weights):
         return Head(source, EAGLE1, (FINAL,), dict(config), _strip(weights, "layers.0."))
     raise SdbenchError(f"--head {source}: not a head sdbench reads (EAGLE-3 in the speculators or EAGLE format, "
-                       "EAGLE-1, Medusa-1, DFlash in the speculators or z-lab format, DSpark in the speculators "
-                       "format)")
+                       "P-EAGLE, EAGLE-1, Medusa-1, DFlash in the speculators or z-lab format, DSpark in the "
+                       "speculators format)")
 
 
 def _layer_ids(source: str, config: dict) -> list | None:
@@ -213,7 +228,7 @@ def check_against(head: Head, target) -> None:
     where = f"--head {head.name}"
     # i < L: the input of layer i; L: the last layer's output (vLLM's and speculators' numbering)
     bad = [i for i in head.layers if isinstance(i, bool) or not isinstance(i, int)
-           or not 0 <= i <= L and not (i == FINAL and head.kind != EAGLE3)]
+           or not 0 <= i <= L and not (i == FINAL and head.kind not in EAGLE3_LIKE)]
     if bad:
         raise SdbenchError(f"{where} reads target layer {bad[0]}, but the target has {L} layers (0 to {L})")
     if head.kind == MEDUSA:
@@ -231,9 +246,23 @@ def check_against(head: Head, target) -> None:
         got = fc.shape[1] - (H if head.kind == EAGLE1 else 0)
         raise SdbenchError(f"{where} reads hidden states of width {got}, but the target's layers {head.layers} "
                            f"give {need} (hidden size {H})")
-    if head.kind == EAGLE3:
+    if head.kind in EAGLE3_LIKE:
         _check_vocab(head, V)
+    if head.kind == PEAGLE:
+        _check_mask(head, need, V)
     _check_layer(head, H, V)
+
+
+def _check_mask(head: Head, width: int, V: int) -> None:
+    """P-EAGLE's mask token and the state its parallel positions hold (`mask_hidden`, the target states' width)."""
+    if not 0 <= head.mask_token_id < V:
+        raise SdbenchError(f"--head {head.name}: mask_token_id {head.mask_token_id} is not one of the target's {V} "
+                           "tokens")
+    hidden = head.weights.get("mask_hidden")
+    if hidden is None or hidden.numel() != width:
+        got = "no mask_hidden" if hidden is None else f"mask_hidden of {hidden.numel()} values"
+        raise SdbenchError(f"--head {head.name}: {got} in its weights, where its parallel positions need the "
+                           f"target states' width ({width})")
 
 
 def _check_vocab(head: Head, V: int) -> None:
@@ -285,7 +314,7 @@ def _check_layer(head: Head, H: int, V: int) -> None:
     D = _count(head, "head_dim", H // n)
     gate = head.weights.get("mlp.gate_proj.weight")
     inter = gate.shape[0] if gate is not None else _count(head, "intermediate_size")
-    width = 2 * H if head.kind == EAGLE3 else H  # EAGLE-3's attention reads cat(embedding, state)
+    width = 2 * H if head.kind in EAGLE3_LIKE else H  # EAGLE-3's attention reads cat(embedding, state)
     need = {"self_attn.q_proj.weight": (n * D, width), "self_attn.k_proj.weight": (kv * D, width),
             "self_attn.v_proj.weight": (kv * D, width), "self_attn.o_proj.weight": (H, n * D),
             "mlp.gate_proj.weight": (inter, H), "mlp.up_proj.weight": (inter, H), "mlp.down_proj.weight": (H, inter),
@@ -293,7 +322,7 @@ def _check_layer(head: Head, H: int, V: int) -> None:
     optional = {"self_attn.q_proj.bias": (n * D,), "self_attn.k_proj.bias": (kv * D,),
                 "self_attn.v_proj.bias": (kv * D,), "self_attn.o_proj.bias": (H,), "self_attn.q_norm.weight": (D,),
                 "self_attn.k_norm.weight": (D,), "embed_tokens.weight": (V, H)}
-    if head.kind == EAGLE3:
+    if head.kind in EAGLE3_LIKE:
         need.update({"input_layernorm.weight": (H,), "hidden_norm.weight": (H,), "norm.weight": (H,)})
         optional["lm_head.weight"] = (head.weights["lm_head.weight"].shape[0], H)
     fc = head.weights["fc.weight"]
