@@ -192,3 +192,22 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+def mtp_dir(folder, target, seed: int = 0, kind: str = "qwen3", drop=()) -> Path:
+    """A random MTP module (speculators format) for `target`: a Qwen3 decoder layer at its attention shape."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    g = torch.Generator().manual_seed(seed)
+    lc = {**_layer_config(target), "model_type": kind, "num_hidden_layers": 1}
+    H, D = lc["hidden_size"], lc["head_dim"]
+    w = _layer(g, H, H, lc["num_attention_heads"], lc["num_key_value_heads"], lc["intermediate_size"])
+    w.update({"self_attn.q_norm.weight": 1 + _rand(g, D, scale=0.2), "self_attn.k_norm.weight": 1 + _rand(g, D, scale=0.2),
+              "input_proj.weight": _rand(g, H, 2 * H, scale=0.2), "token_layernorm.weight": 1 + _rand(g, H, scale=0.2),
+              "hidden_layernorm.weight": 1 + _rand(g, H, scale=0.2), "final_layernorm.weight": 1 + _rand(g, H, scale=0.2)})
+    w = {f"mtp_layers.0.{k}": v for k, v in w.items() if k not in drop}
+    cfg = {"speculators_model_type": "mtp", "architectures": ["MTPDraftModel"], "transformer_layer_config": lc,
+           "num_nextn_predict_layers": 1}
+    (folder / "config.json").write_text(json.dumps(cfg))
+    save_file({k: v.contiguous() for k, v in w.items()}, str(folder / "model.safetensors"))
+    return folder

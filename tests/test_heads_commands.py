@@ -11,7 +11,7 @@ import pytest
 from rich.console import Console
 
 from tests.conftest import run_cli
-from tests.heads import dflash_dir, eagle1_dir, eagle3_dir, medusa_dir, small_vocab_target
+from tests.heads import dflash_dir, eagle1_dir, eagle3_dir, medusa_dir, mtp_dir, small_vocab_target
 from tests.references import tiny_model_dir
 
 CHECK = ["--device", "cpu", "--context", "32", "--tokens", "12"]
@@ -30,6 +30,8 @@ def folders(tmp_path_factory):
             "medusa": str(medusa_dir(root / "medusa", model, heads=3)),
             "dflash": str(dflash_dir(root / "dflash", model, block=4, layer_ids=(1, 3))),
             "dspark": str(dflash_dir(root / "dspark", model, block=4, layer_ids=(1, 3), dspark={"type": "gated"})),
+            "peagle": str(eagle3_dir(root / "peagle", model, fmt="peagle", seed=2)),
+            "mtp": str(mtp_dir(root / "mtp", model, seed=1)),
             "other": str(medusa_dir(root / "other", small_vocab_target("llama", vocab=8)))}
 
 
@@ -54,7 +56,7 @@ def _spied(monkeypatch) -> list:
 
 def test_check_reports_each_head(folders, capsys, monkeypatch):
     seen = _spied(monkeypatch)
-    kinds = ("eagle3", "eagle1", "medusa", "dflash", "dspark")
+    kinds = ("eagle3", "eagle1", "medusa", "dflash", "dspark", "peagle", "mtp")
     heads = [folders[k] for k in kinds]
     code, out, err = run_cli(capsys, "check", folders["target"], *[a for h in heads for a in ("--head", h)], *CHECK)
     assert code == 0, err + out
@@ -64,7 +66,7 @@ def test_check_reports_each_head(folders, capsys, monkeypatch):
         gaps = [float(g) for g in re.findall(r"\d\.\de[+-]\d\d", row)]
         assert len(gaps) == 3 and max(gaps) < 1e-4  # the three phases' hidden-state gaps, within the tolerance
     (plain, *spec) = seen
-    assert plain[0] == "Autoregressive" and [s[0] for s in spec] == ["TrainedHead"] * 5
+    assert plain[0] == "Autoregressive" and [s[0] for s in spec] == ["TrainedHead"] * 7
     assert all(s[1] == plain[1] for s in spec)  # each head's decoding gave the plain tokens
     assert len(plain[1]) == 12 and all(s[2] > 0 for s in spec)  # over 12 tokens, each head drafting
 

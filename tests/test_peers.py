@@ -123,27 +123,29 @@ def test_bench_runs_every_system_and_passes_when_outputs_equal_generate(capsys, 
 
 
 def test_bench_measures_trained_heads_beside_the_others_and_checks_their_outputs(capsys, tiny_bench, tmp_path):
-    """--head adds one sdbench row per head (EAGLE-3, Medusa, DFlash and DSpark here), interleaved with the others
-    and held to generate's tokens like every sdbench row; a DFlash block of 4 drafts 3 tokens, so its gamma is 3
-    (DSpark's drafts from the anchor too: 4)."""
+    """--head adds one sdbench row per head (EAGLE-3, Medusa, DFlash, DSpark, P-EAGLE, MTP), interleaved with the
+    others and held to generate's tokens like every sdbench row; a DFlash block of 4 drafts 3 tokens, so its gamma
+    is 3 (DSpark's drafts from the anchor too: 4)."""
     from transformers import AutoModelForCausalLM
 
-    from tests.heads import dflash_dir, eagle3_dir, medusa_dir
+    from tests.heads import dflash_dir, eagle3_dir, medusa_dir, mtp_dir
 
     target = AutoModelForCausalLM.from_pretrained(tiny_bench[2])
     eagle3_dir(tmp_path / "e3", target, draft_vocab=48, layer_ids=[0, 1, 2])
     medusa_dir(tmp_path / "md", target, heads=4)
     dflash_dir(tmp_path / "df", target, block=4, layer_ids=(1, 2))
     dflash_dir(tmp_path / "ds", target, block=4, layer_ids=(1, 2), anchor=True, dspark={"type": "rnn"})
-    code, out, err = run_cli(capsys, *tiny_bench, *[a for h in ("e3", "md", "df", "ds")
+    eagle3_dir(tmp_path / "pe", target, fmt="peagle", layer_ids=[0, 1, 2])
+    mtp_dir(tmp_path / "mt", target)
+    code, out, err = run_cli(capsys, *tiny_bench, *[a for h in ("e3", "md", "df", "ds", "pe", "mt")
                                                     for a in ("--head", str(tmp_path / h))],
                              "--out", str(tmp_path / "bench"))
     assert code == 0, err
     df = pd.read_parquet(tmp_path / "bench" / "bench.parquet")
-    names = ("sdbench eagle eagle3 e3 (γ=4)", "sdbench medusa medusa md (γ=4)", "sdbench dflash dflash df (γ=3)",
-             "sdbench dspark dspark ds (γ=4)")
+    names = ("sdbench eagle eagle3 e3 (γ=4)", "sdbench medusa md (γ=4)", "sdbench dflash df (γ=3)",
+             "sdbench dspark ds (γ=4)", "sdbench peagle pe (γ=4)", "sdbench mtp mt (γ=4)")
     heads = df[df.system.str.startswith(names)]
-    assert len(heads) == 4 and heads.same_output.all() and (heads.tokens == 24).all(), df.system.tolist()
+    assert len(heads) == 6 and heads.same_output.all() and (heads.tokens == 24).all(), df.system.tolist()
 
 
 def test_bench_drafts_with_an_int8_copy_made_at_load_time(capsys, tiny_bench, tmp_path):

@@ -133,7 +133,7 @@ def tune(
     study: Annotated[Optional[str], typer.Option(help="study name [default: sdbench-TARGET-STRATEGY-DATASET-HARDWARE]")] = None,
     preset: Annotated[Optional[str], typer.Option(help="preset for the best settings [default: tuned-STRATEGY-TARGET]")] = None,
     probe: Probe = "auto", no_probe: NoProbe = False,
-    head: Annotated[Optional[list[str]], typer.Option("--head", help="trained-head candidate for --strategy eagle, peagle, medusa, dflash or dspark (repeatable; the tuner picks one per trial) [default: the target's heads that train-head recorded]")] = None,
+    head: Annotated[Optional[list[str]], typer.Option("--head", help="trained-head candidate for --strategy eagle, peagle, medusa, mtp, dflash or dspark (repeatable; the tuner picks one per trial) [default: the target's heads that train-head recorded]")] = None,
     trees: Annotated[bool, typer.Option("--trees", help="also search the token tree's shape where a strategy grows trees (draft: the chain or top-k 2-4 with 4-32 nodes; ngram: the chain or 2-4 branches); a study of its own")] = False,
     fast: Fast = True,
 ):

@@ -35,7 +35,7 @@ def train_head(
     max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", help="tokens of the target's answer to each prompt")] = 128,
     answers: Annotated[str, typer.Option(help="what the head learns from: target (the target's own answers, one decoding each), data (the data sets' own replies, read in one forward each, labelled with the target's choices) or both")] = "both",
     draft_vocab: Annotated[Optional[int], typer.Option("--draft-vocab", help="EAGLE-3 and DFlash: tokens the head drafts over, the target's most chosen (0: all); by default 8192")] = None,
-    steps: Annotated[Optional[int], typer.Option(help="EAGLE-3: unrolled training steps (default 3); Medusa: heads (default 4); DFlash: drafts per block (default 7)")] = None,
+    steps: Annotated[Optional[int], typer.Option(help="EAGLE-3: unrolled training steps (default 3); Medusa: heads (default 4); P-EAGLE: parallel positions (default 7); DFlash, DSpark: drafts per block (default 7)")] = None,
     device: Device = "auto",
     dtype: Annotated[str, typer.Option(help="the target's dtype while it answers: float32, bfloat16, float16, or auto (bfloat16 on a GPU, float32 on a CPU)")] = "auto",
     seed: Seed = 0, probe: Probe = "auto", no_probe: NoProbe = False,

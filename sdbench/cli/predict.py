@@ -26,7 +26,7 @@ def predict_speedup(
     draft: Annotated[Optional[str], typer.Option("--draft", "-d", help="with --target: the draft model [default: the target]")] = None,
     context: Annotated[int, typer.Option(help="with --target: the prompt length the costs are measured at")] = 256,
     device: Device = "auto", dtype: Dtype = "float32",
-    block: Annotated[bool, typer.Option("--block", help="a block drafter (DFlash): one draft forward per round "
+    block: Annotated[bool, typer.Option("--block", help="a block drafter (DFlash, DSpark, P-EAGLE, PARD): one draft forward per round "
                                         "drafts all gamma tokens, --draft-cost is that forward's")] = False,
 ):
     """Expected tokens per step and speedup of draft-model SD under the i.i.d. acceptance model."""

@@ -152,7 +152,8 @@ def _head_systems(runner, heads: tuple[str, ...], max_new: int, eos: list[int], 
         declared = head_strategy(head.kind)
         g = min(gamma, declared.max_gamma((source,)))  # a Medusa head or a block: no more drafts than it has
         drafter = declared.drafter(head, runner, g)  # reused: each generation begins it afresh
-        rows.append((f"sdbench {declared.name} {head.kind} {Path(source).name} (γ={g}){fast}",
+        kind = "" if head.kind == declared.name else f" {head.kind}"  # eagle's kind says which EAGLE
+        rows.append((f"sdbench {declared.name}{kind} {Path(source).name} (γ={g}){fast}",
                      SdbenchSystem(runner, lambda d=drafter, src=source, g=g: TrainedHead(d, g, src), max_new, eos,
                                    room, (declared.name, source)),
                      runner.cpu_fast))

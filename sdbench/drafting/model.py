@@ -49,6 +49,22 @@ def draft_tokens(runner, cache, prefix: CachedPrefix, ctx: torch.Tensor, lens: l
     return tokens, None if sampling.greedy else torch.stack(probs, 1)
 
 
+def draft_parallel(runner, cache, prefix: CachedPrefix, ctx: torch.Tensor, lens: list[int], gamma: int,
+                   mask_id: int, sampling, generator) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """gamma tokens per row from one forward (PARD: a draft model trained to predict masked positions): each row's
+    unseen context followed by gamma - 1 mask tokens; the logits after its last token and at each mask position
+    give its drafts, which do not see each other. The cache records the masks it was fed, so the next round's
+    `agree` feeds again from the first of them."""
+    prefix.agree(ctx, lens)
+    masks = torch.full((len(lens), gamma - 1), mask_id, dtype=torch.long)
+    feed, start, todo = prefix.unseen(ctx, lens, masks)
+    at = torch.tensor(todo)[:, None] - 1 + torch.arange(gamma)[None, :]
+    logits = runner.run(cache, Step(feed, start, at=at))  # [B, gamma, V]
+    prefix.wrote(feed, start)
+    drafted, probs = zip(*(choose(logits[:, i], sampling, generator) for i in range(gamma)))
+    return torch.stack(drafted, 1), None if sampling.greedy else torch.stack(probs, 1)
+
+
 def draft_tree(runner, cache, prefix: CachedPrefix, ctx: torch.Tensor, lens: list[int], shape: Tree,
                sampling=None, generator=None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """A token per node of `shape` below each row's context ctx[b, :lens[b]], grown level by level: the children
@@ -170,10 +186,11 @@ class ModelDrafter:
 
     def __init__(self, runner: Runner, sparse: SparseSpec | None = None, lookahead: int = 1,
                  self_speculation: bool = False, tree: Tree | DynamicTree | None = None,
-                 sample_children: bool = False):
+                 sample_children: bool = False, mask_id: int | None = None):
         self.runner, self.sparse, self.lookahead = runner, sparse, lookahead
         self.self_speculation = self_speculation
         self.tree, self.sample_children = tree, sample_children
+        self.mask_id = mask_id  # PARD: a chain drafted in one forward over mask tokens (`draft_parallel`)
         self.name = getattr(runner, "name", "") or "model"
         self.cache = None
         self._grown: tuple[Tree, list[int]] | None = None  # the last fixed-shape tree drafted, and its lengths
@@ -244,8 +261,12 @@ class ModelDrafter:
             self._grown = shape, list(lengths)
             return Proposal(tokens, torch.full((len(lengths),), len(shape), dtype=torch.long), probs,
                             trees=(shape,) * len(lengths)).fit(limits)
-        tokens, probs = draft_tokens(self.runner, self.cache, self.prefix, ctx, lengths, k, self.sampling,
-                                     self.generator)
+        if self.mask_id is not None:
+            tokens, probs = draft_parallel(self.runner, self.cache, self.prefix, ctx, lengths, k, self.mask_id,
+                                           self.sampling, self.generator)
+        else:
+            tokens, probs = draft_tokens(self.runner, self.cache, self.prefix, ctx, lengths, k, self.sampling,
+                                         self.generator)
         return Proposal(tokens, torch.tensor(limits, dtype=torch.long), probs)
 
     def keep_paths(self, proposal: Proposal | None, rnd) -> None:

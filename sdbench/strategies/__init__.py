@@ -18,7 +18,8 @@ from sdbench.strategies.spec import (BuildContext, Configuration, Strategy, refu
 
 # each module registers its strategy (`@register` on its declaration)
 from sdbench.strategies import (adaptive, autoregressive, dflash, draft, dsi, dspark, eagle,  # noqa: E402,F401
-                                lookahead, magicdec, medusa, ngram, peagle, polybasic, rest, suffix)
+                                lookahead, magicdec, medusa, mtp, ngram, pard, peagle, polybasic, rest,
+                                suffix)
 
 
 @dataclass(frozen=True)
@@ -79,7 +80,7 @@ def head_candidates(asked: str, target: str, given: tuple[str, ...] = ()) -> tup
 def heads_for(asked: tuple[str, ...], target: str, given: tuple[str, ...] = ()) -> dict[str, tuple[str, ...]]:
     """The head candidates of each strategy (or preset) tuned together, by its name as asked. With one strategy,
     `head_candidates`; with several, each --head goes to the strategy drafting with its kind (a Medusa config to
-    medusa, a P-EAGLE, DFlash or DSpark head to its own, any other head to eagle) and a head strategy given none
+    medusa, a P-EAGLE, MTP, DFlash or DSpark head to its own, any other head to eagle) and a head strategy given none
     takes the target's recorded heads."""
     if len(asked) == 1:
         return {asked[0]: head_candidates(asked[0], target, given)}
@@ -93,7 +94,7 @@ def heads_for(asked: tuple[str, ...], target: str, given: tuple[str, ...] = ()) 
     unused = [h for h in given if not any(h in heads for heads in found.values())]
     if unused:
         raise SdbenchError(f"--head {unused[0]}: no --strategy tuned here drafts with it (a head needs eagle, "
-                           "medusa, peagle, dflash or dspark among them)")
+                           "medusa, peagle, mtp, dflash or dspark among them)")
     return found
 
 

@@ -89,12 +89,13 @@ class EagleStrategy(HeadStrategy):
         return EagleDrafter(forward, head.name, head.layers, tree)
 
 
-def eagle_head(head, target):
-    """EAGLE's forward over a loaded head (one line where the library refuses its layer's config)."""
+def eagle_head(head, target, forward_type=None):
+    """EAGLE's forward (or `forward_type`, one like it) over a loaded head (one line where the library refuses its
+    layer's config)."""
     from sdbench.models.heads.eagle import EagleHead
 
     try:
-        return EagleHead(head, target)
+        return (forward_type or EagleHead)(head, target)
     except (ValueError, KeyError, TypeError) as err:
         line = (str(err).strip() or type(err).__name__).splitlines()[0]
         raise SdbenchError(f"--head {head.name}: its layer's config is not one sdbench reads ({line})") from None

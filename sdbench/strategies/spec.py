@@ -115,7 +115,7 @@ def need_gamma(strategy: str, gamma: int, option: str = "--gamma") -> None:
 def refuse_head(declared: type["Strategy"], asked: str) -> None:
     """--head given to a strategy that drafts with no trained head: one line. asked: the strategy as named."""
     if not declared.head_kinds:
-        raise SdbenchError(f"--head needs --strategy eagle, peagle, medusa, dflash or dspark (a trained head "
+        raise SdbenchError(f"--head needs --strategy eagle, peagle, medusa, mtp, dflash or dspark (a trained head "
                            f"drafts for them), not '{asked}'")
 
 

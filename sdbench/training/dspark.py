@@ -62,5 +62,6 @@ class DSparkTrainee(DFlashTrainee):
 
     def weights(self) -> dict[str, torch.Tensor]:
         w = {"markov_head.markov_w1.weight": self.markov_w1.weight,
-             "markov_head.markov_w2.weight": self.markov_w2.weight, "confidence_head.proj.weight": self.confidence.weight, "confidence_head.proj.bias": self.confidence.bias}
+             "markov_head.markov_w2.weight": self.markov_w2.weight,
+             "confidence_head.proj.weight": self.confidence.weight, "confidence_head.proj.bias": self.confidence.bias}
         return {**super().weights(), **{k: v.detach().clone().contiguous() for k, v in w.items()}}

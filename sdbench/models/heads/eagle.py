@@ -115,23 +115,28 @@ class EagleHead:
         [B, k, H]); at None: at every token, [B, T, V] and [B, T, H]. tree: the tokens are its nodes `nodes` (one
         level of it; a sequence: row b's tree is tree[b]), the tree placed after start[b] slots (`TreeLevel`), each
         seeing the context and its own ancestors only."""
-        e = self.embed(tokens)
-        states = states.to(self.dtype)
-        if self.kind == EAGLE1:
-            x = self._linear("fc", torch.cat((e, states), -1))
-            attn_in, residual = x, x
-        else:
-            x = states if states.shape[-1] == self.hidden_size else self._linear("fc", states)
-            hn = rms_norm(x, self.w["hidden_norm.weight"], self.eps)
-            attn_in = torch.cat((rms_norm(e, self.w["input_layernorm.weight"], self.eps), hn), -1)
-            residual = hn if self.norm_before_residual else x
+        attn_in, residual = self._inputs(self.embed(tokens), states.to(self.dtype))
         T = tokens.shape[1]
         step = StepIndex(start, T, self.device) if tree is None else TreeLevel(start, tree, nodes, self.device)
         h = residual + self._attention(attn_in, cache, step)
         h = h + self._mlp(rms_norm(h, self.w["post_attention_layernorm.weight"], self.eps))
         rows = torch.arange(h.shape[0], device=h.device)
-        out = h if at is None else h[rows if at.dim() == 1 else rows[:, None], at.to(h.device)]  # [B, (T,) H]
-        return self._logits(out), out
+        out = self._output(h if at is None else h[rows if at.dim() == 1 else rows[:, None], at.to(h.device)])
+        return self._logits(out), out  # out [B, (T,) H]
+
+    def _inputs(self, e: torch.Tensor, states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's attention input and residual from the tokens' embeddings e and the states they follow."""
+        if self.kind == EAGLE1:
+            x = self._linear("fc", torch.cat((e, states), -1))
+            return x, x
+        x = states if states.shape[-1] == self.hidden_size else self._linear("fc", states)
+        hn = rms_norm(x, self.w["hidden_norm.weight"], self.eps)
+        attn_in = torch.cat((rms_norm(e, self.w["input_layernorm.weight"], self.eps), hn), -1)
+        return attn_in, (hn if self.norm_before_residual else x)
+
+    def _output(self, h: torch.Tensor) -> torch.Tensor:
+        """The layer's output as fed back (EAGLE: as it is)."""
+        return h
 
     def _attention(self, x: torch.Tensor, cache, step: StepIndex) -> torch.Tensor:
         B, T, _ = x.shape

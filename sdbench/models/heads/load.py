@@ -24,6 +24,7 @@ import torch
 from sdbench.engine.hidden import FINAL, eagle3_layers
 from sdbench.errors import SdbenchError
 from sdbench.models.heads.block_load import BLOCK_KINDS, check_block, parse_block
+from sdbench.models.heads.mtp_load import MTP, check_mtp, parse_mtp
 
 EAGLE3, EAGLE1, MEDUSA, PEAGLE = "eagle3", "eagle1", "medusa", "peagle"
 EAGLE3_LIKE = (EAGLE3, PEAGLE)  # P-EAGLE: EAGLE-3's layer, drafting several positions in one forward
@@ -48,7 +49,7 @@ class Head:
     markov: dict = field(default_factory=dict)  # DSpark: its Markov and confidence heads' settings (block_load.py)
 
 
-def load_head(source: str, target, kinds: tuple[str, ...] = (EAGLE3, EAGLE1, MEDUSA, PEAGLE, *BLOCK_KINDS),
+def load_head(source: str, target, kinds: tuple[str, ...] = (EAGLE3, EAGLE1, MEDUSA, PEAGLE, MTP, *BLOCK_KINDS),
               strategy: str = "") -> Head:
     """The head at `source` (a folder, else a hub id), for the target runner `target`; raises SdbenchError on a
     folder that is not a head this reads, a head of another kind than `kinds` (what `strategy` drafts with),
@@ -58,7 +59,7 @@ def load_head(source: str, target, kinds: tuple[str, ...] = (EAGLE3, EAGLE1, MED
     weights = _read_weights(folder, source)
     head = _parse(source, config, weights, target)
     if head.kind not in kinds:
-        other = head.kind if head.kind in (MEDUSA, PEAGLE, *BLOCK_KINDS) else "eagle"
+        other = head.kind if head.kind in (MEDUSA, PEAGLE, MTP, *BLOCK_KINDS) else "eagle"
         raise SdbenchError(f"--head {source} is a {head.kind} head, which --strategy {strategy or kinds[0]} does not "
                            f"draft with: use --strategy {other}")
     check_against(head, target)
@@ -100,17 +101,18 @@ def _weight_files(folder: Path) -> list[Path]:
 
 
 def config_kind(source: str) -> str | None:
-    """What a head folder holds, from its config alone: MEDUSA, PEAGLE, a block drafter's kind, else None (an
-    EAGLE head, or a config not readable)."""
+    """What a head folder holds, from its config alone: MEDUSA, PEAGLE, MTP, a block drafter's kind, else None
+    (an EAGLE head, or a config not readable)."""
     if medusa_heads(source) is not None:
         return MEDUSA
     block = _block_of(source)
     if block is not None:
         return block.kind
     try:
-        return PEAGLE if _read_config(_folder(source), source).get("speculators_model_type") == PEAGLE else None
+        kind = _read_config(_folder(source), source).get("speculators_model_type")
     except SdbenchError:
         return None
+    return kind if kind in (PEAGLE, MTP) else None
 
 
 def block_drafts(source: str) -> int | None:
@@ -176,6 +178,8 @@ def _parse(source: str, config: dict, weights: dict, target) -> Head:
         return block
     if "medusa_num_heads" in config:
         return Head(source, MEDUSA, (FINAL,), dict(config), _strip(weights, "medusa_head."))
+    if config.get("speculators_model_type") == MTP:
+        return parse_mtp(source, config, weights, Head)
     kind = config.get("speculators_model_type")
     if kind in EAGLE3_LIKE:
         name = "EAGLE-3" if kind == EAGLE3 else "P-EAGLE"
@@ -200,8 +204,8 @@ def _parse(source: str, config: dict, weights: dict, target) -> Head:
     if "fc.weight" in weights and any(k.startswith("layers.0.") for k in weights):
         return Head(source, EAGLE1, (FINAL,), dict(config), _strip(weights, "layers.0."))
     raise SdbenchError(f"--head {source}: not a head sdbench reads (EAGLE-3 in the speculators or EAGLE format, "
-                       "P-EAGLE, EAGLE-1, Medusa-1, DFlash in the speculators or z-lab format, DSpark in the "
-                       "speculators format)")
+                       "P-EAGLE, EAGLE-1, Medusa-1, MTP, DFlash in the speculators or z-lab format, DSpark in "
+                       "the speculators format)")
 
 
 def _layer_ids(source: str, config: dict) -> list | None:
@@ -233,6 +237,8 @@ def check_against(head: Head, target) -> None:
         raise SdbenchError(f"{where} reads target layer {bad[0]}, but the target has {L} layers (0 to {L})")
     if head.kind == MEDUSA:
         return _check_medusa(head, H, V)
+    if head.kind == MTP:
+        return check_mtp(head, H, _check_shapes, _count)
     if head.kind in BLOCK_KINDS:
         check_block(head, H, V, _check_shapes, _count)
         if "lm_head.weight" in head.weights:
