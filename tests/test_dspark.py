@@ -167,9 +167,9 @@ def test_the_check_catches_drafts_verified_without_the_markov_bias(sampled, tmp_
     runner = ModelRunner(model)
     real = DSparkHead.chain
 
-    def chain(self, out, anchors, k, pick):
-        tokens, _, sure = real(self, out, anchors, k, pick)
-        unbiased = [pick(self.logits(out[:, self.first + i]))[1] for i in range(k)]  # the block's own
+    def chain(self, out, anchors, k, pick, stop=0.0):
+        tokens, _, sure = real(self, out, anchors, k, pick, stop)
+        unbiased = [pick(self.logits(out[:, self.first + i]))[1] for i in range(len(tokens))]  # the block's own
         return tokens, unbiased, sure
     monkeypatch.setattr(dspark.DSparkHead, "chain", chain)
     checks, _ = sampled_checks(runner, _sampled_proposer(runner, model, tmp_path), marginals)

@@ -47,7 +47,8 @@ class BlockDrafter:
         rows = torch.arange(len(lengths))
         anchors = ctx[rows, torch.tensor(lengths) - 1]
         out = self.head.block(self.cache, anchors, [n - 1 for n in lengths])  # [B, block, H]
-        drafted, probs, sure = self.head.chain(out, anchors, k, lambda lg: choose(lg, self.sampling, self.generator))
+        drafted, probs, sure = self.head.chain(out, anchors, k, lambda lg: choose(lg, self.sampling, self.generator),
+                                               self.confidence)
         counts = torch.tensor(limits, dtype=torch.long)
         if sure is not None and self.confidence > 0:
             counts = torch.minimum(counts, verified(sure.cpu(), self.confidence))

@@ -120,11 +120,11 @@ class DFlashHead:
         return self._linear(p + "o_proj", o.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
 
     @torch.inference_mode()
-    def chain(self, out: torch.Tensor, anchors: torch.Tensor, k: int, pick):
+    def chain(self, out: torch.Tensor, anchors: torch.Tensor, k: int, pick, stop: float = 0.0):
         """The drafts of the block's first k drafting slots, from its outputs out [B, block, H] (anchors [B]: the
         rows' anchors), each picked by `pick` (logits [B, V] -> tokens [B], probs [B, V] or None) from its own
         slot's logits alone: the tokens and the probs per slot, and each slot's confidence [B, k] (DFlash has
-        none: None)."""
+        none: None; nor a confidence to stop on, `stop`)."""
         tokens, probs = zip(*(pick(self.logits(out[:, self.first + i])) for i in range(k)))
         return list(tokens), list(probs), None
 

@@ -44,36 +44,55 @@ class DSparkHead(DFlashHead):
         state = gate * state + (1 - gate) * torch.tanh(c)
         return self._linear(p + "markov_w2", torch.tanh(o)), state
 
+    def embed_prev(self, prev: torch.Tensor) -> torch.Tensor | None:
+        """The Markov head's embedding [B, r] of the tokens before a slot (None without a Markov head)."""
+        return F.embedding(prev.to(self.device), self.w["markov_head.markov_w1.weight"]) if self.rank else None
+
+    def confidence(self, h: torch.Tensor, e: torch.Tensor | None) -> torch.Tensor:
+        """A slot's predicted acceptance [B] from its output h [B, H] and its previous token's embedding e."""
+        features = torch.cat((h, e), -1) if self.with_markov else h
+        return torch.sigmoid(self._linear("confidence_head.proj", features).float()).squeeze(-1)
+
+    def biased(self, h: torch.Tensor, e: torch.Tensor | None, state: torch.Tensor | None):
+        """A slot's draft logits [B, Vd] with the Markov bias added, and the rnn state after it."""
+        logits = self.draft_logits(h)
+        if e is None:
+            return logits, state
+        bias, state = self._bias(e, h, state)
+        return logits + bias.float(), state
+
     def slot(self, h: torch.Tensor, prev: torch.Tensor, state: torch.Tensor | None):
         """One slot read: its draft logits [B, Vd] (the Markov bias added), its confidence [B] (None without a
         confidence head) and the rnn state after it; h [B, H] its output, prev [B] the token before it."""
-        logits = self.draft_logits(h)
-        e = F.embedding(prev.to(self.device), self.w["markov_head.markov_w1.weight"]) if self.rank else None
-        if e is not None:
-            bias, state = self._bias(e, h, state)
-            logits = logits + bias.float()
-        sure = None
-        if self.confident:
-            features = torch.cat((h, e), -1) if self.with_markov else h
-            sure = torch.sigmoid(self._linear("confidence_head.proj", features).float()).squeeze(-1)
-        return logits, sure, state
+        e = self.embed_prev(prev)
+        logits, state = self.biased(h, e, state)
+        return logits, (self.confidence(h, e) if self.confident else None), state
 
     @torch.inference_mode()
-    def chain(self, out: torch.Tensor, anchors: torch.Tensor, k: int, pick):
+    def chain(self, out: torch.Tensor, anchors: torch.Tensor, k: int, pick, stop: float = 0.0):
         """As DFlashHead.chain, each slot's logits biased by the token drafted before it, with each slot's
-        confidence [B, k]."""
+        confidence [B, k']: the chain stops early (k' < k) at the first slot where every row's reach (the product
+        of the confidences up to it) is below `stop`, which no row would verify (its confidence depends on the
+        drafts before it only, so stopping there is the cut's own rule)."""
         B = out.shape[0]
         prev, tokens, probs, sure = anchors.to(self.device), [], [], []
         state = out.new_zeros(B, self.rank) if self.kind == "rnn" and self.rank else None
+        reach = torch.ones(B, device=self.device)
         for s in range(self.first + k):
             if s < self.first and state is None:
                 continue
-            logits, c, state = self.slot(out[:, s], prev, state)
+            h, e = out[:, s], self.embed_prev(prev)
+            if s >= self.first and self.confident:
+                c = self.confidence(h, e)
+                reach = reach * c
+                if stop > 0 and tokens and bool((reach < stop).all()):
+                    break
+                sure.append(c)
+            logits, state = self.biased(h, e, state)
             if s < self.first:  # the anchor's slot, not drafting: it only steps the rnn state
                 continue
             token, p = pick(on_target_vocab(logits, self.to_target, self.target.vocab_size))
             tokens.append(token)
             probs.append(p)
-            sure.append(c)
             prev = token
         return tokens, probs, (torch.stack(sure, 1) if self.confident else None)
