@@ -58,7 +58,5 @@ class DFlashStrategy(HeadStrategy):
 
     @classmethod
     def search_space(cls, trial, space: SearchContext) -> tuple:
-        if not space.heads:
-            raise SdbenchError(f"strategy '{cls.name}' needs a trained head to tune with: give --head PATH|HUB_ID")
-        head = space.heads[0] if len(space.heads) == 1 else trial.suggest_categorical("head", list(space.heads))
+        head = cls.chosen_head(trial, space)
         return trial.suggest_int("gamma", 1, cls.max_gamma((head,))), {"head": head}

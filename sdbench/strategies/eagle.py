@@ -52,11 +52,16 @@ class HeadStrategy(Strategy):
     def search_space(cls, trial, space: SearchContext) -> tuple:
         """gamma, the head (one of the candidates: --head, or the target's heads train-head recorded) and, with
         `tune --trees`, the chain or a top-k tree."""
-        if not space.heads:
-            raise SdbenchError(f"strategy '{cls.name}' needs a trained head to tune with: give --head PATH|HUB_ID")
-        head = space.heads[0] if len(space.heads) == 1 else trial.suggest_categorical("head", list(space.heads))
+        head = cls.chosen_head(trial, space)
         gamma = trial.suggest_int("gamma", 1, cls.max_gamma(space.heads))
         return gamma, {"head": head, **space.topk_tree(trial, gamma)}
+
+    @classmethod
+    def chosen_head(cls, trial, space: SearchContext) -> str:
+        """A trial's head: the one candidate, or one drawn from several (one line without any)."""
+        if not space.heads:
+            raise SdbenchError(f"strategy '{cls.name}' needs a trained head to tune with: give --head PATH|HUB_ID")
+        return space.heads[0] if len(space.heads) == 1 else trial.suggest_categorical("head", list(space.heads))
 
     @classmethod
     def proposer_for(cls, head, target, gamma: int, options: dict | None = None) -> TrainedHead:

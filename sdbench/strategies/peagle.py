@@ -4,7 +4,6 @@ chain (drafting/parallel.py), one head forward per round whatever gamma."""
 
 from __future__ import annotations
 
-from sdbench.errors import SdbenchError
 from sdbench.strategies.eagle import HeadStrategy, eagle_head
 from sdbench.strategies.spec import Option, SearchContext, register
 
@@ -31,7 +30,5 @@ class PEagleStrategy(HeadStrategy):
     @classmethod
     def search_space(cls, trial, space: SearchContext) -> tuple:
         """gamma and the head (no tree: the parallel positions are one chain)."""
-        if not space.heads:
-            raise SdbenchError(f"strategy '{cls.name}' needs a trained head to tune with: give --head PATH|HUB_ID")
-        head = space.heads[0] if len(space.heads) == 1 else trial.suggest_categorical("head", list(space.heads))
+        head = cls.chosen_head(trial, space)
         return trial.suggest_int("gamma", 1, cls.max_gamma(space.heads)), {"head": head}
