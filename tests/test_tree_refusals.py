@@ -30,7 +30,8 @@ def test_the_strategies_that_grow_trees_are_read_from_their_declared_settings():
     topk = ("tree_topk", "tree_nodes", "tree_shape", "tree_dynamic")
     assert tree_growers() == {"draft": (*topk, "tree_sample"), "eagle": topk, "lookahead": ("window", "ngram", "pool"),
                               "magicdec": (*topk, "tree_sample"),
-                              "medusa": topk, "ngram": ("tree",), "rest": ("tree_nodes",), "suffix": ("tree",)}
+                              "medusa": topk, "mtp": topk, "ngram": ("tree",), "rest": ("tree_nodes",),
+                              "suffix": ("tree",)}
 
 
 @pytest.mark.parametrize("args, said", [

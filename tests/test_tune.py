@@ -685,7 +685,7 @@ def test_tune_trees_refusals(tmp_path, pair, target, small_draft):
     from sdbench.models.forward.runner import ModelRunner
 
     with pytest.raises(SdbenchError, match="--trees: polybasic grows no token tree; the strategies that do are "
-                                           "draft, eagle, lookahead, magicdec, medusa, ngram, rest, suffix"):
+                                           "draft, eagle, lookahead, magicdec, medusa, mtp, ngram, rest, suffix"):
         tuner(tmp_path, pair, strategy="polybasic", trees=True)
     tuner(tmp_path, pair, strategies=("polybasic", "ngram"), trees=True)  # one of them grows trees: accepted
     from tests.heads import eagle3_dir
