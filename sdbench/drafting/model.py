@@ -10,7 +10,7 @@ from sdbench.forward_step import Step
 from sdbench.drafting.prefix import CachedPrefix
 from sdbench.engine.runner import Runner
 from sdbench.drafting.dynamic import DynamicTree, Expanded, grow, log_probs
-from sdbench.engine.sampling import choose, probs_from_logits
+from sdbench.engine.sampling import choose, choose_each, probs_from_logits
 from sdbench.engine.state import DecodeState, Proposal
 from sdbench.engine.tree import Tree, TreeBatch, child_picks, top_children
 from sdbench.errors import SdbenchError
@@ -61,8 +61,7 @@ def draft_parallel(runner, cache, prefix: CachedPrefix, ctx: torch.Tensor, lens:
     at = torch.tensor(todo)[:, None] - 1 + torch.arange(gamma)[None, :]
     logits = runner.run(cache, Step(feed, start, at=at))  # [B, gamma, V]
     prefix.wrote(feed, start)
-    drafted, probs = zip(*(choose(logits[:, i], sampling, generator) for i in range(gamma)))
-    return torch.stack(drafted, 1), None if sampling.greedy else torch.stack(probs, 1)
+    return choose_each(logits, sampling, generator)
 
 
 def draft_tree(runner, cache, prefix: CachedPrefix, ctx: torch.Tensor, lens: list[int], shape: Tree,

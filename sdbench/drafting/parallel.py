@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from sdbench.drafting.heads import EagleDrafter
-from sdbench.engine.sampling import choose
+from sdbench.engine.sampling import choose_each
 from sdbench.engine.state import DecodeState, Proposal
 
 
@@ -42,10 +42,8 @@ class ParallelDrafter(EagleDrafter):
         if k == 0:
             self._feed(ctx)
             return Proposal.empty(len(lengths))
-        logits = self._parallel(ctx, k)  # [B, k, V]
-        drafted, probs = zip(*(choose(logits[:, i], self.sampling, self.generator) for i in range(k)))
-        return Proposal(torch.stack(drafted, 1), torch.tensor(limits, dtype=torch.long),
-                        None if self.sampling.greedy else torch.stack(probs, 1))
+        tokens, probs = choose_each(self._parallel(ctx, k), self.sampling, self.generator)
+        return Proposal(tokens, torch.tensor(limits, dtype=torch.long), probs)
 
     def _parallel(self, ctx: torch.Tensor, k: int) -> torch.Tensor:
         """The pending states fed with the tokens that follow them and k - 1 mask positions after each row's last:

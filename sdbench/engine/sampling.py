@@ -65,6 +65,13 @@ def choose(logits: torch.Tensor, cfg: SamplingConfig, generator: torch.Generator
     return sample(probs, generator), probs
 
 
+def choose_each(logits: torch.Tensor, cfg: SamplingConfig, generator: torch.Generator | None):
+    """`choose` at every position of logits [B, k, V] on its own, the positions in order (drafts that do not see
+    each other): (tokens [B, k], probs [B, k, V] or None under greedy)."""
+    tokens, probs = zip(*(choose(logits[:, i], cfg, generator) for i in range(logits.shape[1])))
+    return torch.stack(tokens, 1), None if cfg.greedy else torch.stack(probs, 1)
+
+
 def verify_greedy(draft: torch.Tensor, n_draft: torch.Tensor, target_logits: torch.Tensor) -> Verdict:
     """draft [B, G], n_draft [B], target_logits [B, G+1, V]: accept while draft == argmax q."""
     best = target_logits.argmax(-1)  # [B, G+1]
