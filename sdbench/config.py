@@ -103,7 +103,7 @@ class TuneConfig:
     trees: bool = False  # also search the token tree's shape (the chain stays a choice) where a strategy grows trees
 
 
-HEAD_KINDS = ("eagle3", "medusa", "peagle", "dflash", "dspark")
+HEAD_KINDS = ("eagle3", "medusa", "peagle", "mtp", "dflash", "dspark")
 DEFAULT_HEAD_DATA = ("sharegpt", "gsm8k", "humaneval")  # never MT-Bench: the prompts heads are measured on
 HEAD_ANSWERS = ("both", "target", "data")  # whose answers a head is fitted on (train-head --answers)
 

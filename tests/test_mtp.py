@@ -153,3 +153,43 @@ def test_run_mtp_through_the_cli(tmp_path, capsys, monkeypatch):
     assert len(mine) == 2 and mine.lossless.all() and (mine.strategy == "mtp").all() and (mine.drafted > 0).all()
     code, _, err = run_cli(capsys, *args, "--strategy", "eagle", "--out", str(tmp_path / "o1"))
     assert code != 0 and "is a mtp head, which --strategy eagle does not draft with: use --strategy mtp" in err
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_training_is_drafting_and_speculators_loads_it(tmp_path, monkeypatch, arch):
+    """train-head's MTP forward (a chain of K steps from every root, the module's output fed back) against the
+    drafting forward on the folder it writes, root by root, step by step; then speculators' `MTPDraftModel` loads
+    that folder (with the target as its verifier, whose embedding and head it reads) and its own forward gives the
+    same first-step logits at every position (its later steps are fitted teacher-forced over whole sequences, not
+    as chains, so only the first step is common to both)."""
+    from speculators.models.mtp import MTPDraftModel
+
+    from sdbench.training.data import Sequence
+    from sdbench.training.heads import build, write_head
+    from tests.test_train_head import _perturb, _verifier_for
+
+    K = 3
+    target = small_vocab_target(arch, vocab=V)
+    seq = Sequence("x", "x/0", torch.arange(8), torch.zeros(8, 32), torch.tensor([0, 1, 1, 3, 3, 3, 5, 6]))
+    trainee = _perturb(build("mtp", target, [seq], K, None)).eval()
+    verifier = _verifier_for("folder", target, tmp_path, monkeypatch)
+    write_head(tmp_path / "head", "mtp", trainee, target, verifier, torch.float32)
+    runner = ModelRunner(target)
+    head = MTPHead(load_head(str(tmp_path / "head"), runner, ("mtp",)), runner)
+    g = torch.Generator().manual_seed(5)
+    states, tokens = torch.randn(1, S, 32, generator=g), torch.randint(0, V, (1, S), generator=g)
+    with torch.no_grad():
+        steps = trainee.steps(tokens, states, K)
+    for q in range(S - K):  # every root whose chain's tokens lie in the sequence
+        cache = head.new_cache(1, 32)
+        logits, out = head.forward(cache, tokens[:, 1:q + 2], states[:, :q + 1], [0], torch.tensor([q]))
+        for k in range(K):
+            torch.testing.assert_close(logits[0], steps[k][0, q], atol=1e-4, rtol=1e-4)
+            if k + 1 < K:
+                logits, out = head.forward(cache, tokens[:, q + k + 2:q + k + 3], out[:, None], [q + k + 1],
+                                           torch.tensor([0]))
+    theirs = MTPDraftModel.from_pretrained(str(tmp_path / "head")).eval()
+    with torch.no_grad():
+        ref, *_ = theirs(input_ids=tokens, hidden_states=states)
+    valid = ref[0].shape[1]
+    torch.testing.assert_close(ref[0][0], steps[0][0, :valid], atol=1e-4, rtol=1e-4)

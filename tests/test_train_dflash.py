@@ -177,20 +177,27 @@ def test_dspark_training_is_drafting_and_speculators_loads_it(tmp_path, monkeypa
         torch.testing.assert_close(conf[0, 1:], ours_sure, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("kind", ["dspark", "peagle"])
-def test_train_head_writes_a_dspark_or_peagle_head_that_runs_lossless(fitted, capsys, kind):  # noqa: F811
+@pytest.mark.parametrize("kind", ["dspark", "peagle", "mtp"])
+def test_train_head_writes_a_dspark_peagle_or_mtp_head_that_runs_lossless(fitted, capsys, kind):  # noqa: F811
+    from safetensors.torch import load_file
+
     out = fitted / kind
     code, text, err = _train(capsys, fitted, out, "0.3", "--kind", kind, "--steps", "3")
     assert code == 0, err
     assert f"run it: --strategy {kind} --head {out}" in text.replace("\n", "")
     config = json.loads((out / "config.json").read_text())
     vocab = config["transformer_layer_config"]["vocab_size"]
-    assert config["speculators_model_type"] == kind and config["mask_token_id"] == vocab - 1
+    assert config["speculators_model_type"] == kind
+    if kind == "mtp":  # the target's embedding and head are read, not written; its full vocabulary drafted
+        names = set(load_file(str(out / "model.safetensors")))
+        assert config["architectures"] == ["MTPDraftModel"] and config["num_nextn_predict_layers"] == 1
+        assert "mtp_layers.0.input_proj.weight" in names and not any("embed" in n or "lm_head" in n for n in names)
+        assert "draft_vocab_size" not in config
+    else:
+        assert config["mask_token_id"] == vocab - 1
     if kind == "dspark":
         assert config["block_size"] == 4 and config["markov_rank"] == 256 and config["enable_confidence_head"]
-    else:
-        from safetensors.torch import load_file
-
+    elif kind == "peagle":
         mask = load_file(str(out / "model.safetensors"))["mask_hidden"]
         assert config["architectures"] == ["PEagleSpeculator"] and mask.shape == (1, 1, 3 * config[
             "transformer_layer_config"]["hidden_size"])

@@ -437,6 +437,7 @@ def test_a_head_fitted_on_a_gguf_names_no_file_and_records_the_weights(fitted, c
     (["--minutes", "0"], "--minutes 0.0: give a positive number"),
     (["--prompts", "1"], "--prompts 1: at least 2"),
     (["--kind", "medusa", "--draft-vocab", "100"], "--draft-vocab is for --kind eagle3"),
+    (["--kind", "mtp", "--draft-vocab", "100"], "(mtp drafts over the target's vocabulary, through its own head)"),
     (["--data", "no-such-set"], "no-such-set"),
     (["--answers", "mine"], "--answers mine: use one of both, target, data"),
 ])

@@ -28,7 +28,7 @@ def check(
 def train_head(
     out: Annotated[str, typer.Option("--out", help="the head's folder (a re-run with the same folder resumes)")],
     target: Target = C.DEFAULT_TARGET,
-    kind: Annotated[str, typer.Option(help="eagle3, medusa, peagle, dflash or dspark")] = "eagle3",
+    kind: Annotated[str, typer.Option(help="eagle3, medusa, peagle, mtp, dflash or dspark")] = "eagle3",
     data: Annotated[Optional[list[str]], typer.Option("--data", help="training prompts: a data set or a prompt file (repeatable); by default sharegpt, gsm8k and humaneval, never MT-Bench (what heads are measured on)")] = None,
     minutes: Annotated[float, typer.Option(help="wall-clock budget: the training data first (at most 40%), then the fit")] = 20.0,
     prompts: Annotated[int, typer.Option(help="training prompts at most (1 in 16 held out to measure acceptance)")] = 512,
@@ -41,7 +41,7 @@ def train_head(
     seed: Seed = 0, probe: Probe = "auto", no_probe: NoProbe = False,
 ):
     """Fit an EAGLE-3, Medusa or DFlash head on the target's own answers to shipped prompts, written in the
-    format vLLM loads (run it with --strategy eagle|peagle|medusa|dflash|dspark --head OUT)."""
+    format vLLM loads (run it with --strategy eagle|peagle|medusa|mtp|dflash|dspark --head OUT)."""
     from sdbench.commands.train_head import train_head as fit_head
 
     fit_head(C.TrainHeadConfig(target=target, kind=kind, out=out, data=tuple(data or C.DEFAULT_HEAD_DATA),

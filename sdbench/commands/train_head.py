@@ -60,9 +60,9 @@ def validate(cfg: TrainHeadConfig) -> None:
         raise SdbenchError(f"--max-new-tokens {cfg.max_new_tokens}: at least 4 (the head learns from the answers)")
     if cfg.draft_vocab is not None and cfg.draft_vocab < 0:
         raise SdbenchError(f"--draft-vocab {cfg.draft_vocab}: a number of tokens, or 0 for the target's vocabulary")
-    if cfg.draft_vocab and cfg.kind == "medusa":
-        raise SdbenchError("--draft-vocab is for --kind eagle3, peagle, dflash or dspark (Medusa drafts over the "
-                           "target's vocabulary)")
+    if cfg.draft_vocab and cfg.kind in ("medusa", "mtp"):
+        raise SdbenchError(f"--draft-vocab is for --kind eagle3, peagle, dflash or dspark ({cfg.kind} drafts over the "
+                           "target's vocabulary, through its own head)")
     if cfg.steps is not None and not 1 <= cfg.steps <= 16:
         raise SdbenchError(f"--steps {cfg.steps}: between 1 and 16")
 

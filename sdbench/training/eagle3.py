@@ -19,42 +19,32 @@ from sdbench.models.heads.eagle import rms_norm
 from sdbench.models.forward.rotary import Rotary, rope
 
 
-class Eagle3Trainee(nn.Module):
-    """EAGLE-3's trainable part over a frozen target embedding.
+class ChainTrainee(nn.Module):
+    """One decoder layer unrolled as a chain drafts (the training-time test), for a head whose kind gives the
+    layer's input (`first`, `inputs`, `_qkv`) and output (`_out`): EAGLE-3's, P-EAGLE's, an MTP module's."""
 
-    layer: the decoder layer's config (a transformers LlamaConfig at the target's attention shape);
-    draft_ids: the target ids of the draft vocabulary, ascending [Vd]; init_head: the target's head rows for
-    them [Vd, H] (the draft lm_head starts from them)."""
-
-    def __init__(self, layer, embedding: torch.Tensor, draft_ids: torch.Tensor, init_head: torch.Tensor,
-                 n_states: int = 3, norm_before_residual: bool = False):
-        super().__init__()
+    def _layer(self, layer, width: int) -> None:
+        """The decoder layer's attention (its q, k, v projections reading `width` features), MLP and
+        post-attention norm, at the attention shape of `layer` (a transformers config)."""
         H = layer.hidden_size
         self.layer_config, self.eps = layer, layer.rms_norm_eps
         self.n_heads, self.n_kv = layer.num_attention_heads, layer.num_key_value_heads
         self.head_dim = getattr(layer, "head_dim", None) or H // self.n_heads
-        self.norm_before_residual = norm_before_residual
         D, Hq, Hk = self.head_dim, self.n_heads, self.n_kv
-        self.fc = nn.Linear(n_states * H, H, bias=False)
-        self.q_proj = nn.Linear(2 * H, Hq * D, bias=False)
-        self.k_proj = nn.Linear(2 * H, Hk * D, bias=False)
-        self.v_proj = nn.Linear(2 * H, Hk * D, bias=False)
+        self.q_proj = nn.Linear(width, Hq * D, bias=False)
+        self.k_proj = nn.Linear(width, Hk * D, bias=False)
+        self.v_proj = nn.Linear(width, Hk * D, bias=False)
         self.o_proj = nn.Linear(Hq * D, H, bias=False)
         self.gate_proj = nn.Linear(H, layer.intermediate_size, bias=False)
         self.up_proj = nn.Linear(H, layer.intermediate_size, bias=False)
         self.down_proj = nn.Linear(layer.intermediate_size, H, bias=False)
-        self.input_layernorm = nn.Parameter(torch.ones(H))
-        self.hidden_norm = nn.Parameter(torch.ones(H))
         self.post_attention_layernorm = nn.Parameter(torch.ones(H))
-        self.norm = nn.Parameter(torch.ones(H))
-        self.lm_head = nn.Parameter(init_head.detach().float().clone())
-        for lin in (self.fc, self.q_proj, self.k_proj, self.v_proj, self.o_proj, self.gate_proj, self.up_proj,
-                    self.down_proj):
-            nn.init.normal_(lin.weight, std=layer.initializer_range)
-        self.register_buffer("embedding", embedding.detach(), persistent=False)
-        self.register_buffer("draft_ids", draft_ids.long(), persistent=False)
         self.rotary = Rotary(layer, torch.device("cpu"), torch.float32)
-        self.register_buffer("to_draft", draft_map(draft_ids, embedding.shape[0]), persistent=False)
+
+    def _init(self, *linears: nn.Linear) -> None:
+        for lin in (*linears, self.q_proj, self.k_proj, self.v_proj, self.o_proj, self.gate_proj, self.up_proj,
+                    self.down_proj):
+            nn.init.normal_(lin.weight, std=self.layer_config.initializer_range)
 
     def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """x [B, h, T, D] rotated at positions [B, T]."""
@@ -62,23 +52,25 @@ class Eagle3Trainee(nn.Module):
         cos, sin = next(iter(self.rotary.for_forward(positions, int(positions.max()) + 1).values()))
         return rope(x, cos.to(x.dtype), sin.to(x.dtype))
 
-    def _qkv(self, x: torch.Tensor, e: torch.Tensor, positions: torch.Tensor):
-        B, T, _ = x.shape
-        hn = rms_norm(x, self.hidden_norm, self.eps)
-        attn_in = torch.cat((rms_norm(e, self.input_layernorm, self.eps), hn), -1)
-        q = self.q_proj(attn_in).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(attn_in).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
-        v = self.v_proj(attn_in).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
+    def _heads(self, a: torch.Tensor, positions: torch.Tensor, q_norm=None, k_norm=None):
+        """q, k, v [B, Hq, T, D] of the attention input a [B, T, width] (k and v repeated over each group), q and k
+        normed per head where the layer has those norms (Qwen3), then rotated at positions [B, T]."""
+        B, T, _ = a.shape
+        q = self.q_proj(a).view(B, T, self.n_heads, self.head_dim)
+        k = self.k_proj(a).view(B, T, self.n_kv, self.head_dim)
+        v = self.v_proj(a).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
+        if q_norm is not None:
+            q, k = rms_norm(q, q_norm, self.eps), rms_norm(k, k_norm, self.eps)
         group = self.n_heads // self.n_kv
-        k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)  # [B, Hq, T, D]
-        return self._rope(q, positions), self._rope(k, positions), v, (hn if self.norm_before_residual else x)
+        k, v = k.transpose(1, 2).repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+        return self._rope(q.transpose(1, 2), positions), self._rope(k, positions), v
 
     def steps(self, tokens: torch.Tensor, states: torch.Tensor, n_steps: int) -> list[torch.Tensor]:
-        """Draft-vocabulary logits [B, T, Vd] of each step for every chain root; tokens [B, T] (padding past a
-        row's length), states [B, T, n_states * H] the target's."""
+        """Logits [B, T, Vd] of each step for every chain root; tokens [B, T] (padding past a row's length), states
+        [B, T, S] the target's."""
         B, T = tokens.shape
         scale = self.head_dim ** -0.5
-        x = self.fc(states)
+        x = self.first(states)
         base = torch.arange(T, device=tokens.device)
         causal = (base[None, :] <= base[:, None])  # [root q, key j]: j <= q
         keys0 = values0 = None
@@ -102,19 +94,55 @@ class Eagle3Trainee(nn.Module):
             h = residual + self.o_proj(attn)
             g = rms_norm(h, self.post_attention_layernorm, self.eps)
             h = h + self.down_proj(F.silu(self.gate_proj(g)) * self.up_proj(g))
-            out.append(F.linear(rms_norm(h, self.norm, self.eps), self.lm_head))
-            x = h  # the next step feeds the head's own output back
+            logits, x = self._out(h)  # the next step feeds the head's own output back
+            out.append(logits)
         return out
 
     def inputs(self, step: int, tokens: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Step `step`'s embedded tokens and states [B, T, H] at every root: token q + step + 1 (0 past the end)
-        with x, the projected target states (step 0) or the step before's output."""
+        with x, the first states (step 0) or the step before's output."""
         nxt = F.pad(tokens[:, step + 1:], (0, step + 1))
         return F.embedding(nxt, self.embedding).to(x.dtype), x
 
     def labels(self, pred: torch.Tensor, n_steps: int, lengths: torch.Tensor) -> list[torch.Tensor]:
         """Each step's labels [B, T] in draft ids (-100: ignored): `chain_labels`."""
         return chain_labels(self.to_draft, pred, n_steps, lengths)
+
+
+class Eagle3Trainee(ChainTrainee):
+    """EAGLE-3's trainable part over a frozen target embedding.
+
+    layer: the decoder layer's config (a transformers LlamaConfig at the target's attention shape);
+    draft_ids: the target ids of the draft vocabulary, ascending [Vd]; init_head: the target's head rows for
+    them [Vd, H] (the draft lm_head starts from them)."""
+
+    def __init__(self, layer, embedding: torch.Tensor, draft_ids: torch.Tensor, init_head: torch.Tensor,
+                 n_states: int = 3, norm_before_residual: bool = False):
+        super().__init__()
+        H = layer.hidden_size
+        self._layer(layer, 2 * H)
+        self.norm_before_residual = norm_before_residual
+        self.fc = nn.Linear(n_states * H, H, bias=False)
+        self.input_layernorm = nn.Parameter(torch.ones(H))
+        self.hidden_norm = nn.Parameter(torch.ones(H))
+        self.norm = nn.Parameter(torch.ones(H))
+        self.lm_head = nn.Parameter(init_head.detach().float().clone())
+        self._init(self.fc)
+        self.register_buffer("embedding", embedding.detach(), persistent=False)
+        self.register_buffer("draft_ids", draft_ids.long(), persistent=False)
+        self.register_buffer("to_draft", draft_map(draft_ids, embedding.shape[0]), persistent=False)
+
+    def first(self, states: torch.Tensor) -> torch.Tensor:
+        return self.fc(states)
+
+    def _qkv(self, x: torch.Tensor, e: torch.Tensor, positions: torch.Tensor):
+        hn = rms_norm(x, self.hidden_norm, self.eps)
+        attn_in = torch.cat((rms_norm(e, self.input_layernorm, self.eps), hn), -1)
+        return *self._heads(attn_in, positions), (hn if self.norm_before_residual else x)
+
+    def _out(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step's draft logits, and its output as fed back (EAGLE-3: before the final norm)."""
+        return F.linear(rms_norm(h, self.norm, self.eps), self.lm_head), h
 
     def weights(self) -> dict[str, torch.Tensor]:
         """The parameters under the speculators format's names (with d2t and t2d)."""

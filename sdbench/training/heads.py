@@ -1,7 +1,6 @@
-"""What each head kind needs to be fitted and written: its trainee (eagle3.py, medusa.py, dflash.py, dspark.py)
-built from the target, and its files in the format engines load (EAGLE-3, DFlash, DSpark: the speculators format
-vLLM reads;
-Medusa-1: the Medusa repository's `config.json` + `medusa_lm_head.safetensors`)."""
+"""What each head kind needs to be fitted and written: its trainee (eagle3.py, peagle.py, mtp.py, medusa.py,
+dflash.py, dspark.py) built from the target, and its files in the format engines load (EAGLE-3, P-EAGLE, MTP,
+DFlash, DSpark: the speculators format vLLM reads; Medusa-1: the Medusa repository's `config.json` + `medusa_lm_head.safetensors`)."""
 
 from __future__ import annotations
 
@@ -20,18 +19,21 @@ from sdbench.training.dflash import DFlashTrainee
 from sdbench.training.dspark import DSparkTrainee
 from sdbench.training.eagle3 import Eagle3Trainee
 from sdbench.training.medusa import MedusaTrainee
+from sdbench.training.mtp import MTPTrainee
 from sdbench.training.peagle import PEagleTrainee
 
 # EAGLE-3's unrolled steps; Medusa's heads; P-EAGLE's parallel positions; a block's drafts
-DEFAULT_STEPS = {"eagle3": 3, "medusa": 4, "peagle": 7, "dflash": 7, "dspark": 7}
-ARCHITECTURES = {"eagle3": "Eagle3DraftModel", "peagle": "PEagleSpeculator"}
+DEFAULT_STEPS = {"eagle3": 3, "medusa": 4, "peagle": 7, "mtp": 3, "dflash": 7, "dspark": 7}
+ARCHITECTURES = {"eagle3": "Eagle3DraftModel", "peagle": "PEagleSpeculator", "mtp": "MTPDraftModel"}
+FULL_VOCAB = ("medusa", "mtp")  # read by the target's own head: no draft vocabulary
 BLOCKS = ("dflash", "dspark")  # the block drafters fitted here (DFlash's layers and block; DSpark's heads on them)
 DEFAULT_DRAFT_VOCAB = 8192
 DFLASH_LAYERS = 2  # the draft decoder layers of a DFlash head fitted here
 # A DFlash block's drafted slots start as the mask token's embedding, whose own logit dominates under tied
-# embeddings; its final norm starts at this fraction of the target's, so that its first predictions are near
-# uniform rather than confidently the mask token (the loss then falls from ~10 instead of ~90).
-DFLASH_NORM_START = 0.1
+# embeddings, and an MTP module's random layer starts far from any state the target's head reads: their final norm
+# starts at this fraction of the target's, so that their first predictions are near uniform rather than confidently
+# wrong (the loss then falls from ~10 instead of ~17-90).
+NORM_START = {"dflash": 0.1, "dspark": 0.1, "mtp": 0.1}
 
 
 def text_config(config):
@@ -41,7 +43,7 @@ def text_config(config):
 def head_layers(kind: str, config) -> tuple[int, ...]:
     """The target states the head reads (engine/hidden.py numbering): EAGLE-3's usual three where they are
     distinct (vLLM and speculators refuse repeated ones), else three distinct ones spread over a shallow target."""
-    if kind == "medusa":  # the others read speculators' default layers, as EAGLE-3 does
+    if kind in FULL_VOCAB:  # the target's final-norm state; the others read speculators' default layers, as EAGLE-3
         return (FINAL,)
     L = text_config(config).num_hidden_layers
     usual = eagle3_layers(L)
@@ -54,7 +56,8 @@ def head_layers(kind: str, config) -> tuple[int, ...]:
 
 def layer_config(config, kind: str = "eagle3"):
     """The head's decoder layers' config at the target's attention shape and rope: EAGLE-3's one Llama layer,
-    DFlash's DFLASH_LAYERS Qwen3 layers."""
+    DFlash's DFLASH_LAYERS Qwen3 layers, an MTP module's one Qwen3 layer (speculators' MTP layer type; its
+    num_hidden_layers the target's, whose last state it reads)."""
     from transformers import LlamaConfig, Qwen3Config  # slow to import: only a fit builds one
 
     tc = text_config(config)
@@ -62,7 +65,8 @@ def layer_config(config, kind: str = "eagle3"):
     if "rope_type" not in rope:  # keyed per layer type (sliding/full): the full-attention layers' rope
         rope = dict(rope.get("full_attention") or {"rope_type": "default", "rope_theta": 10000.0})
     head_dim = getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads
-    cls, layers = (Qwen3Config, DFLASH_LAYERS) if kind in BLOCKS else (LlamaConfig, 1)
+    cls, layers = {"mtp": (Qwen3Config, tc.num_hidden_layers)}.get(
+        kind, (Qwen3Config, DFLASH_LAYERS) if kind in BLOCKS else (LlamaConfig, 1))
     return cls(vocab_size=tc.vocab_size, hidden_size=tc.hidden_size, intermediate_size=tc.intermediate_size,
                num_hidden_layers=layers, num_attention_heads=tc.num_attention_heads,
                num_key_value_heads=tc.num_key_value_heads or tc.num_attention_heads, head_dim=head_dim,
@@ -103,11 +107,12 @@ def build(kind: str, model, seqs: list[Sequence], steps: int, draft_vocab: int |
         if kind == "medusa":
             return rebuild(kind, model, steps, None)
         vocab = text_config(model.config).vocab_size
-        trainee = rebuild(kind, model, steps, draft_vocabulary(seqs, vocab, draft_size(draft_vocab, vocab)))
+        ids = None if kind in FULL_VOCAB else draft_vocabulary(seqs, vocab, draft_size(draft_vocab, vocab))
+        trainee = rebuild(kind, model, steps, ids)
     norm = getattr(model.get_decoder(), "norm", None)
     if norm is not None and getattr(norm, "weight", None) is not None and norm.weight.shape == trainee.norm.shape:
         with torch.no_grad():  # its lm_head starts as the target's over the target's final norm
-            trainee.norm.copy_(norm.weight.detach().float().cpu() * (DFLASH_NORM_START if kind in BLOCKS else 1))
+            trainee.norm.copy_(norm.weight.detach().float().cpu() * NORM_START.get(kind, 1))
     return trainee
 
 
@@ -117,6 +122,8 @@ def rebuild(kind: str, model, steps: int, draft_ids: torch.Tensor | None):
     if kind == "medusa":  # inference tensors
         return MedusaTrainee(out, steps)
     emb = model.get_input_embeddings().weight.detach().float().cpu().clone()
+    if kind == "mtp":
+        return MTPTrainee(layer_config(model.config, kind), emb, out)
     n_states = len(head_layers(kind, model.config))
     if kind in BLOCKS:
         trainee = DSparkTrainee if kind == "dspark" else DFlashTrainee
@@ -172,23 +179,9 @@ def write_head(folder: Path, kind: str, trainee, model, verifier: str | None, dt
                   "base_model_name_or_path": verifier, "architectures": ["MedusaModel"]}
         name = "medusa_lm_head.safetensors"
     else:
-        layers = list(head_layers(kind, model.config))
-        config = speculators_config(kind, trainee, model, verifier, dtype)
-        if kind in BLOCKS:  # the embedding and a full-vocabulary head are the target's: not written
-            config.update({"architectures": ["DSparkSpeculator" if kind == "dspark" else "DFlashSpeculator"],
-                           "block_size": trainee.block_size, "aux_hidden_state_layer_ids": layers,
-                           "mask_token_id": trainee.mask_token_id, "sample_from_anchor": False,
-                           "sliding_window_non_causal": False})
-        else:
+        config = {**speculators_config(kind, trainee, model, verifier, dtype), **_own_keys(kind, trainee, model)}
+        if kind in ARCHITECTURES and kind != "mtp":  # EAGLE-3's kinds carry the embedding they were fitted with
             weights["embed_tokens.weight"] = model.get_input_embeddings().weight.detach().to(dtype).cpu().contiguous()
-            config.update({"architectures": [ARCHITECTURES[kind]], "norm_before_residual": False,
-                           "norm_before_fc": False, "fc_norm": False, "norm_output": False,
-                           "embed_requires_grad": False, "eagle_aux_hidden_state_layer_ids": layers})
-        if kind == "dspark":
-            config.update({"markov_rank": trainee.rank, "markov_head_type": "vanilla", "enable_confidence_head": True,
-                           "confidence_head_with_markov": True})
-        if kind == "peagle":
-            config["mask_token_id"] = trainee.mask_token_id
         name = "model.safetensors"
     folder.mkdir(parents=True, exist_ok=True)
     tmp = folder / (name + ".tmp")
@@ -198,6 +191,25 @@ def write_head(folder: Path, kind: str, trainee, model, verifier: str | None, dt
     return [folder / "config.json", folder / name]
 
 
+def _own_keys(kind: str, trainee, model) -> dict:
+    """The speculators config keys of a head's own kind."""
+    layers = list(head_layers(kind, model.config))
+    if kind == "mtp":  # the embedding and head are the target's: not written
+        return {"architectures": [ARCHITECTURES[kind]], "num_nextn_predict_layers": 1}
+    if kind in BLOCKS:  # the embedding and a full-vocabulary head are the target's: not written
+        keys = {"architectures": ["DSparkSpeculator" if kind == "dspark" else "DFlashSpeculator"],
+                "block_size": trainee.block_size, "aux_hidden_state_layer_ids": layers,
+                "mask_token_id": trainee.mask_token_id, "sample_from_anchor": False, "sliding_window_non_causal": False}
+        if kind == "dspark":
+            keys.update({"markov_rank": trainee.rank, "markov_head_type": "vanilla", "enable_confidence_head": True,
+                         "confidence_head_with_markov": True})
+        return keys
+    keys = {"architectures": [ARCHITECTURES[kind]], "norm_before_residual": False, "norm_before_fc": False,
+            "fc_norm": False, "norm_output": False, "embed_requires_grad": False,
+            "eagle_aux_hidden_state_layer_ids": layers}
+    return {**keys, "mask_token_id": trainee.mask_token_id} if kind == "peagle" else keys
+
+
 def speculators_config(kind: str, trainee, model, verifier: str | None, dtype: torch.dtype) -> dict:
     """What every head in the speculators format records alike (its kind adds its own keys): the layers' config,
     the draft vocabulary's size, the proposal (EAGLE-3: 3 tokens; a block drafter: a block's drafts) and the
@@ -205,8 +217,9 @@ def speculators_config(kind: str, trainee, model, verifier: str | None, dtype: t
     layer = trainee.layer_config.to_dict()
     layer.pop("transformers_version", None)
     drafts = trainee.block_size - 1 if kind in BLOCKS else DEFAULT_STEPS[kind]
-    return {"speculators_model_type": kind, "draft_vocab_size": int(len(trainee.draft_ids)),
-            "target_hidden_size": None, "tie_word_embeddings": False, "transformer_layer_config": layer,
+    vocab = {} if kind in FULL_VOCAB else {"draft_vocab_size": int(len(trainee.draft_ids)), "target_hidden_size": None,
+                                           "tie_word_embeddings": False}
+    return {"speculators_model_type": kind, **vocab, "transformer_layer_config": layer,
             "speculators_config": {"algorithm": kind, "default_proposal_method": "greedy",
                                    "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": drafts,
                                                          "accept_tolerance": 0.0, "verifier_accept_k": 1}],
