@@ -112,12 +112,13 @@ def medusa_dir(folder, target, heads: int = 3, layers: int = 1, seed: int = 0) -
 
 
 def dflash_dir(folder, target, fmt: str = "speculators", seed: int = 0, block: int = 4, layers: int = 2,
-               layer_ids=(1, 3), mask: int | None = None, anchor: bool = False, drop=(), dspark: dict | None = None
-               ) -> Path:
+               layer_ids=(1, 3), mask: int | None = None, anchor: bool = False, drop=(), dspark: dict | None = None,
+               dflash2: dict | None = None) -> Path:
     """A DFlash head of `layers` Qwen3 layers reading the target states `layer_ids` (engine/hidden.py's numbering),
     its blocks `block` tokens long, the target's last token as the mask token unless `mask` is given; with
     `dspark` (rank, type, confidence: speculators' markov_rank, markov_head_type, enable_confidence_head), a
-    DSpark head (speculators format) with those Markov and confidence heads."""
+    DSpark head (speculators format) with those Markov and confidence heads; with `dflash2` (speculators' or
+    z-lab's conv_kernel_size, conv_group_size, selector_rank, selector_top_k), a DFlash 2 head."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     g = torch.Generator().manual_seed(seed)
@@ -141,11 +142,31 @@ def dflash_dir(folder, target, fmt: str = "speculators", seed: int = 0, block: i
                "dflash_config": {"target_layer_ids": [i - 1 for i in layer_ids], "mask_token_id": mask}}
     if dspark is not None:
         cfg.update(_dspark(g, w, dspark, H, lc["vocab_size"]))
+    if dflash2 is not None:
+        _dflash2(g, w, cfg, dflash2, H, lc["vocab_size"], layers, fmt)
     for k in drop:
         w.pop(k)
     (folder / "config.json").write_text(json.dumps(cfg))
     save_file({k: v.contiguous() for k, v in w.items()}, str(folder / "model.safetensors"))
     return folder
+
+
+def _dflash2(g, w: dict, cfg: dict, settings: dict, H: int, V: int, layers: int, fmt: str) -> None:
+    """DFlash 2's config keys (into cfg), its convolution and selector weights (into w), z-lab's or speculators'."""
+    k, group, r = settings["conv_kernel_size"], settings["conv_group_size"], settings["selector_rank"]
+    for i in range(layers):
+        for conv in ("attention_conv", "mlp_conv"):
+            w[f"layers.{i}.{conv}.base_kernel"] = 1 + _rand(g, 2, k, H, scale=0.3)
+            w[f"layers.{i}.{conv}.kernel_projection.weight"] = _rand(g, 2 * k * (H // group), H, scale=0.3)
+    end = ".weight" if fmt == "zlab" else ""  # z-lab's codebooks are Embeddings
+    w.update({f"candidate_selector.predecessor_codebook{end}": _rand(g, V, r, scale=1.0),
+              f"candidate_selector.successor_codebook{end}": _rand(g, V, r, scale=1.0),
+              "candidate_selector.hidden_projection.weight": _rand(g, r, H, scale=0.5)})
+    if fmt == "zlab":
+        cfg["architectures"] = ["DFlash2DraftModel"]
+        cfg["dflash_config"].update(settings)
+    else:
+        cfg.update({"speculators_model_type": "dflash2", "architectures": ["DFlash2DraftModel"], **settings})
 
 
 def _dspark(g, w: dict, dspark: dict, H: int, V: int) -> dict:

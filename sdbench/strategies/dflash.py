@@ -1,6 +1,7 @@
 """DFlash: a block drafter (--head, in the speculators or z-lab format) fills a block of mask tokens after the
 last committed token in one non-causal forward, conditioned on several target layers' hidden states; the first
-gamma of the block's drafts are verified each round (at most block_size - 1)."""
+gamma of the block's drafts are verified each round (at most block_size - 1). A DFlash 2 head (convolutions along
+the block, a candidate selector choosing each draft given the one before it) drafts under the same strategy."""
 
 from __future__ import annotations
 
@@ -12,10 +13,10 @@ from sdbench.strategies.spec import Option, SearchContext, register
 @register
 class DFlashStrategy(HeadStrategy):
     name = "dflash"
-    help = ("DFlash block drafter (--head, speculators or z-lab format): one non-causal forward drafts a whole "
-            "block from the target's hidden states; gamma: the block's drafts verified per round")
-    head_kinds = ("dflash",)
-    options = (Option("head", "", "the DFlash head: a folder or a hub id (also --head)", str),)
+    help = ("DFlash or DFlash 2 block drafter (--head, speculators or z-lab format): one non-causal forward drafts a "
+            "whole block from the target's hidden states; gamma: the block's drafts verified per round")
+    head_kinds = ("dflash", "dflash2")
+    options = (Option("head", "", "the DFlash or DFlash 2 head: a folder or a hub id (also --head)", str),)
 
     @classmethod
     def validate(cls, gamma: int, options: dict, drafts: tuple[str, ...], sampling) -> None:
@@ -34,8 +35,9 @@ class DFlashStrategy(HeadStrategy):
     @classmethod
     def drafter(cls, head, target, gamma: int, tree=None, options: dict | None = None):
         from sdbench.models.heads.dflash import DFlashHead
+        from sdbench.models.heads.dflash2 import DFlash2Head
 
-        return cls.block_drafter(DFlashHead, head, target)
+        return cls.block_drafter(DFlash2Head if head.kind == "dflash2" else DFlashHead, head, target)
 
     @staticmethod
     def block_drafter(forward_type, head, target, confidence: float = 0.0):

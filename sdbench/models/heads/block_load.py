@@ -16,14 +16,23 @@ with `speculators_model_type: dspark`, `markov_rank` (0: no Markov head), `marko
 rnn), `enable_confidence_head`, `confidence_head_with_markov`, and `sample_from_anchor` true unless it says
 otherwise; weights `markov_head.markov_w1` (target vocabulary x rank), `markov_head.markov_w2` (rank -> draft
 vocabulary), `markov_head.gate_proj` (gated) or `markov_head.joint_proj` (rnn), `confidence_head.proj`.
+
+DFlash 2 (DFlash plus local convolutions and a candidate selector), as speculators writes it
+(`speculators_model_type: dflash2`) and as z-lab's folders hold it (`DFlash2DraftModel`, its settings in
+`dflash_config` or at the top): `conv_kernel_size` (2), `conv_group_size` (16), `selector_rank` (256),
+`selector_top_k` (16); weights `layers.{i}.attention_conv.*` and `layers.{i}.mlp_conv.*` (`base_kernel`
+[2, kernel, H], `kernel_projection` [2 * kernel * H / group, H]) and `candidate_selector.predecessor_codebook`,
+`successor_codebook` ([V, rank]; z-lab's Embedding names with `.weight` read alike) and `hidden_projection`.
+It drafts over the target's whole vocabulary (speculators refuses a draft vocabulary for it).
 """
 
 from __future__ import annotations
 
 from sdbench.errors import SdbenchError
 
-DFLASH, DSPARK = "dflash", "dspark"
-BLOCK_KINDS = (DFLASH, DSPARK)
+DFLASH, DFLASH2, DSPARK = "dflash", "dflash2", "dspark"
+BLOCK_KINDS = (DFLASH, DFLASH2, DSPARK)
+SELECTOR = {"conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 256, "selector_top_k": 16}  # defaults
 MARKOV_TYPES = ("vanilla", "gated", "rnn")
 # config keys of a z-lab folder that are not the draft decoder's own
 _ZLAB_KEYS = ("architectures", "auto_map", "block_size", "dflash_config", "num_target_layers")
@@ -41,8 +50,6 @@ def zlab_layers(n_target_layers: int, n_draft_layers: int) -> list[int]:
 def parse_block(source: str, config: dict, weights: dict, n_layers: int, head_type):
     """The block drafter a folder holds, as a `head_type` (load.Head); None when it holds none."""
     kind, markov = config.get("speculators_model_type"), {}
-    if kind == "dflash2":
-        raise SdbenchError(f"--head {source}: a {kind} head is not supported yet (DFlash and DSpark are)")
     if kind in BLOCK_KINDS:
         layer = dict(config.get("transformer_layer_config") or {})
         ids = config.get("aux_hidden_state_layer_ids")
@@ -52,10 +59,12 @@ def parse_block(source: str, config: dict, weights: dict, n_layers: int, head_ty
             "sample_from_anchor", kind == DSPARK)
         if kind == DSPARK:
             markov = _markov(source, config)
+        if kind == DFLASH2:
+            markov = _selector(source, config)
     elif "DFlashDraftModel" in (config.get("architectures") or []) or "dflash_config" in config:
-        if "DFlash2DraftModel" in (config.get("architectures") or []):
-            raise SdbenchError(f"--head {source}: a DFlash 2 head is not supported yet (DFlash is)")
         extra = config.get("dflash_config") or {}
+        if "DFlash2DraftModel" in (config.get("architectures") or []):
+            kind, markov = DFLASH2, _selector(source, {**config, **extra})
         layer = {k: v for k, v in config.items() if k not in _ZLAB_KEYS}
         drafted = extra.get("target_layer_ids", config.get("target_layer_ids"))
         if drafted is None:
@@ -73,7 +82,7 @@ def parse_block(source: str, config: dict, weights: dict, n_layers: int, head_ty
     if isinstance(mask, bool) or not isinstance(mask, int):
         raise SdbenchError(f"--head {source}: its config.json names no mask_token_id (the token a block's drafted "
                            "positions hold)")
-    return head_type(source, kind if kind in BLOCK_KINDS else DFLASH, tuple(ids), layer, dict(weights),
+    return head_type(source, kind if kind in BLOCK_KINDS else DFLASH, tuple(ids), layer, _codebooks(weights),
                      block_size=block, mask_token_id=mask, anchor_drafts=bool(anchor), markov=markov)
 
 
@@ -91,6 +100,22 @@ def _markov(source: str, config: dict) -> dict:
         raise SdbenchError(f"--head {source}: its confidence head reads the Markov head's embedding, but markov_rank "
                            "is 0")
     return got
+
+
+def _selector(source: str, config: dict) -> dict:
+    """A DFlash 2 config's convolution and selector settings, checked (speculators' defaults where it names none)."""
+    got = {k: config.get(k, v) for k, v in SELECTOR.items()}
+    for key, value in got.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise SdbenchError(f"--head {source}: {key} in its config.json is {value!r}, not a whole number >= 1")
+    return got
+
+
+def _codebooks(weights: dict) -> dict:
+    """The weights with a selector's codebooks under one name (z-lab's Embedding names end in `.weight`)."""
+    suffix = "_codebook.weight"
+    return {(k.removesuffix(".weight") if k.startswith("candidate_selector.") and k.endswith(suffix) else k): v
+            for k, v in weights.items()}
 
 
 def _id_list(source: str, key: str, ids) -> list:
@@ -132,7 +157,9 @@ def check_block(head, H: int, V: int, check_shapes, count) -> None:
     lm = head.weights.get("lm_head.weight")
     if lm is not None:  # a draft vocabulary of its own (checked with its d2t by load.py)
         optional["lm_head.weight"] = (lm.shape[0], H)
-    if head.markov:
+    if head.kind == DFLASH2:
+        _selector_shapes(head, H, V, layers, need)
+    elif head.markov:
         _markov_shapes(head.markov, H, V, V if lm is None else lm.shape[0], need)
     check_shapes(head, need, optional)
 
@@ -149,3 +176,25 @@ def _markov_shapes(markov: dict, H: int, V: int, Vd: int, need: dict) -> None:
     if markov["confidence"]:
         width = H + (r if markov["with_markov"] else 0)
         need.update({"confidence_head.proj.weight": (1, width), "confidence_head.proj.bias": (1,)})
+
+
+def _selector_shapes(head, H: int, V: int, layers: int, need: dict) -> None:
+    """A DFlash 2 head's convolution and selector weights, added to `need`: name -> shape; one line where its
+    settings cannot fit the target."""
+    got = head.markov
+    kernel, group, rank = got["conv_kernel_size"], got["conv_group_size"], got["selector_rank"]
+    where = f"--head {head.name}"
+    if "lm_head.weight" in head.weights or head.config.get("draft_vocab_size", V) != V:
+        raise SdbenchError(f"{where}: a DFlash 2 head drafts over the target's whole vocabulary, but it has a draft "
+                           "vocabulary of its own")
+    if H % group or kernel > head.block_size or got["selector_top_k"] > V:
+        raise SdbenchError(f"{where}: conv_group_size {group} must divide the hidden size {H}, conv_kernel_size "
+                           f"{kernel} be at most block_size {head.block_size}, and selector_top_k "
+                           f"{got['selector_top_k']} at most the vocabulary's {V} tokens")
+    for i in range(layers):
+        for conv in ("attention_conv", "mlp_conv"):
+            need.update({f"layers.{i}.{conv}.base_kernel": (2, kernel, H),
+                         f"layers.{i}.{conv}.kernel_projection.weight": (2 * kernel * (H // group), H)})
+    p = "candidate_selector."
+    need.update({p + "predecessor_codebook": (V, rank), p + "successor_codebook": (V, rank),
+                 p + "hidden_projection.weight": (rank, H)})

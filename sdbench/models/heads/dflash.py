@@ -104,11 +104,16 @@ class DFlashHead:
         for layer in range(self.n_layers):
             p = f"layers.{layer}."
             x = rms_norm(h, self.w[p + "input_layernorm.weight"], self.eps)
-            h = h + self._attention(layer, x, cache, step, rotation)
+            h = h + self._around(p + "attention_conv", x, lambda x: self._attention(layer, x, cache, step, rotation))
             x = rms_norm(h, self.w[p + "post_attention_layernorm.weight"], self.eps)
-            h = h + self._linear(p + "mlp.down_proj", F.silu(self._linear(p + "mlp.gate_proj", x))
-                                 * self._linear(p + "mlp.up_proj", x))
+            h = h + self._around(p + "mlp_conv", x, lambda x: self._linear(
+                p + "mlp.down_proj", F.silu(self._linear(p + "mlp.gate_proj", x)) * self._linear(p + "mlp.up_proj", x)))
         return rms_norm(h, self.w["norm.weight"], self.eps)
+
+    def _around(self, name: str, x: torch.Tensor, sublayer) -> torch.Tensor:
+        """A sublayer (attention or MLP) over the block's normed states x [B, block, H] (DFlash 2 convolves its input
+        and output along the block: dflash2.py)."""
+        return sublayer(x)
 
     def _attention(self, layer: int, x: torch.Tensor, cache, step: BlockStep, rotation) -> torch.Tensor:
         B, T, _ = x.shape

@@ -46,7 +46,8 @@ class Head:
     block_size: int = 0  # a block drafter: the tokens of its one forward (the anchor, then mask tokens)
     mask_token_id: int | None = None  # a block drafter, P-EAGLE: the token its drafted positions hold
     anchor_drafts: bool = False  # a block drafter: the anchor's slot drafts too (speculators' sample_from_anchor)
-    markov: dict = field(default_factory=dict)  # DSpark: its Markov and confidence heads' settings (block_load.py)
+    markov: dict = field(default_factory=dict)  # DSpark: its Markov and confidence heads' settings; DFlash 2: its
+    # convolutions' and candidate selector's (block_load.py)
 
 
 def load_head(source: str, target, kinds: tuple[str, ...] = (EAGLE3, EAGLE1, MEDUSA, PEAGLE, MTP, *BLOCK_KINDS),
@@ -59,7 +60,8 @@ def load_head(source: str, target, kinds: tuple[str, ...] = (EAGLE3, EAGLE1, MED
     weights = _read_weights(folder, source)
     head = _parse(source, config, weights, target)
     if head.kind not in kinds:
-        other = head.kind if head.kind in (MEDUSA, PEAGLE, MTP, *BLOCK_KINDS) else "eagle"
+        other = ("dflash" if head.kind == "dflash2" else head.kind) if head.kind in (MEDUSA, PEAGLE, MTP, *BLOCK_KINDS) \
+            else "eagle"
         raise SdbenchError(f"--head {source} is a {head.kind} head, which --strategy {strategy or kinds[0]} does not "
                            f"draft with: use --strategy {other}")
     check_against(head, target)
