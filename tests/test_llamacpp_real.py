@@ -63,3 +63,44 @@ def test_bench_with_a_draft_server_carries_over_by_the_engines_own_counts(llamac
     assert w >= 0.5, (w, v)  # a chain's drafting (g alone) leaves w = 0, vLLM's wide first step w - 1 below 0.5
     assert draft.own_predicted_speedup == pytest.approx(draft.tokens_per_round / (draft.round_draft_cost + v))
     assert "Traceback" not in err
+
+
+def _block_head(kind: str, folder) -> str:
+    """A random head of `kind` at SmolLM2's shape as train-head writes it (speculators format), drafting over six
+    of the most common English tokens: its drafts are a real function of its forward, and the target takes one
+    now and then."""
+    import torch
+
+    from sdbench.models.loading.loader import load_model
+    from sdbench.training.data import Sequence
+    from sdbench.training.heads import build, verifier_name, write_head
+    from tests.test_train_head import _perturb
+
+    loaded = load_model(SMOL)
+    common = [loaded.tokenizer.encode(w, add_special_tokens=False)[0] for w in (",", " the", ".", " and", " a", " to")]
+    seq = Sequence("x", "x/0", torch.arange(6), torch.zeros(6, 1), torch.tensor(common))
+    trainee = _perturb(build(kind, loaded.model, [seq], 3, len(common)), seed=7).eval()
+    write_head(folder, kind, trainee, loaded.model, verifier_name(loaded), torch.float32)
+    return str(folder)
+
+
+@pytest.mark.parametrize("kind", ["dflash", "dspark"])
+def test_a_block_head_drafts_alike_in_llamacpp(llamacpp, capsys, tmp_path, kind):
+    """The head train-head writes, converted by llama.cpp's own converter and run by its draft-dflash / draft-dspark
+    (every drafted token verified: DSpark's cut off on both sides): lossless, and the same drafts accepted in every
+    turn as sdbench's own loop with that head (greedy, float32 on both sides, the same prompts). The engine counts
+    fewer drafts (not the ones past the token budget), so drafted counts are not compared."""
+    head = _block_head(kind, tmp_path / "head")
+    common = ["run", "--strategy", kind, "--head", head, "--gamma", "3", "--limit", "3", "--max-new-tokens", "32",
+              "--device", "cpu", *(["--set", "confidence=0"] if kind == "dspark" else [])]
+    code, _, err = run_cli(capsys, *common, "--out", str(tmp_path / "ours"))
+    assert code == 0, err
+    engine = [a for a in common if a not in ("--set", "confidence=0")]
+    code, _, err = run_cli(capsys, *engine, "--engine", "llama.cpp", "--out", str(tmp_path / "engine"))
+    assert code == 0, err
+    ours, theirs = (pd.concat(pd.read_parquet(p) for p in (tmp_path / d).glob("*.parquet")) for d in ("ours", "engine"))
+    ours, theirs = (df[df.role != "baseline"].set_index(["prompt_id", "turn"]).sort_index() for df in (ours, theirs))
+    assert len(ours) == len(theirs) == 6 and ours.lossless.all() and theirs.lossless.all()  # 3 prompts, 2 turns
+    assert (theirs.drafted > 0).all() and ours.accepted.sum() > 0
+    assert ours.accepted.tolist() == theirs.accepted.tolist()
+    assert "Traceback" not in err

@@ -56,6 +56,11 @@ def carry_over(results: list, plain, engines: list, prompts: list[list[int]], ga
             costs = EngineCosts(verify, _draft_cost(s.role.strategy, c_draft), one, draft_verify if model else {},
                                 s.engine.draft_round if model else CHAIN)
             rows.append(carry(m.system, name, m.rounds, base.rounds, costs, reference.rounds))
+    heads = [r.system for r in rows if r.draft != r.draft]  # NaN: a trained head's step cost
+    if heads:
+        unknown.append(f"{', '.join(heads)}: no predicted speedup, as a trained head's own forward (c) is timed alone by "
+                       "neither bench nor an engine's server; their tokens and drafts per round and measured speedups "
+                       "are their own")
     return rows, unknown
 
 

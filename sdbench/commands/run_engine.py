@@ -71,8 +71,8 @@ def engine_roles_of(eng: Engine, base: str, cfg: RunConfig) -> list[EngineRole]:
         if len(cfg.drafts) != 1:
             raise SdbenchError(f"--engine {eng.name}: the draft strategy takes one --draft model")
         roles = [EngineRole("draft", g, cfg.drafts[0]) for g in cfg.gammas]
-    elif base == "eagle":
-        roles = [EngineRole("eagle", g, head) for g in cfg.gammas]
+    elif head is not None:  # a trained head's strategy: the engine's drafter of that kind, with the same head
+        roles = [EngineRole(base, g, head) for g in cfg.gammas]
     else:
         roles = [EngineRole(base, g) for g in cfg.gammas]
     for role in roles:

@@ -1,19 +1,22 @@
 """llama.cpp's `llama-server`, built from source by `make engine-llama.cpp`: GGUF weights (the shipped file
 re-typed by its own `llama-quantize` to the run's dtype, so both sides compute on the same values), its native
-`/completion` endpoint streaming token ids, and the per-request `draft_n` / `draft_n_accepted` counters."""
+`/completion` endpoint streaming token ids, and the per-request `draft_n` / `draft_n_accepted` counters. Its
+block drafters (`draft-dflash`, `draft-dspark`) load a head folder converted by its own converter (head_gguf.py)."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 from pathlib import Path
 
 from sdbench.config import SamplingConfig
 from sdbench.engine.counters import MIRROR
 from sdbench.errors import SdbenchError
-from sdbench.models.loading.loader import model_files
+from sdbench.models.loading.loader import model_files, safetensors_folder
 from sdbench.paths import cache_dir
 from sdbench.servers.client import EngineReplyError, post_json
 from sdbench.servers.engines import Engine, EngineRole, Reply, engines_dir, token_gaps
+from sdbench.servers.head_gguf import head_gguf, refusal
 
 # sdbench's --dtype -> llama-quantize's type name
 GGUF_TYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
@@ -24,7 +27,9 @@ class LlamaCpp(Engine):
     name = "llama.cpp"
     folder = "llama.cpp"
     install = "make engine-llama.cpp"
-    own_names = {"autoregressive": "plain", "ngram": "ngram-simple", "draft": "draft-simple"}
+    own_names = {"autoregressive": "plain", "ngram": "ngram-simple", "draft": "draft-simple", "dflash": "draft-dflash",
+                 "dspark": "draft-dspark"}
+    blocks = ("dflash", "dspark")  # strategies run by a head GGUF (a DFlash 2 head runs under dflash)
     # draft-simple runs the target's verification batch through the draft too (its `process`), then one forward
     # per draft: the sampled token's and each draft's but the last
     draft_round = MIRROR
@@ -36,6 +41,13 @@ class LlamaCpp(Engine):
         if role.strategy == "eagle":
             return ("llama.cpp runs an EAGLE-3 head only as a GGUF written by its own convert_hf_to_gguf.py "
                     "--target-model-dir; sdbench does not convert heads for it yet")
+        if role.strategy in self.blocks:
+            config = Path(role.draft or "") / "config.json"
+            if not config.is_file():
+                return f"{role.strategy} needs its head as a local folder (--head DIR), got {role.draft!r}"
+            why = refusal(json.loads(config.read_text()))
+            if why is not None:
+                return why
         return super().refuse(role)
 
     def label(self, role: EngineRole, dtype: str) -> str:
@@ -77,6 +89,10 @@ class LlamaCpp(Engine):
             argv += ["--spec-type", "draft-simple", "-md", str(self.gguf(role.draft, dtype)),
                      "--spec-draft-n-max", str(role.gamma), "--spec-draft-n-min", "0", "--spec-draft-p-min", "0",
                      "-td", str(threads)]
+        elif role.strategy in self.blocks:  # every drafted token verified (draft-dspark's per-slot cut: p-min 0)
+            head = head_gguf(role.draft, target_folder(target), engines_dir(self.folder, "src"))
+            argv += ["--spec-type", self.own_names[role.strategy], "-md", str(head), "--spec-draft-n-max",
+                     str(role.gamma), "--spec-draft-n-min", "0", "--spec-draft-p-min", "0", "-td", str(threads)]
         return argv
 
     def request(self, prompt: list[int], max_new: int, sampling: SamplingConfig | None = None) -> tuple[str, dict]:
@@ -110,3 +126,14 @@ class LlamaCpp(Engine):
         if "prompt_ms" not in timings or "prompt_n" not in timings:
             raise EngineReplyError(f"{url}/completion: no prompt timings in the reply")
         return float(timings["prompt_ms"]) / 1000.0, int(timings["prompt_n"])
+
+
+def target_folder(target: str) -> Path:
+    """The target's folder of config and tokenizer, which llama.cpp's converter reads a head's vocabulary from: a
+    GGUF's de-quantised copy, a local folder, or a hub model's snapshot."""
+    kind, where = model_files(target)
+    if kind == "hub":
+        from sdbench.models.loading.hub import snapshot  # huggingface_hub: slow to import; only a hub target
+
+        return Path(snapshot(where))
+    return Path(safetensors_folder(target))

@@ -38,7 +38,7 @@ class EngineDecoding(Proposer):
             return {"gamma": None, "engine": self.engine.name, "url": self.url}
         params = {"gamma": self.role.gamma, "engine": self.engine.name,
                   "decoding": self.engine.own_names[self.role.strategy]}
-        if self.role.strategy == "eagle":
+        if self.role.strategy not in ("autoregressive", "ngram", "draft"):  # a trained head's strategy
             params["head"] = self.role.draft
         return params
 

@@ -92,7 +92,7 @@ def engine_roles(engine: Engine, gamma: int, draft: str | None, autoregressive_o
     if autoregressive_only:
         return roles
     roles += [EngineRole("ngram", gamma), EngineRole("draft", gamma, draft)]
-    roles += [EngineRole("eagle", gamma, h) for h in heads]
+    roles += [EngineRole(head_role(h), gamma, h) for h in heads]
     for role in roles:
         why = engine.refuse(role)
         if why is not None:
@@ -100,6 +100,14 @@ def engine_roles(engine: Engine, gamma: int, draft: str | None, autoregressive_o
     if draft is not None and draft != target:
         roles.append(EngineRole("autoregressive", 0, draft))
     return roles
+
+
+def head_role(head: str) -> str:
+    """The strategy that drafts with a head folder, by its config alone (an EAGLE head where it names no other)."""
+    from sdbench.models.heads.load import config_kind
+    from sdbench.strategies.spec import head_strategy
+
+    return head_strategy(config_kind(head) or "eagle3").name
 
 
 @contextlib.contextmanager

@@ -1,0 +1,78 @@
+"""A block drafter's head folder as the GGUF llama.cpp's `draft-dflash` and `draft-dspark` load, written by llama.cpp's
+own converter (`convert_hf_to_gguf.py` in the source `make engine-llama.cpp` unpacks) and kept in sdbench's cache by
+the head's and the target's files.
+
+The converter reads z-lab's folders (`DFlashDraftModel`, `DFlash2DraftModel`) as they are, and speculators' DSpark
+folders (`DSparkSpeculator`); a speculators DFlash or DFlash 2 folder holds the same tensors under the same names
+and is given to it as a DSpark folder without a Markov head, its layer ids and mask token (and DFlash 2's settings)
+in the `dflash_config` the converter reads. The target's own folder (config and tokenizer: a GGUF target's
+de-quantised copy, a local folder, a hub snapshot) gives the vocabulary, as `--target-model-dir`."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from sdbench.errors import SdbenchError
+from sdbench.paths import cache_dir
+
+SPECULATORS = ("dflash", "dflash2", "dspark")  # speculators_model_type values the converter is given
+DFLASH2_KEYS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+
+
+def staged_config(config: dict) -> dict:
+    """The config the converter is given for a head folder's config.json (z-lab's: as it is)."""
+    kind = config.get("speculators_model_type")
+    if kind not in SPECULATORS:
+        return config
+    layer = {k: v for k, v in (config.get("transformer_layer_config") or {}).items() if k != "architectures"}
+    extra = {"mask_token_id": config.get("mask_token_id"),
+             "target_layer_ids": [i - 1 for i in config.get("aux_hidden_state_layer_ids") or []],
+             **{k: config[k] for k in DFLASH2_KEYS if kind == "dflash2" and k in config}}
+    return {**config, "architectures": ["DSparkSpeculator"], "transformer_layer_config": layer,
+            "dflash_config": extra, "sample_from_anchor": bool(config.get("sample_from_anchor", kind == "dspark"))}
+
+
+def refusal(config: dict) -> str | None:
+    """Why llama.cpp cannot run a head with this config.json, or None."""
+    if config.get("speculators_model_type") == "dspark" and config.get("markov_head_type", "vanilla") != "vanilla":
+        return (f"llama.cpp's converter reads DSpark heads with a vanilla Markov head only (this one's is "
+                f"{config['markov_head_type']})")
+    return None
+
+
+def head_gguf(head: str | Path, target_dir: str | Path, source: Path) -> Path:
+    """The head folder's GGUF (float32), converted once; `source`: llama.cpp's unpacked source, `target_dir` the
+    target's folder (config and tokenizer)."""
+    head, target_dir = Path(head), Path(target_dir)
+    weights = sorted(head.glob("*.safetensors"))
+    if not weights:
+        raise SdbenchError(f"llama.cpp: {head} holds no *.safetensors (its converter reads those)")
+    config = json.loads((head / "config.json").read_text())
+    key = hashlib.sha256(json.dumps([config, [(w.name, w.stat().st_size, w.stat().st_mtime_ns) for w in weights],
+                                     str(target_dir.resolve())], sort_keys=True).encode()).hexdigest()[:16]
+    out = cache_dir("engines", "heads") / f"{head.name}-{key}.gguf"
+    if out.is_file():
+        return out
+    stage = out.with_suffix(".stage")
+    stage.mkdir(parents=True, exist_ok=True)
+    (stage / "config.json").write_text(json.dumps(staged_config(config)))
+    for w in weights:
+        (stage / w.name).unlink(missing_ok=True)
+        (stage / w.name).symlink_to(w.resolve())
+    part = out.with_suffix(".part")
+    env = {**os.environ, "PYTHONPATH": str(source / "gguf-py")}
+    done = subprocess.run([sys.executable, str(source / "convert_hf_to_gguf.py"), str(stage), "--target-model-dir",
+                           str(target_dir), "--outtype", "f32", "--outfile", str(part)], capture_output=True, text=True,
+                          env=env)
+    if done.returncode != 0 or not part.is_file():
+        said = [line for line in (done.stderr or done.stdout).strip().splitlines() if line.strip()]
+        part.unlink(missing_ok=True)
+        raise SdbenchError(f"llama.cpp's convert_hf_to_gguf.py could not convert the head {head}: "
+                           f"{said[-1] if said else done.returncode}")
+    part.rename(out)
+    return out
