@@ -54,20 +54,25 @@ def _layer(vocab: int = V) -> Qwen3Config:
                        max_position_embeddings=256)
 
 
-def _speculators_head(target, folder, draft_vocab: int | None, anchor: bool):
+def _speculators_head(target, folder, draft_vocab: int | None, anchor: bool, kind: str = "dflash", extra: dict = {}):
+    """speculators' model of `kind` (dflash, or dflash2 with its settings in `extra`) with random weights, the
+    target's embedding (and head, over a full vocabulary), saved to `folder` by speculators' own code."""
+    import importlib
+
     from speculators.config import SpeculatorsConfig, VerifierConfig
-    from speculators.models.dflash import DFlashDraftModel, DFlashSpeculatorConfig
     from speculators.proposals.greedy import GreedyTokenProposalConfig
 
+    module = importlib.import_module(f"speculators.models.{kind}")
+    name = "DFlash2" if kind == "dflash2" else "DFlash"
     layer = _layer()
     layer._attn_implementation = "eager"
-    cfg = DFlashSpeculatorConfig(
+    cfg = getattr(module, f"{name}SpeculatorConfig")(
         transformer_layer_config=layer, draft_vocab_size=draft_vocab or V, block_size=BLOCK,
-        aux_hidden_state_layer_ids=[1, 3], mask_token_id=V - 1, sample_from_anchor=anchor,
-        speculators_config=SpeculatorsConfig(algorithm="dflash", proposal_methods=[GreedyTokenProposalConfig()],
+        aux_hidden_state_layer_ids=[1, 3], mask_token_id=V - 1, sample_from_anchor=anchor, **extra,
+        speculators_config=SpeculatorsConfig(algorithm=kind, proposal_methods=[GreedyTokenProposalConfig()],
                                              default_proposal_method="greedy",
                                              verifier=VerifierConfig(name_or_path=None, architectures=[])))
-    model = DFlashDraftModel(cfg).eval()
+    model = getattr(module, f"{name}DraftModel")(cfg).eval()
     _randomise(model, 3)
     with torch.no_grad():
         model.embed_tokens.weight.copy_(target.get_input_embeddings().weight)
@@ -97,21 +102,26 @@ def _ours(folder, target, states, ids, anchor_at: int) -> torch.Tensor:
     return head.logits(head.block(cache, ids[:, anchor_at], [anchor_at]))[0]
 
 
+def speculators_block(theirs, states, ids, at: int, monkeypatch):
+    """speculators' training forward (`_backbone_forward`) over the one block anchored at `at`: (hidden, logits,
+    targets, loss mask, block indices)."""
+    import speculators.models.dflash.core as core
+
+    T = ids.shape[1]
+    monkeypatch.setattr(core, "select_anchors", lambda mask, n, bs: (torch.tensor([at]), torch.tensor([True])))
+    with torch.no_grad():
+        return theirs._backbone_forward(states, ids, torch.ones(1, T), torch.randn(1, T, H),
+                                        torch.zeros(1, T, dtype=torch.long), max_anchors=1)
+
+
 @pytest.mark.parametrize("draft_vocab", [None, 6])
 @pytest.mark.parametrize("anchor", [False, True])
 def test_block_logits_equal_speculators(tmp_path, monkeypatch, draft_vocab, anchor):
-    import speculators.models.dflash.core as core
-
     target = small_vocab_target("qwen3", vocab=V)
     theirs = _speculators_head(target, tmp_path / "head", draft_vocab, anchor)
     states, ids = _context()
-    T = ids.shape[1]
     for at in (3, 6):
-        monkeypatch.setattr(core, "select_anchors", lambda mask, n, bs, at=at: (torch.tensor([at]),
-                                                                                 torch.tensor([True])))
-        with torch.no_grad():
-            _, logits, *_ = theirs._backbone_forward(states, ids, torch.ones(1, T), torch.randn(1, T, H),
-                                                     torch.zeros(1, T, dtype=torch.long), max_anchors=1)
+        _, logits, *_ = speculators_block(theirs, states, ids, at, monkeypatch)
         ours = _ours(tmp_path / "head", target, states, ids, at)
         if draft_vocab is not None:  # theirs over the draft vocabulary; ours placed at its target ids
             kept = torch.arange(draft_vocab) * 2
@@ -120,17 +130,29 @@ def test_block_logits_equal_speculators(tmp_path, monkeypatch, draft_vocab, anch
         torch.testing.assert_close(ours, logits[0], atol=1e-5, rtol=1e-5)
 
 
-def _zlab_head(folder, layers=(0, 2), vocab: int = V):
-    from dflash.model import DFlashDraftModel
+def _zlab_head(folder, layers=(0, 2), vocab: int = V, architecture: str = "DFlashDraftModel", extra: dict = {}):
+    """z-lab's model of `architecture` (DFlashDraftModel or DFlash2DraftModel, whose settings go in `extra`) with
+    random weights, saved to `folder` by z-lab's own code."""
+    import dflash.model as zlab
 
     cfg = _layer(vocab)
     cfg.update({"block_size": BLOCK, "num_target_layers": 4,
-                "dflash_config": {"target_layer_ids": list(layers), "mask_token_id": vocab - 1}})
-    cfg.architectures = ["DFlashDraftModel"]
-    model = DFlashDraftModel(cfg).eval()
+                "dflash_config": {"target_layer_ids": list(layers), "mask_token_id": vocab - 1, **extra}})
+    cfg.architectures = [architecture]
+    model = getattr(zlab, architecture)(cfg).eval()
     _randomise(model, 5)
     model.save_pretrained(folder)
     return model
+
+
+def zlab_block(theirs, target, states, ids, at: int):
+    """z-lab's block after the anchor ids[at] (the context states before it): the block's tokens [1, BLOCK] and its
+    final-norm output at every slot [1, BLOCK, H]."""
+    block = torch.full((1, BLOCK), V - 1)
+    block[0, 0] = ids[0, at]
+    with torch.no_grad():
+        return block, theirs(position_ids=torch.arange(at + BLOCK)[None], target_hidden=states[:, :at],
+                             noise_embedding=target.get_input_embeddings()(block))
 
 
 def test_block_logits_equal_zlab(tmp_path):
@@ -138,11 +160,8 @@ def test_block_logits_equal_zlab(tmp_path):
     theirs = _zlab_head(tmp_path / "head")
     states, ids = _context()
     for at in (3, 6):
-        block = torch.full((1, BLOCK), V - 1)
-        block[0, 0] = ids[0, at]
+        _, out = zlab_block(theirs, target, states, ids, at)
         with torch.no_grad():
-            out = theirs(position_ids=torch.arange(at + BLOCK)[None], target_hidden=states[:, :at],
-                         noise_embedding=target.get_input_embeddings()(block))
             logits = theirs.compute_logits(out, target.lm_head)[0]
         torch.testing.assert_close(_ours(tmp_path / "head", target, states, ids, at), logits, atol=1e-5, rtol=1e-5)
 
@@ -180,11 +199,18 @@ def test_a_generation_is_zlabs_round_for_round(tmp_path, monkeypatch):
     assert kept[:len(whole)] == whole and max(whole) > 1  # drafts were accepted
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
-def test_greedy_dflash_decodes_as_generate(tmp_path, arch):
+D2_GREEDY = {"conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 8, "selector_top_k": 3}
+
+
+@pytest.mark.parametrize("arch, made", [("llama", {}), ("qwen2", {}), ("qwen3", {}),  # DFlash 2, both layouts:
+                                        ("llama", {"dflash2": D2_GREEDY}), ("qwen2", {"dflash2": D2_GREEDY,
+                                                                                      "fmt": "zlab"}),
+                                        ("qwen3", {"dflash2": D2_GREEDY})])
+def test_greedy_dflash_decodes_as_generate(tmp_path, arch, made):
     target = small_vocab_target(arch, vocab=4)  # few tokens: a random head's drafts are accepted now and then
     runner = ModelRunner(target)
-    head = load_head(str(dflash_dir(tmp_path / "h", target, block=5, seed=3)), runner, ("dflash",))
+    head = load_head(str(dflash_dir(tmp_path / "h", target, block=5, seed=3, **made)), runner, ("dflash", "dflash2"))
+    assert head.kind == ("dflash2" if made else "dflash")
     prompts = [[1, 1, 2, 2, 1, 1, 3], [2, 2, 3, 1, 0, 1, 2, 1, 3, 3, 0, 2]]  # rows at different positions
     for gamma in (2, 4):
         out = generate(runner, DFlashStrategy.proposer_for(head, runner, gamma), prompts, max_new_tokens=24,
@@ -234,29 +260,37 @@ def test_the_check_catches_drafts_verified_with_the_wrong_distribution(sampled, 
     assert any(stat > bound for _, stat, bound in checks), checks
 
 
-@pytest.mark.parametrize("change, says", [
-    (lambda c: c.pop("mask_token_id"), "names no mask_token_id"),
-    (lambda c: c.update(block_size=1), "block_size in its config.json is 1"),
-    (lambda c: c["transformer_layer_config"].update(hidden_size=64), "has hidden size 64, but the target's is 32"),
-    (lambda c: c.update(aux_hidden_state_layer_ids=[1, 9]), "reads target layer 9, but the target has 4 layers"),
+D2 = {"conv_kernel_size": 2, "conv_group_size": 8, "selector_rank": 8, "selector_top_k": 5}  # DFlash 2's settings
+
+
+@pytest.mark.parametrize("made, change, says", [
+    ({}, lambda c: c.pop("mask_token_id"), "names no mask_token_id"),
+    ({}, lambda c: c.update(block_size=1), "block_size in its config.json is 1"),
+    ({}, lambda c: c["transformer_layer_config"].update(hidden_size=64), "has hidden size 64, but the target's is 32"),
+    ({}, lambda c: c.update(aux_hidden_state_layer_ids=[1, 9]), "reads target layer 9, but the target has 4 layers"),
+    ({"dflash2": D2}, lambda c: c.update(draft_vocab_size=8), "drafts over the target's whole vocabulary"),
+    ({"dflash2": D2}, lambda c: c.update(conv_group_size=5), "conv_group_size 5 must divide the hidden size 32"),
+    ({"dflash2": D2}, lambda c: c.update(selector_top_k=0), "selector_top_k in its config.json is 0"),
 ])
-def test_bad_dflash_folders_are_one_line(tmp_path, change, says):
+def test_bad_dflash_folders_are_one_line(tmp_path, made, change, says):
     import json
 
-    target = small_vocab_target("qwen3", vocab=8)
-    folder = dflash_dir(tmp_path / "h", target)
+    target = small_vocab_target("qwen3", vocab=16)
+    folder = dflash_dir(tmp_path / "h", target, **made)
     cfg = json.loads((folder / "config.json").read_text())
     change(cfg)
     (folder / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(SdbenchError, match=says):
-        load_head(str(folder), ModelRunner(target), ("dflash",))
+        load_head(str(folder), ModelRunner(target), ("dflash", "dflash2"))
 
 
-def test_a_missing_weight_is_one_line(tmp_path):
-    target = small_vocab_target("qwen3", vocab=8)
-    folder = dflash_dir(tmp_path / "h", target, drop=("layers.1.self_attn.k_norm.weight",))
-    with pytest.raises(SdbenchError, match="no layers.1.self_attn.k_norm.weight in its weights"):
-        load_head(str(folder), ModelRunner(target), ("dflash",))
+@pytest.mark.parametrize("made, missing", [({}, "layers.1.self_attn.k_norm.weight"),
+                                           ({"dflash2": D2}, "candidate_selector.successor_codebook")])
+def test_a_missing_weight_is_one_line(tmp_path, made, missing):
+    target = small_vocab_target("qwen3", vocab=16)
+    folder = dflash_dir(tmp_path / "h", target, drop=(missing,), **made)
+    with pytest.raises(SdbenchError, match=f"no {missing} in its weights"):
+        load_head(str(folder), ModelRunner(target), ("dflash", "dflash2"))
 
 
 def test_run_dflash_through_the_cli(tmp_path, capsys, monkeypatch):

@@ -4,14 +4,13 @@ its two independent implementations and against plain decoding.
 References: the `speculators` package's `DFlash2DraftModel` and z-lab's `dflash` package's `DFlash2DraftModel`,
 each given random weights and saving its own folder, which sdbench reads: speculators' selector scores of every
 slot's candidates (its training forward, each slot given the true token before it) and z-lab's block output, greedy
-proposal and per-slot draft distribution equal sdbench's. Then lossless decoding (greedy: the library's generate on
-three families; sampled: chi-square against the exact marginals) and one line for each bad folder. The references
+proposal and per-slot draft distribution equal sdbench's. Then lossless sampled decoding (chi-square against the exact
+marginals); greedy decoding on three families and bad folders are test_dflash.py's. The references
 are installed by `make setup` (requirements-reference.txt); in CI a missing one fails the test instead of skipping
 it."""
 
 from __future__ import annotations
 
-import json
 
 import pytest
 import torch
@@ -24,43 +23,17 @@ except ImportError:
 
     skip_unless_ci("the speculators or dflash package is not installed (make setup installs them)")
 
-from sdbench.config import SamplingConfig  # noqa: E402
-from sdbench.engine.loop import generate  # noqa: E402
-from sdbench.errors import SdbenchError  # noqa: E402
 from sdbench.models.forward.runner import ModelRunner  # noqa: E402
 from sdbench.models.heads.dflash2 import DFlash2Head  # noqa: E402
 from sdbench.models.heads.load import load_head  # noqa: E402
 from sdbench.strategies.dflash import DFlashStrategy  # noqa: E402
 from tests.conftest import run_cli  # noqa: E402
 from tests.heads import dflash_dir, small_vocab_target  # noqa: E402
-from tests.references import hf_generate, tiny_cli_files  # noqa: E402
-from tests.test_dflash import BLOCK, H, V, _context, _layer, _randomise  # noqa: E402
+from tests.references import tiny_cli_files  # noqa: E402
+from tests.test_dflash import BLOCK, V, _context, _speculators_head, _zlab_head, speculators_block, zlab_block  # noqa: E402
 from tests.test_tree_loop import POINTS, sampled, sampled_checks, warped_checks  # noqa: E402,F401
 
 SETTINGS = {"conv_kernel_size": 2, "conv_group_size": 8, "selector_rank": 8, "selector_top_k": 5}
-GREEDY = SamplingConfig()
-
-
-def _speculators(target, folder):
-    from speculators.config import SpeculatorsConfig, VerifierConfig
-    from speculators.models.dflash2 import DFlash2DraftModel, DFlash2SpeculatorConfig
-    from speculators.proposals.greedy import GreedyTokenProposalConfig
-
-    layer = _layer()
-    layer._attn_implementation = "eager"
-    cfg = DFlash2SpeculatorConfig(
-        transformer_layer_config=layer, draft_vocab_size=V, block_size=BLOCK, aux_hidden_state_layer_ids=[1, 3],
-        mask_token_id=V - 1, **SETTINGS,
-        speculators_config=SpeculatorsConfig(algorithm="dflash2", proposal_methods=[GreedyTokenProposalConfig()],
-                                             default_proposal_method="greedy",
-                                             verifier=VerifierConfig(name_or_path=None, architectures=[])))
-    model = DFlash2DraftModel(cfg).eval()
-    _randomise(model, 3)
-    with torch.no_grad():
-        model.embed_tokens.weight.copy_(target.get_input_embeddings().weight)
-        model.lm_head.weight.copy_(target.lm_head.weight)
-    model.save_pretrained(folder)
-    return model
 
 
 def _ours(folder, target, states, ids, at: int):
@@ -76,18 +49,12 @@ def test_selector_scores_equal_speculators(tmp_path, monkeypatch):
     """Every drafting slot's candidates (the unary top-k) rescored by the selector, the true token before the slot
     as its predecessor (speculators' training forward), through the convolved layers: sdbench's scores at those
     candidates equal speculators' within 1e-5, and every other token is out."""
-    import speculators.models.dflash.core as core
-
     target = small_vocab_target("qwen3", vocab=V)
-    theirs = _speculators(target, tmp_path / "head")
+    theirs = _speculators_head(target, tmp_path / "head", None, False, "dflash2", SETTINGS)
     states, ids = _context()
-    T = ids.shape[1]
     for at in (3, 6):
-        monkeypatch.setattr(core, "select_anchors", lambda mask, n, bs, at=at: (torch.tensor([at]),
-                                                                                 torch.tensor([True])))
+        hidden, unary, _, _, where = speculators_block(theirs, states, ids, at, monkeypatch)
         with torch.no_grad():
-            hidden, unary, _, _, where = theirs._backbone_forward(states, ids, torch.ones(1, T), torch.randn(1, T, H),
-                                                                  torch.zeros(1, T, dtype=torch.long), max_anchors=1)
             before = theirs._predecessor_ids(ids, where).reshape(1, -1)
             candidates = unary.topk(SETTINGS["selector_top_k"], dim=-1).indices
             scores = theirs.candidate_selector.score_candidates(unary, hidden, before, candidates)[0]
@@ -98,35 +65,18 @@ def test_selector_scores_equal_speculators(tmp_path, monkeypatch):
             assert torch.isinf(ours).sum() == V - SETTINGS["selector_top_k"]
 
 
-def _zlab(folder):
-    from dflash.model import DFlash2DraftModel
-
-    cfg = _layer()
-    cfg.update({"block_size": BLOCK, "num_target_layers": 4,
-                "dflash_config": {"target_layer_ids": [0, 2], "mask_token_id": V - 1, **SETTINGS}})
-    cfg.architectures = ["DFlash2DraftModel"]
-    model = DFlash2DraftModel(cfg).eval()
-    _randomise(model, 5)
-    model.save_pretrained(folder)
-    return model
-
-
 def test_block_and_proposals_equal_zlab(tmp_path):
     """z-lab's DFlash2DraftModel on its own folder: its block output, its greedy proposal and, at temperature 1, the
     distribution each slot's draft is drawn from (given its own draws before it) are sdbench's."""
     target = small_vocab_target("qwen3", vocab=V)
-    theirs = _zlab(tmp_path / "head")
+    theirs = _zlab_head(tmp_path / "head", architecture="DFlash2DraftModel", extra=SETTINGS)
     states, ids = _context()
     for at in (3, 6):
-        block = torch.full((1, BLOCK), V - 1)
-        block[0, 0] = ids[0, at]
+        block, full = zlab_block(theirs, target, states, ids, at)
         with torch.no_grad():
-            full = theirs(position_ids=torch.arange(at + BLOCK)[None], target_hidden=states[:, :at],
-                          noise_embedding=target.get_input_embeddings()(block))
-            drafted = full[:, 1:]
-            greedy, _, _ = theirs.propose(drafted, block[:, 0], target.lm_head, 0.0)
+            greedy, _, _ = theirs.propose(full[:, 1:], block[:, 0], target.lm_head, 0.0)
             torch.manual_seed(at)
-            path, candidates, q = theirs.propose(drafted, block[:, 0], target.lm_head, 1.0)
+            path, candidates, q = theirs.propose(full[:, 1:], block[:, 0], target.lm_head, 1.0)
         head, out = _ours(tmp_path / "head", target, states, ids, at)
         torch.testing.assert_close(out, full, atol=1e-5, rtol=1e-5)
         tokens, _, _ = head.chain(out, block[:, 0], BLOCK - 1, lambda lg: (lg.argmax(-1), None))
@@ -138,42 +88,22 @@ def test_block_and_proposals_equal_zlab(tmp_path):
             torch.testing.assert_close(p[0].gather(0, candidates[0, s]), q[0, s], atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("arch, fmt", [("llama", "speculators"), ("qwen2", "zlab"), ("qwen3", "speculators")])
-def test_greedy_dflash2_decodes_as_generate(tmp_path, arch, fmt):
-    target = small_vocab_target(arch, vocab=4)  # few tokens: a random head's drafts are accepted now and then
-    runner = ModelRunner(target)
-    folder = dflash_dir(tmp_path / "h", target, fmt=fmt, block=5, seed=3,
-                        dflash2={**SETTINGS, "conv_group_size": 16, "selector_top_k": 3})
-    head = load_head(str(folder), runner, ("dflash", "dflash2"))
-    assert head.kind == "dflash2"
-    prompts = [[1, 1, 2, 2, 1, 1, 3], [2, 2, 3, 1, 0, 1, 2, 1, 3, 3, 0, 2]]  # rows at different positions
-    for gamma in (2, 4):
-        out = generate(runner, DFlashStrategy.proposer_for(head, runner, gamma), prompts, max_new_tokens=24,
-                       sampling=GREEDY)
-        assert out.output_ids == [hf_generate(target, p, 24) for p in prompts]
-        assert sum(r.accepted for r in out.rows) > 0 and all(r.drafted for r in out.rows)
-
-
 def _sampled_proposer(runner, model, tmp_path):
     folder = dflash_dir(tmp_path / "h", model, block=4, layer_ids=(1, 2), mask=0,
                         dflash2={**SETTINGS, "conv_group_size": 16, "selector_top_k": 3})
     return DFlashStrategy.proposer_for(load_head(str(folder), runner, ("dflash2",)), runner, 3)
 
 
-def test_sampled_dflash2_follows_the_targets_marginals(sampled, tmp_path):  # noqa: F811
+@pytest.mark.parametrize("point", [None, *POINTS])
+def test_sampled_dflash2_follows_the_exact_marginals(sampled, tmp_path, point):  # noqa: F811
+    """At T = 1 (point None) and two warped settings: every position's tokens against the target's own marginals."""
     model, marginals = sampled
     runner = ModelRunner(model)
-    checks, out = sampled_checks(runner, _sampled_proposer(runner, model, tmp_path), marginals)
+    proposer = _sampled_proposer(runner, model, tmp_path)
+    checks, out = (sampled_checks(runner, proposer, marginals) if point is None
+                   else warped_checks(runner, proposer, model, point))
     assert all(stat < bound for _, stat, bound in checks), checks
-    assert sum(sum(r.accepted_per_position[1:]) for r in out.rows) > 0  # second drafts accepted too
-
-
-@pytest.mark.parametrize("point", POINTS)
-def test_sampled_dflash2_follows_the_warped_marginals(sampled, tmp_path, point):  # noqa: F811
-    model, _ = sampled
-    runner = ModelRunner(model)
-    checks, _ = warped_checks(runner, _sampled_proposer(runner, model, tmp_path), model, point)
-    assert all(stat < bound for _, stat, bound in checks), checks
+    assert point is not None or sum(sum(r.accepted_per_position[1:]) for r in out.rows) > 0  # second drafts too
 
 
 def test_the_check_catches_drafts_verified_without_the_selector(sampled, tmp_path, monkeypatch):  # noqa: F811
@@ -197,28 +127,6 @@ def _unary_probs(head, out, anchors, k, pick, scores):
         probs.append(p)
         prev = token
     return tokens, probs, None
-
-
-@pytest.mark.parametrize("change, says", [
-    (lambda c: c.update(draft_vocab_size=8), "drafts over the target's whole vocabulary"),
-    (lambda c: c.update(conv_group_size=5), "conv_group_size 5 must divide the hidden size 32"),
-    (lambda c: c.update(selector_top_k=0), "selector_top_k in its config.json is 0"),
-])
-def test_bad_dflash2_folders_are_one_line(tmp_path, change, says):
-    target = small_vocab_target("qwen3", vocab=16)
-    folder = dflash_dir(tmp_path / "h", target, dflash2=SETTINGS)
-    cfg = json.loads((folder / "config.json").read_text())
-    change(cfg)
-    (folder / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(SdbenchError, match=says):
-        load_head(str(folder), ModelRunner(target), ("dflash2",))
-
-
-def test_a_missing_selector_weight_is_one_line(tmp_path):
-    target = small_vocab_target("qwen3", vocab=16)
-    folder = dflash_dir(tmp_path / "h", target, dflash2=SETTINGS, drop=("candidate_selector.successor_codebook",))
-    with pytest.raises(SdbenchError, match="no candidate_selector.successor_codebook in its weights"):
-        load_head(str(folder), ModelRunner(target), ("dflash2",))
 
 
 def test_run_dflash2_through_the_cli(tmp_path, capsys, monkeypatch):
