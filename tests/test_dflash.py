@@ -145,22 +145,26 @@ def _zlab_head(folder, layers=(0, 2), vocab: int = V, architecture: str = "DFlas
     return model
 
 
-def zlab_block(theirs, target, states, ids, at: int):
-    """z-lab's block after the anchor ids[at] (the context states before it): the block's tokens [1, BLOCK] and its
-    final-norm output at every slot [1, BLOCK, H]."""
+def zlab_block(theirs, target, states, ids, at: int, scale: float = 1.0):
+    """z-lab's block after the anchor ids[at] (the context states before it; its embedding times `scale`, as
+    dflash_generate feeds it): the block's tokens [1, BLOCK] and its final-norm output at every slot [1, BLOCK, H]."""
     block = torch.full((1, BLOCK), V - 1)
     block[0, 0] = ids[0, at]
     with torch.no_grad():
         return block, theirs(position_ids=torch.arange(at + BLOCK)[None], target_hidden=states[:, :at],
-                             noise_embedding=target.get_input_embeddings()(block))
+                             noise_embedding=target.get_input_embeddings()(block) * scale)
 
 
-def test_block_logits_equal_zlab(tmp_path):
+@pytest.mark.parametrize("scales", [{}, {"input_embedding_scale": 1.3, "output_multiplier": 0.5,
+                                         "final_logit_softcapping": 3.0}])
+def test_block_logits_equal_zlab(tmp_path, scales):
+    """Every slot's logits, with z-lab's embedding scale, output multiplier and soft cap where its dflash_config
+    names them (Gemma's and MiMo's drafts carry them)."""
     target = small_vocab_target("qwen3", vocab=V)
-    theirs = _zlab_head(tmp_path / "head")
+    theirs = _zlab_head(tmp_path / "head", extra=scales)
     states, ids = _context()
     for at in (3, 6):
-        _, out = zlab_block(theirs, target, states, ids, at)
+        _, out = zlab_block(theirs, target, states, ids, at, scales.get("input_embedding_scale", 1.0))
         with torch.no_grad():
             logits = theirs.compute_logits(out, target.lm_head)[0]
         torch.testing.assert_close(_ours(tmp_path / "head", target, states, ids, at), logits, atol=1e-5, rtol=1e-5)
@@ -268,6 +272,8 @@ D2 = {"conv_kernel_size": 2, "conv_group_size": 8, "selector_rank": 8, "selector
     ({}, lambda c: c.update(block_size=1), "block_size in its config.json is 1"),
     ({}, lambda c: c["transformer_layer_config"].update(hidden_size=64), "has hidden size 64, but the target's is 32"),
     ({}, lambda c: c.update(aux_hidden_state_layer_ids=[1, 9]), "reads target layer 9, but the target has 4 layers"),
+    ({}, lambda c: c["transformer_layer_config"].update(attention_value_scale=0.5), "with attention_value_scale is "
+     "not supported"),
     ({"dflash2": D2}, lambda c: c.update(draft_vocab_size=8), "drafts over the target's whole vocabulary"),
     ({"dflash2": D2}, lambda c: c.update(conv_group_size=5), "conv_group_size 5 must divide the hidden size 32"),
     ({"dflash2": D2}, lambda c: c.update(selector_top_k=0), "selector_top_k in its config.json is 0"),

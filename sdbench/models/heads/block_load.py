@@ -32,6 +32,7 @@ from sdbench.errors import SdbenchError
 
 DFLASH, DFLASH2, DSPARK = "dflash", "dflash2", "dspark"
 BLOCK_KINDS = (DFLASH, DFLASH2, DSPARK)
+SCALES = ("input_embedding_scale", "output_multiplier", "final_logit_softcapping")  # z-lab's, read by dflash.py
 SELECTOR = {"conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 256, "selector_top_k": 16}  # defaults
 MARKOV_TYPES = ("vanilla", "gated", "rnn")
 # config keys of a z-lab folder that are not the draft decoder's own
@@ -66,6 +67,7 @@ def parse_block(source: str, config: dict, weights: dict, n_layers: int, head_ty
         if "DFlash2DraftModel" in (config.get("architectures") or []):
             kind, markov = DFLASH2, _selector(source, {**config, **extra})
         layer = {k: v for k, v in config.items() if k not in _ZLAB_KEYS}
+        layer.update({k: extra[k] for k in SCALES if k in extra})  # z-lab reads its dflash_config's first
         drafted = extra.get("target_layer_ids", config.get("target_layer_ids"))
         if drafted is None:
             drafted = zlab_layers(config.get("num_target_layers", n_layers), layer.get("num_hidden_layers", 1))
@@ -75,6 +77,10 @@ def parse_block(source: str, config: dict, weights: dict, n_layers: int, head_ty
     else:
         return None
     layer.setdefault("model_type", "qwen3")
+    unread = [k for k in ("attention_value_scale", "is_causal", "causal") if layer.get(k) or (
+        kind not in BLOCK_KINDS and (config.get("dflash_config") or {}).get(k))]
+    if unread:
+        raise SdbenchError(f"--head {source}: a DFlash head with {unread[0]} is not supported yet")
     layer["draft_vocab_size"] = config.get("draft_vocab_size", layer.get("vocab_size"))
     if isinstance(block, bool) or not isinstance(block, int) or block < 2:
         raise SdbenchError(f"--head {source}: block_size in its config.json is {block!r}, not a whole number of "

@@ -49,6 +49,8 @@ class DFlashHead:
         self.block_size, self.mask_token_id = head.block_size, head.mask_token_id
         self.first = 0 if head.anchor_drafts else 1  # the block slot of the first draft
         self.scale = float(head.config.get("input_embedding_scale", 1.0))
+        self.multiplier = float(head.config.get("output_multiplier", 1.0))
+        self.softcap = float(head.config.get("final_logit_softcapping") or 0.0)
         self.w = {k: v.to(self.device, self.dtype) for k, v in head.weights.items() if k not in ("d2t", "t2d")}
         self.rotary = Rotary(cfg, self.device, self.dtype)
         self.to_target = target_ids(head, self.device)
@@ -134,10 +136,11 @@ class DFlashHead:
         return list(tokens), list(probs), None
 
     def draft_logits(self, out: torch.Tensor) -> torch.Tensor:
-        """Logits [..., Vd] of block outputs [..., H]: the target's head, or the head's own draft vocabulary."""
-        if "lm_head.weight" not in self.w:
-            return self.target.logits(out)
-        return F.linear(out, self.w["lm_head.weight"]).float()
+        """Logits [..., Vd] of block outputs [..., H]: the target's head, or the head's own draft vocabulary (times
+        z-lab's `output_multiplier`, then soft-capped at its `final_logit_softcapping`)."""
+        logits = self.target.logits(out) if "lm_head.weight" not in self.w else F.linear(out, self.w["lm_head.weight"])
+        logits = logits.float() * self.multiplier
+        return torch.tanh(logits / self.softcap) * self.softcap if self.softcap > 0 else logits
 
     def logits(self, out: torch.Tensor) -> torch.Tensor:
         """Logits over the target's vocabulary [..., V] (eagle.py `on_target_vocab`)."""
