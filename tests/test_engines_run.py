@@ -178,6 +178,24 @@ def test_an_engine_missing_or_lacking_a_strategy_is_refused(capsys, tmp_path, mo
     assert code != 0 and "EAGLE-3" in err and "Traceback" not in err
 
 
+@pytest.mark.parametrize("change, said", [
+    (lambda f: f.joinpath("model.safetensors").rename(f / "model.bin"), "holds no *.safetensors (llama.cpp's converter"),
+    (lambda f: f.joinpath("config.json").write_text(f.joinpath("config.json").read_text().replace(
+        '"markov_head_type": "vanilla"', '"markov_head_type": "rnn"')), "a vanilla Markov head only (this one's is rnn)"),
+])
+def test_a_head_llamacpp_cannot_convert_is_refused_in_one_line(capsys, tmp_path, monkeypatch, change, said):
+    """Checked from the folder alone, before any model loads or engine is looked for."""
+    from tests.heads import dflash_dir, small_vocab_target
+
+    monkeypatch.setenv("SDBENCH_ENGINES", str(tmp_path / "none"))
+    folder = dflash_dir(tmp_path / "h", small_vocab_target("qwen3"), dspark={"type": "vanilla"})
+    change(folder)
+    code, _, err = run_cli(capsys, "run", "--engine", "llama.cpp", "--strategy", "dspark", "--head", str(folder),
+                           "--out", str(tmp_path / "o"))
+    assert code != 0 and said in err and "Traceback" not in err, err
+    assert len(err.strip().splitlines()) == 1, err
+
+
 def test_an_engine_dying_mid_run_keeps_the_finished_prompts_and_says_so(capsys, tiny_engine_run, tmp_path,
                                                                         monkeypatch):
     """Each server answers its warm-up and the first prompt, then exits on the second: one line naming the server,

@@ -32,7 +32,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from sdbench.engine.counters import CHAIN, MIRROR, Rounds
+from sdbench.engine.counters import BLOCK, CHAIN, MIRROR, Rounds
 from sdbench.engine.iid_model import round_speedup
 from sdbench.reporting.carry import Carried
 from sdbench.reporting.cells import ratio
@@ -55,8 +55,8 @@ def interpolate(table: dict[int, float], width: float) -> float:
 class EngineCosts:
     """An engine's costs in units of its target's forward over one token: verify[k] a forward over k tokens (k = 1
     is 1.0), draft one draft step (0 for a lookup drafter), draft_verify[k] the draft's forward over k tokens over
-    its own one-token forward (empty: as the target's), round how the drafter spends a round (CHAIN, MIRROR or
-    WIDE_FIRST); `step_s` the target's one-token forward in seconds."""
+    its own one-token forward (empty: as the target's), round how the drafter spends a round (CHAIN, MIRROR,
+    WIDE_FIRST or BLOCK); `step_s` the target's one-token forward in seconds."""
 
     verify: dict[int, float]
     draft: float
@@ -69,9 +69,12 @@ class EngineCosts:
         return interpolate(self.verify, width)
 
     def draft_steps(self, g: float) -> float:
-        """One-token draft forwards a round of g drafts costs (see CHAIN, MIRROR, WIDE_FIRST)."""
+        """One-token draft forwards a round of g drafts costs (see CHAIN, MIRROR, WIDE_FIRST, BLOCK: one forward of
+        cost c, whatever g)."""
         if self.round == CHAIN:
             return g
+        if self.round == BLOCK:
+            return min(g, 1.0)
         wide = interpolate(self.draft_verify or self.verify, g + 1.0)
         return wide + g if self.round == MIRROR else wide + g - 1.0
 

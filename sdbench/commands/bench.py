@@ -18,7 +18,7 @@ from rich.console import Console
 
 from sdbench.analysis.bandwidth import Bandwidth, measure_bandwidth
 from sdbench.analysis.costs import median_times
-from sdbench.commands.bench_carry import carry_over
+from sdbench.commands.bench_carry import block_costs, carry_over, is_block
 from sdbench.commands.bench_measure import measure_systems
 from sdbench.commands.bench_table import (GENERIC_ROW, SystemMeasurement, _table, check_outputs, engine_lines, fast_row,
                                           first_difference, write_bench)
@@ -65,6 +65,7 @@ class SdbenchSystem:
     capacity: int
     key: tuple[str, str | None] = ("autoregressive", None)
     rounds: Rounds = field(default_factory=Rounds)
+    block: tuple | None = None  # a block head's (BlockDrafter, g): its round's drafting is timed for the carry-over
     after_first: float = field(default=math.nan, init=False)  # seconds its last call ran after its first token
 
     def __call__(self, prompt: list[int], budget: int | None) -> list[int]:
@@ -155,7 +156,7 @@ def _head_systems(runner, heads: tuple[str, ...], max_new: int, eos: list[int], 
         kind = "" if head.kind == declared.name else f" {head.kind}"  # eagle's kind says which EAGLE
         rows.append((f"sdbench {declared.name}{kind} {Path(source).name} (γ={g}){fast}",
                      SdbenchSystem(runner, lambda d=drafter, src=source, g=g: TrainedHead(d, g, src), max_new, eos,
-                                   room, (declared.name, source)),
+                                   room, (declared.name, source), block=(drafter, g) if is_block(drafter) else None),
                      runner.cpu_fast))
     return rows
 
@@ -309,8 +310,9 @@ def measure_peers(cfg: BenchConfig, console: Console) -> Peers:
         status.update("measuring the verification and draft cost ratios")
         weights(True)
         ratios = cost_ratios(runner, d_runner, prompts, gamma)
+        blocks = block_costs([fn for _, fn, _ in systems], runner, prompts)
         weights(False)
-        carried, unknown = carry_over(results, fast_row(results), engines, prompts, gamma, ratios, status)
+        carried, unknown = carry_over(results, fast_row(results), engines, prompts, gamma, ratios, status, blocks)
     return Peers(results, memory_bandwidth(dev), plain_bytes, ratios[0], ratios[1], picked, reference, disagreement,
                  runner.fast_path_note(), graphs_asked, bool(getattr(runner, "graphs", False)), len(prompts),
                  str(dev), carried, unknown)

@@ -147,6 +147,7 @@ class Rounds:
 CHAIN = "chain"  # g forwards of one token (sdbench's draft model; a lookup drafts with no forward)
 MIRROR = "mirror"  # the draft also runs the round's verification batch, then g forwards: w(g + 1) + g (llama.cpp)
 WIDE_FIRST = "wide-first"  # the first of its g forwards runs over the verification batch: w(g + 1) + g - 1 (vLLM)
+BLOCK = "block"  # one forward drafts the round's whole block, whatever g (DFlash, DSpark: c is that forward's cost)
 
 
 @dataclass(frozen=True)

@@ -52,8 +52,8 @@ COLUMNS = {"tokens_per_round": "tokens_per_round", "drafts_per_round": "drafts_p
            "carried": "carried_speedup", "own": "own_predicted_speedup", "measured": "decode_speedup"}
 TITLE = "Does it carry over? Decode speedup of each speculative system over its own engine's plain decoding"
 CAPTION = ("L tokens per round and g drafts per round: the system's own; v = T(g + 1) / T(1) and c: its engine's "
-           "step costs; drafting: the round's draft forwards in target forwards (g c, or more where the engine's "
-           "drafter also runs the verification batch); predicted = L / (drafting + v) with L and g from sdbench's "
+           "step costs; drafting: the round's draft forwards in target forwards (g c; c for a block head, whose one "
+           "forward drafts the round; more where the engine's drafter also runs the verification batch); predicted = L / (drafting + v) with L and g from sdbench's "
            "run of the same strategy (carried) or "
            "from the engine's own counters (own); measured: tokens after the first over the time after the first "
            "token. measured / carried = acceptance (own / carried) x rest (measured / own)")

@@ -37,8 +37,17 @@ def staged_config(config: dict) -> dict:
             "dflash_config": extra, "sample_from_anchor": bool(config.get("sample_from_anchor", kind == "dspark"))}
 
 
-def refusal(config: dict) -> str | None:
-    """Why llama.cpp cannot run a head with this config.json, or None."""
+def refusal(folder: str | Path) -> str | None:
+    """Why llama.cpp cannot run the head in `folder` (a config.json and safetensors its converter reads), or None."""
+    folder = Path(folder)
+    if not (folder / "config.json").is_file():
+        return f"a head for llama.cpp is a local folder with its config.json (--head DIR), got {str(folder)!r}"
+    if not any(folder.glob("*.safetensors")):
+        return f"{folder} holds no *.safetensors (llama.cpp's converter reads those)"
+    try:
+        config = json.loads((folder / "config.json").read_text())
+    except ValueError as err:
+        return f"{folder}/config.json is not JSON ({err})"
     if config.get("speculators_model_type") == "dspark" and config.get("markov_head_type", "vanilla") != "vanilla":
         return (f"llama.cpp's converter reads DSpark heads with a vanilla Markov head only (this one's is "
                 f"{config['markov_head_type']})")

@@ -5,7 +5,6 @@ block drafters (`draft-dflash`, `draft-dspark`) load a head folder converted by 
 
 from __future__ import annotations
 
-import json
 import subprocess
 from pathlib import Path
 
@@ -42,10 +41,7 @@ class LlamaCpp(Engine):
             return ("llama.cpp runs an EAGLE-3 head only as a GGUF written by its own convert_hf_to_gguf.py "
                     "--target-model-dir; sdbench does not convert heads for it yet")
         if role.strategy in self.blocks:
-            config = Path(role.draft or "") / "config.json"
-            if not config.is_file():
-                return f"{role.strategy} needs its head as a local folder (--head DIR), got {role.draft!r}"
-            why = refusal(json.loads(config.read_text()))
+            why = refusal(role.draft or "")
             if why is not None:
                 return why
         return super().refuse(role)
