@@ -180,6 +180,9 @@ def test_training_is_drafting_and_speculators_loads_it(tmp_path, monkeypatch, ar
     states, tokens = torch.randn(1, S, 32, generator=g), torch.randint(0, V, (1, S), generator=g)
     with torch.no_grad():
         steps = trainee.steps(tokens, states, K)
+        roots = torch.tensor([[0, 1], [0, 4]])  # a fitting step's logits at the roots it fits alone: the same
+        for k, part in enumerate(trainee.steps(tokens, states, K, roots)):
+            torch.testing.assert_close(part, steps[k][0, roots[:, 1]])
     for q in range(S - K):  # every root whose chain's tokens lie in the sequence
         cache = head.new_cache(1, 32)
         logits, out = head.forward(cache, tokens[:, 1:q + 2], states[:, :q + 1], [0], torch.tensor([q]))

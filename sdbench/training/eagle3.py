@@ -21,7 +21,7 @@ from sdbench.models.forward.rotary import Rotary, rope
 
 class ChainTrainee(nn.Module):
     """One decoder layer unrolled as a chain drafts (the training-time test), for a head whose kind gives the
-    layer's input (`first`, `inputs`, `_qkv`) and output (`_out`): EAGLE-3's, P-EAGLE's, an MTP module's."""
+    layer's input (`first`, `inputs`, `_qkv`) and output (`_fed`, `_logits`): EAGLE-3's, P-EAGLE's, an MTP module's."""
 
     def _layer(self, layer, width: int) -> None:
         """The decoder layer's attention (its q, k, v projections reading `width` features), MLP and
@@ -65,9 +65,12 @@ class ChainTrainee(nn.Module):
         k, v = k.transpose(1, 2).repeat_interleave(group, 1), v.repeat_interleave(group, 1)
         return self._rope(q.transpose(1, 2), positions), self._rope(k, positions), v
 
-    def steps(self, tokens: torch.Tensor, states: torch.Tensor, n_steps: int) -> list[torch.Tensor]:
+    def steps(self, tokens: torch.Tensor, states: torch.Tensor, n_steps: int,
+              roots: torch.Tensor | None = None) -> list[torch.Tensor]:
         """Logits [B, T, Vd] of each step for every chain root; tokens [B, T] (padding past a row's length), states
-        [B, T, S] the target's."""
+        [B, T, S] the target's. roots [R, 2] (row, position): logits [R, Vd] of those roots' chains alone (every
+        chain is still computed, as each attends to the others' first steps; a head whose logits are its cost, an
+        MTP module's full vocabulary, skips the rest: `roots_per_batch`)."""
         B, T = tokens.shape
         scale = self.head_dim ** -0.5
         x = self.first(states)
@@ -94,8 +97,8 @@ class ChainTrainee(nn.Module):
             h = residual + self.o_proj(attn)
             g = rms_norm(h, self.post_attention_layernorm, self.eps)
             h = h + self.down_proj(F.silu(self.gate_proj(g)) * self.up_proj(g))
-            logits, x = self._out(h)  # the next step feeds the head's own output back
-            out.append(logits)
+            x = self._fed(h)  # the next step feeds the head's own output back
+            out.append(self._logits(x if roots is None else x[roots[:, 0], roots[:, 1]]))
         return out
 
     def inputs(self, step: int, tokens: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -140,9 +143,13 @@ class Eagle3Trainee(ChainTrainee):
         attn_in = torch.cat((rms_norm(e, self.input_layernorm, self.eps), hn), -1)
         return *self._heads(attn_in, positions), (hn if self.norm_before_residual else x)
 
-    def _out(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The step's draft logits, and its output as fed back (EAGLE-3: before the final norm)."""
-        return F.linear(rms_norm(h, self.norm, self.eps), self.lm_head), h
+    def _fed(self, h: torch.Tensor) -> torch.Tensor:
+        """The step's output as fed back (EAGLE-3: before the final norm)."""
+        return h
+
+    def _logits(self, fed: torch.Tensor) -> torch.Tensor:
+        """The step's draft logits from its fed-back output."""
+        return F.linear(rms_norm(fed, self.norm, self.eps), self.lm_head)
 
     def weights(self) -> dict[str, torch.Tensor]:
         """The parameters under the speculators format's names (with d2t and t2d)."""

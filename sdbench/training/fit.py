@@ -57,7 +57,8 @@ def batches(seqs: list[Sequence], batch_tokens: int, rng: random.Random):
 def step_losses(model, seqs: list[Sequence], n_steps: int, device, sample: torch.Generator | None = None):
     """The mean cross-entropy over every step's labelled positions (plus the trainee's `aux_loss` where it has one),
     each step's logits and labels. sample: for a
-    trainee with `roots_per_batch` (a block drafter, whose every root costs a block), the roots fitted are that
+    trainee with `roots_per_batch` (a block drafter, whose every root costs a block; an MTP module, whose every
+    root's logits cost a full-vocabulary head), the roots fitted are that
     many of the batch's labelled ones, drawn from this generator (logits and labels [R, ...] then)."""
     tokens, states, pred, lengths = (t.to(device) for t in pad_batch(seqs))
     before = torch.arange(tokens.shape[1], device=device)[None, :] < first_roots(seqs).to(device)[:, None]

@@ -19,6 +19,7 @@ from sdbench.models.heads.eagle import rms_norm
 from sdbench.training.eagle3 import ChainTrainee
 
 PREFIX = "mtp_layers.0."
+ALL_ROOTS = 1 << 30  # `fit.step_losses` fits at most this many labelled roots per batch: all of them
 
 
 class MTPTrainee(ChainTrainee):
@@ -40,6 +41,9 @@ class MTPTrainee(ChainTrainee):
         self.register_buffer("embedding", embedding.detach(), persistent=False)
         self.register_buffer("head", head.detach(), persistent=False)
         self.register_buffer("to_draft", torch.arange(embedding.shape[0]), persistent=False)
+        # a fitting step's logits only at the roots it fits (every answer position, none of the prompts'): the
+        # full-vocabulary head is most of a step's cost
+        self.roots_per_batch = ALL_ROOTS
 
     def first(self, states: torch.Tensor) -> torch.Tensor:
         return states
@@ -50,9 +54,11 @@ class MTPTrainee(ChainTrainee):
         a = rms_norm(proj, self.input_layernorm, self.eps)
         return *self._heads(a, positions, self.q_norm, self.k_norm), proj
 
-    def _out(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        o = rms_norm(h, self.norm, self.eps)
-        return F.linear(o, self.head), o
+    def _fed(self, h: torch.Tensor) -> torch.Tensor:
+        return rms_norm(h, self.norm, self.eps)
+
+    def _logits(self, fed: torch.Tensor) -> torch.Tensor:
+        return F.linear(fed, self.head)
 
     def weights(self) -> dict[str, torch.Tensor]:
         """The parameters under the speculators MTP format's names (the embedding and head are the target's)."""
