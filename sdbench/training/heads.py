@@ -180,7 +180,7 @@ def write_head(folder: Path, kind: str, trainee, model, verifier: str | None, dt
         name = "medusa_lm_head.safetensors"
     else:
         config = {**speculators_config(kind, trainee, model, verifier, dtype), **_own_keys(kind, trainee, model)}
-        if kind in ARCHITECTURES and kind != "mtp":  # EAGLE-3's kinds carry the embedding they were fitted with
+        if kind not in (*FULL_VOCAB, *BLOCKS):  # EAGLE-3's kinds carry the embedding they were fitted with
             weights["embed_tokens.weight"] = model.get_input_embeddings().weight.detach().to(dtype).cpu().contiguous()
         name = "model.safetensors"
     folder.mkdir(parents=True, exist_ok=True)
@@ -193,9 +193,9 @@ def write_head(folder: Path, kind: str, trainee, model, verifier: str | None, dt
 
 def _own_keys(kind: str, trainee, model) -> dict:
     """The speculators config keys of a head's own kind."""
-    layers = list(head_layers(kind, model.config))
     if kind == "mtp":  # the embedding and head are the target's: not written
         return {"architectures": [ARCHITECTURES[kind]], "num_nextn_predict_layers": 1}
+    layers = list(head_layers(kind, model.config))
     if kind in BLOCKS:  # the embedding and a full-vocabulary head are the target's: not written
         keys = {"architectures": ["DSparkSpeculator" if kind == "dspark" else "DFlashSpeculator"],
                 "block_size": trainee.block_size, "aux_hidden_state_layer_ids": layers,
