@@ -39,6 +39,14 @@ class Family:
     logits_divisor: float | None = None  # output logits divided by this (Granite)
 
 
+def soft_cap(x, cap: float | None):
+    """cap * tanh(x / cap): logits soft-capped as Gemma2/3 and z-lab's DFlash drafts cap them (x as it is for a cap
+    of None or 0)."""
+    import torch
+
+    return torch.tanh(x / cap) * cap if cap else x
+
+
 def _gemma2(c) -> Family:
     return Family(norms=SANDWICH, rms_norm=False, attn_scale=c.query_pre_attn_scalar**-0.5,
                   attn_softcap=c.attn_logit_softcapping, final_softcap=c.final_logit_softcapping)

@@ -23,6 +23,7 @@ from sdbench.errors import SdbenchError
 from sdbench.forward_step import Step
 from sdbench.kv.cache import additive, keep_path_index
 from sdbench.models.forward import cpufast
+from sdbench.models.forward.families import soft_cap
 from sdbench.models.forward.recompute import recompute_threshold
 from sdbench.models.forward.windows import layer_windows
 
@@ -239,7 +240,7 @@ class GenericRunner:
         cpufast.disable(self.model)
         out = self.model.get_output_embeddings()(hidden)
         cap = getattr(self.config.get_text_config(), "final_logit_softcapping", None)  # as the library's forward
-        return (out if cap is None else torch.tanh(out / cap) * cap).float()
+        return soft_cap(out, cap).float()
 
     def share_plain(self) -> None:
         """Put the weights back in the library's layout (a packed copy cannot be shared with worker processes);

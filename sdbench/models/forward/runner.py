@@ -18,7 +18,7 @@ from sdbench.errors import SdbenchError
 from sdbench.kv.cache import DenseKVCache, KVCache, StepIndex, TreeStep, set_prompt_lengths
 from sdbench.kv.sparse import SparseKVCache
 from sdbench.models.forward import cpucompile, cpufast, cpulayer, forward_paths, recompute
-from sdbench.models.forward.families import NATIVE, family
+from sdbench.models.forward.families import NATIVE, family, soft_cap
 from sdbench.engine.hidden import FINAL, Taps
 from sdbench.forward_step import Step
 from sdbench.engine.state import needed_capacity
@@ -41,7 +41,7 @@ def _capped_attention(q, keys, values, mask, scale: float, cap: float) -> torch.
     Hk, S = keys.shape[1], keys.shape[2]
     grouped = q.reshape(B, Hk, Hq // Hk * T, D)  # query heads sharing a key head, side by side
     scores = (torch.matmul(grouped, keys.transpose(-1, -2)) * scale).view(B, Hq, T, S)
-    scores = torch.tanh(scores / cap) * cap
+    scores = soft_cap(scores, cap)
     if mask is not None:
         scores = scores + mask
     weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
@@ -290,9 +290,7 @@ class ModelRunner:
         out = self.path.head(hidden)  # [..., V], scaled and capped in the model's dtype, as the library does
         if self.family.logits_divisor is not None:
             out = out / self.family.logits_divisor
-        if self.family.final_softcap is not None:
-            out = torch.tanh(out / self.family.final_softcap) * self.family.final_softcap
-        return out.float()
+        return soft_cap(out, self.family.final_softcap).float()
 
     @torch.inference_mode()
     def run(self, cache: KVCache, step: Step) -> torch.Tensor:

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from sdbench.kv.cache import DenseKVCache, StepIndex, additive
+from sdbench.models.forward.families import soft_cap
 from sdbench.models.forward.rotary import Rotary, rope
 from sdbench.models.heads.eagle import layer_config, on_target_vocab, rms_norm, target_ids
 
@@ -139,8 +140,8 @@ class DFlashHead:
         """Logits [..., Vd] of block outputs [..., H]: the target's head, or the head's own draft vocabulary (times
         z-lab's `output_multiplier`, then soft-capped at its `final_logit_softcapping`)."""
         logits = self.target.logits(out) if "lm_head.weight" not in self.w else F.linear(out, self.w["lm_head.weight"])
-        logits = logits.float() * self.multiplier
-        return torch.tanh(logits / self.softcap) * self.softcap if self.softcap > 0 else logits
+        logits = logits.float() if self.multiplier == 1.0 else logits.float() * self.multiplier
+        return soft_cap(logits, self.softcap)
 
     def logits(self, out: torch.Tensor) -> torch.Tensor:
         """Logits over the target's vocabulary [..., V] (eagle.py `on_target_vocab`)."""
