@@ -60,10 +60,10 @@ def load_head(source: str, target, kinds: tuple[str, ...] = (EAGLE3, EAGLE1, MED
     weights = _read_weights(folder, source)
     head = _parse(source, config, weights, target)
     if head.kind not in kinds:
-        from sdbench.strategies.spec import head_strategy  # the strategy registry: only for this line
-
+        other = ("dflash" if head.kind == "dflash2" else head.kind) if head.kind in (MEDUSA, PEAGLE, MTP, *BLOCK_KINDS) \
+            else "eagle"
         raise SdbenchError(f"--head {source} is a {head.kind} head, which --strategy {strategy or kinds[0]} does not "
-                           f"draft with: use --strategy {head_strategy(head.kind).name}")
+                           f"draft with: use --strategy {other}")
     check_against(head, target)
     return head
 
