@@ -154,18 +154,19 @@ def test_attend_equals_rotation_cache_writes_and_sdpa(D, rotated, group):
 
 
 class _ChangedSource:
-    """`importlib.resources` as `cpukernel` reads products.c, handing back the source with one change."""
+    """`importlib.resources` as `cpukernel` reads its sources, handing back one of them with one change."""
 
-    def __init__(self, old: str, new: str):
-        text = resources.files("sdbench.models.forward").joinpath("kernels", cpukernel.SOURCE).read_text()
+    def __init__(self, old: str, new: str, name: str = "products.c"):
+        self.real = resources.files("sdbench.models.forward")
+        text = self.real.joinpath("kernels", name).read_text()
         assert text.count(old) == 1, old  # the change still names one place
-        self.source = text.replace(old, new).encode()
+        self.name, self.source = name, text.replace(old, new).encode()
 
     def files(self, package: str):
         return self
 
     def joinpath(self, *parts: str):
-        return self
+        return self if parts[-1] == self.name else self.real.joinpath(*parts)
 
     def read_bytes(self) -> bytes:
         return self.source
@@ -246,5 +247,5 @@ def test_a_failed_build_says_why(monkeypatch, tmp_path):
     monkeypatch.setattr(cpukernel, "_lib", None)
     monkeypatch.setattr(cpukernel, "_why", None)
     assert not cpukernel.available()
-    assert cpukernel.why_not() == "false failed to build products.c: no message"
-    assert not list(tmp_path.rglob("products-*"))  # neither the copy of the source nor a part-built library left
+    assert cpukernel.why_not() == "false failed to build products.c, quants.c: no message"
+    assert not list(tmp_path.rglob("*-*.*"))  # neither the copies of the sources nor a part-built library left

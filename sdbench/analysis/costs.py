@@ -35,6 +35,7 @@ from sdbench.kv.sparse import filled_for_profile
 from sdbench.models.loading import loader
 from sdbench.models.forward.graphs import CAPACITY_STEP, TREE_SPARE
 from sdbench.models.loading.memory import plan, refuse_beyond_memory
+from sdbench.models.loading.names import with_weights
 from sdbench.models.loading.pair import device_and_dtype, load_models
 from sdbench.models.loading.shapes import parameter_count
 from sdbench.reporting import results  # the module: tests replace results.read_results
@@ -233,6 +234,7 @@ def measured_costs(target: str, draft: str, gammas, context: int, device: str, d
     if context < 1:
         raise SdbenchError(f"--context {context}: must be at least 1")
     dev, dt = device_and_dtype(device, dtype)
+    target, draft = with_weights(target, dtype), with_weights(draft, dtype)
     needs = "timing the step costs"
     models = load_models([target, draft], dev, dt, console, native={target: needs, draft: needs})
     runners = {name: got.runner for name, got in models.items()}

@@ -34,6 +34,7 @@ from sdbench.forward_step import Step
 from sdbench.models.forward.generic import GenericRunner, runner_kind
 from sdbench.models.heads.load import check_folder
 from sdbench.models.loading.loader import check_same_tokenizer, eos_token_ids
+from sdbench.models.loading.names import with_weights
 from sdbench.models.loading.pair import device_and_dtype, load_models, pick_runner
 from sdbench.options import split_list
 from sdbench.paths import cache_dir
@@ -273,7 +274,8 @@ def run_peers(cfg: BenchConfig, console: Console) -> list[SystemMeasurement]:
 def measure_peers(cfg: BenchConfig, console: Console) -> Peers:
     """Load the models, measure every system (`_systems`) on the same prompts, then the cost ratios and the
     memory bandwidth; prints nothing but progress and a @random model's note."""
-    target, draft, max_new, gamma = cfg.target, cfg.draft_model, cfg.max_new_tokens, cfg.gamma
+    target, draft = with_weights(cfg.target, cfg.dtype), with_weights(cfg.draft_model, cfg.dtype)
+    max_new, gamma = cfg.max_new_tokens, cfg.gamma
     dev, dt = device_and_dtype(cfg.device, cfg.dtype)
     models = load_models([target, draft], dev, dt, console)  # an @int8 draft: run by sdbench and by assisted generation
     tgt, drf = models[target].loaded, models[draft].loaded

@@ -22,6 +22,7 @@ from sdbench.drafting.ngram import DRAFT_NAME
 from sdbench.engine.loop import generate
 from sdbench.errors import CheckFailed, SdbenchError
 from sdbench.models.loading.loader import check_fit, check_same_tokenizer, eos_token_ids, load_tokenizer
+from sdbench.models.loading.names import with_weights
 from sdbench.models.loading.pair import device_and_dtype, load_models
 from sdbench.models.probing.probe import PHASES, TOLERANCE, probe_runner
 from sdbench.models.probing.probe_cache import ProbeCache
@@ -62,6 +63,7 @@ def run_check(target: str, drafts: list[str], device: str, dtype: str, fast: boo
     if context < 1 or tokens < 1:
         raise SdbenchError("check: --context and --tokens must be at least 1")
     dev, dt = device_and_dtype(device, dtype)
+    target, drafts = with_weights(target, dtype), [d if d == DRAFT_NAME else with_weights(d, dtype) for d in drafts]
     check_fit([n for n in (target, *drafts) if n != DRAFT_NAME], dev, dt)
     rows = [Checked(target, "target")]
     got, runner = _model(rows[0], target, dev, dt, fast, context, console)

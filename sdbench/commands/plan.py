@@ -13,6 +13,7 @@ from sdbench.commands.run_engine import check_engine_run
 from sdbench.config import DEFAULT_GAMMA, RunConfig
 from sdbench.data.tasks import check_dataset
 from sdbench.errors import SdbenchError
+from sdbench.models.loading.pair import at_weights
 from sdbench.strategies import StrategyChoice, resolve_strategy, strategy
 from sdbench.strategies.spec import refuse_head
 
@@ -70,8 +71,8 @@ def plan(cfg: RunConfig) -> RunPlan:
     """Settle the strategy (presets included) and every --compare one, and check all the settings."""
     choice = resolve_strategy(cfg.strategy).at(max(cfg.concurrencies or (cfg.batch_size,)), cfg.prompt_len)
     asked = tuple(cfg.gammas or (choice.gamma or DEFAULT_GAMMA,))
-    cfg = replace(cfg, gammas=asked, drafts=tuple(cfg.drafts or choice.drafts),
-                  options={**choice.options, **cfg.options})
+    cfg = at_weights(replace(cfg, gammas=asked, drafts=tuple(cfg.drafts or choice.drafts),
+                             options={**choice.options, **cfg.options}))
     _check_numbers(cfg)
     check_engine_run(cfg, choice.base)  # what the engine cannot run, before the strategy's own checks
     cfg = replace(cfg, gammas=capped_gammas(cfg.gammas, cfg.max_new_tokens))

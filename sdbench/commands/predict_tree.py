@@ -10,7 +10,7 @@ with the `--set` that runs each.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 from rich.table import Table
@@ -21,6 +21,7 @@ from sdbench.analysis.trees import Acceptance, TreeChoice, hardware_trees, inter
 from sdbench.commands.predict import NATIVE_NEEDED, fitting_points
 from sdbench.config import PredictTreeConfig
 from sdbench.errors import SdbenchError
+from sdbench.models.loading.names import with_weights
 from sdbench.models.loading.pair import device_and_dtype, load_models
 from sdbench.reporting import results  # the module: tests replace results.read_results
 
@@ -128,6 +129,7 @@ def run_predict_tree(cfg: PredictTreeConfig, console) -> list[TreeChoice]:
     if a.context < 1:
         raise SdbenchError(f"--context {a.context}: must be at least 1")
     dev, dt = device_and_dtype(cfg.device, a.dtype)
+    a = replace(a, target=with_weights(a.target, a.dtype))
     widths = profiled_widths(a.acc.depth, cfg.budgets, a.side)
     fits = fitting_points(a.target, dt, dev, a.batches, (a.context,), max(widths), console)
     console.print(describe(a.said, a.acc, cfg.by_depth), highlight=False, soft_wrap=True)

@@ -27,6 +27,7 @@ from sdbench.config import HEAD_ANSWERS, HEAD_KINDS, TrainHeadConfig
 from sdbench.env import environment
 from sdbench.errors import Interrupted, SdbenchError
 from sdbench.models.heads.registry import HeadRecord, write_record
+from sdbench.models.loading.names import BLOCK_TYPES
 from sdbench.paths import output_dir
 from sdbench.strategies.spec import head_strategy
 from sdbench.training import data as D
@@ -63,6 +64,9 @@ def validate(cfg: TrainHeadConfig) -> None:
     if cfg.draft_vocab and cfg.kind in ("medusa", "mtp"):
         raise SdbenchError(f"--draft-vocab is for --kind eagle3, peagle, dflash or dspark ({cfg.kind} drafts over the "
                            "target's vocabulary, through its own head)")
+    if cfg.dtype in BLOCK_TYPES:
+        raise SdbenchError(f"train-head --dtype {cfg.dtype}: a head is fitted on the target's float weights (float32, "
+                           "bfloat16 or float16); it drafts for the target's block copy as it is")
     if cfg.steps is not None and not 1 <= cfg.steps <= 16:
         raise SdbenchError(f"--steps {cfg.steps}: between 1 and 16")
 

@@ -36,7 +36,7 @@ WIDTHS = (1, 2, PACK_HINT)  # decoding, a draft's catch-up, a verification of ga
 @dataclass(frozen=True)
 class Choice:
     packed: bool
-    how: str  # "measured" or "override"
+    how: str  # "measured", "override", or "quantised" (the model's weights are in blocks: read as blocks)
     ratio: float | None = None  # plain time / packed time, layers and head, summed over WIDTHS (> 1: packing wins)
     measured: str = ""  # when, where the measurement was kept from an earlier run on this machine ("": now)
     compiled: bool = False  # steps compiled too (`models/forward/cpucompile.py`; an override only)
@@ -44,6 +44,9 @@ class Choice:
 
     def describe(self) -> str:
         path = LAYOUT_NAMES[self.layout] + (", steps compiled," if self.compiled else "") if self.packed else "plain"
+        if self.how == "quantised":
+            how = "the model's weights" if self.packed else f"the de-quantised weights, set by {FAST_ENV}"
+            return f"CPU fast path: {path} forward ({how})"
         if self.ratio is None:
             return f"CPU fast path: {path} forward, set by {FAST_ENV}"
         when = f" on {self.measured} (kept: {choices_file()})" if self.measured else ""

@@ -23,7 +23,8 @@ oneDNN's packed tensors are opaque (they cannot be pickled or shared between pro
 receives a model's plain weights builds its own fast path with `enable(model)`.
 
 Whether to pack at all, and into which layout, is measured per shape (`choose`, `models/forward/cpuchoice.py`): at
-some shapes the plain products win.
+some shapes the plain products win. A model whose weights were snapped onto a quantised grid (`quantised`: a
+MODEL@q8_0 or @q4_0 copy) packs into those blocks, not measured: reading them as blocks is what it is for.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from sdbench.models.forward.cpupacked import ONEDNN, FastLayer, Packed, projecti
 
 _state: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> FastModel; not pickled with it
 _chosen: dict = {}  # shape key -> cpuchoice.Choice
+BLOCKS_ATTR = "sdbench_blocks"  # a model's own attribute naming its weights' block type: it travels with the model
 
 
 def available() -> bool:
@@ -135,6 +137,18 @@ def plain(model):
             found.pack()
 
 
+def quantised(model, kind: str) -> None:
+    """Mark a model whose projections and head were snapped onto `kind`'s grid (`models/forward/quants.py`): its fast
+    path packs them into those blocks (the mark is an attribute of the model, so that a replica made from it in
+    another process, a DSI worker, reads the same blocks)."""
+    setattr(model, BLOCKS_ATTR, kind)
+
+
+def weights_kind(model) -> str | None:
+    """The block type a model's weights were snapped onto (None: float weights)."""
+    return getattr(model, BLOCKS_ATTR, None)
+
+
 def rms_norm(module, x: torch.Tensor) -> torch.Tensor:
     """A Llama-family RMSNorm in one op (float32 models: the same arithmetic as the module's)."""
     return F.rms_norm(x, (x.shape[-1],), module.weight, module.variance_epsilon)
@@ -143,6 +157,8 @@ def rms_norm(module, x: torch.Tensor) -> torch.Tensor:
 def choose(model) -> cpuchoice.Choice:
     """Whether the fast path packs this model: the override when set, else measured once per shape."""
     mode = cpumeasure.fast_mode()
+    if weights_kind(model) is not None:
+        return cpuchoice.Choice(mode != "plain", "quantised", layout=weights_kind(model))
     if mode != "measure":
         return cpuchoice.overridden(mode)
     key = (model.config.to_json_string(use_diff=False), model.lm_head.weight is model.get_input_embeddings().weight,

@@ -6,7 +6,8 @@ fast path leaves unpacked), and no one product is fastest for it at every width:
 for one row and slower for 2-9, oneDNN's on the plain layout is the reverse at 2 rows, W x^T sits between;
 sdbench's own (`cpukernel.linear_plain`, where it builds) reads it in one stream per output row (docs/peers.md gives
 the measurements). `head_ways` times each at HEAD_WIDTHS once per shape and thread count; `HeadProduct` reads the
-head by the way chosen for the nearest width.
+head by the way chosen for the nearest width. A model whose weights are snapped onto a quantised grid reads its head
+from a quantised copy instead (the plain table stays for the embedding lookup).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from sdbench.models.forward import cpukernel, cpumeasure
+from sdbench.models.forward import cpukernel, cpumeasure, quants
 from sdbench.models.forward.cpupacked import KERNEL, ONEDNN, PACK_HINT, onednn_linear
 
 HEAD_WIDTHS = (1, 2, PACK_HINT, 8)  # the widths measured; a product of r <= 2 * 8 rows takes the nearest one's way
@@ -49,14 +50,18 @@ class HeadProduct:
     def __init__(self, lm_head: torch.nn.Linear):
         self.lm_head = lm_head
         self.ways = head_ways(lm_head.weight, lm_head.bias)
+        self.blocks = self.kind = None  # the quantised copy, in a quantised layout
 
     def pack(self, layout: str = ONEDNN) -> None:
-        pass
+        if layout in quants.TYPES and self.blocks is None:
+            self.blocks, self.kind = quants.quantise(self.lm_head.weight, layout), layout
 
     def unpack(self) -> None:
-        pass
+        self.blocks = self.kind = None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # x [..., H] -> [..., V]
+        if self.blocks is not None:
+            return cpukernel.linear_blocks(x, self.blocks, self.kind, self.lm_head.bias)
         way = self.ways.get(_nearest_width(x.numel() // x.shape[-1]), "library")
         return HEAD_WAYS[way](x, self.lm_head.weight, self.lm_head.bias)
 

@@ -1,5 +1,6 @@
-"""sdbench's own CPU products for float32 (`kernels/products.c`), built at first use with the machine's C compiler,
-and the rest of a Llama layer's decode step around them (`models/forward/cpulayer.py`).
+"""sdbench's own CPU products for float32 (`kernels/products.c`) and for weights in llama.cpp's Q8_0/Q4_0 blocks
+(`kernels/quants.c`, `models/forward/quants.py`), built at first use with the machine's C compiler, and the rest of a
+Llama layer's decode step around them (`models/forward/cpulayer.py`).
 
 One decode step of a model on a CPU is its weights streamed once through matrix-vector products, and the stock
 products read them well below the machine's bandwidth at the widths decoding uses (1 row; 2-9 for a draft's
@@ -26,9 +27,10 @@ from pathlib import Path
 import torch
 
 from sdbench.env import cpu_name
+from sdbench.models.forward import quants
 from sdbench.paths import cache_dir
 
-SOURCE = "products.c"
+SOURCES = ("products.c", "quants.c")
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
 PLAIN_ROWS = 8  # rows of x per pass of `linear_plain`
 _lib = None
@@ -51,39 +53,43 @@ def _cpu_flags() -> set:
 
 def _build() -> ctypes.CDLL:
     """The compiled library, from the cache or built now; raises RuntimeError with the reason."""
-    if not {"avx2", "fma"} <= _cpu_flags():
-        raise RuntimeError("the CPU lacks AVX2 or FMA")
+    if not {"avx2", "fma", "f16c"} <= _cpu_flags():
+        raise RuntimeError("the CPU lacks AVX2, FMA or F16C")
     cc = _compiler()
     if cc is None:
         raise RuntimeError("no C compiler (cc or gcc; or set CC)")
-    source = resources.files(__package__).joinpath("kernels", SOURCE).read_bytes()
+    sources = [resources.files(__package__).joinpath("kernels", name).read_bytes() for name in SOURCES]
     try:
         version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError) as e:
         raise RuntimeError(f"{cc} does not run: {e}") from e
-    digest = hashlib.sha256(b"\0".join([source, " ".join(FLAGS).encode(), version.encode(),
+    digest = hashlib.sha256(b"\0".join([*sources, " ".join(FLAGS).encode(), version.encode(),
                                         cpu_name().encode()])).hexdigest()[:16]
     folder = cache_dir("cpukernel")
     lib = folder / f"products-{digest}.so"
-    if not lib.exists():  # each process builds from its own copy into its own file, then moves it in place
-        src = folder / f"products-{digest}.{os.getpid()}.c"
-        src.write_bytes(source)
+    if not lib.exists():  # each process builds from its own copies into its own file, then moves it in place
+        srcs = [folder / f"{name[:-2]}-{digest}.{os.getpid()}.c" for name in SOURCES]
+        for src, text in zip(srcs, sources):
+            src.write_bytes(text)
         tmp = lib.with_suffix(f".{os.getpid()}.tmp")
         try:
-            done = subprocess.run([cc, *FLAGS, "-o", str(tmp), str(src), "-lm"], capture_output=True, text=True,
-                                  timeout=300)
+            done = subprocess.run([cc, *FLAGS, "-o", str(tmp), *map(str, srcs), "-lm"], capture_output=True,
+                                  text=True, timeout=300)
         finally:
-            src.unlink(missing_ok=True)
+            for src in srcs:
+                src.unlink(missing_ok=True)
         if done.returncode != 0:
             tmp.unlink(missing_ok=True)
             last = (done.stderr.strip().splitlines() or ["no message"])[-1]
-            raise RuntimeError(f"{cc} failed to build {SOURCE}: {last}")
+            raise RuntimeError(f"{cc} failed to build {', '.join(SOURCES)}: {last}")
         tmp.replace(lib)  # whole, or not there: a concurrent build lands the same file
     found = ctypes.CDLL(str(lib))
     ptr, n = ctypes.c_void_p, ctypes.c_long
     found.sd_pack.argtypes = found.sd_unpack.argtypes = [ptr, ptr, n, n]
     found.sd_linear_blocked.argtypes = found.sd_linear_plain.argtypes = [ptr, ptr, ptr, ptr, n, n, n]
     found.sd_linear_plain.restype = ctypes.c_int
+    for kind in quants.TYPES:
+        getattr(found, f"sd_linear_{kind}").argtypes = [ptr, ptr, ptr, ptr, n, n, n]
     found.sd_rms_norm.argtypes = [ptr, ptr, ptr, n, n, ctypes.c_float]
     found.sd_silu_mul.argtypes = [ptr, ptr, n, n]
     found.sd_attend.argtypes = [ptr] * 6 + [n] * 8 + [ctypes.c_float]
@@ -147,6 +153,17 @@ def linear_plain(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     for r in range(0, rows, PLAIN_ROWS):
         k = min(PLAIN_ROWS, rows - r)
         lib.sd_linear_plain(x.data_ptr() + r * n * 4, w.data_ptr(), b, y.data_ptr() + r * out * 4, k, n, out)
+    return y
+
+
+def linear_blocks(x: torch.Tensor, blocks: torch.Tensor, kind: str, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [..., n] W^T (+ bias) -> [..., out], W [out, n] in `kind` blocks (`quants.quantise`), any number of rows."""
+    x = x.contiguous()
+    n = x.shape[-1]
+    out = blocks.shape[0]
+    y = x.new_empty(*x.shape[:-1], out)
+    getattr(library(), f"sd_linear_{kind}")(x.data_ptr(), blocks.data_ptr(), None if bias is None else bias.data_ptr(),
+                                            y.data_ptr(), x.numel() // n, n, out)
     return y
 
 

@@ -9,7 +9,8 @@ goes" has the measurements). Here each layer is
 
 with `attend` rotating the new keys into the dense cache and attending causally over it in one call.
 
-It is taken per forward where it computes what the layer loop computes: the packed path on sdbench's products, a
+It is taken per forward where it computes what the layer loop computes: the packed path on sdbench's products (float32
+or quantised blocks), a
 family with Llama's layer (RMSNorm before attention and MLP, no q/k norms, no soft-capping, no residual scale, a
 SiLU-gated MLP, fused q/k/v), no sliding window, a dense cache (not a sparse or scoring one) at one start position
 for every row, a chain of at most FUSED_TOKENS tokens (not a tree), eagerly. Any other forward runs the loop.
@@ -20,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from sdbench.kv.cache import DenseKVCache, StepIndex
-from sdbench.models.forward import cpukernel, cpupacked, forward_paths
+from sdbench.models.forward import cpukernel, cpupacked, forward_paths, quants
 
 FUSED_TOKENS = 16  # the widest forward (tokens per row) taken: decoding, a draft's catch-up, verifications
 SILU = ("SiLU", "SiLUActivation")  # torch's module, and the library's own (`transformers.activations`)
@@ -38,7 +39,7 @@ def _layer_fits(runner, i: int) -> bool:
 def fits(runner) -> bool:
     """Whether the runner's layers can run fused at all: its path and family (the runner asks once, when made)."""
     path, fam = runner.path, runner.family
-    return (type(path) is forward_paths.CpuPacked and path.one_op_norms and path.fast.layout == cpupacked.KERNEL
+    return (type(path) is forward_paths.CpuPacked and path.one_op_norms and path.fast.layout in (cpupacked.KERNEL, *quants.TYPES)
             and fam.qk_norm is None and fam.attn_softcap is None and fam.residual_scale is None
             and all(w is None for w in runner.windows) and runner.dtype == torch.float32
             and all(_layer_fits(runner, i) for i in range(len(runner.layers))))

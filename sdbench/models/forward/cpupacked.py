@@ -5,8 +5,10 @@ into one layout, one copy of the weights.
   fused already, StarCoder2's plain MLP packs its two products, a mixture of experts stays the library's
   own module): `FastLayer`;
 - a fused projection (`Packed`) is packed into one of the layouts (`LAYOUT_NAMES`: sdbench's blocks of 8 outputs,
-  `models/forward/cpukernel.py`, or oneDNN's), which then is the only copy: the modules' own weights are emptied
-  while packed, and `unpack` gives them back exactly (a reorder moves values, it does not round them);
+  `models/forward/cpukernel.py`, oneDNN's, or llama.cpp's Q8_0/Q4_0 blocks for a model whose weights were snapped
+  onto that grid, `models/forward/quants.py`), which then is the only copy: the modules' own weights are emptied
+  while packed, and `unpack` gives them back exactly (a reorder moves values, it does not round them; snapped
+  weights quantise back to themselves);
 - inside a compiled step (`models/forward/cpucompile.py`) a packed product runs as the custom op `packed_linear`,
   which names its `Packed` by handle.
 """
@@ -18,10 +20,11 @@ import weakref
 
 import torch
 
-from sdbench.models.forward import cpukernel
+from sdbench.models.forward import cpukernel, quants
 
 ONEDNN, KERNEL = "onednn", "kernel"  # the packed layouts: oneDNN's, and sdbench's blocks of 8 (`cpukernel`)
-LAYOUT_NAMES = {ONEDNN: "packed (oneDNN)", KERNEL: "packed (sdbench's products)"}
+LAYOUT_NAMES = {ONEDNN: "packed (oneDNN)", KERNEL: "packed (sdbench's products)",
+                **{kind: f"{kind.upper()} blocks (sdbench's products)" for kind in quants.TYPES}}
 PACK_HINT = 5  # rows oneDNN's packed layout is tuned for: a verification of gamma = 4 (also best at 1-9 rows)
 _EMPTY = torch.empty(0)  # what a packed module's own weight holds
 
@@ -83,6 +86,8 @@ class Packed:
     def unpack(self) -> None:
         if self.layout == KERNEL:
             plain = cpukernel.unpack(self.packed, self.out_features, self.in_features)
+        elif self.layout in quants.TYPES:
+            plain = quants.dequantise(self.packed, self.layout)
         else:
             plain = self.packed.to_dense()
         _share_rows(self.modules, "weight", plain)
@@ -98,9 +103,12 @@ class Packed:
 
 
 def pack_weight(plain: torch.Tensor, layout: str) -> torch.Tensor:
-    """A contiguous [out, in] weight in a packed layout: sdbench's blocks of 8 outputs, or oneDNN's."""
+    """A contiguous [out, in] weight in a packed layout: sdbench's blocks of 8 outputs, quantised blocks, or
+    oneDNN's."""
     if layout == KERNEL:
         return cpukernel.pack(plain)
+    if layout in quants.TYPES:
+        return quants.quantise(plain, layout)
     return torch.ops.mkldnn._reorder_linear_weight(plain, PACK_HINT)
 
 
@@ -109,6 +117,8 @@ def packed_product(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | N
     """x W^T + b, W packed in `layout` (`pack_weight`)."""
     if layout == KERNEL:
         return cpukernel.linear(x, packed, bias, out_features)
+    if layout in quants.TYPES:
+        return cpukernel.linear_blocks(x, packed, layout, bias)
     return onednn_linear(x, packed, bias)
 
 

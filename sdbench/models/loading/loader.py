@@ -110,10 +110,11 @@ def load_config(name: str) -> "PretrainedConfig":
 
 def load_tokenizer(name: str) -> "PreTrainedTokenizerBase":
     """The tokenizer alone; reads no weights (a GGUF not yet cached is parsed for its vocabulary only).
-    MODEL@random: the tokenizer its random model decodes with."""
+    MODEL@random: the tokenizer its random model decodes with; a quantised copy's, its model's."""
     base, variant = split_variant(name)
     if variant == RANDOM:
         return _random_tokenizer(name, base, _random_config(base).vocab_size)[0]
+    name = base
     source, ref = _resolve(name)
     return _read(name, source, ref, library.auto_tokenizer, gguf_cache.gguf_tokenizer)
 

@@ -1,5 +1,7 @@
-"""The MODEL@VARIANT grammar, on names alone (nothing loads here): `@int8` copies (`models/loading/variants.py`) and
-`@random` weights at a model's shape (`models/loading/random_weights.py`)."""
+"""The MODEL@VARIANT grammar, on names alone (nothing loads here): `@int8` copies and `@q8_0`/`@q4_0` copies in
+llama.cpp's block types (`models/loading/variants.py`), and `@random` weights at a model's shape
+(`models/loading/random_weights.py`). `--dtype q8_0|q4_0` names the block copy of every model of a run
+(`with_weights`)."""
 
 from __future__ import annotations
 
@@ -8,7 +10,8 @@ from typing import Iterable
 from sdbench.errors import SdbenchError
 
 RANDOM = "random"
-VARIANTS = ("int8", RANDOM)
+BLOCK_TYPES = ("q8_0", "q4_0")  # llama.cpp's quantised block types sdbench's own products read
+VARIANTS = ("int8", RANDOM, *BLOCK_TYPES)
 
 
 def split_variant(name: str) -> tuple[str, str | None]:
@@ -36,3 +39,11 @@ def tokenizer_name(name: str) -> str:
     when at hand, else a stand-in: `random_weights.standin_tokenizer`)."""
     base, variant = split_variant(name)
     return base if variant and variant != RANDOM else name
+
+
+def with_weights(name: str, dtype: str) -> str:
+    """The model a run at `dtype` decodes with: MODEL@TYPE where dtype is a block type and the name names no
+    variant of its own (a draft's own @q4_0 beside a q8_0 target stays), else the name itself."""
+    if dtype not in BLOCK_TYPES or not name or split_variant(name)[1] is not None:
+        return name
+    return f"{name}@{dtype}"

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -18,7 +18,7 @@ from sdbench.models.loading import loader  # the module, not its names: tests re
 from sdbench.models.loading.aliases import shipped_config
 from sdbench.models.forward.families import serving
 from sdbench.models.forward.generic import make_runner, runner_kind
-from sdbench.models.loading.names import tokenizer_name
+from sdbench.models.loading.names import BLOCK_TYPES, tokenizer_name, with_weights
 from sdbench.models.probing.probe import probe_pair
 from sdbench.models.probing.probe_cache import ProbeCache
 from sdbench.models.loading.memory import weight_bytes
@@ -29,6 +29,8 @@ if TYPE_CHECKING:  # transformers' tokenizer base is a slow import, and only a t
     from transformers import PreTrainedTokenizerBase
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# --dtype q8_0|q4_0: every model of the run as its block copy (MODEL@TYPE, `with_weights`), computing in float32
+BLOCK_DTYPES = dict.fromkeys(BLOCK_TYPES, torch.float32)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -46,8 +48,12 @@ def resolve_device(name: str) -> torch.device:
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name in BLOCK_DTYPES:
+        if device.type != "cpu":
+            raise SdbenchError(f"--dtype {name}: sdbench's products for quantised blocks run on a CPU; use --device cpu")
+        return BLOCK_DTYPES[name]
     if name not in DTYPES:
-        raise SdbenchError(f"--dtype {name}: use one of {', '.join(DTYPES)}")
+        raise SdbenchError(f"--dtype {name}: use one of {', '.join([*DTYPES, *BLOCK_DTYPES])}")
     if name == "float16" and device.type == "cpu":
         raise SdbenchError("--dtype float16 is not supported on CPU; use float32 or bfloat16")
     return DTYPES[name]
@@ -93,6 +99,13 @@ class Loaded:
     weight_bytes: int
 
 
+def at_weights(cfg: RunConfig) -> RunConfig:
+    """The run with every model named as the copy its --dtype decodes with (MODEL@q8_0 for --dtype q8_0, a model
+    naming its own variant kept): what plans and loads read."""
+    drafts = tuple(d if d == NGRAM_DRAFT else with_weights(d, cfg.dtype) for d in cfg.drafts)
+    return replace(cfg, target=with_weights(cfg.target, cfg.dtype), drafts=drafts)
+
+
 def load_models(names: list[str], device: torch.device, dtype: torch.dtype, console: Console, *,
                 fast: bool = True, native: dict[str, str] | None = None, static: bool | None = None,
                 fit: bool = True, given: dict[str, Loaded] | None = None) -> dict[str, Loaded]:
@@ -107,11 +120,15 @@ def load_models(names: list[str], device: torch.device, dtype: torch.dtype, cons
     out: dict[str, Loaded] = dict(given or {})
     for name in (n for n in dict.fromkeys(names) if n not in out):
         with console.status(f"loading {name}"):
-            if split_variant(name)[1] == "int8":
+            variant = split_variant(name)[1]
+            if variant in ("int8", *BLOCK_TYPES):
                 first = out.get(names[0])
                 loaded = variant_model(name, names[0], first and first.loaded, device, dtype)
                 weights = weight_bytes(loaded.model)
-                runner = make_runner(loaded.model, name)  # a quantised copy: the modules' own products
+                if variant == "int8":  # a dynamically quantised copy: the modules' own products
+                    runner = make_runner(loaded.model, name)
+                else:  # blocks: read by the fast path
+                    runner = pick_runner(loaded.model, name, fast, native.get(name), static)
             else:
                 loaded = loader.load_model(name, device, dtype)
                 weights = weight_bytes(loaded.model)
@@ -128,6 +145,7 @@ def load_pair(cfg: RunConfig, device: torch.device, dtype: torch.dtype, console:
     it. native: model name -> what of the run needs it on the native runner (`commands.plan.RunPlan.native()`; a
     model the generic runner serves is then refused before loading)."""
     native = native or {}
+    cfg = at_weights(cfg)
     refuse_early(cfg, native)
     check_tokenizers(cfg)
     models = load_models([cfg.target, *(n for n in cfg.drafts if n != NGRAM_DRAFT)], device, dtype, console,

@@ -8,6 +8,13 @@ projection and the embeddings stay in float32: the runner reads the head's weigh
 what the acceptance test compares. The copy is a different model from the original (its greedy choices can
 differ), so as a draft or a middle level of a chain its acceptance is high but not 100%.
 
+`q8_0`, `q4_0`: llama.cpp's block types (`models/forward/quants.py`). Every decoder projection, the vocabulary head
+and the embeddings are snapped onto the type's grid (each weight becomes the value its block holds, what a GGUF file of
+that type de-quantises to), and the CPU fast path reads the projections and the head as those blocks with sdbench's
+own products (`models/forward/kernels/quants.c`): a quarter (Q8_0) or an eighth (Q4_0) of float32's bytes per step.
+The library's forward over the snapped float32 weights is the reference the probe compares with. CPU, float32
+compute, Llama-style layers on the native runner.
+
 `random`: random weights at the model's shape, made by the loader (`models/loading/random_weights.py`), not here.
 """
 
@@ -19,8 +26,8 @@ import warnings
 import torch
 
 from sdbench.errors import SdbenchError
-from sdbench.models.forward import cpufast  # loader as a module: tests replace loader.load_model
-from sdbench.models.loading import loader
+from sdbench.models.forward import cpufast, cpukernel, cpupacked, quants
+from sdbench.models.loading import loader  # loader as a module: tests replace loader.load_model
 from sdbench.models.forward.families import serving
 from sdbench.models.loading.names import RANDOM, VARIANTS, split_variant, weights_of  # noqa: F401 (re-exported)
 
@@ -48,6 +55,45 @@ def quantise_int8(model) -> object:
     return copied.eval().requires_grad_(False)
 
 
+def _snapped_weights(model, kind: str) -> list:
+    """The weights a block copy snaps (each tensor once: a tied head is the embedding table); refused in one line
+    where a product cannot be quantised."""
+    found = {}
+    for i, layer in enumerate(model.model.layers):
+        if cpupacked._mlp_parts(layer.mlp) is None:
+            raise SdbenchError(f"@{kind}: layer {i}'s MLP is neither a plain nor a gated one (a mixture of experts?), "
+                               "and sdbench's block products read plain linear layers only")
+        for m in cpupacked.projection_modules(layer):
+            found[id(m.weight)] = m.weight
+    for m in (model.lm_head, model.get_input_embeddings()):
+        found[id(m.weight)] = m.weight
+    for w in found.values():
+        if not quants.fits(w.shape[1]):
+            raise SdbenchError(f"@{kind}: a weight of shape {tuple(w.shape)} has rows of {w.shape[1]} inputs, and the "
+                               f"block types quantise whole blocks of {quants.BLOCK}")
+    return list(found.values())
+
+
+def quantise_blocks(model, kind: str, copy_first: bool) -> object:
+    """The model with its projections, head and embeddings snapped onto `kind`'s grid, marked for the fast path
+    to read them as blocks (a copy where `copy_first`: the float model stays in use)."""
+    p = next(model.parameters())
+    if p.device.type != "cpu" or p.dtype != torch.float32:
+        raise SdbenchError(f"@{kind} reads its blocks with sdbench's CPU products and computes in float32: use "
+                           "--device cpu --dtype float32 (or --dtype " + kind + ")")
+    if not cpukernel.available():
+        raise SdbenchError(f"@{kind} reads its blocks with sdbench's CPU products, which are not available here: "
+                           f"{cpukernel.why_not()}")
+    if copy_first:
+        with cpufast.plain(model):  # a packed model's own weights are empty
+            model = copy.deepcopy(model)
+    with cpufast.plain(model):
+        for w in _snapped_weights(model, kind):
+            w.data = quants.snap(w.data, kind)
+    cpufast.quantised(model, kind)
+    return model
+
+
 def variant_model(name: str, target_name: str, target, device, dtype):
     """The LoadedModel of MODEL@VARIANT: the quantised copy of MODEL (of the loaded target's weights when MODEL
     is the target itself rather than loaded a second time), with MODEL's tokenizer. target: the loaded target,
@@ -64,4 +110,6 @@ def variant_model(name: str, target_name: str, target, device, dtype):
     if serving(loaded.model.config).runner != "native":
         raise SdbenchError(f"model '{name}': @{variant} quantises the decoder layers the native runner computes, and "
                            f"'{base}' runs on the generic runner")
-    return replace(loaded, name=name, model=quantise_int8(loaded.model))
+    if variant == "int8":
+        return replace(loaded, name=name, model=quantise_int8(loaded.model))
+    return replace(loaded, name=name, model=quantise_blocks(loaded.model, variant, copy_first=loaded is target))
