@@ -213,6 +213,7 @@ def check_bench(cfg: BenchConfig) -> None:
             continue
         roles = engine_roles(eng, cfg.gamma, cfg.draft_model, cfg.autoregressive_only, cfg.heads, cfg.target)
         check_engine_options(eng, None, cfg.engine_port, len(roles))
+        eng.check_dtype(cfg.dtype)
         eng.check_installed()
 
 

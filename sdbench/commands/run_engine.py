@@ -54,6 +54,7 @@ def check_engine_run(cfg: RunConfig, base: str) -> None:
         check_engine_options(eng, cfg.engine_url, cfg.engine_port)
         return
     check_engine_options(eng, None, cfg.engine_port, len(engine_roles_of(eng, base, cfg)))
+    eng.check_dtype(cfg.dtype)
     eng.check_installed()
 
 

@@ -126,6 +126,7 @@ class Engine:
     install: str = ""  # the exact command, run in sdbench's checkout
     own_names: dict[str, str] = {}  # sdbench strategy -> the engine's name for it
     draft_round: str = CHAIN  # how its draft model spends a round's forwards (`engine/counters.py`)
+    dtypes: tuple = ("float32", "bfloat16", "float16")  # the --dtype values its weights take
 
     def executable(self) -> Path:
         raise NotImplementedError
@@ -133,6 +134,11 @@ class Engine:
     def installed(self) -> bool:
         """Its executable is there and its install finished (`make` writes the stamp last)."""
         return self.executable().is_file() and engines_dir(self.folder, ".installed").is_file()
+
+    def check_dtype(self, dtype: str) -> None:
+        """Refuse, in one line, a --dtype the engine's weights cannot take."""
+        if dtype not in self.dtypes:
+            raise SdbenchError(f"--dtype {dtype}: {self.name} runs --dtype {', '.join(self.dtypes)} here")
 
     def check_installed(self) -> None:
         if not self.installed():

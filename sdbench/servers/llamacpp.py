@@ -1,5 +1,6 @@
 """llama.cpp's `llama-server`, built from source by `make engine-llama.cpp`: GGUF weights (the shipped file
-re-typed by its own `llama-quantize` to the run's dtype, so both sides compute on the same values), its native
+re-typed by its own `llama-quantize` to the run's dtype, or a model's own @q8_0 / @q4_0, every tensor in that type
+as sdbench's block copy has them, so both sides compute on the same values), its native
 `/completion` endpoint streaming token ids, and the per-request `draft_n` / `draft_n_accepted` counters. Its
 block drafters (`draft-dflash`, `draft-dspark`) load a head folder converted by its own converter (head_gguf.py)."""
 
@@ -12,13 +13,14 @@ from sdbench.config import SamplingConfig
 from sdbench.engine.counters import MIRROR
 from sdbench.errors import SdbenchError
 from sdbench.models.loading.loader import model_files, safetensors_folder
+from sdbench.models.loading.names import BLOCK_TYPES, split_variant
 from sdbench.paths import cache_dir
 from sdbench.servers.client import EngineReplyError, post_json
 from sdbench.servers.engines import Engine, EngineRole, Reply, engines_dir, token_gaps
 from sdbench.servers.head_gguf import head_gguf, refusal
 
-# sdbench's --dtype -> llama-quantize's type name
-GGUF_TYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
+# sdbench's --dtype (or a model's own block type) -> llama-quantize's type name
+GGUF_TYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16", "q8_0": "Q8_0", "q4_0": "Q4_0"}
 NGRAM_SIZE = 3  # the lookup n-gram, as sdbench's ngram's longest suffix
 
 
@@ -32,6 +34,7 @@ class LlamaCpp(Engine):
     # draft-simple runs the target's verification batch through the draft too (its `process`), then one forward
     # per draft: the sampled token's and each draft's but the last
     draft_round = MIRROR
+    dtypes = tuple(GGUF_TYPES)
 
     def executable(self) -> Path:
         return engines_dir(self.folder, "build", "bin", "llama-server")
@@ -50,7 +53,11 @@ class LlamaCpp(Engine):
         return super().label(role, GGUF_TYPES.get(dtype, dtype))
 
     def gguf(self, model: str, dtype: str) -> Path:
-        """The model's GGUF with its weights re-typed to `dtype` (made once, in sdbench's cache)."""
+        """The model's GGUF with its weights re-typed to `dtype`, or to the block type the name gives (MODEL@q4_0),
+        every tensor in that type (`--pure`: no other type for the head or the embeddings, as sdbench's block copy);
+        made once, in sdbench's cache."""
+        model, variant = split_variant(model)
+        dtype = variant if variant in BLOCK_TYPES else dtype
         kind, where = model_files(model)
         if kind != "gguf":
             raise SdbenchError(f"llama.cpp serves GGUF files; '{model}' is a {'hub model' if kind == 'hub' else kind}: "
@@ -64,8 +71,8 @@ class LlamaCpp(Engine):
             if not quantize.is_file():
                 raise SdbenchError(f"llama.cpp's llama-quantize is missing ({quantize}): run `{self.install}`")
             part = out.with_suffix(".part")
-            done = subprocess.run([str(quantize), "--allow-requantize", str(source), str(part), GGUF_TYPES[dtype]],
-                                  capture_output=True, text=True)
+            done = subprocess.run([str(quantize), "--allow-requantize", "--pure", str(source), str(part),
+                                   GGUF_TYPES[dtype]], capture_output=True, text=True)
             if done.returncode != 0:
                 part.unlink(missing_ok=True)
                 said = (done.stderr or done.stdout).strip().splitlines()
@@ -127,6 +134,7 @@ class LlamaCpp(Engine):
 def target_folder(target: str) -> Path:
     """The target's folder of config and tokenizer, which llama.cpp's converter reads a head's vocabulary from: a
     GGUF's de-quantised copy, a local folder, or a hub model's snapshot."""
+    target = split_variant(target)[0]  # a block copy's folder is its model's
     kind, where = model_files(target)
     if kind == "hub":
         from sdbench.models.loading.hub import snapshot  # huggingface_hub: slow to import; only a hub target
