@@ -116,6 +116,28 @@ def test_llamacpp_commands_map_each_strategy_to_its_own_decoder(monkeypatch, tmp
     assert "EAGLE-3" in eng.refuse(EngineRole("eagle", 3, "h"))
 
 
+def test_llamacpp_retypes_a_gguf_to_the_runs_block_type_or_the_models_own(monkeypatch, tmp_path):
+    """--dtype q8_0 re-types the file to Q8_0 and a draft named MODEL@q4_0 to Q4_0, each with --pure (every tensor
+    in that type, as sdbench's block copy has them); each file made once."""
+    monkeypatch.setenv("SDBENCH_ENGINES", str(tmp_path / "engines"))
+    monkeypatch.setenv("SDBENCH_CACHE", str(tmp_path / "cache"))
+    tool = tmp_path / "engines" / "llama.cpp" / "build" / "bin" / "llama-quantize"
+    tool.parent.mkdir(parents=True)
+    log = tmp_path / "calls"
+    tool.write_text(f'#!/bin/sh\necho "$@" >> {log}\ncp "$3" "$4"\n')
+    tool.chmod(0o755)
+    source = tmp_path / "m.gguf"
+    source.write_bytes(b"GGUF")
+    eng = LlamaCpp()
+    assert eng.gguf(str(source), "q8_0").name.endswith("-Q8_0.gguf")
+    assert eng.gguf(f"{source}@q4_0", "q8_0").name.endswith("-Q4_0.gguf")
+    assert eng.gguf(str(source), "q8_0").is_file()
+    calls = log.read_text().splitlines()
+    assert calls == [f"--allow-requantize --pure {source} {p} {t}" for p, t in
+                     ((eng.gguf(str(source), "q8_0").with_suffix(".part"), "Q8_0"),
+                      (eng.gguf(f"{source}@q4_0", "float32").with_suffix(".part"), "Q4_0"))]
+
+
 def test_vllm_commands_carry_the_speculative_config(tmp_path):
     eng = Vllm()
     folder = tmp_path / "m"
@@ -184,7 +206,9 @@ def test_bench_refuses_an_engine_in_one_line(capsys, tmp_path, monkeypatch):
                        (["--engine", "vllm"], "make engine-vllm"),
                        (["--engine-url", "http://127.0.0.1:1"], "--engine-url and --engine-port go with"),
                        (["--engine", "vllm", "--engine-url", "http://127.0.0.1:1"], "no server answers GET /health"),
-                       (["--engine", "llama.cpp,vllm", "--engine-url", "http://127.0.0.1:1"], "give one --engine")):
+                       (["--engine", "llama.cpp,vllm", "--engine-url", "http://127.0.0.1:1"], "give one --engine"),
+                       (["--engine", "vllm", "--dtype", "q8_0"], "--dtype q8_0: vllm runs --dtype float32, bfloat16, "
+                                                                 "float16 here")):
         code, _, err = run_cli(capsys, "bench", *args)
         assert code != 0 and said in err and "Traceback" not in err, (args, err)
 

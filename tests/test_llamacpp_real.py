@@ -104,3 +104,27 @@ def test_a_block_head_drafts_alike_in_llamacpp(llamacpp, capsys, tmp_path, kind)
     assert (theirs.drafted > 0).all() and ours.accepted.sum() > 0
     assert ours.accepted.tolist() == theirs.accepted.tolist()
     assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("kind", ["q8_0", "q4_0"])
+def test_a_block_copy_holds_the_bytes_llama_quantize_writes(llamacpp, kind):
+    """The GGUF llama.cpp serves at --dtype q8_0 / q4_0 (its own llama-quantize --pure re-typing the shipped file)
+    holds, tensor for tensor, the blocks sdbench's block copy of the same model packs: the same weights on both
+    sides, byte for byte (q and k are left out: the converter permutes their rows for llama.cpp's rotation)."""
+    import torch
+    from gguf import GGUFReader
+
+    from sdbench.models.forward import quants
+    from sdbench.models.loading import loader
+
+    tensors = {t.name: t for t in GGUFReader(str(llamacpp.gguf(f"{SMOL}@{kind}", "float32"))).tensors}
+    model = loader.load_model(SMOL, torch.device("cpu"), torch.float32).model
+    layer = model.model.layers[3]
+    for name, weight in (("token_embd.weight", model.model.embed_tokens.weight), ("blk.3.attn_v.weight",
+                         layer.self_attn.v_proj.weight), ("blk.3.attn_output.weight", layer.self_attn.o_proj.weight),
+                         ("blk.3.ffn_gate.weight", layer.mlp.gate_proj.weight),
+                         ("blk.3.ffn_down.weight", layer.mlp.down_proj.weight)):
+        stored = tensors[name]
+        assert stored.tensor_type.name == kind.upper(), name
+        ours = quants.quantise(weight.detach(), kind).numpy()
+        assert (stored.data.reshape(ours.shape) == ours).all(), name
