@@ -56,35 +56,114 @@ def test_snapped_weights_are_their_own_blocks(kind):
     assert torch.equal(quants.snap(snapped, kind), snapped)  # what a block copy packs is what the library computes with
 
 
-@pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("rows", [1, 2, 3, 5, 6, 7, 13, 50])  # one read of a block meets 6 rows; 48 a sweep
-@pytest.mark.parametrize("bias", [False, True])
-def test_block_products_equal_the_product_over_ggufs_weights(kind, rows, bias):
-    w = _weights(out=37, n=160, seed=rows)
+def _product(x: torch.Tensor, blocks: torch.Tensor, kind: str, bias, grouped: bool) -> torch.Tensor:
+    """sdbench's C product over stored blocks (float32 activations) or grouped ones (8-bit activations)."""
+    out = blocks.shape[0]
+    packed = quants.group(blocks, kind) if grouped else blocks
+    y = torch.empty(x.shape[0], out)
+    fn = getattr(cpukernel.library(), f"sd_linear_grouped_{kind}" if grouped else f"sd_linear_{kind}")
+    fn(x.data_ptr(), packed.data_ptr(), None if bias is None else bias.data_ptr(), y.data_ptr(), x.shape[0],
+       x.shape[1], out)
+    return y
+
+
+def _case(kind: str, rows: int, bias: bool, out: int = 37, n: int = 160):
+    """(x, the stored blocks, bias, W de-quantised by gguf in float64)."""
+    w = _weights(out=out, n=n, seed=rows)
     blocks = gguf_quants.quantize(w.numpy(), GGUF[kind])
     plain = torch.from_numpy(gguf_quants.dequantize(blocks, GGUF[kind])).double()
     g = torch.Generator().manual_seed(rows)
-    x, b = torch.randn(rows, 160, generator=g), torch.randn(37, generator=g) if bias else None
-    y = cpukernel.linear_blocks(x.view(1, rows, 160), torch.from_numpy(blocks), kind, b)
+    x, b = torch.randn(rows, n, generator=g), torch.randn(out, generator=g) if bias else None
+    return x, torch.from_numpy(blocks), b, plain
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 6, 7, 13, 50])  # one read of a block meets 6 rows; 48 a sweep
+@pytest.mark.parametrize("bias", [False, True])
+def test_stored_block_products_equal_the_product_over_ggufs_weights(kind, rows, bias):
+    """Float32 activations: the product over the weights gguf de-quantises, to float32's rounding."""
+    x, blocks, b, plain = _case(kind, rows, bias)
     ref = x.double() @ plain.T + (0 if b is None else b.double())
-    assert y.shape == (1, rows, 37)
-    torch.testing.assert_close(y[0].double(), ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(_product(x, blocks, kind, b, grouped=False).double(), ref, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize(("kind", "old", "new"), [
-    ("q4_0", "k < 2 ? _mm_and_si128(v, m)", "k >= 2 ? _mm_and_si128(v, m)"),  # the nibbles' halves swapped
+def _needs_grouped():
+    if not cpukernel.grouped():
+        pytest.skip(f"this CPU has no VNNI (or {cpukernel.ACTIVATIONS_ENV}=float32): the integer products do not build")
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 13, 50, 97])  # 6 rows a pass over a group-block; 48 a sweep
+@pytest.mark.parametrize(("out", "bias"), [(37, True), (64, False), (5, True)])  # part groups of 8 outputs
+def test_grouped_block_products_equal_ggufs_arithmetic(kind, rows, out, bias):
+    """8-bit activations, as llama.cpp's CPU products: each row of x quantised as gguf quantises a Q8_0 tensor,
+    the product of the two de-quantised in float64 (the integer sums are exact, so only float32's rounding of the
+    scaled sums is left)."""
+    _needs_grouped()
+    x, blocks, b, plain = _case(kind, rows, bias, out=out)
+    xq = torch.from_numpy(gguf_quants.dequantize(gguf_quants.quantize(x.numpy(), GGUF["q8_0"]), GGUF["q8_0"]))
+    ref = xq.double() @ plain.T + (0 if b is None else b.double())
+    torch.testing.assert_close(_product(x, blocks, kind, b, grouped=True).double(), ref, rtol=2e-6, atol=2e-5)
+    assert not torch.allclose(x.double() @ plain.T, xq.double() @ plain.T, rtol=1e-6, atol=1e-6)  # quantised indeed
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_grouping_by_hand_and_back(kind):
+    """A group-block is the 8 rows' float16 scales, then 4 inputs of each of the 8 rows at a time (Q8_0 as q + 128,
+    Q4_0's bytes as stored); a last part group is padded with zero blocks; `ungroup` gives the blocks back."""
+    w = _weights(out=11, n=64, seed=3)
+    blocks = quants.quantise(w, kind)
+    grouped = quants.group(blocks, kind)
+    nb, size = 2, quants.BLOCK_BYTES[kind]
+    stride = 16 + 8 * (size - 2)  # one group-block
+    assert grouped.numel() == 2 * nb * stride  # 11 rows: two groups
+    for g, j, b in ((0, 3, 1), (1, 2, 0), (0, 7, 0)):
+        row, gb = 8 * g + j, grouped[(g * nb + b) * stride:(g * nb + b + 1) * stride]
+        stored = blocks[row, b * size:(b + 1) * size]
+        assert torch.equal(gb[2 * j:2 * j + 2], stored[:2])  # its scale
+        for k in range((size - 2) // 4):
+            quad = gb[16 + 32 * k + 4 * j:16 + 32 * k + 4 * j + 4]
+            want = stored[2 + 4 * k:6 + 4 * k]
+            if kind == "q8_0":
+                want = (want.view(torch.int8).to(torch.int16) + 128).to(torch.uint8)
+            assert torch.equal(quad, want), (g, j, b, k)
+    assert not grouped[(1 * nb) * stride + 2 * 3:].view(-1)[:2].any()  # row 11 (group 1, row 3): a zero scale
+    assert torch.equal(quants.ungroup(grouped, kind, 11, 64), blocks)
+
+
+@pytest.mark.parametrize(("kind", "old", "new", "grouped"), [
+    ("q4_0", "k < 2 ? _mm_and_si128(v, m)", "k >= 2 ? _mm_and_si128(v, m)", False),  # the nibbles' halves swapped
     ("q8_0", "a##r = _mm256_fmadd_ps(w, _mm256_loadu_ps(x + r * n + j), a##r);",
-     "a##r = _mm256_fmadd_ps(w, _mm256_loadu_ps(x + j), a##r);"),  # every row read as the first
+     "a##r = _mm256_fmadd_ps(w, _mm256_loadu_ps(x + j), a##r);", False),  # every row read as the first
+    ("q8_0", "_mm256_set1_epi32(-OFF * xr->sum)", "_mm256_set1_epi32(0)", True),  # the unsigned offset left in
+    ("q4_0", "w[k + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m);", "w[k + 4] = _mm256_and_si256(v, m);", True),
 ])
-def test_a_wrong_block_product_is_caught(monkeypatch, tmp_path, kind, old, new):
-    """The product check fails on quants.c built with one mistake (the test can fail)."""
+def test_a_wrong_block_product_is_caught(monkeypatch, tmp_path, kind, old, new, grouped):
+    """The product checks fail on quants.c built with one mistake (the tests can fail)."""
+    if grouped:
+        _needs_grouped()
     monkeypatch.setenv("SDBENCH_CACHE", str(tmp_path))
     monkeypatch.setattr(cpukernel, "resources", _ChangedSource(old, new, "quants.c"))
     monkeypatch.setattr(cpukernel, "_lib", None)
     monkeypatch.setattr(cpukernel, "_why", None)
     assert cpukernel.available(), cpukernel.why_not()
     with pytest.raises(AssertionError):
-        test_block_products_equal_the_product_over_ggufs_weights(kind, 3, False)
+        if grouped:
+            test_grouped_block_products_equal_ggufs_arithmetic(kind, 3, 37, False)
+        else:
+            test_stored_block_products_equal_the_product_over_ggufs_weights(kind, 3, False)
+
+
+@pytest.fixture
+def float_activations(monkeypatch, tmp_path):
+    """sdbench's products built with float32 activations (the exact product over the de-quantised weights)."""
+    monkeypatch.setenv(cpukernel.ACTIVATIONS_ENV, "float32")
+    monkeypatch.setattr(cpukernel, "_lib", None)
+    monkeypatch.setattr(cpukernel, "_why", None)
+    assert not cpukernel.grouped()
+    yield
+    monkeypatch.setattr(cpukernel, "_lib", None)  # the next test builds (or finds) the default again
+    monkeypatch.setattr(cpukernel, "_why", None)
 
 
 def _prompts() -> list[list[int]]:
@@ -99,10 +178,10 @@ def _decoded(runner, proposer, prompt) -> list[int]:
 
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])  # Qwen2: q/k/v biases
-def test_a_block_copy_decodes_as_generate_over_its_weights(kind, arch):
-    """The copy reads its projections and head as blocks; transformers' `generate` over the same model (its
-    weights de-quantised in place) is the reference for plain decoding, a draft's (a Q4_0 copy of a smaller model)
-    and prompt lookup; the float model it was copied from is untouched."""
+def test_a_block_copy_decodes_as_generate_over_its_weights(kind, arch, float_activations):
+    """With float32 activations the copy computes its de-quantised weights' model: transformers' `generate` over
+    the same model (its weights de-quantised in place) is the reference for plain decoding, a draft's (a Q4_0
+    copy of a smaller model) and prompt lookup; the float model it was copied from is untouched."""
     target, draft = tiny_pair(arch)
     before = target.lm_head.weight.clone()
     q_target = quantise_blocks(target, kind, copy_first=True)
@@ -120,6 +199,32 @@ def test_a_block_copy_decodes_as_generate_over_its_weights(kind, arch):
         assert _decoded(runner, NGram(3), prompt) == want
     assert isinstance(runner.path.fast.layers[0].qkv, cpupacked.Packed)
     assert runner.path.fast.layers[0].qkv.packed.dtype == torch.uint8
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_8_bit_activations_are_lossless_and_near_the_float_model(kind):
+    """Where the integer products build, the copy quantises its activations (as llama.cpp does): every strategy
+    equals its own plain decoding, and its logits are within the probe's block tolerance of the library's forward
+    over the de-quantised weights, but not within float32's (the test sees which arithmetic ran)."""
+    from sdbench.forward_step import Step
+    from sdbench.models.probing.probe import BLOCK_TOLERANCE, TOLERANCE
+
+    _needs_grouped()
+    target, draft = tiny_pair("llama")
+    q_target, q_draft = quantise_blocks(target, kind, copy_first=False), quantise_blocks(draft, "q4_0", False)
+    runner, d_runner = ModelRunner(q_target, fast=True), ModelRunner(q_draft, fast=True)
+    assert cpufast.block_activations(q_target) == "int8"
+    for prompt in _prompts():
+        plain = _decoded(runner, Autoregressive(), prompt)
+        assert _decoded(runner, DraftModel(d_runner, 3), prompt) == plain
+        assert _decoded(runner, NGram(3), prompt) == plain
+    ids = torch.tensor([_prompts()[0]])
+    cache = runner.new_cache(1, 64)
+    ours = runner.run(cache, Step(ids, [0]))[0]
+    with cpufast.plain(q_target), torch.inference_mode():
+        theirs = q_target(ids).logits[0]
+    gap = ((ours - theirs).abs().max() / theirs.abs().max().clamp(min=1)).item()
+    assert TOLERANCE[torch.float32] < gap < BLOCK_TOLERANCE
 
 
 def test_the_snapped_weights_are_what_a_copy_holds():
@@ -145,9 +250,12 @@ DRAFTS = {"draft": ["--draft", "{f}@q4_0"], "polybasic": ["--draft", "{f}@q4_0",
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
-def test_every_strategy_on_a_block_copy_is_lossless_from_the_cli(folder, tmp_path, capsys, strategy):
+def test_every_strategy_on_a_block_copy_is_lossless_from_the_cli(folder, tmp_path, capsys, strategy,
+                                                                  float_activations):
     """`--dtype q8_0` decodes every model of the run as its Q8_0 copy, a draft naming @q4_0 as that; each
-    strategy's output equals plain decoding of the same copy, and the rows record it."""
+    strategy's output equals plain decoding of the same copy, and the rows record it. Float32 activations: the
+    probe holds the copy to float32's tolerance, so it runs on the native runner (8-bit activations move this tiny
+    model's peaked logits past the block tolerance, and it would fall back to the library's forward)."""
     extra = [a.format(f=folder) for a in DRAFTS.get(strategy, [])]
     code, out, err = run_cli(capsys, "run", "--target", folder, "--dtype", "q8_0", "--strategy", strategy, *extra,
                              "--dataset", "gsm8k", "--limit", "2", "--max-new-tokens", "12", "--device", "cpu",
@@ -155,7 +263,7 @@ def test_every_strategy_on_a_block_copy_is_lossless_from_the_cli(folder, tmp_pat
     assert code == 0, err + out
     df = pd.concat(pd.read_parquet(p) for p in tmp_path.glob("*.parquet"))
     assert (df["target"] == f"{folder}@q8_0").all() and (df["dtype"] == "q8_0").all()
-    assert df["lossless"].all() and len(df) == 4
+    assert df["lossless"].all() and len(df) == 4 and (df["runner"] == "native").all()
     if strategy in DRAFTS:
         assert df.loc[df["role"] == "strategy", "draft"].str.startswith(f"{folder}@q4_0").all()
 

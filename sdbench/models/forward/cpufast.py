@@ -149,6 +149,14 @@ def weights_kind(model) -> str | None:
     return getattr(model, BLOCKS_ATTR, None)
 
 
+def block_activations(model) -> str | None:
+    """What a block copy's products multiply its blocks with on the fast path: "int8" (8-bit activations and integer
+    products, as llama.cpp's, where VNNI builds) or "float32"; None for float weights."""
+    if weights_kind(model) is None:
+        return None
+    return "int8" if cpukernel.available() and cpukernel.grouped() else "float32"
+
+
 def rms_norm(module, x: torch.Tensor) -> torch.Tensor:
     """A Llama-family RMSNorm in one op (float32 models: the same arithmetic as the module's)."""
     return F.rms_norm(x, (x.shape[-1],), module.weight, module.variance_epsilon)

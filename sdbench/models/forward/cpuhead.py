@@ -54,14 +54,14 @@ class HeadProduct:
 
     def pack(self, layout: str = ONEDNN) -> None:
         if layout in quants.TYPES and self.blocks is None:
-            self.blocks, self.kind = quants.quantise(self.lm_head.weight, layout), layout
+            self.blocks, self.kind = cpukernel.pack_blocks(self.lm_head.weight, layout), layout
 
     def unpack(self) -> None:
         self.blocks = self.kind = None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # x [..., H] -> [..., V]
         if self.blocks is not None:
-            return cpukernel.linear_blocks(x, self.blocks, self.kind, self.lm_head.bias)
+            return cpukernel.linear_blocks(x, self.blocks, self.kind, self.lm_head.bias, self.lm_head.out_features)
         way = self.ways.get(_nearest_width(x.numel() // x.shape[-1]), "library")
         return HEAD_WAYS[way](x, self.lm_head.weight, self.lm_head.bias)
 

@@ -31,6 +31,9 @@ from sdbench.models.forward import quants
 from sdbench.paths import cache_dir
 
 SOURCES = ("products.c", "quants.c")
+# float32: block weights meet float32 activations even where VNNI's integer products build (the exact product over
+# the de-quantised weights, slower); int8 (the default): 8-bit activations where VNNI is there, as llama.cpp computes
+ACTIVATIONS_ENV = "SDBENCH_BLOCK_ACTIVATIONS"
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
 PLAIN_ROWS = 8  # rows of x per pass of `linear_plain`
 _lib = None
@@ -51,6 +54,13 @@ def _cpu_flags() -> set:
     return set()
 
 
+def _flags() -> list[str]:
+    mode = os.environ.get(ACTIVATIONS_ENV, "int8").strip().lower()
+    if mode not in ("int8", "float32"):
+        raise RuntimeError(f"{ACTIVATIONS_ENV}={mode}: use int8 or float32")
+    return [*FLAGS, "-DSD_NO_VNNI"] if mode == "float32" else FLAGS
+
+
 def _build() -> ctypes.CDLL:
     """The compiled library, from the cache or built now; raises RuntimeError with the reason."""
     if not {"avx2", "fma", "f16c"} <= _cpu_flags():
@@ -63,7 +73,8 @@ def _build() -> ctypes.CDLL:
         version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError) as e:
         raise RuntimeError(f"{cc} does not run: {e}") from e
-    digest = hashlib.sha256(b"\0".join([*sources, " ".join(FLAGS).encode(), version.encode(),
+    flags = _flags()
+    digest = hashlib.sha256(b"\0".join([*sources, " ".join(flags).encode(), version.encode(),
                                         cpu_name().encode()])).hexdigest()[:16]
     folder = cache_dir("cpukernel")
     lib = folder / f"products-{digest}.so"
@@ -73,7 +84,7 @@ def _build() -> ctypes.CDLL:
             src.write_bytes(text)
         tmp = lib.with_suffix(f".{os.getpid()}.tmp")
         try:
-            done = subprocess.run([cc, *FLAGS, "-o", str(tmp), *map(str, srcs), "-lm"], capture_output=True,
+            done = subprocess.run([cc, *flags, "-o", str(tmp), *map(str, srcs), "-lm"], capture_output=True,
                                   text=True, timeout=300)
         finally:
             for src in srcs:
@@ -88,8 +99,11 @@ def _build() -> ctypes.CDLL:
     found.sd_pack.argtypes = found.sd_unpack.argtypes = [ptr, ptr, n, n]
     found.sd_linear_blocked.argtypes = found.sd_linear_plain.argtypes = [ptr, ptr, ptr, ptr, n, n, n]
     found.sd_linear_plain.restype = ctypes.c_int
+    found.sd_grouped.restype = ctypes.c_int
     for kind in quants.TYPES:
         getattr(found, f"sd_linear_{kind}").argtypes = [ptr, ptr, ptr, ptr, n, n, n]
+        if found.sd_grouped():
+            getattr(found, f"sd_linear_grouped_{kind}").argtypes = [ptr, ptr, ptr, ptr, n, n, n]
     found.sd_rms_norm.argtypes = [ptr, ptr, ptr, n, n, ctypes.c_float]
     found.sd_silu_mul.argtypes = [ptr, ptr, n, n]
     found.sd_attend.argtypes = [ptr] * 6 + [n] * 8 + [ctypes.c_float]
@@ -156,14 +170,32 @@ def linear_plain(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     return y
 
 
-def linear_blocks(x: torch.Tensor, blocks: torch.Tensor, kind: str, bias: torch.Tensor | None) -> torch.Tensor:
-    """x [..., n] W^T (+ bias) -> [..., out], W [out, n] in `kind` blocks (`quants.quantise`), any number of rows."""
+def grouped() -> bool:
+    """Whether the integer products over 8-bit activations build here (VNNI): block weights are then grouped by 8
+    output rows (`quants.group`) and read by them, as llama.cpp's CPU products compute; else the blocks stay as
+    stored and are de-quantised in registers against float32 activations."""
+    return bool(library().sd_grouped())
+
+
+def pack_blocks(weight: torch.Tensor, kind: str) -> torch.Tensor:
+    """A float32 [out, n] weight (on `kind`'s grid) as the blocks `linear_blocks` reads: grouped where `grouped()`."""
+    blocks = quants.quantise(weight, kind)
+    return quants.group(blocks, kind) if grouped() else blocks
+
+
+def unpack_blocks(packed: torch.Tensor, kind: str, out: int, n: int) -> torch.Tensor:
+    """The float32 [out, n] weight `pack_blocks` packed (exactly, for a weight on the grid)."""
+    return quants.dequantise(quants.ungroup(packed, kind, out, n) if grouped() else packed, kind)
+
+
+def linear_blocks(x: torch.Tensor, packed: torch.Tensor, kind: str, bias: torch.Tensor | None, out: int) -> torch.Tensor:
+    """x [..., n] W^T (+ bias) -> [..., out], W [out, n] packed by `pack_blocks`, any number of rows."""
     x = x.contiguous()
     n = x.shape[-1]
-    out = blocks.shape[0]
     y = x.new_empty(*x.shape[:-1], out)
-    getattr(library(), f"sd_linear_{kind}")(x.data_ptr(), blocks.data_ptr(), None if bias is None else bias.data_ptr(),
-                                            y.data_ptr(), x.numel() // n, n, out)
+    name = f"sd_linear_grouped_{kind}" if grouped() else f"sd_linear_{kind}"
+    getattr(library(), name)(x.data_ptr(), packed.data_ptr(), None if bias is None else bias.data_ptr(),
+                             y.data_ptr(), x.numel() // n, n, out)
     return y
 
 

@@ -87,7 +87,7 @@ class Packed:
         if self.layout == KERNEL:
             plain = cpukernel.unpack(self.packed, self.out_features, self.in_features)
         elif self.layout in quants.TYPES:
-            plain = quants.dequantise(self.packed, self.layout)
+            plain = cpukernel.unpack_blocks(self.packed, self.layout, self.out_features, self.in_features)
         else:
             plain = self.packed.to_dense()
         _share_rows(self.modules, "weight", plain)
@@ -108,7 +108,7 @@ def pack_weight(plain: torch.Tensor, layout: str) -> torch.Tensor:
     if layout == KERNEL:
         return cpukernel.pack(plain)
     if layout in quants.TYPES:
-        return quants.quantise(plain, layout)
+        return cpukernel.pack_blocks(plain, layout)
     return torch.ops.mkldnn._reorder_linear_weight(plain, PACK_HINT)
 
 
@@ -118,7 +118,7 @@ def packed_product(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | N
     if layout == KERNEL:
         return cpukernel.linear(x, packed, bias, out_features)
     if layout in quants.TYPES:
-        return cpukernel.linear_blocks(x, packed, layout, bias)
+        return cpukernel.linear_blocks(x, packed, layout, bias, out_features)
     return onednn_linear(x, packed, bias)
 
 

@@ -256,6 +256,9 @@ class GenericRunner:
     def fast_path_note(self) -> str | None:
         return None
 
+    def block_activations(self) -> str | None:
+        return None  # the library's forward: float32 activations over any weights
+
     @torch.inference_mode()
     def run(self, cache: GenericCache, step: Step) -> torch.Tensor:
         """Logits [B, T, V] (float32) of one forward call (`forward_step.py`), or at its `at` only: row by row

@@ -171,6 +171,11 @@ class ModelRunner:
             return None
         return cpufast.choose(self.model).describe()
 
+    def block_activations(self) -> str | None:
+        """A block copy's activations on this runner's fast path ("int8" or "float32", `cpufast.block_activations`);
+        None for float weights or off the fast path (the library's products over the de-quantised weights)."""
+        return cpufast.block_activations(self.model) if getattr(self.path, "fast", None) is not None else None
+
     def compiled_layers(self, forward, taps: Taps | None) -> torch.Tensor | None:
         """A static forward's hidden states through the compiled layers (`models/forward/cpucompile.py`), or None where
         compiling failed (the path is then the eager packed one)."""

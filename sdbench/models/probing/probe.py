@@ -27,6 +27,11 @@ generic runner) is 2.3e-2 away from its uncached one, as is the native runner. 1
 and still refuses a grossly wrong model (a sliding window not applied: 1.5 on a tiny Mistral; rotary tables
 for doubled positions: 0.2 on SmolLM2 in bfloat16, 1.8 on a tiny Llama in float32); subtler errors need
 float32 to show (`sdbench check --dtype float32`). float16 keeps 3 more bits (8 times less rounding): 2e-2.
+
+A block copy (MODEL@q8_0) whose products quantise the activations to 8 bits per block of 32 (as llama.cpp's do;
+`cpufast.block_activations`) is compared with the library's forward over its de-quantised weights, which keeps the
+activations in float32: SmolLM2-135M at 1024 positions differs by 2.5e-2 (Q8_0) and 2.3e-2 (Q4_0), as bfloat16's
+own forwards differ, so it is held to bfloat16's 1e-1 (BLOCK_TOLERANCE). With float32 activations it is 1e-4.
 """
 
 from __future__ import annotations
@@ -44,6 +49,7 @@ from sdbench.models.forward.recompute import recompute_threshold
 from sdbench.models.loading.variants import split_variant
 
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 1e-1, torch.float16: 2e-2}
+BLOCK_TOLERANCE = 1e-1  # a block copy's forward with 8-bit activations (the module docstring says why)
 STEPS = 2  # single-token forwards after the prefill
 WIDTH = 5  # tokens in the verification (gamma = 4 drafts and the bonus position)
 MIN_LENGTH = 32
@@ -67,9 +73,12 @@ class ProbeResult:
     skipped: str = ""  # why this model was not probed (then it passes, with no gaps)
     fallback: bool = False  # the model's native runner failed the probe and this generic one replaced it
     reused: str = ""  # when the kept verdict reused here was measured (models/probing/probe_cache.py); "": measured now
+    activations: str | None = None  # a block copy's on the native runner: "int8" or "float32" (None: float weights)
 
     @property
     def tolerance(self) -> float:
+        if self.activations == "int8":
+            return BLOCK_TOLERANCE
         return TOLERANCE.get(self.dtype, TOLERANCE[torch.bfloat16])
 
     @property
@@ -89,7 +98,7 @@ class ProbeResult:
         if self.error:
             return f"{where} failed the fidelity probe: {self.error}"
         phase, pos, rel, absolute = self.worst
-        dtype = str(self.dtype).removeprefix("torch.")
+        dtype = str(self.dtype).removeprefix("torch.") if self.activations != "int8" else "8-bit activations'"
         return (f"{where} does not compute the library's model: at {phase} position {pos} its logits differ from "
                 f"the library's forward by {absolute:.3g} ({rel:.2g} of the logits' scale; {dtype} tolerance "
                 f"{self.tolerance:g})")
@@ -144,7 +153,8 @@ def _shown(runner, length: int, vocab: int | None, console, verdicts=None) -> "P
     kept = verdicts.get(runner, reach) if verdicts is not None else None
     if kept is not None:
         return ProbeResult(runner.name or runner.model.config.model_type, runner_kind(runner), kept.length,
-                           runner.dtype, gaps=kept.gaps, worst=tuple(kept.worst), reused=kept.measured)
+                           runner.dtype, gaps=kept.gaps, worst=tuple(kept.worst), reused=kept.measured,
+                           activations=_activations(runner))
     with console.status(f"probing {runner.name} ({runner_kind(runner)} runner): its logits against the "
                         f"library's forward over {reach} positions"):
         result = probe(runner, length, vocab)
@@ -185,13 +195,19 @@ def _rescaled(config) -> bool:
     return config_length_dependent(config)
 
 
+def _activations(runner) -> str | None:
+    """A block copy's activations on the runner's fast path (`block_activations`), else None."""
+    return getattr(runner, "block_activations", lambda: None)()
+
+
 def probe(runner, length: int, vocab: int | None = None) -> ProbeResult:
     """The runner's logits against the library's forward on `probe_length` positions. vocab: draw tokens
     below it (the tokenizer's size; default the head's)."""
     model = runner.model
     config = _text_config(model)
     length = probe_length(model, length)
-    result = ProbeResult(runner.name or config.model_type, runner_kind(runner), length, runner.dtype)
+    result = ProbeResult(runner.name or config.model_type, runner_kind(runner), length, runner.dtype,
+                         activations=_activations(runner))
     vocab = min(vocab or config.vocab_size, config.vocab_size)
     ids = _sequence(length, vocab)
     first = length - STEPS - WIDTH - 1  # the position the prefill's logits are taken at

@@ -96,7 +96,7 @@ def code_fingerprint() -> str:
     h = hashlib.sha256(sdbench.__version__.encode())
     root = Path(sdbench.__file__).resolve().parent
     for folder in CODE:
-        for path in sorted((root / folder).glob("*.py")):
+        for path in sorted(p for p in (root / folder).rglob("*") if p.suffix in (".py", ".c")):
             h.update(path.name.encode() + path.read_bytes())
     return h.hexdigest()[:16]
 
@@ -110,6 +110,7 @@ def runner_key(runner, weights: str) -> dict:
         "runner": getattr(runner, "kind", "native"),
         "path": path,
         "static": bool(getattr(runner, "static", False)),
+        "blocks": getattr(runner, "block_activations", lambda: None)(),
         "dtype": str(runner.dtype).removeprefix("torch."),
         "device": _gpu(device)[0] if device.startswith("cuda") else f"cpu:{cpu_name()}",
         "code": code_fingerprint(),

@@ -12,6 +12,7 @@
  */
 #include <immintrin.h>
 #include <stdint.h>
+#include <stdlib.h>
 
 #define ALWAYS static inline __attribute__((always_inline))
 #define QK 32 /* inputs per block */
@@ -120,7 +121,7 @@ static void product(const rows_fn *fns, size_t block, const float *x, const uint
   }
 }
 
-/* y [rows, out] = x [rows, n] W^T (+ b), W [out, n] in Q8_0 / Q4_0 blocks (n a multiple of 32): any rows */
+/* y [rows, out] = x [rows, n] W^T (+ b), W [out, n] in Q8_0 / Q4_0 blocks as stored (n a multiple of 32): any rows */
 void sd_linear_q8_0(const float *x, const uint8_t *w, const float *b, float *y, long rows, long n, long out) {
   product(rows_q8_0, sizeof(block_q8_0), x, w, b, y, rows, n, out);
 }
@@ -128,3 +129,159 @@ void sd_linear_q8_0(const float *x, const uint8_t *w, const float *b, float *y, 
 void sd_linear_q4_0(const float *x, const uint8_t *w, const float *b, float *y, long rows, long n, long out) {
   product(rows_q4_0, sizeof(block_q4_0), x, w, b, y, rows, n, out);
 }
+
+/* ---- 8-bit activations and integer dot products (VNNI), on blocks regrouped by 8 output rows ----
+ *
+ * What llama.cpp's CPU products compute: each row of x quantised per block of 32 as Q8_0 is (dx = max|x| / 127
+ * stored in float16, xq = round(x / dx)), then per block the exact integer sum of wq xq, scaled by dw dx. The
+ * weights are regrouped (sd_group_*: models/forward/quants.py) so that one 32-byte vector holds 4 inputs of 8
+ * output rows: one VNNI instruction multiplies them by a broadcast of 4 of x's bytes into the 8 rows' sums, and the
+ * 8 scales of a block are one vector, so nothing is summed across lanes. A group-block is the 8 rows' float16 scales
+ * (16 bytes) then the quants, for k = 0..7 (Q8_0) the inputs 4k..4k+3 of rows 0..7 as unsigned bytes w + 128 (256
+ * bytes), or for k = 0..3 (Q4_0) bytes 4k..4k+3 of rows 0..7 as stored, low halves the inputs 4k.., high halves
+ * 16 + 4k.. (128 bytes). The unsigned offset (128, or Q4_0's 8) comes back out as offset * sum(xq).
+ */
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define SD_VNNI 1
+ALWAYS __m256i dot4(__m256i acc, __m256i u, __m256i s) { return _mm256_dpbusd_epi32(acc, u, s); }
+#elif defined(__AVXVNNI__)
+#define SD_VNNI 1
+ALWAYS __m256i dot4(__m256i acc, __m256i u, __m256i s) { return _mm256_dpbusd_avx_epi32(acc, u, s); }
+#endif
+
+#if defined(SD_VNNI) && !defined(SD_NO_VNNI)
+#include <math.h>
+
+typedef struct {
+  float d;       /* the block's scale, as its float16 holds it */
+  int32_t sum;   /* sum of q */
+  int8_t q[QK];
+} xblock;
+
+/* round half away from zero, exactly (as C's roundf): floor(a) + floor(2 (a - floor(a))) with a = |v| */
+ALWAYS __m256 round_away(__m256 v) {
+  __m256 sign = _mm256_set1_ps(-0.0f), a = _mm256_andnot_ps(sign, v), f = _mm256_floor_ps(a);
+  __m256 r = _mm256_add_ps(f, _mm256_floor_ps(_mm256_add_ps(_mm256_sub_ps(a, f), _mm256_sub_ps(a, f))));
+  return _mm256_or_ps(r, _mm256_and_ps(sign, v));
+}
+
+/* rows of x [rows, n] as Q8_0 blocks, xb [rows * n / 32] */
+static void quantise_x(const float *x, long rows, long n, xblock *xb) {
+  long nb = n / QK;
+  for (long t = 0; t < rows * nb; t++) {
+    const float *v = x + (t / nb) * n + (t % nb) * QK;
+    __m256 sign = _mm256_set1_ps(-0.0f), p[4], m = _mm256_setzero_ps();
+    for (int k = 0; k < 4; k++) {
+      p[k] = _mm256_loadu_ps(v + 8 * k);
+      m = _mm256_max_ps(m, _mm256_andnot_ps(sign, p[k]));
+    }
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_max_ss(h, _mm_movehdup_ps(h));
+    float d = _mm_cvtss_f32(h) / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+    __m256i q[4], total = _mm256_setzero_si256();
+    for (int k = 0; k < 4; k++) {
+      q[k] = _mm256_cvtps_epi32(round_away(_mm256_mul_ps(p[k], _mm256_set1_ps(id))));
+      total = _mm256_add_epi32(total, q[k]);
+    }
+    __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+    _mm256_storeu_si256((__m256i *)xb[t].q, _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(total), _mm256_extracti128_si256(total, 1));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));
+    xb[t].sum = _mm_cvtsi128_si32(s);
+    xb[t].d = _cvtsh_ss(_cvtss_sh(d, 0));
+  }
+}
+
+#define G8 8 /* output rows per group */
+
+ALWAYS void quads_q8_0(const uint8_t *gb, __m256i w[8]) {
+  for (int k = 0; k < 8; k++) w[k] = _mm256_loadu_si256((const __m256i *)(gb + 16 + 32 * k));
+}
+
+ALWAYS void quads_q4_0(const uint8_t *gb, __m256i w[8]) {
+  __m256i m = _mm256_set1_epi8(15);
+  for (int k = 0; k < 4; k++) {
+    __m256i v = _mm256_loadu_si256((const __m256i *)(gb + 16 + 32 * k));
+    w[k] = _mm256_and_si256(v, m);
+    w[k + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m);
+  }
+}
+
+/* R rows against one group of 8 outputs: y[r * out + j] for j < live */
+#define GZERO(r) __m256 a##r = _mm256_setzero_ps();
+#define GROW(r)                                                                                               \
+  {                                                                                                           \
+    const xblock *xr = xb + r * nb + b;                                                                       \
+    const int32_t *xq = (const int32_t *)xr->q;                                                              \
+    __m256i p = _mm256_set1_epi32(-OFF * xr->sum);                                                            \
+    for (int k = 0; k < 8; k++) p = dot4(p, w[k], _mm256_set1_epi32(xq[k]));                                 \
+    a##r = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_mul_ps(dw, _mm256_set1_ps(xr->d)), a##r);            \
+  }
+#define GSTORE(r)                                                                                             \
+  {                                                                                                           \
+    float t[8];                                                                                               \
+    _mm256_storeu_ps(t, a##r);                                                                                \
+    for (long j = 0; j < live; j++) y[r * out + j] = t[j] + (bias ? bias[j] : 0.0f);                         \
+  }
+#define GROUP(T, R)                                                                                           \
+  static void group_##T##_##R(const xblock *xb, long nb, const uint8_t *g, const float *bias, float *y,        \
+                              long out, long live) {                                                          \
+    R_##R(GZERO) for (long b = 0; b < nb; b++) {                                                              \
+      const uint8_t *gb = g + b * GROUP_BYTES_##T;                                                            \
+      __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)gb));                                      \
+      __m256i w[8];                                                                                           \
+      quads_##T(gb, w);                                                                                       \
+      R_##R(GROW)                                                                                             \
+    }                                                                                                         \
+    R_##R(GSTORE)                                                                                             \
+  }
+
+typedef void (*group_fn)(const xblock *, long, const uint8_t *, const float *, float *, long, long);
+#define GROUP_BYTES_q8_0 (16 + 8 * QK)
+#define GROUP_BYTES_q4_0 (16 + 4 * QK)
+#define GROUPS(T)                                                                                             \
+  GROUP(T, 1) GROUP(T, 2) GROUP(T, 3) GROUP(T, 4) GROUP(T, 5) GROUP(T, 6)                                     \
+  static const group_fn groups_##T[GPASS + 1] = {0, group_##T##_1, group_##T##_2, group_##T##_3, group_##T##_4, \
+                                                 group_##T##_5, group_##T##_6};
+#define GPASS 6 /* rows met by one group-block's quants in registers (8 of them, and a sum per row) */
+#define OFF 128
+GROUPS(q8_0)
+#undef OFF
+#define OFF 8
+GROUPS(q4_0)
+#undef OFF
+
+static void grouped(const group_fn *fns, size_t group_bytes, const float *x, const uint8_t *w, const float *b,
+                    float *y, long rows, long n, long out) {
+  long nb = n / QK, groups = (out + G8 - 1) / G8;
+  xblock *xb = aligned_alloc(64, ((rows * nb * sizeof(xblock) + 63) / 64) * 64);
+  quantise_x(x, rows, n, xb);
+  for (long c = 0; c < rows; c += CHUNK) {
+    long chunk = rows - c < CHUNK ? rows - c : CHUNK;
+#pragma omp parallel for schedule(static)
+    for (long g = 0; g < groups; g++) {
+      long live = out - g * G8 < G8 ? out - g * G8 : G8;
+      for (long r = c; r < c + chunk; r += GPASS) {
+        long k = c + chunk - r < GPASS ? c + chunk - r : GPASS;
+        fns[k](xb + r * nb, nb, w + g * nb * group_bytes, b ? b + g * G8 : 0, y + r * out + g * G8, out, live);
+      }
+    }
+  }
+  free(xb);
+}
+
+/* 1 where the grouped integer products are built here (the weights are then grouped, sd_linear_grouped_*) */
+int sd_grouped(void) { return 1; }
+
+void sd_linear_grouped_q8_0(const float *x, const uint8_t *w, const float *b, float *y, long rows, long n, long out) {
+  grouped(groups_q8_0, GROUP_BYTES_q8_0, x, w, b, y, rows, n, out);
+}
+
+void sd_linear_grouped_q4_0(const float *x, const uint8_t *w, const float *b, float *y, long rows, long n, long out) {
+  grouped(groups_q4_0, GROUP_BYTES_q4_0, x, w, b, y, rows, n, out);
+}
+#else
+int sd_grouped(void) { return 0; }
+#endif
