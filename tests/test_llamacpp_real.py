@@ -128,3 +128,21 @@ def test_a_block_copy_holds_the_bytes_llama_quantize_writes(llamacpp, kind):
         assert stored.tensor_type.name == kind.upper(), name
         ours = quants.quantise(weight.detach(), kind).numpy()
         assert (stored.data.reshape(ours.shape) == ours).all(), name
+
+
+def test_a_k_quant_mix_runs_through_llamacpp_and_a_file_of_it_is_served_as_it_is(llamacpp, capsys, tmp_path):
+    """--dtype q4_k_m: llama-quantize's own mix (not --pure: its Q6_K tensors stay), and a GGUF already of that
+    type (a user's own file) served as it is; `run --engine llama.cpp` decodes through it, rows recording it."""
+    from gguf import GGUFReader
+
+    from sdbench.servers.llamacpp import file_type
+
+    made = llamacpp.gguf(SMOL, "q4_k_m")
+    assert file_type(made) == "Q4_K_M"
+    assert {t.tensor_type.name for t in GGUFReader(str(made)).tensors} >= {"Q4_K", "Q6_K"}
+    assert llamacpp.gguf(str(made), "q4_k_m") == made  # already of the type: as it is
+    code, out, err = run_cli(capsys, "run", "--engine", "llama.cpp", "--dtype", "q4_k_m", "--strategy", "ngram",
+                             "--limit", "1", "--max-new-tokens", "8", "--turns", "1", "--out", str(tmp_path))
+    assert code == 0, err + out
+    df = pd.read_parquet(next(tmp_path.glob("*.parquet")))
+    assert (df["dtype"] == "q4_k_m").all() and (df["engine"] == "llama.cpp").all() and (df["new_tokens"] > 0).all()

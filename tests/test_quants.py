@@ -59,7 +59,7 @@ def test_snapped_weights_are_their_own_blocks(kind):
 def _product(x: torch.Tensor, blocks: torch.Tensor, kind: str, bias, grouped: bool) -> torch.Tensor:
     """sdbench's C product over stored blocks (float32 activations) or grouped ones (8-bit activations)."""
     out = blocks.shape[0]
-    packed = quants.group(blocks, kind) if grouped else blocks
+    packed = quants.group(blocks, kind, cpukernel.group_rows()) if grouped else blocks
     y = torch.empty(x.shape[0], out)
     fn = getattr(cpukernel.library(), f"sd_linear_grouped_{kind}" if grouped else f"sd_linear_{kind}")
     fn(x.data_ptr(), packed.data_ptr(), None if bias is None else bias.data_ptr(), y.data_ptr(), x.shape[0],
@@ -108,35 +108,37 @@ def test_grouped_block_products_equal_ggufs_arithmetic(kind, rows, out, bias):
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_grouping_by_hand_and_back(kind):
-    """A group-block is the 8 rows' float16 scales, then 4 inputs of each of the 8 rows at a time (Q8_0 as q + 128,
-    Q4_0's bytes as stored); a last part group is padded with zero blocks; `ungroup` gives the blocks back."""
-    w = _weights(out=11, n=64, seed=3)
+@pytest.mark.parametrize("rows", [8, 16])  # AVX2's vectors, AVX-512's
+def test_grouping_by_hand_and_back(kind, rows):
+    """A group-block is the rows' float16 scales, then 4 inputs of each row at a time (Q8_0 as q + 128, Q4_0's
+    bytes as stored); a last part group is padded with zero blocks; `ungroup` gives the blocks back."""
+    out = rows + 3
+    w = _weights(out=out, n=64, seed=3)
     blocks = quants.quantise(w, kind)
-    grouped = quants.group(blocks, kind)
+    grouped = quants.group(blocks, kind, rows)
     nb, size = 2, quants.BLOCK_BYTES[kind]
-    stride = 16 + 8 * (size - 2)  # one group-block
-    assert grouped.numel() == 2 * nb * stride  # 11 rows: two groups
-    for g, j, b in ((0, 3, 1), (1, 2, 0), (0, 7, 0)):
-        row, gb = 8 * g + j, grouped[(g * nb + b) * stride:(g * nb + b + 1) * stride]
+    stride = 2 * rows + rows * (size - 2)  # one group-block
+    assert grouped.numel() == 2 * nb * stride  # two groups
+    for g, j, b in ((0, 3, 1), (1, 2, 0), (0, rows - 1, 0)):
+        row, gb = rows * g + j, grouped[(g * nb + b) * stride:(g * nb + b + 1) * stride]
         stored = blocks[row, b * size:(b + 1) * size]
         assert torch.equal(gb[2 * j:2 * j + 2], stored[:2])  # its scale
         for k in range((size - 2) // 4):
-            quad = gb[16 + 32 * k + 4 * j:16 + 32 * k + 4 * j + 4]
+            at = 2 * rows + 4 * rows * k + 4 * j
             want = stored[2 + 4 * k:6 + 4 * k]
             if kind == "q8_0":
                 want = (want.view(torch.int8).to(torch.int16) + 128).to(torch.uint8)
-            assert torch.equal(quad, want), (g, j, b, k)
-    assert not grouped[(1 * nb) * stride + 2 * 3:].view(-1)[:2].any()  # row 11 (group 1, row 3): a zero scale
-    assert torch.equal(quants.ungroup(grouped, kind, 11, 64), blocks)
+            assert torch.equal(gb[at:at + 4], want), (g, j, b, k)
+    assert not grouped[nb * stride + 2 * 3:][:2].any()  # group 1, row 3 (past the last real row): a zero scale
+    assert torch.equal(quants.ungroup(grouped, kind, out, 64, rows), blocks)
 
 
 @pytest.mark.parametrize(("kind", "old", "new", "grouped"), [
     ("q4_0", "k < 2 ? _mm_and_si128(v, m)", "k >= 2 ? _mm_and_si128(v, m)", False),  # the nibbles' halves swapped
     ("q8_0", "a##r = _mm256_fmadd_ps(w, _mm256_loadu_ps(x + r * n + j), a##r);",
      "a##r = _mm256_fmadd_ps(w, _mm256_loadu_ps(x + j), a##r);", False),  # every row read as the first
-    ("q8_0", "_mm256_set1_epi32(-OFF * xr->sum)", "_mm256_set1_epi32(0)", True),  # the unsigned offset left in
-    ("q4_0", "w[k + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m);", "w[k + 4] = _mm256_and_si256(v, m);", True),
+    ("q8_0", "VI(set1_epi32)(-OFF * xr->sum)", "VI(set1_epi32)(0)", True),  # the unsigned offset left in
+    ("q4_0", "w[k + 4] = VAND(VI(srli_epi16)(v, 4), m);", "w[k + 4] = VAND(v, m);", True),
 ])
 def test_a_wrong_block_product_is_caught(monkeypatch, tmp_path, kind, old, new, grouped):
     """The product checks fail on quants.c built with one mistake (the tests can fail)."""
@@ -269,7 +271,10 @@ def test_every_strategy_on_a_block_copy_is_lossless_from_the_cli(folder, tmp_pat
 
 
 @pytest.mark.parametrize(("argv", "says"), [
-    (["run", "--dtype", "q5_0"], "--dtype q5_0: use one of float32, bfloat16, float16, q8_0, q4_0"),
+    (["run", "--dtype", "q5_0"], "--dtype q5_0: use one of float32, bfloat16, float16, q8_0, q4_0 (or, through "
+                                 "--engine llama.cpp, q4_k_m"),
+    (["run", "--dtype", "q4_k_m"], "--dtype q4_k_m: llama.cpp's K-quant mix, which sdbench's own runner does not read"),
+    (["bench", "--dtype", "q4_k_m"], "bench --dtype q4_k_m: llama.cpp's K-quant mix; add --engine llama.cpp"),
     (["run", "--target", "smollm2-135m@q3_k"], "unknown variant '@q3_k'"),
     (["train-head", "--target", "smollm2-135m", "--kind", "eagle3", "--dtype", "q8_0", "--out", "x"],
      "train-head --dtype q8_0: a head is fitted on the target's float weights"),
@@ -307,3 +312,25 @@ def test_a_block_copy_counts_its_blocks_bytes():
     assert weight_bytes(model) == 4 * matrices + norms
     for kind, block in (("q8_0", 34), ("q4_0", 18)):
         assert weight_bytes(quantise_blocks(model, kind, copy_first=True)) == matrices // 32 * block + norms
+
+
+def test_bench_holds_8_bit_activations_to_sdbenchs_own_plain_decoding():
+    """A block copy with 8-bit activations parts from generate's tokens as llama.cpp's does: bench then holds its
+    fast systems to sdbench's fast plain decoding (lossless, as a run is) and its library-product rows to generate."""
+    from sdbench.commands.bench_table import OutputDiffers, SystemMeasurement, check_outputs
+
+    generate, ours = [[1, 2, 3]], [[1, 2, 4]]
+    results = [SystemMeasurement("transformers generate", False, outputs=generate),
+               SystemMeasurement("sdbench autoregressive (no fast path)", False, outputs=generate),
+               SystemMeasurement("sdbench autoregressive (fast)", True, outputs=ours),
+               SystemMeasurement("sdbench draft (γ=4) (fast)", True, outputs=ours)]
+    check_outputs(results, generate, own_arithmetic=True)
+    with pytest.raises(OutputDiffers, match="autoregressive \\(fast\\) differs from transformers generate"):
+        check_outputs(results, generate)
+    results[3].outputs = [[1, 2, 5]]
+    with pytest.raises(OutputDiffers, match="draft .* differs from sdbench's fast plain decoding on prompt 1"):
+        check_outputs(results, generate, own_arithmetic=True)
+    results[1].outputs = ours
+    results[3].outputs = ours
+    with pytest.raises(OutputDiffers, match="no fast path\\) differs from transformers generate"):
+        check_outputs(results, generate, own_arithmetic=True)

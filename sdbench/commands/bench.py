@@ -34,7 +34,7 @@ from sdbench.forward_step import Step
 from sdbench.models.forward.generic import GenericRunner, runner_kind
 from sdbench.models.heads.load import check_folder
 from sdbench.models.loading.loader import check_same_tokenizer, eos_token_ids
-from sdbench.models.loading.names import with_weights
+from sdbench.models.loading.names import ENGINE_TYPES, with_weights
 from sdbench.models.loading.pair import device_and_dtype, load_models, pick_runner
 from sdbench.options import split_list
 from sdbench.paths import cache_dir
@@ -43,6 +43,7 @@ from sdbench.reporting.latency import latencies, latency_table
 from sdbench.servers.costs import probe_capacity
 from sdbench.servers.engines import SDBENCH
 from sdbench.servers.known import engine
+from sdbench.servers.llamacpp import LlamaCpp
 from sdbench.servers.systems import check_engine_options, engine_roles, engine_systems
 from sdbench.strategies.autoregressive import Autoregressive
 from sdbench.strategies.base import TrainedHead
@@ -181,11 +182,22 @@ class Peers:
     device: str
     carried: list[Carried] = field(default_factory=list)  # the carry-over table's rows (bench_carry.py)
     unknown: list[str] = field(default_factory=list)  # why a speculative system has no carry-over row
+    own_arithmetic: bool = False  # the fast path computes otherwise than the library (a block copy's 8-bit activations)
 
     @property
     def roofline(self) -> float:
         """Tokens/s if every token read the weights once at the measured bandwidth."""
         return self.bandwidth.bytes_per_s / self.weight_bytes
+
+
+def _own_weights(cfg: BenchConfig) -> tuple[str, str, str]:
+    """(target, draft, dtype) sdbench's own systems load: the models as --dtype names them (a block type's copies,
+    MODEL@q8_0), or for a K-quant mix llama.cpp alone runs, the very GGUF files llama.cpp serves, de-quantised, in
+    float32: the same weights on both sides."""
+    if cfg.dtype not in ENGINE_TYPES:
+        return with_weights(cfg.target, cfg.dtype), with_weights(cfg.draft_model, cfg.dtype), cfg.dtype
+    served = LlamaCpp()
+    return str(served.gguf(cfg.target, cfg.dtype)), str(served.gguf(cfg.draft_model, cfg.dtype)), "float32"
 
 
 def check_bench(cfg: BenchConfig) -> None:
@@ -198,6 +210,9 @@ def check_bench(cfg: BenchConfig) -> None:
     need_gamma("draft", cfg.gamma, "bench --gamma")
     if cfg.generate not in MODES:
         raise SdbenchError(f"--generate {cfg.generate}: use one of {', '.join(MODES)}")
+    if cfg.dtype in ENGINE_TYPES and LlamaCpp.name not in engine_names(cfg.engine):
+        raise SdbenchError(f"bench --dtype {cfg.dtype}: llama.cpp's K-quant mix; add --engine llama.cpp (sdbench's "
+                           "own systems then run over the weights it serves, de-quantised)")
     for head in cfg.heads:
         check_folder(head)
     names = engine_names(cfg.engine)
@@ -268,16 +283,16 @@ def run_peers(cfg: BenchConfig, console: Console) -> list[SystemMeasurement]:
                                                     verify_cost=peers.verify_cost, draft_cost=peers.draft_cost),
                            peers.carried)
         console.print(f"results: {path}", highlight=False)
-    check_outputs(peers.results, peers.reference)
+    check_outputs(peers.results, peers.reference, peers.own_arithmetic)
     return peers.results
 
 
 def measure_peers(cfg: BenchConfig, console: Console) -> Peers:
     """Load the models, measure every system (`_systems`) on the same prompts, then the cost ratios and the
     memory bandwidth; prints nothing but progress and a @random model's note."""
-    target, draft = with_weights(cfg.target, cfg.dtype), with_weights(cfg.draft_model, cfg.dtype)
+    target, draft, own_dtype = _own_weights(cfg)
     max_new, gamma = cfg.max_new_tokens, cfg.gamma
-    dev, dt = device_and_dtype(cfg.device, cfg.dtype)
+    dev, dt = device_and_dtype(cfg.device, own_dtype)
     models = load_models([target, draft], dev, dt, console)  # an @int8 draft: run by sdbench and by assisted generation
     tgt, drf = models[target].loaded, models[draft].loaded
     if drf is not tgt:
@@ -318,7 +333,7 @@ def measure_peers(cfg: BenchConfig, console: Console) -> Peers:
         carried, unknown = carry_over(results, fast_row(results), engines, prompts, gamma, ratios, status, blocks)
     return Peers(results, memory_bandwidth(dev), plain_bytes, ratios[0], ratios[1], picked, reference, disagreement,
                  runner.fast_path_note(), graphs_asked, bool(getattr(runner, "graphs", False)), len(prompts),
-                 str(dev), carried, unknown)
+                 str(dev), carried, unknown, runner.block_activations() == "int8")
 
 
 def _pick_generate(model, prompt: list[int], eos: list[int], mode: str, device, status, weights, room: int):

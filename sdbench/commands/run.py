@@ -39,6 +39,7 @@ from sdbench.models.loading.pair import Pair, device_and_dtype
 from sdbench.paths import output_dir
 from sdbench.reporting.rows import Judged, Place, RunFields, result_row
 from sdbench.reporting.writer import RunWriter, new_run_id
+from sdbench.servers.engines import SDBENCH
 from sdbench.servers.process import EngineFailed
 
 WARMUP_PROMPT_TOKENS = 256
@@ -69,7 +70,7 @@ class RunHarness:
         if self.choice.entry is not None:
             self.console.print(f"schedule '{self.choice.name}': the {self.choice.entry.label} entry", highlight=False)
         self.backend = backend_for(self.cfg)  # sdbench's own loop, or an engine's server
-        self.device, self.dtype = device_and_dtype(self.cfg.device, self.cfg.dtype)
+        self.device, self.dtype = device_and_dtype(self.cfg.device, self.cfg.dtype, self.cfg.engine != SDBENCH)
         output_dir(self.cfg.out)  # a bad --out fails now, not after the models have loaded
 
     def _load(self) -> Pair:

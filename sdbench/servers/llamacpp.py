@@ -13,14 +13,16 @@ from sdbench.config import SamplingConfig
 from sdbench.engine.counters import MIRROR
 from sdbench.errors import SdbenchError
 from sdbench.models.loading.loader import model_files, safetensors_folder
-from sdbench.models.loading.names import BLOCK_TYPES, split_variant
+from sdbench.models.loading.names import BLOCK_TYPES, ENGINE_TYPES, split_variant
 from sdbench.paths import cache_dir
 from sdbench.servers.client import EngineReplyError, post_json
 from sdbench.servers.engines import Engine, EngineRole, Reply, engines_dir, token_gaps
 from sdbench.servers.head_gguf import head_gguf, refusal
 
-# sdbench's --dtype (or a model's own block type) -> llama-quantize's type name
-GGUF_TYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16", "q8_0": "Q8_0", "q4_0": "Q4_0"}
+# sdbench's --dtype (or a model's own block type) -> llama-quantize's type name: the float types, the block types
+# sdbench's own runner reads too, and the K-quant mixes llama.cpp alone runs
+GGUF_TYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16", "q8_0": "Q8_0", "q4_0": "Q4_0",
+              **{t: t.upper() for t in ENGINE_TYPES}}
 NGRAM_SIZE = 3  # the lookup n-gram, as sdbench's ngram's longest suffix
 
 
@@ -54,8 +56,9 @@ class LlamaCpp(Engine):
 
     def gguf(self, model: str, dtype: str) -> Path:
         """The model's GGUF with its weights re-typed to `dtype`, or to the block type the name gives (MODEL@q4_0),
-        every tensor in that type (`--pure`: no other type for the head or the embeddings, as sdbench's block copy);
-        made once, in sdbench's cache."""
+        made once, in sdbench's cache; a file already of that type as it is (a user's own Q4_K_M file). A block type
+        puts every tensor in it (`--pure`: no other type for the head or the embeddings, as sdbench's block copy);
+        a K-quant mix is llama-quantize's own mix."""
         model, variant = split_variant(model)
         dtype = variant if variant in BLOCK_TYPES else dtype
         kind, where = model_files(model)
@@ -65,13 +68,16 @@ class LlamaCpp(Engine):
         if dtype not in GGUF_TYPES:
             raise SdbenchError(f"llama.cpp: no GGUF type for --dtype {dtype} (use one of {', '.join(GGUF_TYPES)})")
         source = Path(where)
+        if file_type(source) == GGUF_TYPES[dtype]:
+            return source
         out = cache_dir("engines", "gguf") / f"{source.stem}-{source.stat().st_size}-{GGUF_TYPES[dtype]}.gguf"
         if not out.is_file():
             quantize = engines_dir(self.folder, "build", "bin", "llama-quantize")
             if not quantize.is_file():
                 raise SdbenchError(f"llama.cpp's llama-quantize is missing ({quantize}): run `{self.install}`")
             part = out.with_suffix(".part")
-            done = subprocess.run([str(quantize), "--allow-requantize", "--pure", str(source), str(part),
+            pure = ["--pure"] if dtype in BLOCK_TYPES else []
+            done = subprocess.run([str(quantize), "--allow-requantize", *pure, str(source), str(part),
                                    GGUF_TYPES[dtype]], capture_output=True, text=True)
             if done.returncode != 0:
                 part.unlink(missing_ok=True)
@@ -129,6 +135,20 @@ class LlamaCpp(Engine):
         if "prompt_ms" not in timings or "prompt_n" not in timings:
             raise EngineReplyError(f"{url}/completion: no prompt timings in the reply")
         return float(timings["prompt_ms"]) / 1000.0, int(timings["prompt_n"])
+
+
+def file_type(path: Path) -> str | None:
+    """A GGUF file's own type as llama-quantize names it (`general.file_type`: Q4_K_M, Q8_0, F32...), or None where
+    the file does not say (or is not one)."""
+    try:
+        from gguf import GGUFReader, LlamaFileType
+
+        field = GGUFReader(str(path)).fields.get("general.file_type")
+        if field is None:
+            return None
+        return LlamaFileType(int(field.parts[field.data[0]][0])).name.removeprefix("MOSTLY_").removeprefix("ALL_")
+    except (ValueError, OSError, KeyError, IndexError):
+        return None
 
 
 def target_folder(target: str) -> Path:

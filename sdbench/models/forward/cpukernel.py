@@ -170,22 +170,27 @@ def linear_plain(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     return y
 
 
+def group_rows() -> int:
+    """The output rows per group where the integer products over 8-bit activations build here (VNNI: 16 with
+    AVX-512, else 8), block weights then grouped so (`quants.group`) and read by them, as llama.cpp's CPU products
+    compute; 0 where they do not, the blocks then staying as stored, de-quantised in registers against float32
+    activations."""
+    return int(library().sd_grouped())
+
+
 def grouped() -> bool:
-    """Whether the integer products over 8-bit activations build here (VNNI): block weights are then grouped by 8
-    output rows (`quants.group`) and read by them, as llama.cpp's CPU products compute; else the blocks stay as
-    stored and are de-quantised in registers against float32 activations."""
-    return bool(library().sd_grouped())
+    return group_rows() > 0
 
 
 def pack_blocks(weight: torch.Tensor, kind: str) -> torch.Tensor:
     """A float32 [out, n] weight (on `kind`'s grid) as the blocks `linear_blocks` reads: grouped where `grouped()`."""
     blocks = quants.quantise(weight, kind)
-    return quants.group(blocks, kind) if grouped() else blocks
+    return quants.group(blocks, kind, group_rows()) if grouped() else blocks
 
 
 def unpack_blocks(packed: torch.Tensor, kind: str, out: int, n: int) -> torch.Tensor:
     """The float32 [out, n] weight `pack_blocks` packed (exactly, for a weight on the grid)."""
-    return quants.dequantise(quants.ungroup(packed, kind, out, n) if grouped() else packed, kind)
+    return quants.dequantise(quants.ungroup(packed, kind, out, n, group_rows()) if grouped() else packed, kind)
 
 
 def linear_blocks(x: torch.Tensor, packed: torch.Tensor, kind: str, bias: torch.Tensor | None, out: int) -> torch.Tensor:

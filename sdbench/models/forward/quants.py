@@ -10,8 +10,8 @@ The scale is computed in float32 and stored in float16, and w' uses the stored o
 quantisation does (the `gguf` package's `quants` module is the independent check, byte for byte, in the tests).
 
 Where sdbench's integer products build (VNNI: `models/forward/kernels/quants.c`), the blocks are regrouped by 8 output
-rows (`group`): a group-block is the 8 rows' float16 scales, then their quants interleaved 4 inputs at a time (Q8_0 as
-unsigned bytes q + 128), so that one vector holds 4 inputs of 8 rows. `ungroup` gives the stored blocks back exactly.
+rows, or 16 where the vectors are AVX-512's (`group`): a group-block is the rows' float16 scales, then their quants
+interleaved 4 inputs at a time (Q8_0 as unsigned bytes q + 128), so that one vector holds 4 inputs of every row. `ungroup` gives the stored blocks back exactly.
 
 A weight snapped onto a type's grid (`snap`: de-quantised after quantising) quantises back to the same bytes, so
 a model whose weights were snapped is its quantised copy exactly: the library's forward over the snapped float32
@@ -78,39 +78,34 @@ def snap(weight: torch.Tensor, kind: str) -> torch.Tensor:
     return dequantise(quantise(weight, kind), kind)
 
 
-GROUP = 8  # output rows per group (`group`)
-
-
-def _grouped_shape(blocks: torch.Tensor, kind: str) -> tuple[torch.Tensor, int]:
-    """The stored blocks [out, nb * bytes] padded with zero blocks to whole groups, as [groups, 8, nb, bytes]."""
+def _grouped_shape(blocks: torch.Tensor, kind: str, rows: int) -> torch.Tensor:
+    """The stored blocks [out, nb * bytes] padded with zero blocks to whole groups, as [groups, rows, nb, bytes]."""
     out = blocks.shape[0]
-    rows = -(-out // GROUP) * GROUP
-    padded = torch.zeros(rows, blocks.shape[1], dtype=torch.uint8)
+    padded = torch.zeros(-(-out // rows) * rows, blocks.shape[1], dtype=torch.uint8)
     padded[:out] = blocks
-    return padded.view(rows // GROUP, GROUP, -1, BLOCK_BYTES[kind]), out
+    return padded.view(-1, rows, blocks.shape[1] // BLOCK_BYTES[kind], BLOCK_BYTES[kind])
 
 
-def group(blocks: torch.Tensor, kind: str) -> torch.Tensor:
-    """Stored blocks [out, nb * BLOCK_BYTES] regrouped by 8 output rows: [groups * nb * group bytes] uint8."""
-    b, _ = _grouped_shape(blocks, kind)
+def group(blocks: torch.Tensor, kind: str, rows: int) -> torch.Tensor:
+    """Stored blocks [out, nb * BLOCK_BYTES] regrouped by `rows` output rows: [groups * nb * group bytes] uint8."""
+    b = _grouped_shape(blocks, kind, rows)
     groups, _, nb, _ = b.shape
-    scales = b[..., :2].permute(0, 2, 1, 3).reshape(groups, nb, 2 * GROUP)
+    scales = b[..., :2].permute(0, 2, 1, 3).reshape(groups, nb, 2 * rows)
     q = b[..., 2:]
     if kind == "q8_0":
         q = (q.view(torch.int8).to(torch.int16) + 128).to(torch.uint8)  # unsigned: what VNNI multiplies
-    quads = q.reshape(groups, GROUP, nb, -1, 4).permute(0, 2, 3, 1, 4).reshape(groups, nb, -1)
+    quads = q.reshape(groups, rows, nb, -1, 4).permute(0, 2, 3, 1, 4).reshape(groups, nb, -1)
     return torch.cat([scales, quads], dim=2).reshape(-1).contiguous()
 
 
-def ungroup(grouped: torch.Tensor, kind: str, out: int, n: int) -> torch.Tensor:
+def ungroup(grouped: torch.Tensor, kind: str, out: int, n: int, rows: int) -> torch.Tensor:
     """The stored blocks [out, n / BLOCK * BLOCK_BYTES] back from `group`'s layout."""
     nb, width = n // BLOCK, BLOCK_BYTES[kind] - 2
-    g = grouped.view(-1, nb, 2 * GROUP + GROUP * width)
+    g = grouped.view(-1, nb, rows * BLOCK_BYTES[kind])
     groups = g.shape[0]
-    scales = g[..., : 2 * GROUP].reshape(groups, nb, GROUP, 2).permute(0, 2, 1, 3)
-    q = g[..., 2 * GROUP :].reshape(groups, nb, width // 4, GROUP, 4).permute(0, 3, 1, 2, 4).reshape(groups, GROUP, nb,
-                                                                                                       width)
+    scales = g[..., : 2 * rows].reshape(groups, nb, rows, 2).permute(0, 2, 1, 3)
+    q = g[..., 2 * rows :].reshape(groups, nb, width // 4, rows, 4).permute(0, 3, 1, 2, 4).reshape(groups, rows, nb,
+                                                                                                     width)
     if kind == "q8_0":
         q = (q.to(torch.int16) - 128).to(torch.int8).view(torch.uint8)
-    blocks = torch.cat([scales, q], dim=3).reshape(groups * GROUP, -1)
-    return blocks[:out].contiguous()
+    return torch.cat([scales, q], dim=3).reshape(groups * rows, -1)[:out].contiguous()

@@ -98,10 +98,11 @@ def check_fit(names: list[str], device: str | torch.device = "cpu", dtype: torch
 def load_config(name: str) -> "PretrainedConfig":
     """The model's config alone, reading no weights: the shipped config.json for an alias, the folder's
     config.json, a GGUF's converted folder or else its metadata, or the hub's (local cache first). MODEL@random:
-    the config its random model is built from (MODEL's)."""
+    the config its random model is built from (MODEL's); a quantised copy's, its model's."""
     base, variant = split_variant(name)
     if variant == RANDOM:
         return _random_config(base)
+    name = base
     shipped = shipped_config(name)
     if shipped is not None:
         return config_from_dict(shipped)

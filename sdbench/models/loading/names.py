@@ -11,6 +11,9 @@ from sdbench.errors import SdbenchError
 
 RANDOM = "random"
 BLOCK_TYPES = ("q8_0", "q4_0")  # llama.cpp's quantised block types sdbench's own products read
+# llama.cpp's K-quant mixes: its server runs them (`--engine llama.cpp`), and `bench` puts sdbench beside it over the
+# same weights de-quantised, in float32; sdbench's own runner has no products for them
+ENGINE_TYPES = ("q4_k_m", "q4_k_s", "q5_k_m", "q5_k_s", "q6_k", "q3_k_m")
 VARIANTS = ("int8", RANDOM, *BLOCK_TYPES)
 
 

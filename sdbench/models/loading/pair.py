@@ -18,7 +18,7 @@ from sdbench.models.loading import loader  # the module, not its names: tests re
 from sdbench.models.loading.aliases import shipped_config
 from sdbench.models.forward.families import serving
 from sdbench.models.forward.generic import make_runner, runner_kind
-from sdbench.models.loading.names import BLOCK_TYPES, tokenizer_name, with_weights
+from sdbench.models.loading.names import BLOCK_TYPES, ENGINE_TYPES, tokenizer_name, with_weights
 from sdbench.models.probing.probe import probe_pair
 from sdbench.models.probing.probe_cache import ProbeCache
 from sdbench.models.loading.memory import weight_bytes
@@ -47,13 +47,23 @@ def resolve_device(name: str) -> torch.device:
     return dev
 
 
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+def resolve_dtype(name: str, device: torch.device, engine: bool = False) -> torch.dtype:
+    """The torch dtype sdbench computes in for --dtype NAME; an engine-only type (`ENGINE_TYPES`) only where an
+    engine decodes (`engine`): its own server takes it."""
+    if name in ENGINE_TYPES:
+        if not engine:
+            raise SdbenchError(f"--dtype {name}: llama.cpp's K-quant mix, which sdbench's own runner does not read (it "
+                               f"reads {' and '.join(BLOCK_TYPES)}); run it through --engine llama.cpp, or "
+                               f"`bench --engine llama.cpp --dtype {name}` for llama.cpp beside sdbench over the "
+                               "same weights")
+        return torch.float32
     if name in BLOCK_DTYPES:
         if device.type != "cpu":
             raise SdbenchError(f"--dtype {name}: sdbench's products for quantised blocks run on a CPU; use --device cpu")
         return BLOCK_DTYPES[name]
     if name not in DTYPES:
-        raise SdbenchError(f"--dtype {name}: use one of {', '.join([*DTYPES, *BLOCK_DTYPES])}")
+        raise SdbenchError(f"--dtype {name}: use one of {', '.join([*DTYPES, *BLOCK_DTYPES])} (or, through "
+                           f"--engine llama.cpp, {', '.join(ENGINE_TYPES)})")
     if name == "float16" and device.type == "cpu":
         raise SdbenchError("--dtype float16 is not supported on CPU; use float32 or bfloat16")
     return DTYPES[name]
@@ -83,10 +93,11 @@ class Pair:
                 "probe_reused": reused}
 
 
-def device_and_dtype(device: str, dtype: str) -> tuple[torch.device, torch.dtype]:
-    """The torch device and dtype a run's --device and --dtype name, refused in one line where unusable."""
+def device_and_dtype(device: str, dtype: str, engine: bool = False) -> tuple[torch.device, torch.dtype]:
+    """The torch device and dtype a run's --device and --dtype name, refused in one line where unusable (engine:
+    an engine's server decodes, so its own types are taken too)."""
     dev = resolve_device(device)
-    return dev, resolve_dtype(dtype, dev)
+    return dev, resolve_dtype(dtype, dev, engine)
 
 
 @dataclass(frozen=True)

@@ -130,25 +130,45 @@ void sd_linear_q4_0(const float *x, const uint8_t *w, const float *b, float *y, 
   product(rows_q4_0, sizeof(block_q4_0), x, w, b, y, rows, n, out);
 }
 
-/* ---- 8-bit activations and integer dot products (VNNI), on blocks regrouped by 8 output rows ----
+/* ---- 8-bit activations and integer dot products (VNNI), on blocks regrouped by G output rows ----
  *
  * What llama.cpp's CPU products compute: each row of x quantised per block of 32 as Q8_0 is (dx = max|x| / 127
  * stored in float16, xq = round(x / dx)), then per block the exact integer sum of wq xq, scaled by dw dx. The
- * weights are regrouped (sd_group_*: models/forward/quants.py) so that one 32-byte vector holds 4 inputs of 8
- * output rows: one VNNI instruction multiplies them by a broadcast of 4 of x's bytes into the 8 rows' sums, and the
- * 8 scales of a block are one vector, so nothing is summed across lanes. A group-block is the 8 rows' float16 scales
- * (16 bytes) then the quants, for k = 0..7 (Q8_0) the inputs 4k..4k+3 of rows 0..7 as unsigned bytes w + 128 (256
- * bytes), or for k = 0..3 (Q4_0) bytes 4k..4k+3 of rows 0..7 as stored, low halves the inputs 4k.., high halves
- * 16 + 4k.. (128 bytes). The unsigned offset (128, or Q4_0's 8) comes back out as offset * sum(xq).
+ * weights are regrouped (models/forward/quants.py `group`) so that one vector holds 4 inputs of G output rows (G = 16
+ * with AVX-512's 64-byte vectors, else 8): one VNNI instruction multiplies them by a broadcast of 4 of x's bytes into
+ * the G rows' sums, and the G scales of a block are one vector, so nothing is summed across lanes. A group-block is
+ * the G rows' float16 scales (2G bytes) then the quants, for k = 0..7 (Q8_0) the inputs 4k..4k+3 of rows 0..G-1 as
+ * unsigned bytes w + 128 (32 G bytes), or for k = 0..3 (Q4_0) bytes 4k..4k+3 of rows 0..G-1 as stored, low halves
+ * the inputs 4k.., high halves 16 + 4k.. (16 G bytes). The unsigned offset (128, or Q4_0's 8) comes back out as
+ * offset * sum(xq).
  */
+#if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define SD_VNNI 1
+#define G 16
+typedef __m512 vf;
+typedef __m512i vi;
+#define DOT4(acc, u, s) _mm512_dpbusd_epi32(acc, u, s)
+#define VF(x) _mm512_##x##_ps
+#define VI(x) _mm512_##x
+#define LOADI(p) _mm512_loadu_si512((const void *)(p))
+#define SCALES(p) _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p)))
+#define VAND _mm512_and_si512
+#elif (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
+#define SD_VNNI 1
+#define G 8
+typedef __m256 vf;
+typedef __m256i vi;
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-#define SD_VNNI 1
-ALWAYS __m256i dot4(__m256i acc, __m256i u, __m256i s) { return _mm256_dpbusd_epi32(acc, u, s); }
-#elif defined(__AVXVNNI__)
-#define SD_VNNI 1
-ALWAYS __m256i dot4(__m256i acc, __m256i u, __m256i s) { return _mm256_dpbusd_avx_epi32(acc, u, s); }
+#define DOT4(acc, u, s) _mm256_dpbusd_epi32(acc, u, s)
+#else
+#define DOT4(acc, u, s) _mm256_dpbusd_avx_epi32(acc, u, s)
 #endif
-
+#define VF(x) _mm256_##x##_ps
+#define VI(x) _mm256_##x
+#define LOADI(p) _mm256_loadu_si256((const __m256i *)(p))
+#define SCALES(p) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p)))
+#define VAND _mm256_and_si256
+#endif
 #if defined(SD_VNNI) && !defined(SD_NO_VNNI)
 #include <math.h>
 
@@ -194,35 +214,33 @@ static void quantise_x(const float *x, long rows, long n, xblock *xb) {
   }
 }
 
-#define G8 8 /* output rows per group */
-
-ALWAYS void quads_q8_0(const uint8_t *gb, __m256i w[8]) {
-  for (int k = 0; k < 8; k++) w[k] = _mm256_loadu_si256((const __m256i *)(gb + 16 + 32 * k));
+ALWAYS void quads_q8_0(const uint8_t *gb, vi w[8]) {
+  for (int k = 0; k < 8; k++) w[k] = LOADI(gb + 2 * G + 4 * G * k);
 }
 
-ALWAYS void quads_q4_0(const uint8_t *gb, __m256i w[8]) {
-  __m256i m = _mm256_set1_epi8(15);
+ALWAYS void quads_q4_0(const uint8_t *gb, vi w[8]) {
+  vi m = VI(set1_epi8)(15);
   for (int k = 0; k < 4; k++) {
-    __m256i v = _mm256_loadu_si256((const __m256i *)(gb + 16 + 32 * k));
-    w[k] = _mm256_and_si256(v, m);
-    w[k + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m);
+    vi v = LOADI(gb + 2 * G + 4 * G * k);
+    w[k] = VAND(v, m);
+    w[k + 4] = VAND(VI(srli_epi16)(v, 4), m);
   }
 }
 
-/* R rows against one group of 8 outputs: y[r * out + j] for j < live */
-#define GZERO(r) __m256 a##r = _mm256_setzero_ps();
+/* R rows against one group of G outputs: y[r * out + j] for j < live */
+#define GZERO(r) vf a##r = VF(setzero)();
 #define GROW(r)                                                                                               \
   {                                                                                                           \
     const xblock *xr = xb + r * nb + b;                                                                       \
     const int32_t *xq = (const int32_t *)xr->q;                                                              \
-    __m256i p = _mm256_set1_epi32(-OFF * xr->sum);                                                            \
-    for (int k = 0; k < 8; k++) p = dot4(p, w[k], _mm256_set1_epi32(xq[k]));                                 \
-    a##r = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_mul_ps(dw, _mm256_set1_ps(xr->d)), a##r);            \
+    vi p = VI(set1_epi32)(-OFF * xr->sum);                                                                    \
+    for (int k = 0; k < 8; k++) p = DOT4(p, w[k], VI(set1_epi32)(xq[k]));                                    \
+    a##r = VF(fmadd)(VI(cvtepi32_ps)(p), VF(mul)(dw, VF(set1)(xr->d)), a##r);                                 \
   }
 #define GSTORE(r)                                                                                             \
   {                                                                                                           \
-    float t[8];                                                                                               \
-    _mm256_storeu_ps(t, a##r);                                                                                \
+    float t[G];                                                                                               \
+    VF(storeu)(t, a##r);                                                                                      \
     for (long j = 0; j < live; j++) y[r * out + j] = t[j] + (bias ? bias[j] : 0.0f);                         \
   }
 #define GROUP(T, R)                                                                                           \
@@ -230,8 +248,8 @@ ALWAYS void quads_q4_0(const uint8_t *gb, __m256i w[8]) {
                               long out, long live) {                                                          \
     R_##R(GZERO) for (long b = 0; b < nb; b++) {                                                              \
       const uint8_t *gb = g + b * GROUP_BYTES_##T;                                                            \
-      __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)gb));                                      \
-      __m256i w[8];                                                                                           \
+      vf dw = SCALES(gb);                                                                                     \
+      vi w[8];                                                                                                \
       quads_##T(gb, w);                                                                                       \
       R_##R(GROW)                                                                                             \
     }                                                                                                         \
@@ -239,8 +257,8 @@ ALWAYS void quads_q4_0(const uint8_t *gb, __m256i w[8]) {
   }
 
 typedef void (*group_fn)(const xblock *, long, const uint8_t *, const float *, float *, long, long);
-#define GROUP_BYTES_q8_0 (16 + 8 * QK)
-#define GROUP_BYTES_q4_0 (16 + 4 * QK)
+#define GROUP_BYTES_q8_0 (2 * G + 4 * G * 8)
+#define GROUP_BYTES_q4_0 (2 * G + 4 * G * 4)
 #define GROUPS(T)                                                                                             \
   GROUP(T, 1) GROUP(T, 2) GROUP(T, 3) GROUP(T, 4) GROUP(T, 5) GROUP(T, 6)                                     \
   static const group_fn groups_##T[GPASS + 1] = {0, group_##T##_1, group_##T##_2, group_##T##_3, group_##T##_4, \
@@ -255,25 +273,26 @@ GROUPS(q4_0)
 
 static void grouped(const group_fn *fns, size_t group_bytes, const float *x, const uint8_t *w, const float *b,
                     float *y, long rows, long n, long out) {
-  long nb = n / QK, groups = (out + G8 - 1) / G8;
+  long nb = n / QK, groups = (out + G - 1) / G;
   xblock *xb = aligned_alloc(64, ((rows * nb * sizeof(xblock) + 63) / 64) * 64);
   quantise_x(x, rows, n, xb);
   for (long c = 0; c < rows; c += CHUNK) {
     long chunk = rows - c < CHUNK ? rows - c : CHUNK;
 #pragma omp parallel for schedule(static)
     for (long g = 0; g < groups; g++) {
-      long live = out - g * G8 < G8 ? out - g * G8 : G8;
+      long live = out - g * G < G ? out - g * G : G;
       for (long r = c; r < c + chunk; r += GPASS) {
         long k = c + chunk - r < GPASS ? c + chunk - r : GPASS;
-        fns[k](xb + r * nb, nb, w + g * nb * group_bytes, b ? b + g * G8 : 0, y + r * out + g * G8, out, live);
+        fns[k](xb + r * nb, nb, w + g * nb * group_bytes, b ? b + g * G : 0, y + r * out + g * G, out, live);
       }
     }
   }
   free(xb);
 }
 
-/* 1 where the grouped integer products are built here (the weights are then grouped, sd_linear_grouped_*) */
-int sd_grouped(void) { return 1; }
+/* the output rows per group where the grouped integer products are built here (the weights are then grouped:
+ * sd_linear_grouped_*), else 0 */
+int sd_grouped(void) { return G; }
 
 void sd_linear_grouped_q8_0(const float *x, const uint8_t *w, const float *b, float *y, long rows, long n, long out) {
   grouped(groups_q8_0, GROUP_BYTES_q8_0, x, w, b, y, rows, n, out);
