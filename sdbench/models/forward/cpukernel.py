@@ -30,7 +30,7 @@ from sdbench.env import cpu_name
 from sdbench.models.forward import quants
 from sdbench.paths import cache_dir
 
-SOURCES = ("products.c", "quants.c")
+SOURCES = ("products.c", "quants.c")  # compiled as one unit, in this order
 # float32: block weights meet float32 activations even where VNNI's integer products build (the exact product over
 # the de-quantised weights, slower); int8 (the default): 8-bit activations where VNNI is there, as llama.cpp computes
 ACTIVATIONS_ENV = "SDBENCH_BLOCK_ACTIVATIONS"
@@ -78,17 +78,15 @@ def _build() -> ctypes.CDLL:
                                         cpu_name().encode()])).hexdigest()[:16]
     folder = cache_dir("cpukernel")
     lib = folder / f"products-{digest}.so"
-    if not lib.exists():  # each process builds from its own copies into its own file, then moves it in place
-        srcs = [folder / f"{name[:-2]}-{digest}.{os.getpid()}.c" for name in SOURCES]
-        for src, text in zip(srcs, sources):
-            src.write_bytes(text)
+    if not lib.exists():  # each process builds from its own copy into its own file, then moves it in place
+        src = folder / f"products-{digest}.{os.getpid()}.c"
+        src.write_bytes(b"\n".join(sources))  # one unit, in order: quants.c uses products.c's helpers
         tmp = lib.with_suffix(f".{os.getpid()}.tmp")
         try:
-            done = subprocess.run([cc, *flags, "-o", str(tmp), *map(str, srcs), "-lm"], capture_output=True,
-                                  text=True, timeout=300)
+            done = subprocess.run([cc, *flags, "-o", str(tmp), str(src), "-lm"], capture_output=True, text=True,
+                                  timeout=300)
         finally:
-            for src in srcs:
-                src.unlink(missing_ok=True)
+            src.unlink(missing_ok=True)
         if done.returncode != 0:
             tmp.unlink(missing_ok=True)
             last = (done.stderr.strip().splitlines() or ["no message"])[-1]

@@ -7,14 +7,11 @@
  *  - Q4_0 (18 bytes): 16 bytes, input j in the low four bits of byte j and input j + 16 in the high four; w = d (q - 8).
  * A block is de-quantised to float32 in registers (d q is exact in float32: the value a de-quantised copy holds)
  * and met by every row of x while it is there, so the weights are read once per call whatever the rows; the sums
- * run in another order than a product over the de-quantised copy. Built with products.c (models/forward/cpukernel.py;
- * F16C for the scales).
+ * run in another order than a product over the de-quantised copy. Compiled after products.c as one unit
+ * (models/forward/cpukernel.py), whose ALWAYS, R_n and hsum it uses; F16C for the scales.
  */
-#include <immintrin.h>
 #include <stdint.h>
-#include <stdlib.h>
 
-#define ALWAYS static inline __attribute__((always_inline))
 #define QK 32 /* inputs per block */
 
 typedef struct {
@@ -45,27 +42,15 @@ ALWAYS __m256 part_q4_0(const void *blk, int k, __m256 d) {
 
 ALWAYS __m256 scale(const void *blk) { return _mm256_set1_ps(_cvtsh_ss(*(const uint16_t *)blk)); }
 
-ALWAYS float hsum8(__m256 v) {
-  __m128 lo = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
-  return _mm_cvtss_f32(_mm_add_ss(lo, _mm_movehdup_ps(lo)));
-}
-
 /* R rows against one output row: two sums per row (parts 0, 2 and 1, 3), so that a row's dependent FMAs are not
  * what limits the stream; one row keeps four */
-#define R_1(F) F(0)
-#define R_2(F) R_1(F) F(1)
-#define R_3(F) R_2(F) F(2)
-#define R_4(F) R_3(F) F(3)
-#define R_5(F) R_4(F) F(4)
-#define R_6(F) R_5(F) F(5)
-#define ZERO(r) __m256 a##r = _mm256_setzero_ps(), b##r = a##r;
+#define QZERO(r) __m256 a##r = _mm256_setzero_ps(), b##r = a##r;
 #define FMA_A(r) a##r = _mm256_fmadd_ps(w, _mm256_loadu_ps(x + r * n + j), a##r);
 #define FMA_B(r) b##r = _mm256_fmadd_ps(w, _mm256_loadu_ps(x + r * n + j), b##r);
-#define STORE(r) y[r * out] = hsum8(_mm256_add_ps(a##r, b##r)) + bias;
+#define STORE(r) y[r * out] = hsum(_mm256_add_ps(a##r, b##r)) + bias;
 #define ROWS(T, R)                                                                                             \
   static void rows_##T##_##R(const float *x, long n, const uint8_t *wr, float bias, float *y, long out) {     \
-    R_##R(ZERO) for (long i = 0, k = 0; i < n; i += QK, k++) {                                                 \
+    R_##R(QZERO) for (long i = 0, k = 0; i < n; i += QK, k++) {                                                 \
       const void *blk = wr + k * sizeof(block_##T);                                                            \
       __m256 d = scale(blk), w = part_##T(blk, 0, d);                                                          \
       long j = i;                                                                                              \
@@ -93,7 +78,7 @@ ALWAYS float hsum8(__m256 v) {
       else                                                                                                     \
         s0 = _mm256_fmadd_ps(_mm256_add_ps(t, u), scale(blk), s0);                                             \
     }                                                                                                          \
-    y[0] = hsum8(_mm256_add_ps(s0, s1)) + bias;                                                                \
+    y[0] = hsum(_mm256_add_ps(s0, s1)) + bias;                                                                \
   }
 
 typedef void (*rows_fn)(const float *, long, const uint8_t *, float, float *, long);
@@ -105,13 +90,13 @@ KERNELS(q8_0)
 KERNELS(q4_0)
 
 #define PASS 6    /* rows of x met by one read of a block */
-#define CHUNK 48 /* rows of x per sweep over the outputs: a long prefill keeps its rows in cache */
+#define SWEEP 48 /* rows of x per sweep over the outputs: a long prefill keeps its rows in cache */
 
 static void product(const rows_fn *fns, size_t block, const float *x, const uint8_t *w, const float *b, float *y,
                     long rows, long n, long out) {
   size_t row_bytes = (size_t)(n / QK) * block;
-  for (long c = 0; c < rows; c += CHUNK) {
-    long chunk = rows - c < CHUNK ? rows - c : CHUNK;
+  for (long c = 0; c < rows; c += SWEEP) {
+    long chunk = rows - c < SWEEP ? rows - c : SWEEP;
 #pragma omp parallel for schedule(static)
     for (long o = 0; o < out; o++)
       for (long r = c; r < c + chunk; r += PASS) {
@@ -276,8 +261,8 @@ static void grouped(const group_fn *fns, size_t group_bytes, const float *x, con
   long nb = n / QK, groups = (out + G - 1) / G;
   xblock *xb = aligned_alloc(64, ((rows * nb * sizeof(xblock) + 63) / 64) * 64);
   quantise_x(x, rows, n, xb);
-  for (long c = 0; c < rows; c += CHUNK) {
-    long chunk = rows - c < CHUNK ? rows - c : CHUNK;
+  for (long c = 0; c < rows; c += SWEEP) {
+    long chunk = rows - c < SWEEP ? rows - c : SWEEP;
 #pragma omp parallel for schedule(static)
     for (long g = 0; g < groups; g++) {
       long live = out - g * G < G ? out - g * G : G;
