@@ -98,6 +98,7 @@ def _build() -> ctypes.CDLL:
     found.sd_linear_blocked.argtypes = found.sd_linear_plain.argtypes = [ptr, ptr, ptr, ptr, n, n, n]
     found.sd_linear_plain.restype = ctypes.c_int
     found.sd_grouped.restype = ctypes.c_int
+    found.group_rows = int(found.sd_grouped())  # asked on every product: read once
     for kind in quants.TYPES:
         getattr(found, f"sd_linear_{kind}").argtypes = [ptr, ptr, ptr, ptr, n, n, n]
         if found.sd_grouped():
@@ -173,7 +174,7 @@ def group_rows() -> int:
     AVX-512, else 8), block weights then grouped so (`quants.group`) and read by them, as llama.cpp's CPU products
     compute; 0 where they do not, the blocks then staying as stored, de-quantised in registers against float32
     activations."""
-    return int(library().sd_grouped())
+    return library().group_rows
 
 
 def grouped() -> bool:
@@ -191,7 +192,8 @@ def unpack_blocks(packed: torch.Tensor, kind: str, out: int, n: int) -> torch.Te
     return quants.dequantise(quants.ungroup(packed, kind, out, n, group_rows()) if grouped() else packed, kind)
 
 
-def linear_blocks(x: torch.Tensor, packed: torch.Tensor, kind: str, bias: torch.Tensor | None, out: int) -> torch.Tensor:
+def linear_blocks(x: torch.Tensor, packed: torch.Tensor, kind: str, bias: torch.Tensor | None,
+                  out: int) -> torch.Tensor:
     """x [..., n] W^T (+ bias) -> [..., out], W [out, n] packed by `pack_blocks`, any number of rows."""
     x = x.contiguous()
     n = x.shape[-1]

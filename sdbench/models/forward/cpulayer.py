@@ -39,7 +39,8 @@ def _layer_fits(runner, i: int) -> bool:
 def fits(runner) -> bool:
     """Whether the runner's layers can run fused at all: its path and family (the runner asks once, when made)."""
     path, fam = runner.path, runner.family
-    return (type(path) is forward_paths.CpuPacked and path.one_op_norms and path.fast.layout in (cpupacked.KERNEL, *quants.TYPES)
+    return (type(path) is forward_paths.CpuPacked and path.one_op_norms
+            and path.fast.layout in (cpupacked.KERNEL, *quants.TYPES)
             and fam.qk_norm is None and fam.attn_softcap is None and fam.residual_scale is None
             and all(w is None for w in runner.windows) and runner.dtype == torch.float32
             and all(_layer_fits(runner, i) for i in range(len(runner.layers))))

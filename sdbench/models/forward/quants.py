@@ -11,7 +11,8 @@ quantisation does (the `gguf` package's `quants` module is the independent check
 
 Where sdbench's integer products build (VNNI: `models/forward/kernels/quants.c`), the blocks are regrouped by 8 output
 rows, or 16 where the vectors are AVX-512's (`group`): a group-block is the rows' float16 scales, then their quants
-interleaved 4 inputs at a time (Q8_0 as unsigned bytes q + 128), so that one vector holds 4 inputs of every row. `ungroup` gives the stored blocks back exactly.
+interleaved 4 inputs at a time (Q8_0 as unsigned bytes q + 128), so that one vector holds 4 inputs of every row.
+`ungroup` gives the stored blocks back exactly.
 
 A weight snapped onto a type's grid (`snap`: de-quantised after quantising) quantises back to the same bytes, so
 a model whose weights were snapped is its quantised copy exactly: the library's forward over the snapped float32
