@@ -493,3 +493,31 @@ def test_sigterm_is_an_interrupt_that_stops_the_servers_started(capsys, tmp_path
     assert code == 130 and "interrupted" in err
     assert started["proc"].poll() is not None  # stopped
     assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_an_acceptance_is_replayed_as_non_increasing_rates_by_hand():
+    """Position j's accepted over drafted drafts, summed over prompts, held non-increasing; 0 past the drafts."""
+    from sdbench.commands.bench_carry import acceptance_rates
+
+    counts = [([8, 6, 5], [10, 10, 8]), ([2, 2, 2], [2, 2, 2])]  # prompt 2: every draft accepted
+    assert acceptance_rates(counts, 4) == pytest.approx((10 / 12, 8 / 12, 8 / 12, 0.0))  # 7/10 held at 8/12
+    assert acceptance_rates([([3, 3, 1], [4, 3, 2])], 3) == pytest.approx((0.75, 0.75, 0.5))  # 3/3 held at 3/4
+
+
+def test_llamacpp_replays_an_acceptance_and_vllm_is_not_asked_to(monkeypatch):
+    """A drafter with a replayed acceptance gets a role of its own in an engine that can replay (llama.cpp: its
+    --spec-synth-rates, one rate a drafted position), none in one that cannot (vLLM here)."""
+    from sdbench.servers.systems import engine_roles
+    from sdbench.servers.vllm import Vllm
+
+    rates = {("draft", "d"): (1.0, 0.5, 0.25)}
+    roles = engine_roles(LlamaCpp(), 3, "d", False, target="t", synthetic=rates)
+    (replay,) = [r for r in roles if r.synthetic]
+    assert (replay.strategy, replay.gamma, replay.draft, replay.synthetic) == ("draft", 3, "d", (1.0, 0.5, 0.25))
+    assert LlamaCpp().label(replay, "float32").endswith("at sdbench's acceptance (synthetic)")
+    monkeypatch.setattr(LlamaCpp, "gguf", lambda self, model, dtype: Path(f"/m/{model}.gguf"))
+    argv = LlamaCpp().command("t", replay, "float32", 64, 2)
+    assert argv[argv.index("--spec-synth-rates") + 1] == "1.000000,0.500000,0.250000"
+    assert argv[argv.index("--spec-draft-n-max") + 1] == "3" and argv[argv.index("-md") + 1] == "/m/d.gguf"
+    assert "--spec-synth-rates" not in LlamaCpp().command("t", EngineRole("draft", 3, "d"), "float32", 64, 2)
+    assert not [r for r in engine_roles(Vllm(), 3, "d", False, target="t", synthetic=rates) if r.synthetic]

@@ -45,8 +45,17 @@ def test_bench_with_a_draft_server_carries_over_by_the_engines_own_counts(llamac
     assert code == 0, err
     df = pd.read_parquet(tmp_path / "b" / "bench.parquet")
     engine = df[df.engine == "llama.cpp"].set_index("system")
-    assert len(engine) == 3 and engine.failed.isna().all() and (engine.tokens > 0).all(), engine.T
-    assert len(list((tmp_path / "b").glob("engine-logs/llama.cpp-3-autoregressive.log"))) == 1  # the draft's server
+    assert len(engine) == 4 and engine.failed.isna().all() and (engine.tokens > 0).all(), engine.T
+    # draft-simple once more at sdbench's acceptance (synthetic): itself drafting, (nearly) every draft accepted on
+    # sdbench's side, so on llama.cpp's too; a carry-over row of its own, from sdbench's L and its own
+    (synthetic,) = [row for name, row in engine.iterrows() if "at sdbench's acceptance (synthetic)" in name]
+    ours = df[(df.engine.isna() | (df.engine == "sdbench")) & df.system.str.startswith("sdbench draft")].iloc[0]
+    accepted = (ours.tokens_per_round - 1) / ours.drafts_per_round
+    assert synthetic.engine_drafted > 0 and accepted > 0.8
+    assert synthetic.engine_accepted / synthetic.engine_drafted == pytest.approx(accepted, abs=0.2)
+    assert synthetic.carried_speedup > 0 and synthetic.decode_speedup > 0
+    engine = engine.drop(synthetic.name)
+    assert len(list((tmp_path / "b").glob("engine-logs/llama.cpp-4-autoregressive.log"))) == 1  # the draft's server (after the replay)
     ngram, draft = (engine[engine.index.str.contains(name)].iloc[0] for name in ("ngram-simple", "draft-simple"))
     for row, drafting in ((ngram, 0.0), (draft, None)):
         decoded = row.tokens - 1  # after the first token

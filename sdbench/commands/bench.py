@@ -18,7 +18,7 @@ from rich.console import Console
 
 from sdbench.analysis.bandwidth import Bandwidth, measure_bandwidth
 from sdbench.analysis.costs import median_times
-from sdbench.commands.bench_carry import block_costs, carry_over, is_block
+from sdbench.commands.bench_carry import block_costs, carry_over, is_block, replayed_acceptance
 from sdbench.commands.bench_measure import measure_systems
 from sdbench.commands.bench_table import (GENERIC_ROW, SystemMeasurement, _table, check_outputs, engine_lines, fast_row,
                                           first_difference, write_bench)
@@ -70,9 +70,16 @@ class SdbenchSystem:
     block: tuple | None = None  # a block head's (BlockDrafter, g): its round's drafting is timed for the carry-over
     after_first: float = field(default=math.nan, init=False)  # seconds its last call ran after its first token
 
+    def _decoded(self, prompt: list[int], budget: int | None):
+        return generate(self.runner, self.proposer_factory(), [prompt], max_new_tokens=budget or self.max_new,
+                        sampling=SamplingConfig(), eos_ids=self.eos, capacity=self.capacity)
+
+    def stats(self, prompt: list[int]):
+        """One untimed decoding's row of counters (its per-position acceptance: `bench_carry.replayed_acceptance`)."""
+        return self._decoded(prompt, None).rows[0]
+
     def __call__(self, prompt: list[int], budget: int | None) -> list[int]:
-        res = generate(self.runner, self.proposer_factory(), [prompt], max_new_tokens=budget or self.max_new,
-                       sampling=SamplingConfig(), eos_ids=self.eos, capacity=self.capacity)
+        res = self._decoded(prompt, budget)
         out, row = res.output_ids[0], res.rows[0]
         self.after_first = res.wall_s - res.ttft_s
         if budget is None and len(out) > 1:
@@ -238,16 +245,28 @@ def engine_names(spec: str) -> list[str]:
     return list(dict.fromkeys(names))
 
 
+def _replayed(cfg: BenchConfig, systems: list, prompts: list[list[int]], console, weights) -> dict:
+    """sdbench's per-position acceptance of each drafter an engine can replay it for (`replayed_acceptance`), where
+    one of the engines started can (none for a server the user runs)."""
+    if cfg.engine_url is not None or not any(engine(name).synthetic for name in engine_names(cfg.engine)):
+        return {}
+    with console.status("sdbench's acceptance, for the engines to replay (one untimed pass)"):
+        weights(True)
+        return replayed_acceptance([fn for _, fn, fast in systems if fast], prompts, cfg.gamma)
+
+
 @contextlib.contextmanager
-def _engine_systems(cfg: BenchConfig, capacity: int, status):
-    """The engines' systems (none for --engine sdbench), their servers running until the block ends."""
+def _engine_systems(cfg: BenchConfig, capacity: int, status, replayed: dict | None = None):
+    """The engines' systems (none for --engine sdbench), their servers running until the block ends; replayed:
+    sdbench's acceptance of each drafter an engine runs it again at (`engine_roles`)."""
     logs = Path(cfg.out) / "engine-logs" if cfg.out else cache_dir("engines", "logs")
     port = cfg.engine_port
     with contextlib.ExitStack() as stack:
         systems = []
         for name in engine_names(cfg.engine):
             eng = engine(name)
-            roles = engine_roles(eng, cfg.gamma, cfg.draft_model, cfg.autoregressive_only, cfg.heads, cfg.target)
+            roles = engine_roles(eng, cfg.gamma, cfg.draft_model, cfg.autoregressive_only, cfg.heads, cfg.target,
+                                 replayed)
             systems += stack.enter_context(engine_systems(eng, roles, cfg.target, cfg.dtype, capacity,
                                                           torch.get_num_threads(), cfg.max_new_tokens, logs,
                                                           cfg.engine_url, port, status))
@@ -313,12 +332,14 @@ def measure_peers(cfg: BenchConfig, console: Console) -> Peers:
                 r.share_plain()
 
     room = needed_capacity(max(len(p) for p in prompts), max_new, gamma)
+    # the drafter named as the engines name it (a block type's copy, MODEL@q4_0, is their re-typed MODEL)
     systems = _systems(tgt, drf, runner, pick_runner(tgt.model, target, False), d_runner, max_new, eos, room, gamma,
-                       generic, cfg.autoregressive_only, draft)
+                       generic, cfg.autoregressive_only, cfg.draft_model)
     systems += _head_systems(runner, cfg.heads, max_new, eos, room, gamma)
     # the engines' servers hold the step costs' probes too: a cached prefix and γ + 1 tokens after it
     served = max(room, probe_capacity(gamma))
-    with console.status("measuring") as status, _engine_systems(cfg, served, status) as engines:
+    replayed = _replayed(cfg, systems, prompts, console, weights)
+    with console.status("measuring") as status, _engine_systems(cfg, served, status, replayed) as engines:
         systems += [(s.name, s, False) for s in engines if s.measured]
         picked = _pick_generate(tgt.model, prompts[0], eos, cfg.generate, dev, status, weights, room)
         systems[0] = (f"transformers generate ({picked.label})",

@@ -20,6 +20,37 @@ from sdbench.servers.engines import SDBENCH
 from sdbench.servers.process import EngineFailed
 
 LOOKUP = "ngram"  # the strategy whose drafter is a lookup: c = 0
+REPLAYED = ("draft", "dflash", "dspark")  # drafters that draft every round: an engine can replay their acceptance
+
+
+def acceptance_rates(counts: list[tuple[list[int], list[int]]], gamma: int) -> tuple[float, ...]:
+    """Per-position acceptance as an engine replays it (`EngineRole.synthetic`): position j's accepted drafts over
+    its drafted ones, summed over (accepted, drafted) per-position counts of every prompt, held non-increasing (a
+    draft is accepted only after the one before it), gamma values (0 past the last drafted position)."""
+    accepted, drafted = [0] * gamma, [0] * gamma
+    for acc, dr in counts:
+        for j in range(min(gamma, len(dr))):
+            accepted[j] += acc[j] if j < len(acc) else 0
+            drafted[j] += dr[j]
+    rates, low = [], 1.0
+    for a, d in zip(accepted, drafted):
+        low = min(low, a / d if d else 0.0)
+        rates.append(low)
+    return tuple(rates)
+
+
+def replayed_acceptance(systems: list, prompts: list[list[int]], gamma: int) -> dict:
+    """(strategy, drafter) -> per-position acceptance of each of sdbench's systems whose drafter drafts every round
+    (REPLAYED), from one untimed greedy pass over the prompts: greedy decoding is deterministic, so it is the
+    acceptance the measured pass has, known before the engines start (systems: bench's, on their own weights)."""
+    rates = {}
+    for s in systems:
+        key = getattr(s, "key", None)
+        if key is None or key[0] not in REPLAYED or key in rates:
+            continue
+        counts = [(row.accepted_per_position, row.drafted_per_position) for row in (s.stats(p) for p in prompts)]
+        rates[key] = acceptance_rates(counts, gamma)
+    return rates
 
 
 def carry_over(results: list, plain, engines: list, prompts: list[list[int]], gamma: int,

@@ -6,6 +6,8 @@ profile over the grid, prints the best settings and the critical lengths, and wr
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pandas as pd
 from rich.progress import Progress
 from rich.table import Table

@@ -30,11 +30,13 @@ def engines_dir(*parts: str) -> Path:
 class EngineRole:
     """One system an engine runs: `strategy` (autoregressive, ngram, draft or eagle: the sdbench strategies an engine
     may map to its own decoding, `Engine.own_names`) at lookahead `gamma`, drafting with `draft` (a model name, or a
-    head's folder for eagle)."""
+    head's folder for eagle). synthetic: per-position acceptance rates the engine accepts drafts at instead of
+    verifying them (its benchmarking mode; `Engine.synthetic`): sdbench's acceptance, replayed at the engine's costs."""
 
     strategy: str
     gamma: int = 0
     draft: str | None = None
+    synthetic: tuple[float, ...] = ()
 
     @property
     def speculative(self) -> bool:
@@ -127,6 +129,7 @@ class Engine:
     own_names: dict[str, str] = {}  # sdbench strategy -> the engine's name for it
     draft_round: str = CHAIN  # how its draft model spends a round's forwards (`engine/counters.py`)
     dtypes: tuple = ("float32", "bfloat16", "float16")  # the --dtype values its weights take
+    synthetic: bool = False  # accepts drafts at given per-position rates instead of verifying (EngineRole.synthetic)
 
     def executable(self) -> Path:
         raise NotImplementedError
@@ -159,6 +162,8 @@ class Engine:
             return f"{self.name} plain decoding of the draft {role.draft} ({dtype})"
         if not role.speculative:
             return f"{self.name} plain decoding ({dtype})"
+        if role.synthetic:
+            return f"{self.name} {own} (γ={role.gamma}, {dtype}) at sdbench's acceptance (synthetic)"
         return f"{self.name} {own} (γ={role.gamma}, {dtype})"
 
     def command(self, target: str, role: EngineRole, dtype: str, capacity: int, threads: int) -> list[str]:

@@ -37,6 +37,7 @@ class LlamaCpp(Engine):
     # per draft: the sampled token's and each draft's but the last
     draft_round = MIRROR
     dtypes = tuple(GGUF_TYPES)
+    synthetic = True  # --spec-synth-rates: the drafts accepted at given unconditional per-position rates
 
     def executable(self) -> Path:
         return engines_dir(self.folder, "build", "bin", "llama-server")
@@ -102,6 +103,8 @@ class LlamaCpp(Engine):
             head = head_gguf(role.draft, target_folder(target), engines_dir(self.folder, "src"))
             argv += ["--spec-type", self.own_names[role.strategy], "-md", str(head), "--spec-draft-n-max",
                      str(role.gamma), "--spec-draft-n-min", "0", "--spec-draft-p-min", "0", "-td", str(threads)]
+        if role.synthetic:  # one rate per drafted position, non-increasing (the server checks both)
+            argv += ["--spec-synth-rates", ",".join(f"{p:.6f}" for p in role.synthetic)]
         return argv
 
     def request(self, prompt: list[int], max_new: int, sampling: SamplingConfig | None = None) -> tuple[str, dict]:

@@ -84,10 +84,12 @@ def check_engine_options(engine_: Engine | None, url: str | None, port: int | No
 
 
 def engine_roles(engine: Engine, gamma: int, draft: str | None, autoregressive_only: bool,
-                 heads: tuple[str, ...] = (), target: str | None = None) -> list[EngineRole]:
+                 heads: tuple[str, ...] = (), target: str | None = None, synthetic: dict | None = None) -> list[EngineRole]:
     """The roles `bench` measures through an engine: plain decoding, then (unless autoregressive only) the engine's
-    n-gram and draft-model decoding at γ and each trained head; a role it cannot run is refused in one line. Last,
-    where the draft model is not the target, plain decoding of the draft: a server for its step cost alone."""
+    n-gram and draft-model decoding at γ and each trained head; a role it cannot run is refused in one line. Then,
+    where the engine can replay an acceptance (`Engine.synthetic`), each drafter of `synthetic` ((strategy, drafter)
+    -> sdbench's per-position acceptance) once more at that acceptance. Last, where the draft model is not the
+    target, plain decoding of the draft: a server for its step cost alone."""
     roles = [EngineRole("autoregressive")]
     if autoregressive_only:
         return roles
@@ -97,6 +99,9 @@ def engine_roles(engine: Engine, gamma: int, draft: str | None, autoregressive_o
         why = engine.refuse(role)
         if why is not None:
             raise SdbenchError(f"--engine {engine.name}: {why}")
+    if engine.synthetic:
+        roles += [EngineRole(r.strategy, gamma, r.draft, tuple((synthetic or {})[(r.strategy, r.draft)]))
+                  for r in list(roles) if (r.strategy, r.draft) in (synthetic or {})]
     if draft is not None and draft != target:
         roles.append(EngineRole("autoregressive", 0, draft))
     return roles
