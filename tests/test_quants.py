@@ -334,3 +334,14 @@ def test_bench_holds_8_bit_activations_to_sdbenchs_own_plain_decoding():
     results[3].outputs = ours
     with pytest.raises(OutputDiffers, match="no fast path\\) differs from transformers generate"):
         check_outputs(results, generate, own_arithmetic=True)
+
+
+def test_a_dsi_worker_takes_its_callers_activations(monkeypatch):
+    """A DSI worker from a fork server started before the setting changed builds its products as its caller does
+    (without it, the float32-activations run of DSI above was lossy after an earlier DSI test)."""
+    from sdbench.dsi import pools
+
+    monkeypatch.setenv(cpukernel.ACTIVATIONS_ENV, "float32")
+    assert pools.arithmetic_env() == {cpukernel.ACTIVATIONS_ENV: "float32"}
+    monkeypatch.delenv(cpukernel.ACTIVATIONS_ENV)
+    assert pools.arithmetic_env() == {}

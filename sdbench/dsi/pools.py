@@ -33,6 +33,14 @@ from sdbench.models.forward.generic import runner_kind
 START_TIMEOUT_S = 600.0
 
 
+def arithmetic_env() -> dict:
+    """This process's settings that change what a replica computes (sdbench's block products' activations), for a
+    worker to take as its own."""
+    from sdbench.models.forward.cpukernel import ACTIVATIONS_ENV
+
+    return {k: os.environ[k] for k in (ACTIVATIONS_ENV,) if k in os.environ}
+
+
 def cpu_cores() -> int:
     try:
         return len(os.sched_getaffinity(0))
@@ -79,8 +87,11 @@ def _error(index: int, stage: str, error: BaseException) -> tuple:
     return "error", index, f"DSI worker {index} {stage}: {_why(error)}", traceback.format_exc()
 
 
-def _serve(device: str, threads: int, index: int, name: str, fast: bool, kind: str, tasks, results) -> None:
-    """A worker process: receive the model, build the replica, then answer tasks until told to stop (None)."""
+def _serve(device: str, threads: int, index: int, name: str, fast: bool, kind: str, tasks, results,
+           env: dict | None = None) -> None:
+    """A worker process: receive the model, build the replica, then answer tasks until told to stop (None). env:
+    the caller's settings its arithmetic depends on (a fork server started earlier holds older ones)."""
+    os.environ.update(env or {})
     try:
         model = pickle.loads(tasks.get())
         worker = TargetWorker(model, device, threads, index, name, fast, kind)
@@ -127,7 +138,7 @@ class ProcessPool:
             tasks = self.ctx.Queue()
             proc = self.ctx.Process(target=_serve, name=f"sdbench-dsi-worker-{i}", daemon=True,
                                     args=(worker_device(self.kind, i), self.threads, i, self.name, self.fast,
-                                          self.runner, tasks, self.results))
+                                          self.runner, tasks, self.results, arithmetic_env()))
             proc.start()
             # through the queue, not as a start argument: a fork server passes at most 256 file descriptors
             # per start, and every shared tensor of the model takes one
