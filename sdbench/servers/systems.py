@@ -99,9 +99,9 @@ def engine_roles(engine: Engine, gamma: int, draft: str | None, autoregressive_o
         why = engine.refuse(role)
         if why is not None:
             raise SdbenchError(f"--engine {engine.name}: {why}")
-    if engine.synthetic:
-        roles += [EngineRole(r.strategy, gamma, r.draft, tuple((synthetic or {})[(r.strategy, r.draft)]))
-                  for r in list(roles) if (r.strategy, r.draft) in (synthetic or {})]
+    replay = synthetic if engine.synthetic and synthetic else {}
+    roles += [EngineRole(r.strategy, gamma, r.draft, tuple(replay[r.strategy, r.draft]))
+              for r in list(roles) if (r.strategy, r.draft) in replay]
     if draft is not None and draft != target:
         roles.append(EngineRole("autoregressive", 0, draft))
     return roles

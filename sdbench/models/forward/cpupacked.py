@@ -122,7 +122,7 @@ def packed_product(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | N
     return onednn_linear(x, packed, bias)
 
 
-def _mlp_parts(mlp):
+def mlp_parts(mlp):
     """(the products to fuse: [up side, down], the activation, gated) of an MLP the fast path packs: gated,
     gate and up fused (Llama: gate_proj, up_proj; Phi-3: gate_up_proj, fused already), or plain (StarCoder2:
     c_fc, c_proj); None for any other (a mixture of experts stays the library's own module)."""
@@ -143,7 +143,7 @@ def _attention_parts(attn) -> list:
 
 def projection_modules(layer) -> list:
     """The linear modules of a decoder layer that the fast path packs."""
-    parts = _mlp_parts(layer.mlp)
+    parts = mlp_parts(layer.mlp)
     groups = _attention_parts(layer.self_attn) + (parts[0] if parts else [])
     return [m for group in groups for m in group]
 
@@ -155,7 +155,7 @@ class FastLayer:
     def __init__(self, layer):
         qkv, o = _attention_parts(layer.self_attn)
         self.qkv, self.o = Packed(qkv), Packed(o)
-        parts = _mlp_parts(layer.mlp)
+        parts = mlp_parts(layer.mlp)
         self.up = self.down = self.act = None
         self.gated = False
         if parts is not None:

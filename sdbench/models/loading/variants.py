@@ -60,7 +60,7 @@ def _snapped_weights(model, kind: str) -> list:
     where a product cannot be quantised."""
     found = {}
     for i, layer in enumerate(model.model.layers):
-        if cpupacked._mlp_parts(layer.mlp) is None:
+        if cpupacked.mlp_parts(layer.mlp) is None:
             raise SdbenchError(f"@{kind}: layer {i}'s MLP is neither a plain nor a gated one (a mixture of experts?), "
                                "and sdbench's block products read plain linear layers only")
         for m in cpupacked.projection_modules(layer):
