@@ -3,6 +3,8 @@ transformers generate's fastest configuration for `bench`; and `bench` at a real
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -188,7 +190,8 @@ def test_bench_on_an_alias_at_random_says_what_it_used(small, capsys, tmp_path, 
     layout = cpufast.choose(ModelRunner(tiny_model(0), "t").model).layout  # the tests' override: kernel or packed
     assert f"CPU fast path: {cpupacked.LAYOUT_NAMES[layout]} forward, set by SDBENCH_CPU_FAST" in out
     assert "verification cost T(3 tokens) / T(1 token), llama-1b@random" in out
-    assert "memory bandwidth: 1.0 GB/s (fake, the best of fake)" in out
+    # the roofline's read: the probe's, or a plain decoding's where it read faster than that
+    assert re.search(r"memory bandwidth: [\d.]+ GB/s \((fake|sdbench autoregressive.*'s decoding), the best of fake", out)
     df = pd.read_parquet(tmp_path / "bench.parquet")
     assert "transformers generate (static cache)" in set(df["system"]) and df["same_output"].all()
 

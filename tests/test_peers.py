@@ -146,14 +146,19 @@ def test_bench_measures_trained_heads_beside_the_others_and_checks_their_outputs
              "sdbench dspark ds (γ=4)", "sdbench peagle pe (γ=4)", "sdbench mtp mt (γ=4)")
     heads = df[df.system.str.startswith(names)]
     assert len(heads) == 6 and heads.same_output.all() and (heads.tokens == 24).all(), df.system.tolist()
-    blocks = heads[heads.system.str.startswith(names[2:4])]  # one timed forward drafts the round: c, whatever g
+    blocks = heads[heads.system.str.startswith(names[2:4])]  # one timed round drafts the block: c, whatever g
     assert (blocks.step_draft_cost > 0).all() and (blocks.round_draft_cost == blocks.step_draft_cost).all()
-    for _, row in blocks.iterrows():  # sdbench's own row: L / (c + v(g + 1)), its own acceptance carried
-        assert row.own_predicted_speedup == pytest.approx(row.tokens_per_round / (row.step_draft_cost +
-                                                                                   row.step_verify_cost))
+    for _, row in blocks.iterrows():  # sdbench's own row: L / (c + v(g + 1) + o), its own acceptance carried
+        assert row.own_predicted_speedup == pytest.approx(row.tokens_per_round / (
+            row.step_draft_cost + row.step_verify_cost + row.round_overhead_cost))
+        assert row.round_overhead_cost > row.round_host_cost  # a head's setup reads the prompt's states
         assert row.carried_speedup == pytest.approx(row.own_predicted_speedup)
-    others = heads[~heads.system.str.startswith(names[2:4])]
-    assert others.step_draft_cost.isna().all()  # a head whose step neither side times alone
+    others = heads[~heads.system.str.startswith(names[2:4])]  # a chain: its round's drafting per draft, g c
+    assert (others.step_draft_cost > 0).all()
+    for _, row in others.iterrows():
+        assert row.round_draft_cost == pytest.approx(row.drafts_per_round * row.step_draft_cost)
+        assert row.own_predicted_speedup == pytest.approx(row.tokens_per_round / (
+            row.round_draft_cost + row.step_verify_cost + row.round_overhead_cost))
 
 
 def test_bench_drafts_with_an_int8_copy_made_at_load_time(capsys, tiny_bench, tmp_path):

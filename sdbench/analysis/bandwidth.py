@@ -79,3 +79,14 @@ def measure_bandwidth(device: torch.device, mib: int = 512) -> Bandwidth:
     n = mib * 2**20 // 4 // (COLUMNS * threads) * (COLUMNS * threads)  # whole rows, an equal share per thread
     x = torch.ones(n, dtype=torch.float32, device=device)
     return best_read(x, read_kernels(torch.device(device)))
+
+
+def with_decodings(probe: Bandwidth, reads: dict[str, float]) -> Bandwidth:
+    """The probe's bandwidth, or the fastest plain decoding's read (name -> bytes/s: its weights' bytes times its
+    decode tokens/s) where one reads faster: no system decodes above the roofline, and the roofline is the best
+    the machine was seen to deliver in the run."""
+    best = max(((f"{name}'s decoding", r) for name, r in reads.items() if r == r and r > 0), key=lambda x: x[1],
+               default=None)
+    if best is None or best[1] <= probe.bytes_per_s:
+        return probe
+    return Bandwidth(best[1], best[0], {**probe.rates, best[0]: best[1]})

@@ -10,9 +10,13 @@ plus one token of the target's, so
 
 and with the step costs of the engine that runs it, c (one draft step over one target step) and v(k) (a target
 forward over k tokens over one of 1 token, read at k = g + 1 between the widths measured), the predicted decode
-speedup over the engine's own plain decoding is L / (g c + v(g + 1)) (`iid_model.round_speedup`). Where an
+speedup over the engine's own plain decoding is L / (g c + v(g + 1) + o) (`iid_model.round_speedup`). Where an
 engine's drafter also runs the round's verification batch through the draft (`EngineCosts.round`), g c becomes the
-draft forwards that round costs (`EngineCosts.draft_steps`) times c.
+draft forwards that round costs (`EngineCosts.draft_steps`) times c. o is a round's overhead beyond its forwards:
+h, the host work of a round (acceptance, bookkeeping) beyond a plain step's, plus s R / N, the proposer's setup
+per request (a draft model's prefill of the prompt) spread over its rounds (R requests, N rounds), each timed
+like c and v by sdbench for its own systems (`bench_costs.host_cost`, `setup_costs`); an engine's step costs come from its
+own timings, which hold its host work, and its draft's prefill is not timed apart (o = 0).
 
 Three numbers per engine system:
   carried    L and g from sdbench's own run of the same strategy on the same prompts, c and v the engine's:
@@ -25,6 +29,11 @@ Three numbers per engine system:
 and the gap measured / carried factors exactly into acceptance (own / carried: the engine accepts more or less
 than sdbench: another drafting rule, arithmetic) times the rest (measured / own: overheads the cost model leaves
 out, costs that differ in the engine's speculative loop from its plain forwards).
+
+For sdbench's own systems, whose loop times each part of a round (engine/loop.py), the rest factors further into
+forwards x host x setup (`rest_parts`): the predicted round's parts, in plain decoding's measured time per token,
+replaced by the measured ones one at a time (the forwards: drafting and verification; the host work beyond a plain
+step's; the setup per round), so that each factor is the part's own error and their product is the rest.
 """
 
 from __future__ import annotations
@@ -63,6 +72,13 @@ class EngineCosts:
     step_s: float = math.nan
     draft_verify: dict[int, float] = field(default_factory=dict)
     round: str = CHAIN
+    host: float = 0.0  # h: a round's host work beyond a plain step's
+    setup: float = 0.0  # s: the proposer's setup per request
+
+    def overhead(self, rounds: Rounds) -> float:
+        """o = h + s R / N for `rounds`' R requests in N rounds."""
+        per_round = rounds.requests / rounds.rounds if rounds.rounds else 0.0
+        return self.host + self.setup * per_round
 
     def verify_at(self, width: float) -> float:
         """v(width)."""
@@ -83,7 +99,8 @@ def predicted(rounds: Rounds, costs: EngineCosts) -> float:
     """L / (d c + v(g + 1)) with L and g from `rounds`, d = costs.draft_steps(g) (g for a chain), c and v from
     `costs`."""
     g = rounds.drafts_per_round
-    return round_speedup(rounds.tokens_per_round, costs.draft_steps(g), costs.draft, costs.verify_at(g + 1.0))
+    return round_speedup(rounds.tokens_per_round, costs.draft_steps(g), costs.draft,
+                         costs.verify_at(g + 1.0) + costs.overhead(rounds))
 
 
 def decode_speedup(rounds: Rounds, plain: Rounds) -> float:
@@ -96,4 +113,23 @@ def carry(system: str, engine: str, own: Rounds, plain: Rounds, costs: EngineCos
     g = own.drafts_per_round
     return Carried(system, engine, own.tokens_per_round, g, costs.verify_at(g + 1.0), costs.draft,
                    costs.draft_steps(g) * costs.draft, predicted(reference, costs), predicted(own, costs),
-                   decode_speedup(own, plain))
+                   decode_speedup(own, plain), costs.overhead(own), costs.host, costs.setup,
+                   *rest_parts(own, plain, costs))
+
+
+def rest_parts(own: Rounds, plain: Rounds, costs: EngineCosts) -> tuple[float, float, float]:
+    """(forwards, host, setup): the rest's factors for rounds whose loop timed its parts (sdbench's; NaN for an
+    engine's). Each part per round in plain decoding's measured time per token: predicted F = d c + v(g + 1),
+    H = h, S = s R / N; measured S the setup, H the host work beyond plain decoding's per token, F the remainder."""
+    nan = (math.nan,) * 3
+    if not (own.rounds and own.host_s and plain.tokens and plain.seconds):
+        return nan
+    unit = plain.seconds / plain.tokens  # plain decoding's measured time per token
+    g = own.drafts_per_round
+    pred = (costs.draft_steps(g) * costs.draft + costs.verify_at(g + 1.0), costs.host,
+            costs.overhead(own) - costs.host)
+    setup = own.setup_s / own.rounds / unit
+    host = (own.host_s / own.rounds - plain.host_s / plain.tokens) / unit
+    meas = (own.seconds / own.rounds / unit - setup - host, host, setup)
+    steps = [sum(meas[:i]) + sum(pred[i:]) for i in range(4)]  # predicted parts replaced one at a time
+    return tuple(ratio(steps[i], steps[i + 1]) for i in range(3))

@@ -12,7 +12,8 @@ alpha can be fitted per (KV selector, budget, prompt length) to earlier runs (`a
 prediction then takes the alpha of its selector and budget at the measured prompt length nearest its context.
 
 `measured_costs` times one draft and one target forward at the models' own shapes after a real prompt (what
-`predict speedup --target` and `simulate dsi --target` use).
+`predict speedup --target` and `simulate dsi --target` use), and the verdict on gamma drafts beyond a plain
+step's (`verdict_fns`, `host_costs`: a round's host work the forwards leave out).
 """
 
 from __future__ import annotations
@@ -20,15 +21,17 @@ from __future__ import annotations
 import json
 import math
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from sdbench.analysis.theory import alpha_from_tokens_per_step
+from sdbench.config import SamplingConfig
 from sdbench.engine.clock import now
 from sdbench.engine.formulas import mean_accepted_length
 from sdbench.engine.iid_model import predicted_speedup
-from sdbench.engine.state import needed_capacity
+from sdbench.engine.state import Proposal, needed_capacity
+from sdbench.engine.step import accept
 from sdbench.errors import SdbenchError
 from sdbench.forward_step import Step
 from sdbench.kv.sparse import filled_for_profile
@@ -225,6 +228,7 @@ class StepCosts:
     c: float
     verify: dict
     target_s: float
+    host: dict = field(default_factory=dict)  # gamma -> h: the verdict on gamma drafts beyond a plain step's
 
 
 def measured_costs(target: str, draft: str, gammas, context: int, device: str, dtype: str, console) -> StepCosts:
@@ -248,6 +252,28 @@ def measured_costs(target: str, draft: str, gammas, context: int, device: str, d
         def forward(name: str, width: int):
             return lambda: runners[name].run(caches[name], Step(prompt[None, -width:], [context]))
         # the draft's step, the target's and its verifications interleaved: their ratios are what is used
+        wide = forward(target, max(gammas) + 1)()
         t = median_times({draft: forward(draft, 1), target: forward(target, 1),
-                          **{("verify", g): forward(target, g + 1) for g in gammas}}, dev)
-    return StepCosts(t[draft] / t[target], {g: t[("verify", g)] / t[target] for g in gammas}, t[target])
+                          **{("verify", g): forward(target, g + 1) for g in gammas}, **verdict_fns(wide, gammas)},
+                         dev)
+    return StepCosts(t[draft] / t[target], {g: t[("verify", g)] / t[target] for g in gammas}, t[target],
+                     host_costs(t, gammas, t[target]))
+
+
+def verdict_fns(logits: torch.Tensor, gammas) -> dict:
+    """For `median_times`: ("verdict", g) -> the greedy verdict on g drafts over a verification's logits[:, :g + 1]
+    (logits [1, >= max(gammas) + 1, V]), read back to the host as the decode loop reads it; g = 0 too, a plain
+    step's."""
+    greedy = SamplingConfig()
+
+    def verdict(g: int):
+        drafts = Proposal(torch.zeros(1, g, dtype=torch.long), torch.tensor([g]))
+        return lambda: accept(drafts, logits[:, : g + 1], greedy, None)
+
+    return {("verdict", g): verdict(g) for g in sorted({0, *gammas})}
+
+
+def host_costs(t: dict, gammas, target_s: float) -> dict:
+    """gamma -> h: the verdict on gamma drafts beyond a plain step's (`verdict_fns`' times in t), over the target's
+    one-token forward."""
+    return {g: (t[("verdict", g)] - t[("verdict", 0)]) / target_s for g in gammas}

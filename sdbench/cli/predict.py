@@ -28,12 +28,14 @@ def predict_speedup(
     device: Device = "auto", dtype: Dtype = "float32",
     block: Annotated[bool, typer.Option("--block", help="a block drafter (DFlash, DSpark, P-EAGLE, PARD): one draft forward per round "
                                         "drafts all gamma tokens, --draft-cost is that forward's")] = False,
+    overhead: Annotated[float, typer.Option(help="a round's cost beyond its forwards (host work, a draft's setup per "
+                                            "round) / one target forward: bench's o; measured with --target")] = 0.0,
 ):
     """Expected tokens per step and speedup of draft-model SD under the i.i.d. acceptance model."""
     from sdbench.commands.predict_speedup import run_speedup
 
     run_speedup(alpha, parse_counts(gamma, low=1), draft_cost, verify_cost, console, target=target, draft=draft,
-                context=context, device=device, dtype=dtype, block=block)
+                context=context, device=device, dtype=dtype, block=block, overhead=overhead)
 
 
 @predict_app.command("magicdec")

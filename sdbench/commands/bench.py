@@ -8,8 +8,6 @@ system alike: its start, when its first new token was available and its end (`re
 from __future__ import annotations
 
 import contextlib
-import math
-import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -17,20 +15,18 @@ import torch
 from rich.console import Console
 
 from sdbench.analysis.bandwidth import Bandwidth, measure_bandwidth
-from sdbench.analysis.costs import median_times
-from sdbench.commands.bench_carry import block_costs, carry_over, is_block, replayed_acceptance
+from sdbench.commands.bench_carry import carry_over, replayed_acceptance
+from sdbench.commands.bench_costs import cost_ratios, is_block, own_costs, roofline_read
 from sdbench.commands.bench_measure import measure_systems
+from sdbench.commands.bench_system import SdbenchSystem
 from sdbench.commands.bench_table import (GENERIC_ROW, SystemMeasurement, _table, check_outputs, engine_lines, fast_row,
                                           first_difference, write_bench)
 from sdbench.commands.hf_generate import MODES, TransformersSystem, generator, kwargs_for, pick
-from sdbench.config import BenchConfig, SamplingConfig
+from sdbench.config import BenchConfig
 from sdbench.data.tasks import encode_prompt, load_prompts
 from sdbench.drafting.ngram import DRAFT_NAME
-from sdbench.engine.counters import Rounds
-from sdbench.engine.loop import generate
 from sdbench.engine.state import needed_capacity
 from sdbench.errors import SdbenchError
-from sdbench.forward_step import Step
 from sdbench.models.forward.generic import GenericRunner, runner_kind
 from sdbench.models.heads.load import check_folder
 from sdbench.models.loading.loader import check_same_tokenizer, eos_token_ids
@@ -53,64 +49,9 @@ from sdbench.strategies.spec import head_strategy, need_gamma
 
 
 
-@dataclass
-class SdbenchSystem:
-    """fn(prompt ids, budget or None for max_new) -> new ids through sdbench's decode loop. Measured calls (budget
-    None) add their rounds after the first token to `rounds` (the carry-over's acceptance and decode time).
-    capacity: one KV length for every prompt, so that a static-shape (CUDA-graph) runner captures its graphs
-    during the warm-up and replays them for every measured prompt. key: (strategy, drafter) for the carry-over."""
-
-    runner: object
-    proposer_factory: object
-    max_new: int
-    eos: list[int]
-    capacity: int
-    key: tuple[str, str | None] = ("autoregressive", None)
-    rounds: Rounds = field(default_factory=Rounds)
-    block: tuple | None = None  # a block head's (BlockDrafter, g): its round's drafting is timed for the carry-over
-    after_first: float = field(default=math.nan, init=False)  # seconds its last call ran after its first token
-
-    def _decoded(self, prompt: list[int], budget: int | None):
-        return generate(self.runner, self.proposer_factory(), [prompt], max_new_tokens=budget or self.max_new,
-                        sampling=SamplingConfig(), eos_ids=self.eos, capacity=self.capacity)
-
-    def stats(self, prompt: list[int]):
-        """One untimed decoding's row of counters (its per-position acceptance: `bench_carry.replayed_acceptance`)."""
-        return self._decoded(prompt, None).rows[0]
-
-    def __call__(self, prompt: list[int], budget: int | None) -> list[int]:
-        res = self._decoded(prompt, budget)
-        out, row = res.output_ids[0], res.rows[0]
-        self.after_first = res.wall_s - res.ttft_s
-        if budget is None and len(out) > 1:
-            spec = self.key[0] != "autoregressive"
-            self.rounds.add(len(out) - 1, res.wall_s - res.ttft_s, row.steps if spec else len(out) - 1,
-                            row.drafted, row.accepted)
-        return out
-
-
-
 def memory_bandwidth(device: torch.device) -> Bandwidth:
     """The best streaming read this machine delivers (`analysis/bandwidth.py`)."""
     return measure_bandwidth(device)
-
-
-def cost_ratios(runner, draft, prompts: list[list[int]], gamma: int) -> tuple[float, float]:
-    """(T(gamma + 1 tokens) / T(1 token) of the target, one draft forward / one target forward), each the
-    median over the prompts of forwards at the prompt's end, as a verification and a decode step see them."""
-    verify, c = [], []
-    for p in prompts:
-        caches = {}
-        for name, r in (("target", runner), ("draft", draft)):
-            caches[name] = r.new_cache(1, needed_capacity(len(p), 0, gamma))
-            r.prefill(caches[name], [p])
-        one, wide = torch.tensor([p[-1:]]), torch.tensor([(p * (gamma + 1))[: gamma + 1]])
-        t = median_times({"target": lambda: runner.run(caches["target"], Step(one, [len(p)])),
-                          "draft": lambda: draft.run(caches["draft"], Step(one, [len(p)])),
-                          "verify": lambda: runner.run(caches["target"], Step(wide, [len(p)]))}, runner.device)
-        verify.append(t["verify"] / t["target"])
-        c.append(t["draft"] / t["target"])
-    return statistics.median(verify), statistics.median(c)
 
 
 def _systems(tgt, drf, runner, plain, d_runner, max_new: int, eos: list[int], room: int, gamma: int,
@@ -165,7 +106,7 @@ def _head_systems(runner, heads: tuple[str, ...], max_new: int, eos: list[int], 
         kind = "" if head.kind == declared.name else f" {head.kind}"  # eagle's kind says which EAGLE
         rows.append((f"sdbench {declared.name}{kind} {Path(source).name} (γ={g}){fast}",
                      SdbenchSystem(runner, lambda d=drafter, src=source, g=g: TrainedHead(d, g, src), max_new, eos,
-                                   room, (declared.name, source), block=(drafter, g) if is_block(drafter) else None),
+                                   room, (declared.name, source), block=is_block(drafter)),
                      runner.cpu_fast))
     return rows
 
@@ -349,10 +290,11 @@ def measure_peers(cfg: BenchConfig, console: Console) -> Peers:
         status.update("measuring the verification and draft cost ratios")
         weights(True)
         ratios = cost_ratios(runner, d_runner, prompts, gamma)
-        blocks = block_costs([fn for _, fn, _ in systems], runner, prompts)
+        mine = own_costs([fn for _, fn, _ in systems], runner, prompts, gamma)
         weights(False)
-        carried, unknown = carry_over(results, fast_row(results), engines, prompts, gamma, ratios, status, blocks)
-    return Peers(results, memory_bandwidth(dev), plain_bytes, ratios[0], ratios[1], picked, reference, disagreement,
+        carried, unknown = carry_over(results, fast_row(results), engines, prompts, gamma, ratios, status, mine)
+    return Peers(results, roofline_read(memory_bandwidth(dev), results, plain_bytes, cfg.dtype in ENGINE_TYPES),
+                 plain_bytes, ratios[0], ratios[1], picked, reference, disagreement,
                  runner.fast_path_note(), graphs_asked, bool(getattr(runner, "graphs", False)), len(prompts),
                  str(dev), carried, unknown, runner.block_activations() == "int8")
 
@@ -395,5 +337,3 @@ def engine_hint(cfg: BenchConfig, device: str) -> str | None:
         return "llama.cpp at the same weights and dtype beside these: add --engine llama.cpp (installed)"
     return (f"llama.cpp at the same weights and dtype beside these: `{eng.install}` in sdbench's checkout installs "
             "it, then add --engine llama.cpp")
-
-

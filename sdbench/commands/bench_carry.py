@@ -4,15 +4,9 @@ sdbench's acceptance on the same prompts and the system's own engine's step cost
 
 from __future__ import annotations
 
-import statistics
-
-import torch
-
 from sdbench.analysis.carry import EngineCosts, carry
-from sdbench.analysis.costs import median_times
+from sdbench.commands.bench_costs import OwnCosts
 from sdbench.engine.counters import BLOCK, CHAIN
-from sdbench.engine.state import needed_capacity
-from sdbench.forward_step import Step
 from sdbench.reporting.carry import Carried
 from sdbench.servers.client import EngineReplyError
 from sdbench.servers.costs import CostsUnknown, draft_costs, target_costs
@@ -54,19 +48,20 @@ def replayed_acceptance(systems: list, prompts: list[list[int]], gamma: int) -> 
 
 
 def carry_over(results: list, plain, engines: list, prompts: list[list[int]], gamma: int,
-               ratios: tuple[float, float], status=None, blocks: dict | None = None) -> tuple[list[Carried], list[str]]:
+               ratios: tuple[float, float], status=None, mine: OwnCosts = OwnCosts()) -> tuple[list[Carried], list[str]]:
     """(the carry-over rows, a line for each speculative system left without one). results: `bench`'s measurements
     systems; plain: sdbench's own plain decoding on its fastest path among them; engines: every EngineSystem
     started (the draft's cost-only servers too); ratios: sdbench's own (T(gamma + 1) / T(1), c) from
-    `cost_ratios`; blocks: c of each of sdbench's block heads' round, by system key (`block_costs`)."""
+    `cost_ratios`; mine: sdbench's own rows' c, h and s (`bench_costs.own_costs`; a key it lacks: c from
+    `cost_ratios`, no overhead)."""
     ours = {m.key: m for m in results if m.engine is None and m.key is not None and not m.failed}
     rows, unknown = [], []
     for key, m in ours.items():
         if key[0] == "autoregressive" or plain is None:
             continue
-        block = (blocks or {}).get(key)
-        costs = EngineCosts({1: 1.0, gamma + 1: ratios[0]}, _draft_cost(key[0], ratios[1]) if block is None else block,
-                            round=CHAIN if block is None else BLOCK)
+        costs = EngineCosts({1: 1.0, gamma + 1: ratios[0]}, mine.draft.get(key, _draft_cost(key[0], ratios[1])),
+                            round=BLOCK if key in mine.blocks else CHAIN, host=mine.host if key in mine.draft else 0.0,
+                            setup=mine.setup.get(key, 0.0))
         rows.append(carry(m.system, SDBENCH, m.rounds, plain.rounds, costs, m.rounds))
     found = {id(m.source): m for m in results if m.engine is not None}  # an engine system's measurement
     for name in dict.fromkeys(s.engine.name for s in engines):
@@ -108,37 +103,3 @@ def _draft_cost(strategy: str, model_c: float) -> float:
     """c of a strategy's drafter: 0 for a lookup, the draft model's measured c, unknown (NaN) for a trained head,
     whose step neither side measures alone."""
     return 0.0 if strategy == LOOKUP else model_c if strategy == "draft" else float("nan")
-
-
-def is_block(drafter) -> bool:
-    """A drafter whose one forward drafts a round's block (drafting/block.py)."""
-    from sdbench.drafting.block import BlockDrafter
-
-    return isinstance(drafter, BlockDrafter)
-
-
-def block_costs(systems: list, runner, prompts: list[list[int]]) -> dict:
-    """c of each block head's round (its one block forward and the reading of its g drafts, over the target's
-    one-token forward), by system key: the median over the prompts, each timed at the prompt's end as
-    `cost_ratios` times the draft model (systems: bench's; those with `block` set are timed)."""
-    return {s.key: statistics.median(_block_ratio(runner, *s.block, p) for p in prompts)
-            for s in systems if getattr(s, "block", None) is not None}
-
-
-def _block_ratio(runner, drafter, g: int, prompt: list[int]) -> float:
-    """One prompt's ratio: the head's context is the prompt's length of target states (their values do not change
-    the time; every slot read, DSpark's early stop left out), the block anchored at its last token."""
-    head, n = drafter.head, len(prompt)
-    cache = runner.new_cache(1, needed_capacity(n, 0, g))
-    runner.prefill(cache, [prompt])
-    context = head.new_cache(1, n)
-    head.context(context, torch.zeros(1, n - 1, head.w["fc.weight"].shape[1], dtype=head.dtype, device=head.device),
-                 [0])
-    anchor = torch.tensor([prompt[-1]], device=head.device)
-
-    def draft():
-        head.chain(head.block(context, anchor, [n - 1]), anchor, g, lambda logits: (logits.argmax(-1), None))
-
-    t = median_times({"target": lambda: runner.run(cache, Step(torch.tensor([prompt[-1:]]), [n])), "block": draft},
-                     runner.device)
-    return t["block"] / t["target"]

@@ -205,7 +205,10 @@ class ModelDrafter:
             if self.tree is not None:
                 self._check_tree()
             if min(fed) > 0:  # else nothing to prefill for some row: the first draft feeds every row's context
-                self.runner.prefill(self.cache, prompts)
+                if getattr(state.target_cache, "maker", None) is self.runner:  # the target itself: its prefill
+                    self.cache.copy_prefix(state.target_cache, fed)
+                else:
+                    self.runner.prefill(self.cache, prompts)
                 self.prefix.holds(state.tokens, fed)
             return
         self.prefix.holds(state.tokens, fed)

@@ -54,7 +54,10 @@ class RowStats:
     accepted_per_position: list[int] = field(default_factory=list)  # [j]: steps whose draft j was committed
     drafted_per_position: list[int] = field(default_factory=list)  # [j]: steps that drafted a token at j
     draft_s: float = 0.0  # the batch's drafting time over the steps this row was active
-    verify_s: float = 0.0
+    verify_s: float = 0.0  # ... the target's verifying forwards
+    accept_s: float = 0.0  # ... the verdicts, their sampling and commits (engine/loop.py `_rounds`)
+    observe_s: float = 0.0  # ... the proposer's bookkeeping after each verdict
+    loop_s: float = 0.0  # ... the loop's own between rounds
     tree_steps: int = 0  # token trees: see the module docstring
     tree_nodes: int = 0
     sibling_accepts: int = 0
@@ -64,7 +67,7 @@ class RowStats:
 
     def add_step(self, drafted: int, accepted: int, draft_s: float, verify_s: float,
                  rejected: bool | None = None, *, verified: int | None = None, tree: Tree | None = None,
-                 path=None, width: int | None = None) -> None:
+                 path=None, width: int | None = None, accept_s: float = 0.0) -> None:
         """accepted: drafts committed (see the module docstring); verified: drafts the verifier accepted
         (default: accepted); rejected: the verifier rejected a draft (default: its last try failed, so for a
         chain fewer verified than drafted); width: the verifying forward's tokens per row (default drafted + 1).
@@ -84,6 +87,7 @@ class RowStats:
         self.rejections += (bool(found) and not found[-1][2]) if rejected is None else bool(rejected)
         self.draft_s += draft_s
         self.verify_s += verify_s
+        self.accept_s += accept_s
         self.verified_width += drafted + 1 if width is None else width
         for d, r, ok in found:
             _count_try(self.tried_per_depth_rank, self.accepted_per_depth_rank, d, r, ok)
@@ -120,13 +124,20 @@ class Rounds:
     rounds: int = 0  # target verifications (plain decoding: one per token)
     drafted: int = 0
     accepted: int = 0
+    requests: int = 0  # prompts decoded
+    setup_s: float = 0.0  # of `seconds`: the proposer's setup (sdbench's systems; 0 where not timed apart)
+    host_s: float = 0.0  # of `seconds`: the rounds' work outside drafting and verifying forwards (`metrics.host_s`)
 
-    def add(self, tokens: int, seconds: float, rounds: int, drafted: int = 0, accepted: int = 0) -> None:
+    def add(self, tokens: int, seconds: float, rounds: int, drafted: int = 0, accepted: int = 0,
+            setup_s: float = 0.0, host_s: float = 0.0) -> None:
         self.tokens += tokens
         self.seconds += seconds
         self.rounds += rounds
         self.drafted += drafted
         self.accepted += accepted
+        self.requests += 1
+        self.setup_s += setup_s
+        self.host_s += host_s
 
     @property
     def tokens_per_round(self) -> float:

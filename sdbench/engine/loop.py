@@ -29,11 +29,14 @@ from sdbench.forward_step import Step
 
 
 def generate(target: Runner, proposer, prompts: list[list[int]], *, max_new_tokens: int, sampling: SamplingConfig,
-           eos_ids=(), generator: torch.Generator | None = None, capacity: int = 0) -> BatchResult:
+           eos_ids=(), generator: torch.Generator | None = None, capacity: int = 0, rounds=None) -> BatchResult:
     """Decode a batch of prompts with the target, drafting through `proposer`.
 
     capacity: the least KV length to allocate (a warm-up passes the longest batch's, so that static-shape
-    caches and their CUDA graphs are made during the warm-up and reused by the measured batches)."""
+    caches and their CUDA graphs are made during the warm-up and reused by the measured batches). rounds: what
+    runs once the prompts are prefilled, their first tokens committed and the proposer begun, as
+    rounds(target, proposer, state, rows) [default: the decoding's rounds; a probe times the proposer's
+    drafting on the started state instead, as `bench` does]."""
     if max_new_tokens < 1:
         raise SdbenchError(f"--max-new-tokens must be at least 1 (got {max_new_tokens})")
     if proposer.decoder != "sequential":  # this loop would decode plainly and look right: refuse instead
@@ -47,14 +50,15 @@ def generate(target: Runner, proposer, prompts: list[list[int]], *, max_new_toke
                                     generator=generator, device=target.device, target_cache=cache)
     try:
         check_trees(target, proposer, cache)
-        return _run(target, proposer, state, prompts, rows, t_start)
+        return _run(target, proposer, state, prompts, rows, t_start, rounds or _rounds)
     finally:  # caches go back for reuse by the next generation when shapes are static (CUDA graphs),
         # in the order they were taken, so that each is taken again for the same role with its graphs
         target.release(cache)
         proposer.end()
 
 
-def _run(target: Runner, proposer, state: DecodeState, prompts, rows: list[RowStats], t_start: float) -> BatchResult:
+def _run(target: Runner, proposer, state: DecodeState, prompts, rows: list[RowStats], t_start: float,
+         rounds) -> BatchResult:
     dev = state.device
     taps = _taps(proposer)
     first, _ = choose(target.prefill(state.target_cache, prompts, taps=taps), state.sampling, state.generator)
@@ -69,7 +73,7 @@ def _run(target: Runner, proposer, state: DecodeState, prompts, rows: list[RowSt
     for r in rows:  # the draft's own prefill (or cache compression) is drafting cost too
         r.draft_s += setup
 
-    _rounds(target, proposer, state, rows)
+    rounds(target, proposer, state, rows)
     wall = now(dev) - t_start
     return BatchResult([state.generated(b) for b in range(state.batch)], state.prompt_lengths, rows, wall, ttft,
                        [proposer.row_stats(b) for b in range(state.batch)],
@@ -106,8 +110,13 @@ def serve(target: Runner, proposer, scheduler: Scheduler, *, sampling: SamplingC
 
 def _rounds(target: Runner, proposer, state: DecodeState, rows: list[RowStats], admission: Scheduler | None = None) -> None:
     """propose -> verify -> commit -> observe -> record, until every row is done; with an admission point
-    (serving under load), until the scheduler has no request left, admitting between rounds."""
-    marks = Marks(state.device)
+    (serving under load), until the scheduler has no request left, admitting between rounds.
+
+    A round's time by part, each between two marks of the one clock (`RoundClock`): drafting (the proposer's
+    propose), verification (the target's forward), acceptance (the verdict, its sampling, the commit and what the
+    target's cache and states keep of it), the proposer's bookkeeping after the verdict (observe) and the loop's
+    own (recording, the wait for the next round)."""
+    clock = RoundClock(state.device)
     while True:
         if admission is not None:
             _admit(target, proposer, state, rows, admission)
@@ -117,21 +126,61 @@ def _rounds(target: Runner, proposer, state: DecodeState, rows: list[RowStats], 
             if admission is None:
                 break
             continue  # requests that joined already finished (a one-token budget, an EOS first): free them
-        t0 = marks.mark()
+        t0 = clock.start()
         proposal = proposer.propose(state)
-        t1 = marks.mark()
+        t1 = clock.marks.mark()
         if proposal is not None:  # cut to what each row can still commit (the proposer observes the cut)
             proposal = proposal.fit(state.lookahead(proposal.tokens.shape[1]))
-        rnd = _verify(target, proposer, state, proposal or Proposal.empty(state.batch), marks)
-        # the verdict has reached the host (the round's one wait), so every mark of the round can be read
-        rnd.draft_s, rnd.verify_s = marks.seconds(t0, t1), marks.seconds(t1, rnd.verified_at)
+        rnd = _verify(target, proposer, state, proposal or Proposal.empty(state.batch), clock.marks)
+        t3 = clock.marks.mark()
+        # the verdict has reached the host (the round's one wait), so every mark of the round up to it can be read
+        rnd.draft_s, rnd.verify_s = clock.marks.seconds(t0, t1), clock.marks.seconds(t1, rnd.forward_at)
+        rnd.accept_s = clock.marks.seconds(rnd.forward_at, t3)
+        clock.settle(rows)  # the previous round's bookkeeping, done before this round's wait
         at = admission.elapsed() if admission is not None else None
         for b in range(state.batch):
             if rnd.active[b]:
-                rows[b].add_step(rnd.drafted[b], rnd.committed[b], rnd.draft_s, rnd.verify_s, **rnd.counts(b))
+                rows[b].add_step(rnd.drafted[b], rnd.committed[b], rnd.draft_s, rnd.verify_s, accept_s=rnd.accept_s,
+                                 **rnd.counts(b))
                 if admission is not None:
                     admission.running[b].committed(at, rnd.kept[b])
         proposer.observe(state, proposal, rnd)
+        clock.observed(t3, [b for b in range(state.batch) if rnd.active[b]])
+    clock.settle(rows, wait=True)
+
+
+class RoundClock:
+    """The marks of a round's parts. What follows a round's verdict (the proposer's observe, the loop's own work
+    until the next round starts) may queue device work, so it is read at the next round's verdict, or after a
+    wait at the end."""
+
+    def __init__(self, device):
+        self.marks = Marks(device)
+        self.device = device
+        self.pending = None  # (verdict's mark, observed mark, the rows that took part)
+
+    def start(self):
+        t0 = self.marks.mark()
+        if self.pending is not None:
+            self.pending += (t0,)
+        return t0
+
+    def observed(self, verdict, active: list[int]) -> None:
+        self.pending = (verdict, self.marks.mark(), active)
+
+    def settle(self, rows: list[RowStats], wait: bool = False) -> None:
+        """Add the pending round's observe and loop seconds to the rows that took part in it."""
+        if self.pending is None:
+            return
+        if wait:
+            now(self.device)
+        verdict, observed, active, *after = self.pending
+        self.pending = None
+        observe_s = self.marks.seconds(verdict, observed)
+        loop_s = self.marks.seconds(observed, after[0]) if after else 0.0
+        for b in active:
+            rows[b].observe_s += observe_s
+            rows[b].loop_s += loop_s
 
 
 def _admit(target: Runner, proposer, state: DecodeState, rows: list[RowStats], sched: Scheduler) -> None:
@@ -180,10 +229,11 @@ def _verify(target: Runner, proposer, state: DecodeState, proposal: Proposal, ma
     # a tree's forward takes each row's tree, with its root
     step = Step(tokens, start, taps=taps, tree=None if trees is None else TreeBatch.of(trees))
     logits = target.run(state.target_cache, step)  # [B, T, V]
+    forward_at = marks.mark()
     # side nodes (after each row's drafts) are no candidates: verification reads the drafts' rows only
     rnd = verify_and_commit(state, proposal, logits[:, : proposal.tokens.shape[1] + 1], state.sampling,
-                            state.generator, clock=marks)
-    rnd.width = tokens.shape[1]
+                            state.generator)
+    rnd.width, rnd.forward_at = tokens.shape[1], forward_at
     if proposal.side is not None:
         rnd.side_argmax = _side_argmax(logits, proposal.side_columns())
     if proposal.trees is not None:

@@ -51,7 +51,11 @@ Timed per batch (every row of a batch carries its batch's values):
   tpot_s           decode time / (new_tokens - 1) (`time_per_output_token`)
   setup_s          the proposer's setup inside the decode time (a draft model's own prefill of the prompts, a
                    sparse cache's compression), also counted in draft_s; 0 for plain decoding
-  draft_s, verify_s      the batch's proposing and verifying time over the steps the row was active
+  draft_s, verify_s      the batch's proposing time (the proposer's propose) and the target's verifying forwards
+                         over the steps the row was active
+  accept_s, observe_s, loop_s   the same for a round's other parts: the verdicts with their sampling and commits,
+                         the proposer's bookkeeping after each verdict, the loop's own work between rounds; with
+                         setup_s and the rounds' draft_s and verify_s they sum to the decode time (engine/loop.py)
 
 Served under load (`run --request-rate/--concurrency`; engine/scheduler.py), per request, from the times its
 tokens were committed (chunk = the tokens one round committed for it; the first chunk is its prefill's token),
@@ -143,6 +147,9 @@ class RowMetrics:
     verified_width: int = 0
     tried_per_depth_rank: list[list[int]] = field(default_factory=list)
     accepted_per_depth_rank: list[list[int]] = field(default_factory=list)
+    accept_s: float = 0.0  # a round's parts after its forward (engine/loop.py `_rounds`)
+    observe_s: float = 0.0
+    loop_s: float = 0.0
 
     @property
     def new_tokens(self) -> int:
@@ -162,7 +169,7 @@ def counted_fields(stats: RowStats) -> dict:
     return dict(steps=stats.steps, drafted=stats.drafted, accepted=stats.accepted,
                 accepted_per_position=list(stats.accepted_per_position),
                 drafted_per_position=list(stats.drafted_per_position), draft_s=stats.draft_s, verify_s=stats.verify_s,
-                tree_steps=stats.tree_steps, tree_nodes=stats.tree_nodes, sibling_accepts=stats.sibling_accepts,
+                accept_s=stats.accept_s, observe_s=stats.observe_s, loop_s=stats.loop_s, tree_steps=stats.tree_steps, tree_nodes=stats.tree_nodes, sibling_accepts=stats.sibling_accepts,
                 verified_width=stats.verified_width,
                 tried_per_depth_rank=[list(r) for r in stats.tried_per_depth_rank],
                 accepted_per_depth_rank=[list(r) for r in stats.accepted_per_depth_rank])
@@ -190,19 +197,34 @@ def predicted_speedup(stats: RowStats, baseline: RowStats) -> float:
 
     alpha: fitted to the row's accepted lengths; gamma: mean drafted tokens per step; draft cost c: drafting
     time per drafted token over the baseline's time per target forward; verify cost v: time per
-    verification over the same. A row that verified token trees: its measured tokens per round over the same
-    round cost (`_tokens_per_step`). Whatever the model leaves out (bookkeeping, non-geometric acceptance, the
-    budget cutting the last step short) shows as the gap to the measured speedup.
+    verification over the same; host cost h: a round's acceptance, bookkeeping and loop (`host_s`) over the same,
+    against the baseline's own h_b per token: Omega / (gamma c + v + h) * (1 + h_b). A row that verified token
+    trees: its measured tokens per round over the same round cost (`_tokens_per_step`). Whatever the model leaves
+    out (non-geometric acceptance, the budget cutting the last step short) shows as the gap to the measured
+    speedup.
     """
     if not (stats.steps and baseline.steps and baseline.verify_s > 0):
         return math.nan
     target_forward = baseline.verify_s / baseline.steps
+    plain = 1.0 + host_s(baseline) / baseline.steps / target_forward
+    h = host_s(stats) / stats.steps / target_forward
     if stats.tree_steps:
-        return _tokens_per_step(stats) / ((stats.draft_s + stats.verify_s) / stats.steps / target_forward)
+        return _tokens_per_step(stats) * plain / ((stats.draft_s + stats.verify_s) / stats.steps / target_forward + h)
     gamma = stats.drafted / stats.steps
     c = stats.draft_s / stats.drafted / target_forward if stats.drafted else 0.0
     v = stats.verify_s / stats.steps / target_forward
-    return iid_model.predicted_speedup(iid_model.fit_alpha(stats.accepted, stats.rejections), gamma, c, v)
+    return iid_model.predicted_speedup(iid_model.fit_alpha(stats.accepted, stats.rejections), gamma, c, v + h) * plain
+
+
+def host_s(stats) -> float:
+    """A row's round time outside drafting and the verifying forwards: verdicts, commits, the proposer's
+    bookkeeping after them and the loop's own (RowStats or RowMetrics)."""
+    return stats.accept_s + stats.observe_s + stats.loop_s
+
+
+def round_s(stats) -> float:
+    """A row's whole round time: drafting (with the proposer's setup), verifying forwards and `host_s`."""
+    return stats.draft_s + stats.verify_s + host_s(stats)
 
 
 def _tokens_per_step(stats: RowStats) -> float:
@@ -225,8 +247,8 @@ def predicted_batch_speedup(rows: list[RowStats], baseline: list[RowStats], new_
     alpha_b) rounds for its n_b - 1 tokens after the first (alpha_b fitted to its accepted lengths, gamma_b its
     mean drafted tokens per step; a row that verified trees: its measured tokens per round, `_tokens_per_step`),
     so the batch takes the most of these; plain decoding takes max_b(n_b - 1)
-    target forwards. A round costs (gamma c + v) target forwards: its drafting and verification time, read from
-    the row active in the most rounds, over the baseline's time per forward. With one row this is
+    of its rounds. A round costs its whole time (`round_s`: drafting, verification, acceptance and bookkeeping),
+    read from the row active in the most rounds, over the baseline's time per round. With one row this is
     `predicted_speedup`; with rows whose acceptance differs (prompt lookup finding matches in some prompts and
     none in others) it is far below the mean of their own predictions, as the measured batch speedup is.
     """
@@ -244,6 +266,6 @@ def predicted_batch_speedup(rows: list[RowStats], baseline: list[RowStats], new_
         if math.isnan(tokens):
             return math.nan
         rounds = max(rounds, (n - 1) / tokens)
-    round_cost = (longest.draft_s + longest.verify_s) / longest.steps / (base.verify_s / base.steps)
+    round_cost = round_s(longest) / longest.steps / (round_s(base) / base.steps)
     plain = max(new_tokens) - 1
     return plain / (rounds * round_cost) if rounds > 0 and round_cost > 0 else math.nan

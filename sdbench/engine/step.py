@@ -15,7 +15,6 @@ from typing import Any, Protocol
 import torch
 
 from sdbench.config import SamplingConfig
-from sdbench.engine.clock import Marks
 from sdbench.engine.sampling import verify, verify_tree
 from sdbench.engine.state import Proposal
 from sdbench.engine.tree import Tree, TreeBatch
@@ -42,7 +41,8 @@ class Round:
     active: list[bool]
     draft_s: float = 0.0
     verify_s: float = 0.0
-    verified_at: Any = None  # the loop's mark once the verification was queued (see verify_and_commit)
+    accept_s: float = 0.0  # the verdict, its sampling and the commit, after the forward (the loop's)
+    forward_at: Any = None  # the loop's mark once the target's forward was queued
     trees: tuple[Tree, ...] | None = None  # a tree proposal's trees, as verified
     paths: list[list[int]] | None = None  # per row the accepted nodes of its tree, from the root's child down
     width: int | None = None  # tokens per row of the verifying forward (the loop's; None: drafts + 1 per row)
@@ -67,16 +67,13 @@ class Round:
 
 
 def accept(proposal: Proposal, logits: torch.Tensor, sampling: SamplingConfig,
-           generator: torch.Generator | None, queued=None) -> tuple[list[int], list[int]]:
+           generator: torch.Generator | None) -> tuple[list[int], list[int]]:
     """The verifier's verdict on the host: accepted drafts and the correction or bonus token, per row.
 
     logits [B, G+1, V]: the verifier's at the last committed token and at each draft. Reading the verdict back
-    is the round's one wait for the device; `queued()`, when given, is called once the verification is queued,
-    before that wait (the loop marks the end of its verify phase there)."""
+    is the round's one wait for the device."""
     dev = logits.device
     verdict = verify(proposal.tokens.to(dev), proposal.lengths.to(dev), proposal.probs, logits, sampling, generator)
-    if queued is not None:
-        queued()
     return verdict.accepted.tolist(), verdict.next_token.tolist()
 
 
@@ -96,32 +93,25 @@ def commit_round(rows: Rows, drafts: list[list[int]], drafted: list[int], accept
 
 
 def verify_and_commit(rows: Rows, proposal: Proposal, logits: torch.Tensor, sampling: SamplingConfig,
-                      generator: torch.Generator | None, active: list[bool] | None = None,
-                      clock: Marks | None = None) -> Round:
-    """`accept`, then `commit_round`: the step every verifier runs. clock: marks the round's `verified_at` once
-    the verification is queued, before the wait."""
-    at = []
-    queued = None if clock is None else lambda: at.append(clock.mark())
+                      generator: torch.Generator | None, active: list[bool] | None = None) -> Round:
+    """`accept`, then `commit_round`: the step every verifier runs."""
     if proposal.trees is None:
-        accepted, nxt = accept(proposal, logits, sampling, generator, queued)
+        accepted, nxt = accept(proposal, logits, sampling, generator)
         rnd = commit_round(rows, proposal.tokens.tolist(), proposal.lengths.tolist(), accepted, nxt, active)
     else:
-        paths, accepted, nxt, drafts = accept_tree(proposal, logits, sampling, generator, queued)
+        paths, accepted, nxt, drafts = accept_tree(proposal, logits, sampling, generator)
         rnd = commit_round(rows, drafts, proposal.lengths.tolist(), accepted, nxt, active)
         rnd.trees, rnd.paths = proposal.trees, paths
-    rnd.verified_at = at[0] if at else None
     return rnd
 
 
 def accept_tree(proposal: Proposal, logits: torch.Tensor, sampling: SamplingConfig,
-                generator: torch.Generator | None, queued=None):
+                generator: torch.Generator | None):
     """`accept` for a tree proposal. logits [B, N+1, V]: the verifier's at the root (the last committed token)
     and after each node. -> per row (accepted path's nodes, accepted count, next token, the path's tokens)."""
     dev = logits.device
     tokens = proposal.tokens.to(dev)
     verdict = verify_tree(TreeBatch.of(proposal.trees, dev), tokens, proposal.probs, logits, sampling, generator)
-    if queued is not None:
-        queued()
     accepted = verdict.accepted.tolist()
     path = verdict.path.tolist()
     paths = [p[:a] for p, a in zip(path, accepted)]

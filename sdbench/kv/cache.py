@@ -185,6 +185,7 @@ class DenseKVCache(KVCache):
         self.pool_key = None
         self.prompt_len = torch.zeros(batch, dtype=torch.long)
         self.ids = self.crossed = None
+        self.maker = None  # the runner that made it, if one did (its prefill wrote the keys)
 
     def keep_ids(self) -> None:
         """Keep the token at each position (see KVCache.ids)."""
@@ -204,6 +205,19 @@ class DenseKVCache(KVCache):
         view.ids = None if self.ids is None else self.ids[b : b + 1]
         view.crossed = None if self.crossed is None else self.crossed[b : b + 1]
         return view
+
+    @torch.inference_mode()
+    def copy_prefix(self, src: "DenseKVCache", lengths: list[int]) -> None:
+        """Row b's first lengths[b] positions copied from `src` (a cache of the same shape per position, its rows
+        this cache's), as a prefill of the same tokens by the same runner would write them (a draft model that is
+        its target starts from the target's prefilled prompt)."""
+        n = max(lengths)
+        for dst, source in ((self.k, src.k), (self.v, src.v)):
+            for x, y in zip(dst, source):
+                x[:, :, :n] = y[:, :, :n]
+        if self.ids is not None and src.ids is not None:
+            self.ids[:, :n] = src.ids[:, :n]
+        set_prompt_lengths(self, lengths)
 
     @torch.inference_mode()
     def keep_path(self, b: int, start: int, nodes) -> None:

@@ -5,6 +5,7 @@ of it."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,6 +32,12 @@ class Carried:
     carried: float
     own: float
     measured: float
+    overhead: float = math.nan  # o = h + s R / N: the round's overhead the prediction holds (analysis/carry.py)
+    host_cost: float = math.nan  # h
+    setup_cost: float = math.nan  # s
+    rest_forwards: float = math.nan  # the rest's factors, for a system whose rounds were timed by part
+    rest_host: float = math.nan
+    rest_setup: float = math.nan
 
     @property
     def acceptance(self) -> float:
@@ -49,14 +56,18 @@ class Carried:
 # Carried's fields as bench.parquet's columns
 COLUMNS = {"tokens_per_round": "tokens_per_round", "drafts_per_round": "drafts_per_round",
            "verify": "step_verify_cost", "draft": "step_draft_cost", "draft_round": "round_draft_cost",
-           "carried": "carried_speedup", "own": "own_predicted_speedup", "measured": "decode_speedup"}
+           "carried": "carried_speedup", "own": "own_predicted_speedup", "measured": "decode_speedup",
+           "overhead": "round_overhead_cost", "host_cost": "round_host_cost", "setup_cost": "request_setup_cost",
+           "rest_forwards": "rest_forwards", "rest_host": "rest_host", "rest_setup": "rest_setup"}
 TITLE = "Does it carry over? Decode speedup of each speculative system over its own engine's plain decoding"
 CAPTION = ("L tokens per round and g drafts per round: the system's own; v = T(g + 1) / T(1) and c: its engine's "
            "step costs; drafting: the round's draft forwards in target forwards (g c; c for a block head, whose one "
-           "forward drafts the round; more where the engine's drafter also runs the verification batch); predicted = L / (drafting + v) with L and g from sdbench's "
-           "run of the same strategy (carried) or "
+           "forward drafts the round; more where the engine's drafter also runs the verification batch); o: the round's "
+           "overhead beyond its forwards (host work and the draft's setup, timed by sdbench for its own systems); "
+           "predicted = L / (drafting + v + o) with L and g from sdbench's run of the same strategy (carried) or "
            "from the engine's own counters (own); measured: tokens after the first over the time after the first "
-           "token. measured / carried = acceptance (own / carried) x rest (measured / own)")
+           "token. measured / carried = acceptance (own / carried) x rest (measured / own); sdbench's rest = "
+           "forwards x host x setup, each part's measured time per round against its predicted one")
 
 
 def columns(row: Carried | None) -> dict:
@@ -80,17 +91,23 @@ def from_frame(df: pd.DataFrame) -> list[Carried]:
 
 def carry_table(rows: list[Carried]) -> Table:
     table = Table(title=TITLE, caption=CAPTION)
-    for col in ("system", "L", "g", "v(g+1)", "c", "drafting", "predicted (carried)", "predicted (own)", "measured",
-                "carried / measured", "acceptance", "rest"):
+    for col in ("system", "L", "g", "v(g+1)", "c", "drafting", "o", "predicted (carried)", "predicted (own)",
+                "measured", "carried / measured", "acceptance", "rest", "forwards x host x setup"):
         table.add_column(col, justify="left" if col == "system" else "right")
     for r in rows:
         gap = r.gap
         table.add_row(r.system, fmt(r.tokens_per_round, "{:.2f}"), fmt(r.drafts_per_round, "{:.2f}"),
                       fmt(r.verify, "{:.2f}"), fmt(r.draft, "{:.2f}"), fmt(r.draft_round, "{:.2f}"),
-                      fmt(r.carried, "{:.2f}x"),
+                      fmt(r.overhead, "{:.3f}"), fmt(r.carried, "{:.2f}x"),
                       fmt(r.own, "{:.2f}x"), fmt(r.measured, "{:.2f}x"), fmt(gap, "{:+.0%}"),
-                      fmt(r.acceptance, "{:.2f}"), fmt(r.rest, "{:.2f}"))
+                      fmt(r.acceptance, "{:.2f}"), fmt(r.rest, "{:.2f}"), _parts(r))
     return table
+
+
+def _parts(r: Carried) -> str:
+    if math.isnan(r.rest_forwards):
+        return "—"
+    return " x ".join(fmt(x, "{:.2f}") for x in (r.rest_forwards, r.rest_host, r.rest_setup))
 
 
 def bench_files(paths: list[str]) -> list[str]:

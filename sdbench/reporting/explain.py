@@ -32,6 +32,7 @@ from sdbench.engine.formulas import (acceptance_rate, mean_accepted_length, spec
                                      vllm_draft_acceptance_rate, vllm_mean_acceptance_length)
 from sdbench.reporting.cells import fmt, numeric, ratio
 from sdbench.reporting.labels import labelled
+from sdbench.reporting.round_parts import round_parts, round_parts_table
 from sdbench.reporting.summary import ALL, _padded_sum, summarize
 
 FACTORS = ("ideal", "verification", "draft", "overhead", "prefill")
@@ -148,6 +149,9 @@ def print_explain(df: pd.DataFrame, console: Console, trees: list[dict] | None =
         console.print("nothing to explain: no configuration ran beside a baseline")
     else:
         console.print(breakdown_table(parts))
+    rounds = round_parts(df)
+    if not rounds.empty:
+        console.print(round_parts_table(rounds))
     defs = definitions(df)
     if not defs.empty:
         console.print(definitions_table(defs))

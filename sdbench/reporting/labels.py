@@ -13,7 +13,8 @@ import pandas as pd
 from sdbench.errors import SdbenchError
 
 _OPTIONAL = {"draft": "", "params": "", "category": "", "lossless": None, "predicted_speedup": np.nan, "ttft_s": np.nan,
-             "draft_s": np.nan, "verify_s": np.nan, "peak_mem_bytes": np.nan, "drafted": 0, "accepted": 0,
+             "draft_s": np.nan, "verify_s": np.nan, "accept_s": np.nan, "observe_s": np.nan,
+             "loop_s": np.nan, "peak_mem_bytes": np.nan, "drafted": 0, "accepted": 0,
              "divergence": None, "turn": 1, "weights": None, "target": ""}
 
 

@@ -82,6 +82,7 @@ def result_row(run: RunFields, role: Described, place: Place, m: RowMetrics, jud
            "steps": m.steps, "drafted": m.drafted, "accepted": m.accepted, "mean_accepted_len": m.mean_accepted_len,
            "acceptance_rate": m.acceptance_rate, "accepted_per_position": list(m.accepted_per_position),
            "drafted_per_position": list(m.drafted_per_position), "draft_s": m.draft_s, "verify_s": m.verify_s,
+           "accept_s": m.accept_s, "observe_s": m.observe_s, "loop_s": m.loop_s,
            "wall_s": m.wall_s, "tokens_per_s": m.tokens_per_s, "batch_tokens_per_s": m.batch_tokens_per_s,
            "ttft_s": m.ttft_s, "tpot_s": m.tpot_s, "setup_s": m.setup_s,
            "strategy_stats": json.dumps(m.strategy_stats, sort_keys=True), "peak_mem_bytes": memory[0],

@@ -43,7 +43,10 @@ SCHEMA = pa.schema([
     ("ttft_s", _F),
     ("tpot_s", _F),
     ("draft_s", _F),  # the batch's proposing time over the steps this row was active; max over rows = batch's
-    ("verify_s", _F),  # the same for target verification
+    ("verify_s", _F),  # the same for the target's verifying forwards
+    ("accept_s", _F),  # the same for the verdicts, their sampling and commits
+    ("observe_s", _F),  # the same for the proposer's bookkeeping after each verdict
+    ("loop_s", _F),  # the same for the decode loop's own work between rounds
     ("setup_s", _F),  # the batch's proposer setup (a draft's own prefill, a cache compression), also in draft_s
     ("peak_mem_bytes", _I),
     ("mem_kind", _S),  # see sdbench.env.peak_memory

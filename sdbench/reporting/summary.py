@@ -19,6 +19,8 @@ are sdbench.engine.metrics functions of the sums):
   predicted_speedup  mean of the computed values
   draft_share        draft_s / (draft_s + verify_s), each summed over unique batches of the batch's value
                      (the max over its rows: a row records the batch's time while the row was active)
+  accept_s, observe_s, loop_s, setup_s   summed as draft_s and verify_s: a round's other parts and the
+                     proposer's setup (engine/metrics.py)
   weights_say_nothing  rows with random weights (MODEL@random), whose acceptance and speedups depend on values
                      the weights do not have; the tables show them as n/m (a model drafting for itself with a
                      dense cache is exempt: it accepts every draft whatever its weights)
@@ -38,6 +40,7 @@ from sdbench.reporting.labels import labelled, prepared
 from sdbench.reporting.stats import Interval, speedup_interval
 
 ALL = "ALL"
+ROUND_PARTS = ("accept_s", "observe_s", "loop_s", "setup_s")  # summed over unique batches as draft_s and verify_s
 BATCH = ["run_id", "role", "batch_id", "repeat"]
 
 
@@ -127,6 +130,7 @@ def _aggregate(group: pd.DataFrame) -> dict:
         "draft_s": draft_s,
         "verify_s": verify_s,
         "draft_share": _ratio(draft_s, np.nansum([draft_s, verify_s])),
+        **{part: _per_batch(group, part) for part in ROUND_PARTS if part in group},
         "lossless": _all_known(group["lossless"].astype(object).where(~ties, True)),
         "ties": int(ties.sum()),
         "predicted_speedup": float(np.nanmean(predicted)) if np.isfinite(predicted).any() else math.nan,

@@ -169,7 +169,7 @@ class _Adaptive(Proposer):
     def observe(self, state: DecodeState, proposal: Proposal | None, rnd: Round) -> None:
         width = 0 if proposal is None else proposal.tokens.shape[1]
         drafting = [g for g in self._round if g[1]]
-        verify_s = rnd.verify_s  # one verification, whatever drafted: recorded once
+        verify_s = rnd.verify_s + rnd.accept_s  # one verification and its verdict, whatever drafted: recorded once
         for d, gamma, rows in self._round:
             active = [b for b in rows if rnd.active[b]]
             for b in active:

@@ -127,6 +127,7 @@ class ModelRunner:
             cache.pool_key = key if self.static else None
         if self.recompute_at is not None:
             cache.keep_ids()
+        cache.maker = self  # a cache this runner prefilled holds what its prefill writes (`DenseKVCache.copy_prefix`)
         set_prompt_lengths(cache, [0] * batch)  # a pooled cache's last prompts are not this generation's
         return cache
 
