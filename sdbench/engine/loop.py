@@ -118,6 +118,7 @@ def _rounds(target: Runner, proposer, state: DecodeState, rows: list[RowStats], 
     own (recording, the wait for the next round)."""
     clock = RoundClock(state.device)
     while True:
+        clock.top()
         if admission is not None:
             _admit(target, proposer, state, rows, admission)
             if admission.finished:
@@ -126,7 +127,7 @@ def _rounds(target: Runner, proposer, state: DecodeState, rows: list[RowStats], 
             if admission is None:
                 break
             continue  # requests that joined already finished (a one-token budget, an EOS first): free them
-        t0 = clock.start()
+        t0 = clock.marks.mark()
         proposal = proposer.propose(state)
         t1 = clock.marks.mark()
         if proposal is not None:  # cut to what each row can still commit (the proposer observes the cut)
@@ -144,29 +145,28 @@ def _rounds(target: Runner, proposer, state: DecodeState, rows: list[RowStats], 
                                  **rnd.counts(b))
                 if admission is not None:
                     admission.running[b].committed(at, rnd.kept[b])
+        t4 = clock.marks.mark()
         proposer.observe(state, proposal, rnd)
-        clock.observed(t3, [b for b in range(state.batch) if rnd.active[b]])
+        clock.observed(t3, t4, [b for b in range(state.batch) if rnd.active[b]])
     clock.settle(rows, wait=True)
 
 
 class RoundClock:
-    """The marks of a round's parts. What follows a round's verdict (the proposer's observe, the loop's own work
-    until the next round starts) may queue device work, so it is read at the next round's verdict, or after a
-    wait at the end."""
+    """The marks of a round's parts after its verdict: the loop's recording, the proposer's observe and the loop's
+    own work until the top of the next round (an admission under load is none of them). Observe may queue device
+    work, so they are read at the next round's verdict, or after a wait at the end."""
 
     def __init__(self, device):
         self.marks = Marks(device)
         self.device = device
-        self.pending = None  # (verdict's mark, observed mark, the rows that took part)
+        self.pending = None  # (verdict's mark, observe's start, its end, the rows that took part[, the next top])
 
-    def start(self):
-        t0 = self.marks.mark()
-        if self.pending is not None:
-            self.pending += (t0,)
-        return t0
+    def top(self) -> None:
+        if self.pending is not None and len(self.pending) == 4:
+            self.pending += (self.marks.mark(),)
 
-    def observed(self, verdict, active: list[int]) -> None:
-        self.pending = (verdict, self.marks.mark(), active)
+    def observed(self, verdict, start, active: list[int]) -> None:
+        self.pending = (verdict, start, self.marks.mark(), active)
 
     def settle(self, rows: list[RowStats], wait: bool = False) -> None:
         """Add the pending round's observe and loop seconds to the rows that took part in it."""
@@ -174,10 +174,10 @@ class RoundClock:
             return
         if wait:
             now(self.device)
-        verdict, observed, active, *after = self.pending
+        verdict, start, end, active, *top = self.pending
         self.pending = None
-        observe_s = self.marks.seconds(verdict, observed)
-        loop_s = self.marks.seconds(observed, after[0]) if after else 0.0
+        observe_s = self.marks.seconds(start, end)
+        loop_s = self.marks.seconds(verdict, start) + (self.marks.seconds(end, top[0]) if top else 0.0)
         for b in active:
             rows[b].observe_s += observe_s
             rows[b].loop_s += loop_s
