@@ -205,7 +205,7 @@ class ModelDrafter:
             if self.tree is not None:
                 self._check_tree()
             if min(fed) > 0:  # else nothing to prefill for some row: the first draft feeds every row's context
-                if getattr(state.target_cache, "maker", None) is self.runner:  # the target itself: its prefill
+                if self._is_target(state):
                     self.cache.copy_prefix(state.target_cache, fed)
                 else:
                     self.runner.prefill(self.cache, prompts)
@@ -241,8 +241,16 @@ class ModelDrafter:
             raise NotImplementedError("a sparse draft cache is compressed from a whole batch's prompts")
         for b in rows:
             fed = state.lengths[b] - 1  # the prompt: the first generated token is fed by the first draft
-            self.runner.prefill(self.cache.row(b), [state.row(b)[:fed].tolist()])
+            if self._is_target(state):
+                self.cache.row(b).copy_prefix(state.target_cache.row(b), [fed])
+            else:
+                self.runner.prefill(self.cache.row(b), [state.row(b)[:fed].tolist()])
             self.prefix.holds_row(b, state.tokens[b], fed)
+
+    def _is_target(self, state: DecodeState) -> bool:
+        """Whether this model is the target whose cache the state holds (a dense cache its runner made): its prefill
+        of the prompts is already there, key for key what the draft's own would write."""
+        return getattr(state.target_cache, "maker", None) is self.runner
 
     def catch_up(self, ctx: torch.Tensor, lengths: list[int]) -> int:
         self.prefix.agree(ctx, lengths)
