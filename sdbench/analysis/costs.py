@@ -275,5 +275,5 @@ def verdict_fns(logits: torch.Tensor, gammas) -> dict:
 
 def host_costs(t: dict, gammas, target_s: float) -> dict:
     """gamma -> h: the verdict on gamma drafts beyond a plain step's (`verdict_fns`' times in t), over the target's
-    one-token forward."""
-    return {g: (t[("verdict", g)] - t[("verdict", 0)]) / target_s for g in gammas}
+    one-token forward; 0 where the two medians' noise puts the wider verdict below the plain one."""
+    return {g: max(0.0, t[("verdict", g)] - t[("verdict", 0)]) / target_s for g in gammas}
