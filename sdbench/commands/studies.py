@@ -26,7 +26,9 @@
 
 from __future__ import annotations
 
+import os
 import re
+import socket
 import threading
 import time
 import warnings
@@ -170,6 +172,7 @@ def next_trial(study: optuna.Study, total: int, stop) -> optuna.Trial | None:
                 trial = study.ask()
                 study._storage.record_heartbeat(trial._trial_id)  # at once: a trial with none is never stale
             if _ahead(study, trial.number) < total:
+                trial.set_user_attr("worker", worker())  # which machine and process ran it (or lost it)
                 return trial
             trial.set_user_attr("reason", NOT_NEEDED)
             study.tell(trial, state=TrialState.FAIL)
@@ -201,6 +204,11 @@ def _has_heartbeat(store, trial_id: int) -> bool:
         return models.TrialHeartbeatModel.where_trial_id(trial_id, session) is not None
     finally:
         session.close()
+
+
+def worker() -> str:
+    """This process, as HOST:PID."""
+    return f"{socket.gethostname()}:{os.getpid()}"
 
 
 @contextmanager
