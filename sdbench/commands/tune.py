@@ -89,9 +89,10 @@ class Tuner:
         self._check_preset()
         optuna.logging.set_verbosity(optuna.logging.WARNING)
         # what the user got wrong fails now, before any model loads: a strategy with nothing to tune, then a
-        # storage URL
+        # storage URL, then a study begun with other settings
         self._check_spaces()
         self._storage = self._open_storage()
+        self._refuse_other_settings()
 
     def _plan_strategies(self) -> None:
         """Each strategy asked for planned (and checked) on its own; the study's run is the first's, with every
@@ -168,7 +169,18 @@ class Tuner:
             self._check_settings(study)
         return study
 
-    def _check_settings(self, study: optuna.Study) -> None:
+    def _refuse_other_settings(self) -> None:
+        """A study begun with other settings refused now, before any model loads (open_study checks again: it
+        may be begun meanwhile)."""
+        with opening(self.storage()):
+            try:
+                study = optuna.load_study(study_name=self.study_name, storage=self._storage)
+            except KeyError:  # no such study yet
+                return
+            self._check_settings(study, record=False)
+
+    def _check_settings(self, study: optuna.Study, record: bool = True) -> None:
+        """Refuse a study begun with other settings; record this session's in a new one (`record`)."""
         run = self.run
         mine = {"objective": self.cfg.objective, "limit": run.limit, "max_new_tokens": run.max_new_tokens,
                 "batch_size": run.batch_size, "seed": run.sampling.seed, "prompt_len": run.prompt_len,
@@ -177,9 +189,10 @@ class Tuner:
                 **{k: v for k, v in (("trees", self.cfg.trees), ("fast", run.fast)) if v != UNRECORDED[k]}}
         saved = study.user_attrs.get("settings")
         if saved is None:
-            study.set_user_attr("settings", mine)
-            study.set_user_attr("hardware", self.hardware)
-            study.set_user_attr("strategies", list(self.strategies))
+            if record:
+                study.set_user_attr("settings", mine)
+                study.set_user_attr("hardware", self.hardware)
+                study.set_user_attr("strategies", list(self.strategies))
             return
         for key in STUDY_SETTINGS:
             was, now = (saved.get(key, UNRECORDED.get(key)), mine.get(key, UNRECORDED.get(key)))
