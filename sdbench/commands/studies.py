@@ -3,8 +3,15 @@
 - Storage: Optuna's RDB storage. SQLite is the default (one file under the output folder): every write is a
   short transaction and a writer that finds the file locked waits up to SQLITE_TIMEOUT_S for its turn
   instead of failing at once (SQLite's default is 5 s). Tested here with two processes on one study. For
-  machines that share no disk use a database server's URL (PostgreSQL, MySQL): SQLite's locking is only
-  safe on a local disk.
+  machines that share no disk use a database server's URL: SQLite's locking is only safe on a local disk.
+  PostgreSQL goes through psycopg 3 (the `postgres` extra): a `postgresql://` or `postgres://` URL gets its
+  SQLAlchemy dialect (`postgresql+psycopg://`) whatever driver SQLAlchemy would pick by default, and a server
+  that does not answer fails the connection after CONNECT_TIMEOUT_S. Processes started together on a new
+  database race to create Optuna's tables: the losers open it again. Tested with two and three processes on a
+  real PostgreSQL server (tests/test_tune_postgres.py).
+- The database lost mid-study (a server restarted or down, a network cut) stops the process with one line
+  (StorageLost). Its running trial is left running: a process still connected, or the same command run again,
+  fails it once its heartbeat is GRACE_S old and runs another in its place, so nothing is counted twice.
 - Exactly N trials: a process takes a trial (Optuna numbers trials atomically in the database), then counts
   the trials ahead of it: counted finished ones plus those still running. If N are already done or under
   way, its trial is not needed: it is closed at once as failed with reason NOT_NEEDED, which no count or
@@ -19,41 +26,109 @@
 
 from __future__ import annotations
 
+import os
+import re
+import socket
 import threading
 import time
 import warnings
 from contextlib import contextmanager
 from datetime import datetime, timedelta
+from typing import Iterator
 
 import optuna
 from optuna.storages._rdb import models
 from optuna.trial import TrialState
-from sqlalchemy.exc import IntegrityError, OperationalError
+from sqlalchemy.exc import IntegrityError, OperationalError, ProgrammingError, SQLAlchemyError
+
+from sdbench.errors import SdbenchError
 
 SQLITE_TIMEOUT_S = 120
+CONNECT_TIMEOUT_S = 10
 HEARTBEAT_S = 2
 GRACE_S = 10
 INTERRUPTED = "interrupted"
 NOT_NEEDED = "not needed: the study had its trials done or under way"
 STOPPED = "stopped mid-trial: its process died (no heartbeat)"
 UNCOUNTED = (INTERRUPTED, NOT_NEEDED, STOPPED)
+# what Optuna's RDB storage raises when its database fails under it (it wraps SQLAlchemy's errors in the first)
+STORAGE_ERRORS = (optuna.exceptions.StorageInternalError, SQLAlchemyError)
+POSTGRES_EXTRA = "pip install 'sdbench[postgres]'"
+
+
+class StorageLost(SdbenchError):
+    """The study's database failed mid-study; the study keeps what it had and the same command resumes it."""
+
+    exit_code = 1
+
+
+def database_url(url: str) -> str:
+    """The URL SQLAlchemy is given: PostgreSQL's plain schemes through psycopg 3, the driver sdbench installs
+    (SQLAlchemy 2.0 reads a plain `postgresql://` as psycopg2, and no version reads `postgres://`)."""
+    scheme, sep, rest = url.partition("://")
+    return f"postgresql+psycopg://{rest}" if sep and scheme in ("postgresql", "postgres") else url
+
+
+def safe_url(url: str) -> str:
+    """The storage URL without its password, fit for logs."""
+    return re.sub(r"//([^:/@]+):[^@]*@", r"//\1:***@", url)
 
 
 def storage(url: str) -> optuna.storages.RDBStorage:
     """The study's storage, with heartbeats for running trials (and patient locking under SQLite)."""
-    engine = {"connect_args": {"timeout": SQLITE_TIMEOUT_S}} if url.startswith("sqlite") else {}
-    for attempt in range(3):
+    url = database_url(url)
+    engine = {}
+    if url.startswith("sqlite"):
+        engine = {"connect_args": {"timeout": SQLITE_TIMEOUT_S}}
+    elif url.startswith("postgresql") and "connect_timeout" not in url:  # the URL's own wins
+        engine = {"connect_args": {"connect_timeout": CONNECT_TIMEOUT_S}}
+    for attempt in range(5):
         try:
             with _quiet():
                 return optuna.storages.RDBStorage(url, engine_kwargs=engine, heartbeat_interval=HEARTBEAT_S,
                                                   grace_period=GRACE_S)
-        except (OperationalError, IntegrityError) as e:
-            # processes started together on a new database race to create its tables: the loser finds
-            # them made (or the version row written) and only has to open it again
-            racing = "already exists" in str(e) or "UNIQUE constraint" in str(e)
-            if not racing or attempt == 2:
+        except (OperationalError, ProgrammingError, IntegrityError) as e:
+            # processes started together on a new database race to create its tables: the loser finds them
+            # made (SQLite, PostgreSQL: "already exists"), or its own creation collides with the winner's
+            # (PostgreSQL: a duplicate key in its catalogue; the version row), and only has to open it again
+            racing = isinstance(e, IntegrityError) or "already exists" in str(e)
+            if not racing or attempt == 4:
                 raise
             time.sleep(0.5)
+
+
+def failure(e: BaseException) -> str:
+    """The first line of the database's own message, under Optuna's and SQLAlchemy's wrappings."""
+    while isinstance(e, (optuna.exceptions.StorageInternalError, ImportError)) and e.__cause__ is not None:
+        e = e.__cause__
+    e = getattr(e, "orig", None) or e  # SQLAlchemy's error wraps the driver's
+    lines = [line for line in str(e).strip().splitlines() if line.strip()]
+    return lines[0].strip() if lines else type(e).__name__
+
+
+@contextmanager
+def opening(url: str) -> Iterator[None]:
+    """Any problem opening the storage (a bad scheme, a missing driver, an unreachable server, a wrong password,
+    no such database) as one line."""
+    try:
+        yield
+    except ImportError as e:
+        hint = f": {POSTGRES_EXTRA}" if database_url(url).startswith("postgresql+psycopg:") else ""
+        raise SdbenchError(f"--storage {safe_url(url)}: a database driver is missing ({failure(e)}){hint}") from e
+    except SdbenchError:
+        raise
+    except Exception as e:
+        raise SdbenchError(f"--storage {safe_url(url)}: {failure(e)}") from e
+
+
+@contextmanager
+def guarding(url: str) -> Iterator[None]:
+    """The database failing under a study in progress as one line (StorageLost)."""
+    try:
+        yield
+    except STORAGE_ERRORS as e:
+        raise StorageLost(f"--storage {safe_url(url)}: lost the study's database ({failure(e)}); the study keeps "
+                          "its finished trials: run the same command again to resume it") from e
 
 
 @contextmanager
@@ -97,6 +172,7 @@ def next_trial(study: optuna.Study, total: int, stop) -> optuna.Trial | None:
                 trial = study.ask()
                 study._storage.record_heartbeat(trial._trial_id)  # at once: a trial with none is never stale
             if _ahead(study, trial.number) < total:
+                trial.set_user_attr("worker", worker())  # which machine and process ran it (or lost it)
                 return trial
             trial.set_user_attr("reason", NOT_NEEDED)
             study.tell(trial, state=TrialState.FAIL)
@@ -130,15 +206,27 @@ def _has_heartbeat(store, trial_id: int) -> bool:
         session.close()
 
 
+def worker() -> str:
+    """This process, as HOST:PID."""
+    return f"{socket.gethostname()}:{os.getpid()}"
+
+
 @contextmanager
 def heartbeat(study: optuna.Study, trial: optuna.Trial):
-    """Record the trial's heartbeat every HEARTBEAT_S while the block runs."""
+    """Record the trial's heartbeat every HEARTBEAT_S while the block runs. A beat the database refuses stops
+    them, and the block's end raises its error: the trial must not be told finished by a process whose
+    heartbeat lapsed (another may have failed it and run one in its place)."""
     done = threading.Event()
     store, trial_id = study._storage, trial._trial_id
+    lost: list[Exception] = []
 
     def beat() -> None:
         while True:
-            store.record_heartbeat(trial_id)
+            try:
+                store.record_heartbeat(trial_id)
+            except STORAGE_ERRORS as e:
+                lost.append(e)
+                return
             if done.wait(HEARTBEAT_S):
                 return
 
@@ -149,3 +237,5 @@ def heartbeat(study: optuna.Study, trial: optuna.Trial):
     finally:
         done.set()
         thread.join()
+    if lost:
+        raise lost[0]

@@ -133,7 +133,7 @@ def trial_records(study: optuna.Study) -> pd.DataFrame:
             "tokens_per_s": attrs.get("tokens_per_s"), "speedup": attrs.get("speedup"),
             "mean_accepted_len": attrs.get("mean_accepted_len"), "lossless": attrs.get("lossless"),
             "batches": attrs.get("batches"), "reason": trial_reason(t),
-            "hardware": attrs.get("hardware", hardware), "results": attrs.get("results"),
+            "hardware": attrs.get("hardware", hardware), "worker": attrs.get("worker"), "results": attrs.get("results"),
             "started": t.datetime_start.isoformat() if t.datetime_start else None,
             "duration_s": t.duration.total_seconds() if t.duration else None,
         })

@@ -22,10 +22,8 @@ from __future__ import annotations
 import math
 import re
 import time
-from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
-from typing import Iterator
 
 import optuna
 import yaml
@@ -35,7 +33,8 @@ from rich.text import Text
 
 from sdbench.commands.plan import plan
 from sdbench.commands.run import RunHarness
-from sdbench.commands.studies import INTERRUPTED, counted, heartbeat, next_trial
+from sdbench.commands.studies import (INTERRUPTED, STORAGE_ERRORS, counted, guarding, heartbeat, next_trial, opening,
+                                      safe_url)
 from sdbench.commands.studies import storage as study_storage
 from sdbench.commands.trials import (best_table, best_trials, describe, doubts, objective_value, record_trial,
                                      write_preset, write_trials)
@@ -90,9 +89,10 @@ class Tuner:
         self._check_preset()
         optuna.logging.set_verbosity(optuna.logging.WARNING)
         # what the user got wrong fails now, before any model loads: a strategy with nothing to tune, then a
-        # storage URL
+        # storage URL, then a study begun with other settings
         self._check_spaces()
         self._storage = self._open_storage()
+        self._refuse_other_settings()
 
     def _plan_strategies(self) -> None:
         """Each strategy asked for planned (and checked) on its own; the study's run is the first's, with every
@@ -157,19 +157,30 @@ class Tuner:
         return f"sqlite:///{(output_dir(self.run.out) / 'tune.db').resolve()}"
 
     def _open_storage(self) -> optuna.storages.RDBStorage:
-        with _storage_errors(self.storage()):
+        with opening(self.storage()):
             return study_storage(self.storage())
 
     def open_study(self) -> optuna.Study:
-        with _storage_errors(self.storage()):
+        with opening(self.storage()):
             study = optuna.create_study(study_name=self.study_name, storage=self._storage, direction="maximize",
                                         pruner=self.pruner or ClearlyWorse(), load_if_exists=True)
-        # a resumed session must not replay the first session's random start
-        study.sampler = optuna.samplers.TPESampler(seed=self.run.sampling.seed + len(study.trials))
-        self._check_settings(study)
+            # a resumed session must not replay the first session's random start
+            study.sampler = optuna.samplers.TPESampler(seed=self.run.sampling.seed + len(study.trials))
+            self._check_settings(study)
         return study
 
-    def _check_settings(self, study: optuna.Study) -> None:
+    def _refuse_other_settings(self) -> None:
+        """A study begun with other settings refused now, before any model loads (open_study checks again: it
+        may be begun meanwhile)."""
+        with opening(self.storage()):
+            try:
+                study = optuna.load_study(study_name=self.study_name, storage=self._storage)
+            except KeyError:  # no such study yet
+                return
+            self._check_settings(study, record=False)
+
+    def _check_settings(self, study: optuna.Study, record: bool = True) -> None:
+        """Refuse a study begun with other settings; record this session's in a new one (`record`)."""
         run = self.run
         mine = {"objective": self.cfg.objective, "limit": run.limit, "max_new_tokens": run.max_new_tokens,
                 "batch_size": run.batch_size, "seed": run.sampling.seed, "prompt_len": run.prompt_len,
@@ -178,9 +189,10 @@ class Tuner:
                 **{k: v for k, v in (("trees", self.cfg.trees), ("fast", run.fast)) if v != UNRECORDED[k]}}
         saved = study.user_attrs.get("settings")
         if saved is None:
-            study.set_user_attr("settings", mine)
-            study.set_user_attr("hardware", self.hardware)
-            study.set_user_attr("strategies", list(self.strategies))
+            if record:
+                study.set_user_attr("settings", mine)
+                study.set_user_attr("hardware", self.hardware)
+                study.set_user_attr("strategies", list(self.strategies))
             return
         for key in STUDY_SETTINGS:
             was, now = (saved.get(key, UNRECORDED.get(key)), mine.get(key, UNRECORDED.get(key)))
@@ -194,10 +206,14 @@ class Tuner:
         _, encoded = encode_prompts(self.run, pair)
         space = self.spaces(max(len(e) for e in encoded))
         study = self.open_study()
+        with guarding(self.storage()):  # the database lost from here on: one line, and a rerun resumes
+            return self._tune(study, pair, space)
+
+    def _tune(self, study: optuna.Study, pair, space: dict[str, SearchContext]) -> optuna.Study:
         if len(self.strategies) > 1:  # each strategy is measured once before the sampler weighs them
             for base in self.strategies:
                 study.enqueue_trial({"strategy": base}, skip_if_exists=True)
-        self.console.print(f"study {self.study_name} in {_safe_url(self.storage())}", highlight=False)
+        self.console.print(f"study {self.study_name} in {safe_url(self.storage())}", highlight=False)
         reference = self._reference(pair) if self.cfg.objective == "tokens" else None
         started = time.monotonic()
 
@@ -253,6 +269,9 @@ class Tuner:
             return self._finish(study, trial, TrialState.FAIL, feed, reason=str(e), label=label, aborted=bench)
         except (KeyboardInterrupt, Interrupted):
             self._interrupted(study, trial, feed, bench)
+        except STORAGE_ERRORS:  # the database is gone: nothing to record the trial in (a rerun fails it)
+            self._merge_aborted(trial, "the study's database was lost", bench)
+            raise
         except SdbenchError as e:
             return self._finish(study, trial, TrialState.FAIL, feed, reason=str(e), label=label, aborted=bench)
         except Exception as e:  # a bug: record the trial as failed rather than running forever, then stop
@@ -272,12 +291,9 @@ class Tuner:
 
     def _finish(self, study, trial, state, feed: Feed | None = None, value: float | None = None, reason: str = "",
                 label: str = "", aborted: RunHarness | None = None) -> None:
-        # an aborted run leaves unmerged parts: merge its own (not any other: a process sharing the study may be
-        # writing its trial beside it) so its rows read as one file
-        if aborted is not None and aborted.run_id is not None and (self.folder / f"{aborted.run_id}.parts").is_dir():
-            writer = RunWriter(self.folder, aborted.run_id)
-            writer.mark_unfinished(f"tune trial {trial.number}: {reason}")  # its rows stop where the trial did
-            trial.set_user_attr("results", str(writer.finalize()))
+        merged = self._merge_aborted(trial, reason, aborted)
+        if merged is not None:
+            trial.set_user_attr("results", str(merged))
         if feed is not None and feed.rows:
             record_trial(trial, feed.frame(), feed.objective, feed.batches)
         if reason:
@@ -286,6 +302,15 @@ class Tuner:
         unit = "x" if self.cfg.objective == "speedup" else " tok/s"
         outcome = (f"{value:.3g}{unit}", "green") if state == TrialState.COMPLETE else (reason, "yellow")
         self.console.print(Text.assemble(f"{label or f'trial {trial.number}'} → ", outcome))
+
+    def _merge_aborted(self, trial, reason: str, aborted: RunHarness | None) -> Path | None:
+        """An aborted run leaves unmerged parts: merge its own (not any other: a process sharing the study may be
+        writing its trial beside it) so its rows read as one file, marked as stopping where the trial did."""
+        if aborted is None or aborted.run_id is None or not (self.folder / f"{aborted.run_id}.parts").is_dir():
+            return None
+        writer = RunWriter(self.folder, aborted.run_id)
+        writer.mark_unfinished(f"tune trial {trial.number}: {reason}")
+        return writer.finalize()
 
     def _write_preset(self, study: optuna.Study) -> None:
         best = best_trials(study)[:1]
@@ -298,23 +323,6 @@ class Tuner:
         said = "best settings" if not found else f"trial {best[0].number}'s settings (no claim: see above)"
         self.console.print(f"{said} → {self.preset_path} (run them with `sdbench run --strategy "
                            f"{self.preset_name}`)", highlight=False)
-
-
-@contextmanager
-def _storage_errors(url: str) -> Iterator[None]:
-    """Any storage URL problem (bad scheme, missing driver, unreachable server, wrong password) as one line."""
-    try:
-        yield
-    except ImportError as e:
-        raise SdbenchError(f"--storage {_safe_url(url)}: a database driver is missing ({e}); install it with "
-                           "pip") from e
-    except Exception as e:
-        raise SdbenchError(f"--storage {_safe_url(url)}: {str(e).strip().splitlines()[0]}") from e
-
-
-def _safe_url(url: str) -> str:
-    """The storage URL without its password, fit for logs."""
-    return re.sub(r"//([^:/@]+):[^@]*@", r"//\1:***@", url)
 
 
 def tune(cfg: TuneConfig, console: Console | None = None, **kwargs) -> optuna.Study:
