@@ -30,8 +30,12 @@ class Marks:
         return event
 
     def seconds(self, a, b) -> float:
-        """Time from mark a to mark b; on a GPU, only after the work before b has finished."""
-        return a.elapsed_time(b) / 1e3 if self.cuda else b - a
+        """Time from mark a to mark b; on a GPU, read once the work before b has finished (a mark made just after
+        the round's wait, on an idle stream, is waited for: no time)."""
+        if not self.cuda:
+            return b - a
+        b.synchronize()
+        return a.elapsed_time(b) / 1e3
 
 
 class Spans:
