@@ -123,16 +123,16 @@ def test_predict_speedup_takes_its_costs_from_a_model_at_random(small, capsys): 
     import re
 
     c = float(re.search(r"costs measured at 32 tokens of context: draft cost c = ([\d.]+) ", out).group(1))
-    rows = table_rows(out, 4)[-2:]  # gamma, tokens/step, verify cost, speedup
+    rows = table_rows(out, 5)[-2:]  # gamma, tokens/step, verify cost, overhead, speedup
     assert [r[0].rstrip(" *") for r in rows] == ["1", "3"] and sum(r[0].endswith("*") for r in rows) == 1
     speedups = []
     for r in rows:
-        gamma, v = int(r[0].rstrip(" *")), float(r[2])
-        assert r[1] == f"{omega(0.8, gamma):.2f}"
-        # the speedup from the printed c (3 decimals) and v (2 decimals): within their rounding
-        s = float(r[3].rstrip("x"))
-        low = omega(0.8, gamma) / (gamma * (c + 5e-4) + v + 5e-3)
-        high = omega(0.8, gamma) / (gamma * max(c - 5e-4, 0) + v - 5e-3)
+        gamma, v, h = int(r[0].rstrip(" *")), float(r[2]), float(r[3])
+        assert r[1] == f"{omega(0.8, gamma):.2f}" and h >= 0
+        # the speedup from the printed c (3 decimals), v (2) and the overhead h (3): within their rounding
+        s = float(r[4].rstrip("x"))
+        low = omega(0.8, gamma) / (gamma * (c + 5e-4) + v + 5e-3 + h + 5e-4)
+        high = omega(0.8, gamma) / (gamma * max(c - 5e-4, 0) + v - 5e-3 + max(h - 5e-4, 0))
         assert low - 5e-3 <= s <= high + 5e-3, (r, c)
         speedups.append(s)
     assert rows[speedups.index(max(speedups))][0].endswith("*")  # the best gamma is marked
