@@ -17,7 +17,7 @@ CONSTRAINTS := constraints.txt
 SHELL := /bin/bash
 
 .PHONY: setup run test bench bench-qwen qwen peers gpu-check gpu-check-merge docs clean constraints upgrade \
-	engines engine-llama.cpp engine-vllm clean-engines postgres-server
+	engines engine-llama.cpp engine-vllm clean-engines postgres-server browser site
 
 setup: $(STAMP)
 
@@ -27,7 +27,7 @@ $(STAMP): pyproject.toml requirements-embedded.txt requirements-reference.txt $(
 	# pinned: on the project's CPU machines this exact version is a local CPU build (any other spec pulls
 	# gigabytes of CUDA wheels); on a GPU runner PyPI's default build of the same version brings CUDA
 	$(BIN)/pip install --quiet torch==2.13.0
-	$(BIN)/pip install --quiet -c $(CONSTRAINTS) -e ".[dev,plots,ray,engines,postgres]"
+	$(BIN)/pip install --quiet -c $(CONSTRAINTS) -e ".[dev,plots,ray,engines,postgres,site]"
 	$(BIN)/pip install --quiet --no-deps -r requirements-embedded.txt
 	$(BIN)/pip install --quiet --no-deps -r requirements-reference.txt
 	touch $(STAMP)
@@ -35,7 +35,7 @@ $(STAMP): pyproject.toml requirements-embedded.txt requirements-reference.txt $(
 # the newest releases pyproject.toml allows, into .venv, and constraints.txt rewritten to them; then `make test`,
 # and commit constraints.txt if it passes (`git checkout constraints.txt && make setup` goes back)
 upgrade: setup
-	$(BIN)/pip install --quiet --upgrade --upgrade-strategy eager -e ".[dev,plots,ray,engines,postgres]"
+	$(BIN)/pip install --quiet --upgrade --upgrade-strategy eager -e ".[dev,plots,ray,engines,postgres,site]"
 	$(MAKE) constraints
 
 # constraints.txt from what .venv holds: every distribution but sdbench itself, the data wheels that
@@ -58,8 +58,8 @@ run: setup
 	$(BIN)/sdbench run $(ARGS)
 
 # the real llama.cpp's tests need its build (made once per machine, kept in the user's cache); the PostgreSQL
-# tests a server's binaries
-test: setup engine-llama.cpp postgres-server
+# tests a server's binaries; the site's tests a headless Chromium
+test: setup engine-llama.cpp postgres-server browser
 	$(BIN)/python -m pytest -q $(ARGS)
 
 bench: setup
@@ -76,6 +76,21 @@ postgres-server: setup
 		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
 			postgresql >/dev/null; \
 	else echo "no PostgreSQL server here: tests/test_tune_postgres.py skips (install the postgresql package)"; fi
+
+# Debian's Chromium and its WebDriver, which tests/test_site_browser.py drives headless on a built site
+# (tests/browser.py finds them): installed where this machine has none and make runs as root; elsewhere install
+# the chromium and chromium-driver packages by hand, or those tests skip (and fail in CI)
+browser:
+	@if command -v chromium >/dev/null && command -v chromedriver >/dev/null; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		echo "installing Debian's Chromium and chromium-driver for the site's browser tests"; \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+			chromium chromium-driver >/dev/null; \
+	else echo "no Chromium here: tests/test_site_browser.py skips (install chromium and chromium-driver)"; fi
+
+# the results site of everything under results/ (runs, sweeps, tune studies, bench files, reproductions) in site/
+site: setup
+	$(BIN)/sdbench site results --out site $(ARGS)
 
 # the embedded Qwen pair (1.6 GB of wheels from PyPI; never needed by the tests)
 qwen: setup

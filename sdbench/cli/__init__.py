@@ -1,7 +1,7 @@
 """The command line: thin commands over the engine. Known errors print one line and exit non-zero.
 
 The commands live by group (measure.py: run, sweep, tune, bench, gpu-check; models.py: check, train-head,
-datastore; results.py: list, report, compare, schedule; predict.py: predict, simulate, reproduce) and are
+datastore; results.py: list, report, compare, site, schedule; predict.py: predict, simulate, reproduce) and are
 registered on the one `app` here, in the order `sdbench --help` lists them."""
 
 from __future__ import annotations
@@ -25,7 +25,8 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_
                   help="Benchmark and tune speculative decoding of language models.")
 for name, command in (("run", measure.run), ("sweep", measure.sweep), ("check", models.check),
                       ("list", results.list_), ("report", results.report), ("tune", measure.tune),
-                      ("train-head", models.train_head), ("compare", results.compare), ("bench", measure.bench),
+                      ("train-head", models.train_head), ("compare", results.compare), ("site", results.site),
+                      ("bench", measure.bench),
                       ("gpu-check", measure.gpu_check), ("reproduce", predict.reproduce)):
     app.command(name)(command)
 for name, group in (("schedule", results.schedule_app), ("datastore", models.datastore_app),

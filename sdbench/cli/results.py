@@ -64,6 +64,20 @@ def compare(
     run_compare([baseline], [current], max_regression, console, across)
 
 
+def site(
+    paths: Annotated[list[str], typer.Argument(help="results folders and files: runs, sweeps, tune studies, bench files, "
+                                                    "reproductions (searched recursively)")],
+    out: Annotated[str, typer.Option("--out", "-o", help="folder to write the site into")] = "site",
+):
+    """A static site of many runs and machines: a sortable, filterable leaderboard, a page per run with its charts
+    and command, sweeps, tune studies, engines' carry-over and reproductions; opens from the file system."""
+    from sdbench.reporting.site.build import build_site
+
+    built = build_site(paths, out, console)
+    console.print(f"site: {built.runs} runs, {built.pages} pages in {built.seconds:.1f} s: {built.out / 'index.html'}",
+                  highlight=False)
+
+
 schedule_app = typer.Typer(no_args_is_help=True, help="Schedules that `tune --batch` wrote: show or export them.")
 ScheduleName = Annotated[str, typer.Argument(help="the schedule preset's name")]
 

@@ -1,0 +1,1 @@
+"""`sdbench site`: a static, browsable site of many results (site/build.py)."""

@@ -1,0 +1,75 @@
+"""The leaderboard: one row per run, strategy configuration and group (data set and category, or turn), with the
+figures `sdbench report` shows, from the same aggregates (reporting/summary.py) and the same intervals
+(reporting/stats.py). A speedup is always against the baseline of its own run, so rows of different machines are
+never pooled: every row names the hardware it was measured on.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+
+from sdbench.reporting.summary import ALL, per_position_rates, summarize
+
+# the run's settings every row of it shares, taken from its strategy rows (the baseline's draft is "")
+RUN_FIELDS = ("dataset", "target", "draft", "batch_size", "prompt_len", "dtype", "device", "hardware", "timestamp", "engine")
+FIGURES = ("steps", "draft_s", "verify_s", "accept_s", "observe_s", "loop_s", "speedup", "speedup_low", "speedup_high", "decode_speedup", "tokens_per_s", "mean_accepted_len",
+           "acceptance_rate", "predicted_speedup", "draft_share", "lossless", "n_prompts", "n_rows",
+           "weights_say_nothing")
+COLUMNS = ("run_id", "role", "strategy", "target", "draft", "dataset", "category", "turn", "batch_size", "prompt_len",
+           "gamma", *FIGURES, "acceptance_by_position", "dtype", "device", "hardware", "engine", "timestamp", "partial")
+
+
+def leaderboard(summary: pd.DataFrame) -> pd.DataFrame:
+    """The leaderboard: the summary's strategy rows (every row but the baselines')."""
+    return summary[summary["role"] != "baseline"].reset_index(drop=True)
+
+
+def summaries(rows: pd.DataFrame, partial: dict[str, str] | None = None) -> pd.DataFrame:
+    """Every run's summary rows, its baselines' included; `partial`: run_id -> why that run stopped early."""
+    if rows.empty:
+        return pd.DataFrame(columns=list(COLUMNS))
+    parts = [_with_all(summarize(rows, by=("category",)), "turn")]
+    if pd.to_numeric(rows["turn"], errors="coerce").fillna(1).nunique() > 1:
+        by_turn = _with_all(summarize(rows, by=("turn",)), "category")
+        parts.append(by_turn[by_turn["turn"] != ALL])  # the ALL rows are already there
+    board = pd.concat(parts, ignore_index=True)  # a run is of one data set: its rows name it (RUN_FIELDS)
+    board = board.join(_run_fields(rows), on="run_id")
+    board["gamma"] = [_gamma(rows, r, s) for r, s in zip(board["run_id"], board["strategy"])]
+    positions = {(r, s): rates for r, s, rates in per_position_rates(rows)}
+    board["acceptance_by_position"] = [
+        positions.get((r, s)) if c == ALL and t == ALL else None
+        for r, s, c, t in zip(board["run_id"], board["strategy"], board["category"], board["turn"])]
+    board["partial"] = board["run_id"].map(partial or {})
+    board["turn"] = board["turn"].astype(str)
+    return board[list(COLUMNS)].reset_index(drop=True)
+
+
+def _with_all(summary: pd.DataFrame, column: str) -> pd.DataFrame:
+    return summary.assign(**{column: ALL})
+
+
+def _run_fields(rows: pd.DataFrame) -> pd.DataFrame:
+    """run_id -> the settings of RUN_FIELDS, from its strategy rows where it has them."""
+    ordered = rows.assign(_base=rows["role"].eq("baseline")).sort_values("_base", kind="stable")
+    present = [f for f in RUN_FIELDS if f in rows]
+    fields = ordered.groupby("run_id", sort=False)[present].first()
+    return fields.reindex(columns=list(RUN_FIELDS))
+
+
+def _gamma(rows: pd.DataFrame, run_id: str, label: str) -> float:
+    """The γ of a leaderboard row: its rows' gamma when they share one (NaN for several or none)."""
+    mine = rows[(rows["run_id"] == run_id) & (rows["role"] != "baseline")]
+    if label not in set(mine["strategy"]):  # a label of several configurations: 'ngram gamma=2'
+        word = next((w for w in label.split() if w.startswith("gamma=")), None)
+        return float(word.split("=", 1)[1]) if word else np.nan
+    values = pd.to_numeric(mine.loc[mine["strategy"] == label, "gamma"], errors="coerce").dropna().unique()
+    return float(values[0]) if len(values) == 1 else np.nan
+
+
+def position_text(rates) -> str:
+    """Acceptance by draft position as the leaderboard prints it: '0.91 0.74 0.52'."""
+    if rates is None or (not isinstance(rates, (list, tuple, np.ndarray))):
+        return ""
+    return " ".join("–" if not np.isfinite(r) else f"{r:.2f}" for r in rates)
+
