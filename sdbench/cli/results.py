@@ -56,12 +56,14 @@ def compare(
     max_regression: Annotated[float, typer.Option(help="percent drop of a median that fails the gate")] = 5.0,
     across: Annotated[str, typer.Option(help="settings the two sides may differ in, e.g. max-new-tokens,dtype "
                                              "(max-new-tokens, temperature, top-p, seed, dtype, fast)")] = "",
+    out: Annotated[Optional[str], typer.Option("--out", help="also write the comparison as Parquet into this folder "
+                                                             "(`sdbench site` shows it)")] = None,
 ):
     """Regression gate: tokens/s and speedup deltas per matched prompt; exit 1 on a regression or lossy output,
     2 on bad input or on results run with different settings (unless --across names them)."""
     from sdbench.reporting.compare import run_compare
 
-    run_compare([baseline], [current], max_regression, console, across)
+    run_compare([baseline], [current], max_regression, console, across, out)
 
 
 def site(

@@ -255,10 +255,30 @@ def _interval_text(config: dict) -> str:
     return f"{config['change']:+.1%}{bounds}"
 
 
+OUT_FILES = ("compare.parquet", "compare-configurations.parquet", "compare-lossy.parquet")
+
+
+def write_comparison(result: Comparison, folder, baseline_paths, current_paths) -> list:
+    """`compare --out FOLDER`: the matched comparisons (each naming both sides' paths), the configurations'
+    intervals and verdicts, and the rows that broke losslessness, as Parquet (what `sdbench site` shows)."""
+    from sdbench.paths import output_dir
+
+    folder = output_dir(folder)
+    sides = {"baseline_paths": ", ".join(map(str, baseline_paths)), "current_paths": ", ".join(map(str, current_paths))}
+    frames = (result.deltas.assign(**sides), result.configurations if result.configurations is not None
+              else pd.DataFrame(), result.lossy[[c for c in ("run_id", *KEY, "divergence") if c in result.lossy]])
+    written = []
+    for name, frame in zip(OUT_FILES, frames):
+        frame.to_parquet(folder / name, index=False)
+        written.append(folder / name)
+    return written
+
+
 def run_compare(baseline_paths, current_paths, max_regression_pct: float, console: Console,
-                across: str = "") -> Comparison:
+                across: str = "", out=None) -> Comparison:
     """Read both sides, print the table, raise RegressionFound when the gate fails. across: settings (as
-    SETTINGS names them) the two sides may differ in."""
+    SETTINGS names them) the two sides may differ in; out: a folder to write the comparison into (before the
+    verdict, so a failing gate keeps its record)."""
     if not 0 <= max_regression_pct < 100:
         raise SdbenchError(f"--max-regression {max_regression_pct}: a percentage in [0, 100)")
     limit = max_regression_pct / 100.0
@@ -271,6 +291,9 @@ def run_compare(baseline_paths, current_paths, max_regression_pct: float, consol
     if result.deltas.empty:
         raise SdbenchError(f"nothing to compare: no rows match on {', '.join(KEY)}")
     console.print(comparison_table(result, limit))
+    if out is not None:
+        console.print(f"wrote {', '.join(str(p) for p in write_comparison(result, out, baseline_paths, current_paths))}",
+                      highlight=False)
     unmatched = [f"{n} only in the {side}" for n, side in ((result.only_baseline, "baseline"),
                                                            (result.only_current, "current run")) if n]
     for line in result.notes + ([f"unmatched keys: {', '.join(unmatched)}"] if unmatched else []):

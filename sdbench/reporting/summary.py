@@ -92,25 +92,27 @@ def _ratio(num: float, den: float) -> float:
     return num / den if den and not math.isnan(den) and not math.isnan(num) else math.nan
 
 
-def _per_batch(group: pd.DataFrame, column: str) -> float:
-    """Sum over unique batches of a batch-level time (its max over the batch's rows).
+def _per_batch(group: pd.DataFrame, columns: list[str]) -> dict[str, float]:
+    """Per column, the sum over unique batches of a batch-level time (its max over the batch's rows); one grouping
+    for every column.
 
     A row without batch_id is its own batch, so missing ids can never hide wall time.
     """
     keys = group[BATCH].astype(object)
     loose = keys["batch_id"].isna()
     keys.loc[loose, "batch_id"] = [f"row-{i}" for i in range(int(loose.sum()))]
-    values = pd.Series(numeric(group[column]), index=group.index)
+    values = pd.DataFrame({c: numeric(group[c]) for c in columns}, index=group.index)
     per_batch = values.groupby([keys[k] for k in BATCH], dropna=False).max()
-    return float(per_batch.sum(min_count=1)) if len(per_batch) else math.nan
+    return {c: float(per_batch[c].sum(min_count=1)) if len(per_batch) else math.nan for c in columns}
 
 
 def _aggregate(group: pd.DataFrame) -> dict:
     new_tokens = np.nansum(numeric(group["new_tokens"]))
     steps, accepted = np.nansum(numeric(group["steps"])), np.nansum(numeric(group["accepted"]))
-    wall = _per_batch(group, "wall_s")
-    decode = _per_batch(group.assign(decode_s=numeric(group["wall_s"]) - numeric(group["ttft_s"])), "decode_s")
-    draft_s, verify_s = _per_batch(group, "draft_s"), _per_batch(group, "verify_s")
+    parts = [part for part in ROUND_PARTS if part in group]
+    times = _per_batch(group.assign(decode_s=numeric(group["wall_s"]) - numeric(group["ttft_s"])),
+                       ["wall_s", "decode_s", "draft_s", "verify_s", *parts])
+    wall, decode, draft_s, verify_s = (times[c] for c in ("wall_s", "decode_s", "draft_s", "verify_s"))
     predicted = numeric(group["predicted_speedup"])
     peak = numeric(group["peak_mem_bytes"])
     ties = group["divergence"].eq("tie").fillna(False).astype(bool)
@@ -130,7 +132,7 @@ def _aggregate(group: pd.DataFrame) -> dict:
         "draft_s": draft_s,
         "verify_s": verify_s,
         "draft_share": _ratio(draft_s, np.nansum([draft_s, verify_s])),
-        **{part: _per_batch(group, part) for part in ROUND_PARTS if part in group},
+        **{part: times[part] for part in parts},
         "lossless": _all_known(group["lossless"].astype(object).where(~ties, True)),
         "ties": int(ties.sum()),
         "predicted_speedup": float(np.nanmean(predicted)) if np.isfinite(predicted).any() else math.nan,

@@ -29,13 +29,11 @@ def summaries(rows: pd.DataFrame, partial: dict[str, str] | None = None) -> pd.D
     """Every run's summary rows, its baselines' included; `partial`: run_id -> why that run stopped early."""
     if rows.empty:
         return pd.DataFrame(columns=list(COLUMNS))
-    parts = [_with_all(summarize(rows, by=("category",)), "turn")]
-    if pd.to_numeric(rows["turn"], errors="coerce").fillna(1).nunique() > 1:
-        by_turn = _with_all(summarize(rows, by=("turn",)), "category")
-        parts.append(by_turn[by_turn["turn"] != ALL])  # the ALL rows are already there
+    parts = [part for _, run in rows.groupby("run_id", sort=False) for part in _run_summary(run)]
     board = pd.concat(parts, ignore_index=True)  # a run is of one data set: its rows name it (RUN_FIELDS)
     board = board.join(_run_fields(rows), on="run_id")
-    board["gamma"] = [_gamma(rows, r, s) for r, s in zip(board["run_id"], board["strategy"])]
+    gammas = _gammas(rows)
+    board["gamma"] = [_gamma(gammas, r, s) for r, s in zip(board["run_id"], board["strategy"])]
     positions = {(r, s): rates for r, s, rates in per_position_rates(rows)}
     board["acceptance_by_position"] = [
         positions.get((r, s)) if c == ALL and t == ALL else None
@@ -43,6 +41,15 @@ def summaries(rows: pd.DataFrame, partial: dict[str, str] | None = None) -> pd.D
     board["partial"] = board["run_id"].map(partial or {})
     board["turn"] = board["turn"].astype(str)
     return board[list(COLUMNS)].reset_index(drop=True)
+
+
+def _run_summary(run: pd.DataFrame) -> list[pd.DataFrame]:
+    """One run's summary by category, and by turn where it has several (each speedup within the run)."""
+    parts = [_with_all(summarize(run, by=("category",)), "turn")]
+    if pd.to_numeric(run["turn"], errors="coerce").fillna(1).nunique() > 1:
+        by_turn = _with_all(summarize(run, by=("turn",)), "category")
+        parts.append(by_turn[by_turn["turn"] != ALL])  # the ALL rows are already there
+    return parts
 
 
 def _with_all(summary: pd.DataFrame, column: str) -> pd.DataFrame:
@@ -57,14 +64,22 @@ def _run_fields(rows: pd.DataFrame) -> pd.DataFrame:
     return fields.reindex(columns=list(RUN_FIELDS))
 
 
-def _gamma(rows: pd.DataFrame, run_id: str, label: str) -> float:
-    """The γ of a leaderboard row: its rows' gamma when they share one (NaN for several or none)."""
-    mine = rows[(rows["run_id"] == run_id) & (rows["role"] != "baseline")]
-    if label not in set(mine["strategy"]):  # a label of several configurations: 'ngram gamma=2'
-        word = next((w for w in label.split() if w.startswith("gamma=")), None)
-        return float(word.split("=", 1)[1]) if word else np.nan
-    values = pd.to_numeric(mine.loc[mine["strategy"] == label, "gamma"], errors="coerce").dropna().unique()
-    return float(values[0]) if len(values) == 1 else np.nan
+def _gammas(rows: pd.DataFrame) -> dict[tuple[str, str], float]:
+    """(run_id, strategy) -> the γ its rows share (NaN for several or none)."""
+    mine = rows[rows["role"] != "baseline"]
+    gamma = pd.to_numeric(mine["gamma"], errors="coerce").astype("float64")
+    shared = gamma.groupby([mine["run_id"], mine["strategy"]], sort=False).agg(
+        lambda g: g.iloc[0] if g.nunique() == 1 and g.notna().all() else np.nan)
+    return {(str(r), str(s)): float(v) for (r, s), v in shared.items()}
+
+
+def _gamma(gammas: dict, run_id: str, label: str) -> float:
+    """The γ of a leaderboard row: its rows' shared one, or the γ its label names ('ngram gamma=2': one of several
+    configurations of a strategy in a run)."""
+    if (run_id, label) in gammas:
+        return gammas[(run_id, label)]
+    word = next((w for w in label.split() if w.startswith("gamma=")), None)
+    return float(word.split("=", 1)[1]) if word else np.nan
 
 
 def position_text(rates) -> str:

@@ -53,12 +53,12 @@ def board_columns(depth: int = 0) -> list[Column]:
         Column("γ", "gamma", lambda v: f"{float(v):g}", numeric=True), Column("prompts", "n_prompts", numeric=True),
         Column("speedup", "speedup", _x, numeric=True), Column("95 % interval", "interval"),
         Column("accepted length", "mean_accepted_len", _f2, numeric=True),
-        Column("acceptance", "acceptance_rate", _f2, numeric=True), Column("by position", "by_position"),
-        Column("lossless", "lossless", _lossless), Column("tokens/s", "tokens_per_s", lambda v: f"{float(v):.1f}",
+        Column("acceptance", "acceptance_rate", _f2, numeric=True), Column("lossless", "lossless", _lossless), Column("tokens/s", "tokens_per_s", lambda v: f"{float(v):.1f}",
                                                           numeric=True),
         Column("predicted", "predicted_speedup", _x, numeric=True), Column("hardware", "hardware"),
         Column("device", "device"), Column("dtype", "dtype"),
         Column("run", "run_id", link=lambda r: f"{up}runs/{r['run_id']}.html"), Column("note", "note"),
+        Column("by position", "by_position"),
     ]
 
 

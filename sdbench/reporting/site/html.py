@@ -14,7 +14,7 @@ from typing import Callable
 import pandas as pd
 
 NAV = (("index.html", "Leaderboard"), ("runs.html", "Runs"), ("sweeps.html", "Sweeps"), ("studies.html", "Tune studies"),
-       ("engines.html", "Engines"), ("reproductions.html", "Reproductions"))
+       ("engines.html", "Engines"), ("reproductions.html", "Reproductions"), ("comparisons.html", "Comparisons"))
 
 
 def esc(text) -> str:

@@ -1,6 +1,6 @@
 """The site's pages beside the leaderboard: the list of runs (and each run's facts and files), sweeps with their
 frontier, tune studies with their trials and best settings, bench files with their carry-over against each engine,
-and reproductions with their claims; plus the lines that name each file the site could not use.
+reproductions with their claims, and comparisons (`compare --out`) with what regressed; plus the lines that name each file the site could not use.
 """
 
 from __future__ import annotations
@@ -134,6 +134,32 @@ def reproductions_page(out: Path, found: Found) -> str:
     return page("Reproductions", "\n".join(body) or "<p>No reproduction among these results.</p>", built=__version__)
 
 
+def comparisons_page(out: Path, found: Found) -> str:
+    """Each `compare --out`: its verdict, per configuration the change's interval, the regressed prompts first."""
+    body = []
+    for i, path in enumerate(found.comparisons):
+        deltas = pd.read_parquet(path).sort_values("regressed", ascending=False, kind="stable")
+        configs, lossy = (pd.read_parquet(path.with_name(n)) if path.with_name(n).is_file() else pd.DataFrame()
+                          for n in ("compare-configurations.parquet", "compare-lossy.parquet"))
+        sides = deltas.iloc[0] if len(deltas) else {}
+        said = [f"{int(deltas['regressed'].sum())} of {len(deltas)} matched comparisons regressed",
+                f"{len(lossy)} rows broke losslessness"]
+        if len(configs):
+            said.append(f"{int((configs['verdict'] == 'regression').sum())} configurations' intervals say regression")
+        failed = bool(deltas["regressed"].any()) or len(lossy) or (len(configs) and (configs["verdict"] == "regression").any())
+        body += [f"<h2>{esc(path.parent.name)}</h2>",
+                 facts([("baseline", sides.get("baseline_paths")), ("current", sides.get("current_paths"))]),
+                 notice(said, "error" if failed else "info"), "<h3>Per configuration</h3>",
+                 _frame_table(configs, f"configs-{i}") if len(configs) else "<p>–</p>",
+                 "<h3>Per prompt (regressions first)</h3>", _frame_table(deltas.drop(
+                     columns=["baseline_paths", "current_paths"], errors="ignore"), f"deltas-{i}"),
+                 downloads(_copy(out, path, f"comparisons/{i}-compare.parquet"))]
+        if len(lossy):
+            body += ["<h3>Rows whose output differed from plain decoding</h3>", _frame_table(lossy, f"lossy-{i}")]
+    return page("Comparisons", "\n".join(body) or "<p>No comparison among these results (`sdbench compare --out`)."
+                "</p>", built=__version__)
+
+
 def _copy(out: Path, path: Path, name: str) -> list[tuple[str, str]]:
     (out / "data" / name).parent.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(path, out / "data" / name)
@@ -143,4 +169,4 @@ def _copy(out: Path, path: Path, name: str) -> list[tuple[str, str]]:
 def other_pages(out: Path, found: Found, board: pd.DataFrame) -> dict[str, str]:
     return {"runs.html": runs_page(found, board), "sweeps.html": sweeps_page(found),
             "studies.html": studies_page(out, found), "engines.html": engines_page(out, found),
-            "reproductions.html": reproductions_page(out, found)}
+            "reproductions.html": reproductions_page(out, found), "comparisons.html": comparisons_page(out, found)}

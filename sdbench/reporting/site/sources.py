@@ -5,6 +5,7 @@
 - bench files (`bench --out`: a `system` column, no `run_id`): the carry-over tables;
 - tune studies (`tune/<study>/trials/trials.parquet`), whose trials' own runs are runs too;
 - reproductions (a folder with `claims.parquet` and report.html: `sdbench reproduce`);
+- comparisons (`compare --out`: compare.parquet beside its configurations' verdicts and lossy rows);
 - problems: a file that cannot be read or is none of these, said on the site and on the terminal, never fatal.
 """
 
@@ -38,6 +39,7 @@ class Found:
     benches: list[Path] = field(default_factory=list)
     studies: list[Path] = field(default_factory=list)
     reproductions: list[Path] = field(default_factory=list)
+    comparisons: list[Path] = field(default_factory=list)
     problems: list[tuple[Path, str]] = field(default_factory=list)
 
     def rows(self) -> pd.DataFrame:
@@ -56,7 +58,8 @@ def _files(path: Path) -> list[Path]:
 
 
 def kind(path: Path) -> str:
-    """run, bench, study, reproduction or part (a reproduction's other tables); SdbenchError for anything else."""
+    """run, bench, study, reproduction, comparison or part (a reproduction's or comparison's other tables);
+    SdbenchError for anything else."""
     if path.is_dir():
         return "run"
     if path.suffix != ".parquet":
@@ -73,7 +76,9 @@ def kind(path: Path) -> str:
         return "study"
     if path.name == "claims.parquet":
         return "reproduction"
-    if (path.parent / "claims.parquet").is_file():
+    if path.name == "compare.parquet" and {"metric", "change", "regressed"} <= names:
+        return "comparison"
+    if (path.parent / "claims.parquet").is_file() or (path.parent / "compare.parquet").is_file():
         return "part"
     raise SdbenchError("not a results file sdbench writes (no run_id, system, trial or claim columns)")
 
@@ -96,6 +101,8 @@ def collect(paths: list[str]) -> Found:
                 (found.benches if what == "bench" else found.studies).append(path)
             elif what == "reproduction":
                 found.reproductions.append(path.parent)
+            elif what == "comparison":
+                found.comparisons.append(path)
         except SdbenchError as e:
             found.problems.append((path, str(e).removeprefix(f"{path}: ")))
     return found
