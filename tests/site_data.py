@@ -4,6 +4,7 @@ by hand, and one file of each other kind sdbench writes (sweep rows, tune trials
 from __future__ import annotations
 
 import json
+from html.parser import HTMLParser
 from pathlib import Path
 
 import pandas as pd
@@ -81,6 +82,7 @@ def other_kinds(folder: Path) -> None:
                            "hardware": ["cpu:machine-a"] * 3})
     (folder / "tune" / "s1" / "trials").mkdir(parents=True)
     trials.to_parquet(folder / "tune" / "s1" / "trials" / "trials.parquet", index=False)
+    write_run(folder / "tune" / "s1", "trial-1", run_rows("ngram", "cpu:machine-a", 1.5, extra={"batch_size": 2}))
     bench = pd.DataFrame({"system": ["sdbench ngram", "llama.cpp ngram"], "engine": ["sdbench", "llama.cpp"],
                           "decode_speedup": [1.4, 1.2], "carried_speedup": [1.5, 1.3], "own_predicted_speedup": [1.45, 1.25]})
     bench.to_parquet(folder / "bench.parquet", index=False)
@@ -92,3 +94,36 @@ def other_kinds(folder: Path) -> None:
     current = write_run(folder / "gate", "gate-current", run_rows("ngram", "cpu:machine-a", 1.0))
     result = compare_frames(read_results([base]), read_results([current]))
     write_comparison(result, folder / "gate" / "compared", [base], [current])
+
+
+class _Table(HTMLParser):
+    def __init__(self, table_id: str):
+        super().__init__()
+        self.table_id, self.inside, self.rows, self.cell = table_id, False, [], None
+
+    def handle_starttag(self, tag, attrs):
+        if tag == "table" and dict(attrs).get("id") == self.table_id:
+            self.inside = True
+        elif self.inside and tag == "tr":
+            self.rows.append([])
+        elif self.inside and tag in ("td", "th"):
+            self.cell = ""
+
+    def handle_endtag(self, tag):
+        if tag == "table":
+            self.inside = False
+        elif self.inside and tag in ("td", "th") and self.cell is not None:
+            self.rows[-1].append(self.cell.strip())
+            self.cell = None
+
+    def handle_data(self, data):
+        if self.cell is not None:
+            self.cell += data
+
+
+def table_rows(page: str, table_id: str) -> list[dict]:
+    """A table of a page as written (before any script runs): one {header: text} per body row."""
+    parser = _Table(table_id)
+    parser.feed(page)
+    header, *rows = parser.rows
+    return [dict(zip(header, row)) for row in rows]

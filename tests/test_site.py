@@ -13,7 +13,7 @@ from sdbench import config as C
 from sdbench.reporting.site.assets import as_plain_script
 from sdbench.reporting.site.command import run_arguments
 from tests.conftest import run_cli
-from tests.site_data import expected, other_kinds, run_rows, write_run
+from tests.site_data import expected, other_kinds, run_rows, table_rows, write_run
 
 
 def test_leaderboard_figures_are_the_rows_own(tmp_path, capsys):
@@ -77,6 +77,8 @@ def test_every_kind_of_results_file_has_its_page(tmp_path, capsys):
     assert "Where speculative decoding stops paying" in sweeps and "heatmap" in sweeps
     studies = (site / "studies.html").read_text()
     assert "Study s1" in studies and "3 trials, 2 complete" in studies
+    best = table_rows(studies, "best-per-batch")
+    assert [(r["batch_size"], r["trial"], r["value"], r["gamma"]) for r in best] == [("2", "1", "1.5", "4")]
     engines = (site / "engines.html").read_text()
     assert "llama.cpp ngram" in engines and (site / "data" / "engines" / "0-bench.parquet").is_file()
     repro = (site / "reproductions.html").read_text()

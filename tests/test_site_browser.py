@@ -83,34 +83,61 @@ def test_every_link_resolves(session, site):
             assert (out / "x").parent.joinpath(target).exists(), (page, link)
 
 
+def _until(session, holds, table: str = "leaderboard", seconds: float = 15.0) -> list[dict]:
+    """The rows shown once `holds(rows)` is true (DataTables may redraw a moment after a key or click)."""
+    deadline = time.monotonic() + seconds
+    while True:
+        rows = _rows(session, table)
+        if holds(rows):
+            return rows
+        assert time.monotonic() < deadline, rows
+        time.sleep(0.1)
+
+
+def _speedups(rows) -> list[float]:
+    return [float(r["speedup"].rstrip("x")) for r in rows]
+
+
 def test_sorting_and_filtering_change_the_rows(session, site):
     out, _ = site
     browser.open_page(session, out / "index.html")
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import Select
 
+    def choose(name, value):
+        Select(session.find_element(By.CSS_SELECTOR, f"select[data-name={name}]")).select_by_value(value)
+
     shown = _rows(session)
     assert {r["category"] for r in shown} == {"ALL"} and {r["run"] for r in shown} >= set(RUNS)
-    Select(session.find_element(By.CSS_SELECTOR, "select[data-name=strategy]")).select_by_value("suffix")
-    assert {r["strategy"] for r in _rows(session)} == {"suffix"}
-    Select(session.find_element(By.CSS_SELECTOR, "select[data-name=category]")).select_by_value("math")
-    assert {(r["strategy"], r["category"]) for r in _rows(session)} == {("suffix", "math")}
-    Select(session.find_element(By.CSS_SELECTOR, "select[data-name=strategy]")).select_by_value("")
-    Select(session.find_element(By.CSS_SELECTOR, "select[data-name=category]")).select_by_value("ALL")
+    choose("strategy", "suffix")
+    _until(session, lambda rows: {r["strategy"] for r in rows} == {"suffix"})
+    choose("category", "math")
+    _until(session, lambda rows: {(r["strategy"], r["category"]) for r in rows} == {("suffix", "math")})
+    choose("strategy", "")
+    choose("category", "ALL")
+    everything = _until(session, lambda rows: len(rows) == len(shown))
     search = session.find_element(By.CSS_SELECTOR, "#leaderboard_wrapper input[type=search]")
     search.send_keys("machine-b")
-    assert {r["hardware"] for r in _rows(session)} == {"cuda:machine-b"}
+    _until(session, lambda rows: {r["hardware"] for r in rows} == {"cuda:machine-b"})
     search.clear()
     search.send_keys(" ")  # an edit event with an empty search: every row again
-    def click_speedup():
-        next(th for th in session.find_elements(By.CSS_SELECTOR, "#leaderboard_wrapper thead th")
-             if th.text.strip() == "speedup").click()
+    _until(session, lambda rows: len(rows) == len(everything))
 
-    click_speedup()
-    first = [float(r["speedup"].rstrip("x")) for r in _rows(session)]
-    click_speedup()
-    second = [float(r["speedup"].rstrip("x")) for r in _rows(session)]
-    assert len(first) > 2 and first == sorted(first) and second == sorted(first, reverse=True)
+    def sort_speedup(direction: str) -> None:
+        """Click the header once, and wait until DataTables says it orders that column that way."""
+        header = next(th for th in session.find_elements(By.CSS_SELECTOR, "#leaderboard_wrapper thead th")
+                      if th.text.strip() == "speedup")
+        header.click()
+        deadline = time.monotonic() + 15
+        while f"dt-ordering-{direction}" not in (header.get_attribute("class") or ""):
+            assert time.monotonic() < deadline, header.get_attribute("class")
+            time.sleep(0.1)
+
+    sort_speedup("asc")
+    first = _until(session, lambda rows: _speedups(rows) == sorted(_speedups(rows)))
+    sort_speedup("desc")
+    second = _until(session, lambda rows: _speedups(rows) == sorted(_speedups(rows), reverse=True))
+    assert len(first) > 2 and len(set(_speedups(first))) > 2 and sorted(_speedups(second)) == _speedups(first)
 
 
 def test_numbers_shown_are_the_parquets(session, site, tmp_path):

@@ -70,6 +70,7 @@ def sweep(
     out: Out = C.DEFAULT_OUT, fast: Fast = True, probe: Probe = "auto", no_probe: NoProbe = False,
     resume: Annotated[Optional[str], typer.Option(help="continue an interrupted sweep: its SWEEP_ID (settings as saved)")] = None,
     quick: Annotated[bool, typer.Option("--quick", help="a small grid and fewer tokens: minutes on a small CPU")] = False,
+    ray: Annotated[Optional[str], typer.Option("--ray", help="measure each point as a task on a Ray cluster: auto (the cluster `ray start` began on this machine) or its ADDRESS; each task alone on its node's CPUs, or on one GPU")] = None,
 ):
     """Where speculative decoding stops paying: every strategy beside plain decoding at each batch size (or
     concurrency) and prompt length; the best setting's speedup per point, measured and predicted, and the
@@ -90,7 +91,7 @@ def sweep(
         sampling=C.SamplingConfig(temperature, 1.0, seed), gammas=parse_counts(gamma), device=device, dtype=dtype,
         repeats=repeats, options=shared, out=out, fast=fast, probe=probe_mode(probe, no_probe),
     )
-    run_sweep(C.SweepConfig(run_cfg, strategies, axis, sizes, lengths, scoped, resume), console)
+    run_sweep(C.SweepConfig(run_cfg, strategies, axis, sizes, lengths, scoped, resume), console, ray)
 
 
 def compare_sets(strategy: str, compare: list[str], options: dict) -> tuple[dict, dict]:

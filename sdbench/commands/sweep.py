@@ -114,23 +114,35 @@ class Sweep:
     """Plans the grid (every point's every strategy checked before anything loads), loads the pair once,
     measures the points not done yet, then writes the analysis."""
 
-    def __init__(self, cfg: SweepConfig, console: Console):
+    def __init__(self, cfg: SweepConfig, console: Console, sweep_id: str | None = None):
+        """sweep_id: the id of a sweep measured elsewhere (a Ray task measuring one of its points)."""
         self.console = console
         if cfg.resume:
             cfg = load_sweep(cfg.run.out, cfg.resume)
         check_grid(cfg)
         self.cfg = cfg
         names = "-".join(resolve_strategy(s).name for s in cfg.strategies)
-        self.sweep_id = cfg.resume or new_run_id(f"sweep-{names}")
+        self.sweep_id = sweep_id or cfg.resume or new_run_id(f"sweep-{names}")
         self.folder = Path(cfg.run.out) / self.sweep_id
         self.points = grid(cfg)
         quiet = Console(quiet=True)
         self.planned = {(p, s): RunHarness(member_config(cfg, s, p), quiet)
                         for p in self.points for s in cfg.strategies}  # bad settings fail here, before loading
 
-    def run(self) -> Path:
+    def run(self, ray: str | None = None) -> Path:
+        """Measures the points not done yet, here or (ray: a cluster's address, or auto) each as a Ray task."""
         done = self._done()
         todo = [p for p in self.points if p.name not in done]
+        if ray is not None:
+            from sdbench.commands.sweep_ray import RayPoints
+
+            points = RayPoints(self, ray)  # the cluster is reached before anything is written
+            self._save()
+            try:
+                points.run(todo, done)
+            except (KeyboardInterrupt, Interrupted):
+                raise self._interrupted(done) from None
+            return self.folder
         pair, runners = self._load() if todo else (None, {})
         self._save()  # only now: a sweep whose models never loaded leaves nothing behind
         started = time.perf_counter()
@@ -160,10 +172,10 @@ class Sweep:
         cfgs = [replace(self.planned[point, s].cfg, resume=resume, out=str(self.folder)) for s in self.cfg.strategies]
         return PointHarness(cfgs, self.console, pair, runners, self.sweep_id, run_id).run()
 
-    def _load(self):
-        """The pair for every point: the drafts every strategy needs, probed over the longest point's context
-        (which is checked to fit before anything is measured)."""
-        benches = list(self.planned.values())
+    def _load(self, points: list[Point] | None = None):
+        """The pair for every point (or those given): the drafts every strategy needs, probed over the longest
+        point's context (which is checked to fit before anything is measured)."""
+        benches = [b for (p, _), b in self.planned.items() if points is None or p in points]
         drafts = tuple(dict.fromkeys(d for b in benches for d in b.cfg.drafts))
         widest = max(benches, key=lambda b: (b.cfg.prompt_len, b.cfg.limit))
         cfg = replace(widest.cfg, drafts=drafts, gammas=(max(g for b in benches for g in b.cfg.gammas),))
@@ -208,17 +220,23 @@ def load_sweep(out: str, sweep_id: str) -> SweepConfig:
     path = Path(out) / sweep_id / SETTINGS
     if not path.is_file():
         raise SdbenchError(f"--resume {sweep_id}: no sweep of that id under {out}")
-    raw = json.loads(path.read_text())
-    run = replace(run_config(raw.pop("run")), out=out)
+    return replace(sweep_config(json.loads(path.read_text()), out), resume=sweep_id)
+
+
+def sweep_config(raw: dict, out: str) -> SweepConfig:
+    """A SweepConfig from its JSON form (sweep.json, or what a Ray task is given), writing under `out`."""
+    raw = dict(raw)
+    run = replace(run_config(dict(raw.pop("run"))), out=out)
     for key in ("strategies", "sizes", "prompt_lens"):
         raw[key] = tuple(raw[key])
-    return SweepConfig(run=run, **{**raw, "resume": sweep_id})
+    return SweepConfig(run=run, **raw)
 
 
-def run_sweep(cfg: SweepConfig, console: Console) -> Path:
-    """Measure the grid (or what is left of it), then print and write the analysis; returns the sweep's folder."""
+def run_sweep(cfg: SweepConfig, console: Console, ray: str | None = None) -> Path:
+    """Measure the grid (or what is left of it; ray: each point as a task on that Ray cluster), then print and
+    write the analysis; returns the sweep's folder."""
     sweep = Sweep(cfg, console)
-    folder = sweep.run()
+    folder = sweep.run(ray)
     df = read_results([folder])
     print_frontier(df, console)
     points = best_points(df)

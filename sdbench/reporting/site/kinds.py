@@ -96,16 +96,31 @@ def _frame_table(frame: pd.DataFrame, table_id: str) -> str:
     return table(frame, columns, table_id)
 
 
+def _bucket(found: Found, folder: Path) -> dict:
+    """A study's batch size and prompt length: those of its trials' runs (written under its folder)."""
+    for run in found.runs.values():
+        if any(folder in f.parents for f in run.files):
+            first = run.rows.iloc[0]
+            return {"batch_size": first.get("batch_size"), "prompt_len": first.get("prompt_len")}
+    return {"batch_size": None, "prompt_len": None}
+
+
 def studies_page(out: Path, found: Found) -> str:
-    body = []
+    """Per study its trials and best trial per machine; first, the best settings per batch size over the studies
+    (`tune --batch 1,4` makes one study per batch size)."""
+    body, best_rows = [], []
     for i, path in enumerate(found.studies):
         trials = pd.read_parquet(path)
         name = str(trials["study"].iloc[0]) if len(trials) else path.parent.parent.name
         done = trials[trials["state"] == "COMPLETE"].dropna(subset=["value"])
         best = done.loc[done.groupby("hardware", dropna=False)["value"].idxmax()] if len(done) else done
+        best_rows += [{**_bucket(found, path.parent.parent), **row} for row in best.to_dict("records")]
         body += [f"<h2>Study {esc(name)}</h2>", f"<p>{len(trials)} trials, {len(done)} complete; from {esc(path)}</p>",
                  "<h3>Best trial per machine</h3>", _frame_table(best, f"best-{i}"), "<h3>Every trial</h3>",
                  _frame_table(trials, f"trials-{i}"), downloads(_copy(out, path, f"studies/{i}-trials.parquet"))]
+    if best_rows:
+        frame = pd.DataFrame(best_rows).sort_values(["batch_size", "prompt_len"], kind="stable", na_position="last")
+        body = ["<h2>Best settings per batch size</h2>", _frame_table(frame, "best-per-batch")] + body
     return page("Tune studies", "\n".join(body) or "<p>No tune study among these results.</p>", built=__version__)
 
 
