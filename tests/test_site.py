@@ -18,7 +18,8 @@ from tests.site_data import expected, other_kinds, run_rows, table_rows, write_r
 
 def test_leaderboard_figures_are_the_rows_own(tmp_path, capsys):
     rows_a = run_rows("ngram", "cpu:machine-a", 1.5)
-    rows_b = run_rows("ngram", "cuda:machine-b", 2.0)
+    rows_b = [{**r, "params": '{"kv": "snapkv", "gamma": 4, "budget": 64}'} if r["role"] == "strategy" else r
+              for r in run_rows("magicdec", "cuda:machine-b", 2.0)]
     write_run(tmp_path / "results", "run-a", rows_a)
     write_run(tmp_path / "results", "run-b", rows_b)
     code, out, err = run_cli(capsys, "site", str(tmp_path / "results"), "--out", str(tmp_path / "site"))
@@ -36,6 +37,7 @@ def test_leaderboard_figures_are_the_rows_own(tmp_path, capsys):
                                                                                         abs=5e-4)
         assert got["speedup_low"] < got["speedup"] < got["speedup_high"]
         assert got["gamma"] == 4 and got["dataset"] == "mt-bench" and got["n_prompts"] == 3
+    assert overall.loc["run-b", "settings"] == "budget=64 kv=snapkv" and pd.isna(overall.loc["run-a", "settings"])
     math_rows = [r for r in rows_a if r["category"] == "math"]
     math_row = board[(board["run_id"] == "run-a") & (board["category"] == "math")].iloc[0]
     assert math_row["speedup"] == pytest.approx(expected(math_rows)["speedup"], rel=1e-9)

@@ -110,8 +110,9 @@ class RayPoints:
         raw = asdict(replace(sweep.cfg, resume=None))
         pending = {task.remote(raw, sweep.sweep_id, p.name, self.threads): p for p in todo}
         total, started = len(sweep.points), time.perf_counter()
-        sweep.console.print(f"{len(pending)} points as Ray tasks on {len(ray.nodes())} nodes ({self.address}), each "
-                            f"with {self._asked()}", highlight=False)
+        nodes = sum(1 for n in ray.nodes() if n.get("Alive"))
+        sweep.console.print(f"{len(pending)} points as Ray tasks on {nodes} node{'s' if nodes != 1 else ''} "
+                            f"({self.address}), each with {self._asked()}", highlight=False)
         try:
             while pending:
                 (ready,), _ = ray.wait(list(pending), num_returns=1)

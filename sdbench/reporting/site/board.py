@@ -6,9 +6,12 @@ never pooled: every row names the hardware it was measured on.
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pandas as pd
 
+from sdbench.reporting.labels import labelled
 from sdbench.reporting.summary import ALL, per_position_rates, summarize
 
 # the run's settings every row of it shares, taken from its strategy rows (the baseline's draft is "")
@@ -16,8 +19,8 @@ RUN_FIELDS = ("dataset", "target", "draft", "batch_size", "prompt_len", "dtype",
 FIGURES = ("steps", "draft_s", "verify_s", "accept_s", "observe_s", "loop_s", "speedup", "speedup_low", "speedup_high", "decode_speedup", "tokens_per_s", "mean_accepted_len",
            "acceptance_rate", "predicted_speedup", "draft_share", "lossless", "n_prompts", "n_rows",
            "weights_say_nothing")
-COLUMNS = ("run_id", "role", "strategy", "target", "draft", "dataset", "category", "turn", "batch_size", "prompt_len",
-           "gamma", *FIGURES, "acceptance_by_position", "dtype", "device", "hardware", "engine", "timestamp", "partial")
+COLUMNS = ("run_id", "role", "strategy", "settings", "target", "draft", "dataset", "category", "turn", "batch_size",
+           "prompt_len", "gamma", *FIGURES, "acceptance_by_position", "dtype", "device", "hardware", "engine", "timestamp", "partial")
 
 
 def leaderboard(summary: pd.DataFrame) -> pd.DataFrame:
@@ -32,8 +35,11 @@ def summaries(rows: pd.DataFrame, partial: dict[str, str] | None = None) -> pd.D
     parts = [part for _, run in rows.groupby("run_id", sort=False) for part in _run_summary(run)]
     board = pd.concat(parts, ignore_index=True)  # a run is of one data set: its rows name it (RUN_FIELDS)
     board = board.join(_run_fields(rows), on="run_id")
-    gammas = _gammas(rows)
-    board["gamma"] = [_gamma(gammas, r, s) for r, s in zip(board["run_id"], board["strategy"])]
+    configs = _configurations(rows)
+    key = pd.MultiIndex.from_arrays([board["run_id"].astype(str), board["strategy"].astype(str)])
+    found = configs.reindex(key)
+    board["gamma"] = found["gamma"].to_numpy(dtype="float64")
+    board["settings"] = found["settings"].to_numpy()
     positions = {(r, s): rates for r, s, rates in per_position_rates(rows)}
     board["acceptance_by_position"] = [
         positions.get((r, s)) if c == ALL and t == ALL else None
@@ -64,22 +70,25 @@ def _run_fields(rows: pd.DataFrame) -> pd.DataFrame:
     return fields.reindex(columns=list(RUN_FIELDS))
 
 
-def _gammas(rows: pd.DataFrame) -> dict[tuple[str, str], float]:
-    """(run_id, strategy) -> the γ its rows share (NaN for several or none)."""
-    mine = rows[rows["role"] != "baseline"]
-    gamma = pd.to_numeric(mine["gamma"], errors="coerce").astype("float64")
-    shared = gamma.groupby([mine["run_id"], mine["strategy"]], sort=False).agg(
-        lambda g: g.iloc[0] if g.nunique() == 1 and g.notna().all() else np.nan)
-    return {(str(r), str(s)): float(v) for (r, s), v in shared.items()}
+def _configurations(rows: pd.DataFrame) -> pd.DataFrame:
+    """(run_id, strategy label as the tables show it) -> the γ its rows share (NaN for several or none) and its
+    settings as text ('budget=64 kv=snapkv'; γ has its own column)."""
+    data = labelled(rows)
+    data = data[data["role"] != "baseline"].assign(
+        _gamma=pd.to_numeric(data["gamma"], errors="coerce").astype("float64"))
+    out = {}
+    for (run_id, label), group in data.groupby(["run_id", "strategy"], sort=False):
+        gammas = group["_gamma"]
+        settings = {json.dumps(_settings(p), sort_keys=True) for p in group["params"]}
+        out[(str(run_id), str(label))] = {
+            "gamma": float(gammas.iloc[0]) if gammas.nunique() == 1 and gammas.notna().all() else np.nan,
+            "settings": " ".join(f"{k}={v}" for k, v in json.loads(settings.pop()).items()) if len(settings) == 1
+            else "several"}
+    return pd.DataFrame.from_dict(out, orient="index", columns=["gamma", "settings"])
 
 
-def _gamma(gammas: dict, run_id: str, label: str) -> float:
-    """The γ of a leaderboard row: its rows' shared one, or the γ its label names ('ngram gamma=2': one of several
-    configurations of a strategy in a run)."""
-    if (run_id, label) in gammas:
-        return gammas[(run_id, label)]
-    word = next((w for w in label.split() if w.startswith("gamma=")), None)
-    return float(word.split("=", 1)[1]) if word else np.nan
+def _settings(params) -> dict:
+    return {k: v for k, v in sorted(json.loads(params or "{}").items()) if k != "gamma"}
 
 
 def position_text(rates) -> str:

@@ -19,6 +19,7 @@ from sdbench.reporting.site import charts, kinds
 from sdbench.reporting.site.assets import check_libraries, write_assets
 from sdbench.reporting.site.board import leaderboard, position_text, summaries
 from sdbench.reporting.site.html import Column, chart, downloads, filters, notice, page, table
+from sdbench.reporting.site.kinds import write_table
 from sdbench.reporting.site.sources import Found, Run, collect
 
 
@@ -47,7 +48,7 @@ def board_columns(depth: int = 0) -> list[Column]:
     """The leaderboard's columns (also a run page's table); links climb `depth` folders to the site's root."""
     up = "../" * depth
     return [
-        Column("strategy", "strategy"), Column("target", "target"), Column("draft", "draft"),
+        Column("strategy", "strategy"), Column("settings", "settings", clip=True), Column("target", "target"), Column("draft", "draft"),
         Column("data set", "dataset"), Column("category", "category"), Column("turn", "turn"),
         Column("batch", "batch_size", numeric=True), Column("context", "prompt_len", numeric=True),
         Column("γ", "gamma", lambda v: f"{float(v):g}", numeric=True), Column("prompts", "n_prompts", numeric=True),
@@ -74,20 +75,6 @@ def shown(board: pd.DataFrame) -> pd.DataFrame:
         notes.append(", ".join(said))
     out["note"] = notes
     return out
-
-
-def write_table(out: Path, frame: pd.DataFrame, name: str) -> list[tuple[str, str]]:
-    """data/NAME.csv and .parquet; returns their download links (relative to the site's root)."""
-    data = output_dir(out / "data" / Path(name).parent)
-    stem = Path(name).name
-    flat = frame.copy()
-    for column in flat.columns:  # lists (acceptance by position) as text in the CSV, kept as lists in Parquet
-        if flat[column].map(lambda v: isinstance(v, (list, tuple))).any():
-            flat[column] = flat[column].map(lambda v: " ".join(f"{x:.4g}" for x in v) if isinstance(v, (list, tuple))
-                                            else v)
-    flat.to_csv(data / f"{stem}.csv", index=False)
-    frame.to_parquet(data / f"{stem}.parquet", index=False)
-    return [(f"data/{name}.csv", "CSV"), (f"data/{name}.parquet", "Parquet")]
 
 
 def index_page(out: Path, found: Found, board: pd.DataFrame, paths: list[str]) -> str:

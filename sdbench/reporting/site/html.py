@@ -30,6 +30,7 @@ class Column:
     show: Callable = str
     link: Callable | None = None  # row -> href (relative to the page), or None for no link on that row
     numeric: bool = False
+    clip: bool = False  # a long text: cut to the column's width, whole on hover
 
 
 def missing(value) -> bool:
@@ -47,7 +48,8 @@ def _cell(column: Column, row) -> str:
         order = f' data-order="{-1e300 if missing(value) else float(value):.17g}"'
     href = column.link(row) if column.link else None
     body = f'<a href="{esc(href)}">{esc(text)}</a>' if href else esc(text)
-    return f"<td{order}>{body}</td>"
+    clip = f' class="sd-clip" title="{esc(text)}"' if column.clip else ""
+    return f"<td{order}{clip}>{body}</td>"
 
 
 def table(frame: pd.DataFrame, columns: list[Column], table_id: str, caption: str = "") -> str:

@@ -12,12 +12,27 @@ from pathlib import Path
 import pandas as pd
 
 from sdbench import __version__
+from sdbench.paths import output_dir
 from sdbench.reporting.carry import from_frame
 from sdbench.reporting.site import charts
 from sdbench.reporting.site.command import run_command
 from sdbench.reporting.site.html import Column, chart, downloads, esc, facts, notice, page, table
 from sdbench.reporting.site.sources import Found, Run
 from sdbench.reporting.sweep import best_points, frontier
+
+
+def write_table(out: Path, frame: pd.DataFrame, name: str) -> list[tuple[str, str]]:
+    """data/NAME.csv and .parquet; returns their download links (relative to the site's root)."""
+    data = output_dir(out / "data" / Path(name).parent)
+    stem = Path(name).name
+    flat = frame.copy()
+    for column in flat.columns:  # lists (acceptance by position) as text in the CSV, kept as lists in Parquet
+        if flat[column].map(lambda v: isinstance(v, (list, tuple))).any():
+            flat[column] = flat[column].map(lambda v: " ".join(f"{x:.4g}" for x in v) if isinstance(v, (list, tuple))
+                                            else v)
+    flat.to_csv(data / f"{stem}.csv", index=False)
+    frame.to_parquet(data / f"{stem}.parquet", index=False)
+    return [(f"data/{name}.csv", "CSV"), (f"data/{name}.parquet", "Parquet")]
 
 
 def problem_lines(found: Found) -> list[str]:
@@ -75,14 +90,16 @@ def runs_page(found: Found, board: pd.DataFrame) -> str:
     return page("Runs", body, built=__version__)
 
 
-def sweeps_page(found: Found) -> str:
+def sweeps_page(out: Path, found: Found) -> str:
     rows = found.rows()
     points = best_points(rows) if not rows.empty and "sweep" in rows else pd.DataFrame()
     if points.empty:
         return page("Sweeps", "<p>No sweep among these results (`sdbench sweep` writes them).</p>", built=__version__)
     front = frontier(points)
     body = ["<h2>Best setting at each point</h2>", _frame_table(points, "points"),
-            "<h2>Where speculative decoding stops paying</h2>", _frame_table(front, "frontier")]
+            downloads(write_table(out, points, "sweeps/points")),
+            "<h2>Where speculative decoding stops paying</h2>", _frame_table(front, "frontier"),
+            downloads(write_table(out, front, "sweeps/frontier"))]
     body += [chart(charts.frontier_map(points, s), f"chart-frontier-{i}") for i, s in enumerate(points["sweep"].unique())]
     return page("Sweeps", "\n".join(body), built=__version__)
 
@@ -117,10 +134,11 @@ def studies_page(out: Path, found: Found) -> str:
         best_rows += [{**_bucket(found, path.parent.parent), **row} for row in best.to_dict("records")]
         body += [f"<h2>Study {esc(name)}</h2>", f"<p>{len(trials)} trials, {len(done)} complete; from {esc(path)}</p>",
                  "<h3>Best trial per machine</h3>", _frame_table(best, f"best-{i}"), "<h3>Every trial</h3>",
-                 _frame_table(trials, f"trials-{i}"), downloads(_copy(out, path, f"studies/{i}-trials.parquet"))]
+                 _frame_table(trials, f"trials-{i}"), downloads(write_table(out, trials, f"studies/{i}-trials"))]
     if best_rows:
         frame = pd.DataFrame(best_rows).sort_values(["batch_size", "prompt_len"], kind="stable", na_position="last")
-        body = ["<h2>Best settings per batch size</h2>", _frame_table(frame, "best-per-batch")] + body
+        body = ["<h2>Best settings per batch size</h2>", _frame_table(frame, "best-per-batch"),
+                downloads(write_table(out, frame, "studies/best-per-batch"))] + body
     return page("Tune studies", "\n".join(body) or "<p>No tune study among these results.</p>", built=__version__)
 
 
@@ -132,7 +150,8 @@ def engines_page(out: Path, found: Found) -> str:
         body += [f"<h2>{esc(path)}</h2>",
                  _frame_table(frame, f"carry-{i}") if len(frame) else "<p>A bench file without carry-over rows.</p>",
                  chart(charts.carry_bars(carried), f"chart-carry-{i}"),
-                 downloads(_copy(out, path, f"engines/{i}-bench.parquet"))]
+                 downloads((write_table(out, frame, f"engines/{i}-carry") if len(frame) else [])
+                           + _copy(out, path, f"engines/{i}-bench.parquet"))]
     return page("Engines", "\n".join(body) or "<p>No bench file among these results (`sdbench bench --out`).</p>",
                 built=__version__)
 
@@ -145,7 +164,8 @@ def reproductions_page(out: Path, found: Found) -> str:
         claims = pd.read_parquet(folder / "claims.parquet")
         link = f'<p><a href="reproductions/{esc(target.name)}/report.html">the full report</a></p>' \
             if (folder / "report.html").is_file() else ""
-        body += [f"<h2>{esc(folder.name)}</h2>", link, _frame_table(claims, f"claims-{i}")]
+        body += [f"<h2>{esc(folder.name)}</h2>", link, _frame_table(claims, f"claims-{i}"),
+                 downloads(write_table(out, claims, f"reproductions/{i}-claims"))]
     return page("Reproductions", "\n".join(body) or "<p>No reproduction among these results.</p>", built=__version__)
 
 
@@ -168,7 +188,8 @@ def comparisons_page(out: Path, found: Found) -> str:
                  _frame_table(configs, f"configs-{i}") if len(configs) else "<p>–</p>",
                  "<h3>Per prompt (regressions first)</h3>", _frame_table(deltas.drop(
                      columns=["baseline_paths", "current_paths"], errors="ignore"), f"deltas-{i}"),
-                 downloads(_copy(out, path, f"comparisons/{i}-compare.parquet"))]
+                 downloads(write_table(out, deltas, f"comparisons/{i}-compare")
+                           + (write_table(out, configs, f"comparisons/{i}-configurations") if len(configs) else []))]
         if len(lossy):
             body += ["<h3>Rows whose output differed from plain decoding</h3>", _frame_table(lossy, f"lossy-{i}")]
     return page("Comparisons", "\n".join(body) or "<p>No comparison among these results (`sdbench compare --out`)."
@@ -178,10 +199,10 @@ def comparisons_page(out: Path, found: Found) -> str:
 def _copy(out: Path, path: Path, name: str) -> list[tuple[str, str]]:
     (out / "data" / name).parent.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(path, out / "data" / name)
-    return [(f"data/{name}", "Parquet")]
+    return [(f"data/{name}", "the bench file (Parquet)")]
 
 
 def other_pages(out: Path, found: Found, board: pd.DataFrame) -> dict[str, str]:
-    return {"runs.html": runs_page(found, board), "sweeps.html": sweeps_page(found),
+    return {"runs.html": runs_page(found, board), "sweeps.html": sweeps_page(out, found),
             "studies.html": studies_page(out, found), "engines.html": engines_page(out, found),
             "reproductions.html": reproductions_page(out, found), "comparisons.html": comparisons_page(out, found)}
