@@ -142,3 +142,18 @@ def test_the_tables_bundle_loads_as_a_plain_script():
     script = as_plain_script(module)
     assert script.startswith("var a=1;function b(){return 'export{x}'}")
     assert "window.sdbenchTables = {DataTable: a, default: b};" in script and script.endswith("/*! licence */\n")
+
+
+def test_report_of_several_machines_names_each_rows_hardware(tmp_path, capsys):
+    """Folders of two machines read together: every summary row says which machine it ran on."""
+    write_run(tmp_path / "cpu", "run-cpu", run_rows("ngram", "cpu:machine-a", 1.5))
+    write_run(tmp_path / "gpu", "run-gpu", run_rows("ngram", "cuda:machine-b", 2.0))
+    code, out, err = run_cli(capsys, "report", str(tmp_path / "cpu"), str(tmp_path / "gpu"))
+    assert code == 0, err
+    header = next(line for line in out.splitlines() if "hardware" in line and "strategy" in line)
+    assert header.index("run") < header.index("hardware") < header.index("strategy")
+    for run_id, machine in (("run-cpu", "cpu:machine-a"), ("run-gpu", "cuda:machine-b")):
+        rows = [line for line in out.splitlines() if run_id in line and "x ±" in line]  # the summary's rows
+        assert rows and all(machine in line for line in rows), out
+    code, out, err = run_cli(capsys, "report", str(tmp_path / "cpu"))
+    assert code == 0 and not any("hardware" in line and "strategy" in line for line in out.splitlines())

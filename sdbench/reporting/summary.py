@@ -59,6 +59,8 @@ def summarize(df: pd.DataFrame, by: tuple[str, ...] | list[str] = ("category",))
     summary["decode_speedup"] = _speedups(summary, by, "decode_tokens_per_s")
     summary = summary.join(_intervals(data, summary, by))
     summary.attrs["by"] = tuple(by)
+    if "hardware" in data:  # run -> the machine it ran on: tables of several machines' runs name each
+        summary.attrs["hardware"] = data.groupby("run_id", sort=False)["hardware"].first().astype(str).to_dict()
     return summary
 
 

@@ -29,9 +29,13 @@ def summary_table(summary: pd.DataFrame, title: str | None = None) -> Table:
     """The summary as a table; per-group rows first, the overall rows last and bold."""
     by = list(summary.attrs.get("by", ("category",)))
     many_runs = summary["run_id"].nunique() > 1
+    hardware = summary.attrs.get("hardware", {})
+    machines = len(set(hardware.values())) > 1  # rows of several machines: each row names its own
     table = Table(title=title, caption=INTERVAL_CAPTION)
     if many_runs:
         table.add_column("run", no_wrap=True)
+    if machines:
+        table.add_column("hardware", no_wrap=True)
     table.add_column("strategy", no_wrap=True)
     table.add_column(" / ".join(by) if by != ["category"] else "category", no_wrap=True)
     # short headers keep the table readable in an 80-column terminal
@@ -51,7 +55,7 @@ def summary_table(summary: pd.DataFrame, title: str | None = None) -> Table:
         cells = [row["strategy"], " / ".join(str(row[b]) for b in by), str(row["n_prompts"]),
                  fmt(row["tokens_per_s"], "{:.1f}"), *values, fmt(row["draft_share"], "{:.1%}"),
                  _mark(row["lossless"]) + (f" ({row['ties']} tie)" if row.get("ties") else "")]
-        cells = ([row["run_id"]] if many_runs else []) + cells
+        cells = ([row["run_id"]] if many_runs else []) + ([hardware.get(row["run_id"], "?")] if machines else []) + cells
         table.add_row(*(Text(str(c)) for c in cells), style="bold" if overall else None)
     return table
 
