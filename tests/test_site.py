@@ -3,6 +3,7 @@ through the real command line, every kind of results file on its page, and bad i
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import asdict
 
@@ -12,7 +13,9 @@ import pytest
 from sdbench import config as C
 from sdbench.reporting.site.assets import as_plain_script
 from sdbench.reporting.site.command import run_arguments
+from sdbench.reporting.results import read_results
 from tests.conftest import run_cli
+from tests.references import tiny_model_dir
 from tests.site_data import expected, other_kinds, run_rows, table_rows, write_run
 
 
@@ -157,3 +160,26 @@ def test_report_of_several_machines_names_each_rows_hardware(tmp_path, capsys):
         assert rows and all(machine in line for line in rows), out
     code, out, err = run_cli(capsys, "report", str(tmp_path / "cpu"))
     assert code == 0 and not any("hardware" in line and "strategy" in line for line in out.splitlines())
+
+
+def test_a_run_served_under_load_has_its_serving_table(tmp_path, capsys, monkeypatch):
+    """A real `run --concurrency` on a tiny model: its page shows output tokens/s over the baseline's on the same
+    arrivals, which is the rows' new tokens over each role's serving time, by hand; the leaderboard leaves it out."""
+    monkeypatch.setenv("SDBENCH_CACHE", str(tmp_path / "cache"))
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"question_id": i, "category": "c", "turns": [f"w{i} w3 w{i} w3 w{i} w3"]})
+                            + "\n" for i in range(4)))
+    code, _, err = run_cli(capsys, "run", "--target", str(tiny_model_dir(tmp_path / "tiny")), "--strategy", "ngram",
+                           "--dataset", str(data), "--limit", "4", "--max-new-tokens", "8", "--device", "cpu",
+                           "--no-probe", "--concurrency", "2", "--out", str(tmp_path / "r"))
+    assert code == 0, err
+    code, _, err = run_cli(capsys, "site", str(tmp_path / "r"), "--out", str(tmp_path / "s"))
+    assert code == 0, err
+    (page,) = (tmp_path / "s" / "runs").glob("*.html")
+    served = table_rows(page.read_text(), "served")
+    rows = read_results([tmp_path / "r"])
+    rate = {role: g["new_tokens"].sum() / g["duration_s"].iloc[0] for role, g in rows.groupby("role")}
+    (strategy,) = [r for r in served if r["strategy"] != "baseline"]
+    assert float(strategy["vs_baseline"]) == pytest.approx(rate["strategy"] / rate["baseline"], rel=5e-3)  # 3 digits shown
+    assert strategy["concurrency"] == "2" and strategy["completed"] == "4"
+    assert not table_rows((tmp_path / "s" / "index.html").read_text(), "leaderboard")

@@ -1,4 +1,5 @@
-"""The leaderboard: one row per run, strategy configuration and group (data set and category, or turn), with the
+"""The leaderboard: one row per run (of batches; requests served under load are on their run's page), strategy
+configuration and group (data set and category, or turn), with the
 figures `sdbench report` shows, from the same aggregates (reporting/summary.py) and the same intervals
 (reporting/stats.py). A speedup is always against the baseline of its own run, so rows of different machines are
 never pooled: every row names the hardware it was measured on.
@@ -12,6 +13,7 @@ import numpy as np
 import pandas as pd
 
 from sdbench.reporting.labels import labelled
+from sdbench.reporting.load import load_rows
 from sdbench.reporting.summary import ALL, per_position_rates, summarize
 
 # the run's settings every row of it shares, taken from its strategy rows (the baseline's draft is "")
@@ -30,6 +32,7 @@ def leaderboard(summary: pd.DataFrame) -> pd.DataFrame:
 
 def summaries(rows: pd.DataFrame, partial: dict[str, str] | None = None) -> pd.DataFrame:
     """Every run's summary rows, its baselines' included; `partial`: run_id -> why that run stopped early."""
+    rows = rows[~load_rows(rows)] if not rows.empty else rows  # requests served under load: their run's page
     if rows.empty:
         return pd.DataFrame(columns=list(COLUMNS))
     parts = [part for _, run in rows.groupby("run_id", sort=False) for part in _run_summary(run)]

@@ -104,8 +104,10 @@ def run_page(out: Path, run: Run, summary: pd.DataFrame) -> str:
     body = [notice([f"this run stopped before its end: {run.partial}"] if run.partial else []),
             kinds.run_facts(run), downloads(files + links)]
     columns = board_columns(depth=1)
-    body.append(filters(board, columns, "run-table", {"category": "ALL", "turn": "ALL"}))
-    body.append(table(shown(board), columns, "run-table"))
+    if len(board):
+        body.append(filters(board, columns, "run-table", {"category": "ALL", "turn": "ALL"}))
+        body.append(table(shown(board), columns, "run-table"))
+    body.append(kinds.served_table(out, run))
     for name, figure in (("speedup", charts.speedup_bars(board)), ("acceptance", charts.acceptance_lines(board)),
                          ("parts", charts.round_parts(summary)), ("gamma", charts.gamma_lines(board))):
         body.append(chart(figure, f"chart-{name}"))

@@ -14,6 +14,8 @@ import pandas as pd
 from sdbench import __version__
 from sdbench.paths import output_dir
 from sdbench.reporting.carry import from_frame
+from sdbench.reporting.labels import labelled
+from sdbench.reporting.load import load_rows, summarize_load
 from sdbench.reporting.site import charts
 from sdbench.reporting.site.command import run_command
 from sdbench.reporting.site.html import Column, chart, downloads, esc, facts, notice, page, table
@@ -50,6 +52,23 @@ def run_files(out: Path, run: Run) -> list[tuple[str, str]]:
         (folder / f"{run.run_id}.config.json").write_text(json.dumps(run.config, indent=2))
         links.append((f"../data/runs/{run.run_id}.config.json", "configuration (JSON)"))
     return links
+
+
+LOAD_COLUMNS = ("request_rate", "concurrency", "strategy", "completed", "request_throughput", "output_throughput",
+                "vs_baseline", "request_goodput", "p50_ttft_ms", "p99_ttft_ms", "p50_tpot_ms", "p99_tpot_ms", "lossless")
+
+
+def served_table(out: Path, run: Run) -> str:
+    """A run's requests served under load: throughput against the baseline's on the same arrivals, and latencies
+    (reporting/load.py, as `report` prints them); nothing for a run of batches."""
+    served = run.rows[load_rows(run.rows)]
+    if served.empty:
+        return ""
+    summary = summarize_load(labelled(served))
+    frame = summary[[c for c in LOAD_COLUMNS if c in summary]]
+    return ("<h2>Served under load</h2><p>vs_baseline: output tokens/s over the baseline's on the same arrivals; "
+            "latencies in ms.</p>" + _frame_table(frame, "served")
+            + downloads([(f"../{h}", t) for h, t in write_table(out, frame, f"runs/{run.run_id}-served")]))
 
 
 def run_facts(run: Run) -> str:
