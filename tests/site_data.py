@@ -18,8 +18,9 @@ CATEGORIES = {"p1": "writing", "p2": "writing", "p3": "math"}
 
 def run_rows(strategy: str, hardware: str, scale: float, gamma: int = 4, dataset: str = "mt-bench",
              extra: dict | None = None) -> list[dict]:
-    """Baseline and `strategy` rows for three prompts and two repeats; each prompt its own batch, as the baseline's. The strategy's
-    wall times are the baseline's over `scale` give or take a per-prompt wobble, so its speedup is near `scale`."""
+    """Baseline and `strategy` rows for three prompts and two repeats; each prompt its own batch, the same as the
+    baseline's. The strategy's wall times are the baseline's over `scale` give or take a per-prompt wobble, so its
+    speedup is near `scale`."""
     out, batch = [], 0
     for repeat in range(2):
         for i, (prompt, category) in enumerate(CATEGORIES.items()):
@@ -84,7 +85,8 @@ def other_kinds(folder: Path) -> None:
     trials.to_parquet(folder / "tune" / "s1" / "trials" / "trials.parquet", index=False)
     write_run(folder / "tune" / "s1", "trial-1", run_rows("ngram", "cpu:machine-a", 1.5, extra={"batch_size": 2}))
     bench = pd.DataFrame({"system": ["sdbench ngram", "llama.cpp ngram"], "engine": ["sdbench", "llama.cpp"],
-                          "decode_speedup": [1.4, 1.2], "carried_speedup": [1.5, 1.3], "own_predicted_speedup": [1.45, 1.25]})
+                          "decode_speedup": [1.4, 1.2], "carried_speedup": [1.5, 1.3],
+                          "own_predicted_speedup": [1.45, 1.25]})
     bench.to_parquet(folder / "bench.parquet", index=False)
     repro = folder / "repro-magicdec"
     repro.mkdir()

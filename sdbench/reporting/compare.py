@@ -292,8 +292,8 @@ def run_compare(baseline_paths, current_paths, max_regression_pct: float, consol
         raise SdbenchError(f"nothing to compare: no rows match on {', '.join(KEY)}")
     console.print(comparison_table(result, limit))
     if out is not None:
-        console.print(f"wrote {', '.join(str(p) for p in write_comparison(result, out, baseline_paths, current_paths))}",
-                      highlight=False)
+        written = write_comparison(result, out, baseline_paths, current_paths)
+        console.print(f"wrote {', '.join(str(p) for p in written)}", highlight=False)
     unmatched = [f"{n} only in the {side}" for n, side in ((result.only_baseline, "baseline"),
                                                            (result.only_current, "current run")) if n]
     for line in result.notes + ([f"unmatched keys: {', '.join(unmatched)}"] if unmatched else []):

@@ -17,12 +17,14 @@ from sdbench.reporting.load import load_rows
 from sdbench.reporting.summary import ALL, per_position_rates, summarize
 
 # the run's settings every row of it shares, taken from its strategy rows (the baseline's draft is "")
-RUN_FIELDS = ("dataset", "target", "draft", "batch_size", "prompt_len", "dtype", "device", "hardware", "timestamp", "engine")
-FIGURES = ("steps", "draft_s", "verify_s", "accept_s", "observe_s", "loop_s", "speedup", "speedup_low", "speedup_high", "decode_speedup", "tokens_per_s", "mean_accepted_len",
-           "acceptance_rate", "predicted_speedup", "draft_share", "lossless", "n_prompts", "n_rows",
-           "weights_say_nothing")
+RUN_FIELDS = ("dataset", "target", "draft", "batch_size", "prompt_len", "dtype", "device", "hardware", "timestamp",
+              "engine")
+FIGURES = ("steps", "draft_s", "verify_s", "accept_s", "observe_s", "loop_s", "speedup", "speedup_low", "speedup_high",
+           "decode_speedup", "tokens_per_s", "mean_accepted_len", "acceptance_rate", "predicted_speedup", "draft_share",
+           "lossless", "n_prompts", "n_rows", "weights_say_nothing")
 COLUMNS = ("run_id", "role", "strategy", "settings", "target", "draft", "dataset", "category", "turn", "batch_size",
-           "prompt_len", "gamma", *FIGURES, "acceptance_by_position", "dtype", "device", "hardware", "engine", "timestamp", "partial")
+           "prompt_len", "gamma", *FIGURES, "acceptance_by_position", "dtype", "device", "hardware", "engine",
+           "timestamp", "partial")
 
 
 def leaderboard(summary: pd.DataFrame) -> pd.DataFrame:

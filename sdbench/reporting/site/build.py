@@ -48,14 +48,14 @@ def board_columns(depth: int = 0) -> list[Column]:
     """The leaderboard's columns (also a run page's table); links climb `depth` folders to the site's root."""
     up = "../" * depth
     return [
-        Column("strategy", "strategy"), Column("settings", "settings", clip=True), Column("target", "target"), Column("draft", "draft"),
-        Column("data set", "dataset"), Column("category", "category"), Column("turn", "turn"),
-        Column("batch", "batch_size", numeric=True), Column("context", "prompt_len", numeric=True),
-        Column("γ", "gamma", lambda v: f"{float(v):g}", numeric=True), Column("prompts", "n_prompts", numeric=True),
-        Column("speedup", "speedup", _x, numeric=True), Column("95 % interval", "interval"),
-        Column("accepted length", "mean_accepted_len", _f2, numeric=True),
-        Column("acceptance", "acceptance_rate", _f2, numeric=True), Column("lossless", "lossless", _lossless), Column("tokens/s", "tokens_per_s", lambda v: f"{float(v):.1f}",
-                                                          numeric=True),
+        Column("strategy", "strategy"), Column("settings", "settings", clip=True), Column("target", "target"),
+        Column("draft", "draft"), Column("data set", "dataset"), Column("category", "category"),
+        Column("turn", "turn"), Column("batch", "batch_size", numeric=True),
+        Column("context", "prompt_len", numeric=True), Column("γ", "gamma", lambda v: f"{float(v):g}", numeric=True),
+        Column("prompts", "n_prompts", numeric=True), Column("speedup", "speedup", _x, numeric=True),
+        Column("95 % interval", "interval"), Column("accepted length", "mean_accepted_len", _f2, numeric=True),
+        Column("acceptance", "acceptance_rate", _f2, numeric=True), Column("lossless", "lossless", _lossless),
+        Column("tokens/s", "tokens_per_s", lambda v: f"{float(v):.1f}", numeric=True),
         Column("predicted", "predicted_speedup", _x, numeric=True), Column("hardware", "hardware"),
         Column("device", "device"), Column("dtype", "dtype"),
         Column("run", "run_id", link=lambda r: f"{up}runs/{r['run_id']}.html"), Column("note", "note"),
@@ -123,13 +123,15 @@ def build_site(paths: list[str], out: str | Path, console: Console) -> Built:
     for stale in ("runs", "data", "reproductions"):  # a rebuild shows only what is there now
         shutil.rmtree(folder / stale, ignore_errors=True)
     write_assets(folder)
-    summary = summaries(found.rows(), {r.run_id: r.partial for r in found.runs.values() if r.partial})
+    rows = found.rows()
+    summary = summaries(rows, {r.run_id: r.partial for r in found.runs.values() if r.partial})
     board = leaderboard(summary)
     pages = {"index.html": index_page(folder, found, board, paths)}
-    for run_id, run in found.runs.items():
-        console.print(f"site: run {run_id}", highlight=False) if console.is_terminal else None
+    for i, (run_id, run) in enumerate(found.runs.items()):
+        if console.is_terminal:  # progress where someone watches; logs get the summary line alone
+            console.print(f"site: run {i + 1}/{len(found.runs)}: {run_id}", highlight=False)
         pages[f"runs/{run_id}.html"] = run_page(folder, run, summary[summary["run_id"] == run_id])
-    pages.update(kinds.other_pages(folder, found, board))
+    pages.update(kinds.other_pages(folder, found, board, rows))
     for name, text in pages.items():
         output_dir((folder / name).parent).joinpath(Path(name).name).write_text(text, encoding="utf-8")
     for line in kinds.problem_lines(found):

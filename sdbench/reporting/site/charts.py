@@ -89,7 +89,8 @@ def gamma_lines(board: pd.DataFrame, title: str = "Speedup against γ") -> dict 
     base = rows["strategy"].str.replace(r"\s*gamma=\S+", "", regex=True)
     draft = rows["draft"].fillna("").map(lambda d: f" ({d})" if d else "")
     settings = rows["settings"].fillna("").map(lambda t: f" [{t}]" if t else "")
-    keys = (base + settings + " · " + rows["target"].fillna("") + draft + " · " + rows["dataset"].astype(str) + " · batch "
+    keys = (base + settings + " · " + rows["target"].fillna("") + draft + " · " + rows["dataset"].astype(str)
+            + " · batch "
             + rows["batch_size"].astype(str) + " · " + rows["hardware"].fillna(""))
     traces = []
     for key, group in rows.groupby(keys, sort=False):

@@ -13,8 +13,8 @@ from typing import Callable
 
 import pandas as pd
 
-NAV = (("index.html", "Leaderboard"), ("runs.html", "Runs"), ("sweeps.html", "Sweeps"), ("studies.html", "Tune studies"),
-       ("engines.html", "Engines"), ("reproductions.html", "Reproductions"), ("comparisons.html", "Comparisons"))
+NAV = (("index.html", "Leaderboard"), ("runs.html", "Runs"), ("sweeps.html", "Sweeps"),
+       ("studies.html", "Tune studies"), ("engines.html", "Engines"), ("reproductions.html", "Reproductions"), ("comparisons.html", "Comparisons"))
 
 
 def esc(text) -> str:
@@ -34,10 +34,7 @@ class Column:
 
 
 def missing(value) -> bool:
-    try:
-        return value is None or value is pd.NA or (isinstance(value, float) and math.isnan(value))
-    except TypeError:
-        return False
+    return value is None or value is pd.NA or (isinstance(value, float) and math.isnan(value))
 
 
 def _cell(column: Column, row) -> str:

@@ -1,6 +1,7 @@
 """The site's pages beside the leaderboard: the list of runs (and each run's facts and files), sweeps with their
 frontier, tune studies with their trials and best settings, bench files with their carry-over against each engine,
-reproductions with their claims, and comparisons (`compare --out`) with what regressed; plus the lines that name each file the site could not use.
+reproductions with their claims, and comparisons (`compare --out`) with what regressed; plus the lines that name
+each file the site could not use.
 """
 
 from __future__ import annotations
@@ -55,7 +56,8 @@ def run_files(out: Path, run: Run) -> list[tuple[str, str]]:
 
 
 LOAD_COLUMNS = ("request_rate", "concurrency", "strategy", "completed", "request_throughput", "output_throughput",
-                "vs_baseline", "request_goodput", "p50_ttft_ms", "p99_ttft_ms", "p50_tpot_ms", "p99_tpot_ms", "lossless")
+                "vs_baseline", "request_goodput", "p50_ttft_ms", "p99_ttft_ms", "p50_tpot_ms", "p99_tpot_ms",
+                "lossless")
 
 
 def served_table(out: Path, run: Run) -> str:
@@ -109,8 +111,7 @@ def runs_page(found: Found, board: pd.DataFrame) -> str:
     return page("Runs", body, built=__version__)
 
 
-def sweeps_page(out: Path, found: Found) -> str:
-    rows = found.rows()
+def sweeps_page(out: Path, rows: pd.DataFrame) -> str:
     points = best_points(rows) if not rows.empty and "sweep" in rows else pd.DataFrame()
     if points.empty:
         return page("Sweeps", "<p>No sweep among these results (`sdbench sweep` writes them).</p>", built=__version__)
@@ -119,7 +120,8 @@ def sweeps_page(out: Path, found: Found) -> str:
             downloads(write_table(out, points, "sweeps/points")),
             "<h2>Where speculative decoding stops paying</h2>", _frame_table(front, "frontier"),
             downloads(write_table(out, front, "sweeps/frontier"))]
-    body += [chart(charts.frontier_map(points, s), f"chart-frontier-{i}") for i, s in enumerate(points["sweep"].unique())]
+    body += [chart(charts.frontier_map(points, s), f"chart-frontier-{i}")
+             for i, s in enumerate(points["sweep"].unique())]
     return page("Sweeps", "\n".join(body), built=__version__)
 
 
@@ -200,7 +202,8 @@ def comparisons_page(out: Path, found: Found) -> str:
                 f"{len(lossy)} rows broke losslessness"]
         if len(configs):
             said.append(f"{int((configs['verdict'] == 'regression').sum())} configurations' intervals say regression")
-        failed = bool(deltas["regressed"].any()) or len(lossy) or (len(configs) and (configs["verdict"] == "regression").any())
+        failed = (bool(deltas["regressed"].any()) or len(lossy) > 0
+                  or (len(configs) > 0 and bool((configs["verdict"] == "regression").any())))
         body += [f"<h2>{esc(path.parent.name)}</h2>",
                  facts([("baseline", sides.get("baseline_paths")), ("current", sides.get("current_paths"))]),
                  notice(said, "error" if failed else "info"), "<h3>Per configuration</h3>",
@@ -221,7 +224,8 @@ def _copy(out: Path, path: Path, name: str) -> list[tuple[str, str]]:
     return [(f"data/{name}", "the bench file (Parquet)")]
 
 
-def other_pages(out: Path, found: Found, board: pd.DataFrame) -> dict[str, str]:
-    return {"runs.html": runs_page(found, board), "sweeps.html": sweeps_page(out, found),
+def other_pages(out: Path, found: Found, board: pd.DataFrame, rows: pd.DataFrame) -> dict[str, str]:
+    """rows: every run's rows (Found.rows())."""
+    return {"runs.html": runs_page(found, board), "sweeps.html": sweeps_page(out, rows),
             "studies.html": studies_page(out, found), "engines.html": engines_page(out, found),
             "reproductions.html": reproductions_page(out, found), "comparisons.html": comparisons_page(out, found)}
