@@ -143,7 +143,7 @@ class Sweep:
             except (KeyboardInterrupt, Interrupted):
                 raise self._interrupted(done) from None
             return self.folder
-        pair, runners = self._load() if todo else (None, {})
+        pair, runners = self.load() if todo else (None, {})
         self._save()  # only now: a sweep whose models never loaded leaves nothing behind
         started = time.perf_counter()
         try:
@@ -154,25 +154,25 @@ class Sweep:
                     continue
                 self.console.print(f"point {i + 1}/{len(self.points)}: {point.label} "
                                    f"({time.perf_counter() - started:.0f} s so far)", style="bold", highlight=False)
-                self._measure(point, pair, runners)
+                self.measure(point, pair, runners)
                 done.append(point.name)
-                self._mark(done)
+                self.mark(done)
         except (KeyboardInterrupt, Interrupted):
             raise self._interrupted(done) from None
         return self.folder
 
-    def _measure(self, point: Point, pair, runners: dict) -> Path:
+    def measure(self, point: Point, pair, runners: dict) -> Path:
         run_id = f"{self.sweep_id}-{point.name}"
         resume = None
         if RunWriter(self.folder, run_id).exists():
             if point.axis == "batch":
                 resume = run_id  # its finished batches stay; the rest is decoded
             else:
-                self._forget(run_id)  # a load point serves every request again: arrivals are not resumable
+                self.forget(run_id)  # a load point serves every request again: arrivals are not resumable
         cfgs = [replace(self.planned[point, s].cfg, resume=resume, out=str(self.folder)) for s in self.cfg.strategies]
         return PointHarness(cfgs, self.console, pair, runners, self.sweep_id, run_id).run()
 
-    def _load(self, points: list[Point] | None = None):
+    def load(self, points: list[Point] | None = None):
         """The pair for every point (or those given): the drafts every strategy needs, probed over the longest
         point's context (which is checked to fit before anything is measured)."""
         benches = [b for (p, _), b in self.planned.items() if points is None or p in points]
@@ -192,10 +192,10 @@ class Sweep:
         path = self.folder / DONE
         return list(json.loads(path.read_text())) if path.is_file() else []
 
-    def _mark(self, done: list[str]) -> None:
+    def mark(self, done: list[str]) -> None:
         _write_json(self.folder / DONE, done)
 
-    def _forget(self, run_id: str) -> None:
+    def forget(self, run_id: str) -> None:
         for path in (self.folder / f"{run_id}.parquet", self.folder / f"{run_id}.config.json"):
             path.unlink(missing_ok=True)
         shutil.rmtree(self.folder / f"{run_id}.parts", ignore_errors=True)

@@ -86,8 +86,8 @@ def measure_point(raw: dict, sweep_id: str, name: str, threads: int) -> dict:
     with tempfile.TemporaryDirectory(prefix="sdbench-point-") as out:
         sweep = Sweep(sweep_config(raw, out), Console(quiet=True), sweep_id=sweep_id)
         point = next(p for p in sweep.points if p.name == name)
-        pair, runners = sweep._load([point])
-        sweep._measure(point, pair, runners)
+        pair, runners = sweep.load([point])
+        sweep.measure(point, pair, runners)
         run_id = f"{sweep_id}-{name}"
         files = {p.name: p.read_bytes() for p in sweep.folder.iterdir()
                  if p.is_file() and p.name in (f"{run_id}.parquet", f"{run_id}.config.json")}
@@ -120,7 +120,7 @@ class RayPoints:
                 result = self._result(ready, point)
                 self._write(point, result["files"])
                 done.append(point.name)
-                sweep._mark(done)
+                sweep.mark(done)
                 sweep.console.print(f"point {len(done)}/{total}: {point.label}: done on {result['host']} (node "
                                     f"{result['node'][:12]}) in "
                                     f"{result['seconds']:.0f} s ({time.perf_counter() - started:.0f} s so far)",
@@ -149,7 +149,7 @@ class RayPoints:
         run_id = f"{self.sweep.sweep_id}-{point.name}"
         if f"{run_id}.parquet" not in files:
             raise SdbenchError(f"sweep point {point.label}: its task returned no results file")
-        self.sweep._forget(run_id)  # what an interrupted local attempt left of this point
+        self.sweep.forget(run_id)  # what an interrupted local attempt left of this point
         for name, data in files.items():
             tmp = self.sweep.folder / f".{name}.tmp"
             tmp.write_bytes(data)
