@@ -116,6 +116,22 @@ def ray_cluster():
     ray.shutdown()
 
 
+@pytest.fixture
+def cluster():
+    """A real Ray cluster of two nodes on this machine (ray.cluster_utils.Cluster: a head and a second node, each a
+    raylet of its own with 2 CPUs), for `--ray ADDRESS`; (cluster, second node). Fresh per test: a test may kill
+    the second node."""
+    try:
+        from ray.cluster_utils import Cluster
+    except ImportError:
+        skip_unless_ci("needs the `ray` extra")
+    made = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": False})
+    second = made.add_node(num_cpus=2)
+    made.wait_for_nodes()
+    yield made, second
+    made.shutdown()
+
+
 @pytest.fixture(scope="session")
 def prompts():
     g = torch.Generator().manual_seed(7)

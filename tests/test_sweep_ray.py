@@ -39,19 +39,6 @@ def _args(tiny, out) -> list[str]:
             "--no-probe", "--out", str(out), *GRID, "-s", "ngram", "-s", "draft", "--draft", str(tiny)]
 
 
-@pytest.fixture
-def cluster():
-    try:
-        from ray.cluster_utils import Cluster
-    except ImportError:
-        skip_unless_ci("needs the `ray` extra")
-    made = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": False})
-    second = made.add_node(num_cpus=2)
-    made.wait_for_nodes()
-    yield made, second
-    made.shutdown()
-
-
 def _points(folder) -> dict[str, pd.DataFrame]:
     return {name: read_results([folder / f"{folder.name}-{name}.parquet"]) for name in POINTS}
 

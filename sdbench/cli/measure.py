@@ -162,7 +162,8 @@ def tune(
 
 
 def bench(
-    target: Target = C.DEFAULT_TARGET, draft: Draft = None, dataset: Dataset = C.DEFAULT_DATASET,
+    target: Annotated[Optional[list[str]], typer.Option("--target", "-t", help="target model: alias, Hugging Face id, folder or .gguf; repeatable: the same bench for each, --draft once per target in order [default: smollm2-135m]")] = None,
+    draft: Draft = None, dataset: Dataset = C.DEFAULT_DATASET,
     limit: Limit = C.DEFAULT_LIMIT, max_new_tokens: MaxNew = 96, gamma: Annotated[int, typer.Option("--gamma", "-g")] = 4,
     device: Device = "auto", dtype: Dtype = "float32", seed: Seed = 0, repeats: Repeats = 2,
     out: Annotated[Optional[str], typer.Option(help="also write DIR/bench.parquet: one row per system and repeat")] = None,
@@ -176,14 +177,22 @@ def bench(
                                                       "measured as it runs; else sdbench starts its own")] = None,
     engine_port: Annotated[Optional[int], typer.Option(help="the first port of the servers sdbench starts "
                                                        "[default: free ones]")] = None,
+    ray: Annotated[Optional[str], typer.Option("--ray", help="each target's bench as a task on a Ray cluster: auto (the cluster `ray start` began on this machine) or its ADDRESS; each alone on its node's CPUs, or on one GPU")] = None,
 ):
     """Speed against peers: transformers generate and assisted generation vs sdbench in one process, and with
-    --engine the same prompts through llama.cpp's or vLLM's own server."""
+    --engine the same prompts through llama.cpp's or vLLM's own server. Several --target: the same bench for each
+    (with --out DIR, each in DIR/NAME/), one after another or as Ray tasks on a cluster (--ray)."""
     from sdbench.commands.bench import run_peers
+    from sdbench.commands.bench_matrix import run_matrix, target_configs
 
-    run_peers(C.BenchConfig(target, (draft or [""])[0], dataset, limit, max_new_tokens, gamma, device, dtype, seed,
-                            repeats, out, generate, heads=tuple(head or ()), engine=engine, engine_url=engine_url,
-                            engine_port=engine_port), console)
+    base = C.BenchConfig(C.DEFAULT_TARGET, "", dataset, limit, max_new_tokens, gamma, device, dtype, seed, repeats, out,
+                         generate, heads=tuple(head or ()), engine=engine, engine_url=engine_url,
+                         engine_port=engine_port)
+    cfgs = target_configs(base, list(target or [C.DEFAULT_TARGET]), list(draft or []))
+    if len(cfgs) == 1 and ray is None:
+        run_peers(cfgs[0], console)
+    else:
+        run_matrix(cfgs, console, ray)
 
 
 def gpu_check(
