@@ -178,7 +178,7 @@ def test_the_cli_asks_for_the_quick_grid_and_scoped_settings(capsys, monkeypatch
     from sdbench.commands import sweep
 
     seen = {}
-    monkeypatch.setattr(sweep, "run_sweep", lambda cfg, console, ray: seen.setdefault("cfg", cfg))
+    monkeypatch.setattr(sweep, "run_sweep", lambda cfg, console, remote: seen.setdefault("cfg", cfg))
     code, _, err = run_cli(capsys, "sweep", "--quick", "-s", "ngram", "-s", "draft", "--draft", "d", "--set",
                            "ngram.max_ngram=2", "--set", "gamma_max=3", "--concurrency", "1,3")
     cfg = seen["cfg"]

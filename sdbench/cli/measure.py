@@ -91,7 +91,14 @@ def sweep(
         sampling=C.SamplingConfig(temperature, 1.0, seed), gammas=parse_counts(gamma), device=device, dtype=dtype,
         repeats=repeats, options=shared, out=out, fast=fast, probe=probe_mode(probe, no_probe),
     )
-    run_sweep(C.SweepConfig(run_cfg, strategies, axis, sizes, lengths, scoped, resume), console, ray)
+    remote = None
+    if ray is not None:  # each point a Ray task (the cluster reached, or refused in one line, before any writing)
+        from functools import partial
+
+        from sdbench.commands.sweep_ray import RayPoints
+
+        remote = partial(RayPoints, address=ray)
+    run_sweep(C.SweepConfig(run_cfg, strategies, axis, sizes, lengths, scoped, resume), console, remote)
 
 
 def compare_sets(strategy: str, compare: list[str], options: dict) -> tuple[dict, dict]:

@@ -129,14 +129,13 @@ class Sweep:
         self.planned = {(p, s): RunHarness(member_config(cfg, s, p), quiet)
                         for p in self.points for s in cfg.strategies}  # bad settings fail here, before loading
 
-    def run(self, ray: str | None = None) -> Path:
-        """Measures the points not done yet, here or (ray: a cluster's address, or auto) each as a Ray task."""
+    def run(self, remote=None) -> Path:
+        """Measures the points not done yet, here or through `remote(sweep)`, whose `run(todo, done)` measures them
+        elsewhere (commands/sweep_ray.py: each a Ray task)."""
         done = self._done()
         todo = [p for p in self.points if p.name not in done]
-        if ray is not None:
-            from sdbench.commands.sweep_ray import RayPoints
-
-            points = RayPoints(self, ray)  # the cluster is reached before anything is written
+        if remote is not None:
+            points = remote(self)  # a cluster is reached before anything is written
             self._save()
             try:
                 points.run(todo, done)
@@ -232,11 +231,11 @@ def sweep_config(raw: dict, out: str) -> SweepConfig:
     return SweepConfig(run=run, **raw)
 
 
-def run_sweep(cfg: SweepConfig, console: Console, ray: str | None = None) -> Path:
-    """Measure the grid (or what is left of it; ray: each point as a task on that Ray cluster), then print and
-    write the analysis; returns the sweep's folder."""
+def run_sweep(cfg: SweepConfig, console: Console, remote=None) -> Path:
+    """Measure the grid (or what is left of it; remote: see Sweep.run), then print and write the analysis; returns
+    the sweep's folder."""
     sweep = Sweep(cfg, console)
-    folder = sweep.run(ray)
+    folder = sweep.run(remote)
     df = read_results([folder])
     print_frontier(df, console)
     points = best_points(df)

@@ -16,6 +16,7 @@ import time
 from dataclasses import asdict, replace
 
 from sdbench.commands.cluster import connect, describe, run_tasks, task_resources, where
+from sdbench.commands.sweep import Sweep, sweep_config
 from sdbench.errors import SdbenchError
 
 
@@ -23,8 +24,6 @@ def measure_point(raw: dict, sweep_id: str, name: str, threads: int) -> dict:
     """A Ray task: one point of the sweep measured on this node; returns its files (name -> bytes) and where it ran."""
     import torch
     from rich.console import Console
-
-    from sdbench.commands.sweep import Sweep, sweep_config
 
     if threads:
         torch.set_num_threads(threads)
