@@ -1,7 +1,6 @@
 """The leaderboard: one row per run (of batches; requests served under load are on their run's page), strategy
-configuration and group (data set and category, or turn), with the
-figures `sdbench report` shows, from the same aggregates (reporting/summary.py) and the same intervals
-(reporting/stats.py). A speedup is always against the baseline of its own run, so rows of different machines are
+configuration and group (every category and turn, each category, each turn), with the figures `sdbench report`
+shows, from the same aggregates (reporting/summary.py) and the same intervals (reporting/stats.py). A speedup is always against the baseline of its own run, so rows of different machines are
 never pooled: every row names the hardware it was measured on.
 """
 
