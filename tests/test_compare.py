@@ -161,3 +161,40 @@ def test_a_regression_found_by_the_interval_fails_the_cli(tmp_path, capsys):
     code, out, err = run_cli(capsys, "compare", base, cur)
     assert code == 1 and "95 % interval" in err and "lies below -5%" in err
     assert "regression" in out
+
+
+def machine(hardware: str, scale: float, prompts=PROMPTS):
+    """rows() on one hardware class, every tokens/s times `scale` (speedup unchanged)."""
+    return [{**r, "hardware": hardware, "tokens_per_s": r["tokens_per_s"] * scale} for r in rows(prompts=prompts)]
+
+
+def test_a_fleet_is_compared_per_hardware_class(tmp_path, capsys):
+    """Pooled, an L4 20 % slower and an H100 20 % faster would pass (the medians over both machines move +10 %);
+    matched per class, the L4 fails on its own, named, and a class without a baseline is said, not compared."""
+    write(tmp_path / "fleet/h100/baseline", "b", machine("cuda:H100", 3.0))
+    write(tmp_path / "fleet/l4/baseline", "b", machine("cuda:L4", 1.0))
+    write(tmp_path / "fleet/h100/current", "c", machine("cuda:H100", 3.6))
+    write(tmp_path / "fleet/l4/current", "c", machine("cuda:L4", 0.8))
+    write(tmp_path / "fleet/a100/current", "c", machine("cuda:A100", 2.0))
+    base, cur = str(tmp_path / "fleet/*/baseline"), str(tmp_path / "fleet/*/current")
+    code, out, err = run_cli(capsys, "compare", base, cur, "--out", str(tmp_path / "compared"))
+    assert code == 1
+    assert err.startswith("error: tokens_per_s -20.0% on mt-bench/81 (autoregressive on cuda:L4)")
+    assert "and 5 more" in err  # the L4's three prompts, both decodings; its speedup held, the H100 got faster
+    assert "hardware cuda:A100: no baseline rows, not compared" in out
+    assert "cuda:H100" in out and "cuda:L4" in out  # the table's hardware column
+    import pandas as pd
+
+    deltas = pd.read_parquet(tmp_path / "compared/compare.parquet")
+    tps = deltas[deltas["metric"].eq("tokens_per_s")].set_index(["hardware", "strategy", "prompt_id"])["change"]
+    assert tps.loc[("cuda:L4", "draft", "mt-bench/82")] == pytest.approx(120 / 150 - 1)
+    assert tps.loc[("cuda:H100", "autoregressive", "mt-bench/83")] == pytest.approx(360 / 300 - 1)
+    assert set(deltas["hardware"]) == {"cuda:H100", "cuda:L4"}
+    pooled = compare_frames(read_results([tmp_path / "fleet/h100/baseline", tmp_path / "fleet/l4/baseline"])
+                            .assign(hardware="one"), read_results(cur).assign(hardware="one"))
+    assert not pooled.failed  # what matching across machines would have said
+
+
+def test_a_pattern_that_matches_nothing_is_one_line(tmp_path, capsys):
+    code, _, err = run_cli(capsys, "compare", str(tmp_path / "none/*/baseline"), str(tmp_path))
+    assert code == 2 and err.strip() == f"error: no results path matches {tmp_path}/none/*/baseline"

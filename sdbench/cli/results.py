@@ -17,7 +17,7 @@ def list_(what: Annotated[str, typer.Argument(help="strategies, datasets, models
 
 
 def report(
-    paths: Annotated[list[str], typer.Argument(help="Parquet files, .parts folders or result folders")],
+    paths: Annotated[list[str], typer.Argument(help="Parquet files, .parts folders, result folders, or quoted patterns of them ('fleet/*/current')")],
     plots: Annotated[Optional[str], typer.Option(help="also write PNG plots into this folder")] = None,
     html: Annotated[Optional[str], typer.Option(help="also write one self-contained HTML page: tables and plots")] = None,
     by: Annotated[Optional[list[str]], typer.Option("--by", help="split the summary by these columns (repeatable), e.g. --by turn [default: category]")] = None,
@@ -51,8 +51,10 @@ def report(
 
 
 def compare(
-    baseline: Annotated[str, typer.Argument(help="baseline results: Parquet file or folder")],
-    current: Annotated[str, typer.Argument(help="current results: Parquet file or folder")],
+    baseline: Annotated[str, typer.Argument(help="baseline results: Parquet file, folder, or a quoted pattern of "
+                                                 "folders ('fleet/*/baseline'; several machines: matched per hardware)")],
+    current: Annotated[str, typer.Argument(help="current results: Parquet file, folder, or a quoted pattern of "
+                                                "folders ('fleet/*/current')")],
     max_regression: Annotated[float, typer.Option(help="percent drop of a median that fails the gate")] = 5.0,
     across: Annotated[str, typer.Option(help="settings the two sides may differ in, e.g. max-new-tokens,dtype "
                                              "(max-new-tokens, temperature, top-p, seed, dtype, fast)")] = "",

@@ -2,10 +2,15 @@
 
 Both sides must have been run with the same SETTINGS (token budget, sampling, dtype, fast path): results made
 with different ones are refused (exit 2, one line naming each difference) unless --across names those settings.
-Rows are matched on KEY. Per matched key and metric, each side's repeats give a median m and a median absolute
+Rows are matched on KEY (a configuration: KEY without the prompt). Per matched key and metric, each side's repeats give a median m and a median absolute
 deviation (MAD). The change is m_current / m_baseline - 1, and its noise is (MAD_baseline + MAD_current) /
 m_baseline: how far the repeats of the two sides spread. A key regresses on a metric when its drop exceeds
 both --max-regression and the noise, so a drop no larger than the runs' own jitter never fails the gate.
+
+A fleet's results (either side holding rows of several hardware classes, the `hardware` column every row
+records) are matched within each class: every machine is gated against its own class's baseline, and a class
+found on one side only is said, not compared. One class on each side is compared across, with a note when they
+differ (a new machine against the old one).
 
 Per configuration and metric, the change of the mean over the matched prompts (current mean / baseline mean
 - 1) also gets a 95 % bootstrap interval over prompts, repeats resampled within each prompt (sdbench.reporting.stats).
@@ -31,7 +36,6 @@ from sdbench.reporting.results import read_results
 from sdbench.reporting.stats import Interval, bootstrap_ratio, spread
 
 KEY = ("strategy", "params", "target", "draft", "dataset", "prompt_id", "turn", "batch_size")
-CONFIG = tuple(k for k in KEY if k != "prompt_id")  # one configuration: its keys over every prompt
 METRICS = ("tokens_per_s", "speedup")
 # column -> the option that sets it, as typed on the command line (and as --across takes it)
 SETTINGS = {"max_new_tokens": "max-new-tokens", "temperature": "temperature", "top_p": "top-p", "seed": "seed",
@@ -52,6 +56,12 @@ class Comparison:
     only_current: int = 0
     notes: list[str] = field(default_factory=list)
     configurations: pd.DataFrame | None = None  # per configuration and metric: the change's interval, verdict
+    key: tuple = KEY  # what rows are matched on: KEY, and the hardware class for a fleet
+
+    @property
+    def config(self) -> list[str]:
+        """One configuration's columns: the key without the prompt."""
+        return [k for k in self.key if k != "prompt_id"]
 
     @property
     def regressions(self) -> pd.DataFrame:
@@ -62,9 +72,9 @@ class Comparison:
         """Configurations whose interval lies below the gate although no single prompt regressed."""
         configs = self.configurations
         if configs is None or configs.empty:
-            return pd.DataFrame(columns=list(CONFIG) + ["metric"])
-        flagged = set(map(tuple, self.regressions[list(CONFIG) + ["metric"]].astype(str).to_numpy()))
-        keys = configs[list(CONFIG) + ["metric"]].astype(str).to_numpy()
+            return pd.DataFrame(columns=self.config + ["metric"])
+        flagged = set(map(tuple, self.regressions[self.config + ["metric"]].astype(str).to_numpy()))
+        keys = configs[self.config + ["metric"]].astype(str).to_numpy()
         return configs[configs["verdict"].eq("regression").to_numpy() & np.array([tuple(k) not in flagged
                                                                                  for k in keys], dtype=bool)]
 
@@ -73,9 +83,17 @@ class Comparison:
         return bool(len(self.regressions) or len(self.lossy) or len(self.interval_regressions))
 
 
-def _keyed(df: pd.DataFrame) -> pd.DataFrame:
+def match_key(baseline: pd.DataFrame, current: pd.DataFrame) -> tuple:
+    """KEY, plus the hardware class when either side holds several classes' rows (a fleet)."""
+    if "hardware" in baseline and "hardware" in current and \
+            max(baseline["hardware"].nunique(), current["hardware"].nunique()) > 1:
+        return KEY + ("hardware",)
+    return KEY
+
+
+def _keyed(df: pd.DataFrame, key: tuple) -> pd.DataFrame:
     data = df.copy()
-    for column in KEY:
+    for column in key:
         if column not in data:
             data[column] = None
         if column == "turn":  # files from before turns hold first turns only
@@ -86,9 +104,10 @@ def _keyed(df: pd.DataFrame) -> pd.DataFrame:
 
 def compare_frames(baseline: pd.DataFrame, current: pd.DataFrame, max_regression: float = 0.05) -> Comparison:
     """Medians, MADs and relative changes per matched key; max_regression is a fraction (0.05 = 5 %)."""
-    base, cur = _keyed(baseline), _keyed(current)
-    base_groups = dict(list(base.groupby(list(KEY), sort=False)))
-    cur_groups = dict(list(cur.groupby(list(KEY), sort=False)))
+    key_columns = match_key(baseline, current)
+    base, cur = _keyed(baseline, key_columns), _keyed(current, key_columns)
+    base_groups = dict(list(base.groupby(list(key_columns), sort=False)))
+    cur_groups = dict(list(cur.groupby(list(key_columns), sort=False)))
     matched = [k for k in cur_groups if k in base_groups]
     records = []
     for key in matched:
@@ -101,42 +120,56 @@ def compare_frames(baseline: pd.DataFrame, current: pd.DataFrame, max_regression
                 continue
             change = c_med / b_med - 1.0
             noise = (b_mad + c_mad) / b_med
-            records.append({**dict(zip(KEY, key)), "metric": metric, "baseline": b_med, "current": c_med,
+            records.append({**dict(zip(key_columns, key)), "metric": metric, "baseline": b_med, "current": c_med,
                             "change": change, "noise": noise, "n_baseline": b_n, "n_current": c_n,
                             "regressed": -change > max_regression and -change > noise})
-    columns = list(KEY) + ["metric", "baseline", "current", "change", "noise", "n_baseline", "n_current", "regressed"]
+    columns = list(key_columns) + ["metric", "baseline", "current", "change", "noise", "n_baseline", "n_current",
+                                   "regressed"]
     deltas = pd.DataFrame(records, columns=columns)
     lossless = cur["lossless"] if "lossless" in cur else pd.Series(dtype="boolean")
     broke = lossless.astype("boolean").fillna(True).eq(False).astype(bool)
     if "divergence" in cur and len(broke):
         broke &= ~cur["divergence"].eq("tie").fillna(False).astype(bool)
     lossy = cur[broke] if len(lossless) else cur.iloc[:0]
+    configs = configuration_intervals(base_groups, cur_groups, matched, deltas, max_regression, key_columns)
+    return Comparison(deltas, lossy, len(set(base_groups) - set(matched)), len(set(cur_groups) - set(matched)),
+                      machine_notes(base, cur, key_columns), configs, key_columns)
+
+
+def machine_notes(base: pd.DataFrame, cur: pd.DataFrame, key: tuple) -> list[str]:
+    """What differs in machines: a fleet's classes found on one side only; else each side's one class when
+    they differ (and the device)."""
     notes = []
+    if "hardware" in key:
+        old, new = set(base["hardware"].dropna()), set(cur["hardware"].dropna())
+        notes += [f"hardware {h}: no baseline rows, not compared" for h in sorted(map(str, new - old))]
+        notes += [f"hardware {h}: no current rows" for h in sorted(map(str, old - new))]
+        return notes
     for column in ("hardware", "device"):
         if column in base and column in cur:
             old, new = set(base[column].dropna()), set(cur[column].dropna())
             if old and new and old != new:
                 notes.append(f"{column} differs: baseline {', '.join(map(str, old))} vs current "
                              f"{', '.join(map(str, new))}")
-    configs = configuration_intervals(base_groups, cur_groups, matched, deltas, max_regression)
-    return Comparison(deltas, lossy, len(set(base_groups) - set(matched)), len(set(cur_groups) - set(matched)),
-                      notes, configs)
+    return notes
 
 
 def configuration_intervals(base_groups: dict, cur_groups: dict, matched: list, deltas: pd.DataFrame,
-                            max_regression: float) -> pd.DataFrame:
+                            max_regression: float, key_columns: tuple = KEY) -> pd.DataFrame:
     """Per configuration and metric compared per prompt: the change of the mean over its prompts, its 95 %
     bootstrap interval (prompts resampled, repeats within them) and the verdict it gives."""
     records = []
-    for key in deltas.groupby(list(CONFIG) + ["metric"], sort=False).groups:
+    config_columns = [c for c in key_columns if c != "prompt_id"]
+    for key in deltas.groupby(config_columns + ["metric"], sort=False).groups:
         config, metric = key[:-1], key[-1]
-        keys = [k for k in matched if tuple(k[i] for i, c in enumerate(KEY) if c != "prompt_id") == config]
+        keys = [k for k in matched if tuple(k[i] for i, c in enumerate(key_columns) if c != "prompt_id") == config]
         sides = [[pd.to_numeric(g[k][metric], errors="coerce").to_numpy(float) for g in (cur_groups, base_groups)]
                  for k in keys]
         change = bootstrap_ratio(_value_cells(sides), paired_repeats=False).shifted(-1.0)
-        records.append({**dict(zip(CONFIG, config)), "metric": metric, "prompts": len(keys), "change": change.value,
-                        "low": change.low, "high": change.high, "verdict": verdict(change, max_regression)})
-    return pd.DataFrame(records, columns=list(CONFIG) + ["metric", "prompts", "change", "low", "high", "verdict"])
+        records.append({**dict(zip(config_columns, config)), "metric": metric, "prompts": len(keys),
+                        "change": change.value, "low": change.low, "high": change.high,
+                        "verdict": verdict(change, max_regression)})
+    return pd.DataFrame(records, columns=config_columns + ["metric", "prompts", "change", "low", "high", "verdict"])
 
 
 def _value_cells(sides: list[list[np.ndarray]]) -> np.ndarray:
@@ -216,15 +249,16 @@ def _label(row) -> str:
 def comparison_table(result: Comparison, max_regression: float) -> Table:
     """Per configuration and metric: median change over prompts, the worst prompt, regressions flagged."""
     table = Table(title=f"compare · regression gate {max_regression:.0%} (and beyond the repeats' noise)")
-    for name, justify in (("configuration", "left"), ("dataset", "left"), ("metric", "left"), ("prompts", "right"),
-                          ("baseline", "right"), ("current", "right"), ("median Δ", "right"),
-                          ("worst Δ", "right"), ("noise", "right"), ("mean Δ, 95 % interval", "right"),
-                          ("verdict", "left"), ("regressed", "right")):
+    fleet = "hardware" in result.key
+    for name, justify in ((("hardware", "left"),) if fleet else ()) + (
+            ("configuration", "left"), ("dataset", "left"), ("metric", "left"), ("prompts", "right"),
+            ("baseline", "right"), ("current", "right"), ("median Δ", "right"), ("worst Δ", "right"),
+            ("noise", "right"), ("mean Δ, 95 % interval", "right"), ("verdict", "left"), ("regressed", "right")):
         table.add_column(name, justify=justify, no_wrap=name.startswith("mean"))
     deltas = result.deltas
     if deltas.empty:
         return table
-    group_by = list(CONFIG) + ["metric"]
+    group_by = result.config + ["metric"]
     configs = result.configurations
     intervals = {} if configs is None else {tuple(map(str, k)): row for k, row in
                                            zip(configs[group_by].to_numpy(), configs.to_dict("records"))}
@@ -235,7 +269,7 @@ def comparison_table(result: Comparison, max_regression: float) -> Table:
         bad = int(group["regressed"].sum())
         style = "red" if bad else None
         table.add_row(
-            Text(_label(first)), Text(str(first["dataset"])), first["metric"], str(len(group)),
+            *([Text(str(first["hardware"]))] if fleet else []), Text(_label(first)), Text(str(first["dataset"])), first["metric"], str(len(group)),
             f"{group['baseline'].median():.4g}", f"{group['current'].median():.4g}",
             f"{group['change'].median():+.1%}", Text(f"{worst['change']:+.1%} {worst['prompt_id']}"),
             f"{group['noise'].median():.1%}", _interval_text(config),
@@ -266,12 +300,31 @@ def write_comparison(result: Comparison, folder, baseline_paths, current_paths) 
     folder = output_dir(folder)
     sides = {"baseline_paths": ", ".join(map(str, baseline_paths)), "current_paths": ", ".join(map(str, current_paths))}
     frames = (result.deltas.assign(**sides), result.configurations if result.configurations is not None
-              else pd.DataFrame(), result.lossy[[c for c in ("run_id", *KEY, "divergence") if c in result.lossy]])
+              else pd.DataFrame(), result.lossy[[c for c in ("run_id", *result.key, "divergence") if c in result.lossy]])
     written = []
     for name, frame in zip(OUT_FILES, frames):
         frame.to_parquet(folder / name, index=False)
         written.append(folder / name)
     return written
+
+
+def gate_problems(result: Comparison, max_regression_pct: float) -> list[str]:
+    """One line per reason the gate fails: lossy rows, prompts that regressed, configurations whose interval
+    lies below the gate (each naming its hardware class in a fleet)."""
+    def where(row) -> str:
+        return _label(row) + (f" on {row['hardware']}" if "hardware" in result.key else "")
+
+    problems = []
+    if len(result.lossy):
+        first = result.lossy.iloc[0]
+        problems.append(f"lossless broke on {len(result.lossy)} row(s), e.g. {first['prompt_id']} ({where(first)})")
+    for _, row in result.regressions.iterrows():
+        problems.append(f"{row['metric']} {row['change']:+.1%} on {row['prompt_id']} ({where(row)}), beyond "
+                        f"-{max_regression_pct:g}% and the noise {row['noise']:.1%}")
+    for _, row in result.interval_regressions.iterrows():
+        problems.append(f"{row['metric']} {row['change']:+.1%} over {row['prompts']} prompts ({where(row)}): its "
+                        f"95 % interval [{row['low']:+.1%}, {row['high']:+.1%}] lies below -{max_regression_pct:g}%")
+    return problems
 
 
 def run_compare(baseline_paths, current_paths, max_regression_pct: float, console: Console,
@@ -289,7 +342,7 @@ def run_compare(baseline_paths, current_paths, max_regression_pct: float, consol
                            style="dim"))
     result = compare_frames(baseline, current, limit)
     if result.deltas.empty:
-        raise SdbenchError(f"nothing to compare: no rows match on {', '.join(KEY)}")
+        raise SdbenchError(f"nothing to compare: no rows match on {', '.join(result.key)}")
     console.print(comparison_table(result, limit))
     if out is not None:
         written = write_comparison(result, out, baseline_paths, current_paths)
@@ -298,16 +351,7 @@ def run_compare(baseline_paths, current_paths, max_regression_pct: float, consol
                                                            (result.only_current, "current run")) if n]
     for line in result.notes + ([f"unmatched keys: {', '.join(unmatched)}"] if unmatched else []):
         console.print(Text(f"note: {line}", style="dim"))
-    problems = []
-    if len(result.lossy):
-        first = result.lossy.iloc[0]
-        problems.append(f"lossless broke on {len(result.lossy)} row(s), e.g. {first['prompt_id']} ({_label(first)})")
-    for _, row in result.regressions.iterrows():
-        problems.append(f"{row['metric']} {row['change']:+.1%} on {row['prompt_id']} ({_label(row)}), beyond "
-                        f"-{max_regression_pct:g}% and the noise {row['noise']:.1%}")
-    for _, row in result.interval_regressions.iterrows():
-        problems.append(f"{row['metric']} {row['change']:+.1%} over {row['prompts']} prompts ({_label(row)}): its "
-                        f"95 % interval [{row['low']:+.1%}, {row['high']:+.1%}] lies below -{max_regression_pct:g}%")
+    problems = gate_problems(result, max_regression_pct)
     if problems:
         raise RegressionFound(problems[0] + (f"; and {len(problems) - 1} more" if len(problems) > 1 else ""))
     console.print(f"no regression beyond {max_regression_pct:g}% on {len(result.deltas)} matched comparisons")

@@ -4,6 +4,7 @@ DataFrame (schema.SCHEMA's columns, partial runs' rows saying why in `unfinished
 
 from __future__ import annotations
 
+import glob
 import json
 from pathlib import Path
 from typing import Iterable
@@ -46,13 +47,14 @@ def parse_stats(text) -> dict:
 
 
 def read_results(paths: Iterable[str | Path] | str | Path) -> pd.DataFrame:
-    """All rows from .parquet files, .parts folders and folders of runs, as one DataFrame."""
+    """All rows from .parquet files, .parts folders and folders of runs, as one DataFrame; a path that does not
+    exist but holds a wildcard ('fleet/*/current', quoted in the shell) stands for every path it matches."""
     paths = [paths] if isinstance(paths, (str, Path)) else list(paths)
     if not paths:
         raise SdbenchError("no results paths given")
     sources: dict[Path, None] = {}  # ordered set: a file named twice is read once
-    for raw in paths:
-        sources.update(dict.fromkeys(p.resolve() for p in _expand(Path(raw))))
+    for raw in (p for given in paths for p in _matches(str(given))):
+        sources.update(dict.fromkeys(p.resolve() for p in _expand(raw)))
     tables = [t for t in (_with_unfinished(conform(_sdbench_table(p)), unfinished_reason(p)) for p in sources)
               if t.num_rows]
     if not tables:
@@ -66,6 +68,16 @@ def _with_unfinished(table: pa.Table, reason: str | None) -> pa.Table:
     if reason is None:
         return table
     return table.append_column("unfinished", pa.array([reason] * table.num_rows, pa.string()))
+
+
+def _matches(given: str) -> list[Path]:
+    """A path as given, or, when none exists by that name and it holds a wildcard, the paths it matches."""
+    if Path(given).exists() or not glob.has_magic(given):
+        return [Path(given)]
+    found = sorted(Path(p) for p in glob.glob(given, recursive=True))
+    if not found:
+        raise SdbenchError(f"no results path matches {given}")
+    return found
 
 
 def _expand(path: Path) -> list[Path]:
