@@ -338,10 +338,10 @@ def test_bench_carries_sdbench_acceptance_over_to_the_engine(capsys, tiny_engine
     assert "Does it carry over?" in out and "vllm draft_model" in out and "Time to first token" in out
 
     # the same check on sdbench's rows made again from the same measurement with one ingredient wrong
-    results, fast, _, prompts, gamma, ratios = seen["args"][:6]
+    results, fast, _, prompts, gamma, costs = seen["args"][:6]
 
     def remade() -> pd.DataFrame:
-        rows, _ = real_carry(results, fast, [], prompts, gamma, ratios, None, *seen["args"][7:])
+        rows, _ = real_carry(results, fast, [], prompts, gamma, costs, None)
         wrong = df.copy()
         for row in rows:
             wrong.loc[row.system, CARRY_COLUMNS] = [columns(row)[col] for col in CARRY_COLUMNS]

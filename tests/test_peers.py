@@ -4,7 +4,7 @@ import pandas as pd
 import pytest
 
 from sdbench.models.forward.runner import ModelRunner
-from sdbench.commands.bench import cost_ratios
+from sdbench.commands.bench_costs import StepCosts, step_costs
 from sdbench.commands.bench_measure import measure_systems
 from sdbench.commands.bench_table import SystemMeasurement, _table, write_bench
 from tests.conftest import run_cli, skip_unless_ci, tiny_model
@@ -69,19 +69,22 @@ class _Timed:
         self.filled[id(cache)] = len(prompts[0])
         return self.runner.prefill(cache, prompts)
 
+    def release(self, cache):
+        self.runner.release(cache)
+
     def run(self, cache, step):
         assert step.start == [self.filled[id(cache)]]  # right after the prompt, as a decode step or verification
         self.clock[0] += self.cost[step.width]
         return self.runner.run(cache, step)
 
 
-def test_cost_ratios_are_the_forwards_time_ratios(monkeypatch):
+def test_step_costs_are_the_forwards_time_ratios(monkeypatch):
     clock = [0.0]
     monkeypatch.setattr("sdbench.analysis.costs.now", lambda device=None: clock[0])
     target = _Timed(ModelRunner(tiny_model(0)), {1: 0.010, 5: 0.013}, clock)
     draft = _Timed(ModelRunner(tiny_model(1, layers=1)), {1: 0.002}, clock)
-    verify, c = cost_ratios(target, draft, [[1, 2, 3, 4, 5], [6, 7, 8]], 4)
-    assert verify == pytest.approx(1.3) and c == pytest.approx(0.2)
+    costs = step_costs(target, draft, [], [[1, 2, 3, 4, 5], [6, 7, 8]], 4)
+    assert costs.verify == pytest.approx(1.3) and costs.draft == pytest.approx(0.2)
 
 
 @pytest.mark.parametrize("args", [["--repeats", "0"], ["--limit", "0"], ["--gamma", "0"]])
@@ -194,7 +197,7 @@ def test_bench_fails_naming_the_system_and_prompt_whose_output_differs(capsys, t
     monkeypatch.setattr(bench, "measure_systems", lambda systems, prompts, *a: (prompts_seen.extend(prompts),
                                                                         real_measure(systems, prompts, *a))[1])
     monkeypatch.setattr(bench, "_systems", one_token_off)
-    monkeypatch.setattr(bench, "cost_ratios", lambda *a: (1.0, 1.0))  # not what this test is about
+    monkeypatch.setattr(bench, "step_costs", lambda *a: StepCosts(1.0, 1.0))  # not what this test is about
     capsys.readouterr()
     code, out, err = run_cli(capsys, *tiny_bench)
     assert code == 1 and "Traceback" not in err
@@ -217,7 +220,7 @@ def test_bench_on_smollm2_through_the_cli(capsys, tmp_path, monkeypatch):
     spec = model_registry.get("smollm2-135m")
     if embedded.missing_packages(spec):
         skip_unless_ci(f"needs `{spec.install_command()}`")
-    monkeypatch.setattr(bench, "cost_ratios", lambda *a: (1.0, 1.0))  # timings only (tested on a tiny pair)
+    monkeypatch.setattr(bench, "step_costs", lambda *a: StepCosts(1.0, 1.0))  # timings only (tested on a tiny pair)
     code, out, err = run_cli(capsys, "bench", "--limit", "1", "--max-new-tokens", "8", "--repeats", "1",
                              "--out", str(tmp_path))
     assert code == 0, err

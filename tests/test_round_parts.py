@@ -13,6 +13,7 @@ import torch
 
 from sdbench.analysis.bandwidth import Bandwidth, with_decodings
 from sdbench.analysis.carry import EngineCosts, predicted, rest_parts
+from sdbench.analysis.costs import Parts, median_times
 from sdbench.commands import bench_costs
 from sdbench.config import SamplingConfig
 from sdbench.drafting.model import ModelDrafter
@@ -111,33 +112,65 @@ def test_the_rest_factors_into_forwards_host_and_setup_by_hand():
     assert all(math.isnan(x) for x in rest_parts(Rounds(tokens=40, seconds=1.0, rounds=10), plain, costs))
 
 
-def test_the_probes_of_h_and_s_by_hand(monkeypatch, target, prompts):
-    """h: the verdict on gamma drafts less a plain step's, over the one-token forward (3 - 1 ms over 10 ms); s: the
-    mean over the prompts of each prompt's median setup over that prompt's forward; c: one round's drafting per
-    draft (a block drafter's: the round's) over the forward, the median over the prompts."""
-    times = {"target": 0.010, ("verdict", 4): 0.003, ("verdict", 0): 0.001}
-    monkeypatch.setattr(bench_costs, "median_times", lambda fns, device: {k: times[k] for k in fns})
-    assert bench_costs.host_cost(target, prompts[:2], 4) == pytest.approx(0.2)
+def test_the_probes_by_hand(monkeypatch, target, prompts):
+    """Per prompt, its interleaved medians (given here): v the verification over the one-token forward, c the
+    draft's forward over it, h the verdict on gamma drafts less a plain step's over it, a drafting system's c its
+    round's drafting per draft (a block drafter's: the whole round) over it, its s the setup over it; the median
+    over the prompts of each ratio, s the mean (a request's setup adds up)."""
+    d, h = ("draft", "d"), ("dflash", "h")
+    each = iter([
+        {"target": 0.010, "verify": 0.013, "draft": 0.002, ("verdict", 4): 0.003, ("verdict", 0): 0.001,
+         (d, "drafting"): 0.03, (d, "drafts"): 4, (d, "setup"): 0.02, (h, "drafting"): 0.03, (h, "drafts"): 4,
+         (h, "setup"): 0.0},
+        {"target": 0.020, "verify": 0.030, "draft": 0.006, ("verdict", 4): 0.005, ("verdict", 0): 0.001,
+         (d, "drafting"): 0.06, (d, "drafts"): 3, (d, "setup"): 0.05, (h, "drafting"): 0.03, (h, "drafts"): 4,
+         (h, "setup"): 0.0}])
+    asked = []
+    monkeypatch.setattr(bench_costs, "median_times", lambda fns, device: (asked.append(set(fns)), next(each))[1])
 
     class System:
-        def __init__(self, setups, drafting, block=False):
-            self.setups, self.drafting_s, self.block = iter(setups), drafting, block
+        def __init__(self, key, block=False):
+            self.key, self.block = key, block
 
-        def setup_s(self, prompt):
-            return next(self.setups)
+        def round_probe(self, prompt):
+            raise AssertionError("median_times is given, not run")
 
-        def drafting(self, prompt):
-            return self.drafting_s, 4
+    plain = System(("autoregressive", None))
+    costs = bench_costs.step_costs(target, target, [System(d), System(h, block=True), plain], prompts[:2], 4)
+    assert asked[0] == {"target", "verify", "draft", ("verdict", 4), ("verdict", 0), d, h}  # one pass, interleaved
+    assert (costs.verify, costs.draft) == (pytest.approx((1.3 + 1.5) / 2), pytest.approx((0.2 + 0.3) / 2))
+    assert costs.own.host == pytest.approx(0.2)  # (3 - 1) / 10 and (5 - 1) / 20
+    # per draft: 0.03 / 4 / 0.01 and 0.06 / 3 / 0.02 (median 0.875); a block: the whole round, 3.0 and 1.5
+    assert costs.own.draft == {d: pytest.approx(0.875), h: pytest.approx(2.25)}
+    assert costs.own.setup == {d: pytest.approx((2.0 + 2.5) / 2), h: 0.0}
+    assert costs.own.blocks == frozenset({h})
 
-    one = {0: 0.01, 1: 0.02}
-    draft = System([0.02, 0.03, 0.01, 0.05, 0.04, 0.08], 0.04)  # medians 0.02 and 0.05
-    head = System([0.0] * 6, 0.04, block=True)
-    systems = {("draft", "d"): draft, ("dflash", "h"): head}
-    assert bench_costs.setup_costs(systems, prompts[:2], one) == {("draft", "d"): pytest.approx((2.0 + 2.5) / 2),
-                                                                  ("dflash", "h"): 0.0}
-    # per draft: 0.04 s over 4 drafts over 0.01 and 0.02 s (median 0.75); a block: the whole round (median 3.0)
-    assert bench_costs.drafting_costs(systems, prompts[:2], one) == {("draft", "d"): pytest.approx(0.75),
-                                                                     ("dflash", "h"): pytest.approx(3.0)}
+
+def test_median_times_interleaves_and_keeps_the_parts_a_call_timed_itself(monkeypatch):
+    clock, order = [0.0], []
+    monkeypatch.setattr("sdbench.analysis.costs.now", lambda device=None: clock[0])
+    drafting = iter([9.0, 0.3, 0.1, 0.2])  # the warm-up's, then three repetitions'
+
+    def forward():
+        order.append("forward")
+        clock[0] += 0.01
+
+    def probe():
+        order.append("probe")
+        clock[0] += 1.0  # its own prefill and setup: not what it reports
+        return Parts(drafting=next(drafting), drafts=4)
+
+    got = median_times({"forward": forward, "probe": probe}, None, reps=3, warmup=1)
+    assert order == ["forward", "probe"] * 4
+    assert got == {"forward": pytest.approx(0.01), ("probe", "drafting"): 0.2, ("probe", "drafts"): 4}
+
+
+def test_two_bandwidth_probes_keep_the_faster_and_each_kernels_best():
+    before = Bandwidth(27e9, "matrix-vector", {"sum": 26e9, "matrix-vector": 27e9})
+    after = Bandwidth(31e9, "matrix-vector", {"sum": 25e9, "matrix-vector": 31e9, "amax": 20e9})
+    for best in (before.best(after), after.best(before)):
+        assert (best.bytes_per_s, best.kernel) == (31e9, "matrix-vector")
+        assert best.rates == {"sum": 26e9, "matrix-vector": 31e9, "amax": 20e9}
 
 
 def test_the_roofline_reads_at_least_the_fastest_plain_decoding():

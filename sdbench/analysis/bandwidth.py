@@ -26,6 +26,13 @@ class Bandwidth:
     kernel: str  # its name
     rates: dict = field(default_factory=dict)  # kernel -> its best bytes/s
 
+    def best(self, other: "Bandwidth") -> "Bandwidth":
+        """The faster of two probes (before and after a run's measurement: a passing slowdown of the machine
+        lowers one, not both), each kernel at its best of the two."""
+        rates = {k: max(self.rates.get(k, 0.0), other.rates.get(k, 0.0)) for k in {**self.rates, **other.rates}}
+        faster = self if self.bytes_per_s >= other.bytes_per_s else other
+        return Bandwidth(faster.bytes_per_s, faster.kernel, rates)
+
     def describe(self) -> str:
         return f"{self.bytes_per_s / 1e9:.1f} GB/s ({self.kernel}, the best of {', '.join(self.rates)})"
 

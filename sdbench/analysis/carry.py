@@ -15,7 +15,7 @@ engine's drafter also runs the round's verification batch through the draft (`En
 draft forwards that round costs (`EngineCosts.draft_steps`) times c. o is a round's overhead beyond its forwards:
 h, the host work of a round (acceptance, bookkeeping) beyond a plain step's, plus s R / N, the proposer's setup
 per request (a draft model's prefill of the prompt) spread over its rounds (R requests, N rounds), each timed
-like c and v by sdbench for its own systems (`bench_costs.host_cost`, `setup_costs`); an engine's step costs come from its
+beside c and v by sdbench for its own systems (`bench_costs.step_costs`); an engine's step costs come from its
 own timings, which hold its host work, and its draft's prefill is not timed apart (o = 0).
 
 Three numbers per engine system:

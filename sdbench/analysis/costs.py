@@ -53,19 +53,26 @@ class Profile:
     draft_s: dict  # budget -> T_D: one decode step through a sparse cache of that budget
 
 
+class Parts(dict):
+    """What a call given to `median_times` returns when it times its own parts (seconds, or counts, by name)."""
+
+
 def median_times(fns: dict, device, reps: int = 5, warmup: int = 2) -> dict:
     """Each call's median time over `reps`, the calls interleaved (every one once per repetition, after `warmup`
     rounds of them all): a burst of other work on the machine then slows every call it overlaps, not one, so
-    the ratios between them (what the cost models use) stay honest."""
+    the ratios between them (what the cost models use) stay honest. A call that returns `Parts` timed its own
+    parts: their medians are kept as (key, part) instead of the call's time."""
     for _ in range(warmup):
         for fn in fns.values():
             fn()
-    times = {key: [] for key in fns}
+    times: dict = {}
     for _ in range(reps):
         for key, fn in fns.items():
             t0 = now(device)
-            fn()
-            times[key].append(now(device) - t0)
+            got = fn()
+            t = now(device) - t0
+            for part, value in (got.items() if isinstance(got, Parts) else [(None, t)]):
+                times.setdefault(key if part is None else (key, part), []).append(value)
     return {key: statistics.median(t) for key, t in times.items()}
 
 

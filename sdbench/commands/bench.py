@@ -16,7 +16,7 @@ from rich.console import Console
 
 from sdbench.analysis.bandwidth import Bandwidth, measure_bandwidth
 from sdbench.commands.bench_carry import carry_over, replayed_acceptance
-from sdbench.commands.bench_costs import cost_ratios, is_block, own_costs, roofline_read
+from sdbench.commands.bench_costs import is_block, roofline_read, step_costs
 from sdbench.commands.bench_measure import measure_systems
 from sdbench.commands.bench_system import SdbenchSystem
 from sdbench.commands.bench_table import (GENERIC_ROW, SystemMeasurement, _table, check_outputs, engine_lines, fast_row,
@@ -50,7 +50,8 @@ from sdbench.strategies.spec import head_strategy, need_gamma
 
 
 def memory_bandwidth(device: torch.device) -> Bandwidth:
-    """The best streaming read this machine delivers (`analysis/bandwidth.py`)."""
+    """The best streaming read this machine delivers (`analysis/bandwidth.py`): bench probes it before and after
+    its measurement and keeps the faster."""
     return measure_bandwidth(device)
 
 
@@ -280,6 +281,7 @@ def measure_peers(cfg: BenchConfig, console: Console) -> Peers:
     # the engines' servers hold the step costs' probes too: a cached prefix and γ + 1 tokens after it
     served = max(room, probe_capacity(gamma))
     replayed = _replayed(cfg, systems, prompts, console, weights)
+    bandwidth = memory_bandwidth(dev)
     with console.status("measuring") as status, _engine_systems(cfg, served, status, replayed) as engines:
         systems += [(s.name, s, False) for s in engines if s.measured]
         picked = _pick_generate(tgt.model, prompts[0], eos, cfg.generate, dev, status, weights, room)
@@ -287,14 +289,13 @@ def measure_peers(cfg: BenchConfig, console: Console) -> Peers:
                       TransformersSystem(tgt.model, max_new, eos, kwargs_for(picked.name, dev, room)), False)
         results = measure_systems(systems, prompts, cfg.repeats, dev, status, weights)
         reference, disagreement = _reference(tgt.model, prompts, eos, max_new, picked, results[0], status, weights)
-        status.update("measuring the verification and draft cost ratios")
+        status.update("measuring the step costs: forwards, verdicts and rounds, interleaved")
         weights(True)
-        ratios = cost_ratios(runner, d_runner, prompts, gamma)
-        mine = own_costs([fn for _, fn, _ in systems], runner, prompts, gamma)
+        costs = step_costs(runner, d_runner, [fn for _, fn, _ in systems], prompts, gamma)
         weights(False)
-        carried, unknown = carry_over(results, fast_row(results), engines, prompts, gamma, ratios, status, mine)
-    return Peers(results, roofline_read(memory_bandwidth(dev), results, plain_bytes, cfg.dtype in ENGINE_TYPES),
-                 plain_bytes, ratios[0], ratios[1], picked, reference, disagreement,
+        carried, unknown = carry_over(results, fast_row(results), engines, prompts, gamma, costs, status)
+    return Peers(results, roofline_read(bandwidth.best(memory_bandwidth(dev)), results, plain_bytes, cfg.dtype in ENGINE_TYPES),
+                 plain_bytes, costs.verify, costs.draft, picked, reference, disagreement,
                  runner.fast_path_note(), graphs_asked, bool(getattr(runner, "graphs", False)), len(prompts),
                  str(dev), carried, unknown, runner.block_activations() == "int8")
 

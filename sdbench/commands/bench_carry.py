@@ -5,7 +5,7 @@ sdbench's acceptance on the same prompts and the system's own engine's step cost
 from __future__ import annotations
 
 from sdbench.analysis.carry import EngineCosts, carry
-from sdbench.commands.bench_costs import OwnCosts
+from sdbench.commands.bench_costs import StepCosts
 from sdbench.engine.counters import BLOCK, CHAIN
 from sdbench.reporting.carry import Carried
 from sdbench.servers.client import EngineReplyError
@@ -47,22 +47,22 @@ def replayed_acceptance(systems: list, prompts: list[list[int]], gamma: int) -> 
     return rates
 
 
-def carry_over(results: list, plain, engines: list, prompts: list[list[int]], gamma: int,
-               ratios: tuple[float, float], status=None, mine: OwnCosts = OwnCosts()) -> tuple[list[Carried], list[str]]:
+def carry_over(results: list, plain, engines: list, prompts: list[list[int]], gamma: int, costs: StepCosts,
+               status=None) -> tuple[list[Carried], list[str]]:
     """(the carry-over rows, a line for each speculative system left without one). results: `bench`'s measurements
     systems; plain: sdbench's own plain decoding on its fastest path among them; engines: every EngineSystem
-    started (the draft's cost-only servers too); ratios: sdbench's own (T(gamma + 1) / T(1), c) from
-    `cost_ratios`; mine: sdbench's own rows' c, h and s (`bench_costs.own_costs`; a key it lacks: c from
-    `cost_ratios`, no overhead)."""
+    started (the draft's cost-only servers too); costs: sdbench's own (`bench_costs.step_costs`): v = T(gamma + 1) /
+    T(1), the draft model's c, and its own rows' c, h and s (a key they lack: the draft model's c, no overhead)."""
     ours = {m.key: m for m in results if m.engine is None and m.key is not None and not m.failed}
     rows, unknown = [], []
     for key, m in ours.items():
         if key[0] == "autoregressive" or plain is None:
             continue
-        costs = EngineCosts({1: 1.0, gamma + 1: ratios[0]}, mine.draft.get(key, _draft_cost(key[0], ratios[1])),
-                            round=BLOCK if key in mine.blocks else CHAIN, host=mine.host if key in mine.draft else 0.0,
-                            setup=mine.setup.get(key, 0.0))
-        rows.append(carry(m.system, SDBENCH, m.rounds, plain.rounds, costs, m.rounds))
+        own = costs.own
+        sdbench = EngineCosts({1: 1.0, gamma + 1: costs.verify}, own.draft.get(key, _draft_cost(key[0], costs.draft)),
+                              round=BLOCK if key in own.blocks else CHAIN, host=own.host if key in own.draft else 0.0,
+                              setup=own.setup.get(key, 0.0))
+        rows.append(carry(m.system, SDBENCH, m.rounds, plain.rounds, sdbench, m.rounds))
     found = {id(m.source): m for m in results if m.engine is not None}  # an engine system's measurement
     for name in dict.fromkeys(s.engine.name for s in engines):
         mine = [s for s in engines if s.engine.name == name]
@@ -88,9 +88,9 @@ def carry_over(results: list, plain, engines: list, prompts: list[list[int]], ga
                 unknown.append(f"{m.system}: sdbench measured no {s.key[0]} with the same drafter to carry over")
                 continue
             model = s.role.strategy == "draft"
-            costs = EngineCosts(verify, _draft_cost(s.role.strategy, c_draft), one, draft_verify if model else {},
-                                s.engine.draft_round if model else CHAIN)
-            rows.append(carry(m.system, name, m.rounds, base.rounds, costs, reference.rounds))
+            theirs = EngineCosts(verify, _draft_cost(s.role.strategy, c_draft), one, draft_verify if model else {},
+                                 s.engine.draft_round if model else CHAIN)
+            rows.append(carry(m.system, name, m.rounds, base.rounds, theirs, reference.rounds))
     heads = [r.system for r in rows if r.draft != r.draft]  # NaN: a trained head's step cost
     if heads:
         unknown.append(f"{', '.join(heads)}: no predicted speedup, as a trained head's own forward (c) is timed alone by "

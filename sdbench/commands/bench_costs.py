@@ -1,12 +1,18 @@
-"""What `bench` times apart from its systems: the target's and draft's step costs (v and c), a block head's round,
-a round's host work beyond a plain step's (h) and each proposer's setup (s), for the carry-over's predictions
-(`analysis/carry.py`); and the roofline's bandwidth (`analysis/bandwidth.py`), held to the fastest plain decoding
-measured beside it."""
+"""What `bench` times apart from its systems, for the carry-over's predictions (`analysis/carry.py`): the target's
+and draft's step costs (v and c), each of sdbench's drafting systems' round as its loop drafts it (c per draft, a
+block head's whole round) and its proposer's setup per request (s), and a round's host work beyond a plain step's
+(h); and the roofline's bandwidth (`analysis/bandwidth.py`), held to the fastest plain decoding measured beside it.
+
+All of a prompt's probes run in one interleaved pass (`median_times`), each forward and round once per repetition,
+so that each cost's ratio to the one-token forward is taken from calls that ran side by side: a drift of the
+machine's speed between separate passes would otherwise land in the ratios (it moved c by 18 % between two such
+passes of one bench)."""
 
 from __future__ import annotations
 
 import statistics
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 
@@ -16,22 +22,66 @@ from sdbench.engine.state import needed_capacity
 from sdbench.forward_step import Step
 
 
-def cost_ratios(runner, draft, prompts: list[list[int]], gamma: int) -> tuple[float, float]:
-    """(T(gamma + 1 tokens) / T(1 token) of the target, one draft forward / one target forward), each the
-    median over the prompts of forwards at the prompt's end, as a verification and a decode step see them."""
-    verify, c = [], []
-    for p in prompts:
-        caches = {}
-        for name, r in (("target", runner), ("draft", draft)):
-            caches[name] = r.new_cache(1, needed_capacity(len(p), 0, gamma))
-            r.prefill(caches[name], [p])
-        one, wide = torch.tensor([p[-1:]]), torch.tensor([(p * (gamma + 1))[: gamma + 1]])
-        t = median_times({"target": lambda: runner.run(caches["target"], Step(one, [len(p)])),
-                          "draft": lambda: draft.run(caches["draft"], Step(one, [len(p)])),
-                          "verify": lambda: runner.run(caches["target"], Step(wide, [len(p)]))}, runner.device)
-        verify.append(t["verify"] / t["target"])
-        c.append(t["draft"] / t["target"])
-    return statistics.median(verify), statistics.median(c)
+@dataclass(frozen=True)
+class OwnCosts:
+    """What the carry-over predicts sdbench's own rows with beyond v: by system key, c (a block drafter's whole
+    round, else per draft) and s; h for every round; the keys of block drafters (one forward a round, whatever g)."""
+
+    draft: dict = field(default_factory=dict)
+    setup: dict = field(default_factory=dict)
+    host: float = 0.0
+    blocks: frozenset = frozenset()
+
+
+@dataclass(frozen=True)
+class StepCosts:
+    """`step_costs`' medians over the prompts, in target one-token forwards: v = T(gamma + 1) / T(1) and the draft
+    model's c (fast path), and sdbench's own drafting systems' costs."""
+
+    verify: float
+    draft: float
+    own: OwnCosts = OwnCosts()
+
+
+def step_costs(runner, draft, systems: list, prompts: list[list[int]], gamma: int) -> StepCosts:
+    """Each prompt's probes in one interleaved pass (`prompt_costs`), then per cost the median over the prompts of
+    its ratio to that prompt's one-token forward (s: the mean, as a request's setup adds up). systems: bench's;
+    those of sdbench's own loop that draft (a key other than plain decoding's) get own costs."""
+    mine = {s.key: s for s in systems if isinstance(getattr(s, "key", None), tuple) and hasattr(s, "round_probe")
+            and s.key[0] != "autoregressive"}
+    each = [prompt_costs(runner, draft, mine, p, gamma) for p in prompts]
+
+    def median(cost) -> float:
+        return statistics.median(cost(t) / t["target"] for t in each)
+
+    own = OwnCosts({k: median(lambda t, k=k, s=s: t[(k, "drafting")] / (1 if s.block else max(t[(k, "drafts")], 1)))
+                    for k, s in mine.items()},
+                   {k: statistics.mean(t[(k, "setup")] / t["target"] for t in each) for k in mine},
+                   statistics.median(host_costs(t, [gamma], t["target"])[gamma] for t in each),
+                   frozenset(k for k, s in mine.items() if s.block))
+    return StepCosts(median(lambda t: t["verify"]), median(lambda t: t["draft"]), own)
+
+
+def prompt_costs(runner, draft, systems: dict, prompt: list[int], gamma: int) -> dict:
+    """At the prompt's end, interleaved (`median_times`): the target's forward over one token ("target") and over
+    gamma + 1 ("verify", as a verification sees them), the draft's over one ("draft"), the verdict on gamma drafts
+    and on none (`verdict_fns`), and each system's round probe ((key, "drafting"), (key, "drafts"), (key, "setup"):
+    `SdbenchSystem.round_probe`)."""
+    caches = {}
+    for name, r in (("target", runner), ("draft", draft)):
+        caches[name] = r.new_cache(1, needed_capacity(len(prompt), 0, gamma))
+        r.prefill(caches[name], [prompt])
+    one, wide = torch.tensor([prompt[-1:]]), torch.tensor([(prompt * (gamma + 1))[: gamma + 1]])
+    logits = runner.run(caches["target"], Step(wide, [len(prompt)]))
+    fns = {"target": lambda: runner.run(caches["target"], Step(one, [len(prompt)])),
+           "draft": lambda: draft.run(caches["draft"], Step(one, [len(prompt)])),
+           "verify": lambda: runner.run(caches["target"], Step(wide, [len(prompt)])),
+           **verdict_fns(logits, [gamma]), **{k: partial(s.round_probe, prompt) for k, s in systems.items()}}
+    try:
+        return median_times(fns, runner.device)
+    finally:
+        runner.release(caches["target"])
+        draft.release(caches["draft"])
 
 
 def roofline_read(probe: Bandwidth, results: list, weight_bytes: int, engines_differ: bool) -> Bandwidth:
@@ -42,76 +92,6 @@ def roofline_read(probe: Bandwidth, results: list, weight_bytes: int, engines_di
              if not m.failed and m.key is not None and m.key[0] == "autoregressive" and m.rounds is not None
              and not (engines_differ and m.engine is not None)}
     return with_decodings(probe, reads)
-
-
-def host_cost(runner, prompts: list[list[int]], gamma: int) -> float:
-    """h: the verdict on gamma drafts (the greedy acceptance over the verification's gamma + 1 logits, read back)
-    beyond a plain step's (over its one), over the target's one-token forward; the median over the prompts of
-    each timed on the target's own logits at the prompt's end."""
-    out = []
-    for p in prompts:
-        cache = runner.new_cache(1, needed_capacity(len(p), 0, gamma))
-        runner.prefill(cache, [p])
-        one, wide = torch.tensor([p[-1:]]), torch.tensor([(p * (gamma + 1))[: gamma + 1]])
-        logits = runner.run(cache, Step(wide, [len(p)]))
-        t = median_times({"target": lambda: runner.run(cache, Step(one, [len(p)])), **verdict_fns(logits, [gamma])},
-                         runner.device)
-        runner.release(cache)
-        out.append(host_costs(t, [gamma], t["target"])[gamma])
-    return statistics.median(out)
-
-
-@dataclass(frozen=True)
-class OwnCosts:
-    """What the carry-over predicts sdbench's own rows with beyond v: by system key, c (a block drafter's whole
-    round, else per draft: `drafting_costs`) and s (`setup_costs`); h for every round (`host_cost`); the keys
-    of block drafters (one forward a round, whatever g)."""
-
-    draft: dict = field(default_factory=dict)
-    setup: dict = field(default_factory=dict)
-    host: float = 0.0
-    blocks: frozenset = frozenset()
-
-
-def own_costs(systems: list, runner, prompts: list[list[int]], gamma: int) -> OwnCosts:
-    """`OwnCosts` of bench's systems (those of sdbench's own loop that draft: a key other than plain decoding's)."""
-    mine = {s.key: s for s in systems if isinstance(getattr(s, "key", None), tuple) and hasattr(s, "drafting")
-            and s.key[0] != "autoregressive"}
-    one = {i: one_token_s(runner, p) for i, p in enumerate(prompts)}
-    return OwnCosts(drafting_costs(mine, prompts, one), setup_costs(mine, prompts, one), host_cost(runner, prompts, gamma),
-                    frozenset(k for k, s in mine.items() if s.block))
-
-
-def one_token_s(runner, prompt: list[int]) -> float:
-    """The target's one-token forward at the prompt's end, the median of a few."""
-    cache = runner.new_cache(1, needed_capacity(len(prompt), 0, 1))
-    runner.prefill(cache, [prompt])
-    one = torch.tensor([prompt[-1:]])
-    t = median_times({"target": lambda: runner.run(cache, Step(one, [len(prompt)]))}, runner.device)["target"]
-    runner.release(cache)
-    return t
-
-
-def drafting_costs(systems: dict, prompts: list[list[int]], one: dict) -> dict:
-    """c by key: one round's drafting as the system's loop runs it (`SdbenchSystem.drafting`: the draft's catch-up
-    forward, sampling and host work included), a block drafter's whole round, any other's per draft, over the
-    target's one-token forward at the same prompt (one[i], prompt i's); the median over the prompts."""
-    out = {}
-    for key, s in systems.items():
-        ratios = []
-        for i, p in enumerate(prompts):
-            seconds, drafts = s.drafting(p)
-            ratios.append(seconds / (1 if s.block else max(drafts, 1)) / one[i])
-        out[key] = statistics.median(ratios)
-    return out
-
-
-def setup_costs(systems: dict, prompts: list[list[int]], one: dict, reps: int = 3) -> dict:
-    """s by key: the proposer's setup per request (a draft model's prefill of the prompt, a head's reading of the
-    prompt's states), timed by the decode loop itself on a one-token decoding (the setup and no round), over the
-    target's one-token forward at the same prompt; the mean over the prompts of each prompt's median."""
-    return {key: statistics.mean(statistics.median(s.setup_s(p) for _ in range(reps)) / one[i]
-                                 for i, p in enumerate(prompts)) for key, s in systems.items()}
 
 
 def is_block(drafter) -> bool:

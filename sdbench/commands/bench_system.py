@@ -1,13 +1,13 @@
 """sdbench's own system in `bench`: a decoding through sdbench's loop (its measured calls add their rounds for the
 carry-over), and the probes the carry-over predicts its rows with: its proposer's setup and one round's drafting,
-each as the loop runs it (`bench_costs.own_costs`)."""
+each as the loop runs it (`round_probe`, timed by `bench_costs.step_costs`)."""
 
 from __future__ import annotations
 
 import math
-import statistics
 from dataclasses import dataclass, field
 
+from sdbench.analysis.costs import Parts
 from sdbench.config import SamplingConfig
 from sdbench.engine.clock import now
 from sdbench.engine.counters import Rounds
@@ -36,27 +36,23 @@ class SdbenchSystem:
         return generate(self.runner, self.proposer_factory(), [prompt], max_new_tokens=budget or self.max_new,
                         sampling=SamplingConfig(), eos_ids=self.eos, capacity=self.capacity)
 
-    def setup_s(self, prompt: list[int]) -> float:
-        """The proposer's setup on the prompt, as the loop times it, in a decoding of one token (no round)."""
-        return self._decoded(prompt, 1).setup_s
-
-    def drafting(self, prompt: list[int], reps: int = 3, warmup: int = 1) -> tuple[float, int]:
-        """(seconds, drafts) of one round's drafting after the prompt's first token, as the loop runs it: the
-        proposer's propose on the started state (the draft's catch-up forward included), the median over `reps`
-        decodings after `warmup` (each from its own prefill and setup: a head drafts once from the states it was
-        given), and the drafts it proposed."""
-        times, drafted = [], []
+    def round_probe(self, prompt: list[int]) -> Parts:
+        """One decoding stopped after its first round's drafting, as the loop runs it: the proposer's setup on the
+        prompt ("setup": a draft model's prefill, a head's reading of the prompt's states), the propose on the
+        started state ("drafting": the draft's catch-up forward, sampling and host work included) and the drafts
+        it proposed ("drafts"). `bench_costs.step_costs` times it beside the target's forwards."""
+        got = Parts()
 
         def propose(target, proposer, state, rows) -> None:
             t0 = now(state.device)
             proposal = proposer.propose(state)
-            times.append(now(state.device) - t0)
-            drafted.append(0 if proposal is None else int(proposal.lengths.max()))
+            got["drafting"] = now(state.device) - t0
+            got["drafts"] = 0 if proposal is None else int(proposal.lengths.max())
 
-        for _ in range(warmup + reps):
-            generate(self.runner, self.proposer_factory(), [prompt], max_new_tokens=self.max_new,
-                     sampling=SamplingConfig(), eos_ids=self.eos, capacity=self.capacity, rounds=propose)
-        return statistics.median(times[warmup:]), drafted[-1]
+        res = generate(self.runner, self.proposer_factory(), [prompt], max_new_tokens=self.max_new,
+                       sampling=SamplingConfig(), eos_ids=self.eos, capacity=self.capacity, rounds=propose)
+        got["setup"] = res.setup_s
+        return got
 
     def stats(self, prompt: list[int]):
         """One untimed decoding's row of counters (its per-position acceptance: `bench_carry.replayed_acceptance`)."""
