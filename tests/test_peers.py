@@ -81,10 +81,11 @@ class _Timed:
 def test_step_costs_are_the_forwards_time_ratios(monkeypatch):
     clock = [0.0]
     monkeypatch.setattr("sdbench.analysis.costs.now", lambda device=None: clock[0])
-    target = _Timed(ModelRunner(tiny_model(0)), {1: 0.010, 5: 0.013}, clock)
+    target = _Timed(ModelRunner(tiny_model(0)), {1: 0.010, 2: 0.0101, 3: 0.0104, 4: 0.012, 5: 0.013}, clock)
     draft = _Timed(ModelRunner(tiny_model(1, layers=1)), {1: 0.002}, clock)
     costs = step_costs(target, draft, [], [[1, 2, 3, 4, 5], [6, 7, 8]], 4)
-    assert costs.verify == pytest.approx(1.3) and costs.draft == pytest.approx(0.2)
+    assert costs.verify == pytest.approx({1: 1.0, 2: 1.01, 3: 1.04, 4: 1.2, 5: 1.3})  # each width, not a line
+    assert costs.widest == pytest.approx(1.3) and costs.draft == pytest.approx(0.2)
 
 
 @pytest.mark.parametrize("args", [["--repeats", "0"], ["--limit", "0"], ["--gamma", "0"]])
@@ -197,7 +198,7 @@ def test_bench_fails_naming_the_system_and_prompt_whose_output_differs(capsys, t
     monkeypatch.setattr(bench, "measure_systems", lambda systems, prompts, *a: (prompts_seen.extend(prompts),
                                                                         real_measure(systems, prompts, *a))[1])
     monkeypatch.setattr(bench, "_systems", one_token_off)
-    monkeypatch.setattr(bench, "step_costs", lambda *a: StepCosts(1.0, 1.0))  # not what this test is about
+    monkeypatch.setattr(bench, "step_costs", lambda *a: StepCosts({1: 1.0, 5: 1.0}, 1.0))  # not what this test is about
     capsys.readouterr()
     code, out, err = run_cli(capsys, *tiny_bench)
     assert code == 1 and "Traceback" not in err
@@ -220,7 +221,7 @@ def test_bench_on_smollm2_through_the_cli(capsys, tmp_path, monkeypatch):
     spec = model_registry.get("smollm2-135m")
     if embedded.missing_packages(spec):
         skip_unless_ci(f"needs `{spec.install_command()}`")
-    monkeypatch.setattr(bench, "step_costs", lambda *a: StepCosts(1.0, 1.0))  # timings only (tested on a tiny pair)
+    monkeypatch.setattr(bench, "step_costs", lambda *a: StepCosts({1: 1.0, 5: 1.0}, 1.0))  # timings only (tested on a tiny pair)
     code, out, err = run_cli(capsys, "bench", "--limit", "1", "--max-new-tokens", "8", "--repeats", "1",
                              "--out", str(tmp_path))
     assert code == 0, err

@@ -118,11 +118,15 @@ def test_the_probes_by_hand(monkeypatch, target, prompts):
     round's drafting per draft (a block drafter's: the whole round) over it, its s the setup over it; the median
     over the prompts of each ratio, s the mean (a request's setup adds up)."""
     d, h = ("draft", "d"), ("dflash", "h")
+
+    def widths(one: float, five: float) -> dict:  # a forward over 2 to 4 tokens costs one over 1, over 5 more
+        return {("verify", k): one for k in (2, 3, 4)} | {("verify", 5): five}
+
     each = iter([
-        {"target": 0.010, "verify": 0.013, "draft": 0.002, ("verdict", 4): 0.003, ("verdict", 0): 0.001,
+        {"target": 0.010, **widths(0.010, 0.013), "draft": 0.002, ("verdict", 4): 0.003, ("verdict", 0): 0.001,
          (d, "drafting"): 0.03, (d, "drafts"): 4, (d, "setup"): 0.02, (h, "drafting"): 0.03, (h, "drafts"): 4,
          (h, "setup"): 0.0},
-        {"target": 0.020, "verify": 0.030, "draft": 0.006, ("verdict", 4): 0.005, ("verdict", 0): 0.001,
+        {"target": 0.020, **widths(0.020, 0.030), "draft": 0.006, ("verdict", 4): 0.005, ("verdict", 0): 0.001,
          (d, "drafting"): 0.06, (d, "drafts"): 3, (d, "setup"): 0.05, (h, "drafting"): 0.03, (h, "drafts"): 4,
          (h, "setup"): 0.0}])
     asked = []
@@ -137,8 +141,9 @@ def test_the_probes_by_hand(monkeypatch, target, prompts):
 
     plain = System(("autoregressive", None))
     costs = bench_costs.step_costs(target, target, [System(d), System(h, block=True), plain], prompts[:2], 4)
-    assert asked[0] == {"target", "verify", "draft", ("verdict", 4), ("verdict", 0), d, h}  # one pass, interleaved
-    assert (costs.verify, costs.draft) == (pytest.approx((1.3 + 1.5) / 2), pytest.approx((0.2 + 0.3) / 2))
+    assert asked[0] == {"target", *widths(0, 0), "draft", ("verdict", 4), ("verdict", 0), d, h}  # one interleaved pass
+    assert costs.verify == pytest.approx({1: 1.0, 2: 1.0, 3: 1.0, 4: 1.0, 5: (1.3 + 1.5) / 2})
+    assert costs.draft == pytest.approx((0.2 + 0.3) / 2)
     assert costs.own.host == pytest.approx(0.2)  # (3 - 1) / 10 and (5 - 1) / 20
     # per draft: 0.03 / 4 / 0.01 and 0.06 / 3 / 0.02 (median 0.875); a block: the whole round, 3.0 and 1.5
     assert costs.own.draft == {d: pytest.approx(0.875), h: pytest.approx(2.25)}

@@ -35,12 +35,18 @@ class OwnCosts:
 
 @dataclass(frozen=True)
 class StepCosts:
-    """`step_costs`' medians over the prompts, in target one-token forwards: v = T(gamma + 1) / T(1) and the draft
-    model's c (fast path), and sdbench's own drafting systems' costs."""
+    """`step_costs`' medians over the prompts, in target one-token forwards: v(k) = T(k) / T(1) for every width k
+    from 1 to gamma + 1 (a round verifies as many as it drafted, plus one) and the draft model's c (fast path), and
+    sdbench's own drafting systems' costs."""
 
-    verify: float
+    verify: dict
     draft: float
     own: OwnCosts = OwnCosts()
+
+    @property
+    def widest(self) -> float:
+        """v(gamma + 1): a verification of a whole lookahead."""
+        return self.verify[max(self.verify)]
 
 
 def step_costs(runner, draft, systems: list, prompts: list[list[int]], gamma: int) -> StepCosts:
@@ -59,23 +65,27 @@ def step_costs(runner, draft, systems: list, prompts: list[list[int]], gamma: in
                    {k: statistics.mean(t[(k, "setup")] / t["target"] for t in each) for k in mine},
                    statistics.median(host_costs(t, [gamma], t["target"])[gamma] for t in each),
                    frozenset(k for k, s in mine.items() if s.block))
-    return StepCosts(median(lambda t: t["verify"]), median(lambda t: t["draft"]), own)
+    verify = {1: 1.0, **{k: median(lambda t, k=k: t[("verify", k)]) for k in range(2, gamma + 2)}}
+    return StepCosts(verify, median(lambda t: t["draft"]), own)
 
 
 def prompt_costs(runner, draft, systems: dict, prompt: list[int], gamma: int) -> dict:
-    """At the prompt's end, interleaved (`median_times`): the target's forward over one token ("target") and over
-    gamma + 1 ("verify", as a verification sees them), the draft's over one ("draft"), the verdict on gamma drafts
-    and on none (`verdict_fns`), and each system's round probe ((key, "drafting"), (key, "drafts"), (key, "setup"):
-    `SdbenchSystem.round_probe`)."""
+    """At the prompt's end, interleaved (`median_times`): the target's forward over one token ("target") and over k
+    = 2 ... gamma + 1 (("verify", k), as a verification sees them), the draft's over one ("draft"), the verdict on
+    gamma drafts and on none (`verdict_fns`), and each system's round probe ((key, "drafting"), (key, "drafts"),
+    (key, "setup"): `SdbenchSystem.round_probe`)."""
     caches = {}
     for name, r in (("target", runner), ("draft", draft)):
         caches[name] = r.new_cache(1, needed_capacity(len(prompt), 0, gamma))
         r.prefill(caches[name], [prompt])
-    one, wide = torch.tensor([prompt[-1:]]), torch.tensor([(prompt * (gamma + 1))[: gamma + 1]])
-    logits = runner.run(caches["target"], Step(wide, [len(prompt)]))
-    fns = {"target": lambda: runner.run(caches["target"], Step(one, [len(prompt)])),
-           "draft": lambda: draft.run(caches["draft"], Step(one, [len(prompt)])),
-           "verify": lambda: runner.run(caches["target"], Step(wide, [len(prompt)])),
+    widths = {k: torch.tensor([(prompt * k)[-k:]]) for k in range(1, gamma + 2)}  # ending at its last token
+
+    def forward(r, cache, k: int):
+        return lambda: r.run(cache, Step(widths[k], [len(prompt)]))
+
+    logits = forward(runner, caches["target"], gamma + 1)()
+    fns = {"target": forward(runner, caches["target"], 1), "draft": forward(draft, caches["draft"], 1),
+           **{("verify", k): forward(runner, caches["target"], k) for k in range(2, gamma + 2)},
            **verdict_fns(logits, [gamma]), **{k: partial(s.round_probe, prompt) for k, s in systems.items()}}
     try:
         return median_times(fns, runner.device)
