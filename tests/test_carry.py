@@ -8,7 +8,7 @@ import math
 import pytest
 
 from sdbench.analysis.carry import EngineCosts, carry, decode_speedup, predicted
-from sdbench.engine.counters import CHAIN, MIRROR, Rounds, WIDE_FIRST
+from sdbench.engine.counters import CHAIN, MIRROR, Rounds, RowStats, WIDE_FIRST
 from sdbench.engine.iid_model import expected_tokens_per_step, predicted_speedup, round_speedup
 from sdbench.reporting.carry import Carried
 from sdbench.servers.costs import PREFIX, CostsUnknown, draft_costs, forward_seconds, prefix_from, target_costs
@@ -111,3 +111,21 @@ def test_an_engine_that_recomputes_the_prefix_is_refused():
         forward_seconds(StandIn(cache=False), "u", prefix_from([[1, 2, 3]]), [1, 2])
     with pytest.raises(CostsUnknown, match="fewer than two distinct"):
         forward_seconds(StandIn(), "u", prefix_from([[4, 4]]), [1])
+
+
+def test_v_is_the_mean_over_the_widths_the_rounds_verified():
+    """Six rounds of no draft and four of four: v = (6 v(1) + 4 v(5)) / 10, not v at the mean width 2.6 (a CPU's
+    forward over 2 or 3 tokens costs hardly more than over 1). Rounds without widths (an engine's) read v(g + 1)."""
+    rows = RowStats()
+    for drafted in [0] * 6 + [4] * 4:
+        rows.add_step(drafted, 0, 0.0, 0.0)
+    assert rows.verified_widths == {1: 6, 5: 4}
+    r = Rounds()
+    r.add(10, 1.0, 10, rows.drafted, 0, widths=rows.verified_widths)
+    r.add(10, 1.0, 10, rows.drafted, 0, widths=rows.verified_widths)
+    assert r.widths == {1: 12, 5: 8} and r.width_shares() == {1: 0.6, 5: 0.4}
+    costs = EngineCosts({1: 1.0, 2: 1.01, 3: 1.02, 4: 1.2, 5: 1.5}, 0.0)
+    assert costs.verify_for(r) == pytest.approx(0.6 * 1.0 + 0.4 * 1.5)
+    engine = Rounds(tokens=20, seconds=2.0, rounds=20, drafted=32)
+    assert costs.verify_for(engine) == pytest.approx(1.01 + 0.6 * 0.01)  # v(2.6), between the widths around it
+    assert predicted(r, costs) == pytest.approx(r.tokens_per_round / 1.2)

@@ -267,10 +267,11 @@ CARRY_COLUMNS = ["tokens_per_round", "drafts_per_round", "step_verify_cost", "st
                  "request_setup_cost"]
 
 
-def check_sdbench_carry_by_hand(df: pd.DataFrame, verify: dict, gamma: int = 4) -> None:
+def check_sdbench_carry_by_hand(df: pd.DataFrame, verify: dict, widths: dict, gamma: int = 4) -> None:
     """sdbench's own carry-over rows from the run's measured ratios, by the formula docs/engines.md gives: its
     verification cost v(k) = T(k) / T(1), measured at every width k from 1 to γ + 1 (`verify`; the widest is the
-    file's `verify_cost`), read at the row's g + 1 on the straight line between the two widths around it, c its own round's drafting per draft (at least the draft model's forward, `draft_cost`; a
+    file's `verify_cost`), averaged over the widths its rounds verified (widths[system]: width -> rounds, whose
+    mean less one is the row's g), c its own round's drafting per draft (at least the draft model's forward, `draft_cost`; a
     lookup's its lookup), drafting g c, and
     the round's overhead o = h + s R / N (h the host cost, s the setup cost per request, R / N the requests per
     round: 2 prompts over the tokens after each first, over L), predicted = L / (g c + v(g + 1) + o) with the row's
@@ -282,8 +283,9 @@ def check_sdbench_carry_by_hand(df: pd.DataFrame, verify: dict, gamma: int = 4) 
         big_l, g = row.tokens_per_round, row.drafts_per_round
         o = row.round_host_cost + row.request_setup_cost * 2 * big_l / (row.tokens - 2)
         assert row.round_overhead_cost == pytest.approx(o), system
-        lo = min(int(g + 1), gamma)
-        v = verify[lo] + (verify[lo + 1] - verify[lo]) * (g + 1 - lo)
+        counts = widths[system]
+        assert sum((k - 1) * n for k, n in counts.items()) / sum(counts.values()) == pytest.approx(g), system
+        v = sum(verify[k] * n for k, n in counts.items()) / sum(counts.values())
         assert row.verify_cost == pytest.approx(verify[gamma + 1])
         c = row.step_draft_cost
         assert c > 0 if strategy == "ngram" else c > 0.8 * row.draft_cost, system
@@ -332,7 +334,8 @@ def test_bench_carries_sdbench_acceptance_over_to_the_engine(capsys, tiny_engine
     # draft for the last token (a round drafts no more than the budget has room for), so L = 11 / 3 and g = 9 / 3
     mine = df.loc["sdbench draft (γ=4) (fast)"]
     assert (mine.tokens_per_round, mine.drafts_per_round) == (pytest.approx(11 / 3), pytest.approx(3.0))
-    check_sdbench_carry_by_hand(df, seen["args"][5].verify)
+    widths = {m.system: m.rounds.widths for m in seen["args"][0] if m.rounds is not None}
+    check_sdbench_carry_by_hand(df, seen["args"][5].verify, widths)
     assert pd.isna(plain.carried_speedup) and pd.isna(df.iloc[0].decode_speedup)
     assert "Does it carry over?" in out
     code, out, err = run_cli(capsys, "report", str(tmp_path / "bench" / "bench.parquet"))
@@ -349,15 +352,15 @@ def test_bench_carries_sdbench_acceptance_over_to_the_engine(capsys, tiny_engine
             wrong.loc[row.system, CARRY_COLUMNS] = [columns(row)[col] for col in CARRY_COLUMNS]
         return wrong
 
-    check_sdbench_carry_by_hand(remade(), costs.verify)  # unchanged, it holds
+    check_sdbench_carry_by_hand(remade(), costs.verify, widths)  # unchanged, it holds
     with monkeypatch.context() as m:
         m.setattr(EngineCosts, "verify_at", lambda self, width: interpolate(self.verify, width - 1.0))
         with pytest.raises(AssertionError):
-            check_sdbench_carry_by_hand(remade(), costs.verify)
+            check_sdbench_carry_by_hand(remade(), costs.verify, widths)
     with monkeypatch.context() as m:  # the setup spread over the requests, not the rounds
         m.setattr(EngineCosts, "overhead", lambda self, rounds: self.host + self.setup)
         with pytest.raises(AssertionError):
-            check_sdbench_carry_by_hand(remade(), costs.verify)
+            check_sdbench_carry_by_hand(remade(), costs.verify, widths)
 
 
 SAME_DECODING = {  # each row's engine row of the same decoding

@@ -10,7 +10,8 @@ plus one token of the target's, so
 
 and with the step costs of the engine that runs it, c (one draft step over one target step) and v(k) (a target
 forward over k tokens over one of 1 token, read at k = g + 1 between the widths measured), the predicted decode
-speedup over the engine's own plain decoding is L / (g c + v(g + 1) + o) (`iid_model.round_speedup`). Where an
+speedup over the engine's own plain decoding is L / (g c + v + o) (`iid_model.round_speedup`), v the mean of v(k)
+over the widths k the rounds verified where they are known (sdbench's rounds), else v(g + 1). Where an
 engine's drafter also runs the round's verification batch through the draft (`EngineCosts.round`), g c becomes the
 draft forwards that round costs (`EngineCosts.draft_steps`) times c. o is a round's overhead beyond its forwards:
 h, the host work of a round (acceptance, bookkeeping) beyond a plain step's, plus s R / N, the proposer's setup
@@ -84,6 +85,15 @@ class EngineCosts:
         """v(width)."""
         return interpolate(self.verify, width)
 
+    def verify_for(self, rounds: Rounds) -> float:
+        """v of `rounds`' verifications: the mean of v(k) over the widths they verified where those are known
+        (sdbench's rounds), else v(g + 1). A CPU's v is far from a line in k (a forward over 2 or 3 tokens costs
+        hardly more than over 1), so v at the mean width misstates rounds that mix 0 and gamma drafts."""
+        shares = rounds.width_shares()
+        if not shares:
+            return self.verify_at(rounds.drafts_per_round + 1.0)
+        return sum(share * self.verify_at(k) for k, share in shares.items())
+
     def draft_steps(self, g: float) -> float:
         """One-token draft forwards a round of g drafts costs (see CHAIN, MIRROR, WIDE_FIRST, BLOCK: one forward of
         cost c, whatever g)."""
@@ -96,11 +106,11 @@ class EngineCosts:
 
 
 def predicted(rounds: Rounds, costs: EngineCosts) -> float:
-    """L / (d c + v(g + 1)) with L and g from `rounds`, d = costs.draft_steps(g) (g for a chain), c and v from
-    `costs`."""
+    """L / (d c + v + o) with L, g and the widths verified from `rounds`, d = costs.draft_steps(g) (g for a chain),
+    c, v (`EngineCosts.verify_for`) and o from `costs`."""
     g = rounds.drafts_per_round
     return round_speedup(rounds.tokens_per_round, costs.draft_steps(g), costs.draft,
-                         costs.verify_at(g + 1.0) + costs.overhead(rounds))
+                         costs.verify_for(rounds) + costs.overhead(rounds))
 
 
 def decode_speedup(rounds: Rounds, plain: Rounds) -> float:
@@ -111,7 +121,7 @@ def carry(system: str, engine: str, own: Rounds, plain: Rounds, costs: EngineCos
     """The carry-over row of a speculative system: `own` its rounds, `plain` its engine's plain decoding's, `costs`
     its engine's, `reference` sdbench's rounds of the same strategy on the same prompts."""
     g = own.drafts_per_round
-    return Carried(system, engine, own.tokens_per_round, g, costs.verify_at(g + 1.0), costs.draft,
+    return Carried(system, engine, own.tokens_per_round, g, costs.verify_for(own), costs.draft,
                    costs.draft_steps(g) * costs.draft, predicted(reference, costs), predicted(own, costs),
                    decode_speedup(own, plain), costs.overhead(own), costs.host, costs.setup,
                    *rest_parts(own, plain, costs))
@@ -119,14 +129,14 @@ def carry(system: str, engine: str, own: Rounds, plain: Rounds, costs: EngineCos
 
 def rest_parts(own: Rounds, plain: Rounds, costs: EngineCosts) -> tuple[float, float, float]:
     """(forwards, host, setup): the rest's factors for rounds whose loop timed its parts (sdbench's; NaN for an
-    engine's). Each part per round in plain decoding's measured time per token: predicted F = d c + v(g + 1),
+    engine's). Each part per round in plain decoding's measured time per token: predicted F = d c + v,
     H = h, S = s R / N; measured S the setup, H the host work beyond plain decoding's per token, F the remainder."""
     nan = (math.nan,) * 3
     if not (own.rounds and own.host_s and plain.tokens and plain.seconds):
         return nan
     unit = plain.seconds / plain.tokens  # plain decoding's measured time per token
     g = own.drafts_per_round
-    pred = (costs.draft_steps(g) * costs.draft + costs.verify_at(g + 1.0), costs.host,
+    pred = (costs.draft_steps(g) * costs.draft + costs.verify_for(own), costs.host,
             costs.overhead(own) - costs.host)
     setup = own.setup_s / own.rounds / unit
     host = (own.host_s / own.rounds - plain.host_s / plain.tokens) / unit

@@ -65,5 +65,5 @@ class SdbenchSystem:
         if budget is None and len(out) > 1:
             spec = self.key[0] != "autoregressive"
             self.rounds.add(len(out) - 1, res.wall_s - res.ttft_s, row.steps if spec else len(out) - 1,
-                            row.drafted, row.accepted, res.setup_s, host_s(row))
+                            row.drafted, row.accepted, res.setup_s, host_s(row), row.verified_widths if spec else None)
         return out

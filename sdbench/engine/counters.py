@@ -62,6 +62,7 @@ class RowStats:
     tree_nodes: int = 0
     sibling_accepts: int = 0
     verified_width: int = 0
+    verified_widths: dict = field(default_factory=dict)  # width -> steps whose verifying forward had that many
     tried_per_depth_rank: list[list[int]] = field(default_factory=list)  # [d][r], see the module docstring
     accepted_per_depth_rank: list[list[int]] = field(default_factory=list)
 
@@ -88,7 +89,9 @@ class RowStats:
         self.draft_s += draft_s
         self.verify_s += verify_s
         self.accept_s += accept_s
-        self.verified_width += drafted + 1 if width is None else width
+        w = drafted + 1 if width is None else width
+        self.verified_width += w
+        self.verified_widths[w] = self.verified_widths.get(w, 0) + 1
         for d, r, ok in found:
             _count_try(self.tried_per_depth_rank, self.accepted_per_depth_rank, d, r, ok)
         reached = drafted if tree is None else tree.max_depth
@@ -127,9 +130,10 @@ class Rounds:
     requests: int = 0  # prompts decoded
     setup_s: float = 0.0  # of `seconds`: the proposer's setup (sdbench's systems; 0 where not timed apart)
     host_s: float = 0.0  # of `seconds`: the rounds' work outside drafting and verifying forwards (`metrics.host_s`)
+    widths: dict = field(default_factory=dict)  # verification width -> rounds (sdbench's systems; {} for an engine's)
 
     def add(self, tokens: int, seconds: float, rounds: int, drafted: int = 0, accepted: int = 0,
-            setup_s: float = 0.0, host_s: float = 0.0) -> None:
+            setup_s: float = 0.0, host_s: float = 0.0, widths: dict | None = None) -> None:
         self.tokens += tokens
         self.seconds += seconds
         self.rounds += rounds
@@ -138,6 +142,13 @@ class Rounds:
         self.requests += 1
         self.setup_s += setup_s
         self.host_s += host_s
+        for w, n in (widths or {}).items():
+            self.widths[w] = self.widths.get(w, 0) + n
+
+    def width_shares(self) -> dict[int, float]:
+        """Verification width -> its share of the rounds' verifications; {} where the widths are not known."""
+        total = sum(self.widths.values())
+        return {w: n / total for w, n in sorted(self.widths.items())} if total else {}
 
     @property
     def tokens_per_round(self) -> float:

@@ -26,7 +26,7 @@ class Carried:
     engine: str  # "sdbench" for sdbench's own rows (carried = own: its acceptance measured where it runs)
     tokens_per_round: float  # the system's own L
     drafts_per_round: float
-    verify: float  # v(g + 1) of the system's own g, in its engine
+    verify: float  # v over the system's own rounds (their widths', else at its g + 1), in its engine
     draft: float  # c in its engine
     draft_round: float  # target forwards the round's drafting costs: draft_steps(g) c
     carried: float
@@ -60,8 +60,8 @@ COLUMNS = {"tokens_per_round": "tokens_per_round", "drafts_per_round": "drafts_p
            "overhead": "round_overhead_cost", "host_cost": "round_host_cost", "setup_cost": "request_setup_cost",
            "rest_forwards": "rest_forwards", "rest_host": "rest_host", "rest_setup": "rest_setup"}
 TITLE = "Does it carry over? Decode speedup of each speculative system over its own engine's plain decoding"
-CAPTION = ("L tokens per round and g drafts per round: the system's own; v = T(g + 1) / T(1) and c: its engine's "
-           "step costs; drafting: the round's draft forwards in target forwards (g c; c for a block head, whose one "
+CAPTION = ("L tokens per round and g drafts per round: the system's own; v = T(k) / T(1) over the widths k "
+           "its rounds verified (at k = g + 1 where they are not known) and c: its engine's step costs; drafting: the round's draft forwards in target forwards (g c; c for a block head, whose one "
            "forward drafts the round; more where the engine's drafter also runs the verification batch); o: the round's "
            "overhead beyond its forwards (host work and the draft's setup, timed by sdbench for its own systems); "
            "predicted = L / (drafting + v + o) with L and g from sdbench's run of the same strategy (carried) or "
@@ -91,7 +91,7 @@ def from_frame(df: pd.DataFrame) -> list[Carried]:
 
 def carry_table(rows: list[Carried]) -> Table:
     table = Table(title=TITLE, caption=CAPTION)
-    for col in ("system", "L", "g", "v(g+1)", "c", "drafting", "o", "predicted (carried)", "predicted (own)",
+    for col in ("system", "L", "g", "v", "c", "drafting", "o", "predicted (carried)", "predicted (own)",
                 "measured", "carried / measured", "acceptance", "rest", "forwards x host x setup"):
         table.add_column(col, justify="left" if col == "system" else "right")
     for r in rows:
