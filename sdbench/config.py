@@ -155,6 +155,7 @@ class BenchConfig:
     generate: str = "fastest"  # transformers generate's configuration (commands/hf_generate.py MODES)
     autoregressive_only: bool = False  # plain decoding alone (transformers, sdbench eager and fast, generic)
     heads: tuple[str, ...] = ()  # trained heads (folders or hub ids): one sdbench eagle/medusa row each
+    tree: str = ""  # "K,NODES": also the draft model's top-K token tree of NODES nodes, gamma levels deep
     engine: str = "sdbench"  # also measure engines users deploy (servers/engines.py): llama.cpp, vllm or a comma list
     engine_url: str | None = None  # that engine's server the user already runs (measured as it runs)
     engine_port: int | None = None  # the first port of the servers sdbench starts (None: free ones)

@@ -254,3 +254,32 @@ def test_outputs_are_compared_with_generates_dynamic_cache_when_the_timed_config
     assert bench._reference(None, [[1, 2], [3, 4]], [0], 4, Picked("compiled"), agree, _Status(),
                             lambda fast: None) == (ref, None)
     assert bench._reference(None, [], [0], 4, Picked("dynamic"), timed, _Status(), None) == (timed.outputs, None)
+
+
+def test_bench_measures_a_token_tree_beside_the_chain(capsys, tiny_bench, tmp_path, monkeypatch):
+    """--tree 2,6: the draft model's top-2 tree of 6 nodes through sdbench's loop, held to generate's tokens; its
+    verification is 7 tokens wide, so the step costs time widths up to 7, and its carry-over row reads v over
+    the widths its rounds verified: L / (its round's drafting + v + o)."""
+    import sdbench.commands.bench as bench
+
+    seen = {}
+    real = bench.step_costs
+    monkeypatch.setattr(bench, "step_costs", lambda *a: seen.setdefault("costs", real(*a)))
+    code, out, err = run_cli(capsys, *tiny_bench, "--tree", "2,6", "--out", str(tmp_path / "bench"))
+    assert code == 0, err
+    assert set(seen["costs"].verify) == set(range(1, 8))
+    df = pd.read_parquet(tmp_path / "bench" / "bench.parquet")
+    tree = df[df.system.str.startswith("sdbench draft tree (top-2, 6 nodes, γ=4)")].iloc[0]
+    assert tree.same_output and tree.tokens == 24
+    assert 4 < tree.drafts_per_round <= 6  # six nodes a round, fewer where the budget's end has no room
+    assert tree.own_predicted_speedup == pytest.approx(tree.tokens_per_round / (
+        tree.round_draft_cost + tree.step_verify_cost + tree.round_overhead_cost))
+    assert min(seen["costs"].verify.values()) <= tree.step_verify_cost <= max(seen["costs"].verify.values())
+
+
+@pytest.mark.parametrize("value, said", [("2", "give the top-K and the node budget as K,NODES"),
+                                         ("0,4", "give the top-K and the node budget as K,NODES"),
+                                         ("2,x", "give the top-K and the node budget as K,NODES")])
+def test_bench_refuses_a_bad_tree_in_one_line(capsys, value, said):
+    code, _, err = run_cli(capsys, "bench", "--tree", value)
+    assert code == 2 and err.strip() == f"error: --tree {value}: {said}, e.g. 2,8"

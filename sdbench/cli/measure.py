@@ -177,6 +177,7 @@ def bench(
     generate: Annotated[str, typer.Option(envvar="SDBENCH_GENERATE", help="transformers generate's configuration: "
                                           "fastest (tried and picked here), dynamic, static or compiled")] = "fastest",
     head: Annotated[Optional[list[str]], typer.Option("--head", help="a trained head (EAGLE or Medusa folder or hub id) measured beside the others (repeatable)")] = None,
+    tree: Annotated[str, typer.Option("--tree", help="also the draft model's top-K token tree of NODES nodes, γ levels deep, as K,NODES (e.g. 2,8): sdbench's loop alone, no peer grows trees")] = "",
     engine: Annotated[str, typer.Option(help="also measure engines users deploy, each through its own server: "
                                         "llama.cpp, vllm or both as llama.cpp,vllm (`sdbench list engines`); "
                                         "sdbench: none")] = "sdbench",
@@ -193,7 +194,7 @@ def bench(
     from sdbench.commands.bench_matrix import run_matrix, target_configs
 
     base = C.BenchConfig(C.DEFAULT_TARGET, "", dataset, limit, max_new_tokens, gamma, device, dtype, seed, repeats, out,
-                         generate, heads=tuple(head or ()), engine=engine, engine_url=engine_url,
+                         generate, heads=tuple(head or ()), tree=tree, engine=engine, engine_url=engine_url,
                          engine_port=engine_port)
     cfgs = target_configs(base, list(target or [C.DEFAULT_TARGET]), list(draft or []))
     if len(cfgs) == 1 and ray is None:

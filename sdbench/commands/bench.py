@@ -46,6 +46,7 @@ from sdbench.strategies.base import TrainedHead
 from sdbench.strategies.draft import DraftModel
 from sdbench.strategies.ngram import NGram
 from sdbench.strategies.spec import head_strategy, need_gamma
+from sdbench.strategies.trees import tree_setting
 
 
 
@@ -112,6 +113,30 @@ def _head_systems(runner, heads: tuple[str, ...], max_new: int, eos: list[int], 
     return rows
 
 
+def tree_spec(cfg: BenchConfig) -> tuple[int, int] | None:
+    """--tree K,NODES as (K, NODES), checked as the draft strategy checks its tree (None: no --tree)."""
+    if not cfg.tree:
+        return None
+    parts = split_list(cfg.tree, "--tree")
+    if len(parts) != 2 or not all(p.isdigit() and int(p) > 0 for p in parts):
+        raise SdbenchError(f"--tree {cfg.tree}: give the top-K and the node budget as K,NODES, e.g. 2,8")
+    topk, nodes = map(int, parts)
+    tree_setting("draft", cfg.gamma, topk, nodes, "")  # refuses what the strategy would
+    return topk, nodes
+
+
+def _tree_systems(runner, d_runner, cfg: BenchConfig, eos: list[int], room: int) -> list:
+    """[(name, fn, on the fast path's weights)] for the draft model's top-k tree (`--tree`); [] without one."""
+    spec, gamma = tree_spec(cfg), cfg.gamma
+    if spec is None:
+        return []
+    topk, nodes = spec
+    return [(f"sdbench draft tree (top-{topk}, {nodes} nodes, γ={gamma}){_fast_label(runner)}",
+             SdbenchSystem(runner, lambda: DraftModel(d_runner, gamma, tree_topk=topk, tree_nodes=nodes),
+                           cfg.max_new_tokens, eos, room, ("draft tree", f"{cfg.draft_model} top-{topk}/{nodes}")),
+             runner.cpu_fast)]
+
+
 @dataclass
 class Peers:
     """What `measure_peers` measured: the systems, and what the table's caption and the lines under it say."""
@@ -157,6 +182,8 @@ def check_bench(cfg: BenchConfig) -> None:
     if cfg.repeats < 1 or cfg.limit < 1 or cfg.max_new_tokens < 1:
         raise SdbenchError("bench: --repeats, --limit and --max-new-tokens must be at least 1")
     need_gamma("draft", cfg.gamma, "bench --gamma")
+    if tree_spec(cfg) and cfg.autoregressive_only:
+        raise SdbenchError("bench --tree is a speculative row: drop --autoregressive-only")
     if cfg.generate not in MODES:
         raise SdbenchError(f"--generate {cfg.generate}: use one of {', '.join(MODES)}")
     if cfg.dtype in ENGINE_TYPES and LlamaCpp.name not in engine_names(cfg.engine):
@@ -248,6 +275,20 @@ def run_peers(cfg: BenchConfig, console: Console) -> list[SystemMeasurement]:
     return peers.results
 
 
+def _layouts(*runners):
+    """weights(fast): each model in the layout the next system runs on, the fast runners' own or the library's."""
+    unique = list({id(r): r for r in runners}.values())
+
+    def weights(fast: bool) -> None:
+        for r in unique:
+            if fast:
+                r.own_layout()
+            else:
+                r.share_plain()
+
+    return weights
+
+
 def measure_peers(cfg: BenchConfig, console: Console) -> Peers:
     """Load the models, measure every system (`_systems`) on the same prompts, then the cost ratios and the
     memory bandwidth; prints nothing but progress and a @random model's note."""
@@ -265,19 +306,13 @@ def measure_peers(cfg: BenchConfig, console: Console) -> Peers:
     graphs_asked = bool(getattr(runner, "graphs", False))
     generic = GenericRunner(tgt.model, target) if runner_kind(runner) == "native" else None
 
-    def weights(fast: bool) -> None:
-        """Each model in the layout the next system runs on: the fast runners' own, or the library's."""
-        for r in {id(r): r for r in (runner, d_runner)}.values():
-            if fast:
-                r.own_layout()
-            else:
-                r.share_plain()
-
+    weights = _layouts(runner, d_runner)
     room = needed_capacity(max(len(p) for p in prompts), max_new, gamma)
     # the drafter named as the engines name it (a block type's copy, MODEL@q4_0, is their re-typed MODEL)
     systems = _systems(tgt, drf, runner, pick_runner(tgt.model, target, False), d_runner, max_new, eos, room, gamma,
                        generic, cfg.autoregressive_only, cfg.draft_model)
-    systems += _head_systems(runner, cfg.heads, max_new, eos, room, gamma)
+    systems += [*_head_systems(runner, cfg.heads, max_new, eos, room, gamma),
+                *_tree_systems(runner, d_runner, cfg, eos, room)]
     # the engines' servers hold the step costs' probes too: a cached prefix and γ + 1 tokens after it
     served = max(room, probe_capacity(gamma))
     replayed = _replayed(cfg, systems, prompts, console, weights)
@@ -291,11 +326,12 @@ def measure_peers(cfg: BenchConfig, console: Console) -> Peers:
         reference, disagreement = _reference(tgt.model, prompts, eos, max_new, picked, results[0], status, weights)
         status.update("measuring the step costs: forwards, verdicts and rounds, interleaved")
         weights(True)
-        costs = step_costs(runner, d_runner, [fn for _, fn, _ in systems], prompts, gamma)
+        costs = step_costs(runner, d_runner, [fn for _, fn, _ in systems], prompts, gamma,
+                           (tree_spec(cfg) or (0, 0))[1] + 1)
         weights(False)
         carried, unknown = carry_over(results, fast_row(results), engines, prompts, gamma, costs, status)
-    return Peers(results, roofline_read(bandwidth.best(memory_bandwidth(dev)), results, plain_bytes, cfg.dtype in ENGINE_TYPES),
-                 plain_bytes, costs.widest, costs.draft, picked, reference, disagreement,
+    read = roofline_read(bandwidth.best(memory_bandwidth(dev)), results, plain_bytes, cfg.dtype in ENGINE_TYPES)
+    return Peers(results, read, plain_bytes, costs.widest, costs.draft, picked, reference, disagreement,
                  runner.fast_path_note(), graphs_asked, bool(getattr(runner, "graphs", False)), len(prompts),
                  str(dev), carried, unknown, runner.block_activations() == "int8")
 

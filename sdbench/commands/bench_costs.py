@@ -49,13 +49,15 @@ class StepCosts:
         return self.verify[max(self.verify)]
 
 
-def step_costs(runner, draft, systems: list, prompts: list[list[int]], gamma: int) -> StepCosts:
+def step_costs(runner, draft, systems: list, prompts: list[list[int]], gamma: int, widest: int = 0) -> StepCosts:
     """Each prompt's probes in one interleaved pass (`prompt_costs`), then per cost the median over the prompts of
     its ratio to that prompt's one-token forward (s: the mean, as a request's setup adds up). systems: bench's;
-    those of sdbench's own loop that draft (a key other than plain decoding's) get own costs."""
+    those of sdbench's own loop that draft (a key other than plain decoding's) get own costs. widest: the widest
+    verification to time beyond gamma + 1 (a token tree's nodes and its root)."""
     mine = {s.key: s for s in systems if isinstance(getattr(s, "key", None), tuple) and hasattr(s, "round_probe")
             and s.key[0] != "autoregressive"}
-    each = [prompt_costs(runner, draft, mine, p, gamma) for p in prompts]
+    widths = range(2, max(gamma + 1, widest) + 1)
+    each = [prompt_costs(runner, draft, mine, p, gamma, widths) for p in prompts]
 
     def median(cost) -> float:
         return statistics.median(cost(t) / t["target"] for t in each)
@@ -65,27 +67,27 @@ def step_costs(runner, draft, systems: list, prompts: list[list[int]], gamma: in
                    {k: statistics.mean(t[(k, "setup")] / t["target"] for t in each) for k in mine},
                    statistics.median(host_costs(t, [gamma], t["target"])[gamma] for t in each),
                    frozenset(k for k, s in mine.items() if s.block))
-    verify = {1: 1.0, **{k: median(lambda t, k=k: t[("verify", k)]) for k in range(2, gamma + 2)}}
+    verify = {1: 1.0, **{k: median(lambda t, k=k: t[("verify", k)]) for k in widths}}
     return StepCosts(verify, median(lambda t: t["draft"]), own)
 
 
-def prompt_costs(runner, draft, systems: dict, prompt: list[int], gamma: int) -> dict:
-    """At the prompt's end, interleaved (`median_times`): the target's forward over one token ("target") and over k
-    = 2 ... gamma + 1 (("verify", k), as a verification sees them), the draft's over one ("draft"), the verdict on
+def prompt_costs(runner, draft, systems: dict, prompt: list[int], gamma: int, widths: range) -> dict:
+    """At the prompt's end, interleaved (`median_times`): the target's forward over one token ("target") and over
+    each k of `widths` (("verify", k), as a verification sees them), the draft's over one ("draft"), the verdict on
     gamma drafts and on none (`verdict_fns`), and each system's round probe ((key, "drafting"), (key, "drafts"),
     (key, "setup"): `SdbenchSystem.round_probe`)."""
     caches = {}
     for name, r in (("target", runner), ("draft", draft)):
-        caches[name] = r.new_cache(1, needed_capacity(len(prompt), 0, gamma))
+        caches[name] = r.new_cache(1, needed_capacity(len(prompt), 0, max(widths)))
         r.prefill(caches[name], [prompt])
-    widths = {k: torch.tensor([(prompt * k)[-k:]]) for k in range(1, gamma + 2)}  # ending at its last token
+    ids = {k: torch.tensor([(prompt * k)[-k:]]) for k in (1, *widths)}  # each ending at the prompt's last token
 
     def forward(r, cache, k: int):
-        return lambda: r.run(cache, Step(widths[k], [len(prompt)]))
+        return lambda: r.run(cache, Step(ids[k], [len(prompt)]))
 
     logits = forward(runner, caches["target"], gamma + 1)()
     fns = {"target": forward(runner, caches["target"], 1), "draft": forward(draft, caches["draft"], 1),
-           **{("verify", k): forward(runner, caches["target"], k) for k in range(2, gamma + 2)},
+           **{("verify", k): forward(runner, caches["target"], k) for k in widths},
            **verdict_fns(logits, [gamma]), **{k: partial(s.round_probe, prompt) for k, s in systems.items()}}
     try:
         return median_times(fns, runner.device)
