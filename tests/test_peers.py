@@ -85,7 +85,7 @@ def test_step_costs_are_the_forwards_time_ratios(monkeypatch):
     draft = _Timed(ModelRunner(tiny_model(1, layers=1)), {1: 0.002}, clock)
     costs = step_costs(target, draft, [], [[1, 2, 3, 4, 5], [6, 7, 8]], 4)
     assert costs.verify == pytest.approx({1: 1.0, 2: 1.01, 3: 1.04, 4: 1.2, 5: 1.3})  # each width, not a line
-    assert costs.widest == pytest.approx(1.3) and costs.draft == pytest.approx(0.2)
+    assert costs.at(5) == pytest.approx(1.3) and costs.draft == pytest.approx(0.2)
 
 
 @pytest.mark.parametrize("args", [["--repeats", "0"], ["--limit", "0"], ["--gamma", "0"]])
@@ -268,6 +268,7 @@ def test_bench_measures_a_token_tree_beside_the_chain(capsys, tiny_bench, tmp_pa
     code, out, err = run_cli(capsys, *tiny_bench, "--tree", "2,6", "--out", str(tmp_path / "bench"))
     assert code == 0, err
     assert set(seen["costs"].verify) == set(range(1, 8))
+    assert f"T(5 tokens) / T(1 token), {tiny_bench[2]}: {seen['costs'].at(5):.2f};" in out  # a chain's, not the tree's
     df = pd.read_parquet(tmp_path / "bench" / "bench.parquet")
     tree = df[df.system.str.startswith("sdbench draft tree (top-2, 6 nodes, γ=4)")].iloc[0]
     assert tree.same_output and tree.tokens == 24

@@ -130,7 +130,7 @@ def test_the_probes_by_hand(monkeypatch, target, prompts):
          (d, "drafting"): 0.06, (d, "drafts"): 3, (d, "setup"): 0.05, (h, "drafting"): 0.03, (h, "drafts"): 4,
          (h, "setup"): 0.0}])
     asked = []
-    monkeypatch.setattr(bench_costs, "median_times", lambda fns, device: (asked.append(set(fns)), next(each))[1])
+    monkeypatch.setattr(bench_costs, "median_times", lambda fns, device, reps: (asked.append(set(fns)), next(each))[1])
 
     class System:
         def __init__(self, key, block=False):

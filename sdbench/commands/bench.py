@@ -331,7 +331,7 @@ def measure_peers(cfg: BenchConfig, console: Console) -> Peers:
         weights(False)
         carried, unknown = carry_over(results, fast_row(results), engines, prompts, gamma, costs, status)
     read = roofline_read(bandwidth.best(memory_bandwidth(dev)), results, plain_bytes, cfg.dtype in ENGINE_TYPES)
-    return Peers(results, read, plain_bytes, costs.widest, costs.draft, picked, reference, disagreement,
+    return Peers(results, read, plain_bytes, costs.at(gamma + 1), costs.draft, picked, reference, disagreement,
                  runner.fast_path_note(), graphs_asked, bool(getattr(runner, "graphs", False)), len(prompts),
                  str(dev), carried, unknown, runner.block_activations() == "int8")
 

@@ -22,6 +22,9 @@ from sdbench.engine.state import needed_capacity
 from sdbench.forward_step import Step
 
 
+REPS = 7  # each probe's timed repetitions per prompt (after two untimed): a round probe costs a prefill and setup
+
+
 @dataclass(frozen=True)
 class OwnCosts:
     """What the carry-over predicts sdbench's own rows with beyond v: by system key, c (a block drafter's whole
@@ -43,10 +46,9 @@ class StepCosts:
     draft: float
     own: OwnCosts = OwnCosts()
 
-    @property
-    def widest(self) -> float:
-        """v(gamma + 1): a verification of a whole lookahead."""
-        return self.verify[max(self.verify)]
+    def at(self, width: int) -> float:
+        """v(width), e.g. v(gamma + 1): a verification of a whole chain's lookahead."""
+        return self.verify[width]
 
 
 def step_costs(runner, draft, systems: list, prompts: list[list[int]], gamma: int, widest: int = 0) -> StepCosts:
@@ -90,7 +92,7 @@ def prompt_costs(runner, draft, systems: dict, prompt: list[int], gamma: int, wi
            **{("verify", k): forward(runner, caches["target"], k) for k in widths},
            **verdict_fns(logits, [gamma]), **{k: partial(s.round_probe, prompt) for k, s in systems.items()}}
     try:
-        return median_times(fns, runner.device)
+        return median_times(fns, runner.device, reps=REPS)
     finally:
         runner.release(caches["target"])
         draft.release(caches["draft"])
