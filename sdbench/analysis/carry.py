@@ -9,7 +9,7 @@ plus one token of the target's, so
     drafts per round  g = drafted / rounds
 
 and with the step costs of the engine that runs it, c (one draft step over one target step) and v(k) (a target
-forward over k tokens over one of 1 token, read at k = g + 1 between the widths measured), the predicted decode
+forward over k tokens over one of 1 token, at each width measured, between them on a line), the predicted decode
 speedup over the engine's own plain decoding is L / (g c + v + o) (`iid_model.round_speedup`), v the mean of v(k)
 over the widths k the rounds verified where they are known (sdbench's rounds), else v(g + 1). Where an
 engine's drafter also runs the round's verification batch through the draft (`EngineCosts.round`), g c becomes the

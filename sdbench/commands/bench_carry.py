@@ -51,14 +51,15 @@ def carry_over(results: list, plain, engines: list, prompts: list[list[int]], ga
                status=None) -> tuple[list[Carried], list[str]]:
     """(the carry-over rows, a line for each speculative system left without one). results: `bench`'s measurements
     systems; plain: sdbench's own plain decoding on its fastest path among them; engines: every EngineSystem
-    started (the draft's cost-only servers too); costs: sdbench's own (`bench_costs.step_costs`): v(k) = T(k) / T(1)
-    for k up to gamma + 1, the draft model's c, and its own rows' c, h and s (a key they lack: the draft model's c, no overhead)."""
+    started (the draft's cost-only servers too); costs: sdbench's own (`bench_costs.step_costs`): v(k) = T(k) /
+    T(1) for k up to gamma + 1, the draft model's c, and its own rows' c, h and s (a key they lack: the draft
+    model's c, no overhead)."""
     ours = {m.key: m for m in results if m.engine is None and m.key is not None and not m.failed}
     rows, unknown = [], []
+    own = costs.own
     for key, m in ours.items():
         if key[0] == "autoregressive" or plain is None:
             continue
-        own = costs.own
         sdbench = EngineCosts(costs.verify, own.draft.get(key, _draft_cost(key[0], costs.draft)),
                               round=BLOCK if key in own.blocks else CHAIN, host=own.host if key in own.draft else 0.0,
                               setup=own.setup.get(key, 0.0))
