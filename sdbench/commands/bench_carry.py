@@ -55,15 +55,7 @@ def carry_over(results: list, plain, engines: list, prompts: list[list[int]], ga
     T(1) for k up to gamma + 1, the draft model's c, and its own rows' c, h and s (a key they lack: the draft
     model's c, no overhead)."""
     ours = {m.key: m for m in results if m.engine is None and m.key is not None and not m.failed}
-    rows, unknown = [], []
-    own = costs.own
-    for key, m in ours.items():
-        if key[0] == "autoregressive" or plain is None:
-            continue
-        sdbench = EngineCosts(costs.verify, own.draft.get(key, _draft_cost(key[0], costs.draft)),
-                              round=BLOCK if key in own.blocks else CHAIN, host=own.host if key in own.draft else 0.0,
-                              setup=own.setup.get(key, 0.0))
-        rows.append(carry(m.system, SDBENCH, m.rounds, plain.rounds, sdbench, m.rounds))
+    rows, unknown = _own_rows(ours, plain, costs), []
     found = {id(m.source): m for m in results if m.engine is not None}  # an engine system's measurement
     for name in dict.fromkeys(s.engine.name for s in engines):
         mine = [s for s in engines if s.engine.name == name]
@@ -98,6 +90,21 @@ def carry_over(results: list, plain, engines: list, prompts: list[list[int]], ga
                        "neither bench nor an engine's server; their tokens and drafts per round and measured speedups "
                        "are their own")
     return rows, unknown
+
+
+def _own_rows(ours: dict, plain, costs: StepCosts) -> list[Carried]:
+    """The carry-over rows of sdbench's own speculative systems (ours: by key), at sdbench's own costs."""
+    if plain is None:
+        return []
+    own, rows = costs.own, []
+    for key, m in ours.items():
+        if key[0] == "autoregressive":
+            continue
+        sdbench = EngineCosts(costs.verify, own.draft.get(key, _draft_cost(key[0], costs.draft)),
+                              round=BLOCK if key in own.blocks else CHAIN, host=own.host if key in own.draft else 0.0,
+                              setup=own.setup.get(key, 0.0))
+        rows.append(carry(m.system, SDBENCH, m.rounds, plain.rounds, sdbench, m.rounds))
+    return rows
 
 
 def _draft_cost(strategy: str, model_c: float) -> float:
