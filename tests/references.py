@@ -49,6 +49,15 @@ def tiny_model_dir(folder, arch: str = "llama", seed: int = 0, model=None):
     """A loadable model folder (`--target FOLDER`): a perturbed tiny model (or `model`, VOCAB tokens) and a
     word-level tokenizer whose words are w0, w1, ... (w-prefixed text encodes to known ids: id = 3 + the
     number; 0-2 are specials)."""
+    model = perturbed(tiny_model(seed, arch=arch), seed + 100) if model is None else model
+    model.generation_config.eos_token_id = 2
+    model.save_pretrained(folder)
+    word_tokenizer().save_pretrained(folder)
+    return folder
+
+
+def word_tokenizer(size: int = 0):
+    """A word-level tokenizer of `size` tokens (default VOCAB): the specials <unk>, <s>, </s>, then w0, w1, ..."""
     from tokenizers import Tokenizer
     from tokenizers.models import WordLevel
     from tokenizers.pre_tokenizers import Whitespace
@@ -57,15 +66,10 @@ def tiny_model_dir(folder, arch: str = "llama", seed: int = 0, model=None):
     from tests.conftest import VOCAB
 
     specials = ["<unk>", "<s>", "</s>"]
-    vocab = {t: i for i, t in enumerate(specials + [f"w{i}" for i in range(VOCAB - len(specials))])}
+    vocab = {t: i for i, t in enumerate(specials + [f"w{i}" for i in range((size or VOCAB) - len(specials))])}
     backend = Tokenizer(WordLevel(vocab, unk_token="<unk>"))
     backend.pre_tokenizer = Whitespace()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
-    model = perturbed(tiny_model(seed, arch=arch), seed + 100) if model is None else model
-    model.generation_config.eos_token_id = 2
-    model.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return folder
+    return PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
 
 
 def tiny_text_model_dir(folder, seed: int = 0, **shape):

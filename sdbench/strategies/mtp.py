@@ -1,19 +1,39 @@
-"""MTP: the target's own multi-token-prediction module (--head, the speculators format; models/heads/mtp.py)
-drafts as an EAGLE head does, from the target's final-norm state: a chain of gamma module steps, or a token tree
-(tree_topk, tree_shape, tree_dynamic)."""
+"""MTP: the target's own multi-token-prediction module drafts as an EAGLE head does, from the target's final-norm
+state (models/heads/mtp.py): a chain of gamma module steps, or a token tree (tree_topk, tree_shape, tree_dynamic).
+The module is read from the target's own checkpoint (DeepSeek-V3, GLM-4.5 and MiMo ship one; mtp_native.py), or
+from --head: a folder in the speculators format, or another checkpoint with a module of its own."""
 
 from __future__ import annotations
 
+from sdbench.errors import SdbenchError
 from sdbench.strategies.eagle import HeadStrategy, check_width, eagle_head
-from sdbench.strategies.spec import register
+from sdbench.strategies.spec import BuildContext, need_gamma, register
 
 
 @register
 class MTPStrategy(HeadStrategy):
     name = "mtp"
-    help = ("the target's multi-token-prediction module (--head, speculators format) drafting a chain from its "
-            "final state, one module step per draft; tree_topk=K or tree_shape=... grows a token tree")
+    help = ("the target's multi-token-prediction module (its own checkpoint's, or --head in the speculators format) "
+            "drafting a chain from its final state, one module step per draft; tree_topk=K or tree_shape=... grows "
+            "a token tree")
     head_kinds = ("mtp",)
+
+    @classmethod
+    def validate(cls, gamma: int, options: dict, drafts: tuple[str, ...], sampling) -> None:
+        if options.get("head"):
+            return super().validate(gamma, options, drafts, sampling)
+        need_gamma(cls.name, gamma)  # no --head: the target's own module, read once the target has loaded
+        cls.tree(gamma, options)
+
+    @classmethod
+    def build(cls, ctx: BuildContext):
+        if ctx.options.get("head"):
+            return super().build(ctx)
+        from sdbench.models.heads.load import load_head  # reads weights: only a run that drafts with it
+
+        source = own_checkpoint(ctx.target)
+        return cls.proposer_for(load_head(source, ctx.target, cls.head_kinds, cls.name), ctx.target, ctx.gamma,
+                                ctx.options)
 
     @classmethod
     def drafter(cls, head, target, gamma: int, tree=None, options: dict | None = None):
@@ -23,3 +43,24 @@ class MTPStrategy(HeadStrategy):
         forward = eagle_head(head, target, MTPHead)
         check_width(head.name, tree, forward.vocab_size)
         return EagleDrafter(forward, head.name, head.layers, tree)
+
+
+def own_checkpoint(target) -> str:
+    """The folder (or hub id) the target loaded from, where its own MTP module is; one line where its config.json
+    declares none (the library's config classes default num_nextn_predict_layers, so the file itself is read)."""
+    import json
+    from pathlib import Path
+
+    from sdbench.models.heads.mtp_native import has_own_module
+
+    source = str(getattr(getattr(target, "model", None), "name_or_path", "") or "")
+    path = Path(source).expanduser() / "config.json"
+    try:
+        declared = json.loads(path.read_text()) if path.is_file() else {"num_nextn_predict_layers": 1}
+    except ValueError:
+        declared = {}
+    if not source or not has_own_module(declared):
+        raise SdbenchError(f"strategy 'mtp': the target '{target.name}' has no MTP module of its own (its config "
+                           "declares no num_nextn_predict_layers); give --head FOLDER (the speculators format; "
+                           "train-head --kind mtp fits one)")
+    return source

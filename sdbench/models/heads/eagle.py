@@ -115,14 +115,22 @@ class EagleHead:
         [B, k, H]); at None: at every token, [B, T, V] and [B, T, H]. tree: the tokens are its nodes `nodes` (one
         level of it; a sequence: row b's tree is tree[b]), the tree placed after start[b] slots (`TreeLevel`), each
         seeing the context and its own ancestors only."""
-        attn_in, residual = self._inputs(self.embed(tokens), states.to(self.dtype))
         T = tokens.shape[1]
         step = StepIndex(start, T, self.device) if tree is None else TreeLevel(start, tree, nodes, self.device)
-        h = residual + self._attention(attn_in, cache, step)
-        h = h + self._mlp(rms_norm(h, self.w["post_attention_layernorm.weight"], self.eps))
+        attn_in, residual = self._inputs(self._embed(tokens, step), states.to(self.dtype))
+        h = self._layer(attn_in, residual, cache, step)
         rows = torch.arange(h.shape[0], device=h.device)
         out = self._output(h if at is None else h[rows if at.dim() == 1 else rows[:, None], at.to(h.device)])
         return self._logits(out), out  # out [B, (T,) H]
+
+    def _embed(self, tokens: torch.Tensor, step: StepIndex) -> torch.Tensor:
+        """The embeddings of a forward's tokens (at the step's positions)."""
+        return self.embed(tokens)
+
+    def _layer(self, attn_in: torch.Tensor, residual: torch.Tensor, cache, step: StepIndex) -> torch.Tensor:
+        """The decoder layer's output from its attention input and residual."""
+        h = residual + self._attention(attn_in, cache, step)
+        return h + self._mlp(rms_norm(h, self.w["post_attention_layernorm.weight"], self.eps))
 
     def _inputs(self, e: torch.Tensor, states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer's attention input and residual from the tokens' embeddings e and the states they follow."""

@@ -25,6 +25,7 @@ from sdbench.engine.hidden import FINAL, eagle3_layers
 from sdbench.errors import SdbenchError
 from sdbench.models.heads.block_load import BLOCK_KINDS, check_block, parse_block
 from sdbench.models.heads.mtp_load import MTP, check_mtp, parse_mtp
+from sdbench.models.heads.mtp_native import has_own_module, read_own_mtp
 
 EAGLE3, EAGLE1, MEDUSA, PEAGLE = "eagle3", "eagle1", "medusa", "peagle"
 EAGLE3_LIKE = (EAGLE3, PEAGLE)  # P-EAGLE: EAGLE-3's layer, drafting several positions in one forward
@@ -48,6 +49,7 @@ class Head:
     anchor_drafts: bool = False  # a block drafter: the anchor's slot drafts too (speculators' sample_from_anchor)
     markov: dict = field(default_factory=dict)  # DSpark: its Markov and confidence heads' settings; DFlash 2: its
     # convolutions' and candidate selector's (block_load.py)
+    layout: str = ""  # an MTP module read from a model's own checkpoint: its family's layout (mtp_native.py)
 
 
 def load_head(source: str, target, kinds: tuple[str, ...] = (EAGLE3, EAGLE1, MEDUSA, PEAGLE, MTP, *BLOCK_KINDS),
@@ -57,8 +59,10 @@ def load_head(source: str, target, kinds: tuple[str, ...] = (EAGLE3, EAGLE1, MED
     or a head made for another target."""
     folder = _folder(source)
     config = _read_config(folder, source)
-    weights = _read_weights(folder, source)
-    head = _parse(source, config, weights, target)
+    if has_own_module(config):  # a model's checkpoint: its own MTP module's tensors alone are read
+        head = read_own_mtp(source, folder, config, Head)
+    else:
+        head = _parse(source, config, _read_weights(folder, source), target)
     if head.kind not in kinds:
         other = ("dflash" if head.kind == "dflash2" else head.kind) if head.kind in (MEDUSA, PEAGLE, MTP, *BLOCK_KINDS) \
             else "eagle"
@@ -111,9 +115,10 @@ def config_kind(source: str) -> str | None:
     if block is not None:
         return block.kind
     try:
-        kind = _read_config(_folder(source), source).get("speculators_model_type")
+        config = _read_config(_folder(source), source)
     except SdbenchError:
         return None
+    kind = MTP if has_own_module(config) else config.get("speculators_model_type")
     return kind if kind in (PEAGLE, MTP) else None
 
 
@@ -240,7 +245,7 @@ def check_against(head: Head, target) -> None:
     if head.kind == MEDUSA:
         return _check_medusa(head, H, V)
     if head.kind == MTP:
-        return check_mtp(head, H, _check_shapes, _count)
+        return check_mtp(head, H, V, _check_shapes, _count)
     if head.kind in BLOCK_KINDS:
         check_block(head, H, V, _check_shapes, _count)
         if "lm_head.weight" in head.weights:

@@ -41,21 +41,26 @@ def parse_mtp(source: str, config: dict, weights: dict, head_type):
                                                    for k, v in weights.items()})
 
 
-def check_mtp(head, H: int, check_shapes, count) -> None:
-    """An MTP module's weights against its config and the target's hidden size H (one line on the first misfit).
+def check_mtp(head, H: int, V: int, check_shapes, count) -> None:
+    """An MTP module's weights against its config, the target's hidden size H and vocabulary V (one line on the
+    first misfit); a layer of a type the library runs (mtp_layer.py) is checked as it loads.
     check_shapes, count: load.py's `_check_shapes` and `_count`."""
     hidden = head.config.get("hidden_size", H)
     if hidden != H:
         raise SdbenchError(f"--head {head.name} has hidden size {hidden}, but the target's is {H} (an MTP module "
                            "shares the target's embedding and head)")
+    module = {"input_proj.weight": (H, 2 * H), "token_layernorm.weight": (H,), "hidden_layernorm.weight": (H,),
+              "final_layernorm.weight": (H,)}
+    own = {"embed_tokens.weight": (V, H), "lm_head.weight": (V, H)}  # a checkpoint's copies of the target's
+    if head.config.get("model_type", "qwen3") not in DENSE_TYPES:  # the library's layer: checked as it loads
+        return check_shapes(head, module, own)
     n = count(head, "num_attention_heads")
     kv, D, inter = count(head, "num_key_value_heads", n), count(head, "head_dim", H // n), count(head,
                                                                                               "intermediate_size")
-    need = {"input_proj.weight": (H, 2 * H), "token_layernorm.weight": (H,), "hidden_layernorm.weight": (H,),
-            "final_layernorm.weight": (H,), "input_layernorm.weight": (H,), "post_attention_layernorm.weight": (H,),
+    need = {**module, "input_layernorm.weight": (H,), "post_attention_layernorm.weight": (H,),
             "self_attn.q_proj.weight": (n * D, H), "self_attn.k_proj.weight": (kv * D, H),
             "self_attn.v_proj.weight": (kv * D, H), "self_attn.o_proj.weight": (H, n * D),
             "mlp.gate_proj.weight": (inter, H), "mlp.up_proj.weight": (inter, H), "mlp.down_proj.weight": (H, inter)}
     optional = {"self_attn.q_norm.weight": (D,), "self_attn.k_norm.weight": (D,), "self_attn.q_proj.bias": (n * D,),
-                "self_attn.k_proj.bias": (kv * D,), "self_attn.v_proj.bias": (kv * D,)}
+                "self_attn.k_proj.bias": (kv * D,), "self_attn.v_proj.bias": (kv * D,), **own}
     check_shapes(head, need, optional)
