@@ -56,8 +56,9 @@ def tiny_model_dir(folder, arch: str = "llama", seed: int = 0, model=None):
     return folder
 
 
-def word_tokenizer(size: int = 0):
-    """A word-level tokenizer of `size` tokens (default VOCAB): the specials <unk>, <s>, </s>, then w0, w1, ..."""
+def word_tokenizer(size: int = 0, eos: bool = True):
+    """A word-level tokenizer of `size` tokens (default VOCAB): the specials <unk>, <s>, </s>, then w0, w1, ...
+    (eos False: </s> is no end-of-sequence token, so that decoding runs to its budget)."""
     from tokenizers import Tokenizer
     from tokenizers.models import WordLevel
     from tokenizers.pre_tokenizers import Whitespace
@@ -69,7 +70,8 @@ def word_tokenizer(size: int = 0):
     vocab = {t: i for i, t in enumerate(specials + [f"w{i}" for i in range((size or VOCAB) - len(specials))])}
     backend = Tokenizer(WordLevel(vocab, unk_token="<unk>"))
     backend.pre_tokenizer = Whitespace()
-    return PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    return PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>" if eos else None,
+                                   unk_token="<unk>")
 
 
 def tiny_text_model_dir(folder, seed: int = 0, **shape):

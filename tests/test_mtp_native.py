@@ -24,6 +24,7 @@ from sdbench.models.forward.generic import make_runner
 from sdbench.models.heads.load import load_head
 from sdbench.models.heads.mtp import MTPHead
 from sdbench.models.heads.mtp_layer import fuse_experts
+from sdbench.models.loading.library import auto_model
 from sdbench.strategies import BuildContext
 from sdbench.strategies.mtp import MTPStrategy
 from tests.conftest import run_cli
@@ -40,7 +41,7 @@ FAMILIES = {
     "glm4_moe": dict(num_key_value_heads=2, moe_intermediate_size=16, n_routed_experts=4, num_experts_per_tok=2,
                      n_group=1, topk_group=1, first_k_dense_replace=1, head_dim=8, partial_rotary_factor=0.5,
                      n_shared_experts=1, attention_bias=True),
-    "mimo": dict(num_key_value_heads=2),  # MiMo: a Qwen2 model with its module under model.mtp_layers.0
+    "mimo": dict(num_key_value_heads=2),  # MiMo: a Qwen2 model (model_type mimo) with its module under mtp_layers.0
 }
 
 
@@ -83,6 +84,8 @@ def own_mtp_checkpoint(folder: Path, family: str, seed: int = 0) -> Path:
     save_file({k: v.contiguous() for k, v in weights.items()}, str(folder / "model.safetensors"))
     config = json.loads((folder / "config.json").read_text())
     config.update(num_hidden_layers=L, num_nextn_predict_layers=1)
+    if family == "mimo":  # as MiMo's own config.json names it: a type the library has no class for
+        config.update(model_type="mimo", architectures=["MiMoForCausalLM"])
     if "layer_types" in config:
         config["layer_types"] = config["layer_types"][:L]
     (folder / "config.json").write_text(json.dumps(config))
@@ -141,7 +144,7 @@ def test_the_drafts_equal_the_reference_forward(tmp_path, family):
     library's layer over its slots for DeepSeek and GLM, sdbench's own Qwen2 layer for MiMo), give the reference
     forward's logits on the same checkpoint."""
     folder = own_mtp_checkpoint(tmp_path / family, family)
-    target = AutoModelForCausalLM.from_pretrained(folder).eval()
+    target = auto_model(str(folder), torch.float32).eval()
     runner = make_runner(target, family, "native" if family == "mimo" else "generic")
     loaded = load_head(str(folder), runner, ("mtp",))
     head = MTPHead(loaded, runner)
@@ -161,7 +164,7 @@ def test_the_drafts_equal_the_reference_forward(tmp_path, family):
 def test_experts_fuse_as_the_library_loads_them(tmp_path):
     """fuse_experts on a checkpoint's per-expert tensors gives the library's own loaded (fused) parameters."""
     folder = own_mtp_checkpoint(tmp_path / "ds", "deepseek_v3")
-    model = AutoModelForCausalLM.from_pretrained(folder).eval()
+    model = auto_model(str(folder), torch.float32).eval()
     w = load_file(str(folder / "model.safetensors"))
     prefix = "model.layers.1."
     fused = fuse_experts({k[len(prefix):]: v for k, v in w.items() if k.startswith(prefix + "mlp.experts.")})
@@ -177,7 +180,7 @@ def test_greedy_output_equals_generate_without_a_head(tmp_path, family, tree):
     """--strategy mtp with no --head drafts with the module in the target's own checkpoint; greedy output equals
     the library's generate, for a chain and a top-2 tree."""
     folder = own_mtp_checkpoint(tmp_path / family, family, seed=1)
-    target = AutoModelForCausalLM.from_pretrained(folder).eval()
+    target = auto_model(str(folder), torch.float32).eval()
     runner = make_runner(target, family, "native" if family == "mimo" else "generic")
     proposer = MTPStrategy.build(BuildContext(target=runner, gamma=3, options=dict(tree)))
     prompts = [[1, 5, 0, 3, 4, 2], [4, 4, 1]]
@@ -189,7 +192,7 @@ def test_greedy_output_equals_generate_without_a_head(tmp_path, family, tree):
 
 def test_no_module_and_bad_modules_are_one_line(tmp_path):
     folder = own_mtp_checkpoint(tmp_path / "glm", "glm4_moe")
-    target = AutoModelForCausalLM.from_pretrained(folder).eval()
+    target = auto_model(str(folder), torch.float32).eval()
     runner = make_runner(target, "glm", "generic")
     plain = tmp_path / "plain"
     target.save_pretrained(plain)  # the same model written again: the library left its module out
@@ -210,13 +213,15 @@ def test_no_module_and_bad_modules_are_one_line(tmp_path):
         MTPHead(load_head(str(folder), runner, ("mtp",)), runner)
 
 
-def test_run_finds_the_module_in_the_target_checkpoint(tmp_path, monkeypatch, capsys):
-    """`sdbench run --target CHECKPOINT --strategy mtp` (no --head) drafts with the checkpoint's own module: every
+@pytest.mark.parametrize("family", ["deepseek_v3", "mimo"])
+def test_run_finds_the_module_in_the_target_checkpoint(tmp_path, monkeypatch, capsys, family):
+    """`sdbench run --target CHECKPOINT --strategy mtp` (no --head) drafts with the checkpoint's own module (MiMo's
+    config names a type the library lacks: loaded as the Qwen2 model it is): every
     row lossless against the run's plain decoding; a target without one is one line, a non-zero exit."""
     monkeypatch.setenv("SDBENCH_CACHE", str(tmp_path / "cache"))
     monkeypatch.setenv("SDBENCH_CONFIG", str(tmp_path / "home"))
-    folder = own_mtp_checkpoint(tmp_path / "ds", "deepseek_v3", seed=1)
-    word_tokenizer(V).save_pretrained(folder)
+    folder = own_mtp_checkpoint(tmp_path / "ds", family, seed=1)
+    word_tokenizer(V, eos=False).save_pretrained(folder)  # every row decodes its 12 tokens
     (tmp_path / "p.csv").write_text('prompt\n"w0 w1 w2 w1"\n"w2 w2 w0"\n')
     args = ["run", "--dataset", str(tmp_path / "p.csv"), "--max-new-tokens", "12", "--device", "cpu", "--gamma",
             "3", "--strategy", "mtp"]
@@ -225,11 +230,27 @@ def test_run_finds_the_module_in_the_target_checkpoint(tmp_path, monkeypatch, ca
     rows = pd.read_parquet(next((tmp_path / "o").glob("*.parquet")))
     mine = rows[rows.role != "baseline"]
     assert len(mine) == 2 and mine.lossless.all() and (mine.strategy == "mtp").all() and (mine.drafted > 0).all()
+    assert (rows.new_tokens == 12).all()
     plain = tmp_path / "plain"
-    AutoModelForCausalLM.from_pretrained(folder).save_pretrained(plain)
+    auto_model(str(folder), torch.float32).save_pretrained(plain)
     word_tokenizer(V).save_pretrained(plain)
     config = json.loads((plain / "config.json").read_text())
     config.pop("num_nextn_predict_layers")
     (plain / "config.json").write_text(json.dumps(config))
     code, _, err = run_cli(capsys, *args, "--target", str(plain), "--out", str(tmp_path / "o1"))
     assert code != 0 and "has no MTP module of its own" in err and "Traceback" not in err, (code, err)
+
+
+def test_tune_takes_the_target_module_as_its_candidate(tmp_path, monkeypatch):
+    """With no --head and no recorded head, `tune --strategy mtp` chooses among the target's own module (a folder
+    whose config.json declares one); a target declaring none still asks for a head in one line."""
+    from sdbench.strategies import head_candidates
+
+    monkeypatch.setenv("SDBENCH_CONFIG", str(tmp_path / "home"))
+    folder = own_mtp_checkpoint(tmp_path / "glm", "glm4_moe")
+    assert head_candidates("mtp", str(folder)) == (str(folder),)
+    config = json.loads((folder / "config.json").read_text())
+    config.pop("num_nextn_predict_layers")
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(SdbenchError, match="needs a trained head to tune with"):
+        head_candidates("mtp", str(folder))

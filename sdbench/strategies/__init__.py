@@ -20,6 +20,7 @@ from sdbench.strategies.spec import (BuildContext, Configuration, Strategy, refu
 from sdbench.strategies import (adaptive, autoregressive, dflash, draft, dsi, dspark, eagle,  # noqa: E402,F401
                                 lookahead, magicdec, medusa, mtp, ngram, pard, peagle, polybasic, rest,
                                 suffix)
+from sdbench.strategies.mtp import declares_own_module  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -71,6 +72,8 @@ def head_candidates(asked: str, target: str, given: tuple[str, ...] = ()) -> tup
     from sdbench.models.heads.registry import known_heads  # reads the user's index of heads
 
     found = tuple(h["path"] for h in known_heads(target) if h.get("kind") in declared.head_kinds)
+    if "mtp" in declared.head_kinds and declares_own_module(target):  # the MTP module its checkpoint ships
+        found = (target, *found)
     if not found:
         raise SdbenchError(f"strategy '{declared.name}' needs a trained head to tune with: give --head PATH|HUB_ID "
                            f"(repeatable), or train one for {target} with `sdbench train-head`")

@@ -48,19 +48,26 @@ class MTPStrategy(HeadStrategy):
 def own_checkpoint(target) -> str:
     """The folder (or hub id) the target loaded from, where its own MTP module is; one line where its config.json
     declares none (the library's config classes default num_nextn_predict_layers, so the file itself is read)."""
+    source = str(getattr(getattr(target, "model", None), "name_or_path", "") or "")
+    if not source or not declares_own_module(source, unknown=True):
+        raise SdbenchError(f"strategy 'mtp': the target '{target.name}' has no MTP module of its own (its config "
+                           "declares no num_nextn_predict_layers); give --head FOLDER (the speculators format; "
+                           "train-head --kind mtp fits one)")
+    return source
+
+
+def declares_own_module(source: str, unknown: bool = False) -> bool:
+    """Whether the model folder `source` declares an MTP module in its config.json (`unknown`: the answer for a
+    source that is no local folder, such as a hub id, whose config is read when its weights are)."""
     import json
     from pathlib import Path
 
     from sdbench.models.heads.mtp_native import has_own_module
 
-    source = str(getattr(getattr(target, "model", None), "name_or_path", "") or "")
     path = Path(source).expanduser() / "config.json"
+    if not path.is_file():
+        return unknown
     try:
-        declared = json.loads(path.read_text()) if path.is_file() else {"num_nextn_predict_layers": 1}
+        return has_own_module(json.loads(path.read_text()))
     except ValueError:
-        declared = {}
-    if not source or not has_own_module(declared):
-        raise SdbenchError(f"strategy 'mtp': the target '{target.name}' has no MTP module of its own (its config "
-                           "declares no num_nextn_predict_layers); give --head FOLDER (the speculators format; "
-                           "train-head --kind mtp fits one)")
-    return source
+        return False

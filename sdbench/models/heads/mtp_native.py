@@ -22,12 +22,12 @@ import torch
 
 from sdbench.engine.hidden import FINAL
 from sdbench.errors import SdbenchError
+from sdbench.models.loading.library import STAND_INS
 
 DEEPSEEK, MIMO = "deepseek", "mimo"  # the layouts read (Head.layout; "" is the speculators format)
 _RENAMED = {"enorm.weight": "token_layernorm.weight", "hnorm.weight": "hidden_layernorm.weight",
             "eh_proj.weight": "input_proj.weight", "shared_head.norm.weight": "final_layernorm.weight",
             "shared_head.head.weight": "lm_head.weight"}  # DeepSeek's names within its module -> the ones read
-LAYER_TYPES = {"mimo": "qwen2"}  # a checkpoint's model_type -> its decoder layer's, where they differ
 
 
 def has_own_module(config: dict) -> bool:
@@ -58,7 +58,7 @@ def read_own_mtp(source: str, folder: Path, config: dict, head_type):
         weights["input_proj.weight"] = torch.cat(proj.chunk(2, dim=1)[::-1], dim=1)
     layer = {k: v for k, v in config.items() if k not in ("architectures", "auto_map", "quantization_config")}
     layer.pop("layer_types", None)  # the target's, one per target layer: the module is one full-attention layer
-    layer["model_type"] = LAYER_TYPES.get(layer.get("model_type"), layer.get("model_type", "llama"))
+    layer["model_type"] = STAND_INS.get(layer.get("model_type"), layer.get("model_type", "llama"))
     return head_type(source, "mtp", (FINAL,), layer, weights, layout=layout)
 
 

@@ -52,10 +52,15 @@ def auto_tokenizer(ref: str, **kwargs) -> "PreTrainedTokenizerBase":
     return AutoTokenizer.from_pretrained(ref, **kwargs)
 
 
+# model types the library has no class for, whose main model is another type's: MiMo is Qwen2 plus MTP layers
+# (the library drops them; models/heads/mtp_native.py reads them)
+STAND_INS = {"mimo": "qwen2"}
+
+
 def auto_config(ref: str, **kwargs) -> "PretrainedConfig":
     from transformers import AutoConfig  # transformers: slow to import, and only loading needs it
 
-    return AutoConfig.from_pretrained(ref, **kwargs)
+    return _stand_in(ref, **kwargs) or AutoConfig.from_pretrained(ref, **kwargs)
 
 
 def auto_model(ref: str, dtype: torch.dtype, **kwargs) -> "PreTrainedModel":
@@ -65,4 +70,23 @@ def auto_model(ref: str, dtype: torch.dtype, **kwargs) -> "PreTrainedModel":
 
     # sdbench shows its own status while loading; the library's per-tensor bars would interleave with it
     hf_logging.disable_progress_bar()
+    config = _stand_in(ref, **kwargs)
+    if config is not None:
+        kwargs["config"] = config
     return AutoModelForCausalLM.from_pretrained(ref, dtype=dtype, **kwargs)
+
+
+def _stand_in(ref: str, **kwargs) -> "PretrainedConfig | None":
+    """The config of a model whose type the library lacks, as the type it stands in for (`STAND_INS`); None for
+    any other model (or a config not readable here: the library's own call says why)."""
+    from transformers import AutoConfig, PretrainedConfig
+
+    try:
+        config, _ = PretrainedConfig.get_config_dict(ref, **kwargs)
+    except (OSError, ValueError):
+        return None
+    kind = STAND_INS.get(config.get("model_type"))
+    if kind is None:
+        return None
+    return AutoConfig.for_model(kind, **{k: v for k, v in config.items()
+                                         if k not in ("model_type", "architectures", "auto_map")})
