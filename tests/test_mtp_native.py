@@ -211,6 +211,10 @@ def test_no_module_and_bad_modules_are_one_line(tmp_path):
               str(folder / "model.safetensors"))
     with pytest.raises(SdbenchError, match=r"MTP layer has no mlp\.gate\.weight"):
         MTPHead(load_head(str(folder), runner, ("mtp",)), runner)
+    save_file({k: v for k, v in w.items() if k != f"model.layers.{L}.mlp.experts.1.up_proj.weight"},
+              str(folder / "model.safetensors"))
+    with pytest.raises(SdbenchError, match="an expert of its MTP layer has no up_proj"):
+        MTPHead(load_head(str(folder), runner, ("mtp",)), runner)
 
 
 @pytest.mark.parametrize("family", ["deepseek_v3", "mimo"])

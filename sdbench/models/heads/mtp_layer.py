@@ -54,7 +54,11 @@ def library_layer(model_type: str, config: dict, index: int, weights: dict, sour
     layer = layer_cls(cfg, index)
     own = {k: v for k, v in weights.items() if k.startswith(("self_attn.", "mlp.", "input_layernorm.",
                                                                 "post_attention_layernorm."))}
-    missing, unexpected = layer.load_state_dict(fuse_experts(own), strict=False)
+    try:
+        fused = fuse_experts(own)
+    except KeyError as err:
+        raise SdbenchError(f"--head {source}: an expert of its MTP layer has no {err.args[0]}") from None
+    missing, unexpected = layer.load_state_dict(fused, strict=False)
     if missing or unexpected:
         what = f"no {missing[0]}" if missing else f"{unexpected[0]}, which its layer type does not have"
         raise SdbenchError(f"--head {source}: its {model_type} MTP layer has {what}")
