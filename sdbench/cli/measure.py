@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -21,7 +22,9 @@ def run(
     target: Target = C.DEFAULT_TARGET, draft: Draft = None, strategy: Strategy = C.DEFAULT_STRATEGY,
     dataset: Dataset = C.DEFAULT_DATASET, limit: Limit = C.DEFAULT_LIMIT, max_new_tokens: MaxNew = C.DEFAULT_MAX_NEW_TOKENS,
     batch_size: Batch = 1, temperature: Temperature = 0.0, top_p: TopP = 1.0, seed: Seed = 0, gamma: Gamma = None,
-    prompt_len: PromptLen = None, device: Device = "auto", dtype: Dtype = "float32", repeats: Repeats = 1,
+    prompt_len: PromptLen = None, device: Device = "auto",
+    dtype: Annotated[str, typer.Option(help="float32, bfloat16 or float16; or q8_0 / q4_0: every model as its copy in llama.cpp's block type, read by sdbench's CPU products (a model naming its own @q8_0 or @q4_0 keeps it); several, as float32,q4_0: the whole run at each in turn, and a table of what each costs in acceptance")] = "float32",
+    repeats: Repeats = 1,
     set_: Sets = None, out: Out = C.DEFAULT_OUT, baseline: Baseline = True, resume: Resume = None, fast: Fast = True,
     turns: Turns = None, prompt_field: PromptField = None, category_field: CategoryField = None, id_field: IdField = None,
     depth: Depth = None, probe: Probe = "auto", no_probe: NoProbe = False, request_rate: RequestRate = None, concurrency: Concurrency = None,
@@ -48,11 +51,16 @@ def run(
         probe=probe_mode(probe, no_probe), request_rates=parse_rates(request_rate), concurrencies=parse_counts(concurrency, "--concurrency", 1),
         slo=parse_slo(slo) if slo is not None else {}, engine=engine, engine_url=engine_url, engine_port=engine_port,
     )
+    dtypes = list(dict.fromkeys(d.strip() for d in dtype.split(",") if d.strip())) or ["float32"]
+    if resume and len(dtypes) > 1:
+        raise SdbenchError("--resume continues one run: give the --dtype it ran at (or none: its saved settings)")
     if resume:
         cfg = load_config(out, resume)
-    path = RunHarness(cfg, console).run()
-    print_report(read_results([path]), console)
-    console.print(f"results: {path}")
+    harnesses = [RunHarness(replace(cfg, dtype=d), console) for d in dtypes]  # every dtype checked before a load
+    paths = [h.run() for h in harnesses]
+    print_report(read_results(paths), console)
+    for path in paths:
+        console.print(f"results: {path}")
 
 
 def sweep(

@@ -10,6 +10,7 @@ from rich.text import Text
 
 from sdbench.reporting.labels import labelled
 from sdbench.reporting.load import load_rows, load_tables
+from sdbench.reporting.precision import precision_table
 from sdbench.reporting.summary import BATCH, summarize
 from sdbench.reporting.tables import (NOT_MEANINGFUL, adaptive_table, per_position_table, repeat_table,
                                       retrieval_table, summary_table)
@@ -43,7 +44,7 @@ def print_report(df: pd.DataFrame, console: Console | None = None, by: tuple[str
     positions = per_position_table(df)
     if positions is not None:
         console.print(positions)
-    for extra in (adaptive_table(df), repeat_table(df)):
+    for extra in (precision_table(df), adaptive_table(df), repeat_table(df)):
         if extra is not None:
             console.print(extra)
     for note in _notes(df):
