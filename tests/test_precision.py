@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import pandas as pd
-import pytest
 from rich.console import Console
 
 from sdbench.reporting.precision import precision_table
