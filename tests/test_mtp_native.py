@@ -258,3 +258,15 @@ def test_tune_takes_the_target_module_as_its_candidate(tmp_path, monkeypatch):
     (folder / "config.json").write_text(json.dumps(config))
     with pytest.raises(SdbenchError, match="needs a trained head to tune with"):
         head_candidates("mtp", str(folder))
+
+
+def test_an_fp8_module_is_one_line(tmp_path):
+    """DeepSeek-V3's own release: FP8 weights with block scales (`weight_scale_inv`), refused in one line naming
+    the first such tensor."""
+    folder = own_mtp_checkpoint(tmp_path / "ds", "deepseek_v3")
+    runner = make_runner(auto_model(str(folder), torch.float32).eval(), "ds", "generic")
+    w = load_file(str(folder / "model.safetensors"))
+    w[f"model.layers.{L}.self_attn.q_a_proj.weight_scale_inv"] = torch.ones(1, 1)
+    save_file(w, str(folder / "model.safetensors"))
+    with pytest.raises(SdbenchError, match="weight_scale_inv, which its layer type does not have"):
+        MTPHead(load_head(str(folder), runner, ("mtp",)), runner)
