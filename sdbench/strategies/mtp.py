@@ -5,6 +5,8 @@ from --head: a folder in the speculators format, or another checkpoint with a mo
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from sdbench.errors import SdbenchError
 from sdbench.strategies.eagle import HeadStrategy, check_width, eagle_head
 from sdbench.strategies.spec import BuildContext, need_gamma, register
@@ -27,13 +29,9 @@ class MTPStrategy(HeadStrategy):
 
     @classmethod
     def build(cls, ctx: BuildContext):
-        if ctx.options.get("head"):
-            return super().build(ctx)
-        from sdbench.models.heads.load import load_head  # reads weights: only a run that drafts with it
-
-        source = own_checkpoint(ctx.target)
-        return cls.proposer_for(load_head(source, ctx.target, cls.head_kinds, cls.name), ctx.target, ctx.gamma,
-                                ctx.options)
+        if not ctx.options.get("head"):  # the target's own module: its checkpoint is the head's folder
+            ctx = replace(ctx, options={**ctx.options, "head": own_checkpoint(ctx.target)})
+        return super().build(ctx)
 
     @classmethod
     def drafter(cls, head, target, gamma: int, tree=None, options: dict | None = None):
