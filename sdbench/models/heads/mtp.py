@@ -14,12 +14,15 @@ latent attention, a mixture of experts) runs as the library's own module (mtp_la
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 import torch.nn.functional as F
 
 from sdbench.kv.cache import StepIndex
 from sdbench.models.heads.eagle import EagleHead, rms_norm
 from sdbench.models.heads.mtp_load import DENSE_TYPES
+from sdbench.models.heads.mtp_layer import LAYER
 from sdbench.models.heads.mtp_native import DEEPSEEK
 
 
@@ -27,18 +30,19 @@ class MTPHead(EagleHead):
     """An MTP module over a target runner (its embedding and head)."""
 
     def __init__(self, head, target):
-        super().__init__(head, target)
+        kind = head.config.get("model_type", "qwen3")
+        own = replace(head, weights={k: v for k, v in head.weights.items() if not k.startswith(LAYER)}) \
+            if kind not in DENSE_TYPES else head  # the library's layer holds its own weights: cast once, there
+        super().__init__(own, target)
         self.layout = head.layout
         self.library = None
-        kind = head.config.get("model_type", "qwen3")
-        if kind not in DENSE_TYPES:
+        if own is not head:
             from sdbench.models.heads.mtp_layer import library_layer  # the library's modules: only this needs them
 
             index = head.config.get("num_hidden_layers", 0)
             like = getattr(getattr(target, "model", None), "config", None)  # the target's library settings
             self.library = library_layer(kind, head.config, index, head.weights, head.name, self.dtype, self.device,
                                          like)
-            self.w = {k: v for k, v in self.w.items() if not k.startswith(("self_attn.", "mlp."))}
 
     def new_cache(self, batch: int, capacity: int):
         if self.library is None:

@@ -14,6 +14,7 @@ import torch
 
 from sdbench.errors import SdbenchError
 
+LAYER = ("self_attn.", "mlp.", "input_layernorm.", "post_attention_layernorm.")  # a decoder layer's own weights
 _EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 
 
@@ -52,8 +53,7 @@ def library_layer(model_type: str, config: dict, index: int, weights: dict, sour
     cfg._attn_implementation = getattr(like, "_attn_implementation", None) or "sdpa"
     cfg._experts_implementation = getattr(like, "_experts_implementation", None) or "eager"
     layer = layer_cls(cfg, index)
-    own = {k: v for k, v in weights.items() if k.startswith(("self_attn.", "mlp.", "input_layernorm.",
-                                                                "post_attention_layernorm."))}
+    own = {k: v for k, v in weights.items() if k.startswith(LAYER)}
     try:
         fused = fuse_experts(own)
     except KeyError as err:
