@@ -60,7 +60,13 @@ STAND_INS = {"mimo": "qwen2"}
 def auto_config(ref: str, **kwargs) -> "PretrainedConfig":
     from transformers import AutoConfig  # transformers: slow to import, and only loading needs it
 
-    return _stand_in(ref, **kwargs) or AutoConfig.from_pretrained(ref, **kwargs)
+    try:
+        return AutoConfig.from_pretrained(ref, **kwargs)
+    except ValueError:  # a type the library does not recognise: the one it stands in for, if it is one
+        config = _stand_in(ref, **kwargs)
+        if config is None:
+            raise
+        return config
 
 
 def auto_model(ref: str, dtype: torch.dtype, **kwargs) -> "PreTrainedModel":
@@ -70,15 +76,18 @@ def auto_model(ref: str, dtype: torch.dtype, **kwargs) -> "PreTrainedModel":
 
     # sdbench shows its own status while loading; the library's per-tensor bars would interleave with it
     hf_logging.disable_progress_bar()
-    config = _stand_in(ref, **kwargs)
-    if config is not None:
-        kwargs["config"] = config
-    return AutoModelForCausalLM.from_pretrained(ref, dtype=dtype, **kwargs)
+    try:
+        return AutoModelForCausalLM.from_pretrained(ref, dtype=dtype, **kwargs)
+    except ValueError:  # a type the library does not recognise: loaded as the one it stands in for, if it is one
+        config = _stand_in(ref, **kwargs)
+        if config is None:
+            raise
+        return AutoModelForCausalLM.from_pretrained(ref, dtype=dtype, config=config, **kwargs)
 
 
 def _stand_in(ref: str, **kwargs) -> "PretrainedConfig | None":
     """The config of a model whose type the library lacks, as the type it stands in for (`STAND_INS`); None for
-    any other model (or a config not readable here: the library's own call says why)."""
+    any other model (or a config not readable here: the library's own error stands)."""
     from transformers import AutoConfig, PretrainedConfig
 
     try:
