@@ -155,3 +155,33 @@ def test_a_k_quant_mix_runs_through_llamacpp_and_a_file_of_it_is_served_as_it_is
     assert code == 0, err + out
     df = pd.read_parquet(next(tmp_path.glob("*.parquet")))
     assert (df["dtype"] == "q4_k_m").all() and (df["engine"] == "llama.cpp").all() and (df["new_tokens"] > 0).all()
+
+
+def test_a_users_q4_0_file_runs_as_its_own_blocks(llamacpp, capsys, tmp_path):
+    """A GGUF file of Q4_0 blocks (llama-quantize's) given as the target and as its own draft runs at Q4_0 with no
+    --dtype, its blocks read as they are: the rows name it FILE@q4_0, every strategy is lossless, and the blocks
+    sdbench packs are the file's bytes, q and k included (their rows in the library's order)."""
+    import numpy as np
+    import torch
+
+    from sdbench.models.forward import cpufast, cpukernel, quants
+    from sdbench.models.loading import gguf_header, variants
+
+    made = str(llamacpp.gguf(f"{SMOL}@q4_0", "float32"))
+    code, out, err = run_cli(capsys, "run", "--target", made, "--strategy", "draft", "--draft", made, "--compare",
+                             "ngram", "--limit", "1", "--max-new-tokens", "8", "--turns", "1", "--out", str(tmp_path))
+    assert code == 0, err + out
+    df = pd.read_parquet(next(tmp_path.glob("*.parquet")))
+    assert set(df["target"]) == {f"{made}@q4_0"} and df["lossless"].all()
+    loaded = variants.own_blocks(made, "q4_0", "cpu")
+    fast = cpufast.fast_model(loaded.model)
+    stored = {t.name: t.data for t in gguf_header.reader(__import__("pathlib").Path(made)).tensors}
+    qkv = fast.layers[2].qkv
+    blocks = quants.ungroup(qkv.packed, "q4_0", qkv.out_features, qkv.in_features, cpukernel.group_rows()) \
+        if cpukernel.grouped() else qkv.packed
+    config = loaded.model.config
+    heads, kv, dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+    k = stored["blk.2.attn_k.weight"]  # llama.cpp's row order: each head's halves interleaved
+    want = k.reshape(kv, dim // 2, 2, -1).swapaxes(1, 2).reshape(k.shape)
+    assert np.array_equal(blocks[heads * dim:(heads + kv) * dim].numpy(), want)
+    assert torch.equal(blocks[(heads + kv) * dim:], torch.from_numpy(np.array(stored["blk.2.attn_v.weight"])))

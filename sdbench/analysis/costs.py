@@ -245,7 +245,8 @@ def measured_costs(target: str, draft: str, gammas, context: int, device: str, d
     if context < 1:
         raise SdbenchError(f"--context {context}: must be at least 1")
     dev, dt = device_and_dtype(device, dtype)
-    target, draft = with_weights(target, dtype), with_weights(draft, dtype)
+    cpu = dev.type == "cpu"
+    target, draft = with_weights(target, dtype, cpu), with_weights(draft, dtype, cpu)
     needs = "timing the step costs"
     models = load_models([target, draft], dev, dt, console, native={target: needs, draft: needs})
     runners = {name: got.runner for name, got in models.items()}

@@ -31,7 +31,7 @@ from sdbench.models.forward.generic import GenericRunner, runner_kind
 from sdbench.models.heads.load import check_folder
 from sdbench.models.loading.loader import check_same_tokenizer, eos_token_ids
 from sdbench.models.loading.names import ENGINE_TYPES, with_weights
-from sdbench.models.loading.pair import device_and_dtype, load_models, pick_runner
+from sdbench.models.loading.pair import device_and_dtype, load_models, pick_runner, resolve_device
 from sdbench.options import split_list
 from sdbench.paths import cache_dir
 from sdbench.reporting.carry import Carried, carry_table
@@ -169,7 +169,8 @@ def _own_weights(cfg: BenchConfig) -> tuple[str, str, str]:
     MODEL@q8_0), or for a K-quant mix llama.cpp alone runs, the very GGUF files llama.cpp serves, de-quantised, in
     float32: the same weights on both sides."""
     if cfg.dtype not in ENGINE_TYPES:
-        return with_weights(cfg.target, cfg.dtype), with_weights(cfg.draft_model, cfg.dtype), cfg.dtype
+        cpu = resolve_device(cfg.device).type == "cpu"
+        return with_weights(cfg.target, cfg.dtype, cpu), with_weights(cfg.draft_model, cfg.dtype, cpu), cfg.dtype
     served = LlamaCpp()
     return str(served.gguf(cfg.target, cfg.dtype)), str(served.gguf(cfg.draft_model, cfg.dtype)), "float32"
 

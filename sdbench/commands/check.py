@@ -63,7 +63,9 @@ def run_check(target: str, drafts: list[str], device: str, dtype: str, fast: boo
     if context < 1 or tokens < 1:
         raise SdbenchError("check: --context and --tokens must be at least 1")
     dev, dt = device_and_dtype(device, dtype)
-    target, drafts = with_weights(target, dtype), [d if d == DRAFT_NAME else with_weights(d, dtype) for d in drafts]
+    cpu = dev.type == "cpu"
+    target = with_weights(target, dtype, cpu)
+    drafts = [d if d == DRAFT_NAME else with_weights(d, dtype, cpu) for d in drafts]
     check_fit([n for n in (target, *drafts) if n != DRAFT_NAME], dev, dt)
     rows = [Checked(target, "target")]
     got, runner = _model(rows[0], target, dev, dt, fast, context, console)

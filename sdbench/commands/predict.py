@@ -65,7 +65,7 @@ def run_predict(cfg: PredictMagicdecConfig, console) -> list[dict]:
     The steps are timed through the runner decoding would use (`fast`: CUDA graphs on a GPU), since on a GPU
     an eager step of a small model is launch-bound and would hide what the cache sizes cost."""
     dev, dt = device_and_dtype(cfg.device, cfg.dtype)
-    cfg = replace(cfg, target=with_weights(cfg.target, cfg.dtype))
+    cfg = replace(cfg, target=with_weights(cfg.target, cfg.dtype, dev.type == "cpu"))
     measured = alphas_from_results(list(cfg.from_results), console=console) if cfg.from_results else {}
     fits = fitting_points(cfg.target, dt, dev, cfg.batches, cfg.contexts, max(cfg.gammas), console)
     got = load_models([cfg.target], dev, dt, console, fast=cfg.fast, native={cfg.target: NATIVE_NEEDED},

@@ -129,7 +129,7 @@ def run_predict_tree(cfg: PredictTreeConfig, console) -> list[TreeChoice]:
     if a.context < 1:
         raise SdbenchError(f"--context {a.context}: must be at least 1")
     dev, dt = device_and_dtype(cfg.device, a.dtype)
-    a = replace(a, target=with_weights(a.target, a.dtype))
+    a = replace(a, target=with_weights(a.target, a.dtype, dev.type == "cpu"))
     widths = profiled_widths(a.acc.depth, cfg.budgets, a.side)
     fits = fitting_points(a.target, dt, dev, a.batches, (a.context,), max(widths), console)
     console.print(describe(a.said, a.acc, cfg.by_depth), highlight=False, soft_wrap=True)

@@ -156,6 +156,10 @@ class Engine:
             return f"{self.name} runs no '{role.strategy}' (it runs: {runs})"
         return None
 
+    def served_dtype(self, model: str, dtype: str) -> str:
+        """The type the server runs `model` at (llama.cpp: a GGUF file's own block type)."""
+        return dtype
+
     def label(self, role: EngineRole, dtype: str) -> str:
         own = self.own_names[role.strategy]
         if role.costs_only:

@@ -13,7 +13,7 @@ from sdbench.config import SamplingConfig
 from sdbench.engine.counters import MIRROR
 from sdbench.errors import SdbenchError
 from sdbench.models.loading.loader import model_files, safetensors_folder
-from sdbench.models.loading.names import BLOCK_TYPES, ENGINE_TYPES, split_variant
+from sdbench.models.loading.names import BLOCK_TYPES, ENGINE_TYPES, split_variant, with_weights
 from sdbench.paths import cache_dir
 from sdbench.servers.client import EngineReplyError, post_json
 from sdbench.servers.engines import Engine, EngineRole, Reply, engines_dir, token_gaps
@@ -52,6 +52,12 @@ class LlamaCpp(Engine):
                 return why
         return super().refuse(role)
 
+    def served_dtype(self, model: str, dtype: str) -> str:
+        """The type the server runs `model` at: the block type its name gives (MODEL@q4_0), or a GGUF file of a
+        block type at float32 its own (`with_weights`: as sdbench's own runner takes it), else --dtype's."""
+        variant = split_variant(with_weights(model, dtype))[1]
+        return variant if variant in BLOCK_TYPES else dtype
+
     def label(self, role: EngineRole, dtype: str) -> str:
         return super().label(role, GGUF_TYPES.get(dtype, dtype))
 
@@ -60,8 +66,7 @@ class LlamaCpp(Engine):
         made once, in sdbench's cache; a file already of that type as it is (a user's own Q4_K_M file). A block type
         puts every tensor in it (`--pure`: no other type for the head or the embeddings, as sdbench's block copy);
         a K-quant mix is llama-quantize's own mix."""
-        model, variant = split_variant(model)
-        dtype = variant if variant in BLOCK_TYPES else dtype
+        model, dtype = split_variant(model)[0], self.served_dtype(model, dtype)
         kind, where = model_files(model)
         if kind != "gguf":
             raise SdbenchError(f"llama.cpp serves GGUF files; '{model}' is a {'hub model' if kind == 'hub' else kind}: "

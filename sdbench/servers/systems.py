@@ -129,7 +129,7 @@ def engine_systems(engine: Engine, roles: list[EngineRole], target: str, dtype: 
     try:
         systems = []
         for i, role in enumerate(roles):
-            name = engine.label(role, dtype)
+            name = engine.label(role, engine.served_dtype(role.model(target), dtype))
             argv = engine.command(target, role, dtype, capacity, threads)
             server = Server(name, argv, log_dir / f"{engine.folder}-{i}-{role.strategy}.log", engine.health,
                             port + i if port is not None else None, engine.server_env(threads))

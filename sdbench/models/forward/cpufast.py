@@ -144,6 +144,30 @@ def quantised(model, kind: str) -> None:
     setattr(model, BLOCKS_ATTR, kind)
 
 
+def adopt_blocks(model, kind: str, stored: dict) -> FastModel:
+    """Mark the model as holding `kind`'s blocks and pack it from them now: `stored` gives each packed projection
+    module its blocks (a GGUF file's own, `models/loading/gguf_blocks.py`; its weight is empty); a head tied to
+    the embedding table is packed from the table, which holds the same values."""
+    quantised(model, kind)
+    found = fast_model(model)
+    found.use(kind)
+    for p in found._projections():
+        if isinstance(p, Packed):
+            p.adopt([stored[m] for m in p.modules], kind)
+        else:
+            p.pack(kind)
+    found.packed = found.owned = True  # the float tensors were made by the reader: no file mapped
+    return found
+
+
+def packed_bytes(model) -> int:
+    """The bytes a packed model holds in its packed layouts (0 where it is not packed): its projections' only copy."""
+    found = _state.get(model)
+    if found is None or not found.packed:
+        return 0
+    return sum(p.packed.numel() * p.packed.element_size() for p in found._projections() if isinstance(p, Packed))
+
+
 def weights_kind(model) -> str | None:
     """The block type a model's weights were snapped onto (None: float weights)."""
     return getattr(model, BLOCKS_ATTR, None)

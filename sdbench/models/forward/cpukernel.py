@@ -183,8 +183,12 @@ def grouped() -> bool:
 
 def pack_blocks(weight: torch.Tensor, kind: str) -> torch.Tensor:
     """A float32 [out, n] weight (on `kind`'s grid) as the blocks `linear_blocks` reads: grouped where `grouped()`."""
-    blocks = quants.quantise(weight, kind)
-    return quants.group(blocks, kind, group_rows()) if grouped() else blocks
+    return pack_stored(quants.quantise(weight, kind), kind)
+
+
+def pack_stored(blocks: torch.Tensor, kind: str) -> torch.Tensor:
+    """Stored blocks [out, n / BLOCK * bytes] (a GGUF file's, or `quants.quantise`'s) as `linear_blocks` reads them."""
+    return quants.group(blocks, kind, group_rows()) if grouped() else blocks.contiguous()
 
 
 def unpack_blocks(packed: torch.Tensor, kind: str, out: int, n: int) -> torch.Tensor:

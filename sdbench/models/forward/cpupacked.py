@@ -83,6 +83,14 @@ class Packed:
         for m in self.modules:
             m.weight.data = _EMPTY
 
+    def adopt(self, blocks: list[torch.Tensor], kind: str) -> None:
+        """Packed from the modules' stored blocks (each [out, n / 32 * bytes], a GGUF file's own), not from their
+        weights (empty: the blocks are the only copy)."""
+        self.packed = cpukernel.pack_stored(blocks[0] if len(blocks) == 1 else torch.cat(blocks), kind)
+        self.layout = kind
+        for m in self.modules:
+            m.weight.data = _EMPTY
+
     def unpack(self) -> None:
         if self.layout == KERNEL:
             plain = cpukernel.unpack(self.packed, self.out_features, self.in_features)

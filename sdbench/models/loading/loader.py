@@ -16,7 +16,7 @@ import torch
 
 from sdbench.errors import SdbenchError
 from sdbench.models.forward.families import serving
-from sdbench.models.loading import embedded, gguf_cache, hub, library, memory, random_weights
+from sdbench.models.loading import embedded, gguf_blocks, gguf_cache, gguf_header, hub, library, memory, random_weights
 from sdbench.models.loading.aliases import EmbeddedModel, model_registry, shipped_config
 from sdbench.models.loading.names import RANDOM, is_random, split_variant
 from sdbench.models.loading.shapes import config_from_dict, parameter_count
@@ -57,6 +57,19 @@ def load_model(name: str, device: str | torch.device = "cpu", dtype: torch.dtype
             model = library.auto_model(str(folder), dtype)
     model.eval().requires_grad_(False)
     return LoadedModel(name=name, ref=ref, source=source, model=model.to(device), tokenizer=tokenizer)
+
+
+def load_own_blocks(name: str, kind: str) -> tuple[LoadedModel, dict] | None:
+    """(the model of the GGUF file `name` is, its matrices left as the file's `kind` blocks, {module: its blocks}:
+    `gguf_blocks.read`), where the file's matrices are of that block type; None for any other model."""
+    source, ref = _resolve(name)
+    if source not in ("embedded", "gguf") or gguf_header.matrix_type(Path(ref)) != kind:
+        return None
+    model, stored = gguf_blocks.read(Path(ref), kind, name)
+    _refuse_unserved(name, model.config)
+    with library.as_user_error(name):
+        tokenizer = gguf_cache.gguf_tokenizer(Path(ref))
+    return LoadedModel(name=name, ref=ref, source=source, model=model, tokenizer=tokenizer), stored
 
 
 def model_files(name: str) -> tuple[str, str]:

@@ -1,13 +1,15 @@
 """The MODEL@VARIANT grammar, on names alone (nothing loads here): `@int8` copies and `@q8_0`/`@q4_0` copies in
 llama.cpp's block types (`models/loading/variants.py`), and `@random` weights at a model's shape
 (`models/loading/random_weights.py`). `--dtype q8_0|q4_0` names the block copy of every model of a run
-(`with_weights`)."""
+(`with_weights`), and a GGUF file of one of those types names its own (read from its header: `gguf_header.py`)."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Iterable
 
 from sdbench.errors import SdbenchError
+from sdbench.models.loading import gguf_header
 
 RANDOM = "random"
 BLOCK_TYPES = ("q8_0", "q4_0")  # llama.cpp's quantised block types sdbench's own products read
@@ -44,9 +46,22 @@ def tokenizer_name(name: str) -> str:
     return base if variant and variant != RANDOM else name
 
 
-def with_weights(name: str, dtype: str) -> str:
+def own_block_type(name: str) -> str | None:
+    """The block type a GGUF file's matrices all are (`gguf_header.matrix_type`: Q8_0 or Q4_0), read from its header;
+    None for any other model."""
+    if not name.endswith(".gguf"):
+        return None
+    found = gguf_header.matrix_type(Path(name).expanduser().resolve())
+    return found if found in BLOCK_TYPES else None
+
+
+def with_weights(name: str, dtype: str, cpu: bool = True) -> str:
     """The model a run at `dtype` decodes with: MODEL@TYPE where dtype is a block type and the name names no
-    variant of its own (a draft's own @q4_0 beside a q8_0 target stays), else the name itself."""
-    if dtype not in BLOCK_TYPES or not name or split_variant(name)[1] is not None:
+    variant of its own (a draft's own @q4_0 beside a q8_0 target stays); a GGUF file of a block type at float32 on
+    a CPU (`cpu`) as that type, its own blocks (FILE@q4_0); else the name itself."""
+    if not name or split_variant(name)[1] is not None:
         return name
-    return f"{name}@{dtype}"
+    if dtype in BLOCK_TYPES:
+        return f"{name}@{dtype}"
+    own = own_block_type(name) if cpu and dtype == "float32" else None
+    return f"{name}@{own}" if own else name

@@ -112,9 +112,11 @@ class Loaded:
 
 def at_weights(cfg: RunConfig) -> RunConfig:
     """The run with every model named as the copy its --dtype decodes with (MODEL@q8_0 for --dtype q8_0, a model
-    naming its own variant kept): what plans and loads read."""
-    drafts = tuple(d if d == NGRAM_DRAFT else with_weights(d, cfg.dtype) for d in cfg.drafts)
-    return replace(cfg, target=with_weights(cfg.target, cfg.dtype), drafts=drafts)
+    naming its own variant kept, a GGUF file of a block type as its own blocks on a CPU): what plans and loads
+    read."""
+    cpu = resolve_device(cfg.device).type == "cpu"
+    drafts = tuple(d if d == NGRAM_DRAFT else with_weights(d, cfg.dtype, cpu) for d in cfg.drafts)
+    return replace(cfg, target=with_weights(cfg.target, cfg.dtype, cpu), drafts=drafts)
 
 
 def load_models(names: list[str], device: torch.device, dtype: torch.dtype, console: Console, *,

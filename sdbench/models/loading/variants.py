@@ -55,14 +55,20 @@ def quantise_int8(model) -> object:
     return copied.eval().requires_grad_(False)
 
 
-def _snapped_weights(model, kind: str) -> list:
-    """The weights a block copy snaps (each tensor once: a tied head is the embedding table); refused in one line
-    where a product cannot be quantised."""
-    found = {}
+def _refuse_unpacked_layers(model, kind: str) -> None:
+    """One line where a layer's MLP is one the block products cannot read (a mixture of experts)."""
     for i, layer in enumerate(model.model.layers):
         if cpupacked.mlp_parts(layer.mlp) is None:
             raise SdbenchError(f"@{kind}: layer {i}'s MLP is neither a plain nor a gated one (a mixture of experts?), "
                                "and sdbench's block products read plain linear layers only")
+
+
+def _snapped_weights(model, kind: str) -> list:
+    """The weights a block copy snaps (each tensor once: a tied head is the embedding table); refused in one line
+    where a product cannot be quantised."""
+    _refuse_unpacked_layers(model, kind)
+    found = {}
+    for layer in model.model.layers:
         for m in cpupacked.projection_modules(layer):
             found[id(m.weight)] = m.weight
     for m in (model.lm_head, model.get_input_embeddings()):
@@ -74,6 +80,12 @@ def _snapped_weights(model, kind: str) -> list:
     return list(found.values())
 
 
+def _refuse_without_products(kind: str) -> None:
+    if not cpukernel.available():
+        raise SdbenchError(f"@{kind} reads its blocks with sdbench's CPU products, which are not available here: "
+                           f"{cpukernel.why_not()}")
+
+
 def quantise_blocks(model, kind: str, copy_first: bool) -> object:
     """The model with its projections, head and embeddings snapped onto `kind`'s grid, marked for the fast path
     to read them as blocks (a copy where `copy_first`: the float model stays in use)."""
@@ -81,9 +93,7 @@ def quantise_blocks(model, kind: str, copy_first: bool) -> object:
     if p.device.type != "cpu" or p.dtype != torch.float32:
         raise SdbenchError(f"@{kind} reads its blocks with sdbench's CPU products and computes in float32: use "
                            "--device cpu --dtype float32 (or --dtype " + kind + ")")
-    if not cpukernel.available():
-        raise SdbenchError(f"@{kind} reads its blocks with sdbench's CPU products, which are not available here: "
-                           f"{cpukernel.why_not()}")
+    _refuse_without_products(kind)
     if copy_first:
         with cpufast.plain(model):  # a packed model's own weights are empty
             model = copy.deepcopy(model)
@@ -94,6 +104,23 @@ def quantise_blocks(model, kind: str, copy_first: bool) -> object:
     return model
 
 
+def own_blocks(base: str, kind: str | None, device):
+    """The LoadedModel of a GGUF file whose matrices are `kind`'s blocks, read as they are and packed for sdbench's
+    products (`models/loading/gguf_blocks.py`); None for any other model (its copy is made from its float weights)."""
+    if kind not in quants.TYPES:
+        return None
+    found = loader.load_own_blocks(base, kind)
+    if found is None:
+        return None
+    loaded, stored = found
+    if torch.device(device).type != "cpu":
+        raise SdbenchError(f"@{kind} reads its blocks with sdbench's CPU products: use --device cpu")
+    _refuse_without_products(kind)
+    _refuse_unpacked_layers(loaded.model, kind)
+    cpufast.adopt_blocks(loaded.model, kind, stored)
+    return loaded
+
+
 def variant_model(name: str, target_name: str, target, device, dtype):
     """The LoadedModel of MODEL@VARIANT: the quantised copy of MODEL (of the loaded target's weights when MODEL
     is the target itself rather than loaded a second time), with MODEL's tokenizer. target: the loaded target,
@@ -101,12 +128,16 @@ def variant_model(name: str, target_name: str, target, device, dtype):
     from dataclasses import replace
 
     base, variant = split_variant(name)
+    own = None
     if target is not None and base == target_name:
         loaded = target
     else:
-        loaded = loader.load_model(base, device, dtype)
+        own = own_blocks(base, variant, device)
+        loaded = own or loader.load_model(base, device, dtype)
         if target is not None:
             loader.check_same_tokenizer(target.tokenizer, loaded.tokenizer, target_name, base)
+    if own is not None:
+        return replace(own, name=name)
     if serving(loaded.model.config).runner != "native":
         raise SdbenchError(f"model '{name}': @{variant} quantises the decoder layers the native runner computes, and "
                            f"'{base}' runs on the generic runner")
