@@ -144,3 +144,13 @@ def test_a_file_lacking_a_tensor_is_one_line(tmp_path):
     path = write_gguf(tmp_path / "a.gguf", model, "q4_0")
     with pytest.raises(SdbenchError, match="holds no tensor for model.layers.1.post_attention_layernorm.weight"):
         gguf_blocks.read(path, "q4_0", "tiny")
+
+
+def test_an_engine_that_cannot_serve_a_files_blocks_is_one_line(tmp_path, capsys):
+    """vLLM serves float weights only: beside sdbench running a Q4_0 file's blocks it would decode other arithmetic
+    over the same values, so `bench` refuses it before anything loads."""
+    from tests.conftest import run_cli
+
+    path = write_gguf(tmp_path / "a.gguf", _model("llama", False), "q4_0")
+    code, out, err = run_cli(capsys, "bench", "--target", str(path), "--engine", "vllm", "--device", "cpu")
+    assert code != 0 and "holds Q4_0 blocks" in err and "vllm does not serve" in err and "Traceback" not in err

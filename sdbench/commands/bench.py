@@ -30,7 +30,7 @@ from sdbench.errors import SdbenchError
 from sdbench.models.forward.generic import GenericRunner, runner_kind
 from sdbench.models.heads.load import check_folder
 from sdbench.models.loading.loader import check_same_tokenizer, eos_token_ids
-from sdbench.models.loading.names import ENGINE_TYPES, with_weights
+from sdbench.models.loading.names import BLOCK_TYPES, ENGINE_TYPES, split_variant, with_weights
 from sdbench.models.loading.pair import device_and_dtype, load_models, pick_runner, resolve_device
 from sdbench.options import split_list
 from sdbench.paths import cache_dir
@@ -206,7 +206,18 @@ def check_bench(cfg: BenchConfig) -> None:
         roles = engine_roles(eng, cfg.gamma, cfg.draft_model, cfg.autoregressive_only, cfg.heads, cfg.target)
         check_engine_options(eng, None, cfg.engine_port, len(roles))
         eng.check_dtype(cfg.dtype)
+        _check_own_types(eng, cfg)
         eng.check_installed()
+
+
+def _check_own_types(eng, cfg: BenchConfig) -> None:
+    """One line where a model is a GGUF file of a block type (sdbench runs its blocks) that the engine does not
+    serve at that type: the two would decode different arithmetic over the same values."""
+    for model in dict.fromkeys(m for m in (cfg.target, cfg.draft_model) if m):
+        own = split_variant(with_weights(model, cfg.dtype, resolve_device(cfg.device).type == "cpu"))[1]
+        if own in BLOCK_TYPES and own not in eng.dtypes:
+            raise SdbenchError(f"--engine {eng.name}: {model} holds {own.upper()} blocks, which sdbench runs as they "
+                               f"are and {eng.name} does not serve here (it runs --dtype {', '.join(eng.dtypes)})")
 
 
 def engine_names(spec: str) -> list[str]:
