@@ -6,6 +6,8 @@ verification batch through the draft: `analysis/carry.py` MIRROR)."""
 
 from __future__ import annotations
 
+import json
+
 import pandas as pd
 import pytest
 
@@ -185,3 +187,55 @@ def test_a_users_q4_0_file_runs_as_its_own_blocks(llamacpp, capsys, tmp_path):
     want = k.reshape(kv, dim // 2, 2, -1).swapaxes(1, 2).reshape(k.shape)
     assert np.array_equal(blocks[heads * dim:(heads + kv) * dim].numpy(), want)
     assert torch.equal(blocks[(heads + kv) * dim:], torch.from_numpy(np.array(stored["blk.2.attn_v.weight"])))
+
+
+def _glm_with_mtp(folder) -> str:
+    """A tiny GLM-4.5 checkpoint with its MTP module (`tests/test_mtp_native.py`), SmolLM2's tokenizer with the four
+    specials llama.cpp's GLM converter names, and both heads (the target's and the module's shared head) writing only
+    six common English tokens, in pairs of opposite rows so one of them always leads: the target decodes among them
+    and the module drafts among them, so that its drafts are taken now and then."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from sdbench.models.loading.loader import load_tokenizer
+    from tests.test_mtp_native import H, L, own_mtp_checkpoint
+
+    tokenizer = load_tokenizer(SMOL)
+    tokenizer.add_special_tokens({"additional_special_tokens": ["[gMASK]", "<|user|>", "<|endoftext|>",
+                                                                "<|observation|>"]})
+    own_mtp_checkpoint(folder, "glm4_moe", seed=1, vocab=len(tokenizer))
+    tokenizer.save_pretrained(folder)
+    common = [tokenizer.encode(w, add_special_tokens=False)[0] for w in (",", " the", ".", " and", " a", " to")]
+    weights = load_file(str(folder / "model.safetensors"))
+    g = torch.Generator().manual_seed(3)
+    for key in ("lm_head.weight", f"model.layers.{L}.shared_head.head.weight"):
+        head = torch.zeros_like(weights[key])
+        for a, b in zip(common[::2], common[1::2]):
+            head[a] = torch.randn(H, generator=g)
+            head[b] = -head[a]
+        weights[key] = head
+    save_file(weights, str(folder / "model.safetensors"))
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 2048}))  # MT-Bench's prompts
+    return str(folder)
+
+
+def test_the_targets_own_mtp_module_drafts_alike_in_llamacpp(llamacpp, capsys, tmp_path):
+    """A checkpoint's own MTP module (GLM-4.5's layout), its folder converted by llama.cpp's own converter (the module's
+    layers kept) and run by its draft-mtp: lossless, drafting in every turn, its drafts taken about as often as by
+    sdbench's own loop reading the module from the checkpoint (greedy, float32 on both sides, the same prompts). Not
+    turn for turn: sdbench masks the module's input embedding at position 0 as vLLM does and llama.cpp does not (with
+    the mask lifted, γ = 1, the two agreed in 5 of 6 turns and were 1 apart in the sixth)."""
+    target = _glm_with_mtp(tmp_path / "glm")
+    common = ["run", "--target", target, "--strategy", "mtp", "--gamma", "3", "--limit", "3", "--max-new-tokens",
+              "32", "--device", "cpu"]
+    code, _, err = run_cli(capsys, *common, "--out", str(tmp_path / "ours"))
+    assert code == 0, err
+    code, _, err = run_cli(capsys, *common, "--engine", "llama.cpp", "--out", str(tmp_path / "engine"))
+    assert code == 0, err
+    ours, theirs = (pd.concat(pd.read_parquet(p) for p in (tmp_path / d).glob("*.parquet")) for d in ("ours", "engine"))
+    ours, theirs = (df[df.role != "baseline"].set_index(["prompt_id", "turn"]).sort_index() for df in (ours, theirs))
+    assert len(ours) == len(theirs) == 6 and ours.lossless.all() and theirs.lossless.all()
+    assert (theirs.drafted > 0).all() and ours.accepted.sum() > 0 and theirs.accepted.sum() > 0
+    assert abs(ours.accepted.sum() - theirs.accepted.sum()) <= 0.25 * ours.accepted.sum()
+    assert "Traceback" not in err

@@ -45,12 +45,13 @@ FAMILIES = {
 }
 
 
-def _full_model(family: str, seed: int = 0):
+def _full_model(family: str, seed: int = 0, vocab: int = V):
     """A random model of L + 1 layers (its last one the MTP block), 1-D weights and routing biases moved off their
     init so that a skipped norm or bias shows."""
     kind = "qwen2" if family == "mimo" else family
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(kind, **COMMON, **FAMILIES[family])).eval()
+    config = AutoConfig.for_model(kind, **{**COMMON, "vocab_size": vocab}, **FAMILIES[family])
+    model = AutoModelForCausalLM.from_config(config).eval()
     g = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for p in model.parameters():
@@ -62,10 +63,10 @@ def _full_model(family: str, seed: int = 0):
     return model
 
 
-def own_mtp_checkpoint(folder: Path, family: str, seed: int = 0) -> Path:
+def own_mtp_checkpoint(folder: Path, family: str, seed: int = 0, vocab: int = V) -> Path:
     """A target checkpoint of L layers with an MTP module of its own, in its family's layout: the model's layer L
     as the module's block, plus its input norms, projection and (DeepSeek, GLM) shared head."""
-    _full_model(family, seed).save_pretrained(folder)
+    _full_model(family, seed, vocab).save_pretrained(folder)
     weights = load_file(str(folder / "model.safetensors"))
     g = torch.Generator().manual_seed(seed + 2)
     extra = {"proj": 0.3 * torch.randn(H, 2 * H, generator=g), "en": 1 + 0.3 * torch.randn(H, generator=g),
@@ -79,7 +80,7 @@ def own_mtp_checkpoint(folder: Path, family: str, seed: int = 0) -> Path:
     else:
         weights.update({block + "eh_proj.weight": extra["proj"], block + "enorm.weight": extra["en"],
                         block + "hnorm.weight": extra["hn"], block + "shared_head.norm.weight": extra["out"],
-                        block + "shared_head.head.weight": 0.3 * torch.randn(V, H, generator=g),
+                        block + "shared_head.head.weight": 0.3 * torch.randn(vocab, H, generator=g),
                         block + "embed_tokens.weight": weights["model.embed_tokens.weight"].clone()})
     save_file({k: v.contiguous() for k, v in weights.items()}, str(folder / "model.safetensors"))
     config = json.loads((folder / "config.json").read_text())
@@ -270,3 +271,18 @@ def test_an_fp8_module_is_one_line(tmp_path):
     save_file(w, str(folder / "model.safetensors"))
     with pytest.raises(SdbenchError, match="weight_scale_inv, which its layer type does not have"):
         MTPHead(load_head(str(folder), runner, ("mtp",)), runner)
+
+
+def test_llamacpp_takes_only_a_targets_own_glm_module(tmp_path, capsys):
+    """llama.cpp's draft-mtp runs the module in the target's own GGUF, and its converter keeps GLM-4.5's among the
+    layouts sdbench reads: a DeepSeek-V3 checkpoint, or --head naming another folder, is one line before anything
+    loads or starts."""
+    deepseek = own_mtp_checkpoint(tmp_path / "ds", "deepseek_v3")
+    glm = own_mtp_checkpoint(tmp_path / "glm", "glm4_moe")
+    for argv, says in (
+            (["bench", "--target", str(deepseek), "--head", str(deepseek)], "keeps the MTP layers of Glm4MoeForCausalLM"),
+            (["run", "--target", str(deepseek), "--strategy", "mtp"], "keeps the MTP layers of Glm4MoeForCausalLM"),
+            (["run", "--target", str(glm), "--strategy", "mtp", "--head", str(deepseek)],
+             "give --head the target's folder itself")):
+        code, out, err = run_cli(capsys, *argv, "--engine", "llama.cpp", "--device", "cpu", "--out", str(tmp_path))
+        assert code != 0 and says in err and "Traceback" not in err, err

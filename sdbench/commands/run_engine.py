@@ -72,12 +72,13 @@ def engine_roles_of(eng: Engine, base: str, cfg: RunConfig) -> list[EngineRole]:
         if len(cfg.drafts) != 1:
             raise SdbenchError(f"--engine {eng.name}: the draft strategy takes one --draft model")
         roles = [EngineRole("draft", g, cfg.drafts[0]) for g in cfg.gammas]
-    elif head is not None:  # a trained head's strategy: the engine's drafter of that kind, with the same head
-        roles = [EngineRole(base, g, head) for g in cfg.gammas]
+    elif head is not None or base == "mtp":  # a trained head's strategy: the engine's drafter of that kind, with the
+        # same head (mtp with none: the module the target's own checkpoint ships)
+        roles = [EngineRole(base, g, head or cfg.target) for g in cfg.gammas]
     else:
         roles = [EngineRole(base, g) for g in cfg.gammas]
     for role in roles:
-        why = eng.refuse(role)
+        why = eng.refuse(role, cfg.target)
         if why is not None:
             raise SdbenchError(f"--engine {eng.name}: {why}")
     return roles

@@ -149,8 +149,8 @@ class Engine:
                                f"`{self.install}` in sdbench's checkout (`sdbench list engines` says what is "
                                "installed)")
 
-    def refuse(self, role: EngineRole) -> str | None:
-        """Why this engine cannot run `role`, or None."""
+    def refuse(self, role: EngineRole, target: str | None = None) -> str | None:
+        """Why this engine cannot run `role` (for `target`), or None."""
         if role.strategy not in self.own_names:
             runs = ", ".join(self.own_names)
             return f"{self.name} runs no '{role.strategy}' (it runs: {runs})"

@@ -1,4 +1,5 @@
-"""A block drafter's head folder as the GGUF llama.cpp's `draft-dflash` and `draft-dspark` load, written by llama.cpp's
+"""A block drafter's head folder as the GGUF llama.cpp's `draft-dflash` and `draft-dspark` load, and a model folder as the
+GGUF its server loads (`model_gguf`: an MTP module's layers kept, for `draft-mtp`), written by llama.cpp's
 own converter (`convert_hf_to_gguf.py` in the source `make engine-llama.cpp` unpacks) and kept in sdbench's cache by
 the head's and the target's files.
 
@@ -58,13 +59,9 @@ def head_gguf(head: str | Path, target_dir: str | Path, source: Path) -> Path:
     """The head folder's GGUF (float32), converted once; `source`: llama.cpp's unpacked source, `target_dir` the
     target's folder (config and tokenizer)."""
     head, target_dir = Path(head), Path(target_dir)
-    weights = sorted(head.glob("*.safetensors"))
-    if not weights:
-        raise SdbenchError(f"llama.cpp: {head} holds no *.safetensors (its converter reads those)")
+    weights = _weights(head)
     config = json.loads((head / "config.json").read_text())
-    key = hashlib.sha256(json.dumps([config, [(w.name, w.stat().st_size, w.stat().st_mtime_ns) for w in weights],
-                                     str(target_dir.resolve())], sort_keys=True).encode()).hexdigest()[:16]
-    out = cache_dir("engines", "heads") / f"{head.name}-{key}.gguf"
+    out = cache_dir("engines", "heads") / f"{head.name}-{_key(config, weights, str(target_dir.resolve()))}.gguf"
     if out.is_file():
         return out
     stage = out.with_suffix(".stage")
@@ -73,15 +70,43 @@ def head_gguf(head: str | Path, target_dir: str | Path, source: Path) -> Path:
     for w in weights:
         (stage / w.name).unlink(missing_ok=True)
         (stage / w.name).symlink_to(w.resolve())
+    return _converted(stage, out, source, ["--target-model-dir", str(target_dir)], f"the head {head}")
+
+
+def model_gguf(folder: str | Path, source: Path) -> Path:
+    """A model folder (config, safetensors, tokenizer) as the float32 GGUF llama.cpp serves, converted once by its
+    own converter; the layers of an MTP module the checkpoint ships are kept (`draft-mtp` reads them)."""
+    folder = Path(folder)
+    weights = _weights(folder)
+    out = cache_dir("engines", "gguf") / \
+        f"{folder.name}-{_key(json.loads((folder / 'config.json').read_text()), weights, '')}-F32.gguf"
+    return out if out.is_file() else _converted(folder, out, source, [], f"the model {folder}")
+
+
+def _weights(folder: Path) -> list[Path]:
+    weights = sorted(folder.glob("*.safetensors"))
+    if not weights:
+        raise SdbenchError(f"llama.cpp: {folder} holds no *.safetensors (its converter reads those)")
+    return weights
+
+
+def _key(config: dict, weights: list[Path], more: str) -> str:
+    """A folder's cache key: its config and its weight files' sizes and times."""
+    return hashlib.sha256(json.dumps([config, [(w.name, w.stat().st_size, w.stat().st_mtime_ns) for w in weights],
+                                      more], sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _converted(folder: Path, out: Path, source: Path, extra: list[str], what: str) -> Path:
+    """`folder` converted by llama.cpp's convert_hf_to_gguf.py (float32) into `out`, written under another name and
+    renamed into place; its last line of complaint where it fails."""
     part = out.with_suffix(".part")
     env = {**os.environ, "PYTHONPATH": str(source / "gguf-py")}
-    done = subprocess.run([sys.executable, str(source / "convert_hf_to_gguf.py"), str(stage), "--target-model-dir",
-                           str(target_dir), "--outtype", "f32", "--outfile", str(part)], capture_output=True, text=True,
-                          env=env)
+    done = subprocess.run([sys.executable, str(source / "convert_hf_to_gguf.py"), str(folder), *extra, "--outtype",
+                           "f32", "--outfile", str(part)], capture_output=True, text=True, env=env)
     if done.returncode != 0 or not part.is_file():
         said = [line for line in (done.stderr or done.stdout).strip().splitlines() if line.strip()]
         part.unlink(missing_ok=True)
-        raise SdbenchError(f"llama.cpp's convert_hf_to_gguf.py could not convert the head {head}: "
+        raise SdbenchError(f"llama.cpp's convert_hf_to_gguf.py could not convert {what}: "
                            f"{said[-1] if said else done.returncode}")
     part.rename(out)
     return out

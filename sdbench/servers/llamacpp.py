@@ -6,6 +6,8 @@ block drafters (`draft-dflash`, `draft-dspark`) load a head folder converted by 
 
 from __future__ import annotations
 
+import json
+
 import subprocess
 from pathlib import Path
 
@@ -17,13 +19,16 @@ from sdbench.models.loading.names import BLOCK_TYPES, ENGINE_TYPES, split_varian
 from sdbench.paths import cache_dir
 from sdbench.servers.client import EngineReplyError, post_json
 from sdbench.servers.engines import Engine, EngineRole, Reply, engines_dir, token_gaps
-from sdbench.servers.head_gguf import head_gguf, refusal
+from sdbench.servers.head_gguf import head_gguf, model_gguf, refusal
 
 # sdbench's --dtype (or a model's own block type) -> llama-quantize's type name: the float types, the block types
 # sdbench's own runner reads too, and the K-quant mixes llama.cpp alone runs
 GGUF_TYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16", "q8_0": "Q8_0", "q4_0": "Q4_0",
               **{t: t.upper() for t in ENGINE_TYPES}}
 NGRAM_SIZE = 3  # the lookup n-gram, as sdbench's ngram's longest suffix
+# the checkpoints sdbench reads an MTP module from (`models/heads/mtp_native.py`) whose MTP layers llama.cpp's converter
+# keeps and its draft-mtp runs: GLM-4.5's (DeepSeek-V3's and MiMo-7B's it drops)
+MTP_ARCHITECTURES = ("Glm4MoeForCausalLM",)
 
 
 class LlamaCpp(Engine):
@@ -31,7 +36,7 @@ class LlamaCpp(Engine):
     folder = "llama.cpp"
     install = "make engine-llama.cpp"
     own_names = {"autoregressive": "plain", "ngram": "ngram-simple", "draft": "draft-simple", "dflash": "draft-dflash",
-                 "dspark": "draft-dspark"}
+                 "dspark": "draft-dspark", "mtp": "draft-mtp"}
     blocks = ("dflash", "dspark")  # strategies run by a head GGUF (a DFlash 2 head runs under dflash)
     # draft-simple runs the target's verification batch through the draft too (its `process`), then one forward
     # per draft: the sampled token's and each draft's but the last
@@ -42,7 +47,9 @@ class LlamaCpp(Engine):
     def executable(self) -> Path:
         return engines_dir(self.folder, "build", "bin", "llama-server")
 
-    def refuse(self, role: EngineRole) -> str | None:
+    def refuse(self, role: EngineRole, target: str | None = None) -> str | None:
+        if role.strategy == "mtp":
+            return mtp_refusal(role.draft or "", target)
         if role.strategy == "eagle":
             return ("llama.cpp runs an EAGLE-3 head only as a GGUF written by its own convert_hf_to_gguf.py "
                     "--target-model-dir; sdbench does not convert heads for it yet")
@@ -50,7 +57,7 @@ class LlamaCpp(Engine):
             why = refusal(role.draft or "")
             if why is not None:
                 return why
-        return super().refuse(role)
+        return super().refuse(role, target)
 
     def served_dtype(self, model: str, dtype: str) -> str:
         """The type the server runs `model` at: the block type its name gives (MODEL@q4_0), or a GGUF file of a
@@ -63,17 +70,15 @@ class LlamaCpp(Engine):
 
     def gguf(self, model: str, dtype: str) -> Path:
         """The model's GGUF with its weights re-typed to `dtype`, or to the block type the name gives (MODEL@q4_0),
-        made once, in sdbench's cache; a file already of that type as it is (a user's own Q4_K_M file). A block type
+        made once, in sdbench's cache; a file already of that type as it is (a user's own Q4_K_M file); a folder or a
+        hub model converted first by llama.cpp's own converter (`model_gguf`). A block type
         puts every tensor in it (`--pure`: no other type for the head or the embeddings, as sdbench's block copy);
         a K-quant mix is llama-quantize's own mix."""
         model, dtype = split_variant(model)[0], self.served_dtype(model, dtype)
-        kind, where = model_files(model)
-        if kind != "gguf":
-            raise SdbenchError(f"llama.cpp serves GGUF files; '{model}' is a {'hub model' if kind == 'hub' else kind}: "
-                               "convert it with llama.cpp's convert_hf_to_gguf.py and pass the .gguf")
         if dtype not in GGUF_TYPES:
             raise SdbenchError(f"llama.cpp: no GGUF type for --dtype {dtype} (use one of {', '.join(GGUF_TYPES)})")
-        source = Path(where)
+        kind, where = model_files(model)
+        source = Path(where) if kind == "gguf" else model_gguf(target_folder(model), engines_dir(self.folder, "src"))
         if file_type(source) == GGUF_TYPES[dtype]:
             return source
         out = cache_dir("engines", "gguf") / f"{source.stem}-{source.stat().st_size}-{GGUF_TYPES[dtype]}.gguf"
@@ -104,6 +109,9 @@ class LlamaCpp(Engine):
             argv += ["--spec-type", "draft-simple", "-md", str(self.gguf(role.draft, dtype)),
                      "--spec-draft-n-max", str(role.gamma), "--spec-draft-n-min", "0", "--spec-draft-p-min", "0",
                      "-td", str(threads)]
+        elif role.strategy == "mtp":  # the module the target's own GGUF carries (its converter keeps it)
+            argv += ["--spec-type", "draft-mtp", "--spec-draft-n-max", str(role.gamma), "--spec-draft-n-min", "0",
+                     "--spec-draft-p-min", "0"]
         elif role.strategy in self.blocks:  # every drafted token verified (draft-dspark's per-slot cut: p-min 0)
             head = head_gguf(role.draft, target_folder(target), engines_dir(self.folder, "src"))
             argv += ["--spec-type", self.own_names[role.strategy], "-md", str(head), "--spec-draft-n-max",
@@ -143,6 +151,20 @@ class LlamaCpp(Engine):
         if "prompt_ms" not in timings or "prompt_n" not in timings:
             raise EngineReplyError(f"{url}/completion: no prompt timings in the reply")
         return float(timings["prompt_ms"]) / 1000.0, int(timings["prompt_n"])
+
+
+def mtp_refusal(head: str, target: str | None) -> str | None:
+    """Why llama.cpp's draft-mtp cannot draft with `head` for `target`, or None: it runs the MTP module a target's
+    own checkpoint ships (--head naming the target's folder), of a family whose layers its converter keeps."""
+    same = target is not None and Path(head).expanduser().resolve() == Path(target).expanduser().resolve()
+    if not same or not (Path(head) / "config.json").is_file():
+        return ("llama.cpp's draft-mtp drafts with the MTP module of the target's own checkpoint: give --head the "
+                f"target's folder itself (got {head!r})")
+    kinds = json.loads((Path(head) / "config.json").read_text()).get("architectures") or []
+    if not set(kinds) & set(MTP_ARCHITECTURES):
+        return (f"llama.cpp's converter keeps the MTP layers of {', '.join(MTP_ARCHITECTURES)} checkpoints among "
+                f"those sdbench reads, and {head} is {', '.join(kinds) or 'of no named architecture'}")
+    return None
 
 
 def file_type(path: Path) -> str | None:

@@ -96,7 +96,7 @@ def engine_roles(engine: Engine, gamma: int, draft: str | None, autoregressive_o
     roles += [EngineRole("ngram", gamma), EngineRole("draft", gamma, draft)]
     roles += [EngineRole(head_role(h), gamma, h) for h in heads]
     for role in roles:
-        why = engine.refuse(role)
+        why = engine.refuse(role, target)
         if why is not None:
             raise SdbenchError(f"--engine {engine.name}: {why}")
     replay = synthetic if engine.synthetic and synthetic else {}
