@@ -23,7 +23,7 @@ def run(
     dataset: Dataset = C.DEFAULT_DATASET, limit: Limit = C.DEFAULT_LIMIT, max_new_tokens: MaxNew = C.DEFAULT_MAX_NEW_TOKENS,
     batch_size: Batch = 1, temperature: Temperature = 0.0, top_p: TopP = 1.0, seed: Seed = 0, gamma: Gamma = None,
     prompt_len: PromptLen = None, device: Device = "auto",
-    dtype: Annotated[str, typer.Option(help="float32, bfloat16 or float16; or q8_0 / q4_0: every model as its copy in llama.cpp's block type, read by sdbench's CPU products (a model naming its own @q8_0 or @q4_0 keeps it); several, as float32,q4_0: the whole run at each in turn, and a table of what each costs in acceptance")] = "float32",
+    dtype: Annotated[str, typer.Option(help="float32, bfloat16 or float16; or q8_0 / q4_0: every model as its copy in llama.cpp's block type, read by sdbench's CPU products (a model naming its own @q8_0 or @q4_0 keeps it, as does a GGUF file of Q8_0 or Q4_0 blocks: its own, read as they are); several, as float32,q4_0: the whole run at each in turn, and a table of what each costs in acceptance")] = "float32",
     repeats: Repeats = 1,
     set_: Sets = None, out: Out = C.DEFAULT_OUT, baseline: Baseline = True, resume: Resume = None, fast: Fast = True,
     turns: Turns = None, prompt_field: PromptField = None, category_field: CategoryField = None, id_field: IdField = None,
