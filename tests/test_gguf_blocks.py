@@ -45,6 +45,8 @@ def write_gguf(path: Path, model, kind: str, tied: bool = False, odd: str | None
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"] if hasattr(cfg, "rope_parameters") else cfg.rope_theta)
     writer.add_vocab_size(cfg.vocab_size)
+    writer.add_array("sdbench.test.words", [f"w{i}" for i in range(40)])  # arrays of strings and of numbers, as a
+    writer.add_array("sdbench.test.scores", [0.5] * 40)  # tokenizer's: the header's reader skips them
     table = get_tensor_name_map(next(k for k, v in MODEL_ARCH_NAMES.items() if v == arch), cfg.num_hidden_layers)
     for hf, value in model.state_dict().items():
         if tied and hf == "lm_head.weight":
@@ -154,3 +156,15 @@ def test_an_engine_that_cannot_serve_a_files_blocks_is_one_line(tmp_path, capsys
     path = write_gguf(tmp_path / "a.gguf", _model("llama", False), "q4_0")
     code, out, err = run_cli(capsys, "bench", "--target", str(path), "--engine", "vllm", "--device", "cpu")
     assert code != 0 and "holds Q4_0 blocks" in err and "vllm does not serve" in err and "Traceback" not in err
+
+
+def test_the_header_is_read_as_ggufs_reader_reads_it(tmp_path):
+    """sdbench's own header reader against the `gguf` package's: every tensor's name, shape, type and stored bytes."""
+    from gguf import GGUFReader
+
+    path = write_gguf(tmp_path / "a.gguf", _model("qwen2", False), "q8_0", odd="blk.1.attn_v.weight")
+    ours, theirs = gguf_header.reader(path), GGUFReader(str(path))
+    assert ours.architecture == "qwen2" and len(ours.tensors) == len(theirs.tensors)
+    for mine, ref in zip(ours.tensors, theirs.tensors):
+        assert (mine.name, mine.shape, mine.tensor_type) == (ref.name, tuple(int(d) for d in ref.shape), ref.tensor_type)
+        assert np.array_equal(mine.data.reshape(-1), np.ascontiguousarray(ref.data).view(np.uint8).reshape(-1))

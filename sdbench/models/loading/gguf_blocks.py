@@ -30,12 +30,12 @@ from sdbench.models.loading.gguf_header import forget, processor_class, reader
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
-def read(path: Path, kind: str, name: str) -> tuple["PreTrainedModel", dict]:
-    """(the model of a GGUF file of block type `kind`, {projection module: its blocks [out, n / 32 * bytes] uint8,
-    rows in the library's order}). Float32, on the CPU; a tensor the model needs and the file lacks, one line."""
-    from gguf import dequantize  # gguf: only a GGUF file's own blocks need it
 
-    model, processor, names = _skeleton(path, reader(path), name)
+def read(path: Path, kind: str, name: str, config=None) -> tuple["PreTrainedModel", dict]:
+    """(the model of a GGUF file of block type `kind`, {projection module: its blocks [out, n / 32 * bytes] uint8,
+    rows in the library's order}). Float32, on the CPU; a tensor the model needs and the file lacks, one line.
+    config: the file's config where already read (`gguf_cache.header_copy`), else read from its header."""
+    model, processor, names = _skeleton(path, reader(path), name, config)
     modules = dict(model.named_modules())
     stored: dict = {}
     for tensor in reader(path).tensors:
@@ -49,7 +49,7 @@ def read(path: Path, kind: str, name: str) -> tuple["PreTrainedModel", dict]:
             value = torch.empty(0)
         else:
             value = torch.from_numpy(np.array(  # a copy: the file's mapping is not kept
-                processor.process(weights=dequantize(tensor.data, tensor.tensor_type), name=tensor.name).weights,
+                processor.process(weights=_values(tensor), name=tensor.name).weights,
                 dtype=np.float32))
         module._parameters[attr] = torch.nn.Parameter(value, requires_grad=False)
     if model.config.tie_word_embeddings:
@@ -62,7 +62,7 @@ def read(path: Path, kind: str, name: str) -> tuple["PreTrainedModel", dict]:
     return model.eval().requires_grad_(False), stored
 
 
-def _skeleton(path: Path, file, name: str):
+def _skeleton(path: Path, file, name: str, config=None):
     """(the model built from the file's config with no weights, the library's tensor processor for the file's
     architecture, {GGUF tensor name: the model's parameter name})."""
     from accelerate import init_empty_weights  # the library's weightless construction
@@ -75,11 +75,18 @@ def _skeleton(path: Path, file, name: str):
     if found is None:  # gguf_header.matrix_type said no
         raise SdbenchError(f"model '{name}': {path.name}'s blocks cannot be read as they are")
     with library.as_user_error(name), quiet_library():
-        config = library.auto_config(str(path.parent), gguf_file=path.name)
+        config = config or library.auto_config(str(path.parent), gguf_file=path.name)
         processor = found(config=config.to_dict())  # Llama's: the head counts
         with init_empty_weights(include_buffers=False):
             model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     return model, processor, get_gguf_hf_weights_map(model, processor)
+
+
+def _values(tensor) -> np.ndarray:
+    """A tensor the forward reads as floats, de-quantised, in the library's shape (GGUF's dimensions reversed)."""
+    from gguf import dequantize  # gguf: only a GGUF file's own blocks need it
+
+    return dequantize(tensor.data, tensor.tensor_type).reshape(tensor.shape[::-1])
 
 
 def _blocks(tensor, processor) -> torch.Tensor:

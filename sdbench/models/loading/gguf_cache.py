@@ -52,6 +52,21 @@ def converted(gguf: Path) -> Path:
     return folder
 
 
+def header_copy(gguf: Path) -> Path:
+    """The file's config and tokenizer as the library reads them from its header, saved once into a small folder of
+    the cache (the library takes seconds to read a tokenizer from a header; a file read as its own blocks has no
+    de-quantised copy to take them from)."""
+    folder = cache_folder(gguf)
+    folder = folder.with_name(folder.name + "-header")
+    if not is_complete(folder):
+        with atomic_dir(folder) as tmp, library.as_user_error(str(gguf)):
+            library.auto_config(str(gguf.parent), gguf_file=gguf.name).save_pretrained(tmp)
+            gguf_tokenizer(gguf).save_pretrained(tmp)
+            (tmp / COMPLETE).write_text(json.dumps({"gguf": str(gguf), "size": gguf.stat().st_size,
+                                                    "transformers": _transformers_version()}, indent=1))
+    return folder
+
+
 @contextlib.contextmanager
 def atomic_dir(final: Path) -> Iterator[Path]:
     """Build a folder under a temporary name and rename it into place, so an interrupted build leaves no cache."""

@@ -65,10 +65,11 @@ def load_own_blocks(name: str, kind: str) -> tuple[LoadedModel, dict] | None:
     source, ref = _resolve(name)
     if source not in ("embedded", "gguf") or gguf_header.matrix_type(Path(ref)) != kind:
         return None
-    model, stored = gguf_blocks.read(Path(ref), kind, name)
-    _refuse_unserved(name, model.config)
-    with library.as_user_error(name):
-        tokenizer = gguf_cache.gguf_tokenizer(Path(ref))
+    header = gguf_cache.header_copy(Path(ref))
+    with library.as_user_error(name, header):
+        config, tokenizer = library.auto_config(str(header)), library.auto_tokenizer(str(header))
+    _refuse_unserved(name, config)
+    model, stored = gguf_blocks.read(Path(ref), kind, name, config)
     return LoadedModel(name=name, ref=ref, source=source, model=model, tokenizer=tokenizer), stored
 
 
