@@ -55,6 +55,38 @@ def matrix_type(path: Path) -> str | None:
     return kinds.pop()
 
 
+class _Cursor:
+    """Little-endian values read one after another from a buffer."""
+
+    def __init__(self, buf):
+        self.buf, self.at = buf, 0
+
+    def take(self, fmt: str):
+        got = struct.unpack_from("<" + fmt, self.buf, self.at)
+        self.at += struct.calcsize("<" + fmt)
+        return got[0] if len(got) == 1 else got
+
+    def text(self) -> str:
+        n = self.take("Q")
+        self.at += n
+        return bytes(self.buf[self.at - n:self.at]).decode("utf-8", "replace")
+
+    def skip(self, kind: int) -> None:
+        """Past one value of type `kind` (an array's elements one by one only where they are strings)."""
+        if kind == STRING:
+            n = self.take("Q")
+            self.at += n
+        elif kind == ARRAY:
+            inner, count = self.take("IQ")
+            if inner in SCALARS:
+                self.at += SCALARS[inner] * count
+            else:
+                for _ in range(count):
+                    self.skip(inner)
+        else:
+            self.at += SCALARS[kind]
+
+
 @functools.lru_cache(maxsize=2)
 def reader(path: Path) -> Header:
     """The file's architecture and tensors, its data mapped (the last two files' kept until `forget`)."""
@@ -62,53 +94,25 @@ def reader(path: Path) -> Header:
 
     with open(path, "rb") as f:
         buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-    at = 0
-
-    def take(fmt: str):
-        nonlocal at
-        got = struct.unpack_from("<" + fmt, buf, at)
-        at += struct.calcsize("<" + fmt)
-        return got[0] if len(got) == 1 else got
-
-    def text() -> str:
-        nonlocal at
-        n = take("Q")
-        at += n
-        return bytes(buf[at - n:at]).decode("utf-8", "replace")
-
-    def skip(kind: int) -> None:
-        nonlocal at
-        if kind == STRING:
-            n = take("Q")
-            at += n
-        elif kind == ARRAY:
-            inner, count = take("IQ")
-            if inner in SCALARS:
-                at += SCALARS[inner] * count
-            else:
-                for _ in range(count):
-                    skip(inner)
-        else:
-            at += SCALARS[kind]
-
-    magic, version, n_tensors, n_values = take("4sIQQ")
+    c = _Cursor(buf)
+    magic, version, n_tensors, n_values = c.take("4sIQQ")
     if magic != b"GGUF" or version not in (2, 3):
         raise ValueError(f"{path.name} is not a GGUF file of version 2 or 3")
     arch, align = "", 32
     for _ in range(n_values):
-        key, kind = text(), take("I")
+        key, kind = c.text(), c.take("I")
         if key == "general.architecture" and kind == STRING:
-            arch = text()
+            arch = c.text()
         elif key == "general.alignment" and kind == 4:
-            align = take("I")
+            align = c.take("I")
         else:
-            skip(kind)
+            c.skip(kind)
     infos = []
     for _ in range(n_tensors):
-        name, dims = text(), take("I")
-        shape = tuple(take("Q") for _ in range(dims))
-        infos.append((name, shape, GGMLQuantizationType(take("I")), take("Q")))
-    start = -(-at // align) * align
+        name, dims = c.text(), c.take("I")
+        shape = tuple(c.take("Q") for _ in range(dims))
+        infos.append((name, shape, GGMLQuantizationType(c.take("I")), c.take("Q")))
+    start = -(-c.at // align) * align
     data = np.frombuffer(buf, dtype=np.uint8)
     tensors = []
     for name, shape, kind, offset in infos:
