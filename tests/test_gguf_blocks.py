@@ -30,9 +30,11 @@ def _llama_permuted(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_gguf(path: Path, model, kind: str, tied: bool = False, odd: str | None = None) -> Path:
+def write_gguf(path: Path, model, kind: str, tied: bool = False, odd: str | None = None,
+               experts: bool = False) -> Path:
     """`model` as a GGUF file whose matrices are `kind` (the norms and biases float32); `odd`: one matrix written
-    as F16 instead. Tied: no output matrix (the head is the embedding table)."""
+    as F16 instead; `experts`: a stack of two experts' matrices besides. Tied: no output matrix (the head is the
+    embedding table)."""
     cfg = model.config
     arch = cfg.model_type
     writer = GGUFWriter(str(path), arch)
@@ -61,6 +63,10 @@ def write_gguf(path: Path, model, kind: str, tied: bool = False, odd: str | None
         else:
             t = GGUF_TYPES["f16" if name == odd else kind]
             writer.add_tensor(name, gguf_quants.quantize(w, t), raw_dtype=t)
+    if experts:
+        stack = np.random.default_rng(0).standard_normal((2, 2 * cfg.hidden_size, cfg.hidden_size)).astype(np.float32)
+        writer.add_tensor("blk.0.ffn_gate_exps.weight", gguf_quants.quantize(stack, GGUF_TYPES[kind]),
+                          raw_dtype=GGUF_TYPES[kind])
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -122,7 +128,8 @@ def test_which_files_name_their_own_type(tmp_path):
     q4 = write_gguf(tmp_path / "a.gguf", model, "q4_0")
     mixed = write_gguf(tmp_path / "b.gguf", model, "q4_0", odd="blk.0.ffn_down.weight")
     half = write_gguf(tmp_path / "c.gguf", model, "f16")
-    assert [names.own_block_type(str(p)) for p in (q4, mixed, half)] == ["q4_0", None, None]
+    stacked = write_gguf(tmp_path / "d.gguf", model, "q4_0", experts=True)
+    assert [names.own_block_type(str(p)) for p in (q4, mixed, half, stacked)] == ["q4_0", None, None, None]
     assert names.with_weights(str(q4), "float32") == f"{q4}@q4_0"  # its own blocks
     assert names.with_weights(str(q4), "float32", cpu=False) == str(q4)  # a GPU: de-quantised, as before
     assert names.with_weights(str(q4), "bfloat16") == str(q4)

@@ -37,9 +37,10 @@ class Header:
 
 
 def matrix_type(path: Path) -> str | None:
-    """The one type (lower case: "q4_0", "q8_0", "f16"...) of every decoder matrix (`blk.*`, two dimensions or more)
-    and of the output matrix (`output.weight`, else the tied embedding table) where they share one and the library
-    changes the architecture's matrices by their rows' order at most; None otherwise or for no GGUF file."""
+    """The one type (lower case: "q4_0", "q8_0", "f16"...) of every decoder matrix (`blk.*`, two dimensions) and of
+    the output matrix (`output.weight`, else the tied embedding table) where they share one, none is a stack of
+    experts, and the library changes the architecture's matrices by their rows' order at most; None otherwise or for
+    no GGUF file."""
     if path.suffix != ".gguf" or not path.is_file():
         return None
     try:
@@ -50,7 +51,8 @@ def matrix_type(path: Path) -> str | None:
     decoder = [t for t in file.tensors if t.name.startswith("blk.") and len(t.shape) >= 2]
     output = tensors.get("output.weight", tensors.get("token_embd.weight"))
     kinds = {t.tensor_type.name.lower() for t in (*decoder, output) if t is not None}
-    if not decoder or output is None or len(kinds) != 1 or processor_class(file) is None:
+    experts = any(len(t.shape) > 2 for t in decoder)  # stacked experts: not the plain products blocks are read by
+    if not decoder or output is None or experts or len(kinds) != 1 or processor_class(file) is None:
         return None
     return kinds.pop()
 

@@ -109,12 +109,12 @@ def own_blocks(base: str, kind: str | None, device):
     products (`models/loading/gguf_blocks.py`); None for any other model (its copy is made from its float weights)."""
     if kind not in quants.TYPES:
         return None
+    if torch.device(device).type != "cpu":
+        raise SdbenchError(f"@{kind} reads its blocks with sdbench's CPU products: use --device cpu")
     found = loader.load_own_blocks(base, kind)
     if found is None:
         return None
     loaded, stored = found
-    if torch.device(device).type != "cpu":
-        raise SdbenchError(f"@{kind} reads its blocks with sdbench's CPU products: use --device cpu")
     _refuse_without_products(kind)
     _refuse_unpacked_layers(loaded.model, kind)
     cpufast.adopt_blocks(loaded.model, kind, stored)
@@ -136,11 +136,11 @@ def variant_model(name: str, target_name: str, target, device, dtype):
         loaded = own or loader.load_model(base, device, dtype)
         if target is not None:
             loader.check_same_tokenizer(target.tokenizer, loaded.tokenizer, target_name, base)
-    if own is not None:
-        return replace(own, name=name)
     if serving(loaded.model.config).runner != "native":
         raise SdbenchError(f"model '{name}': @{variant} quantises the decoder layers the native runner computes, and "
                            f"'{base}' runs on the generic runner")
+    if own is not None:
+        return replace(own, name=name)
     if variant == "int8":
         return replace(loaded, name=name, model=quantise_int8(loaded.model))
     return replace(loaded, name=name, model=quantise_blocks(loaded.model, variant, copy_first=loaded is target))
