@@ -7,13 +7,14 @@ block drafters (`draft-dflash`, `draft-dspark`) load a head folder converted by 
 from __future__ import annotations
 
 import json
-
+import struct
 import subprocess
 from pathlib import Path
 
 from sdbench.config import SamplingConfig
 from sdbench.engine.counters import MIRROR
 from sdbench.errors import SdbenchError
+from sdbench.models.loading import gguf_header
 from sdbench.models.loading.loader import model_files, safetensors_folder
 from sdbench.models.loading.names import BLOCK_TYPES, ENGINE_TYPES, split_variant, with_weights
 from sdbench.paths import cache_dir
@@ -171,13 +172,13 @@ def file_type(path: Path) -> str | None:
     """A GGUF file's own type as llama-quantize names it (`general.file_type`: Q4_K_M, Q8_0, F32...), or None where
     the file does not say (or is not one)."""
     try:
-        from gguf import GGUFReader, LlamaFileType
+        from gguf import LlamaFileType
 
-        field = GGUFReader(str(path)).fields.get("general.file_type")
-        if field is None:
+        found = gguf_header.reader(Path(path)).file_type
+        if found is None:
             return None
-        return LlamaFileType(int(field.parts[field.data[0]][0])).name.removeprefix("MOSTLY_").removeprefix("ALL_")
-    except (ValueError, OSError, KeyError, IndexError):
+        return LlamaFileType(found).name.removeprefix("MOSTLY_").removeprefix("ALL_")
+    except (ValueError, OSError, KeyError, IndexError, struct.error):
         return None
 
 

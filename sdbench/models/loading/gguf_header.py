@@ -4,7 +4,7 @@ but for their rows' order (`matrix_type`), the file's tensors as they are stored
 processor for it.
 
 `reader` reads the header itself (the layout of GGUF version 2 and 3, little-endian: the key-value pairs skipped but
-for the architecture and the alignment, then each tensor's name, dimensions, type and offset) and maps the file:
+for the architecture, the alignment and the file type, then each tensor's name, dimensions, type and offset) and maps the file:
 the `gguf` package's reader decodes every value of the header into arrays, seconds for a tokenizer of 150,000 tokens,
 where this takes a fraction of one."""
 
@@ -34,6 +34,7 @@ class Tensor:
 class Header:
     architecture: str
     tensors: list[Tensor]
+    file_type: int | None = None  # `general.file_type` (llama.cpp's LlamaFileType), where the file says
 
 
 def matrix_type(path: Path) -> str | None:
@@ -100,13 +101,15 @@ def reader(path: Path) -> Header:
     magic, version, n_tensors, n_values = c.take("4sIQQ")
     if magic != b"GGUF" or version not in (2, 3):
         raise ValueError(f"{path.name} is not a GGUF file of version 2 or 3")
-    arch, align = "", 32
+    arch, align, file_type = "", 32, None
     for _ in range(n_values):
         key, kind = c.text(), c.take("I")
         if key == "general.architecture" and kind == STRING:
             arch = c.text()
         elif key == "general.alignment" and kind == 4:
             align = c.take("I")
+        elif key == "general.file_type" and kind == 4:
+            file_type = c.take("I")
         else:
             c.skip(kind)
     infos = []
@@ -121,7 +124,7 @@ def reader(path: Path) -> Header:
         block, size = GGML_QUANT_SIZES[kind]
         rows, row = int(np.prod(shape[1:], dtype=np.int64)), shape[0] // block * size
         tensors.append(Tensor(name, shape, kind, data[start + offset:start + offset + rows * row].reshape(rows, row)))
-    return Header(arch, tensors)
+    return Header(arch, tensors, file_type)
 
 
 def forget() -> None:
