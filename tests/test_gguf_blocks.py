@@ -123,6 +123,41 @@ def test_a_block_file_is_read_as_the_library_reads_it(tmp_path, kind, arch, tied
         assert got == hf_generate(reference, prompt, 12)
 
 
+@pytest.mark.parametrize("tied", [False, True])
+def test_the_librarys_forward_over_blocks_holds_one_products_floats_at_a_time(tmp_path, tied):
+    """The probe's reference (`cpufast.library_forward`) runs the library's forward over the blocks de-quantised one
+    fused product at a time, never the whole float copy (4-8 times the blocks), with exactly the library's logits;
+    the blocks alone are held after it, also after a forward stopped midway; the probe keys on the file itself."""
+    from sdbench.models.probing import probe_cache
+
+    path = write_gguf(tmp_path / "tiny-q4_0.gguf", _model("llama", tied), "q4_0", tied)
+    model, stored = gguf_blocks.read(path, "q4_0", str(path))
+    fast = cpufast.adopt_blocks(model, "q4_0", stored)
+    lent = [m for m in model.modules() if isinstance(m, torch.nn.Linear) and not m.weight.numel()]
+    assert len(lent) == 7 * len(model.model.layers) + (not tied)  # every projection (and an untied head): its blocks only
+    held = []
+    ids = torch.tensor([[5, 9, 13, 2, 7, 11, 3]])
+    with cpufast.library_forward(model), torch.inference_mode():
+        hooks = [m.register_forward_pre_hook(lambda *_: held.append(sum(x.weight.numel() > 0 for x in lent)))
+                 for m in lent]  # after the lending hooks: what a product holds while it runs
+        ours = model(ids).logits
+        for h in hooks:
+            h.remove()
+    assert torch.equal(ours, _library_model(path)(ids).logits)
+    assert len(held) == len(lent) and max(held) == 3 and min(held) >= 1  # q, k and v at most
+    assert fast.packed and not any(m.weight.numel() for m in lent)
+
+    def stop(*_):
+        raise RuntimeError("stopped")
+
+    with pytest.raises(RuntimeError), cpufast.library_forward(model), torch.inference_mode():
+        model.model.layers[1].mlp.up_proj.register_forward_pre_hook(stop)  # after gate_up was lent
+        model(ids)
+    assert not any(m.weight.numel() for m in lent)
+    assert probe_cache.weight_files(model) == [path.resolve()]
+    assert probe_cache.weights_fingerprint(model, str(path)).startswith("files:")  # no pass over de-quantised values
+
+
 def test_which_files_name_their_own_type(tmp_path):
     model = _model("llama", False)
     q4 = write_gguf(tmp_path / "a.gguf", model, "q4_0")

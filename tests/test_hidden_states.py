@@ -45,13 +45,13 @@ def test_prefill_and_forward_keep_the_library_states(target, path):
     taps = Taps(LAYERS)
     runner.prefill(cache, PROMPTS, taps=taps)
     kept = taps.states()  # [B, longest, k*H], right-padded
-    with runner.plain():
+    with runner.library_forward():
         for b, p in enumerate(PROMPTS):
             torch.testing.assert_close(kept[b, : len(p)], _library(target, p), atol=1e-4, rtol=1e-4)
     more = torch.tensor([[60, 61, 62], [70, 71, 72]])  # rows at different positions, as a verification is
     taps = Taps(LAYERS)
     logits = runner.run(cache, Step(more, [len(p) for p in PROMPTS], taps=taps))
-    with runner.plain(), torch.no_grad():
+    with runner.library_forward(), torch.no_grad():
         for b, p in enumerate(PROMPTS):
             ids = p + more[b].tolist()
             torch.testing.assert_close(taps.states()[b], _library(target, ids)[len(p):], atol=1e-4, rtol=1e-4)

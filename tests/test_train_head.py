@@ -496,7 +496,7 @@ def test_teacher_forced_sequences_hold_the_library_states_and_choices_over_the_r
     seq = got[0]
     reply = Tok()("Tom has 7.")["input_ids"][:6]
     assert seq.tokens.tolist() == [5, 17, 42] + reply and seq.answer_from == 3 and seq.answered_by == "data"
-    with runner.plain(), torch.no_grad():
+    with runner.library_forward(), torch.no_grad():
         out = target(seq.tokens[None], output_hidden_states=True)
     assert seq.pred.tolist() == out.logits[0].argmax(-1).tolist()
     library = torch.cat([out.hidden_states[i][0] for i in (0, 2, 3)], -1)

@@ -10,9 +10,9 @@ import typer
 
 from sdbench import config as C
 from sdbench.cli.params import (
-    Baseline, Batch, CategoryField, Concurrency, Dataset, Depth, Device, Draft, Dtype, Fast, Gamma, Head, IdField,
-    Limit, MaxNew, NoProbe, Out, Probe, PromptField, PromptLen, Repeats, RequestRate, Resume, Seed, Sets, Slo,
-    Strategy, Target, Temperature, TopP, Turns, console,
+    DTYPE_HELP, Baseline, Batch, CategoryField, Concurrency, Dataset, Depth, Device, Draft, Dtype, Fast, Gamma, Head,
+    IdField, Limit, MaxNew, NoProbe, Out, Probe, PromptField, PromptLen, Repeats, RequestRate, Resume, Seed, Sets,
+    Slo, Strategy, Target, Temperature, TopP, Turns, console,
 )
 from sdbench.errors import SdbenchError
 from sdbench.options import parse_depths, parse_counts, parse_rates, parse_sets, probe_mode, split_list
@@ -23,7 +23,8 @@ def run(
     dataset: Dataset = C.DEFAULT_DATASET, limit: Limit = C.DEFAULT_LIMIT, max_new_tokens: MaxNew = C.DEFAULT_MAX_NEW_TOKENS,
     batch_size: Batch = 1, temperature: Temperature = 0.0, top_p: TopP = 1.0, seed: Seed = 0, gamma: Gamma = None,
     prompt_len: PromptLen = None, device: Device = "auto",
-    dtype: Annotated[str, typer.Option(help="float32, bfloat16 or float16; or q8_0 / q4_0: every model as its copy in llama.cpp's block type, read by sdbench's CPU products (a model naming its own @q8_0 or @q4_0 keeps it, as does a GGUF file of Q8_0 or Q4_0 blocks: its own, read as they are); several, as float32,q4_0: the whole run at each in turn, and a table of what each costs in acceptance")] = "float32",
+    dtype: Annotated[str, typer.Option(help=DTYPE_HELP + "; several, as float32,q4_0: the whole run at each in turn, "
+                                       "and a table of what each costs in acceptance")] = "float32",
     repeats: Repeats = 1,
     set_: Sets = None, out: Out = C.DEFAULT_OUT, baseline: Baseline = True, resume: Resume = None, fast: Fast = True,
     turns: Turns = None, prompt_field: PromptField = None, category_field: CategoryField = None, id_field: IdField = None,
@@ -184,7 +185,7 @@ def bench(
     out: Annotated[Optional[str], typer.Option(help="also write DIR/bench.parquet: one row per system and repeat")] = None,
     generate: Annotated[str, typer.Option(envvar="SDBENCH_GENERATE", help="transformers generate's configuration: "
                                           "fastest (tried and picked here), dynamic, static or compiled")] = "fastest",
-    head: Annotated[Optional[list[str]], typer.Option("--head", help="a trained head (EAGLE or Medusa folder or hub id) measured beside the others (repeatable)")] = None,
+    head: Annotated[Optional[list[str]], typer.Option("--head", help="a trained head (EAGLE, Medusa, P-EAGLE, MTP, DFlash or DSpark: a folder or hub id) measured beside the others (repeatable)")] = None,
     tree: Annotated[str, typer.Option("--tree", help="also the draft model's top-K token tree of NODES nodes, γ levels deep, as K,NODES (e.g. 2,8): sdbench's loop alone, no peer grows trees")] = "",
     engine: Annotated[str, typer.Option(help="also measure engines users deploy, each through its own server: "
                                         "llama.cpp, vllm or both as llama.cpp,vllm (`sdbench list engines`); "

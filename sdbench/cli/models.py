@@ -40,8 +40,8 @@ def train_head(
     dtype: Annotated[str, typer.Option(help="the target's dtype while it answers: float32, bfloat16, float16, or auto (bfloat16 on a GPU, float32 on a CPU)")] = "auto",
     seed: Seed = 0, probe: Probe = "auto", no_probe: NoProbe = False,
 ):
-    """Fit an EAGLE-3, Medusa or DFlash head on the target's own answers to shipped prompts, written in the
-    format vLLM loads (run it with --strategy eagle|peagle|medusa|mtp|dflash|dspark --head OUT)."""
+    """Fit an EAGLE-3, Medusa, P-EAGLE, MTP, DFlash or DSpark head on the target's own answers to shipped prompts,
+    written in the format vLLM loads (run it with --strategy eagle|peagle|medusa|mtp|dflash|dspark --head OUT)."""
     from sdbench.commands.train_head import train_head as fit_head
 
     fit_head(C.TrainHeadConfig(target=target, kind=kind, out=out, data=tuple(data or C.DEFAULT_HEAD_DATA),

@@ -26,7 +26,10 @@ Seed = Annotated[int, typer.Option(help="seed for prompt selection and sampling"
 Gamma = Annotated[Optional[str], typer.Option("--gamma", "-g", help=f"draft tokens per step, or a sweep like 1,2,4,8 [default: preset or {C.DEFAULT_GAMMA}]")]
 PromptLen = Annotated[Optional[int], typer.Option("--prompt-len", help="long-context prompts of exactly this many tokens (book datasets)")]
 Device = Annotated[str, typer.Option(help="cpu, cuda, cuda:N or auto")]
-Dtype = Annotated[str, typer.Option(help="float32, bfloat16 or float16; or q8_0 / q4_0: every model as its copy in llama.cpp's block type, read by sdbench's CPU products (a model naming its own @q8_0 or @q4_0 keeps it, as does a GGUF file of Q8_0 or Q4_0 blocks: its own, read as they are)")]
+DTYPE_HELP = ("float32, bfloat16 or float16; or q8_0 / q4_0: every model as its copy in llama.cpp's block type, read by "
+              "sdbench's CPU products (a model naming its own @q8_0 or @q4_0 keeps it, as does a GGUF file of Q8_0 or "
+              "Q4_0 blocks: its own, read as they are)")
+Dtype = Annotated[str, typer.Option(help=DTYPE_HELP)]
 Repeats = Annotated[int, typer.Option(help="times to run every batch")]
 Sets = Annotated[Optional[list[str]], typer.Option("--set", help="strategy setting key=value (repeatable)")]
 Head = Annotated[Optional[str], typer.Option("--head", help="trained head for --strategy eagle, peagle, medusa, mtp, dflash or dspark: a folder or a hub id")]

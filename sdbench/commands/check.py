@@ -166,7 +166,7 @@ def _greedy_vs_generate(row: Checked, loaded, runner, prompt: list[int], tokens:
     ours = generate(runner, Autoregressive(), [prompt], max_new_tokens=tokens, sampling=SamplingConfig(),
                     eos_ids=eos).output_ids[0]
     ids = torch.tensor([prompt], device=runner.device)
-    with runner.plain(), torch.inference_mode():
+    with runner.library_forward(), torch.inference_mode():
         out = loaded.model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, num_beams=1,
                                     max_new_tokens=tokens, eos_token_id=eos or None,
                                     pad_token_id=eos[0] if eos else 0, repetition_penalty=1.0,

@@ -62,8 +62,9 @@ class Runner(Protocol):
     def own_layout(self) -> None:
         """Put the weights in the layout this runner's forward reads, now (before a timed section)."""
 
-    def plain(self) -> AbstractContextManager:
-        """A context in which the model holds the library's own weights (a library call), restored after."""
+    def library_forward(self) -> AbstractContextManager:
+        """A context for the library's own forward over the model's weights (a library call), the runner's layout
+        restored after."""
 
     def fast_path_note(self) -> str | None:
         """One line on which forward the fast path uses at this shape, or None off it."""

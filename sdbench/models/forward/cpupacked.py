@@ -80,6 +80,9 @@ class Packed:
         plain = (weights[0] if len(weights) == 1 else torch.cat(weights)).contiguous()
         self.packed = pack_weight(plain, layout)
         self.layout = layout
+        self._empty()
+
+    def _empty(self) -> None:
         for m in self.modules:
             m.weight.data = _EMPTY
 
@@ -88,18 +91,42 @@ class Packed:
         weights (empty: the blocks are the only copy)."""
         self.packed = cpukernel.pack_stored(blocks[0] if len(blocks) == 1 else torch.cat(blocks), kind)
         self.layout = kind
-        for m in self.modules:
-            m.weight.data = _EMPTY
+        self._empty()
+
+    def _plain(self) -> torch.Tensor:
+        """The fused plain weight [out, in], exactly (a new tensor: the packed one stays)."""
+        if self.layout == KERNEL:
+            return cpukernel.unpack(self.packed, self.out_features, self.in_features)
+        if self.layout in quants.TYPES:
+            return cpukernel.unpack_blocks(self.packed, self.layout, self.out_features, self.in_features)
+        return self.packed.to_dense()
 
     def unpack(self) -> None:
-        if self.layout == KERNEL:
-            plain = cpukernel.unpack(self.packed, self.out_features, self.in_features)
-        elif self.layout in quants.TYPES:
-            plain = cpukernel.unpack_blocks(self.packed, self.layout, self.out_features, self.in_features)
-        else:
-            plain = self.packed.to_dense()
-        _share_rows(self.modules, "weight", plain)
+        _share_rows(self.modules, "weight", self._plain())
         self.packed = self.layout = None
+
+    def lend(self) -> list:
+        """While packed, forward hooks by which the modules hold their plain weights only while they run: made when
+        the first is called, emptied after the last (q, k and v: one de-quantisation, dropped after v); the hooks'
+        handles, to remove (`cpufast.library_forward`)."""
+        waiting: set = set()
+
+        def before(module, args) -> None:
+            if not waiting:
+                _share_rows(self.modules, "weight", self._plain())
+                waiting.update(map(id, self.modules))
+
+        def after(module, args, output) -> None:
+            waiting.discard(id(module))
+            if not waiting:
+                self._empty()
+
+        return [h for m in self.modules for h in (m.register_forward_pre_hook(before), m.register_forward_hook(after))]
+
+    def unlend(self, hooks: list) -> None:
+        for h in hooks:
+            h.remove()
+        self._empty()  # a forward stopped between the first module and the last
 
     def product(self, x: torch.Tensor) -> torch.Tensor:
         return packed_product(x, self.packed, self.bias, self.out_features, self.layout)

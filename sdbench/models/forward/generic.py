@@ -249,9 +249,9 @@ class GenericRunner:
 
     own_layout = share_plain  # this runner's forward is the library's, on its own weights
 
-    def plain(self):
-        """A context in which the model has the library's own weights (as this runner always uses)."""
-        return cpufast.plain(self.model)
+    def library_forward(self):
+        """A context for the library's own forward over the model's weights (as this runner always uses)."""
+        return cpufast.library_forward(self.model)
 
     def fast_path_note(self) -> str | None:
         return None

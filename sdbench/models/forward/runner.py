@@ -161,10 +161,10 @@ class ModelRunner:
         first forward does not (a benchmark readies each side before timing it)."""
         self.path.ready()
 
-    def plain(self):
-        """A context in which the model has the library's own weights (its own forward, a copy), the packing
-        restored after it."""
-        return cpufast.plain(self.model)
+    def library_forward(self):
+        """A context for the library's own forward over the model's weights (the packing restored after it; a model
+        in blocks de-quantised one product at a time: `cpufast.library_forward`)."""
+        return cpufast.library_forward(self.model)
 
     def fast_path_note(self) -> str | None:
         """Which forward the CPU fast path uses at this shape (packed or plain, as measured), or None off it."""

@@ -30,7 +30,7 @@ def tap_gaps(runner, model, layers: tuple[int, ...], prompt: list[int], verify: 
             runner.run(cache, Step(tokens, [at], taps=kept[phase]))
     finally:
         runner.release(cache)
-    with runner.plain(), torch.inference_mode():
+    with runner.library_forward(), torch.inference_mode():
         hs = model(torch.tensor([ids], device=runner.device), output_hidden_states=True).hidden_states
     ref = torch.cat([hs[-1 if i == FINAL else i][0] for i in layers], -1).float().cpu()  # [T, k*H]
     spans = {"prefill": (0, n), "step": (n, n + 1), "verify": (n + 1, n + 1 + verify)}

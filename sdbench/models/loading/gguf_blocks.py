@@ -26,6 +26,7 @@ import torch
 from sdbench.errors import SdbenchError
 from sdbench.models.loading import library
 from sdbench.models.loading.gguf_header import forget, processor_class, reader
+from sdbench.models.loading.names import FILE_ATTR
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -54,6 +55,7 @@ def read(path: Path, kind: str, name: str, config=None) -> tuple["PreTrainedMode
         module._parameters[attr] = torch.nn.Parameter(value, requires_grad=False)
     if model.config.tie_word_embeddings:
         model.lm_head.weight = model.get_input_embeddings().weight
+    setattr(model, FILE_ATTR, str(path.resolve()))  # its weights' files: the probe's verdicts key on this one
     forget()
     missing = [n for n, p in model.named_parameters() if p.is_meta]
     if missing:

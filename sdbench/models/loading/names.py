@@ -17,6 +17,7 @@ BLOCK_TYPES = ("q8_0", "q4_0")  # llama.cpp's quantised block types sdbench's ow
 # same weights de-quantised, in float32; sdbench's own runner has no products for them
 ENGINE_TYPES = ("q4_k_m", "q4_k_s", "q5_k_m", "q5_k_s", "q6_k", "q3_k_m")
 VARIANTS = ("int8", RANDOM, *BLOCK_TYPES)
+FILE_ATTR = "sdbench_file"  # a model's own attribute naming the GGUF file whose blocks it holds (the probe keys on it)
 
 
 def split_variant(name: str) -> tuple[str, str | None]:

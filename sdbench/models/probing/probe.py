@@ -11,7 +11,7 @@ that depends on the length are reached) it runs, in the run's dtype, on its devi
   over stale keys, as after a rejection) -> logits at the last W positions;
 
 and compares them with the library's own cached forward called as `generate` calls it in plain decoding: the
-prefix in one call, then one token per call (`reference`), on plain weights (`cpufast.plain`), its
+prefix in one call, then one token per call (`reference`), on plain weights (`cpufast.library_forward`), its
 vocabulary head computed only at the compared positions (`logits_to_keep`). So the verification is held to
 what decoding its tokens one by one gives, which is what makes speculative decoding lossless.
 
@@ -233,7 +233,8 @@ def reference(model, ids: torch.Tensor, prefix: int, device) -> torch.Tensor:
     forward called as plain decoding (`generate`) calls it: the prefix in one call (in REFERENCE_CHUNK pieces
     beyond that, since one call holds attention scores quadratic in its length, except for a rope rescaled
     per call, whose prompt is one call in `generate`), then one token per call. Plain weights
-    (`cpufast.plain`); its rotary modules start from their loaded state; the head runs only where compared."""
+    (`cpufast.library_forward`: a block model's de-quantised one product at a time); its rotary modules start
+    from their loaded state; the head runs only where compared."""
     # transformers (and rotary, which imports it): slow to import, and only the reference forward needs them
     from transformers import DynamicCache
 
@@ -246,7 +247,7 @@ def reference(model, ids: torch.Tensor, prefix: int, device) -> torch.Tensor:
     compared = {prefix - 1, *range(prefix, len(ids))}
     limit = recompute_threshold(config, _rescaled(config))  # Phi-3: generate recomputes when passing it
     out = []
-    with cpufast.plain(model):
+    with cpufast.library_forward(model):
         reset_library_rotary(model)
         cache = DynamicCache(config=model.config)
         for c0, c1 in zip(bounds, bounds[1:]):

@@ -7,7 +7,8 @@ most the one it probed, and is replaced by a probe over a longer one. Only measu
 probe that could not run at all, e.g. out of memory, is not).
 
 The weights are fingerprinted by where they were read from, at no cost: the weight files of the folder the
-model was loaded from (a local folder, the hub cache's snapshot, the safetensors a GGUF was de-quantised to),
+model was loaded from (a local folder, the hub cache's snapshot, the safetensors a GGUF was de-quantised to; a
+GGUF file read as its own blocks is its own file),
 by path, size and modification time; a MODEL@random by its name and config (its values follow from them and
 the seed in sdbench's code, which the key holds too). A model with no such files (built in memory) by its
 values: per tensor its name, shape, dtype, its sum and 2-norm in float64 and its first and last values (a
@@ -31,7 +32,7 @@ import torch
 import sdbench
 from sdbench.env import _gpu, _version, cpu_name
 from sdbench.models.forward import cpufast
-from sdbench.models.loading.names import RANDOM, split_variant
+from sdbench.models.loading.names import FILE_ATTR, RANDOM, split_variant
 from sdbench.paths import cache_dir
 
 EDGE = 64  # values of each tensor's start and end that enter the fingerprint as they are
@@ -50,8 +51,11 @@ def weights_fingerprint(model, name: str = "") -> str:
 
 
 def weight_files(model) -> list[Path]:
-    """The weight files a model was loaded from (its folder, or the hub cache's snapshot of its id); [] when
-    none is found."""
+    """The weight files a model was loaded from (the GGUF file whose blocks it holds, its folder, or the hub
+    cache's snapshot of its id); [] when none is found."""
+    own = getattr(model, FILE_ATTR, None)
+    if own:
+        return [Path(own)]
     where = str(getattr(model, "name_or_path", "") or "")
     folder = Path(where) if where else None
     if folder is None or not folder.is_dir():
