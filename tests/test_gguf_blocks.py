@@ -124,10 +124,11 @@ def test_a_block_file_is_read_as_the_library_reads_it(tmp_path, kind, arch, tied
 
 
 @pytest.mark.parametrize("tied", [False, True])
-def test_the_librarys_forward_over_blocks_holds_one_products_floats_at_a_time(tmp_path, tied):
+def test_the_librarys_forward_over_blocks_holds_one_products_floats_at_a_time(tmp_path, tied, monkeypatch):
     """The probe's reference (`cpufast.library_forward`) runs the library's forward over the blocks de-quantised one
-    fused product at a time, never the whole float copy (4-8 times the blocks), with exactly the library's logits;
-    the blocks alone are held after it, also after a forward stopped midway; the probe keys on the file itself."""
+    fused product at a time where the whole float copy (4-8 times the blocks) would crowd the memory free, with
+    exactly the library's logits; the blocks alone are held after it, also after a forward stopped midway; where the
+    copy fits it is made whole (one de-quantisation for the whole reference); the probe keys on the file itself."""
     from sdbench.models.probing import probe_cache
 
     path = write_gguf(tmp_path / "tiny-q4_0.gguf", _model("llama", tied), "q4_0", tied)
@@ -137,7 +138,7 @@ def test_the_librarys_forward_over_blocks_holds_one_products_floats_at_a_time(tm
     assert len(lent) == 7 * len(model.model.layers) + (not tied)  # every projection (and an untied head): its blocks only
     held = []
     ids = torch.tensor([[5, 9, 13, 2, 7, 11, 3]])
-    with cpufast.library_forward(model), torch.inference_mode():
+    with cpufast.library_forward(model, lend=True), torch.inference_mode():
         hooks = [m.register_forward_pre_hook(lambda *_: held.append(sum(x.weight.numel() > 0 for x in lent)))
                  for m in lent]  # after the lending hooks: what a product holds while it runs
         ours = model(ids).logits
@@ -150,10 +151,14 @@ def test_the_librarys_forward_over_blocks_holds_one_products_floats_at_a_time(tm
     def stop(*_):
         raise RuntimeError("stopped")
 
-    with pytest.raises(RuntimeError), cpufast.library_forward(model), torch.inference_mode():
+    with pytest.raises(RuntimeError), cpufast.library_forward(model, lend=True), torch.inference_mode():
         model.model.layers[1].mlp.up_proj.register_forward_pre_hook(stop)  # after gate_up was lent
         model(ids)
     assert not any(m.weight.numel() for m in lent)
+    for free, whole in ((1 << 40, True), (1 << 10, False)):  # by the memory free now
+        monkeypatch.setattr(cpufast, "free_bytes", lambda device: free)
+        with cpufast.library_forward(model):
+            assert all(m.weight.numel() for m in lent) == whole
     assert probe_cache.weight_files(model) == [path.resolve()]
     assert probe_cache.weights_fingerprint(model, str(path)).startswith("files:")  # no pass over de-quantised values
 

@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from sdbench.models.forward import cpuchoice, cpukernel, cpumeasure, quants
 from sdbench.models.forward.cpuhead import HeadProduct
 from sdbench.models.forward.cpupacked import ONEDNN, FastLayer, Packed, projection_modules
+from sdbench.models.loading.memory import free_bytes
 
 _state: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> FastModel; not pickled with it
 _chosen: dict = {}  # shape key -> cpuchoice.Choice
@@ -138,13 +139,18 @@ def plain(model):
 
 
 @contextmanager
-def library_forward(model):
-    """The model inside the block for the library's own forward (the probe's reference): `plain`, except that a
-    model packed in blocks lends each fused product its float weights only while that product's modules run
-    (`Packed.lend`), so that its float32 copy, 4-8 times its blocks (6 GB for a 1.5B model), is never whole in
-    memory. For a forward only: a copy or a pickle needs `plain`."""
+def library_forward(model, lend: bool | None = None):
+    """The model inside the block for the library's own forward (the probe's reference, `check`'s generate):
+    `plain`, except that a model packed in blocks whose float32 copy (4-8 times its blocks: 6 GB for a 1.5B model)
+    would take more than half the memory free now lends each fused product its float weights only while that
+    product's modules run (`Packed.lend`; each forward then de-quantises them again). `lend`: either way. For a
+    forward only: a copy or a pickle needs `plain`."""
     found = _state.get(model)
-    if found is None or not found.packed or found.layout not in quants.TYPES:
+    blocks = found is not None and found.packed and found.layout in quants.TYPES
+    if blocks and lend is None:
+        free = free_bytes(torch.device("cpu"))
+        lend = free is None or 2 * _float_bytes(found) > free
+    if not (blocks and lend):
         with plain(model):
             yield model
         return
@@ -154,6 +160,10 @@ def library_forward(model):
     finally:
         for p, hooks in lent:
             p.unlend(hooks)
+
+
+def _float_bytes(found: FastModel) -> int:
+    return sum(4 * p.out_features * p.in_features for p in found._projections() if isinstance(p, Packed))
 
 
 def quantised(model, kind: str) -> None:

@@ -12,7 +12,8 @@ its tensor processor, whose only change to a matrix here is Llama's q/k row orde
 exactly as on the values: a row of blocks moves as a whole). The model is built without weights, then each tensor
 the forward reads as a float (norms, biases, the embedding table) is de-quantised into it, and each projection
 holds an empty weight until the fast path adopts the file's blocks (`cpufast.adopt_blocks`). The library's own
-forward (`plain(model)`, the probe's reference) de-quantises the blocks while it runs.
+forward (the probe's reference: `cpufast.library_forward`) de-quantises the blocks while it runs, one fused product
+at a time where the whole float copy would crowd the memory.
 """
 
 from __future__ import annotations
