@@ -304,7 +304,7 @@ def test_the_block_type_travels_with_the_model():
 def test_a_block_copy_counts_its_blocks_bytes():
     """What the roofline divides by: a block copy's matrices at 34 (Q8_0) or 18 (Q4_0) bytes per 32 weights, its
     1-D weights (norms) at float32's 4 bytes, the tied head once."""
-    from sdbench.models.loading.memory import weight_bytes
+    from sdbench.models.forward.cpufast import weight_bytes
 
     model = tiny_model(2)  # vocabulary VOCAB, hidden 64, MLP 128, 2 layers, 4 heads of 16 (2 for keys and values)
     matrices = 2 * VOCAB * 64 + 2 * (64 * 64 + 2 * 32 * 64 + 64 * 64 + 3 * 128 * 64)  # untied head and table

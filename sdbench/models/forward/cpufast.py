@@ -202,6 +202,21 @@ def weights_kind(model) -> str | None:
     return getattr(model, BLOCKS_ATTR, None)
 
 
+def weight_bytes(model) -> int:
+    """The bytes of a loaded model's parameters, each tensor counted once (tied weights share one); a block copy's
+    (MODEL@q8_0) matrices at their blocks' bytes, what its forward reads; a packed model's packed projections too."""
+    kind = weights_kind(model)
+    seen, total = set(), 0
+    for p in model.parameters():
+        if p.data_ptr() not in seen:
+            seen.add(p.data_ptr())
+            if kind is not None and p.dim() == 2 and quants.fits(p.shape[1]):
+                total += p.shape[0] * p.shape[1] // quants.BLOCK * quants.BLOCK_BYTES[kind]
+            else:
+                total += p.numel() * p.element_size()
+    return total + packed_bytes(model)  # a packed model's projections: emptied above, held packed
+
+
 def block_activations(model) -> str | None:
     """What a block copy's products multiply its blocks with on the fast path: "int8" (8-bit activations and integer
     products, as llama.cpp's, where VNNI builds) or "float32"; None for float weights."""

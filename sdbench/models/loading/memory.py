@@ -90,20 +90,3 @@ def plan(config, params: int, dtype: torch.dtype, device: torch.device, points, 
         else:
             result.too_big[(b, s)] = need
     return result
-
-
-def weight_bytes(model) -> int:
-    """The bytes of a loaded model's parameters, each tensor counted once (tied weights share one); a block copy's
-    (MODEL@q8_0) matrices at their blocks' bytes, what its forward reads; a packed model's packed projections too."""
-    from sdbench.models.forward import cpufast, quants  # the fast path's modules: only where a model is loaded
-
-    kind = cpufast.weights_kind(model)
-    seen, total = set(), 0
-    for p in model.parameters():
-        if p.data_ptr() not in seen:
-            seen.add(p.data_ptr())
-            if kind is not None and p.dim() == 2 and quants.fits(p.shape[1]):
-                total += p.shape[0] * p.shape[1] // quants.BLOCK * quants.BLOCK_BYTES[kind]
-            else:
-                total += p.numel() * p.element_size()
-    return total + cpufast.packed_bytes(model)  # a packed model's projections: emptied above, held packed

@@ -21,7 +21,7 @@ from sdbench.models.forward.generic import make_runner, runner_kind
 from sdbench.models.loading.names import BLOCK_TYPES, ENGINE_TYPES, tokenizer_name, with_weights
 from sdbench.models.probing.probe import probe_pair
 from sdbench.models.probing.probe_cache import ProbeCache
-from sdbench.models.loading.memory import weight_bytes
+from sdbench.models.forward.cpufast import weight_bytes
 from sdbench.models.loading.shapes import config_from_dict
 from sdbench.models.loading.variants import split_variant, variant_model
 
