@@ -157,3 +157,27 @@ def test_the_held_out_acceptance_recorded_is_the_written_heads_and_beats_an_untr
                torch.float32)
     shutil.copytree(out / "data", untrained / "data")
     assert fitted_tau > _heldout_tau_by_hand(fitted, untrained, trained) + 1.0
+
+
+def test_a_fits_budget_counts_its_evaluations_and_checkpoints(monkeypatch):
+    """--minutes is wall-clock: a fit whose evaluations and checkpoints take longer than its steps (a 1.5B target's
+    head written ten times) stops within one evaluation of its budget, not after the steps alone fill it."""
+    import time
+
+    from sdbench.training import fit as F
+
+    model = torch.nn.Linear(1, 1)
+    monkeypatch.setattr(F, "batches", lambda *args: iter(lambda: None, 0))  # endless, empty batches
+    monkeypatch.setattr(F, "step_losses", lambda m, batch, steps, device, sample: (m.weight.pow(2).sum(), None, None))
+    monkeypatch.setattr(F, "chain_acceptance", lambda *args: {"tau": 1.0})
+    evaluations = []
+
+    def on_eval(progress):
+        evaluations.append(progress.step)
+        time.sleep(0.2)  # the checkpoint's writing
+
+    start = time.perf_counter()
+    done = F.fit(model, torch.optim.SGD(model.parameters(), lr=0.1), [], [], F.FitPlan(1, 0.1, 8, eval_every_s=0.0),
+                 F.Progress(), 1.0, "cpu", on_eval)
+    assert time.perf_counter() - start < 1.0 + 0.2 + 0.5 and 4 <= len(evaluations) <= 7
+    assert done.seconds >= 0.2 * (len(evaluations) - 1)

@@ -33,7 +33,7 @@ class Progress:
     """Where a fit stands (kept in its checkpoint)."""
 
     step: int = 0
-    seconds: float = 0.0  # training time spent, over every resumed run
+    seconds: float = 0.0  # time spent fitting, evaluations and checkpoints included, over every resumed run
     loss: float = float("nan")
     heldout: dict | None = None  # chain_acceptance of the last evaluation
 
@@ -124,10 +124,10 @@ def lr_at(step: int, base: float, warmup: int = 10) -> float:
 
 def fit(model, optimizer, train: list[Sequence], heldout: list[Sequence], plan: FitPlan, progress: Progress,
         budget_s: float, device, on_eval, on_step=None) -> Progress:
-    """Train until budget_s seconds of training (over every resumed run: progress.seconds counts them) have
-    passed, or plan.max_steps steps; evaluate on `heldout` every plan.eval_every_s and at the end, calling
-    on_eval(progress) then (it writes the checkpoint and the head). on_step(progress) after every step (the
-    progress bar). The batches are drawn from plan.seed alone and a resumed fit skips the progress.step already
+    """Train until budget_s seconds of fitting (steps, evaluations and checkpoints: the wall clock's, over every
+    resumed run; progress.seconds counts them) have passed, or plan.max_steps steps; evaluate on `heldout` every
+    plan.eval_every_s and at the end, calling on_eval(progress) then (it writes the checkpoint and the head).
+    on_step(progress) after every step (the progress bar). The batches are drawn from plan.seed alone and a resumed fit skips the progress.step already
     taken, so that, on the same data, it goes on exactly as the fit that was not interrupted."""
     stream = batches(train, plan.batch_tokens, random.Random(plan.seed))
     for _ in range(progress.step):  # resumed: on with the batches the fit would have drawn had it not stopped
@@ -151,9 +151,18 @@ def fit(model, optimizer, train: list[Sequence], heldout: list[Sequence], plan: 
         if on_step is not None:
             on_step(progress)
         if time.perf_counter() - last_eval >= plan.eval_every_s and progress.seconds < budget_s:
-            progress.heldout = chain_acceptance(model, heldout, plan.steps, device, plan.batch_tokens)
-            on_eval(progress)
+            _evaluate(model, heldout, plan, progress, device, on_eval)
             last_eval = time.perf_counter()
-    progress.heldout = chain_acceptance(model, heldout, plan.steps, device, plan.batch_tokens)
-    on_eval(progress)
+    _evaluate(model, heldout, plan, progress, device, on_eval)
     return progress
+
+
+def _evaluate(model, heldout, plan: FitPlan, progress: Progress, device, on_eval) -> None:
+    """Held-out acceptance, then on_eval (the checkpoint and the head written); their time counts in the budget, as
+    the steps' does (a checkpoint's own writing counts from the next one on)."""
+    t0 = time.perf_counter()
+    progress.heldout = chain_acceptance(model, heldout, plan.steps, device, plan.batch_tokens)
+    progress.seconds += time.perf_counter() - t0
+    t0 = time.perf_counter()
+    on_eval(progress)
+    progress.seconds += time.perf_counter() - t0
