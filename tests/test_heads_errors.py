@@ -49,6 +49,7 @@ def test_head_options_on_the_command_line(tmp_path, monkeypatch, capsys):
     capsys.readouterr()  # the tiny model's saving
     for extra, words in ((["--strategy", "draft", "--head", "x"], "--head needs --strategy eagle, peagle, medusa"),
                          (["--strategy", "eagle"], "needs --head"),
+                         (["--compare", "dflash"], "beside another --strategy: --set dflash.head=PATH"),
                          (["--strategy", "medusa", "--head", str(tmp_path / "head")], "use --strategy eagle")):
         code, _, err = run_cli(capsys, "run", *args, *extra)
         assert code == 2 and err.startswith("error:") and err.count("\n") == 1 and words in err, err

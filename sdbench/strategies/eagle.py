@@ -28,7 +28,8 @@ class HeadStrategy(Strategy):
         cls.tree(gamma, options)
         head = options.get("head")
         if not head:
-            raise SdbenchError(f"strategy '{cls.name}' needs --head PATH|HUB_ID (a trained head for the target)")
+            raise SdbenchError(f"strategy '{cls.name}' needs --head PATH|HUB_ID (a trained head for the target; "
+                               f"beside another --strategy: --set {cls.name}.head=PATH)")
         check_folder(head)  # a typo, or a folder that holds no head, fails before the target loads
 
     @classmethod
