@@ -54,3 +54,14 @@ def decode_time_per_token(answers) -> float:
     if not timed:
         return math.nan
     return time_per_output_token(sum(s for s, _ in timed), 1 + sum(n - 1 for _, n in timed))
+
+
+def combined_speedup(tokens, speedups) -> float:
+    """Rows' own speedups taken together as their summed tokens over their summed times are: each row's n tokens
+    take n / s of plain decoding's time for them, so the rows give sum(n) / sum(n / s), a token-weighted harmonic
+    mean (the plain mean of the rows' speedups overstates the whole whenever they differ). Rows without a finite
+    positive speedup or tokens are left out; NaN when none is left."""
+    pairs = [(n, s) for n, s in zip(tokens, speedups) if n > 0 and math.isfinite(s) and s > 0]
+    if not pairs:
+        return math.nan
+    return sum(n for n, _ in pairs) / sum(n / s for n, s in pairs)

@@ -32,6 +32,16 @@ def expected_tokens_per_step(alpha: float, gamma: float) -> float:
     return (1.0 - alpha ** (gamma + 1)) / (1.0 - alpha)
 
 
+def expected_tokens_given_drafts(alpha: float, drafted_per_position: list[int], rounds: int) -> float:
+    """Omega over rounds that drafted different numbers of tokens (prompt lookup finding 0-gamma, a confidence cut
+    verifying fewer): a round of n drafts commits 1 + alpha + ... + alpha^n on average, so rounds whose position j
+    was drafted in d_j of them commit 1 + sum_j alpha^j d_j / rounds. With every round drafting gamma this is
+    Omega(gamma, alpha); Omega at the mean drafts per round would overstate it, Omega being concave in gamma."""
+    if not rounds or math.isnan(alpha):
+        return math.nan
+    return 1.0 + sum(alpha ** (j + 1) * d for j, d in enumerate(drafted_per_position)) / rounds
+
+
 def fit_alpha(accepted: int, rejections: int) -> float:
     """Maximum-likelihood acceptance rate for truncated-geometric accepted lengths.
 

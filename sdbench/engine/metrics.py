@@ -195,25 +195,19 @@ def predicted_speedup(stats: RowStats, baseline: RowStats) -> float:
     """The cost model's speedup from this run's own measurements, for one row decoding on its own (batch 1, or a
     request served under load, which leaves its batch when it is done).
 
-    alpha: fitted to the row's accepted lengths; gamma: mean drafted tokens per step; draft cost c: drafting
-    time per drafted token over the baseline's time per target forward; verify cost v: time per
-    verification over the same; host cost h: a round's acceptance, bookkeeping and loop (`host_s`) over the same,
-    against the baseline's own h_b per token: Omega / (gamma c + v + h) * (1 + h_b). A row that verified token
-    trees: its measured tokens per round over the same round cost (`_tokens_per_step`). Whatever the model leaves
-    out (non-geometric acceptance, the budget cutting the last step short) shows as the gap to the measured
-    speedup.
+    Tokens per round (`_tokens_per_step`: the i.i.d. model's, alpha fitted to the row's accepted lengths) over a
+    round's cost in the baseline's target forwards: drafting c per drafted token (draft_s), verification v
+    (verify_s) and the host's h (`host_s`: acceptance, bookkeeping and loop), each per round over the baseline's
+    time per forward, against the baseline's own h_b per token: Omega / (gamma c + v + h) * (1 + h_b). Whatever
+    the model leaves out (acceptance that is not i.i.d., the budget cutting the last step short) shows as the gap
+    to the measured speedup.
     """
     if not (stats.steps and baseline.steps and baseline.verify_s > 0):
         return math.nan
     target_forward = baseline.verify_s / baseline.steps
     plain = 1.0 + host_s(baseline) / baseline.steps / target_forward
-    h = host_s(stats) / stats.steps / target_forward
-    if stats.tree_steps:
-        return _tokens_per_step(stats) * plain / ((stats.draft_s + stats.verify_s) / stats.steps / target_forward + h)
-    gamma = stats.drafted / stats.steps
-    c = stats.draft_s / stats.drafted / target_forward if stats.drafted else 0.0
-    v = stats.verify_s / stats.steps / target_forward
-    return iid_model.predicted_speedup(iid_model.fit_alpha(stats.accepted, stats.rejections), gamma, c, v + h) * plain
+    round_cost = (stats.draft_s + stats.verify_s + host_s(stats)) / stats.steps / target_forward
+    return _tokens_per_step(stats) * plain / round_cost
 
 
 def host_s(stats) -> float:
@@ -228,25 +222,27 @@ def round_s(stats) -> float:
 
 
 def _tokens_per_step(stats: RowStats) -> float:
-    """Tokens a round of this row is expected to commit, bonus included. A chain: Omega(gamma, alpha), alpha fitted
-    to its accepted lengths and gamma its mean drafted tokens per step. A row that verified token trees: its
-    measured tokens per round, since the chain's geometric model does not describe a tree (with gamma the tree's
-    node count it would count every node as a position of one chain); the tree cost model proper, from acceptance
-    by depth and rank, is `analysis/trees.py` (`report --explain`, `predict tree`)."""
+    """Tokens a round of this row is expected to commit, bonus included. A chain: the i.i.d. model's, alpha fitted
+    to its accepted lengths, over the rounds' own numbers of drafts (`iid_model.expected_tokens_given_drafts`:
+    prompt lookup drafts 0-gamma, a confidence cut fewer than gamma; Omega(gamma, alpha) when every round drafts
+    gamma). A row that verified token trees: its measured tokens per round, since the chain's model does not
+    describe a tree (with gamma the tree's node count it would count every node as a position of one chain); the
+    tree cost model proper, from acceptance by depth and rank, is `analysis/trees.py` (`report --explain`,
+    `predict tree`)."""
     if stats.tree_steps:
         return 1.0 + stats.accepted / stats.steps
-    gamma = stats.drafted / stats.steps if stats.steps else 0.0
-    alpha = iid_model.fit_alpha(stats.accepted, stats.rejections) if gamma > 0 else 0.0
-    return math.nan if math.isnan(alpha) else iid_model.expected_tokens_per_step(alpha, gamma)
+    if not stats.drafted:
+        return 1.0
+    alpha = iid_model.fit_alpha(stats.accepted, stats.rejections)
+    return iid_model.expected_tokens_given_drafts(alpha, stats.drafted_per_position, stats.steps)
 
 
 def predicted_batch_speedup(rows: list[RowStats], baseline: list[RowStats], new_tokens: list[int]) -> float:
     """The cost model's speedup of one static batch, whose rows share every round and its wall clock.
 
-    A static batch runs until its slowest row is done: row b is expected to take (n_b - 1) / Omega(gamma_b,
-    alpha_b) rounds for its n_b - 1 tokens after the first (alpha_b fitted to its accepted lengths, gamma_b its
-    mean drafted tokens per step; a row that verified trees: its measured tokens per round, `_tokens_per_step`),
-    so the batch takes the most of these; plain decoding takes max_b(n_b - 1)
+    A static batch runs until its slowest row is done: row b is expected to take (n_b - 1) / Omega_b rounds
+    for its n_b - 1 tokens after the first (Omega_b its expected tokens per round, `_tokens_per_step`), so the
+    batch takes the most of these; plain decoding takes max_b(n_b - 1)
     of its rounds. A round costs its whole time (`round_s`: drafting, verification, acceptance and bookkeeping),
     read from the row active in the most rounds, over the baseline's time per round. With one row this is
     `predicted_speedup`; with rows whose acceptance differs (prompt lookup finding matches in some prompts and

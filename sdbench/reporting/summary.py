@@ -16,7 +16,9 @@ are sdbench.engine.metrics functions of the sums):
   ties               rows whose output differs from the baseline's only from such a tie
   speedup_low/high   the 95 % bootstrap interval of speedup (and decode_speedup_low/high of decode_speedup),
                      paired with the baseline of the same batch and repeat (sdbench.reporting.stats)
-  predicted_speedup  mean of the computed values
+  predicted_speedup  the rows' predictions combined as decode_speedup combines their tokens and times: decode
+                     tokens (new_tokens - 1 per row) over the time each row's prediction gives them
+                     (sdbench.engine.formulas.combined_speedup)
   draft_share        draft_s / (draft_s + verify_s), each summed over unique batches of the batch's value
                      (the max over its rows: a row records the batch's time while the row was active)
   accept_s, observe_s, loop_s, setup_s   summed as draft_s and verify_s: a round's other parts and the
@@ -33,7 +35,7 @@ import math
 import numpy as np
 import pandas as pd
 
-from sdbench.engine.formulas import acceptance_rate, mean_accepted_length, rate
+from sdbench.engine.formulas import acceptance_rate, combined_speedup, mean_accepted_length, rate
 from sdbench.engine.metrics import speedup
 from sdbench.reporting.cells import numeric
 from sdbench.reporting.labels import labelled, prepared
@@ -137,7 +139,7 @@ def _aggregate(group: pd.DataFrame) -> dict:
         **{part: times[part] for part in parts},
         "lossless": _all_known(group["lossless"].astype(object).where(~ties, True)),
         "ties": int(ties.sum()),
-        "predicted_speedup": float(np.nanmean(predicted)) if np.isfinite(predicted).any() else math.nan,
+        "predicted_speedup": combined_speedup(numeric(group["new_tokens"]) - 1, predicted),
         "peak_mem_bytes": float(np.nanmax(peak)) if np.isfinite(peak).any() else math.nan,
         "weights_say_nothing": bool(group["weights_say_nothing"].any()),
     }

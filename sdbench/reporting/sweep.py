@@ -7,7 +7,8 @@ point and strategy configuration:
   speedup    static batches: tokens/s over the baseline's on the same batches (reporting.summary.summarize, as
              `run`'s table shows it); under load: output throughput over the baseline's on the same arrivals
              (reporting.load.summarize_load, the "vs baseline" column)
-  predicted  the cost model's predicted speedup (the rows' `predicted_speedup`, engine/metrics.py), its mean
+  predicted  the cost model's predicted speedup (the rows' `predicted_speedup`, engine/metrics.py), combined over
+             the rows by their decode tokens (engine/formulas.py `combined_speedup`)
 Per point and strategy the best setting is the configuration with the highest measured speedup; `predicted`
 is that setting's prediction and `predicted_best` the highest prediction over the strategy's settings (the
 setting the cost model would pick). With several strategies, "any" is the best of them all at each point.
@@ -30,6 +31,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from sdbench.engine.formulas import combined_speedup
 from sdbench.reporting.cells import fmt
 from sdbench.reporting.labels import labelled
 from sdbench.reporting.load import load_rows, summarize_load
@@ -95,8 +97,9 @@ def _load_speedups(df: pd.DataFrame) -> pd.DataFrame:
     summary = summarize_load(data)
     summary = summary[summary["strategy"] != "baseline"]
     family = _families(data, df)
-    predicted = pd.to_numeric(data["predicted_speedup"], errors="coerce").groupby(
-        [data["run_id"], data["strategy"]]).mean()
+    rows = data.assign(_n=pd.to_numeric(data["new_tokens"], errors="coerce") - 1,
+                       _p=pd.to_numeric(data["predicted_speedup"], errors="coerce"))
+    predicted = {k: combined_speedup(g["_n"], g["_p"]) for k, g in rows.groupby(["run_id", "strategy"])}
     keys = list(zip(summary["run_id"], summary["strategy"]))
     return pd.DataFrame({
         "run_id": summary["run_id"].to_numpy(), "setting": [family[k][1] for k in keys],
