@@ -129,3 +129,33 @@ def test_v_is_the_mean_over_the_widths_the_rounds_verified():
     engine = Rounds(tokens=20, seconds=2.0, rounds=20, drafted=32)
     assert costs.verify_for(engine) == pytest.approx(1.01 + 0.6 * 0.01)  # v(2.6), between the widths around it
     assert predicted(r, costs) == pytest.approx(r.tokens_per_round / 1.2)
+
+
+def test_the_measured_speedup_of_each_repeat_bounds_the_runs_noise_by_hand():
+    """Two repeats of one 11-token prompt: plain decoding's 10 tokens after the first take 1.0 s, then 1.2 s; the
+    system's 0.5 s, then 0.8 s. Its decode speedup is 0.1 / 0.05 = 2.0 in the first repeat and 0.12 / 0.08 = 1.5
+    in the second, so a carried prediction of 1.8 lies within the run's noise and one of 2.2 does not."""
+    from rich.console import Console
+
+    from sdbench.commands.bench_carry import with_spread
+    from sdbench.commands.bench_table import SystemMeasurement
+    from sdbench.reporting.carry import carry_table
+    from sdbench.reporting.latency import Call
+
+    def measured(after_first: list[float]) -> SystemMeasurement:
+        calls = [Call(r, 0.0, 0.1, 0.1 + s, 11) for r, s in enumerate(after_first)]
+        return SystemMeasurement("x", True, [11] * len(after_first), [0.1 + s for s in after_first], calls=calls)
+
+    plain, system = measured([1.0, 1.2]), measured([0.5, 0.8])
+    inside = with_spread(Carried("sdbench ngram", "sdbench", 2, 2, 1, 0, 0, 1.8, 1.8, 1.75), system, plain)
+    assert (inside.measured_low, inside.measured_high) == (pytest.approx(1.5), pytest.approx(2.0))
+    assert inside.within_noise is True
+    outside = with_spread(Carried("sdbench draft", "sdbench", 2, 2, 1, 0, 0, 2.2, 2.2, 1.75), system, plain)
+    assert outside.within_noise is False
+    once = with_spread(Carried("one", "sdbench", 2, 2, 1, 0, 0, 1.8, 1.8, 1.75), measured([0.5]), measured([1.0]))
+    assert math.isnan(once.measured_low) and once.within_noise is None
+    console = Console(record=True, width=300)
+    console.print(carry_table([inside, outside, once]))
+    lines = {line.split("│")[1].strip(): line for line in console.export_text().splitlines() if "│" in line}
+    assert "1.50-2.00x" in lines["sdbench ngram"] and "+3% ~" in lines["sdbench ngram"]
+    assert "+26%" in lines["sdbench draft"] and "~" not in lines["sdbench draft"]

@@ -4,10 +4,14 @@ sdbench's acceptance on the same prompts and the system's own engine's step cost
 
 from __future__ import annotations
 
+import math
+from dataclasses import replace
+
 from sdbench.analysis.carry import EngineCosts, carry
 from sdbench.commands.bench_costs import StepCosts
 from sdbench.engine.counters import BLOCK, CHAIN
 from sdbench.reporting.carry import Carried
+from sdbench.reporting.cells import ratio
 from sdbench.servers.client import EngineReplyError
 from sdbench.servers.costs import CostsUnknown, draft_costs, target_costs
 from sdbench.servers.engines import SDBENCH
@@ -83,7 +87,7 @@ def carry_over(results: list, plain, engines: list, prompts: list[list[int]], ga
             model = s.role.strategy == "draft"
             theirs = EngineCosts(verify, _draft_cost(s.role.strategy, c_draft), one, draft_verify if model else {},
                                  s.engine.draft_round if model else CHAIN)
-            rows.append(carry(m.system, name, m.rounds, base.rounds, theirs, reference.rounds))
+            rows.append(with_spread(carry(m.system, name, m.rounds, base.rounds, theirs, reference.rounds), m, base))
     heads = [r.system for r in rows if r.draft != r.draft]  # NaN: a trained head's step cost
     if heads:
         unknown.append(f"{', '.join(heads)}: no predicted speedup, as a trained head's own forward (c) is timed alone by "
@@ -103,8 +107,15 @@ def _own_rows(ours: dict, plain, costs: StepCosts) -> list[Carried]:
         sdbench = EngineCosts(costs.verify, own.draft.get(key, _draft_cost(key[0], costs.draft)),
                               round=BLOCK if key in own.blocks else CHAIN, host=own.host if key in own.draft else 0.0,
                               setup=own.setup.get(key, 0.0))
-        rows.append(carry(m.system, SDBENCH, m.rounds, plain.rounds, sdbench, m.rounds))
+        rows.append(with_spread(carry(m.system, SDBENCH, m.rounds, plain.rounds, sdbench, m.rounds), m, plain))
     return rows
+
+
+def with_spread(row: Carried, m, plain) -> Carried:
+    """The row with the lowest and highest decode speedup of one repeat: m's time per token after the first over
+    its plain decoding's in the same repeat (`SystemMeasurement.repeat_tpots`), where two repeats or more have one."""
+    known = [x for x in (ratio(p, t) for t, p in zip(m.repeat_tpots(), plain.repeat_tpots())) if math.isfinite(x)]
+    return replace(row, measured_low=min(known), measured_high=max(known)) if len(known) > 1 else row
 
 
 def _draft_cost(strategy: str, model_c: float) -> float:

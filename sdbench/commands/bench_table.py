@@ -73,13 +73,17 @@ class SystemMeasurement:
     def repeat_calls(self, r: int) -> list[Call]:
         return [c for c in self.calls if c.repeat == r]
 
+    def repeat_tpots(self) -> list[float]:
+        """Its time per output token after the first, per repeat (`reporting/latency.repeat_tpot`)."""
+        return [repeat_tpot(self.repeat_calls(r)) for r in range(len(self.tokens))]
+
     def timed(self) -> Timed:
         """Its latency figures (`reporting/latency.py`): per repeat, then their medians."""
         repeats = range(len(self.tokens))
         return Timed(self.system, None if self.engine is None else self.engine.engine, self.decoding,
                      self.tokens_per_s if self.tokens else math.nan,
                      over_repeats([repeat_ttft(self.repeat_calls(r)) for r in repeats]),
-                     over_repeats([repeat_tpot(self.repeat_calls(r)) for r in repeats]), bool(self.failed))
+                     over_repeats(self.repeat_tpots()), bool(self.failed))
 
 
 def first_difference(outputs: list[list[int]], reference: list[list[int]]) -> tuple[int, int] | None:

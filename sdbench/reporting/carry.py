@@ -38,6 +38,8 @@ class Carried:
     rest_forwards: float = math.nan  # the rest's factors, for a system whose rounds were timed by part
     rest_host: float = math.nan
     rest_setup: float = math.nan
+    measured_low: float = math.nan  # the lowest and highest decode speedup of one repeat (each over its engine's
+    measured_high: float = math.nan  # plain decoding in the same repeat): the run's own noise
 
     @property
     def acceptance(self) -> float:
@@ -46,6 +48,14 @@ class Carried:
     @property
     def rest(self) -> float:
         return ratio(self.measured, self.own)
+
+    @property
+    def within_noise(self) -> bool | None:
+        """Whether the carried prediction lies between the lowest and highest repeat's measured speedup (None where
+        the run had fewer than two repeats to say)."""
+        if math.isnan(self.measured_low) or math.isnan(self.carried):
+            return None
+        return self.measured_low <= self.carried <= self.measured_high
 
     @property
     def gap(self) -> float:
@@ -58,7 +68,8 @@ COLUMNS = {"tokens_per_round": "tokens_per_round", "drafts_per_round": "drafts_p
            "verify": "step_verify_cost", "draft": "step_draft_cost", "draft_round": "round_draft_cost",
            "carried": "carried_speedup", "own": "own_predicted_speedup", "measured": "decode_speedup",
            "overhead": "round_overhead_cost", "host_cost": "round_host_cost", "setup_cost": "request_setup_cost",
-           "rest_forwards": "rest_forwards", "rest_host": "rest_host", "rest_setup": "rest_setup"}
+           "rest_forwards": "rest_forwards", "rest_host": "rest_host", "rest_setup": "rest_setup",
+           "measured_low": "decode_speedup_low", "measured_high": "decode_speedup_high"}
 TITLE = "Does it carry over? Decode speedup of each speculative system over its own engine's plain decoding"
 CAPTION = ("L tokens per round and g drafts per round: the system's own; v = T(k) / T(1) over the widths k "
            "its rounds verified (at k = g + 1 where they are not known) and c: its engine's step costs; drafting: the round's draft forwards in target forwards (g c; c for a block head, whose one "
@@ -66,7 +77,8 @@ CAPTION = ("L tokens per round and g drafts per round: the system's own; v = T(k
            "overhead beyond its forwards (host work and the draft's setup, timed by sdbench for its own systems); "
            "predicted = L / (drafting + v + o) with L and g from sdbench's run of the same strategy (carried) or "
            "from the engine's own counters (own); measured: tokens after the first over the time after the first "
-           "token. measured / carried = acceptance (own / carried) x rest (measured / own); sdbench's rest = "
+           "token; per repeat: the lowest and highest repeat's (each over plain decoding in the same repeat), the "
+           "gap marked ~ where the carried prediction lies between them. measured / carried = acceptance (own / carried) x rest (measured / own); sdbench's rest = "
            "forwards x host x setup, each part's measured time per round against its predicted one")
 
 
@@ -92,16 +104,22 @@ def from_frame(df: pd.DataFrame) -> list[Carried]:
 def carry_table(rows: list[Carried]) -> Table:
     table = Table(title=TITLE, caption=CAPTION)
     for col in ("system", "L", "g", "v", "c", "drafting", "o", "predicted (carried)", "predicted (own)",
-                "measured", "carried / measured", "acceptance", "rest", "forwards x host x setup"):
+                "measured", "per repeat", "carried / measured", "acceptance", "rest", "forwards x host x setup"):
         table.add_column(col, justify="left" if col == "system" else "right")
     for r in rows:
-        gap = r.gap
+        gap = fmt(r.gap, "{:+.0%}") + (" ~" if r.within_noise else "")
         table.add_row(r.system, fmt(r.tokens_per_round, "{:.2f}"), fmt(r.drafts_per_round, "{:.2f}"),
                       fmt(r.verify, "{:.2f}"), fmt(r.draft, "{:.2f}"), fmt(r.draft_round, "{:.2f}"),
                       fmt(r.overhead, "{:.3f}"), fmt(r.carried, "{:.2f}x"),
-                      fmt(r.own, "{:.2f}x"), fmt(r.measured, "{:.2f}x"), fmt(gap, "{:+.0%}"),
+                      fmt(r.own, "{:.2f}x"), fmt(r.measured, "{:.2f}x"), _spread(r), gap,
                       fmt(r.acceptance, "{:.2f}"), fmt(r.rest, "{:.2f}"), _parts(r))
     return table
+
+
+def _spread(r: Carried) -> str:
+    if math.isnan(r.measured_low):
+        return "—"
+    return f"{r.measured_low:.2f}-{r.measured_high:.2f}x"
 
 
 def _parts(r: Carried) -> str:
