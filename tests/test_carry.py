@@ -159,3 +159,15 @@ def test_the_measured_speedup_of_each_repeat_bounds_the_runs_noise_by_hand():
     lines = {line.split("│")[1].strip(): line for line in console.export_text().splitlines() if "│" in line}
     assert "1.50-2.00x" in lines["sdbench ngram"] and "+3% ~" in lines["sdbench ngram"]
     assert "+26%" in lines["sdbench draft"] and "~" not in lines["sdbench draft"]
+
+
+def test_the_sites_carry_over_chart_draws_each_repeat_range_as_whiskers():
+    from sdbench.reporting.site.charts import carry_bars
+
+    spread = Carried("a", "sdbench", 2, 2, 1, 0, 0, 1.8, 1.8, 1.75, measured_low=1.5, measured_high=2.0)
+    alone = Carried("b", "sdbench", 2, 2, 1, 0, 0, 1.8, 1.8, 1.75)
+    measured = carry_bars([spread, alone])["data"][-1]
+    assert measured["name"] == "measured" and measured["y"] == [1.75, 1.75]
+    assert measured["error_y"]["array"] == [pytest.approx(0.25), None]
+    assert measured["error_y"]["arrayminus"] == [pytest.approx(0.25), None]
+    assert "error_y" not in carry_bars([alone])["data"][-1]

@@ -120,12 +120,17 @@ def frontier_map(points: pd.DataFrame, sweep: str) -> dict | None:
 
 
 def carry_bars(rows: list) -> dict | None:
-    """Each system of a bench file: predicted (carried from sdbench's run) against measured decode speedup."""
+    """Each system of a bench file: predicted (carried from sdbench's run) against measured decode speedup, the
+    measured one's whiskers at its lowest and highest repeat where the file has them."""
     if not rows:
         return None
     names = [r.system for r in rows]
     traces = [{"type": "bar", "name": name, "x": names, "y": [_num(getattr(r, field)) for r in rows]}
               for field, name in (("carried", "predicted (carried)"), ("own", "predicted (own)"),
                                   ("measured", "measured"))]
+    if any(math.isfinite(r.measured_low) for r in rows):  # the lowest and highest repeat's, as whiskers
+        traces[-1]["error_y"] = {"type": "data", "symmetric": False,
+                                 "array": [_num(r.measured_high - r.measured) for r in rows],
+                                 "arrayminus": [_num(r.measured - r.measured_low) for r in rows]}
     return {"data": traces, "layout": _layout("Does it carry over?", "system", "decode speedup (x)",
                                               barmode="group", shapes=[_one_line()])}
