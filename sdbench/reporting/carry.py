@@ -69,7 +69,7 @@ COLUMNS = {"tokens_per_round": "tokens_per_round", "drafts_per_round": "drafts_p
            "carried": "carried_speedup", "own": "own_predicted_speedup", "measured": "decode_speedup",
            "overhead": "round_overhead_cost", "host_cost": "round_host_cost", "setup_cost": "request_setup_cost",
            "rest_forwards": "rest_forwards", "rest_host": "rest_host", "rest_setup": "rest_setup",
-           "measured_low": "decode_speedup_low", "measured_high": "decode_speedup_high"}
+           "measured_low": "repeat_speedup_low", "measured_high": "repeat_speedup_high"}
 TITLE = "Does it carry over? Decode speedup of each speculative system over its own engine's plain decoding"
 CAPTION = ("L tokens per round and g drafts per round: the system's own; v = T(k) / T(1) over the widths k "
            "its rounds verified (at k = g + 1 where they are not known) and c: its engine's step costs; drafting: the round's draft forwards in target forwards (g c; c for a block head, whose one "
@@ -78,8 +78,9 @@ CAPTION = ("L tokens per round and g drafts per round: the system's own; v = T(k
            "predicted = L / (drafting + v + o) with L and g from sdbench's run of the same strategy (carried) or "
            "from the engine's own counters (own); measured: tokens after the first over the time after the first "
            "token; per repeat: the lowest and highest repeat's (each over plain decoding in the same repeat), the "
-           "gap marked ~ where the carried prediction lies between them. measured / carried = acceptance (own / carried) x rest (measured / own); sdbench's rest = "
-           "forwards x host x setup, each part's measured time per round against its predicted one")
+           "gap marked ~ where the carried prediction lies between them. measured / carried = acceptance (own / "
+           "carried) x rest (measured / own); sdbench's rest = forwards x host x setup, each part's measured time per "
+           "round against its predicted one")
 
 
 def columns(row: Carried | None) -> dict:
