@@ -53,6 +53,41 @@ def test_a_rounds_parts_sum_to_the_decode_time(target, small_draft, prompts, mak
         assert row.loop_s < 0.02
 
 
+class SlowFirstPropose(NGram):
+    """An n-gram lookup whose first propose of a decoding takes 0.2 s more (as a head's reading of the prompt's
+    states in its first round)."""
+
+    def begin(self, state) -> None:
+        super().begin(state)
+        self.first = True
+
+    def propose(self, state):
+        if self.first:
+            time.sleep(0.2)
+            self.first = False
+        return super().propose(state)
+
+
+def test_the_round_probe_times_the_second_round_and_counts_the_firsts_excess_as_setup(target, prompts):
+    """`round_probe` runs the loop's own rounds, two of them: its drafting is the second's (a steady round), and what
+    the first round's drafting spent beyond it is setup; `some_rounds` stops after the rounds asked for."""
+    from sdbench.commands.bench_system import SdbenchSystem
+    from sdbench.engine.loop import some_rounds
+
+    drafted = []
+
+    def one_by_one(*a) -> None:
+        for _ in range(2):
+            some_rounds(*a, 1)
+            drafted.append(a[3][0].drafted)
+
+    got = generate(target, NGram(4), [prompts[0] * 3], max_new_tokens=16, sampling=GREEDY, rounds=one_by_one)
+    assert got.rows[0].steps == 2
+    probe = SdbenchSystem(target, lambda: SlowFirstPropose(4), 16, [], 64, ("ngram", None)).round_probe(prompts[0] * 3)
+    assert probe["setup"] == pytest.approx(0.2, abs=0.05)
+    assert probe["drafting"] < 0.05 and probe["drafts"] == drafted[1] - drafted[0]
+
+
 def test_a_draft_that_is_its_target_starts_from_the_targets_prefill(target, small_draft, prompts, monkeypatch):
     """The draft's cache after its setup holds, at every prompt position, what the runner's own prefill of the
     prompts writes; the target drafting for itself prefills once (its own), another draft model prefills too."""

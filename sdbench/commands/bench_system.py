@@ -11,7 +11,7 @@ from sdbench.analysis.costs import Parts
 from sdbench.config import SamplingConfig
 from sdbench.engine.clock import now
 from sdbench.engine.counters import Rounds
-from sdbench.engine.loop import generate
+from sdbench.engine.loop import generate, some_rounds
 from sdbench.engine.metrics import host_s
 
 
@@ -37,22 +37,25 @@ class SdbenchSystem:
                         sampling=SamplingConfig(), eos_ids=self.eos, capacity=self.capacity)
 
     def round_probe(self, prompt: list[int]) -> Parts:
-        """One decoding stopped after its first round's drafting, as the loop runs it: the proposer's setup on the
-        prompt ("setup": a draft model's prefill, a head's reading of the prompt's states), the propose on the
-        started state ("drafting": the draft's catch-up forward, sampling and host work included) and the drafts
-        it proposed ("drafts"). `bench_costs.step_costs` times it beside the target's forwards."""
-        got = Parts()
+        """One decoding stopped after its second round, each round the loop's own: the drafts ("drafts") and the
+        drafting ("drafting": the draft's catch-up forward, sampling and host work included) of the second round,
+        a steady one, and the proposer's setup on the prompt ("setup": a draft model's prefill; with what the first
+        round's drafting spent beyond the second's, such as a head's reading of the prompt's states, which it does
+        in its first round). `bench_costs.step_costs` times it beside the target's forwards."""
+        seen = []
 
-        def propose(target, proposer, state, rows) -> None:
-            t0 = now(state.device)
-            proposal = proposer.propose(state)
-            got["drafting"] = now(state.device) - t0
-            got["drafts"] = 0 if proposal is None else int(proposal.lengths.max())
+        def two_rounds(target, proposer, state, rows) -> None:
+            for _ in range(2):
+                if all(state.done):
+                    break
+                before = rows[0].draft_s, rows[0].drafted
+                some_rounds(target, proposer, state, rows, 1)
+                seen.append((rows[0].draft_s - before[0], rows[0].drafted - before[1]))
 
         res = generate(self.runner, self.proposer_factory(), [prompt], max_new_tokens=self.max_new,
-                       sampling=SamplingConfig(), eos_ids=self.eos, capacity=self.capacity, rounds=propose)
-        got["setup"] = res.setup_s
-        return got
+                       sampling=SamplingConfig(), eos_ids=self.eos, capacity=self.capacity, rounds=two_rounds)
+        first, (drafting, drafts) = seen[0], seen[-1]
+        return Parts(drafting=drafting, drafts=drafts, setup=res.setup_s + max(first[0] - drafting, 0.0))
 
     def stats(self, prompt: list[int]):
         """One untimed decoding's row of counters (its per-position acceptance: `bench_carry.replayed_acceptance`)."""

@@ -108,16 +108,23 @@ def serve(target: Runner, proposer, scheduler: Scheduler, *, sampling: SamplingC
         proposer.end()
 
 
-def _rounds(target: Runner, proposer, state: DecodeState, rows: list[RowStats], admission: Scheduler | None = None) -> None:
-    """propose -> verify -> commit -> observe -> record, until every row is done; with an admission point
-    (serving under load), until the scheduler has no request left, admitting between rounds.
+def some_rounds(target: Runner, proposer, state: DecodeState, rows: list[RowStats], most: int) -> None:
+    """At most `most` of the decoding's rounds, as `generate` runs them (a probe times its rounds one at a time)."""
+    _rounds(target, proposer, state, rows, most=most)
+
+
+def _rounds(target: Runner, proposer, state: DecodeState, rows: list[RowStats], admission: Scheduler | None = None,
+            most: int | None = None) -> None:
+    """propose -> verify -> commit -> observe -> record, until every row is done (or `most` rounds have run); with
+    an admission point (serving under load), until the scheduler has no request left, admitting between rounds.
 
     A round's time by part, each between two marks of the one clock (`RoundClock`): drafting (the proposer's
     propose), verification (the target's forward), acceptance (the verdict, its sampling, the commit and what the
     target's cache and states keep of it), the proposer's bookkeeping after the verdict (observe) and the loop's
     own (recording, the wait for the next round)."""
-    clock = RoundClock(state.device)
-    while True:
+    clock, played = RoundClock(state.device), 0
+    while most is None or played < most:
+        played += 1
         clock.top()
         if admission is not None:
             _admit(target, proposer, state, rows, admission)
