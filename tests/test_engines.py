@@ -431,6 +431,25 @@ def test_bench_times_every_system_alike(capsys, tiny_engine_bench, tmp_path, mon
     assert "Time to first token and per output token" in out and "vs vllm" in out
 
 
+def test_bench_waits_out_an_engines_busy_loop_untimed(capsys, tiny_engine_bench, monkeypatch):
+    """After each of an engine's calls, the next system's clock starts only once the engine's server has gone quiet
+    (vLLM's workers spin for a second after a reply), and the wait is in no call's time."""
+    from sdbench.commands import bench
+
+    monkeypatch.setattr(Vllm, "busy_after_s", 0.3)
+    seen = {}
+    real_measure = bench.measure_systems
+    monkeypatch.setattr(bench, "measure_systems", lambda *a: seen.setdefault("results", real_measure(*a)))
+    code, _, err = run_cli(capsys, *tiny_engine_bench)
+    assert code == 0, err
+    calls = sorted((c.start, c.end, m.engine is not None) for m in seen["results"] for c in m.calls)
+    engine_calls = [(s, e) for s, e, engine in calls[:-1] if engine]
+    assert engine_calls and all(e - s < 0.3 for s, e in engine_calls)  # the stand-in answers at once
+    for (_, end, engine), (start, _, _) in zip(calls, calls[1:]):
+        if engine:
+            assert start - end >= 0.3
+
+
 def test_bench_keeps_every_other_row_when_an_engine_dies_mid_run(capsys, tiny_engine_bench, tmp_path, monkeypatch):
     # each server answers its warm-up and the first prompt, then exits during the second
     monkeypatch.setenv("FAKE_ENGINE_MODE", "die-after:2")

@@ -99,3 +99,45 @@ def test_vllm_serves_q4_0_as_the_gptq_copy_at_bfloat16_and_refuses_q8_0(tmp_path
     assert plain[plain.index("--model") + 1] == folder and plain[plain.index("--dtype") + 1] == "float32"
     with pytest.raises(SdbenchError, match="no q8_0 here"):
         eng.command(folder, EngineRole("autoregressive"), "q8_0", 64, 2)
+
+
+VLLM_READS = """
+import sys
+import torch
+from safetensors.torch import load_file
+from vllm.model_executor.layers.quantization.utils.quant_utils import unpack_quantized_values_into_int32
+from vllm.scalar_type import scalar_types
+
+kind = scalar_types.uint4b8  # what its GPTQ config maps 4 bits, symmetric, to
+saved, expected = load_file(sys.argv[1]), load_file(sys.argv[2])
+for stem, w in expected.items():
+    q = unpack_quantized_values_into_int32(saved[stem + "qweight"], kind, 0)  # [n, out], input-packed
+    groups = saved[stem + "g_idx"].long()
+    got = (q.float() - kind.bias) * saved[stem + "scales"].float()[groups]
+    assert torch.equal(got.t(), w), stem
+print(len(expected))
+"""
+
+
+@pytest.mark.skipif(not Vllm().installed(), reason="make engine-vllm")
+def test_vllms_own_unpacking_reads_the_q4_0_numbers(tmp_path, monkeypatch):
+    """vLLM's own reading of the checkpoint (its unpacking and its 4-bit symmetric type's bias, in its environment)
+    gives every projection's Q4_0 numbers exactly."""
+    import subprocess
+
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    monkeypatch.setenv("SDBENCH_CACHE", str(tmp_path / "cache"))
+    folder = tiny_model_dir(tmp_path / "tiny")
+    out = gptq.gptq_folder(folder)
+    expected = {name.removesuffix("weight"): quants.snap(p, "q4_0")
+                for name, p in AutoModelForCausalLM.from_pretrained(folder).state_dict().items()
+                if name.endswith("_proj.weight") and p.shape[1] % 32 == 0}
+    save_file(expected, tmp_path / "expected.safetensors")
+    script = tmp_path / "reads.py"
+    script.write_text(VLLM_READS)
+    done = subprocess.run([str(Vllm().executable()), str(script), str(out / "model.safetensors"),
+                           str(tmp_path / "expected.safetensors")], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert int(done.stdout.split()[-1]) == len(expected) > 0

@@ -56,7 +56,10 @@ def _call(m: SystemMeasurement, prompt: list[int], budget: int | None, device) -
             raise
         m.failed = str(err)
         return None
-    return t0, now(device), out
+    t1 = now(device)
+    if hasattr(m.source, "settle"):  # an engine's server still busy after its reply: waited out, untimed
+        m.source.settle()
+    return t0, t1, out
 
 
 def _after_first(fn) -> float:

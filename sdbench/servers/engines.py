@@ -130,6 +130,7 @@ class Engine:
     draft_round: str = CHAIN  # how its draft model spends a round's forwards (`engine/counters.py`)
     dtypes: tuple = ("float32", "bfloat16", "float16")  # the --dtype values its weights take
     synthetic: bool = False  # accepts drafts at given per-position rates instead of verifying (EngineRole.synthetic)
+    busy_after_s: float = 0.0  # how long its server keeps a core busy after a reply (waited out, untimed: `settle`)
 
     def executable(self) -> Path:
         raise NotImplementedError

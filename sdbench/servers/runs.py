@@ -67,6 +67,7 @@ def generate(target, proposer: EngineDecoding, prompts: list[list[int]], *, max_
             base = generator.initial_seed() if generator is not None else sampling.seed
             asked = replace(sampling, seed=request_seed(base, prompt))
         reply = proposer.system.ask(prompt, max_new_tokens, asked)
+        proposer.system.settle()  # timed by its own reply: the wait for the server to go quiet is not
         outputs.append(reply.tokens)
         rows.append(row_stats(reply, proposer.counted, None if proposer.url is not None else proposer.role.gamma))
         extras.append({"engine_accepted_per_position": reply.accepted_by_position}

@@ -4,6 +4,7 @@ prompt that returns the new token ids, as sdbench's and transformers' systems do
 from __future__ import annotations
 
 import contextlib
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -45,6 +46,12 @@ class EngineSystem:
         if budget is None:
             self.totals.add(reply)
         return reply.tokens
+
+    def settle(self) -> None:
+        """Wait, untimed, until the server has stopped working after its reply (`Engine.busy_after_s`), so that
+        whatever is measured next has the machine to itself."""
+        if self.engine.busy_after_s:
+            time.sleep(self.engine.busy_after_s)
 
     def ask(self, prompt: list[int], max_new: int, sampling: SamplingConfig | None = None) -> Reply:
         """One request: the engine's reply, its counters 0 where a speculative server drafted nothing; EngineFailed
