@@ -58,6 +58,8 @@ def test_the_state_dict_keeps_what_is_not_a_projection_and_snaps_the_tables():
     for kept in ("model.layers.0.self_attn.q_proj.bias", "model.layers.0.mlp.down_proj.weight",
                  "model.layers.0.input_layernorm.weight"):
         assert torch.equal(got[kept], tensors[kept])
+    with pytest.raises(SdbenchError, match="no decoder projection"):
+        gptq.convert({"transformer.h.0.attn.c_attn.weight": torch.randn(64, 32, generator=g)})
     table = tensors["model.embed_tokens.weight"]
     assert torch.equal(got["model.embed_tokens.weight"], quants.snap(table, "q4_0"))
     snapped = quants.snap(tensors["model.layers.0.self_attn.q_proj.weight"], "q4_0")
@@ -70,6 +72,8 @@ def test_the_folder_is_a_loadable_gptq_checkpoint(tmp_path, monkeypatch):
     folder = tiny_model_dir(tmp_path / "tiny")
     out = gptq.gptq_folder(folder)
     assert gptq.gptq_folder(folder) == out  # made once
+    other = tiny_model_dir(tmp_path / "elsewhere" / "tiny", seed=1)  # the same name, other weights: its own copy
+    assert gptq.gptq_folder(other) != out
     config = json.loads((out / "config.json").read_text())
     assert config["quantization_config"] == {"quant_method": "gptq", "bits": 4, "group_size": 32, "sym": True,
                                              "desc_act": False, "lm_head": False, "checkpoint_format": "gptq"}

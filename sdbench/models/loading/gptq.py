@@ -14,6 +14,7 @@ projections' weights are exactly sdbench's.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import shutil
@@ -21,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from sdbench.errors import SdbenchError
 from sdbench.models.forward import quants
 from sdbench.models.loading.gguf_cache import COMPLETE, atomic_dir, is_complete
 from sdbench.paths import cache_dir
@@ -73,13 +75,25 @@ def convert(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
             got[name] = quants.snap(t.to(torch.float32), KIND)
         else:
             got[name] = t
+    if not any(name.endswith(".qweight") for name in got):
+        raise SdbenchError("no decoder projection named model.layers.N.*_proj.weight with whole groups of 32 inputs: "
+                           "a layout sdbench's Q4_0 copy and GPTQ's do not share here")
     return got
+
+
+def _key(folder: Path) -> str:
+    """The folder's place and its weights' sizes and times: another folder of the same name gets a copy of its own."""
+    digest = hashlib.sha256(str(folder.resolve()).encode())
+    for f in sorted(folder.glob("*.safetensors")):
+        st = f.stat()
+        digest.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns}".encode())
+    return digest.hexdigest()[:12]
 
 
 def gptq_folder(folder: Path) -> Path:
     """The GPTQ checkpoint of the safetensors model in `folder` (a config, its tokenizer, weights), made once in
     sdbench's cache."""
-    out = cache_dir("engines", "gptq") / f"{folder.name}-{KIND}-g{GROUP}"
+    out = cache_dir("engines", "gptq") / f"{folder.name}-{_key(folder)}-{KIND}-g{GROUP}"
     if is_complete(out):
         return out
     from safetensors.torch import load_file, save_file
