@@ -86,6 +86,8 @@ def test_the_round_probe_times_the_second_round_and_counts_the_firsts_excess_as_
     probe = SdbenchSystem(target, lambda: SlowFirstPropose(4), 16, [], 64, ("ngram", None)).round_probe(prompts[0] * 3)
     assert probe["setup"] == pytest.approx(0.2, abs=0.05)
     assert probe["drafting"] < 0.05 and probe["drafts"] == drafted[1] - drafted[0]
+    one = SdbenchSystem(target, lambda: NGram(4), 1, [], 64, ("ngram", None)).round_probe(prompts[0])
+    assert (one["drafting"], one["drafts"]) == (0.0, 0)  # a one-token budget: done before any round
 
 
 def test_a_draft_that_is_its_target_starts_from_the_targets_prefill(target, small_draft, prompts, monkeypatch):

@@ -54,6 +54,8 @@ class SdbenchSystem:
 
         res = generate(self.runner, self.proposer_factory(), [prompt], max_new_tokens=self.max_new,
                        sampling=SamplingConfig(), eos_ids=self.eos, capacity=self.capacity, rounds=two_rounds)
+        if not seen:  # done at its first token (a budget of one, an end-of-sequence first): no round to time
+            return Parts(drafting=0.0, drafts=0, setup=res.setup_s)
         first, (drafting, drafts) = seen[0], seen[-1]
         return Parts(drafting=drafting, drafts=drafts, setup=res.setup_s + max(first[0] - drafting, 0.0))
 
