@@ -208,7 +208,7 @@ def test_bench_refuses_an_engine_in_one_line(capsys, tmp_path, monkeypatch):
                        (["--engine", "vllm", "--engine-url", "http://127.0.0.1:1"], "no server answers GET /health"),
                        (["--engine", "llama.cpp,vllm", "--engine-url", "http://127.0.0.1:1"], "give one --engine"),
                        (["--engine", "vllm", "--dtype", "q8_0"], "--dtype q8_0: vllm runs --dtype float32, bfloat16, "
-                                                                 "float16 here")):
+                                                                 "float16, q4_0 here")):
         code, _, err = run_cli(capsys, "bench", *args)
         assert code != 0 and said in err and "Traceback" not in err, (args, err)
 
@@ -432,22 +432,27 @@ def test_bench_times_every_system_alike(capsys, tiny_engine_bench, tmp_path, mon
 
 
 def test_bench_waits_out_an_engines_busy_loop_untimed(capsys, tiny_engine_bench, monkeypatch):
-    """After each of an engine's calls, the next system's clock starts only once the engine's server has gone quiet
-    (vLLM's workers spin for a second after a reply), and the wait is in no call's time."""
+    """After each of an engine's calls, the wait for its server to go quiet (vLLM's workers spin for a second after a
+    reply) comes after the call's clock stopped and before the next system's started, and is that engine's."""
+    import time
+
     from sdbench.commands import bench
 
     monkeypatch.setattr(Vllm, "busy_after_s", 0.3)
+    waits = []
+    monkeypatch.setattr("sdbench.servers.systems.sleep", lambda s: waits.append((time.perf_counter(), s)))
     seen = {}
     real_measure = bench.measure_systems
     monkeypatch.setattr(bench, "measure_systems", lambda *a: seen.setdefault("results", real_measure(*a)))
     code, _, err = run_cli(capsys, *tiny_engine_bench)
     assert code == 0, err
     calls = sorted((c.start, c.end, m.engine is not None) for m in seen["results"] for c in m.calls)
-    engine_calls = [(s, e) for s, e, engine in calls[:-1] if engine]
-    assert engine_calls and all(e - s < 0.3 for s, e in engine_calls)  # the stand-in answers at once
+    assert waits and all(s == 0.3 for _, s in waits)
     for (_, end, engine), (start, _, _) in zip(calls, calls[1:]):
-        if engine:
-            assert start - end >= 0.3
+        if engine:  # one wait between this call's end and the next one's start
+            assert sum(end <= t <= start for t, _ in waits) == 1
+        else:
+            assert not any(end <= t <= start for t, _ in waits)
 
 
 def test_bench_keeps_every_other_row_when_an_engine_dies_mid_run(capsys, tiny_engine_bench, tmp_path, monkeypatch):

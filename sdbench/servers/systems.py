@@ -4,9 +4,9 @@ prompt that returns the new token ids, as sdbench's and transformers' systems do
 from __future__ import annotations
 
 import contextlib
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from time import sleep
 
 from sdbench.config import SamplingConfig
 from sdbench.errors import SdbenchError
@@ -51,7 +51,7 @@ class EngineSystem:
         """Wait, untimed, until the server has stopped working after its reply (`Engine.busy_after_s`), so that
         whatever is measured next has the machine to itself."""
         if self.engine.busy_after_s:
-            time.sleep(self.engine.busy_after_s)
+            sleep(self.engine.busy_after_s)
 
     def ask(self, prompt: list[int], max_new: int, sampling: SamplingConfig | None = None) -> Reply:
         """One request: the engine's reply, its counters 0 where a speculative server drafted nothing; EngineFailed
