@@ -196,13 +196,16 @@ def test_a_file_lacking_a_tensor_is_one_line(tmp_path):
 
 
 def test_an_engine_that_cannot_serve_a_files_blocks_is_one_line(tmp_path, capsys):
-    """vLLM serves float weights only: beside sdbench running a Q4_0 file's blocks it would decode other arithmetic
-    over the same values, so `bench` refuses it before anything loads."""
+    """vLLM serves no Q8_0 here: beside sdbench running a Q8_0 file's blocks it would decode other weights, so `bench`
+    refuses it before anything loads. A Q4_0 file it serves at its own blocks (as GPTQ), as sdbench runs it."""
+    from sdbench.servers.vllm import Vllm
     from tests.conftest import run_cli
 
-    path = write_gguf(tmp_path / "a.gguf", _model("llama", False), "q4_0")
+    path = write_gguf(tmp_path / "a.gguf", _model("llama", False), "q8_0")
     code, out, err = run_cli(capsys, "bench", "--target", str(path), "--engine", "vllm", "--device", "cpu")
-    assert code != 0 and "holds Q4_0 blocks" in err and "vllm does not serve" in err and "Traceback" not in err
+    assert code != 0 and "holds Q8_0 blocks" in err and "vllm does not serve" in err and "Traceback" not in err
+    four = write_gguf(tmp_path / "b.gguf", _model("llama", False), "q4_0")
+    assert Vllm().served_dtype(str(four), "float32") == "q4_0 as GPTQ, bfloat16"
 
 
 def test_the_header_is_read_as_ggufs_reader_reads_it(tmp_path):

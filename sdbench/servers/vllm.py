@@ -17,7 +17,7 @@ from sdbench.engine.counters import WIDE_FIRST
 from sdbench.errors import SdbenchError
 from sdbench.models.loading.gptq import gptq_folder
 from sdbench.models.loading.loader import safetensors_folder
-from sdbench.models.loading.names import BLOCK_TYPES, split_variant
+from sdbench.models.loading.names import BLOCK_TYPES, split_variant, with_weights
 from sdbench.servers.client import EngineReplyError, get, post_json
 from sdbench.servers.engines import Engine, EngineRole, Reply, engines_dir, token_gaps
 
@@ -149,8 +149,9 @@ class Vllm(Engine):
 
 
 def _kind(model: str, dtype: str) -> str:
-    """The type a model is served at: the block type its name gives (MODEL@q4_0), else --dtype."""
-    variant = split_variant(model)[1]
+    """The type a model is served at: the block type sdbench runs it at (MODEL@q4_0, --dtype q4_0, or a GGUF file of
+    Q4_0 blocks at float32: its own blocks, as `with_weights` says), else --dtype."""
+    variant = split_variant(with_weights(model, dtype))[1]
     return variant if variant in BLOCK_TYPES else dtype
 
 
