@@ -1,7 +1,10 @@
-"""Independent references for the tests: transformers' own `generate` (plain, assisted, prompt lookup) and tiny
-models whose 1-D weights (norms, biases) are perturbed so that a runner that ignored them would differ."""
+"""Independent references for the tests: transformers' own `generate` (plain, assisted, prompt lookup), tiny
+models whose 1-D weights (norms, biases) are perturbed so that a runner that ignored them would differ, and the
+kernel's own account of what a process's memory holds (`session_memory`)."""
 
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -106,3 +109,19 @@ def tiny_cli_files(tmp_path, monkeypatch, prompts: list[str]) -> list[str]:
     tiny_model_dir(tmp_path / "tiny")
     (tmp_path / "p.csv").write_text("prompt\n" + "".join(f'"{p}"\n' for p in prompts))
     return ["--target", str(tmp_path / "tiny"), "--dataset", str(tmp_path / "p.csv")]
+
+
+def session_memory(leader: int, kind: str = "Pss") -> int:
+    """Bytes of memory the processes of a session hold, as the kernel counts them: PSS (shared pages split among the
+    processes mapping them, here or elsewhere) or Rss (every page mapped, per process)."""
+    found = 0
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            stat = open(f"/proc/{pid}/stat").read()
+            if int(stat[stat.rfind(")") + 2:].split()[3]) != leader:
+                continue
+            found += sum(int(line.split()[1]) * 1024 for line in open(f"/proc/{pid}/smaps_rollup")
+                         if line.startswith(f"{kind}:"))
+        except (OSError, ValueError, IndexError):
+            continue
+    return found

@@ -18,6 +18,7 @@ from sdbench.servers.client import Streamed
 from sdbench.servers.engines import EngineRole, EngineTotals, Reply, token_gaps
 from sdbench.servers.llamacpp import LlamaCpp
 from sdbench.servers.process import EngineFailed, Server
+from sdbench.servers.systems import EngineSystem
 from sdbench.servers.vllm import Vllm, parse_metrics
 from tests.conftest import run_cli
 from tests.references import tiny_model_dir
@@ -486,6 +487,23 @@ def test_bench_through_the_real_vllm(capsys, tmp_path):
     # both speculative rows carried over
     spec = engine[engine.engine_drafted.notna()]
     assert spec.carried_speedup.notna().all() and (spec.step_verify_cost > 0).all(), out
+
+
+@pytest.mark.skipif(not Vllm().installed(), reason="make engine-vllm")
+def test_the_real_vllms_memory_is_within_its_footprint(tmp_path):
+    """The memory check's estimate (`servers/footprint.py`) against vLLM's real server of SmolLM2 after a request,
+    all its processes: it holds the server (with the KV cache it was given for the run: the 2 GiB it had before
+    would exceed it) and is at most a GiB above it."""
+    from sdbench.servers.footprint import total
+    from tests.references import session_memory
+
+    eng, role = Vllm(), EngineRole("autoregressive")
+    estimate = total([eng.footprint("smollm2-135m", role, "float32", 256)])
+    argv = eng.command("smollm2-135m", role, "float32", 256, 2)
+    with Server("vllm", argv, tmp_path / "server.log", eng.health, env=eng.server_env(2)).start() as server:
+        EngineSystem(eng, role, "x", server.url, 16, server).ask(list(range(1000, 1060)), 16)
+        held = session_memory(server.proc.pid)  # its processes' shared libraries split among them
+    assert held <= 1.1 * estimate and estimate <= held + 2**30, (held / 2**30, estimate / 2**30)
 
 
 def test_bench_measures_a_server_the_user_runs_as_it_runs(capsys, tiny_engine_bench, tmp_path, monkeypatch):

@@ -15,6 +15,7 @@ from sdbench.models.loading.loader import model_files
 from sdbench.servers.engines import EngineRole
 from sdbench.servers.process import Server
 from tests.conftest import run_cli
+from tests.references import session_memory
 
 SMOL = "smollm2-135m"
 
@@ -239,3 +240,22 @@ def test_the_targets_own_mtp_module_drafts_alike_in_llamacpp(llamacpp, capsys, t
     assert (theirs.drafted > 0).all() and ours.accepted.sum() > 0 and theirs.accepted.sum() > 0
     assert abs(ours.accepted.sum() - theirs.accepted.sum()) <= 0.25 * ours.accepted.sum()
     assert "Traceback" not in err
+
+
+
+@pytest.mark.parametrize("role, dtype", [(EngineRole("autoregressive"), "float32"),
+                                         (EngineRole("draft", 4, SMOL), "q8_0")])
+def test_a_servers_memory_is_within_its_footprint(llamacpp, tmp_path, role, dtype):
+    """The memory check's estimate (`servers/footprint.py`) against the real server after a request: it holds the
+    server, and is at most half a GiB above it (its buffers are counted as allocated, for a micro-batch of 512
+    tokens; a short request touches part of them)."""
+    from sdbench.servers.footprint import total
+
+    estimate = total([llamacpp.footprint(SMOL, role, dtype, 256)])
+    argv = llamacpp.command(SMOL, role, dtype, 256, 2)
+    with Server("llama.cpp", argv, tmp_path / "server.log", llamacpp.health).start() as server:
+        from sdbench.servers.systems import EngineSystem
+
+        EngineSystem(llamacpp, role, "x", server.url, 16, server).ask(list(range(1000, 1060)), 16)
+        held = session_memory(server.proc.pid, "Rss")  # its one process: every page it maps, shared or not
+    assert held <= 1.1 * estimate and estimate <= held + 2**29, (held / 2**30, estimate / 2**30)

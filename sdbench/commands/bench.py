@@ -7,7 +7,6 @@ system alike: its start, when its first new token was available and its end (`re
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -15,7 +14,9 @@ import torch
 from rich.console import Console
 
 from sdbench.analysis.bandwidth import Bandwidth, measure_bandwidth
-from sdbench.commands.bench_carry import carry_over, replayed_acceptance
+from sdbench.commands.bench_carry import carry_over
+from sdbench.commands.bench_engines import (bench_engine_systems, check_engines, engine_hint, engine_names,
+                                            replayed)
 from sdbench.commands.bench_costs import is_block, roofline_read, step_costs
 from sdbench.commands.bench_measure import measure_systems
 from sdbench.commands.bench_system import SdbenchSystem
@@ -30,17 +31,13 @@ from sdbench.errors import SdbenchError
 from sdbench.models.forward.generic import GenericRunner, runner_kind
 from sdbench.models.heads.load import check_folder
 from sdbench.models.loading.loader import check_same_tokenizer, eos_token_ids
-from sdbench.models.loading.names import BLOCK_TYPES, ENGINE_TYPES, split_variant, with_weights
+from sdbench.models.loading.names import ENGINE_TYPES, with_weights
 from sdbench.models.loading.pair import device_and_dtype, load_models, pick_runner, resolve_device
 from sdbench.options import split_list
-from sdbench.paths import cache_dir
 from sdbench.reporting.carry import Carried, carry_table
 from sdbench.reporting.latency import latencies, latency_table
 from sdbench.servers.costs import probe_capacity
-from sdbench.servers.engines import SDBENCH
-from sdbench.servers.known import engine
 from sdbench.servers.llamacpp import LlamaCpp
-from sdbench.servers.systems import check_engine_options, engine_roles, engine_systems
 from sdbench.strategies.autoregressive import Autoregressive
 from sdbench.strategies.base import TrainedHead
 from sdbench.strategies.draft import DraftModel
@@ -192,67 +189,7 @@ def check_bench(cfg: BenchConfig) -> None:
                            "own systems then run over the weights it serves, de-quantised)")
     for head in cfg.heads:
         check_folder(head)
-    names = engine_names(cfg.engine)
-    if not names:
-        check_engine_options(None, cfg.engine_url, cfg.engine_port)
-        return
-    if cfg.engine_url and len(names) > 1:
-        raise SdbenchError("--engine-url names one server: give one --engine with it")
-    for name in names:
-        eng = engine(name)
-        if cfg.engine_url is not None:
-            check_engine_options(eng, cfg.engine_url, cfg.engine_port)
-            continue
-        roles = engine_roles(eng, cfg.gamma, cfg.draft_model, cfg.autoregressive_only, cfg.heads, cfg.target)
-        check_engine_options(eng, None, cfg.engine_port, len(roles))
-        eng.check_dtype(cfg.dtype)
-        _check_own_types(eng, cfg)
-        eng.check_installed()
-
-
-def _check_own_types(eng, cfg: BenchConfig) -> None:
-    """One line where a model is a GGUF file of a block type (sdbench runs its blocks) that the engine does not
-    serve at that type: the two would decode different arithmetic over the same values."""
-    for model in dict.fromkeys(m for m in (cfg.target, cfg.draft_model) if m):
-        own = split_variant(with_weights(model, cfg.dtype, resolve_device(cfg.device).type == "cpu"))[1]
-        if own in BLOCK_TYPES and own not in eng.dtypes:
-            raise SdbenchError(f"--engine {eng.name}: {model} holds {own.upper()} blocks, which sdbench runs as they "
-                               f"are and {eng.name} does not serve here (it runs --dtype {', '.join(eng.dtypes)})")
-
-
-def engine_names(spec: str) -> list[str]:
-    """--engine's value ("sdbench", one engine, or a comma list of them) as the engines to start, in order."""
-    names = [n for n in split_list(spec, "--engine") if n != SDBENCH]
-    return list(dict.fromkeys(names))
-
-
-def _replayed(cfg: BenchConfig, systems: list, prompts: list[list[int]], console, weights) -> dict:
-    """sdbench's per-position acceptance of each drafter an engine can replay it for (`replayed_acceptance`), where
-    one of the engines started can (none for a server the user runs)."""
-    if cfg.engine_url is not None or not any(engine(name).synthetic for name in engine_names(cfg.engine)):
-        return {}
-    with console.status("sdbench's acceptance, for the engines to replay (one untimed pass)"):
-        weights(True)
-        return replayed_acceptance([fn for _, fn, fast in systems if fast], prompts, cfg.gamma)
-
-
-@contextlib.contextmanager
-def _engine_systems(cfg: BenchConfig, capacity: int, status, replayed: dict | None = None):
-    """The engines' systems (none for --engine sdbench), their servers running until the block ends; replayed:
-    sdbench's acceptance of each drafter an engine runs it again at (`engine_roles`)."""
-    logs = Path(cfg.out) / "engine-logs" if cfg.out else cache_dir("engines", "logs")
-    port = cfg.engine_port
-    with contextlib.ExitStack() as stack:
-        systems = []
-        for name in engine_names(cfg.engine):
-            eng = engine(name)
-            roles = engine_roles(eng, cfg.gamma, cfg.draft_model, cfg.autoregressive_only, cfg.heads, cfg.target,
-                                 replayed)
-            systems += stack.enter_context(engine_systems(eng, roles, cfg.target, cfg.dtype, capacity,
-                                                          torch.get_num_threads(), cfg.max_new_tokens, logs,
-                                                          cfg.engine_url, port, status))
-            port = None if port is None else port + len(roles)
-        yield systems
+    check_engines(cfg)
 
 
 def run_peers(cfg: BenchConfig, console: Console) -> list[SystemMeasurement]:
@@ -327,9 +264,9 @@ def measure_peers(cfg: BenchConfig, console: Console) -> Peers:
                 *_tree_systems(runner, d_runner, cfg, eos, room)]
     # the engines' servers hold the step costs' probes too: a cached prefix and γ + 1 tokens after it
     served = max(room, probe_capacity(gamma))
-    replayed = _replayed(cfg, systems, prompts, console, weights)
+    replayed_ = replayed(cfg, systems, prompts, console, weights)
     bandwidth = memory_bandwidth(dev)
-    with console.status("measuring") as status, _engine_systems(cfg, served, status, replayed) as engines:
+    with console.status("measuring") as status, bench_engine_systems(cfg, served, status, replayed_) as engines:
         systems += [(s.name, s, False) for s in engines if s.measured]
         picked = _pick_generate(tgt.model, prompts[0], eos, cfg.generate, dev, status, weights, room)
         systems[0] = (f"transformers generate ({picked.label})",
@@ -374,15 +311,3 @@ def _reference(model, prompts, eos, max_new: int, picked, measured: SystemMeasur
     return reference, (f"transformers generate's configurations disagree on this model: its {picked.label} differs "
                        f"from its dynamic cache on prompt {i + 1} (first at new token {at + 1}); outputs are "
                        "compared with the dynamic cache (the library's step-by-step decoding)")
-
-
-def engine_hint(cfg: BenchConfig, device: str) -> str | None:
-    """On a CPU run with no engine: how to put llama.cpp (the engine CPU users run) beside sdbench at the same
-    weights, and whether it is installed."""
-    if cfg.engine != SDBENCH or not str(device).startswith("cpu"):
-        return None
-    eng = engine("llama.cpp")
-    if eng.installed():
-        return "llama.cpp at the same weights and dtype beside these: add --engine llama.cpp (installed)"
-    return (f"llama.cpp at the same weights and dtype beside these: `{eng.install}` in sdbench's checkout installs "
-            "it, then add --engine llama.cpp")

@@ -18,6 +18,7 @@ from sdbench.errors import SdbenchError
 from sdbench.models.loading import loader
 from sdbench.models.loading.pair import Pair
 from sdbench.servers.engines import SDBENCH, Engine, EngineRole
+from sdbench.servers.footprint import PROMPT_ROOM, check_servers_fit
 from sdbench.servers.known import engine
 from sdbench.servers.runs import EngineDecoding
 from sdbench.servers.systems import check_engine_options, engine_systems
@@ -53,9 +54,13 @@ def check_engine_run(cfg: RunConfig, base: str) -> None:
     if cfg.engine_url is not None:
         check_engine_options(eng, cfg.engine_url, cfg.engine_port)
         return
-    check_engine_options(eng, None, cfg.engine_port, len(engine_roles_of(eng, base, cfg)))
+    roles = [EngineRole("autoregressive")] * cfg.baseline + engine_roles_of(eng, base, cfg)
+    check_engine_options(eng, None, cfg.engine_port, len(roles))
     eng.check_dtype(cfg.dtype)
     eng.check_installed()
+    capacity = cfg.max_new_tokens * (cfg.turns or 2) + PROMPT_ROOM
+    check_servers_fit([(eng.name, [eng.footprint(cfg.target, r, cfg.dtype, capacity) for r in roles])],
+                      "give fewer --gamma values, or a smaller model")
 
 
 def engine_roles_of(eng: Engine, base: str, cfg: RunConfig) -> list[EngineRole]:

@@ -171,6 +171,11 @@ class Engine:
             return f"{self.name} {own} (γ={role.gamma}, {dtype}) at sdbench's acceptance (synthetic)"
         return f"{self.name} {own} (γ={role.gamma}, {dtype})"
 
+    def footprint(self, target: str, role: EngineRole, dtype: str, capacity: int):
+        """What its server for `role` will hold in memory (`servers/footprint.py` Footprint), from the models'
+        configs alone; None where not known."""
+        return None
+
     def command(self, target: str, role: EngineRole, dtype: str, capacity: int, threads: int) -> list[str]:
         """The server's argv, `{port}` where its port goes; models converted for the engine here, once."""
         raise NotImplementedError

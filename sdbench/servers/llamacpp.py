@@ -20,6 +20,7 @@ from sdbench.models.loading.names import BLOCK_TYPES, ENGINE_TYPES, split_varian
 from sdbench.paths import cache_dir
 from sdbench.servers.client import EngineReplyError, post_json
 from sdbench.servers.engines import Engine, EngineRole, Reply, engines_dir, token_gaps
+from sdbench.servers.footprint import Footprint, shape
 from sdbench.servers.head_gguf import head_gguf, model_gguf, refusal
 
 # sdbench's --dtype (or a model's own block type) -> llama-quantize's type name: the float types, the block types
@@ -30,6 +31,8 @@ NGRAM_SIZE = 3  # the lookup n-gram, as sdbench's ngram's longest suffix
 # the checkpoints sdbench reads an MTP module from (`models/heads/mtp_native.py`) whose MTP layers llama.cpp's converter
 # keeps and its draft-mtp runs: GLM-4.5's (DeepSeek-V3's and MiMo-7B's it drops)
 MTP_ARCHITECTURES = ("Glm4MoeForCausalLM",)
+UBATCH = 512  # its server's default micro-batch: its logits and compute buffers are sized for it
+BASE_BYTES = 64 << 20  # the server's own code and buffers beside the models'
 
 
 class LlamaCpp(Engine):
@@ -68,6 +71,25 @@ class LlamaCpp(Engine):
 
     def label(self, role: EngineRole, dtype: str) -> str:
         return super().label(role, GGUF_TYPES.get(dtype, dtype))
+
+    def footprint(self, target: str, role: EngineRole, dtype: str, capacity: int) -> Footprint | None:
+        """The target's GGUF, mapped (one file however many servers map it); a draft model's weights, which its
+        server holds apart (measured: a SmolLM2 server drafting with its own F32 file held 0.58 GiB beside the file,
+        plain 0.05); per model its KV cache at F16 and buffers for a micro-batch (the target's about three times a
+        micro-batch's logits over the vocabulary: 0.76-0.96 GiB for Qwen2.5-Coder-1.5B's server, its file aside)."""
+        models = [role.model(target)] + ([role.draft] if role.strategy == "draft" else [])
+        out = Footprint(BASE_BYTES)
+        for i, model in enumerate(models):
+            found = shape(model)
+            if found is None:
+                return None
+            kind = self.served_dtype(model, dtype)
+            if i == 0:
+                out.files[f"{split_variant(model)[0]}:{kind}"] = found.weights(kind)
+            else:
+                out.own += found.weights(kind)
+            out.own += found.kv_per_position * capacity + (3 if i == 0 else 1) * 4 * found.vocab * UBATCH
+        return out
 
     def gguf(self, model: str, dtype: str) -> Path:
         """The model's GGUF with its weights re-typed to `dtype`, or to the block type the name gives (MODEL@q4_0),

@@ -20,10 +20,13 @@ from sdbench.models.loading.loader import safetensors_folder
 from sdbench.models.loading.names import BLOCK_TYPES, split_variant, with_weights
 from sdbench.servers.client import EngineReplyError, get, post_json
 from sdbench.servers.engines import Engine, EngineRole, Reply, engines_dir, token_gaps
+from sdbench.servers.footprint import BITS, Footprint, Shape, shape
 
 SERVED = "sdbench-target"  # the name requests give the served model
 NGRAM_SIZE = 3  # prompt lookup's longest n-gram, as sdbench's ngram's longest suffix
-KV_SPACE_GIB = "2"  # the CPU build's KV cache (GiB): its default takes a share of the machine's memory
+KV_FALLBACK = 2 << 30  # its KV cache where the models' shapes are not at hand (its default takes a share of memory)
+KV_FLOOR = 256 << 20  # the least KV cache it is given: a few of its blocks for every layer of a large model
+BASE_BYTES = 2 << 30  # its processes' own Python and torch (API server, engine core, worker): 2.0 GiB measured
 _COUNTER = re.compile(r'^(vllm:spec_decode_num_(?:drafts|draft_tokens|accepted_tokens|accepted_tokens_per_pos))'
                       r'(?:_total)?(\{[^}]*\})?\s+([0-9.eE+-]+)$')
 _POSITION = re.compile(r'position="(\d+)"')
@@ -92,15 +95,40 @@ class Vllm(Engine):
         argv = [str(self.executable()), "-m", "vllm.entrypoints.openai.api_server", "--model",
                 self.weights(role.model(target), dtype), "--host", "127.0.0.1", "--port", "{port}",
                 "--served-model-name", SERVED, "--dtype", served, "--max-model-len", str(capacity), "--max-num-seqs",
-                "1", "--seed", "0", caching, "--no-enable-log-requests"]
+                "1", "--seed", "0", caching, "--no-enable-log-requests", "--kv-cache-memory-bytes",
+                str(self.kv_space(target, role, dtype, capacity))]
         spec = self.speculative_config(role, dtype)
         if spec is not None:
             argv += ["--speculative-config", json.dumps(spec)]
         return argv
 
     def server_env(self, threads: int) -> dict[str, str]:
-        return {"VLLM_CPU_KVCACHE_SPACE": KV_SPACE_GIB, "OMP_NUM_THREADS": str(threads),
-                "VLLM_CPU_OMP_THREADS_BIND": "auto"}
+        # its KV cache is sized by --kv-cache-memory-bytes, which its legacy VLLM_CPU_KVCACHE_SPACE would override
+        return {"OMP_NUM_THREADS": str(threads), "VLLM_CPU_OMP_THREADS_BIND": "auto"}
+
+    def kv_space(self, target: str, role: EngineRole, dtype: str, capacity: int) -> int:
+        """Bytes of KV cache its server gets: twice what `capacity` positions of every model it loads take (the
+        draft's layers share the pool) at the type it computes in, at least KV_FLOOR; KV_FALLBACK where a shape is
+        not at hand."""
+        shapes = [shape(m) for m in _loaded(target, role)]
+        if None in shapes:
+            return KV_FALLBACK
+        scale = 2 if _kind(role.model(target), dtype) == "float32" else 1  # Shape counts two bytes an element
+        return max(KV_FLOOR, 2 * capacity * scale * sum(s.kv_per_position for s in shapes))
+
+    def footprint(self, target: str, role: EngineRole, dtype: str, capacity: int) -> Footprint | None:
+        """Its processes' own, the KV cache it is given, each model's weights as it holds them, and the checkpoint
+        it maps (one file however many servers map it). As GPTQ: the vocabulary tables (embedding and head) at
+        bfloat16 and in the file at float32, the rest 4.5 bits a weight."""
+        out = Footprint(BASE_BYTES + self.kv_space(target, role, dtype, capacity))
+        for model in _loaded(target, role):
+            found, kind = shape(model), _kind(model, dtype)
+            if found is None:
+                return None
+            held, stored = _weights(found, kind, model)
+            out.own += held
+            out.files[f"{split_variant(model)[0]}:{kind}"] = stored
+        return out
 
     def request(self, prompt: list[int], max_new: int, sampling: SamplingConfig | None = None) -> tuple[str, dict]:
         body = {"model": SERVED, "prompt": prompt, "max_tokens": max_new, "temperature": 0.0, "stream": True,
@@ -153,6 +181,22 @@ def _kind(model: str, dtype: str) -> str:
     Q4_0 blocks at float32: its own blocks, as `with_weights` says), else --dtype."""
     variant = split_variant(with_weights(model, dtype))[1]
     return variant if variant in BLOCK_TYPES else dtype
+
+
+def _loaded(target: str, role: EngineRole) -> list[str]:
+    """The models a role's server loads: the target (or the draft, for its plain decoding), and a draft model."""
+    return [role.model(target)] + ([role.draft] if role.strategy == "draft" else [])
+
+
+def _weights(found: Shape, kind: str, model: str) -> tuple[int, int]:
+    """(bytes held, bytes of the checkpoint) of a model served at `kind`: a local folder's own safetensors, sdbench's
+    float32 copy of a GGUF, the GPTQ copy at q4_0."""
+    if kind != FOUR_BIT:
+        files = sorted(Path(model).expanduser().glob("*.safetensors"))
+        return found.weights(kind), sum(f.stat().st_size for f in files) or found.weights("float32")
+    tables, rest = 2 * found.table, found.params - min(found.table, found.params)
+    packed = int(rest * BITS[FOUR_BIT] / 8)
+    return tables * 2 + packed, tables * 4 + packed
 
 
 def prefill_totals(text: str) -> tuple[float, float, float]:

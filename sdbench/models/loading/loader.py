@@ -98,6 +98,15 @@ def check_fit(names: list[str], device: str | torch.device = "cpu", dtype: torch
     alone: every MODEL@random, and every model whose config is at hand without loading (an alias's shipped
     config, a folder's config.json); a MODEL@int8 copy counts as its MODEL, each model once."""
     dtype, device = _as_dtype(dtype), _as_device(device)
+    counted, weights = weights_at_hand(names, dtype)
+    if counted:
+        memory.refuse_beyond_memory(counted, weights, memory.free_bytes(device), dtype, device, "nothing was built")
+
+
+def weights_at_hand(names: list[str], dtype: torch.dtype | str = torch.float32) -> tuple[list[str], int]:
+    """(models counted, bytes of their weights at `dtype`) over the models whose config is at hand without loading
+    (`check_fit`'s count), each once."""
+    dtype = _as_dtype(dtype)
     counted, weights = [], 0
     for name in dict.fromkeys(n if is_random(n) else split_variant(n)[0] for n in names):
         config = _config_at_hand(name)
@@ -105,8 +114,7 @@ def check_fit(names: list[str], device: str | torch.device = "cpu", dtype: torch
         if params:
             counted.append(name)
             weights += params * memory.element_bytes(dtype)
-    if counted:
-        memory.refuse_beyond_memory(counted, weights, memory.free_bytes(device), dtype, device, "nothing was built")
+    return counted, weights
 
 
 def load_config(name: str) -> "PretrainedConfig":
