@@ -233,6 +233,7 @@ ALWAYS void quads_q4_0(const uint8_t *gb, vi w[8]) {
                               long out, long live) {                                                          \
     R_##R(GZERO) for (long b = 0; b < nb; b++) {                                                              \
       const uint8_t *gb = g + b * GROUP_BYTES_##T;                                                            \
+      for (int l = 0; l < GROUP_BYTES_##T; l += 64) _mm_prefetch((const char *)gb + PF + l, _MM_HINT_T0);    \
       vf dw = SCALES(gb);                                                                                     \
       vi w[8];                                                                                                \
       quads_##T(gb, w);                                                                                       \
@@ -248,6 +249,10 @@ typedef void (*group_fn)(const xblock *, long, const uint8_t *, const float *, f
   GROUP(T, 1) GROUP(T, 2) GROUP(T, 3) GROUP(T, 4) GROUP(T, 5) GROUP(T, 6)                                     \
   static const group_fn groups_##T[GPASS + 1] = {0, group_##T##_1, group_##T##_2, group_##T##_3, group_##T##_4, \
                                                  group_##T##_5, group_##T##_6};
+/* how far ahead (bytes) each group-block asks for its weights: the hardware's own prefetch left one row's product at
+ * 17 GB/s and five rows' at 1.38 times its time (Qwen2.5-Coder-1.5B's products at Q4_0 on the 2-core Xeon); 4 KiB
+ * ahead, 21.7 GB/s and 1.11 times (1 KiB: 1.22, 2 KiB: 1.18, 8-16 KiB: 1.15-1.16) */
+#define PF 4096
 #define GPASS 6 /* rows met by one group-block's quants in registers (8 of them, and a sum per row) */
 #define OFF 128
 GROUPS(q8_0)
