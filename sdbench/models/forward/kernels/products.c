@@ -106,11 +106,16 @@ BLOCK1(5) BLOCK1(6) BLOCK1(7) BLOCK1(8)
   }
 BLOCK1U2(2) BLOCK1U2(3) BLOCK1U2(4)
 
+/* how far ahead (bytes) a stream of blocked weights is asked for: the hardware's own prefetch read Qwen2.5-Coder-1.5B's
+ * float32 products at 23.7 GB/s a row on the 2-core Xeon; 4 KiB ahead, 28.7 (one row 260 -> 215 ms, five 285 -> 227) */
+#define PF32 4096
 /* one row (decoding): four sums over inputs i mod 4 */
 static void block1_1(const float *x, long n, const float *wp, const float *b, float *y, long out, long o) {
   __m256 s0 = _mm256_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
   long i = 0;
   for (; i + 4 <= n; i += 4) {
+    _mm_prefetch((const char *)(wp + i * 8) + PF32, _MM_HINT_T0);
+    _mm_prefetch((const char *)(wp + i * 8) + PF32 + 64, _MM_HINT_T0);
     s0 = _mm256_fmadd_ps(_mm256_load_ps(wp + i * 8), _mm256_broadcast_ss(x + i), s0);
     s1 = _mm256_fmadd_ps(_mm256_load_ps(wp + i * 8 + 8), _mm256_broadcast_ss(x + i + 1), s1);
     s2 = _mm256_fmadd_ps(_mm256_load_ps(wp + i * 8 + 16), _mm256_broadcast_ss(x + i + 2), s2);
@@ -136,6 +141,8 @@ static void block1_1(const float *x, long n, const float *wp, const float *b, fl
   static void tile_##R(const float *x, long n, long i0, long i1, const float *pa, const float *pb,           \
                        const float *b, float *y, long out, long o) {                                         \
     R_##R(LOAD2) for (long i = i0; i < i1; i++) {                                                             \
+      _mm_prefetch((const char *)(pa + i * 8) + PF32, _MM_HINT_T0);                                           \
+      _mm_prefetch((const char *)(pb + i * 8) + PF32, _MM_HINT_T0);                                           \
       __m256 wa = _mm256_load_ps(pa + i * 8), wb = _mm256_load_ps(pb + i * 8);                                \
       R_##R(FMA2)                                                                                             \
     }                                                                                                         \
