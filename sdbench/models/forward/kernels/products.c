@@ -240,6 +240,7 @@ int sd_linear_plain(const float *x, const float *w, const float *b, float *y, lo
 
 /* y [rows, n] = w * (x * 1/sqrt(mean(x^2) + eps)), as Llama's RMSNorm computes it in float32 */
 void sd_rms_norm(const float *x, const float *w, float *y, long rows, long n, float eps) {
+#pragma omp parallel for schedule(static) if (rows > 1)
   for (long r = 0; r < rows; r++) {
     const float *xr = x + r * n;
     float *yr = y + r * n;
@@ -252,11 +253,12 @@ void sd_rms_norm(const float *x, const float *w, float *y, long rows, long n, fl
 
 /* y [rows, inter] = silu(gate) * up, gu [rows, 2 * inter] holding gate then up */
 void sd_silu_mul(const float *gu, float *y, long rows, long inter) {
-  for (long r = 0; r < rows; r++) {
-    const float *g = gu + r * 2 * inter, *u = g + inter;
-    float *yr = y + r * inter;
-    for (long j = 0; j < inter; j++) yr[j] = g[j] / (1.0f + expf(-g[j])) * u[j];
-  }
+#pragma omp parallel for collapse(2) schedule(static) /* each element alone: split across the threads, same values */
+  for (long r = 0; r < rows; r++)
+    for (long j = 0; j < inter; j++) {
+      float g = gu[r * 2 * inter + j];
+      y[r * inter + j] = g / (1.0f + expf(-g)) * gu[r * 2 * inter + inter + j];
+    }
 }
 
 /* x [D] rotated by (cos, sin') [Dr] into out [D]: the first Dr dims as x*cos + roll(x, Dr/2)*sin' (sin' holds
