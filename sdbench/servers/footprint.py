@@ -2,10 +2,11 @@
 that every server a command starts fits beside sdbench's own models, refused in one line where they do not (the
 kernel's out-of-memory killer would end the run with no line and no results). Each engine's adapter says what one
 server holds (`Engine.footprint`): memory its processes hold alone, and files it maps and reads from as it decodes
-(llama.cpp's GGUF), which the page cache holds once however many servers map them. Calibrated on this project's CPU machine (2026-11-29, PSS summed over a server's
-processes after one request): llama.cpp's server of Qwen2.5-Coder-1.5B at Q4_0 1.70 GiB (its file 0.94), with the 0.5B
-drafting 2.27, at F32 6.71 (file 5.75); vLLM's of SmolLM2-135M at float32 4.55, of the 1.5B as GPTQ 7.25 with a 2 GiB KV
-cache (its processes' own torch and Python about 2 GiB)."""
+(llama.cpp's GGUF), which the page cache holds once however many servers map them. Calibrated on this project's CPU
+machine (2026-11-29, PSS summed over a server's processes after one request): llama.cpp's server of
+Qwen2.5-Coder-1.5B at Q4_0 1.70 GiB (its file 0.94), with the 0.5B drafting 2.27, at F32 6.71 (file 5.75); vLLM's of
+SmolLM2-135M at float32 4.55, of the 1.5B as GPTQ 7.25, each with a 2 GiB KV cache (its processes' own torch and
+Python about 2 GiB)."""
 
 from __future__ import annotations
 
