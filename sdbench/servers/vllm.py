@@ -56,7 +56,8 @@ class Vllm(Engine):
         return engines_dir(self.folder, "bin", "python")
 
     def served_dtype(self, model: str, dtype: str) -> str:
-        """--dtype's, or the block type the name gives (MODEL@q4_0); a 4-bit one named with what it computes in."""
+        """--dtype's, or the block type the name gives (MODEL@q4_0, or a GGUF file of Q4_0 blocks at float32: its own
+        blocks, `_kind`); a 4-bit one named with what it computes in."""
         kind = _kind(model, dtype)
         return f"{kind} as GPTQ, {ACTIVATIONS}" if kind == FOUR_BIT else kind
 
