@@ -10,6 +10,7 @@ Python about 2 GiB)."""
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 from sdbench.errors import SdbenchError
@@ -47,9 +48,10 @@ class Shape:
         return int(self.params * BITS[kind] / 8)
 
 
+@functools.lru_cache(maxsize=64)
 def shape(model: str) -> Shape | None:
     """The model's Shape from its config alone (MODEL@q4_0: MODEL's), or None where no config is at hand without a
-    download."""
+    download; read once per model (every role of every engine asks, and a GGUF's config is parsed from its file)."""
     try:
         config = loader.load_config(model)
     except SdbenchError:
