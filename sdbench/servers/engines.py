@@ -51,6 +51,10 @@ class EngineRole:
         """The model the server loads (the draft model, for plain decoding of the draft)."""
         return self.draft if self.costs_only else target
 
+    def loaded(self, target: str) -> list[str]:
+        """Every model the server loads: `model`, and a draft model beside it."""
+        return [self.model(target)] + ([self.draft] if self.strategy == "draft" else [])
+
 
 @dataclass
 class Reply:

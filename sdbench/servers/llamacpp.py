@@ -77,9 +77,8 @@ class LlamaCpp(Engine):
         server holds apart (measured: a SmolLM2 server drafting with its own F32 file held 0.58 GiB beside the file,
         plain 0.05); per model its KV cache at F16 and buffers for a micro-batch (the target's about three times a
         micro-batch's logits over the vocabulary: 0.76-0.96 GiB for Qwen2.5-Coder-1.5B's server, its file aside)."""
-        models = [role.model(target)] + ([role.draft] if role.strategy == "draft" else [])
         out = Footprint(BASE_BYTES)
-        for i, model in enumerate(models):
+        for i, model in enumerate(role.loaded(target)):
             found = shape(model)
             if found is None:
                 return None

@@ -111,7 +111,7 @@ class Vllm(Engine):
         """Bytes of KV cache its server gets: twice what `capacity` positions of every model it loads take (the
         draft's layers share the pool) at the type it computes in, at least KV_FLOOR; KV_FALLBACK where a shape is
         not at hand."""
-        shapes = [shape(m) for m in _loaded(target, role)]
+        shapes = [shape(m) for m in role.loaded(target)]
         if None in shapes:
             return KV_FALLBACK
         scale = 2 if _kind(role.model(target), dtype) == "float32" else 1  # Shape counts two bytes an element
@@ -123,7 +123,7 @@ class Vllm(Engine):
         7.25 GiB with a 2 GiB KV cache, its weights 1.55 GiB as held and 2.43 in the file). As GPTQ: the vocabulary
         tables (embedding and head) held at bfloat16 and stored at float32, the rest 4.5 bits a weight."""
         out = Footprint(BASE_BYTES + self.kv_space(target, role, dtype, capacity))
-        for model in _loaded(target, role):
+        for model in role.loaded(target):
             found = shape(model)
             if found is None:
                 return None
@@ -181,11 +181,6 @@ def _kind(model: str, dtype: str) -> str:
     Q4_0 blocks at float32: its own blocks, as `with_weights` says), else --dtype."""
     variant = split_variant(with_weights(model, dtype))[1]
     return variant if variant in BLOCK_TYPES else dtype
-
-
-def _loaded(target: str, role: EngineRole) -> list[str]:
-    """The models a role's server loads: the target (or the draft, for its plain decoding), and a draft model."""
-    return [role.model(target)] + ([role.draft] if role.strategy == "draft" else [])
 
 
 def _weights(found: Shape, kind: str, model: str) -> tuple[int, int]:
