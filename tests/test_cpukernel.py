@@ -120,12 +120,12 @@ def test_without_a_compiler_the_products_say_why(monkeypatch, tmp_path):
 HEADS = [(8, 8), (8, 4), (36, 36), (36, 12), (64, 64), (64, 32), (68, 68), (80, 80), (80, 32), (96, 96), (128, 128)]
 
 
-def _attend_checked(D: int, rotated: int, group: int) -> None:
-    """`cpukernel.attend` for 3 tokens per row of 2 rows at slot 5 of a 16-slot cache, 2 KV heads of `group` query
-    heads each, against the library's rotation (`apply_rotary_pos_emb` on the first `rotated` dimensions), the
+def _attend_checked(D: int, rotated: int, group: int, start: int, scale: float | None = None) -> None:
+    """`cpukernel.attend` for 3 tokens per row of 2 rows at slot `start` of a 32-slot cache, 2 KV heads of `group`
+    query heads each, against the library's rotation (`apply_rotary_pos_emb` on the first `rotated` dimensions), the
     cache written by slicing and torch's SDPA with GQA."""
-    g = torch.Generator().manual_seed(1000 * D + 10 * rotated + group)
-    B, T, Hk, cap, start, scale = 2, 3, 2, 16, 5, D**-0.5
+    g = torch.Generator().manual_seed(1000 * D + 10 * rotated + group + start)
+    B, T, Hk, cap, scale = 2, 3, 2, 32, scale or D**-0.5
     Hq = Hk * group
     qkv = torch.randn(B, T, (Hq + 2 * Hk) * D, generator=g)
     cos, sin = torch.randn(1, T, rotated, generator=g), torch.randn(1, T, rotated, generator=g)  # the library's
@@ -147,10 +147,20 @@ def _attend_checked(D: int, rotated: int, group: int) -> None:
     assert torch.equal(values, want_v)
 
 
+# keys in the cache after the step's 3: 5 (scores one at a time), 8 (one block of 8 keys, the first two queries
+# seeing part of it), 21 (two blocks, then one at a time)
+@pytest.mark.parametrize("start", [2, 5, 18])
 @pytest.mark.parametrize("group", [1, 2, 4, 8])  # query heads per KV head
 @pytest.mark.parametrize(("D", "rotated"), HEADS)
-def test_attend_equals_rotation_cache_writes_and_sdpa(D, rotated, group):
-    _attend_checked(D, rotated, group)
+def test_attend_equals_rotation_cache_writes_and_sdpa(D, rotated, group, start):
+    _attend_checked(D, rotated, group, start)
+
+
+@pytest.mark.parametrize("D", [36, 64, 128])
+def test_attention_weights_across_the_range_of_exp(D):
+    """Scores spread over hundreds (scale 8: most of a query's weights e^-87 or less, counted as 0) still give SDPA's
+    output: the weights' e^x taken eight at a time is checked where it flushes to 0 as well as near 1."""
+    _attend_checked(D, D, 2, 18, 8.0)
 
 
 class _ChangedSource:
@@ -172,18 +182,20 @@ class _ChangedSource:
         return self.source
 
 
-def test_a_dot_product_without_its_scalar_tail_is_caught(monkeypatch, tmp_path):
-    """The attention check fails on products.c built with `dot` dropping the dimensions past the last multiple of 8
+# a query against one key, and against 8 side by side
+@pytest.mark.parametrize("tail", ["for (; i < n; i++) t += a[i] * b[i];", "t[j] += q[d] * k[j * D + d];"])
+def test_a_dot_product_without_its_scalar_tail_is_caught(monkeypatch, tmp_path, tail):
+    """The attention check fails on layer.c built with a score dropping the dimensions past the last multiple of 8
     (the test can fail), at the head sizes that have them, and only there."""
     monkeypatch.setenv("SDBENCH_CACHE", str(tmp_path))
-    monkeypatch.setattr(cpukernel, "resources", _ChangedSource("for (; i < n; i++) t += a[i] * b[i];", ""))
+    monkeypatch.setattr(cpukernel, "resources", _ChangedSource(tail, "", "layer.c"))
     monkeypatch.setattr(cpukernel, "_lib", None)
     monkeypatch.setattr(cpukernel, "_why", None)
     assert cpukernel.available(), cpukernel.why_not()
     for D in (36, 68):
         with pytest.raises(AssertionError):
-            _attend_checked(D, D, 2)
-    _attend_checked(64, 64, 2)
+            _attend_checked(D, D, 2, 18)
+    _attend_checked(64, 64, 2, 18)
 
 
 def test_the_norm_and_the_activation_equal_torchs():
@@ -191,6 +203,14 @@ def test_the_norm_and_the_activation_equal_torchs():
     x, w, gu = torch.randn(3, 37, generator=g), torch.randn(37, generator=g), torch.randn(2, 1, 26, generator=g)
     _close(cpukernel.rms_norm(x, w, 1e-5), F.rms_norm(x, (37,), w, 1e-5))
     _close(cpukernel.silu_mul(gu), F.silu(gu[..., :13]) * gu[..., 13:])
+
+
+def test_the_activation_across_the_range_of_exp():
+    """silu(g) for g from -120 to 120 (e^-g from e^120, past float32, to e^-120, below its smallest normal), 8
+    a vector and a part vector last, within 4e-7 of silu in float64 (torch's float32 silu: 1.6e-7) or under 1e-30."""
+    g = torch.linspace(-120, 120, 240_005)
+    got = cpukernel.silu_mul(torch.cat([g, torch.ones_like(g)])[None])[0]
+    torch.testing.assert_close(got.double(), F.silu(g.double()), rtol=4e-7, atol=1e-30)
 
 
 @pytest.fixture
@@ -247,5 +267,5 @@ def test_a_failed_build_says_why(monkeypatch, tmp_path):
     monkeypatch.setattr(cpukernel, "_lib", None)
     monkeypatch.setattr(cpukernel, "_why", None)
     assert not cpukernel.available()
-    assert cpukernel.why_not() == "false failed to build products.c, quants.c: no message"
+    assert cpukernel.why_not() == "false failed to build products.c, layer.c, quants.c: no message"
     assert not list(tmp_path.rglob("products-*"))  # neither the copy of the sources nor a part-built library left

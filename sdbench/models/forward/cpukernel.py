@@ -1,6 +1,6 @@
 """sdbench's own CPU products for float32 (`kernels/products.c`) and for weights in llama.cpp's Q8_0/Q4_0 blocks
 (`kernels/quants.c`, `models/forward/quants.py`), built at first use with the machine's C compiler, and the rest of a
-Llama layer's decode step around them (`models/forward/cpulayer.py`).
+Llama layer's decode step around them (`kernels/layer.c`, `models/forward/cpulayer.py`).
 
 One decode step of a model on a CPU is its weights streamed once through matrix-vector products, and the stock
 products read them well below the machine's bandwidth at the widths decoding uses (1 row; 2-9 for a draft's
@@ -30,7 +30,7 @@ from sdbench.env import cpu_name
 from sdbench.models.forward import quants
 from sdbench.paths import cache_dir
 
-SOURCES = ("products.c", "quants.c")  # compiled as one unit, in this order
+SOURCES = ("products.c", "layer.c", "quants.c")  # compiled as one unit, in this order
 # float32: block weights meet float32 activations even where VNNI's integer products build (the exact product over
 # the de-quantised weights, slower); int8 (the default): 8-bit activations where VNNI is there, as llama.cpp computes
 ACTIVATIONS_ENV = "SDBENCH_BLOCK_ACTIVATIONS"
@@ -80,7 +80,7 @@ def _build() -> ctypes.CDLL:
     lib = folder / f"products-{digest}.so"
     if not lib.exists():  # each process builds from its own copy into its own file, then moves it in place
         src = folder / f"products-{digest}.{os.getpid()}.c"
-        src.write_bytes(b"\n".join(sources))  # one unit, in order: quants.c uses products.c's helpers
+        src.write_bytes(b"\n".join(sources))  # one unit, in order: the others use products.c's helpers
         tmp = lib.with_suffix(f".{os.getpid()}.tmp")
         try:
             done = subprocess.run([cc, *flags, "-o", str(tmp), str(src), "-lm"], capture_output=True, text=True,
