@@ -218,9 +218,12 @@ ALWAYS void quads_q4_0(const uint8_t *gb, vi w[8]) {
   {                                                                                                           \
     const xblock *xr = xb + r * nb + b;                                                                       \
     const int32_t *xq = (const int32_t *)xr->q;                                                              \
-    vi p = VI(set1_epi32)(-OFF * xr->sum);                                                                    \
-    for (int k = 0; k < 8; k++) p = DOT4(p, w[k], VI(set1_epi32)(xq[k]));                                    \
-    a##r = VF(fmadd)(VI(cvtepi32_ps)(p), VF(mul)(dw, VF(set1)(xr->d)), a##r);                                 \
+    vi p = VI(set1_epi32)(-OFF * xr->sum), e = VI(set1_epi32)(0); /* two chains of four */                   \
+    for (int k = 0; k < 8; k += 2) {                                                                          \
+      p = DOT4(p, w[k], VI(set1_epi32)(xq[k]));                                                               \
+      e = DOT4(e, w[k + 1], VI(set1_epi32)(xq[k + 1]));                                                       \
+    }                                                                                                         \
+    a##r = VF(fmadd)(VI(cvtepi32_ps)(VI(add_epi32)(p, e)), VF(mul)(dw, VF(set1)(xr->d)), a##r);               \
   }
 #define GSTORE(r)                                                                                             \
   {                                                                                                           \
