@@ -121,11 +121,11 @@ HEADS = [(8, 8), (8, 4), (36, 36), (36, 12), (64, 64), (64, 32), (68, 68), (80, 
 
 
 def _attend_checked(D: int, rotated: int, group: int, start: int, scale: float | None = None) -> None:
-    """`cpukernel.attend` for 3 tokens per row of 2 rows at slot `start` of a 32-slot cache, 2 KV heads of `group`
+    """`cpukernel.attend` for 3 tokens per row of 2 rows at slot `start` of a 64-slot cache, 2 KV heads of `group`
     query heads each, against the library's rotation (`apply_rotary_pos_emb` on the first `rotated` dimensions), the
     cache written by slicing and torch's SDPA with GQA."""
     g = torch.Generator().manual_seed(1000 * D + 10 * rotated + group + start)
-    B, T, Hk, cap, scale = 2, 3, 2, 32, scale or D**-0.5
+    B, T, Hk, cap, scale = 2, 3, 2, 64, scale or D**-0.5
     Hq = Hk * group
     qkv = torch.randn(B, T, (Hq + 2 * Hk) * D, generator=g)
     cos, sin = torch.randn(1, T, rotated, generator=g), torch.randn(1, T, rotated, generator=g)  # the library's
@@ -148,8 +148,8 @@ def _attend_checked(D: int, rotated: int, group: int, start: int, scale: float |
 
 
 # keys in the cache after the step's 3: 5 (scores one at a time), 8 (one block of 8 keys, the first two queries
-# seeing part of it), 21 (two blocks, then one at a time)
-@pytest.mark.parametrize("start", [2, 5, 18])
+# seeing part of it), 21 (two blocks, then one at a time), 63 (the values in passes of 8 KiB: 32 rows at head size 64)
+@pytest.mark.parametrize("start", [2, 5, 18, 60])
 @pytest.mark.parametrize("group", [1, 2, 4, 8])  # query heads per KV head
 @pytest.mark.parametrize(("D", "rotated"), HEADS)
 def test_attend_equals_rotation_cache_writes_and_sdpa(D, rotated, group, start):

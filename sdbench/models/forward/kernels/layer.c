@@ -122,9 +122,20 @@ static float softmax_weights(float *s, long n) {
   return hsum(sum);
 }
 
-/* o [D] += sum over m rows r of p [r] v_r, v [m, D] */
+/* o [D] += sum over m rows r of p [r] v_r, v [m, D]: 64 dimensions a pass held in registers over the rows */
+#define ACC(c) o##c = _mm256_fmadd_ps(pr, _mm256_loadu_ps(v + r * D + d + 8 * c), o##c);
+#define LOAD(c) __m256 o##c = _mm256_loadu_ps(o + d + 8 * c);
+#define KEEP(c) _mm256_storeu_ps(o + d + 8 * c, o##c);
 static void mix(const float *p, const float *v, long m, long D, float *o) {
   long d = 0;
+  for (; d + 64 <= D; d += 64) {
+    LOAD(0) LOAD(1) LOAD(2) LOAD(3) LOAD(4) LOAD(5) LOAD(6) LOAD(7)
+    for (long r = 0; r < m; r++) {
+      __m256 pr = _mm256_broadcast_ss(p + r);
+      ACC(0) ACC(1) ACC(2) ACC(3) ACC(4) ACC(5) ACC(6) ACC(7)
+    }
+    KEEP(0) KEEP(1) KEEP(2) KEEP(3) KEEP(4) KEEP(5) KEEP(6) KEEP(7)
+  }
   for (; d + 8 <= D; d += 8) {
     __m256 a = _mm256_loadu_ps(o + d);
     for (long r = 0; r < m; r++) a = _mm256_fmadd_ps(_mm256_broadcast_ss(p + r), _mm256_loadu_ps(v + r * D + d), a);
@@ -138,6 +149,7 @@ static void mix(const float *p, const float *v, long m, long D, float *o) {
  * start + t + 1 and writing softmax(q k^T * scale) v to o + t * ostride; s is room for [T, stride] scores (stride
  * start + T rounded up to 8). Each block of 8 keys, then of 8 values, is read once for all the queries while it is in
  * L1: a step verifying T tokens reads the head's cache once, not T times. */
+#define MIX_BYTES 8192 /* the values each pass of mix meets, for all of a step's queries: 8 KiB (16 and 32 no faster) */
 static void attend_head(const float *q, const float *keys, const float *values, long T, long start, long D,
                         float scale, float *s, long stride, float *o, long ostride) {
   long seen = start + T, j = 0; /* query t sees key j where t >= j - start */
@@ -151,10 +163,12 @@ static void attend_head(const float *q, const float *keys, const float *values, 
     total[t] = softmax_weights(s + t * stride, start + t + 1);
     for (long d = 0; d < D; d++) o[t * ostride + d] = 0.0f;
   }
-  for (j = 0; j < seen; j += 8)
+  long rows = MIX_BYTES / (D * (long)sizeof(float)); /* the values a pass of the queries meets stay in L1 */
+  if (rows < 8) rows = 8;
+  for (j = 0; j < seen; j += rows)
     for (long t = j > start ? j - start : 0; t < T; t++) {
       long m = start + t + 1 - j;
-      mix(s + t * stride + j, values + j * D, m < 8 ? m : 8, D, o + t * ostride);
+      mix(s + t * stride + j, values + j * D, m < rows ? m : rows, D, o + t * ostride);
     }
   for (long t = 0; t < T; t++)
     for (long d = 0; d < D; d++) o[t * ostride + d] *= 1.0f / total[t];
