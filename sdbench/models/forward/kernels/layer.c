@@ -147,8 +147,8 @@ static void mix(const float *p, const float *v, long m, long D, float *o) {
 
 /* The T queries q [T, D] of one head over its keys and values [start + T, D], query t seeing the first
  * start + t + 1 and writing softmax(q k^T * scale) v to o + t * ostride; s is room for [T, stride] scores (stride
- * start + T rounded up to 8). Each block of 8 keys, then of 8 values, is read once for all the queries while it is in
- * L1: a step verifying T tokens reads the head's cache once, not T times. */
+ * start + T rounded up to 8). Each block of 8 keys, then each MIX_BYTES of values, is read once for all the queries
+ * while it is in L1: a step verifying T tokens reads the head's cache once, not T times. */
 #define MIX_BYTES 8192 /* the values each pass of mix meets, for all of a step's queries: 8 KiB (16 and 32 no faster) */
 static void attend_head(const float *q, const float *keys, const float *values, long T, long start, long D,
                         float scale, float *s, long stride, float *o, long ostride) {
