@@ -19,6 +19,7 @@ from sdbench.commands.gpucheck import plan as gplan
 from sdbench.commands.gpucheck.sections import cuda_test_files
 from sdbench.engine.tree import Tree
 from sdbench.models.loading import random_weights
+from sdbench.reporting.owned import MANIFEST
 from tests.conftest import run_cli
 
 SECTIONS = {1: {"cuda-tests", "bench", "checks", "setup"},
@@ -50,7 +51,7 @@ def test_the_whole_check_runs_on_a_cpu_with_tiny_shapes(no_tokenizer, capsys, tm
         folder = out / f"part-{part}"
         files = {p.name for p in folder.iterdir()}
         assert len(files) <= 8 and all(p.is_file() for p in folder.iterdir())  # what one call may bring back
-        assert files == {f"part-{part}.parquet", "index.html", *(f"{n}.png" for n in PNGS[part])}
+        assert files == {f"part-{part}.parquet", "index.html", MANIFEST, *(f"{n}.png" for n in PNGS[part])}
         df = pd.read_parquet(folder / f"part-{part}.parquet")
         assert set(df["section"]) == SECTIONS[part]  # no step failed ("errors")
         checks = df[df["section"] == "checks"]

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from sdbench.commands.reproduce.common import Claim, Figure, Report, figure_png, grouped_bars, pyplot, render_page
 from sdbench.errors import SdbenchError
+from sdbench.reporting.owned import publish, staged
 
 PAGE = "index.html"
 TITLE = "sdbench gpu-check: step costs, graphs, MagicDec and DSI at real models' shapes (random weights)"
@@ -42,20 +43,20 @@ def part_frame(part: int, sections, setup: dict):
 
 
 def write_part(folder: Path, part: int, sections, setup: dict, notes: list[str]) -> Path:
-    """folder/part-N.parquet, a PNG per section that draws one, and index.html; earlier files of ours removed
-    first, so a folder never mixes two calls. Returns the page."""
+    """folder/part-N.parquet, a PNG per section that draws one, and index.html; the files an earlier write
+    recorded and this one lacks removed (reporting/owned.py), so a folder never mixes two calls and no file of
+    anyone else's goes. Returns the page."""
     folder.mkdir(parents=True, exist_ok=True)
-    for old in [*folder.glob("*.png"), *folder.glob("part-*.parquet"), folder / PAGE]:
-        old.unlink(missing_ok=True)
     frame = part_frame(part, sections, setup)
-    frame.to_parquet(folder / part_file(part), index=False)
     figures = figures_of(frame)
-    for fig in figures:
-        (folder / f"{fig.name}.png").write_bytes(fig.png)
-    report = _report(f"sdbench gpu-check, part {part}", frame, figures, notes)
-    page = folder / PAGE
-    page.write_text(render_page(report), encoding="utf-8")
-    return page
+    with staged(folder) as staging:
+        frame.to_parquet(staging / part_file(part), index=False)
+        for fig in figures:
+            (staging / f"{fig.name}.png").write_bytes(fig.png)
+        report = _report(f"sdbench gpu-check, part {part}", frame, figures, notes)
+        (staging / PAGE).write_text(render_page(report), encoding="utf-8")
+        publish(staging, folder)
+    return folder / PAGE
 
 
 def merge(out: Path) -> Path:
@@ -70,9 +71,10 @@ def merge(out: Path) -> Path:
     figures = [Figure(f"{png.parent.name}-{png.stem}", f"{png.parent.name}: {png.stem}", png.read_bytes())
                for f in files for png in sorted(f.parent.glob("*.png"))]
     notes = [f"merged from {', '.join(str(f.relative_to(out)) for f in files)}"]
-    page = out / PAGE
-    page.write_text(render_page(_report("sdbench gpu-check", frame, figures, notes)), encoding="utf-8")
-    return page
+    with staged(out) as staging:  # out/index.html replaced only where an earlier merge wrote it
+        (staging / PAGE).write_text(render_page(_report("sdbench gpu-check", frame, figures, notes)), encoding="utf-8")
+        publish(staging, out)
+    return out / PAGE
 
 
 def _report(heading: str, frame, figures, notes) -> Report:

@@ -5,7 +5,6 @@ every table's CSV and Parquet under data/; the libraries under assets/ (site/ass
 
 from __future__ import annotations
 
-import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,6 +14,7 @@ from rich.console import Console
 
 from sdbench import __version__
 from sdbench.paths import output_dir
+from sdbench.reporting.owned import check_folder, publish, staged
 from sdbench.reporting.site import charts, kinds
 from sdbench.reporting.site.assets import check_libraries, write_assets
 from sdbench.reporting.site.board import leaderboard, position_text, summaries
@@ -115,13 +115,26 @@ def run_page(out: Path, run: Run, summary: pd.DataFrame) -> str:
 
 
 def build_site(paths: list[str], out: str | Path, console: Console) -> Built:
-    """Builds the site; every problem with a file is one line on the terminal and a notice on the index."""
+    """Builds the site; every problem with a file is one line on the terminal and a notice on the index. The folder
+    is a new one or an earlier site's: a rebuild replaces only the files the earlier build wrote (reporting/owned.py),
+    so it shows only what is there now and never removes a file of the user's."""
     started = time.perf_counter()
     check_libraries()
+    check_folder(Path(out))
     found = collect(paths)
     folder = output_dir(out)
-    for stale in ("runs", "data", "reproductions"):  # a rebuild shows only what is there now
-        shutil.rmtree(folder / stale, ignore_errors=True)
+    with staged(folder) as staging:
+        pages = write_pages(staging, found, paths, console)
+        publish(staging, folder)
+    for line in kinds.problem_lines(found):
+        console.print(f"site: {line}", highlight=False)
+    if not found.runs:
+        console.print(f"site: no runs found under {', '.join(paths)}", highlight=False)
+    return Built(folder, len(found.runs), pages, len(found.problems), time.perf_counter() - started)
+
+
+def write_pages(folder: Path, found: Found, paths: list[str], console: Console) -> int:
+    """Every page, table and asset of the site under `folder`; returns the number of pages."""
     write_assets(folder)
     rows = found.rows()
     summary = summaries(rows, {r.run_id: r.partial for r in found.runs.values() if r.partial})
@@ -134,8 +147,4 @@ def build_site(paths: list[str], out: str | Path, console: Console) -> Built:
     pages.update(kinds.other_pages(folder, found, board, rows))
     for name, text in pages.items():
         output_dir((folder / name).parent).joinpath(Path(name).name).write_text(text, encoding="utf-8")
-    for line in kinds.problem_lines(found):
-        console.print(f"site: {line}", highlight=False)
-    if not found.runs:
-        console.print(f"site: no runs found under {', '.join(paths)}", highlight=False)
-    return Built(folder, len(found.runs), len(pages), len(found.problems), time.perf_counter() - started)
+    return len(pages)
