@@ -1,5 +1,6 @@
-# sdbench: `make run` installs everything and runs the default benchmark; `make test` installs, builds llama.cpp
-# where this machine has no build of it yet, installs PostgreSQL's server where it has none (as root), and tests.
+# sdbench: `make run` installs everything and runs the default benchmark; `make test` installs, builds llama.cpp and
+# installs vLLM's CPU build where this machine has none yet, installs PostgreSQL's server where it has none (as root),
+# and tests.
 # `make gpu-check PART=1` (then 2, 3) measures a GPU machine with no network, with the Python already there
 # (GPU_PYTHON; no virtual environment, nothing installed); `make gpu-check-merge` joins the parts' folders.
 # `make docs` builds docs/ as a static site (mkdocs, strict).
@@ -57,9 +58,9 @@ constraints:
 run: setup
 	$(BIN)/sdbench run $(ARGS)
 
-# the real llama.cpp's tests need its build (made once per machine, kept in the user's cache); the PostgreSQL
-# tests a server's binaries; the site's tests a headless Chromium
-test: setup engine-llama.cpp postgres-server browser
+# the real llama.cpp's tests need its build, the real vLLM's its environment (each made once per machine, kept in the
+# user's cache); the PostgreSQL tests a server's binaries; the site's tests a headless Chromium
+test: setup engine-llama.cpp engine-vllm postgres-server browser
 	$(BIN)/python -m pytest -q $(ARGS)
 
 bench: setup
@@ -143,16 +144,24 @@ $(LLAMA_CPP_BUILT)/.installed:
 	cmake --build $(LLAMA_CPP_BUILT)/build -j$$(nproc) --target $(LLAMA_CPP_TARGETS)
 	touch $@
 
-engine-vllm: $(ENGINES)/vllm/.installed
+# kept in the user's cache by the version asked for (a machine installs it once, whatever checkout asks), and
+# ENGINES/vllm links to it; the environment's scripts name its own path, so it is made where it stays
+VLLM_KEY := $(shell printf '%s' "$(VLLM)" | sha256sum | cut -c1-16)
+VLLM_BUILT := $(SDBENCH_CACHE)/engines/vllm-$(VLLM_KEY)
+
+engine-vllm: $(VLLM_BUILT)/.installed
+	mkdir -p $(ENGINES)
+	test "$$(readlink $(ENGINES)/vllm)" = "$(VLLM_BUILT)" || { rm -rf $(ENGINES)/vllm && \
+		ln -s $(VLLM_BUILT) $(ENGINES)/vllm; }
 
 # vLLM pins torch 2.13.0 CPU, the same build `make setup` installs; the torchvision/torchaudio/torchcodec it pulls
 # are built for another torch and break its import, and it serves text models without them
-$(ENGINES)/vllm/.installed:
-	test -x $(ENGINES)/vllm/bin/python || $(PYTHON) -m venv $(ENGINES)/vllm
-	$(ENGINES)/vllm/bin/pip install --quiet --upgrade pip
-	$(ENGINES)/vllm/bin/pip install --quiet torch==2.13.0
-	$(ENGINES)/vllm/bin/pip install --quiet torch==2.13.0 $(VLLM)
-	$(ENGINES)/vllm/bin/pip uninstall --quiet --yes torchvision torchaudio torchcodec || true
+$(VLLM_BUILT)/.installed:
+	test -x $(VLLM_BUILT)/bin/python || $(PYTHON) -m venv $(VLLM_BUILT)
+	$(VLLM_BUILT)/bin/pip install --quiet --upgrade pip
+	$(VLLM_BUILT)/bin/pip install --quiet torch==2.13.0
+	$(VLLM_BUILT)/bin/pip install --quiet torch==2.13.0 $(VLLM)
+	$(VLLM_BUILT)/bin/pip uninstall --quiet --yes torchvision torchaudio torchcodec || true
 	touch $@
 
 # one call per part (each under 9 minutes on one H100): GPU_OUT/part-N/ holds one Parquet, PNGs, index.html

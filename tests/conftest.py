@@ -100,6 +100,18 @@ def llamacpp():
 
 
 @pytest.fixture(scope="session")
+def vllm():
+    """vLLM's CPU build in its own environment, which `make test` installs where missing (once per machine, kept
+    by version): in CI a missing one fails."""
+    from sdbench.servers.vllm import Vllm
+
+    engine = Vllm()
+    if not engine.installed():
+        skip_unless_ci("needs vLLM's environment (`make engine-vllm`; `make test` installs it)")
+    return engine
+
+
+@pytest.fixture(scope="session")
 def ray_cluster():
     """Ray's local cluster, started once for the whole test session (starting one takes seconds). CI installs
     the `ray` extra, so there a missing Ray fails instead of skipping."""

@@ -80,8 +80,7 @@ def test_vllm_replays_an_acceptance_where_its_build_can(monkeypatch, tmp_path):
     assert "rejection_sample_method" not in json.loads(argv[argv.index("--speculative-config") + 1])
 
 
-@pytest.mark.skipif(not Vllm().installed(), reason="make engine-vllm")
-def test_the_synthetic_config_is_one_the_real_vllm_takes(tmp_path):
+def test_the_synthetic_config_is_one_the_real_vllm_takes(tmp_path, vllm):
     """The keys of the adapter's speculative config for a replaying draft role are fields of the installed vLLM's
     own SpeculativeConfig, and its rates pass vLLM's own check of them (length γ, in [0, 1], non-increasing), which
     refuses rates that rise."""

@@ -471,8 +471,7 @@ def test_bench_keeps_every_other_row_when_an_engine_dies_mid_run(capsys, tiny_en
 # --- the real vLLM, where installed ------------------------------------------------------------------------------
 
 
-@pytest.mark.skipif(not Vllm().installed(), reason="make engine-vllm")
-def test_bench_through_the_real_vllm(capsys, tmp_path):
+def test_bench_through_the_real_vllm(capsys, tmp_path, vllm):
     """The embedded SmolLM2 through vLLM's real servers: three rows, tokens counted, the speculative rows with the
     engine's own counters. llama.cpp's, which CI builds: tests/test_llamacpp_real.py."""
     eng = Vllm()
@@ -489,8 +488,7 @@ def test_bench_through_the_real_vllm(capsys, tmp_path):
     assert spec.carried_speedup.notna().all() and (spec.step_verify_cost > 0).all(), out
 
 
-@pytest.mark.skipif(not Vllm().installed(), reason="make engine-vllm")
-def test_the_real_vllms_memory_is_within_its_footprint(tmp_path):
+def test_the_real_vllms_memory_is_within_its_footprint(tmp_path, vllm):
     """The memory check's estimate (`servers/footprint.py`) against vLLM's real server of SmolLM2 after a request,
     all its processes: it holds the server (with the KV cache it was given for the run: the 2 GiB it had before
     would exceed it) and is at most a GiB above it."""

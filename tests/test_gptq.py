@@ -123,8 +123,7 @@ print(len(expected))
 """
 
 
-@pytest.mark.skipif(not Vllm().installed(), reason="make engine-vllm")
-def test_vllms_own_unpacking_reads_the_q4_0_numbers(tmp_path, monkeypatch):
+def test_vllms_own_unpacking_reads_the_q4_0_numbers(tmp_path, monkeypatch, vllm):
     """vLLM's own reading of the checkpoint (its unpacking and its 4-bit symmetric type's bias, in its environment)
     gives every projection's Q4_0 numbers exactly."""
     import subprocess
