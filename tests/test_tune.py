@@ -28,7 +28,7 @@ from sdbench.commands.trials import objective_value
 from sdbench.commands.tune import Tuner
 from sdbench.commands.tune_space import draw
 from sdbench.commands.tune_trial import ClearlyWorse
-from tests.tune_processes import own_trials, stored_trials, trials_or_none, tune_process, wait_until
+from tests.tune_processes import own_trials, seeded_draws, stored_trials, trials_or_none, tune_process, wait_until
 
 PROMPTS = [[5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6], [10, 11, 12, 10, 11, 12, 10, 11], [1, 2, 3, 4, 1, 2, 3]]
 
@@ -315,6 +315,8 @@ def test_two_processes_share_one_study(tmp_path):
     own = [own_trials(log) for log in logs]  # each process prints every trial it ran itself
     assert all(own), f"a process ran no trial of its own: {own}"  # both worked on the study
     assert not own[0] & own[1] and own[0] | own[1] == {t.number for t in counted}, own
+    drew, seeded = seeded_draws(trials, seed=0)  # tune's default --seed; each its own draws, not the other's again
+    assert drew == seeded
 
 
 @pytest.mark.slow

@@ -1,9 +1,10 @@
 """`sdbench tune --storage postgresql://…` on a real PostgreSQL server that the session starts (tests/postgres.py),
 each test on a fresh database: two and three tune processes ("machines", each with its own output folder) make
-exactly --trials trials of one study; one killed mid-trial has its trial failed and replaced by the others; the
-server stopped mid-study stops tune with one line, and a rerun resumes with nothing lost or counted twice; a
-session with other settings is refused; a server that cannot be reached, a wrong password, a missing database or
-driver are one line before any model loads. In CI a server that cannot start fails these tests."""
+exactly --trials trials of one study, each trial drawing the settings its own seed gives; one killed mid-trial
+has its trial failed and replaced by the others; the server stopped mid-study stops tune with one line, and a
+rerun resumes with nothing lost or counted twice; a session with other settings is refused; a server that
+cannot be reached, a wrong password, a missing database or driver are one line before any model loads. In CI a
+server that cannot start fails these tests."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from sdbench.commands.studies import NOT_NEEDED, STOPPED, UNCOUNTED, database_ur
 from tests.conftest import run_cli, skip_unless_ci
 from tests.postgres import PASSWORD, Server, free_port, server_binaries
 from tests.test_cli import one_line_error
-from tests.tune_processes import own_trials, stored_trials, trials_or_none, tune_process, wait_until
+from tests.tune_processes import own_trials, seeded_draws, stored_trials, trials_or_none, tune_process, wait_until
 
 
 @pytest.fixture(scope="session")
@@ -91,6 +92,8 @@ def test_processes_on_one_study_make_exactly_its_trials(tmp_path, database, coun
     own = [own_trials(log) for log in logs]
     assert sum(map(bool, own)) >= 2, own  # the study was shared
     assert sum(map(len, own)) == len(set().union(*own)) and set().union(*own) == {t.number for t in done}, own
+    drew, seeded = seeded_draws(stored, seed=0)  # the default --seed; each its own draws, not the others' again
+    assert drew == seeded
     # each trial names the process that ran it, in the study and in every machine's trials.parquet
     assert all(t.number in own[[p.pid for p in procs].index(pid(t))] for t in done)
     table = pd.read_parquet(next((tmp_path / "out0" / "tune").glob("*/trials/trials.parquet")))

@@ -13,6 +13,11 @@ from pathlib import Path
 
 import optuna
 import pytest
+from optuna.trial import TrialState
+
+from sdbench.commands.studies import TrialSeeded
+from sdbench.commands.tune_space import draw
+from sdbench.strategies.spec import SearchContext
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -57,3 +62,19 @@ def wait_until(condition, procs, what: str, timeout: float = 600):
 def own_trials(log: str) -> set[int]:
     """The trials a process ran itself: it prints "trial N: SETTINGS → RESULT" for each."""
     return {int(n) for n in re.findall(r"^trial (\d+): .* → ", log, re.MULTILINE)}
+
+
+def seeded_draws(trials, seed: int) -> tuple[dict[int, dict], dict[int, dict]]:
+    """(what the trials of an n-gram study that drew settings drew, by number; what `seed` draws for the same
+    numbers on a fresh study of one process). While fewer than 10 trials have finished, Optuna's TPE draws each
+    trial at random, and sdbench's sampler from the trial's own seed: the two agree whichever process took which
+    trial. With one seed per process, processes started together drew each other's settings, not these."""
+    drew = {t.number: t.params for t in trials if t.params}
+    alone = optuna.create_study(sampler=TrialSeeded(seed))
+    expected = {}
+    for _ in range(max(drew, default=-1) + 1):
+        trial = alone.ask()
+        draw("ngram", trial, SearchContext())
+        expected[trial.number] = trial.params
+        alone.tell(trial, state=TrialState.FAIL)  # unfinished for TPE: each trial drawn at random
+    return drew, {n: expected[n] for n in drew}

@@ -22,6 +22,10 @@
   another trial takes its place. Optuna never calls a trial with no heartbeat at all stale, so a process
   killed between taking a trial and its first beat would leave it running forever and every other process
   waiting on it: such a trial, started more than GRACE_S ago, is failed the same way here.
+- Each trial draws its own settings: the sampler is seeded afresh for every trial from the run's seed and the
+  trial's number, which the database hands out once (TrialSeeded). Processes started together on one study
+  therefore draw as one process would, not each the same settings; a resumed study's new trials draw anew; one
+  process with a given seed on a fresh study draws the same random start (TPE's first 10 trials) every time.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from contextlib import contextmanager
 from datetime import datetime, timedelta
 from typing import Iterator
 
+import numpy as np
 import optuna
 from optuna.storages._rdb import models
 from optuna.trial import TrialState
@@ -60,6 +65,43 @@ class StorageLost(SdbenchError):
     """The study's database failed mid-study; the study keeps what it had and the same command resumes it."""
 
     exit_code = 1
+
+
+class TrialSeeded(optuna.samplers.BaseSampler):
+    """Optuna's TPE sampler with a seed of each trial's own, `trial_seed(seed, trial.number)`, in place of one
+    seed per process: a process's draws then depend on which trials it takes, not on how many it has drawn."""
+
+    def __init__(self, seed: int):
+        self.seed = seed
+        self._samplers: dict[int, optuna.samplers.TPESampler] = {}  # by trial number, while the trial runs
+
+    def _of(self, trial) -> optuna.samplers.TPESampler:
+        if trial.number not in self._samplers:
+            self._samplers[trial.number] = optuna.samplers.TPESampler(seed=trial_seed(self.seed, trial.number))
+        return self._samplers[trial.number]
+
+    def before_trial(self, study, trial) -> None:
+        self._of(trial).before_trial(study, trial)
+
+    def infer_relative_search_space(self, study, trial):
+        return self._of(trial).infer_relative_search_space(study, trial)
+
+    def sample_relative(self, study, trial, search_space):
+        return self._of(trial).sample_relative(study, trial, search_space)
+
+    def sample_independent(self, study, trial, param_name, param_distribution):
+        return self._of(trial).sample_independent(study, trial, param_name, param_distribution)
+
+    def after_trial(self, study, trial, state, values) -> None:
+        self._of(trial).after_trial(study, trial, state, values)
+        del self._samplers[trial.number]
+
+
+def trial_seed(seed: int, number: int) -> int:
+    """The sampler's seed for trial `number` of a run seeded `seed`: the pair mixed into 32 bits (numpy's
+    SeedSequence), so that neighbouring seeds do not draw each other's trials one place apart (as seed + number
+    would)."""
+    return int(np.random.SeedSequence([seed % 2**64, number]).generate_state(1)[0])
 
 
 def database_url(url: str) -> str:

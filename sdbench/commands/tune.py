@@ -33,8 +33,8 @@ from rich.text import Text
 
 from sdbench.commands.plan import plan
 from sdbench.commands.run import RunHarness
-from sdbench.commands.studies import (INTERRUPTED, STORAGE_ERRORS, counted, guarding, heartbeat, next_trial, opening,
-                                      safe_url)
+from sdbench.commands.studies import (INTERRUPTED, STORAGE_ERRORS, TrialSeeded, counted, guarding, heartbeat,
+                                      next_trial, opening, safe_url)
 from sdbench.commands.studies import storage as study_storage
 from sdbench.commands.trials import (best_table, best_trials, describe, doubts, objective_value, record_trial,
                                      write_preset, write_trials)
@@ -164,8 +164,8 @@ class Tuner:
         with opening(self.storage()):
             study = optuna.create_study(study_name=self.study_name, storage=self._storage, direction="maximize",
                                         pruner=self.pruner or ClearlyWorse(), load_if_exists=True)
-            # a resumed session must not replay the first session's random start
-            study.sampler = optuna.samplers.TPESampler(seed=self.run.sampling.seed + len(study.trials))
+            # each trial seeded by its number: processes sharing the study, or resuming it, draw anew
+            study.sampler = TrialSeeded(self.run.sampling.seed)
             self._check_settings(study)
         return study
 
