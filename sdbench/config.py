@@ -103,7 +103,6 @@ class TuneConfig:
     trees: bool = False  # also search the token tree's shape (the chain stays a choice) where a strategy grows trees
 
 
-HEAD_KINDS = ("eagle3", "medusa", "peagle", "mtp", "dflash", "dspark")
 DEFAULT_HEAD_DATA = ("sharegpt", "gsm8k", "humaneval")  # never MT-Bench: the prompts heads are measured on
 HEAD_ANSWERS = ("both", "target", "data")  # whose answers a head is fitted on (train-head --answers)
 
@@ -113,15 +112,15 @@ class TrainHeadConfig:
     """`sdbench train-head`: fit a head on the target's own answers to prompts of shipped data sets."""
 
     target: str
-    kind: str  # one of HEAD_KINDS
+    kind: str  # a head kind of training/kinds.py
     out: str  # the head's folder (also its data and checkpoint: a re-run resumes there)
     data: tuple[str, ...] = DEFAULT_HEAD_DATA
     minutes: float = 20.0  # the whole command's wall-clock budget: generating its data, then fitting
     prompts: int = 512  # training prompts at most (a share held out for acceptance)
     max_new_tokens: int = 128  # the target's answer to each
     answers: str = "both"  # fit on the target's answers, the data sets' own replies (read in one forward), or both
-    draft_vocab: int | None = None  # EAGLE-3's draft vocabulary; None: min(target's, 8192); 0: the target's
-    steps: int | None = None  # EAGLE-3's unrolled steps (default 3) or Medusa's heads (default 4)
+    draft_vocab: int | None = None  # the draft vocabulary's size; None: not given (min(target's, 8192)); 0: all
+    steps: int | None = None  # what --steps sets for the kind (training/kinds.py); None: not given (its default)
     device: str = "auto"
     dtype: str = "auto"  # the target's while it answers: bfloat16 on a GPU, float32 on a CPU
     seed: int = 0

@@ -9,6 +9,7 @@ import typer
 from sdbench import config as C
 from sdbench.cli.params import Device, Draft, Dtype, Fast, NoProbe, Probe, Seed, Target, console
 from sdbench.options import probe_mode
+from sdbench.training.kinds import kind_help, option_help
 
 
 def check(
@@ -28,20 +29,20 @@ def check(
 def train_head(
     out: Annotated[str, typer.Option("--out", help="the head's folder (a re-run with the same folder resumes)")],
     target: Target = C.DEFAULT_TARGET,
-    kind: Annotated[str, typer.Option(help="eagle3, medusa, peagle, mtp, dflash or dspark")] = "eagle3",
+    kind: Annotated[str, typer.Option(help=kind_help())] = "eagle3",
     data: Annotated[Optional[list[str]], typer.Option("--data", help="training prompts: a data set or a prompt file (repeatable); by default sharegpt, gsm8k and humaneval, never MT-Bench (what heads are measured on)")] = None,
     minutes: Annotated[float, typer.Option(help="wall-clock budget: the training data first (at most 40%), then the fit")] = 20.0,
     prompts: Annotated[int, typer.Option(help="training prompts at most (1 in 16 held out to measure acceptance)")] = 512,
     max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", help="tokens of the target's answer to each prompt")] = 128,
     answers: Annotated[str, typer.Option(help="what the head learns from: target (the target's own answers, one decoding each), data (the data sets' own replies, read in one forward each, labelled with the target's choices) or both")] = "both",
-    draft_vocab: Annotated[Optional[int], typer.Option("--draft-vocab", help="EAGLE-3 and DFlash: tokens the head drafts over, the target's most chosen (0: all); by default 8192")] = None,
-    steps: Annotated[Optional[int], typer.Option(help="EAGLE-3: unrolled training steps (default 3); Medusa: heads (default 4); P-EAGLE: parallel positions (default 7); DFlash, DSpark: drafts per block (default 7)")] = None,
+    draft_vocab: Annotated[Optional[int], typer.Option("--draft-vocab", help=option_help("--draft-vocab"))] = None,
+    steps: Annotated[Optional[int], typer.Option(help=option_help("--steps"))] = None,
     device: Device = "auto",
     dtype: Annotated[str, typer.Option(help="the target's dtype while it answers: float32, bfloat16, float16, or auto (bfloat16 on a GPU, float32 on a CPU)")] = "auto",
     seed: Seed = 0, probe: Probe = "auto", no_probe: NoProbe = False,
 ):
-    """Fit an EAGLE-3, Medusa, P-EAGLE, MTP, DFlash or DSpark head on the target's own answers to shipped prompts,
-    written in the format vLLM loads (run it with --strategy eagle|peagle|medusa|mtp|dflash|dspark --head OUT)."""
+    """Fit a trained head (--kind) on the target's own answers to shipped prompts, written in the format vLLM loads
+    (the command ends with the --strategy that runs it: --head OUT)."""
     from sdbench.commands.train_head import train_head as fit_head
 
     fit_head(C.TrainHeadConfig(target=target, kind=kind, out=out, data=tuple(data or C.DEFAULT_HEAD_DATA),

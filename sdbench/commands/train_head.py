@@ -23,17 +23,18 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress as Bar, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from sdbench.config import HEAD_ANSWERS, HEAD_KINDS, TrainHeadConfig
+from sdbench.config import HEAD_ANSWERS, TrainHeadConfig
 from sdbench.env import environment
 from sdbench.errors import Interrupted, SdbenchError
-from sdbench.models.heads.registry import HeadRecord, write_record
+from sdbench.models.heads.registry import HeadRecord, read_record, write_record
 from sdbench.models.loading.names import BLOCK_TYPES
 from sdbench.paths import output_dir
 from sdbench.strategies.spec import head_strategy
 from sdbench.training import data as D
 from sdbench.training.fit import FitPlan, Progress, fit
-from sdbench.training.heads import (DEFAULT_STEPS, build, draft_vocab_note, head_layers, rebuild, target_weights,
-                                    text_config, verifier_name, write_head)
+from sdbench.training.heads import (build, draft_vocab_note, head_layers, rebuild, target_weights, text_config,
+                                    verifier_name, write_head)
+from sdbench.training.kinds import KIND_OPTIONS, MIN_DRAFT_VOCAB, head_kind, head_kinds, unused_option
 
 STATE = "train_state.json"  # what the folder was made for and how far data and fit went
 CHECKPOINT = "checkpoint.pt"
@@ -45,25 +46,31 @@ MAX_REPLY = 512  # a data set's reply is read up to this many tokens
 
 
 def validate(cfg: TrainHeadConfig) -> None:
-    """One line on the first impossible setting, before anything is loaded."""
-    if cfg.kind not in HEAD_KINDS:
-        raise SdbenchError(f"--kind {cfg.kind}: use one of {', '.join(HEAD_KINDS)}")
+    """One line on the first impossible setting, before anything is loaded: an unknown kind, an option the kind
+    does not read (the head-kind registry says which read which), a value out of range, unknown data."""
+    from sdbench.data.tasks import check_dataset
+
+    if cfg.kind not in head_kinds:
+        raise SdbenchError(f"--kind {cfg.kind}: use one of {', '.join(head_kinds.names())}")
+    unused = unused_option(cfg.kind, {option: getattr(cfg, name) for option, name in KIND_OPTIONS.items()})
+    if unused:
+        raise SdbenchError(unused)
     if cfg.answers not in HEAD_ANSWERS:
         raise SdbenchError(f"--answers {cfg.answers}: use one of {', '.join(HEAD_ANSWERS)}")
     if not cfg.data:
         raise SdbenchError("train-head needs training data: --data NAME (a data set of `sdbench list datasets` "
                            "or a prompt file)")
+    for name in cfg.data:
+        check_dataset(name)
     if cfg.minutes <= 0:
         raise SdbenchError(f"--minutes {cfg.minutes}: give a positive number of minutes")
     if cfg.prompts < 2:
         raise SdbenchError(f"--prompts {cfg.prompts}: at least 2 (one is held out to measure acceptance)")
     if cfg.max_new_tokens < 4:
         raise SdbenchError(f"--max-new-tokens {cfg.max_new_tokens}: at least 4 (the head learns from the answers)")
-    if cfg.draft_vocab is not None and cfg.draft_vocab < 0:
-        raise SdbenchError(f"--draft-vocab {cfg.draft_vocab}: a number of tokens, or 0 for the target's vocabulary")
-    if cfg.draft_vocab and cfg.kind in ("medusa", "mtp"):
-        raise SdbenchError(f"--draft-vocab is for --kind eagle3, peagle, dflash or dspark ({cfg.kind} drafts over the "
-                           "target's vocabulary, through its own head)")
+    if cfg.draft_vocab is not None and cfg.draft_vocab != 0 and cfg.draft_vocab < MIN_DRAFT_VOCAB:
+        raise SdbenchError(f"--draft-vocab {cfg.draft_vocab}: at least {MIN_DRAFT_VOCAB} tokens, or 0 for all the "
+                           "target's")
     if cfg.dtype in BLOCK_TYPES:
         raise SdbenchError(f"train-head --dtype {cfg.dtype}: a head is fitted on the target's float weights (float32, "
                            "bfloat16 or float16); it drafts for the target's block copy as it is")
@@ -72,18 +79,12 @@ def validate(cfg: TrainHeadConfig) -> None:
 
 
 def train_head(cfg: TrainHeadConfig, console: Console) -> Path:
-    validate(cfg)
-    from sdbench.models.loading.pair import resolve_device, resolve_dtype  # transformers: once the settings are sound
-
-    device = resolve_device(cfg.device)
-    dtype_name = cfg.dtype if cfg.dtype != "auto" else ("bfloat16" if device.type == "cuda" else "float32")
-    dtype = resolve_dtype(dtype_name, device)
-    cfg = replace(cfg, dtype=dtype_name)  # what the folder records: a resumed fit must answer in the same dtype
-    out = output_dir(cfg.out)
-    state = _state(out, cfg)
+    """Fit and write the head `cfg` asks for (module docstring); returns its folder."""
+    cfg, device, dtype, out, state = _settle(cfg, console)
     t_start = time.perf_counter()
     loaded, runner, eos, verifier = _target(cfg, device, dtype, console)
-    steps = cfg.steps or DEFAULT_STEPS[cfg.kind]
+    _save_state(out, state)  # the folder is this fit's from now on (a target that failed to load left it empty)
+    steps = cfg.steps or head_kind(cfg.kind).default_steps
     layers = head_layers(cfg.kind, loaded.model.config)
     prompts = D.training_prompts(cfg.data, cfg.prompts, cfg.seed, loaded.tokenizer)
     heldout_ids = {(src, p.id) for i, (src, p) in enumerate(prompts) if i % HELDOUT_EVERY == HELDOUT_EVERY - 1}
@@ -118,6 +119,21 @@ def train_head(cfg: TrainHeadConfig, console: Console) -> Path:
                               "resumes the fit") from None
     _summary(console, cfg, out, progress, len(train), len(heldout), seqs, time.perf_counter() - t_start)
     return out
+
+
+def _settle(cfg: TrainHeadConfig, console: Console):
+    """The settings checked, the kind as registered, the device and dtype resolved, and --out's folder and state
+    (`_state`), all before any model loads: (cfg, device, dtype, out, state)."""
+    validate(cfg)
+    cfg = replace(cfg, kind=head_kinds.entry(cfg.kind).name)  # as registered, whatever its case
+    from sdbench.models.loading.pair import resolve_device, resolve_dtype  # transformers: once the settings are sound
+
+    device = resolve_device(cfg.device)
+    dtype_name = cfg.dtype if cfg.dtype != "auto" else ("bfloat16" if device.type == "cuda" else "float32")
+    dtype = resolve_dtype(dtype_name, device)
+    cfg = replace(cfg, dtype=dtype_name)  # what the folder records: a resumed fit must answer in the same dtype
+    out = output_dir(cfg.out)
+    return cfg, device, dtype, out, _state(out, cfg, console)
 
 
 @contextlib.contextmanager
@@ -178,22 +194,32 @@ def _notes(console: Console, cfg: TrainHeadConfig, loaded, verifier: str | None)
                       highlight=False, soft_wrap=True)
 
 
-def _state(out: Path, cfg: TrainHeadConfig) -> dict:
-    """The folder's state: new, or a resumed fit of the same target and kind (anything else is refused)."""
+def _state(out: Path, cfg: TrainHeadConfig, console: Console) -> dict:
+    """The folder's state, read before any model loads: a new fit in an empty folder (saved once the target has
+    loaded), or a fit train-head started there with the same settings, resumed and said so in one line. A folder
+    holding anything else, or a fit with other settings, is refused; nothing in it is touched."""
     path = out / STATE
     made = {"target": cfg.target, "kind": cfg.kind, "data": list(cfg.data), "max_new_tokens": cfg.max_new_tokens,
             "steps": cfg.steps, "draft_vocab": cfg.draft_vocab, "dtype": cfg.dtype, "answers": cfg.answers}
     if not path.is_file():
-        if any(out.glob("*.safetensors")) or (out / "config.json").is_file():
-            raise SdbenchError(f"--out {out} already holds a head train-head did not start: give another folder")
-        state = {**made, "data_seconds": 0.0}
-        _save_state(out, state)
-        return state
-    state = {"answers": "target", **json.loads(path.read_text())}  # folders made before --answers: the target's
+        held = sorted(p.name for p in out.iterdir())
+        if held:
+            more = f" and {len(held) - 1} more" if len(held) > 1 else ""
+            raise SdbenchError(f"--out {out} holds files train-head did not write ({held[0]}{more}): give a new or "
+                               "empty folder")
+        return {**made, "data_seconds": 0.0}
+    try:
+        state = {"answers": "target", **json.loads(path.read_text())}  # folders made before --answers: the target's
+    except (OSError, ValueError, TypeError):
+        raise SdbenchError(f"--out {out}: its {STATE} is not readable: give another folder") from None
     differ = [k for k, v in made.items() if state.get(k) != v]
     if differ:
         raise SdbenchError(f"--out {out} holds a fit with another {differ[0]} ({state.get(differ[0])!r}): resume it "
                            f"with the same settings, or give another folder")
+    record = read_record(out)
+    done = f"fitted {record.steps} steps" if record else "made data"
+    console.print(f"note: --out {out} holds this fit ({done}): it goes on from there, its data kept, within "
+                  f"--minutes {cfg.minutes:g} counted from its first run", style="yellow", highlight=False)
     return state
 
 

@@ -1,1 +1,1 @@
-"""Fitting trained heads (EAGLE-3, Medusa-1) on the target's own answers: `sdbench train-head`."""
+"""Fitting trained heads (the kinds of kinds.py) on the target's own answers: `sdbench train-head`."""

@@ -18,16 +18,11 @@ from sdbench.training.data import Sequence
 from sdbench.training.dflash import DFlashTrainee
 from sdbench.training.dspark import DSparkTrainee
 from sdbench.training.eagle3 import Eagle3Trainee
+from sdbench.training.kinds import DEFAULT_DRAFT_VOCAB, head_kind
 from sdbench.training.medusa import MedusaTrainee
 from sdbench.training.mtp import MTPTrainee
 from sdbench.training.peagle import PEagleTrainee
 
-# EAGLE-3's unrolled steps; Medusa's heads; P-EAGLE's parallel positions; a block's drafts
-DEFAULT_STEPS = {"eagle3": 3, "medusa": 4, "peagle": 7, "mtp": 3, "dflash": 7, "dspark": 7}
-ARCHITECTURES = {"eagle3": "Eagle3DraftModel", "peagle": "PEagleSpeculator", "mtp": "MTPDraftModel"}
-FULL_VOCAB = ("medusa", "mtp")  # read by the target's own head: no draft vocabulary
-BLOCKS = ("dflash", "dspark")  # the block drafters fitted here (DFlash's layers and block; DSpark's heads on them)
-DEFAULT_DRAFT_VOCAB = 8192
 DFLASH_LAYERS = 2  # the draft decoder layers of a DFlash head fitted here
 # A DFlash block's drafted slots start as the mask token's embedding, whose own logit dominates under tied
 # embeddings, and an MTP module's random layer starts far from any state the target's head reads: their final norm
@@ -43,7 +38,7 @@ def text_config(config):
 def head_layers(kind: str, config) -> tuple[int, ...]:
     """The target states the head reads (engine/hidden.py numbering): EAGLE-3's usual three where they are
     distinct (vLLM and speculators refuse repeated ones), else three distinct ones spread over a shallow target."""
-    if kind in FULL_VOCAB:  # the target's final-norm state; the others read speculators' default layers, as EAGLE-3
+    if not head_kind(kind).draft_vocab:  # drafting through the target's head: its final-norm state (HeadKind)
         return (FINAL,)
     L = text_config(config).num_hidden_layers
     usual = eagle3_layers(L)
@@ -66,7 +61,7 @@ def layer_config(config, kind: str = "eagle3"):
         rope = dict(rope.get("full_attention") or {"rope_type": "default", "rope_theta": 10000.0})
     head_dim = getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads
     cls, layers = {"mtp": (Qwen3Config, tc.num_hidden_layers)}.get(
-        kind, (Qwen3Config, DFLASH_LAYERS) if kind in BLOCKS else (LlamaConfig, 1))
+        kind, (Qwen3Config, DFLASH_LAYERS) if head_kind(kind).block else (LlamaConfig, 1))
     return cls(vocab_size=tc.vocab_size, hidden_size=tc.hidden_size, intermediate_size=tc.intermediate_size,
                num_hidden_layers=layers, num_attention_heads=tc.num_attention_heads,
                num_key_value_heads=tc.num_key_value_heads or tc.num_attention_heads, head_dim=head_dim,
@@ -85,7 +80,7 @@ def draft_vocab_note(asked: int | None, vocab: int) -> str | None:
     """The one line that says --draft-vocab was capped at the target's vocabulary, or None when it was not."""
     if not asked or asked <= vocab:
         return None
-    return f"note: --draft-vocab {asked} capped to {vocab}: the target's vocabulary size"
+    return f"note: --draft-vocab {asked} is more than the target's {vocab} tokens: the head drafts over all {vocab}"
 
 
 def draft_vocabulary(seqs: list[Sequence], vocab: int, size: int) -> torch.Tensor:
@@ -107,7 +102,7 @@ def build(kind: str, model, seqs: list[Sequence], steps: int, draft_vocab: int |
         if kind == "medusa":
             return rebuild(kind, model, steps, None)
         vocab = text_config(model.config).vocab_size
-        ids = None if kind in FULL_VOCAB else draft_vocabulary(seqs, vocab, draft_size(draft_vocab, vocab))
+        ids = draft_vocabulary(seqs, vocab, draft_size(draft_vocab, vocab)) if head_kind(kind).draft_vocab else None
         trainee = rebuild(kind, model, steps, ids)
     norm = getattr(model.get_decoder(), "norm", None)
     if norm is not None and getattr(norm, "weight", None) is not None and norm.weight.shape == trainee.norm.shape:
@@ -117,7 +112,14 @@ def build(kind: str, model, seqs: list[Sequence], steps: int, draft_vocab: int |
 
 
 def rebuild(kind: str, model, steps: int, draft_ids: torch.Tensor | None):
-    """The trainee over `model`'s embedding and head with a given draft vocabulary (a checkpoint's, as saved)."""
+    """The trainee over `model`'s embedding and head with a given draft vocabulary (a checkpoint's, as saved),
+    fitted over `steps` (--steps): the drafts per round its config declares (`drafts_per_round`)."""
+    trainee = _trainee(kind, model, steps, draft_ids)
+    trainee.drafts_per_round = steps
+    return trainee
+
+
+def _trainee(kind: str, model, steps: int, draft_ids: torch.Tensor | None):
     out = model.get_output_embeddings().weight.detach().float().cpu().clone()  # copies: the model's may be
     if kind == "medusa":  # inference tensors
         return MedusaTrainee(out, steps)
@@ -125,7 +127,7 @@ def rebuild(kind: str, model, steps: int, draft_ids: torch.Tensor | None):
     if kind == "mtp":
         return MTPTrainee(layer_config(model.config, kind), emb, out)
     n_states = len(head_layers(kind, model.config))
-    if kind in BLOCKS:
+    if head_kind(kind).block:
         trainee = DSparkTrainee if kind == "dspark" else DFlashTrainee
         return trainee(layer_config(model.config, kind), emb, draft_ids, out[draft_ids], n_states,
                        mask_token_id=emb.shape[0] - 1, block_size=steps + 1)
@@ -176,11 +178,11 @@ def write_head(folder: Path, kind: str, trainee, model, verifier: str | None, dt
     if kind == "medusa":
         config = {"medusa_num_heads": trainee.n_heads, "medusa_num_layers": trainee.depth,
                   "hidden_size": tc.hidden_size, "vocab_size": tc.vocab_size,
-                  "base_model_name_or_path": verifier, "architectures": ["MedusaModel"]}
+                  "base_model_name_or_path": verifier, "architectures": [head_kind(kind).architecture]}
         name = "medusa_lm_head.safetensors"
     else:
         config = {**speculators_config(kind, trainee, model, verifier, dtype), **_own_keys(kind, trainee, model)}
-        if kind not in (*FULL_VOCAB, *BLOCKS):  # EAGLE-3's kinds carry the embedding they were fitted with
+        if head_kind(kind).draft_vocab and not head_kind(kind).block:  # EAGLE-3's kinds carry the embedding
             weights["embed_tokens.weight"] = model.get_input_embeddings().weight.detach().to(dtype).cpu().contiguous()
         name = "model.safetensors"
     folder.mkdir(parents=True, exist_ok=True)
@@ -194,17 +196,17 @@ def write_head(folder: Path, kind: str, trainee, model, verifier: str | None, dt
 def _own_keys(kind: str, trainee, model) -> dict:
     """The speculators config keys of a head's own kind."""
     if kind == "mtp":  # the embedding and head are the target's: not written
-        return {"architectures": [ARCHITECTURES[kind]], "num_nextn_predict_layers": 1}
+        return {"architectures": [head_kind(kind).architecture], "num_nextn_predict_layers": 1}
     layers = list(head_layers(kind, model.config))
-    if kind in BLOCKS:  # the embedding and a full-vocabulary head are the target's: not written
-        keys = {"architectures": ["DSparkSpeculator" if kind == "dspark" else "DFlashSpeculator"],
+    if head_kind(kind).block:  # the embedding and a full-vocabulary head are the target's: not written
+        keys = {"architectures": [head_kind(kind).architecture],
                 "block_size": trainee.block_size, "aux_hidden_state_layer_ids": layers,
                 "mask_token_id": trainee.mask_token_id, "sample_from_anchor": False, "sliding_window_non_causal": False}
         if kind == "dspark":
             keys.update({"markov_rank": trainee.rank, "markov_head_type": "vanilla", "enable_confidence_head": True,
                          "confidence_head_with_markov": True})
         return keys
-    keys = {"architectures": [ARCHITECTURES[kind]], "norm_before_residual": False, "norm_before_fc": False,
+    keys = {"architectures": [head_kind(kind).architecture], "norm_before_residual": False, "norm_before_fc": False,
             "fc_norm": False, "norm_output": False, "embed_requires_grad": False,
             "eagle_aux_hidden_state_layer_ids": layers}
     return {**keys, "mask_token_id": trainee.mask_token_id} if kind == "peagle" else keys
@@ -212,13 +214,13 @@ def _own_keys(kind: str, trainee, model) -> dict:
 
 def speculators_config(kind: str, trainee, model, verifier: str | None, dtype: torch.dtype) -> dict:
     """What every head in the speculators format records alike (its kind adds its own keys): the layers' config,
-    the draft vocabulary's size, the proposal (EAGLE-3: 3 tokens; a block drafter: a block's drafts) and the
-    verifier."""
+    the draft vocabulary's size, the proposal (the drafts per round it was fitted for: --steps, as speculators
+    writes its training steps, P-EAGLE's depths and a block's drafts) and the verifier."""
     layer = trainee.layer_config.to_dict()
     layer.pop("transformers_version", None)
-    drafts = trainee.block_size - 1 if kind in BLOCKS else DEFAULT_STEPS[kind]
-    vocab = {} if kind in FULL_VOCAB else {"draft_vocab_size": int(len(trainee.draft_ids)), "target_hidden_size": None,
-                                           "tie_word_embeddings": False}
+    drafts = trainee.drafts_per_round
+    vocab = {"draft_vocab_size": int(len(trainee.draft_ids)), "target_hidden_size": None,
+             "tie_word_embeddings": False} if head_kind(kind).draft_vocab else {}
     return {"speculators_model_type": kind, **vocab, "transformer_layer_config": layer,
             "speculators_config": {"algorithm": kind, "default_proposal_method": "greedy",
                                    "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": drafts,

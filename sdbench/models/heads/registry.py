@@ -22,7 +22,7 @@ class HeadRecord:
     """What train-head writes beside a head's weights."""
 
     target: str  # the target as the user named it
-    kind: str  # one of config.HEAD_KINDS
+    kind: str  # a head kind train-head fits (training/kinds.py)
     trained_on: dict[str, list[str]] = field(default_factory=dict)  # data set -> the ids of its prompts used
     draft_vocab: int | None = None
     steps: int = 0
