@@ -1,9 +1,16 @@
 """sdbench's own CPU products (`models/forward/cpukernel.py`, `models/forward/kernels/products.c`) against torch's product, and the
-fast path on them against the library's forward and `generate`."""
+fast path on them against the library's forward and `generate`; the product, layer and block checks run on every
+instruction set variant this CPU runs (`cpukernel.VARIANTS`: the `kernel` fixture), each branch of the sources'
+#ifs landing where its instructions say."""
 
 from __future__ import annotations
 
+import ctypes
+import functools
+import itertools
+from concurrent.futures import ThreadPoolExecutor
 from importlib import resources
+from pathlib import Path
 
 import pytest
 import torch
@@ -26,15 +33,84 @@ def products_built():
         skip_unless_ci(f"needs sdbench's CPU products ({cpukernel.why_not()})")
 
 
+# the variants this CPU runs besides `native`, which each test meets on a few of its cases (native: all of them)
+OTHERS = [v for v in cpukernel.VARIANTS if v != "native" and cpukernel.runs_here(v)]
+# the output rows per group of the integer products each variant builds, read off quants.c's #ifs (native: the CPU's)
+GROUP_ROWS = {"avx512-vnni-256": 8, "avx-vnni": 8, "avx512": 0, "avx2": 0}
+GROUPED = [v for v in OTHERS if GROUP_ROWS[v]]
+
+
+@functools.cache
+def variant_builds() -> dict:
+    """Every variant but `native`, built once a session, side by side (10-15 s each here): its loaded library where
+    this CPU runs it, else the path of what it built; the reason where the build failed."""
+    def one(name: str):
+        try:
+            return cpukernel.build(name) if name in OTHERS else cpukernel.compiled(name)
+        except RuntimeError as e:
+            return str(e)
+
+    names = [v for v in cpukernel.VARIANTS if v != "native"]
+    with ThreadPoolExecutor(len(names)) as pool:
+        return dict(zip(names, pool.map(one, names)))
+
+
+def variant_build(variant: str):
+    """`variant_builds()[variant]`; a build that fails fails the test, unless the compiler does not know the
+    variant's flags (an older one's: a skip, in CI a failure)."""
+    built = variant_builds()[variant]
+    if isinstance(built, str):
+        if "unrecognized command-line option" in built or "unknown argument" in built:  # gcc's, clang's
+            skip_unless_ci(f"the C compiler does not know {variant}'s flags ({built})")
+        pytest.fail(f"sdbench's products do not build for {variant}: {built}")
+    return built
+
+
+@pytest.fixture
+def kernel(request, monkeypatch):
+    """sdbench's products built for the variant `request.param` for the test's duration (native: the library users
+    build, whose build this session's other tests use)."""
+    if not cpukernel.available():
+        skip_unless_ci(f"needs sdbench's CPU products ({cpukernel.why_not()})")
+    if request.param != "native":
+        monkeypatch.setattr(cpukernel, "_lib", variant_build(request.param))
+    return request.param
+
+
+def on_variants(names: str, every: list, few: list, variants: list | None = None):
+    """Parametrize `kernel` and the arguments `names`: each case of `every` on the native build, each of `few` on the
+    other variants (`OTHERS`, or `variants`): the C is the same for all, so a few shapes reach each variant's code."""
+    cases = [("native", *c) for c in every] + [(v, *c) for v in (OTHERS if variants is None else variants) for c in few]
+    return pytest.mark.parametrize(("kernel", *names.split(",")), cases, indirect=["kernel"])
+
+
+every_variant = pytest.mark.parametrize("kernel", ["native", *OTHERS], indirect=True)
+
+
+def _native_group_rows(cpu: set) -> int:
+    if {"avx512f", "avx512bw", "avx512_vnni"} <= cpu:
+        return 16
+    return 8 if {"avx512vl", "avx512_vnni"} <= cpu or "avx_vnni" in cpu else 0
+
+
+@pytest.mark.parametrize("variant", list(cpukernel.VARIANTS))
+def test_each_variant_takes_the_branch_its_instructions_select(variant):
+    """Each variant builds, and its quants.c takes the branch its instructions select: 512-bit integer products (16
+    output rows a group), 256-bit ones (8) or none (0). One this CPU cannot run is built and asked only that (a
+    function with no vector instruction in it)."""
+    built = cpukernel.library() if variant == "native" else variant_build(variant)
+    rows = ctypes.CDLL(str(built)).sd_grouped() if isinstance(built, Path) else built.group_rows
+    assert rows == (_native_group_rows(cpukernel._cpu_flags()) if variant == "native" else GROUP_ROWS[variant])
+
+
 def _close(a: torch.Tensor, b: torch.Tensor) -> None:
     torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5 * max(1.0, float(b.abs().max())))
 
 
 # out: one block, a part block, an odd number of blocks (the wide path's last block alone); n: below a vector, odd,
 # past the wide path's input chunk (256); rows: every narrow width, a wide tile and its remainders
-@pytest.mark.parametrize("out", [1, 8, 13, 20, 40])
-@pytest.mark.parametrize("n", [1, 7, 16, 37, 300])
-def test_the_blocked_product_equals_torch_at_every_width(out, n):
+@on_variants("out,n", list(itertools.product([1, 8, 13, 20, 40], [1, 7, 16, 37, 300])), [(13, 7), (40, 300)])
+def test_the_blocked_product_equals_torch_at_every_width(kernel, out, n):
     g = torch.Generator().manual_seed(out * 1000 + n)
     w, b = torch.randn(out, n, generator=g), torch.randn(out, generator=g)
     blocked = cpukernel.pack(w)
@@ -45,8 +121,8 @@ def test_the_blocked_product_equals_torch_at_every_width(out, n):
         _close(cpukernel.linear(x[0], blocked, None, out), F.linear(x[0], w))
 
 
-@pytest.mark.parametrize("n", [1, 15, 16, 33, 576])
-def test_the_in_place_product_equals_torch(n):
+@on_variants("n", [(1,), (15,), (16,), (33,), (576,)], [(15,), (576,)])
+def test_the_in_place_product_equals_torch(kernel, n):
     g = torch.Generator().manual_seed(n)
     w, b = torch.randn(29, n, generator=g), torch.randn(29, generator=g)
     for rows in (1, 2, 5, 8, 9, 16, 19):
@@ -55,7 +131,8 @@ def test_the_in_place_product_equals_torch(n):
         _close(cpukernel.linear_plain(x.view(1, rows, n), w, None), F.linear(x, w).view(1, rows, 29))
 
 
-def test_packing_moves_values_and_unpacking_gives_them_back_exactly():
+@every_variant
+def test_packing_moves_values_and_unpacking_gives_them_back_exactly(kernel):
     w = torch.randn(21, 10)
     blocked = cpukernel.pack(w)
     assert torch.equal(cpukernel.unpack(blocked, 21, 10), w)
@@ -149,15 +226,14 @@ def _attend_checked(D: int, rotated: int, group: int, start: int, scale: float |
 
 # keys in the cache after the step's 3: 5 (scores one at a time), 8 (one block of 8 keys, the first two queries
 # seeing part of it), 21 (two blocks, then one at a time), 63 (the values in passes of 8 KiB: 32 rows at head size 64)
-@pytest.mark.parametrize("start", [2, 5, 18, 60])
-@pytest.mark.parametrize("group", [1, 2, 4, 8])  # query heads per KV head
-@pytest.mark.parametrize(("D", "rotated"), HEADS)
-def test_attend_equals_rotation_cache_writes_and_sdpa(D, rotated, group, start):
+@on_variants("D,rotated,group,start", [(*h, g, s) for h in HEADS for g in (1, 2, 4, 8) for s in (2, 5, 18, 60)],
+             [(36, 12, 2, 18), (64, 64, 4, 60), (80, 80, 1, 5)])  # group: query heads per KV head
+def test_attend_equals_rotation_cache_writes_and_sdpa(kernel, D, rotated, group, start):
     _attend_checked(D, rotated, group, start)
 
 
-@pytest.mark.parametrize("D", [36, 64, 128])
-def test_attention_weights_across_the_range_of_exp(D):
+@on_variants("D", [(36,), (64,), (128,)], [(36,)])
+def test_attention_weights_across_the_range_of_exp(kernel, D):
     """Scores spread over hundreds (scale 8: most of a query's weights e^-87 or less, counted as 0) still give SDPA's
     output: the weights' e^x taken eight at a time is checked where it flushes to 0 as well as near 1."""
     _attend_checked(D, D, 2, 18, 8.0)
@@ -198,14 +274,16 @@ def test_a_dot_product_without_its_scalar_tail_is_caught(monkeypatch, tmp_path, 
     _attend_checked(64, 64, 2, 18)
 
 
-def test_the_norm_and_the_activation_equal_torchs():
+@every_variant
+def test_the_norm_and_the_activation_equal_torchs(kernel):
     g = torch.Generator().manual_seed(0)
     x, w, gu = torch.randn(3, 37, generator=g), torch.randn(37, generator=g), torch.randn(2, 1, 26, generator=g)
     _close(cpukernel.rms_norm(x, w, 1e-5), F.rms_norm(x, (37,), w, 1e-5))
     _close(cpukernel.silu_mul(gu), F.silu(gu[..., :13]) * gu[..., 13:])
 
 
-def test_the_activation_across_the_range_of_exp():
+@every_variant
+def test_the_activation_across_the_range_of_exp(kernel):
     """silu(g) for g from -120 to 120 (e^-g from e^120, past float32, to e^-120, below its smallest normal), 8
     a vector and a part vector last, within 4e-7 of silu in float64 (torch's float32 silu: 1.6e-7) or under 1e-30."""
     g = torch.linspace(-120, 120, 240_005)

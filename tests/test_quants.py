@@ -2,9 +2,12 @@
 (the reference implementation's Python port), its block products against a float64 product over the weights `gguf`
 de-quantises, a model's block copy (MODEL@q8_0, --dtype q4_0) against transformers' forward and `generate` over the
 de-quantised weights, every strategy's greedy output equal to plain decoding of the same block copy, and the
-refusals."""
+refusals. The block products run on every instruction set variant this CPU runs (tests/test_cpukernel.py), the integer
+products on each that builds them (512-bit and 256-bit vectors)."""
 
 from __future__ import annotations
+
+import itertools
 
 import numpy as np
 import pandas as pd
@@ -20,9 +23,9 @@ from sdbench.models.loading.variants import quantise_blocks
 from sdbench.strategies.autoregressive import Autoregressive
 from sdbench.strategies.draft import DraftModel
 from sdbench.strategies.ngram import NGram
-from tests.conftest import VOCAB, run_cli, tiny_model
+from tests.conftest import VOCAB, run_cli, skip_unless_ci, tiny_model
 from tests.references import hf_generate, tiny_pair
-from tests.test_cpukernel import _ChangedSource
+from tests.test_cpukernel import GROUPED, _ChangedSource, kernel, on_variants  # noqa: F401 (kernel: a fixture)
 
 GGUF = {"q8_0": GGMLQuantizationType.Q8_0, "q4_0": GGMLQuantizationType.Q4_0}
 KINDS = list(GGUF)
@@ -77,10 +80,10 @@ def _case(kind: str, rows: int, bias: bool, out: int = 37, n: int = 160):
     return x, torch.from_numpy(blocks), b, plain
 
 
-@pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("rows", [1, 2, 3, 5, 6, 7, 13, 50])  # one read of a block meets 6 rows; 48 a sweep
-@pytest.mark.parametrize("bias", [False, True])
-def test_stored_block_products_equal_the_product_over_ggufs_weights(kind, rows, bias):
+# one read of a block meets 6 rows; 48 a sweep
+@on_variants("kind,rows,bias", list(itertools.product(KINDS, [1, 2, 3, 5, 6, 7, 13, 50], [False, True])),
+             [(kind, rows, bias) for kind in KINDS for rows, bias in ((1, True), (7, False), (50, True))])
+def test_stored_block_products_equal_the_product_over_ggufs_weights(kernel, kind, rows, bias):
     """Float32 activations: the product over the weights gguf de-quantises, to float32's rounding."""
     x, blocks, b, plain = _case(kind, rows, bias)
     ref = x.double() @ plain.T + (0 if b is None else b.double())
@@ -88,14 +91,19 @@ def test_stored_block_products_equal_the_product_over_ggufs_weights(kind, rows, 
 
 
 def _needs_grouped():
+    if not cpukernel.available():
+        skip_unless_ci(f"needs sdbench's CPU products ({cpukernel.why_not()})")
     if not cpukernel.grouped():
-        pytest.skip(f"this CPU has no VNNI (or {cpukernel.ACTIVATIONS_ENV}=float32): the integer products do not build")
+        skip_unless_ci(f"this CPU has no VNNI (or {cpukernel.ACTIVATIONS_ENV}=float32): the integer products do not "
+                       "build")
 
 
-@pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 13, 50, 97])  # 6 rows a pass over a group-block; 48 a sweep
-@pytest.mark.parametrize(("out", "bias"), [(37, True), (64, False), (5, True)])  # part groups of 8 outputs
-def test_grouped_block_products_equal_ggufs_arithmetic(kind, rows, out, bias):
+# 6 rows a pass over a group-block, 48 a sweep; part groups of 8 and 16 outputs
+@on_variants("kind,rows,out,bias", [(kind, rows, *ob) for kind in KINDS for rows in [1, 2, 5, 6, 7, 13, 50, 97]
+                                    for ob in ((37, True), (64, False), (5, True))],
+             [(kind, 1, 37, True) for kind in KINDS] + [(kind, 7, 5, True) for kind in KINDS]
+             + [(kind, 50, 64, False) for kind in KINDS], GROUPED)
+def test_grouped_block_products_equal_ggufs_arithmetic(kernel, kind, rows, out, bias):
     """8-bit activations, as llama.cpp's CPU products: each row of x quantised as gguf quantises a Q8_0 tensor,
     the product of the two de-quantised in float64 (the integer sums are exact, so only float32's rounding of the
     scaled sums is left)."""
@@ -151,9 +159,9 @@ def test_a_wrong_block_product_is_caught(monkeypatch, tmp_path, kind, old, new, 
     assert cpukernel.available(), cpukernel.why_not()
     with pytest.raises(AssertionError):
         if grouped:
-            test_grouped_block_products_equal_ggufs_arithmetic(kind, 3, 37, False)
+            test_grouped_block_products_equal_ggufs_arithmetic("native", kind, 3, 37, False)
         else:
-            test_stored_block_products_equal_the_product_over_ggufs_weights(kind, 3, False)
+            test_stored_block_products_equal_the_product_over_ggufs_weights("native", kind, 3, False)
 
 
 @pytest.fixture
@@ -162,6 +170,8 @@ def float_activations(monkeypatch, tmp_path):
     monkeypatch.setenv(cpukernel.ACTIVATIONS_ENV, "float32")
     monkeypatch.setattr(cpukernel, "_lib", None)
     monkeypatch.setattr(cpukernel, "_why", None)
+    if not cpukernel.available():
+        skip_unless_ci(f"needs sdbench's CPU products ({cpukernel.why_not()})")
     assert not cpukernel.grouped()
     yield
     monkeypatch.setattr(cpukernel, "_lib", None)  # the next test builds (or finds) the default again

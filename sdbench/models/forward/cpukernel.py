@@ -8,10 +8,12 @@ catch-up or a verification): docs/peers.md "Where a CPU decode step's time goes"
 call in one sequential stream per block of 8 outputs (the blocked layout, `pack`), any number of rows, and a weight
 in place ([out, n], `linear_plain`, at most 8 rows a pass: a vocabulary head tied to the embedding table).
 
-The library is compiled once per source, compiler and CPU into sdbench's cache (`-O3 -march=native -fopenmp`,
-about a second) and loaded with ctypes; its parallel loops run on the OpenMP runtime torch has already loaded
-(the same `libgomp.so.1`), with torch's thread count. Where there is no compiler, no AVX2/FMA or the build fails,
-`available()` is False, `why_not()` says why, and the fast path uses oneDNN's products instead.
+The library is compiled once per source, compiler, flags and CPU into sdbench's cache (`-O3 -march=native -fopenmp`,
+seconds) and loaded with ctypes; its parallel loops run on the OpenMP runtime torch has already loaded (the same
+`libgomp.so.1`), with torch's thread count. Where there is no compiler, no AVX2/FMA or the build fails, `available()`
+is False, `why_not()` says why, and the fast path uses oneDNN's products instead. `build(variant)` builds the sources
+for a narrower instruction set than the machine's (`VARIANTS`), so that a machine that has them all runs each branch
+the sources take (tests/test_cpukernel.py); what users run is always `native`.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import hashlib
 import os
 import shutil
 import subprocess
+from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
@@ -34,10 +37,37 @@ SOURCES = ("products.c", "layer.c", "quants.c")  # compiled as one unit, in this
 # float32: block weights meet float32 activations even where VNNI's integer products build (the exact product over
 # the de-quantised weights, slower); int8 (the default): 8-bit activations where VNNI is there, as llama.cpp computes
 ACTIVATIONS_ENV = "SDBENCH_BLOCK_ACTIVATIONS"
-FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
+FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC"]  # and a variant's
 PLAIN_ROWS = 8  # rows of x per pass of `linear_plain`
 _lib = None
 _why: str | None = None  # why the library is not available (None: not tried yet, or loaded)
+
+
+@dataclass(frozen=True)
+class Variant:
+    """An instruction set the sources are built for: the compiler's flags for it, and the CPU flags (as /proc/cpuinfo
+    names them) a machine needs to run what they build."""
+
+    flags: tuple[str, ...]
+    needs: frozenset[str]
+
+
+_AVX2, _RUNS_AVX2 = ("-mavx2", "-mfma", "-mf16c"), frozenset({"avx2", "fma", "f16c"})
+_AVX512 = ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512cd")
+# What the sources' #ifs select: products.c and layer.c need AVX2 and FMA, which every variant has (the rest is the
+# compiler's); quants.c's integer products over 8-bit activations take 512-bit vectors (AVX-512 F, BW and VNNI: 16
+# output rows a group), else 256-bit ones (AVX-512 VNNI and VL without BW: its EVEX instruction; or AVX-VNNI's VEX
+# one: 8 rows), else none (float32 activations over the blocks as stored). `native` is the machine's own set, the
+# only one users build; on an AVX-512 VNNI machine it is the 512-bit branch, and every other variant also runs there
+# except `avx-vnni` (a laptop's, Alder Lake's and later), which needs AVX-VNNI itself.
+VARIANTS = {
+    "native": Variant(("-march=native",), _RUNS_AVX2),
+    "avx512-vnni-256": Variant((*_AVX2, "-mavx512vl", "-mavx512vnni"),
+                               _RUNS_AVX2 | {"avx512f", "avx512vl", "avx512_vnni"}),
+    "avx-vnni": Variant((*_AVX2, "-mavxvnni"), _RUNS_AVX2 | {"avx_vnni"}),
+    "avx512": Variant((*_AVX2, *_AVX512), _RUNS_AVX2 | {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512cd"}),
+    "avx2": Variant(_AVX2, _RUNS_AVX2),
+}
 
 
 def _compiler() -> str | None:
@@ -54,17 +84,22 @@ def _cpu_flags() -> set:
     return set()
 
 
-def _flags() -> list[str]:
+def runs_here(variant: str) -> bool:
+    """Whether this CPU has every instruction set `variant` is built for."""
+    return VARIANTS[variant].needs <= _cpu_flags()
+
+
+def _flags(variant: str) -> list[str]:
     mode = os.environ.get(ACTIVATIONS_ENV, "int8").strip().lower()
     if mode not in ("int8", "float32"):
         raise RuntimeError(f"{ACTIVATIONS_ENV}={mode}: use int8 or float32")
-    return [*FLAGS, "-DSD_NO_VNNI"] if mode == "float32" else FLAGS
+    flags = [*FLAGS, *VARIANTS[variant].flags]
+    return [*flags, "-DSD_NO_VNNI"] if mode == "float32" else flags
 
 
-def _build() -> ctypes.CDLL:
-    """The compiled library, from the cache or built now; raises RuntimeError with the reason."""
-    if not {"avx2", "fma", "f16c"} <= _cpu_flags():
-        raise RuntimeError("the CPU lacks AVX2, FMA or F16C")
+def compiled(variant: str = "native") -> Path:
+    """The library built for `variant`, from the cache (keyed by the sources, flags, compiler and CPU) or compiled
+    now, whether or not this CPU runs it; raises RuntimeError with the reason."""
     cc = _compiler()
     if cc is None:
         raise RuntimeError("no C compiler (cc or gcc; or set CC)")
@@ -73,13 +108,13 @@ def _build() -> ctypes.CDLL:
         version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError) as e:
         raise RuntimeError(f"{cc} does not run: {e}") from e
-    flags = _flags()
+    flags = _flags(variant)
     digest = hashlib.sha256(b"\0".join([*sources, " ".join(flags).encode(), version.encode(),
                                         cpu_name().encode()])).hexdigest()[:16]
     folder = cache_dir("cpukernel")
-    lib = folder / f"products-{digest}.so"
+    lib = folder / f"products-{variant}-{digest}.so"
     if not lib.exists():  # each process builds from its own copy into its own file, then moves it in place
-        src = folder / f"products-{digest}.{os.getpid()}.c"
+        src = folder / f"products-{variant}-{digest}.{os.getpid()}.c"
         src.write_bytes(b"\n".join(sources))  # one unit, in order: the others use products.c's helpers
         tmp = lib.with_suffix(f".{os.getpid()}.tmp")
         try:
@@ -92,7 +127,16 @@ def _build() -> ctypes.CDLL:
             last = (done.stderr.strip().splitlines() or ["no message"])[-1]
             raise RuntimeError(f"{cc} failed to build {', '.join(SOURCES)}: {last}")
         tmp.replace(lib)  # whole, or not there: a concurrent build lands the same file
-    found = ctypes.CDLL(str(lib))
+    return lib
+
+
+def build(variant: str = "native") -> ctypes.CDLL:
+    """The library built for `variant` (`VARIANTS`), loaded, its functions declared; raises RuntimeError with the
+    reason where this CPU lacks the variant's instructions or the build fails."""
+    if not runs_here(variant):
+        lacks = ", ".join(sorted(flag.upper() for flag in VARIANTS[variant].needs - _cpu_flags()))
+        raise RuntimeError(f"the CPU lacks {lacks}, which the {variant} build needs")
+    found = ctypes.CDLL(str(compiled(variant)))
     ptr, n = ctypes.c_void_p, ctypes.c_long
     found.sd_pack.argtypes = found.sd_unpack.argtypes = [ptr, ptr, n, n]
     found.sd_linear_blocked.argtypes = found.sd_linear_plain.argtypes = [ptr, ptr, ptr, ptr, n, n, n]
@@ -101,7 +145,7 @@ def _build() -> ctypes.CDLL:
     found.group_rows = int(found.sd_grouped())  # asked on every product: read once
     for kind in quants.TYPES:
         getattr(found, f"sd_linear_{kind}").argtypes = [ptr, ptr, ptr, ptr, n, n, n]
-        if found.sd_grouped():
+        if found.group_rows:
             getattr(found, f"sd_linear_grouped_{kind}").argtypes = [ptr, ptr, ptr, ptr, n, n, n]
     found.sd_rms_norm.argtypes = [ptr, ptr, ptr, n, n, ctypes.c_float]
     found.sd_silu_mul.argtypes = [ptr, ptr, n, n]
@@ -113,7 +157,7 @@ def library() -> ctypes.CDLL | None:
     global _lib, _why
     if _lib is None and _why is None:
         try:
-            _lib = _build()
+            _lib = build()
         except (RuntimeError, OSError, subprocess.SubprocessError) as e:
             _why = str(e) or type(e).__name__
     return _lib
