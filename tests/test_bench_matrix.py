@@ -65,3 +65,49 @@ def test_a_draft_per_target_or_none(setup, capsys):
     code, _, err = run_cli(capsys, *args, "--draft", "smollm2-135m")
     assert code == 2 and err.strip() == ("error: --draft given 1 times for 2 targets: give it once per --target, in "
                                          "the same order, or not at all")
+
+
+def test_each_target_gets_its_own_draft_folder_and_settings(capsys, tmp_path, monkeypatch):
+    """What the command line asks each target's bench to do (nothing loads: the benches are caught): three targets
+    and three drafts pair in order, never the first draft for all nor the reverse order; every other option is each
+    bench's; each writes OUT/NAME, NAME the target's own (a folder's last part, numbered where two share one). Without
+    --draft each target drafts for itself; one target with one draft is one bench writing OUT itself; two drafts for
+    three targets is one line."""
+    import sdbench.commands.bench as bench
+    import sdbench.commands.bench_matrix as bench_matrix
+
+    asked = []
+    monkeypatch.setattr(bench_matrix, "run_matrix", lambda cfgs, console, ray=None: asked.append((cfgs, ray)))
+    monkeypatch.setattr(bench, "run_peers", lambda cfg, console: asked.append(([cfg], "here")))
+    for sub in ("x/tiny", "y/tiny"):
+        (tmp_path / sub).mkdir(parents=True)
+    targets = ["qwen2.5-coder-1.5b", str(tmp_path / "x" / "tiny"), str(tmp_path / "y" / "tiny")]
+    drafts = ["qwen2.5-coder-0.5b", "smollm2-135m", "llama-68m"]
+    out = str(tmp_path / "out")
+    common = ["--gamma", "3", "--limit", "5", "--dtype", "bfloat16", "--repeats", "4", "--out", out]
+    code, _, err = run_cli(capsys, "bench", *(a for t in targets for a in ("--target", t)),
+                           *(a for d in drafts for a in ("--draft", d)), *common, "--ray", "auto")
+    assert code == 0, err
+    [(cfgs, ray)] = asked
+    assert ray == "auto"
+    assert [(c.target, c.draft, c.draft_model) for c in cfgs] == [(t, d, d) for t, d in zip(targets, drafts)]
+    assert [c.out for c in cfgs] == [f"{out}/qwen2.5-coder-1.5b", f"{out}/tiny", f"{out}/tiny-3"]
+    assert {(c.gamma, c.limit, c.dtype, c.repeats) for c in cfgs} == {(3, 5, "bfloat16", 4)}
+
+    asked.clear()
+    code, _, err = run_cli(capsys, "bench", "--target", targets[0], "--target", targets[1], *common)
+    assert code == 0, err
+    [(cfgs, ray)] = asked
+    assert ray is None and [(c.target, c.draft, c.draft_model) for c in cfgs] == [(t, "", t) for t in targets[:2]]
+
+    asked.clear()
+    code, _, err = run_cli(capsys, "bench", "--target", targets[1], "--draft", drafts[2], *common)
+    assert code == 0, err
+    [([cfg], where)] = asked
+    assert where == "here" and (cfg.target, cfg.draft, cfg.out) == (targets[1], drafts[2], out)
+
+    asked.clear()
+    code, _, err = run_cli(capsys, "bench", *(a for t in targets for a in ("--target", t)), "--draft", drafts[0],
+                           "--draft", drafts[1], *common)
+    assert code == 2 and not asked and err.strip() == (
+        "error: --draft given 2 times for 3 targets: give it once per --target, in the same order, or not at all")

@@ -216,3 +216,74 @@ def test_run_dspark_through_the_cli(tmp_path, capsys, monkeypatch):
     dflash = dflash_dir(tmp_path / "dflash", target, block=4, layer_ids=(1, 2))
     code, _, err = run_cli(capsys, *args[:-2], "--head", str(dflash), "--gamma", "3", "--out", str(tmp_path / "o2"))
     assert code != 0 and "is a dflash head, which --strategy dspark does not draft with: use --strategy dflash" in err
+
+
+def _counted_drafter(tmp_path, monkeypatch, kind: str, anchor: bool, sure: list[float], confidence: float):
+    """DSpark's drafter (`DSparkStrategy.drafter`, its cut at `confidence`) over a tiny head whose confidence head
+    says `sure[b]` for row b at every slot, and a tally of its work: block forwards, slot reads (draft logits),
+    confidences read and tokens picked."""
+    import sdbench.drafting.block as block
+    from types import SimpleNamespace
+
+    target = small_vocab_target("qwen3", vocab=8)
+    runner = ModelRunner(target)
+    folder = dflash_dir(tmp_path / f"h-{kind}-{anchor}", target, block=5, anchor=anchor, dspark={"type": kind})
+    drafter = DSparkStrategy.drafter(load_head(str(folder), runner, ("dspark",)), runner, 4,
+                                     options={"confidence": confidence})
+    head, work = drafter.head, {"block": 0, "slot reads": 0, "confidences": 0, "picks": 0}
+
+    def counting(name, fn):
+        def counted(*a, **k):
+            work[name] += 1
+            return fn(*a, **k)
+        return counted
+
+    monkeypatch.setattr(head, "block", counting("block", head.block))
+    monkeypatch.setattr(head, "draft_logits", counting("slot reads", head.draft_logits))
+    monkeypatch.setattr(head, "confidence", counting("confidences", lambda h, e: torch.tensor(sure)))
+    monkeypatch.setattr(block, "choose", counting("picks", block.choose))
+    drafter.begin(SimpleNamespace(sampling=GREEDY, generator=None, batch=len(sure), capacity=32))
+    ctx = torch.tensor([[1, 2, 3, 4, 5, 6] + [0] * 26] * len(sure))
+    return drafter, ctx, work
+
+
+@pytest.mark.parametrize("kind, anchor", [("vanilla", True), ("rnn", False)])
+def test_the_confidence_cut_saves_the_slots_it_skips_by_hand(tmp_path, monkeypatch, kind, anchor):
+    """Two rows whose confidence head says 0.8 and 0.5 at every slot, 4 drafts asked, cut at 0.6: the reach is 0.8,
+    0.64, 0.512 and 0.5, 0.25, 0.125, so row 0 verifies 2 drafts and row 1 none, and at the third slot both rows are
+    below the cut: the chain stops there, having read 3 confidences and picked 2 tokens (the rnn head, whose anchor
+    does not draft, reads the anchor's slot too, to step its state: one more slot read, no pick). One block
+    forward whatever the cut. Without a cut: 4 slots picked, every draft verified."""
+    extra = 1 if kind == "rnn" and not anchor else 0
+    drafter, ctx, work = _counted_drafter(tmp_path, monkeypatch, kind, anchor, [0.8, 0.5], 0.6)
+    proposal = drafter.draft(ctx, [6, 6], [4, 4])
+    assert proposal.lengths.tolist() == [2, 0] and proposal.tokens.shape == (2, 2)
+    assert work == {"block": 1, "slot reads": 2 + extra, "confidences": 3, "picks": 2}
+
+    drafter, ctx, work = _counted_drafter(tmp_path, monkeypatch, kind, anchor, [0.8, 0.5], 0.0)
+    proposal = drafter.draft(ctx, [6, 6], [4, 4])
+    assert proposal.lengths.tolist() == [4, 4] and proposal.tokens.shape == (2, 4)
+    assert work == {"block": 1, "slot reads": 4 + extra, "confidences": 4, "picks": 4}
+
+
+def test_the_cut_stops_the_chain_only_where_every_row_is_below_it_by_hand(tmp_path, monkeypatch):
+    """Row 0 at 0.95 a slot (reach 0.95, 0.9025, 0.857, 0.815) stays above a cut of 0.6 while row 1 (0.5) is below
+    it from its first draft: the chain drafts all 4 slots for row 0, which verifies 4, and row 1 verifies none. A
+    reach exactly at the cut is verified: at 0.5 a slot both rows reach 0.5, then 0.25, then 0.125, so a cut at
+    0.25 verifies 2 drafts each and stops the chain at the third slot; a row's limit below its reach holds it.
+    Rows below the cut from their first slot still draft that one (a proposal of no column is no block's), verify
+    none, and stop at the second."""
+    drafter, ctx, work = _counted_drafter(tmp_path, monkeypatch, "vanilla", True, [0.95, 0.5], 0.6)
+    proposal = drafter.draft(ctx, [6, 6], [4, 4])
+    assert proposal.lengths.tolist() == [4, 0]
+    assert work == {"block": 1, "slot reads": 4, "confidences": 4, "picks": 4}
+
+    drafter, ctx, work = _counted_drafter(tmp_path, monkeypatch, "vanilla", True, [0.5, 0.5], 0.25)
+    proposal = drafter.draft(ctx, [6, 6], [4, 1])
+    assert proposal.lengths.tolist() == [2, 1]
+    assert work == {"block": 1, "slot reads": 2, "confidences": 3, "picks": 2}
+
+    drafter, ctx, work = _counted_drafter(tmp_path, monkeypatch, "vanilla", True, [0.3, 0.2], 0.6)
+    proposal = drafter.draft(ctx, [6, 6], [4, 4])
+    assert proposal.lengths.tolist() == [0, 0] and proposal.tokens.shape == (2, 1)
+    assert work == {"block": 1, "slot reads": 1, "confidences": 2, "picks": 1}

@@ -99,3 +99,104 @@ def test_vllm_gets_a_kv_cache_sized_for_the_run(tmp_path):
     role = EngineRole("autoregressive")
     assert eng.kv_space("qwen2.5-coder-1.5b", role, "q4_0", 100_000) == 2 * 100_000 * (2 * 28 * 2 * 128 * 2)
     assert eng.kv_space("qwen2.5-coder-1.5b", role, "float32", 100_000) == 2 * 100_000 * (2 * 28 * 2 * 128 * 4)
+
+
+def _tiny_pair(tmp_path):
+    """(target folder, its parameters, draft folder, its parameters), each counted by hand. The target: the tiny
+    Llama of `test_a_models_shape_by_hand`. The draft: 3 layers of hidden 32, 2 heads and 1 KV head of 16, MLP 64,
+    vocabulary 96, untied: embedding and head 96 × 32; per layer q and o 32 × 32, k and v 32 × 16, gate, up and down
+    32 × 64, two norms of 32; a final norm."""
+    from tests.conftest import tiny_model
+
+    target = tiny_model_dir(tmp_path / "target")
+    draft = tiny_model_dir(tmp_path / "draft", model=tiny_model(1, layers=3, hidden=32, heads=2, kv=1))
+    t_params = 2 * 96 * 64 + 2 * (2 * 64 * 64 + 2 * 64 * 32 + 3 * 64 * 128 + 2 * 64) + 64
+    d_params = 2 * 96 * 32 + 3 * (2 * 32 * 32 + 2 * 32 * 16 + 3 * 32 * 64 + 2 * 32) + 32
+    return str(target), t_params, str(draft), d_params
+
+
+def test_sdbench_own_models_are_counted_by_hand(tmp_path):
+    """What `bench` counts of its own copies beside the engines' servers (`own_bytes`): the target and the draft at
+    --dtype's bytes a weight; at a block type the float32 model (transformers' rows run it) and the block copy
+    beside it (Q4_0: 18 bytes per 32 weights, Q8_0: 34); a K-quant mix only llama.cpp reads, the float32 model
+    alone (sdbench runs its file de-quantised: no block copy of its own); the target drafting for itself, once."""
+    from sdbench.commands.bench_engines import own_bytes
+    from sdbench.config import BenchConfig
+
+    target, t, draft, d = _tiny_pair(tmp_path)
+    both = t + d
+
+    def counted(dtype: str, draft_: str = draft) -> int:
+        return own_bytes(BenchConfig(target=target, draft=draft_, dtype=dtype))
+
+    assert counted("float32") == 4 * both
+    assert counted("bfloat16") == 2 * both
+    assert counted("q4_0") == pytest.approx(4 * both + both * 18 / 32, abs=1)
+    assert counted("q8_0") == pytest.approx(4 * both + both * 34 / 32, abs=1)
+    assert counted("q4_k_m") == 4 * both
+    assert counted("float32", "") == 4 * t  # the target drafting for itself: one model
+    assert counted("q4_0", target) == pytest.approx(4 * t + t * 18 / 32, abs=1)
+
+
+def test_sdbench_own_models_are_what_tips_the_servers_over():
+    """Servers that fit alone and do not beside sdbench's own models are refused, the line's figures by hand. Free
+    10 GiB, of which HEADROOM (0.9) may be used: 9 GiB. Servers 8.5 GiB (vLLM's two of 3 GiB; llama.cpp's one of 1 GiB
+    mapping a 1 GiB file and one of 0.5 GiB mapping it too, the file once: 2.5 GiB; one not known) beside 0.25 GiB
+    fit; beside 1.5 GiB they do not."""
+    from sdbench.models.loading.memory import HEADROOM
+
+    assert HEADROOM == 0.9
+    servers = [("vllm", [Footprint(3 * GIB), Footprint(3 * GIB)]),
+               ("llama.cpp", [Footprint(GIB, {"f": GIB}), Footprint(GIB // 2, {"f": GIB}), None])]
+    check_servers_fit(servers, "fewer", beside=GIB // 4, free=10 * GIB)
+    with pytest.raises(SdbenchError) as err:
+        check_servers_fit(servers, "fewer", beside=3 * GIB // 2, free=10 * GIB)
+    assert str(err.value) == ("the engines' servers would hold about 8.5 GiB (vllm 2 servers about 6.0 GiB, llama.cpp "
+                              "2 servers about 2.5 GiB) beside sdbench's own models' 1.5 GiB and 10.0 GiB are free: "
+                              "fewer; no server was started")
+
+
+def test_bench_counts_its_own_models_beside_the_servers_by_hand(monkeypatch):
+    """`bench --engine`'s check (`check_engines`) with a stand-in engine whose servers hold what it says: plain
+    decoding 1 GiB, n-gram 1.25, the draft model's 2, the draft's cost-only server 0.75, each mapping one 0.5 GiB
+    file (held once): 5.5 GiB. sdbench's own models from the shipped configs, counted here: Qwen2.5-Coder-1.5B
+    (28 layers of hidden 1536, 12 heads and 2 KV heads of 128 with q, k, v biases, MLP 8960, a tied vocabulary of
+    151936) 1,543,714,304 parameters; the 0.5B (24 layers of 896, 14 and 2 heads of 64, MLP 4864) 494,032,768.
+    At float32 that is 7.59 GiB: 13.09 GiB with the servers, within 0.9 of 15 GiB free (13.5). At Q4_0 the block
+    copy adds 18 bytes per 32 weights: 8.66 GiB, 14.16 GiB with the servers: refused."""
+    from dataclasses import replace
+
+    import sdbench.commands.bench_engines as bench_engines
+    from sdbench.config import BenchConfig
+    from sdbench.servers.engines import Engine
+
+    layer_15 = (1536 * 1536 + 1536) + 2 * (1536 * 256 + 256) + 1536 * 1536 + 3 * 1536 * 8960 + 2 * 1536
+    layer_05 = (896 * 896 + 896) + 2 * (896 * 128 + 128) + 896 * 896 + 3 * 896 * 4864 + 2 * 896
+    big, small = 28 * layer_15 + 151936 * 1536 + 1536, 24 * layer_05 + 151936 * 896 + 896
+    assert (big, small) == (1_543_714_304, 494_032_768)  # the models' published sizes: 1.54B and 0.49B
+
+    held = {("autoregressive", None): 1.0, ("ngram", None): 1.25, ("draft", "qwen2.5-coder-0.5b"): 2.0,
+            ("autoregressive", "qwen2.5-coder-0.5b"): 0.75}
+
+    class StandIn(Engine):
+        name = "stand-in"
+        own_names = {"autoregressive": "plain", "ngram": "ngram", "draft": "draft"}
+        dtypes = ("float32", "q4_0")
+
+        def check_installed(self) -> None:
+            pass
+
+        def footprint(self, target, role, dtype, capacity):
+            return Footprint(int(held[role.strategy, role.draft] * GIB), {"file": GIB // 2})
+
+    monkeypatch.setattr(bench_engines, "engine", lambda name: StandIn())
+    monkeypatch.setattr(footprint, "free_bytes_cpu", lambda: 15 * GIB)
+    cfg = BenchConfig(target="qwen2.5-coder-1.5b", draft="qwen2.5-coder-0.5b", engine="stand-in", device="cpu")
+    bench_engines.check_engines(cfg)  # float32: 5.5 + 7.59 of 13.5 GiB
+    with pytest.raises(SdbenchError) as err:
+        bench_engines.check_engines(replace(cfg, dtype="q4_0"))
+    own = (big + small) * (4 + 18 / 32) / GIB
+    assert f"{own:.1f}" == "8.7"
+    assert str(err.value) == ("the engines' servers would hold about 5.5 GiB (stand-in 4 servers about 5.5 GiB) beside "
+                              "sdbench's own models' 8.7 GiB and 15.0 GiB are free: add --autoregressive-only for "
+                              "its plain decoding alone, or give a smaller model; no server was started")

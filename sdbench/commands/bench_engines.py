@@ -67,10 +67,11 @@ def _roles(eng: Engine, cfg: BenchConfig, replayed: dict | None = None) -> list:
 
 def own_bytes(cfg: BenchConfig) -> int:
     """Bytes of sdbench's own copies of the models bench loads, from their configs: at --dtype, or at float32 beside a
-    block type's copy (transformers' rows run the float32 model)."""
+    block type's copy (transformers' rows run the float32 model), or at float32 alone for a K-quant mix (its file
+    de-quantised: sdbench holds no blocks of it)."""
     block = cfg.dtype in BLOCK_TYPES or cfg.dtype in ENGINE_TYPES
     weights = weights_at_hand([m for m in (cfg.target, cfg.draft_model) if m], "float32" if block else cfg.dtype)[1]
-    return int(weights * (1 + BITS[cfg.dtype] / 32)) if block else weights
+    return int(weights * (1 + BITS[cfg.dtype] / 32)) if cfg.dtype in BLOCK_TYPES else weights
 
 
 def _check_own_types(eng: Engine, cfg: BenchConfig) -> None:
