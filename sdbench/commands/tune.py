@@ -31,7 +31,7 @@ from optuna.trial import TrialState
 from rich.console import Console
 from rich.text import Text
 
-from sdbench.commands.plan import plan
+from sdbench.commands.plan import capped_gammas, plan
 from sdbench.commands.run import RunHarness
 from sdbench.commands.studies import (INTERRUPTED, STORAGE_ERRORS, TrialSeeded, counted, guarding, heartbeat,
                                       next_trial, opening, safe_url)
@@ -249,6 +249,8 @@ class Tuner:
             settings = draw_among(self.strategies, trial, space)
         except SdbenchError as e:
             return self._finish(study, trial, TrialState.FAIL, reason=str(e))
+        # what the trial runs and records, and what a preset takes from it: the lookahead as the run caps it
+        settings["gamma"] = capped_gammas((settings["gamma"],), self.run.max_new_tokens)[0]
         trial.set_user_attr("settings", settings)
         trial.set_user_attr("hardware", self.hardware)
         cfg = replace(self.run, strategy=settings.get("strategy", self.strategies[0]), drafts=tuple(settings["drafts"]),
