@@ -471,9 +471,12 @@ def test_bench_keeps_every_other_row_when_an_engine_dies_mid_run(capsys, tiny_en
 # --- the real vLLM, where installed ------------------------------------------------------------------------------
 
 
-def test_bench_through_the_real_vllm(capsys, tmp_path, vllm):
+def test_bench_through_the_real_vllm(capsys, tmp_path, vllm, monkeypatch):
     """The embedded SmolLM2 through vLLM's real servers: three rows, tokens counted, the speculative rows with the
-    engine's own counters. llama.cpp's, which CI builds: tests/test_llamacpp_real.py."""
+    engine's own counters. llama.cpp's, which CI builds: tests/test_llamacpp_real.py. The servers run eager (what is
+    checked is the counting, not vLLM's speed): its compilation at start-up costs a minute a server on 2 cores."""
+    command = Vllm.command
+    monkeypatch.setattr(Vllm, "command", lambda self, *a, **k: [*command(self, *a, **k), "--enforce-eager"])
     eng = Vllm()
     code, out, err = run_cli(capsys, "bench", "--limit", "1", "--max-new-tokens", "16", "--repeats", "1",
                              "--engine", eng.name, "--out", str(tmp_path / "b"))
