@@ -296,8 +296,8 @@ def test_summary_table_renders():
     assert [line.split("│")[2].strip() for line in lines] == ["qa", "qa", "code", "code", "ALL", "ALL"]
     assert lines[-1].split("│")[1].strip() == "draft"
     cells = [c.strip() for c in lines[-1].split("│")[1:-1]]
-    # the two batches' speedups are 2x and 4x: resampling them gives 2x to 4x
-    assert cells == ["draft", "ALL", "4", "35.0", "3.00x ±1.00", "–", "3.03x", "2.64", "41.0%", "33.3%", "✗"]
+    # two batches give no interval (?); 3x is above what an accepted length of 2.64 allows (!)
+    assert cells == ["draft", "ALL", "4", "35.0", "3.00x?!", "–", "3.03x", "2.64", "41.0%", "33.3%", "✗"]
     qa_base = [c.strip() for c in lines[0].split("│")[1:-1]]
     assert qa_base == ["baseline", "qa", "2", "15.0", "1.00x", "–", "–", "1.00", "–", "–", "–"]
     assert table.rows[-1].style == "bold" and table.rows[-2].style == "bold" and table.rows[0].style is None

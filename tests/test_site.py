@@ -103,7 +103,7 @@ def test_compare_out_keeps_a_failing_gates_record(tmp_path, capsys):
     assert len(speed) == 3 and speed["regressed"].all()
     assert speed["change"].to_numpy() == pytest.approx(1.0 / 1.5 - 1, rel=1e-9)  # the strategy's wall times x 1.5
     configs = pd.read_parquet(tmp_path / "cmp" / "compare-configurations.parquet")
-    assert set(configs.loc[configs["metric"] == "speedup", "verdict"]) == {"regression"}
+    assert set(configs.loc[configs["metric"] == "speedup", "verdict"]) == {"too few prompts"}  # 3 prompts
 
 
 def test_problems_are_said_on_the_terminal_and_the_page(tmp_path, capsys):

@@ -9,7 +9,8 @@ import pandas as pd
 import pytest
 from rich.console import Console
 
-from sdbench.reporting.stats import Interval, bootstrap_ratio, describe, prompts_needed, repeat_spread, speedup_interval
+from sdbench.reporting.stats import (MIN_PROMPTS, Interval, bootstrap_ratio, describe, mark, prompts_needed,
+                                    repeat_spread, speedup_interval)
 from sdbench.reporting.summary import summarize
 from sdbench.reporting.tables import summary_table
 
@@ -38,7 +39,7 @@ def test_pairing_keeps_a_steady_ratio_tight_across_very_different_prompts():
 
 def test_interval_is_seeded_covers_the_value_and_narrows_with_more_prompts():
     rng = np.random.default_rng(1)
-    few = rows([10.0] * 4, list(10.0 * rng.uniform(0.8, 1.4, 4)))
+    few = rows([10.0] * 6, list(10.0 * rng.uniform(0.8, 1.4, 6)))
     many = rows([10.0] * 64, list(10.0 * rng.uniform(0.8, 1.4, 64)))
     a = speedup_interval(few[few["role"] == "strategy"], few[few["role"] == "baseline"])
     b = speedup_interval(few[few["role"] == "strategy"], few[few["role"] == "baseline"])
@@ -49,22 +50,30 @@ def test_interval_is_seeded_covers_the_value_and_narrows_with_more_prompts():
 
 
 def test_repeats_are_resampled_within_a_prompt():
-    df = rows([10.0], [[9.0, 11.0, 13.0]], repeats=3)
+    df = rows([10.0] * 5, [[9.0, 11.0, 13.0]] * 5, repeats=3)
     interval = speedup_interval(df[df["role"] == "strategy"], df[df["role"] == "baseline"])
-    assert interval.known and interval.low < 1.1 < interval.high
+    assert interval.known and interval.low < 1.1 < interval.high and interval.units == 5
+
+
+def test_an_interval_counts_prompts_not_repeats():
+    """Four prompts with ten repeats each give no interval: MIN_PROMPTS counts independent prompts."""
+    assert MIN_PROMPTS == 5
+    df = rows([10.0] * 4, [[9.0, 11.0, 13.0, 10.0, 12.0] * 2] * 4, repeats=10)
+    interval = speedup_interval(df[df["role"] == "strategy"], df[df["role"] == "baseline"])
+    assert not interval.known and interval.too_few and interval.units == 4 and mark(interval) == "?"
     single = rows([10.0], [12.0])
-    assert not speedup_interval(single[single["role"] == "strategy"], single[single["role"] == "baseline"]).known
+    assert speedup_interval(single[single["role"] == "strategy"], single[single["role"] == "baseline"]).too_few
 
 
 def test_rate_interval_without_reference_and_empty_input():
-    df = rows([10.0, 20.0], [10.0, 20.0])
+    df = rows([10.0, 20.0] * 3, [10.0, 20.0] * 3)
     interval = speedup_interval(df[df["role"] == "baseline"], None)
-    assert interval.value == pytest.approx(64 / (3.2 + 1.6)) and interval.low == pytest.approx(10.0)
+    assert interval.value == pytest.approx(64 / (3.2 + 1.6)) and 10.0 <= interval.low < interval.value
     assert math.isnan(bootstrap_ratio(np.full((1, 1, 4), np.nan)).value)
 
 
 def test_summary_marks_an_interval_that_contains_one():
-    df = rows([10.0] * 4, [8.0, 12.0, 9.0, 11.5])
+    df = rows([10.0] * 6, [8.0, 12.0, 9.0, 11.5, 10.0, 10.5])
     summary = summarize(df)
     overall = summary[(summary["role"] == "strategy") & (summary["category"] == "ALL")].iloc[0]
     assert overall["speedup_low"] < 1.0 < overall["speedup_high"]

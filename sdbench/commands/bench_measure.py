@@ -38,6 +38,7 @@ def measure_systems(systems: list, prompts: list[list[int]], repeats: int, devic
                 m, (t0, t1, out) = got.role, got.result
                 m.seconds[-1] += t1 - t0
                 m.tokens[-1] += len(out)
+                m.load.append((got.busy, t1 - t0))
                 m.calls.append(Call(r, t0, t1 - _after_first(m.source), t1, len(out)))
                 if r == 0:
                     m.outputs.append(out)

@@ -13,6 +13,7 @@ import pandas as pd
 import torch
 from rich.table import Table
 
+from sdbench.busy import BUSY, Busy, weighted
 from sdbench.engine.counters import Rounds
 from sdbench.engine.formulas import rate
 from sdbench.env import environment
@@ -45,6 +46,11 @@ class SystemMeasurement:
     # the measured callable: sdbench's own (SdbenchSystem), transformers' (TransformersSystem), an engine's (EngineSystem)
     source: object = None
     calls: list[Call] = field(default_factory=list)  # every measured call, timed by `_measure`
+    load: list[tuple[Busy, float]] = field(default_factory=list)  # per measured call: others' use, its seconds
+
+    def busy(self) -> Busy:
+        """The machine's use by others over its measured calls, weighted by their times (sdbench/busy.py)."""
+        return weighted(self.load)
 
     @property
     def key(self) -> tuple[str, str | None] | None:
@@ -128,12 +134,17 @@ def write_bench(results: list[SystemMeasurement], out: str, common: dict, carrie
              "tokens_per_s": m.rates()[r], "same_output": m.outputs == ref, "threads": torch.get_num_threads(),
              "ttft_s": repeat_ttft(m.repeat_calls(r)), "tpot_s": repeat_tpot(m.repeat_calls(r)),
              **latency_columns(latency_of.get(m.system)), **_engine_fields(m, ref),
-             **carry_columns(carry_of.get(m.system)), **env}
+             **carry_columns(carry_of.get(m.system)), **_busy_columns(m), **env}
             for m in results for r in range(len(m.tokens))]
     path = Path(out)
     path.mkdir(parents=True, exist_ok=True)
     pd.DataFrame(rows).to_parquet(path / "bench.parquet", index=False)
     return path / "bench.parquet"
+
+
+def _busy_columns(m: SystemMeasurement) -> dict:
+    busy = m.busy()
+    return {"busy_others": busy.others, "cpu_steal": busy.steal}
 
 
 def _engine_fields(m: SystemMeasurement, reference: list[list[int]]) -> dict:
@@ -169,7 +180,7 @@ def _table(results: list[SystemMeasurement], roofline: float, title: str) -> Tab
         ratio = "" if m is mine or not mine.tokens_per_s else f"{m.tokens_per_s / mine.tokens_per_s:.2f}x"
         rates = m.rates()
         same = ("yes" if m.outputs == ref else "no") if m.engine is None else agreement(m.outputs, ref)[0]
-        table.add_row(m.system, str(sum(m.tokens)), f"{m.tokens_per_s:.2f}", f"{min(rates):.2f}-{max(rates):.2f}",
+        table.add_row(m.system + (" (busy)" if m.busy().busy else ""), str(sum(m.tokens)), f"{m.tokens_per_s:.2f}", f"{min(rates):.2f}-{max(rates):.2f}",
                       ratio, same, f"{m.tokens_per_s / roofline:.0%}")
     plain = next((m for m in results if "no fast path" in m.system), None)
     fast = fast_row(results)
@@ -181,6 +192,11 @@ def _table(results: list[SystemMeasurement], roofline: float, title: str) -> Tab
     if plain and generic and generic.tokens_per_s:
         table.caption += (f"; native / generic runner (autoregressive, no fast path): "
                           f"{plain.tokens_per_s / generic.tokens_per_s:.2f}x")
+    busy = [m for m in results if m.busy().busy]
+    if busy:
+        table.caption += (f"; busy: other processes (or the hypervisor) took more than {BUSY:.0%} of the cores while "
+                          "it was measured (" + "; ".join(f"{m.system}: {m.busy().said()}" for m in busy) +
+                          "): its figures are slowed by other work")
     for plain_engine in plains.values() if fast else ():
         if not plain_engine.failed and plain_engine.tokens_per_s:
             table.caption += (f"; {fast.system} / {plain_engine.system}: "

@@ -115,7 +115,8 @@ def _rows(bench, pair, measured: list[Measured[Scheduler]], prompts, encoded, fi
                                            greedy)
                 judged = Judged(served[BASELINE][req.index], greedy, predicted, divergence=divergence)
             place = replace(at, category=p.category, prompt_id=p.id, depth=p.depth)
-            rows.append(result_row(fields, m.role, place, served[m.role.name][req.index], judged, m.memory, weights))
+            rows.append(result_row(fields, m.role, place, served[m.role.name][req.index], judged, m.memory, weights,
+                                   m.busy))
     return rows
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Generic, TypeVar
 
+from sdbench.busy import Busy, Window
 from sdbench.env import peak_memory, reset_peak_memory
 from sdbench.strategies import BuildContext, Proposer
 from sdbench.strategies.autoregressive import Autoregressive
@@ -72,16 +73,17 @@ def _configurations(planned, pair, gamma: int) -> list:
 
 @dataclass(frozen=True)
 class Measured(Generic[R]):
-    """What one role's decode returned, and the peak memory it reached."""
+    """What one role's decode returned, the peak memory it reached and how busy others kept the machine meanwhile."""
 
     role: Any  # a run's Role, or bench's system
     result: R
     memory: tuple[int | None, str]  # (bytes, kind) as sdbench.env.peak_memory
+    busy: Busy = Busy()  # other processes' and the hypervisor's share of the cores during the decode (sdbench/busy.py)
 
 
 class EveryRole(Generic[T]):
     """The one interleaved measurement: one batch decoded (or one load point served) with every role in turn, each
-    one's peak memory measured on its own. The roles are a run's (`Role`: its baseline first when one runs, whose
+    one's peak memory and the machine's use by others measured on their own. The roles are a run's (`Role`: its baseline first when one runs, whose
     answers are what later turns continue) or `bench`'s systems, one prompt at a time."""
 
     def __init__(self, roles: list[T], device: str):
@@ -95,8 +97,9 @@ class EveryRole(Generic[T]):
         for role in self.roles:
             started(role)
             reset_peak_memory(self.device)
-            result = decode(role)
-            measured.append(Measured(role, result, peak_memory(self.device)))
+            with Window() as window:
+                result = decode(role)
+            measured.append(Measured(role, result, peak_memory(self.device), window.busy))
             done(role)
         return measured
 

@@ -259,7 +259,8 @@ class RunHarness:
                 judged = Judged(base_row, greedy, predicted, answer_found(p, mine.output_ids, pair.tokenizer),
                                 divergence)
                 place = replace(at, category=p.category, prompt_id=p.id, depth=p.depth)
-                rows.append(result_row(on.fields, m.role, place, mine, judged, self.backend.memory(m), weights))
+                rows.append(result_row(on.fields, m.role, place, mine, judged, self.backend.memory(m), weights,
+                                       m.busy))
         return rows
 
 

@@ -65,3 +65,16 @@ def combined_speedup(tokens, speedups) -> float:
     if not pairs:
         return math.nan
     return sum(n for n, _ in pairs) / sum(n / s for n, s in pairs)
+
+
+def speedup_bound(accepted_length: float, t1: float = math.nan, t_verify: float = math.nan,
+                  workers: int = 1) -> float:
+    """The most a speculative speedup over plain decoding can be. A round commits accepted_length tokens on
+    average (the target's own included) and costs at least one verifying forward, which costs at least a plain
+    step: so at most L × T(1) / T(verify) where both step costs were measured apart from the timed rounds
+    (t1: one target forward over one token; t_verify: over the round's tokens), and never above L. With W target
+    workers verifying at once (DSI), W times that. NaN without an accepted length."""
+    if not (math.isfinite(accepted_length) and accepted_length > 0):
+        return math.nan
+    ratio = t1 / t_verify if math.isfinite(t1) and math.isfinite(t_verify) and t_verify > 0 else 1.0
+    return accepted_length * min(1.0, ratio) * max(1, workers)

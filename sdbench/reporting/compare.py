@@ -15,7 +15,9 @@ differ (a new machine against the old one).
 Per configuration and metric, the change of the mean over the matched prompts (current mean / baseline mean
 - 1) also gets a 95 % bootstrap interval over prompts, repeats resampled within each prompt (sdbench.reporting.stats).
 The interval tells noise (it contains 0) from a regression (it lies wholly below -max_regression): a
-configuration whose interval says regression fails the gate even where no single prompt's repeats did. Any
+configuration whose interval says regression fails the gate even where no single prompt's repeats did. Below
+stats.MIN_PROMPTS prompts there is no interval (verdict "too few prompts"); a current speedup above the bound its
+accepted length allows (reporting/bounds.py) is never called faster (verdict "above its bound"). Any
 current row whose output differed from plain decoding (lossless false) fails the gate too, unless it differed
 only from a low-precision tie (divergence "tie", see sdbench.commands.divergence).
 """
@@ -32,9 +34,12 @@ from rich.text import Text
 
 from sdbench.errors import SdbenchError
 from sdbench.options import split_list
+from sdbench.reporting.bounds import rows_distorted
 from sdbench.reporting.results import read_results
 from sdbench.reporting.stats import Interval, bootstrap_ratio, spread
 
+TOO_FEW = "too few prompts"
+DISTORTED = "above its bound"  # the current speedup exceeds what its accepted length allows (reporting/bounds.py)
 KEY = ("strategy", "params", "target", "draft", "dataset", "prompt_id", "turn", "batch_size")
 METRICS = ("tokens_per_s", "speedup")
 # column -> the option that sets it, as typed on the command line (and as --across takes it)
@@ -166,9 +171,11 @@ def configuration_intervals(base_groups: dict, cur_groups: dict, matched: list, 
         sides = [[pd.to_numeric(g[k][metric], errors="coerce").to_numpy(float) for g in (cur_groups, base_groups)]
                  for k in keys]
         change = bootstrap_ratio(_value_cells(sides), paired_repeats=False).shifted(-1.0)
+        said = verdict(change, max_regression)
+        if metric == "speedup" and said != "regression" and rows_distorted(pd.concat([cur_groups[k] for k in keys])):
+            said = DISTORTED  # a speedup above its bound is no gain, whatever its interval says
         records.append({**dict(zip(config_columns, config)), "metric": metric, "prompts": len(keys),
-                        "change": change.value, "low": change.low, "high": change.high,
-                        "verdict": verdict(change, max_regression)})
+                        "change": change.value, "low": change.low, "high": change.high, "verdict": said})
     return pd.DataFrame(records, columns=config_columns + ["metric", "prompts", "change", "low", "high", "verdict"])
 
 
@@ -187,9 +194,9 @@ def _value_cells(sides: list[list[np.ndarray]]) -> np.ndarray:
 
 def verdict(change: Interval, max_regression: float) -> str:
     """What a change's interval says: regression (wholly below -max_regression), noise (it contains 0),
-    faster, or a drop within the gate; '–' without an interval."""
+    faster, or a drop within the gate; 'too few prompts' below stats.MIN_PROMPTS, '–' without an interval."""
     if not change.known:
-        return "–"
+        return TOO_FEW if change.too_few else "–"
     if change.high < -max_regression:
         return "regression"
     if change.contains(0.0):
@@ -278,7 +285,7 @@ def comparison_table(result: Comparison, max_regression: float) -> Table:
     return table
 
 
-_VERDICT_STYLE = {"regression": "red", "faster": "green"}
+_VERDICT_STYLE = {"regression": "red", "faster": "green", DISTORTED: "yellow"}
 
 
 def _interval_text(config: dict) -> str:

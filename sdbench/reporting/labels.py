@@ -15,7 +15,8 @@ from sdbench.errors import SdbenchError
 _OPTIONAL = {"draft": "", "params": "", "category": "", "lossless": None, "predicted_speedup": np.nan, "ttft_s": np.nan,
              "draft_s": np.nan, "verify_s": np.nan, "accept_s": np.nan, "observe_s": np.nan,
              "loop_s": np.nan, "peak_mem_bytes": np.nan, "drafted": 0, "accepted": 0,
-             "divergence": None, "turn": 1, "weights": None, "target": ""}
+             "divergence": None, "turn": 1, "weights": None, "target": "", "busy_others": np.nan,
+             "cpu_steal": np.nan}
 
 
 def prepared(df: pd.DataFrame, by: list[str]) -> pd.DataFrame:

@@ -8,6 +8,7 @@ import pandas as pd
 from rich.console import Console
 from rich.text import Text
 
+from sdbench.reporting.bounds import bound_notes
 from sdbench.reporting.labels import labelled
 from sdbench.reporting.load import load_rows, load_tables
 from sdbench.reporting.precision import precision_table
@@ -35,7 +36,8 @@ def print_report(df: pd.DataFrame, console: Console | None = None, by: tuple[str
         df = df[~served]
         if df.empty:
             return
-    console.print(summary_table(summarize(df, by or ("category",)), title=_title(df)))
+    summary = summarize(df, by or ("category",))
+    console.print(summary_table(summary, title=_title(df)))
     if not by and "turn" in df and df["turn"].fillna(1).nunique() > 1:
         console.print(summary_table(summarize(df, ("turn",)), title="by turn"))
     found = retrieval_table(df)
@@ -47,7 +49,7 @@ def print_report(df: pd.DataFrame, console: Console | None = None, by: tuple[str
     for extra in (precision_table(df), adaptive_table(df), repeat_table(df)):
         if extra is not None:
             console.print(extra)
-    for note in _notes(df):
+    for note in bound_notes(summary) + _notes(df):
         console.print(Text(f"note: {note}", style="dim"))
 
 

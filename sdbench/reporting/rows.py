@@ -10,6 +10,7 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Protocol
 
+from sdbench.busy import Busy
 from sdbench.engine.metrics import RowMetrics, speedup
 
 
@@ -72,9 +73,10 @@ class Judged:
 
 
 def result_row(run: RunFields, role: Described, place: Place, m: RowMetrics, judged: Judged,
-               memory: tuple[int | None, str], weights: str) -> dict:
+               memory: tuple[int | None, str], weights: str, busy: Busy = Busy()) -> dict:
     """One result row, every column named here (SCHEMA). memory: (peak bytes, kind) as sdbench.env.peak_memory;
-    weights: "random" when the row's target or a draft is MODEL@random, else "real"."""
+    weights: "random" when the row's target or a draft is MODEL@random, else "real"; busy: the machine's use by
+    others while the row's batch was decoded (sdbench/busy.py)."""
     params = role.params()
     row = {**asdict(run), **asdict(place), "role": role.name, "strategy": role.strategy,
            "params": json.dumps(params, sort_keys=True), "draft": ",".join(role.drafts), "gamma": params.get("gamma"),
@@ -90,7 +92,8 @@ def result_row(run: RunFields, role: Described, place: Place, m: RowMetrics, jud
            "found": judged.found, "tree_steps": m.tree_steps, "tree_nodes": m.tree_nodes,
            "sibling_accepts": m.sibling_accepts, "verified_width": m.verified_width,
            "tried_per_depth_rank": [list(r) for r in m.tried_per_depth_rank],
-           "accepted_per_depth_rank": [list(r) for r in m.accepted_per_depth_rank]}
+           "accepted_per_depth_rank": [list(r) for r in m.accepted_per_depth_rank],
+           "busy_others": _known(busy.others), "cpu_steal": _known(busy.steal)}
     if m.served is not None:
         row.update(asdict(m.served))
     if judged.baseline is not None:
@@ -100,3 +103,7 @@ def result_row(run: RunFields, role: Described, place: Place, m: RowMetrics, jud
     if judged.divergence is not None:
         row["divergence"], row["divergence_gap"] = judged.divergence
     return row
+
+
+def _known(value: float) -> float | None:
+    return value if math.isfinite(value) else None

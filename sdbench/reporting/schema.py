@@ -110,6 +110,9 @@ SCHEMA = pa.schema([
     ("tried_per_depth_rank", pa.list_(pa.list_(_I))),  # [d][r]: steps that tried the rank-r child at depth d + 1
     ("accepted_per_depth_rank", pa.list_(pa.list_(_I))),  # [d][r]: of those, the steps that accepted it
     ("engine", _S),  # `run --engine`: the engine whose server decoded the row (llama.cpp, vllm); null: sdbench's loop
+    # the machine while the row's batch was decoded by its role (sdbench/busy.py); null where not readable
+    ("busy_others", _F),  # share of the cores' time other processes used (0-1; a busy loop on 2 cores: 0.5)
+    ("cpu_steal", _F),  # share of the cores' time the hypervisor gave to other guests
 ])
 COLUMNS: tuple[str, ...] = tuple(SCHEMA.names)
 ENV_COLUMNS = ("device", "dtype", "torch_version", "transformers_version", "sdbench_version",

@@ -8,6 +8,10 @@ replacement, then, within each drawn cluster, its repeats with replacement; each
 measured side and its reference side together (paired: the baseline of the same prompts and repeat). The
 interval is the 2.5th to 97.5th percentile of the ratio over the draws. Rows of one batch share one wall time,
 so a batch, not a row, is the unit resampled. The same seed gives the same interval every time.
+
+The interval counts independent units (prompts; batches at --batch-size > 1), never tokens or repeats: below
+MIN_PROMPTS of them no interval is drawn (two numbers give no 95 % interval that means anything, however many
+repeats each has), and the tables say "too few prompts" instead of showing the figure as beyond noise.
 """
 
 from __future__ import annotations
@@ -21,16 +25,23 @@ import pandas as pd
 LEVEL = 0.95
 DRAWS = 2000
 SEED = 0
+MIN_PROMPTS = 5  # independent units (prompts, or batches) below which no interval is drawn
 _CELL_BUDGET = 4_000_000  # floats per chunk of draws: bounds memory on large runs
 
 
 @dataclass(frozen=True)
 class Interval:
-    """A point estimate and its bootstrap interval; low/high NaN when there was nothing to resample."""
+    """A point estimate and its bootstrap interval; low/high NaN when there was nothing to resample, or too little."""
 
     value: float
     low: float = math.nan
     high: float = math.nan
+    units: int | None = None  # the independent units it resampled (or had too few of); None: not counted
+
+    @property
+    def too_few(self) -> bool:
+        """No interval for want of prompts (fewer than MIN_PROMPTS independent units)."""
+        return self.units is not None and self.units < MIN_PROMPTS
 
     @property
     def known(self) -> bool:
@@ -44,7 +55,7 @@ class Interval:
         return self.known and self.low <= x <= self.high
 
     def shifted(self, by: float) -> Interval:
-        return Interval(self.value + by, self.low + by, self.high + by)
+        return Interval(self.value + by, self.low + by, self.high + by, self.units)
 
 
 def _ratio(sums: np.ndarray) -> np.ndarray:
@@ -56,13 +67,14 @@ def _ratio(sums: np.ndarray) -> np.ndarray:
 def bootstrap_ratio(cells: np.ndarray, paired_repeats: bool = True, draws: int = DRAWS, seed: int = SEED,
                     level: float = LEVEL) -> Interval:
     """cells: [C, R, 4] per cluster and repeat, (tokens, seconds) of the measured side then of the reference
-    side; a missing repeat is NaN. The interval of the ratio of rates (see the module docstring). paired_repeats
-    False: the two sides' repeats are drawn independently (repeats of separate runs, as `compare` has)."""
+    side; a missing repeat is NaN. The interval of the ratio of rates (see the module docstring); none below
+    MIN_PROMPTS clusters. paired_repeats False: the two sides' repeats are drawn independently (repeats of separate
+    runs, as `compare` has)."""
     cells = np.asarray(cells, dtype="float64")
     value = float(_ratio(np.nansum(cells, axis=(0, 1))))
     clusters, repeats = cells.shape[:2]
-    if clusters * repeats < 2 or not math.isfinite(value):
-        return Interval(value)
+    if clusters < MIN_PROMPTS or not math.isfinite(value):
+        return Interval(value, units=clusters)
     rng = np.random.default_rng(seed)
     picked_clusters = rng.integers(0, clusters, size=(draws, clusters))[:, :, None]
     measured_repeats = rng.integers(0, repeats, size=(draws, clusters, repeats))
@@ -77,7 +89,7 @@ def bootstrap_ratio(cells: np.ndarray, paired_repeats: bool = True, draws: int =
     ratios = np.concatenate(ratios)
     tail = (1 - level) / 2 * 100
     low, high = np.nanpercentile(ratios, [tail, 100 - tail]) if np.isfinite(ratios).any() else (math.nan,) * 2
-    return Interval(value, float(low), float(high))
+    return Interval(value, float(low), float(high), clusters)
 
 
 def _unit_keys(rows: pd.DataFrame) -> tuple[pd.Series, pd.Series]:
@@ -159,6 +171,16 @@ def describe(interval: Interval, unit: str = "x", digits: int = 2) -> str:
     return f"{text} ±{interval.half_width:.{digits}f}" if interval.known else text
 
 
+def mark(interval: Interval, than: float = 1.0) -> str:
+    """What a figure's interval lets it claim against `than` (1.0: no speedup): '*' the interval contains it (no
+    difference beyond noise), '?' no interval (too few prompts, or nothing to resample), '' a difference shown."""
+    if not math.isfinite(interval.value):
+        return ""
+    if not interval.known:
+        return "?"
+    return "*" if interval.contains(than) else ""
+
+
 def doubt(interval: Interval, than: float, prompts: int, what: str) -> str | None:
     """None when the interval's half-width is below the claimed difference |value - than|; otherwise why the
     claim ('what') cannot be made, with an estimate of the prompts that would settle it."""
@@ -166,7 +188,7 @@ def doubt(interval: Interval, than: float, prompts: int, what: str) -> str | Non
     if interval.known and interval.half_width < difference:
         return None
     if not interval.known:
-        return f"{what}: no interval (one prompt, one repeat): run more prompts or --repeats"
+        return f"{what}: no interval ({prompts} prompt(s); an interval needs at least {MIN_PROMPTS}): run more prompts"
     needed = prompts_needed(prompts, interval.half_width, difference)
     more = f"about {needed} prompts would settle it (estimate: n·(width/difference)²)" if needed else \
         "no prompt count would settle a zero difference"

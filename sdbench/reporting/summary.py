@@ -23,6 +23,10 @@ are sdbench.engine.metrics functions of the sums):
                      (the max over its rows: a row records the batch's time while the row was active)
   accept_s, observe_s, loop_s, setup_s   summed as draft_s and verify_s: a round's other parts and the
                      proposer's setup (engine/metrics.py)
+  busy_others, cpu_steal  the share of the cores other processes (and the hypervisor) took while the rows were
+                     measured, over the unique batches weighted by their wall time (sdbench/busy.py)
+  speedup_bound, distorted, busy, distortion   what the speedups cannot exceed and the rows above it, the machine
+                     busy on either side (reporting/bounds.py)
   weights_say_nothing  rows with random weights (MODEL@random), whose acceptance and speedups depend on values
                      the weights do not have; the tables show them as n/m (a model drafting for itself with a
                      dense cache is exempt: it accepts every draft whatever its weights)
@@ -37,6 +41,7 @@ import pandas as pd
 
 from sdbench.engine.formulas import acceptance_rate, combined_speedup, mean_accepted_length, rate
 from sdbench.engine.metrics import speedup
+from sdbench.reporting.bounds import bounded, workers_of
 from sdbench.reporting.cells import numeric
 from sdbench.reporting.labels import labelled, prepared
 from sdbench.reporting.stats import Interval, speedup_interval
@@ -60,6 +65,7 @@ def summarize(df: pd.DataFrame, by: tuple[str, ...] | list[str] = ("category",))
     summary["speedup"] = _speedups(summary, by, "tokens_per_s")
     summary["decode_speedup"] = _speedups(summary, by, "decode_tokens_per_s")
     summary = summary.join(_intervals(data, summary, by))
+    summary = summary.join(bounded(summary, by))
     summary.attrs["by"] = tuple(by)
     if "hardware" in data:  # run -> the machine it ran on: tables of several machines' runs name each
         summary.attrs["hardware"] = data.groupby("run_id", sort=False)["hardware"].first().astype(str).to_dict()
@@ -114,8 +120,11 @@ def _aggregate(group: pd.DataFrame) -> dict:
     new_tokens = np.nansum(numeric(group["new_tokens"]))
     steps, accepted = np.nansum(numeric(group["steps"])), np.nansum(numeric(group["accepted"]))
     parts = [part for part in ROUND_PARTS if part in group]
-    times = _per_batch(group.assign(decode_s=numeric(group["wall_s"]) - numeric(group["ttft_s"])),
-                       ["wall_s", "decode_s", "draft_s", "verify_s", *parts])
+    wall_s = numeric(group["wall_s"])
+    times = _per_batch(group.assign(decode_s=wall_s - numeric(group["ttft_s"]),
+                                    busy_s=numeric(group["busy_others"]) * wall_s,
+                                    steal_s=numeric(group["cpu_steal"]) * wall_s),
+                       ["wall_s", "decode_s", "draft_s", "verify_s", "busy_s", "steal_s", *parts])
     wall, decode, draft_s, verify_s = (times[c] for c in ("wall_s", "decode_s", "draft_s", "verify_s"))
     predicted = numeric(group["predicted_speedup"])
     peak = numeric(group["peak_mem_bytes"])
@@ -142,6 +151,9 @@ def _aggregate(group: pd.DataFrame) -> dict:
         "predicted_speedup": combined_speedup(numeric(group["new_tokens"]) - 1, predicted),
         "peak_mem_bytes": float(np.nanmax(peak)) if np.isfinite(peak).any() else math.nan,
         "weights_say_nothing": bool(group["weights_say_nothing"].any()),
+        "busy_others": _ratio(times["busy_s"], wall),
+        "cpu_steal": _ratio(times["steal_s"], wall),
+        "workers": workers_of(group["params"]),
     }
 
 

@@ -35,12 +35,14 @@ from sdbench.engine.formulas import combined_speedup
 from sdbench.reporting.cells import fmt
 from sdbench.reporting.labels import labelled
 from sdbench.reporting.load import load_rows, summarize_load
+from sdbench.reporting.stats import Interval, mark
 from sdbench.reporting.summary import ALL, summarize
 
 ANY = "any"
-SPEEDUPS = ["run_id", "family", "setting", "speedup", "speedup_low", "speedup_high", "decode_speedup", "predicted"]
+SPEEDUPS = ["run_id", "family", "setting", "speedup", "speedup_low", "speedup_high", "decode_speedup", "predicted",
+            "distorted"]
 POINTS = ["sweep", "axis", "size", "prompt_len", "family", "setting", "speedup", "speedup_low", "speedup_high",
-          "decode_speedup", "predicted", "predicted_best"]
+          "decode_speedup", "predicted", "predicted_best", "distorted"]
 FRONTIER = ["sweep", "axis", "family", "prompt_len", "pays_up_to", "loses_from", "predicted_pays_up_to",
             "predicted_loses_from", "steps_apart", "pays_again", "predicted_pays_again"]
 
@@ -89,7 +91,8 @@ def _batch_speedups(df: pd.DataFrame) -> pd.DataFrame:
         "speedup": summary["speedup"].to_numpy(float), "speedup_low": summary["speedup_low"].to_numpy(float),
         "speedup_high": summary["speedup_high"].to_numpy(float),
         "decode_speedup": summary["decode_speedup"].to_numpy(float),
-        "predicted": summary["predicted_speedup"].to_numpy(float)}, columns=SPEEDUPS)
+        "predicted": summary["predicted_speedup"].to_numpy(float),
+        "distorted": summary["distorted"].to_numpy(bool)}, columns=SPEEDUPS)
 
 
 def _load_speedups(df: pd.DataFrame) -> pd.DataFrame:
@@ -105,7 +108,7 @@ def _load_speedups(df: pd.DataFrame) -> pd.DataFrame:
         "run_id": summary["run_id"].to_numpy(), "setting": [family[k][1] for k in keys],
         "family": [family[k][0] for k in keys], "speedup": summary["vs_baseline"].to_numpy(float),
         "speedup_low": math.nan, "speedup_high": math.nan, "decode_speedup": math.nan,
-        "predicted": [float(predicted.get(k, math.nan)) for k in keys]}, columns=SPEEDUPS)
+        "predicted": [float(predicted.get(k, math.nan)) for k in keys], "distorted": False}, columns=SPEEDUPS)
 
 
 def _point_info(df: pd.DataFrame) -> pd.DataFrame:
@@ -130,11 +133,14 @@ def best_points(df: pd.DataFrame) -> pd.DataFrame:
         families = list(dict.fromkeys(group["family"]))
         for family in families + ([ANY] if len(families) > 1 else []):
             mine = group if family == ANY else group[group["family"] == family]
-            best = mine.loc[mine["speedup"].fillna(-np.inf).idxmax()]
+            honest = mine[~mine["distorted"].astype(bool)]  # a speedup above its bound never wins a point
+            best = (honest if len(honest) else mine)
+            best = best.loc[best["speedup"].fillna(-np.inf).idxmax()]
             guessed = mine["predicted"].dropna()
             setting = best["setting"] if family != ANY else f"{best['family']} {best['setting']}"
             rows.append({**dict(zip(point, key)), "family": family, "setting": setting,
-                         **{c: best[c] for c in ("speedup", "speedup_low", "speedup_high", "decode_speedup", "predicted")},
+                         **{c: best[c] for c in ("speedup", "speedup_low", "speedup_high", "decode_speedup", "predicted",
+                                                 "distorted")},
                          "predicted_best": float(guessed.max()) if len(guessed) else math.nan})
     return pd.DataFrame(rows, columns=POINTS)
 
@@ -215,11 +221,12 @@ def frontier_line(front: pd.DataFrame) -> str:
 
 def points_table(points: pd.DataFrame) -> Table:
     axis = axis_noun(points["axis"].iloc[0]) if len(points) else "size"
-    table = Table(title="sweep: the best setting per point (speedup vs plain decoding; * its 95 % interval holds 1.0)")
+    table = Table(title="sweep: the best setting per point (speedup vs plain decoding; * its 95 % interval holds 1.0; "
+                        "? too few prompts for one; ! above its bound)")
     for name in ("strategy", axis, "prompt", "best setting", "speedup", "decode", "predicted", "pred. best"):
         table.add_column(name, justify="left" if name in ("strategy", "best setting") else "right")
     for r in points.itertuples():
-        star = "*" if r.speedup_low <= 1.0 <= r.speedup_high else ""
+        star = mark(Interval(r.speedup, r.speedup_low, r.speedup_high)) + ("!" if r.distorted else "")
         table.add_row(*(Text(str(c)) for c in (
             r.family, int(r.size), int(r.prompt_len), r.setting, fmt(r.speedup, "{:.2f}x") + star,
             fmt(r.decode_speedup, "{:.2f}x"), fmt(r.predicted, "{:.2f}x"), fmt(r.predicted_best, "{:.2f}x"))))

@@ -13,15 +13,17 @@ from rich.text import Text
 
 from sdbench.engine.counters import AdaptiveRowStats
 from sdbench.engine.metrics import speedup
+from sdbench.reporting.bounds import beyond
 from sdbench.reporting.cells import fmt
 from sdbench.reporting.labels import labelled
 from sdbench.reporting.results import parse_stats
-from sdbench.reporting.stats import describe, repeat_spread
+from sdbench.reporting.stats import MIN_PROMPTS, describe, mark, repeat_spread
 from sdbench.reporting.summary import ALL, per_position_rates, speedup_of, summarize
 
 NOT_MEANINGFUL = "n/m"
-INTERVAL_CAPTION = ("speedup ±: half the width of its 95 % bootstrap interval over prompts and repeats; "
-                    "* the interval contains 1.0")
+INTERVAL_CAPTION = ("speedup ±: half the width of its 95 % bootstrap interval over prompts; * the interval "
+                    f"contains 1.0; ? too few prompts (< {MIN_PROMPTS}) for an interval; ! above the bound its accepted "
+                    "length allows (see the notes); busy: others used the cores while it or its baseline ran")
 MAX_POSITIONS = 16
 
 
@@ -52,7 +54,7 @@ def summary_table(summary: pd.DataFrame, title: str | None = None) -> Table:
                   fmt(row["mean_accepted_len"], "{:.2f}"), fmt(row["acceptance_rate"], "{:.1%}")]
         if row.get("weights_say_nothing"):
             values = [NOT_MEANINGFUL] * len(values)
-        cells = [row["strategy"], " / ".join(str(row[b]) for b in by), str(row["n_prompts"]),
+        cells = [row["strategy"] + (" busy" if flagged(row, "busy") else ""), " / ".join(str(row[b]) for b in by), str(row["n_prompts"]),
                  fmt(row["tokens_per_s"], "{:.1f}"), *values, fmt(row["draft_share"], "{:.1%}"),
                  _mark(row["lossless"]) + (f" ({row['ties']} tie)" if row.get("ties") else "")]
         cells = ([row["run_id"]] if many_runs else []) + ([hardware.get(row["run_id"], "?")] if machines else []) + cells
@@ -61,9 +63,20 @@ def summary_table(summary: pd.DataFrame, title: str | None = None) -> Table:
 
 
 def speedup_cell(row, prefix: str = "speedup") -> str:
-    """'1.12x ±0.04', with '*' when the interval contains 1.0 (no speedup or slowdown shown beyond noise)."""
+    """'1.12x ±0.04', with '*' when the interval contains 1.0 (no speedup or slowdown shown beyond noise), '?' when
+    too few prompts gave no interval, '!' when the figure is above its bound (reporting/bounds.py); the baseline's
+    own 1.00x unmarked."""
     interval = speedup_of(row, prefix)
-    return describe(interval) + ("*" if interval.contains(1.0) else "")
+    if row.get("role") == "baseline":
+        return describe(interval)
+    above = beyond(interval, float(row.get("speedup_bound", math.nan)))
+    return describe(interval) + mark(interval) + ("!" if above else "")
+
+
+def flagged(row, column: str) -> bool:
+    """A summary row's flag (distorted, busy), False where the column is missing or unknown."""
+    value = row.get(column)
+    return value is not None and not pd.isna(value) and bool(value)
 
 
 def _ordered(summary: pd.DataFrame, by: list[str]) -> list[dict]:

@@ -14,6 +14,7 @@ from rich.console import Console
 
 from sdbench import __version__
 from sdbench.paths import output_dir
+from sdbench.reporting.bounds import bound_notes
 from sdbench.reporting.owned import check_folder, publish, staged
 from sdbench.reporting.site import charts, kinds
 from sdbench.reporting.site.assets import check_libraries, write_assets
@@ -21,6 +22,7 @@ from sdbench.reporting.site.board import leaderboard, position_text, summaries
 from sdbench.reporting.site.html import Column, chart, downloads, filters, notice, page, table
 from sdbench.reporting.site.kinds import write_table
 from sdbench.reporting.site.sources import Found, Run, collect
+from sdbench.reporting.stats import MIN_PROMPTS
 
 
 @dataclass
@@ -42,6 +44,10 @@ def _f2(v) -> str:
 
 def _lossless(v) -> str:
     return "yes" if bool(v) else "NO"
+
+
+def _yes(v) -> bool:
+    return v is not None and not pd.isna(v) and bool(v)
 
 
 def board_columns(depth: int = 0) -> list[Column]:
@@ -66,12 +72,16 @@ def board_columns(depth: int = 0) -> list[Column]:
 def shown(board: pd.DataFrame) -> pd.DataFrame:
     """The board with the cells that join several figures: the interval, acceptance by position, a note."""
     out = board.copy()
-    out["interval"] = [f"{lo:.2f}–{hi:.2f}" if pd.notna(lo) and pd.notna(hi) else None
-                       for lo, hi in zip(board["speedup_low"], board["speedup_high"])]
+    out["interval"] = [f"{lo:.2f}–{hi:.2f}" if pd.notna(lo) and pd.notna(hi) else
+                       "too few prompts" if pd.notna(n) and n < MIN_PROMPTS else None
+                       for lo, hi, n in zip(board["speedup_low"], board["speedup_high"], board["n_prompts"])]
     out["by_position"] = [position_text(r) for r in board["acceptance_by_position"]]
     notes = []
-    for partial, random in zip(board["partial"], board["weights_say_nothing"]):
+    for partial, random, distorted, busy, bound in zip(board["partial"], board["weights_say_nothing"],
+                                                       board["distorted"], board["busy"], board["speedup_bound"]):
         said = (["partial run"] if isinstance(partial, str) else []) + (["random weights"] if random else [])
+        said += [f"above its bound {bound:.2f}x: one side's time moved"] if _yes(distorted) else []
+        said += ["busy machine"] if _yes(busy) else []
         notes.append(", ".join(said))
     out["note"] = notes
     return out
@@ -102,7 +112,7 @@ def run_page(out: Path, run: Run, summary: pd.DataFrame) -> str:
     links = [(f"../{h}", label) for h, label in write_table(out, board, f"runs/{run.run_id}-summary")]
     files = kinds.run_files(out, run)
     body = [notice([f"this run stopped before its end: {run.partial}"] if run.partial else []),
-            kinds.run_facts(run), downloads(files + links)]
+            notice(bound_notes(summary)), kinds.run_facts(run), downloads(files + links)]
     columns = board_columns(depth=1)
     if len(board):
         body.append(filters(board, columns, "run-table", {"category": "ALL", "turn": "ALL"}))
