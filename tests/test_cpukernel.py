@@ -240,13 +240,16 @@ def test_attention_weights_across_the_range_of_exp(kernel, D):
 
 
 class _ChangedSource:
-    """`importlib.resources` as `cpukernel` reads its sources, handing back one of them with one change."""
+    """`importlib.resources` as `cpukernel` reads its sources, handing back one of them with one change (or, with
+    `more`, several: (old, new) pairs)."""
 
-    def __init__(self, old: str, new: str, name: str = "products.c"):
+    def __init__(self, old: str, new: str, name: str = "products.c", more: tuple = ()):
         self.real = resources.files("sdbench.models.forward")
         text = self.real.joinpath("kernels", name).read_text()
-        assert text.count(old) == 1, old  # the change still names one place
-        self.name, self.source = name, text.replace(old, new).encode()
+        for before, after in ((old, new), *more):
+            assert text.count(before) == 1, before  # the change still names one place
+            text = text.replace(before, after)
+        self.name, self.source = name, text.encode()
 
     def files(self, package: str):
         return self
@@ -258,8 +261,8 @@ class _ChangedSource:
         return self.source
 
 
-# a query against one key, and against 8 side by side
-@pytest.mark.parametrize("tail", ["for (; i < n; i++) t += a[i] * b[i];", "t[j] += q[d] * k[j * D + d];"])
+# a query against 8 keys side by side (the last keys of a step too, padded to 8)
+@pytest.mark.parametrize("tail", ["t[j] += q[d] * k[j * D + d];"])
 def test_a_dot_product_without_its_scalar_tail_is_caught(monkeypatch, tmp_path, tail):
     """The attention check fails on layer.c built with a score dropping the dimensions past the last multiple of 8
     (the test can fail), at the head sizes that have them, and only there."""
@@ -312,7 +315,7 @@ def test_the_fused_layers_decode_as_generate(fused_calls, arch):
 def test_a_broken_fused_layer_is_caught(fused_calls, monkeypatch):
     """The check above fails when the fused attention ignores its scale (the test can fail)."""
     real = cpukernel.attend
-    monkeypatch.setattr(cpukernel, "attend", lambda *a: real(*a[:-1], 3.0))
+    monkeypatch.setattr(cpukernel, "attend", lambda *a: real(*a[:7], 3.0, *a[8:]))  # (..., scale, tree)
     model = perturbed_model(tiny_config("llama"))
     runner = ModelRunner(model, "tiny", fast=True)
     assert runner_greedy(runner, [3, 9, 4, 1, 7], 12) != library_greedy(model, [3, 9, 4, 1, 7], 12)
@@ -330,13 +333,13 @@ def test_the_fused_layers_are_not_taken_where_they_do_not_compute_the_layer(fuse
     llama.prefill(sparse, [[3, 5, 7, 9, 11, 2]])
     llama.run(sparse, Step(torch.tensor([[4]]), [6]))
     assert fused_calls == []
-    tree = TreeBatch.of([Tree.from_vllm("[(0,), (1,)]").with_root()])  # two siblings: not a causal block
+    tree = TreeBatch.of([Tree.from_vllm("[(0,), (1,)]").with_root()])  # two siblings: the fused layer reads the tree
     llama.run(llama.new_cache(1, 32), Step(torch.tensor([[4, 6, 8]]), [0], tree=tree))
-    assert fused_calls == []  # tests/test_tree_forward.py checks its logits, and that a fused tree step fails them
+    assert fused_calls == [0, 1]  # tests/test_tree_forward.py checks its logits, and a tree attended as a chain
     cache = llama.new_cache(1, 32)
     llama.prefill(cache, [[3, 5, 7]])
     llama.run(cache, Step(torch.tensor([[4, 6]]), [3]))
-    assert fused_calls == [0, 1, 0, 1]  # a short prefill and a 2-token step, both layers
+    assert fused_calls == [0, 1] * 3  # a short prefill and a 2-token step, both layers
 
 
 def test_a_failed_build_says_why(monkeypatch, tmp_path):

@@ -12,18 +12,38 @@ from sdbench.forward_step import Step
 from sdbench.analysis.bandwidth import Bandwidth
 from sdbench.commands import hf_generate
 from sdbench.errors import SdbenchError
-from sdbench.models.forward import cpuchoice, cpufast, cpuhead, cpumeasure, cpupacked
+from sdbench.models.forward import cpuchoice, cpufast, cpuhead, cpukernel, cpumeasure, cpupacked
 from sdbench.models.forward.runner import ModelRunner
-from tests.conftest import run_cli, tiny_model
+from tests.conftest import run_cli, skip_unless_ci, tiny_model
 from tests.test_random_weights import small  # noqa: F401 (fixture)
 
 
 @pytest.fixture
 def measuring(monkeypatch, tmp_path):
-    """The measured choice, with no choice remembered from earlier tests (in this process or kept on disk)."""
+    """The measured choice, made where sdbench's products do not build (where they do, the fast path takes them
+    without measuring: `test_sdbenchs_products_are_taken_unmeasured_where_they_build`), with no choice remembered
+    from earlier tests (in this process or kept on disk)."""
     monkeypatch.setenv(cpumeasure.FAST_ENV, "measure")
     monkeypatch.setenv("SDBENCH_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(cpufast, "_chosen", {})
+    monkeypatch.setattr(cpukernel, "available", lambda: False)
+
+
+def test_sdbenchs_products_are_taken_unmeasured_where_they_build(monkeypatch, tmp_path):
+    """The default: a model packed into sdbench's products and its head read by them at every width (their rows are
+    width-invariant), nothing measured."""
+    if not cpukernel.available():
+        skip_unless_ci(f"needs sdbench's CPU products ({cpukernel.why_not()})")
+    monkeypatch.setenv(cpumeasure.FAST_ENV, "measure")
+    monkeypatch.setattr(cpuchoice, "timed_paths", lambda fast: pytest.fail("measured"))
+    monkeypatch.setattr(cpuhead, "_head_ways", {})
+    monkeypatch.setattr(cpumeasure, "timed", lambda fn, reps=5: pytest.fail("measured"))
+    model = tiny_model(0)
+    model.lm_head.weight = model.model.get_input_embeddings().weight
+    runner = ModelRunner(model, "tied", fast=True)
+    choice = cpufast.choose(model)
+    assert choice.how == cpuchoice.INVARIANT and choice.layout == "kernel" and "width-invariant" in choice.describe()
+    assert set(runner.path.fast.head.ways.values()) == {"kernel"}
 
 
 @pytest.mark.parametrize("mode, packed", [("packed", True), ("plain", False)])

@@ -20,7 +20,7 @@ import torch
 from sdbench.forward_step import Step
 from sdbench.engine.tree import Tree, TreeBatch
 from sdbench.errors import SdbenchError
-from sdbench.kv.cache import DenseKVCache, TreeStep
+from sdbench.kv.cache import DenseKVCache
 from sdbench.kv.sparse import ScoringView
 from sdbench.models.forward import cpufast, cpukernel, cpulayer, cpumeasure, cpupacked
 from sdbench.models.forward.generic import GenericCache, GenericRunner
@@ -128,26 +128,25 @@ def _fused_layers_run(monkeypatch) -> list[int]:
     return calls
 
 
-def test_a_tree_step_on_sdbench_products_runs_the_layer_loop_and_gives_the_librarys_logits(monkeypatch):
-    """The fused layer attends causally over the new slots, and `TreeStep` is a `StepIndex`: a tree step must run
-    the layer loop (which reads the tree mask) on a runner whose chain steps run fused."""
+def test_a_tree_step_on_sdbench_products_runs_fused_and_gives_the_librarys_logits(monkeypatch):
+    """A tree step runs the fused layer too, its attention reading the tree (`cpulayer.ancestors`): every node's
+    logits are the library's over its path."""
     runner = _runner("llama-kernel")
     assert runner.fused_layers
     fused = _fused_layers_run(monkeypatch)
     prompts = [_prompt(6, 1)]
     cache, tokens, batch, start, logits = _tree_forward(runner, prompts, [TREE])
-    assert fused == [0, 1]  # the prefill's two layers; none for the tree step
+    assert fused == [0, 1, 0, 1]  # the prefill's two layers, then the tree step's
     _check_nodes(runner, prompts, batch, tokens, logits)
 
 
-def test_a_tree_step_let_through_to_the_fused_layer_is_caught(monkeypatch):
-    """The check above fails when the gate admits a tree step: its nodes then see every earlier node of the
-    block, so the root and the first child (whose earlier nodes are their ancestors) stay right, and every later
-    node, each after a node off its path (node 2, the root's second child, sees its sibling), is wrong."""
+def test_a_tree_step_attended_as_a_chain_is_caught(monkeypatch):
+    """The check above fails when the fused layer is not handed the tree: its nodes then see every earlier node of
+    the block, so the root and the first child (whose earlier nodes are their ancestors) stay right, and every
+    later node, each after a node off its path (node 2, the root's second child, sees its sibling), is wrong."""
     runner = _runner("llama-kernel")
     fused = _fused_layers_run(monkeypatch)
-    real = cpulayer.wanted
-    monkeypatch.setattr(cpulayer, "wanted", lambda cache, step: isinstance(step, TreeStep) or real(cache, step))
+    monkeypatch.setattr(cpulayer, "ancestors", lambda step: None)
     prompts = [_prompt(6, 1)]
     cache, tokens, batch, start, logits = _tree_forward(runner, prompts, [TREE])
     assert fused == [0, 1, 0, 1]  # the prefill, then the tree step

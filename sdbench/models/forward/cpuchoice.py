@@ -31,12 +31,13 @@ from sdbench.paths import cache_dir
 
 KEPT_VERSION = 2  # choices kept before sdbench's own products were among the measured ones are measured again
 WIDTHS = (1, 2, PACK_HINT)  # decoding, a draft's catch-up, a verification of gamma = 4
+INVARIANT = "width-invariant"  # how a model is packed where sdbench's products build: into them, not measured
 
 
 @dataclass(frozen=True)
 class Choice:
     packed: bool
-    how: str  # "measured", "override", or "quantised" (the model's weights are in blocks: read as blocks)
+    how: str  # "measured", "override", INVARIANT (sdbench's products) or "quantised" (the weights are blocks: read so)
     ratio: float | None = None  # plain time / packed time, layers and head, summed over WIDTHS (> 1: packing wins)
     measured: str = ""  # when, where the measurement was kept from an earlier run on this machine ("": now)
     compiled: bool = False  # steps compiled too (`models/forward/cpucompile.py`; an override only)
@@ -47,6 +48,9 @@ class Choice:
         if self.how == "quantised":
             how = "the model's weights" if self.packed else f"the de-quantised weights, set by {FAST_ENV}"
             return f"CPU fast path: {path} forward ({how})"
+        if self.how == INVARIANT:
+            return (f"CPU fast path: {path} forward (width-invariant: a verification's rows are the bits of their "
+                    "tokens decoded alone)")
         if self.ratio is None:
             return f"CPU fast path: {path} forward, set by {FAST_ENV}"
         when = f" on {self.measured} (kept: {choices_file()})" if self.measured else ""

@@ -22,8 +22,10 @@ width (docs/peers.md gives the measurements). So:
 oneDNN's packed tensors are opaque (they cannot be pickled or shared between processes): a process that
 receives a model's plain weights builds its own fast path with `enable(model)`.
 
-Whether to pack at all, and into which layout, is measured per shape (`choose`, `models/forward/cpuchoice.py`): at
-some shapes the plain products win. A model whose weights were snapped onto a quantised grid (`quantised`: a
+Where sdbench's own products build, a model is packed into their layout and its head read by them at every
+verification width (`choose`): their rows are the same bits whatever the width (`kernels/products.c`), so a
+strategy's verification computes exactly what plain decoding does. Elsewhere, whether to pack at all, and into which
+layout, is measured per shape (`models/forward/cpuchoice.py`): at some shapes the plain products win. A model whose weights were snapped onto a quantised grid (`quantised`: a
 MODEL@q8_0 or @q4_0 copy) packs into those blocks, not measured: reading them as blocks is what it is for.
 """
 
@@ -37,7 +39,7 @@ import torch.nn.functional as F
 
 from sdbench.models.forward import cpuchoice, cpukernel, cpumeasure, quants
 from sdbench.models.forward.cpuhead import HeadProduct
-from sdbench.models.forward.cpupacked import ONEDNN, FastLayer, Packed, projection_modules
+from sdbench.models.forward.cpupacked import KERNEL, ONEDNN, FastLayer, Packed, projection_modules
 from sdbench.models.loading.memory import free_bytes
 
 _state: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> FastModel; not pickled with it
@@ -231,12 +233,16 @@ def rms_norm(module, x: torch.Tensor) -> torch.Tensor:
 
 
 def choose(model) -> cpuchoice.Choice:
-    """Whether the fast path packs this model: the override when set, else measured once per shape."""
+    """Whether the fast path packs this model, and how: the override when set; else sdbench's own products where
+    they build (width-invariant: a verification's rows equal their tokens decoded alone, bit for bit); else
+    measured once per shape."""
     mode = cpumeasure.fast_mode()
     if weights_kind(model) is not None:
         return cpuchoice.Choice(mode != "plain", "quantised", layout=weights_kind(model))
     if mode != "measure":
         return cpuchoice.overridden(mode)
+    if cpukernel.available():  # the products whose rows are the same bits at every width: exact verification
+        return cpuchoice.Choice(True, cpuchoice.INVARIANT, layout=KERNEL)
     key = (model.config.to_json_string(use_diff=False), model.lm_head.weight is model.get_input_embeddings().weight,
            torch.get_num_threads(), cpukernel.available())
     if key not in _chosen:

@@ -1,5 +1,5 @@
-"""The CPU fast path's vocabulary head: read in place over its plain weight, by the product measured fastest for the
-forward's width.
+"""The CPU fast path's vocabulary head: read in place over its plain weight, by sdbench's own product at every
+verification width where it builds (width-invariant), else by the product measured fastest for the forward's width.
 
 The head is read in place (tied to the embedding table, which the lookup needs, or the plain weight of a model the
 fast path leaves unpacked), and no one product is fastest for it at every width: the library's is near memory speed
@@ -21,6 +21,7 @@ from sdbench.models.forward import cpukernel, cpumeasure, quants
 from sdbench.models.forward.cpupacked import KERNEL, ONEDNN, PACK_HINT, onednn_linear
 
 HEAD_WIDTHS = (1, 2, PACK_HINT, 8)  # the widths measured; a product of r <= 2 * 8 rows takes the nearest one's way
+VERIFY_ROWS = 256  # rows read by sdbench's product where it is the head's one way (the largest fused tree)
 HEAD_WAYS = {
     "library": lambda x, w, b: F.linear(x, w, b),
     "onednn": lambda x, w, b: onednn_linear(x, w, b),
@@ -44,8 +45,9 @@ def _nearest_width(rows: int) -> int | None:
 
 
 class HeadProduct:
-    """The vocabulary head over its plain weight (never packed), by the way measured fastest for the forward's
-    number of rows (`head_ways`)."""
+    """The vocabulary head over its plain weight (never packed): by sdbench's product at every width up to
+    VERIFY_ROWS where that is its one way (`head_ways`: width-invariant), else by the way measured fastest for the
+    forward's number of rows."""
 
     def __init__(self, lm_head: torch.nn.Linear):
         self.lm_head = lm_head
@@ -62,18 +64,22 @@ class HeadProduct:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # x [..., H] -> [..., V]
         if self.blocks is not None:
             return cpukernel.linear_blocks(x, self.blocks, self.kind, self.lm_head.bias, self.lm_head.out_features)
-        way = self.ways.get(_nearest_width(x.numel() // x.shape[-1]), "library")
+        rows = x.numel() // x.shape[-1]
+        if set(self.ways.values()) == {KERNEL} and rows <= VERIFY_ROWS:  # one product at every width: invariant
+            return cpukernel.linear_plain(x, self.lm_head.weight, self.lm_head.bias)
+        way = self.ways.get(_nearest_width(rows), "library")
         return HEAD_WAYS[way](x, self.lm_head.weight, self.lm_head.bias)
 
 
 def head_ways(weight: torch.Tensor, bias: torch.Tensor | None) -> dict:
-    """{width: way} for a [V, H] head, measured once per shape and thread count (the override `packed` keeps the
-    fixed choice the fast path made before measuring: oneDNN for one row, W x^T for more; `kernel` sdbench's
-    product at every width; `plain` the library's). sdbench's product is among those measured where it builds."""
-    mode = os.environ.get(cpumeasure.FAST_ENV, "measure").strip().lower()
+    """{width: way} for a [V, H] head: sdbench's product at every width where it builds (width-invariant, as the
+    fast path's layers: `cpufast.choose`; also the override `kernel`); else measured once per shape and thread
+    count (the override `packed` keeps the fixed choice the fast path made before measuring: oneDNN for one row,
+    W x^T for more; `plain` the library's)."""
+    mode = os.environ.get(cpumeasure.FAST_ENV, "measure").strip().lower() or "measure"
     if mode == "packed":
         return {w: "onednn" if w == 1 else "transposed" for w in HEAD_WIDTHS}
-    if mode == KERNEL and cpukernel.available():
+    if mode in (KERNEL, "measure") and cpukernel.available():
         return dict.fromkeys(HEAD_WIDTHS, KERNEL)
     if mode == "plain" or not weight.numel():  # (an untied head emptied while packed: nothing to time)
         return dict.fromkeys(HEAD_WIDTHS, "library")

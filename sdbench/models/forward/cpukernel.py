@@ -149,7 +149,7 @@ def build(variant: str = "native") -> ctypes.CDLL:
             getattr(found, f"sd_linear_grouped_{kind}").argtypes = [ptr, ptr, ptr, ptr, n, n, n]
     found.sd_rms_norm.argtypes = [ptr, ptr, ptr, n, n, ctypes.c_float]
     found.sd_silu_mul.argtypes = [ptr, ptr, n, n]
-    found.sd_attend.argtypes = [ptr] * 6 + [n] * 8 + [ctypes.c_float]
+    found.sd_attend.argtypes = [ptr] * 6 + [n] * 8 + [ctypes.c_float, ptr]
     return found
 
 
@@ -271,15 +271,17 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 def attend(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-           start: int, n_heads: int, scale: float) -> torch.Tensor:
-    """Causal attention of T new tokens per row at positions start..start+T-1 over a dense cache, their keys
-    rotated and written with their values into it first: qkv [B, T, (Hq + 2 Hk) D], cos/sin' [B, 1, T, Dr]
-    contiguous (the rotary tables, as `cpulayer.tables` makes them), keys/values [B, Hk, capacity, D] (contiguous)
-    -> [B, T, Hq D]."""
+           start: int, n_heads: int, scale: float, tree: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal attention of T new tokens per row at slots start..start+T-1 over a dense cache, their keys rotated and
+    written with their values into it first: qkv [B, T, (Hq + 2 Hk) D], cos/sin' [B, 1, T, Dr] contiguous (the rotary
+    tables, as `cpulayer.tables` makes them), keys/values [B, Hk, capacity, D] (contiguous) -> [B, T, Hq D]. tree:
+    the tokens are a token tree's nodes, tree [B, T, T] uint8 (contiguous) holding 1 where node u is node t or one of
+    its ancestors (`kv.cache.TreeStep.ancestors`): each node sees the slots before start and its own path."""
     B, T, _ = qkv.shape
     _, n_kv, cap, D = keys.shape
     qkv = qkv.contiguous()
     out = qkv.new_empty(B, T, n_heads * D)
     library().sd_attend(qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), keys.data_ptr(), values.data_ptr(),
-                        out.data_ptr(), B, T, n_heads, n_kv, D, cos.shape[-1], start, cap, scale)
+                        out.data_ptr(), B, T, n_heads, n_kv, D, cos.shape[-1], start, cap, scale,
+                        None if tree is None else tree.data_ptr())
     return out

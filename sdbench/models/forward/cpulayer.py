@@ -13,17 +13,20 @@ It is taken per forward where it computes what the layer loop computes: the pack
 or quantised blocks), a
 family with Llama's layer (RMSNorm before attention and MLP, no q/k norms, no soft-capping, no residual scale, a
 SiLU-gated MLP, fused q/k/v), no sliding window, a dense cache (not a sparse or scoring one) at one start position
-for every row, a chain of at most FUSED_TOKENS tokens (not a tree), eagerly. Any other forward runs the loop.
+for every row, a chain of at most FUSED_TOKENS tokens or a token tree of at most TREE_TOKENS nodes, eagerly. Any
+other forward runs the loop. A tree's node gets the bits its token gets decoded alone (`kernels/layer.c`), so a
+tree's verification is as exact as a chain's.
 """
 
 from __future__ import annotations
 
 import torch
 
-from sdbench.kv.cache import DenseKVCache, StepIndex
+from sdbench.kv.cache import DenseKVCache, StepIndex, TreeStep
 from sdbench.models.forward import cpukernel, cpupacked, forward_paths, quants
 
 FUSED_TOKENS = 16  # the widest forward (tokens per row) taken: decoding, a draft's catch-up, verifications
+TREE_TOKENS = 256  # the largest token tree taken (nodes per row, the root included): lookahead's branches too
 SILU = ("SiLU", "SiLUActivation")  # torch's module, and the library's own (`transformers.activations`)
 
 
@@ -47,9 +50,18 @@ def fits(runner) -> bool:
 
 
 def wanted(cache, step) -> bool:
-    """Whether a forward of a runner that `fits` runs fused: a chain over a dense cache the layers can take."""
-    return (type(step) is StepIndex and step.uniform and step.T <= FUSED_TOKENS and type(cache) is DenseKVCache
-            and step.kv_len <= cache.capacity and cache.k[0].is_contiguous())
+    """Whether a forward of a runner that `fits` runs fused: a chain, or a tree placed on the host, over a dense
+    cache the layers can take."""
+    chain = type(step) is StepIndex and step.T <= FUSED_TOKENS
+    tree = type(step) is TreeStep and step.start is not None and step.T <= TREE_TOKENS
+    return ((chain or tree) and step.uniform and type(cache) is DenseKVCache and step.kv_len <= cache.capacity
+            and cache.k[0].is_contiguous())
+
+
+def ancestors(step: StepIndex) -> torch.Tensor | None:
+    """A tree step's ancestors as `cpukernel.attend` reads them ([B, T, T] uint8), None for a chain: made once per
+    forward, shared by every layer."""
+    return step.ancestors.to(torch.uint8).contiguous() if type(step) is TreeStep else None
 
 
 def tables(cos_sin: dict, batch: int) -> dict:
@@ -59,12 +71,13 @@ def tables(cos_sin: dict, batch: int) -> dict:
 
 
 def layer(runner, i: int, h: torch.Tensor, cache: DenseKVCache, step: StepIndex, cos: torch.Tensor,
-          sin: torch.Tensor) -> torch.Tensor:
-    """Layer i's step: hidden states [B, T, H] in, out; cos/sin from `tables`."""
+          sin: torch.Tensor, tree: torch.Tensor | None = None) -> torch.Tensor:
+    """Layer i's step: hidden states [B, T, H] in, out; cos/sin from `tables`, tree from `ancestors`."""
     attn_in, _, mlp_in, _ = runner._norms[i]
     fast = runner.path.fast.layers[i]
     x = cpukernel.rms_norm(h, attn_in.weight, attn_in.variance_epsilon)
-    o = cpukernel.attend(fast.qkv(x), cos, sin, cache.k[i], cache.v[i], step.start[0], runner.n_heads, runner._scale)
+    o = cpukernel.attend(fast.qkv(x), cos, sin, cache.k[i], cache.v[i], step.start[0], runner.n_heads, runner._scale,
+                         tree)
     h = h + fast.o(o)
     x = cpukernel.rms_norm(h, mlp_in.weight, mlp_in.variance_epsilon)
     return h + fast.down(cpukernel.silu_mul(fast.up(x)))

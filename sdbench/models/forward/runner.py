@@ -216,13 +216,13 @@ class ModelRunner:
         r = fam.residual_scale
         fused = self.fused_layers and cpulayer.wanted(cache, step)  # a Llama layer's step in a few calls
         if fused:
-            cos_sin = cpulayer.tables(cos_sin, tokens.shape[0])
+            cos_sin, tree = cpulayer.tables(cos_sin, tokens.shape[0]), cpulayer.ancestors(step)
         for i, layer in enumerate(self.layers):
             if taps is not None:
                 taps.put(i, h)
             cos, sin = cos_sin[self.rotary.layer_types[i]]
             if fused:
-                h = cpulayer.layer(self, i, h, cache, step, cos, sin)
+                h = cpulayer.layer(self, i, h, cache, step, cos, sin, tree)
                 continue
             fast = self.path.layer(i)
             attn_in, attn_out, mlp_in, mlp_out = self._norms[i]  # Llama: (input, None, post_attention, None)

@@ -4,7 +4,9 @@
  *
  * e^x is taken eight values at a time (exp8), within a few units in the last place of the C library's expf, and the
  * sums run in other orders than torch's: attention and the activation agree with torch's to float32's rounding, not
- * bit for bit (as the products' sums do).
+ * bit for bit (as the products' sums do). Each is width-invariant: a query's output, a row's norm, are the same
+ * bits whatever the number of tokens in the step and the rows in the batch (a key's score is taken the same way in
+ * whichever block of 8 keys it falls; the softmax and the value mix run over a query's keys in their order).
  */
 
 /* y [rows, n] = w * (x * 1/sqrt(mean(x^2) + eps)), as Llama's RMSNorm computes it in float32 */
@@ -69,15 +71,6 @@ static void rotate(const float *x, const float *cos, const float *sin, float *ou
   long half = Dr / 2;
   for (long d = 0; d < Dr; d++) out[d] = x[d] * cos[d] + x[d < half ? d + half : d - half] * sin[d];
   for (long d = Dr; d < D; d++) out[d] = x[d];
-}
-
-static float dot(const float *a, const float *b, long n) {
-  __m256 s = _mm256_setzero_ps();
-  long i = 0;
-  for (; i + 8 <= n; i += 8) s = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), s);
-  float t = hsum(s);
-  for (; i < n; i++) t += a[i] * b[i];
-  return t;
 }
 
 /* q [D] against 8 keys k [8, D]: the 8 dot products in one vector, each key its own sum */
@@ -156,8 +149,14 @@ static void attend_head(const float *q, const float *keys, const float *values, 
   for (; j + 8 <= seen; j += 8) /* a block past a query's last key gives it scores softmax_weights masks */
     for (long t = j > start ? j - start : 0; t < T; t++)
       _mm256_storeu_ps(s + t * stride + j, _mm256_mul_ps(dot8(q + t * D, keys + j * D, D), SPLAT(scale)));
-  for (; j < seen; j++)
-    for (long t = j > start ? j - start : 0; t < T; t++) s[t * stride + j] = dot(q + t * D, keys + j * D, D) * scale;
+  if (j < seen) { /* the last keys, fewer than 8, in a block padded with zero keys: dot8 gives each key the score a
+                    full block would (width-invariant: a key's score the same bits whichever block it ends) */
+    float pad[8 * D];
+    for (long k = 0; k < 8; k++)
+      for (long d = 0; d < D; d++) pad[k * D + d] = j + k < seen ? keys[(j + k) * D + d] : 0.0f;
+    for (long t = j > start ? j - start : 0; t < T; t++)
+      _mm256_storeu_ps(s + t * stride + j, _mm256_mul_ps(dot8(q + t * D, pad, D), SPLAT(scale)));
+  }
   float total[T];
   for (long t = 0; t < T; t++) {
     total[t] = softmax_weights(s + t * stride, start + t + 1);
@@ -174,13 +173,54 @@ static void attend_head(const float *q, const float *keys, const float *values, 
     for (long d = 0; d < D; d++) o[t * ostride + d] *= 1.0f / total[t];
 }
 
-/* One step of causal attention over a dense cache for T new tokens per row at positions start..start+T-1 (T a few:
+/* The T nodes q [T, D] of one head's token tree (anc [T, T]: anc[t][u] = 1 where node u is node t or one of its
+ * ancestors, ancestors before their descendants) over the cache's first `start` keys and values and the tree's, node
+ * u's at slot start + u: node t sees the prefix, then its ancestors and itself in order, and gets the bits a chain's
+ * query gets at its depth (plain decoding's, one token at a time): the same score per key (dot8), softmax and value
+ * mix over its keys in the same order. The prefix's whole blocks of 8 keys are read once for all nodes; the rest,
+ * per node, gathered into padded blocks. s is room for [T, stride] scores, v room for [T, D] values. */
+static void attend_tree_head(const float *q, const float *keys, const float *values, long T, long start, long D,
+                             float scale, float *s, long stride, float *v, const uint8_t *anc, float *o,
+                             long ostride) {
+  long full = start / 8 * 8;
+  for (long j = 0; j < full; j += 8)
+    for (long t = 0; t < T; t++)
+      _mm256_storeu_ps(s + t * stride + j, _mm256_mul_ps(dot8(q + t * D, keys + j * D, D), SPLAT(scale)));
+  long rows = MIX_BYTES / (D * (long)sizeof(float));
+  if (rows < 8) rows = 8;
+  float pad[8 * D];
+  long slot[8 + T];
+  for (long t = 0; t < T; t++) {
+    long m = 0; /* the node's keys past the whole blocks: the prefix's last ones, then its path */
+    for (long j = full; j < start; j++) slot[m++] = j;
+    for (long u = 0; u < T; u++)
+      if (anc[t * T + u]) slot[m++] = start + u;
+    for (long k0 = 0; k0 < m; k0 += 8) {
+      for (long k = 0; k < 8; k++)
+        for (long d = 0; d < D; d++) pad[k * D + d] = k0 + k < m ? keys[slot[k0 + k] * D + d] : 0.0f;
+      _mm256_storeu_ps(s + t * stride + full + k0, _mm256_mul_ps(dot8(q + t * D, pad, D), SPLAT(scale)));
+    }
+    float total = softmax_weights(s + t * stride, full + m), *ot = o + t * ostride;
+    for (long d = 0; d < D; d++) ot[d] = 0.0f;
+    for (long j = 0; j < start; j += rows) /* the prefix's values in place, then the path's gathered */
+      mix(s + t * stride + j, values + j * D, start - j < rows ? start - j : rows, D, ot);
+    long path = m - (start - full);
+    for (long k = 0; k < path; k++)
+      for (long d = 0; d < D; d++) v[k * D + d] = values[slot[start - full + k] * D + d];
+    mix(s + t * stride + start, v, path, D, ot);
+    for (long d = 0; d < D; d++) ot[d] *= 1.0f / total;
+  }
+}
+
+/* One step of causal attention over a dense cache for T new tokens per row at slots start..start+T-1 (T a few:
  * each query head holds T rows of scores over the cache while it works):
  * qkv [B, T, (Hq + 2 Hk) D] (queries, keys, values side by side), cos/sin [B, T, Dr]; the rotated keys and the
- * values are written to kc/vc [B, Hk, cap, D] at their positions, and out [B, T, Hq D] gets each query's
- * softmax(q k^T * scale) v over the slots up to its own (query head h reads key/value head h / (Hq / Hk)). */
+ * values are written to kc/vc [B, Hk, cap, D] at their slots, and out [B, T, Hq D] gets each query's
+ * softmax(q k^T * scale) v over the slots up to its own (query head h reads key/value head h / (Hq / Hk)); with
+ * tree [B, T, T] (not NULL), the tokens are a token tree's nodes and each sees the slots before start, its
+ * ancestors and itself (attend_tree_head). */
 void sd_attend(const float *qkv, const float *cos, const float *sin, float *kc, float *vc, float *out, long B,
-               long T, long Hq, long Hk, long D, long Dr, long start, long cap, float scale) {
+               long T, long Hq, long Hk, long D, long Dr, long start, long cap, float scale, const uint8_t *tree) {
   long width = (Hq + 2 * Hk) * D, group = Hq / Hk;
 #pragma omp parallel for collapse(2) schedule(static)
   for (long b = 0; b < B; b++)
@@ -195,11 +235,16 @@ void sd_attend(const float *qkv, const float *cos, const float *sin, float *kc, 
   for (long b = 0; b < B; b++)
     for (long h = 0; h < Hq; h++) {
       long g = h / group, stride = (start + T + 7) / 8 * 8;
-      float *q = malloc((T * D + T * stride) * sizeof(float));
+      float *q = malloc((2 * T * D + T * stride) * sizeof(float));
       for (long t = 0; t < T; t++)
         rotate(qkv + (b * T + t) * width + h * D, cos + (b * T + t) * Dr, sin + (b * T + t) * Dr, q + t * D, D, Dr);
-      attend_head(q, kc + (b * Hk + g) * cap * D, vc + (b * Hk + g) * cap * D, T, start, D, scale, q + T * D, stride,
-                  out + b * T * Hq * D + h * D, Hq * D);
+      const float *keys = kc + (b * Hk + g) * cap * D, *values = vc + (b * Hk + g) * cap * D;
+      float *o = out + b * T * Hq * D + h * D;
+      if (tree)
+        attend_tree_head(q, keys, values, T, start, D, scale, q + 2 * T * D, stride, q + T * D, tree + b * T * T, o,
+                         Hq * D);
+      else
+        attend_head(q, keys, values, T, start, D, scale, q + 2 * T * D, stride, o, Hq * D);
       free(q);
     }
 }

@@ -7,6 +7,8 @@
  *  - blocked (sd_pack): output rows in blocks of 8, each block holding for every input i the 8 weights
  *    w[8b + j][i] side by side, the last block padded with zeros. One output block is one sequential stream,
  *    a row of x meets it as a broadcast scalar per input, and no horizontal sums are needed. Any rows.
+ * Both are width-invariant: a row's outputs are the same bits whatever the number of rows in the call (a
+ * verification's row, a tree's node, a row of a batch equal the same token decoded alone).
  *  - plain [out, n] (sd_linear_plain): a weight read in place (a vocabulary head tied to the embedding table),
  *    one sequential stream per output row. At most 8 rows.
  *
@@ -15,6 +17,7 @@
 #include <immintrin.h>
 #include <math.h>
 #include <stddef.h>
+#include <stdint.h>
 #include <stdlib.h>
 
 #if !defined(__AVX2__) || !defined(__FMA__)
@@ -63,135 +66,96 @@ ALWAYS void store8(float *y, long o, long out, __m256 s, const float *b) {
 #define R_7(F) R_6(F) F(6)
 #define R_8(F) R_7(F) F(7)
 
-#define ZERO(r) __m256 c##r = _mm256_setzero_ps();
-#define ZERO2(r) __m256 c##r = _mm256_setzero_ps(), d##r = c##r;
-#define FMA1(r) c##r = _mm256_fmadd_ps(wa, _mm256_broadcast_ss(x + r * n + i), c##r);
-#define OUT1(r) store8(y + r * out, o, out, c##r, b);
-#define OUT2(r) OUT1(r) store8(y + r * out, o + 8, out, d##r, b);
-
-ALWAYS __m256 load8(const float *y, long o, long out) {
-  if (o + 8 <= out) return _mm256_loadu_ps(y + o);
-  float t[8] = {0};
-  for (long j = 0; o + j < out; j++) t[j] = y[o + j];
-  return _mm256_loadu_ps(t);
-}
-
-/* R rows of x against one output block (8 outputs): decoding and verification widths */
-#define BLOCK1(R)                                                                                               \
-  static void block1_##R(const float *x, long n, const float *wp, const float *b, float *y, long out, long o) { \
-    R_##R(ZERO) for (long i = 0; i < n; i++) {                                                                  \
-      __m256 wa = _mm256_load_ps(wp + i * 8);                                                                   \
-      R_##R(FMA1)                                                                                               \
-    }                                                                                                           \
-    R_##R(OUT1)                                                                                                 \
-  }
-BLOCK1(5) BLOCK1(6) BLOCK1(7) BLOCK1(8)
-
-/* 2-4 rows: two sums per row over alternate inputs, so that each row's chain of dependent FMAs is not what
- * limits the stream (a single chain waits an FMA's latency per 32 bytes of weights) */
-#define FMA1D(r) d##r = _mm256_fmadd_ps(wb, _mm256_broadcast_ss(x + r * n + i + 1), d##r);
-#define SUM2(r) c##r = _mm256_add_ps(c##r, d##r);
-#define BLOCK1U2(R)                                                                                             \
-  static void block1_##R(const float *x, long n, const float *wp, const float *b, float *y, long out, long o) { \
-    R_##R(ZERO2) long i = 0;                                                                                    \
-    for (; i + 2 <= n; i += 2) {                                                                                \
-      __m256 wa = _mm256_load_ps(wp + i * 8), wb = _mm256_load_ps(wp + i * 8 + 8);                              \
-      R_##R(FMA1) R_##R(FMA1D)                                                                                  \
-    }                                                                                                           \
-    for (; i < n; i++) {                                                                                        \
-      __m256 wa = _mm256_load_ps(wp + i * 8);                                                                   \
-      R_##R(FMA1)                                                                                               \
-    }                                                                                                           \
-    R_##R(SUM2) R_##R(OUT1)                                                                                     \
-  }
-BLOCK1U2(2) BLOCK1U2(3) BLOCK1U2(4)
-
 /* how far ahead (bytes) a stream of blocked weights is asked for: the hardware's own prefetch read Qwen2.5-Coder-1.5B's
  * float32 products at 23.7 GB/s a row on the 2-core Xeon; 4 KiB ahead, 28.7 (one row 260 -> 215 ms, five 285 -> 227) */
 #define PF32 4096
-/* one row (decoding): four sums over inputs i mod 4 */
-static void block1_1(const float *x, long n, const float *wp, const float *b, float *y, long out, long o) {
-  __m256 s0 = _mm256_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
-  long i = 0;
-  for (; i + 4 <= n; i += 4) {
-    _mm_prefetch((const char *)(wp + i * 8) + PF32, _MM_HINT_T0);
-    _mm_prefetch((const char *)(wp + i * 8) + PF32 + 64, _MM_HINT_T0);
-    s0 = _mm256_fmadd_ps(_mm256_load_ps(wp + i * 8), _mm256_broadcast_ss(x + i), s0);
-    s1 = _mm256_fmadd_ps(_mm256_load_ps(wp + i * 8 + 8), _mm256_broadcast_ss(x + i + 1), s1);
-    s2 = _mm256_fmadd_ps(_mm256_load_ps(wp + i * 8 + 16), _mm256_broadcast_ss(x + i + 2), s2);
-    s3 = _mm256_fmadd_ps(_mm256_load_ps(wp + i * 8 + 24), _mm256_broadcast_ss(x + i + 3), s3);
+
+/* Every row of x meets an output block in one order, whatever the rows beside it (width-invariant: a verification's
+ * row is the same bits as that token decoded alone): two sums over the inputs i mod 2, the last input (n odd) in the
+ * first, then s0 + s1. A call meets R rows against two output blocks at once (pa, pb) or, the last of an odd number
+ * of blocks, one (pa; pb NULL) over the inputs [i0, i1) (i0 even), the sums so far waiting in acc [R, 2, 2, 8]
+ * (row, block, sum) between calls: many rows (a prefill) pass over the blocks a chunk of inputs at a time, which
+ * stays in L1 while every group of rows meets it. Each broadcast of an input meets both blocks, and the two streams
+ * of weights are read side by side: four independent sums a row keep the FMAs' latency hidden even for one row. */
+#define PZERO(r)                                                                                               \
+  __m256 s##r = _mm256_load_ps(acc + 32 * r), t##r = _mm256_load_ps(acc + 32 * r + 8),                         \
+         u##r = _mm256_load_ps(acc + 32 * r + 16), v##r = _mm256_load_ps(acc + 32 * r + 24);
+#define PFMA(r, k, A, B)                                                                                       \
+  {                                                                                                            \
+    __m256 xv = _mm256_broadcast_ss(x + r * n + i + k);                                                        \
+    A##r = _mm256_fmadd_ps(wa, xv, A##r);                                                                      \
+    if (pb) B##r = _mm256_fmadd_ps(wb, xv, B##r);                                                              \
   }
-  for (; i < n; i++) s0 = _mm256_fmadd_ps(_mm256_load_ps(wp + i * 8), _mm256_broadcast_ss(x + i), s0);
-  store8(y, o, out, _mm256_add_ps(_mm256_add_ps(s0, s1), _mm256_add_ps(s2, s3)), b);
+#define P0(r) PFMA(r, 0, s, u)
+#define P1(r) PFMA(r, 1, t, v)
+#define PKEEP(r)                                                                                               \
+  _mm256_store_ps(acc + 32 * r, s##r), _mm256_store_ps(acc + 32 * r + 8, t##r);                                \
+  _mm256_store_ps(acc + 32 * r + 16, u##r), _mm256_store_ps(acc + 32 * r + 24, v##r);
+#define PSTEP(k)                                                                                               \
+  wa = _mm256_load_ps(pa + (i + k) * 8);                                                                       \
+  if (pb) wb = _mm256_load_ps(pb + (i + k) * 8);
+#define PAIR(R)                                                                                                \
+  static void pair_##R(const float *x, long n, long i0, long i1, const float *pa, const float *pb, float *acc) { \
+    R_##R(PZERO) long i = i0;                                                                                  \
+    __m256 wa, wb = _mm256_setzero_ps();                                                                       \
+    for (; i + 2 <= i1; i += 2) {                                                                              \
+      _mm_prefetch((const char *)(pa + i * 8) + PF32, _MM_HINT_T0);                                            \
+      if (pb) _mm_prefetch((const char *)(pb + i * 8) + PF32, _MM_HINT_T0);                                    \
+      PSTEP(0) R_##R(P0) PSTEP(1) R_##R(P1)                                                                    \
+    }                                                                                                          \
+    for (; i < i1; i++) {                                                                                      \
+      PSTEP(0) R_##R(P0)                                                                                       \
+    }                                                                                                          \
+    R_##R(PKEEP)                                                                                               \
+  }
+PAIR(1) PAIR(2) PAIR(3) PAIR(4) PAIR(5) PAIR(6)
+
+typedef void (*pair_fn)(const float *, long, long, long, const float *, const float *, float *);
+static const pair_fn pairs[7] = {0, pair_1, pair_2, pair_3, pair_4, pair_5, pair_6};
+/* rows a call meets: four sums a row held in registers (AVX-512's 32 vector registers hold six rows' with the
+ * weights; AVX2's 16, three) */
+#if defined(__AVX512VL__)
+#define PROWS 6
+#else
+#define PROWS 3
+#endif
+#define CHUNK 256  /* inputs a group of rows meets at a time when there are several groups (even) */
+#define SWEEP 48   /* rows of x per sweep over the outputs (their sums: 6 KiB a block) */
+
+/* s0 + s1 of a row's two sums for one block (acc [2, 8]), with the bias, into y */
+ALWAYS void finish(const float *acc, float *y, long o, long out, const float *b) {
+  store8(y, o, out, _mm256_add_ps(_mm256_load_ps(acc), _mm256_load_ps(acc + 8)), b);
 }
 
-/* R (<= 6) rows against two output blocks over the inputs [i0, i1): the 6x16 tile of a wide product (a
- * prefill). The inputs come in chunks that keep both blocks' weights and the rows' inputs in L1 while every
- * group of rows passes over them; the sums so far wait in y between chunks (bias added after the last). */
-#define LOAD2(r)                             \
-  __m256 c##r = load8(y + r * out, o, out),  \
-         d##r = load8(y + r * out, o + 8, out);
-#define FMA2(r)                                           \
-  {                                                       \
-    __m256 xv = _mm256_broadcast_ss(x + r * n + i);       \
-    c##r = _mm256_fmadd_ps(wa, xv, c##r);                 \
-    d##r = _mm256_fmadd_ps(wb, xv, d##r);                 \
+/* rows (<= SWEEP) of x against the output block at o (pa its weights) and the next one (pb; NULL: none) */
+static void block_rows(const float *x, long rows, long n, const float *pa, const float *pb, const float *b, float *y,
+                       long out, long o) {
+  float acc[SWEEP * 32] __attribute__((aligned(32)));
+  for (long j = 0; j < rows * 32; j++) acc[j] = 0.0f;
+  long step = rows <= PROWS ? n : CHUNK;
+  for (long i0 = 0; i0 < n; i0 += step) {
+    long i1 = i0 + step < n ? i0 + step : n;
+    for (long r0 = 0; r0 < rows; r0 += PROWS)
+      pairs[rows - r0 < PROWS ? rows - r0 : PROWS](x + r0 * n, n, i0, i1, pa, pb, acc + 32 * r0);
   }
-#define TILE(R)                                                                                               \
-  static void tile_##R(const float *x, long n, long i0, long i1, const float *pa, const float *pb,           \
-                       const float *b, float *y, long out, long o) {                                         \
-    R_##R(LOAD2) for (long i = i0; i < i1; i++) {                                                             \
-      _mm_prefetch((const char *)(pa + i * 8) + PF32, _MM_HINT_T0);                                           \
-      _mm_prefetch((const char *)(pb + i * 8) + PF32, _MM_HINT_T0);                                           \
-      __m256 wa = _mm256_load_ps(pa + i * 8), wb = _mm256_load_ps(pb + i * 8);                                \
-      R_##R(FMA2)                                                                                             \
-    }                                                                                                         \
-    R_##R(OUT2)                                                                                               \
-  }
-TILE(1) TILE(2) TILE(3) TILE(4) TILE(5) TILE(6)
-
-typedef void (*tile_fn)(const float *, long, long, long, const float *, const float *, const float *, float *, long,
-                        long);
-static const tile_fn tiles[7] = {0, tile_1, tile_2, tile_3, tile_4, tile_5, tile_6};
-#define CHUNK 256
-
-typedef void (*block_fn)(const float *, long, const float *, const float *, float *, long, long);
-static const block_fn blocks1[9] = {0, block1_1, block1_2, block1_3, block1_4, block1_5, block1_6, block1_7, block1_8};
-
-/* any rows against one output block, 8 at a time */
-static void narrow(const float *x, long rows, long n, const float *wp, const float *b, float *y, long out, long o) {
-  for (long r0 = 0; r0 < rows; r0 += 8)
-    blocks1[rows - r0 < 8 ? rows - r0 : 8](x + r0 * n, n, wp, b, y + r0 * out, out, o);
-}
-
-/* any rows against two output blocks: chunk by chunk of the inputs, 6 rows at a time */
-static void wide(const float *x, long rows, long n, const float *pa, const float *pb, const float *b, float *y,
-                 long out, long o) {
   for (long r = 0; r < rows; r++) {
-    store8(y + r * out, o, out, _mm256_setzero_ps(), 0);
-    store8(y + r * out, o + 8, out, _mm256_setzero_ps(), 0);
-  }
-  for (long i0 = 0; i0 < n; i0 += CHUNK) {
-    long i1 = i0 + CHUNK < n ? i0 + CHUNK : n;
-    const float *bias = i1 == n ? b : 0;
-    for (long r0 = 0; r0 < rows; r0 += 6)
-      tiles[rows - r0 < 6 ? rows - r0 : 6](x + r0 * n, n, i0, i1, pa, pb, bias, y + r0 * out, out, o);
+    finish(acc + 32 * r, y + r * out, o, out, b);
+    if (pb) finish(acc + 32 * r + 16, y + r * out, o + 8, out, b);
   }
 }
 
-/* y [rows, out] = x [rows, n] W^T (+ b), W blocked (sd_pack); x and y contiguous, wp 32-byte aligned */
+/* y [rows, out] = x [rows, n] W^T (+ b), W blocked (sd_pack); x and y contiguous, wp 32-byte aligned: the blocks in
+ * pairs, the last one alone where their number is odd */
 void sd_linear_blocked(const float *x, const float *wp, const float *b, float *y, long rows, long n, long out) {
-  long blocks = (out + 7) / 8;
-  if (rows == 1) { /* decoding: one block at a time; two or more rows meet two blocks per broadcast (fewer loads) */
+  long blocks = (out + 7) / 8, units = (blocks + 1) / 2;
+  for (long c = 0; c < rows; c += SWEEP) {
+    long chunk = rows - c < SWEEP ? rows - c : SWEEP;
 #pragma omp parallel for schedule(static)
-    for (long k = 0; k < blocks; k++) narrow(x, rows, n, wp + k * n * 8, b, y, out, 8 * k);
-    return;
+    for (long k = 0; k < units; k++) {
+      const float *second = 2 * k + 1 < blocks ? wp + (2 * k + 1) * n * 8 : 0;
+      block_rows(x + c * n, chunk, n, wp + 2 * k * n * 8, second, b, y + c * out, out, 16 * k);
+    }
   }
-  long pairs = blocks / 2;
-#pragma omp parallel for schedule(static)
-  for (long k = 0; k < pairs; k++)
-    wide(x, rows, n, wp + 2 * k * n * 8, wp + (2 * k + 1) * n * 8, b, y, out, 16 * k);
-  if (blocks % 2) narrow(x, rows, n, wp + (blocks - 1) * n * 8, b, y, out, 8 * (blocks - 1));
 }
 
 ALWAYS float hsum(__m256 v) {
@@ -202,7 +166,8 @@ ALWAYS float hsum(__m256 v) {
   return _mm_cvtss_f32(_mm_add_ss(lo, sh));
 }
 
-/* R rows of x against one plain output row o, two sums per row */
+/* R rows of x against one plain output row o, two sums per row: each row's the same whatever R */
+#define ZERO2(r) __m256 c##r = _mm256_setzero_ps(), d##r = c##r;
 #define DOT(r)                                                              \
   c##r = _mm256_fmadd_ps(wa, _mm256_loadu_ps(x + r * n + i), c##r);         \
   d##r = _mm256_fmadd_ps(wb, _mm256_loadu_ps(x + r * n + i + 8), d##r);
@@ -218,6 +183,7 @@ ALWAYS float hsum(__m256 v) {
       const float *wr = w + o * n;                                                                       \
       R_##R(ZERO2) long i = 0;                                                                           \
       for (; i + 16 <= n; i += 16) {                                                                     \
+        _mm_prefetch((const char *)(wr + i) + PF32, _MM_HINT_T0);                                        \
         __m256 wa = _mm256_loadu_ps(wr + i), wb = _mm256_loadu_ps(wr + i + 8);                           \
         R_##R(DOT)                                                                                       \
       }                                                                                                  \

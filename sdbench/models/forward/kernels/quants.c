@@ -7,7 +7,8 @@
  *  - Q4_0 (18 bytes): 16 bytes, input j in the low four bits of byte j and input j + 16 in the high four; w = d (q - 8).
  * A block is de-quantised to float32 in registers (d q is exact in float32: the value a de-quantised copy holds)
  * and met by every row of x while it is there, so the weights are read once per call whatever the rows; the sums
- * run in another order than a product over the de-quantised copy. Compiled after products.c as one unit
+ * run in another order than a product over the de-quantised copy, and in the same order for a row whatever the rows
+ * beside it (width-invariant; the integer products below are too: their block sums are exact). Compiled after products.c as one unit
  * (models/forward/cpukernel.py), whose ALWAYS, R_n and hsum it uses; F16C for the scales.
  */
 #include <stdint.h>
@@ -42,48 +43,37 @@ ALWAYS __m256 part_q4_0(const void *blk, int k, __m256 d) {
 
 ALWAYS __m256 scale(const void *blk) { return _mm256_set1_ps(_cvtsh_ss(*(const uint16_t *)blk)); }
 
-/* R rows against one output row: two sums per row (parts 0, 2 and 1, 3), so that a row's dependent FMAs are not
- * what limits the stream; one row keeps four */
-#define QZERO(r) __m256 a##r = _mm256_setzero_ps(), b##r = a##r;
-#define FMA_A(r) a##r = _mm256_fmadd_ps(w, _mm256_loadu_ps(x + r * n + j), a##r);
-#define FMA_B(r) b##r = _mm256_fmadd_ps(w, _mm256_loadu_ps(x + r * n + j), b##r);
-#define STORE(r) y[r * out] = hsum(_mm256_add_ps(a##r, b##r)) + bias;
+/* R rows against one output row, each row in the one order a row alone takes (width-invariant): per block the parts'
+ * products over its de-quantised quants, t = p0 x0 + p2 x2 and u = p1 x1 + p3 x3, and (t + u) times the block's scale
+ * into one of two sums (even and odd blocks), added at the end; the scale is met once a block instead of four times */
+#define BZERO(r) __m256 s##r = _mm256_setzero_ps(), z##r = s##r;
+#define BBLOCK(r)                                                                                              \
+  {                                                                                                            \
+    const float *xr = x + r * n + i;                                                                           \
+    __m256 t = _mm256_mul_ps(p0, _mm256_loadu_ps(xr)), u = _mm256_mul_ps(p1, _mm256_loadu_ps(xr + 8));          \
+    t = _mm256_fmadd_ps(p2, _mm256_loadu_ps(xr + 16), t);                                                      \
+    u = _mm256_fmadd_ps(p3, _mm256_loadu_ps(xr + 24), u);                                                      \
+    if (k % 2)                                                                                                 \
+      z##r = _mm256_fmadd_ps(_mm256_add_ps(t, u), d, z##r);                                                    \
+    else                                                                                                       \
+      s##r = _mm256_fmadd_ps(_mm256_add_ps(t, u), d, s##r);                                                    \
+  }
+#define BSTORE(r) y[r * out] = hsum(_mm256_add_ps(s##r, z##r)) + bias;
 #define ROWS(T, R)                                                                                             \
   static void rows_##T##_##R(const float *x, long n, const uint8_t *wr, float bias, float *y, long out) {     \
-    R_##R(QZERO) for (long i = 0, k = 0; i < n; i += QK, k++) {                                                 \
+    __m256 one = _mm256_set1_ps(1.0f);                                                                         \
+    R_##R(BZERO) for (long i = 0, k = 0; i < n; i += QK, k++) {                                                 \
       const void *blk = wr + k * sizeof(block_##T);                                                            \
-      __m256 d = scale(blk), w = part_##T(blk, 0, d);                                                          \
-      long j = i;                                                                                              \
-      R_##R(FMA_A) w = part_##T(blk, 1, d), j = i + 8;                                                         \
-      R_##R(FMA_B) w = part_##T(blk, 2, d), j = i + 16;                                                        \
-      R_##R(FMA_A) w = part_##T(blk, 3, d), j = i + 24;                                                        \
-      R_##R(FMA_B)                                                                                             \
+      __m256 d = scale(blk), p0 = part_##T(blk, 0, one), p1 = part_##T(blk, 1, one);                           \
+      __m256 p2 = part_##T(blk, 2, one), p3 = part_##T(blk, 3, one);                                           \
+      R_##R(BBLOCK)                                                                                            \
     }                                                                                                          \
-    R_##R(STORE)                                                                                               \
-  }
-
-/* one row: four sums, each block's sum taken before its scale (one multiply a block instead of four) */
-#define ONE(T)                                                                                                 \
-  static void rows_##T##_1(const float *x, long n, const uint8_t *wr, float bias, float *y, long out) {       \
-    (void)out;                                                                                                 \
-    __m256 s0 = _mm256_setzero_ps(), s1 = s0, one = _mm256_set1_ps(1.0f);                                      \
-    for (long i = 0, k = 0; i < n; i += QK, k++) {                                                             \
-      const void *blk = wr + k * sizeof(block_##T);                                                            \
-      __m256 t = _mm256_mul_ps(part_##T(blk, 0, one), _mm256_loadu_ps(x + i));                                 \
-      __m256 u = _mm256_mul_ps(part_##T(blk, 1, one), _mm256_loadu_ps(x + i + 8));                             \
-      t = _mm256_fmadd_ps(part_##T(blk, 2, one), _mm256_loadu_ps(x + i + 16), t);                              \
-      u = _mm256_fmadd_ps(part_##T(blk, 3, one), _mm256_loadu_ps(x + i + 24), u);                              \
-      if (k % 2)                                                                                               \
-        s1 = _mm256_fmadd_ps(_mm256_add_ps(t, u), scale(blk), s1);                                             \
-      else                                                                                                     \
-        s0 = _mm256_fmadd_ps(_mm256_add_ps(t, u), scale(blk), s0);                                             \
-    }                                                                                                          \
-    y[0] = hsum(_mm256_add_ps(s0, s1)) + bias;                                                                \
+    R_##R(BSTORE)                                                                                              \
   }
 
 typedef void (*rows_fn)(const float *, long, const uint8_t *, float, float *, long);
 #define KERNELS(T)                                                                                             \
-  ONE(T) ROWS(T, 2) ROWS(T, 3) ROWS(T, 4) ROWS(T, 5) ROWS(T, 6)                                                \
+  ROWS(T, 1) ROWS(T, 2) ROWS(T, 3) ROWS(T, 4) ROWS(T, 5) ROWS(T, 6)                                                \
   static const rows_fn rows_##T[7] = {0, rows_##T##_1, rows_##T##_2, rows_##T##_3, rows_##T##_4, rows_##T##_5, \
                                       rows_##T##_6};
 KERNELS(q8_0)
