@@ -1,7 +1,9 @@
 """Whether the CPU fast path packs a model at its shape, and into which layout: the choice, measured or overridden,
 and what is kept of it.
 
-At some shapes the plain products win, so the choice is measured per shape on the products the two paths differ
+Where sdbench's own products build, a model is packed into them without measuring (INVARIANT: their rows are the
+same bits at every width, which exact verification needs). Elsewhere, since at some shapes the plain products win,
+the choice is measured per shape on the products the two paths differ
 in (`timed_paths`: plain, and packed in each layout that builds here, at WIDTHS), once per machine: it is kept in
 the cache (`choices.json`) by shape, threads, CPU and torch, so that runs on one machine take the same path (where
 the two are close, a measurement per run would flip between them, and with it every figure that depends on the
