@@ -180,8 +180,8 @@ def _table(results: list[SystemMeasurement], roofline: float, title: str) -> Tab
         ratio = "" if m is mine or not mine.tokens_per_s else f"{m.tokens_per_s / mine.tokens_per_s:.2f}x"
         rates = m.rates()
         same = ("yes" if m.outputs == ref else "no") if m.engine is None else agreement(m.outputs, ref)[0]
-        table.add_row(m.system + (" (busy)" if m.busy().busy else ""), str(sum(m.tokens)), f"{m.tokens_per_s:.2f}", f"{min(rates):.2f}-{max(rates):.2f}",
-                      ratio, same, f"{m.tokens_per_s / roofline:.0%}")
+        table.add_row(m.system + (" (busy)" if m.busy().busy else ""), str(sum(m.tokens)), f"{m.tokens_per_s:.2f}",
+                      f"{min(rates):.2f}-{max(rates):.2f}", ratio, same, f"{m.tokens_per_s / roofline:.0%}")
     plain = next((m for m in results if "no fast path" in m.system), None)
     fast = fast_row(results)
     generic = next((m for m in results if m.system == GENERIC_ROW), None)

@@ -83,8 +83,9 @@ class Measured(Generic[R]):
 
 class EveryRole(Generic[T]):
     """The one interleaved measurement: one batch decoded (or one load point served) with every role in turn, each
-    one's peak memory and the machine's use by others measured on their own. The roles are a run's (`Role`: its baseline first when one runs, whose
-    answers are what later turns continue) or `bench`'s systems, one prompt at a time."""
+    one's peak memory and the machine's use by others measured on their own. The roles are a run's (`Role`: its
+    baseline first when one runs, whose answers are what later turns continue) or `bench`'s systems, one prompt at a
+    time."""
 
     def __init__(self, roles: list[T], device: str):
         self.roles, self.device = roles, device

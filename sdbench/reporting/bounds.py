@@ -20,7 +20,7 @@ import pandas as pd
 
 from sdbench.busy import is_busy
 from sdbench.engine.formulas import combined_speedup, mean_accepted_length, speedup_bound
-from sdbench.reporting.stats import Interval
+from sdbench.reporting.stats import Interval, row_interval
 
 SLACK = 0.03  # a speedup this far above its bound is still read as the clocks' noise
 COLUMNS = ["speedup_bound", "distorted", "busy", "distortion"]
@@ -33,7 +33,8 @@ def bounded(summary: pd.DataFrame, by: list[str]) -> pd.DataFrame:
     keys = ["run_id", *by]
     baselines = {tuple(r[k] for k in keys): r for r in summary[summary["role"] == "baseline"].to_dict("records")}
     out = pd.DataFrame({"speedup_bound": np.nan, "distorted": False, "busy": False, "distortion": None},
-                       index=summary.index, columns=COLUMNS).astype({"distorted": bool, "busy": bool, "distortion": object})
+                       index=summary.index, columns=COLUMNS)
+    out = out.astype({"distorted": bool, "busy": bool, "distortion": object})
     for i, row in summary.iterrows():
         busy = _busy(row)
         if row["role"] == "baseline":
@@ -41,8 +42,8 @@ def bounded(summary: pd.DataFrame, by: list[str]) -> pd.DataFrame:
             continue
         base = baselines.get(tuple(row[k] for k in keys))
         bound = speedup_bound(float(row["mean_accepted_len"]), workers=int(row.get("workers") or 1))
-        above = [(name, _interval(row, column)) for column, name in _FIGURES
-                 if beyond(_interval(row, column), bound)]
+        above = [(name, row_interval(row, column)) for column, name in _FIGURES
+                 if beyond(row_interval(row, column), bound)]
         out.loc[i, ["speedup_bound", "busy"]] = [bound, busy or (base is not None and _busy(base))]
         if above:
             out.loc[i, "distorted"] = True
@@ -60,7 +61,9 @@ def beyond(interval: Interval, bound: float) -> bool:
 def rows_distorted(rows: pd.DataFrame) -> bool:
     """Result rows of one configuration (each with its `speedup` over the baseline row of its prompt and repeat):
     whether their speedup taken together (`combined_speedup`) is above the bound their accepted length sets."""
-    number = lambda c: pd.to_numeric(rows[c], errors="coerce") if c in rows else pd.Series(np.nan, index=rows.index)  # noqa: E731
+    def number(column: str) -> pd.Series:
+        return pd.to_numeric(rows[column], errors="coerce") if column in rows else pd.Series(np.nan, index=rows.index)
+
     tokens, steps = number("new_tokens"), number("steps")
     together = combined_speedup(tokens.to_numpy(float), number("speedup").to_numpy(float))
     length = mean_accepted_length(float(tokens.sum()), float(steps.sum()), len(rows))
@@ -71,11 +74,6 @@ def workers_of(params) -> int:
     """The most target workers verifying at once in rows' parameters (DSI's `workers`; 1 for any other strategy)."""
     settings = [json.loads(p) for p in params if isinstance(p, str) and p]
     return max([int(s.get("workers") or 1) for s in settings], default=1)
-
-
-def _interval(row, column: str) -> Interval:
-    return Interval(float(row[column]), float(row.get(f"{column}_low", np.nan)),
-                    float(row.get(f"{column}_high", np.nan)))
 
 
 def _busy(row) -> bool:

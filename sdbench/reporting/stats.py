@@ -58,6 +58,12 @@ class Interval:
         return Interval(self.value + by, self.low + by, self.high + by, self.units)
 
 
+def row_interval(row, column: str) -> Interval:
+    """A summary row's figure (`speedup`, `decode_speedup`) with its interval (`<column>_low`, `<column>_high`)."""
+    return Interval(float(row[column]), float(row.get(f"{column}_low", np.nan)),
+                    float(row.get(f"{column}_high", np.nan)))
+
+
 def _ratio(sums: np.ndarray) -> np.ndarray:
     """[..., 4] sums (tokens, seconds, reference tokens, reference seconds) -> the ratio of the two rates."""
     with np.errstate(divide="ignore", invalid="ignore"):

@@ -44,7 +44,7 @@ from sdbench.engine.metrics import speedup
 from sdbench.reporting.bounds import bounded, workers_of
 from sdbench.reporting.cells import numeric
 from sdbench.reporting.labels import labelled, prepared
-from sdbench.reporting.stats import Interval, speedup_interval
+from sdbench.reporting.stats import Interval, row_interval, speedup_interval
 
 ALL = "ALL"
 ROUND_PARTS = ("accept_s", "observe_s", "loop_s", "setup_s")  # summed over unique batches as draft_s and verify_s
@@ -94,8 +94,7 @@ def _intervals(data: pd.DataFrame, summary: pd.DataFrame, by: list[str]) -> pd.D
 
 def speedup_of(row, prefix: str = "speedup") -> Interval:
     """A summary row's speedup (or decode_speedup) with its interval."""
-    return Interval(float(row[prefix]), float(row.get(f"{prefix}_low", np.nan)),
-                    float(row.get(f"{prefix}_high", np.nan)))
+    return row_interval(row, prefix)
 
 
 def _ratio(num: float, den: float) -> float:

@@ -25,8 +25,9 @@ receives a model's plain weights builds its own fast path with `enable(model)`.
 Where sdbench's own products build, a model is packed into their layout and its head read by them at every
 verification width (`choose`): their rows are the same bits whatever the width (`kernels/products.c`), so a
 strategy's verification computes exactly what plain decoding does. Elsewhere, whether to pack at all, and into which
-layout, is measured per shape (`models/forward/cpuchoice.py`): at some shapes the plain products win. A model whose weights were snapped onto a quantised grid (`quantised`: a
-MODEL@q8_0 or @q4_0 copy) packs into those blocks, not measured: reading them as blocks is what it is for.
+layout, is measured per shape (`models/forward/cpuchoice.py`): at some shapes the plain products win. A model whose
+weights were snapped onto a quantised grid (`quantised`: a MODEL@q8_0 or @q4_0 copy) packs into those blocks, not
+measured: reading them as blocks is what it is for.
 """
 
 from __future__ import annotations

@@ -52,6 +52,7 @@ class HeadProduct:
     def __init__(self, lm_head: torch.nn.Linear):
         self.lm_head = lm_head
         self.ways = head_ways(lm_head.weight, lm_head.bias)
+        self.invariant = set(self.ways.values()) == {KERNEL}  # one product at every width up to VERIFY_ROWS
         self.blocks = self.kind = None  # the quantised copy, in a quantised layout
 
     def pack(self, layout: str = ONEDNN) -> None:
@@ -65,7 +66,7 @@ class HeadProduct:
         if self.blocks is not None:
             return cpukernel.linear_blocks(x, self.blocks, self.kind, self.lm_head.bias, self.lm_head.out_features)
         rows = x.numel() // x.shape[-1]
-        if set(self.ways.values()) == {KERNEL} and rows <= VERIFY_ROWS:  # one product at every width: invariant
+        if self.invariant and rows <= VERIFY_ROWS:
             return cpukernel.linear_plain(x, self.lm_head.weight, self.lm_head.bias)
         way = self.ways.get(_nearest_width(rows), "library")
         return HEAD_WAYS[way](x, self.lm_head.weight, self.lm_head.bias)

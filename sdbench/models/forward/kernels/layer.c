@@ -138,32 +138,45 @@ static void mix(const float *p, const float *v, long m, long D, float *o) {
     for (long r = 0; r < m; r++) o[d] += p[r] * v[r * D + d];
 }
 
+#define MIX_BYTES 8192 /* the values each pass of mix meets, for all of a step's queries: 8 KiB (16 and 32 no faster) */
+/* the values a pass of mix meets for all of a step's queries (MIX_BYTES of them, at least 8 rows): they stay in L1 */
+static long mix_rows(long D) {
+  long rows = MIX_BYTES / (D * (long)sizeof(float));
+  return rows < 8 ? 8 : rows;
+}
+
+/* s [m] = q's scores against the keys at slots slot [m] (times scale), 8 at a time in blocks padded with zero keys:
+ * each key the score dot8 gives it in a full block of the cache (width-invariant: the same bits whichever block) */
+static void gathered_scores(const float *q, const float *keys, const long *slot, long m, long D, float scale,
+                            float *s) {
+  float pad[8 * D];
+  for (long k0 = 0; k0 < m; k0 += 8) {
+    for (long k = 0; k < 8; k++)
+      for (long d = 0; d < D; d++) pad[k * D + d] = k0 + k < m ? keys[slot[k0 + k] * D + d] : 0.0f;
+    _mm256_storeu_ps(s + k0, _mm256_mul_ps(dot8(q, pad, D), SPLAT(scale)));
+  }
+}
+
 /* The T queries q [T, D] of one head over its keys and values [start + T, D], query t seeing the first
  * start + t + 1 and writing softmax(q k^T * scale) v to o + t * ostride; s is room for [T, stride] scores (stride
  * start + T rounded up to 8). Each block of 8 keys, then each MIX_BYTES of values, is read once for all the queries
  * while it is in L1: a step verifying T tokens reads the head's cache once, not T times. */
-#define MIX_BYTES 8192 /* the values each pass of mix meets, for all of a step's queries: 8 KiB (16 and 32 no faster) */
 static void attend_head(const float *q, const float *keys, const float *values, long T, long start, long D,
                         float scale, float *s, long stride, float *o, long ostride) {
   long seen = start + T, j = 0; /* query t sees key j where t >= j - start */
   for (; j + 8 <= seen; j += 8) /* a block past a query's last key gives it scores softmax_weights masks */
     for (long t = j > start ? j - start : 0; t < T; t++)
       _mm256_storeu_ps(s + t * stride + j, _mm256_mul_ps(dot8(q + t * D, keys + j * D, D), SPLAT(scale)));
-  if (j < seen) { /* the last keys, fewer than 8, in a block padded with zero keys: dot8 gives each key the score a
-                    full block would (width-invariant: a key's score the same bits whichever block it ends) */
-    float pad[8 * D];
-    for (long k = 0; k < 8; k++)
-      for (long d = 0; d < D; d++) pad[k * D + d] = j + k < seen ? keys[(j + k) * D + d] : 0.0f;
-    for (long t = j > start ? j - start : 0; t < T; t++)
-      _mm256_storeu_ps(s + t * stride + j, _mm256_mul_ps(dot8(q + t * D, pad, D), SPLAT(scale)));
-  }
+  long last[8], tail = 0; /* the last keys, fewer than 8 */
+  for (long k = j; k < seen; k++) last[tail++] = k;
+  for (long t = j > start ? j - start : 0; tail && t < T; t++)
+    gathered_scores(q + t * D, keys, last, tail, D, scale, s + t * stride + j);
   float total[T];
   for (long t = 0; t < T; t++) {
     total[t] = softmax_weights(s + t * stride, start + t + 1);
     for (long d = 0; d < D; d++) o[t * ostride + d] = 0.0f;
   }
-  long rows = MIX_BYTES / (D * (long)sizeof(float)); /* the values a pass of the queries meets stay in L1 */
-  if (rows < 8) rows = 8;
+  long rows = mix_rows(D);
   for (j = 0; j < seen; j += rows)
     for (long t = j > start ? j - start : 0; t < T; t++) {
       long m = start + t + 1 - j;
@@ -186,20 +199,13 @@ static void attend_tree_head(const float *q, const float *keys, const float *val
   for (long j = 0; j < full; j += 8)
     for (long t = 0; t < T; t++)
       _mm256_storeu_ps(s + t * stride + j, _mm256_mul_ps(dot8(q + t * D, keys + j * D, D), SPLAT(scale)));
-  long rows = MIX_BYTES / (D * (long)sizeof(float));
-  if (rows < 8) rows = 8;
-  float pad[8 * D];
-  long slot[8 + T];
+  long rows = mix_rows(D), slot[8 + T];
   for (long t = 0; t < T; t++) {
     long m = 0; /* the node's keys past the whole blocks: the prefix's last ones, then its path */
     for (long j = full; j < start; j++) slot[m++] = j;
     for (long u = 0; u < T; u++)
       if (anc[t * T + u]) slot[m++] = start + u;
-    for (long k0 = 0; k0 < m; k0 += 8) {
-      for (long k = 0; k < 8; k++)
-        for (long d = 0; d < D; d++) pad[k * D + d] = k0 + k < m ? keys[slot[k0 + k] * D + d] : 0.0f;
-      _mm256_storeu_ps(s + t * stride + full + k0, _mm256_mul_ps(dot8(q + t * D, pad, D), SPLAT(scale)));
-    }
+    gathered_scores(q + t * D, keys, slot, m, D, scale, s + t * stride + full);
     float total = softmax_weights(s + t * stride, full + m), *ot = o + t * ostride;
     for (long d = 0; d < D; d++) ot[d] = 0.0f;
     for (long j = 0; j < start; j += rows) /* the prefix's values in place, then the path's gathered */
