@@ -39,6 +39,15 @@ def parse_counts(text: str | None, option: str = "--gamma", low: int | None = No
     return values
 
 
+def parse_tokens(text: str) -> int:
+    """A number of tokens, '2048' or '2k' (a k is 1024 tokens): --prompt-len's value."""
+    value = text.strip().lower()
+    digits = value[:-1] if value.endswith("k") else value
+    if not digits.isdigit():
+        raise SdbenchError(f"--prompt-len {text}: expected a number of tokens, such as 2048 or 2k")
+    return int(digits) * (1024 if value.endswith("k") else 1)
+
+
 def parse_depths(text: str | None) -> tuple[float, ...]:
     return _named("--depth", lambda: _numbers(text or "", float, "a number from 0 to 1"))
 

@@ -211,7 +211,7 @@ def test_bench_marks_a_system_measured_on_a_busy_machine(tmp_path):
     busy = SystemMeasurement("sdbench autoregressive (fast)", True, tokens=[32], seconds=[2.0], outputs=[[1, 2]],
                              load=[(Busy(0.02, 0.0), 1.0), (Busy(0.62, 0.0), 1.0)])
     console = Console(record=True, width=300)
-    console.print(_table([quiet, busy], 100.0, "bench"))
+    console.print(_table([quiet, busy], 100.0, {}, "bench"))
     text = console.export_text()
     assert "sdbench autoregressive (fast) (busy)" in text and "transformers generate (busy)" not in text
     assert "sdbench autoregressive (fast): others 32%" in text

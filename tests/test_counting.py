@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from sdbench.commands import run as benchmark
-from sdbench.commands.divergence import first_difference, judge, tie_tolerance
+from sdbench.commands.divergence import INT8_STEP, first_difference, judge, tie_tolerance
 from sdbench.config import SamplingConfig
 from sdbench.engine.counters import RowStats
 from sdbench.engine.loop import generate
@@ -132,6 +132,9 @@ class FixedLogits:
     def prefill(self, cache, prompts):
         return self.logits.float()
 
+    def block_activations(self):
+        return None
+
 
 def test_a_tie_is_told_from_a_real_divergence():
     assert first_difference([1, 2, 3], [1, 2, 3]) is None and first_difference([1, 2, 3], [1, 5, 3]) == 1
@@ -143,7 +146,11 @@ def test_a_tie_is_told_from_a_real_divergence():
     assert judge(fp32, [9], [7, 0], [7, 0]) is None
     kind, gap = judge(fp32, [9], [7, 0], [7])  # stopped early: no choice between two tokens
     assert kind == "real" and math.isnan(gap)
-    assert tie_tolerance(20.0, torch.bfloat16) > 0.125 > tie_tolerance(20.0, torch.float32)
+    assert tie_tolerance(20.0, torch.finfo(torch.bfloat16).eps) > 0.125 > tie_tolerance(20.0, torch.finfo(torch.float32).eps)
+    # one arithmetic on both sides (width-invariant steps): no tolerance, the bfloat16 tie is a real divergence
+    assert judge(bf16, [9], [7, 0, 4], [7, 1, 4], exact=True) == ("real", 0.125)
+    # 8-bit activations round at 2^-7 of a block's largest value: the float32 gap is within that arithmetic's tie
+    assert judge(fp32, [9], [7, 0], [7, 1], step=INT8_STEP) == ("tie", 0.125)
 
 
 # ---- before anything loads ---------------------------------------------------------------------------------
@@ -295,7 +302,10 @@ def _nudged(monkeypatch, token: int, by: float | None):
 
 
 def test_a_forced_tie_is_recorded_as_a_tie_and_passes_the_gate(capsys, tmp_path, monkeypatch, tied_model):
+    """On a path whose products are chosen per width (oneDNN's packed ones), a verification that rounds the tied
+    logit up by one unit is a tie: recorded so, and compare lets it pass."""
     args, prompt, plain, at, a, b = tied_model
+    monkeypatch.setenv("SDBENCH_CPU_FAST", "packed")
     _nudged(monkeypatch, b, None)
     code, out, err = run_cli(capsys, *args, "--out", str(tmp_path / "tie"))
     assert code == 0, err
@@ -305,9 +315,28 @@ def test_a_forced_tie_is_recorded_as_a_tie_and_passes_the_gate(capsys, tmp_path,
     ours = list(strat.output_ids)
     assert first_difference(plain, ours) == at and (plain[at], ours[at]) == (a, b)  # b won the tie there
     assert not strat.lossless and strat.divergence == "tie" and strat.divergence_gap == 0.0
+    assert strat.width_invariant == False  # noqa: E712 - numpy's bool
     assert "tie)" in out
     code, _, err = run_cli(capsys, "compare", str(tmp_path / "tie"), str(tmp_path / "tie"))
     assert code == 0, err
+
+
+def test_no_tie_is_allowed_where_every_step_is_width_invariant(capsys, tmp_path, monkeypatch, tied_model):
+    """On sdbench's fused steps over its own products a verification's rows are the bits of their tokens decoded
+    alone: the same one-unit rounding, which only a bug can make there, is a real divergence, and compare fails it."""
+    args, prompt, plain, at, a, b = tied_model
+    code, out, err = run_cli(capsys, *args, "--out", str(tmp_path / "clean"))
+    assert code == 0, err
+    clean = read_results([tmp_path / "clean"])
+    assert clean.width_invariant.all() and clean.lossless.dropna().all() and "✓ exact" in out
+    _nudged(monkeypatch, b, None)
+    code, out, err = run_cli(capsys, *args, "--out", str(tmp_path / "nudged"))
+    assert code == 0, err
+    strat = read_results([tmp_path / "nudged"]).query("role == 'strategy'").iloc[0]
+    assert strat.width_invariant and not strat.lossless
+    assert strat.divergence == "real" and strat.divergence_gap == 0.0  # a tie's gap, and still real: no tolerance
+    code, _, err = run_cli(capsys, "compare", str(tmp_path / "nudged"), str(tmp_path / "nudged"))
+    assert code == 1 and "Traceback" not in err
 
 
 def test_a_real_divergence_is_recorded_as_real_and_fails_the_gate(capsys, tmp_path, monkeypatch, tied_model):

@@ -63,7 +63,9 @@ def _prompts() -> list[list[int]]:
 
 
 def _decoded(runner, proposer, prompt) -> list[int]:
-    return generate(runner, proposer, [prompt], max_new_tokens=TOKENS, sampling=SamplingConfig()).output_ids[0]
+    res = generate(runner, proposer, [prompt], max_new_tokens=TOKENS, sampling=SamplingConfig())
+    assert res.width_varied == 0  # every target step past the prefill said width-invariant: judged with no tolerance
+    return res.output_ids[0]
 
 
 def _proposer(name: str, runner, draft):
@@ -115,3 +117,22 @@ def test_a_mutant_whose_rows_sum_otherwise_together_departs(monkeypatch, tmp_pat
     _mutant(monkeypatch, tmp_path, one_chain_source())
     found, _ = departures("float32", CHAINS)
     assert found, "no strategy departed from plain decoding on the mutant"
+
+
+def test_a_step_that_is_not_width_invariant_is_counted(monkeypatch):
+    """The count the judge reads (`BatchResult.width_varied`): every step off the fused path counts, the eager
+    runner's, a batch whose rows stand at different positions (torch's attention under a mask), the packed oneDNN
+    products; the prefill never does."""
+    runner, _ = tie_pair("float32")
+    prompts = _prompts()
+    one = generate(runner, Autoregressive(), prompts[:1], max_new_tokens=8, sampling=SamplingConfig())
+    assert one.width_varied == 0 and runner.width_invariant
+    two = generate(runner, Autoregressive(), prompts[:2], max_new_tokens=8, sampling=SamplingConfig())
+    assert two.width_varied == 7  # the rows' positions differ: every step after the first token
+    eager = ModelRunner(runner.model, fast=False)
+    assert not eager.width_invariant
+    assert generate(eager, Autoregressive(), prompts[:1], max_new_tokens=8, sampling=SamplingConfig()).width_varied == 7
+    monkeypatch.setenv("SDBENCH_CPU_FAST", "packed")
+    packed = ModelRunner(tiny_pair("llama")[0], fast=True)
+    assert not packed.width_invariant
+    assert generate(packed, Autoregressive(), prompts[:1], max_new_tokens=8, sampling=SamplingConfig()).width_varied == 7

@@ -33,7 +33,7 @@ def test_measure_readies_weights_before_each_clock_and_keeps_repeats():
     # per prompt the plain-weight systems run first: the weights change twice a prompt, not per system
     assert calls[3:6] == ["a", "c", "b"] and weights[3:6] == [False, False, True]
     assert all(m.outputs == [[1, 2, 3], [5, 6, 7]] for m in results)
-    table = _table(results, 10.0, "t")
+    table = _table(results, 10.0, {}, "t")
     assert table.row_count == 3
 
 
@@ -207,7 +207,7 @@ def test_bench_fails_naming_the_system_and_prompt_whose_output_differs(capsys, t
     assert "sdbench ngram (γ=4)" in lines[0] and "prompt 2" in lines[0] and "new token 6" in lines[0]
     # the table came out first, with the differing system marked
     table = out.split("Does it carry over?")[0]  # the systems' table, not the carry-over's under it
-    assert [" no " in line for line in table.splitlines() if "│ sdbench" in line] == [False] * 4 + [True]
+    assert ["NO (1/2 prompts)" in line for line in table.splitlines() if "│ sdbench" in line] == [False] * 4 + [True]
 
 
 @pytest.mark.slow
@@ -236,6 +236,7 @@ def test_outputs_are_compared_with_generates_dynamic_cache_when_the_timed_config
     to the dynamic cache fails."""
     import sdbench.commands.bench as bench
     import sdbench.commands.bench_table as bench_table
+    from sdbench.commands.bench_judge import fail_on_real, hold
     from sdbench.commands.hf_generate import Picked
 
     dynamic = {(1, 2): [5, 6, 7, 8], (3, 4): [9, 9, 9, 9]}
@@ -248,8 +249,9 @@ def test_outputs_are_compared_with_generates_dynamic_cache_when_the_timed_config
     assert ref == [[5, 6, 7, 8], [9, 9, 9, 9]]
     assert "disagree" in line and "prompt 2" in line and "new token 3" in line and "dynamic cache" in line
     ours = SystemMeasurement("sdbench ngram (γ=4)", True, [8], [1.0], [[5, 6, 7, 8], [9, 9, 1, 9]])
+    held = hold([timed, ours], ref, [[1, 2], [3, 4]], False, lambda fast: None)
     with pytest.raises(bench_table.OutputDiffers, match="prompt 2 .first at new token 3"):
-        bench_table.check_outputs([timed, ours], ref)
+        fail_on_real(held)
     agree = SystemMeasurement(timed.system, False, [8], [1.0], [list(r) for r in ref])
     assert bench._reference(None, [[1, 2], [3, 4]], [0], 4, Picked("compiled"), agree, _Status(),
                             lambda fast: None) == (ref, None)

@@ -80,7 +80,7 @@ def _one_line_error(exc_info) -> str:
 
 def test_registry_names_aliases_and_descriptions():
     assert task_registry.names() == ["gsm8k", "humaneval", "kjv", "mt-bench", "passkey", "pg19", "sharegpt",
-                                     "spec-bench"]
+                                     "spec-bench", "speed-bench", "speed-bench-throughput"]
     aliases = [("mtbench", "mt-bench"), ("human-eval", "humaneval"), ("books", "kjv"), ("MT-Bench", "mt-bench"),
                ("specbench", "spec-bench"), ("needle", "passkey")]
     for alias, name in aliases:

@@ -9,6 +9,7 @@ import typer
 from rich.console import Console
 
 from sdbench import config as C
+from sdbench.options import parse_tokens
 
 # piped output (CI logs, files) gets room for the full tables instead of rich's 80-column default
 console = Console() if sys.stdout.isatty() else Console(width=160)
@@ -24,7 +25,7 @@ Temperature = Annotated[float, typer.Option(help="0 = greedy; otherwise lossless
 TopP = Annotated[float, typer.Option("--top-p", help="nucleus sampling mass")]
 Seed = Annotated[int, typer.Option(help="seed for prompt selection and sampling")]
 Gamma = Annotated[Optional[str], typer.Option("--gamma", "-g", help=f"draft tokens per step, or a sweep like 1,2,4,8 [default: preset or {C.DEFAULT_GAMMA}]")]
-PromptLen = Annotated[Optional[int], typer.Option("--prompt-len", help="long-context prompts of exactly this many tokens (book datasets)")]
+PromptLen = Annotated[Optional[int], typer.Option("--prompt-len", parser=parse_tokens, metavar="TOKENS", help="long-context prompts of exactly this many tokens (book datasets; 2k = 2048), or the input-length bucket of a data set made of them (see `sdbench list datasets`)")]
 Device = Annotated[str, typer.Option(help="cpu, cuda, cuda:N or auto")]
 DTYPE_HELP = ("float32, bfloat16 or float16; or q8_0 / q4_0: every model as its copy in llama.cpp's block type, read by "
               "sdbench's CPU products (a model naming its own @q8_0 or @q4_0 keeps it, as does a GGUF file of Q8_0 or "

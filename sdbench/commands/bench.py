@@ -20,7 +20,8 @@ from sdbench.commands.bench_engines import (bench_engine_systems, check_engines,
 from sdbench.commands.bench_costs import is_block, roofline_read, step_costs
 from sdbench.commands.bench_measure import measure_systems
 from sdbench.commands.bench_system import SdbenchSystem
-from sdbench.commands.bench_table import (GENERIC_ROW, SystemMeasurement, _table, check_outputs, engine_lines, fast_row,
+from sdbench.commands.bench_judge import Held, fail_on_real, held_lines, hold
+from sdbench.commands.bench_table import (GENERIC_ROW, SystemMeasurement, _table, engine_lines, fast_row,
                                           first_difference, write_bench)
 from sdbench.commands.hf_generate import MODES, TransformersSystem, generator, kwargs_for, pick
 from sdbench.config import BenchConfig
@@ -153,7 +154,7 @@ class Peers:
     device: str
     carried: list[Carried] = field(default_factory=list)  # the carry-over table's rows (bench_carry.py)
     unknown: list[str] = field(default_factory=list)  # why a speculative system has no carry-over row
-    own_arithmetic: bool = False  # the fast path computes otherwise than the library (a block copy's 8-bit activations)
+    held: dict[str, Held] = field(default_factory=dict)  # each system's outputs against what they must equal
 
     @property
     def roofline(self) -> float:
@@ -194,11 +195,11 @@ def check_bench(cfg: BenchConfig) -> None:
 
 def run_peers(cfg: BenchConfig, console: Console) -> list[SystemMeasurement]:
     """Measure, print the table and the cost ratios, write OUT/bench.parquet when asked, then fail if an sdbench
-    system's output differs from transformers generate's."""
+    system's output really differs from what it is held to (`bench_judge.py`)."""
     check_bench(cfg)
     target, draft, gamma = cfg.target, cfg.draft_model, cfg.gamma
     peers = measure_peers(cfg, console)
-    console.print(_table(peers.results, peers.roofline, f"{target} / draft {draft}, {cfg.dataset} x{peers.prompts} "
+    console.print(_table(peers.results, peers.roofline, peers.held, f"{target} / draft {draft}, {cfg.dataset} x{peers.prompts} "
                                                         f"x{cfg.repeats} repeats, {cfg.max_new_tokens} new tokens, "
                                                         f"greedy, {peers.device} {cfg.dtype}, "
                                                         f"{torch.get_num_threads()} threads"))
@@ -206,7 +207,8 @@ def run_peers(cfg: BenchConfig, console: Console) -> list[SystemMeasurement]:
                   f"cost c = T_draft / T_target ({draft}): {peers.draft_cost:.2f} (fast path, medians over the "
                   "prompts)", highlight=False)
     for line in (f"memory bandwidth: {peers.bandwidth.describe()}", peers.picked.line(), peers.disagreement,
-                 peers.fast_line, *engine_lines(peers.results, peers.reference), engine_hint(cfg, peers.device)):
+                 peers.fast_line, *engine_lines(peers.results), *held_lines(peers.held),
+                 engine_hint(cfg, peers.device)):
         if line:
             console.print(line, highlight=False, soft_wrap=True)
     if peers.carried:
@@ -218,9 +220,9 @@ def run_peers(cfg: BenchConfig, console: Console) -> list[SystemMeasurement]:
         path = write_bench(peers.results, cfg.out, dict(model=target, draft=draft, dataset=cfg.dataset,
                                                     device=peers.device, dtype=cfg.dtype,
                                                     verify_cost=peers.verify_cost, draft_cost=peers.draft_cost),
-                           peers.carried)
+                           peers.carried, peers.held)
         console.print(f"results: {path}", highlight=False)
-    check_outputs(peers.results, peers.reference, peers.own_arithmetic)
+    fail_on_real(peers.held)
     return peers.results
 
 
@@ -273,6 +275,8 @@ def measure_peers(cfg: BenchConfig, console: Console) -> Peers:
                       TransformersSystem(tgt.model, max_new, eos, kwargs_for(picked.name, dev, room)), False)
         results = measure_systems(systems, prompts, cfg.repeats, dev, status, weights)
         reference, disagreement = _reference(tgt.model, prompts, eos, max_new, picked, results[0], status, weights)
+        status.update("holding each system's outputs to what they must equal")
+        held = hold(results, reference, prompts, runner.block_activations() == "int8", weights, cfg.dtype)
         status.update("measuring the step costs: forwards, verdicts and rounds, interleaved")
         weights(True)
         costs = step_costs(runner, d_runner, [fn for _, fn, _ in systems], prompts, gamma,
@@ -282,7 +286,7 @@ def measure_peers(cfg: BenchConfig, console: Console) -> Peers:
     read = roofline_read(bandwidth.best(memory_bandwidth(dev)), results, plain_bytes, cfg.dtype in ENGINE_TYPES)
     return Peers(results, read, plain_bytes, costs.at(gamma + 1), costs.draft, picked, reference, disagreement,
                  runner.fast_path_note(), graphs_asked, bool(getattr(runner, "graphs", False)), len(prompts),
-                 str(dev), carried, unknown, runner.block_activations() == "int8")
+                 str(dev), carried, unknown, held)
 
 
 def _pick_generate(model, prompt: list[int], eos: list[int], mode: str, device, status, weights, room: int):

@@ -31,6 +31,9 @@ class SdbenchSystem:
     rounds: Rounds = field(default_factory=Rounds)
     block: bool = False  # a block head: one forward drafts its round (the carry-over's c is that round's)
     after_first: float = field(default=math.nan, init=False)  # seconds its last call ran after its first token
+    # its measured calls' target forwards past the prefill that ran otherwise than width-invariant (kv/cache.py
+    # `varied`): 0, each row was its token's bits decoded alone; None, some call's was not known
+    varied: int | None = field(default=0, init=False)
 
     def _decoded(self, prompt: list[int], budget: int | None):
         return generate(self.runner, self.proposer_factory(), [prompt], max_new_tokens=budget or self.max_new,
@@ -67,6 +70,8 @@ class SdbenchSystem:
         res = self._decoded(prompt, budget)
         out, row = res.output_ids[0], res.rows[0]
         self.after_first = res.wall_s - res.ttft_s
+        if budget is None:
+            self.varied = None if None in (self.varied, res.width_varied) else self.varied + res.width_varied
         if budget is None and len(out) > 1:
             spec = self.key[0] != "autoregressive"
             self.rounds.add(len(out) - 1, res.wall_s - res.ttft_s, row.steps if spec else len(out) - 1,

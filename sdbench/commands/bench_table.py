@@ -26,6 +26,8 @@ from sdbench.reporting.schema import env_fields
 from sdbench.servers.engines import EngineTotals
 
 GENERIC_ROW = "sdbench autoregressive, generic runner (the library's forward)"
+SAME_OUTPUT = ("sdbench's fast systems against its fast plain decoding (exact: bit for bit, every step width-invariant), "
+               "its other systems and the engines against generate's dynamic cache, up to ties in their rounding")
 
 
 class OutputDiffers(SdbenchError):
@@ -101,31 +103,11 @@ def first_difference(outputs: list[list[int]], reference: list[list[int]]) -> tu
     return None
 
 
-def check_outputs(results: list[SystemMeasurement], reference: list[list[int]] | None = None,
-                  own_arithmetic: bool = False) -> None:
-    """Raise OutputDiffers naming the first sdbench system and prompt whose tokens differ from `generate`'s
-    with its dynamic cache (`reference`; default results[0]'s); the table and the Parquet rows are already out
-    by then. own_arithmetic: the fast path computes otherwise than the library (a block copy's 8-bit
-    activations), so its systems are held to sdbench's own fast plain decoding instead, as a run's are."""
-    ref = results[0].outputs if reference is None else reference
-    plain = fast_row(results)
-    for m in results:
-        if not m.system.startswith("sdbench"):
-            continue
-        own = own_arithmetic and m.fast and plain is not None
-        found = first_difference(m.outputs, plain.outputs if own else ref)
-        if found is not None:
-            i, at = found
-            ours, theirs = m.outputs[i], (plain.outputs if own else ref)[i]
-            whose = "sdbench's fast plain decoding" if own else "transformers generate"
-            raise OutputDiffers(f"bench: {m.system} differs from {whose} on prompt {i + 1} "
-                                f"(first at new token {at + 1}: {ours[at:at + 1]} vs {theirs[at:at + 1]})")
-
-
-def write_bench(results: list[SystemMeasurement], out: str, common: dict, carried: list[Carried] = ()):
+def write_bench(results: list[SystemMeasurement], out: str, common: dict, carried: list[Carried] = (),
+                held: dict | None = None):
     """<out>/bench.parquet: one row per system and repeat, with the environment columns `run` records, the repeat's
-    TTFT and TPOT and the system's ratios over each engine (`reporting/latency.py`), and each speculative system's
-    carry-over row (`reporting/carry.py`)."""
+    TTFT and TPOT and the system's ratios over each engine (`reporting/latency.py`), each speculative system's
+    carry-over row (`reporting/carry.py`) and what its outputs were held to (`bench_judge.Held`)."""
     env = env_fields(environment(common["device"], common["dtype"]))
     ref = results[0].outputs
     carry_of = {c.system: c for c in carried}
@@ -134,12 +116,21 @@ def write_bench(results: list[SystemMeasurement], out: str, common: dict, carrie
              "tokens_per_s": m.rates()[r], "same_output": m.outputs == ref, "threads": torch.get_num_threads(),
              "ttft_s": repeat_ttft(m.repeat_calls(r)), "tpot_s": repeat_tpot(m.repeat_calls(r)),
              **latency_columns(latency_of.get(m.system)), **_engine_fields(m, ref),
-             **carry_columns(carry_of.get(m.system)), **_busy_columns(m), **env}
+             **carry_columns(carry_of.get(m.system)), **_busy_columns(m), **_held_columns((held or {}).get(m.system)),
+             **env}
             for m in results for r in range(len(m.tokens))]
     path = Path(out)
     path.mkdir(parents=True, exist_ok=True)
     pd.DataFrame(rows).to_parquet(path / "bench.parquet", index=False)
     return path / "bench.parquet"
+
+
+def _held_columns(h) -> dict:
+    """held_to (what its outputs must equal), exact (held bit for bit: every step width-invariant on both sides),
+    divergence ("real", "tie" or None) and ties (prompts parted by a tie); None on transformers' rows."""
+    if h is None:
+        return {"held_to": None, "exact": None, "divergence": None, "ties": None}
+    return {"held_to": h.against, "exact": h.exact, "divergence": h.verdict(), "ties": h.ties}
 
 
 def _busy_columns(m: SystemMeasurement) -> dict:
@@ -159,10 +150,9 @@ def _engine_fields(m: SystemMeasurement, reference: list[list[int]]) -> dict:
             "same_prompts": same_prompts(m.outputs, reference), "failed": m.failed}
 
 
-def _table(results: list[SystemMeasurement], roofline: float, title: str) -> Table:
+def _table(results: list[SystemMeasurement], roofline: float, held: dict, title: str) -> Table:
     table = Table(title=title)
-    for col in ("system", "tokens", "tokens/s (median)", "spread (min-max)", "vs peer", "same output as generate",
-                "of roofline"):
+    for col in ("system", "tokens", "tokens/s (median)", "spread (min-max)", "vs peer", "same output", "of roofline"):
         table.add_column(col, justify="right" if col != "system" else "left")
     ref = results[0].outputs
     peer = None
@@ -179,14 +169,14 @@ def _table(results: list[SystemMeasurement], roofline: float, title: str) -> Tab
         mine = plains[m.engine.engine] if m.engine is not None else peer  # an engine's rows: with its own plain
         ratio = "" if m is mine or not mine.tokens_per_s else f"{m.tokens_per_s / mine.tokens_per_s:.2f}x"
         rates = m.rates()
-        same = ("yes" if m.outputs == ref else "no") if m.engine is None else agreement(m.outputs, ref)[0]
+        same = held[m.system].cell(len(ref)) if m.system in held else "yes" if m.outputs == ref else "no"
         table.add_row(m.system + (" (busy)" if m.busy().busy else ""), str(sum(m.tokens)), f"{m.tokens_per_s:.2f}",
                       f"{min(rates):.2f}-{max(rates):.2f}", ratio, same, f"{m.tokens_per_s / roofline:.0%}")
     plain = next((m for m in results if "no fast path" in m.system), None)
     fast = fast_row(results)
     generic = next((m for m in results if m.system == GENERIC_ROW), None)
     table.caption = (f"roofline (weights read once per token at the best streaming read measured): {roofline:.1f} "
-                     "tokens/s")
+                     f"tokens/s; same output: {SAME_OUTPUT}")
     if plain and fast and plain.tokens_per_s:
         table.caption += f"; fast path / no fast path (autoregressive): {fast.tokens_per_s / plain.tokens_per_s:.2f}x"
     if plain and generic and generic.tokens_per_s:
@@ -210,23 +200,15 @@ def fast_row(results: list[SystemMeasurement]) -> SystemMeasurement | None:
                  and "no fast path" not in m.system and m.system != GENERIC_ROW), None)
 
 
-def agreement(outputs: list[list[int]], reference: list[list[int]]) -> tuple[str, str | None]:
-    """(the share of prompts whose tokens equal the reference's, as "k/n"; where the first differing prompt first
-    differs, or None). An engine computes in its own arithmetic: it is reported, not failed."""
-    first = first_difference(outputs, reference)
-    where = None if first is None else f"prompt {first[0] + 1} first differs at new token {first[1] + 1}"
-    return f"{same_prompts(outputs, reference)}/{len(reference)}", where
-
-
 def same_prompts(outputs: list[list[int]], reference: list[list[int]]) -> int:
     """Prompts whose tokens equal the reference's."""
     return sum(a == b for a, b in zip(outputs, reference))
 
 
-def engine_lines(results: list[SystemMeasurement], reference: list[list[int]]) -> list[str]:
+def engine_lines(results: list[SystemMeasurement]) -> list[str]:
     """One line per engine system: its own acceptance counters, the median gap between its stream's events (its
-    TTFT and TPOT are in the latency table, timed as every system's), its agreement with generate's tokens; or why
-    it failed."""
+    TTFT and TPOT are in the latency table, timed as every system's; its agreement with generate's tokens is the
+    table's, each differing prompt a line of `bench_judge.held_lines`); or why it failed."""
     lines = []
     for m in results:
         if m.engine is None:
@@ -241,7 +223,6 @@ def engine_lines(results: list[SystemMeasurement], reference: list[list[int]]) -
             parts.append(f"the engine's own counters: {t.accepted} of {t.drafted} drafted tokens accepted{rate_}")
         if t.itl is not None:
             parts.append(f"median ITL {t.itl * 1000:.1f} ms")
-        same, where = agreement(m.outputs, reference)
-        parts.append(f"same tokens as generate on {same} prompts" + (f" ({where})" if where else ""))
-        lines.append(f"{m.system}: " + "; ".join(parts))
+        if parts:
+            lines.append(f"{m.system}: " + "; ".join(parts))
     return lines

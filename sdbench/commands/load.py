@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from sdbench.commands.divergence import judged_output
+from sdbench.commands.divergence import invariant, judged_output, same_arithmetic
 from sdbench.commands.roles import BASELINE, EveryRole, Measured, Measuring
 from sdbench.config import RunConfig
 from sdbench.engine.formulas import rate
@@ -107,13 +107,14 @@ def _rows(bench, pair, measured: list[Measured[Scheduler]], prompts, encoded, fi
     for m in measured:
         weights = weights_of([cfg.target, *m.role.drafts])
         for req in m.result.requests:
-            p, judged = prompts[req.index], Judged(None, greedy)
+            p, judged = prompts[req.index], Judged(None, greedy, width_invariant=invariant(m.result))
             breq = base_requests.get(req.index)
             if breq is not None:  # DSI is never served
                 predicted = math.nan if m.role.is_baseline else predicted_speedup(req.stats, breq.stats)
                 divergence = judged_output(pair.target, encoded[req.index], breq.output_ids, req.output_ids,
-                                           greedy)
-                judged = Judged(served[BASELINE][req.index], greedy, predicted, divergence=divergence)
+                                           greedy, same_arithmetic(m.result, base))
+                judged = Judged(served[BASELINE][req.index], greedy, predicted, divergence=divergence,
+                                width_invariant=invariant(m.result))
             place = replace(at, category=p.category, prompt_id=p.id, depth=p.depth)
             rows.append(result_row(fields, m.role, place, served[m.role.name][req.index], judged, m.memory, weights,
                                    m.busy))

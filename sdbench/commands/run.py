@@ -17,7 +17,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from sdbench.commands.backends import backend_for
-from sdbench.commands.divergence import judged_output
+from sdbench.commands.divergence import invariant, judged_output, same_arithmetic
 from sdbench.commands.load import serve_points
 from sdbench.commands.plan import plan
 from sdbench.commands.roles import EveryRole, Measured, Measuring, Role, compared_roles, plan_roles
@@ -255,9 +255,10 @@ class RunHarness:
             for b, p in enumerate(prompts):
                 mine, base_row = row_metrics(res, b), base_rows[b] if base_rows is not None else None
                 expected = base_row.output_ids if base_row is not None else None
-                divergence = judged_output(pair.target, encoded[b], expected, mine.output_ids, greedy)
+                divergence = judged_output(pair.target, encoded[b], expected, mine.output_ids, greedy,
+                                           same_arithmetic(res, base))
                 judged = Judged(base_row, greedy, predicted, answer_found(p, mine.output_ids, pair.tokenizer),
-                                divergence)
+                                divergence, invariant(res))
                 place = replace(at, category=p.category, prompt_id=p.id, depth=p.depth)
                 rows.append(result_row(on.fields, m.role, place, mine, judged, self.backend.memory(m), weights,
                                        m.busy))

@@ -16,6 +16,7 @@ import urllib.request
 from pathlib import Path
 from typing import Callable, Iterator
 
+from sdbench.data.speed_bench import read_prepared
 from sdbench.errors import SdbenchError
 
 log = logging.getLogger(__name__)
@@ -94,6 +95,7 @@ FILE_READERS: dict[str, Callable[..., list[dict]]] = {
     "jsonl.gz": read_jsonl_gz,
     "json": read_json,
     "sqlite": read_sqlite,
+    "speed-bench": read_prepared,  # a split as SPEED-Bench's preparation writes it (parquet or JSON lines)
 }
 
 

@@ -11,7 +11,7 @@ import json
 import os
 import random
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 from sdbench.data import Prompt
 from sdbench.data.books import Book, assemble_books
@@ -94,6 +94,18 @@ def _map_records(res: Resolved) -> list[Prompt]:
     return prompts
 
 
+def refuse_placeholders(res: Resolved, prompts: Sequence[Prompt]) -> None:
+    """One line when a task declares a placeholder and any turn is one (text the copy does not hold): a run over
+    them would measure the placeholder, not the data set."""
+    spec = res.spec
+    held = [p for p in prompts if spec.placeholder and any(t.startswith(spec.placeholder) for t in p.turns)]
+    if held:
+        where = f"{res.location} ({res.source.config})" if res.source.kind == "hub" else res.location
+        raise SdbenchError(f"task '{spec.name}': {len(held)} of {len(prompts)} prompts in {where} are placeholders, "
+                           f"not prompts (the first: {held[0].id}, {held[0].category}), so nothing was run: "
+                           f"{spec.prepare or spec.missing}")
+
+
 def _subset_path(res: Resolved) -> Path:
     """A cache file named by everything that decides its content, so a changed source or rule rebuilds it."""
     try:
@@ -128,14 +140,15 @@ def _subset(res: Resolved) -> list[Prompt]:
     return prompts
 
 
-# Loaded data per (task, source, location): the key changes when the environment points elsewhere.
-_POOLS: dict[tuple[str, int, str], tuple[Prompt, ...]] = {}
+# Loaded data per (task, source, location, config): the key changes when the environment points elsewhere, and
+# a hub source's config (one location, a split per length bucket) is part of it.
+_POOLS: dict[tuple[str, int, str, str | None], tuple[Prompt, ...]] = {}
 _BOOKS: dict[tuple[str, int, str], tuple[Book, ...]] = {}
 
 
 def prompt_pool(res: Resolved) -> tuple[Prompt, ...]:
     """A prompt task's prompts from that source (a subset task's cached sample), loaded once per process."""
-    key = (res.spec.name, res.index, res.location)
+    key = (res.spec.name, res.index, res.location, res.source.config)
     if key not in _POOLS:
         _POOLS[key] = tuple(_subset(res) if res.spec.subset else _map_records(res))
     return _POOLS[key]

@@ -46,8 +46,8 @@ def _package_file(src: Source) -> tuple[Path | None, str]:
     return file, ""
 
 
-def _locate(src: Source) -> tuple[str | None, str, str]:
-    """(location or None, how it was found, why not)."""
+def _locate(src: Source, hint: str = "") -> tuple[str | None, str, str]:
+    """(location or None, how it was found, why not); hint: how to get the data, for a folder without it."""
     if src.kind == "local":
         value = os.environ.get(src.ref, "").strip()
         if not value:
@@ -55,26 +55,44 @@ def _locate(src: Source) -> tuple[str | None, str, str]:
         if not Path(value).expanduser().exists():
             # the user asked for this copy: quietly using another would mislabel their results
             raise SdbenchError(f"${src.ref} points at {value}, which does not exist")
-        return str(Path(value).expanduser()), f"local copy from ${src.ref} ({value})", ""
+        found = _local_file(src, Path(value).expanduser(), hint) if src.files else Path(value).expanduser()
+        return str(found), f"local copy from ${src.ref} ({found if src.files else value})", ""
     if src.kind == "package":
         file, why = _package_file(src)
         return (str(file), f"embedded: package {src.ref} ({src.path})", "") if file else (None, "", why)
     if not hub_usable(src.ref):
         return None, "", ""
-    return src.ref, f"hub: {src.ref} ({src.split} split, streaming)", ""
+    config = f"{src.config}, " if src.config else ""
+    return src.ref, f"hub: {src.ref} ({config}{src.split} split, streaming)", ""
 
 
-def resolve(name: str) -> Resolved:
+def _local_file(src: Source, path: Path, hint: str) -> Path:
+    """The file of src's config in the folder a local source names (the first of its `files`), or the file it
+    names when that is one of them; else one line saying what was looked for."""
+    names = [f.format(config=src.config) for f in src.files]
+    if path.is_file() and any(f"/{path.as_posix()}".endswith(f"/{n}") for n in names):
+        return path
+    found = next((path / n for n in names if path.is_dir() and (path / n).is_file()), None)
+    if found is not None:
+        return found
+    what = f"the {src.config} split" if src.config else "the data"
+    looked = ", ".join(names[:-1]) + f" or {names[-1]}" if len(names) > 1 else names[0]
+    held = f"is not {what}" if path.is_file() else f"does not hold {what}"
+    raise SdbenchError(f"${src.ref} ({path}) {held} ({looked})" + (f": {hint}" if hint else ""))
+
+
+def resolve(task: str | TaskSpec) -> Resolved:
     """The source a task's records are read from: its first available one, else its fallback's, labelled as the
-    stand-in it is (a haystack task: its book's); refused in one line when there is none."""
-    spec = task_registry.get(name)
+    stand-in it is (a haystack task: its book's); refused in one line when there is none. task: a name, or a
+    spec itself (a task narrowed to one length bucket)."""
+    spec = task_registry.get(task) if isinstance(task, str) else task
     if spec.haystack:  # built here from a book task's text: the data set is as available as the book
         res = resolve(spec.haystack)
         label = f"{spec.record_label} in {res.label}"
         return dataclasses.replace(res, label=label, how=f"built locally from {res.how}", stand_in=False)
     problems = []
     for index, src in enumerate(spec.sources):
-        location, how, why = _locate(src)
+        location, how, why = _locate(src, spec.prepare or spec.missing)
         if location is not None:
             return Resolved(spec, index, location, spec.record_label, how)
         if why:
@@ -88,7 +106,9 @@ def resolve(name: str) -> Resolved:
     package = next((s for s in spec.sources if s.kind == "package"), None)
     if package is not None:
         raise MissingPackageError(package.ref, f"task '{spec.name}'", package.install)
-    raise SdbenchError(f"task '{spec.name}': {spec.missing or 'no source available offline (set a local path or reach the hub)'}")
+    how = spec.missing or (f"not available offline: {spec.prepare}" if spec.prepare else
+                           "no source available offline (set a local path or reach the hub)")
+    raise SdbenchError(f"task '{spec.name}': {how}")
 
 
 def read_records(res: Resolved, max_records: int | None = None) -> Sequence[dict]:

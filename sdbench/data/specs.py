@@ -5,6 +5,7 @@ they map to prompts) and the `task_registry` that holds them. Turning a task int
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -34,6 +35,7 @@ class Source:
     revision: str | None = None  # hub: a branch such as refs/convert/parquet
     data_files: str | None = None
     fields: dict = field(default_factory=dict)  # overrides the task's field map for this source
+    files: tuple[str, ...] = ()  # local: the file to read in the folder named, the first that exists ({config})
 
 
 @dataclass(frozen=True)
@@ -57,7 +59,10 @@ class TaskSpec:
     fallback: str | None = None  # task to use when no source is available
     fallback_label: str = ""
     haystack: str | None = None  # retrieval tasks: the book task whose text hides the answer
-    missing: str = ""  # one line on how to get the data when no source is available
+    missing: str = ""  # one line on how to get the data when no source is available (else `prepare`)
+    placeholder: str | None = None  # a turn starting with this is a stand-in for text the copy does not hold
+    prepare: str = ""  # one line on how to make a copy without placeholders
+    lengths: tuple[str, ...] = ()  # input-length buckets ("1k", ...) --prompt-len picks; sources' {length}
 
     @classmethod
     def from_yaml(cls, path: Path) -> "TaskSpec":
@@ -71,6 +76,7 @@ class TaskSpec:
         sources = tuple(_source(path, s, raw.get("format", "")) for s in raw.pop("sources", None) or ())
         raw.pop("format", None)
         raw["aliases"] = tuple(raw.get("aliases") or ())
+        raw["lengths"] = tuple(str(n) for n in raw.get("lengths") or ())
         raw.setdefault("description", "")
         raw.setdefault("fields", {})
         known = {f.name for f in dataclasses.fields(cls)}
@@ -82,7 +88,25 @@ class TaskSpec:
             raise SdbenchError(f"{path}: kind must be one of {', '.join(KINDS)}, not '{spec.kind}'")
         if not spec.sources and not spec.fallback and not spec.haystack:
             raise SdbenchError(f"{path}: no sources, no fallback and no haystack")
+        if not all(re.fullmatch(r"[1-9]\d*k", n) for n in spec.lengths):
+            raise SdbenchError(f"{path}: lengths are thousands of tokens such as 1k or 32k, not {list(spec.lengths)}")
         return spec
+
+    def length_named(self, prompt_len: int) -> str:
+        """The length bucket --prompt-len picks: "8k" for 8000 or 8192 (data sets count a thousand either way)."""
+        for name in self.lengths:
+            if prompt_len in (int(name[:-1]) * 1000, int(name[:-1]) * 1024):
+                return name
+        last = self.lengths[-1]
+        raise SdbenchError(f"--prompt-len {prompt_len}: task '{self.name}' has input lengths of "
+                           f"{', '.join(self.lengths)} tokens only (--prompt-len {last}, {int(last[:-1]) * 1024} or "
+                           f"{int(last[:-1]) * 1000} picks {last})")
+
+    def at_length(self, name: str) -> "TaskSpec":
+        """The task narrowed to one length bucket: each source's config for it, its label naming it."""
+        sources = tuple(dataclasses.replace(s, config=s.config.format(length=name) if s.config else s.config)
+                        for s in self.sources)
+        return dataclasses.replace(self, sources=sources, label=f"{self.record_label}-{name}", lengths=())
 
     @property
     def record_label(self) -> str:
@@ -97,6 +121,7 @@ def _source(path: Path, raw: Any, default_format: str) -> Source:
     raw = dict(raw)
     ref = str(raw.pop(kind))
     fmt = "datasets" if kind == "hub" else raw.pop("format", default_format)
+    raw["files"] = tuple(raw.get("files") or ())
     if kind == "package":
         raw.setdefault("install", f"pip install {ref}")
         if "module" not in raw or "path" not in raw:

@@ -18,7 +18,7 @@ from sdbench.data import Prompt
 from sdbench.data.books import Book, as_id_list, excerpt_prompts, long_context_prompts, plain_ids
 from sdbench.data.files import is_prompt_file, load_prompt_file
 from sdbench.data.passkey import passkey_prompts
-from sdbench.data.records import book_pool, prompt_pool
+from sdbench.data.records import book_pool, prompt_pool, refuse_placeholders
 from sdbench.data.sources import Resolved, resolve
 from sdbench.data.specs import TaskSpec, task_registry
 from sdbench.errors import SdbenchError
@@ -60,21 +60,34 @@ def _select(pool: Sequence[Prompt], limit: int | None, seed: int) -> list[Prompt
 def _check_args(spec: TaskSpec, limit: int | None, prompt_len: int | None, tokenizer) -> None:
     if limit is not None and limit < 1:
         raise SdbenchError(f"--limit must be at least 1, got {limit}")
+    _check_prompt_len(spec, prompt_len)
+    if prompt_len is not None and not spec.lengths and tokenizer is None:
+        raise SdbenchError("--prompt-len needs the target's tokenizer to cut prompts to an exact token count")
+
+
+def _check_prompt_len(spec: TaskSpec, prompt_len: int | None) -> None:
+    """--prompt-len cuts book text to a length, or picks a task's length bucket; a task with buckets needs it."""
     if prompt_len is None:
+        if spec.lengths:
+            raise SdbenchError(f"task '{spec.name}' needs --prompt-len: one of {', '.join(spec.lengths)} (its "
+                               "input-length buckets)")
         return
-    if spec.kind == "prompts":
-        books = ", ".join(e.name for e in task_registry if e.meta.get("kind") == "book")
-        raise SdbenchError(f"--prompt-len needs a book dataset ({books}); '{spec.name}' is a set of prompts")
     if prompt_len < 1:
         raise SdbenchError(f"--prompt-len must be at least 1, got {prompt_len}")
-    if tokenizer is None:
-        raise SdbenchError("--prompt-len needs the target's tokenizer to cut prompts to an exact token count")
+    if spec.lengths:
+        spec.length_named(prompt_len)  # refuses a length the task does not have
+    elif spec.kind == "prompts":
+        books = ", ".join(e.name for e in task_registry if e.meta.get("kind") == "book")
+        buckets = ", ".join(e.name for e in task_registry if e.load().lengths)
+        raise SdbenchError(f"--prompt-len needs a book dataset ({books}) or a data set of input-length buckets "
+                           f"({buckets}); '{spec.name}' is a set of prompts")
 
 
 def _load(spec: TaskSpec) -> tuple[Resolved, Sequence[Prompt] | Sequence[Book]]:
     """The resolved source and its prompt pool or books. A hub source that fails mid-way is dropped and the
-    task resolved again, so it falls back (to a stand-in, for PG-19) instead of failing the run."""
-    res = resolve(spec.name)
+    task resolved again, so it falls back (to a stand-in, for PG-19) instead of failing the run. Prompts that
+    are placeholders are refused, whichever source holds them."""
+    res = resolve(spec)
     read = (lambda r: book_pool(r, spec.max_books)) if spec.kind == "book" else prompt_pool
     try:
         data = read(res)
@@ -82,19 +95,50 @@ def _load(spec: TaskSpec) -> tuple[Resolved, Sequence[Prompt] | Sequence[Book]]:
         if res.source.kind != "hub":
             raise
         log.warning("%s", err)
-        res = resolve(spec.name)  # the failed hub dataset is now skipped
+        res = resolve(spec)  # the failed hub dataset is now skipped
         data = read(res)
     if res.stand_in:
         _warn_stand_in(spec.name, res.label)
+    if spec.kind == "prompts":
+        refuse_placeholders(res, data)
     return res, data
+
+
+def _named(task: str) -> tuple[str, str | None]:
+    """(task, category) of 'TASK@CATEGORY' (that category's prompts only); (task, None) for a task or a file."""
+    name, at, category = task.rpartition("@")
+    return (name, category) if at and task not in task_registry and name in task_registry else (task, None)
+
+
+def _prompts(spec: TaskSpec, category: str | None, prompt_len: int | None) -> list[Prompt]:
+    """A prompt task's pool: at --prompt-len's bucket for a task of length buckets, of one category if asked."""
+    if spec.lengths:
+        spec = spec.at_length(spec.length_named(prompt_len))
+    pool = _load(spec)[1]
+    if category is None:
+        return list(pool)
+    category = _category(spec, pool, category)
+    return [p for p in pool if p.category == category]
+
+
+def _category(spec: TaskSpec, pool: Sequence[Prompt], asked: str) -> str:
+    """The category 'TASK@NAME' asks for: its own name, or the one that begins so (high: high_entropy)."""
+    have = sorted({p.category for p in pool})
+    matching = [c for c in have if c == asked] or [c for c in have if c.startswith(asked)]
+    if len(matching) != 1:
+        raise SdbenchError(f"task '{spec.name}' has no category '{asked}'{' alone' if matching else ''}: "
+                           f"{', '.join(have)}")
+    return matching[0]
 
 
 def check_dataset(name: str, fields: dict | None = None, depths: tuple[float, ...] = (),
                   prompt_len: int | None = None) -> None:
-    """Fails (one line) on a data set that cannot be used as asked: an unknown task, a bad prompt file, prompt
-    file fields given for a task, depths given for a task without them. Cheap: a run calls it before loading
-    models."""
+    """Fails (one line) on a data set that cannot be used as asked: an unknown task or category, a bad prompt
+    file, prompt file fields given for a task, depths given for a task without them, a --prompt-len it cannot
+    take. Cheap, so a run calls it before loading models; a task that picks a bucket or a category, or declares
+    placeholders, is loaded here too (kept for the run), so that missing or unprepared data fails first."""
     retrieval = ", ".join(e.name for e in task_registry if e.meta.get("kind") == "retrieval")
+    name, category = _named(name)
     if name not in task_registry and is_prompt_file(name):
         if depths:
             raise SdbenchError(f"--depth applies to retrieval tasks ({retrieval}), not to a prompt file")
@@ -107,26 +151,34 @@ def check_dataset(name: str, fields: dict | None = None, depths: tuple[float, ..
         raise SdbenchError(f"--depth applies to retrieval tasks ({retrieval}), not '{name}'")
     if prompt_len is None and spec.kind == "retrieval":
         raise SdbenchError(f"task '{spec.name}' needs --prompt-len: the length of each prompt in tokens")
+    if category is not None and spec.kind != "prompts":
+        raise SdbenchError(f"{name}@{category}: a category applies to a set of prompts; '{name}' is a {spec.kind} "
+                           "task")
+    _check_prompt_len(spec, prompt_len)
+    if spec.kind == "prompts" and (spec.placeholder or spec.lengths or category is not None):
+        _prompts(spec, category, prompt_len)
 
 
 def load_prompts(task: str, *, limit: int | None = None, seed: int = 0, prompt_len: int | None = None,
                  tokenizer=None, fields: dict | None = None, depths: tuple[float, ...] = ()) -> list[Prompt]:
     """The prompts of a task or a prompt file: all of them in dataset order (limit None), or `limit` picked by
-    `seed`.
+    `seed`. 'TASK@CATEGORY' keeps that category's prompts only; a task of length buckets reads the one
+    prompt_len picks.
 
     Book tasks give `limit` passages (DEFAULT_LIMIT when None): plain-text excerpts, or with prompt_len
     token-exact prompts of exactly prompt_len tokens (input_ids set, chat off); retrieval tasks give such
     prompts with an answer hidden at `depths` (spread evenly when empty)."""
     check_dataset(task, fields, depths, prompt_len)
-    if task not in task_registry:
+    name, category = _named(task)
+    if name not in task_registry:
         if prompt_len is not None:
             raise SdbenchError("--prompt-len needs a book dataset; a prompt file is a set of prompts")
         return _select(load_prompt_file(task, fields), limit, seed)
-    spec = task_registry.get(task)
+    spec = task_registry.get(name)
     _check_args(spec, limit, prompt_len, tokenizer)
-    res, data = _load(task_registry.get(spec.haystack) if spec.haystack else spec)
     if spec.kind == "prompts":
-        return _select(data, limit, seed)
+        return _select(_prompts(spec, category, prompt_len), limit, seed)
+    res, data = _load(task_registry.get(spec.haystack) if spec.haystack else spec)
     books = list(data)
     if not books:
         raise SdbenchError(f"task '{spec.name}': {res.location} holds no book text")
@@ -155,10 +207,21 @@ def encode_prompt(prompt: Prompt, tokenizer, answers: Sequence[str] = ()) -> lis
 
 def dataset_available(task: str) -> tuple[bool, str]:
     """(usable offline right now?, one line saying from where, or what to do). A stand-in is not the data
-    set, so a task that would fall back reports False and names what runs would use instead."""
+    set, so a task that would fall back reports False and names what runs would use instead. A task of length
+    buckets is usable when one of them is, and the line names those that are."""
     spec = task_registry.get(task)
+    if not spec.lengths:
+        return _available(spec)
+    found = {name: _available(spec.at_length(name)) for name in spec.lengths}
+    usable = [name for name, (ok, _) in found.items() if ok]
+    if not usable:
+        return found[spec.lengths[0]]
+    return True, f"{found[usable[0]][1]}; --prompt-len {', '.join(usable)}"
+
+
+def _available(spec: TaskSpec) -> tuple[bool, str]:
     try:
-        res = resolve(spec.name)
+        res = resolve(spec)
     except SdbenchError as err:
         return False, str(err)
     if res.stand_in:
@@ -169,12 +232,17 @@ def dataset_available(task: str) -> tuple[bool, str]:
 
 
 def dataset_label(task: str, prompt_len: int | None = None) -> str:
-    """The honest name of the data actually used, e.g. "pg19" or "kjv-bible (PG-19 stand-in)". prompt_len is
-    accepted so callers can pass a run's settings as they are; the label depends only on the source."""
-    if task not in task_registry and is_prompt_file(task):
+    """The honest name of the data actually used, e.g. "pg19", "kjv-bible (PG-19 stand-in)" or, for a length
+    bucket's category, "speed-bench-throughput-8k@high_entropy". prompt_len matters only to a task of length
+    buckets; otherwise the label depends only on the source."""
+    name, category = _named(task)
+    if name not in task_registry and is_prompt_file(task):
         return Path(task).name
-    spec = task_registry.get(task)
+    spec = task_registry.get(name)
     try:
-        return resolve(spec.name).label
-    except SdbenchError:
-        return spec.record_label  # nothing to load: the label of what was asked for
+        if spec.lengths and prompt_len is not None:
+            spec = spec.at_length(spec.length_named(prompt_len))
+        label = resolve(spec).label
+        return label if category is None else f"{label}@{_category(spec, _load(spec)[1], category)}"
+    except SdbenchError:  # nothing to load: the label of what was asked for
+        return spec.record_label if category is None else f"{spec.record_label}@{category}"

@@ -112,6 +112,9 @@ class BatchResult:
     ttft_s: float  # prefill to first token, summed over the passes (see the module docstring)
     extras: list[dict] = field(default_factory=list)  # per row: the proposer's row_stats()
     setup_s: float = 0.0  # the proposer's begin(), inside the decode time (see the module docstring)
+    # the target's forwards past the prefill whose rows' arithmetic depended on the step's width (kv/cache.py
+    # `varied`): 0, every verification was plain decoding's bits; None, not known (another process verified: DSI)
+    width_varied: int | None = None
 
     @property
     def new_tokens(self) -> int:

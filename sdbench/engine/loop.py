@@ -77,7 +77,7 @@ def _run(target: Runner, proposer, state: DecodeState, prompts, rows: list[RowSt
     wall = now(dev) - t_start
     return BatchResult([state.generated(b) for b in range(state.batch)], state.prompt_lengths, rows, wall, ttft,
                        [proposer.row_stats(b) for b in range(state.batch)],
-                       setup_s=setup)
+                       setup_s=setup, width_varied=state.target_cache.varied)
 
 
 def serve(target: Runner, proposer, scheduler: Scheduler, *, sampling: SamplingConfig, eos_ids=(),
@@ -102,6 +102,7 @@ def serve(target: Runner, proposer, scheduler: Scheduler, *, sampling: SamplingC
         scheduler.start()
         _rounds(target, proposer, state, rows, scheduler)
         scheduler.duration_s = scheduler.elapsed()
+        scheduler.width_varied = cache.varied
         return scheduler
     finally:
         target.release(cache)

@@ -67,6 +67,7 @@ class Scheduler:
         self.clock, self.sleep = clock, sleep
         self.t0 = None
         self.idle_s = 0.0  # time slept waiting for an arrival with nothing running
+        self.width_varied: int | None = None  # as `BatchResult.width_varied`, once served
 
     @property
     def slots(self) -> int:

@@ -31,6 +31,8 @@ class KVCache(Protocol):
     ids: torch.Tensor | None  # [B, capacity] the token at each position, kept only for a model whose keys may
     # have to be computed again (`models/forward/recompute.py`); None otherwise
     crossed: torch.Tensor | None  # [B] bool on the host, beside `ids`: the row's keys are its long-rope ones
+    varied: int = 0  # forwards past the prompts' prefill whose rows' arithmetic depended on how many tokens shared
+    # the step (`ModelRunner.run`): 0 after a generation means its every verification was plain decoding's bits
 
     def update(
         self, layer: int, k: torch.Tensor, v: torch.Tensor, step: "StepIndex"

@@ -16,7 +16,7 @@ _OPTIONAL = {"draft": "", "params": "", "category": "", "lossless": None, "predi
              "draft_s": np.nan, "verify_s": np.nan, "accept_s": np.nan, "observe_s": np.nan,
              "loop_s": np.nan, "peak_mem_bytes": np.nan, "drafted": 0, "accepted": 0,
              "divergence": None, "turn": 1, "weights": None, "target": "", "busy_others": np.nan,
-             "cpu_steal": np.nan}
+             "cpu_steal": np.nan, "width_invariant": None}
 
 
 def prepared(df: pd.DataFrame, by: list[str]) -> pd.DataFrame:

@@ -70,6 +70,7 @@ class Judged:
     predicted_speedup: float = math.nan
     found: bool | None = None  # retrieval tasks: the output holds the answer
     divergence: tuple[str, float] | None = None  # greedy output unlike the baseline's: ("tie" | "real", logit gap)
+    width_invariant: bool | None = None  # every target step past the prefill ran width-invariant (None: not known)
 
 
 def result_row(run: RunFields, role: Described, place: Place, m: RowMetrics, judged: Judged,
@@ -93,7 +94,8 @@ def result_row(run: RunFields, role: Described, place: Place, m: RowMetrics, jud
            "sibling_accepts": m.sibling_accepts, "verified_width": m.verified_width,
            "tried_per_depth_rank": [list(r) for r in m.tried_per_depth_rank],
            "accepted_per_depth_rank": [list(r) for r in m.accepted_per_depth_rank],
-           "busy_others": _known(busy.others), "cpu_steal": _known(busy.steal)}
+           "busy_others": _known(busy.others), "cpu_steal": _known(busy.steal),
+           "width_invariant": judged.width_invariant}
     if m.served is not None:
         row.update(asdict(m.served))
     if judged.baseline is not None:

@@ -113,6 +113,9 @@ SCHEMA = pa.schema([
     # the machine while the row's batch was decoded by its role (sdbench/busy.py); null where not readable
     ("busy_others", _F),  # share of the cores' time other processes used (0-1; a busy loop on 2 cores: 0.5)
     ("cpu_steal", _F),  # share of the cores' time the hypervisor gave to other guests
+    ("width_invariant", pa.bool_()),  # every target step past the prefill computed each row as that token decoded
+    # alone (sdbench's fused CPU steps): held to plain decoding with no tolerance; false: the path's products depend
+    # on the step's width (cuBLAS, oneDNN, the library's forward), a difference is judged for a tie; null: not known
 ])
 COLUMNS: tuple[str, ...] = tuple(SCHEMA.names)
 ENV_COLUMNS = ("device", "dtype", "torch_version", "transformers_version", "sdbench_version",

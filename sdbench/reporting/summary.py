@@ -14,6 +14,7 @@ are sdbench.engine.metrics functions of the sums):
   lossless           all of the known values, a row whose output differs only from a tie on (divergence
                      "tie", see sdbench.commands.divergence) counting as lossless; null when none is known
   ties               rows whose output differs from the baseline's only from such a tie
+  width_invariant    every row's target steps ran width-invariant (its lossless is bit for bit, no tie allowed)
   speedup_low/high   the 95 % bootstrap interval of speedup (and decode_speedup_low/high of decode_speedup),
                      paired with the baseline of the same batch and repeat (sdbench.reporting.stats)
   predicted_speedup  the rows' predictions combined as decode_speedup combines their tokens and times: decode
@@ -147,6 +148,7 @@ def _aggregate(group: pd.DataFrame) -> dict:
         **{part: times[part] for part in parts},
         "lossless": _all_known(group["lossless"].astype(object).where(~ties, True)),
         "ties": int(ties.sum()),
+        "width_invariant": _all_known(group["width_invariant"]),
         "predicted_speedup": combined_speedup(numeric(group["new_tokens"]) - 1, predicted),
         "peak_mem_bytes": float(np.nanmax(peak)) if np.isfinite(peak).any() else math.nan,
         "weights_say_nothing": bool(group["weights_say_nothing"].any()),

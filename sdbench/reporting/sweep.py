@@ -257,7 +257,9 @@ def print_frontier(df: pd.DataFrame, console: Console) -> pd.DataFrame | None:
     console.print(frontier_line(front), highlight=False, soft_wrap=True)
     data = df[sweep_rows(df) & df["role"].ne("baseline")]
     known = data["lossless"].dropna().astype(bool) if "lossless" in data else pd.Series(dtype=bool)
+    ties = int(data["divergence"].eq("tie").sum()) if "divergence" in data else 0
     if len(known):
-        console.print(f"lossless: {int(known.sum())}/{len(known)} of the strategies' outputs equal the baseline's",
-                      style=None if known.all() else "red", highlight=False)
+        tied = f" ({ties} more parted by a tie in their path's rounding)" if ties else ""
+        console.print(f"lossless: {int(known.sum())}/{len(known)} of the strategies' outputs equal the baseline's"
+                      f"{tied}", style=None if known.sum() + ties == len(known) else "red", highlight=False)
     return front

@@ -23,7 +23,9 @@ from sdbench.reporting.summary import ALL, per_position_rates, speedup_of, summa
 NOT_MEANINGFUL = "n/m"
 INTERVAL_CAPTION = ("speedup ±: half the width of its 95 % bootstrap interval over prompts; * the interval "
                     f"contains 1.0; ? too few prompts (< {MIN_PROMPTS}) for an interval; ! above the bound its accepted "
-                    "length allows (see the notes); busy: others used the cores while it or its baseline ran")
+                    "length allows (see the notes); busy: others used the cores while it or its baseline ran; "
+                    "lossless exact: held to plain decoding bit for bit (every step width-invariant), else up to "
+                    "ties in its path's rounding")
 MAX_POSITIONS = 16
 
 
@@ -56,7 +58,7 @@ def summary_table(summary: pd.DataFrame, title: str | None = None) -> Table:
             values = [NOT_MEANINGFUL] * len(values)
         cells = [row["strategy"] + (" busy" if flagged(row, "busy") else ""), " / ".join(str(row[b]) for b in by), str(row["n_prompts"]),
                  fmt(row["tokens_per_s"], "{:.1f}"), *values, fmt(row["draft_share"], "{:.1%}"),
-                 _mark(row["lossless"]) + (f" ({row['ties']} tie)" if row.get("ties") else "")]
+                 lossless_cell(row)]
         cells = ([row["run_id"]] if many_runs else []) + ([hardware.get(row["run_id"], "?")] if machines else []) + cells
         table.add_row(*(Text(str(c)) for c in cells), style="bold" if overall else None)
     return table
@@ -91,6 +93,12 @@ def _ordered(summary: pd.DataFrame, by: list[str]) -> list[dict]:
                 r["role"] != "baseline", r["strategy"])
 
     return sorted(rows, key=key)
+
+
+def lossless_cell(row) -> str:
+    """'✓ exact' (held bit for bit: every step width-invariant), '✓', '✓ (2 tie)', '✗' or '–' (not known)."""
+    exact = flagged(row, "lossless") and flagged(row, "width_invariant") and not row.get("ties")
+    return _mark(row["lossless"]) + (" exact" if exact else f" ({row['ties']} tie)" if row.get("ties") else "")
 
 
 def _mark(value) -> str:

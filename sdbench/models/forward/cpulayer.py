@@ -24,9 +24,11 @@ import torch
 
 from sdbench.kv.cache import DenseKVCache, StepIndex, TreeStep
 from sdbench.models.forward import cpukernel, cpupacked, forward_paths, quants
+from sdbench.models.forward.cpuhead import VERIFY_ROWS, HeadProduct
 
 FUSED_TOKENS = 16  # the widest forward (tokens per row) taken: decoding, a draft's catch-up, verifications
 TREE_TOKENS = 256  # the largest token tree taken (nodes per row, the root included): lookahead's branches too
+INVARIANT_ROWS = VERIFY_ROWS  # the most rows (batch x tokens) a width-invariant step reads the head over
 SILU = ("SiLU", "SiLUActivation")  # torch's module, and the library's own (`transformers.activations`)
 
 
@@ -47,6 +49,16 @@ def fits(runner) -> bool:
             and fam.qk_norm is None and fam.attn_softcap is None and fam.residual_scale is None
             and all(w is None for w in runner.windows) and runner.dtype == torch.float32
             and all(_layer_fits(runner, i) for i in range(len(runner.layers))))
+
+
+def invariant(runner) -> bool:
+    """Whether the runner's fused steps are width-invariant whole: its layers fused over sdbench's products and its
+    head one of sdbench's products at every verification width (a block copy's, the packed one, or the plain
+    head's where that is its one way: `cpuhead.HeadProduct`)."""
+    if not runner.fused_layers:
+        return False
+    head = runner.path.head
+    return runner.path.fast.layout in quants.TYPES or not isinstance(head, HeadProduct) or head.invariant
 
 
 def wanted(cache, step) -> bool:

@@ -51,6 +51,7 @@ class GenericCache:
     static_kv_len = None  # never a static-shape forward
     wants_queries = False
     pool_key = None
+    varied = 0  # forwards whose rows depend on the step's width: every one (the library's products; kv/cache.py)
 
     def __init__(self, batch: int, capacity: int):
         from transformers import DynamicCache  # slow to import, and only a generic cache needs it
@@ -264,6 +265,7 @@ class GenericRunner:
         """Logits [B, T, V] (float32) of one forward call (`forward_step.py`), or at its `at` only: row by row
         through the library's forward; a tree step's trees placed as the native runner places them."""
         cpufast.disable(self.model)  # a model a native runner packed before falling back here
+        cache.varied += 1
         rows, kept = [], None if step.taps is None else []
         self._taps = step.taps
         tokens, start, at = step.tokens, step.start, step.at

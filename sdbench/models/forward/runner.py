@@ -100,6 +100,7 @@ class ModelRunner:
         if self.path.kind == forward_paths.CPU_PACKED and static is None and cpucompile.wanted():
             self.path, self.static = forward_paths.compiled(self.path), True
         self.fused_layers = cpulayer.fits(self)  # its layers' steps may run fused (`models/forward/cpulayer.py`)
+        self.width_invariant = cpulayer.invariant(self)  # a fused step's rows are their tokens' bits decoded alone
 
     @property
     def cpu_fast(self) -> bool:
@@ -128,6 +129,7 @@ class ModelRunner:
         if self.recompute_at is not None:
             cache.keep_ids()
         cache.maker = self  # a cache this runner prefilled holds what its prefill writes (`DenseKVCache.copy_prefix`)
+        cache.varied = 0  # a pooled cache's last generation's count is not this one's
         set_prompt_lengths(cache, [0] * batch)  # a pooled cache's last prompts are not this generation's
         return cache
 
@@ -190,12 +192,16 @@ class ModelRunner:
 
     # ---- forward ----------------------------------------------------------------------------------------
     @torch.inference_mode()
-    def hidden(self, cache: KVCache, step: Step) -> torch.Tensor:
+    def hidden(self, cache: KVCache, step: Step, counted: bool = False) -> torch.Tensor:
         """Final-norm hidden states [B, T, H] of a step's tokens (its `at` is the caller's to apply), each token
         rotated as plain decoding rotates it, for the prompt lengths the cache records (`Rotary.scaling_lengths`).
-        A tree step is placed by its `kv.cache.TreeStep`, or refused in one line where this path cannot take it."""
+        A tree step is placed by its `kv.cache.TreeStep`, or refused in one line where this path cannot take it.
+        counted (a step past the prompts' prefill): the cache's `varied` counts it unless it runs width-invariant."""
         index = self._tree_index(cache, step) if step.tree is not None else \
             StepIndex(step.start, step.width, self.device)
+        if counted and not (self.width_invariant and cpulayer.wanted(cache, index)
+                            and step.tokens.numel() <= cpulayer.INVARIANT_ROWS):
+            cache.varied += 1
         lengths = self.rotary.scaling_lengths(step.start, step.width, self.scaling_floor(cache),
                                               index.rotated if step.tree is not None else None)
         cos_sin = self.rotary.for_forward(index.rotated, index.kv_len, lengths)
@@ -305,10 +311,12 @@ class ModelRunner:
         forward of a call that crosses Phi-3's original context; a static-shape forward (`models/forward/graphs.py`:
         replayed as a CUDA graph, compiled or eager) over a pooled cache; else the eager layer loop."""
         if step.tree is None and recompute.switches(cache, self.recompute_at, step.start, step.width):
+            cache.varied += 1
             return recompute.forward_switching(self, cache, step, self.recompute_at)
         if self.static and cache.static_kv_len is not None:
+            cache.varied += 1  # the library's products over static shapes (cuBLAS, oneDNN): chosen per shape
             return step.pick(self._static(cache, step))
-        h = self.hidden(cache, step)
+        h = self.hidden(cache, step, counted=True)
         return self.logits(step.pick(h))
 
     def _tree_index(self, cache, step: Step) -> TreeStep:

@@ -20,8 +20,8 @@ RUN_FIELDS = ("dataset", "target", "draft", "batch_size", "prompt_len", "dtype",
               "engine")
 FIGURES = ("steps", "draft_s", "verify_s", "accept_s", "observe_s", "loop_s", "speedup", "speedup_low", "speedup_high",
            "decode_speedup", "tokens_per_s", "mean_accepted_len", "acceptance_rate", "predicted_speedup", "draft_share",
-           "lossless", "n_prompts", "n_rows", "weights_say_nothing", "speedup_bound", "distorted", "distortion", "busy",
-           "busy_others", "cpu_steal")
+           "lossless", "ties", "width_invariant", "n_prompts", "n_rows", "weights_say_nothing", "speedup_bound",
+           "distorted", "distortion", "busy", "busy_others", "cpu_steal")
 COLUMNS = ("run_id", "role", "strategy", "settings", "target", "draft", "dataset", "category", "turn", "batch_size",
            "prompt_len", "gamma", *FIGURES, "acceptance_by_position", "dtype", "device", "hardware", "engine",
            "timestamp", "partial")
