@@ -146,7 +146,8 @@ def test_a_tie_is_told_from_a_real_divergence():
     assert judge(fp32, [9], [7, 0], [7, 0]) is None
     kind, gap = judge(fp32, [9], [7, 0], [7])  # stopped early: no choice between two tokens
     assert kind == "real" and math.isnan(gap)
-    assert tie_tolerance(20.0, torch.finfo(torch.bfloat16).eps) > 0.125 > tie_tolerance(20.0, torch.finfo(torch.float32).eps)
+    bf16_eps, fp32_eps = torch.finfo(torch.bfloat16).eps, torch.finfo(torch.float32).eps
+    assert tie_tolerance(20.0, bf16_eps) > 0.125 > tie_tolerance(20.0, fp32_eps)
     # one arithmetic on both sides (width-invariant steps): no tolerance, the bfloat16 tie is a real divergence
     assert judge(bf16, [9], [7, 0, 4], [7, 1, 4], exact=True) == ("real", 0.125)
     # 8-bit activations round at 2^-7 of a block's largest value: the float32 gap is within that arithmetic's tie

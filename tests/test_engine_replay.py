@@ -15,13 +15,15 @@ from sdbench.servers.vllm import Vllm
 from tests.test_engines import fake_vllm
 
 
-def test_an_acceptance_is_replayed_as_non_increasing_rates_by_hand():
-    """Position j's accepted over drafted drafts, summed over prompts, held non-increasing; 0 past the drafts."""
+def test_an_acceptance_is_replayed_as_marginal_rates_by_hand():
+    """Position j's rounds that committed their first j + 1 drafts over the rounds that drafted, summed over
+    prompts (the engines' unconditional rates); 0 past the drafts."""
     from sdbench.commands.bench_carry import acceptance_rates
 
     counts = [([8, 6, 5], [10, 10, 8]), ([2, 2, 2], [2, 2, 2])]  # prompt 2: every draft accepted
-    assert acceptance_rates(counts, 4) == pytest.approx((10 / 12, 8 / 12, 8 / 12, 0.0))  # 7/10 held at 8/12
-    assert acceptance_rates([([3, 3, 1], [4, 3, 2])], 3) == pytest.approx((0.75, 0.75, 0.5))  # 3/3 held at 3/4
+    # 7 of 12 rounds committed three drafts (7/10 of those that drafted a third would overstate it)
+    assert acceptance_rates(counts, 4) == pytest.approx((10 / 12, 8 / 12, 7 / 12, 0.0))
+    assert acceptance_rates([([3, 3, 1], [4, 3, 2])], 3) == pytest.approx((0.75, 0.75, 0.25))
 
 
 def test_llamacpp_replays_an_acceptance_and_vllm_is_not_asked_to(monkeypatch):

@@ -147,7 +147,7 @@ def test_numbers_shown_are_the_parquets(session, site, tmp_path):
     for run_id, run_rows_ in rows.items():
         want, got = expected(run_rows_), shown[run_id]
         assert got["speedup"] == f"{want['speedup']:.2f}x"
-        assert got["accepted length"] == f"{want['mean_accepted_len']:.2f}"
+        assert got["accepted length per step"] == f"{want['mean_accepted_len']:.2f}"
         assert got["acceptance"] == f"{want['acceptance_rate']:.2f}"
         assert got["by position"] == " ".join(f"{r:.2f}" for r in want["by_position"])
         assert got["hardware"] == RUNS[run_id][1] and got["lossless"] == "yes"

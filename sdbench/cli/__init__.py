@@ -1,7 +1,7 @@
 """The command line: thin commands over the engine. Known errors print one line and exit non-zero.
 
 The commands live by group (measure.py: run, sweep, tune, bench, gpu-check; models.py: check, train-head,
-datastore; results.py: list, report, compare, site, schedule; predict.py: predict, simulate, reproduce) and are
+datastore; results.py: list, report, profile, compare, site, schedule; predict.py: predict, simulate, reproduce) and are
 registered on the one `app` here, in the order `sdbench --help` lists them."""
 
 from __future__ import annotations
@@ -24,7 +24,8 @@ from sdbench.errors import SdbenchError
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Benchmark and tune speculative decoding of language models.")
 for name, command in (("run", measure.run), ("sweep", measure.sweep), ("check", models.check),
-                      ("list", results.list_), ("report", results.report), ("tune", measure.tune),
+                      ("list", results.list_), ("report", results.report), ("profile", results.profile),
+                      ("tune", measure.tune),
                       ("train-head", models.train_head), ("compare", results.compare), ("site", results.site),
                       ("bench", measure.bench),
                       ("gpu-check", measure.gpu_check), ("reproduce", predict.reproduce)):

@@ -1,4 +1,4 @@
-"""Commands over results already written: list, report, compare and the schedules tune wrote."""
+"""Commands over results already written: list, report, profile, compare and the schedules tune wrote."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ from typing import Annotated, Optional
 import typer
 
 from sdbench.cli.params import console
+from sdbench.reporting.profile_formats import profile_formats
 
 
 def list_(what: Annotated[str, typer.Argument(help="strategies, datasets, models or engines")]):
@@ -48,6 +49,19 @@ def report(
 
         for path in export(df, plots, html):
             console.print(f"wrote {path}", highlight=False)
+
+
+def profile(
+    paths: Annotated[list[str], typer.Argument(help="results as `report` takes them: Parquet files, .parts folders, result folders, or quoted patterns of them")],
+    format: Annotated[str, typer.Option("--format", help=f"{', '.join(profile_formats.names())} (docs/results.md, 'Speculation profiles')")] = "json",
+    out: Annotated[Optional[str], typer.Option("--out", "-o", help="file to write [default: print it]")] = None,
+    run: Annotated[Optional[str], typer.Option("--run", help="only this run's configurations: its RUN_ID")] = None,
+    strategy: Annotated[Optional[str], typer.Option("--strategy", help="only this configuration: its label as the tables show it ('draft gamma=2') or its strategy")] = None,
+):
+    """Acceptance by draft position of each configuration, conditional and marginal, as JSON or engines' synthetic rates."""
+    from sdbench.commands.profile import write_profile
+
+    write_profile(paths, format, out, run, strategy, console)
 
 
 def compare(

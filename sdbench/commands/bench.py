@@ -199,10 +199,10 @@ def run_peers(cfg: BenchConfig, console: Console) -> list[SystemMeasurement]:
     check_bench(cfg)
     target, draft, gamma = cfg.target, cfg.draft_model, cfg.gamma
     peers = measure_peers(cfg, console)
-    console.print(_table(peers.results, peers.roofline, peers.held, f"{target} / draft {draft}, {cfg.dataset} x{peers.prompts} "
-                                                        f"x{cfg.repeats} repeats, {cfg.max_new_tokens} new tokens, "
-                                                        f"greedy, {peers.device} {cfg.dtype}, "
-                                                        f"{torch.get_num_threads()} threads"))
+    console.print(_table(peers.results, peers.roofline, peers.held,
+                         f"{target} / draft {draft}, {cfg.dataset} x{peers.prompts} "
+                         f"x{cfg.repeats} repeats, {cfg.max_new_tokens} new tokens, "
+                         f"greedy, {peers.device} {cfg.dtype}, {torch.get_num_threads()} threads"))
     console.print(f"verification cost T({gamma + 1} tokens) / T(1 token), {target}: {peers.verify_cost:.2f}; draft "
                   f"cost c = T_draft / T_target ({draft}): {peers.draft_cost:.2f} (fast path, medians over the "
                   "prompts)", highlight=False)

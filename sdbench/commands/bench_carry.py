@@ -7,11 +7,14 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
+import numpy as np
+
 from sdbench.analysis.carry import EngineCosts, carry
 from sdbench.commands.bench_costs import StepCosts
 from sdbench.engine.counters import BLOCK, CHAIN
 from sdbench.reporting.carry import Carried
 from sdbench.reporting.cells import ratio
+from sdbench.reporting.positions import PositionAcceptance, position_matrix
 from sdbench.servers.client import EngineReplyError
 from sdbench.servers.costs import CostsUnknown, draft_costs, target_costs
 from sdbench.servers.engines import SDBENCH
@@ -22,19 +25,13 @@ REPLAYED = ("draft", "dflash", "dspark")  # drafters that draft every round: an 
 
 
 def acceptance_rates(counts: list[tuple[list[int], list[int]]], gamma: int) -> tuple[float, ...]:
-    """Per-position acceptance as an engine replays it (`EngineRole.synthetic`): position j's accepted drafts over
-    its drafted ones, summed over (accepted, drafted) per-position counts of every prompt, held non-increasing (a
-    draft is accepted only after the one before it), gamma values (0 past the last drafted position)."""
-    accepted, drafted = [0] * gamma, [0] * gamma
-    for acc, dr in counts:
-        for j in range(min(gamma, len(dr))):
-            accepted[j] += acc[j] if j < len(acc) else 0
-            drafted[j] += dr[j]
-    rates, low = [], 1.0
-    for a, d in zip(accepted, drafted):
-        low = min(low, a / d if d else 0.0)
-        rates.append(low)
-    return tuple(rates)
+    """Per-position acceptance as an engine replays it (`EngineRole.synthetic`): the marginal rates
+    (`reporting/positions.py`: the rounds that committed their first j + 1 drafts over the rounds that drafted),
+    summed over (accepted, drafted) per-position counts of every prompt, gamma values (0 past the last drafted
+    position)."""
+    accepted = position_matrix([a for a, _ in counts], gamma).sum(axis=0)
+    drafted = position_matrix([d for _, d in counts], gamma).sum(axis=0)
+    return tuple(float(r) for r in np.nan_to_num(PositionAcceptance(accepted, drafted).marginal))
 
 
 def replayed_acceptance(systems: list, prompts: list[list[int]], gamma: int) -> dict:

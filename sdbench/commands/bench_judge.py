@@ -103,7 +103,8 @@ def hold(results: list[SystemMeasurement], reference: list[list[int]], prompts: 
                 continue
             runner = getattr(judge_on.source, "runner", None)
             ready(judge_on.fast)
-            verdict, gap = ("real", math.nan) if runner is None else judge(runner, prompts[i], theirs, ours, exact, step)
+            verdict, gap = (("real", math.nan) if runner is None  # a stand-in system: no logits to read
+                            else judge(runner, prompts[i], theirs, ours, exact, step))
             h.parted.append(Parted(i, at, verdict, gap, ours[at:at + 1], theirs[at:at + 1]))
         held[m.system] = h
     return held

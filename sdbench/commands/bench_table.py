@@ -26,8 +26,9 @@ from sdbench.reporting.schema import env_fields
 from sdbench.servers.engines import EngineTotals
 
 GENERIC_ROW = "sdbench autoregressive, generic runner (the library's forward)"
-SAME_OUTPUT = ("sdbench's fast systems against its fast plain decoding (exact: bit for bit, every step width-invariant), "
-               "its other systems and the engines against generate's dynamic cache, up to ties in their rounding")
+SAME_OUTPUT = ("sdbench's fast systems against its fast plain decoding (exact: bit for bit, every step "
+               "width-invariant), its other systems and the engines against generate's dynamic cache, up to ties in "
+               "their rounding")
 
 
 class OutputDiffers(SdbenchError):

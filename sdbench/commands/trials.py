@@ -104,7 +104,7 @@ def best_table(study: optuna.Study, objective: str, top: int = 5) -> Table:
                f"{states[TrialState.FAIL]} failed")
     caption = "\n".join([caption, *doubts(study, objective)])
     table = Table(title=f"best trials by {objective} (± half the 95 % interval)", caption=caption)
-    for name in ("trial", "tok/s", "speedup", "acc.len", "settings"):
+    for name in ("trial", "tok/s", "speedup", "acc.len/step", "settings"):
         table.add_column(name, justify="left" if name == "settings" else "right")
     for t in best_trials(study)[:top]:
         attrs = t.user_attrs

@@ -33,7 +33,8 @@ from sdbench.engine.formulas import (acceptance_rate, mean_accepted_length, spec
 from sdbench.reporting.cells import fmt, numeric, ratio
 from sdbench.reporting.labels import labelled
 from sdbench.reporting.round_parts import round_parts, round_parts_table
-from sdbench.reporting.summary import ALL, _padded_sum, summarize
+from sdbench.reporting.positions import position_acceptance
+from sdbench.reporting.summary import ALL, summarize
 
 FACTORS = ("ideal", "verification", "draft", "overhead", "prefill")
 
@@ -77,8 +78,7 @@ def definitions(df: pd.DataFrame) -> pd.DataFrame:
     records = []
     for (run_id, strategy), group in data[data["role"] != "baseline"].groupby(["run_id", "strategy"], sort=False):
         num = {c: float(np.nansum(numeric(group[c]))) for c in ("new_tokens", "steps", "accepted", "drafted")}
-        first = _padded_sum(group["drafted_per_position"]) if "drafted_per_position" in group else np.zeros(0)
-        drafts = float(first[0]) if len(first) else math.nan
+        drafts = float(position_acceptance(group).rounds)  # the steps that drafted: vLLM's num_drafts
         records.append({
             "run_id": run_id, "strategy": strategy,
             "sdbench_mean_accepted_len": mean_accepted_length(num["new_tokens"], num["steps"], len(group)),
@@ -108,7 +108,7 @@ def breakdown_table(parts: pd.DataFrame) -> Table:
 def definitions_table(defs: pd.DataFrame) -> Table:
     table = Table(title="The same run by other tools' definitions (sdbench.engine.metrics)")
     columns = (("run", "run_id", "{}"), ("strategy", "strategy", "{}"),
-               ("sdbench acc.len", "sdbench_mean_accepted_len", "{:.3f}"),
+               ("sdbench acc.len per step", "sdbench_mean_accepted_len", "{:.3f}"),
                ("sdbench accept", "sdbench_acceptance_rate", "{:.1%}"),
                ("Spec-Bench mean accepted tokens", "specbench_mean_accepted_tokens", "{:.3f}"),
                ("vLLM mean acceptance length", "vllm_mean_acceptance_length", "{:.3f}"),
@@ -128,7 +128,8 @@ def trees_table(rows: list[dict]) -> Table:
                         "predicts (analysis/trees.py)",
                   caption="acceptance: per depth, rank 0 / 1 / ... accepted when tried; model: the run's own tree "
                           "(static shapes only); best: the dynamic programme's tree of the run's mean size; "
-                          "speedups at the run's measured draft cost per level and verification cost")
+                          "speedups at the run's measured draft cost per level and verification cost; acc.len: "
+                          "tokens per step (measured: pooled over the rows)")
     columns = (("run", "run_id", "{}"), ("strategy", "strategy", "{}"), ("nodes", "tree_size", "{:.1f}"),
                ("width", "width", "{:.1f}"), ("acceptance", "acceptance", "{}"), ("acc.len", "acc_len", "{:.2f}"),
                ("model acc.len", "model_acc_len", "{:.2f}"), ("model pred.", "model_speedup", "{:.2f}x"),

@@ -14,7 +14,7 @@ from sdbench.engine.formulas import mean_accepted_length
 from sdbench.reporting.cells import fmt, numeric
 from sdbench.reporting.labels import labelled
 from sdbench.reporting.summary import per_position_rates
-from sdbench.reporting.tables import MAX_POSITIONS
+from sdbench.reporting.tables import MAX_POSITIONS, PER_STEP
 
 
 def precision_table(df: pd.DataFrame) -> Table | None:
@@ -28,7 +28,8 @@ def precision_table(df: pd.DataFrame) -> Table | None:
         return None
     lengths = _accepted_lengths(df, dtype_of)
     width = min(MAX_POSITIONS, max(len(r) for r in rates.values()))
-    table = Table(title="Acceptance by precision", caption=f"change: the accepted length against {order[0]}'s")
+    table = Table(title="Acceptance by precision",
+                  caption=f"change: the accepted length against {order[0]}'s; {PER_STEP}")
     for name in ("strategy", "dtype", "acc.len", "change"):
         table.add_column(name, justify="left" if name in ("strategy", "dtype") else "right")
     for position in range(1, width + 1):

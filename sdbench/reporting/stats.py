@@ -144,6 +144,17 @@ def speedup_interval(measured: pd.DataFrame, reference: pd.DataFrame | None, dec
     return bootstrap_ratio(cells) if cells.size else Interval(math.nan)
 
 
+def sums_interval(rows: pd.DataFrame, numerator, denominator) -> Interval:
+    """The interval of sum(numerator) / sum(denominator) over `rows` (one value of each per row: an acceptance
+    share, a mean accepted length), by the same cluster bootstrap as a speedup's with no reference side."""
+    cluster, repeat = _unit_keys(rows)
+    frame = pd.DataFrame({"tokens": np.asarray(numerator, dtype="float64"),
+                          "seconds": np.asarray(denominator, dtype="float64")}, index=rows.index)
+    sums = frame.groupby([cluster.rename("cluster"), repeat.rename("repeat")]).sum()
+    cells = paired_cells(sums, None)
+    return bootstrap_ratio(cells) if cells.size else Interval(math.nan)
+
+
 def spread(values) -> tuple[float, float, int]:
     """(median, median absolute deviation, count) of the finite values."""
     values = np.asarray(values, dtype="float64")

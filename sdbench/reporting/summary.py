@@ -45,6 +45,7 @@ from sdbench.engine.metrics import speedup
 from sdbench.reporting.bounds import bounded, workers_of
 from sdbench.reporting.cells import numeric
 from sdbench.reporting.labels import labelled, prepared
+from sdbench.reporting.positions import position_acceptance
 from sdbench.reporting.stats import Interval, row_interval, speedup_interval
 
 ALL = "ALL"
@@ -172,30 +173,14 @@ def _speedups(summary: pd.DataFrame, by: list[str], column: str) -> pd.Series:
 
 
 def per_position_rates(df: pd.DataFrame) -> list[tuple[str, str, list[float]]]:
-    """(run_id, strategy, acceptance rate per draft position) from element-wise sums; NaN = never drafted."""
+    """(run_id, strategy, acceptance rate per draft position) from element-wise sums: reporting/positions.py's
+    per_drafted; NaN = never drafted."""
     if "accepted_per_position" not in df or "drafted_per_position" not in df:
         return []
     data = labelled(df)
     out = []
     for (run_id, strategy), group in data[data["role"] != "baseline"].groupby(["run_id", "strategy"], sort=False):
-        accepted = _padded_sum(group["accepted_per_position"])
-        drafted = _padded_sum(group["drafted_per_position"])
-        width = max(len(accepted), len(drafted))
-        if width == 0:
-            continue
-        accepted, drafted = np.pad(accepted, (0, width - len(accepted))), np.pad(drafted, (0, width - len(drafted)))
-        rates = [acceptance_rate(a, d) for a, d in zip(accepted, drafted)]
-        out.append((run_id, strategy, rates))
+        found = position_acceptance(group)
+        if len(found.drafted):
+            out.append((run_id, strategy, [float(r) for r in found.per_drafted]))
     return out
-
-
-def _padded_sum(lists: pd.Series) -> np.ndarray:
-    total = np.zeros(0, dtype=np.int64)
-    for value in lists:
-        if value is None or (not hasattr(value, "__len__") and pd.isna(value)):
-            continue
-        array = np.asarray(value, dtype=np.int64)
-        if len(array) > len(total):
-            total = np.pad(total, (0, len(array) - len(total)))
-        total[: len(array)] += array
-    return total

@@ -26,6 +26,8 @@ INTERVAL_CAPTION = ("speedup ±: half the width of its 95 % bootstrap interval o
                     "length allows (see the notes); busy: others used the cores while it or its baseline ran; "
                     "lossless exact: held to plain decoding bit for bit (every step width-invariant), else up to "
                     "ties in its path's rounding")
+PER_STEP = ("acc.len: the mean accepted length per step, tokens per target verification pooled over the rows "
+            "(bonus token included; `sdbench profile` also gives the mean per request)")
 MAX_POSITIONS = 16
 
 
@@ -35,7 +37,7 @@ def summary_table(summary: pd.DataFrame, title: str | None = None) -> Table:
     many_runs = summary["run_id"].nunique() > 1
     hardware = summary.attrs.get("hardware", {})
     machines = len(set(hardware.values())) > 1  # rows of several machines: each row names its own
-    table = Table(title=title, caption=INTERVAL_CAPTION)
+    table = Table(title=title, caption=f"{INTERVAL_CAPTION}\n{PER_STEP}")
     if many_runs:
         table.add_column("run", no_wrap=True)
     if machines:

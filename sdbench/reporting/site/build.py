@@ -59,7 +59,7 @@ def board_columns(depth: int = 0) -> list[Column]:
         Column("turn", "turn"), Column("batch", "batch_size", numeric=True),
         Column("context", "prompt_len", numeric=True), Column("γ", "gamma", lambda v: f"{float(v):g}", numeric=True),
         Column("prompts", "n_prompts", numeric=True), Column("speedup", "speedup", _x, numeric=True),
-        Column("95 % interval", "interval"), Column("accepted length", "mean_accepted_len", _f2, numeric=True),
+        Column("95 % interval", "interval"), Column("accepted length per step", "mean_accepted_len", _f2, numeric=True),
         Column("acceptance", "acceptance_rate", _f2, numeric=True), Column("lossless", "lossless", _lossless),
         Column("tokens/s", "tokens_per_s", lambda v: f"{float(v):.1f}", numeric=True),
         Column("predicted", "predicted_speedup", _x, numeric=True), Column("hardware", "hardware"),
