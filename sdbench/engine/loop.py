@@ -77,7 +77,12 @@ def _run(target: Runner, proposer, state: DecodeState, prompts, rows: list[RowSt
     wall = now(dev) - t_start
     return BatchResult([state.generated(b) for b in range(state.batch)], state.prompt_lengths, rows, wall, ttft,
                        [proposer.row_stats(b) for b in range(state.batch)],
-                       setup_s=setup, width_varied=state.target_cache.varied)
+                       setup_s=setup, width_varied=_varied(state.target_cache))
+
+
+def _varied(cache) -> int | None:
+    """The target cache's count of width-varied forwards (kv/cache.py `varied`); None for a cache that keeps none."""
+    return getattr(cache, "varied", None)
 
 
 def serve(target: Runner, proposer, scheduler: Scheduler, *, sampling: SamplingConfig, eos_ids=(),
@@ -102,7 +107,7 @@ def serve(target: Runner, proposer, scheduler: Scheduler, *, sampling: SamplingC
         scheduler.start()
         _rounds(target, proposer, state, rows, scheduler)
         scheduler.duration_s = scheduler.elapsed()
-        scheduler.width_varied = cache.varied
+        scheduler.width_varied = _varied(cache)
         return scheduler
     finally:
         target.release(cache)
