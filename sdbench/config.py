@@ -101,6 +101,8 @@ class TuneConfig:
     heads: tuple[str, ...] = ()  # trained-head candidates (eagle, medusa); none: the target's recorded heads
     strategies: tuple[str, ...] = ()  # several: one study chooses among them (each trial one); none: run.strategy
     trees: bool = False  # also search the token tree's shape (the chain stays a choice) where a strategy grows trees
+    per_bucket: str = "gamma"  # with --batch: what each bucket tunes, "gamma" (the rest held, as engines take) or "all"
+    held: tuple[tuple[str, object], ...] = ()  # (parameter, value) every trial keeps: a schedule's later buckets
 
 
 DEFAULT_HEAD_DATA = ("sharegpt", "gsm8k", "humaneval")  # never MT-Bench: the prompts heads are measured on

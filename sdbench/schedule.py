@@ -14,18 +14,16 @@ worse, and among those the smallest gamma wins (then the highest value). vLLM's 
 median minus the MAD of three or more runs and gives a 1 % tie to the smaller lookahead; sdbench's trials are one
 run each over the same prompts, so the interval over prompts is the noise it knows, and a smaller lookahead
 verifies fewer tokens per row, which is what costs more as the batch grows.
+
+`sdbench schedule export` writes a schedule in each engine's own form (sdbench/schedule_formats.py).
 """
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field
 
-from sdbench.engine.tree import tree_text
 from sdbench.errors import SdbenchError
-
-VLLM_METHODS = {"ngram": "ngram", "draft": "draft_model"}  # sdbench strategy -> vLLM speculative method
 
 
 @dataclass(frozen=True)
@@ -131,44 +129,3 @@ def pick(candidates: list[tuple[float, tuple[float, float], int]]) -> int:
     floor = low if low is not None and math.isfinite(low) else value
     tied = [i for i, (v, _, _) in enumerate(candidates) if v >= floor]
     return min(tied, key=lambda i: (candidates[i][2], -candidates[i][0]))
-
-
-def vllm_config(strategy: str, entry: Entry, hub_id=lambda name: name) -> dict | None:
-    """The `--speculative-config` JSON vLLM takes for this entry, or None when vLLM has no such method.
-    hub_id: a draft's name as the engine would load it (an alias's Hugging Face id)."""
-    method = VLLM_METHODS.get(strategy)
-    if method is None or entry.gamma < 1:
-        return None
-    tree = tree_text(entry.options)
-    if tree:
-        raise SdbenchError(f"the {entry.label} entry grows a token tree ({tree}), which vLLM's {method} method does "
-                           "not take: export this schedule as json")
-    config = {"method": method, "num_speculative_tokens": entry.gamma}
-    if strategy == "ngram":
-        config["prompt_lookup_max"] = int(entry.options.get("max_ngram", 3))
-        config["prompt_lookup_min"] = int(entry.options.get("min_ngram", 1))
-    elif len(entry.drafts) == 1:
-        config["model"] = hub_id(entry.drafts[0])
-    else:
-        return None
-    return config
-
-
-def export(strategy: str, schedule: Schedule, fmt: str, hub_id=lambda name: name) -> str:
-    """The schedule in an engine's form: 'vllm' (a `--speculative-config` per batch-size bucket), or 'json'."""
-    if fmt == "vllm":
-        if schedule.by_context:
-            raise SdbenchError("vLLM takes one speculative config per server, not per context length: "
-                               "export this schedule as json")
-        buckets = []
-        for e in sorted(schedule.entries, key=lambda e: e.batch):
-            config = vllm_config(strategy, e, hub_id)
-            if config is None:
-                raise SdbenchError(f"strategy '{strategy}' has no vLLM --speculative-config form "
-                                   f"({', '.join(sorted(VLLM_METHODS))} have one): export it as json")
-            buckets.append({"min_batch_size": e.batch, "speculative_config": config})
-        return json.dumps({"engine": "vllm", "rule": "use the entry of the largest min_batch_size at or below "
-                           "the running batch size", "buckets": buckets}, indent=2)
-    if fmt == "json":
-        return json.dumps({"strategy": strategy, **schedule.spec()}, indent=2)
-    raise SdbenchError(f"--format {fmt}: use vllm or json")

@@ -315,7 +315,7 @@ def test_a_wrong_command_line_fails(line):
 def test_placeholders_and_synopses_parse():
     for line in ("sdbench run --target MODEL --limit N --temperature T --resume RUN_ID",
                  "sdbench run --target MODEL [--draft MODEL ...] --strategy NAME [--limit N]",
-                 "sdbench schedule show|export NAME [--format vllm|json] [--out FILE]",
+                 "sdbench schedule show|export NAME [--format vllm|trtllm|sglang|llama.cpp|json] [--batch B] [--out FILE]",
                  "RAY_ADDRESS=auto sdbench run --strategy dsi ...",
                  "make gpu-check PART=1 ARGS=\"--budget SECONDS\"",
                  "python3 -m sdbench gpu-check --merge --out DIR"):

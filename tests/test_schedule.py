@@ -1,5 +1,5 @@
 """Schedules: `tune --batch` writes one, `run` looks its entry up per batch size, `schedule export` writes vLLM's
-form. Through the CLI on a tiny model folder; the rules themselves by hand."""
+form (each engine's form: test_schedule_formats.py). Through the CLI on a tiny model folder; the rules by hand."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import yaml
 
 from sdbench.errors import SdbenchError
 from sdbench.reporting.results import read_results
-from sdbench.schedule import Entry, Schedule, bucket, export, pick, vllm_config
+from sdbench.schedule import Schedule, bucket, pick
 from tests.conftest import run_cli
 
 
@@ -55,24 +55,6 @@ def test_selection_rule_gives_a_tie_inside_the_interval_to_the_smaller_gamma():
     assert pick([(1.1, (None, None), 3)]) == 0
 
 
-def test_vllm_export_field_by_field():
-    ngram = Schedule((Entry(1, None, 4, {"max_ngram": 4, "min_ngram": 2}), Entry(8, None, 2, {"max_ngram": 3})))
-    exported = json.loads(export("ngram", ngram, "vllm"))
-    assert exported["buckets"] == [
-        {"min_batch_size": 1, "speculative_config": {"method": "ngram", "num_speculative_tokens": 4,
-                                                     "prompt_lookup_max": 4, "prompt_lookup_min": 2}},
-        {"min_batch_size": 8, "speculative_config": {"method": "ngram", "num_speculative_tokens": 2,
-                                                     "prompt_lookup_max": 3, "prompt_lookup_min": 1}}]
-    draft = Entry(1, None, 5, {}, ("llama-1b",))
-    assert vllm_config("draft", draft, {"llama-1b": "meta-llama/Llama-3.2-1B-Instruct"}.get) == {
-        "method": "draft_model", "num_speculative_tokens": 5, "model": "meta-llama/Llama-3.2-1B-Instruct"}
-    assert vllm_config("draft", Entry(1, None, 0, {}, ("d",))) is None  # gamma 0: no speculation to configure
-    with pytest.raises(SdbenchError, match="no vLLM --speculative-config form"):
-        export("magicdec", Schedule((Entry(1, None, 2, {"budget": 256}),)), "vllm")
-    assert json.loads(export("magicdec", Schedule((Entry(1, None, 2, {"budget": 256}),)), "json"))["entries"][0][
-        "options"] == {"budget": 256}
-
-
 def test_a_schedule_entry_is_applied_at_its_batch_size(capsys, tmp_path, tiny):
     write_preset(tmp_path / "home", "sched", {"strategy": "ngram", "gamma": 2, "schedule": {"entries": [
         {"batch": 1, "gamma": 2, "options": {"max_ngram": 2}}, {"batch": 2, "gamma": 3, "options": {"max_ngram": 1}}]}})
@@ -90,13 +72,30 @@ def test_a_schedule_entry_is_applied_at_its_batch_size(capsys, tmp_path, tiny):
 
 
 def test_tune_over_batch_sizes_writes_a_schedule_that_run_applies(capsys, tmp_path, tiny):
-    code, out, err = run_cli(capsys, "tune", *tiny, "--strategy", "ngram", "--batch", "1,2", "--limit", "2",
-                             "--trials", "2", "--study", "s", "--preset", "mine", "--out", str(tmp_path / "tune"))
+    """The smallest batch tunes every setting (its one trial enqueued, so the test knows what wins); the larger
+    tunes gamma alone with the rest held as batch 1 chose them, in a study named after what it holds; the
+    schedule then exports to vLLM, and run applies each entry at its batch size."""
+    import optuna
+
+    (tmp_path / "tune").mkdir()
+    url = f"sqlite:///{tmp_path / 'tune' / 'tune.db'}"
+    optuna.create_study(study_name="s-b1", storage=url, direction="maximize").enqueue_trial(
+        {"gamma": 3, "max_ngram": 2, "min_ngram": 2})
+    code, out, err = run_cli(capsys, "tune", *tiny, "--strategy", "ngram", "--batch", "2,1", "--limit", "2",
+                             "--trials", "1", "--study", "s", "--preset", "mine", "--out", str(tmp_path / "tune"))
     assert code == 0, err
     spec = yaml.safe_load((tmp_path / "home" / "strategies" / "mine.yaml").read_text())
     entries = spec["schedule"]["entries"]
     assert spec["strategy"] == "ngram" and [e["batch"] for e in entries] == [1, 2]
-    assert [e["tuned"]["study"] for e in entries] == ["s-b1", "s-b2"]
+    assert entries[0]["tuned"]["study"] == "s-b1" and entries[1]["tuned"]["study"].startswith("s-b2-held-")
+    assert entries[0]["options"] == entries[1]["options"] == {"max_ngram": 2, "min_ngram": 2}
+    assert "gamma alone; max_ngram=2 min_ngram=2 held" in out
+    held = optuna.load_study(study_name=entries[1]["tuned"]["study"], storage=url)
+    assert all((t.params["max_ngram"], t.params["min_ngram"]) == (2, 2) for t in held.trials)
+    code, exported, err = run_cli(capsys, "schedule", "export", "mine", "--format", "vllm")
+    assert code == 0, err
+    assert json.loads(exported)["num_speculative_tokens_per_batch_size"] == [[1, 1, entries[0]["gamma"]],
+                                                                             [2, 2, entries[1]["gamma"]]]
     for size, entry in zip((1, 2), entries):
         code, _, err = run_cli(capsys, "run", *tiny, "--strategy", "mine", "--batch-size", str(size), "--limit", "2",
                                "--out", str(tmp_path / f"run{size}"))
@@ -105,10 +104,9 @@ def test_tune_over_batch_sizes_writes_a_schedule_that_run_applies(capsys, tmp_pa
         assert set(rows["schedule_entry"]) == {f"batch {size}"} and set(rows["gamma"]) == {entry["gamma"]}
         assert {json.dumps(json.loads(p), sort_keys=True) for p in rows["params"]} == {
             json.dumps({"gamma": entry["gamma"], **entry["options"]}, sort_keys=True)}
-    code, out, err = run_cli(capsys, "schedule", "export", "mine", "--format", "vllm")
+    code, out, err = run_cli(capsys, "schedule", "export", "mine", "--format", "json")
     assert code == 0, err
-    buckets = json.loads(out)["buckets"]
-    assert [b["speculative_config"]["num_speculative_tokens"] for b in buckets] == [e["gamma"] for e in entries]
+    assert [e["gamma"] for e in json.loads(out)["entries"]] == [e["gamma"] for e in entries]
     code, out, err = run_cli(capsys, "schedule", "show", "mine")
     assert code == 0 and "schedule mine" in out, err
 
@@ -118,9 +116,18 @@ def test_tune_over_batch_sizes_writes_a_schedule_that_run_applies(capsys, tmp_pa
     (["schedule", "export", "plain"], "preset 'plain' has no schedule"),
     (["schedule", "export", "twice"], "two schedule entries share a bucket"),
     (["schedule", "export", "ctx", "--format", "vllm"], "not per context length"),
-    (["schedule", "export", "sched", "--format", "yamlish"], "--format yamlish: use vllm or json"),
+    (["schedule", "export", "sched", "--format", "yamlish"], "unknown schedule format 'yamlish'"),
+    (["schedule", "export", "sched", "--batch", "0"], "--batch 0: expected a whole number of at least 1"),
+    (["schedule", "export", "ctx", "--format", "llama.cpp", "--batch", "2"], "tuned per context length too"),
+    (["schedule", "export", "varied", "--format", "llama.cpp"], "with --batch B"),
+    (["schedule", "export", "varied", "--format", "trtllm"], "drafts the most tokens at batch 1"),
+    (["schedule", "export", "mixed", "--format", "vllm"], "max_ngram is 2 at batch 1 and 3 at batch 4"),
+    (["schedule", "export", "tree", "--format", "vllm"], "grows a token tree"),
+    (["schedule", "export", "magic", "--format", "sglang"], "strategy 'magicdec' has no SGLang form"),
     (["tune", "--batch", "1,1"], "--batch 1,1: expected distinct whole numbers"),
     (["tune", "--batch", "1,2", "--batch-size", "2"], "either --batch"),
+    (["tune", "--per-bucket", "all"], "--per-bucket applies to a schedule"),
+    (["tune", "--batch", "1,2", "--per-bucket", "some"], "--per-bucket some: use one of gamma, all"),
 ])
 def test_bad_schedules_are_one_line(capsys, tmp_path, monkeypatch, argv, said):
     monkeypatch.setenv("SDBENCH_CONFIG", str(tmp_path / "home"))
@@ -130,6 +137,14 @@ def test_bad_schedules_are_one_line(capsys, tmp_path, monkeypatch, argv, said):
                                                                                {"batch": 1, "gamma": 3}]}})
     write_preset(home, "ctx", {"strategy": "ngram", "schedule": {"entries": [{"batch": 1, "prompt_len": 64, "gamma": 2}]}})
     write_preset(home, "sched", {"strategy": "ngram", "schedule": {"entries": [{"batch": 1, "gamma": 2}]}})
+    write_preset(home, "varied", {"strategy": "ngram", "schedule": {"entries": [{"batch": 1, "gamma": 2},
+                                                                                {"batch": 4, "gamma": 3}]}})
+    write_preset(home, "mixed", {"strategy": "ngram", "schedule": {"entries": [
+        {"batch": 1, "gamma": 2, "options": {"max_ngram": 2}}, {"batch": 4, "gamma": 3, "options": {"max_ngram": 3}}]}})
+    write_preset(home, "tree", {"strategy": "ngram", "schedule": {"entries": [
+        {"batch": 1, "gamma": 2, "options": {"tree": 2}}]}})
+    write_preset(home, "magic", {"strategy": "magicdec", "schedule": {"entries": [
+        {"batch": 1, "gamma": 2, "options": {"budget": 256}}]}})
     code, _, err = run_cli(capsys, *argv)
     lines = [line for line in err.splitlines() if line.strip()]
     assert code == 2 and len(lines) == 1 and said in lines[0], err
@@ -146,7 +161,7 @@ def test_a_schedule_holds_tree_settings_per_batch_size(capsys, tmp_path, tiny):
     for bucket_, params in (("b1", {"gamma": 3, "tree_topk": 2, "tree_nodes": 4}), ("b2", {"gamma": 2, "tree_topk": 0})):
         optuna.create_study(study_name=f"s-{bucket_}", storage=url, direction="maximize").enqueue_trial(params)
     code, out, err = run_cli(capsys, "tune", *tiny, "--strategy", "draft", "--draft", model, "--trees", "--batch",
-                             "1,2", "--limit", "2", "--trials", "1", "--study", "s", "--preset", "mine",
+                             "1,2", "--per-bucket", "all", "--limit", "2", "--trials", "1", "--study", "s", "--preset", "mine",
                              "--objective", "tokens", "--out", str(tmp_path / "tune"))
     assert code == 0, err
     spec = yaml.safe_load((tmp_path / "home" / "strategies" / "mine.yaml").read_text())
@@ -169,6 +184,6 @@ def test_a_schedule_holds_tree_settings_per_batch_size(capsys, tmp_path, tiny):
     code, _, err = run_cli(capsys, "schedule", "export", "mine", "--format", "vllm")
     lines = [line for line in err.splitlines() if line.strip()]
     assert code == 2 and len(lines) == 1, err
-    assert "the batch 1 entry grows a token tree (tree_topk=2 tree_nodes=4), which vLLM's draft_model method" in lines[0]
+    assert "the batch 1 entry grows a token tree (tree_topk=2 tree_nodes=4), which vLLM's draft speculation" in lines[0]
     code, out, err = run_cli(capsys, "schedule", "export", "mine", "--format", "json")
     assert code == 0 and json.loads(out)["entries"][0]["options"] == {"tree_topk": 2, "tree_nodes": 4}, err

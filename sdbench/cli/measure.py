@@ -142,6 +142,7 @@ def tune(
     max_new_tokens: MaxNew = C.DEFAULT_MAX_NEW_TOKENS, batch_size: Batch = 1, seed: Seed = 0,
     prompt_len: Annotated[Optional[str], typer.Option("--prompt-len", help="prompts of exactly this many tokens (book datasets); several (512,4096): a schedule per context length too")] = None,
     batch: Annotated[Optional[str], typer.Option("--batch", help="batch sizes, e.g. 1,4: one study each, written as a schedule that run looks up per batch size")] = None,
+    per_bucket: Annotated[Optional[str], typer.Option("--per-bucket", help="with --batch: what the larger sizes tune, gamma (the rest held as the smallest chose them: the drafted tokens per batch size engines load) or all [default: gamma]")] = None,
     device: Device = "auto", dtype: Dtype = "float32", repeats: Repeats = 1, out: Out = C.DEFAULT_OUT,
     trials: Annotated[int, typer.Option(help="finished trials the study should reach (a re-run resumes toward it)")] = C.DEFAULT_TRIALS,
     timeout: Annotated[Optional[float], typer.Option(help="seconds; no new trial starts after this")] = None,
@@ -164,6 +165,9 @@ def tune(
     batches, lengths = parse_counts(batch, "--batch", 1), parse_counts(prompt_len, "--prompt-len", 1)
     if batches and batch_size != 1:
         raise SdbenchError("give either --batch (sizes to tune a schedule over) or --batch-size, not both")
+    schedule = len(batches) > 1 or len(lengths) > 1
+    if per_bucket is not None and not schedule:
+        raise SdbenchError("--per-bucket applies to a schedule: give several --batch sizes (or --prompt-len lengths)")
     strategies = tuple(n for given in strategy or (C.DEFAULT_STRATEGY,) for n in split_list(given, "--strategy"))
     if not strategies:
         raise SdbenchError("--strategy: name a strategy or preset (see `sdbench list strategies`)")
@@ -173,8 +177,8 @@ def tune(
         device=device, dtype=dtype, repeats=repeats, out=out, probe=probe_mode(probe, no_probe), fast=fast,
     )
     cfg = C.TuneConfig(run_cfg, trials, timeout, objective, storage, study, preset, batches, lengths, tuple(head or ()),
-                       strategies, trees)
-    (tune_schedule if len(batches) > 1 or len(lengths) > 1 else run_tune)(cfg, console)
+                       strategies, trees, per_bucket or "gamma")
+    (tune_schedule if schedule else run_tune)(cfg, console)
 
 
 def bench(

@@ -8,6 +8,7 @@ import typer
 
 from sdbench.cli.params import console
 from sdbench.reporting.profile_formats import profile_formats
+from sdbench.schedule_formats import schedule_formats
 
 
 def list_(what: Annotated[str, typer.Argument(help="strategies, datasets, models or engines")]):
@@ -111,10 +112,12 @@ def schedule_show(name: ScheduleName):
 @schedule_app.command("export")
 def schedule_export(
     name: ScheduleName,
-    format: Annotated[str, typer.Option("--format", help="vllm (a --speculative-config per batch-size bucket) or json")] = "vllm",
+    format: Annotated[str, typer.Option("--format", help=f"{', '.join(schedule_formats.names())} (docs/commands.md, 'schedule export')")] = "vllm",
     out: Annotated[Optional[str], typer.Option("--out", "-o", help="file to write [default: print it]")] = None,
+    batch: Annotated[Optional[int], typer.Option("--batch", help="only the bucket a server of this batch size runs (its slots: llama.cpp -np, SGLang --max-running-requests)")] = None,
 ):
-    """The schedule in the form an engine takes: vLLM's --speculative-config per batch-size bucket, or json."""
+    """The schedule in the form each engine loads as it is: vLLM's --speculative-config, TensorRT-LLM's YAML,
+    SGLang's and llama.cpp's server arguments, or sdbench's json."""
     from sdbench.commands.schedule import export_schedule
 
-    export_schedule(name, format, out, console)
+    export_schedule(name, format, out, console, batch)

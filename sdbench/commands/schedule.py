@@ -3,11 +3,15 @@
 
 Each bucket is an ordinary `tune` study (commands/tune.py) at that batch size and prompt length, on one loaded
 pair, named after the bucket so that it resumes on its own; its settings are chosen by sdbench/schedule.py's
-selection rule, and `run` looks them up by sdbench/schedule.py's lookup rule.
+selection rule, and `run` looks them up by sdbench/schedule.py's lookup rule. By default (`--per-bucket gamma`) the
+larger batch sizes tune gamma alone, holding the other settings as the smallest chose them (Optuna's partially
+fixed sampler): engines vary only the drafted tokens with the batch size (sdbench/schedule_formats.py).
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 from dataclasses import replace
 from pathlib import Path
 
@@ -22,32 +26,42 @@ from sdbench.errors import SdbenchError
 from sdbench.models.loading.aliases import HubModel, model_registry
 from sdbench.presets import read_presets
 from sdbench.reporting.cells import fmt
-from sdbench.schedule import Entry, Schedule, export, pick
+from sdbench.schedule import Entry, Schedule, pick
+from sdbench.schedule_formats import render
 from sdbench.strategies import resolve_strategy
 
+PER_BUCKET = ("gamma", "all")  # what each --batch bucket tunes beyond the smallest: gamma alone, or every setting
 RULE = ("highest measured objective; a trial inside the best one's 95 % bootstrap interval ties, and the smallest "
         "gamma among the tied wins")
 
 
 def buckets(cfg: TuneConfig) -> list[tuple[int, int | None]]:
-    """(batch size, prompt length) per study: every --batch × every --prompt-len."""
-    sizes = cfg.batches or (cfg.run.batch_size,)
+    """(batch size, prompt length) per study: every --batch × every --prompt-len, the smallest batch first."""
+    sizes = sorted(cfg.batches or (cfg.run.batch_size,))
     lengths = cfg.prompt_lens or (cfg.run.prompt_len,)
     return [(b, length) for length in lengths for b in sizes]
 
 
-def bucket_config(cfg: TuneConfig, study: str, batch: int, prompt_len: int | None) -> TuneConfig:
-    """One bucket's study: the run at that size and length (at least one batch of prompts), named after it."""
+def bucket_config(cfg: TuneConfig, study: str, batch: int, prompt_len: int | None,
+                  held: tuple = ()) -> TuneConfig:
+    """One bucket's study: the run at that size and length (at least one batch of prompts), named after it and
+    after the settings it holds (held at other values, it is another study)."""
     run = replace(cfg.run, batch_size=batch, prompt_len=prompt_len, limit=max(cfg.run.limit, batch))
     suffix = f"-b{batch}" + (f"-L{prompt_len}" if prompt_len is not None else "")
-    return replace(cfg, run=run, study=study + suffix, batches=(), prompt_lens=())
+    if held:
+        suffix += "-held-" + hashlib.sha1(json.dumps(held, sort_keys=True).encode()).hexdigest()[:8]
+    return replace(cfg, run=run, study=study + suffix, batches=(), prompt_lens=(), held=tuple(held))
 
 
 def tune_schedule(cfg: TuneConfig, console: Console, pair=None) -> Path:
-    """Tune every bucket, then write the schedule preset; returns its path."""
+    """Tune every bucket, then write the schedule preset; returns its path. With --per-bucket gamma (the default)
+    the smallest batch of each prompt length tunes every setting and the larger ones gamma alone, the rest held as
+    it chose them: the drafted tokens per batch size the engines take (sdbench/schedule_formats.py)."""
     if len(cfg.strategies) > 1:
         raise SdbenchError("a schedule holds one strategy's settings per bucket: give one --strategy with --batch "
                            "or several --prompt-len lengths")
+    if cfg.per_bucket not in PER_BUCKET:
+        raise SdbenchError(f"--per-bucket {cfg.per_bucket}: use one of {', '.join(PER_BUCKET)}")
     planned = Tuner(cfg, console, write=False)
     name = cfg.preset or slug(f"schedule-{planned.strategy}-{planned.run.target}")
     first = Tuner(replace(cfg, preset=name), console, write=False)  # checks the preset's name
@@ -56,17 +70,24 @@ def tune_schedule(cfg: TuneConfig, console: Console, pair=None) -> Path:
     if pair is None:
         widest = max(plans, key=lambda t: (t.run.prompt_len or 0, t.run.limit))
         pair = widest.load()
-    entries = []
+    entries, held = [], {}  # prompt length -> the settings its smallest batch chose, held by the larger
     for tuner in plans:
-        label = Entry(tuner.run.batch_size, tuner.run.prompt_len, 0).label
-        console.rule(f"{label}: study {tuner.study_name}")
+        length = tuner.run.prompt_len
+        if held.get(length):
+            tuner = Tuner(bucket_config(cfg, first.study_name, tuner.run.batch_size, length, held[length]), console,
+                          write=False)
+        label = Entry(tuner.run.batch_size, length, 0).label
+        kept = " ".join(f"{k}={v}" for k, v in tuner.cfg.held)
+        console.rule(f"{label}: study {tuner.study_name}" + (f" (gamma alone; {kept} held)" if kept else ""))
         tuner.pair = pair
         study = tuner.tune()
-        entry = chosen(study, tuner.run.batch_size, tuner.run.prompt_len)
+        entry = chosen(study, tuner.run.batch_size, length)
         if entry is None:
             raise SdbenchError(f"{label}: no trial finished losslessly, so the schedule has no entry for it; "
                                "run the same command again with more --trials")
         entries.append(entry)
+        if cfg.per_bucket == "gamma" and length not in held:
+            held[length] = tuple(sorted((k, v) for k, v in study.trials[entry.trial].params.items() if k != "gamma"))
     path = write_schedule(first.preset_path, name, first.strategy, Schedule(tuple(entries)), cfg)
     console.print(schedule_table(name, Schedule(tuple(entries))))
     console.print(f"schedule → {path} (`sdbench run --strategy {name} --batch-size B` applies the entry for B; "
@@ -97,7 +118,8 @@ def write_schedule(path: Path, name: str, strategy: str, schedule: Schedule, cfg
                         f"{cfg.objective}"),
         "gamma": first.gamma, "options": dict(first.options), **({"drafts": list(first.drafts)} if first.drafts else {}),
         "schedule": schedule.spec(RULE),
-        "tuned": {"objective": cfg.objective, "target": run.target, "dataset": run.dataset},
+        "tuned": {"objective": cfg.objective, "target": run.target, "dataset": run.dataset,
+                  "per_bucket": cfg.per_bucket},
     }
     header = "# Written by `sdbench tune --batch ...`; tuning the same buckets again rewrites it.\n"
     text = header + yaml.safe_dump(spec, sort_keys=False, allow_unicode=True)
@@ -132,9 +154,11 @@ def hub_id(name: str) -> str:
     return name
 
 
-def export_schedule(name: str, fmt_: str, out: str | None, console: Console) -> None:
+def export_schedule(name: str, fmt_: str, out: str | None, console: Console, batch: int | None = None) -> None:
+    """The schedule (or, with `batch`, the bucket a server of that batch size runs) in format `fmt_`, printed or
+    written whole to `out`."""
     strategy, schedule = load_schedule(name)
-    text = export(strategy, schedule, fmt_, hub_id)
+    text = render(fmt_, strategy, schedule, hub_id, batch)
     if out is None:
         console.print(text, highlight=False, soft_wrap=True)
         return

@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 import re
 import time
+import warnings
 from dataclasses import replace
 from pathlib import Path
 
@@ -54,9 +55,9 @@ from sdbench.strategies.spec import SearchContext, tree_growers, tree_settings
 
 # what must not change between sessions of one study, or its trials would not be comparable
 STUDY_SETTINGS = ("objective", "limit", "max_new_tokens", "batch_size", "seed", "prompt_len", "dtype", "repeats",
-                  "drafts", "heads", "trees", "fast")
+                  "drafts", "heads", "trees", "fast", "held")
 # settings a study records only away from their default, so that studies begun before they existed still match
-UNRECORDED = {"trees": False, "fast": True}
+UNRECORDED = {"trees": False, "fast": True, "held": {}}
 
 
 def slug(text: str) -> str:
@@ -166,6 +167,10 @@ class Tuner:
                                         pruner=self.pruner or ClearlyWorse(), load_if_exists=True)
             # each trial seeded by its number: processes sharing the study, or resuming it, draw anew
             study.sampler = TrialSeeded(self.run.sampling.seed)
+            if self.cfg.held:  # the parameters a schedule's later bucket keeps as its first bucket chose them
+                with warnings.catch_warnings():  # "experimental" since Optuna 2.4, and unchanged
+                    warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+                    study.sampler = optuna.samplers.PartialFixedSampler(dict(self.cfg.held), study.sampler)
             self._check_settings(study)
         return study
 
@@ -186,7 +191,8 @@ class Tuner:
                 "batch_size": run.batch_size, "seed": run.sampling.seed, "prompt_len": run.prompt_len,
                 "dtype": run.dtype, "repeats": run.repeats, "drafts": list(run.drafts),
                 **({"heads": list(self.heads)} if self.heads else {}),  # absent: older studies still match
-                **{k: v for k, v in (("trees", self.cfg.trees), ("fast", run.fast)) if v != UNRECORDED[k]}}
+                **{k: v for k, v in (("trees", self.cfg.trees), ("fast", run.fast), ("held", dict(self.cfg.held)))
+                   if v != UNRECORDED[k]}}
         saved = study.user_attrs.get("settings")
         if saved is None:
             if record:

@@ -125,12 +125,9 @@ class LlamaCpp(Engine):
                 "--port", "{port}", "-c", str(capacity), "-np", "1", "-t", str(threads), "-tb", str(threads),
                 "-cram", "0", "--no-webui"]
         if role.strategy == "ngram":
-            argv += ["--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", str(NGRAM_SIZE),
-                     "--spec-ngram-simple-size-m", str(role.gamma), "--spec-draft-n-max", str(role.gamma)]
+            argv += speculation_flags("ngram", role.gamma)
         elif role.strategy == "draft":
-            argv += ["--spec-type", "draft-simple", "-md", str(self.gguf(role.draft, dtype)),
-                     "--spec-draft-n-max", str(role.gamma), "--spec-draft-n-min", "0", "--spec-draft-p-min", "0",
-                     "-td", str(threads)]
+            argv += [*speculation_flags("draft", role.gamma, ["-md", str(self.gguf(role.draft, dtype))]), "-td", str(threads)]
         elif role.strategy == "mtp":  # the module the target's own GGUF carries (its converter keeps it)
             argv += ["--spec-type", "draft-mtp", "--spec-draft-n-max", str(role.gamma), "--spec-draft-n-min", "0",
                      "--spec-draft-p-min", "0"]
@@ -173,6 +170,26 @@ class LlamaCpp(Engine):
         if "prompt_ms" not in timings or "prompt_n" not in timings:
             raise EngineReplyError(f"{url}/completion: no prompt timings in the reply")
         return float(timings["prompt_ms"]) / 1000.0, int(timings["prompt_n"])
+
+
+def speculation_flags(strategy: str, gamma: int, draft: list[str] = (), ngram: int = NGRAM_SIZE) -> list[str]:
+    """llama-server's flags for n-gram (a lookup of `ngram` tokens) or draft-model speculation (`draft`: the flags
+    that load the draft) of `gamma` tokens, every drafted token verified: bench's servers run them, `schedule
+    export --format llama.cpp` writes them."""
+    if strategy == "ngram":
+        return ["--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", str(ngram), "--spec-ngram-simple-size-m",
+                str(gamma), "--spec-draft-n-max", str(gamma)]
+    return ["--spec-type", "draft-simple", *draft, "--spec-draft-n-max", str(gamma), "--spec-draft-n-min", "0",
+            "--spec-draft-p-min", "0"]
+
+
+def draft_flags(name: str) -> list[str]:
+    """The flags that load draft `name` as it is: its GGUF file (-md), or its hub repository (--hf-repo-draft)."""
+    kind, where = model_files(name)
+    if kind == "folder":
+        raise SdbenchError(f"llama.cpp loads GGUF files, and draft '{name}' is a safetensors folder: convert it "
+                           "with llama.cpp's convert_hf_to_gguf.py and name the file, or export as json")
+    return ["-md" if kind == "gguf" else "--hf-repo-draft", where]
 
 
 def mtp_refusal(head: str, target: str | None) -> str | None:
