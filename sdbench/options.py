@@ -48,6 +48,20 @@ def parse_tokens(text: str) -> int:
     return int(digits) * (1024 if value.endswith("k") else 1)
 
 
+def parse_lengths(text: str | None, option: str = "--prompt-len") -> tuple[int, ...]:
+    """Prompt lengths from '1024' or '1k,8k' (a k is 1024 tokens, as parse_tokens), distinct, each at least 1."""
+    if text is None:
+        return ()
+    words = split_list(text, option)
+    try:
+        values = tuple(parse_tokens(w) for w in words)
+    except SdbenchError:
+        values = ()
+    if not values or len(set(values)) != len(values) or min(values) < 1:
+        raise SdbenchError(f"{option} {text}: expected distinct numbers of tokens, such as 1024,4096 or 1k,8k")
+    return values
+
+
 def parse_depths(text: str | None) -> tuple[float, ...]:
     return _named("--depth", lambda: _numbers(text or "", float, "a number from 0 to 1"))
 

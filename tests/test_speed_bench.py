@@ -329,3 +329,37 @@ def test_prompt_len_takes_k_forms_and_refuses_others_in_one_line(capsys, tmp_pat
     code, _, err = run_cli(capsys, "run", "--dataset", "speed-bench-throughput", "--prompt-len", "8q", "--out",
                            str(tmp_path / "out"))
     assert one_line_error(code, err) == "error: --prompt-len 8q: expected a number of tokens, such as 2048 or 2k"
+
+
+def test_sweep_over_throughput_buckets_under_concurrency(capsys, tmp_path, prepared, tiny):
+    """specdec_bench's throughput curve: speedup against concurrency per input-length bucket (`--prompt-len 1k,8k`),
+    each point served as run --concurrency serves it, its measured speedup the output throughput over the
+    baseline's on the same arrivals and its predicted one beside it; one tier by TASK@TIER."""
+    import pandas as pd
+
+    code, out, err = run_cli(capsys, "sweep", "--target", tiny, "--dataset", "speed-bench-throughput@low",
+                             "--prompt-len", "1k,8k", "--concurrency", "1,2", "--strategy", "ngram", "--limit", "2",
+                             "--max-new-tokens", "4", "--gamma", "2", "--no-probe", "--device", "cpu",
+                             "--out", str(tmp_path / "out"))
+    assert code == 0, err
+    (folder,) = [p for p in (tmp_path / "out").iterdir() if p.is_dir()]
+    rows = read_results([folder])
+    for length, label in ((1024, "1k"), (8192, "8k")):
+        mine = rows[rows["prompt_len"] == length]
+        assert set(mine["dataset"]) == {f"speed-bench-throughput-{label}@low_entropy"}
+        assert set(mine["category"]) == {"low_entropy"} and set(mine["concurrency"]) == {1, 2}
+        assert mine["lossless"].dropna().all()
+    points = pd.read_csv(folder / "points.csv")
+    points = points[points["family"] == "ngram"]
+    assert sorted(zip(points["size"], points["prompt_len"])) == [(1, 1024), (1, 8192), (2, 1024), (2, 8192)]
+    assert (points["axis"] == "concurrency").all()
+    assert points["speedup"].notna().all() and points["predicted"].notna().all()
+
+
+def test_sweep_and_tune_take_k_lengths_and_refuse_others_in_one_line(capsys, tmp_path):
+    from sdbench.options import parse_lengths
+
+    assert parse_lengths("1k,2k,8192") == (1024, 2048, 8192) and parse_lengths(None) == ()
+    for command in ("sweep", "tune"):
+        code, _, err = run_cli(capsys, command, "--prompt-len", "1k,1024", "--out", str(tmp_path / "out"))
+        assert "expected distinct numbers of tokens, such as 1024,4096 or 1k,8k" in one_line_error(code, err)

@@ -15,7 +15,7 @@ from sdbench.cli.params import (
     Slo, Strategy, Target, Temperature, TopP, Turns, console,
 )
 from sdbench.errors import SdbenchError
-from sdbench.options import parse_depths, parse_counts, parse_rates, parse_sets, probe_mode, split_list
+from sdbench.options import parse_counts, parse_depths, parse_lengths, parse_rates, parse_sets, probe_mode, split_list
 
 
 def run(
@@ -69,8 +69,8 @@ def sweep(
     strategy: Annotated[Optional[list[str]], typer.Option("--strategy", "-s", help="strategy or preset measured at every point (repeatable) [default: ngram]")] = None,
     batch: Annotated[Optional[str], typer.Option(help="batch sizes: static batches, as run decodes them [default: 1,2,4,8; --quick: 1,2,4]")] = None,
     concurrency: Annotated[Optional[str], typer.Option(help="requests in flight, instead of --batch: served under load as run --concurrency does (a closed loop)")] = None,
-    prompt_len: Annotated[Optional[str], typer.Option("--prompt-len", help="prompt lengths in tokens, token-exact from a book data set [default: 256,1024,2048; --quick: 256,1024]")] = None,
-    dataset: Annotated[str, typer.Option(help="a book data set (see `sdbench list datasets`)")] = C.DEFAULT_SWEEP_DATASET,
+    prompt_len: Annotated[Optional[str], typer.Option("--prompt-len", help="prompt lengths in tokens (2k = 2048), token-exact from a book data set, or the input-length buckets of a data set made of them (speed-bench-throughput: 1k,2k,8k,16k,32k) [default: 256,1024,2048; --quick: 256,1024]")] = None,
+    dataset: Annotated[str, typer.Option(help="a book data set, or one of input-length buckets (see `sdbench list datasets`)")] = C.DEFAULT_SWEEP_DATASET,
     limit: Annotated[int, typer.Option(help="prompts per point (at least its batch size or concurrency)")] = C.DEFAULT_LIMIT,
     max_new_tokens: Annotated[Optional[int], typer.Option("--max-new-tokens", help=f"tokens to generate per prompt [default: {C.DEFAULT_MAX_NEW_TOKENS}; --quick: {C.QUICK_SWEEP_MAX_NEW_TOKENS}]")] = None,
     gamma: Gamma = None, temperature: Temperature = 0.0, seed: Seed = 0, device: Device = "auto", dtype: Dtype = "float32",
@@ -92,7 +92,7 @@ def sweep(
     axis = "concurrency" if concurrency is not None else "batch"
     sizes = parse_counts(concurrency if concurrency is not None else batch, f"--{axis}", 1) or (
         C.QUICK_SWEEP_SIZES if quick else C.DEFAULT_SWEEP_SIZES)
-    lengths = parse_counts(prompt_len, "--prompt-len", 1) or (C.QUICK_SWEEP_PROMPT_LENS if quick else C.DEFAULT_SWEEP_PROMPT_LENS)
+    lengths = parse_lengths(prompt_len) or (C.QUICK_SWEEP_PROMPT_LENS if quick else C.DEFAULT_SWEEP_PROMPT_LENS)
     shared, scoped = split_sets(parse_sets(set_))
     new = max_new_tokens if max_new_tokens is not None else (C.QUICK_SWEEP_MAX_NEW_TOKENS if quick else C.DEFAULT_MAX_NEW_TOKENS)
     run_cfg = C.RunConfig(
@@ -140,7 +140,7 @@ def tune(
     strategy: Annotated[Optional[list[str]], typer.Option("--strategy", "-s", help="strategy or preset to tune; several (repeated, or draft,eagle,ngram): one study chooses among them and their settings [default: ngram]")] = None,
     dataset: Dataset = C.DEFAULT_DATASET, limit: Limit = C.DEFAULT_LIMIT,
     max_new_tokens: MaxNew = C.DEFAULT_MAX_NEW_TOKENS, batch_size: Batch = 1, seed: Seed = 0,
-    prompt_len: Annotated[Optional[str], typer.Option("--prompt-len", help="prompts of exactly this many tokens (book datasets); several (512,4096): a schedule per context length too")] = None,
+    prompt_len: Annotated[Optional[str], typer.Option("--prompt-len", help="prompts of exactly this many tokens (book datasets; 2k = 2048), or an input-length bucket; several (512,4096): a schedule per context length too")] = None,
     batch: Annotated[Optional[str], typer.Option("--batch", help="batch sizes, e.g. 1,4: one study each, written as a schedule that run looks up per batch size")] = None,
     per_bucket: Annotated[Optional[str], typer.Option("--per-bucket", help="with --batch: what the larger sizes tune, gamma (the rest held as the smallest chose them: the drafted tokens per batch size engines load) or all [default: gamma]")] = None,
     device: Device = "auto", dtype: Dtype = "float32", repeats: Repeats = 1, out: Out = C.DEFAULT_OUT,
@@ -162,7 +162,7 @@ def tune(
     from sdbench.commands.schedule import tune_schedule
     from sdbench.commands.tune import tune as run_tune
 
-    batches, lengths = parse_counts(batch, "--batch", 1), parse_counts(prompt_len, "--prompt-len", 1)
+    batches, lengths = parse_counts(batch, "--batch", 1), parse_lengths(prompt_len)
     if batches and batch_size != 1:
         raise SdbenchError("give either --batch (sizes to tune a schedule over) or --batch-size, not both")
     schedule = len(batches) > 1 or len(lengths) > 1
