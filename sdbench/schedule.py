@@ -15,7 +15,7 @@ median minus the MAD of three or more runs and gives a 1 % tie to the smaller lo
 run each over the same prompts, so the interval over prompts is the noise it knows, and a smaller lookahead
 verifies fewer tokens per row, which is what costs more as the batch grows.
 
-`sdbench schedule export` writes a schedule in each engine's own form (sdbench/schedule_formats.py).
+`sdbench schedule export` writes a schedule in each engine's own form (sdbench/commands/schedule_formats.py).
 """
 
 from __future__ import annotations

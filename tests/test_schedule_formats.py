@@ -14,7 +14,7 @@ import yaml
 
 from sdbench.errors import SdbenchError
 from sdbench.schedule import Entry, Schedule
-from sdbench.schedule_formats import render, schedule_formats
+from sdbench.commands.schedule_formats import render, schedule_formats
 from tests.conftest import run_cli
 
 NGRAM = {"max_ngram": 4, "min_ngram": 2}

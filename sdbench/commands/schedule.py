@@ -5,7 +5,7 @@ Each bucket is an ordinary `tune` study (commands/tune.py) at that batch size an
 pair, named after the bucket so that it resumes on its own; its settings are chosen by sdbench/schedule.py's
 selection rule, and `run` looks them up by sdbench/schedule.py's lookup rule. By default (`--per-bucket gamma`) the
 larger batch sizes tune gamma alone, holding the other settings as the smallest chose them (Optuna's partially
-fixed sampler): engines vary only the drafted tokens with the batch size (sdbench/schedule_formats.py).
+fixed sampler): engines vary only the drafted tokens with the batch size (sdbench/commands/schedule_formats.py).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from sdbench.models.loading.aliases import HubModel, model_registry
 from sdbench.presets import read_presets
 from sdbench.reporting.cells import fmt
 from sdbench.schedule import Entry, Schedule, pick
-from sdbench.schedule_formats import render
+from sdbench.commands.schedule_formats import render
 from sdbench.strategies import resolve_strategy
 
 PER_BUCKET = ("gamma", "all")  # what each --batch bucket tunes beyond the smallest: gamma alone, or every setting
@@ -56,7 +56,7 @@ def bucket_config(cfg: TuneConfig, study: str, batch: int, prompt_len: int | Non
 def tune_schedule(cfg: TuneConfig, console: Console, pair=None) -> Path:
     """Tune every bucket, then write the schedule preset; returns its path. With --per-bucket gamma (the default)
     the smallest batch of each prompt length tunes every setting and the larger ones gamma alone, the rest held as
-    it chose them: the drafted tokens per batch size the engines take (sdbench/schedule_formats.py)."""
+    it chose them: the drafted tokens per batch size the engines take (sdbench/commands/schedule_formats.py)."""
     if len(cfg.strategies) > 1:
         raise SdbenchError("a schedule holds one strategy's settings per bucket: give one --strategy with --batch "
                            "or several --prompt-len lengths")

@@ -131,8 +131,14 @@ def as_vllm(profile: dict) -> str:
                        "synthetic_acceptance_rates": profile["marginal_accept_rates"]})
 
 
+def synth_rates(rates) -> str:
+    """llama-server's --spec-synth-rates value: the unconditional (marginal) rates, comma-separated: what `sdbench
+    profile --format llama.cpp` writes and bench's own replay passes (servers/llamacpp.py), one text for both."""
+    return ",".join(f"{p:.6f}" for p in rates)
+
+
 def as_llamacpp(profile: dict) -> str:
     """llama-server's arguments: as many unconditional (marginal) rates as --spec-draft-n-max, comma-separated,
-    non-increasing (its argument parser checks all three), as sdbench's own replay passes them (servers/llamacpp.py)."""
-    rates = ",".join(f"{p:.6f}" for p in profile["marginal_accept_rates"])
-    return f"--spec-draft-n-max {profile['num_speculative_tokens']} --spec-synth-rates {rates}"
+    non-increasing (its argument parser checks all three)."""
+    return (f"--spec-draft-n-max {profile['num_speculative_tokens']} "
+            f"--spec-synth-rates {synth_rates(profile['marginal_accept_rates'])}")

@@ -127,7 +127,8 @@ class LlamaCpp(Engine):
         if role.strategy == "ngram":
             argv += speculation_flags("ngram", role.gamma)
         elif role.strategy == "draft":
-            argv += [*speculation_flags("draft", role.gamma, ["-md", str(self.gguf(role.draft, dtype))]), "-td", str(threads)]
+            draft = ["-md", str(self.gguf(role.draft, dtype))]
+            argv += [*speculation_flags("draft", role.gamma, draft), "-td", str(threads)]
         elif role.strategy == "mtp":  # the module the target's own GGUF carries (its converter keeps it)
             argv += ["--spec-type", "draft-mtp", "--spec-draft-n-max", str(role.gamma), "--spec-draft-n-min", "0",
                      "--spec-draft-p-min", "0"]
@@ -136,7 +137,9 @@ class LlamaCpp(Engine):
             argv += ["--spec-type", self.own_names[role.strategy], "-md", str(head), "--spec-draft-n-max",
                      str(role.gamma), "--spec-draft-n-min", "0", "--spec-draft-p-min", "0", "-td", str(threads)]
         if role.synthetic:  # one rate per drafted position, non-increasing (the server checks both)
-            argv += ["--spec-synth-rates", ",".join(f"{p:.6f}" for p in role.synthetic)]
+            from sdbench.reporting.profile import synth_rates  # pandas, past a server's start-up
+
+            argv += ["--spec-synth-rates", synth_rates(role.synthetic)]
         return argv
 
     def request(self, prompt: list[int], max_new: int, sampling: SamplingConfig | None = None) -> tuple[str, dict]:

@@ -23,17 +23,17 @@ from sdbench.registry import Registry
 from sdbench.schedule import Entry, Schedule
 
 schedule_formats: Registry = Registry("schedule format")
-schedule_formats.add("vllm", "sdbench.schedule_formats:as_vllm",
+schedule_formats.add("vllm", "sdbench.commands.schedule_formats:as_vllm",
                      "vLLM's --speculative-config JSON, its drafted tokens per batch size as "
                      "num_speculative_tokens_per_batch_size")
-schedule_formats.add("trtllm", "sdbench.schedule_formats:as_trtllm",
+schedule_formats.add("trtllm", "sdbench.commands.schedule_formats:as_trtllm",
                      "TensorRT-LLM's --extra_llm_api_options YAML: speculative_config with its draft_len_schedule",
                      aliases=("tensorrt-llm",))
-schedule_formats.add("sglang", "sdbench.schedule_formats:as_sglang",
+schedule_formats.add("sglang", "sdbench.commands.schedule_formats:as_sglang",
                      "SGLang's server arguments (one draft length per server: give --batch where it varies)")
-schedule_formats.add("llama.cpp", "sdbench.schedule_formats:as_llamacpp",
+schedule_formats.add("llama.cpp", "sdbench.commands.schedule_formats:as_llamacpp",
                      "llama-server's flags (one draft length per server: give --batch where it varies)")
-schedule_formats.add("json", "sdbench.schedule_formats:as_json", "sdbench's own schedule, every setting per bucket")
+schedule_formats.add("json", "sdbench.commands.schedule_formats:as_json", "sdbench's own schedule, every setting per bucket")
 
 VLLM_METHODS = {"ngram": "ngram", "draft": "draft_model"}  # sdbench strategy -> vLLM's speculative method
 TRTLLM_TYPES = {"ngram": "NGram", "draft": "Draft_Target"}  # -> TensorRT-LLM's decoding_type
@@ -97,8 +97,12 @@ def _said(value) -> str:
 
 
 def _ngram(entry: Entry) -> tuple[int, int]:
-    """(longest, shortest) suffix the n-gram drafter matches, sdbench's defaults where the entry leaves them."""
-    return int(entry.options.get("max_ngram", 3)), int(entry.options.get("min_ngram", 1))
+    """(longest, shortest) suffix the n-gram drafter matches: the entry's, the strategy's defaults where it leaves
+    them (its declared options, applied as a run applies them)."""
+    from sdbench.strategies import strategy
+
+    settings = strategy("ngram").settings(dict(entry.options))
+    return int(settings["max_ngram"]), int(settings["min_ngram"])
 
 
 def _one_gamma(engine: str, entries: list[Entry]) -> int:
@@ -170,8 +174,11 @@ def as_llamacpp(strategy: str, schedule: Schedule, hub_id, batch: int | None) ->
 
     entries, shared = buckets("llama.cpp", strategy, schedule, LLAMACPP_STRATEGIES)
     gamma = _one_gamma("llama.cpp", entries)
-    draft = draft_flags(shared.drafts[0]) if strategy == "draft" else []
-    return _server_line(speculation_flags(strategy, gamma, draft, _ngram(shared)[0]), batch, "-np")
+    if strategy == "ngram":
+        flags = speculation_flags(strategy, gamma, ngram=_ngram(shared)[0])
+    else:
+        flags = speculation_flags(strategy, gamma, draft_flags(shared.drafts[0]))
+    return _server_line(flags, batch, "-np")
 
 
 def _server_line(argv: list[str], batch: int | None, slots: str) -> str:
