@@ -135,7 +135,8 @@ def test_llama_server_parses_the_llamacpp_form(llamacpp, tmp_path):
     """llama-server's own parser takes every flag (an unknown flag or value stops it before the model loads; with
     them all taken it goes on to load the (absent) model)."""
     line = render("llama.cpp", "ngram", SCHED, batch=6)
-    assert line.split()[:2] == ["-np", "6"] and "--spec-ngram-simple-size-m 2" in line and "--spec-draft-n-max 2" in line
+    assert line.split()[:2] == ["-np", "6"]
+    assert "--spec-ngram-simple-size-m 2" in line and "--spec-draft-n-max 2" in line
     draft = tmp_path / "draft.gguf"
     draft.write_bytes(b"")
     from unittest import mock

@@ -23,7 +23,7 @@ from sdbench.commands.trials import best_trials, write_whole
 from sdbench.commands.tune import Tuner, slug
 from sdbench.config import TuneConfig
 from sdbench.errors import SdbenchError
-from sdbench.models.loading.aliases import HubModel, model_registry
+from sdbench.models.loading.aliases import EmbeddedModel, HubModel, model_registry
 from sdbench.presets import read_presets
 from sdbench.reporting.cells import fmt
 from sdbench.schedule import Entry, Schedule, pick
@@ -148,9 +148,11 @@ def load_schedule(name: str) -> tuple[str, Schedule]:
 
 
 def hub_id(name: str) -> str:
-    """A draft as an engine would load it: a hub alias's repository id, anything else as written."""
-    if name in model_registry and isinstance(model_registry.get(name), HubModel):
-        return model_registry.get(name).repo_id
+    """A draft as an engine would load it: a hub alias's repository id (an embedded GGUF's, the model it
+    quantises), anything else as written."""
+    model = model_registry.get(name) if name in model_registry else None
+    if isinstance(model, (HubModel, EmbeddedModel)) and model.repo_id:
+        return model.repo_id
     return name
 
 

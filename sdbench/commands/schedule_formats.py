@@ -33,7 +33,8 @@ schedule_formats.add("sglang", "sdbench.commands.schedule_formats:as_sglang",
                      "SGLang's server arguments (one draft length per server: give --batch where it varies)")
 schedule_formats.add("llama.cpp", "sdbench.commands.schedule_formats:as_llamacpp",
                      "llama-server's flags (one draft length per server: give --batch where it varies)")
-schedule_formats.add("json", "sdbench.commands.schedule_formats:as_json", "sdbench's own schedule, every setting per bucket")
+schedule_formats.add("json", "sdbench.commands.schedule_formats:as_json",
+                     "sdbench's own schedule, every setting per bucket")
 
 VLLM_METHODS = {"ngram": "ngram", "draft": "draft_model"}  # sdbench strategy -> vLLM's speculative method
 TRTLLM_TYPES = {"ngram": "NGram", "draft": "Draft_Target"}  # -> TensorRT-LLM's decoding_type
