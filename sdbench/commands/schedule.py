@@ -19,6 +19,7 @@ import yaml
 from rich.console import Console
 from rich.table import Table
 
+from sdbench.commands.schedule_formats import render
 from sdbench.commands.trials import best_trials, write_whole
 from sdbench.commands.tune import Tuner, slug
 from sdbench.config import TuneConfig
@@ -27,7 +28,6 @@ from sdbench.models.loading.aliases import EmbeddedModel, HubModel, model_regist
 from sdbench.presets import read_presets
 from sdbench.reporting.cells import fmt
 from sdbench.schedule import Entry, Schedule, pick
-from sdbench.commands.schedule_formats import render
 from sdbench.strategies import resolve_strategy
 
 PER_BUCKET = ("gamma", "all")  # what each --batch bucket tunes beyond the smallest: gamma alone, or every setting
