@@ -7,8 +7,8 @@ from typing import Annotated, Optional
 import typer
 
 from sdbench.cli.params import console
-from sdbench.reporting.profile_formats import profile_formats
 from sdbench.commands.schedule_formats import schedule_formats
+from sdbench.reporting.profile_formats import profile_formats
 
 
 def list_(what: Annotated[str, typer.Argument(help="strategies, datasets, models or engines")]):

@@ -130,12 +130,10 @@ class LlamaCpp(Engine):
             draft = ["-md", str(self.gguf(role.draft, dtype))]
             argv += [*speculation_flags("draft", role.gamma, draft), "-td", str(threads)]
         elif role.strategy == "mtp":  # the module the target's own GGUF carries (its converter keeps it)
-            argv += ["--spec-type", "draft-mtp", "--spec-draft-n-max", str(role.gamma), "--spec-draft-n-min", "0",
-                     "--spec-draft-p-min", "0"]
+            argv += speculation_flags("mtp", role.gamma)
         elif role.strategy in self.blocks:  # every drafted token verified (draft-dspark's per-slot cut: p-min 0)
-            head = head_gguf(role.draft, target_folder(target), engines_dir(self.folder, "src"))
-            argv += ["--spec-type", self.own_names[role.strategy], "-md", str(head), "--spec-draft-n-max",
-                     str(role.gamma), "--spec-draft-n-min", "0", "--spec-draft-p-min", "0", "-td", str(threads)]
+            head = ["-md", str(head_gguf(role.draft, target_folder(target), engines_dir(self.folder, "src")))]
+            argv += [*speculation_flags(role.strategy, role.gamma, head), "-td", str(threads)]
         if role.synthetic:  # one rate per drafted position, non-increasing (the server checks both)
             from sdbench.reporting.profile import synth_rates  # pandas, past a server's start-up
 
@@ -176,13 +174,15 @@ class LlamaCpp(Engine):
 
 
 def speculation_flags(strategy: str, gamma: int, draft: list[str] = (), ngram: int = NGRAM_SIZE) -> list[str]:
-    """llama-server's flags for n-gram (a lookup of `ngram` tokens) or draft-model speculation (`draft`: the flags
-    that load the draft) of `gamma` tokens, every drafted token verified: bench's servers run them, `schedule
+    """llama-server's flags for `strategy`'s speculation of `gamma` tokens (its --spec-type: `LlamaCpp.own_names`),
+    every drafted token verified: n-gram with a lookup of `ngram` tokens, or a drafter (`draft`: the flags that load
+    it: a draft model, a block head; none for the target's own MTP module). bench's servers run them, `schedule
     export --format llama.cpp` writes them."""
+    kind = LlamaCpp.own_names[strategy]
     if strategy == "ngram":
-        return ["--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", str(ngram), "--spec-ngram-simple-size-m",
+        return ["--spec-type", kind, "--spec-ngram-simple-size-n", str(ngram), "--spec-ngram-simple-size-m",
                 str(gamma), "--spec-draft-n-max", str(gamma)]
-    return ["--spec-type", "draft-simple", *draft, "--spec-draft-n-max", str(gamma), "--spec-draft-n-min", "0",
+    return ["--spec-type", kind, *draft, "--spec-draft-n-max", str(gamma), "--spec-draft-n-min", "0",
             "--spec-draft-p-min", "0"]
 
 
